@@ -1,0 +1,30 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fabricsim run llama3.2-1b-1xh200
+	$(BIN)/fabricsim run llama3-8b-fsdp2-16xh100
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check sim tests
+	$(BIN)/mypy sim
+
+bench: $(STAMP)
+	$(BIN)/python -m pytest -q -m benchmark -s
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache
