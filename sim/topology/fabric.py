@@ -1,0 +1,667 @@
+"""GPU cluster fabric: an annotated graph of every link, and a fast hierarchical router.
+
+The builder turns a :class:`FabricSpec` into a ``networkx.DiGraph`` whose nodes are devices
+(GPUs, NVSwitches, PCIe switches, host memory, NICs, leaf and spine switches, zone gateways) and
+whose edges are one direction of one physical link. :class:`Fabric` indexes those edges as numpy
+arrays for the flow solver and routes GPU-to-GPU and GPU-to-host traffic with up/down routing over
+the hierarchy the builder laid out, so a route costs a few dictionary look-ups rather than a graph
+search.
+
+Latency model
+-------------
+Every device has a traversal latency: NVSwitch ``nvlink_latency_us``, PCIe switch and host root
+complex ``pcie_latency_us``, NIC (with its cable) ``nic_latency_us``, leaf/spine/gateway switch
+``switch_latency_us``, GPU zero (a route's end point). Each edge carries half the traversal latency
+of each of its two end devices, and ``cross_az`` edges add ``az_latency_ms`` on top, so the
+latency of a path counts every device it passes through exactly once, e.g. GPU -> PCIe -> NIC ->
+leaf -> NIC -> PCIe -> GPU costs ``2*pcie + 2*nic + switch``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+__all__ = [
+    "CROSS_AZ",
+    "ETHERNET_SWITCH_LATENCY_US",
+    "LINK_KINDS",
+    "NETWORK",
+    "NIC_LATENCY_US",
+    "NVLINK",
+    "NVLINK_LATENCY_US",
+    "PCIE",
+    "PCIE_LATENCY_US",
+    "SWITCH_LATENCY_US",
+    "Fabric",
+    "FabricSpec",
+    "build_fabric",
+    "build_graph",
+]
+
+LINK_KINDS = ("nvlink", "pcie", "network", "cross_az")
+"""Link classes; a link's kind code is its index in this tuple."""
+NVLINK, PCIE, NETWORK, CROSS_AZ = range(len(LINK_KINDS))
+
+# --- Default device traversal latencies (microseconds) ---------------------------------------
+# NVSwitch traversal (GPU -> NVSwitch -> GPU): assumed; NVIDIA publishes no port-to-port figure.
+NVLINK_LATENCY_US = 0.5
+# PCIe Gen5 switch, x16 to x16 cut-through: Broadcom PEX89000 family, 115 ns (vendor figure as
+# summarised at probsee.com/p/PEX89144; Gen4 PEX88000 was 105 ns per Linley Newsletter 2019-09-24).
+PCIE_LATENCY_US = 0.115
+# NIC plus cable, one traversal: assumed (order of magnitude of RDMA NIC processing; the NCCL and
+# verbs software overheads are modelled by sim/collectives, not here).
+NIC_LATENCY_US = 1.0
+# InfiniBand NDR switch (NVIDIA Quantum-2) port to port: "under 150 ns" per a reseller's summary
+# (router-switch.com, "Quantum-2 QM9700 vs Spectrum-4 SN5400"); the 130 ns figure could not be
+# confirmed from an NVIDIA datasheet and other third-party pages quote up to ~330 ns.
+SWITCH_LATENCY_US = 0.15
+# Ethernet data-centre switch (for RoCE fabrics; pass as switch_latency_us): 500 ns for a
+# low-latency cut-through switch (Arista 7124SX), 850 ns for Trident+ parts (HFT switch list,
+# gist.github.com/saillinux/1715451, 2012); a conservative assumption for modern parts.
+ETHERNET_SWITCH_LATENCY_US = 0.5
+
+Node = tuple
+
+
+@dataclass(frozen=True)
+class FabricSpec:
+    """Everything the fabric builder needs; built by the caller from the scenario's ``cluster``.
+
+    Parameters
+    ----------
+    nodes : int
+        Number of servers.
+    gpus_per_node : int
+        GPUs per server; global rank = ``node * gpus_per_node + local``.
+    nvlink_gbytes_per_s : float
+        NVLink bandwidth per GPU, per direction, GB/s (1 GB = 1e9 bytes).
+    pcie_gbytes_per_s : float
+        Bandwidth of one x16 PCIe link, per direction, GB/s.
+    nics_per_node : int
+        Network adapters per server (rails); 0 only when ``nodes == 1``.
+    nic_gbps : float
+        Line rate of one NIC, gigabits per second.
+    azs : int
+        Availability zones; node ``n`` sits in zone ``n % azs``.
+    az_link_gbps : float
+        Capacity between each pair of zones, per direction, Gb/s.
+    az_latency_ms : float
+        One-way latency of the link between two zones' gateways (the gateways add
+        ``switch_latency_us`` each, like any switch).
+    nodes_per_leaf : int
+        Nodes whose NICs share a leaf switch (per rail when ``rail_optimized``).
+    oversubscription : float
+        Leaf downlink capacity / leaf uplink capacity (1 = full bisection).
+    spines_per_zone : int
+        Spine switches per zone; 0 derives it as the number of uplink ports of the zone's largest
+        leaf, ``ceil(leaf NIC ports / oversubscription)``, at least 1, i.e. one uplink from every
+        leaf to every spine as in a two-tier fat tree.
+    rail_optimized : bool
+        NIC ``k`` of every node in a leaf group goes to that group's rail-``k`` leaf; otherwise one
+        leaf per group takes all NICs of its nodes.
+    pcie_switches_per_node : int
+        PCIe switches per node; 0 derives ``min(max(1, nics_per_node), gpus_per_node)``, which
+        puts every GPU on the same switch as its rail NIC.
+    nvlink_latency_us, pcie_latency_us, nic_latency_us, switch_latency_us : float
+        Traversal latency of an NVSwitch, a PCIe switch, a NIC (with cable), a network switch.
+    ecmp_seed : int
+        Salt of the ECMP hash that spreads flows over spines.
+
+    Examples
+    --------
+    >>> spec = FabricSpec(nodes=2, gpus_per_node=8, nvlink_gbytes_per_s=450,
+    ...                   pcie_gbytes_per_s=64, nics_per_node=8, nic_gbps=400)
+    >>> spec.pcie_switches
+    8
+    """
+
+    nodes: int
+    gpus_per_node: int
+    nvlink_gbytes_per_s: float
+    pcie_gbytes_per_s: float
+    nics_per_node: int
+    nic_gbps: float
+    azs: int = 1
+    az_link_gbps: float = 100.0
+    az_latency_ms: float = 1.0
+    nodes_per_leaf: int = 16
+    oversubscription: float = 1.0
+    spines_per_zone: int = 0
+    rail_optimized: bool = True
+    pcie_switches_per_node: int = 0
+    nvlink_latency_us: float = NVLINK_LATENCY_US
+    pcie_latency_us: float = PCIE_LATENCY_US
+    nic_latency_us: float = NIC_LATENCY_US
+    switch_latency_us: float = SWITCH_LATENCY_US
+    ecmp_seed: int = 0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ValueError(f"FabricSpec: {what}")
+
+        need(self.nodes >= 1, f"nodes must be >= 1, got {self.nodes}")
+        need(self.gpus_per_node >= 1, f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        need(self.nics_per_node >= 0, f"nics_per_node must be >= 0, got {self.nics_per_node}")
+        need(
+            self.nics_per_node > 0 or self.nodes == 1,
+            "nics_per_node must be >= 1 when nodes > 1 (nodes cannot reach each other)",
+        )
+        need(self.azs >= 1, f"azs must be >= 1, got {self.azs}")
+        need(self.nodes_per_leaf >= 1, f"nodes_per_leaf must be >= 1, got {self.nodes_per_leaf}")
+        need(self.spines_per_zone >= 0, "spines_per_zone must be >= 0")
+        need(self.pcie_switches_per_node >= 0, "pcie_switches_per_node must be >= 0")
+        for name in ("nvlink_gbytes_per_s", "pcie_gbytes_per_s", "nic_gbps", "az_link_gbps",
+                     "oversubscription"):
+            value = getattr(self, name)
+            need(math.isfinite(value) and value > 0, f"{name} must be > 0, got {value}")
+        for name in ("az_latency_ms", "nvlink_latency_us", "pcie_latency_us", "nic_latency_us",
+                     "switch_latency_us"):
+            value = getattr(self, name)
+            need(math.isfinite(value) and value >= 0, f"{name} must be >= 0, got {value}")
+
+    @property
+    def n_gpus(self) -> int:
+        """Total GPUs in the cluster."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def pcie_switches(self) -> int:
+        """PCIe switches per node, after deriving the 0 default."""
+        if self.pcie_switches_per_node:
+            return self.pcie_switches_per_node
+        return min(max(1, self.nics_per_node), self.gpus_per_node)
+
+    def rail_of(self, local: int) -> int:
+        """Rail (NIC index) used by local GPU ``local`` for cross-node traffic."""
+        return local * self.nics_per_node // self.gpus_per_node
+
+    def pcie_switch_of_gpu(self, local: int) -> int:
+        """PCIe switch of local GPU ``local``."""
+        return local * self.pcie_switches // self.gpus_per_node
+
+    def pcie_switch_of_nic(self, k: int) -> int:
+        """PCIe switch of NIC ``k``."""
+        return k * self.pcie_switches // self.nics_per_node
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Switch-level structure shared by the builder and the router (derived from the spec)."""
+
+    zone_nodes: tuple[tuple[int, ...], ...]  # nodes of each zone, in order
+    leaves: tuple[int, ...]  # leaf count per zone
+    leaf_downlinks: tuple[tuple[int, ...], ...]  # NIC ports per leaf, per zone
+    spines: tuple[int, ...]  # spine count per zone (0 when the zone has at most one leaf)
+
+    @staticmethod
+    def of(spec: FabricSpec) -> _Layout:
+        zone_nodes = tuple(tuple(range(z, spec.nodes, spec.azs)) for z in range(spec.azs))
+        nics = spec.nics_per_node
+        leaves: list[int] = []
+        downlinks: list[tuple[int, ...]] = []
+        spines: list[int] = []
+        for members in zone_nodes:
+            if nics == 0 or not members:
+                leaves.append(0)
+                downlinks.append(())
+                spines.append(0)
+                continue
+            groups = [
+                len(members[i:i + spec.nodes_per_leaf])
+                for i in range(0, len(members), spec.nodes_per_leaf)
+            ]
+            if spec.rail_optimized:
+                ports = tuple(g for g in groups for _ in range(nics))
+            else:
+                ports = tuple(g * nics for g in groups)
+            leaves.append(len(ports))
+            downlinks.append(ports)
+            if len(ports) <= 1:
+                spines.append(0)
+            elif spec.spines_per_zone:
+                spines.append(spec.spines_per_zone)
+            else:
+                spines.append(max(1, math.ceil(max(ports) / spec.oversubscription)))
+        return _Layout(zone_nodes, tuple(leaves), tuple(downlinks), tuple(spines))
+
+    def leaf_of_nic(self, spec: FabricSpec, node: int, k: int) -> Node:
+        zone = node % spec.azs
+        group = (node // spec.azs) // spec.nodes_per_leaf
+        i = group * spec.nics_per_node + k if spec.rail_optimized else group
+        return ("leaf", zone, i)
+
+
+def _device_latency(spec: FabricSpec, node: Node) -> float:
+    """Traversal latency of a device, in seconds (see the module docstring)."""
+    t = node[0]
+    if t == "gpu":
+        return 0.0
+    if t == "nvswitch":
+        return spec.nvlink_latency_us * 1e-6
+    if t in ("pcie", "host"):
+        # The host's root complex is treated like one more PCIe switch hop.
+        return spec.pcie_latency_us * 1e-6
+    if t == "nic":
+        return spec.nic_latency_us * 1e-6
+    return spec.switch_latency_us * 1e-6  # leaf, spine, gw
+
+
+def build_graph(spec: FabricSpec) -> nx.DiGraph:
+    """Build the annotated fabric graph for ``spec``.
+
+    Node ids are tuples: ``("gpu", node, local)``, ``("nvswitch", node)``, ``("pcie", node, k)``,
+    ``("host", node)``, ``("nic", node, k)``, ``("leaf", zone, i)``, ``("spine", zone, i)``,
+    ``("gw", zone)``; every node has a ``zone`` attribute. Every physical link is two directed
+    edges with ``kind`` (one of :data:`LINK_KINDS`), ``capacity`` (bytes/s), ``latency`` (s),
+    ``zone`` (the source's zone) and ``index`` (0..E-1, the position in :class:`Fabric` arrays;
+    the two directions of a link get consecutive indices). Zones without nodes get no devices.
+
+    Parameters
+    ----------
+    spec : FabricSpec
+        The cluster description.
+
+    Returns
+    -------
+    networkx.DiGraph
+        The graph; ``graph.graph["spec"]`` holds ``spec``.
+
+    Examples
+    --------
+    >>> g = build_graph(FabricSpec(nodes=1, gpus_per_node=2, nvlink_gbytes_per_s=450,
+    ...                            pcie_gbytes_per_s=64, nics_per_node=0, nic_gbps=400))
+    >>> sorted(g.nodes)
+    [('gpu', 0, 0), ('gpu', 0, 1), ('host', 0), ('nvswitch', 0), ('pcie', 0, 0)]
+    >>> g.edges[("gpu", 0, 0), ("nvswitch", 0)]["kind"], g.number_of_edges()
+    ('nvlink', 10)
+    """
+    g = nx.DiGraph(spec=spec, link_kinds=LINK_KINDS)
+    layout = _Layout.of(spec)
+    azs = spec.azs
+    edges: list[tuple[Node, Node, dict]] = []
+
+    def link(u: Node, v: Node, kind: int, capacity: float, extra_latency: float = 0.0) -> None:
+        # Both directions share capacity and latency; only cross_az edges differ in zone.
+        lat = 0.5 * (_device_latency(spec, u) + _device_latency(spec, v)) + extra_latency
+        for a, b in ((u, v), (v, u)):
+            edges.append((a, b, {
+                "kind": LINK_KINDS[kind],
+                "capacity": float(capacity),
+                "latency": lat,
+                "zone": g.nodes[a]["zone"],
+                "index": len(edges),
+            }))
+
+    G = spec.gpus_per_node
+    nics = spec.nics_per_node
+    nvlink_cap = spec.nvlink_gbytes_per_s * 1e9
+    pcie_cap = spec.pcie_gbytes_per_s * 1e9
+    nic_cap = spec.nic_gbps * 1e9 / 8
+    S = spec.pcie_switches
+
+    # Inside each server: NVSwitch, PCIe tree, host memory, NICs.
+    for n in range(spec.nodes):
+        zone = n % azs
+        host = ("host", n)
+        g.add_node(host, zone=zone)
+        for s in range(S):
+            g.add_node(("pcie", n, s), zone=zone)
+        if G > 1:
+            g.add_node(("nvswitch", n), zone=zone)
+        for k in range(G):
+            g.add_node(("gpu", n, k), zone=zone)
+        for k in range(nics):
+            g.add_node(("nic", n, k), zone=zone)
+        for k in range(G):
+            gpu = ("gpu", n, k)
+            if G > 1:
+                link(gpu, ("nvswitch", n), NVLINK, nvlink_cap)
+            link(gpu, ("pcie", n, spec.pcie_switch_of_gpu(k)), PCIE, pcie_cap)
+        for k in range(nics):
+            link(("nic", n, k), ("pcie", n, spec.pcie_switch_of_nic(k)), PCIE, pcie_cap)
+        for s in range(S):
+            link(("pcie", n, s), host, PCIE, pcie_cap)
+
+    # Leaves, then NIC -> leaf cables (in node order, so indices are stable).
+    for z in range(azs):
+        for i in range(layout.leaves[z]):
+            g.add_node(("leaf", z, i), zone=z)
+        for i in range(layout.spines[z]):
+            g.add_node(("spine", z, i), zone=z)
+    for n in range(spec.nodes if nics else 0):
+        for k in range(nics):
+            link(("nic", n, k), layout.leaf_of_nic(spec, n, k), NETWORK, nic_cap)
+
+    # Leaf -> spine: each leaf's uplinks carry its NIC capacity / oversubscription, split evenly.
+    for z in range(azs):
+        n_spines = layout.spines[z]
+        for i, ports in enumerate(layout.leaf_downlinks[z] if n_spines else ()):
+            up = ports * nic_cap / spec.oversubscription / n_spines
+            for s in range(n_spines):
+                link(("leaf", z, i), ("spine", z, s), NETWORK, up)
+
+    # Zone gateways: ample capacity to the zone's top tier, metered links between zones.
+    populated = [z for z in range(azs) if layout.leaves[z]]
+    if azs > 1 and populated:
+        for z in populated:
+            gw = ("gw", z)
+            g.add_node(gw, zone=z)
+            ample = len(layout.zone_nodes[z]) * nics * nic_cap
+            top = "spine" if layout.spines[z] else "leaf"
+            for i in range(layout.spines[z] or layout.leaves[z]):
+                link((top, z, i), gw, NETWORK, ample)
+        az_cap = spec.az_link_gbps * 1e9 / 8
+        for a_i, a in enumerate(populated):
+            for b in populated[a_i + 1:]:
+                link(("gw", a), ("gw", b), CROSS_AZ, az_cap, spec.az_latency_ms * 1e-3)
+
+    g.add_edges_from(edges)
+    return g
+
+
+class Fabric:
+    """A fabric graph indexed for the flow solver, with cached up/down routing.
+
+    Parameters
+    ----------
+    graph : networkx.DiGraph
+        A graph from :func:`build_graph` (capacities and latencies may have been edited; the
+        structure must match ``spec``).
+    spec : FabricSpec
+        The spec the graph was built from.
+
+    Attributes
+    ----------
+    capacity : numpy.ndarray
+        float64 bytes/s per link index.
+    latency : numpy.ndarray
+        float64 seconds per link index.
+    kind : numpy.ndarray
+        int8 code into :data:`LINK_KINDS` per link index.
+    zone : numpy.ndarray
+        int16 zone per link index (source zone for ``cross_az`` links).
+    endpoints : list of tuple
+        ``(u, v)`` graph nodes of each link index.
+    n_gpus : int
+        Number of GPUs (global ranks).
+
+    Examples
+    --------
+    >>> fab = build_fabric(FabricSpec(nodes=2, gpus_per_node=8, nvlink_gbytes_per_s=450,
+    ...                               pcie_gbytes_per_s=64, nics_per_node=8, nic_gbps=400))
+    >>> [LINK_KINDS[fab.kind[i]] for i in fab.route(0, 1)]
+    ['nvlink', 'nvlink']
+    >>> len(fab.route(0, 8)), fab.endpoints[fab.route(0, 8)[2]]
+    (6, (('nic', 0, 0), ('leaf', 0, 0)))
+    """
+
+    def __init__(self, graph: nx.DiGraph, spec: FabricSpec) -> None:
+        self.graph = graph
+        self.spec = spec
+        self.n_gpus = spec.n_gpus
+        m = graph.number_of_edges()
+        capacity = np.full(m, np.nan)
+        latency = np.full(m, np.nan)
+        kind = np.full(m, -1, dtype=np.int8)
+        zone = np.zeros(m, dtype=np.int16)
+        endpoints: list[tuple[Node, Node] | None] = [None] * m
+        eid: dict[tuple[Node, Node], int] = {}
+        code = {name: c for c, name in enumerate(LINK_KINDS)}
+        for u, v, d in graph.edges(data=True):
+            i = d["index"]
+            if not 0 <= i < m or endpoints[i] is not None:
+                raise ValueError(f"edge {u}->{v}: index {i} is out of range or duplicated")
+            capacity[i] = d["capacity"]
+            latency[i] = d["latency"]
+            kind[i] = code[d["kind"]]
+            zone[i] = d["zone"]
+            endpoints[i] = (u, v)
+            eid[(u, v)] = i
+        self.capacity = capacity
+        self.latency = latency
+        self.kind = kind
+        self.zone = zone
+        self.endpoints: list[tuple[Node, Node]] = endpoints  # type: ignore[assignment]
+        self._eid = eid
+        self._latency_list = latency.tolist()  # python floats: summing short paths is faster
+        self._layout = _Layout.of(spec)
+        self._routes: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._up: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._down: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._to_host: dict[int, tuple[int, ...]] = {}
+        self._from_host: dict[int, tuple[int, ...]] = {}
+
+    # --- ranks -----------------------------------------------------------------------------
+    @property
+    def n_links(self) -> int:
+        """Number of directed links (length of the arrays)."""
+        return len(self.capacity)
+
+    def _check(self, rank: int) -> None:
+        if not 0 <= rank < self.n_gpus:
+            raise IndexError(f"rank {rank} out of range [0, {self.n_gpus})")
+
+    def gpu(self, rank: int) -> Node:
+        """Graph node of global rank ``rank`` (``rank = node * gpus_per_node + local``).
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=2, gpus_per_node=4, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=4, nic_gbps=400))
+        >>> fab.gpu(5)
+        ('gpu', 1, 1)
+        """
+        self._check(rank)
+        return ("gpu", *divmod(rank, self.spec.gpus_per_node))
+
+    def node_of(self, rank: int) -> int:
+        """Server index of ``rank``.
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=2, gpus_per_node=4, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=4, nic_gbps=400))
+        >>> fab.node_of(5)
+        1
+        """
+        self._check(rank)
+        return rank // self.spec.gpus_per_node
+
+    def zone_of(self, rank: int) -> int:
+        """Availability zone of ``rank`` (its node modulo ``azs``).
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=3, gpus_per_node=1, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=1, nic_gbps=400,
+        ...                               azs=2))
+        >>> [fab.zone_of(r) for r in range(3)]
+        [0, 1, 0]
+        """
+        return self.node_of(rank) % self.spec.azs
+
+    # --- routing ---------------------------------------------------------------------------
+    def _ids(self, nodes: Iterable[Node]) -> tuple[int, ...]:
+        eid = self._eid
+        it = iter(nodes)
+        prev = next(it)
+        out = []
+        for cur in it:
+            out.append(eid[(prev, cur)])
+            prev = cur
+        return tuple(out)
+
+    def _up_nodes(self, node: int, local: int) -> list[Node]:
+        """GPU -> its PCIe switch -> (host -> the NIC's switch) -> its rail NIC."""
+        spec = self.spec
+        k = spec.rail_of(local)
+        s_gpu = spec.pcie_switch_of_gpu(local)
+        s_nic = spec.pcie_switch_of_nic(k)
+        path: list[Node] = [("gpu", node, local), ("pcie", node, s_gpu)]
+        if s_nic != s_gpu:
+            path += [("host", node), ("pcie", node, s_nic)]
+        path.append(("nic", node, k))
+        return path
+
+    def _up_down(self, node: int, local: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Links GPU -> rail NIC and rail NIC -> GPU, cached per (node, local GPU)."""
+        key = (node, local)
+        up = self._up.get(key)
+        if up is None:
+            nodes = self._up_nodes(node, local)
+            up = self._up[key] = self._ids(nodes)
+            self._down[key] = self._ids(reversed(nodes))
+        return up, self._down[key]
+
+    def _ecmp(self, n: int, src: int, dst: int, salt: int) -> int:
+        # crc32 is stable across processes, unlike the salted built-in hash().
+        if n == 1:
+            return 0
+        return zlib.crc32(struct.pack("<qqqq", src, dst, self.spec.ecmp_seed, salt)) % n
+
+    def _network_nodes(self, src: int, dst: int, a: int, b: int) -> list[Node]:
+        """Switch-level path from the source NIC's leaf to the destination NIC's leaf."""
+        spec, layout = self.spec, self._layout
+        G = spec.gpus_per_node
+        leaf_a = layout.leaf_of_nic(spec, a, spec.rail_of(src % G))
+        leaf_b = layout.leaf_of_nic(spec, b, spec.rail_of(dst % G))
+        if leaf_a == leaf_b:
+            return [leaf_a]
+        za, zb = leaf_a[1], leaf_b[1]
+        if za == zb:
+            spine = ("spine", za, self._ecmp(layout.spines[za], src, dst, 0))
+            return [leaf_a, spine, leaf_b]
+        path = [leaf_a]
+        if layout.spines[za]:
+            path.append(("spine", za, self._ecmp(layout.spines[za], src, dst, 1)))
+        path += [("gw", za), ("gw", zb)]
+        if layout.spines[zb]:
+            path.append(("spine", zb, self._ecmp(layout.spines[zb], src, dst, 2)))
+        path.append(leaf_b)
+        return path
+
+    def route(self, src_rank: int, dst_rank: int) -> tuple[int, ...]:
+        """Link indices from GPU ``src_rank`` to GPU ``dst_rank`` (cached per pair).
+
+        Same node: GPU -> NVSwitch -> GPU. Different nodes: up/down through the source GPU's rail
+        NIC (``floor(local * nics / gpus_per_node)``) and the destination GPU's rail NIC, via the
+        shared leaf, or a spine chosen by ECMP hash, or spines and the two zone gateways.
+
+        Parameters
+        ----------
+        src_rank, dst_rank : int
+            Global ranks.
+
+        Returns
+        -------
+        tuple of int
+            Link indices in path order; empty when ``src_rank == dst_rank``.
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=2, gpus_per_node=8, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=8, nic_gbps=400))
+        >>> len(fab.route(0, 8)), len(fab.route(0, 9))  # same rail: leaf; other rail: spine
+        (6, 8)
+        """
+        key = (src_rank, dst_rank)
+        r = self._routes.get(key)
+        if r is not None:
+            return r
+        self._check(src_rank)
+        self._check(dst_rank)
+        G = self.spec.gpus_per_node
+        a, ga = divmod(src_rank, G)
+        b, gb = divmod(dst_rank, G)
+        if src_rank == dst_rank:
+            r = ()
+        elif a == b:
+            sw = ("nvswitch", a)
+            r = (self._eid[(("gpu", a, ga), sw)], self._eid[(sw, ("gpu", b, gb))])
+        else:
+            up = self._up_down(a, ga)[0]
+            down = self._up_down(b, gb)[1]
+            net = self._network_nodes(src_rank, dst_rank, a, b)
+            nic_a = ("nic", a, self.spec.rail_of(ga))
+            nic_b = ("nic", b, self.spec.rail_of(gb))
+            r = up + self._ids([nic_a, *net, nic_b]) + down
+        self._routes[key] = r
+        return r
+
+    def route_to_host(self, rank: int) -> tuple[int, ...]:
+        """Link indices from GPU ``rank`` to its node's host memory (GPU -> PCIe switch -> host).
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=1, gpus_per_node=8, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=0, nic_gbps=400))
+        >>> [LINK_KINDS[fab.kind[i]] for i in fab.route_to_host(3)]
+        ['pcie', 'pcie']
+        """
+        r = self._to_host.get(rank)
+        if r is None:
+            node, local = divmod(rank, self.spec.gpus_per_node)
+            self._check(rank)
+            nodes = [("gpu", node, local), ("pcie", node, self.spec.pcie_switch_of_gpu(local)),
+                     ("host", node)]
+            r = self._to_host[rank] = self._ids(nodes)
+            self._from_host[rank] = self._ids(reversed(nodes))
+        return r
+
+    def route_from_host(self, rank: int) -> tuple[int, ...]:
+        """Link indices from the host memory of ``rank``'s node to GPU ``rank``.
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=1, gpus_per_node=8, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=0, nic_gbps=400))
+        >>> fab.endpoints[fab.route_from_host(3)[-1]][1]
+        ('gpu', 0, 3)
+        """
+        self.route_to_host(rank)
+        return self._from_host[rank]
+
+    def path_latency(self, links: Iterable[int]) -> float:
+        """Sum of the latencies of ``links`` in seconds (every device on the path counted once).
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=1, gpus_per_node=2, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=0, nic_gbps=400,
+        ...                               nvlink_latency_us=0.5))
+        >>> round(fab.path_latency(fab.route(0, 1)) * 1e6, 9)
+        0.5
+        """
+        lat = self._latency_list
+        return float(sum(lat[i] for i in links))
+
+
+def build_fabric(spec: FabricSpec) -> Fabric:
+    """Build the graph for ``spec`` and index it as a :class:`Fabric`.
+
+    Parameters
+    ----------
+    spec : FabricSpec
+        The cluster description.
+
+    Returns
+    -------
+    Fabric
+        Graph, link arrays and router.
+
+    Examples
+    --------
+    >>> fab = build_fabric(FabricSpec(nodes=2, gpus_per_node=8, nvlink_gbytes_per_s=450,
+    ...                               pcie_gbytes_per_s=64, nics_per_node=8, nic_gbps=400))
+    >>> fab.n_gpus, len(fab.route(0, 8))
+    (16, 6)
+    """
+    return Fabric(build_graph(spec), spec)
