@@ -1,0 +1,205 @@
+"""How long a kernel takes on a GPU.
+
+Roofline times under efficiency curves fitted to measurements on one H200
+(``catalog/calibration/h200-kernels.json``, fitted by ``tools/fit_compute.py`` into
+``h200-fit.json``). Other GPUs scale from their datasheets: matrix throughput with the dense
+peak of the precision, memory-bound kernels with HBM bandwidth, wave quantisation with the SM
+count.
+
+Each measurement in the calibration file is one synchronised call, so it carries a fixed
+harness overhead (launch plus synchronisation) that a kernel queued behind another does not
+pay. The fit separates it (``harness_overhead_s``); :meth:`ComputeModel.measured_time`
+adds it back so tests can compare like with like.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Literal
+
+import numpy as np
+
+from sim import catalog
+from sim.catalog import GpuSpec
+
+GemmPass = Literal["fwd", "dgrad", "wgrad"]
+MemClass = Literal["elementwise", "norm_fused", "swiglu"]
+
+# CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
+# by it; large ones hide it because the CPU runs ahead of the GPU. Estimates, not measured
+# here: dispatcher + autograd recording in forward, autograd-engine node execution in
+# backward (see Horace He, "Making Deep Learning Go Brrrr From First Principles", 2022,
+# section "Overhead", which puts eager per-op overhead at the order of 10 microseconds).
+EAGER_FWD_OP_CPU_S = 6e-6
+EAGER_BWD_OP_CPU_S = 4e-6
+# Under torch.compile (inductor) a fused kernel is launched from generated code with little
+# Python in between.
+COMPILED_OP_CPU_S = 2e-6
+
+
+@lru_cache(maxsize=1)
+def _fit() -> dict:
+    return catalog.calibration("h200-fit.json")
+
+
+def gemm_dims(m: float, k: float, n: float, pass_: GemmPass) -> tuple[float, float, float]:
+    """Output rows, output columns and reduction length of one pass of ``Y[m,n] = X[m,k] W^T``."""
+    if pass_ == "fwd":
+        return m, n, k
+    if pass_ == "dgrad":
+        return m, k, n
+    return n, k, m
+
+
+def _residual(table: list[tuple[np.ndarray, float]], point: np.ndarray, bw: float,
+              prior: float) -> float:
+    # Gaussian-kernel interpolation of measured log-time residuals: near a measured shape the
+    # measurement wins, far from all of them the physical form does (the prior weight pulls
+    # the correction to zero).
+    if not table:
+        return 0.0
+    keys = np.stack([k for k, _ in table])
+    vals = np.array([v for _, v in table])
+    d2 = ((keys - point) ** 2).sum(1)
+    w = np.exp(-d2 / (2 * bw * bw))
+    return float((w @ vals) / (w.sum() + prior))
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Kernel durations on one GPU.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> cm = ComputeModel(catalog.gpu("h200"))
+    >>> round(cm.gemm_time(8192, 4096, 4096, "fwd") * 1e6)   # about 0.43 ms measured
+    414
+    """
+
+    gpu: GpuSpec
+    precision: str = "bf16"
+
+    # ------------------------------------------------------------------ scaling
+    @cached_property
+    def _flops_scale(self) -> float:
+        return self.gpu.peak_flops(self.precision) / (_fit()["peak_bf16_tflops"] * 1e12)
+
+    @cached_property
+    def _bw_scale(self) -> float:
+        return self.gpu.hbm_gbytes_per_s / _fit()["hbm_gbytes_per_s"]
+
+    @property
+    def kernel_min_s(self) -> float:
+        return float(_fit()["kernel_min_s"])
+
+    @property
+    def harness_overhead_s(self) -> float:
+        return float(_fit()["harness_overhead_s"])
+
+    @cached_property
+    def _gemm_table(self) -> dict[str, list[tuple[np.ndarray, float]]]:
+        table: dict[str, list[tuple[np.ndarray, float]]] = {"fwd": [], "dgrad": [], "wgrad": []}
+        for r in _fit()["gemm"]["residuals"]:
+            key = np.log([r["rows"], r["cols"], r["k"]])
+            table[r["pass"]].append((key, r["log_ratio"]))
+        return table
+
+    @cached_property
+    def _attn_table(self) -> dict[str, list[tuple[np.ndarray, float]]]:
+        att = _fit()["attention"]
+        return {
+            p: [(np.log([r["seq"], r["heads"]]), r["log_ratio"]) for r in att[p]["residuals"]]
+            for p in ("fwd", "bwd")
+        }
+
+    # ------------------------------------------------------------------ GEMM
+    def gemm_time(self, m: float, k: float, n: float, pass_: GemmPass = "fwd") -> float:
+        """One pass of a linear layer ``Y[m,n] = X[m,k] W[n,k]^T`` (fwd, dgrad or wgrad)."""
+        key = (float(m), float(k), float(n), pass_)
+        cache = self._cache
+        if key not in cache:
+            cache[key] = self._gemm_time(*key)
+        return cache[key]
+
+    @cached_property
+    def _cache(self) -> dict[tuple[float, float, float, str], float]:
+        return {}
+
+    def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass) -> float:
+        g = _fit()["gemm"]
+        rows, cols, red = gemm_dims(m, k, n, pass_)
+        sms = self.gpu.sm_count
+        tiles = math.ceil(rows / g["tile"][0]) * math.ceil(cols / g["tile"][1])
+        alpha = g["wave_alpha"]
+        waves = alpha * math.ceil(tiles / sms) + (1 - alpha) * tiles / sms
+        quant = (tiles / sms) / waves
+        eff = 1 / (1 + (g["small_dim"] / min(rows, cols)) ** g["exponent"]
+                   + (g["small_k"] / red) ** g["exponent"])
+        peak = g["peak_tflops"][pass_] * 1e12 * self._flops_scale
+        t = g["fixed_us"] * 1e-6 + 2 * rows * cols * red / (peak * eff * quant)
+        corr = _residual(self._gemm_table[pass_], np.log([rows, cols, red]),
+                         g["residual_bandwidth"], g["residual_prior_weight"])
+        # The residual is relative to the harness-inclusive time; keep it relative.
+        with_harness = (t + self.harness_overhead_s) * math.exp(corr)
+        return max(self.kernel_min_s, with_harness - self.harness_overhead_s)
+
+    # ------------------------------------------------------------------ attention
+    def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
+                       pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
+                       causal: bool = True) -> float:
+        """A fused (flash-style) attention kernel, forward or backward.
+
+        The GPU time only: the fitted fixed term of a standalone call is dominated by CPU-side
+        dispatch, which :func:`attention_cpu_s` returns separately.
+        """
+        att = _fit()["attention"]
+        p = att[pass_]
+        blk = att["block"]
+        kv_seq = seq if kv_seq is None else kv_seq
+        nb = math.ceil(seq / blk)
+        nbk = math.ceil(kv_seq / blk)
+        groups = batch * heads
+        if causal:
+            total = groups * blk * blk * nb * (nb + 1) / 2
+            longest = blk * blk * nb
+        else:
+            total = groups * blk * blk * nb * nbk
+            longest = blk * blk * nbk
+        per_score = (4 if pass_ == "fwd" else 10) * head_dim + _fit()["exp_cost_flops"]
+        sms = self.gpu.sm_count
+        rate = p["peak_tflops"] * 1e12 * self._flops_scale / sms
+        t = max(total / sms, longest) * per_score / rate
+        corr = _residual(self._attn_table[pass_], np.log([seq, groups]),
+                         att["residual_bandwidth"], att["residual_prior_weight"])
+        return max(self.kernel_min_s, t * math.exp(corr))
+
+    def attention_cpu_s(self, pass_: Literal["fwd", "bwd"] = "fwd") -> float:
+        """CPU time to issue one attention call (backend selection, graph lookup)."""
+        return float(_fit()["attention"][pass_]["fixed_us"]) * 1e-6
+
+    # ------------------------------------------------------------------ memory-bound
+    def membound_time(self, nbytes: float, klass: MemClass = "elementwise") -> float:
+        """A memory-bound kernel moving ``nbytes`` (read plus written)."""
+        key = {"elementwise": "add_", "norm_fused": "rms_norm", "swiglu": "swiglu"}[klass]
+        bw = _fit()["membound"][key]["bytes_per_s"] * self._bw_scale
+        return self.kernel_min_s + nbytes / bw
+
+    def adamw_time(self, params: float, fused: bool = True, tensors: int = 1) -> float:
+        """One AdamW step over ``params`` fp32 parameters (28 bytes moved per parameter)."""
+        a = _fit()["adamw"]["fused" if fused else "foreach"]
+        return a["fixed_s"] + params * 28 / (a["bytes_per_s"] * self._bw_scale)
+
+    def pcie_bytes_per_s(self) -> float:
+        """Achieved pinned-memory copy rate: the H200 measurement's share of its link rate,
+        applied to this GPU's link."""
+        fit = _fit()["pcie_bytes_per_s"]
+        share = min(fit.values()) / (catalog.gpu("h200").pcie_gbytes_per_s * 1e9)
+        return share * self.gpu.pcie_gbytes_per_s * 1e9
+
+    # ------------------------------------------------------------------ harness view
+    def measured_time(self, kernel_seconds: float) -> float:
+        """What the calibration harness would have measured for a kernel of this duration."""
+        return kernel_seconds + self.harness_overhead_s

@@ -1,0 +1,406 @@
+"""The scenario file: pydantic models, loading, ``--set`` overrides and one-line errors.
+
+No simulation logic lives here. A scenario is validated once, frozen, and handed to the
+builders. Every model forbids unknown keys, so a misspelt key is an error that names itself.
+
+The public contract for these keys is ``CONTRACT.md``: keys may be added, never renamed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sim import resources
+
+
+class ScenarioError(Exception):
+    """Bad input: the message is one line naming the file and the key path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- model
+class ModelDims(_Strict):
+    """A decoder-only transformer given by its dimensions (instead of a catalogue name)."""
+
+    layers: int = Field(gt=0)
+    """Number of transformer blocks."""
+    hidden: int = Field(gt=0)
+    """Model (residual stream) width."""
+    heads: int = Field(gt=0)
+    """Attention (query) heads."""
+    kv_heads: int | None = Field(default=None, gt=0)
+    """Key/value heads (grouped-query attention); defaults to ``heads``."""
+    ffn_hidden: int = Field(gt=0)
+    """Inner width of the MLP (per gate/up projection for SwiGLU)."""
+    vocab: int = Field(gt=0)
+    """Vocabulary size (embedding rows)."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """SwiGLU (Llama: gate, up, down) or GELU (GPT: up, down)."""
+    tied_embeddings: bool = False
+    """The LM head reuses the input embedding matrix."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """Per-head width; defaults to ``hidden // heads``."""
+    norm: Literal["rmsnorm", "layernorm"] | None = None
+    """Normalisation; defaults to RMSNorm for SwiGLU models, LayerNorm for GELU models."""
+    position: Literal["rope", "learned"] | None = None
+    """Rotary (Llama) or learned absolute positions (GPT); default follows ``mlp``."""
+    bias: bool | None = None
+    """Linear and norm biases (GPT style); default follows ``mlp``."""
+    max_positions: int | None = Field(default=None, gt=0)
+    """Rows of the learned position table; defaults to the sequence length."""
+    name: str | None = None
+    """A label for reports."""
+
+
+# --------------------------------------------------------------------------- cluster
+GpuName = Literal["v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200"]
+
+
+class Cluster(_Strict):
+    """The machines and the fabric between them. Fields left out come from the topology file
+    (when one is named) or from the GPU catalogue."""
+
+    topology: str | None = None
+    """A file in ``topologies/`` (by name) or a path; inline fields override it."""
+    gpu: GpuName = "h100-sxm"
+    """GPU model, a name from the GPU catalogue."""
+    nodes: int = Field(default=1, gt=0)
+    """Number of servers."""
+    gpus_per_node: int = Field(default=8, gt=0)
+    """GPUs in each server, joined by NVLink through NVSwitch."""
+    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """NVLink bandwidth per GPU per direction; defaults to the GPU's datasheet figure."""
+    pcie_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """PCIe x16 bandwidth per direction; defaults to the GPU's PCIe generation."""
+    nics_per_node: int = Field(default=8, ge=0)
+    """Network adapters per server, rail-aligned to GPUs."""
+    nic_gbps: float = Field(default=400.0, gt=0)
+    """Line rate of each NIC, gigabits per second."""
+    nodes_per_leaf: int = Field(default=16, gt=0)
+    """Servers whose NICs share one leaf switch (per rail when rail-optimised)."""
+    oversubscription: float = Field(default=1.0, ge=1.0)
+    """Leaf downlink over uplink capacity (1 = full bisection)."""
+    rail_optimized: bool = True
+    """NIC k of every server in a leaf group connects to that group's rail-k leaf."""
+    azs: int = Field(default=1, gt=0)
+    """Availability zones the servers are spread over, round robin by node."""
+    az_link_gbps: float = Field(default=100.0, gt=0)
+    """Capacity between two zones, gigabits per second per direction."""
+    az_latency_ms: float = Field(default=1.0, ge=0)
+    """One-way latency between two zones."""
+    nic_latency_us: float | None = Field(default=None, ge=0)
+    """NIC plus cable latency per traversal; defaults to the fabric module's constant."""
+    switch_latency_us: float | None = Field(default=None, ge=0)
+    """Per network switch hop; defaults to the fabric module's constant."""
+
+
+# --------------------------------------------------------------------------- framework
+class DdpOptions(_Strict):
+    """PyTorch DistributedDataParallel (one GPU: plain PyTorch training, no communication)."""
+
+    name: Literal["ddp"]
+    bucket_mb: float | None = Field(default=None, gt=0)
+    """Gradient bucket cap in MiB; None = torch's default (25 MiB, first bucket 1 MiB)."""
+    gradient_as_bucket_view: bool = False
+    """Gradients alias the bucket buffers (saves one gradient-sized buffer and two copies)."""
+    compile: bool = False
+    """torch.compile: memory-bound elementwise chains fused into single kernels."""
+
+
+class Fsdp2Options(_Strict):
+    """PyTorch FSDP2 (``fully_shard``) applied per transformer block, torchtitan style."""
+
+    name: Literal["fsdp2"]
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (gather again in backward)."""
+    param_dtype: Literal["bf16", "fp32"] = "bf16"
+    """MixedPrecisionPolicy.param_dtype: dtype of gathered parameters and of compute."""
+    reduce_dtype: Literal["bf16", "fp32"] = "fp32"
+    """MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reduce-scatter."""
+    compile: bool = False
+    """torch.compile of each block: memory-bound elementwise chains fused."""
+
+
+FrameworkOptions = Annotated[DdpOptions | Fsdp2Options, Field(discriminator="name")]
+
+
+class Nccl(_Strict):
+    """NCCL algorithm and protocol; ``auto`` lets the cost model choose as NCCL does."""
+
+    algo: Literal["auto", "ring"] = "auto"
+    """Collective algorithm."""
+    proto: Literal["auto", "ll", "ll128", "simple"] = "auto"
+    """Protocol: LL (low latency), LL128, or Simple (bandwidth)."""
+
+
+class Parallelism(_Strict):
+    """How the GPUs split the work; tp*pp*dp*cp must equal the GPU count."""
+
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel degree (inside a node)."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline stages."""
+    dp: int | None = Field(default=None, gt=0)
+    """Data-parallel degree; omitted = the GPUs that remain."""
+    cp: int = Field(default=1, gt=0)
+    """Context-parallel degree."""
+    vp: int = Field(default=1, gt=0)
+    """Virtual pipeline chunks per stage (interleaved 1F1B)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism with tensor parallelism."""
+
+
+class Training(_Strict):
+    """The step being simulated."""
+
+    seq_len: int = Field(default=4096, gt=0)
+    """Tokens per sequence."""
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Sequences per GPU per forward/backward."""
+    global_batch_size: int | None = Field(default=None, gt=0)
+    """Sequences per optimizer step across all replicas; default = one micro-batch each."""
+    precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
+    """Matrix-math precision; bf16/fp16 keep fp32 master weights and optimizer states."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (attention core), full (whole block)."""
+    tokens_total: float | None = Field(default=None, gt=0)
+    """Tokens of the whole run, for run time and cost."""
+    optimizer: Literal["adamw_fused", "adamw_foreach"] = "adamw_fused"
+    """AdamW implementation (torch.optim.AdamW fused=True, or the default foreach kernels)."""
+
+
+class Pricing(_Strict):
+    """Prices; omitted fields come from the GPU catalogue's reference price."""
+
+    gpu_hour_usd: float | None = Field(default=None, ge=0)
+    """On-demand price per GPU-hour."""
+    egress_usd_per_gb: float = Field(default=0.01, ge=0)
+    """Price per GB crossing an availability-zone boundary (each direction billed)."""
+
+
+class Claims(_Strict):
+    """Figures someone published for this setup, checked against the simulation."""
+
+    source: str
+    """Where the figures come from."""
+    tokens_per_s_per_gpu: float | None = Field(default=None, gt=0)
+    tokens_per_s: float | None = Field(default=None, gt=0)
+    step_time_s: float | None = Field(default=None, gt=0)
+    peak_memory_gib: float | None = Field(default=None, gt=0)
+    peak_memory_gb: float | None = Field(default=None, gt=0)
+    mfu: float | None = Field(default=None, gt=0)
+
+
+class Scenario(_Strict):
+    """One training job on one cluster."""
+
+    name: str = "scenario"
+    """A label for reports."""
+    model: str | ModelDims
+    """A catalogue name (``llama3-70b``) or a mapping of dimensions."""
+    cluster: Cluster = Cluster()
+    framework: FrameworkOptions = Field(default_factory=lambda: DdpOptions(name="ddp"))
+    nccl: Nccl = Nccl()
+    parallelism: Parallelism = Parallelism()
+    training: Training = Training()
+    pricing: Pricing = Pricing()
+    claims: Claims | None = None
+    seed: int = 0
+    """Seed for every random choice (ECMP hashing); same seed, same numbers."""
+
+    @property
+    def gpus(self) -> int:
+        return self.cluster.nodes * self.cluster.gpus_per_node
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> Scenario:
+        p = self.parallelism
+        n = self.gpus
+        fixed = p.tp * p.pp * p.cp
+        if p.dp is None:
+            if n % fixed:
+                raise ValueError(
+                    f"parallelism: tp*pp*cp = {fixed} does not divide the {n} GPUs"
+                )
+        elif fixed * p.dp != n:
+            raise ValueError(
+                f"parallelism: tp*pp*dp*cp = {fixed * p.dp} but the cluster has {n} GPUs"
+            )
+        return self
+
+    @property
+    def dp(self) -> int:
+        p = self.parallelism
+        return p.dp if p.dp is not None else self.gpus // (p.tp * p.pp * p.cp)
+
+
+# --------------------------------------------------------------------------- loading
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    # Drop discriminator tags that pydantic inserts for tagged unions ("fsdp2", "ModelDims").
+    parts: list[str] = []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        elif item in ("ddp", "fsdp2", "str", "ModelDims"):
+            continue
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return "".join(parts) or "(top level)"
+
+
+def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
+    errors = err.errors()
+    # A catalogue name that is not a string fails both branches of `model`; report it once.
+    e = errors[0]
+    loc = _format_loc(tuple(e["loc"]))
+    if e["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if e["type"] == "union_tag_invalid":
+        return f"{loc}.name: unknown framework {e['input'].get('name')!r} (available: ddp, fsdp2)"
+    if e["type"] == "union_tag_not_found":
+        return f"{loc}.name: missing"
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "value_error":
+        return msg
+    return f"{loc}: {msg} (got {e.get('input')!r})"
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in nested dicts, creating mappings on the way.
+
+    Examples
+    --------
+    >>> d = {"cluster": {"nodes": 1}}
+    >>> set_dotted(d, "cluster.nic_gbps", 100); d
+    {'cluster': {'nodes': 1, 'nic_gbps': 100}}
+    """
+    parts = key.split(".")
+    if not all(parts):
+        raise ScenarioError(f"--set {key}: empty key path")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, dict):
+            if part not in node or node[part] is None:
+                node[part] = {}
+            elif isinstance(node[part], str) and part in ("model", "framework"):
+                # `model: llama3-8b` or `framework: fsdp2` shorthand turned into a mapping.
+                node[part] = {"name": node[part]}
+            node = node[part]
+        if not isinstance(node, dict):
+            path = ".".join(parts[: i + 1])
+            raise ScenarioError(f"--set {key}: {path} is not a mapping")
+    node[parts[-1]] = value
+
+
+def parse_set(assignment: str) -> tuple[str, Any]:
+    """Split ``key.path=value``; the value is read as a YAML scalar (``100``, ``true``, ``ring``)."""
+    if "=" not in assignment:
+        raise ScenarioError(f"--set {assignment}: expected KEY=VALUE")
+    key, raw = assignment.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ScenarioError(f"{path}:{where} not valid YAML") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: top level must be a mapping")
+    return data
+
+
+TOPOLOGY_META_KEYS = ("name", "description", "sources")
+
+
+def _merge_topology(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """Fill cluster fields from the named topology file; inline fields win."""
+    cluster = data.get("cluster")
+    if not isinstance(cluster, dict) or not cluster.get("topology"):
+        return data
+    ref = cluster["topology"]
+    if not isinstance(ref, str):
+        raise ScenarioError(f"{origin}: cluster.topology: expected a name or a path")
+    path = resources.resolve("topologies", ref)
+    if path is None:
+        names = ", ".join(resources.available("topologies")) or "none"
+        raise ScenarioError(
+            f"{origin}: cluster.topology: no topology {ref!r} (shipped: {names})"
+        )
+    topo = read_yaml(path)
+    fields = {k: v for k, v in topo.items() if k not in TOPOLOGY_META_KEYS}
+    unknown = sorted(set(fields) - set(Cluster.model_fields))
+    if unknown:
+        raise ScenarioError(f"{path}: {unknown[0]}: unknown key")
+    merged = dict(fields)
+    merged.update(cluster)
+    out = dict(data)
+    out["cluster"] = merged
+    return out
+
+
+def _normalise(data: dict[str, Any]) -> dict[str, Any]:
+    # `framework: fsdp2` is accepted as shorthand for `framework: {name: fsdp2}`.
+    if isinstance(data.get("framework"), str):
+        data = dict(data)
+        data["framework"] = {"name": data["framework"]}
+    return data
+
+
+def scenario_from_dict(data: dict[str, Any], origin: str = "<scenario>") -> Scenario:
+    """Validate a scenario mapping; raise ScenarioError with one line on bad input."""
+    data = _merge_topology(_normalise(data), origin)
+    try:
+        scenario = Scenario.model_validate(data)
+    except ValidationError as err:
+        raise ScenarioError(f"{origin}: {_first_error(err, data)}") from None
+    from sim import catalog  # late import: catalogue loading is not needed for validation
+
+    if isinstance(scenario.model, str) and scenario.model not in catalog.model_names():
+        names = ", ".join(catalog.model_names())
+        raise ScenarioError(f"{origin}: model: unknown model {scenario.model!r} (known: {names})")
+    return scenario
+
+
+def load_scenario(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Load a scenario by path or shipped name and apply ``key.path=value`` overrides.
+
+    Examples
+    --------
+    >>> s = load_scenario("llama3.2-1b-1xh200", ["training.seq_len=2048"])
+    >>> s.training.seq_len
+    2048
+    """
+    path = resources.resolve("scenarios", ref)
+    if path is None:
+        names = ", ".join(resources.available("scenarios")) or "none"
+        raise ScenarioError(f"{ref}: no such file or shipped scenario (shipped: {names})")
+    data = read_yaml(path)
+    for assignment in overrides:
+        key, value = parse_set(assignment)
+        set_dotted(data, key, value)
+    return scenario_from_dict(data, origin=str(path))
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a scenario file."""
+    return Scenario.model_json_schema()
