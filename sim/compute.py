@@ -25,7 +25,7 @@ from sim import catalog
 from sim.catalog import GpuSpec
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
-MemClass = Literal["elementwise", "norm_fused", "swiglu"]
+MemClass = Literal["elementwise", "norm_fused", "silu"]
 
 # CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
 # by it; large ones hide it because the CPU runs ahead of the GPU. Estimates, not measured
@@ -37,6 +37,8 @@ EAGER_BWD_OP_CPU_S = 4e-6
 # Under torch.compile (inductor) a fused kernel is launched from generated code with little
 # Python in between.
 COMPILED_OP_CPU_S = 2e-6
+# The AdamW calibration split its parameters in 16 tensors (h200-kernels.json meta).
+ADAMW_CALIBRATION_TENSORS = 16
 
 
 @lru_cache(maxsize=1)
@@ -183,14 +185,30 @@ class ComputeModel:
     # ------------------------------------------------------------------ memory-bound
     def membound_time(self, nbytes: float, klass: MemClass = "elementwise") -> float:
         """A memory-bound kernel moving ``nbytes`` (read plus written)."""
-        key = {"elementwise": "add_", "norm_fused": "rms_norm", "swiglu": "swiglu"}[klass]
-        bw = _fit()["membound"][key]["bytes_per_s"] * self._bw_scale
-        return self.kernel_min_s + nbytes / bw
+        return self.kernel_min_s + nbytes / (self._membound_bw[klass] * self._bw_scale)
 
-    def adamw_time(self, params: float, fused: bool = True, tensors: int = 1) -> float:
-        """One AdamW step over ``params`` fp32 parameters (28 bytes moved per parameter)."""
+    @cached_property
+    def _membound_bw(self) -> dict[str, float]:
+        mb = _fit()["membound"]
+        elementwise = mb["add_"]["bytes_per_s"]
+        # The measured "swiglu" is eager silu(g) * u: counted bytes 3n (g, u in, product out),
+        # moved by two kernels: silu (n in, n out) and mul (2n in, n out). The mul runs at the
+        # elementwise rate; the silu rate is what remains of the measured time.
+        swiglu = mb["swiglu"]["bytes_per_s"]
+        silu = 2.0 / (3.0 / swiglu - 3.0 / elementwise)
+        return {"elementwise": elementwise, "norm_fused": mb["rms_norm"]["bytes_per_s"],
+                "silu": silu}
+
+    def adamw_time(self, params: float, fused: bool = True, tensors: int = 16) -> float:
+        """One AdamW step over ``params`` fp32 parameters in ``tensors`` tensors.
+
+        28 bytes move per parameter (read param, grad, two moments; write param and moments).
+        The calibration's fixed cost was measured with the parameters split in 16 tensors; it
+        is charged per tensor (step counters and list handling are per-tensor work).
+        """
         a = _fit()["adamw"]["fused" if fused else "foreach"]
-        return a["fixed_s"] + params * 28 / (a["bytes_per_s"] * self._bw_scale)
+        per_tensor = a["fixed_s"] / ADAMW_CALIBRATION_TENSORS
+        return per_tensor * tensors + params * 28 / (a["bytes_per_s"] * self._bw_scale)
 
     def pcie_bytes_per_s(self) -> float:
         """Achieved pinned-memory copy rate: the H200 measurement's share of its link rate,

@@ -90,6 +90,25 @@ class ModelSpec:
             shapes += [("up", f, h), ("down", h, f)]
         return shapes
 
+    def parameter_tensors(self) -> list[tuple[str, int, str, int]]:
+        """(name, numel, block, layer) of every parameter tensor in ``model.parameters()``
+        order (Hugging Face Llama layout: embedding, per layer q, k, v, o, gate, up, down and
+        the two norms, final norm, untied LM head). Biases are folded into their weight.
+        ``block`` is the block whose backward produces the gradient: embed, attn, mlp, head;
+        ``layer`` is -1 outside the transformer layers."""
+        h = self.hidden
+        out = [("embed", self.embedding_params, "embed", -1)]
+        for layer in range(self.layers):
+            for name, o, i in self.linear_shapes():
+                block = "attn" if name in ("q", "k", "v", "o") else "mlp"
+                out.append((f"l{layer}.{name}", o * i + (o if self.bias else 0), block, layer))
+            out.append((f"l{layer}.norm1", self.norm_params, "attn", layer))
+            out.append((f"l{layer}.norm2", self.norm_params, "mlp", layer))
+        out.append(("norm", self.norm_params, "head", -1))
+        if not self.tied_embeddings:
+            out.append(("lm_head", self.vocab * h, "head", -1))
+        return out
+
     # ------------------------------------------------------------------ parameters
     @property
     def norm_params(self) -> int:

@@ -1,0 +1,145 @@
+"""The three phases of a run: build (program and fabric), run (engine), collect (summary).
+
+This is what the command line, notebooks and sweeps call.
+
+Examples
+--------
+>>> from sim.scenario import load_scenario
+>>> result = simulate(load_scenario("llama3.2-1b-1xh200"))
+>>> result.summary["gpus"], result.summary["oom"]
+(1, False)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sim import catalog
+from sim.claims import judge
+from sim.cost import cost_summary
+from sim.engine import Engine
+from sim.frameworks import JobContext, build_program
+from sim.metrics import GIB, bytes_by_class, step_times
+from sim.program import Program
+from sim.recorder import Recorder
+from sim.scenario import Scenario
+from sim.topology import Fabric, FabricSpec, build_fabric
+
+
+@dataclass
+class RunResult:
+    """Everything a run produced: the summary and the raw material behind it."""
+
+    scenario: Scenario
+    summary: dict[str, Any]
+    program: Program
+    recorder: Recorder
+    fabric: Fabric
+    context: JobContext
+
+
+def fabric_spec(s: Scenario) -> FabricSpec:
+    """The fabric builder's input from the scenario's cluster fields and GPU catalogue."""
+    c = s.cluster
+    gpu = catalog.gpu(c.gpu)
+    kwargs: dict[str, Any] = {}
+    if c.nic_latency_us is not None:
+        kwargs["nic_latency_us"] = c.nic_latency_us
+    if c.switch_latency_us is not None:
+        kwargs["switch_latency_us"] = c.switch_latency_us
+    return FabricSpec(
+        nodes=c.nodes,
+        gpus_per_node=c.gpus_per_node,
+        nvlink_gbytes_per_s=c.nvlink_gbytes_per_s or gpu.nvlink_gbytes_per_s,
+        pcie_gbytes_per_s=c.pcie_gbytes_per_s or gpu.pcie_gbytes_per_s,
+        nics_per_node=c.nics_per_node if c.nodes > 1 else min(c.nics_per_node, 8),
+        nic_gbps=c.nic_gbps,
+        azs=c.azs,
+        az_link_gbps=c.az_link_gbps,
+        az_latency_ms=c.az_latency_ms,
+        nodes_per_leaf=c.nodes_per_leaf,
+        oversubscription=c.oversubscription,
+        rail_optimized=c.rail_optimized,
+        ecmp_seed=s.seed,
+        **kwargs,
+    )
+
+
+def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
+             progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Build, run and summarise ``steps`` training steps of ``scenario``."""
+    wall0 = time.perf_counter()
+    # build
+    ctx = JobContext.from_scenario(scenario, origin)
+    program = build_program(ctx)
+    fabric = build_fabric(fabric_spec(scenario))
+    recorder = Recorder()
+    engine = Engine(fabric, ctx.gpu.arch, recorder, scenario.nccl.algo, scenario.nccl.proto)
+    # run
+    total = 0.0
+    for i in range(steps):
+        total += engine.run_step(program)
+        if progress is not None:
+            progress(i + 1, steps)
+    # collect
+    summary = summarise(ctx, program, recorder, engine, total, steps,
+                        time.perf_counter() - wall0)
+    return RunResult(scenario, summary, program, recorder, fabric, ctx)
+
+
+def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, total: float,
+              steps: int, wall_s: float) -> dict[str, Any]:
+    s = ctx.scenario
+    gpus = s.gpus
+    times = step_times(rec, program, steps, total)
+    step = times.step_time_s
+    tokens = program.tokens_per_step
+    peak_flops = ctx.gpu.peak_flops(s.training.precision)
+    mflops = program.model_flops_per_step
+    hflops = program.hw_flops_per_step
+    peak_mem = max((t.peak for t in rec.memory.values()), default=0.0)
+    critical_mem = max(rec.memory.items(), key=lambda kv: kv[1].peak)[1] if rec.memory else None
+    gbytes = bytes_by_class(engine.net.class_bytes, steps)
+    comm = times.comm_time_s
+    summary: dict[str, Any] = {
+        "scenario": s.name,
+        "gpus": gpus,
+        "step_time_s": step,
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step,
+        "tokens_per_s_per_gpu": tokens / step / gpus,
+        "model_flops_per_step": mflops,
+        "mfu": mflops / (step * gpus * peak_flops),
+        "hfu": hflops / (step * gpus * peak_flops),
+        "model_tflops_per_gpu": mflops / step / gpus / 1e12,
+        "peak_memory_gib": peak_mem / GIB,
+        "gpu_memory_gib": ctx.gpu.usable_memory_gib,
+        "oom": peak_mem > ctx.gpu.usable_memory_bytes,
+        "compute_time_s": times.compute_time_s,
+        "comm_time_s": comm,
+        "exposed_comm_s": times.exposed_comm_s,
+        "overlap_fraction": (1.0 - times.exposed_comm_s / comm) if comm > 0 else 0.0,
+        "bubble_fraction": times.bubble_fraction,
+        "bytes": gbytes,
+        "cost": cost_summary(s, ctx.gpu, step, tokens, gbytes["cross_az"]),
+        "sim": {"wall_s": wall_s, "events": engine.events_processed + engine.net.solves,
+                "ranks_simulated": len(program.classes)},
+        # Beyond the contract's keys (it only grows): what the numbers rest on.
+        "framework": s.framework.name,
+        "model_params": ctx.model.total_params,
+        "micro_batches": ctx.micro_batches,
+        "peak_memory_breakdown_gib": (
+            {k: v / GIB for k, v in critical_mem.peak_breakdown.items()} if critical_mem
+            else {}),
+    }
+    if s.claims is not None:
+        states = sum(v for k, v in program.classes[0].initial_memory.items()
+                     if k in ("parameters", "optimizer", "gradients"))
+        if s.framework.name == "ddp" and "gradients" not in program.classes[0].initial_memory:
+            states += 4.0 * ctx.model.total_params   # fp32 gradients exist during the step
+        summary["claims"] = judge(s.claims, summary, ctx.gpu, s.training.precision,
+                                  ctx.model.model_flops_per_token(ctx.seq), states)
+    return summary

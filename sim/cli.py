@@ -1,0 +1,170 @@
+"""The ``fabricsim`` command line: a small, frozen surface; the knobs live in scenario files.
+
+Exit status: 0 success, 2 bad input (one line on stderr naming the file and key), 1 an
+internal error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sim.scenario import ScenarioError, json_schema, load_scenario
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Discrete-event simulator of distributed LLM training steps.")
+err = Console(stderr=True)
+
+
+def _bad_input(message: str) -> None:
+    # One line, no traceback.
+    print(f"fabricsim: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+@app.command()
+def run(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key: KEY.PATH=VALUE (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Also write summary, events, trace and plots to this folder.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps to simulate.")] = 1,
+) -> None:
+    """Simulate a training step and print its summary."""
+    from sim.api import simulate
+
+    try:
+        sc = load_scenario(scenario, set_ or [])
+        result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb),
+                                quiet=as_json, steps=steps)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if out is not None:
+        _write_outputs(out, result)
+    if as_json:
+        print(json.dumps(result.summary, indent=2))
+    else:
+        _print_summary(result.summary)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of a scenario file."""
+    print(json.dumps(json_schema(), indent=2))
+
+
+def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
+    if quiet or steps == 1:
+        return fn(None)
+    from rich.progress import Progress
+
+    with Progress(console=err, transient=True) as bar:
+        task = bar.add_task("simulating steps", total=steps)
+        return fn(lambda done, total: bar.update(task, completed=done))
+
+
+def _write_outputs(out: Path, result: Any) -> None:
+    """Write every output into a temporary folder first, then move it in place, so a failed
+    run leaves nothing half-written."""
+    from sim import export, plot
+
+    out = out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".fabricsim-", dir=out.parent))
+    try:
+        rec = result.recorder
+        labels = {c.id: c.label or f"rank class {c.id}" for c in result.program.classes}
+        export.write_summary(tmp / "summary.json", result.summary)
+        export.write_events_csv(tmp / "events.csv", rec)
+        export.write_timeseries_csv(tmp / "timeseries.csv", rec)
+        export.write_trace(tmp / "trace.json", rec, labels)
+        plot.timeline(tmp / "timeline.png", rec, result.summary["scenario"])
+        plot.bytes_over_time(tmp / "bytes.png", rec, result.summary["scenario"])
+        out.mkdir(exist_ok=True)
+        for f in tmp.iterdir():
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:,.2f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    con = Console()
+    t = Table(title=f"{s['scenario']} — {s['gpus']} GPU(s), {s['framework']}",
+              show_header=False, title_justify="left")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    rows = [
+        ("step time", f"{s['step_time_s']:.4f} s"),
+        ("tokens / s", f"{s['tokens_per_s']:,.0f}  ({s['tokens_per_s_per_gpu']:,.0f} per GPU)"),
+        ("MFU / HFU", f"{s['mfu']:.1%} / {s['hfu']:.1%}"),
+        ("model TFLOP/s per GPU", f"{s['model_tflops_per_gpu']:.1f}"),
+        ("compute time", f"{s['compute_time_s']:.4f} s"),
+        ("communication time", f"{s['comm_time_s']:.4f} s"),
+        ("exposed communication", f"{s['exposed_comm_s']:.4f} s"
+         f"  ({s['overlap_fraction']:.0%} hidden)"),
+        ("pipeline bubble", f"{s['bubble_fraction']:.1%}"),
+        ("peak memory", f"{s['peak_memory_gib']:.1f} GiB of {s['gpu_memory_gib']:.1f}"
+         + ("  [red]OOM[/red]" if s["oom"] else "")),
+    ]
+    for k in ("nvlink", "pcie", "network", "cross_az"):
+        rows.append((f"bytes · {k}", _fmt_bytes(s["bytes"][k])))
+    c = s["cost"]
+    rows += [
+        ("cost / hour", f"${c['usd_per_hour']:,.2f}"),
+        ("cost / step", f"${c['usd_per_step']:,.4f}  (egress ${c['egress_usd_per_step']:,.4f})"),
+        ("cost / M tokens", f"${c['usd_per_million_tokens']:,.4f}"),
+    ]
+    if c["run_usd"] is not None:
+        rows.append(("whole run", f"{c['run_hours']:,.0f} h, ${c['run_usd']:,.0f}"))
+    rows.append(("simulated", f"{s['sim']['ranks_simulated']} rank class(es), "
+                              f"{s['sim']['events']:,} events in {s['sim']['wall_s']:.2f} s"))
+    for k, v in rows:
+        t.add_row(k, v)
+    con.print(t)
+    if s.get("claims"):
+        ct = Table(title="claims", title_justify="left")
+        for col in ("metric", "claimed", "simulated", "verdict", "reason"):
+            ct.add_column(col)
+        for cl in s["claims"]:
+            ct.add_row(cl["metric"], f"{cl['claimed']:,.4g}", f"{cl['simulated']:,.4g}",
+                       cl["verdict"], cl["reason"])
+        con.print(ct)
+
+
+def main() -> None:
+    """Entry point: bad input exits 2 with one line; internal errors exit 1."""
+    try:
+        app()
+    except SystemExit:
+        raise
+    except ScenarioError as exc:
+        print(f"fabricsim: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as exc:  # noqa: BLE001 - last resort: one line unless debugging
+        if os.environ.get("FABRICSIM_DEBUG"):
+            raise
+        print(f"fabricsim: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""The engine: runs a :class:`~sim.program.Program` on a fabric with simpy.
+
+One simpy process per (rank class, stream) walks that stream's ops in order. An op starts
+when its stream reaches it and its dependencies have finished. Compute and copy ops take
+their duration; a collective waits until every rank class of its group has reached it, then
+runs as flows on the fabric (:mod:`sim.collectives`). The engine holds no framework logic and
+does no measurement: it tells an :class:`EngineObserver` what happens.
+
+Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how long a
+compute op takes given what runs beside it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import simpy
+
+from sim.collectives.ring import CollectiveRunner
+from sim.network import FlowNetwork, NetworkObserver
+from sim.program import Op, Program, RankClass
+from sim.topology import LINK_KINDS, Fabric
+
+
+class EngineObserver(NetworkObserver):
+    """What the engine reports; the recorder subclasses this."""
+
+    def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+              step: int) -> None:
+        """An op finished: it was ready (reached and dependencies met) at ``ready``, ran from
+        ``start`` (later than ready for a collective waiting for its peers) to ``end``."""
+
+    def on_memory(self, cls: RankClass, t: float, category: str, delta: float) -> None:
+        """``delta`` bytes of ``category`` allocated (positive) or freed (negative)."""
+
+
+@dataclass
+class _Rendezvous:
+    needed: set[int]
+    launched: simpy.Event
+    arrived: set[int] = field(default_factory=set)
+    start: float = 0.0
+
+
+class Engine:
+    """Runs programs step after step on one fabric.
+
+    Examples
+    --------
+    See :func:`sim.api.simulate`, which builds the program and the fabric and runs this.
+    """
+
+    def __init__(self, fabric: Fabric, arch: str, observer: EngineObserver | None = None,
+                 algo: str = "auto", proto: str = "auto") -> None:
+        self.env = simpy.Environment()
+        self.fabric = fabric
+        self.observer = observer or EngineObserver()
+        self.net = FlowNetwork(self.env, fabric.capacity, fabric.kind, len(LINK_KINDS),
+                               self.observer)
+        self.collectives = CollectiveRunner(self.env, self.net, fabric, arch, algo, proto)
+        self.events_processed = 0
+        self._step = 0
+
+    # ------------------------------------------------------------------ hooks
+    def compute_duration(self, cls: RankClass, op: Op) -> float:
+        """Seconds a compute or copy op takes. Override to model interference."""
+        return op.duration
+
+    # ------------------------------------------------------------------ running
+    def run_step(self, program: Program) -> float:
+        """Run one step of ``program``; returns its duration (all streams of all classes)."""
+        env = self.env
+        t0 = env.now
+        if self._step == 0:
+            for cls in program.classes:
+                for cat, nbytes in cls.initial_memory.items():
+                    if nbytes:
+                        self.observer.on_memory(cls, t0, cat, nbytes)
+        done: dict[int, simpy.Event] = {op.index: env.event() for op in program.ops}
+        class_of = program.class_of_rank()
+        rendezvous: dict[str, _Rendezvous] = {}
+        procs = [
+            env.process(self._stream(program, cls, ops, done, class_of, rendezvous))
+            for cls in program.classes
+            for ops in cls.streams.values()
+        ]
+        env.run(until=simpy.AllOf(env, procs))
+        self._step += 1
+        return env.now - t0
+
+    def _stream(self, program: Program, cls: RankClass, ops: list[Op],
+                done: dict[int, simpy.Event], class_of: dict[int, int],
+                rendezvous: dict[str, _Rendezvous]) -> Generator[simpy.Event, object, None]:
+        env = self.env
+        obs = self.observer
+        for op in ops:
+            pending = [done[d.index] for d in op.deps if not done[d.index].processed]
+            if pending:
+                yield simpy.AllOf(env, pending)
+            ready = env.now
+            if op.kind in ("collective", "send", "recv"):
+                start = yield from self._collective(cls, op, class_of, rendezvous)
+            else:
+                start = env.now
+                for cat, nbytes in op.alloc:
+                    obs.on_memory(cls, start, cat, nbytes)
+                if op.transient:
+                    obs.on_memory(cls, start, "buffers", op.transient)
+                yield env.timeout(self.compute_duration(cls, op))
+            end = env.now
+            if op.transient and op.kind in ("compute", "copy"):
+                obs.on_memory(cls, end, "buffers", -op.transient)
+            for cat, nbytes in op.free:
+                obs.on_memory(cls, end, cat, -nbytes)
+            obs.on_op(cls, op, ready, start, end, self._step)
+            self.events_processed += 1
+            done[op.index].succeed()
+
+    def _collective(self, cls: RankClass, op: Op, class_of: dict[int, int],
+                    rendezvous: dict[str, _Rendezvous]) -> Generator[simpy.Event, object, float]:
+        """Wait for every class of the group, then run the transfer once for all of them."""
+        env = self.env
+        rv = rendezvous.get(op.key)
+        if rv is None:
+            ranks = op.group if op.kind == "collective" else [r for p in op.pairs for r in p]
+            rv = _Rendezvous(needed={class_of[r] for r in ranks}, launched=env.event())
+            rendezvous[op.key] = rv
+        rv.arrived.add(cls.id)
+        for cat, nbytes in op.alloc:
+            self.observer.on_memory(cls, env.now, cat, nbytes)
+        if rv.arrived >= rv.needed and not rv.launched.triggered:
+            rv.start = env.now
+            if op.kind == "collective":
+                assert op.collective is not None
+                body = self.collectives.run_collective(op.collective, op.group, op.nbytes,
+                                                       tag=op)
+            else:
+                body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
+            rv.launched.succeed(env.process(body))
+        proc = yield rv.launched
+        assert isinstance(proc, simpy.Process)
+        yield proc
+        return rv.start

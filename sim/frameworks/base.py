@@ -1,0 +1,126 @@
+"""What every framework schedule builder shares: the job context and the registry.
+
+A builder is a function ``(JobContext) -> Program`` registered under the framework's name.
+It reads the scenario's options, prices the model's blocks with :mod:`sim.layer_ops`, and lays
+out ops on streams with the framework's real order, prefetching and bucketing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+from sim import catalog
+from sim.catalog import GpuSpec
+from sim.compute import ComputeModel
+from sim.layer_ops import BlockCost, Style, model_blocks, price_block
+from sim.model import ModelSpec
+from sim.program import Program
+from sim.scenario import Scenario, ScenarioError
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Everything a schedule builder needs, derived once from the scenario."""
+
+    scenario: Scenario
+    model: ModelSpec
+    gpu: GpuSpec
+    compute: ComputeModel
+    origin: str = "<scenario>"
+
+    @classmethod
+    def from_scenario(cls, s: Scenario, origin: str = "<scenario>") -> JobContext:
+        model = ModelSpec.from_ref(s.model, s.training.seq_len)
+        gpu = catalog.gpu(s.cluster.gpu)
+        return cls(s, model, gpu, ComputeModel(gpu, s.training.precision), origin)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def n_ranks(self) -> int:
+        return self.scenario.gpus
+
+    @property
+    def dp(self) -> int:
+        return self.scenario.dp
+
+    @property
+    def micro_batch(self) -> int:
+        return self.scenario.training.micro_batch_size
+
+    @property
+    def seq(self) -> int:
+        return self.scenario.training.seq_len
+
+    @cached_property
+    def global_batch(self) -> int:
+        t = self.scenario.training
+        return t.global_batch_size or t.micro_batch_size * self.dp
+
+    @cached_property
+    def micro_batches(self) -> int:
+        """Gradient-accumulation steps: micro-batches each replica runs per optimizer step."""
+        per_step = self.micro_batch * self.dp
+        if self.global_batch % per_step:
+            self.fail("training.global_batch_size",
+                      f"{self.global_batch} is not a multiple of micro_batch_size x dp = "
+                      f"{self.micro_batch} x {self.dp}")
+        return self.global_batch // per_step
+
+    @property
+    def tokens_per_step(self) -> float:
+        return float(self.global_batch * self.seq)
+
+    @property
+    def recompute(self) -> bool:
+        return self.scenario.training.activation_checkpointing == "full"
+
+    def fail(self, key: str, message: str) -> None:
+        raise ScenarioError(f"{self.origin}: {key}: {message}")
+
+    def require(self, ok: bool, key: str, message: str) -> None:
+        if not ok:
+            self.fail(key, message)
+
+    # ------------------------------------------------------------------ pricing
+    def block_costs(self, style: Style, kv_cache: bool) -> dict[str, BlockCost]:
+        """Price of each block (embed, attn, mlp, head) for one micro-batch."""
+        blocks = model_blocks(self.model, style, self.micro_batch, self.seq, kv_cache)
+        return {b.name: price_block(b, style, self.compute) for b in blocks}
+
+    def model_flops_per_step(self) -> float:
+        return self.model.model_flops_per_token(self.seq) * self.tokens_per_step
+
+    def layer_recompute_flops(self, costs: dict[str, BlockCost]) -> float:
+        """Extra hardware FLOPs per step when every layer's forward is recomputed."""
+        if not self.recompute:
+            return 0.0
+        per_mb = self.model.layers * (costs["attn"].flops_fwd + costs["mlp"].flops_fwd)
+        return per_mb * self.micro_batches * self.dp
+
+
+Builder = Callable[[JobContext], Program]
+REGISTRY: dict[str, Builder] = {}
+
+
+def register(name: str) -> Callable[[Builder], Builder]:
+    """Register a schedule builder under ``framework.name``."""
+
+    def deco(fn: Builder) -> Builder:
+        REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def build_program(ctx: JobContext) -> Program:
+    """The program of one training step for the scenario's framework."""
+    name = ctx.scenario.framework.name
+    builder = REGISTRY.get(name)
+    if builder is None:
+        ctx.fail("framework.name", f"no schedule builder for {name!r}")
+    assert builder is not None
+    program = builder(ctx)
+    program.validate()
+    return program

@@ -1,0 +1,126 @@
+"""Compute ops of the forward and backward passes, shared by the schedule builders.
+
+A micro-batch runs: embedding, then per layer an attention block and an MLP block, then the
+final norm, LM head and loss; backward in reverse. This module turns the priced blocks of
+:mod:`sim.layer_ops` into compute ops with their memory effects:
+
+* forward allocates what autograd saves (activations; under autocast also the bf16 weight
+  copies) and what lives until the forward returns (KV cache, logits; freed by the loss op);
+* with full activation checkpointing a layer saves only its input; its backward first
+  recomputes the layer's forward (up to the last saved tensor) and holds the recomputed
+  tensors until they are used;
+* backward frees each block's saved tensors and allocates its weight gradients.
+
+The framework decides the gradient and parameter memory (``grad_alloc``) and adds its own
+ops (collectives, bucket copies) around these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sim.layer_ops import BlockCost
+from sim.program import Op, Phase
+
+BLOCKS = ("embed", "attn", "mlp", "head")
+
+
+@dataclass
+class PassOps:
+    """The compute ops of one micro-batch, by (block, layer)."""
+
+    forward: list[Op] = field(default_factory=list)
+    backward: list[Op] = field(default_factory=list)
+    fwd_of: dict[tuple[str, int], Op] = field(default_factory=dict)
+    bwd_of: dict[tuple[str, int], Op] = field(default_factory=dict)
+
+
+def unit_order(layers: int) -> list[tuple[str, int]]:
+    """(block, layer) in forward order."""
+    order: list[tuple[str, int]] = [("embed", -1)]
+    for layer in range(layers):
+        order += [("attn", layer), ("mlp", layer)]
+    order.append(("head", -1))
+    return order
+
+
+def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute: bool,
+                    autocast: bool, grad_alloc: dict[str, float], extra_bwd_s: dict[str, float],
+                    model_flops: dict[str, tuple[float, float]], stream: str = "compute"
+                    ) -> PassOps:
+    """Compute ops of one micro-batch (not yet added to a program).
+
+    ``grad_alloc[block]``: gradient bytes the block's backward allocates (0 when they are
+    accumulated into existing buffers). ``extra_bwd_s[block]``: framework work appended to the
+    block's backward (gradient accumulation adds, bucket copies). ``model_flops[block]``:
+    (forward, backward) FLOPs counted as model FLOPs.
+    """
+    ops = PassOps()
+    scoped_total = 0.0
+    for block, layer in unit_order(layers):
+        c = costs[block]
+        layered = block in ("attn", "mlp")
+        ckpt = recompute and layered
+        alloc: list[tuple[str, float]] = []
+        if ckpt:
+            # Only the layer input is kept (the attention block's input, the residual stream).
+            if block == "attn":
+                alloc.append(("activations", c.input_saved_bytes))
+            scoped = c.forward_scoped_bytes + (c.weight_cast_bytes if autocast else 0.0)
+            transient = c.fwd_transient_unsaved_bytes
+        else:
+            alloc.append(("activations", c.saved_bytes + c.weight_cast_bytes))
+            scoped = c.forward_scoped_bytes
+            transient = c.fwd_transient_bytes
+        if scoped:
+            alloc.append(("buffers", scoped))
+            scoped_total += scoped
+        ff, _ = model_flops[block]
+        op = Op(name=f"fwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}", kind="compute",
+                stream=stream, phase="fwd", duration=c.fwd_s, alloc=tuple(alloc),
+                transient=transient, layer=layer if layer >= 0 else None, micro_batch=mb,
+                flops=ff, hw_flops=c.flops_fwd, category="forward")
+        if block == "head":
+            # The forward returns after the loss: KV cache, logits and (checkpointed) weight
+            # casts of the whole pass are released.
+            op.free = (("buffers", scoped_total),)
+        ops.forward.append(op)
+        ops.fwd_of[(block, layer)] = op
+
+    for block, layer in reversed(unit_order(layers)):
+        c = costs[block]
+        layered = block in ("attn", "mlp")
+        ckpt = recompute and layered
+        duration = c.bwd_s + extra_bwd_s.get(block, 0.0)
+        alloc = []
+        hw = c.flops_bwd
+        phase: Phase = "bwd"
+        saved_here = c.saved_bytes + c.weight_cast_bytes
+        transient = c.bwd_transient_bytes
+        if ckpt and block == "mlp":
+            # Recompute the whole layer (attention block, then the MLP block up to its last
+            # saved tensor) before the MLP's backward; hold what it saves again.
+            a = costs["attn"]
+            duration += a.fwd_s + c.early_stop_fwd_s
+            hw += a.flops_fwd + c.flops_fwd
+            recomputed = _non_input_saved(a) + a.weight_cast_bytes + saved_here
+            alloc.append(("activations", recomputed))
+            transient = max(transient, a.fwd_transient_bytes, c.fwd_transient_bytes)
+            phase = "recompute"
+        if grad_alloc.get(block):
+            alloc.append(("gradients", grad_alloc[block]))
+        free = (("activations", saved_here),)
+        fb = model_flops[block][1]
+        name = f"bwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}"
+        op = Op(name=name, kind="compute", stream=stream, phase=phase, duration=duration,
+                alloc=tuple(alloc), free=free, transient=transient,
+                layer=layer if layer >= 0 else None, micro_batch=mb, flops=fb, hw_flops=hw,
+                category="recompute+backward" if phase == "recompute" else "backward")
+        ops.backward.append(op)
+        ops.bwd_of[(block, layer)] = op
+    return ops
+
+
+def _non_input_saved(c: BlockCost) -> float:
+    """Saved bytes of a block other than its input (the residual stream it reads)."""
+    return c.saved_bytes - c.input_saved_bytes

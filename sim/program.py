@@ -1,0 +1,122 @@
+"""The program: what each rank does in one training step, as streams of ops.
+
+The framework schedule builders (:mod:`sim.frameworks`) produce a :class:`Program`; the engine
+(:mod:`sim.engine`) runs it. Nothing here knows about time or the fabric.
+
+* An :class:`Op` runs on one stream of one rank class: the compute stream, a named
+  communication stream, or a copy engine. Ops of one stream run in order; ``deps`` add
+  cross-stream dependencies (CUDA events).
+* A rank class stands for every rank that runs exactly the same ops at the same times (the
+  data-parallel replicas of a pure data-parallel job, for example). It is simulated once; its
+  collectives still name their full group of global ranks, so every member's flows go on the
+  fabric.
+* A collective starts when every rank class with a member in its group has reached it, as
+  NCCL's kernels do; matching ops carry the same ``key``.
+* Memory: bytes allocated by category when an op starts, freed when it ends, and a transient
+  working set held only while it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+OpKind = Literal["compute", "collective", "send", "recv", "copy"]
+CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
+Phase = Literal["fwd", "bwd", "recompute", "optimizer", "comm", "loss"]
+
+MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+
+@dataclass(eq=False)
+class Op:
+    """One operation of one rank class."""
+
+    name: str
+    kind: OpKind
+    stream: str
+    phase: Phase
+    duration: float = 0.0
+    """Compute and copy ops: seconds at full speed on this GPU."""
+    deps: list[Op] = field(default_factory=list)
+    collective: CollectiveOp | None = None
+    group: tuple[int, ...] = ()
+    """Global ranks taking part in a collective (or the peer, for send/recv)."""
+    pairs: tuple[tuple[int, int], ...] = ()
+    """Send/recv: (source, destination) global ranks of every member's transfer."""
+    nbytes: float = 0.0
+    """Collective message size as nccl-tests counts it (all-reduce buffer, all-gather output,
+    reduce-scatter input); bytes of each send/recv transfer, or of a copy."""
+    key: str = ""
+    """Identifies the matching op in the other rank classes of a collective."""
+    alloc: tuple[tuple[str, float], ...] = ()
+    free: tuple[tuple[str, float], ...] = ()
+    transient: float = 0.0
+    layer: int | None = None
+    micro_batch: int | None = None
+    flops: float = 0.0
+    """Model FLOPs this op performs (no recomputation)."""
+    hw_flops: float = 0.0
+    """FLOPs the hardware performs (recomputation included)."""
+    category: str = ""
+    """What the op is, for plots and breakdowns: forward, backward, recompute, optimizer,
+    all_gather, reduce_scatter, all_reduce, send_recv, copy."""
+    index: int = -1
+    """Position in the program, set by :meth:`Program.add`."""
+
+
+@dataclass
+class RankClass:
+    """Ranks that run identical ops at identical times."""
+
+    id: int
+    members: tuple[int, ...]
+    streams: dict[str, list[Op]] = field(default_factory=dict)
+    initial_memory: dict[str, float] = field(default_factory=dict)
+    """Bytes held before the step starts, by category (sharded parameters, optimizer states)."""
+    label: str = ""
+
+
+@dataclass
+class Program:
+    """Every rank class's streams for one training step."""
+
+    classes: list[RankClass]
+    n_ranks: int
+    tokens_per_step: float
+    model_flops_per_step: float
+    hw_flops_per_step: float
+    meta: dict[str, object] = field(default_factory=dict)
+    _ops: list[Op] = field(default_factory=list)
+
+    def add(self, cls: RankClass, op: Op) -> Op:
+        op.index = len(self._ops)
+        self._ops.append(op)
+        cls.streams.setdefault(op.stream, []).append(op)
+        return op
+
+    @property
+    def ops(self) -> list[Op]:
+        return self._ops
+
+    def class_of_rank(self) -> dict[int, int]:
+        return {r: c.id for c in self.classes for r in c.members}
+
+    def validate(self) -> None:
+        """Checks that catch builder mistakes early: every rank in exactly one class,
+        dependencies inside the program, collective groups covered by classes."""
+        seen: set[int] = set()
+        for c in self.classes:
+            overlap = seen.intersection(c.members)
+            if overlap:
+                raise ValueError(f"ranks {sorted(overlap)[:4]} in two rank classes")
+            seen.update(c.members)
+        if seen != set(range(self.n_ranks)):
+            raise ValueError("rank classes do not cover every rank exactly once")
+        ids = {id(op) for op in self._ops}
+        for op in self._ops:
+            for d in op.deps:
+                if id(d) not in ids:
+                    raise ValueError(f"{op.name} depends on an op outside the program")
+            if op.kind == "collective" and (not op.group or not op.key):
+                raise ValueError(f"collective {op.name} needs a group and a key")

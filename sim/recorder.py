@@ -1,0 +1,85 @@
+"""The recorder: listens to the engine and the network and keeps what happened.
+
+Every op's ready/start/end time, memory allocations and frees per rank class by category,
+and the bytes/s per link class after every rate change. Metrics, plots and exports read it;
+it computes nothing itself beyond running totals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sim.engine import EngineObserver
+from sim.network import Flow
+from sim.program import MEMORY_CATEGORIES, Op, RankClass
+
+
+@dataclass
+class OpRecord:
+    cls: int
+    op: Op
+    ready: float
+    start: float
+    end: float
+    step: int
+
+
+@dataclass
+class MemoryTrack:
+    """Memory of one rank class over time."""
+
+    current: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_CATEGORIES,
+                                                                               0.0))
+    peak: float = 0.0
+    peak_time: float = 0.0
+    peak_breakdown: dict[str, float] = field(default_factory=dict)
+    series: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.current.values())
+
+
+class Recorder(EngineObserver):
+    """Keeps the engine's and network's reports."""
+
+    def __init__(self, keep_memory_series: bool = True) -> None:
+        self.ops: list[OpRecord] = []
+        self.memory: dict[int, MemoryTrack] = {}
+        self.rate_series: list[tuple[float, np.ndarray]] = []
+        self.flows_finished = 0
+        self.flow_bytes = 0.0
+        self.keep_memory_series = keep_memory_series
+
+    # engine
+    def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+              step: int) -> None:
+        self.ops.append(OpRecord(cls.id, op, ready, start, end, step))
+
+    def on_memory(self, cls: RankClass, t: float, category: str, delta: float) -> None:
+        track = self.memory.setdefault(cls.id, MemoryTrack())
+        track.current[category] = track.current.get(category, 0.0) + delta
+        total = track.total
+        if total > track.peak:
+            track.peak = total
+            track.peak_time = t
+            track.peak_breakdown = dict(track.current)
+        if self.keep_memory_series:
+            if track.series and track.series[-1][0] == t:
+                track.series[-1] = (t, dict(track.current))
+            else:
+                track.series.append((t, dict(track.current)))
+
+    # network
+    def on_rates(self, t: float, class_rates: np.ndarray, flows: Sequence[Flow]) -> None:
+        if self.rate_series and self.rate_series[-1][0] == t:
+            self.rate_series[-1] = (t, class_rates.copy())
+        else:
+            self.rate_series.append((t, class_rates.copy()))
+
+    def on_flow_end(self, t: float, flow: Flow) -> None:
+        self.flows_finished += 1
+        self.flow_bytes += flow.size * flow.count
