@@ -153,17 +153,30 @@ def _print_summary(s: dict[str, Any]) -> None:
 def main() -> None:
     """Entry point: bad input exits 2 with one line; internal errors exit 1."""
     try:
-        app()
+        # Not standalone: usage errors come back to us instead of printing a usage box.
+        rc = app(standalone_mode=False)
     except SystemExit:
         raise
     except ScenarioError as exc:
         print(f"fabricsim: {exc}", file=sys.stderr)
         sys.exit(2)
-    except Exception as exc:  # noqa: BLE001 - last resort: one line unless debugging
+    except Exception as exc:
+        code = getattr(exc, "exit_code", None)
+        if type(exc).__name__ == "Exit" and isinstance(code, int):
+            sys.exit(code)
+        if type(exc).__name__ == "Abort":
+            sys.exit(1)
+        if hasattr(exc, "format_message") and isinstance(code, int):
+            # click's usage errors (unknown option, bad value), as one line.
+            message = exc.format_message()
+            if message:
+                print(f"fabricsim: {message}", file=sys.stderr)
+            sys.exit(2)
         if os.environ.get("FABRICSIM_DEBUG"):
             raise
         print(f"fabricsim: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from sim import catalog
 from sim.catalog import GpuSpec
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
-MemClass = Literal["elementwise", "norm_fused", "silu"]
+MemClass = Literal["elementwise", "norm_fused"]
 
 # CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
 # by it; large ones hide it because the CPU runs ahead of the GPU. Estimates, not measured
@@ -118,19 +118,24 @@ class ComputeModel:
         }
 
     # ------------------------------------------------------------------ GEMM
-    def gemm_time(self, m: float, k: float, n: float, pass_: GemmPass = "fwd") -> float:
-        """One pass of a linear layer ``Y[m,n] = X[m,k] W[n,k]^T`` (fwd, dgrad or wgrad)."""
-        key = (float(m), float(k), float(n), pass_)
+    def gemm_time(self, m: float, k: float, n: float, pass_: GemmPass = "fwd",
+                  measured_table: bool = True) -> float:
+        """One pass of a linear layer ``Y[m,n] = X[m,k] W[n,k]^T`` (fwd, dgrad or wgrad).
+
+        ``measured_table=False`` gives the physical form alone, without the interpolated
+        residuals of the measured shapes (to check how much the form explains).
+        """
+        key = (float(m), float(k), float(n), pass_, measured_table)
         cache = self._cache
         if key not in cache:
-            cache[key] = self._gemm_time(*key)
+            cache[key] = self._gemm_time(float(m), float(k), float(n), pass_, measured_table)
         return cache[key]
 
     @cached_property
-    def _cache(self) -> dict[tuple[float, float, float, str], float]:
+    def _cache(self) -> dict[tuple[float, float, float, str, bool], float]:
         return {}
 
-    def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass) -> float:
+    def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass, table: bool) -> float:
         g = _fit()["gemm"]
         rows, cols, red = gemm_dims(m, k, n, pass_)
         sms = self.gpu.sm_count
@@ -143,7 +148,7 @@ class ComputeModel:
         peak = g["peak_tflops"][pass_] * 1e12 * self._flops_scale
         t = g["fixed_us"] * 1e-6 + 2 * rows * cols * red / (peak * eff * quant)
         corr = _residual(self._gemm_table[pass_], np.log([rows, cols, red]),
-                         g["residual_bandwidth"], g["residual_prior_weight"])
+                         g["residual_bandwidth"], g["residual_prior_weight"]) if table else 0.0
         # The residual is relative to the harness-inclusive time; keep it relative.
         with_harness = (t + self.harness_overhead_s) * math.exp(corr)
         return max(self.kernel_min_s, with_harness - self.harness_overhead_s)
@@ -151,7 +156,7 @@ class ComputeModel:
     # ------------------------------------------------------------------ attention
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
                        pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
-                       causal: bool = True) -> float:
+                       causal: bool = True, measured_table: bool = True) -> float:
         """A fused (flash-style) attention kernel, forward or backward.
 
         The GPU time only: the fitted fixed term of a standalone call is dominated by CPU-side
@@ -175,8 +180,11 @@ class ComputeModel:
         rate = p["peak_tflops"] * 1e12 * self._flops_scale / sms
         t = max(total / sms, longest) * per_score / rate
         corr = _residual(self._attn_table[pass_], np.log([seq, groups]),
-                         att["residual_bandwidth"], att["residual_prior_weight"])
-        return max(self.kernel_min_s, t * math.exp(corr))
+                         att["residual_bandwidth"], att["residual_prior_weight"]
+                         ) if measured_table else 0.0
+        # The residual is relative to the whole measured call; keep it relative.
+        fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
+        return max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
 
     def attention_cpu_s(self, pass_: Literal["fwd", "bwd"] = "fwd") -> float:
         """CPU time to issue one attention call (backend selection, graph lookup)."""
@@ -190,14 +198,22 @@ class ComputeModel:
     @cached_property
     def _membound_bw(self) -> dict[str, float]:
         mb = _fit()["membound"]
-        elementwise = mb["add_"]["bytes_per_s"]
-        # The measured "swiglu" is eager silu(g) * u: counted bytes 3n (g, u in, product out),
-        # moved by two kernels: silu (n in, n out) and mul (2n in, n out). The mul runs at the
-        # elementwise rate; the silu rate is what remains of the measured time.
-        swiglu = mb["swiglu"]["bytes_per_s"]
-        silu = 2.0 / (3.0 / swiglu - 3.0 / elementwise)
-        return {"elementwise": elementwise, "norm_fused": mb["rms_norm"]["bytes_per_s"],
-                "silu": silu}
+        return {"elementwise": mb["add_"]["bytes_per_s"],
+                "norm_fused": mb["rms_norm"]["bytes_per_s"]}
+
+    def activation_time(self, elements: float) -> float:
+        """Math time of a SiLU/GELU-like activation over ``elements`` (exp and divide per
+        element), not counting memory traffic; a kernel takes the longer of the two.
+
+        Calibrated from the measured eager ``silu(g) * u`` (counted bytes 3n for n bf16
+        elements): the multiply runs at the elementwise rate, the rest of the time is the
+        SiLU's, which moves 4n bytes yet runs well below HBM speed, so it is bound by its math.
+        """
+        mb = _fit()["membound"]
+        swiglu, elementwise = mb["swiglu"]["bytes_per_s"], mb["add_"]["bytes_per_s"]
+        # Per element: measured 6 bytes counted at the swiglu rate, less the multiply's 6 bytes.
+        per_element = 6.0 / swiglu - 6.0 / elementwise
+        return elements * per_element / self._flops_scale
 
     def adamw_time(self, params: float, fused: bool = True, tensors: int = 16) -> float:
         """One AdamW step over ``params`` fp32 parameters in ``tensors`` tensors.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from sim.collectives.ring import CollectiveRunner
+from sim.collectives.ring import CollectiveRunner, transport_capacity
 from sim.network import FlowNetwork, NetworkObserver
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
@@ -56,8 +56,8 @@ class Engine:
         self.env = simpy.Environment()
         self.fabric = fabric
         self.observer = observer or EngineObserver()
-        self.net = FlowNetwork(self.env, fabric.capacity, fabric.kind, len(LINK_KINDS),
-                               self.observer)
+        self.net = FlowNetwork(self.env, transport_capacity(fabric, arch), fabric.kind,
+                               len(LINK_KINDS), self.observer)
         self.collectives = CollectiveRunner(self.env, self.net, fabric, arch, algo, proto)
         self.events_processed = 0
         self._step = 0

@@ -55,7 +55,7 @@ FP32 = 4
 BF16 = 2
 IDX = 8  # int64 token ids
 
-KernelClass = Literal["gemm", "attention", "elementwise", "norm_fused", "silu", "tiny"]
+KernelClass = Literal["gemm", "attention", "elementwise", "norm_fused", "tiny"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,6 +77,8 @@ class Kernel:
     flops: float = 0.0
     gemm: tuple[float, float, float, str] | None = None      # (m, k, n, pass)
     attn: tuple[int, int, int, int, str] | None = None       # (batch, heads, seq, head_dim, pass)
+    activation_elements: float = 0.0
+    """Elements through a SiLU/GELU (math-bound; see ComputeModel.activation_time)."""
 
     @property
     def nbytes(self) -> float:
@@ -84,7 +86,7 @@ class Kernel:
 
     @property
     def fusible(self) -> bool:
-        return self.klass in ("elementwise", "silu", "tiny", "norm_fused")
+        return self.klass in ("elementwise", "tiny", "norm_fused")
 
 
 @dataclass(frozen=True)
@@ -438,7 +440,7 @@ def mlp_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
         u = b.linear(y, tokens, h, f, "up", bias=m.bias)
         s = b.t("silu", tokens * f, BF16)
         prod = b.t("prod", tokens * f, BF16)
-        b.fwd(Kernel("silu", "silu", (g,), (s,)))
+        b.fwd(Kernel("silu", "elementwise", (g,), (s,), activation_elements=tokens * f))
         b.fwd(Kernel("gate_mul", "elementwise", (s, u), (prod,)))
         b.save(g, s, u)
         gp = b.t("g_prod", tokens * f, BF16)
@@ -447,16 +449,16 @@ def mlp_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
         gg = b.t("g_gate", tokens * f, BF16)
         b.bwd(Kernel("g_gate_mul_s", "elementwise", (gp, u), (gs,)),
               Kernel("g_gate_mul_u", "elementwise", (gp, s), (gu,)),
-              Kernel("g_silu", "silu", (gs, g), (gg,)))
+              Kernel("g_silu", "elementwise", (gs, g), (gg,), activation_elements=tokens * f))
         act = prod
     else:
         u = b.linear(y, tokens, h, f, "up", bias=m.bias)
         act = b.t("gelu", tokens * f, BF16)
-        b.fwd(Kernel("gelu", "silu", (u,), (act,)))
+        b.fwd(Kernel("gelu", "elementwise", (u,), (act,), activation_elements=tokens * f))
         b.save(u)
         ga = b.t("g_gelu", tokens * f, BF16)
         gu = b.t("g_up", tokens * f, BF16)
-        b.bwd(Kernel("g_gelu", "silu", (ga, u), (gu,)))
+        b.bwd(Kernel("g_gelu", "elementwise", (ga, u), (gu,), activation_elements=tokens * f))
     out = b.linear(act, tokens, f, h, "down", bias=m.bias)
     res = b.residual_add(x, out, tokens, h, "resid")
     b.block.outputs.append(res)
@@ -581,9 +583,9 @@ def _fuse(kernels: list[Kernel], keep: set[int]) -> list[Kernel]:
                 if id(t) not in made:
                     reads[id(t)] = t
         writes = {id(t): t for k in run for t in k.writes if id(t) in keep}
-        klass: KernelClass = "silu" if any(k.klass == "silu" for k in run) else "elementwise"
-        out.append(Kernel("fused[" + ",".join(k.name for k in run) + "]", klass,
-                          tuple(reads.values()), tuple(writes.values())))
+        out.append(Kernel("fused[" + ",".join(k.name for k in run) + "]", "elementwise",
+                          tuple(reads.values()), tuple(writes.values()),
+                          activation_elements=sum(k.activation_elements for k in run)))
         run.clear()
 
     for k in kernels:
@@ -617,7 +619,10 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
         return cm.attention_time(bsz, heads, seq, hd, p)  # type: ignore[arg-type]
     if k.klass == "tiny":
         return cm.kernel_min_s
-    return cm.membound_time(k.nbytes, k.klass)  # type: ignore[arg-type]
+    t = cm.membound_time(k.nbytes, k.klass)  # type: ignore[arg-type]
+    if k.activation_elements:
+        t = max(t, cm.kernel_min_s + cm.activation_time(k.activation_elements))
+    return t
 
 
 def _stream_time(cm: ComputeModel, kernels: list[Kernel], cpu_per_op: float, attn_cpu: float
@@ -669,11 +674,13 @@ def price_block(block: Block, style: Style, cm: ComputeModel) -> BlockCost:
     fwd_s = _stream_time(cm, fwd, fwd_cpu, cm.attention_cpu_s("fwd"))
     bwd_s = _stream_time(cm, bwd, bwd_cpu, cm.attention_cpu_s("bwd"))
     # Early stop: recomputation ends once the last saved tensor exists again.
-    saved_ids = {id(t) for t in block.saved}
-    last = max((i for i, k in enumerate(fwd) if any(id(t) in saved_ids for t in k.writes)
-                or any(id(t) in saved_ids for t in k.reads)), default=len(fwd) - 1)
+    # Autograd packs an op's saved inputs before its kernel runs, so the kernel after the
+    # last one that writes a saved tensor (or weight copy) is already past the stop.
+    saved_ids = {id(t) for t in block.saved + block.weight_casts}
+    last = max((i for i, k in enumerate(fwd) if any(id(t) in saved_ids for t in k.writes)),
+               default=len(fwd) - 1)
     early = _stream_time(cm, fwd[: last + 1], fwd_cpu, cm.attention_cpu_s("fwd"))
-    held = saved_ids | {id(t) for t in block.inputs + block.forward_scoped + block.weight_casts}
+    held = saved_ids | {id(t) for t in block.inputs + block.forward_scoped}
     fwd_peak = _transient_peak(fwd, held, {})
     unsaved_peak = _transient_peak(
         fwd, {id(t) for t in block.inputs + block.forward_scoped + block.weight_casts}, {})

@@ -1,24 +1,27 @@
 """Flow-level network: max-min fair sharing of link capacity among active flows, on simpy.
 
-Every active flow crosses a fixed list of links. Whenever a flow starts or ends, the rates of
+Every active flow crosses a fixed list of links. Whenever flows start or end, the rates of
 all active flows are recomputed by progressive filling (water-filling): all unfrozen flows
 grow at the same rate until a link saturates or a flow reaches its own cap; the flows through
 that link freeze; repeat. This is the bandwidth-sharing model of SimGrid's LMM solver without
 weights (Casanova et al., "Versatile, Scalable, and Accurate Simulation of Distributed
 Applications and Platforms", JPDC 2014; Bertsekas and Gallager, "Data Networks", sec. 6.5.2).
 
-A flow may stand for ``count`` identical flows on disjoint copies of its path (a folded
-rank's traffic): it shares its own links as one flow, and its bytes count ``count`` times.
+Flows start in groups (all the flows of one collective, or one transfer); a group's event
+fires when its last flow has delivered its bytes. A flow may stand for ``count`` identical
+flows on disjoint copies of its path (a folded rank's traffic): it shares its own links as
+one flow, and its bytes count ``count`` times.
 
-The next completion is scheduled as a simpy timeout; a wake-up made stale by a later change
-is ignored (each carries the solver's version number).
+State is kept as arrays (one row per active flow, one entry per flow-link incidence) so that
+a 1,024-GPU ring's thousands of flows cost a few numpy operations per event. The next
+completion is scheduled as a simpy timeout; a wake-up made stale by a later change is
+ignored (each carries the solver's version number).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
@@ -27,33 +30,18 @@ import simpy
 _EPS = 1e-9
 
 
-@dataclass(eq=False)
-class Flow:
-    """One active transfer."""
-
-    links: tuple[int, ...]
-    size: float
-    count: int
-    cap: float
-    done: simpy.Event
-    tag: object = None
-    remaining: float = 0.0
-    rate: float = 0.0
-    started: float = 0.0
-    kind_hops: np.ndarray = field(default_factory=lambda: np.zeros(0))
-
-
 class NetworkObserver:
     """Hook surface for the recorder; the network calls these, measurement stays outside.
 
     Subclass and override what you need.
     """
 
-    def on_rates(self, t: float, class_rates: np.ndarray, flows: Sequence[Flow]) -> None:
-        """Called after every rate solve with the bytes/s now flowing per link class."""
+    def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
+        """After every rate solve: bytes/s now flowing per link class (every hop and every
+        folded copy counted) and per link (representative flows)."""
 
-    def on_flow_end(self, t: float, flow: Flow) -> None:
-        """Called when a flow has delivered all its bytes."""
+    def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
+        """A group of flows has delivered all its ``nbytes`` (copies counted)."""
 
 
 class FlowNetwork:
@@ -63,7 +51,7 @@ class FlowNetwork:
     ----------
     env : simpy.Environment
     capacity : array of bytes/s per link
-    kind : array of link-class codes per link (any small non-negative ints)
+    kind : array of link-class codes per link (small non-negative ints)
     n_kinds : number of link classes
     observer : optional :class:`NetworkObserver`
 
@@ -85,64 +73,97 @@ class FlowNetwork:
         self.kind = np.asarray(kind, dtype=np.int64)
         self.n_kinds = n_kinds
         self.observer = observer or NetworkObserver()
-        self.flows: list[Flow] = []
+        n_links = len(self.capacity)
         self.class_bytes = np.zeros(n_kinds)
-        self.link_bytes = np.zeros(len(self.capacity))
+        self.link_bytes = np.zeros(n_links)
         self.solves = 0
         self._last = env.now
         self._version = 0
+        # Per active flow.
+        self._size = np.zeros(0)
+        self._remaining = np.zeros(0)
+        self._rate = np.zeros(0)
+        self._cap = np.zeros(0)
+        self._count = np.zeros(0)
+        self._group = np.zeros(0, dtype=np.int64)
+        self._hops = np.zeros((0, n_kinds))
+        # Per flow-link incidence.
+        self._inc_link = np.zeros(0, dtype=np.int64)
+        self._inc_flow = np.zeros(0, dtype=np.int64)
+        # Per group: [event, flows pending, bytes, tag].
+        self._groups: dict[int, list] = {}
+        self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
-        self._link_rates = np.zeros(len(self.capacity))
+        self._link_rates = np.zeros(n_links)
 
     # ------------------------------------------------------------------ API
-    def start_flow(self, links: Sequence[int], nbytes: float, count: int = 1,
-                   cap: float = math.inf, tag: object = None) -> simpy.Event:
-        """Start a flow of ``nbytes`` over ``links``; the returned event fires when it ends."""
-        done = self.env.event()
-        links = tuple(int(x) for x in links)
-        if nbytes <= 0 or not links:
-            done.succeed()
-            return done
-        self._advance()
-        hops = np.bincount(self.kind[list(links)], minlength=self.n_kinds).astype(float)
-        flow = Flow(links, float(nbytes), int(count), float(cap), done, tag,
-                    remaining=float(nbytes), started=self.env.now, kind_hops=hops)
-        self.flows.append(flow)
-        self._resolve()
-        return done
-
-    def start_flows(self, specs: Sequence[tuple[Sequence[int], float, int, float]],
-                    tag: object = None) -> list[simpy.Event]:
-        """Start several flows at once with a single rate solve: (links, bytes, count, cap)."""
-        self._advance()
-        events = []
-        for links, nbytes, count, cap in specs:
-            done = self.env.event()
-            links = tuple(int(x) for x in links)
-            if nbytes <= 0 or not links:
-                done.succeed()
-            else:
-                hops = np.bincount(self.kind[list(links)], minlength=self.n_kinds).astype(float)
-                self.flows.append(Flow(links, float(nbytes), int(count), float(cap), done, tag,
-                                       remaining=float(nbytes), started=self.env.now,
-                                       kind_hops=hops))
-            events.append(done)
-        self._resolve()
-        return events
+    @property
+    def active_flows(self) -> int:
+        return len(self._size)
 
     @property
     def link_load(self) -> np.ndarray:
         """Bytes/s now carried by each link (representative flows, not multiplied)."""
         return self._link_rates.copy()
 
+    def start_flow(self, links: Sequence[int], nbytes: float, count: int = 1,
+                   cap: float = math.inf, tag: object = None) -> simpy.Event:
+        """Start one flow of ``nbytes`` over ``links``; the event fires when it ends."""
+        return self.start_flows([(links, nbytes, count, cap)], tag)
+
+    def start_flows(self, specs: Sequence[tuple[Sequence[int], float, int, float]],
+                    tag: object = None) -> simpy.Event:
+        """Start a group of flows, (links, bytes, count, cap) each, with one rate solve; the
+        returned event fires when the last of them ends."""
+        lengths = np.fromiter((len(s[0]) for s in specs), dtype=np.int64, count=len(specs))
+        flat = np.fromiter((x for s in specs for x in s[0]), dtype=np.int64,
+                           count=int(lengths.sum()))
+        return self.start_group(flat, lengths,
+                                np.array([s[1] for s in specs], dtype=float),
+                                np.array([s[2] for s in specs], dtype=float),
+                                np.array([s[3] for s in specs], dtype=float), tag)
+
+    def start_group(self, flat_links: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
+                    counts: np.ndarray, caps: np.ndarray, tag: object = None) -> simpy.Event:
+        """Array form of :meth:`start_flows`: ``flat_links`` holds every flow's links in turn,
+        ``lengths`` how many belong to each flow."""
+        done = self.env.event()
+        keep = (sizes > 0) & (lengths > 0)
+        if not keep.any():
+            done.succeed()
+            return done
+        if not keep.all():
+            owner = np.repeat(np.arange(len(lengths)), lengths)
+            flat_links = flat_links[keep[owner]]
+            lengths, sizes, counts, caps = lengths[keep], sizes[keep], counts[keep], caps[keep]
+        self._advance()
+        n_new = len(lengths)
+        gid = self._next_group
+        self._next_group += 1
+        self._groups[gid] = [done, n_new, float((sizes * counts).sum()), tag]
+        base = len(self._size)
+        owner = np.repeat(np.arange(n_new), lengths)
+        hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
+                           minlength=n_new * self.n_kinds).reshape(n_new, self.n_kinds)
+        self._size = np.concatenate([self._size, sizes])
+        self._remaining = np.concatenate([self._remaining, sizes])
+        self._rate = np.concatenate([self._rate, np.zeros(n_new)])
+        self._cap = np.concatenate([self._cap, caps])
+        self._count = np.concatenate([self._count, counts])
+        self._group = np.concatenate([self._group, np.full(n_new, gid, dtype=np.int64)])
+        self._hops = np.concatenate([self._hops, hops.astype(float)])
+        self._inc_link = np.concatenate([self._inc_link, flat_links.astype(np.int64)])
+        self._inc_flow = np.concatenate([self._inc_flow, owner + base])
+        self._resolve()
+        return done
+
     # ------------------------------------------------------------------ internals
     def _advance(self) -> None:
         """Move every flow forward to now at its current rate and count the bytes."""
         now = self.env.now
         dt = now - self._last
-        if dt > 0 and self.flows:
-            for f in self.flows:
-                f.remaining -= f.rate * dt
+        if dt > 0 and len(self._size):
+            self._remaining -= self._rate * dt
             self.class_bytes += self._class_rates * dt
             self.link_bytes += self._link_rates * dt
         self._last = now
@@ -150,28 +171,40 @@ class FlowNetwork:
     def _resolve(self) -> None:
         # Retire finished flows, solve rates for the rest, schedule the next completion.
         now = self.env.now
-        finished = [f for f in self.flows
-                    if f.remaining <= _EPS * f.size or (f.rate > 0 and f.remaining / f.rate
-                                                        <= 1e-12 * max(1.0, now))]
-        if finished:
-            keep = set(map(id, finished))
-            self.flows = [f for f in self.flows if id(f) not in keep]
-            for f in finished:
-                f.remaining = 0.0
-                f.rate = 0.0
-                self.observer.on_flow_end(now, f)
-                f.done.succeed()
+        if len(self._size):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                left = np.where(self._rate > 0, self._remaining / self._rate, np.inf)
+            finished = (self._remaining <= _EPS * self._size) | (left <= 1e-12 * max(1.0, now))
+            if finished.any():
+                self._retire(finished)
         self._solve()
         self._version += 1
-        if not self.flows:
+        if not len(self._size):
             return
-        times = [f.remaining / f.rate for f in self.flows if f.rate > 0]
-        if not times:
+        positive = self._rate > 0
+        if not positive.any():
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
-        dt = max(min(times), 0.0)
+        dt = float((self._remaining[positive] / self._rate[positive]).min())
         version = self._version
-        timeout = self.env.timeout(dt)
+        timeout = self.env.timeout(max(dt, 0.0))
         timeout.callbacks.append(lambda _ev: self._wake(version))
+
+    def _retire(self, finished: np.ndarray) -> None:
+        gids, n = np.unique(self._group[finished], return_counts=True)
+        keep = ~finished
+        remap = np.cumsum(keep) - 1
+        inc_keep = keep[self._inc_flow]
+        self._inc_link = self._inc_link[inc_keep]
+        self._inc_flow = remap[self._inc_flow[inc_keep]]
+        for name in ("_size", "_remaining", "_rate", "_cap", "_count", "_group", "_hops"):
+            setattr(self, name, getattr(self, name)[keep])
+        for gid, k in zip(gids.tolist(), n.tolist(), strict=True):
+            entry = self._groups[gid]
+            entry[1] -= k
+            if entry[1] == 0:
+                del self._groups[gid]
+                self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
+                entry[0].succeed()
 
     def _wake(self, version: int) -> None:
         if version != self._version:
@@ -181,26 +214,18 @@ class FlowNetwork:
 
     def _solve(self) -> None:
         self.solves += 1
-        flows = self.flows
-        n = len(flows)
-        self._link_rates = np.zeros(len(self.capacity))
+        n = len(self._size)
         if n == 0:
+            self._rate = np.zeros(0)
+            self._link_rates = np.zeros(len(self.capacity))
             self._class_rates = np.zeros(self.n_kinds)
-            self.observer.on_rates(self.env.now, self._class_rates, flows)
-            return
-        lengths = np.fromiter((len(f.links) for f in flows), dtype=np.int64, count=n)
-        flat = np.fromiter((x for f in flows for x in f.links), dtype=np.int64,
-                           count=int(lengths.sum()))
-        owner = np.repeat(np.arange(n), lengths)
-        caps = np.fromiter((f.cap for f in flows), dtype=float, count=n)
-        rates = max_min_rates(flat, owner, n, self.capacity, caps)
-        for f, r in zip(flows, rates, strict=True):
-            f.rate = float(r)
-        self._link_rates = np.bincount(flat, weights=rates[owner], minlength=len(self.capacity))
-        counts = np.fromiter((f.count for f in flows), dtype=float, count=n)
-        hops = np.stack([f.kind_hops for f in flows])
-        self._class_rates = (rates * counts) @ hops
-        self.observer.on_rates(self.env.now, self._class_rates, flows)
+        else:
+            self._rate = max_min_rates(self._inc_link, self._inc_flow, n, self.capacity,
+                                       self._cap)
+            self._link_rates = np.bincount(self._inc_link, weights=self._rate[self._inc_flow],
+                                           minlength=len(self.capacity))
+            self._class_rates = (self._rate * self._count) @ self._hops
+        self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 
 
 def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
@@ -262,7 +287,6 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
         active &= ~frozen
         keep = active[own]
         links, own = links[keep], own[keep]
-    # Flows with no links (not expected) keep rate 0.
     return rates
 
 
@@ -279,5 +303,3 @@ def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n * nbytes
     raise ValueError(f"not a ring collective: {op}")
-
-

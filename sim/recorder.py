@@ -7,13 +7,11 @@ it computes nothing itself beyond running totals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from sim.engine import EngineObserver
-from sim.network import Flow
 from sim.program import MEMORY_CATEGORIES, Op, RankClass
 
 
@@ -50,8 +48,8 @@ class Recorder(EngineObserver):
         self.ops: list[OpRecord] = []
         self.memory: dict[int, MemoryTrack] = {}
         self.rate_series: list[tuple[float, np.ndarray]] = []
-        self.flows_finished = 0
-        self.flow_bytes = 0.0
+        self.transfers_finished = 0
+        self.transfer_bytes = 0.0
         self.keep_memory_series = keep_memory_series
 
     # engine
@@ -74,12 +72,12 @@ class Recorder(EngineObserver):
                 track.series.append((t, dict(track.current)))
 
     # network
-    def on_rates(self, t: float, class_rates: np.ndarray, flows: Sequence[Flow]) -> None:
+    def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
         if self.rate_series and self.rate_series[-1][0] == t:
             self.rate_series[-1] = (t, class_rates.copy())
         else:
             self.rate_series.append((t, class_rates.copy()))
 
-    def on_flow_end(self, t: float, flow: Flow) -> None:
-        self.flows_finished += 1
-        self.flow_bytes += flow.size * flow.count
+    def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
+        self.transfers_finished += 1
+        self.transfer_bytes += nbytes

@@ -242,22 +242,34 @@ class Scenario(_Strict):
 
 
 # --------------------------------------------------------------------------- loading
+_UNION_TAGS = {"model": ("str", "ModelDims"), "framework": ("ddp", "fsdp2")}
+
+
 def _format_loc(loc: tuple[Any, ...]) -> str:
-    # Drop discriminator tags that pydantic inserts for tagged unions ("fsdp2", "ModelDims").
+    # Drop the branch tags pydantic inserts after a union field ("model" -> "ModelDims",
+    # "framework" -> "fsdp2"), and only there: a user's key may be called anything.
     parts: list[str] = []
+    prev: Any = None
     for item in loc:
+        if isinstance(prev, str) and item in _UNION_TAGS.get(prev, ()):
+            prev = None
+            continue
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif item in ("ddp", "fsdp2", "str", "ModelDims"):
-            continue
         else:
             parts.append(("." if parts else "") + str(item))
+        prev = item
     return "".join(parts) or "(top level)"
 
 
 def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
     errors = err.errors()
-    # A catalogue name that is not a string fails both branches of `model`; report it once.
+    # An inline model mapping fails both union branches; the string branch's complaint
+    # ("should be a valid string") says nothing useful, so report the mapping's own error.
+    if isinstance(data.get("model"), dict):
+        dims = [e for e in errors if tuple(e["loc"][:2]) == ("model", "ModelDims")]
+        others = [e for e in errors if e["loc"][:1] != ("model",)]
+        errors = others + dims if others else dims or errors
     e = errors[0]
     loc = _format_loc(tuple(e["loc"]))
     if e["type"] == "extra_forbidden":
@@ -300,7 +312,7 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
 
 
 def parse_set(assignment: str) -> tuple[str, Any]:
-    """Split ``key.path=value``; the value is read as a YAML scalar (``100``, ``true``, ``ring``)."""
+    """Split ``key.path=value``; the value is a YAML scalar (``100``, ``true``, ``ring``)."""
     if "=" not in assignment:
         raise ScenarioError(f"--set {assignment}: expected KEY=VALUE")
     key, raw = assignment.split("=", 1)

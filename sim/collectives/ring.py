@@ -8,9 +8,9 @@ The flows share links with everything else on the fabric, so contention comes ou
 max-min solve rather than out of a formula.
 
 Across nodes NCCL builds several rings (channels) and spreads them over the NICs. Channel c
-enters each node at a different GPU so that every NIC carries one channel; the in-node order
-of node k is rotated by ``c - k`` so the hop from node k to node k+1 stays on one rail (only
-the wrap-around hop may change rail).
+enters every node at local GPU c and leaves it from the GPU before it; the hop to the next
+node goes over NVLink to local GPU c and out through its NIC (NCCL's PXN, "PCI x NVLink",
+the default on rail-optimised fabrics since NCCL 2.12), so every channel stays on one rail.
 """
 
 from __future__ import annotations
@@ -25,6 +25,16 @@ import simpy
 from sim.collectives import nccl
 from sim.network import FlowNetwork, ring_bytes_per_rank
 from sim.topology import CROSS_AZ, NETWORK, NVLINK, PCIE, Fabric
+
+
+def transport_capacity(fabric: Fabric, arch: str) -> np.ndarray:
+    """Link capacity as NCCL's transports achieve it (see :mod:`sim.collectives.nccl`): the
+    flow network runs on these, so sharing divides what a transfer can really get."""
+    eff = np.ones(len(fabric.capacity))
+    eff[fabric.kind == NVLINK] = nccl.NVLINK_EFFICIENCY[arch]
+    eff[(fabric.kind == NETWORK) | (fabric.kind == CROSS_AZ)] = nccl.NETWORK_EFFICIENCY
+    eff[fabric.kind == PCIE] = nccl.PCIE_EFFICIENCY
+    return fabric.capacity * eff
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,16 @@ class RingPlan:
         """Bus bandwidth of the whole collective: each channel moves at its slowest edge."""
         return sum(min(bws) for bws in self.edge_bw)
 
+    @cached_property
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(every edge's links in turn, links per edge, each edge's bottleneck) as arrays."""
+        edges = [e for ring in self.edge_links for e in ring]
+        lengths = np.array([len(e) for e in edges], dtype=np.int64)
+        flat = np.fromiter((x for e in edges for x in e), dtype=np.int64,
+                           count=int(lengths.sum()))
+        bws = np.array([b for ring in self.edge_bw for b in ring])
+        return flat, lengths, bws
+
 
 def ring_orders(group: Sequence[int], node_of: dict[int, int], nics_per_node: int
                 ) -> list[list[int]]:
@@ -49,10 +69,10 @@ def ring_orders(group: Sequence[int], node_of: dict[int, int], nics_per_node: in
 
     Examples
     --------
-    Two nodes of two GPUs, two NICs: two channels, each crossing between nodes on one rail.
+    Two nodes of two GPUs, two NICs: two channels, entering each node at a different GPU.
 
     >>> ring_orders([0, 1, 2, 3], {0: 0, 1: 0, 2: 1, 3: 1}, 2)
-    [[0, 1, 3, 2], [1, 0, 2, 3]]
+    [[0, 1, 2, 3], [1, 0, 3, 2]]
     """
     by_node: dict[int, list[int]] = {}
     for r in sorted(group):
@@ -65,9 +85,9 @@ def ring_orders(group: Sequence[int], node_of: dict[int, int], nics_per_node: in
     rings = []
     for c in range(channels):
         ring: list[int] = []
-        for k, node in enumerate(nodes):
+        for node in nodes:
             members = by_node[node]
-            s = (c - k) % len(members)
+            s = c % len(members)
             ring += members[s:] + members[:s]
         rings.append(ring)
     return rings
@@ -87,15 +107,10 @@ class CollectiveRunner:
         self._plans: dict[tuple[int, ...], RingPlan] = {}
         self.chosen: list[tuple[str, str, float]] = []
 
-    @cached_property
+    @property
     def effective_capacity(self) -> np.ndarray:
-        """Link capacity as NCCL's transport can use it (see :mod:`sim.collectives.nccl`)."""
-        eff = np.ones(len(self.fabric.capacity))
-        eff[self.fabric.kind == NVLINK] = nccl.NVLINK_EFFICIENCY[self.arch]
-        eff[(self.fabric.kind == NETWORK) | (self.fabric.kind == CROSS_AZ)] = (
-            nccl.NETWORK_EFFICIENCY)
-        eff[self.fabric.kind == PCIE] = nccl.PCIE_EFFICIENCY
-        return self.fabric.capacity * eff
+        """Link capacity as the flows see it (the network was built with it)."""
+        return self.net.capacity
 
     @cached_property
     def _node_of(self) -> dict[int, int]:
@@ -109,7 +124,7 @@ class CollectiveRunner:
             links = []
             bws = []
             for ring in rings:
-                edges = tuple(self.fabric.route(ring[i], ring[(i + 1) % len(ring)])
+                edges = tuple(self.edge_route(ring[i], ring[(i + 1) % len(ring)])
                               for i in range(len(ring)))
                 links.append(edges)
                 bws.append(tuple(float(cap[list(e)].min()) for e in edges))
@@ -117,6 +132,15 @@ class CollectiveRunner:
             plan = RingPlan(tuple(tuple(r) for r in rings), tuple(links), n_nodes, tuple(bws))
             self._plans[group] = plan
         return plan
+
+    def edge_route(self, src: int, dst: int) -> tuple[int, ...]:
+        """Links of one ring edge; between nodes via the proxy GPU on the receiver's rail."""
+        fab = self.fabric
+        g = fab.spec.gpus_per_node
+        if self._node_of[src] == self._node_of[dst] or src % g == dst % g:
+            return fab.route(src, dst)
+        proxy = self._node_of[src] * g + dst % g
+        return fab.route(src, proxy) + fab.route(proxy, dst)
 
     def run_collective(self, op: str, group: tuple[int, ...], nbytes: float, tag: object = None
                        ) -> Generator[simpy.Event, object, None]:
@@ -132,11 +156,10 @@ class CollectiveRunner:
         yield self.env.timeout(est.latency_s)
         per_flow = per_rank / len(plan.channels)
         factor = min(1.0, est.bus_bw_bytes_per_s / plan.bus_bw)
-        specs = []
-        for edges, bws in zip(plan.edge_links, plan.edge_bw, strict=True):
-            for links, bw in zip(edges, bws, strict=True):
-                specs.append((links, per_flow, 1, bw * factor))
-        yield simpy.AllOf(self.env, self.net.start_flows(specs, tag=tag))
+        flat, lengths, bws = plan.flat
+        n = len(lengths)
+        yield self.net.start_group(flat, lengths, np.full(n, per_flow), np.ones(n),
+                                   bws * factor, tag=tag)
 
     def run_p2p(self, pairs: Sequence[tuple[int, int]], nbytes: float, tag: object = None
                 ) -> Generator[simpy.Event, object, None]:
@@ -153,4 +176,4 @@ class CollectiveRunner:
         for s, d in pairs:
             links = self.fabric.route(s, d)
             specs.append((links, nbytes, 1, float(cap[list(links)].min())))
-        yield simpy.AllOf(self.env, self.net.start_flows(specs, tag=tag))
+        yield self.net.start_flows(specs, tag=tag)

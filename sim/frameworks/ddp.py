@@ -132,7 +132,7 @@ def build_ddp(ctx: JobContext) -> Program:
 
         if communicate:
             ready = []  # (tensor bytes, op after which it is ready), in ready order
-            for name, numel, block, layer in reversed(m.parameter_tensors()):
+            for _name, numel, block, layer in reversed(m.parameter_tensors()):
                 ready.append((FP32 * numel, ops.bwd_of[(block, layer)]))
             ready.sort(key=lambda x: x[1].index)   # rebuilt buckets follow readiness
             first_cap = (DEFAULT_FIRST_BUCKET_MB if opts.bucket_mb is None

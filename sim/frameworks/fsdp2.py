@@ -118,26 +118,22 @@ def build_fsdp2(ctx: JobContext) -> Program:
                 last_op.free = last_op.free + (("parameters", pbytes * numel),)
         # ---------------- backward: reverse units; prefetch one unit ahead
         bw_units = list(reversed(units))
-        bwd_ags: dict[int, Op] = {}
 
-        def bwd_gather(i: int, deps: list[Op]) -> Op | None:
-            name, numel, _ = bw_units[i]
-            resharded = opts.reshard_after_forward and name != "head"
-            if not resharded:
-                return None
-            bwd_ags[i] = gather(name, numel, deps, mb, "bwd")
-            return bwd_ags[i]
+        def resharded(unit_name: str) -> bool:
+            return opts.reshard_after_forward and unit_name != "head"
 
-        bwd_gather(0, [])
+        next_ag = (gather(bw_units[0][0], bw_units[0][1], [], mb, "bwd")
+                   if resharded(bw_units[0][0]) else None)
         for i, (name, numel, blocks) in enumerate(bw_units):
-            ag = bwd_ags.get(i)
-            first_op: Op
-            if ag is not None:
-                first_op = copy_out(name, numel, ag, mb, "bwd")
-            else:
-                first_op = ops.bwd_of[blocks[-1]]
-            if i + 1 < len(bw_units):
-                bwd_gather(i + 1, [first_op] if ag is not None else [])
+            ag = next_ag
+            first_op = copy_out(name, numel, ag, mb, "bwd") if ag is not None else None
+            next_ag = None
+            if i + 1 < len(bw_units) and resharded(bw_units[i + 1][0]):
+                # Backward prefetch: the previous unit's all-gather is issued as this unit's
+                # backward begins.
+                prev_name, prev_numel, _ = bw_units[i + 1]
+                next_ag = gather(prev_name, prev_numel, [first_op] if first_op else [], mb,
+                                 "bwd")
             for key in reversed(blocks):
                 program.add(cls, ops.bwd_of[key])
             last = ops.bwd_of[blocks[0]]

@@ -1,0 +1,170 @@
+"""Ring collectives on the fabric against the closed forms, and contention between them."""
+
+from __future__ import annotations
+
+import pytest
+import simpy
+
+from sim.collectives import nccl
+from sim.collectives.ring import CollectiveRunner, ring_orders, transport_capacity
+from sim.network import FlowNetwork
+from sim.topology import LINK_KINDS, FabricSpec, build_fabric
+
+GB = 1e9
+
+
+def runner(spec: FabricSpec, arch: str = "hopper", proto: str = "simple"):
+    fab = build_fabric(spec)
+    env = simpy.Environment()
+    net = FlowNetwork(env, transport_capacity(fab, arch), fab.kind, len(LINK_KINDS))
+    return env, net, CollectiveRunner(env, net, fab, arch, proto=proto), fab
+
+
+def timed(env, gen) -> float:
+    t0 = env.now
+    env.run(env.process(gen))
+    return env.now - t0
+
+
+def dgx(nodes: int, **kw) -> FabricSpec:
+    base = dict(nodes=nodes, gpus_per_node=8, nvlink_gbytes_per_s=450, pcie_gbytes_per_s=63,
+                nics_per_node=8, nic_gbps=400)
+    base.update(kw)
+    return FabricSpec(**base)
+
+
+@pytest.mark.parametrize("op,factor", [("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8),
+                                       ("reduce_scatter", 7 / 8)])
+def test_in_node_ring_matches_closed_form(op: str, factor: float) -> None:
+    # One node, 8 GPUs on NVSwitch: time = NCCL latency + factor * S / B, where B is the
+    # NVLink bandwidth a ring achieves (NCCL's 20.6 GB/s per NVLink4 link x 18 links).
+    env, _, run, _ = runner(dgx(1, nics_per_node=0))
+    size = 1 << 30
+    t = timed(env, run.run_collective(op, tuple(range(8)), size))
+    bw = 450 * GB * nccl.NVLINK_EFFICIENCY["hopper"]
+    expected = nccl.ring_latency_s(op, "simple", 8, 1) + factor * size / bw
+    assert t == pytest.approx(expected, rel=1e-9)
+    # busbw as nccl-tests prints it: about 370 GB/s on H100 (nccl-tests issue 212).
+    busbw = factor * size / (t - nccl.ring_latency_s(op, "simple", 8, 1))
+    assert busbw / GB == pytest.approx(370.8, rel=0.01)
+
+
+def test_multi_node_ring_is_bound_by_the_nics() -> None:
+    # 4 nodes x 8 GPUs, 8 x 400 Gb/s NICs: 8 channels, one per NIC; each channel carries
+    # 1/8 of the 2(n-1)/n volume through one NIC at its achieved rate. With PXN every
+    # channel also leaves each GPU over its NVLink port (7 in-node hops + 1 hop to the rail
+    # GPU), so a GPU's NVLink share caps the channel too: the slower of the two binds.
+    env, _, run, _ = runner(dgx(4))
+    size = 1 << 30
+    n = 32
+    t = timed(env, run.run_collective("all_reduce", tuple(range(n)), size))
+    nic = 400 / 8 * GB * nccl.NETWORK_EFFICIENCY
+    nvlink = 450 * GB * nccl.NVLINK_EFFICIENCY["hopper"]
+    lat = nccl.ring_latency_s("all_reduce", "simple", n, 4)
+    expected = lat + 2 * (n - 1) / n * size / min(8 * nic, nvlink)
+    assert t == pytest.approx(expected, rel=1e-6)
+    # About 376 GB/s bus bandwidth per node for 4-node NDR all-reduce (reference.yaml).
+    busbw = 2 * (n - 1) / n * size / (t - lat) / GB
+    assert 360 < busbw < 390
+
+
+def test_small_messages_show_the_latency_floor() -> None:
+    env, _, run, _ = runner(dgx(1, nics_per_node=0), proto="auto")
+    t = timed(env, run.run_collective("all_reduce", tuple(range(8)), 1024))
+    ll = nccl.ring_latency_s("all_reduce", "ll", 8, 1)
+    assert t == pytest.approx(ll, rel=0.05)   # 1 KiB: latency dominates, LL is chosen
+    assert run.chosen[-1][1] == "ll"
+
+
+def test_protocol_choice_moves_to_simple_for_large_messages() -> None:
+    env, _, run, _ = runner(dgx(1, nics_per_node=0), proto="auto")
+    timed(env, run.run_collective("all_reduce", tuple(range(8)), 1 << 30))
+    assert run.chosen[-1][1] == "simple"
+
+
+def test_ring_orders_stay_on_rail_between_nodes() -> None:
+    node_of = {r: r // 4 for r in range(16)}
+    rings = ring_orders(list(range(12)), node_of, 4)
+    assert len(rings) == 4
+    for c, ring in enumerate(rings):
+        assert sorted(ring) == list(range(12))
+        hops = [(ring[i], ring[(i + 1) % 12]) for i in range(12)]
+        cross = [(a, b) for a, b in hops if node_of[a] != node_of[b]]
+        assert len(cross) == 3
+        # Channel c enters every node at local GPU c: its network hops all use rail c.
+        assert all(b % 4 == c for _, b in cross)
+
+
+def test_cross_node_edges_leave_through_the_receivers_rail() -> None:
+    env, _, run, fab = runner(dgx(2))
+    links = run.edge_route(7, 8)          # node 0 GPU 7 -> node 1 GPU 0 (rail 0)
+    kinds = [LINK_KINDS[k] for k in fab.kind[list(links)]]
+    assert kinds[:2] == ["nvlink", "nvlink"]     # PXN: over NVLink to node 0's GPU 0
+    nic_links = [i for i in links if fab.kind[i] == 2]
+    assert fab.route(0, 8)[-len(fab.route(0, 8)):] == links[2:]
+    assert nic_links
+
+
+def test_collectives_sharing_an_oversubscribed_spine_slow_each_other() -> None:
+    # Two leaf groups of 2 nodes, 4:1 oversubscribed. Job A spans nodes 0 and 2, job B nodes
+    # 1 and 3: both rings cross the spine. Together each gets half the spine, so each takes
+    # twice as long (less the latency term) as alone.
+    spec = dgx(4, nodes_per_leaf=2, oversubscription=4.0)
+    a = tuple(range(0, 8)) + tuple(range(16, 24))
+    b = tuple(range(8, 16)) + tuple(range(24, 32))
+    size = 1 << 28
+    env, _, run, _ = runner(spec)
+    alone = timed(env, run.run_collective("all_gather", a, size))
+    env, _, run, _ = runner(spec)
+    pa = env.process(run.run_collective("all_gather", a, size))
+    pb = env.process(run.run_collective("all_gather", b, size))
+    env.run(simpy.AllOf(env, [pa, pb]))
+    together = env.now
+    lat = nccl.ring_latency_s("all_gather", "simple", 16, 2)
+    assert (together - lat) == pytest.approx(2 * (alone - lat), rel=1e-6)
+
+
+def test_in_node_traffic_does_not_slow_inter_node_traffic_on_other_links() -> None:
+    # An all-reduce among GPUs 0-3 of node 0 (NVLink) next to an all-gather among GPU 4 of
+    # every node (its NIC): the second uses GPU 4's NVLink port only, which the first never
+    # touches, so it runs exactly as fast as alone.
+    spec = dgx(4)
+    tp = (0, 1, 2, 3)
+    dp = (4, 12, 20, 28)
+    size = 1 << 28
+    env, _, run, _ = runner(spec)
+    alone = timed(env, run.run_collective("all_gather", dp, size))
+    env, _, run, _ = runner(spec)
+    p1 = env.process(run.run_collective("all_reduce", tp, 4 * size))
+    p2 = env.process(run.run_collective("all_gather", dp, size))
+    env.run(p2)
+    assert env.now == pytest.approx(alone, rel=1e-9)
+    env.run(p1)
+
+
+def test_bytes_by_class_for_a_two_node_all_gather() -> None:
+    # Conservation: the ring moves (n-1)/n*S per rank; a cross-node edge's bytes travel
+    # GPU-NVSwitch-GPU (PXN to the rail GPU), then GPU-PCIe-NIC-leaf-NIC-PCIe-GPU (2 network
+    # hops on the rail's leaf, 4 PCIe); an in-node edge GPU-NVSwitch-GPU (2 NVLink hops).
+    env, net, run, fab = runner(dgx(2))
+    size = 1 << 26
+    n = 16
+    timed(env, run.run_collective("all_gather", tuple(range(n)), size))
+    per_flow = (n - 1) / n * size / 8
+    cross_edges = 8 * 2          # 8 channels, 2 node boundaries per ring
+    in_edges = 8 * (n - 2)
+    by_kind = dict(zip(LINK_KINDS, net.class_bytes, strict=True))
+    assert by_kind["nvlink"] == pytest.approx((in_edges + cross_edges) * 2 * per_flow)
+    assert by_kind["network"] == pytest.approx(cross_edges * 2 * per_flow)
+    assert by_kind["pcie"] == pytest.approx(cross_edges * 4 * per_flow)
+    assert by_kind["cross_az"] == 0.0
+
+
+def test_cross_zone_bytes_counted_once_per_crossing() -> None:
+    # Two nodes in two zones: each ring crosses the zone boundary twice (there and back).
+    env, net, run, _ = runner(dgx(2, azs=2, az_link_gbps=100))
+    size = 1 << 24
+    n = 16
+    timed(env, run.run_collective("all_gather", tuple(range(n)), size))
+    per_flow = (n - 1) / n * size / 8
+    assert net.class_bytes[3] == pytest.approx(8 * 2 * per_flow)

@@ -1,0 +1,108 @@
+"""The compute model against the H200 kernel measurements it was fitted to, and its physics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sim import catalog
+from sim.compute import ComputeModel
+
+DATA = catalog.calibration("h200-kernels.json")
+H200 = ComputeModel(catalog.gpu("h200"))
+
+
+@pytest.mark.parametrize("row", DATA["gemm"], ids=lambda r: f"{r['model']}-tp{r['tp']}-"
+                         f"{r['gemm']}-{r['pass']}-M{r['M']}")
+def test_each_calibration_gemm_within_10_percent(row) -> None:
+    t = H200.measured_time(H200.gemm_time(row["M"], row["K"], row["N"], row["pass"]))
+    assert t == pytest.approx(row["s"], rel=0.10)
+
+
+def test_physical_gemm_form_explains_the_data_without_the_table() -> None:
+    # The tile/wave/efficiency form alone (no measured residuals) must already track the
+    # measurements: rms error within 6%, none off by more than 16%.
+    err = np.array([H200.measured_time(H200.gemm_time(r["M"], r["K"], r["N"], r["pass"],
+                                                      measured_table=False)) / r["s"] - 1
+                    for r in DATA["gemm"]])
+    assert np.sqrt(np.mean(err**2)) < 0.06
+    assert np.abs(err).max() < 0.16
+
+
+@pytest.mark.parametrize("row", DATA["attn"], ids=lambda r: f"S{r['seq']}-H{r['heads']}")
+def test_attention_forward_and_backward(row) -> None:
+    # A standalone SDPA call = GPU kernel time + its CPU dispatch + the harness overhead.
+    cm = H200
+    fwd = cm.attention_time(1, row["heads"], row["seq"], row["head_dim"], "fwd")
+    bwd = cm.attention_time(1, row["heads"], row["seq"], row["head_dim"], "bwd")
+    t_fwd = fwd + cm.attention_cpu_s("fwd") + cm.harness_overhead_s
+    t_bwd = bwd + cm.attention_cpu_s("bwd") + cm.harness_overhead_s
+    assert t_fwd == pytest.approx(row["fwd_s"], rel=0.10)
+    assert t_fwd + t_bwd == pytest.approx(row["fwd_bwd_s"], rel=0.10)
+
+
+def test_attention_head_dim_64_is_less_efficient_than_128() -> None:
+    # Per score: 4D matmul FLOPs plus one exponential worth 254 matmul FLOPs (FA-3 paper):
+    # at D=64 the same FLOPs take (256+254)/256 / ((512+254)/512) = 1.33x as long.
+    t64 = H200.attention_time(1, 64, 8192, 64, measured_table=False)
+    t128 = H200.attention_time(1, 32, 8192, 128, measured_table=False)
+    assert t64 / t128 == pytest.approx((256 + 254) / 256 / ((512 + 254) / 512), rel=0.02)
+
+
+@pytest.mark.parametrize("row", DATA["membound"], ids=lambda r: f"{r['op']}-{r['M']}x{r['h']}")
+def test_memory_bound_kernels(row) -> None:
+    nbytes = row["GBps"] * 1e9 * row["s"]
+    if row["op"] == "swiglu":
+        # Eager silu(g) * u over n = bytes/6 elements: the SiLU's math, then the multiply.
+        n = nbytes / 6
+        t = max(H200.membound_time(4 * n), H200.kernel_min_s + H200.activation_time(n))
+        t += H200.membound_time(nbytes) + 2 * H200.harness_overhead_s
+    else:
+        klass = "norm_fused" if row["op"] == "rms_norm" else "elementwise"
+        t = H200.measured_time(H200.membound_time(nbytes, klass))
+    assert t == pytest.approx(row["s"], rel=0.10)
+
+
+@pytest.mark.parametrize("row", DATA["adamw"], ids=lambda r: f"{r['params']}-{r['fused']}")
+def test_adamw(row) -> None:
+    t = H200.adamw_time(row["params"], row["fused"], tensors=16)
+    assert t == pytest.approx(row["s"], rel=0.02)
+
+
+def test_pcie_rate_is_the_measured_one() -> None:
+    assert H200.pcie_bytes_per_s() == pytest.approx(min(r["GBps"] for r in DATA["pcie"]) * 1e9)
+
+
+def test_other_gpus_scale_with_their_datasheets() -> None:
+    h100 = ComputeModel(catalog.gpu("h100-sxm"))
+    a100 = ComputeModel(catalog.gpu("a100-80gb"))
+    big = 1 << 30
+    # Memory-bound time scales with HBM bandwidth: 4.8 vs 3.35 TB/s.
+    ratio = (h100.membound_time(big) - h100.kernel_min_s) / (
+        H200.membound_time(big) - H200.kernel_min_s)
+    assert ratio == pytest.approx(4800 / 3350)
+    # A large GEMM on the A100 takes the peak ratio longer: 989.4 vs 312 TFLOP/s (A100 has
+    # 108 SMs, so the wave quantisation differs a little).
+    r = a100.gemm_time(32768, 8192, 28672, measured_table=False) / H200.gemm_time(
+        32768, 8192, 28672, measured_table=False)
+    assert r == pytest.approx(989.4 / 312, rel=0.05)
+
+
+def test_fit_file_is_reproducible() -> None:
+    scipy = pytest.importorskip("scipy")
+    assert scipy
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    fit = root / "sim" / "catalog" / "calibration" / "h200-fit.json"
+    before = json.loads(fit.read_text())
+    subprocess.run([sys.executable, str(root / "tools" / "fit_compute.py")], check=True,
+                   capture_output=True)
+    after = json.loads(fit.read_text())
+    assert after["gemm"]["peak_tflops"] == pytest.approx(before["gemm"]["peak_tflops"])
+    assert after["attention"]["fwd"]["peak_tflops"] == pytest.approx(
+        before["attention"]["fwd"]["peak_tflops"])

@@ -1,0 +1,132 @@
+"""DDP and FSDP2 schedules: what they communicate, when, and what they hold in memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.api import simulate
+from sim.frameworks import JobContext, build_program
+from sim.frameworks.ddp import bucket_assignment
+from sim.model import ModelSpec
+from sim.scenario import ScenarioError, scenario_from_dict
+
+SMALL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn_hidden": 4096,
+         "vocab": 32000, "mlp": "swiglu"}
+
+
+def scenario(framework: dict, nodes: int = 1, gpus: int = 8, **training):
+    t = {"seq_len": 1024, "micro_batch_size": 1}
+    t.update(training)
+    return scenario_from_dict({
+        "name": "t", "model": SMALL,
+        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpus,
+                    "nics_per_node": 8 if nodes > 1 else 0},
+        "framework": framework, "training": t})
+
+
+def program(s):
+    return build_program(JobContext.from_scenario(s))
+
+
+def test_single_gpu_ddp_has_no_communication() -> None:
+    p = program(scenario({"name": "ddp"}, gpus=1))
+    assert not [op for op in p.ops if op.kind == "collective"]
+    assert [op.category for op in p.ops][-1] == "optimizer"
+
+
+def test_ddp_all_reduces_every_gradient_byte_once() -> None:
+    s = scenario({"name": "ddp"})
+    p = program(s)
+    m = ModelSpec.from_ref(s.model)
+    ars = [op for op in p.ops if op.collective == "all_reduce"]
+    assert sum(op.nbytes for op in ars) == 4 * m.total_params      # fp32 gradients
+    # The first bucket is small (1 MiB cap) so communication starts early; the LM head
+    # (32000 x 1024 x 4 bytes) alone overshoots it.
+    assert ars[0].nbytes == 4 * m.vocab * m.hidden
+    # Buckets go in order on one stream, each after the backward op that completed it.
+    assert all(a.stream == "comm" for a in ars)
+    assert [a.deps[0].index for a in ars] == sorted(a.deps[0].index for a in ars)
+
+
+def test_bucket_assignment_reaches_the_cap_then_closes() -> None:
+    mib = 1 << 20
+    sizes = [3 * mib, 10 * mib, 10 * mib, 10 * mib, 40 * mib, 1 * mib]
+    assert bucket_assignment(sizes, first_cap=1 * mib, cap=25 * mib) == [
+        [0], [1, 2, 3], [4], [5]]
+
+
+def test_ddp_gradient_accumulation_communicates_once() -> None:
+    s = scenario({"name": "ddp"}, global_batch_size=32)
+    p = program(s)
+    assert p.meta["micro_batches"] == 4
+    ars = [op for op in p.ops if op.collective == "all_reduce"]
+    assert {op.micro_batch for op in ars} == {3}
+
+
+def test_fsdp2_gathers_bf16_and_reduce_scatters_fp32() -> None:
+    s = scenario({"name": "fsdp2"})
+    p = program(s)
+    m = ModelSpec.from_ref(s.model)
+    ag = [op for op in p.ops if op.collective == "all_gather"]
+    rs = [op for op in p.ops if op.collective == "reduce_scatter"]
+    fwd = sum(op.nbytes for op in ag if "(fwd)" in op.name)
+    bwd = sum(op.nbytes for op in ag if "(bwd)" in op.name)
+    assert fwd == 2 * m.total_params
+    # Backward re-gathers everything but the last unit (norm + output: not resharded).
+    assert bwd == 2 * (m.total_params - m.norm_params - m.lm_head_params)
+    assert sum(op.nbytes for op in rs) == 4 * m.total_params
+    assert {op.stream for op in ag} == {"ag"} and {op.stream for op in rs} == {"rs"}
+
+
+def test_fsdp2_without_reshard_gathers_once_and_holds_more() -> None:
+    on = simulate(scenario({"name": "fsdp2"}))
+    off = simulate(scenario({"name": "fsdp2", "reshard_after_forward": False}))
+    n_on = sum(op.collective == "all_gather" for op in on.program.ops)
+    n_off = sum(op.collective == "all_gather" for op in off.program.ops)
+    assert n_off < n_on
+    assert off.summary["peak_memory_gib"] > on.summary["peak_memory_gib"]
+
+
+def test_fsdp2_memory_shrinks_with_more_shards() -> None:
+    small = simulate(scenario({"name": "fsdp2"}, gpus=2)).summary
+    large = simulate(scenario({"name": "fsdp2"}, nodes=2, gpus=8)).summary
+    m = ModelSpec.from_ref(scenario({"name": "fsdp2"}).model)
+    # Sharded parameters + gradients + AdamW states: 16 bytes per parameter / n.
+    saved = 16 * m.total_params * (1 / 2 - 1 / 16) / 2**30
+    assert small["peak_memory_gib"] - large["peak_memory_gib"] == pytest.approx(saved, rel=0.1)
+
+
+def test_memory_returns_to_its_start_after_a_step() -> None:
+    for fw in ({"name": "ddp"}, {"name": "fsdp2"}):
+        for ac in ("none", "full"):
+            r = simulate(scenario(fw, activation_checkpointing=ac, global_batch_size=16))
+            cls = r.program.classes[0]
+            end = r.recorder.memory[0].total
+            start = sum(cls.initial_memory.values())
+            assert end == pytest.approx(start, rel=1e-9, abs=1.0), (fw, ac)
+
+
+def test_checkpointing_trades_memory_for_recompute() -> None:
+    plain = simulate(scenario({"name": "fsdp2"}, micro_batch_size=4)).summary
+    ckpt = simulate(scenario({"name": "fsdp2"}, micro_batch_size=4,
+                             activation_checkpointing="full")).summary
+    assert ckpt["peak_memory_gib"] < plain["peak_memory_gib"]
+    assert ckpt["step_time_s"] > plain["step_time_s"]
+    assert ckpt["hfu"] > ckpt["mfu"] and plain["hfu"] == pytest.approx(plain["mfu"])
+
+
+def test_fsdp2_overlaps_its_communication() -> None:
+    s = simulate(scenario({"name": "fsdp2"}, nodes=2, gpus=8, seq_len=4096)).summary
+    assert s["comm_time_s"] > 0
+    assert s["exposed_comm_s"] < s["comm_time_s"]
+    assert s["compute_time_s"] <= s["step_time_s"] + 1e-12
+
+
+def test_unsupported_layouts_are_refused_naming_the_key() -> None:
+    s = scenario_from_dict({"model": SMALL, "cluster": {"gpus_per_node": 8, "nics_per_node": 0},
+                            "framework": {"name": "ddp"}, "parallelism": {"tp": 2}})
+    with pytest.raises(ScenarioError, match="parallelism"):
+        program(s)
+    s = scenario({"name": "ddp"}, global_batch_size=12)
+    with pytest.raises(ScenarioError, match="training.global_batch_size"):
+        program(s)
