@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100
+	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-100g
 	$(BIN)/fabricsim run llama3.2-1b-1xh200
-	$(BIN)/fabricsim run llama3-8b-fsdp2-16xh100
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

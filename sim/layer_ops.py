@@ -140,7 +140,7 @@ class _Builder:
         self._bwd_ops: list[list[Kernel]] = []
 
     # tensors and kernels
-    def t(self, name: str, numel: float, nbytes_per: int) -> Tensor:
+    def t(self, name: str, numel: float, nbytes_per: float) -> Tensor:
         return Tensor(f"{self.block.name}.{name}", float(numel) * nbytes_per)
 
     def fwd(self, k: Kernel) -> Kernel:
@@ -413,7 +413,7 @@ def attention_block(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: 
         k = b.rope(k, tokens, m.kv_dim, "rope_k")
     if kv_cache:
         # DynamicCache.update: torch.cat([empty, k]) and the same for v, kept until return.
-        kc = b.t("cache_k", tokens * m.kv_dim, k.nbytes / (tokens * m.kv_dim))
+        kc = Tensor("attn.cache_k", k.nbytes)   # same dtype as k after RoPE
         vc = b.t("cache_v", tokens * m.kv_dim, BF16)
         b.fwd(Kernel("cache_k", "elementwise", (k,), (kc,)))
         b.fwd(Kernel("cache_v", "elementwise", (v,), (vc,)))

@@ -24,19 +24,18 @@ def union_length(intervals: Iterable[tuple[float, float]]) -> float:
     Examples
     --------
     >>> union_length([(0, 2), (1, 3), (5, 6)])
-    4
+    4.0
     """
-    total = 0
-    end = None
-    start = None
+    total = 0.0
+    start = end = None
     for a, b in sorted(intervals):
-        if end is None or a > end:
-            if end is not None:
+        if end is None or start is None or a > end:
+            if end is not None and start is not None:
                 total += end - start
             start, end = a, b
         else:
             end = max(end, b)
-    if end is not None:
+    if end is not None and start is not None:
         total += end - start
     return total
 
@@ -69,7 +68,7 @@ def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> Step
     comm_t = union_length(comm)
     exposed = subtract_length(comm, compute)
     bubble = 0.0
-    if int(program.meta.get("pipeline_stages", 1)) > 1:
+    if int(str(program.meta.get("pipeline_stages", 1))) > 1:
         # Idle compute on the critical stage, less the exposed communication already counted.
         bubble = max(0.0, (wall - compute_t - exposed) / wall) if wall > 0 else 0.0
     return StepTimes(wall / steps, compute_t / steps, comm_t / steps, exposed / steps, bubble,

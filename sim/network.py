@@ -222,8 +222,9 @@ class FlowNetwork:
         else:
             self._rate = max_min_rates(self._inc_link, self._inc_flow, n, self.capacity,
                                        self._cap)
-            self._link_rates = np.bincount(self._inc_link, weights=self._rate[self._inc_flow],
-                                           minlength=len(self.capacity))
+            self._link_rates = np.bincount(
+                self._inc_link, weights=self._rate[self._inc_flow],
+                minlength=len(self.capacity)).astype(float)
             self._class_rates = (self._rate * self._count) @ self._hops
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 

@@ -122,11 +122,11 @@ def build_fsdp2(ctx: JobContext) -> Program:
         def resharded(unit_name: str) -> bool:
             return opts.reshard_after_forward and unit_name != "head"
 
-        next_ag = (gather(bw_units[0][0], bw_units[0][1], [], mb, "bwd")
+        next_ag: Op | None = (gather(bw_units[0][0], bw_units[0][1], [], mb, "bwd")
                    if resharded(bw_units[0][0]) else None)
         for i, (name, numel, blocks) in enumerate(bw_units):
-            ag = next_ag
-            first_op = copy_out(name, numel, ag, mb, "bwd") if ag is not None else None
+            bwd_ag = next_ag
+            first_op = copy_out(name, numel, bwd_ag, mb, "bwd") if bwd_ag is not None else None
             next_ag = None
             if i + 1 < len(bw_units) and resharded(bw_units[i + 1][0]):
                 # Backward prefetch: the previous unit's all-gather is issued as this unit's

@@ -17,6 +17,7 @@ ops (collectives, bucket copies) around these.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sim.layer_ops import BlockCost
@@ -45,8 +46,9 @@ def unit_order(layers: int) -> list[tuple[str, int]]:
 
 
 def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute: bool,
-                    autocast: bool, grad_alloc: dict[str, float], extra_bwd_s: dict[str, float],
-                    model_flops: dict[str, tuple[float, float]], stream: str = "compute"
+                    autocast: bool, grad_alloc: Mapping[str, float],
+                    extra_bwd_s: Mapping[str, float],
+                    model_flops: Mapping[str, tuple[float, float]], stream: str = "compute"
                     ) -> PassOps:
     """Compute ops of one micro-batch (not yet added to a program).
 
