@@ -28,12 +28,14 @@ GemmPass = Literal["fwd", "dgrad", "wgrad"]
 MemClass = Literal["elementwise", "norm_fused"]
 
 # CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
-# by it; large ones hide it because the CPU runs ahead of the GPU. Estimates, not measured
-# here: dispatcher + autograd recording in forward, autograd-engine node execution in
-# backward (see Horace He, "Making Deep Learning Go Brrrr From First Principles", 2022,
-# section "Overhead", which puts eager per-op overhead at the order of 10 microseconds).
-EAGER_FWD_OP_CPU_S = 6e-6
-EAGER_BWD_OP_CPU_S = 4e-6
+# by it; large ones hide it because the CPU runs ahead of the GPU. Not measured here; set from
+# published eager behaviour: per-op overhead of the order of 10 us (Horace He, "Making Deep
+# Learning Go Brrrr From First Principles", 2022, "Overhead"), and eager Llama-7B decoding on
+# an A100 running CPU-bound at about 25 tokens/s, i.e. over 1 ms per decoder layer of a few
+# dozen ops (PyTorch blog, "Accelerating Generative AI with PyTorch II: GPT, Fast", 2023).
+# Backward runs in the C++ autograd engine, without Python between kernels: half as much.
+EAGER_FWD_OP_CPU_S = 10e-6
+EAGER_BWD_OP_CPU_S = 5e-6
 # Under torch.compile (inductor) a fused kernel is launched from generated code with little
 # Python in between.
 COMPILED_OP_CPU_S = 2e-6

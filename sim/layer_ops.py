@@ -520,13 +520,15 @@ def head_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
     lsm = b.t("log_softmax", n, FP32)
     loss = b.t("loss", 1, FP32)
     b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
-    # log_softmax reads its row twice (max/sum-exp, then output) and writes once.
-    b.fwd(Kernel("log_softmax", "elementwise", (lf, lf), (lsm,)))
+    # A 128k-wide fp32 row does not fit in shared memory, so PyTorch's softmax kernel makes
+    # three passes over it (max, sum of exponentials, output) and writes once.
+    b.fwd(Kernel("log_softmax", "elementwise", (lf, lf, lf), (lsm,)))
     b.fwd(Kernel("nll_loss", "tiny", (lsm,), (loss,)))
     b.save(lsm)
     g_nll = b.t("g_nll", n, FP32)
     g_lsm = b.t("g_log_softmax", n, FP32)
     g_logits = b.t("lm_head.g_out", n, BF16)
+    # log_softmax backward: sum of the gradient over the row, then grad - exp(out) * sum.
     b.bwd(Kernel("g_nll", "elementwise", (), (g_nll,)),
           Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_lsm,)),
           Kernel("g_logits_bf16", "elementwise", (g_lsm,), (g_logits,)))

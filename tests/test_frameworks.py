@@ -130,3 +130,39 @@ def test_unsupported_layouts_are_refused_naming_the_key() -> None:
     s = scenario({"name": "ddp"}, global_batch_size=12)
     with pytest.raises(ScenarioError, match="training.global_batch_size"):
         program(s)
+
+
+def test_whole_step_conservation_on_the_fabric() -> None:
+    # Through a whole FSDP2 step on two nodes: no link is ever loaded above its capacity,
+    # every byte the collectives send is counted on the links, and the streams' busy time
+    # fits in the step.
+    from sim.api import fabric_spec
+    from sim.collectives.ring import transport_capacity
+    from sim.engine import Engine
+    from sim.network import ring_bytes_per_rank
+    from sim.recorder import Recorder
+    from sim.topology import build_fabric
+
+    s = scenario({"name": "fsdp2"}, nodes=2, gpus=8)
+    ctx = JobContext.from_scenario(s)
+    prog = build_program(ctx)
+    fab = build_fabric(fabric_spec(s))
+    cap = transport_capacity(fab, ctx.gpu.arch)
+
+    class Check(Recorder):
+        worst = 0.0
+
+        def on_rates(self, t, class_rates, link_rates):
+            super().on_rates(t, class_rates, link_rates)
+            Check.worst = max(Check.worst, float((link_rates / cap).max()))
+
+    rec = Check()
+    eng = Engine(fab, ctx.gpu.arch, rec)
+    step = eng.run_step(prog)
+    assert Check.worst <= 1 + 1e-9
+    sent = sum(ring_bytes_per_rank(op.collective, op.nbytes, len(op.group)) * len(op.group)
+               for op in prog.ops if op.collective)
+    assert rec.transfer_bytes == pytest.approx(sent, rel=1e-9)
+    for stream in {op.stream for op in prog.ops}:
+        busy = sum(r.end - r.start for r in rec.ops if r.op.stream == stream)
+        assert busy <= step + 1e-9
