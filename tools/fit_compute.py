@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
+from sim.compute import gemm_dims
+
 ROOT = Path(__file__).resolve().parents[1]
 CAL = ROOT / "sim" / "catalog" / "calibration"
 KERNEL_MIN_S = 2.0e-6   # shortest back-to-back kernel on Hopper (launch-to-complete, empty body)
@@ -47,14 +49,6 @@ ATTN_BLOCK = 64
 # shape a few percent away follows the physical form.
 RESIDUAL_BANDWIDTH = 0.07
 RESIDUAL_PRIOR = 0.1
-
-
-def gemm_dims(m: float, k: float, n: float, pass_: str) -> tuple[float, float, float]:
-    if pass_ == "fwd":
-        return m, n, k
-    if pass_ == "dgrad":
-        return m, k, n
-    return n, k, m
 
 
 def main() -> None:

@@ -83,6 +83,22 @@ class JobContext:
         if not ok:
             self.fail(key, message)
 
+    def require_data_parallel_only(self, framework: str) -> None:
+        """Refuse what a pure data-parallel schedule of this version does not model: tensor,
+        pipeline or context parallelism, precisions other than 16-bit mixed precision, and
+        selective recomputation."""
+        s = self.scenario
+        p = s.parallelism
+        self.require(p.tp == 1 and p.pp == 1 and p.cp == 1, "parallelism",
+                     f"{framework} is modelled as pure data parallelism here: "
+                     "tp, pp and cp must be 1")
+        self.require(s.training.precision in ("bf16", "fp16"), "training.precision",
+                     f"{framework} is modelled with 16-bit mixed precision (bf16 or fp16); "
+                     f"{s.training.precision} is not yet")
+        self.require(s.training.activation_checkpointing != "selective",
+                     "training.activation_checkpointing",
+                     f"{framework} is modelled with none or full (per-block) checkpointing")
+
     # ------------------------------------------------------------------ pricing
     def block_costs(self, style: Style, kv_cache: bool) -> dict[str, BlockCost]:
         """Price of each block (embed, attn, mlp, head) for one micro-batch."""

@@ -61,15 +61,7 @@ def build_ddp(ctx: JobContext) -> Program:
     s = ctx.scenario
     opts = s.framework
     assert isinstance(opts, DdpOptions)
-    p = s.parallelism
-    ctx.require(p.tp == 1 and p.pp == 1 and p.cp == 1, "parallelism",
-                "ddp replicates the whole model: tp, pp and cp must be 1")
-    ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
-                f"ddp is modelled with 16-bit mixed precision (bf16 or fp16); "
-                f"{s.training.precision} is not yet")
-    ctx.require(s.training.activation_checkpointing != "selective",
-                "training.activation_checkpointing",
-                "ddp models Hugging Face checkpointing (none or full), not selective")
+    ctx.require_data_parallel_only("ddp")
     m = ctx.model
     n = ctx.n_ranks
     sync = ctx.dp > 1

@@ -39,16 +39,7 @@ def build_fsdp2(ctx: JobContext) -> Program:
     s = ctx.scenario
     opts = s.framework
     assert isinstance(opts, Fsdp2Options)
-    p = s.parallelism
-    ctx.require(p.tp == 1 and p.pp == 1 and p.cp == 1, "parallelism",
-                "fsdp2 with tensor, pipeline or context parallelism is not modelled yet; "
-                "use tp = pp = cp = 1")
-    ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
-                f"fsdp2 is modelled with 16-bit mixed precision (bf16 or fp16); "
-                f"{s.training.precision} is not yet")
-    ctx.require(s.training.activation_checkpointing != "selective",
-                "training.activation_checkpointing",
-                "fsdp2 here models none or full (per-block) checkpointing")
+    ctx.require_data_parallel_only("fsdp2")
     m = ctx.model
     n = ctx.n_ranks
     cm = ctx.compute
