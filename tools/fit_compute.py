@@ -174,7 +174,10 @@ def main() -> None:
     }
     (CAL / "h200-fit.json").write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k not in ("gemm", "attention")}, indent=1))
-    print("attention:", {k: (v if not isinstance(v, dict) else {a: b for a, b in v.items() if a != "residuals"}) for k, v in attn.items()})
+    def brief(v: object) -> object:
+        return {a: b for a, b in v.items() if a != "residuals"} if isinstance(v, dict) else v
+
+    print("attention:", {k: brief(v) for k, v in attn.items()})
     print("gemm base:", {k: v for k, v in gemm.items() if k != "residuals"})
 
 
