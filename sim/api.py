@@ -55,7 +55,7 @@ def fabric_spec(s: Scenario) -> FabricSpec:
         gpus_per_node=c.gpus_per_node,
         nvlink_gbytes_per_s=c.nvlink_gbytes_per_s or gpu.nvlink_gbytes_per_s,
         pcie_gbytes_per_s=c.pcie_gbytes_per_s or gpu.pcie_gbytes_per_s,
-        nics_per_node=c.nics_per_node if c.nodes > 1 else min(c.nics_per_node, 8),
+        nics_per_node=c.nics_per_node,
         nic_gbps=c.nic_gbps,
         azs=c.azs,
         az_link_gbps=c.az_link_gbps,

@@ -221,6 +221,9 @@ class Scenario(_Strict):
 
     @model_validator(mode="after")
     def _check_layout(self) -> Scenario:
+        if self.cluster.nodes > 1 and self.cluster.nics_per_node < 1:
+            raise ValueError("cluster.nics_per_node: servers need a NIC to reach each other "
+                             f"({self.cluster.nodes} nodes, 0 NICs)")
         p = self.parallelism
         n = self.gpus
         fixed = p.tp * p.pp * p.cp

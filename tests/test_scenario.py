@@ -431,3 +431,10 @@ def test_json_schema_lists_the_contract_gpus():
     assert {"a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200"} <= set(
         cluster["properties"]["gpu"]["enum"])
 
+
+
+def test_several_nodes_need_nics():
+    # Servers without a network adapter cannot reach each other: refused, naming the key.
+    data = one_gpu(cluster={"gpu": "h200", "nodes": 2, "gpus_per_node": 1, "nics_per_node": 0})
+    with pytest.raises(ScenarioError, match=r"s\.yaml: cluster\.nics_per_node: "):
+        scenario_from_dict(data, "s.yaml")
