@@ -65,6 +65,79 @@ def schema() -> None:
     print(json.dumps(json_schema(), indent=2))
 
 
+@app.command()
+def collective(
+    topology: Annotated[str, typer.Argument(help="Topology name (topologies/) or file.")],
+    op: Annotated[str, typer.Option("--op", help="all_reduce, all_gather, reduce_scatter, "
+                                    "all_to_all, broadcast or sendrecv.")] = "all_reduce",
+    gpus: Annotated[int, typer.Option("--gpus", help="Ranks taking part.")] = 8,
+    sizes: Annotated[str, typer.Option("--sizes", help="A:B doubles from A to B (8, 64K, "
+                                       "1M, 8G), as nccl-tests -b A -e B -f 2.")] = "8:8G",
+    algo: Annotated[str, typer.Option("--algo", help="auto, ring, tree, nvls, nvls_tree.")
+                    ] = "auto",
+    proto: Annotated[str, typer.Option("--proto", help="auto, ll, ll128, simple.")] = "auto",
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """What nccl-tests would print on that fabric: time, algbw, busbw per size."""
+    from sim.nccltests import collective_table, parse_sizes
+
+    if algo not in ("auto", "ring", "tree", "nvls", "nvls_tree"):
+        _bad_input(f"--algo: {algo!r} is not auto, ring, tree, nvls or nvls_tree")
+    if proto not in ("auto", "ll", "ll128", "simple"):
+        _bad_input(f"--proto: {proto!r} is not auto, ll, ll128 or simple")
+    try:
+        table = collective_table(topology, op, gpus, parse_sizes(sizes), algo, proto)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if as_json:
+        print(json.dumps(table, indent=2))
+        return
+    t = Table(title=f"{op} on {topology}, {gpus} GPUs (nccl-tests definitions)",
+              title_justify="left")
+    for col in ("size (B)", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "algorithm",
+                "protocol"):
+        t.add_column(col, justify="right")
+    for r in table["rows"]:
+        t.add_row(f"{r['bytes']:,}", f"{r['time_s'] * 1e6:,.1f}",
+                  f"{r['algbw_gbytes_per_s']:,.2f}", f"{r['busbw_gbytes_per_s']:,.2f}",
+                  r["algorithm"], r["protocol"])
+    Console().print(t)
+
+
+@app.command()
+def validate(
+    suite: Annotated[list[str] | None, typer.Option(
+        "--suite", help="Suite(s) to run (default: all).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Predictions against the measured reference data: error per case and per suite."""
+    from sim.validation import SUITES, run_suites
+
+    unknown = [s for s in suite or [] if s not in SUITES]
+    if unknown:
+        _bad_input(f"--suite: unknown suite {unknown[0]!r} (available: "
+                   f"{', '.join(sorted(SUITES))})")
+    result = run_suites(suite or None)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    con = Console()
+    t = Table(title="validation cases", title_justify="left")
+    for col in ("suite", "case", "metric", "measured", "simulated", "error"):
+        t.add_column(col, justify="right" if col in ("measured", "simulated", "error") else "left")
+    for c in result["cases"]:
+        t.add_row(c["suite"], c["id"], c["metric"], f"{c['measured']:,.4g}",
+                  f"{c['simulated']:,.4g}", f"{c['error']:+.1%}")
+    con.print(t)
+    s = Table(title="suites", title_justify="left")
+    for col in ("suite", "cases", "MAPE", "max |error|"):
+        s.add_column(col)
+    for name, v in result["suites"].items():
+        s.add_row(name, str(v["cases"]), f"{v['mape']:.1%}", f"{v['max_abs_error']:.1%}")
+    con.print(s)
+
+
 def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
     if quiet or steps == 1:
         return fn(None)
@@ -125,8 +198,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("peak memory", f"{s['peak_memory_gib']:.1f} GiB of {s['gpu_memory_gib']:.1f}"
          + ("  [red]OOM[/red]" if s["oom"] else "")),
     ]
-    for k in ("nvlink", "pcie", "network", "cross_az"):
-        rows.append((f"bytes · {k}", _fmt_bytes(s["bytes"][k])))
+    for k, v in s["bytes"].items():
+        rows.append((f"bytes · {k}", _fmt_bytes(v)))
     c = s["cost"]
     rows += [
         ("cost / hour", f"${c['usd_per_hour']:,.2f}"),

@@ -1,8 +1,9 @@
-"""Cost of a step and of a run: GPU time at the hourly price, plus billed cross-zone bytes.
+"""Cost of a step and of a run: GPU time at the hourly price, plus billed transfer.
 
-Cross-zone bytes are counted once per zone boundary a byte crosses (the network counts one
-``cross_az`` hop per crossing), which is how clouds bill inter-AZ transfer; every crossing is
-billed at ``pricing.egress_usd_per_gb`` (1 GB = 1e9 bytes).
+Bytes are counted once per boundary they cross (the network counts one ``cross_az`` or
+``cross_region`` hop per crossing; a route between regions crosses no zone link), which is
+how clouds bill transfer: zone crossings at ``pricing.egress_usd_per_gb``, region crossings
+at ``pricing.region_egress_usd_per_gb`` (1 GB = 1e9 bytes).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def gpu_hour_usd(scenario: Scenario, gpu: GpuSpec) -> float:
 
 
 def cost_summary(scenario: Scenario, gpu: GpuSpec, step_time_s: float, tokens_per_step: float,
-                 cross_az_bytes_per_step: float) -> dict[str, float | None]:
+                 cross_az_bytes_per_step: float, cross_region_bytes_per_step: float = 0.0
+                 ) -> dict[str, float | None]:
     """The ``cost`` object of the summary.
 
     Examples
@@ -31,7 +33,8 @@ def cost_summary(scenario: Scenario, gpu: GpuSpec, step_time_s: float, tokens_pe
     (16.0, 0.05, 0.066)
     """
     per_hour = gpu_hour_usd(scenario, gpu) * scenario.gpus
-    egress = cross_az_bytes_per_step / 1e9 * scenario.pricing.egress_usd_per_gb
+    egress = (cross_az_bytes_per_step / 1e9 * scenario.pricing.egress_usd_per_gb
+              + cross_region_bytes_per_step / 1e9 * scenario.pricing.region_egress_usd_per_gb)
     per_step = per_hour * step_time_s / 3600.0 + egress
     total = scenario.training.tokens_total
     run_hours = run_usd = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
-from sim.collectives.ring import CollectiveRunner, transport_capacity
+from sim.collectives.runner import CollectiveRunner, NcclSettings, transport_capacity
 from sim.network import FlowNetwork, NetworkObserver
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
@@ -52,13 +52,13 @@ class Engine:
     """
 
     def __init__(self, fabric: Fabric, arch: str, observer: EngineObserver | None = None,
-                 algo: str = "auto", proto: str = "auto") -> None:
+                 nccl: NcclSettings | None = None, nic_transport: str = "infiniband") -> None:
         self.env = simpy.Environment()
         self.fabric = fabric
         self.observer = observer or EngineObserver()
-        self.net = FlowNetwork(self.env, transport_capacity(fabric, arch), fabric.kind,
-                               len(LINK_KINDS), self.observer)
-        self.collectives = CollectiveRunner(self.env, self.net, fabric, arch, algo, proto)
+        self.net = FlowNetwork(self.env, transport_capacity(fabric, arch, nic_transport),
+                               fabric.kind, len(LINK_KINDS), self.observer)
+        self.collectives = CollectiveRunner(self.env, self.net, fabric, arch, nccl)
         self.events_processed = 0
         self._step = 0
 

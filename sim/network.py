@@ -124,9 +124,11 @@ class FlowNetwork:
                                 np.array([s[3] for s in specs], dtype=float), tag)
 
     def start_group(self, flat_links: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
-                    counts: np.ndarray, caps: np.ndarray, tag: object = None) -> simpy.Event:
+                    counts: np.ndarray, caps: np.ndarray, tag: object = None,
+                    payload: float | None = None) -> simpy.Event:
         """Array form of :meth:`start_flows`: ``flat_links`` holds every flow's links in turn,
-        ``lengths`` how many belong to each flow."""
+        ``lengths`` how many belong to each flow. ``payload``: the data bytes the group
+        delivers, reported at its end (default: the bytes it puts on the links)."""
         done = self.env.event()
         keep = (sizes > 0) & (lengths > 0)
         if not keep.any():
@@ -140,7 +142,8 @@ class FlowNetwork:
         n_new = len(lengths)
         gid = self._next_group
         self._next_group += 1
-        self._groups[gid] = [done, n_new, float((sizes * counts).sum()), tag]
+        delivered = float((sizes * counts).sum()) if payload is None else payload
+        self._groups[gid] = [done, n_new, delivered, tag]
         base = len(self._size)
         owner = np.repeat(np.arange(n_new), lengths)
         hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],

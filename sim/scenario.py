@@ -96,9 +96,19 @@ class Cluster(_Strict):
     az_latency_ms: float = Field(default=1.0, ge=0)
     """One-way latency between two zones."""
     nic_latency_us: float | None = Field(default=None, ge=0)
-    """NIC plus cable latency per traversal; defaults to the fabric module's constant."""
+    """NIC plus cable latency per traversal; defaults to the transport's figure."""
     switch_latency_us: float | None = Field(default=None, ge=0)
-    """Per network switch hop; defaults to the fabric module's constant."""
+    """Per network switch hop; defaults to the transport's figure."""
+    nic_transport: Literal["infiniband", "roce", "efa", "tcp"] = "infiniband"
+    """What the NICs speak: InfiniBand verbs, RoCE v2, AWS EFA (SRD), or plain TCP sockets."""
+    pcie_switches_per_node: int | None = Field(default=None, gt=0)
+    """PCIe switches per server (GPUs and NICs spread evenly over them); default one per NIC."""
+    regions: int = Field(default=1, gt=0)
+    """Cloud regions the zones are spread over, round robin by zone."""
+    region_link_gbps: float = Field(default=100.0, gt=0)
+    """Capacity between two regions, gigabits per second per direction."""
+    region_latency_ms: float = Field(default=30.0, ge=0)
+    """One-way latency between two regions."""
 
 
 # --------------------------------------------------------------------------- framework
@@ -132,12 +142,20 @@ FrameworkOptions = Annotated[DdpOptions | Fsdp2Options, Field(discriminator="nam
 
 
 class Nccl(_Strict):
-    """NCCL algorithm and protocol; ``auto`` lets the cost model choose as NCCL does."""
+    """NCCL algorithm, protocol and the settings people tune; ``auto`` lets NCCL's cost model
+    choose, as NCCL does."""
 
-    algo: Literal["auto", "ring"] = "auto"
-    """Collective algorithm."""
+    algo: Literal["auto", "ring", "tree", "nvls", "nvls_tree"] = "auto"
+    """Collective algorithm (NCCL_ALGO): ring, double binary tree, NVLink SHARP, NVLS+tree."""
     proto: Literal["auto", "ll", "ll128", "simple"] = "auto"
-    """Protocol: LL (low latency), LL128, or Simple (bandwidth)."""
+    """Protocol (NCCL_PROTO): LL (low latency), LL128, or Simple (bandwidth)."""
+    buffsize: int = Field(default=4 * 2**20, gt=0)
+    """NCCL_BUFFSIZE in bytes: the per-channel pipeline buffer (8 steps of buffsize/8)."""
+    gdr: bool = True
+    """GPUDirect RDMA (NCCL_NET_GDR_LEVEL): off, network traffic bounces through host memory."""
+    cross_nic: Literal[0, 1, 2] = 2
+    """NCCL_CROSS_NIC: 0 keeps each ring on one rail, 1 lets it change rails, 2 (default)
+    prefers rails."""
 
 
 class Parallelism(_Strict):
@@ -183,6 +201,8 @@ class Pricing(_Strict):
     """On-demand price per GPU-hour."""
     egress_usd_per_gb: float = Field(default=0.01, ge=0)
     """Price per GB crossing an availability-zone boundary (each direction billed)."""
+    region_egress_usd_per_gb: float = Field(default=0.02, ge=0)
+    """Price per GB crossing a region boundary."""
 
 
 class Claims(_Strict):

@@ -29,7 +29,7 @@ SUMMARY_KEYS = {
     "gpu_memory_gib", "oom", "compute_time_s", "comm_time_s", "exposed_comm_s",
     "overlap_fraction", "bubble_fraction", "bytes", "cost", "sim",
 }
-BYTES_KEYS = {"nvlink", "pcie", "network", "cross_az"}
+BYTES_KEYS = {"nvlink", "pcie", "network", "cross_az", "cross_region"}
 COST_KEYS = {"usd_per_hour", "usd_per_step", "egress_usd_per_step", "usd_per_million_tokens",
              "run_hours", "run_usd"}
 SIM_KEYS = {"wall_s", "events", "ranks_simulated"}
@@ -257,4 +257,4 @@ def test_timeseries_has_a_column_per_link_class(out_run):
     with (out / "timeseries.csv").open() as fh:
         header = next(csv.reader(fh))
     assert header == ["time_s"] + [f"{k}_bytes_per_s" for k in ("nvlink", "pcie", "network",
-                                                                 "cross_az")]
+                                                                 "cross_az", "cross_region")]

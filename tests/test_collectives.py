@@ -6,18 +6,21 @@ import pytest
 import simpy
 
 from sim.collectives import nccl
-from sim.collectives.ring import CollectiveRunner, ring_orders, transport_capacity
+from sim.collectives.algorithms import ring_orders
+from sim.collectives.runner import CollectiveRunner, NcclSettings, transport_capacity
 from sim.network import FlowNetwork
 from sim.topology import LINK_KINDS, FabricSpec, build_fabric
 
 GB = 1e9
 
 
-def runner(spec: FabricSpec, arch: str = "hopper", proto: str = "simple"):
+def runner(spec: FabricSpec, arch: str = "hopper", proto: str = "simple", algo: str = "ring",
+           **settings):
     fab = build_fabric(spec)
     env = simpy.Environment()
     net = FlowNetwork(env, transport_capacity(fab, arch), fab.kind, len(LINK_KINDS))
-    return env, net, CollectiveRunner(env, net, fab, arch, proto=proto), fab
+    run = CollectiveRunner(env, net, fab, arch, NcclSettings(algo=algo, proto=proto, **settings))
+    return env, net, run, fab
 
 
 def timed(env, gen) -> float:
@@ -73,13 +76,13 @@ def test_small_messages_show_the_latency_floor() -> None:
     t = timed(env, run.run_collective("all_reduce", tuple(range(8)), 1024))
     ll = nccl.ring_latency_s("all_reduce", "ll", 8, 1)
     assert t == pytest.approx(ll, rel=0.05)   # 1 KiB: latency dominates, LL is chosen
-    assert run.chosen[-1][1] == "ll"
+    assert run.chosen[-1].protocol == "ll"
 
 
 def test_protocol_choice_moves_to_simple_for_large_messages() -> None:
     env, _, run, _ = runner(dgx(1, nics_per_node=0), proto="auto")
     timed(env, run.run_collective("all_reduce", tuple(range(8)), 1 << 30))
-    assert run.chosen[-1][1] == "simple"
+    assert run.chosen[-1].protocol == "simple"
 
 
 def test_ring_orders_stay_on_rail_between_nodes() -> None:
@@ -97,7 +100,7 @@ def test_ring_orders_stay_on_rail_between_nodes() -> None:
 
 def test_cross_node_edges_leave_through_the_receivers_rail() -> None:
     env, _, run, fab = runner(dgx(2))
-    links = run.edge_route(7, 8)          # node 0 GPU 7 -> node 1 GPU 0 (rail 0)
+    links = run.builder.edge(7, 8)[0]     # node 0 GPU 7 -> node 1 GPU 0 (rail 0)
     kinds = [LINK_KINDS[k] for k in fab.kind[list(links)]]
     assert kinds[:2] == ["nvlink", "nvlink"]     # PXN: over NVLink to node 0's GPU 0
     nic_links = [i for i in links if fab.kind[i] == 2]
@@ -168,3 +171,115 @@ def test_cross_zone_bytes_counted_once_per_crossing() -> None:
     timed(env, run.run_collective("all_gather", tuple(range(n)), size))
     per_flow = (n - 1) / n * size / 8
     assert net.class_bytes[3] == pytest.approx(8 * 2 * per_flow)
+
+
+# ----------------------------------------------------------------------------- algorithms
+def test_nvls_all_reduce_closed_form() -> None:
+    # NVLink SHARP: each GPU sends S to the switch and gets S/n reduced back, then multicasts
+    # its S/n and receives S: S(n+1)/n each way on its NVLink, at NCCL's NVLS share of the
+    # ring bandwidth (nvlsEfficiency 0.85 x (16-1)/16 channels, tuning.cc).
+    env, _, run, _ = runner(dgx(1, nics_per_node=0), algo="nvls", proto="auto")
+    n, size = 8, 1 << 30
+    t = timed(env, run.run_collective("all_reduce", tuple(range(n)), size))
+    b = 450 * GB * nccl.NVLINK_EFFICIENCY["hopper"] * 0.85 * 15 / 16
+    fill = 3 * 128 * 1024 / (b / 16)
+    expected = nccl.latency_s("nvls", "all_reduce", "simple", n, 1) + fill + size * (n + 1) / n / b
+    assert t == pytest.approx(expected, rel=1e-9)
+    assert run.chosen[-1].algorithm == "nvls"
+
+
+def test_tree_all_reduce_is_bound_by_its_busiest_nic() -> None:
+    # Two nodes, NVLink made fast enough not to matter: in each of 8 channels the two trees
+    # each carry S/16 up and S/16 down between the nodes' head GPUs, so every rail carries
+    # S/8 each way: time = S / (8 x NIC).
+    spec = dgx(2, nvlink_gbytes_per_s=45000)
+    env, _, run, _ = runner(spec, algo="tree")
+    size = 1 << 30
+    t = timed(env, run.run_collective("all_reduce", tuple(range(16)), size))
+    nic = 50 * GB * nccl.NETWORK_EFFICIENCY * nccl.TREE_BW_FACTOR["simple"]
+    plan, est, _ = run.select("all_reduce", tuple(range(16)), size)
+    assert plan.algorithm == "tree" and est.protocol == "simple"
+    body = t - est.latency_s - run._fill_s(plan, est)
+    assert body == pytest.approx(size / (8 * nic), rel=1e-6)
+
+
+def test_double_binary_trees_are_complementary() -> None:
+    from sim.collectives.algorithms import double_binary_trees
+
+    for n in range(2, 33):
+        t0, t1 = double_binary_trees(n)
+        assert t0.count(-1) == 1 and t1.count(-1) == 1
+        kids0 = [t0.count(i) for i in range(n)]
+        kids1 = [t1.count(i) for i in range(n)]
+        # Each tree is binary, and no node is interior in both (Sanders et al., 2009) except
+        # where n forces it (at most one node).
+        assert max(kids0) <= 2 and max(kids1) <= 2
+        assert sum(1 for a, b in zip(kids0, kids1, strict=True) if a and b) <= 1
+
+
+@pytest.mark.parametrize("op,volume", [("all_to_all", 7 / 8), ("broadcast", 1.0),
+                                       ("sendrecv", 1.0)])
+def test_other_collectives_in_one_node(op: str, volume: float) -> None:
+    # All-to-all: each GPU sends (n-1)/n of its buffer; broadcast: every chain edge carries
+    # the message; sendrecv: each GPU sends its buffer to the next. All over NVLink at the
+    # ring's achieved bandwidth, after the latency term.
+    env, _, run, _ = runner(dgx(1, nics_per_node=0), algo="auto")
+    size = 1 << 28
+    t = timed(env, run.run_collective(op, tuple(range(8)), size))
+    bw = 450 * GB * nccl.NVLINK_EFFICIENCY["hopper"]
+    choice = run.chosen[-1]
+    plan, est, _ = run.select(op, tuple(range(8)), size)
+    assert t - est.latency_s == pytest.approx(volume * size / (bw * est.bw_factor), rel=1e-6)
+    assert choice.protocol == est.protocol
+
+
+def test_buffer_window_limits_long_links() -> None:
+    # Across zones 1 ms apart, a ring channel has at most NCCL_BUFFSIZE in flight per peer:
+    # rate <= buffsize / RTT. Four times the buffer, four times the rate.
+    spec = dgx(2, azs=2, az_link_gbps=3200, az_latency_ms=1.0)
+    size = 1 << 30
+    times = {}
+    for buff in (4 << 20, 16 << 20):
+        env, _, run, fab = runner(spec, buffsize=buff)
+        t = timed(env, run.run_collective("all_gather", tuple(range(16)), size))
+        plan, est, _ = run.select("all_gather", tuple(range(16)), size)
+        times[buff] = t - est.latency_s
+        rtt = 2 * plan.path_latency.max()
+        per_flow = size * (15 / 16) / 8
+        assert times[buff] == pytest.approx(per_flow / (buff / rtt), rel=0.01)
+    assert times[4 << 20] / times[16 << 20] == pytest.approx(4.0, rel=0.01)
+
+
+def test_cutting_a_zone_link_slows_exactly_the_collectives_across_it() -> None:
+    # Four nodes over two zones (0, 2 in zone 0; 1, 3 in zone 1). Rings within a zone never
+    # touch the zone link; a ring across zones does.
+    size = 1 << 28
+    inside = tuple(range(0, 8)) + tuple(range(16, 24))      # nodes 0 and 2
+    across = tuple(range(0, 16))                            # nodes 0 and 1
+
+    def times(az_gbps: float) -> tuple[float, float]:
+        spec = dgx(4, azs=2, az_link_gbps=az_gbps, az_latency_ms=0.01)
+        out = []
+        for group in (inside, across):
+            env, _, run, _ = runner(spec, buffsize=64 << 20)
+            out.append(timed(env, run.run_collective("all_gather", group, size)))
+        return out[0], out[1]
+
+    wide_in, wide_across = times(3200)
+    cut_in, cut_across = times(100)
+    assert cut_in == pytest.approx(wide_in, rel=1e-12)
+    assert cut_across > 2 * wide_across
+
+
+def test_cross_nic_lets_rings_change_rails_through_the_spine() -> None:
+    spec = dgx(2, nodes_per_leaf=1)
+    size = 1 << 26
+    spine_bytes = {}
+    for cross in (2, 1):
+        env, net, run, fab = runner(spec, cross_nic=cross)
+        timed(env, run.run_collective("all_reduce", tuple(range(16)), size))
+        spine = [i for i, (u, v) in enumerate(fab.endpoints) if "spine" in (u[0], v[0])]
+        spine_bytes[cross] = float(net.link_bytes[spine].sum())
+    # With PXN (cross_nic 2) every channel stays on its rail's leaf... but nodes on
+    # different leaves always cross the spine; with cross_nic 1 they also change rails.
+    assert spine_bytes[1] >= spine_bytes[2]

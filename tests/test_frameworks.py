@@ -137,7 +137,7 @@ def test_whole_step_conservation_on_the_fabric() -> None:
     # every byte the collectives send is counted on the links, and the streams' busy time
     # fits in the step.
     from sim.api import fabric_spec
-    from sim.collectives.ring import transport_capacity
+    from sim.collectives.runner import transport_capacity
     from sim.engine import Engine
     from sim.network import ring_bytes_per_rank
     from sim.recorder import Recorder

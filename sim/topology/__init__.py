@@ -2,6 +2,7 @@
 
 from sim.topology.fabric import (
     CROSS_AZ,
+    CROSS_REGION,
     ETHERNET_SWITCH_LATENCY_US,
     LINK_KINDS,
     NETWORK,
@@ -11,6 +12,7 @@ from sim.topology.fabric import (
     PCIE,
     PCIE_LATENCY_US,
     SWITCH_LATENCY_US,
+    TRANSPORT_LATENCY_US,
     Fabric,
     FabricSpec,
     build_fabric,
@@ -19,6 +21,7 @@ from sim.topology.fabric import (
 
 __all__ = [
     "CROSS_AZ",
+    "CROSS_REGION",
     "ETHERNET_SWITCH_LATENCY_US",
     "LINK_KINDS",
     "NETWORK",
@@ -28,6 +31,7 @@ __all__ = [
     "PCIE",
     "PCIE_LATENCY_US",
     "SWITCH_LATENCY_US",
+    "TRANSPORT_LATENCY_US",
     "Fabric",
     "FabricSpec",
     "build_fabric",

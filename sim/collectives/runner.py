@@ -1,0 +1,205 @@
+"""Runs collectives and transfers of a program as flows on the fabric, as NCCL would.
+
+For each collective the runner builds the flow plan of every algorithm NCCL could use
+(:mod:`sim.collectives.algorithms`), predicts each (algorithm, protocol) with NCCL's cost
+model (:mod:`sim.collectives.nccl`) and runs the one of least predicted time, or the one the
+scenario's ``nccl`` section forces: it waits NCCL's latency term plus the pipeline fill, then
+starts the plan's flows, capped by the protocol's share of each flow's path and by NCCL's
+buffer window (``buffsize`` bytes in flight per channel and peer: a long link cannot be kept
+full by a small buffer), and ends when the last flow ends. The time it takes comes out of
+the max-min sharing with everything else on the fabric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from sim.collectives import nccl
+from sim.collectives.algorithms import FlowPlan, PlanBuilder
+from sim.network import FlowNetwork
+from sim.topology import CROSS_AZ, CROSS_REGION, NETWORK, NVLINK, PCIE, Fabric
+
+
+def transport_capacity(fabric: Fabric, arch: str, nic_transport: str = "infiniband"
+                       ) -> np.ndarray:
+    """Link capacity as NCCL's transports achieve it (see :mod:`sim.collectives.nccl`): the
+    flow network runs on these, so sharing divides what a transfer can really get."""
+    eff = np.ones(len(fabric.capacity))
+    net = nccl.NETWORK_EFFICIENCY_BY_TRANSPORT[nic_transport]
+    eff[fabric.kind == NVLINK] = nccl.NVLINK_EFFICIENCY[arch]
+    eff[(fabric.kind == NETWORK) | (fabric.kind == CROSS_AZ) | (fabric.kind == CROSS_REGION)] = net
+    eff[fabric.kind == PCIE] = nccl.PCIE_EFFICIENCY
+    return fabric.capacity * eff
+
+
+@dataclass(frozen=True)
+class NcclSettings:
+    """The NCCL knobs a scenario sets (``nccl:`` section)."""
+
+    algo: str = "auto"
+    proto: str = "auto"
+    buffsize: float = 4 * 2**20
+    cross_nic: int = 2
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What NCCL runs for one collective call."""
+
+    op: str
+    algorithm: str
+    protocol: str
+    nbytes: float
+    predicted_s: float
+
+
+class CollectiveRunner:
+    """Runs collectives on one fabric.
+
+    Parameters
+    ----------
+    env, net : the simulation and its flow network (built on :func:`transport_capacity`)
+    fabric : the fabric graph
+    arch : GPU generation (volta, ampere, hopper, blackwell)
+    settings : the scenario's NCCL settings
+    """
+
+    def __init__(self, env: simpy.Environment, net: FlowNetwork, fabric: Fabric, arch: str,
+                 settings: NcclSettings | None = None) -> None:
+        self.env = env
+        self.net = net
+        self.fabric = fabric
+        self.arch = arch
+        self.settings = settings or NcclSettings()
+        self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic)
+        self._plans: dict[tuple[str, tuple[int, ...]], list[FlowPlan]] = {}
+        self.chosen: list[Choice] = []
+
+    # ------------------------------------------------------------------ planning
+    @property
+    def _nvswitch(self) -> bool:
+        return (self.fabric.spec.gpus_per_node >= 2 and self.arch in nccl.NVLS_EFFICIENCY)
+
+    def plans(self, op: str, group: tuple[int, ...]) -> list[FlowPlan]:
+        """The algorithms NCCL could run for ``op`` over ``group``, as flow plans."""
+        key = (op, group)
+        cached = self._plans.get(key)
+        if cached is not None:
+            return cached
+        b = self.builder
+        by_node: dict[int, int] = {}
+        for r in group:
+            by_node[b.node_of[r]] = by_node.get(b.node_of[r], 0) + 1
+        n_nodes, ppn = len(by_node), min(by_node.values())
+        plans: list[FlowPlan] = []
+        if op in ("all_reduce", "all_gather", "reduce_scatter"):
+            plans.append(b.ring(op, group))
+        if op == "all_reduce":
+            if n_nodes > 1 or self.settings.algo == "tree":
+                plans.append(b.tree(group, self.settings.buffsize))
+            if self._nvswitch and ppn >= 2:
+                eff = nccl.NVLS_EFFICIENCY[self.arch]
+                ch = nccl.NVLS_CHANNELS[self.arch]
+                # NCCL's NVLS bandwidth counts (nChannels-1)/nChannels (tuning.cc).
+                eff *= (ch - 1) / ch
+                if n_nodes == 1:
+                    plans.append(b.nvls(group, eff, ch))
+                else:
+                    plans.append(b.nvls_tree(group, eff, ch, self.settings.buffsize))
+        if op == "broadcast":
+            plans.append(b.chain_broadcast(group, group[0]))
+        if op == "all_to_all":
+            n = len(group)
+            pairs = [(s, d) for s in group for d in group if s != d]
+            plans.append(b.p2p(pairs, 1.0 / n))
+        if op == "sendrecv":
+            n = len(group)
+            plans.append(b.p2p([(group[i], group[(i + 1) % n]) for i in range(n)], 1.0))
+        if not plans:
+            raise ValueError(f"no algorithm for {op}")
+        self._plans[key] = plans
+        return plans
+
+    def _fill_s(self, plan: FlowPlan, est: nccl.Estimate) -> float:
+        """Pipeline fill: the first chunk crosses ``fill_stages`` stages before every edge is
+        busy, each at one channel's share of the slowest link."""
+        if not plan.fill_stages or not plan.n_flows:
+            return 0.0
+        sharing = plan.channels if plan.algorithm == "nvls" else 1
+        per_channel = float(plan.bottleneck.min()) * est.bw_factor / sharing
+        return plan.fill_stages * plan.chunk_bytes / per_channel
+
+    def select(self, op: str, group: tuple[int, ...], nbytes: float
+               ) -> tuple[FlowPlan, nccl.Estimate, float]:
+        """The (plan, estimate, predicted time) NCCL would pick, honouring forced settings."""
+        best: tuple[FlowPlan, nccl.Estimate, float] | None = None
+        candidates = self.plans(op, group)
+        forced = [p for p in candidates if p.algorithm == self.settings.algo]
+        if forced:
+            candidates = forced  # an algorithm that does not apply to this op is ignored
+        for plan in candidates:
+            if plan.algorithm == "p2p":
+                ests = [nccl.Estimate("p2p", "simple", _p2p_latency(plan),
+                                      plan.bus_bw, 1.0)]
+            else:
+                ests = nccl.estimates(plan.algorithm, op, plan.n_ranks, plan.n_nodes,
+                                      self.arch, plan.bus_bw, plan.channels)
+            protos = [e for e in ests if self.settings.proto in ("auto", e.protocol)] or ests
+            for est in protos:
+                t = est.latency_s + self._fill_s(plan, est) + (
+                    nbytes * plan.volume / est.bus_bw_bytes_per_s)
+                if best is None or t < best[2]:
+                    best = (plan, est, t)
+        assert best is not None
+        return best
+
+    # ------------------------------------------------------------------ running
+    def run_collective(self, op: str, group: Sequence[int], nbytes: float, tag: object = None
+                       ) -> Generator[simpy.Event, object, None]:
+        """Process: one collective of ``nbytes`` (nccl-tests' message size) over ``group``."""
+        group = tuple(group)
+        if len(group) <= 1 or nbytes <= 0:
+            return
+        plan, est, predicted = self.select(op, group, nbytes)
+        self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
+        yield self.env.timeout(est.latency_s + self._fill_s(plan, est))
+        yield self._start(plan, est, nbytes, tag)
+
+    def _start(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float, tag: object
+               ) -> simpy.Event:
+        # The protocol's overhead travels on the wire (LL's flags, LL128's lines): a flow
+        # carries payload / wire_factor bytes. Where NCCL also caps the protocol's bandwidth
+        # (LL's maximum, LL128's per-channel limit), the flows are capped in proportion.
+        wire = est.wire_factor if est.wire_factor > 0 else 1.0
+        cap_scale = min(1.0, est.bw_factor / wire)
+        caps = plan.bottleneck * cap_scale
+        # At most one buffer of data in flight per channel and peer: rate <= buffsize / RTT.
+        rtt = 2.0 * plan.path_latency
+        window = np.where(rtt > 0, self.settings.buffsize / np.maximum(rtt, 1e-15), np.inf)
+        caps = np.minimum(caps, window)
+        n = plan.n_flows
+        return self.net.start_group(plan.flat, plan.lengths, plan.share * nbytes / wire,
+                                    np.ones(n), caps, tag=tag,
+                                    payload=float(plan.share.sum()) * nbytes)
+
+    def run_p2p(self, pairs: Sequence[tuple[int, int]], nbytes: float, tag: object = None
+                ) -> Generator[simpy.Event, object, None]:
+        """Process: point-to-point transfers (NCCL send/recv, Simple protocol), one flow per
+        (source, destination) pair, all at once."""
+        pairs = [(s, d) for s, d in pairs if s != d]
+        if nbytes <= 0 or not pairs:
+            return
+        plan = self.builder.p2p(pairs, 1.0)
+        est = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
+        yield self.env.timeout(est.latency_s)
+        yield self._start(plan, est, nbytes, tag)
+
+
+def _p2p_latency(plan: FlowPlan) -> float:
+    # NCCL send/recv: the Simple protocol's base latency plus one hop of its link type.
+    link = "nvlink" if plan.n_nodes <= 1 else "network"
+    return (nccl.BASE_LAT_US["ring"]["simple"] + nccl.HW_LAT_US[link]["ring"]["simple"]) * 1e-6
