@@ -89,7 +89,8 @@ def test_ring_orders_stay_on_rail_between_nodes() -> None:
     node_of = {r: r // 4 for r in range(16)}
     rings = ring_orders(list(range(12)), node_of, 4)
     assert len(rings) == 4
-    for c, ring in enumerate(rings):
+    for c, (ring, rail) in enumerate(rings):
+        assert rail == c
         assert sorted(ring) == list(range(12))
         hops = [(ring[i], ring[(i + 1) % 12]) for i in range(12)]
         cross = [(a, b) for a, b in hops if node_of[a] != node_of[b]]
@@ -283,3 +284,15 @@ def test_cross_nic_lets_rings_change_rails_through_the_spine() -> None:
     # With PXN (cross_nic 2) every channel stays on its rail's leaf... but nodes on
     # different leaves always cross the spine; with cross_nic 1 they also change rails.
     assert spine_bytes[1] >= spine_bytes[2]
+
+
+def test_gpudirect_rdma_off_bounces_through_host_memory() -> None:
+    # Without GDR every cross-node byte crosses PCIe to host memory and back at both ends:
+    # twice the PCIe bytes of the direct GPU-NIC path.
+    size = 1 << 26
+    pcie = {}
+    for gdr in (True, False):
+        env, net, run, fab = runner(dgx(2, gdr=gdr))
+        timed(env, run.run_collective("all_gather", tuple(range(16)), size))
+        pcie[gdr] = float(net.class_bytes[1])
+    assert pcie[False] == pytest.approx(2 * pcie[True])

@@ -81,33 +81,33 @@ class PlanBuilder:
     # ------------------------------------------------------------------ edges
     def edge(self, src: int, dst: int, rail: int | None = None
              ) -> tuple[tuple[int, ...], float, float]:
-        """(links, bottleneck, latency) of one algorithm edge. Between nodes the data goes
-        over NVLink to the GPU on the destination's rail, then out through that GPU's NIC
-        (PXN), unless cross_nic=1."""
+        """(links, bottleneck, latency) of one algorithm edge. Between nodes on ``rail`` the
+        data goes over NVLink to the GPU paired with that NIC, then out through the NIC
+        (PXN), unless cross_nic=1 lets the edge leave by the source GPU's own NIC."""
         key = (src, dst, rail)
         hit = self._edges.get(key)
         if hit is not None:
             return hit
         fab = self.fabric
-        if self.node_of[src] == self.node_of[dst] or self.cross_nic == 1:
+        if self.node_of[src] == self.node_of[dst] or self.cross_nic == 1 or self.nics < 1:
             links = fab.route(src, dst)
         else:
-            proxy = self.node_of[src] * self.g + dst % self.g
-            links = fab.route(src, proxy) + fab.route(proxy, dst) if proxy != src \
-                else fab.route(src, dst)
+            k = fab.rail_of(dst) if rail is None else rail
+            proxy = self.node_of[src] * self.g + nic_gpu(k, self.nics, self.g)
+            links = (fab.route(src, proxy) if proxy != src else ()) + fab.route(proxy, dst, k)
         idx = list(links)
         out = (links, float(self.capacity[idx].min()), float(fab.path_latency(links)))
         self._edges[key] = out
         return out
 
-    def _plan(self, algorithm: str, edges: list[tuple[int, int, float]], n_ranks: int,
-              n_nodes: int, channels: int, bus_bw: float, volume: float,
+    def _plan(self, algorithm: str, edges: list[tuple[int, int, float, int | None]],
+              n_ranks: int, n_nodes: int, channels: int, bus_bw: float, volume: float,
               fill_stages: int = 0, chunk_bytes: float = 0.0) -> FlowPlan:
-        data = [self.edge(s, d) for s, d, _ in edges]
+        data = [self.edge(s, d, rail) for s, d, _, rail in edges]
         lengths = np.array([len(x[0]) for x in data], dtype=np.int64)
         flat = np.fromiter((i for x in data for i in x[0]), dtype=np.int64,
                            count=int(lengths.sum()))
-        return FlowPlan(algorithm, flat, lengths, np.array([w for _, _, w in edges]),
+        return FlowPlan(algorithm, flat, lengths, np.array([e[2] for e in edges]),
                         np.array([x[1] for x in data]), np.array([x[2] for x in data]),
                         n_ranks, n_nodes, channels, bus_bw, volume, fill_stages, chunk_bytes)
 
@@ -118,18 +118,18 @@ class PlanBuilder:
         return by
 
     # ------------------------------------------------------------------ ring
-    def ring_channels(self, group: Sequence[int]) -> list[list[int]]:
-        return ring_orders(group, self.node_of, self.nics)
+    def ring_channels(self, group: Sequence[int]) -> list[tuple[list[int], int | None]]:
+        return ring_orders(group, self.node_of, self.nics, self.g)
 
     def ring(self, op: str, group: Sequence[int]) -> FlowPlan:
         """Rings over the group; ``op`` sets the volume (2(n-1)/n or (n-1)/n per edge)."""
         n = len(group)
         rings = self.ring_channels(group)
         factor = 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-        edges = []
-        for ring in rings:
+        edges: list[tuple[int, int, float, int | None]] = []
+        for ring, rail in rings:
             for i in range(n):
-                edges.append((ring[i], ring[(i + 1) % n], factor / len(rings)))
+                edges.append((ring[i], ring[(i + 1) % n], factor / len(rings), rail))
         plan = self._plan("ring", edges, n, len(self._by_node(group)), len(rings), 0.0, factor)
         bus = sum(float(plan.bottleneck[i * n:(i + 1) * n].min()) for i in range(len(rings)))
         return _with_bus(plan, bus)
@@ -138,12 +138,12 @@ class PlanBuilder:
         """Broadcast down the ring from ``root``: each chain edge carries the whole message."""
         rings = self.ring_channels(group)
         n = len(group)
-        edges = []
-        for ring in rings:
+        edges: list[tuple[int, int, float, int | None]] = []
+        for ring, rail in rings:
             start = ring.index(root)
             order = ring[start:] + ring[:start]
             for i in range(n - 1):
-                edges.append((order[i], order[i + 1], 1.0 / len(rings)))
+                edges.append((order[i], order[i + 1], 1.0 / len(rings), rail))
         plan = self._plan("ring", edges, n, len(self._by_node(group)), len(rings), 0.0, 1.0)
         bus = sum(float(plan.bottleneck[i * (n - 1):(i + 1) * (n - 1)].min())
                   for i in range(len(rings)))
@@ -156,25 +156,24 @@ class PlanBuilder:
         nodes = sorted(by)
         n_nodes = len(nodes)
         ppn = min(len(v) for v in by.values())
-        channels = max(1, min(self.nics, ppn)) if n_nodes > 1 else 1
-        edges: list[tuple[int, int, float]] = []
+        chans = self.ring_channels(group) if n_nodes > 1 else [(sorted(group), None)]
+        channels = len(chans)
+        edges: list[tuple[int, int, float, int | None]] = []
         per = 0.5 / channels          # each tree carries half, spread over the channels
-        for c in range(channels):
+        for ring, rail in chans:
             heads = {}
             for node in nodes:
-                members = by[node]
-                s = c % len(members)
-                chain = members[s:] + members[:s]
+                chain = [r for r in ring if self.node_of[r] == node]
                 heads[node] = chain[0]
                 for a, b in zip(chain, chain[1:], strict=False):
                     # Both trees use the chain: reduce towards the head, broadcast back.
-                    edges += [(b, a, 2 * per), (a, b, 2 * per)]
+                    edges += [(b, a, 2 * per, None), (a, b, 2 * per, None)]
             for parents in double_binary_trees(n_nodes):
                 for i, p in enumerate(parents):
                     if p < 0:
                         continue
                     child, parent = heads[nodes[i]], heads[nodes[p]]
-                    edges += [(child, parent, per), (parent, child, per)]
+                    edges += [(child, parent, per, rail), (parent, child, per, rail)]
         n = len(group)
         plan = self._plan("tree", edges, n, n_nodes, channels, 0.0, 2.0,
                           fill_stages=2 * (int(math.ceil(math.log2(max(n_nodes, 1)))) + ppn - 1),
@@ -214,14 +213,15 @@ class PlanBuilder:
         nodes = sorted(by)
         ppn = min(len(v) for v in by.values())
         inner = [self.nvls(by[node], efficiency, channels) for node in nodes]
-        edges: list[tuple[int, int, float]] = []
+        edges: list[tuple[int, int, float, int | None]] = []
         shard = 1.0 / ppn
         for local in range(ppn):
             ranks = [by[node][local] for node in nodes]
             for parents in double_binary_trees(len(nodes)):
                 for i, p in enumerate(parents):
                     if p >= 0:
-                        edges += [(ranks[i], ranks[p], shard / 2), (ranks[p], ranks[i], shard / 2)]
+                        edges += [(ranks[i], ranks[p], shard / 2, None),
+                                  (ranks[p], ranks[i], shard / 2, None)]
         outer = self._plan("nvls_tree", edges, len(group), len(nodes), channels, 0.0, 2.0)
         flat = np.concatenate([p.flat for p in inner] + [outer.flat])
         lengths = np.concatenate([p.lengths for p in inner] + [outer.lengths])
@@ -240,7 +240,8 @@ class PlanBuilder:
     # ------------------------------------------------------------------ p2p
     def p2p(self, pairs: Sequence[tuple[int, int]], share: float) -> FlowPlan:
         """One flow per (source, destination), each ``share`` bytes per message byte."""
-        edges = [(s, d, share) for s, d in pairs if s != d]
+        edges: list[tuple[int, int, float, int | None]] = [
+            (s, d, share, None) for s, d in pairs if s != d]
         nodes = len({self.node_of[r] for p in pairs for r in p})
         ranks = len({r for p in pairs for r in p})
         plan = self._plan("p2p", edges, ranks, nodes, 1, 0.0, share * max(1, len(edges)) / ranks)
@@ -253,33 +254,55 @@ def _with_bus(plan: FlowPlan, bus: float) -> FlowPlan:
                     plan.volume, plan.fill_stages, plan.chunk_bytes)
 
 
-def ring_orders(group: Sequence[int], node_of: dict[int, int], nics_per_node: int
-                ) -> list[list[int]]:
-    """The ring of each channel over ``group``.
+def nic_gpu(k: int, nics: int, gpus_per_node: int) -> int:
+    """The local GPU NCCL pairs with NIC ``k``: the one on the same PCIe switch.
+
+    With more NICs than GPUs several NICs share a GPU; with fewer, NIC k serves the GPUs whose
+    rail it is and the first of them drives it.
+
+    Examples
+    --------
+    >>> [nic_gpu(k, 32, 8) for k in (0, 3, 4, 31)], [nic_gpu(k, 4, 8) for k in range(4)]
+    ([0, 0, 1, 7], [0, 2, 4, 6])
+    """
+    if nics >= gpus_per_node:
+        return k * gpus_per_node // nics
+    return -(-k * gpus_per_node // nics)
+
+
+def ring_orders(group: Sequence[int], node_of: dict[int, int], nics_per_node: int,
+                gpus_per_node: int | None = None) -> list[tuple[list[int], int | None]]:
+    """The ring of each channel over ``group``, with the NIC (rail) it crosses nodes on.
+
+    Inside one node there is one ring. Across nodes there is one channel per NIC; channel k
+    enters every node at the GPU paired with NIC k (or the next member of the group after it)
+    and goes round the node's GPUs from there.
 
     Examples
     --------
     Two nodes of two GPUs, two NICs: two channels, entering each node at a different GPU.
 
     >>> ring_orders([0, 1, 2, 3], {0: 0, 1: 0, 2: 1, 3: 1}, 2)
-    [[0, 1, 2, 3], [1, 0, 3, 2]]
+    [([0, 1, 2, 3], 0), ([1, 0, 3, 2], 1)]
     """
     by_node: dict[int, list[int]] = {}
     for r in sorted(group):
         by_node.setdefault(node_of[r], []).append(r)
     nodes = sorted(by_node)
-    if len(nodes) == 1:
-        return [sorted(group)]
-    m = min(len(v) for v in by_node.values())
-    channels = max(1, min(nics_per_node, m))
-    rings = []
-    for c in range(channels):
+    if len(nodes) == 1 or nics_per_node < 1:
+        return [(sorted(group), None)]
+    g = gpus_per_node or max(len(v) for v in by_node.values())
+    rings: list[tuple[list[int], int | None]] = []
+    for k in range(nics_per_node):
+        entry = nic_gpu(k, nics_per_node, g)
         ring: list[int] = []
         for node in nodes:
             members = by_node[node]
-            s = c % len(members)
+            locals_ = [r % g for r in members]
+            # First member at or after the NIC's GPU, wrapping round the node.
+            s = next((i for i, loc in enumerate(locals_) if loc >= entry), 0)
             ring += members[s:] + members[:s]
-        rings.append(ring)
+        rings.append((ring, k))
     return rings
 
 

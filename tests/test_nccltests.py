@@ -1,0 +1,73 @@
+"""`fabricsim collective` (a simulated nccl-tests table) and `fabricsim validate`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim.nccltests import bus_factor, collective_table, parse_sizes
+from sim.scenario import ScenarioError
+
+FABRICSIM = Path(sys.executable).parent / "fabricsim"
+
+
+def test_sizes_double_like_nccl_tests() -> None:
+    # nccl-tests -b 8 -e 1K -f 2: 8, 16, ..., 1024.
+    assert parse_sizes("8:1K") == [8 * 2**i for i in range(8)]
+    assert parse_sizes("64M") == [64 * 2**20]
+    with pytest.raises(ScenarioError):
+        parse_sizes("1G:1M")
+
+
+def test_table_follows_nccl_tests_definitions() -> None:
+    t = collective_table("dgx-h100", "all_gather", 8, [1 << 20, 1 << 30])
+    assert t["topology"] == "dgx-h100" and t["op"] == "all_gather" and t["gpus"] == 8
+    for r in t["rows"]:
+        assert r["algbw_gbytes_per_s"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+        assert r["busbw_gbytes_per_s"] == pytest.approx(r["algbw_gbytes_per_s"] * 7 / 8)
+    # Bandwidth grows with size until the latency term no longer matters.
+    assert t["rows"][1]["busbw_gbytes_per_s"] > 5 * t["rows"][0]["busbw_gbytes_per_s"]
+    assert bus_factor("all_reduce", 8) == pytest.approx(1.75)
+
+
+def test_slower_nics_slower_collectives() -> None:
+    # 4 x 100 Gb/s EFA (p4d) against 8 x 400 Gb/s NDR (DGX H100) for a 2-node all-reduce.
+    p4d = collective_table("aws-p4d", "all_reduce", 16, [1 << 30], algo="ring")["rows"][0]
+    dgx = collective_table("dgx-h100", "all_reduce", 16, [1 << 30], algo="ring")["rows"][0]
+    assert dgx["busbw_gbytes_per_s"] > 5 * p4d["busbw_gbytes_per_s"]
+
+
+def test_every_preset_runs_every_op() -> None:
+    from sim import resources
+
+    for topo in resources.available("topologies"):
+        for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                   "sendrecv"):
+            row = collective_table(topo, op, 4, [1 << 22])["rows"][0]
+            assert row["time_s"] > 0 and row["busbw_gbytes_per_s"] > 0, (topo, op)
+
+
+def test_cli_collective_and_validate() -> None:
+    out = subprocess.run([str(FABRICSIM), "collective", "dgx-h100", "--op", "all_reduce",
+                          "--gpus", "8", "--sizes", "1M:4M", "--json"],
+                         capture_output=True, text=True, check=True)
+    table = json.loads(out.stdout)
+    assert [r["bytes"] for r in table["rows"]] == [1 << 20, 2 << 20, 4 << 20]
+    bad = subprocess.run([str(FABRICSIM), "collective", "dgx-h100", "--op", "gossip"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    val = subprocess.run([str(FABRICSIM), "validate", "--suite", "nccl", "--json"],
+                         capture_output=True, text=True, check=True)
+    result = json.loads(val.stdout)
+    assert set(result) == {"suites", "cases"}
+    assert set(result["suites"]["nccl"]) == {"cases", "mape", "max_abs_error"}
+    for c in result["cases"]:
+        assert {"suite", "id", "metric", "measured", "simulated", "error"} <= set(c)
+        assert c["error"] == pytest.approx((c["simulated"] - c["measured"]) / c["measured"])
+    bad = subprocess.run([str(FABRICSIM), "validate", "--suite", "nope"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2
