@@ -296,3 +296,20 @@ def test_gpudirect_rdma_off_bounces_through_host_memory() -> None:
         timed(env, run.run_collective("all_gather", tuple(range(16)), size))
         pcie[gdr] = float(net.class_bytes[1])
     assert pcie[False] == pytest.approx(2 * pcie[True])
+
+
+@pytest.mark.parametrize("mib,algo,expected", [
+    (1, "auto", ("ring", "ll")),
+    (9, "auto", ("nvls", "simple")),
+    (512, "auto", ("nvls", "simple")),
+    (9, "ring", ("ring", "ll128")),
+    (27, "ring", ("ring", "ll128")),
+    (128, "ring", ("ring", "simple")),
+])
+def test_algorithm_choice_matches_nccls_on_8_h100(mib: int, algo: str, expected) -> None:
+    # Stock NCCL 2.28.9 on 8 x H100 (NVSwitch), NCCL_DEBUG_SUBSYS=TUNING, as reported in a
+    # public benchmark write-up: 1 MiB -> RING/LL; 9-512 MiB -> NVLS/SIMPLE; with NVLS off,
+    # 9-27 MiB -> RING/LL128 and >= 128 MiB -> RING/SIMPLE.
+    _, _, run, _ = runner(dgx(1, nics_per_node=0), algo=algo, proto="auto")
+    plan, est, _ = run.select("all_reduce", tuple(range(8)), mib << 20)
+    assert (plan.algorithm, est.protocol) == expected

@@ -60,6 +60,8 @@ class FlowPlan:
     fill_stages: int = 0
     """Pipeline stages the first chunk crosses before every edge is busy."""
     chunk_bytes: float = 0.0
+    nccl_channels: int = 0
+    """Channels NCCL runs (for its per-channel caps); 0 = ``channels``."""
 
     @property
     def n_flows(self) -> int:
@@ -130,9 +132,10 @@ class PlanBuilder:
         for ring, rail in rings:
             for i in range(n):
                 edges.append((ring[i], ring[(i + 1) % n], factor / len(rings), rail))
-        plan = self._plan("ring", edges, n, len(self._by_node(group)), len(rings), 0.0, factor)
+        n_nodes = len(self._by_node(group))
+        plan = self._plan("ring", edges, n, n_nodes, len(rings), 0.0, factor)
         bus = sum(float(plan.bottleneck[i * n:(i + 1) * n].min()) for i in range(len(rings)))
-        return _with_bus(plan, bus)
+        return _with_bus(plan, bus, nccl_channel_count(n_nodes, len(rings), self.g))
 
     def chain_broadcast(self, group: Sequence[int], root: int) -> FlowPlan:
         """Broadcast down the ring from ``root``: each chain edge carries the whole message."""
@@ -144,10 +147,11 @@ class PlanBuilder:
             order = ring[start:] + ring[:start]
             for i in range(n - 1):
                 edges.append((order[i], order[i + 1], 1.0 / len(rings), rail))
-        plan = self._plan("ring", edges, n, len(self._by_node(group)), len(rings), 0.0, 1.0)
+        n_nodes = len(self._by_node(group))
+        plan = self._plan("ring", edges, n, n_nodes, len(rings), 0.0, 1.0)
         bus = sum(float(plan.bottleneck[i * (n - 1):(i + 1) * (n - 1)].min())
                   for i in range(len(rings)))
-        return _with_bus(plan, bus)
+        return _with_bus(plan, bus, nccl_channel_count(n_nodes, len(rings), self.g))
 
     # ------------------------------------------------------------------ tree
     def tree(self, group: Sequence[int], buffsize: float) -> FlowPlan:
@@ -181,7 +185,8 @@ class PlanBuilder:
         # Each channel's NIC carries about twice the channel's data each way (interior in one
         # tree, leaf in the other), and NCCL counts a tree all-reduce as moving 2S per rank:
         # bus bandwidth = channels x the slowest edge.
-        return _with_bus(plan, float(plan.bottleneck.min()) * channels)
+        return _with_bus(plan, float(plan.bottleneck.min()) * channels,
+                         nccl_channel_count(n_nodes, channels, self.g))
 
     # ------------------------------------------------------------------ NVLS
     def nvls(self, group: Sequence[int], efficiency: float, channels: int) -> FlowPlan:
@@ -248,10 +253,24 @@ class PlanBuilder:
         return _with_bus(plan, float(plan.bottleneck.min()) if plan.n_flows else math.inf)
 
 
-def _with_bus(plan: FlowPlan, bus: float) -> FlowPlan:
+def _with_bus(plan: FlowPlan, bus: float, nccl_channels: int = 0) -> FlowPlan:
     return FlowPlan(plan.algorithm, plan.flat, plan.lengths, plan.share, plan.bottleneck,
                     plan.path_latency, plan.n_ranks, plan.n_nodes, plan.channels, bus,
-                    plan.volume, plan.fill_stages, plan.chunk_bytes)
+                    plan.volume, plan.fill_stages, plan.chunk_bytes, nccl_channels)
+
+
+# NCCL's ring/tree channels: through an NVSwitch its search finds 12 and doubles them (24,
+# as NCCL_DEBUG=INFO prints on DGX A100/H100); across nodes one per NIC, doubled
+# (ncclTopoPostset), at most MAXCHANNELS/2 = 32 from the search (init.cc).
+NVSWITCH_CHANNELS = 24
+MAX_SEARCH_CHANNELS = 32
+
+
+def nccl_channel_count(n_nodes: int, flow_channels: int, gpus_per_node: int) -> int:
+    """How many channels NCCL runs a ring or tree on (its per-channel caps use this)."""
+    if n_nodes <= 1:
+        return NVSWITCH_CHANNELS if gpus_per_node >= NVSWITCH_MIN_GPUS else 2
+    return min(MAX_SEARCH_CHANNELS, 2 * flow_channels)
 
 
 def nic_gpu(k: int, nics: int, gpus_per_node: int) -> int:

@@ -72,9 +72,6 @@ NVLS_EFFICIENCY = {"hopper": 0.85, "blackwell": 0.74}
 # NCCL_NVLS_CHUNKSIZE default 128 KiB.
 NVLS_CHANNELS = {"hopper": 16, "blackwell": 32}
 NVLS_CHUNK_BYTES = 128 * 1024
-# Ring/tree channels through an NVSwitch: NCCL's search finds 12 on A100/H100 NVSwitch systems
-# and doubles them (ncclTopoPostset): 24, as NCCL_DEBUG=INFO prints on DGX H100.
-NVSWITCH_RING_CHANNELS = 24
 # NCCL_STEPS: the slots of a channel's buffer (device.h); a Simple step is buffsize/8.
 NCCL_STEPS = 8
 # NCCL's per-link NVLink bandwidth used in its topology search (src/graph/topo.h,

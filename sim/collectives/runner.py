@@ -147,7 +147,8 @@ class CollectiveRunner:
                                       plan.bus_bw, 1.0)]
             else:
                 ests = nccl.estimates(plan.algorithm, op, plan.n_ranks, plan.n_nodes,
-                                      self.arch, plan.bus_bw, plan.channels)
+                                      self.arch, plan.bus_bw,
+                                      plan.nccl_channels or plan.channels)
             protos = [e for e in ests if self.settings.proto in ("auto", e.protocol)] or ests
             for est in protos:
                 t = est.latency_s + self._fill_s(plan, est) + (
