@@ -123,7 +123,12 @@ class Engine:
         env = self.env
         rv = rendezvous.get(op.key)
         if rv is None:
-            ranks = op.group if op.kind == "collective" else [r for p in op.pairs for r in p]
+            if op.kind == "collective":
+                ranks = [r for g in op.all_groups for r in g]
+            elif op.kind == "send":
+                ranks = [s for s, _ in op.pairs]
+            else:
+                ranks = [r for p in op.pairs for r in p]
             rv = _Rendezvous(needed={class_of[r] for r in ranks}, launched=env.event())
             rendezvous[op.key] = rv
         rv.arrived.add(cls.id)
@@ -133,8 +138,8 @@ class Engine:
             rv.start = env.now
             if op.kind == "collective":
                 assert op.collective is not None
-                body = self.collectives.run_collective(op.collective, op.group, op.nbytes,
-                                                       tag=op)
+                body = self.collectives.run_collective_groups(op.collective, op.all_groups,
+                                                              op.nbytes, tag=op)
             else:
                 body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
             rv.launched.succeed(env.process(body))

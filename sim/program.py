@@ -11,7 +11,9 @@ The framework schedule builders (:mod:`sim.frameworks`) produce a :class:`Progra
   collectives still name their full group of global ranks, so every member's flows go on the
   fabric.
 * A collective starts when every rank class with a member in its group has reached it, as
-  NCCL's kernels do; matching ops carry the same ``key``.
+  NCCL's kernels do; matching ops carry the same ``key``. A ``send`` is posted by its source
+  classes alone (Megatron's pipeline sends are batched with the receiver's early receive);
+  the receiver's ops depend on the send op itself.
 * Memory: bytes allocated by category when an op starts, freed when it ends, and a transient
   working set held only while it runs.
 """
@@ -41,7 +43,10 @@ class Op:
     deps: list[Op] = field(default_factory=list)
     collective: CollectiveOp | None = None
     group: tuple[int, ...] = ()
-    """Global ranks taking part in a collective (or the peer, for send/recv)."""
+    """Global ranks taking part in a collective."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """Several disjoint groups running the same collective at once (the tensor-parallel
+    groups of every replica of a folded rank class); empty means just ``group``."""
     pairs: tuple[tuple[int, int], ...] = ()
     """Send/recv: (source, destination) global ranks of every member's transfer."""
     nbytes: float = 0.0
@@ -63,6 +68,10 @@ class Op:
     all_gather, reduce_scatter, all_reduce, send_recv, copy."""
     index: int = -1
     """Position in the program, set by :meth:`Program.add`."""
+
+    @property
+    def all_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.groups or ((self.group,) if self.group else ())
 
 
 @dataclass
@@ -118,5 +127,5 @@ class Program:
             for d in op.deps:
                 if id(d) not in ids:
                     raise ValueError(f"{op.name} depends on an op outside the program")
-            if op.kind == "collective" and (not op.group or not op.key):
+            if op.kind == "collective" and (not op.all_groups or not op.key):
                 raise ValueError(f"collective {op.name} needs a group and a key")

@@ -313,3 +313,24 @@ def test_algorithm_choice_matches_nccls_on_8_h100(mib: int, algo: str, expected)
     _, _, run, _ = runner(dgx(1, nics_per_node=0), algo=algo, proto="auto")
     plan, est, _ = run.select("all_reduce", tuple(range(8)), mib << 20)
     assert (plan.algorithm, est.protocol) == expected
+
+
+def test_disjoint_in_node_groups_fold_into_one_with_counted_bytes() -> None:
+    # The TP all-reduces of two nodes use disjoint NVLink ports: one group's flows stand for
+    # both (count 2): same time as one group alone, twice the bytes.
+    size = 1 << 26
+    env, net, run, _ = runner(dgx(2))
+    t_one = timed(env, run.run_collective("all_reduce", tuple(range(8)), size))
+    one = float(net.class_bytes.sum())
+    env, net, run, _ = runner(dgx(2))
+    t_two = timed(env, run.run_collective_groups("all_reduce", [tuple(range(8)),
+                                                                tuple(range(8, 16))], size))
+    assert t_two == pytest.approx(t_one, rel=1e-12)
+    assert float(net.class_bytes.sum()) == pytest.approx(2 * one)
+    # Groups across nodes are not folded: both run, sharing what they share.
+    env, net, run, _ = runner(dgx(2))
+    groups = [(0, 8), (1, 9)]
+    timed(env, run.run_collective_groups("all_reduce", groups, size))
+    env2, net2, run2, _ = runner(dgx(2))
+    timed(env2, run2.run_collective("all_reduce", (0, 8), size))
+    assert float(net.class_bytes.sum()) == pytest.approx(2 * float(net2.class_bytes.sum()))

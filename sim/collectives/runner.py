@@ -170,8 +170,42 @@ class CollectiveRunner:
         yield self.env.timeout(est.latency_s + self._fill_s(plan, est))
         yield self._start(plan, est, nbytes, tag)
 
-    def _start(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float, tag: object
-               ) -> simpy.Event:
+    def run_collective_groups(self, op: str, groups: Sequence[Sequence[int]], nbytes: float,
+                              tag: object = None) -> Generator[simpy.Event, object, None]:
+        """Process: the same collective in several disjoint groups at once.
+
+        Groups that each sit inside one node, with the same shape, use disjoint NVLink ports
+        of their nodes: one group's flows stand for all of them (``count`` = number of
+        groups), as the architecture's folding asks. Otherwise every group's flows run.
+        """
+        groups = [tuple(g) for g in groups if len(g) > 1]
+        if not groups or nbytes <= 0:
+            return
+        if len(groups) == 1:
+            yield from self.run_collective(op, groups[0], nbytes, tag)
+            return
+        b = self.builder
+        nodes = [{b.node_of[r] for r in g} for g in groups]
+        g = self.fabric.spec.gpus_per_node
+        shape = [r % g for r in groups[0]]
+        local = all(len(n) == 1 for n in nodes) and len({next(iter(n)) for n in nodes}) == \
+            len(groups) and all([r % g for r in grp] == shape for grp in groups)
+        if local:
+            plan, est, predicted = self.select(op, groups[0], nbytes)
+            self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
+            yield self.env.timeout(est.latency_s + self._fill_s(plan, est))
+            yield self._start(plan, est, nbytes, tag, count=len(groups))
+            return
+        chosen = [self.select(op, grp, nbytes) for grp in groups]
+        for plan, est, predicted in chosen[:1]:
+            self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
+        yield self.env.timeout(max(est.latency_s + self._fill_s(plan, est)
+                                   for plan, est, _ in chosen))
+        events = [self._start(plan, est, nbytes, tag) for plan, est, _ in chosen]
+        yield simpy.AllOf(self.env, events)
+
+    def _start(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float, tag: object,
+               count: int = 1) -> simpy.Event:
         # The protocol's overhead travels on the wire (LL's flags, LL128's lines): a flow
         # carries payload / wire_factor bytes. Where NCCL also caps the protocol's bandwidth
         # (LL's maximum, LL128's per-channel limit), the flows are capped in proportion.
@@ -184,8 +218,8 @@ class CollectiveRunner:
         caps = np.minimum(caps, window)
         n = plan.n_flows
         return self.net.start_group(plan.flat, plan.lengths, plan.share * nbytes / wire,
-                                    np.ones(n), caps, tag=tag,
-                                    payload=float(plan.share.sum()) * nbytes)
+                                    np.full(n, float(count)), caps, tag=tag,
+                                    payload=float(plan.share.sum()) * nbytes * count)
 
     def run_p2p(self, pairs: Sequence[tuple[int, int]], nbytes: float, tag: object = None
                 ) -> Generator[simpy.Event, object, None]:
