@@ -89,7 +89,11 @@ class ComputeModel:
     # ------------------------------------------------------------------ scaling
     @cached_property
     def _flops_scale(self) -> float:
-        return self.gpu.peak_flops(self.precision) / (_fit()["peak_bf16_tflops"] * 1e12)
+        # Matrix throughput scales with the dense peak times the share of it a large GEMM
+        # reaches on each GPU (catalogue matmul_efficiency), relative to the fitted H200.
+        h200 = catalog.gpu("h200")
+        return (self.gpu.peak_flops(self.precision) * self.gpu.matmul_efficiency) / (
+            _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
 
     @cached_property
     def _bw_scale(self) -> float:

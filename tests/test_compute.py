@@ -84,11 +84,12 @@ def test_other_gpus_scale_with_their_datasheets() -> None:
     ratio = (h100.membound_time(big) - h100.kernel_min_s) / (
         H200.membound_time(big) - H200.kernel_min_s)
     assert ratio == pytest.approx(4800 / 3350)
-    # A large GEMM on the A100 takes the peak ratio longer: 989.4 vs 312 TFLOP/s (A100 has
-    # 108 SMs, so the wave quantisation differs a little).
+    # A large GEMM on the A100 takes the ratio of achievable matrix throughput longer: dense
+    # peaks 989.4 vs 312 TFLOP/s times the shares large GEMMs reach (0.80 on the H200, 0.869
+    # on the A100 SXM, catalogue); the A100's 108 SMs change wave quantisation a little.
     r = a100.gemm_time(32768, 8192, 28672, measured_table=False) / H200.gemm_time(
         32768, 8192, 28672, measured_table=False)
-    assert r == pytest.approx(989.4 / 312, rel=0.05)
+    assert r == pytest.approx((989.4 * 0.80) / (312 * 0.869), rel=0.05)
 
 
 def test_fit_file_is_reproducible() -> None:

@@ -31,6 +31,7 @@ class GpuSpec:
     pcie_gen: int
     pcie_gbytes_per_s: float
     reference_gpu_hour_usd: float
+    matmul_efficiency: float
     sources: tuple[str, ...]
 
     def peak_flops(self, precision: str) -> float:
