@@ -79,6 +79,21 @@ class Engine:
                         self.observer.on_memory(cls, t0, cat, nbytes)
         done: dict[int, simpy.Event] = {op.index: env.event() for op in program.ops}
         class_of = program.class_of_rank()
+        # The host issues each class's ops in program order without waiting for the GPU,
+        # except after a host_sync op: an op is issued once the host time of every op since
+        # the last sync (and its own) has passed after that sync finished.
+        self._host: dict[int, tuple[Op | None, float]] = {}
+        for cls in program.classes:
+            last_sync: Op | None = None
+            since = 0.0
+            for op in sorted((o for ops in cls.streams.values() for o in ops),
+                             key=lambda o: o.index):
+                since += op.cpu_s
+                self._host[op.index] = (last_sync, since)
+                if op.host_sync:
+                    last_sync, since = op, 0.0
+        self._t0 = t0
+        self._finished: dict[int, float] = {}
         rendezvous: dict[str, _Rendezvous] = {}
         procs = [
             env.process(self._stream(program, cls, ops, done, class_of, rendezvous))
@@ -98,6 +113,12 @@ class Engine:
             pending = [done[d.index] for d in op.deps if not done[d.index].processed]
             if pending:
                 yield simpy.AllOf(env, pending)
+            sync, since = self._host.get(op.index, (None, 0.0))
+            if sync is not None and not done[sync.index].processed:
+                yield done[sync.index]
+            issued = (self._finished[sync.index] if sync is not None else self._t0) + since
+            if issued > env.now:
+                yield env.timeout(issued - env.now)
             ready = env.now
             if op.kind in ("collective", "send", "recv"):
                 start = yield from self._collective(cls, op, class_of, rendezvous)
@@ -115,6 +136,7 @@ class Engine:
                 obs.on_memory(cls, end, cat, -nbytes)
             obs.on_op(cls, op, ready, start, end, self._step)
             self.events_processed += 1
+            self._finished[op.index] = end
             done[op.index].succeed()
 
     def _collective(self, cls: RankClass, op: Op, class_of: dict[int, int],

@@ -78,7 +78,7 @@ class Kernel:
     gemm: tuple[float, float, float, str] | None = None      # (m, k, n, pass)
     attn: tuple[int, int, int, int, str] | None = None       # (batch, heads, seq, head_dim, pass)
     activation_elements: float = 0.0
-    """Elements through a SiLU/GELU (math-bound; see ComputeModel.activation_time)."""
+    """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
 
     @property
     def nbytes(self) -> float:
@@ -564,6 +564,9 @@ class BlockCost:
     early_stop_fwd_s: float
     """Forward time minus the kernels after the last saved tensor (the part a non-reentrant
     checkpoint recomputes: torch.utils.checkpoint stops recomputation early)."""
+    fwd_gpu_s: float = 0.0
+    """GPU time of the forward kernels alone (fwd_s also bounds it by CPU issue time)."""
+    bwd_gpu_s: float = 0.0
 
 
 def _fuse(kernels: list[Kernel], keep: set[int]) -> list[Kernel]:
@@ -627,13 +630,19 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     return t
 
 
+def _gpu_time(cm: ComputeModel, kernels: list[Kernel]) -> float:
+    return sum(kernel_time(cm, k) for k in kernels)
+
+
+def _cpu_time(kernels: list[Kernel], cpu_per_op: float, attn_cpu: float) -> float:
+    return sum(attn_cpu if k.klass == "attention" else cpu_per_op for k in kernels)
+
+
 def _stream_time(cm: ComputeModel, kernels: list[Kernel], cpu_per_op: float, attn_cpu: float
                  ) -> float:
     # The CPU issues kernels while the GPU runs them: a block takes the longer of the two
     # (bound by the GPU when kernels are long, by Python dispatch when they are short).
-    gpu = sum(kernel_time(cm, k) for k in kernels)
-    cpu = sum(attn_cpu if k.klass == "attention" else cpu_per_op for k in kernels)
-    return max(gpu, cpu)
+    return max(_gpu_time(cm, kernels), _cpu_time(kernels, cpu_per_op, attn_cpu))
 
 
 def _transient_peak(kernels: list[Kernel], persistent: set[int], releasable: dict[int, float]
@@ -664,15 +673,20 @@ def _transient_peak(kernels: list[Kernel], persistent: set[int], releasable: dic
     return max(0.0, peak)
 
 
-def price_block(block: Block, style: Style, cm: ComputeModel) -> BlockCost:
-    """Time and memory of a block under a compute model."""
+def price_block(block: Block, style: Style, cm: ComputeModel,
+                cpu_per_op: tuple[float, float] | None = None) -> BlockCost:
+    """Time and memory of a block under a compute model.
+
+    ``cpu_per_op``: (forward, backward) CPU seconds to issue one kernel, when the framework's
+    Python costs differ from plain PyTorch eager's.
+    """
     fwd, bwd = block.forward, block.backward
     if style.compile:
         fwd = _fuse(fwd, _needed_outside(fwd, block))
         bwd = _fuse(bwd, _needed_outside(bwd, block))
         fwd_cpu = bwd_cpu = COMPILED_OP_CPU_S
     else:
-        fwd_cpu, bwd_cpu = EAGER_FWD_OP_CPU_S, EAGER_BWD_OP_CPU_S
+        fwd_cpu, bwd_cpu = cpu_per_op or (EAGER_FWD_OP_CPU_S, EAGER_BWD_OP_CPU_S)
     fwd_s = _stream_time(cm, fwd, fwd_cpu, cm.attention_cpu_s("fwd"))
     bwd_s = _stream_time(cm, bwd, bwd_cpu, cm.attention_cpu_s("bwd"))
     # Early stop: recomputation ends once the last saved tensor exists again.
@@ -707,6 +721,8 @@ def price_block(block: Block, style: Style, cm: ComputeModel) -> BlockCost:
         weight_grad_bytes=sum(t.nbytes for t in block.weight_grads),
         params=block.params,
         early_stop_fwd_s=early,
+        fwd_gpu_s=_gpu_time(cm, fwd),
+        bwd_gpu_s=_gpu_time(cm, bwd),
     )
 
 

@@ -47,6 +47,21 @@ class MegatronLayout:
 
 STYLE = Style("bf16")
 
+# Python-level torch operations Megatron issues per block (forward ops; backward autograd
+# nodes), counted from Megatron's layer code (ParallelTransformerLayer, ParallelAttention,
+# CoreAttention, ParallelMLP; Megatron-DeepSpeed and megatron/core local spec): attention =
+# QKV ColumnParallelLinear (copy-to-region + linear), view and split, core attention (views
+# and transposes, baddbmm, view, fused softmax with its views, the CUDA RNG tracker's state
+# save/restore around dropout, dropout, bmm, permute/contiguous/view), RowParallelLinear
+# (linear + all-reduce), bias expand + fused bias-dropout-add; MLP = two linears with their
+# region functions, fused bias-GeLU, bias-dropout-add. Many are views that launch no kernel
+# but cost the CPU as much; a tiny layer is bound by them.
+PYTHON_OPS = {"attn_pre": (1, 1), "attn_main": (30, 24), "mlp_pre": (1, 1),
+              "mlp_main": (7, 6), "embed": (10, 5), "head": (16, 8)}
+# Extra ops of a checkpointed layer's recompute: RNG states saved and restored (CPU and
+# CUDA), inputs detached (megatron/core/tensor_parallel/random.py CheckpointFunction).
+CHECKPOINT_OPS = 6
+
 
 def _local(m: ModelSpec, lay: MegatronLayout) -> tuple[int, int, int, int, int]:
     """Per-rank (q width, kv width, heads, kv heads, ffn width) under tensor parallelism."""
@@ -241,12 +256,13 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
         b.block.saved = [t_ for t_ in b.block.saved if t_ is not yin]
         b.save(Tensor("mlp_main.fc1_in_shard", local * h * BF16))
     act = b.t("act", tokens * f, BF16)
-    # Fused bias-GeLU (or bias-SwiGLU): its input is saved for the backward.
-    b.fwd(Kernel("bias_act", "elementwise", (fc1,), (act,), activation_elements=tokens * f))
+    # Jit-fused bias-GeLU (or bias-SwiGLU), a vectorised memory-bound kernel (not eager
+    # PyTorch's slower SiLU); its input is saved for the backward.
+    b.fwd(Kernel("bias_act", "elementwise", (fc1,), (act,)))
     b.save(fc1)
     ga = b.t("g_act", tokens * f, BF16)
     gi = b.t("g_fc1", tokens * width, BF16)
-    b.bwd(Kernel("bias_act.bwd", "elementwise", (ga, fc1), (gi,), activation_elements=tokens * f))
+    b.bwd(Kernel("bias_act.bwd", "elementwise", (ga, fc1), (gi,)))
     out = _linear(b, act, tokens, f, h, "fc2", m.bias, bias_in_epilogue=True)
     resid = b.t("resid", local * h, BF16)
     y2 = _bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout)

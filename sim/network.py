@@ -95,6 +95,9 @@ class FlowNetwork:
         self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
         self._link_rates = np.zeros(n_links)
+        # Links touched by flows started or ended since the last solve: only the flows
+        # connected to them (through shared links) need new rates.
+        self._dirty: list[np.ndarray] = []
 
     # ------------------------------------------------------------------ API
     @property
@@ -157,6 +160,7 @@ class FlowNetwork:
         self._hops = np.concatenate([self._hops, hops.astype(float)])
         self._inc_link = np.concatenate([self._inc_link, flat_links.astype(np.int64)])
         self._inc_flow = np.concatenate([self._inc_flow, owner + base])
+        self._dirty.append(flat_links.astype(np.int64))
         self._resolve()
         return done
 
@@ -194,6 +198,14 @@ class FlowNetwork:
 
     def _retire(self, finished: np.ndarray) -> None:
         gids, n = np.unique(self._group[finished], return_counts=True)
+        gone = finished[self._inc_flow]
+        self._dirty.append(self._inc_link[gone])
+        # Their rates leave the link and class totals (finished flows ran until now).
+        self._link_rates -= np.bincount(self._inc_link[gone],
+                                        weights=self._rate[self._inc_flow[gone]],
+                                        minlength=len(self.capacity))
+        self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
+            self._hops[finished]
         keep = ~finished
         remap = np.cumsum(keep) - 1
         inc_keep = keep[self._inc_flow]
@@ -215,20 +227,55 @@ class FlowNetwork:
         self._advance()
         self._resolve()
 
+    def _component(self, links: np.ndarray) -> np.ndarray:
+        """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
+        n = len(self._size)
+        link_mask = np.zeros(len(self.capacity), dtype=bool)
+        link_mask[links] = True
+        flows = np.zeros(n, dtype=bool)
+        while True:
+            hit = np.zeros(n, dtype=bool)
+            hit[self._inc_flow[link_mask[self._inc_link]]] = True
+            new = hit & ~flows
+            if not new.any():
+                return flows
+            flows |= new
+            link_mask[self._inc_link[new[self._inc_flow]]] = True
+
     def _solve(self) -> None:
         self.solves += 1
         n = len(self._size)
+        dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
+        self._dirty = []
         if n == 0:
             self._rate = np.zeros(0)
             self._link_rates = np.zeros(len(self.capacity))
             self._class_rates = np.zeros(self.n_kinds)
         else:
-            self._rate = max_min_rates(self._inc_link, self._inc_flow, n, self.capacity,
-                                       self._cap)
-            self._link_rates = np.bincount(
-                self._inc_link, weights=self._rate[self._inc_flow],
-                minlength=len(self.capacity)).astype(float)
-            self._class_rates = (self._rate * self._count) @ self._hops
+            # Flows not connected to a changed link keep their rates: they share no link with
+            # any flow whose rate can change, so max-min gives them the same answer.
+            comp = self._component(dirty)
+            if comp.all() or self.solves % 4096 == 0:
+                # A full solve, and now and then a full recount against rounding drift.
+                self._rate = max_min_rates(self._inc_link, self._inc_flow, n, self.capacity,
+                                           self._cap)
+                self._link_rates = np.bincount(
+                    self._inc_link, weights=self._rate[self._inc_flow],
+                    minlength=len(self.capacity)).astype(float)
+                self._class_rates = (self._rate * self._count) @ self._hops
+            elif comp.any():
+                sel = comp[self._inc_flow]
+                idx = np.flatnonzero(comp)
+                local = np.full(n, -1, dtype=np.int64)
+                local[idx] = np.arange(len(idx))
+                owner = local[self._inc_flow[sel]]
+                rates = max_min_rates(self._inc_link[sel], owner, len(idx), self.capacity,
+                                      self._cap[idx])
+                delta = rates - self._rate[idx]
+                self._rate[idx] = rates
+                self._link_rates += np.bincount(self._inc_link[sel], weights=delta[owner],
+                                                minlength=len(self.capacity))
+                self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 
 

@@ -39,7 +39,14 @@ class Op:
     stream: str
     phase: Phase
     duration: float = 0.0
-    """Compute and copy ops: seconds at full speed on this GPU."""
+    """Compute and copy ops: GPU seconds at full speed on this GPU."""
+    cpu_s: float = 0.0
+    """CPU seconds the framework's host code spends issuing this op. The host issues a rank
+    class's ops one after another in program order without waiting for the GPU, so an op
+    cannot start before the host has issued it: small kernels become bound by the host."""
+    host_sync: bool = False
+    """The host waits for this op to finish on the GPU before issuing anything after it
+    (``torch.cuda.synchronize``, a blocking ``.item()``)."""
     deps: list[Op] = field(default_factory=list)
     collective: CollectiveOp | None = None
     group: tuple[int, ...] = ()

@@ -138,7 +138,33 @@ class Fsdp2Options(_Strict):
     """torch.compile of each block: memory-bound elementwise chains fused."""
 
 
-FrameworkOptions = Annotated[DdpOptions | Fsdp2Options, Field(discriminator="name")]
+class MegatronOptions(_Strict):
+    """NVIDIA Megatron-LM: tensor, pipeline, context and data parallelism."""
+
+    name: Literal["megatron"]
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and Adam states over data-parallel ranks (reduce-scatter
+    gradients, all-gather parameters)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradients bucket by bucket during the last micro-batch's backward."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather parameters bucket by bucket in forward."""
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel communication with the GEMMs around it (TE userbuffers)."""
+    flash_attention: bool = True
+    """Fused flash attention; false: baddbmm, fused softmax, dropout, bmm."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Hidden and attention dropout (Megatron-DeepSpeed's default is 0.1)."""
+    grad_reduce_in_fp32: bool | None = None
+    """fp32 gradient buffers and all-reduce; default: true for bf16, false for fp16."""
+    bucket_size: int | None = Field(default=None, gt=0)
+    """Gradient bucket in parameters; default max(40M, 1M x dp) with overlap, else one."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved."""
+
+
+FrameworkOptions = Annotated[DdpOptions | Fsdp2Options | MegatronOptions,
+                             Field(discriminator="name")]
 
 
 class Nccl(_Strict):
@@ -265,7 +291,8 @@ class Scenario(_Strict):
 
 
 # --------------------------------------------------------------------------- loading
-_UNION_TAGS = {"model": ("str", "ModelDims"), "framework": ("ddp", "fsdp2")}
+FRAMEWORK_NAMES = ("ddp", "fsdp2", "megatron")
+_UNION_TAGS = {"model": ("str", "ModelDims"), "framework": FRAMEWORK_NAMES}
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
@@ -298,7 +325,8 @@ def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
     if e["type"] == "extra_forbidden":
         return f"{loc}: unknown key"
     if e["type"] == "union_tag_invalid":
-        return f"{loc}.name: unknown framework {e['input'].get('name')!r} (available: ddp, fsdp2)"
+        return (f"{loc}.name: unknown framework {e['input'].get('name')!r} "
+                f"(available: {', '.join(FRAMEWORK_NAMES)})")
     if e["type"] == "union_tag_not_found":
         return f"{loc}.name: missing"
     msg = e["msg"].removeprefix("Value error, ")

@@ -77,6 +77,11 @@ class CollectiveRunner:
         self.settings = settings or NcclSettings()
         self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic)
         self._plans: dict[tuple[str, tuple[int, ...]], list[FlowPlan]] = {}
+        self._selected: dict[tuple[str, tuple[int, ...], float],
+                             tuple[FlowPlan, nccl.Estimate, float]] = {}
+        self._local: dict[tuple[tuple[int, ...], ...], bool] = {}
+        self._p2p: dict[tuple[tuple[int, int], ...], FlowPlan] = {}
+        self._caps: dict[tuple[int, str, str], np.ndarray] = {}
         self.chosen: list[Choice] = []
 
     # ------------------------------------------------------------------ planning
@@ -136,6 +141,14 @@ class CollectiveRunner:
     def select(self, op: str, group: tuple[int, ...], nbytes: float
                ) -> tuple[FlowPlan, nccl.Estimate, float]:
         """The (plan, estimate, predicted time) NCCL would pick, honouring forced settings."""
+        key = (op, group, nbytes)
+        hit = self._selected.get(key)
+        if hit is None:
+            hit = self._selected[key] = self._select(op, group, nbytes)
+        return hit
+
+    def _select(self, op: str, group: tuple[int, ...], nbytes: float
+                ) -> tuple[FlowPlan, nccl.Estimate, float]:
         best: tuple[FlowPlan, nccl.Estimate, float] | None = None
         candidates = self.plans(op, group)
         forced = [p for p in candidates if p.algorithm == self.settings.algo]
@@ -178,18 +191,24 @@ class CollectiveRunner:
         of their nodes: one group's flows stand for all of them (``count`` = number of
         groups), as the architecture's folding asks. Otherwise every group's flows run.
         """
-        groups = [tuple(g) for g in groups if len(g) > 1]
-        if not groups or nbytes <= 0:
+        tgroups: list[tuple[int, ...]] = [tuple(g) for g in groups if len(g) > 1]
+        if not tgroups or nbytes <= 0:
             return
-        if len(groups) == 1:
-            yield from self.run_collective(op, groups[0], nbytes, tag)
+        if len(tgroups) == 1:
+            yield from self.run_collective(op, tgroups[0], nbytes, tag)
             return
-        b = self.builder
-        nodes = [{b.node_of[r] for r in g} for g in groups]
-        g = self.fabric.spec.gpus_per_node
-        shape = [r % g for r in groups[0]]
-        local = all(len(n) == 1 for n in nodes) and len({next(iter(n)) for n in nodes}) == \
-            len(groups) and all([r % g for r in grp] == shape for grp in groups)
+        groups = tgroups
+        key = tuple(tgroups)
+        local = self._local.get(key)
+        if local is None:
+            b = self.builder
+            nodes = [{b.node_of[r] for r in g} for g in groups]
+            g = self.fabric.spec.gpus_per_node
+            shape = [r % g for r in groups[0]]
+            local = all(len(n) == 1 for n in nodes) and len(
+                {next(iter(n)) for n in nodes}) == len(groups) and all(
+                [r % g for r in grp] == shape for grp in groups)
+            self._local[key] = local
         if local:
             plan, est, predicted = self.select(op, groups[0], nbytes)
             self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
@@ -210,12 +229,16 @@ class CollectiveRunner:
         # carries payload / wire_factor bytes. Where NCCL also caps the protocol's bandwidth
         # (LL's maximum, LL128's per-channel limit), the flows are capped in proportion.
         wire = est.wire_factor if est.wire_factor > 0 else 1.0
-        cap_scale = min(1.0, est.bw_factor / wire)
-        caps = plan.bottleneck * cap_scale
-        # At most one buffer of data in flight per channel and peer: rate <= buffsize / RTT.
-        rtt = 2.0 * plan.path_latency
-        window = np.where(rtt > 0, self.settings.buffsize / np.maximum(rtt, 1e-15), np.inf)
-        caps = np.minimum(caps, window)
+        ckey = (id(plan), est.algorithm, est.protocol)
+        caps = self._caps.get(ckey)
+        if caps is None:
+            cap_scale = min(1.0, est.bw_factor / wire)
+            caps = plan.bottleneck * cap_scale
+            # At most one buffer in flight per channel and peer: rate <= buffsize / RTT.
+            rtt = 2.0 * plan.path_latency
+            window = np.where(rtt > 0, self.settings.buffsize / np.maximum(rtt, 1e-15),
+                              np.inf)
+            caps = self._caps[ckey] = np.minimum(caps, window)
         n = plan.n_flows
         return self.net.start_group(plan.flat, plan.lengths, plan.share * nbytes / wire,
                                     np.full(n, float(count)), caps, tag=tag,
@@ -225,10 +248,12 @@ class CollectiveRunner:
                 ) -> Generator[simpy.Event, object, None]:
         """Process: point-to-point transfers (NCCL send/recv, Simple protocol), one flow per
         (source, destination) pair, all at once."""
-        pairs = [(s, d) for s, d in pairs if s != d]
-        if nbytes <= 0 or not pairs:
+        key = tuple((s, d) for s, d in pairs if s != d)
+        if nbytes <= 0 or not key:
             return
-        plan = self.builder.p2p(pairs, 1.0)
+        plan = self._p2p.get(key)
+        if plan is None:
+            plan = self._p2p[key] = self.builder.p2p(key, 1.0)
         est = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
         yield self.env.timeout(est.latency_s)
         yield self._start(plan, est, nbytes, tag)

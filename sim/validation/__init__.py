@@ -10,9 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 from sim.validation.nccl import nccl_cases
+from sim.validation.vtrain import vtrain_cases
 
 Case = dict[str, Any]
-SUITES: dict[str, Callable[[], list[Case]]] = {"nccl": nccl_cases}
+SUITES: dict[str, Callable[[], list[Case]]] = {
+    "nccl": nccl_cases,
+    "vtrain-single": lambda: vtrain_cases("single"),
+    "vtrain-multi": lambda: vtrain_cases("multi"),
+}
 
 
 def run_suites(names: list[str] | None = None) -> dict[str, Any]:

@@ -1,0 +1,501 @@
+"""NVIDIA Megatron-LM: tensor, sequence, context, pipeline and data parallelism.
+
+What the step does, as ``megatron/core`` runs it:
+
+* Ranks are laid out ``tp-cp-ep-dp-pp`` (``parallel_state.py``): tensor-parallel peers are
+  adjacent (inside a node), pipeline stages outermost. Every rank of a pipeline stage runs the
+  same ops, so each stage is one rank class; its collectives name all their groups.
+* Tensor parallelism: each layer's QKV and fc1 are column-parallel, the output projection and
+  fc2 row-parallel; the row-parallel outputs are all-reduced across the tensor-parallel group
+  (with sequence parallelism: reduce-scattered, and the normalised inputs all-gathered),
+  twice in forward and twice in backward per layer, blocking the compute stream. With
+  ``tp_comm_overlap`` each exchange is chunked and overlapped with the GEMM that produces it.
+* Pipeline parallelism: the schedule of ``pipeline_parallel/schedules.py`` — 1F1B with
+  min(p - s - 1, m) warm-up forwards on stage s, interleaved 1F1B with ``vp`` model chunks per
+  stage ((p - s - 1) * 2 + (vp - 1) * p warm-up units), or GPipe (all forwards, then all
+  backwards). Activations go to the next stage and gradients back as point-to-point
+  transfers; a stage's forward waits for its input, so bubbles come out of the simulation.
+  The embedding sits on the first stage and the output layer with the loss on the last.
+* Context parallelism: each rank holds seq/cp tokens; keys and values of the other ranks are
+  gathered for attention (and their gradients reduce-scattered in backward).
+* Data parallelism: fp32 (bf16 training) or 16-bit (fp16) gradient buffers reduced after the
+  last micro-batch's backward, in one bucket, or bucket by bucket as backward produces them
+  (``overlap_grad_reduce``; buckets of max(40M, 1M x dp) parameters, ``distributed/``); with
+  the distributed optimizer a reduce-scatter, the optimizer on the shard, and an all-gather of
+  the 16-bit parameters (overlapped with the next forward under ``overlap_param_gather``).
+  Tied embeddings are all-reduced between the first and last stage (``finalize_model_grads``).
+* Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
+  buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
+  gradients are fp16), the latter sharded over data-parallel ranks by the distributed
+  optimizer. Activations per micro-batch in flight, from :mod:`sim.megatron_ops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sim.frameworks.base import JobContext, register
+from sim.layer_ops import price_block
+from sim.megatron_ops import (
+    CHECKPOINT_OPS,
+    PYTHON_OPS,
+    STYLE,
+    MegatronLayout,
+    megatron_blocks,
+    padded_vocab,
+)
+from sim.program import Op, Program, RankClass
+from sim.scenario import MegatronOptions
+
+DEFAULT_BUCKET_PARAMS = 40_000_000   # distributed/: bucket_size = max(40M, 1M x dp)
+# CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS).
+MEGATRON_CPU_S_PER_OP = 34e-6
+# Megatron's timers synchronise the device around every micro-batch's forward and backward
+# (megatron/timers.py _Timer.start/stop call torch.cuda.synchronize in the versions without
+# timing log levels), so the host cannot run ahead across micro-batches.
+HOST_SYNC_PER_MICROBATCH = True
+
+
+@dataclass
+class _Unit:
+    """The compute and communication ops of one (virtual stage, micro-batch, pass)."""
+
+    ops: list[Op] = field(default_factory=list)
+    first: Op | None = None
+    last: Op | None = None
+    layer_bwd: dict[int, Op] = field(default_factory=dict)
+
+
+def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[tuple[str, int, int]]:
+    """Stage ``s``'s order of (F|B, model chunk, micro-batch) units.
+
+    Examples
+    --------
+    1F1B on the first of 4 stages with 4 micro-batches: 3 warm-up forwards.
+
+    >>> [f"{k}{i}" for k, _, i in schedule("1f1b", 4, 0, 4, 1)]
+    ['F0', 'F1', 'F2', 'F3', 'B0', 'B1', 'B2', 'B3']
+    >>> [f"{k}{i}" for k, _, i in schedule("1f1b", 4, 3, 4, 1)]
+    ['F0', 'B0', 'F1', 'B1', 'F2', 'B2', 'F3', 'B3']
+    """
+    if kind == "gpipe":
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    total = m * vp
+    if vp == 1:
+        warmup = min(p - s - 1, m)
+    else:
+        warmup = min((p - s - 1) * 2 + (vp - 1) * p, total)
+
+    def chunk(k: int, forward: bool) -> int:
+        c = (k % (p * vp)) // p
+        return c if forward else vp - 1 - c
+
+    def micro(k: int) -> int:
+        return (k // (p * vp)) * p + k % p if vp > 1 else k
+
+    order: list[tuple[str, int, int]] = []
+    for k in range(warmup):
+        order.append(("F", chunk(k, True), micro(k)))
+    for k in range(total - warmup):
+        f = warmup + k
+        order.append(("F", chunk(f, True), micro(f)))
+        order.append(("B", chunk(k, False), micro(k)))
+    for k in range(total - warmup, total):
+        order.append(("B", chunk(k, False), micro(k)))
+    return order
+
+
+@register("megatron")
+def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, read top down
+    s = ctx.scenario
+    opts = s.framework
+    assert isinstance(opts, MegatronOptions)
+    par = s.parallelism
+    m = ctx.model
+    t, p, cp, vp = par.tp, par.pp, par.cp, par.vp
+    dp = ctx.dp
+    sp = par.sequence_parallel and t > 1
+    precision = s.training.precision
+    ctx.require(precision in ("bf16", "fp16"), "training.precision",
+                "megatron is modelled with 16-bit parameters (bf16 or fp16)")
+    ctx.require(m.heads % t == 0, "parallelism.tp",
+                f"{m.heads} attention heads do not split over tp={t}")
+    ctx.require(m.kv_heads % t == 0 or t % m.kv_heads == 0, "parallelism.tp",
+                f"{m.kv_heads} key/value heads do not split over tp={t}")
+    ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
+                f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
+    ctx.require(m.layers % (p * vp) == 0, "parallelism.pp",
+                f"{m.layers} layers do not split into pp x vp = {p * vp} equal chunks")
+    ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    ctx.require(ctx.seq % cp == 0, "parallelism.cp",
+                f"seq_len {ctx.seq} does not split over cp={cp}")
+    mb_count = ctx.micro_batches
+    ctx.require(vp == 1 or mb_count % p == 0, "training.global_batch_size",
+                f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
+                f"of pp={p}")
+    ac = s.training.activation_checkpointing
+    lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
+                         dropout=opts.dropout, selective_recompute=(ac == "selective"), cp=cp)
+    cm = ctx.compute
+    mbs, seq = ctx.micro_batch, ctx.seq
+    blocks = megatron_blocks(m, lay, mbs, seq)
+    cost = {k: price_block(b, STYLE, cm) for k, b in blocks.items()}
+    tokens = mbs * seq // cp
+    local_tokens = tokens // t if sp else tokens
+    h = m.hidden
+    act = 2  # 16-bit activations
+    grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
+        else precision == "bf16"
+    grad_bytes = 4 if grad_fp32 else 2
+
+    def rank(ti: int, ci: int, di: int, pi: int) -> int:
+        return ti + t * (ci + cp * (di + dp * pi))
+
+    classes = []
+    for st in range(p):
+        members = tuple(sorted(rank(ti, ci, di, st) for ti in range(t) for ci in range(cp)
+                               for di in range(dp)))
+        classes.append(RankClass(st, members, label=f"pipeline stage {st}"))
+
+    def tp_groups(st: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(rank(ti, ci, di, st) for ti in range(t))
+                     for ci in range(cp) for di in range(dp))
+
+    def cp_groups(st: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(rank(ti, ci, di, st) for ci in range(cp))
+                     for ti in range(t) for di in range(dp))
+
+    def dp_groups(st: int) -> tuple[tuple[int, ...], ...]:
+        # Gradients are reduced over data- and context-parallel ranks together.
+        return tuple(tuple(rank(ti, ci, di, st) for di in range(dp) for ci in range(cp))
+                     for ti in range(t))
+
+    # ------------------------------------------------------------------ per-stage sizes
+    layers_per_chunk = m.layers // (p * vp)
+    layer_params = cost["attn_pre"].params + cost["attn_main"].params + \
+        cost["mlp_pre"].params + cost["mlp_main"].params
+    vocab_local = padded_vocab(m, t) // t
+    emb_params = vocab_local * h + (m.max_positions * h if m.position == "learned" else 0)
+    head_params = m.norm_params + vocab_local * h   # output layer (a tied copy if tied)
+
+    def stage_params(st: int) -> int:
+        n = layers_per_chunk * vp * layer_params
+        if st == 0:
+            n += emb_params
+        if st == p - 1:
+            n += head_params
+        return n
+
+    opt_bytes = 12 if grad_fp32 else 16   # fp32 master + Adam moments (+ fp32 grads for fp16)
+    shard = dp * cp if opts.distributed_optimizer else 1
+    for st, cls in enumerate(classes):
+        n = stage_params(st)
+        cls.initial_memory = {"parameters": act * n, "gradients": grad_bytes * n,
+                              "optimizer": opt_bytes * n / shard}
+
+    # ------------------------------------------------------------------ op makers
+    program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
+                      0.0)
+    program.meta.update(framework="megatron", micro_batches=mb_count, pipeline_stages=p,
+                        style="megatron", schedule=(opts.pipeline_schedule if vp == 1
+                                                    else "interleaved 1f1b"))
+    # GPU time of each block's kernels, and the host time Megatron's Python needs to issue
+    # them (PYTHON_OPS x a calibrated cost per op; backward autograd nodes cost half): the
+    # engine starts an op only once the host has issued it.
+    fwd_s = {k: c.fwd_gpu_s for k, c in cost.items()}
+    bwd_s = {k: c.bwd_gpu_s for k, c in cost.items()}
+    fwd_cpu = {k: PYTHON_OPS[k][0] * MEGATRON_CPU_S_PER_OP for k in cost}
+    bwd_cpu = {k: PYTHON_OPS[k][1] * MEGATRON_CPU_S_PER_OP / 2 for k in cost}
+    cpu_call = MEGATRON_CPU_S_PER_OP
+    core_names = {"qk_bmm", "softmax", "attn_dropout", "pv_bmm", "flash_fwd"}
+    # Selective recomputation drops what core attention saves beyond its inputs: the
+    # softmax output and the dropout mask and output (the 5as^2b term; Korthikanti et al.).
+    core_saved = float(sum(tn.nbytes for tn in blocks["attn_main"].saved
+                           if tn.name.endswith((".probs", "attn_dropout.mask",
+                                                "attn_dropout.out"))))
+    from sim.layer_ops import kernel_time
+
+    core_fwd_s = sum(kernel_time(cm, k) for k in blocks["attn_main"].forward
+                     if k.name.split(".")[0] in core_names)
+    layer_saved = sum(cost[k].saved_bytes for k in ("attn_pre", "attn_main", "mlp_pre",
+                                                    "mlp_main"))
+    layer_hold: float
+    if ac == "full":
+        layer_hold = float(act * local_tokens * h)   # the layer input only
+    elif ac == "selective":
+        layer_hold = layer_saved - core_saved
+    else:
+        layer_hold = layer_saved
+
+    layer_fwd_flops = sum(blocks[k].flops_fwd for k in ("attn_main", "mlp_main"))
+    hw_extra = 0.0
+    if ac == "full":
+        hw_extra = layer_fwd_flops * m.layers * mb_count * dp * cp
+    program.hw_flops_per_step = ctx.model_flops_per_step() + hw_extra
+
+    keyseq = [0]
+
+    def new_key(prefix: str) -> str:
+        keyseq[0] += 1
+        return f"{prefix}#{keyseq[0]}"
+
+    def compute(name: str, dur: float, **kw: object) -> Op:
+        return Op(name=name, kind="compute", stream="compute", duration=dur, **kw)  # type: ignore[arg-type]
+
+    def tp_comm(st: int, op: str, nbytes: float, name: str, mb: int, layer: int | None
+                ) -> Op:
+        groups = tp_groups(st)
+        return Op(name=name, kind="collective", stream="compute" if not opts.tp_comm_overlap
+                  else "tp", phase="comm", collective=op, group=groups[0], groups=groups,  # type: ignore[arg-type]
+                  nbytes=nbytes, key=new_key(f"tp/{st}"), category=op, micro_batch=mb,
+                  layer=layer, cpu_s=cpu_call)
+
+    def block_ops(st: int, unit: _Unit, names: tuple[str, str], comm_after: str | None,
+                  comm_before: str | None, dur_pre: float, dur_main: float, label: str,
+                  mb: int, layer: int, phase: str, alloc: float = 0.0, free: float = 0.0,
+                  flops: float = 0.0, cpu_pre: float = 0.0, cpu_main: float = 0.0) -> None:
+        """One block's ops: [pre] [comm_before] main [comm_after], chained on the stream."""
+        full = act * tokens * h          # a gathered [s, b, h] tensor
+        ops: list[Op] = []
+        if t > 1 and sp and comm_before:
+            ops.append(compute(f"{label} {names[0]}", dur_pre, phase=phase, micro_batch=mb,
+                               layer=layer, category=_cat(phase), cpu_s=cpu_pre))
+            ops.append(tp_comm(st, comm_before, full, f"{comm_before} {label}", mb, layer))
+            ops.append(compute(f"{label} {names[1]}", dur_main, phase=phase, micro_batch=mb,
+                               layer=layer, category=_cat(phase), flops=flops, cpu_s=cpu_main))
+        else:
+            ops.append(compute(f"{label}", dur_pre + dur_main, phase=phase, micro_batch=mb,
+                               layer=layer, category=_cat(phase), flops=flops,
+                               cpu_s=cpu_pre + cpu_main))
+        if alloc:
+            ops[0].alloc = (("activations", alloc),)
+        if free:
+            ops[-1].free = (("activations", free),)
+        if t > 1 and comm_after:
+            comm = tp_comm(st, comm_after, full, f"{comm_after} {label}", mb, layer)
+            if opts.tp_comm_overlap:
+                # Chunked overlap (TE userbuffers): the exchange starts once the first of t
+                # GEMM chunks is done and runs beside the rest.
+                main = ops[-1]
+                head = compute(main.name + " (chunk 1)", main.duration / t, phase=main.phase,
+                               micro_batch=mb, layer=layer, category=main.category,
+                               flops=main.flops / t, alloc=main.alloc, cpu_s=main.cpu_s)
+                main.cpu_s = 0.0
+                main.duration *= (t - 1) / t
+                main.flops *= (t - 1) / t
+                main.alloc = ()
+                ops.insert(len(ops) - 1, head)
+                comm.deps = [head]
+                ops.append(comm)
+                join = compute(f"wait {comm_after} {label}", 0.0, phase=phase, micro_batch=mb,
+                               layer=layer, category=_cat(phase), deps=[comm])
+                ops.append(join)
+            else:
+                ops.append(comm)
+        for op in ops:
+            unit.ops.append(op)
+
+    ckpt_cpu = CHECKPOINT_OPS * MEGATRON_CPU_S_PER_OP
+
+    def layer_forward(st: int, unit: _Unit, mb: int, layer: int, recompute: bool) -> None:
+        phase = "recompute" if recompute else "fwd"
+        alloc = 0.0 if recompute else layer_hold
+        block_ops(st, unit, ("norm", "attention"), "reduce_scatter" if sp else "all_reduce",
+                  "all_gather", fwd_s["attn_pre"], fwd_s["attn_main"],
+                  f"{phase} attn L{layer} mb{mb}", mb, layer, phase, alloc=alloc,
+                  flops=0.0 if recompute else blocks["attn_main"].flops_fwd,
+                  cpu_pre=fwd_cpu["attn_pre"] + (ckpt_cpu if recompute else 0.0),
+                  cpu_main=fwd_cpu["attn_main"])
+        block_ops(st, unit, ("norm", "mlp"), "reduce_scatter" if sp else "all_reduce",
+                  "all_gather", fwd_s["mlp_pre"], fwd_s["mlp_main"],
+                  f"{phase} mlp L{layer} mb{mb}", mb, layer, phase,
+                  flops=0.0 if recompute else blocks["mlp_main"].flops_fwd,
+                  cpu_pre=fwd_cpu["mlp_pre"], cpu_main=fwd_cpu["mlp_main"])
+
+    def layer_backward(st: int, unit: _Unit, mb: int, layer: int) -> None:
+        if ac == "full":
+            layer_forward(st, unit, mb, layer, recompute=True)
+            # The recomputed layer's activations live until its backward ends.
+            unit.ops[-1].alloc = unit.ops[-1].alloc + (("activations", layer_saved),)
+        block_ops(st, unit, ("mlp", "norm"), "reduce_scatter" if sp else "all_reduce",
+                  "all_gather", bwd_s["mlp_pre"], bwd_s["mlp_main"],
+                  f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
+                  flops=blocks["mlp_main"].flops_bwd, cpu_pre=bwd_cpu["mlp_pre"],
+                  cpu_main=bwd_cpu["mlp_main"])
+        extra = core_fwd_s if ac == "selective" else 0.0
+        free = layer_hold + (layer_saved if ac == "full" else 0.0)
+        block_ops(st, unit, ("attention", "norm"), "reduce_scatter" if sp else "all_reduce",
+                  "all_gather", bwd_s["attn_pre"], bwd_s["attn_main"] + extra,
+                  f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
+                  flops=blocks["attn_main"].flops_bwd, cpu_pre=bwd_cpu["attn_pre"],
+                  cpu_main=bwd_cpu["attn_main"])
+        unit.layer_bwd[layer] = unit.ops[-1]
+
+    n_virtual = p * vp
+
+    def build_unit(kind: str, v: int, mb: int) -> _Unit:
+        st = v % p
+        unit = _Unit()
+        first_layer = (v // p) * p * layers_per_chunk + st * layers_per_chunk \
+            if vp > 1 else st * layers_per_chunk
+        layers = list(range(first_layer, first_layer + layers_per_chunk))
+        if kind == "F":
+            if v == 0:
+                unit.ops.append(compute(f"fwd embed mb{mb}", fwd_s["embed"], phase="fwd",
+                                        micro_batch=mb, category="forward",
+                                        cpu_s=fwd_cpu["embed"],
+                                        alloc=(("activations", cost["embed"].saved_bytes),)))
+                if t > 1:
+                    unit.ops.append(tp_comm(st, "reduce_scatter" if sp else "all_reduce",
+                                            act * tokens * h, f"embed reduce mb{mb}", mb,
+                                            None))
+            for layer in layers:
+                layer_forward(st, unit, mb, layer, recompute=False)
+            if v == n_virtual - 1:
+                c = cost["head"]
+                unit.ops.append(compute(f"fwd head+loss mb{mb}", fwd_s["head"], phase="fwd",
+                                        micro_batch=mb, category="forward",
+                                        cpu_s=fwd_cpu["head"],
+                                        alloc=(("activations", c.saved_bytes),),
+                                        transient=c.fwd_transient_bytes,
+                                        flops=blocks["head"].flops_fwd))
+        else:
+            if v == n_virtual - 1:
+                c = cost["head"]
+                unit.ops.append(compute(f"bwd head+loss mb{mb}", bwd_s["head"], phase="bwd",
+                                        micro_batch=mb, category="backward",
+                                        cpu_s=bwd_cpu["head"],
+                                        free=(("activations", c.saved_bytes),),
+                                        transient=c.bwd_transient_bytes,
+                                        flops=blocks["head"].flops_bwd))
+            for layer in reversed(layers):
+                layer_backward(st, unit, mb, layer)
+            if v == 0:
+                unit.ops.append(compute(f"bwd embed mb{mb}", bwd_s["embed"], phase="bwd",
+                                        micro_batch=mb, category="backward",
+                                        cpu_s=bwd_cpu["embed"],
+                                        free=(("activations", cost["embed"].saved_bytes),)))
+        unit.first, unit.last = unit.ops[0], unit.ops[-1]
+        if HOST_SYNC_PER_MICROBATCH:
+            unit.last.host_sync = True
+        return unit
+
+    # ------------------------------------------------------------------ pipeline
+    units: dict[tuple[str, int, int], _Unit] = {}
+    sends: dict[tuple[str, int, int], Op] = {}
+    p2p_bytes = act * local_tokens * h
+    for v in range(n_virtual):
+        for mb in range(mb_count):
+            for kind in ("F", "B"):
+                units[(kind, v, mb)] = build_unit(kind, v, mb)
+    for (kind, v, mb), unit in units.items():
+        st = v % p
+        nxt = v + 1 if kind == "F" else v - 1
+        if 0 <= nxt < n_virtual:
+            dst = nxt % p
+            pairs = tuple((rank(ti, ci, di, st), rank(ti, ci, di, dst)) for ti in range(t)
+                          for ci in range(cp) for di in range(dp))
+            op = Op(name=f"send {'act' if kind == 'F' else 'grad'} v{v}->v{nxt} mb{mb}",
+                    kind="send", stream=f"pp-{'fwd' if kind == 'F' else 'bwd'}", phase="comm",
+                    deps=[unit.last] if unit.last else [], pairs=pairs, nbytes=p2p_bytes,
+                    key=f"pp/{kind}/{v}/{mb}", category="send_recv", micro_batch=mb,
+                    cpu_s=cpu_call)
+            sends[(kind, v, mb)] = op
+    for (kind, v, mb), unit in units.items():
+        prev = v - 1 if kind == "F" else v + 1
+        if 0 <= prev < n_virtual and unit.first is not None:
+            unit.first.deps = list(unit.first.deps) + [sends[(kind, prev, mb)]]
+
+    # ------------------------------------------------------------------ gradient buckets
+    reduce_op = "reduce_scatter" if opts.distributed_optimizer else "all_reduce"
+    overlap_buckets: dict[int, list[Op]] = {st: [] for st in range(p)}
+    launch_after: dict[int, list[Op]] = {}   # id(backward op) -> buckets it completes
+    if dp * cp > 1 and opts.overlap_grad_reduce:
+        bucket = opts.bucket_size or max(DEFAULT_BUCKET_PARAMS, 1_000_000 * dp)
+        last_mb = mb_count - 1
+        for st in range(p):
+            groups = dp_groups(st)
+            # Buckets in reverse layer order, each launched (from the backward hook, so in
+            # program order right after it) when the last micro-batch's backward of its last
+            # layer is done.
+            layer_ops: list[tuple[int, Op]] = []
+            for chunk in reversed(range(vp)):
+                u = units[("B", chunk * p + st, last_mb)]
+                layer_ops += sorted(u.layer_bwd.items(), key=lambda kv: -kv[0])
+            filled = 0
+            for layer, op in layer_ops:
+                filled += layer_params
+                if filled >= bucket:
+                    b_op = Op(name=f"grad {reduce_op} bucket L{layer}", kind="collective",
+                              stream="dp", phase="comm", deps=[op], collective=reduce_op,  # type: ignore[arg-type]
+                              group=groups[0], groups=groups, nbytes=grad_bytes * filled,
+                              key=new_key(f"dp/{st}"), category=reduce_op, cpu_s=cpu_call)
+                    overlap_buckets[st].append(b_op)
+                    launch_after.setdefault(id(op), []).append(b_op)
+                    filled = 0
+
+    kind_sched = opts.pipeline_schedule if vp == 1 else "1f1b"
+    last_bwd: dict[int, Op] = {}
+    for st, cls in enumerate(classes):
+        order = schedule(kind_sched, p, st, mb_count, vp)
+        for kind, chunk, mb in order:
+            v = chunk * p + st
+            unit = units[(kind, v, mb)]
+            for op in unit.ops:
+                program.add(cls, op)
+                for b_op in launch_after.get(id(op), []):
+                    program.add(cls, b_op)
+            send = sends.get((kind, v, mb))
+            if send is not None:
+                program.add(cls, send)
+            if kind == "B":
+                last_bwd[st] = unit.last  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ gradients, optimizer
+    for st, cls in enumerate(classes):
+        n = stage_params(st)
+        groups = dp_groups(st)
+        deps_done = [last_bwd[st]]
+        comm_ops: list[Op] = []
+        if dp * cp > 1:
+            done_bytes = sum(o.nbytes for o in overlap_buckets[st])
+            rest = n - done_bytes / grad_bytes
+            if rest > 0:
+                comm_ops.append(Op(
+                    name=f"grad {reduce_op}" + (" last bucket" if overlap_buckets[st] else ""),
+                    kind="collective", stream="dp", phase="comm", deps=[last_bwd[st]],
+                    collective=reduce_op, group=groups[0], groups=groups,  # type: ignore[arg-type]
+                    nbytes=grad_bytes * rest, key=new_key(f"dp/{st}"), category=reduce_op,
+                    cpu_s=cpu_call))
+        for op in comm_ops:
+            program.add(cls, op)
+        deps_done += overlap_buckets[st] + comm_ops
+        if m.tied_embeddings and p > 1 and st in (0, p - 1):
+            pairs = tuple((rank(ti, ci, di, 0), rank(ti, ci, di, p - 1)) for ti in range(t)
+                          for ci in range(cp) for di in range(dp))
+            tie = program.add(cls, Op(
+                name="tied embedding all-reduce", kind="collective", stream="dp",
+                phase="comm", deps=list(deps_done), collective="all_reduce",
+                group=pairs[0], groups=pairs, nbytes=grad_bytes * vocab_local * h,
+                key="embedding-group", category="all_reduce"))
+            deps_done.append(tie)
+        local = n / shard
+        # Optimizer: grad unscale/norm (read 4 B), Adam over the fp32 shard (28 B), copy the
+        # updated shard into 16-bit parameters (6 B), zero the gradient buffers.
+        dur = (cm.adamw_time(local, True, 8 * layers_per_chunk * vp + 4)
+               + cm.membound_time(4 * local) + cm.membound_time(6 * local)
+               + cm.membound_time(grad_bytes * n))
+        opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
+                                       category="optimizer", deps=deps_done))
+        if opts.distributed_optimizer and dp * cp > 1:
+            program.add(cls, Op(
+                name="param all_gather", kind="collective",
+                stream="dp" if not opts.overlap_param_gather else "dp-param",
+                phase="comm", deps=[opt], collective="all_gather", group=groups[0],
+                groups=groups, nbytes=act * n, key=new_key(f"dp/{st}"),
+                category="all_gather"))
+    return program
+
+
+def _cat(phase: str) -> str:
+    return {"fwd": "forward", "bwd": "backward", "recompute": "recompute"}.get(phase, phase)

@@ -1,0 +1,130 @@
+"""Megatron-LM schedules against closed forms: pipeline bubbles, activation memory (Korthikanti
+et al. 2022), tensor-parallel exchanges, bytes per parameter of the optimizers."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.api import simulate
+from sim.frameworks import JobContext, build_program
+from sim.frameworks.megatron import schedule
+from sim.megatron_ops import MegatronLayout, megatron_blocks
+from sim.model import ModelSpec
+from sim.scenario import ModelDims, scenario_from_dict
+
+# A deep, narrow-vocabulary model so the layers dominate each stage (the closed forms assume
+# identical stages).
+DEEP = {"layers": 32, "hidden": 4096, "heads": 32, "ffn_hidden": 16384, "vocab": 1024,
+        "mlp": "gelu", "tied_embeddings": False}
+
+
+def scenario(par: dict, gbs: int, mbs: int = 1, framework: dict | None = None,
+             ac: str = "none", nvlink: float = 45000, nodes: int = 1, gpn: int = 8,
+             model: dict | None = None, seq: int = 2048):
+    return scenario_from_dict({
+        "model": model or DEEP,
+        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpn,
+                    "nvlink_gbytes_per_s": nvlink, "nics_per_node": 8 if nodes > 1 else 0,
+                    "nic_gbps": 400},
+        "framework": framework or {"name": "megatron"},
+        "parallelism": par,
+        "training": {"seq_len": seq, "micro_batch_size": mbs, "global_batch_size": gbs,
+                     "activation_checkpointing": ac}})
+
+
+def test_1f1b_order_matches_megatron() -> None:
+    # Stage s of p runs min(p - s - 1, m) warm-up forwards, then alternates.
+    assert [k for k, _, _ in schedule("1f1b", 4, 1, 6, 1)] == list("FFFBFBFBFBBB")
+    assert [k for k, _, _ in schedule("gpipe", 4, 1, 3, 1)] == list("FFFBBB")
+    inter = schedule("1f1b", 2, 0, 4, 2)
+    assert len(inter) == 2 * 4 * 2 and {c for _, c, _ in inter} == {0, 1}
+
+
+@pytest.mark.parametrize("p,m", [(4, 4), (4, 16), (2, 8)])
+def test_1f1b_bubble_matches_the_closed_form(p: int, m: int) -> None:
+    # Near-free communication (fat NVLink, one GPU per stage): bubble = (p-1)/(m+p-1).
+    s = scenario({"tp": 1, "pp": p, "dp": 1}, gbs=m, gpn=p)
+    got = simulate(s).summary["bubble_fraction"]
+    assert got == pytest.approx((p - 1) / (m + p - 1), abs=0.03)
+
+
+def test_interleaving_shrinks_the_bubble() -> None:
+    plain = simulate(scenario({"tp": 1, "pp": 4, "dp": 1}, gbs=8, gpn=4)).summary
+    inter = simulate(scenario({"tp": 1, "pp": 4, "dp": 1, "vp": 2}, gbs=8, gpn=4)).summary
+    assert inter["bubble_fraction"] < plain["bubble_fraction"]
+    assert inter["step_time_s"] < plain["step_time_s"]
+
+
+def test_gpipe_holds_every_micro_batch_1f1b_only_p_minus_s() -> None:
+    # Activation memory of the first stage: GPipe keeps all m micro-batches in flight, 1F1B
+    # at most p (Narayanan et al., 2021, sec. 2.2).
+    m, p = 8, 4
+    gp = simulate(scenario({"tp": 1, "pp": p, "dp": 1}, gbs=m, gpn=p,
+                           framework={"name": "megatron", "pipeline_schedule": "gpipe"}))
+    fb = simulate(scenario({"tp": 1, "pp": p, "dp": 1}, gbs=m, gpn=p))
+    act_gp = gp.recorder.memory[0].peak_breakdown["activations"]
+    act_fb = fb.recorder.memory[0].peak_breakdown["activations"]
+    assert act_gp / act_fb == pytest.approx(m / p, rel=0.05)
+
+
+@pytest.mark.parametrize("t,sp", [(1, False), (4, False), (8, False), (4, True), (8, True)])
+def test_activation_memory_matches_korthikanti(t: int, sp: bool) -> None:
+    # Korthikanti et al. 2022, Table 2 (16-bit activations, 1-byte dropout masks):
+    # TP: sbh(10 + 24/t + 5as/(ht)); TP+SP: sbh(34/t + 5as/(ht)).
+    m = ModelSpec.from_dims(ModelDims(layers=2, hidden=2048, heads=16, ffn_hidden=8192,
+                                      vocab=50257, mlp="gelu"), 2048)
+    b, s, h, a = 2, 2048, 2048, 16
+    lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=False, dropout=0.1)
+    blocks = megatron_blocks(m, lay, b, s)
+    saved = sum(tn.nbytes for k in ("attn_pre", "attn_main", "mlp_pre", "mlp_main")
+                for tn in blocks[k].saved if not tn.name.endswith("stats"))
+    if sp:
+        expected = s * b * h * (34 / t + 5 * a * s / (h * t))
+    else:
+        expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert saved == pytest.approx(expected, rel=1e-9)
+
+
+def test_tensor_parallel_exchanges_per_layer() -> None:
+    # Two all-reduces per layer in forward and two in backward (Shoeybi et al. 2019); full
+    # recomputation repeats the forward's two.
+    for ac, per_layer in (("none", 4), ("full", 6)):
+        s = scenario({"tp": 4, "pp": 1, "dp": 1}, gbs=1, gpn=4, ac=ac)
+        p = build_program(JobContext.from_scenario(s))
+        n = sum(1 for op in p.ops if op.collective == "all_reduce" and op.layer is not None)
+        assert n == per_layer * DEEP["layers"]
+
+
+@pytest.mark.parametrize("distributed,grad_fp32,per_param", [
+    (False, True, 18), (True, True, None), (False, False, 20)])
+def test_bytes_per_parameter_follow_megatron(distributed, grad_fp32, per_param) -> None:
+    # docs/user-guide/features/dist_optimizer.md: bf16 params with fp32 grads 18 bytes per
+    # parameter (6 + 12/d distributed); fp16 with fp16 grads 20 (4 + 16/d).
+    d = 4
+    s = scenario({"tp": 1, "pp": 1, "dp": d}, gbs=d, gpn=d,
+                 framework={"name": "megatron", "distributed_optimizer": distributed,
+                            "grad_reduce_in_fp32": grad_fp32})
+    p = build_program(JobContext.from_scenario(s))
+    mem = p.classes[0].initial_memory
+    n = mem["parameters"] / 2
+    total = sum(mem.values()) / n
+    assert total == pytest.approx(per_param if per_param else 6 + 12 / d)
+
+
+def test_data_parallel_gradients_and_tied_embeddings() -> None:
+    tied = dict(DEEP, tied_embeddings=True)
+    s = scenario({"tp": 1, "pp": 2, "dp": 2}, gbs=4, gpn=4, model=tied)
+    p = build_program(JobContext.from_scenario(s))
+    names = [op.name for op in p.ops if op.kind == "collective"]
+    assert names.count("grad all_reduce") == 2          # one per stage, no bucketing
+    assert names.count("tied embedding all-reduce") == 2  # first and last stage together
+
+
+def test_overlapped_gradient_buckets_hide_communication() -> None:
+    base = {"tp": 1, "pp": 1, "dp": 16}
+    kw = dict(gbs=16, nodes=2, gpn=8, nvlink=450)
+    plain = simulate(scenario(base, **kw)).summary
+    over = simulate(scenario(base, framework={"name": "megatron", "overlap_grad_reduce": True},
+                             **kw)).summary
+    assert over["exposed_comm_s"] < plain["exposed_comm_s"]
+    assert over["step_time_s"] < plain["step_time_s"]
