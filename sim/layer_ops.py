@@ -77,6 +77,10 @@ class Kernel:
     flops: float = 0.0
     gemm: tuple[float, float, float, str] | None = None      # (m, k, n, pass)
     attn: tuple[int, int, int, int, str] | None = None       # (batch, heads, seq, head_dim, pass)
+    attn_kv_seq: int = 0
+    """Keys per query when they outnumber the local queries (context parallelism: each rank
+    attends its seq/cp queries to the whole sequence, half of it on average under causal
+    load balancing); 0 = the same sequence, causal."""
     activation_elements: float = 0.0
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
 
@@ -621,6 +625,11 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     if k.klass == "attention":
         assert k.attn is not None
         bsz, heads, seq, hd, p = k.attn
+        if k.attn_kv_seq and k.attn_kv_seq != seq:
+            # Megatron splits each sequence in 2 x cp chunks so every rank gets an equal
+            # share of the causal triangle: half of its queries x all keys.
+            return 0.5 * cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
+                                           kv_seq=k.attn_kv_seq, causal=False)
         return cm.attention_time(bsz, heads, seq, hd, p)  # type: ignore[arg-type]
     if k.klass == "tiny":
         return cm.kernel_min_s

@@ -58,6 +58,11 @@ STYLE = Style("bf16")
 # but cost the CPU as much; a tiny layer is bound by them.
 PYTHON_OPS = {"attn_pre": (1, 1), "attn_main": (30, 24), "mlp_pre": (1, 1),
               "mlp_main": (7, 6), "embed": (10, 5), "head": (16, 8)}
+# With Transformer Engine (megatron/core/extensions/transformer_engine.py) a layer is a few
+# module calls: fused LayerNorm+QKV linear, rotary embedding, TE dot-product attention, row-
+# parallel linear, bias-dropout-add; fused LayerNorm+fc1, activation, fc2, bias-dropout-add.
+PYTHON_OPS_TE = {"attn_pre": (0, 0), "attn_main": (8, 6), "mlp_pre": (0, 0),
+                 "mlp_main": (5, 4), "embed": (10, 5), "head": (16, 8)}
 # Extra ops of a checkpointed layer's recompute: RNG states saved and restored (CPU and
 # CUDA), inputs detached (megatron/core/tensor_parallel/random.py CheckpointFunction).
 CHECKPOINT_OPS = 6
@@ -186,15 +191,17 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     ctx = b.t("ctx", tokens * qd, BF16)
     if lay.flash_attention:
         lse = b.t("lse", batch * heads * s, FP32)
-        fl = 2.0 * batch * s * kv_len * qd / (2 if lay.cp == 1 else 1)
+        fl = 2.0 * batch * s * kv_len * qd / 2   # causal: half the score matrix
         b.fwd(Kernel("flash_fwd", "attention", (q, k, v), (ctx, lse), fl,
-                     attn=(batch, heads, s, m.head_dim, "fwd")))
+                     attn=(batch, heads, s, m.head_dim, "fwd"),
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0))
         b.save(q, k, v, ctx, lse)
         gctx = b.t("g_ctx", tokens * qd, BF16)
         gqa = b.t("g_q", tokens * qd, BF16)
         gka, gva = b.t("g_k", tokens * kvd, BF16), b.t("g_v", tokens * kvd, BF16)
         b.bwd(Kernel("flash_bwd", "attention", (gctx, q, k, v, ctx, lse), (gqa, gka, gva),
-                     2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd")))
+                     2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd"),
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0))
     else:
         # baddbmm -> fused scale-mask-softmax -> dropout -> bmm (Megatron's local path).
         n_scores = batch * heads * s * kv_len

@@ -142,6 +142,10 @@ class MegatronOptions(_Strict):
     """NVIDIA Megatron-LM: tensor, pipeline, context and data parallelism."""
 
     name: Literal["megatron"]
+    implementation: Literal["transformer_engine", "local"] = "transformer_engine"
+    """Megatron's --transformer-impl: Transformer Engine's fused modules (Megatron-Core's
+    default), or the local apex/PyTorch layers (older Megatron and Megatron-DeepSpeed, whose
+    timers also synchronise the device around every micro-batch)."""
     distributed_optimizer: bool = False
     """Shard fp32 master weights and Adam states over data-parallel ranks (reduce-scatter
     gradients, all-gather parameters)."""

@@ -39,6 +39,7 @@ from sim.layer_ops import price_block
 from sim.megatron_ops import (
     CHECKPOINT_OPS,
     PYTHON_OPS,
+    PYTHON_OPS_TE,
     STYLE,
     MegatronLayout,
     megatron_blocks,
@@ -50,10 +51,11 @@ from sim.scenario import MegatronOptions
 DEFAULT_BUCKET_PARAMS = 40_000_000   # distributed/: bucket_size = max(40M, 1M x dp)
 # CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS).
 MEGATRON_CPU_S_PER_OP = 34e-6
-# Megatron's timers synchronise the device around every micro-batch's forward and backward
-# (megatron/timers.py _Timer.start/stop call torch.cuda.synchronize in the versions without
-# timing log levels), so the host cannot run ahead across micro-batches.
-HOST_SYNC_PER_MICROBATCH = True
+# With the local implementation (older Megatron, Megatron-DeepSpeed), the timers synchronise
+# the device around every micro-batch's forward and backward (megatron/timers.py
+# _Timer.start/stop call torch.cuda.synchronize in the versions without timing log levels),
+# so the host cannot run ahead across micro-batches. Megatron-Core's timers at the default
+# log level do not.
 
 
 @dataclass
@@ -204,8 +206,10 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     # engine starts an op only once the host has issued it.
     fwd_s = {k: c.fwd_gpu_s for k, c in cost.items()}
     bwd_s = {k: c.bwd_gpu_s for k, c in cost.items()}
-    fwd_cpu = {k: PYTHON_OPS[k][0] * MEGATRON_CPU_S_PER_OP for k in cost}
-    bwd_cpu = {k: PYTHON_OPS[k][1] * MEGATRON_CPU_S_PER_OP / 2 for k in cost}
+    legacy = opts.implementation == "local"
+    py_ops = PYTHON_OPS if legacy else PYTHON_OPS_TE
+    fwd_cpu = {k: py_ops[k][0] * MEGATRON_CPU_S_PER_OP for k in cost}
+    bwd_cpu = {k: py_ops[k][1] * MEGATRON_CPU_S_PER_OP / 2 for k in cost}
     cpu_call = MEGATRON_CPU_S_PER_OP
     core_names = {"qk_bmm", "softmax", "attn_dropout", "pv_bmm", "flash_fwd"}
     # Selective recomputation drops what core attention saves beyond its inputs: the
@@ -297,9 +301,28 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
 
     ckpt_cpu = CHECKPOINT_OPS * MEGATRON_CPU_S_PER_OP
 
+    qd_local = (m.heads // t) * m.head_dim
+    kvd_local = max(1, m.kv_heads // t) * m.head_dim
+    # Context parallelism: every rank needs the keys and values of the whole sequence. The
+    # exchange (a ring in TE; here gathered before the attention, not overlapped with it)
+    # moves 2 x tokens x kv width of every cp rank; backward reduce-scatters their gradients.
+    cp_bytes = 2.0 * act * tokens * kvd_local * cp
+    del qd_local
+
+    def cp_exchange(st: int, unit: _Unit, mb: int, layer: int, op: str) -> None:
+        if cp <= 1:
+            return
+        groups = cp_groups(st)
+        unit.ops.append(Op(name=f"cp {op} K/V L{layer} mb{mb}", kind="collective",
+                           stream="compute", phase="comm", collective=op,  # type: ignore[arg-type]
+                           group=groups[0], groups=groups, nbytes=cp_bytes,
+                           key=new_key(f"cp/{st}"), category=op, micro_batch=mb, layer=layer,
+                           cpu_s=cpu_call))
+
     def layer_forward(st: int, unit: _Unit, mb: int, layer: int, recompute: bool) -> None:
         phase = "recompute" if recompute else "fwd"
         alloc = 0.0 if recompute else layer_hold
+        cp_exchange(st, unit, mb, layer, "all_gather")
         block_ops(st, unit, ("norm", "attention"), "reduce_scatter" if sp else "all_reduce",
                   "all_gather", fwd_s["attn_pre"], fwd_s["attn_main"],
                   f"{phase} attn L{layer} mb{mb}", mb, layer, phase, alloc=alloc,
@@ -324,6 +347,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                   cpu_main=bwd_cpu["mlp_main"])
         extra = core_fwd_s if ac == "selective" else 0.0
         free = layer_hold + (layer_saved if ac == "full" else 0.0)
+        cp_exchange(st, unit, mb, layer, "reduce_scatter")
         block_ops(st, unit, ("attention", "norm"), "reduce_scatter" if sp else "all_reduce",
                   "all_gather", bwd_s["attn_pre"], bwd_s["attn_main"] + extra,
                   f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
@@ -376,7 +400,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         cpu_s=bwd_cpu["embed"],
                                         free=(("activations", cost["embed"].saved_bytes),)))
         unit.first, unit.last = unit.ops[0], unit.ops[-1]
-        if HOST_SYNC_PER_MICROBATCH:
+        if legacy:
             unit.last.host_sync = True
         return unit
 

@@ -8,7 +8,8 @@ multi-node iteration times of GPT models trained with Megatron-DeepSpeed.
 What the rows do not say is taken from vTrain's repository (``config/validation``,
 ``src/config.py``, ``data/README.md``) and Megatron-DeepSpeed's defaults: A100 SXM on NVSwitch
 (8 per node; their all-reduce tables reach 229 GB/s bus bandwidth on 8 GPUs), 800 Gb/s of
-network per node (taken as 4 x 200 Gb/s HDR InfiniBand), fp16, Megatron's unfused attention
+network per node (taken as 4 x 200 Gb/s HDR InfiniBand), fp16, Megatron's local (apex/PyTorch)
+layers with the unfused attention
 with dropout 0.1, full activation checkpointing, 1F1B, one non-overlapped gradient all-reduce
 per step, tied embeddings, the GPT-2 vocabulary of 50,257 and learned positions; an
 iteration includes the optimizer step. Each row becomes a scenario and runs through the same
@@ -46,7 +47,8 @@ def scenario_for(row: dict[str, str]) -> dict[str, Any]:
                   "mlp": "gelu", "tied_embeddings": True, "max_positions": seq},
         "cluster": {"topology": "dgx-a100", "nodes": nodes, "gpus_per_node": per_node,
                     "nics_per_node": 4, "nic_gbps": 200},
-        "framework": {"name": "megatron", "flash_attention": False, "dropout": 0.1},
+        "framework": {"name": "megatron", "implementation": "local",
+                      "flash_attention": False, "dropout": 0.1},
         "parallelism": {"tp": int(row["tensor parallelism"]),
                         "pp": int(row["pipeline parallelism"]),
                         "dp": int(row["data parallelism"])},
