@@ -87,7 +87,7 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     fabric = build_fabric(fabric_spec(scenario))
     recorder = Recorder()
     engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
-                    scenario.cluster.nic_transport)
+                    scenario.cluster.nic_transport, ctx.gpu.sm_count)
     # run
     total = 0.0
     for i in range(steps):
