@@ -23,6 +23,7 @@ from sim.collectives.runner import NcclSettings
 from sim.cost import cost_summary
 from sim.engine import Engine
 from sim.frameworks import JobContext, build_program
+from sim.host import HostSpec
 from sim.metrics import GIB, bytes_by_class, step_times
 from sim.program import Program
 from sim.recorder import Recorder
@@ -47,6 +48,7 @@ def fabric_spec(s: Scenario) -> FabricSpec:
     c = s.cluster
     gpu = catalog.gpu(c.gpu)
     nic_lat, switch_lat = TRANSPORT_LATENCY_US[c.nic_transport]
+    host = HostSpec.from_scenario(s)
     return FabricSpec(
         nodes=c.nodes,
         gpus_per_node=c.gpus_per_node,
@@ -69,6 +71,8 @@ def fabric_spec(s: Scenario) -> FabricSpec:
         switch_latency_us=c.switch_latency_us if c.switch_latency_us is not None
         else switch_lat,
         ecmp_seed=s.seed,
+        nvme_read_gbytes_per_s=host.nvme_read_gbytes_per_s,
+        nvme_write_gbytes_per_s=host.nvme_write_gbytes_per_s,
     )
 
 

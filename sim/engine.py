@@ -6,6 +6,11 @@ their duration; a collective waits until every rank class of its group has reach
 runs as flows on the fabric (:mod:`sim.collectives`). The engine holds no framework logic and
 does no measurement: it tells an :class:`EngineObserver` what happens.
 
+A ``copy`` op with ``host_transfer`` set moves bytes between each member GPU and its host
+memory (or between host memory and the node's NVMe) as flows on the fabric, so offloaded
+parameters and gradients share PCIe with GPUDirect network traffic. Ops on stream ``cpu``
+are host work (a CPU optimizer step) and run beside the GPU streams.
+
 Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how long a
 compute op takes given what runs beside it).
 """
@@ -15,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+import numpy as np
 import simpy
 
 from sim.collectives.runner import CollectiveRunner, NcclSettings, transport_capacity
 from sim.network import FlowNetwork, NetworkObserver
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
-
 
 # NCCL CTAs (one per channel) a collective holds on each GPU while it runs.
 NCCL_OVERLAP_CTAS = 16
@@ -68,6 +73,8 @@ class Engine:
         self._step = 0
         self.sm_count = sm_count
         self._comm_active: dict[int, int] = {}
+        self._host_routes: dict[tuple[int, str | None],
+                                tuple[np.ndarray, np.ndarray, float]] = {}
 
     # ------------------------------------------------------------------ hooks
     def compute_duration(self, cls: RankClass, op: Op) -> float:
@@ -77,10 +84,11 @@ class Engine:
         share of SMs NCCL's kernels hold: NCCL runs one CTA per channel (16 channels for a
         ring across nodes, ncclTopoPostset), so a kernel that fills the GPU runs on the
         remaining SMs: sm/(sm - 16) = 1.14x on Hopper (132 SMs), 1.19x on Ampere (108);
-        memory-bound kernels also share HBM with NCCL's copies, treated alike. Derived from NCCL's SM usage, not yet calibrated
-        against a measurement of overlapped kernels.
+        memory-bound kernels also share HBM with NCCL's copies, treated alike. Derived from
+        NCCL's SM usage, not yet calibrated against a measurement of overlapped kernels.
         """
-        if op.kind == "compute" and self._comm_active.get(cls.id):
+        on_gpu = op.kind == "compute" and op.stream != "cpu"
+        if on_gpu and self._comm_active.get(cls.id):
             return op.duration * self.sm_count / (self.sm_count - NCCL_OVERLAP_CTAS)
         return op.duration
 
@@ -145,7 +153,10 @@ class Engine:
                     obs.on_memory(cls, start, cat, nbytes)
                 if op.transient:
                     obs.on_memory(cls, start, "buffers", op.transient)
-                yield env.timeout(self.compute_duration(cls, op))
+                if op.host_transfer is not None:
+                    yield from self._host_transfer(cls, op)
+                else:
+                    yield env.timeout(self.compute_duration(cls, op))
             end = env.now
             if op.transient and op.kind in ("compute", "copy"):
                 obs.on_memory(cls, end, "buffers", -op.transient)
@@ -155,6 +166,35 @@ class Engine:
             self.events_processed += 1
             self._finished[op.index] = end
             done[op.index].succeed()
+
+    def _host_transfer(self, cls: RankClass, op: Op) -> Generator[simpy.Event, object, None]:
+        """Every member rank moves ``op.nbytes`` over its own route (GPU <-> host over PCIe,
+        host <-> NVMe): one flow each, sharing the links max-min with all other traffic."""
+        if op.nbytes <= 0:
+            return
+        key = (cls.id, op.host_transfer)
+        plan = self._host_routes.get(key)
+        fab = self.fabric
+        if plan is None:
+            routes: list[tuple[int, ...]] = []
+            for r in cls.members:
+                if op.host_transfer == "h2d":
+                    routes.append(fab.route_from_host(r))
+                elif op.host_transfer == "d2h":
+                    routes.append(fab.route_to_host(r))
+                else:
+                    node = r // fab.spec.gpus_per_node
+                    routes.append(fab.route_nvme(node, "read" if op.host_transfer == "nvme_read"
+                                                 else "write"))
+            flat = np.fromiter((i for rt in routes for i in rt), dtype=np.int64)
+            lengths = np.array([len(rt) for rt in routes], dtype=np.int64)
+            latency = max(fab.path_latency(rt) for rt in routes)
+            plan = self._host_routes[key] = (flat, lengths, latency)
+        flat, lengths, latency = plan
+        n = len(lengths)
+        yield self.env.timeout(latency)
+        yield self.net.start_group(flat, lengths, np.full(n, float(op.nbytes)), np.ones(n),
+                                   np.full(n, np.inf), tag=op)
 
     def _collective(self, cls: RankClass, op: Op, class_of: dict[int, int],
                     rendezvous: dict[str, _Rendezvous]) -> Generator[simpy.Event, object, float]:

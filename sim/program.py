@@ -25,6 +25,7 @@ from typing import Literal
 
 OpKind = Literal["compute", "collective", "send", "recv", "copy"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
+HostTransfer = Literal["h2d", "d2h", "nvme_read", "nvme_write"]
 Phase = Literal["fwd", "bwd", "recompute", "optimizer", "comm", "loss"]
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
@@ -75,6 +76,11 @@ class Op:
     all_gather, reduce_scatter, all_reduce, send_recv, copy."""
     index: int = -1
     """Position in the program, set by :meth:`Program.add`."""
+    host_transfer: HostTransfer | None = None
+    """A ``copy`` op that moves ``nbytes`` per member rank between GPU and host memory
+    (``h2d``, ``d2h``) or between host memory and the node's NVMe drives (``nvme_read``,
+    ``nvme_write``): it runs as flows on the fabric's PCIe/NVMe links instead of taking
+    ``duration``. Ops on stream ``cpu`` are CPU work (an optimizer step on the host)."""
 
     @property
     def all_groups(self) -> tuple[tuple[int, ...], ...]:

@@ -77,6 +77,9 @@ NVLINK_LATENCY_US = 0.5
 # PCIe Gen5 switch, x16 to x16 cut-through: Broadcom PEX89000 family, 115 ns (vendor figure as
 # summarised at probsee.com/p/PEX89144; Gen4 PEX88000 was 105 ns per Linley Newsletter 2019-09-24).
 PCIE_LATENCY_US = 0.115
+# NVMe read access of a data-centre TLC drive: ~80 us (Samsung PM1733 / KIOXIA CM6 product
+# briefs quote 4 KB random-read latencies of 70-90 us); only large sequential transfers use it.
+NVME_LATENCY_US = 80.0
 # NIC plus cable, one traversal: assumed (order of magnitude of RDMA NIC processing; the NCCL and
 # verbs software overheads are modelled by sim/collectives, not here). A conservative upper bound:
 # perftest's ib_send_lat measured 0.83 us one way for 32-byte RC sends host to host, both HCAs
@@ -220,6 +223,10 @@ class FabricSpec:
     nic_latency_us: float = NIC_LATENCY_US
     switch_latency_us: float = SWITCH_LATENCY_US
     ecmp_seed: int = 0
+    nvme_read_gbytes_per_s: float = 0.0
+    """Local NVMe read bandwidth per server (drives striped); 0 = no NVMe device."""
+    nvme_write_gbytes_per_s: float = 0.0
+    """Local NVMe write bandwidth per server."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -338,6 +345,8 @@ def _device_latency(spec: FabricSpec, node: Node) -> float:
     if t in ("pcie", "host"):
         # The host's root complex is treated like one more PCIe switch hop.
         return spec.pcie_latency_us * 1e-6
+    if t == "nvme":
+        return NVME_LATENCY_US * 1e-6
     if t == "nic":
         return spec.nic_latency_us * 1e-6
     return spec.switch_latency_us * 1e-6  # leaf, spine, gw, rgw
@@ -425,6 +434,17 @@ def build_graph(spec: FabricSpec) -> nx.DiGraph:
             link(("nic", n, k), ("pcie", n, spec.pcie_switch_of_nic(k)), PCIE, pcie_cap)
         for s in range(S):
             link(("pcie", n, s), host, PCIE, pcie_cap)
+        if spec.nvme_read_gbytes_per_s > 0 and spec.nvme_write_gbytes_per_s > 0:
+            # The node's striped NVMe drives as one device behind the host: reads flow
+            # nvme -> host, writes host -> nvme, each at its own rate.
+            nvme = ("nvme", n)
+            g.add_node(nvme, **at)
+            lat = 0.5 * (_device_latency(spec, host) + _device_latency(spec, nvme))
+            for src, dst, cap in ((nvme, host, spec.nvme_read_gbytes_per_s),
+                                  (host, nvme, spec.nvme_write_gbytes_per_s)):
+                edges.append((src, dst, {"kind": "pcie", "capacity": cap * 1e9, "latency": lat,
+                                     "zone": zone, "region": region(zone),
+                                     "index": len(edges)}))
 
     # Leaves, then NIC -> leaf cables (in node order, so indices are stable).
     for z in range(azs):
@@ -808,6 +828,23 @@ class Fabric:
         """
         self.route_to_host(rank)
         return self._from_host[rank]
+
+    def route_nvme(self, node: int, direction: str) -> tuple[int, ...]:
+        """Link indices between node ``node``'s host memory and its NVMe drives:
+        ``direction`` "read" (drive to host) or "write" (host to drive).
+
+        Examples
+        --------
+        >>> fab = build_fabric(FabricSpec(nodes=1, gpus_per_node=8, nvlink_gbytes_per_s=450,
+        ...                               pcie_gbytes_per_s=64, nics_per_node=0, nic_gbps=400,
+        ...                               nvme_read_gbytes_per_s=55, nvme_write_gbytes_per_s=32))
+        >>> [fab.capacity[i] / 1e9 for i in fab.route_nvme(0, "write")]
+        [32.0]
+        """
+        host, nvme = ("host", node), ("nvme", node)
+        if nvme not in self.graph:
+            raise KeyError(f"node {node} has no NVMe device (nvme bandwidth is 0)")
+        return self._ids([nvme, host] if direction == "read" else [host, nvme])
 
     def path_latency(self, links: Iterable[int]) -> float:
         """Sum of the latencies of ``links`` in seconds (every device on the path counted once).
