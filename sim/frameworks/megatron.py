@@ -356,6 +356,13 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         unit.layer_bwd[layer] = unit.ops[-1]
 
     n_virtual = p * vp
+    scatter_gather = opts.scatter_gather_tensors_in_pipeline
+    if scatter_gather is None:
+        scatter_gather = legacy
+    # Megatron's pipeline p2p (Narayanan et al., SC'21, sec. 4.1 "scatter/gather
+    # optimization"): without sequence parallelism every tensor-parallel rank holds the same
+    # activation, so each sends only its 1/tp slice across the stage boundary.
+    p2p_split = t if (scatter_gather and t > 1 and not sp) else 1
 
     def build_unit(kind: str, v: int, mb: int) -> _Unit:
         st = v % p
@@ -363,6 +370,13 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         first_layer = (v // p) * p * layers_per_chunk + st * layers_per_chunk \
             if vp > 1 else st * layers_per_chunk
         layers = list(range(first_layer, first_layer + layers_per_chunk))
+        receives = (v > 0) if kind == "F" else (v < n_virtual - 1)
+        if receives and p2p_split > 1:
+            # The received 1/tp slices are all-gathered in the tensor-parallel group
+            # (gather_split_1d_tensor after the recv in Megatron's _communicate).
+            unit.ops.append(tp_comm(st, "all_gather", act * tokens * h,
+                                    f"gather received {'act' if kind == 'F' else 'grad'} "
+                                    f"mb{mb}", mb, None))
         if kind == "F":
             if v == 0:
                 unit.ops.append(compute(f"fwd embed mb{mb}", fwd_s["embed"], phase="fwd",
@@ -407,7 +421,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     # ------------------------------------------------------------------ pipeline
     units: dict[tuple[str, int, int], _Unit] = {}
     sends: dict[tuple[str, int, int], Op] = {}
-    p2p_bytes = act * local_tokens * h
+    p2p_bytes = act * local_tokens * h / p2p_split
     for v in range(n_virtual):
         for mb in range(mb_count):
             for kind in ("F", "B"):
