@@ -109,6 +109,18 @@ class Cluster(_Strict):
     """Capacity between two regions, gigabits per second per direction."""
     region_latency_ms: float = Field(default=30.0, ge=0)
     """One-way latency between two regions."""
+    cpu_cores: int | None = Field(default=None, gt=0)
+    """CPU cores per server (both sockets); default from the host catalogue."""
+    host_memory_gib: float | None = Field(default=None, gt=0)
+    """CPU memory per server; default from the host catalogue."""
+    host_memory_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """Achievable CPU memory bandwidth per server (STREAM-like); default from the host
+    catalogue."""
+    nvme_read_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """Local NVMe read bandwidth per server (all drives striped); default from the host
+    catalogue."""
+    nvme_write_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """Local NVMe write bandwidth per server; default from the host catalogue."""
 
 
 # --------------------------------------------------------------------------- framework
@@ -136,6 +148,76 @@ class Fsdp2Options(_Strict):
     """MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reduce-scatter."""
     compile: bool = False
     """torch.compile of each block: memory-bound elementwise chains fused."""
+    hsdp_shard_size: int | None = Field(default=None, gt=0)
+    """HSDP: shard inside groups of this many ranks and all-reduce gradients across the
+    dp / hsdp_shard_size replicas (torchtitan's data_parallel_shard_degree); None = plain
+    FSDP over every data-parallel rank."""
+    cpu_offload: bool = False
+    """CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in pinned
+    host memory; parameters are copied in before each all-gather, gradients copied out after
+    each reduce-scatter, and the optimizer steps on the CPU."""
+
+
+class ZeroPlusPlus(_Strict):
+    """ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant
+    Model Training", 2023); each part may be used alone."""
+
+    qwz: bool = False
+    """zero_quantized_weights: all-gather int8 block-quantized weights (quantize and
+    dequantize kernels around each gather)."""
+    hpz: bool = False
+    """zero_hpz_partition_size > 1: keep a secondary copy of the weights sharded over the
+    GPUs of a node, so backward all-gathers stay on NVLink, at a memory cost."""
+    hpz_partition_size: int | None = Field(default=None, gt=1)
+    """Size of the secondary partition; default the GPUs per node."""
+    qgz: bool = False
+    """zero_quantized_gradients: int4 hierarchical all-to-all gradient reduce-scatter (inside
+    the node, then across nodes) instead of the ring reduce-scatter."""
+
+
+class DeepSpeedOptions(_Strict):
+    """Microsoft DeepSpeed ZeRO stages 0-3, ZeRO++ and ZeRO-Offload/Infinity (pure data
+    parallelism; values in elements unless the name says otherwise, as in ds_config)."""
+
+    name: Literal["deepspeed"]
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    """0: plain data parallelism; 1: optimizer states sharded; 2: + gradients; 3: +
+    parameters."""
+    overlap_comm: bool | None = None
+    """Reduce gradients on a side stream while backward continues; default: true for stage
+    3, false otherwise (DeepSpeedZeroConfig)."""
+    contiguous_gradients: bool = True
+    """Copy reduced gradient shards into one contiguous buffer as they are produced."""
+    reduce_bucket_size: int = Field(default=500_000_000, gt=0)
+    """Elements reduced at once (ds_config zero_optimization.reduce_bucket_size)."""
+    allgather_bucket_size: int = Field(default=500_000_000, gt=0)
+    """Stages 1-2: elements all-gathered at once after the optimizer step."""
+    stage3_prefetch_bucket_size: int = Field(default=50_000_000, ge=0)
+    """Stage 3: elements of upcoming parameters fetched ahead of use."""
+    stage3_param_persistence_threshold: int = Field(default=100_000, ge=0)
+    """Stage 3: parameters with fewer elements stay gathered on every rank (not partitioned)."""
+    stage3_max_live_parameters: int = Field(default=1_000_000_000, gt=0)
+    """Stage 3: most gathered elements held at once before releasing."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Offload: fp32 master weights and Adam states in CPU memory (or NVMe), the
+    optimizer step on the CPU (DeepSpeedCPUAdam); stages 1-3."""
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Infinity, stage 3: 16-bit parameter shards in CPU memory (or NVMe), copied to
+    the GPU before each all-gather."""
+    zeropp: ZeroPlusPlus = ZeroPlusPlus()
+    """ZeRO++ communication optimisations (stage 3)."""
+
+
+class FairscaleOptions(_Strict):
+    """FairScale's FullyShardedDataParallel (archived 2023), wrapped per transformer block."""
+
+    name: Literal["fairscale"]
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (gather again in backward)."""
+    mixed_precision: bool = True
+    """Gather and compute in 16-bit, keep fp32 shards."""
+    fp32_reduce_scatter: bool = False
+    """Reduce-scatter gradients in fp32 (default: in the compute dtype)."""
 
 
 class MegatronOptions(_Strict):
@@ -165,9 +247,14 @@ class MegatronOptions(_Strict):
     """Gradient bucket in parameters; default max(40M, 1M x dp) with overlap, else one."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved."""
+    scatter_gather_tensors_in_pipeline: bool | None = None
+    """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
+    to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,
+    Megatron-DeepSpeed), off for ``transformer_engine`` (Megatron-Core dropped it)."""
 
 
-FrameworkOptions = Annotated[DdpOptions | Fsdp2Options | MegatronOptions,
+FrameworkOptions = Annotated[DdpOptions | Fsdp2Options | MegatronOptions | DeepSpeedOptions
+                             | FairscaleOptions,
                              Field(discriminator="name")]
 
 
@@ -295,7 +382,7 @@ class Scenario(_Strict):
 
 
 # --------------------------------------------------------------------------- loading
-FRAMEWORK_NAMES = ("ddp", "fsdp2", "megatron")
+FRAMEWORK_NAMES = ("ddp", "fsdp2", "megatron", "deepspeed", "fairscale")
 _UNION_TAGS = {"model": ("str", "ModelDims"), "framework": FRAMEWORK_NAMES}
 
 

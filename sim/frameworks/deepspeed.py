@@ -1,0 +1,1 @@
+"""DeepSpeed ZeRO (placeholder until the schedule builder lands; registers nothing yet)."""

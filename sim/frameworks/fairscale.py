@@ -1,0 +1,1 @@
+"""FairScale FSDP (placeholder until the schedule builder lands; registers nothing yet)."""
