@@ -149,6 +149,17 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
         "peak_memory_breakdown_gib": (
             {k: v / GIB for k, v in critical_mem.peak_breakdown.items()} if critical_mem
             else {}),
+        # Each rank class's own peak (pipeline stages and the stages holding the embedding
+        # or the LM head differ), and whether that class runs out of memory.
+        "memory_by_rank_class": [
+            {"rank_class": c.id, "label": c.label, "ranks": len(c.members),
+             "peak_gib": rec.memory[c.id].peak / GIB if c.id in rec.memory else 0.0,
+             "peak_time_s": rec.memory[c.id].peak_time if c.id in rec.memory else 0.0,
+             "breakdown_gib": ({k: v / GIB for k, v in rec.memory[c.id].peak_breakdown.items()}
+                               if c.id in rec.memory else {}),
+             "oom": c.id in rec.memory
+             and rec.memory[c.id].peak > ctx.gpu.usable_memory_bytes}
+            for c in program.classes],
     }
     if s.claims is not None:
         states = sum(v for k, v in program.classes[0].initial_memory.items()

@@ -163,6 +163,9 @@ def _write_outputs(out: Path, result: Any) -> None:
         export.write_events_csv(tmp / "events.csv", rec)
         export.write_timeseries_csv(tmp / "timeseries.csv", rec)
         export.write_trace(tmp / "trace.json", rec, labels)
+        export.write_memory_csv(tmp / "memory.csv", rec, labels)
+        plot.memory_over_time(tmp / "memory.png", rec, result.summary["scenario"], labels,
+                              result.summary["gpu_memory_gib"])
         plot.timeline(tmp / "timeline.png", rec, result.summary["scenario"])
         plot.bytes_over_time(tmp / "bytes.png", rec, result.summary["scenario"])
         out.mkdir(exist_ok=True)

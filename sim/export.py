@@ -39,6 +39,23 @@ def write_timeseries_csv(path: Path, rec: Recorder) -> None:
             w.writerow([f"{t:.9f}"] + [f"{x:.6g}" for x in rates])
 
 
+def write_memory_csv(path: Path, rec: Recorder, labels: dict[int, str] | None = None
+                     ) -> None:
+    """GPU memory per rank class over time, by category, piecewise constant from each row's
+    time to the next row's of the same class."""
+    cats = sorted({k for track in rec.memory.values() for _, cur in track.series for k in cur})
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["rank_class", "label", "time_s"] + [f"{c}_bytes" for c in cats]
+                   + ["total_bytes"])
+        for cls, track in sorted(rec.memory.items()):
+            label = (labels or {}).get(cls, f"rank class {cls}")
+            for t, cur in track.series:
+                vals = [cur.get(c, 0.0) for c in cats]
+                w.writerow([cls, label, f"{t:.9f}"] + [f"{v:.0f}" for v in vals]
+                           + [f"{sum(vals):.0f}"])
+
+
 def chrome_trace(rec: Recorder, labels: dict[int, str] | None = None) -> dict[str, Any]:
     """A Chrome trace-event document (opens in ui.perfetto.dev): complete events per op,
     counter tracks for bytes/s per link class and memory per rank class."""

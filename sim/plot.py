@@ -63,3 +63,28 @@ def bytes_over_time(path: Path, rec: Recorder, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def memory_over_time(path: Path, rec: Recorder, title: str = "",
+                     labels: dict[int, str] | None = None, capacity_gib: float | None = None
+                     ) -> None:
+    """GPU memory of each rank class over the step (total, stepped), with the GPU's usable
+    memory as a line: pipeline stages and the embedding/head stages show apart."""
+    fig, ax = plt.subplots(figsize=(12, 4))
+    for cls, track in sorted(rec.memory.items()):
+        if not track.series:
+            continue
+        ts = [t for t, _ in track.series]
+        ys = [sum(cur.values()) / 2**30 for _, cur in track.series]
+        ax.step(ts, ys, where="post", label=(labels or {}).get(cls, f"rank class {cls}"))
+    if capacity_gib:
+        ax.axhline(capacity_gib, color="black", linestyle="--", linewidth=1,
+                   label="GPU memory")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("GiB per GPU")
+    ax.set_title(title or "memory")
+    if len(rec.memory) <= 16:
+        ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

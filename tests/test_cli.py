@@ -214,12 +214,28 @@ def out_run(results, workdir) -> tuple[dict, Path]:
 def test_out_writes_every_file(out_run):
     _, out = out_run
     names = {"summary.json", "events.csv", "timeseries.csv", "trace.json", "timeline.png",
-             "bytes.png"}
+             "bytes.png", "memory.csv", "memory.png"}
     assert names <= {p.name for p in out.iterdir()}
-    for png in ("timeline.png", "bytes.png"):
+    for png in ("timeline.png", "bytes.png", "memory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # PNG signature
     # Nothing half-written is left beside the folder.
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]
+
+
+def test_memory_csv_peaks_match_the_summary(out_run):
+    printed, out = out_run
+    with (out / "memory.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    peaks: dict[str, float] = defaultdict(float)
+    for r in rows:
+        peaks[r["rank_class"]] = max(peaks[r["rank_class"]], float(r["total_bytes"]))
+    by_class = {str(c["rank_class"]): c["peak_gib"] for c in printed["memory_by_rank_class"]}
+    assert by_class.keys() == peaks.keys()
+    for cls, peak in peaks.items():
+        # The CSV rows are the recorder's series; a transient's own peak sits inside an op,
+        # so the summary's peak is at least the largest row.
+        assert by_class[cls] * 2**30 >= peak * (1 - 1e-9)
+    assert max(by_class.values()) == pytest.approx(printed["peak_memory_gib"])
 
 
 def test_out_summary_matches_stdout(out_run):
