@@ -191,9 +191,9 @@ class CollectiveRunner:
                               tag: object = None) -> Generator[simpy.Event, object, None]:
         """Process: the same collective in several disjoint groups at once.
 
-        Groups that each sit inside one node, with the same shape, use disjoint NVLink ports
-        of their nodes: one group's flows stand for all of them (``count`` = number of
-        groups), as the architecture's folding asks. Otherwise every group's flows run.
+        Groups that each sit inside one node, all of one size, use disjoint NVLink ports of
+        their nodes: one group's flows stand for all of them (``count`` = number of groups),
+        as the architecture's folding asks. Otherwise every group's flows run.
         """
         tgroups: list[tuple[int, ...]] = [tuple(g) for g in groups if len(g) > 1]
         if not tgroups or nbytes <= 0:
@@ -205,13 +205,15 @@ class CollectiveRunner:
         key = tuple(tgroups)
         local = self._local.get(key)
         if local is None:
+            # Each group inside one node, all of one size: their flows use only their own
+            # GPUs' NVLink ports to the node's non-blocking NVSwitch, so the groups (several
+            # may share a node: tensor-parallel groups of 2 or 4) never meet on a link and
+            # any one of them behaves like the others.
             b = self.builder
             nodes = [{b.node_of[r] for r in g} for g in groups]
-            g = self.fabric.spec.gpus_per_node
-            shape = [r % g for r in groups[0]]
-            local = all(len(n) == 1 for n in nodes) and len(
-                {next(iter(n)) for n in nodes}) == len(groups) and all(
-                [r % g for r in grp] == shape for grp in groups)
+            size = len(groups[0])
+            local = (all(len(n) == 1 for n in nodes)
+                     and all(len(grp) == size for grp in groups))
             self._local[key] = local
         if local:
             plan, est, predicted = self.select(op, groups[0], nbytes)
