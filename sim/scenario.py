@@ -156,6 +156,17 @@ class Fsdp2Options(_Strict):
     """CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in pinned
     host memory; parameters are copied in before each all-gather, gradients copied out after
     each reduce-scatter, and the optimizer steps on the CPU."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """torch.distributed.pipelining schedule with parallelism.pp > 1 (torchtitan's
+    pipeline_parallel_schedule); with parallelism.vp > 1, Interleaved1F1B."""
+    pipeline_first_stage_less_layers: int = Field(default=1, ge=0)
+    """torchtitan's pipeline_parallel_first_stage_less_layers: the embedding counts as this
+    many layers when the layers are split over pipeline stages."""
+    pipeline_last_stage_less_layers: int = Field(default=1, ge=0)
+    """torchtitan's pipeline_parallel_last_stage_less_layers: the same for norm + output."""
+    cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """Context parallelism: how keys and values reach every rank (torchtitan's
+    context_parallel_rotate_method; torch's _cp_options default is allgather)."""
 
 
 class ZeroPlusPlus(_Strict):

@@ -1,0 +1,706 @@
+"""torchtitan's tensor, context and pipeline parallelism around FSDP2 (used by :mod:`fsdp2`).
+
+How torchtitan composes the parallel dimensions of a Llama model, and what that means for the
+kernels and collectives of one micro-batch on one rank:
+
+* Mesh (``torchtitan/distributed/parallel_dims.py``, ``ParallelDims``): dimensions
+  ``pp, dp_replicate, dp_shard, cp, tp`` laid out row-major, tensor-parallel peers adjacent
+  (inside a node), pipeline stages outermost. FSDP shards over ``dp_shard x cp`` flattened
+  (``apply_fsdp`` gets the ``["dp_replicate", "fsdp"]`` mesh), HSDP all-reduces over
+  ``dp_replicate``. :class:`Mesh` gives every group of a stage.
+* Tensor parallelism (``torchtitan/models/llama3/infra/parallelize.py``, ``apply_tp``; the
+  same plan as ``models/llama3/sharding.py`` with ``enable_sequence_parallel`` on, torchtitan's
+  default): the norms are ``SequenceParallel`` (each rank normalises its 1/tp of the tokens),
+  ``PrepareModuleInput`` all-gathers the normalised input before attention and before the
+  MLP (Shard(1) -> Replicate), ``wq/wk/wv`` and ``w1/w3`` are colwise, ``wo`` and ``w2``
+  rowwise with Shard(1) output, i.e. a reduce-scatter; the residual add runs on the local
+  tokens. Backward mirrors it: the reduce-scatter's gradient is an all-gather, the
+  all-gather's a reduce-scatter. The embedding is rowwise (vocabulary-sharded table, masked
+  lookup, reduce-scatter of the partial output); the final norm is sequence-parallel and the
+  output projection colwise with loss parallelism (all-gather of its input, vocabulary-sharded
+  logits, cross-entropy with small all-reduces of per-token statistics). DTensor issues each
+  collective as a functional collective that the next op waits for: they block the compute
+  stream (``async_tp`` is not modelled).
+* Context parallelism (``torch/distributed/tensor/experimental/_context_parallel/
+  _attention.py``, ``_templated_ring_attention`` and ``_templated_ring_attention_backward``):
+  each rank holds seq/cp tokens, split head-tail (``_HeadTailLoadBalancer``, torchtitan's
+  ``context_parallel_load_balancer`` default) so every rank gets the same share of the causal
+  triangle. Attention runs in cp steps, one per key/value chunk; results are merged in fp32
+  (``_SDPAMerger``, ``convert_to_f32``). Keys and values move by the rotate method:
+  ``allgather`` (torch's ``_cp_options`` default; torchtitan's ``context_parallel_rotate_method``
+  default) gathers every chunk once, issued before the first (local) step so it overlaps it;
+  ``alltoall`` shifts the buffer to the next rank each step (``permute_tensor``). Backward
+  gathers keys and values again the same way and always shifts the fp32 key/value gradients
+  round the ring, one shift per step, each overlapping the next step's attention backward.
+* Pipeline parallelism (``torchtitan/distributed/pipeline_parallel.py``,
+  ``_generate_llm_fqn_per_model_part``): the layers are split over pp x vp model chunks with the
+  embedding weighted as ``pipeline_parallel_first_stage_less_layers`` layers and the output as
+  ``..._last_stage_less_layers`` (both 1 by default): see :func:`stage_layers`.
+
+The kernels are those of :mod:`sim.layer_ops` in its ``bf16`` style (torchtitan's Llama),
+built with the same :class:`~sim.layer_ops._Builder` operations on the tensor-parallel local
+widths and split into segments wherever a collective sits between them, since a per-block kernel
+list cannot carry a collective in its middle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from sim.compute import ComputeModel
+from sim.layer_ops import (
+    BF16,
+    FP32,
+    IDX,
+    Block,
+    BlockCost,
+    Kernel,
+    Style,
+    Tensor,
+    _Builder,
+    price_block,
+)
+from sim.model import ModelSpec
+from sim.program import Op, Phase
+
+# ---------------------------------------------------------------------- mesh
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """torchtitan's device mesh ``[pp, dp_replicate, dp_shard, cp, tp]``, row-major."""
+
+    pp: int
+    replicate: int
+    shard: int
+    cp: int
+    tp: int
+
+    def rank(self, pi: int, ri: int, si: int, ci: int, ti: int) -> int:
+        return ti + self.tp * (ci + self.cp * (si + self.shard * (ri + self.replicate * pi)))
+
+    def _coords(self) -> list[tuple[int, int, int, int]]:
+        return [(ri, si, ci, ti) for ri in range(self.replicate) for si in range(self.shard)
+                for ci in range(self.cp) for ti in range(self.tp)]
+
+    def members(self, st: int) -> tuple[int, ...]:
+        return tuple(sorted(self.rank(st, *c) for c in self._coords()))
+
+    def tp_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.rank(st, ri, si, ci, ti) for ti in range(self.tp))
+                     for ri in range(self.replicate) for si in range(self.shard)
+                     for ci in range(self.cp))
+
+    def cp_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(self.rank(st, ri, si, ci, ti) for ci in range(self.cp))
+                     for ri in range(self.replicate) for si in range(self.shard)
+                     for ti in range(self.tp))
+
+    def shard_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
+        """FSDP's all-gather / reduce-scatter groups: dp_shard x cp flattened."""
+        return tuple(tuple(self.rank(st, ri, si, ci, ti) for si in range(self.shard)
+                           for ci in range(self.cp))
+                     for ri in range(self.replicate) for ti in range(self.tp))
+
+    def replicate_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
+        """HSDP's all-reduce groups: the same shard on every replica."""
+        return tuple(tuple(self.rank(st, ri, si, ci, ti) for ri in range(self.replicate))
+                     for si in range(self.shard) for ci in range(self.cp)
+                     for ti in range(self.tp))
+
+    def stage_pairs(self, st: int, dst: int) -> tuple[tuple[int, int], ...]:
+        """Pipeline p2p: every rank of stage ``st`` sends to its peer on stage ``dst``."""
+        return tuple((self.rank(st, *c), self.rank(dst, *c)) for c in self._coords())
+
+    def cp_ring_pairs(self, st: int) -> tuple[tuple[int, int], ...]:
+        """Context-parallel ring shift: each rank sends to the next in its cp group."""
+        return tuple((g[i], g[(i + 1) % len(g)]) for g in self.cp_groups(st)
+                     for i in range(len(g)))
+
+
+# ---------------------------------------------------------------------- pipeline split
+
+
+def stage_layers(layers: int, stages: int, first_less: int = 1, last_less: int = 1
+                 ) -> list[list[int]]:
+    """Layers of each pipeline model chunk, as torchtitan's ``_generate_llm_fqn_per_model_part``
+    splits them: the embedding counts as ``first_less`` layers and the norm + output as
+    ``last_less``; ``layers + first_less + last_less`` effective layers are spread evenly, the
+    first chunks taking one more when they do not divide.
+
+    Examples
+    --------
+    >>> stage_layers(8, 2)
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
+    >>> stage_layers(8, 4)
+    [[0, 1], [2, 3, 4], [5, 6], [7]]
+    >>> stage_layers(8, 4, 0, 0)
+    [[0, 1], [2, 3], [4, 5], [6, 7]]
+    """
+    if stages == 1:
+        return [list(range(layers))]
+    effective = layers + first_less + last_less
+    per, extra = divmod(effective, stages)
+    if per == 0 or first_less > per or last_less > per:
+        raise ValueError(f"{layers} layers (+{first_less} +{last_less} for embedding and "
+                         f"output) do not fill {stages} pipeline stages")
+    out: list[list[int]] = []
+    current = 0
+    for st in range(stages):
+        n = per + (1 if st < extra else 0)
+        if st == 0:
+            n -= first_less
+        elif st == stages - 1:
+            n -= last_less
+        take = list(range(current, min(layers, current + n)))
+        current += len(take)
+        out.append(take)
+    # torchtitan leaves any layers that do not fit unassigned; with these weights none are.
+    return out
+
+
+# ---------------------------------------------------------------------- segments
+
+
+def local_dims(m: ModelSpec, tp: int) -> ModelSpec:
+    """The model as one tensor-parallel rank sees it: 1/tp of the heads and MLP width."""
+    return replace(m, heads=m.heads // tp, kv_heads=m.kv_heads // tp,
+                   ffn_hidden=m.ffn_hidden // tp)
+
+
+def local_vocab(m: ModelSpec, tp: int) -> int:
+    """Rows of the vocabulary-sharded embedding and output on one rank (DTensor shards
+    unevenly divisible dimensions with the first ranks one larger)."""
+    return -(-m.vocab // tp)
+
+
+@dataclass
+class TitanBlocks:
+    """The segments of every block of one micro-batch on one rank, priced."""
+
+    seg: dict[str, Block]
+    cost: dict[str, BlockCost]
+    tp: int
+    cp: int
+    rotate: str
+    tokens: int
+    """Tokens of this rank's sequence share (batch x seq / cp)."""
+    local_tokens: int
+    """Tokens after sequence parallelism (tokens / tp)."""
+    kv_bytes: float
+    """Local keys and values, bf16, as the ring concatenates them."""
+    attn_acc_bytes: float
+    """The fp32 gradient accumulators of ring attention's backward."""
+    hidden: int
+    params: dict[str, int] = field(default_factory=dict)
+    """Parameters on this rank per block (embed, attn, mlp, head)."""
+
+
+def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: bool) -> Block:
+    # A SequenceParallel norm on the local tokens; the residual stream read by the norm and by
+    # the residual add gets its two gradients summed here.
+    b = _Builder(name, style)
+    h = m.hidden
+    x = b.t("in", local * h, BF16)
+    b.block.inputs.append(x)
+    if residual:
+        b.sum_grads(2, local * h, BF16, "resid_in")
+    y = b.norm(m, x, local, "norm")
+    b.block.outputs.append(y)
+    return b.finish()
+
+
+def _resid_seg(m: ModelSpec, style: Style, name: str, local: float) -> Block:
+    b = _Builder(name, style)
+    h = m.hidden
+    x = b.t("x", local * h, BF16)
+    y = b.t("branch", local * h, BF16)
+    b.block.inputs += [x, y]
+    b.block.outputs.append(b.residual_add(x, y, local, h, "resid"))
+    return b.finish()
+
+
+def _qkv(b: _Builder, ml: ModelSpec, tokens: float) -> tuple[Tensor, Tensor, Tensor]:
+    h = ml.hidden
+    y = b.t("in", tokens * h, BF16)
+    b.block.inputs.append(y)
+    # q, k and v read the gathered norm output: their input gradients are summed.
+    b.sum_grads(3, tokens * h, BF16, "norm_out")
+    q = b.linear(y, tokens, h, ml.q_dim, "wq", bias=ml.bias)
+    k = b.linear(y, tokens, h, ml.kv_dim, "wk", bias=ml.bias)
+    v = b.linear(y, tokens, h, ml.kv_dim, "wv", bias=ml.bias)
+    if ml.position == "rope":
+        q = b.rope(q, tokens, ml.q_dim, "rope_q")
+        k = b.rope(k, tokens, ml.kv_dim, "rope_k")
+    return q, k, v
+
+
+def _mlp_main(ml: ModelSpec, style: Style, tokens: float) -> Block:
+    b = _Builder("mlp_main", style)
+    h, f = ml.hidden, ml.ffn_hidden
+    y = b.t("in", tokens * h, BF16)
+    b.block.inputs.append(y)
+    if ml.mlp == "swiglu":
+        b.sum_grads(2, tokens * h, BF16, "norm_out")
+        g = b.linear(y, tokens, h, f, "w1", bias=ml.bias)
+        u = b.linear(y, tokens, h, f, "w3", bias=ml.bias)
+        s = b.t("silu", tokens * f, BF16)
+        prod = b.t("prod", tokens * f, BF16)
+        b.fwd(Kernel("silu", "elementwise", (g,), (s,), activation_elements=tokens * f))
+        b.fwd(Kernel("gate_mul", "elementwise", (s, u), (prod,)))
+        b.save(g, s, u)
+        gp, gs = b.t("g_prod", tokens * f, BF16), b.t("g_silu", tokens * f, BF16)
+        gu, gg = b.t("g_up", tokens * f, BF16), b.t("g_gate", tokens * f, BF16)
+        b.bwd(Kernel("g_gate_mul_s", "elementwise", (gp, u), (gs,)),
+              Kernel("g_gate_mul_u", "elementwise", (gp, s), (gu,)),
+              Kernel("g_silu", "elementwise", (gs, g), (gg,), activation_elements=tokens * f))
+        act = prod
+    else:
+        u = b.linear(y, tokens, h, f, "w1", bias=ml.bias)
+        act = b.t("gelu", tokens * f, BF16)
+        b.fwd(Kernel("gelu", "elementwise", (u,), (act,), activation_elements=tokens * f))
+        b.save(u)
+        ga, gu = b.t("g_gelu", tokens * f, BF16), b.t("g_up", tokens * f, BF16)
+        b.bwd(Kernel("g_gelu", "elementwise", (ga, u), (gu,), activation_elements=tokens * f))
+    b.block.outputs.append(b.linear(act, tokens, f, h, "w2", bias=ml.bias))
+    return b.finish()
+
+
+def _attn_main(ml: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+    """q/k/v, rotary embedding, attention over the whole (local) sequence, wo: no context
+    parallelism."""
+    b = _Builder("attn_main", style)
+    tokens = batch * seq
+    q, k, v = _qkv(b, ml, tokens)
+    o = b.attention(ml, q, k, v, batch, seq)
+    b.block.outputs.append(b.linear(o, tokens, ml.q_dim, ml.hidden, "wo", bias=ml.bias))
+    return b.finish()
+
+
+def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int
+                   ) -> dict[str, Block]:
+    """Context parallelism: qkv, the cp ring steps forward and backward, the concatenations
+    of the rotater, the final casts, and wo (``_templated_ring_attention[_backward]``)."""
+    segs: dict[str, Block] = {}
+    tokens = batch * seq          # local queries (seq is already seq/cp)
+    qd, kvd, heads, hd = ml.q_dim, ml.kv_dim, ml.heads, ml.head_dim
+    b = _Builder("attn_qkv", style)
+    q, k, v = _qkv(b, ml, tokens)
+    b.block.outputs += [q, k, v]
+    segs["attn_qkv"] = b.finish()
+    # Each step's attention: seq/cp queries against one chunk of seq/cp keys. With head-tail
+    # balancing the first step is causal on the local chunks and every other step computes
+    # half a (seq/cp)^2 block, non-causal: the same work as a causal (seq/cp)^2 block, which
+    # is how each step is priced.
+    fl = 2.0 * batch * seq * seq * qd
+    out32 = Tensor("ring.out_fp32", tokens * qd * FP32)
+    lse = Tensor("ring.lse", batch * heads * seq * FP32)
+    for i in range(cp):
+        r = _Builder(f"attn_ring{i}", style)
+        qi = Tensor(f"ring{i}.q", tokens * qd * BF16)
+        ki = Tensor(f"ring{i}.k", tokens * kvd * BF16)
+        vi = Tensor(f"ring{i}.v", tokens * kvd * BF16)
+        r.block.inputs += [qi, ki, vi]
+        o = r.t("block_out", tokens * qd, BF16)
+        blse = r.t("block_lse", batch * heads * seq, FP32)
+        r.fwd(Kernel(f"ring{i}.sdpa", "attention", (qi, ki, vi), (o, blse), fl,
+                     attn=(batch, heads, seq, hd, "fwd")))
+        o32 = r.t("block_out_fp32", tokens * qd, FP32)
+        r.fwd(Kernel(f"ring{i}.out_to_fp32", "elementwise", (o,), (o32,)))
+        if i > 0:
+            # _SDPAMerger._merge_one: out - sigmoid(block_lse - lse) * (out - block_out);
+            # lse - logsigmoid(lse - block_lse).
+            d = r.t("diff", tokens * qd, FP32)
+            p = r.t("scaled", tokens * qd, FP32)
+            r.fwd(Kernel(f"ring{i}.sub", "elementwise", (out32, o32), (d,)))
+            r.fwd(Kernel(f"ring{i}.lse_sigmoid", "tiny", (blse, lse), ()))
+            r.fwd(Kernel(f"ring{i}.mul", "elementwise", (d,), (p,)))
+            r.fwd(Kernel(f"ring{i}.update", "elementwise", (out32, p), (out32,)))
+            r.fwd(Kernel(f"ring{i}.lse_update", "tiny", (blse, lse), (lse,)))
+        if i == 0:
+            # Autograd keeps the local q, k, v for backward (which fetches the others again).
+            r.save(qi, ki, vi)
+        if i == cp - 1:
+            outb = r.t("out", tokens * qd, BF16)
+            r.fwd(Kernel("ring.out_to_bf16", "elementwise", (out32,), (outb,)))
+            r.save(lse)
+        segs[f"attn_ring{i}"] = r.finish()
+        # Backward step i: the flash backward on this chunk, then (after the previous
+        # gradient shift arrived) the fp32 accumulation and the concatenation to send on.
+        fb = _Builder(f"attn_ring{i}_bwd", style)
+        go = fb.t("g_out", tokens * qd, BF16)
+        gq, gk, gv = (fb.t(n, tokens * w, BF16) for n, w in (("g_q", qd), ("g_k", kvd),
+                                                              ("g_v", kvd)))
+        ks = [Kernel(f"ring{i}.sdpa_bwd", "attention", (go, qi, ki, vi, o, blse), (gq, gk, gv),
+                     2.5 * fl, attn=(batch, heads, seq, hd, "bwd"))]
+        if i == 0:
+            acc = fb.t("acc", tokens * (qd + 2 * kvd), FP32)
+            ks.insert(0, Kernel("ring.zeros", "elementwise", (), (acc,)))
+        fb.bwd(*ks)
+        segs[f"attn_ring{i}_bwd"] = fb.finish()
+        ab = _Builder(f"attn_ring{i}_acc", style)
+        accq = ab.t("acc_q", tokens * qd, FP32)
+        acckv = ab.t("acc_kv", tokens * 2 * kvd, FP32)
+        gkv = ab.t("g_kv", tokens * 2 * kvd, BF16)
+        gqb = ab.t("g_q", tokens * qd, BF16)
+        nxt = ab.t("next_g_kv", tokens * 2 * kvd, FP32)
+        ab.bwd(Kernel(f"ring{i}.acc_kv", "elementwise", (acckv, gkv), (acckv,)),
+               Kernel(f"ring{i}.acc_q", "elementwise", (accq, gqb), (accq,)),
+               Kernel(f"ring{i}.cat_g_kv", "elementwise", (acckv,), (nxt,)))
+        segs[f"attn_ring{i}_acc"] = ab.finish()
+    # torch.cat([key.flatten(), value.flatten()]) before each exchange.
+    c = _Builder("attn_kv_cat", style)
+    kin, vin = c.t("k", tokens * kvd, BF16), c.t("v", tokens * kvd, BF16)
+    c.fwd(Kernel("kv_cat", "elementwise", (kin, vin), (c.t("kv", tokens * 2 * kvd, BF16),)))
+    segs["attn_kv_cat"] = c.finish()
+    f = _Builder("attn_ring_final", style)
+    accq = f.t("acc_q", tokens * qd, FP32)
+    acckv = f.t("acc_kv", tokens * 2 * kvd, FP32)
+    f.bwd(Kernel("ring.g_q_to_bf16", "elementwise", (accq,), (f.t("g_q", tokens * qd, BF16),)),
+          Kernel("ring.g_kv_to_bf16", "elementwise", (acckv,),
+                 (f.t("g_kv", tokens * 2 * kvd, BF16),)))
+    segs["attn_ring_final"] = f.finish()
+    w = _Builder("attn_o", style)
+    oin = w.t("in", tokens * qd, BF16)
+    w.block.inputs.append(oin)
+    w.block.outputs.append(w.linear(oin, tokens, qd, ml.hidden, "wo", bias=ml.bias))
+    segs["attn_o"] = w.finish()
+    return segs
+
+
+def _embed_seg(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
+    """Token embedding; with tensor parallelism rowwise: each rank looks up the ids in its
+    vocabulary range (others masked to zero) and the partial outputs are reduce-scattered."""
+    b = _Builder("embed", style)
+    h, vl = m.hidden, local_vocab(m, tp)
+    b.block.params += vl * h
+    ids = b.t("ids", tokens, IDX)
+    rows = b.t("rows", tokens * h, BF16)
+    out = b.t("out", tokens * h, BF16)
+    if tp > 1:
+        # RowwiseParallel._partition_embedding: mask out-of-range ids, shift, look up, zero.
+        mask = b.t("mask", tokens, 1)
+        b.fwd(Kernel("mask_ids", "elementwise", (ids,), (mask, ids)))
+    b.fwd(Kernel("lookup", "elementwise", (ids, rows), (out,)))
+    if tp > 1:
+        b.fwd(Kernel("zero_masked", "elementwise", (out, mask), (out,)))
+    gout = b.t("g_out", tokens * h, BF16)
+    gtab = b.t("g_table", vl * h, BF16)
+    b.bwd(Kernel("g_zero", "elementwise", (), (gtab,)),
+          Kernel("g_index_add", "elementwise", (gout, ids), (rows,)))
+    b.block.weight_grads.append(gtab)
+    if m.position == "learned":
+        b.block.params += m.max_positions * h
+    b.block.outputs.append(out)
+    return b.finish()
+
+
+def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
+    """Output projection to this rank's vocabulary shard and cross-entropy in fp32 (loss
+    parallelism with tp > 1), as :func:`sim.layer_ops.head_block` without its norm."""
+    b = _Builder("head_main", style)
+    h, vl = m.hidden, local_vocab(m, tp)
+    y = b.t("in", tokens * h, BF16)
+    b.block.inputs.append(y)
+    logits = b.linear(y, tokens, h, vl, "output")
+    if m.tied_embeddings:
+        b.block.params -= h * vl
+    b.block.forward_scoped.append(logits)
+    n = tokens * vl
+    lf, lsm = b.t("logits_fp32", n, FP32), b.t("log_softmax", n, FP32)
+    b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
+    b.fwd(Kernel("log_softmax", "elementwise", (lf, lf, lf), (lsm,)))
+    b.fwd(Kernel("nll_loss", "tiny", (lsm,), (b.t("loss", 1, FP32),)))
+    b.save(lsm)
+    g_nll, g_lsm = b.t("g_nll", n, FP32), b.t("g_log_softmax", n, FP32)
+    g_logits = b.t("output.g_out", n, BF16)
+    b.bwd(Kernel("g_nll", "elementwise", (), (g_nll,)),
+          Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_lsm,)),
+          Kernel("g_logits_bf16", "elementwise", (g_lsm,), (g_logits,)))
+    return b.finish()
+
+
+def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: int, tp: int,
+                 cp: int, rotate: str) -> TitanBlocks:
+    """Every segment of one micro-batch on one rank under tensor parallelism ``tp`` (with
+    sequence parallelism) and context parallelism ``cp``."""
+    ml = local_dims(m, tp)
+    seq_local = seq // cp
+    tokens = batch * seq_local
+    local = tokens // tp
+    segs: dict[str, Block] = {
+        "embed": _embed_seg(m, style, tokens, tp),
+        "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True),
+        "attn_resid": _resid_seg(m, style, "attn_resid", local),
+        "mlp_norm": _norm_seg(m, style, "mlp_norm", local, residual=True),
+        "mlp_main": _mlp_main(ml, style, tokens),
+        "mlp_resid": _resid_seg(m, style, "mlp_resid", local),
+        "head_norm": _norm_seg(m, style, "head_norm", local, residual=False),
+        "head_main": _head_main(m, style, tokens, tp),
+    }
+    if cp == 1:
+        segs["attn_main"] = _attn_main(ml, style, batch, seq_local)
+    else:
+        segs.update(_ring_segments(ml, style, batch, seq_local, cp))
+    cost = {k: price_block(b, style, cm) for k, b in segs.items()}
+    params = {
+        "embed": segs["embed"].params,
+        "attn": sum(segs[k].params for k in segs if k.startswith("attn")),
+        "mlp": sum(segs[k].params for k in segs if k.startswith("mlp")),
+        "head": segs["head_norm"].params + segs["head_main"].params,
+    }
+    return TitanBlocks(segs, cost, tp, cp, rotate, tokens, local,
+                       kv_bytes=2.0 * tokens * ml.kv_dim * BF16,
+                       attn_acc_bytes=float(tokens * (ml.q_dim + 2 * ml.kv_dim) * FP32),
+                       hidden=m.hidden, params=params)
+
+
+# ---------------------------------------------------------------------- ops of a pass
+
+
+@dataclass
+class Comms:
+    """How the builder makes the collectives of one pipeline stage (rank class)."""
+
+    tp: Callable[[str, float, str, int, int | None], Op]
+    """(collective, nbytes, name, micro-batch, layer) -> a tensor-parallel collective on the
+    compute stream."""
+    cp_gather: Callable[[float, str, int, int | None], Op]
+    """(nbytes, name, micro-batch, layer) -> a context-parallel all-gather on its stream."""
+    cp_shift: Callable[[float, str, int, int | None], Op]
+    """(bytes per rank, name, micro-batch, layer) -> the ring shift (each rank to the next)."""
+
+
+class TitanPass:
+    """Compute and collective ops of the blocks of one micro-batch under torchtitan's TP/CP.
+
+    :meth:`forward` and :meth:`backward` return, for one block (embed, attn, mlp, head) of
+    one layer, its ops in issue order. Memory effects follow :mod:`sim.frameworks.steps`:
+    forward allocates what autograd saves, backward frees it and allocates the bf16 weight
+    gradients (``grad_alloc``); with ``recompute`` a layer keeps only its input and the
+    backward of its MLP block starts by recomputing the whole layer, collectives included
+    (torchtitan's full activation checkpointing wraps each TransformerBlock).
+    """
+
+    def __init__(self, tb: TitanBlocks, comms: Comms, recompute: bool) -> None:
+        self.tb = tb
+        self.c = comms
+        self.recompute = recompute
+        self._scoped = 0.0
+
+    # ------------------------------------------------------------------ helpers
+    def _seg(self, key: str, label: str, mb: int, layer: int | None, phase: Phase,
+             backward: bool, alloc_saved: bool = True) -> Op:
+        c = self.tb.cost[key]
+        blk = self.tb.seg[key]
+        if backward:
+            free = (("activations", c.saved_bytes),) if c.saved_bytes else ()
+            return Op(name=f"bwd {label} mb{mb}", kind="compute", stream="compute",
+                      phase=phase, duration=c.bwd_s, free=free,
+                      transient=c.bwd_transient_bytes, layer=layer, micro_batch=mb,
+                      hw_flops=blk.flops_bwd, category="backward")
+        allocs: list[tuple[str, float]] = []
+        transient = c.fwd_transient_bytes
+        if alloc_saved and c.saved_bytes:
+            allocs.append(("activations", c.saved_bytes))
+        elif not alloc_saved:
+            transient = c.fwd_transient_unsaved_bytes
+        if c.forward_scoped_bytes and phase == "fwd":
+            allocs.append(("buffers", c.forward_scoped_bytes))
+            self._scoped += c.forward_scoped_bytes
+        return Op(name=f"{'fwd' if phase == 'fwd' else phase} {label} mb{mb}",
+                  kind="compute", stream="compute", phase=phase, duration=c.fwd_s,
+                  alloc=tuple(allocs), transient=transient, layer=layer, micro_batch=mb,
+                  hw_flops=blk.flops_fwd,
+                  category="forward" if phase == "fwd" else "recompute")
+
+    def _gathered(self) -> float:
+        return float(self.tb.tokens * self.tb.hidden * BF16)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, block: str, layer: int, mb: int, phase: Phase = "fwd") -> list[Op]:
+        tp, lay = self.tb.tp, (layer if layer >= 0 else None)
+        ckpt = self.recompute and block in ("attn", "mlp") and phase == "fwd"
+        ops: list[Op] = []
+
+        def seg(key: str, saved: bool = True) -> Op:
+            lbl = f"{key}{'' if lay is None else f' L{layer}'}"
+            op = self._seg(key, lbl, mb, lay, phase, backward=False,
+                           alloc_saved=saved and not ckpt)
+            ops.append(op)
+            return op
+
+        def tp_comm(kind: str, what: str) -> None:
+            if tp > 1:
+                ops.append(self.c.tp(kind, self._gathered(), f"tp {kind} {what}"
+                                     f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay))
+
+        if block == "embed":
+            seg("embed")
+            tp_comm("reduce_scatter", "embed")
+        elif block == "head":
+            seg("head_norm")
+            tp_comm("all_gather", "head")
+            seg("head_main")
+            if tp > 1:
+                # Loss parallelism: all-reduces of the per-token max, sum of exponentials and
+                # target logit over the vocabulary shards (torch loss_parallel).
+                for what in ("max", "sumexp", "target"):
+                    ops.append(self.c.tp("all_reduce", float(self.tb.tokens * FP32),
+                                         f"tp all_reduce loss {what} mb{mb}", mb, None))
+            if phase == "fwd" and self._scoped:
+                # The forward returns after the loss: the logits are released.
+                ops[-1].free = ops[-1].free + (("buffers", self._scoped),)
+                self._scoped = 0.0
+        elif block == "attn":
+            first = seg("attn_norm")
+            if ckpt:
+                c = self.tb.cost["attn_norm"]
+                first.alloc = first.alloc + (("activations", c.input_saved_bytes),)
+            tp_comm("all_gather", "attn")
+            if self.tb.cp == 1:
+                seg("attn_main")
+            else:
+                self._ring_forward(ops, seg, mb, lay)
+            tp_comm("reduce_scatter", "attn")
+            seg("attn_resid")
+        else:
+            seg("mlp_norm")
+            tp_comm("all_gather", "mlp")
+            seg("mlp_main")
+            tp_comm("reduce_scatter", "mlp")
+            seg("mlp_resid")
+        if phase == "recompute" and block == "attn":
+            # The layer input is still held from the forward: recompute re-saves the rest.
+            c = self.tb.cost["attn_norm"]
+            op = ops[0]
+            op.alloc = tuple((k, v - c.input_saved_bytes) if k == "activations" else (k, v)
+                             for k, v in op.alloc)
+        return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
+
+    def _ring_forward(self, ops: list[Op], seg: Callable[..., Op], mb: int,
+                      lay: int | None) -> None:
+        tb, cp = self.tb, self.tb.cp
+        seg("attn_qkv")
+        where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        ops.append(self._cat(mb, lay, ops[-1].phase))
+        if tb.rotate == "allgather":
+            gather = self.c.cp_gather(tb.kv_bytes * cp, f"cp all_gather K/V{where}", mb, lay)
+            gather.deps = [ops[-1]]
+            ops.append(gather)
+            arrived = gather
+        else:
+            arrived = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V 0{where}", mb, lay)
+            arrived.deps = [ops[-1]]
+            ops.append(arrived)
+        for i in range(cp):
+            if i > 0 and tb.rotate == "alltoall" and i < cp - 1:
+                cat = self._cat(mb, lay, ops[-1].phase)
+                cat.deps = [arrived]
+                ops.append(cat)
+                nxt = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V {i}{where}", mb, lay)
+                nxt.deps = [cat]
+                ops.append(nxt)
+                step = seg(f"attn_ring{i}")
+                step.deps = [arrived]
+                arrived = nxt
+                continue
+            step = seg(f"attn_ring{i}")
+            if i > 0:
+                step.deps = [arrived]
+        seg("attn_o")
+
+    def _cat(self, mb: int, lay: int | None, phase: Phase) -> Op:
+        c = self.tb.cost["attn_kv_cat"]
+        return Op(name=f"cp cat K/V{'' if lay is None else f' L{lay}'} mb{mb}", kind="compute",
+                  stream="compute", phase=phase, duration=c.fwd_s, layer=lay, micro_batch=mb,
+                  category="forward" if phase == "fwd" else "backward")
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, block: str, layer: int, mb: int) -> list[Op]:
+        tp, lay = self.tb.tp, (layer if layer >= 0 else None)
+        ops: list[Op] = []
+        if block == "mlp" and self.recompute:
+            ops += self.forward("attn", layer, mb, phase="recompute")
+            ops += self.forward("mlp", layer, mb, phase="recompute")
+
+        def seg(key: str) -> Op:
+            lbl = f"{key}{'' if lay is None else f' L{layer}'}"
+            op = self._seg(key, lbl, mb, lay, "bwd", backward=True)
+            ops.append(op)
+            return op
+
+        def tp_comm(kind: str, what: str) -> None:
+            if tp > 1:
+                ops.append(self.c.tp(kind, self._gathered(), f"tp {kind} grad {what}"
+                                     f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay))
+
+        if block == "head":
+            seg("head_main")
+            tp_comm("reduce_scatter", "head")
+            seg("head_norm")
+        elif block == "embed":
+            tp_comm("all_gather", "embed")
+            seg("embed")
+        elif block == "mlp":
+            seg("mlp_resid")
+            tp_comm("all_gather", "mlp")
+            seg("mlp_main")
+            tp_comm("reduce_scatter", "mlp")
+            seg("mlp_norm")
+        else:
+            seg("attn_resid")
+            tp_comm("all_gather", "attn")
+            if self.tb.cp == 1:
+                seg("attn_main")
+            else:
+                self._ring_backward(ops, seg, mb, lay)
+                seg("attn_qkv")
+            tp_comm("reduce_scatter", "attn")
+            seg("attn_norm")
+        return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
+
+    def _ring_backward(self, ops: list[Op], seg: Callable[[str], Op], mb: int,
+                       lay: int | None) -> None:
+        tb, cp = self.tb, self.tb.cp
+        where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        seg("attn_o")
+        ops.append(self._cat(mb, lay, "bwd"))
+        if tb.rotate == "allgather":
+            kv = self.c.cp_gather(tb.kv_bytes * cp, f"cp all_gather K/V (bwd){where}", mb, lay)
+        else:
+            kv = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V 0 (bwd){where}", mb, lay)
+        kv.deps = [ops[-1]]
+        ops.append(kv)
+        dkv: Op | None = None
+        grad_kv_bytes = 2.0 * tb.kv_bytes     # fp32 gradients of the local keys and values
+        for i in range(cp):
+            if i > 0 and tb.rotate == "alltoall" and i < cp - 1:
+                cat = self._cat(mb, lay, "bwd")
+                cat.deps = [kv]
+                ops.append(cat)
+                nxt = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V {i} (bwd){where}", mb, lay)
+                nxt.deps = [cat]
+                ops.append(nxt)
+                step = seg(f"attn_ring{i}_bwd")
+                step.deps = [kv]
+                kv = nxt
+            else:
+                step = seg(f"attn_ring{i}_bwd")
+                if i > 0:
+                    step.deps = [kv]
+            step.transient += tb.attn_acc_bytes
+            # The ring's saved tensors (local q, k, v, lse) are freed with the whole node.
+            step.free = ()
+            acc = seg(f"attn_ring{i}_acc")
+            if dkv is not None:
+                acc.deps = [dkv]
+            acc.transient += tb.attn_acc_bytes
+            dkv = self.c.cp_shift(grad_kv_bytes, f"cp shift dK/dV {i}{where}", mb, lay)
+            dkv.deps = [acc]
+            ops.append(dkv)
+        final = seg("attn_ring_final")
+        final.deps = [dkv] if dkv is not None else []
+        saved = sum(tb.cost[f"attn_ring{i}"].saved_bytes for i in range(cp))
+        final.free = (("activations", saved),)

@@ -1,0 +1,293 @@
+"""FSDP2 as torchtitan runs it: HSDP, CPU offload, and tensor, pipeline and context parallelism
+around it, against closed forms derived from what the source code issues."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.api import simulate
+from sim.frameworks import JobContext, build_program
+from sim.frameworks.torchtitan_parallel import stage_layers
+from sim.host import HostSpec, cpu_adam_s
+from sim.model import ModelSpec
+from sim.network import ring_bytes_per_rank
+from sim.scenario import ScenarioError, scenario_from_dict
+from sim.topology import NETWORK, PCIE
+
+SMALL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn_hidden": 4096,
+         "vocab": 32000, "mlp": "swiglu"}
+GIB = 2**30
+
+
+def scenario(framework: dict | None = None, par: dict | None = None, nodes: int = 1,
+             gpus: int = 8, model: dict | None = None, nccl: dict | None = None,
+             nvlink: float | None = None, **training):
+    t = {"seq_len": 1024, "micro_batch_size": 1}
+    t.update(training)
+    cluster = {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpus,
+               "nics_per_node": 8 if nodes > 1 else 0}
+    if nvlink:
+        cluster["nvlink_gbytes_per_s"] = nvlink
+    return scenario_from_dict({
+        "name": "t", "model": model or SMALL, "cluster": cluster,
+        "framework": {"name": "fsdp2", **(framework or {})}, "parallelism": par or {},
+        "nccl": nccl or {}, "training": t})
+
+
+def program(s):
+    return build_program(JobContext.from_scenario(s))
+
+
+def spec(s) -> ModelSpec:
+    return ModelSpec.from_ref(s.model, s.training.seq_len)
+
+
+# --------------------------------------------------------------------------- HSDP
+def test_hsdp_reduce_scatters_in_the_node_and_all_reduces_the_shard_across_replicas() -> None:
+    # 2 nodes x 8 GPUs, shard groups of 8: foreach_reduce reduce-scatters the fp32 gradient
+    # (4 B/param) inside each node, then all-reduces the reduced 1/8 across the 2 replicas,
+    # every micro-batch (torchtitan leaves requires_all_reduce on).
+    s = scenario({"hsdp_shard_size": 8}, nodes=2, nccl={"proto": "simple"},
+                 global_batch_size=32)
+    r = simulate(s)
+    p = r.program
+    n = spec(s).total_params
+    mbs = p.meta["micro_batches"]
+    assert mbs == 2
+    rs = [op for op in p.ops if op.collective == "reduce_scatter"]
+    ar = [op for op in p.ops if op.collective == "all_reduce"]
+    ag = [op for op in p.ops if op.collective == "all_gather"]
+    assert sum(op.nbytes for op in rs) == pytest.approx(4 * n * mbs)
+    assert sum(op.nbytes for op in ar) == pytest.approx(4 * n / 8 * mbs)
+    assert len(ar) == len(rs)
+    assert {op.all_groups for op in rs + ag} == {(tuple(range(8)), tuple(range(8, 16)))}
+    assert {op.all_groups for op in ar} == {tuple((i, i + 8) for i in range(8))}
+    assert {op.stream for op in ar} == {"ar"} and all(op.deps[0] in rs for op in ar)
+    # Only the all-reduce leaves the node: every byte its 2-rank ring sends crosses the
+    # network links between two GPUs of different nodes (Simple protocol: no wire overhead).
+    hops = sum(1 for link in r.fabric.route(0, 8) if r.fabric.kind[link] == NETWORK)
+    sent = sum(ring_bytes_per_rank("all_reduce", op.nbytes, 2) * 16 for op in ar)
+    assert r.summary["bytes"]["network"] == pytest.approx(sent * hops, rel=1e-9)
+
+
+def test_hsdp_states_shard_over_the_shard_group_not_dp() -> None:
+    # fp32 parameters, gradients and two AdamW moments: 16 B per parameter over s ranks.
+    n = spec(scenario()).total_params
+    peaks = {}
+    for shard in (4, 8):
+        s = scenario({"hsdp_shard_size": shard}, nodes=2)
+        mem = program(s).classes[0].initial_memory
+        assert sum(mem.values()) == pytest.approx(16 * n / shard)
+        peaks[shard] = simulate(s).summary["peak_memory_gib"]
+    assert peaks[4] - peaks[8] == pytest.approx(16 * n * (1 / 4 - 1 / 8) / GIB, rel=0.02)
+
+
+def test_bad_layouts_are_refused_naming_the_key() -> None:
+    with pytest.raises(ScenarioError, match="framework.hsdp_shard_size"):
+        program(scenario({"hsdp_shard_size": 6}, nodes=2))
+    with pytest.raises(ScenarioError, match="parallelism.tp"):
+        program(scenario(par={"tp": 3}, gpus=6))            # 16 heads
+    with pytest.raises(ScenarioError, match="parallelism.tp"):
+        program(scenario(par={"tp": 8}))                    # 4 key/value heads
+    with pytest.raises(ScenarioError, match="training.seq_len"):
+        program(scenario(par={"cp": 4}, seq_len=1028))      # not a multiple of 2 x cp
+    with pytest.raises(ScenarioError, match="training.global_batch_size"):
+        program(scenario(par={"pp": 4}, global_batch_size=4))  # 1F1B: 2 < pp micro-batches
+
+
+# --------------------------------------------------------------------------- TP
+@pytest.mark.parametrize("ac,per_layer", [("none", 8), ("full", 12)])
+def test_tensor_parallel_gathers_and_scatters_twice_per_block_and_pass(ac, per_layer) -> None:
+    # apply_tp with sequence parallelism: per block an all-gather of the normalised input and
+    # a reduce-scatter of the rowwise output, both of the full [b, s, h] bf16 activation,
+    # in forward and mirrored in backward (2 blocks x 2 x 2 = 8); recomputation repeats the
+    # forward's four.
+    s = scenario(par={"tp": 4}, activation_checkpointing=ac, micro_batch_size=2)
+    p = program(s)
+    m = spec(s)
+    act = 2 * 2 * 1024 * m.hidden
+    for layer in range(m.layers):
+        tp = [op for op in p.ops if op.layer == layer and op.kind == "collective"
+              and op.stream == "compute"]
+        assert len(tp) == per_layer
+        assert sum(op.collective == "all_gather" for op in tp) == per_layer // 2
+        assert all(op.nbytes == act for op in tp)
+        assert {op.all_groups for op in tp} == {((0, 1, 2, 3), (4, 5, 6, 7))}
+
+
+def test_tensor_parallel_fsdp_shards_the_local_shard_over_dp() -> None:
+    # FSDP over the dp mesh dimension shards each rank's DTensor local shard: 1/tp of every
+    # linear (and of the vocabulary), the norms replicated.
+    t, dp = 2, 4
+    s = scenario(par={"tp": t})
+    m = spec(s)
+    h, v = m.hidden, m.vocab
+    local = (v * h / t + m.layers * ((m.layer_params - 2 * h) / t + 2 * h) + h + v * h / t)
+    p = program(s)
+    assert sum(p.classes[0].initial_memory.values()) == pytest.approx(16 * local / dp)
+    fsdp_ag = [op for op in p.ops if op.stream == "ag" and "L0 (fwd)" in op.name]
+    assert fsdp_ag[0].nbytes == 2 * ((m.layer_params - 2 * h) / t + 2 * h)
+    assert fsdp_ag[0].all_groups == ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+# --------------------------------------------------------------------------- PP
+def test_pipeline_split_follows_torchtitan() -> None:
+    # _generate_llm_fqn_per_model_part's own example: 3 layers over 2 stages with the
+    # embedding and the output each weighted as 2 layers.
+    assert stage_layers(3, 2, 2, 2) == [[0, 1], [2]]
+    assert stage_layers(8, 4) == [[0, 1], [2, 3, 4], [5, 6], [7]]
+    assert stage_layers(8, 4, 0, 0) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+DEEP = {"layers": 16, "hidden": 2048, "heads": 16, "ffn_hidden": 8192, "vocab": 1024,
+        "mlp": "swiglu"}
+BALANCED = {"pipeline_first_stage_less_layers": 0, "pipeline_last_stage_less_layers": 0}
+
+
+def pipeline(p: int, m: int, vp: int = 1, framework: dict | None = None):
+    return scenario({**BALANCED, **(framework or {})}, {"pp": p, "dp": 1, "vp": vp},
+                    gpus=p, model=DEEP, nvlink=45000, seq_len=2048, global_batch_size=m)
+
+
+@pytest.mark.parametrize("p,m", [(4, 4), (4, 16), (2, 8)])
+def test_1f1b_bubble_matches_the_closed_form(p: int, m: int) -> None:
+    # Near-free communication (fat NVLink, one rank per stage, nothing to shard): the idle
+    # share of the pipeline phase is (p-1)/(m+p-1) (Narayanan et al., 2021). The summary's
+    # bubble is a share of the whole step, which also holds the optimizer: rescale.
+    r = simulate(pipeline(p, m))
+    crit = max(r.program.classes, key=lambda c: max(x.end for x in r.recorder.ops
+                                                    if x.cls == c.id)).id
+    end = max(x.end for x in r.recorder.ops
+              if x.cls == crit and x.op.phase in ("fwd", "bwd", "recompute"))
+    got = r.summary["bubble_fraction"] * r.summary["step_time_s"] / end
+    assert got == pytest.approx((p - 1) / (m + p - 1), abs=0.02)
+
+
+def test_interleaving_shrinks_the_bubble_and_gpipe_holds_every_micro_batch() -> None:
+    plain = simulate(pipeline(4, 8))
+    inter = simulate(pipeline(4, 8, vp=2))
+    gpipe = simulate(pipeline(4, 8, framework={"pipeline_schedule": "gpipe"}))
+    assert inter.summary["bubble_fraction"] < plain.summary["bubble_fraction"]
+    # Activations of the first stage: GPipe keeps all m micro-batches in flight, 1F1B at
+    # most p (Narayanan et al., 2021, sec. 2.2).
+    act = [max(c["activations"] for _, c in r.recorder.memory[0].series)
+           for r in (gpipe, plain)]
+    assert act[0] / act[1] == pytest.approx(8 / 4, rel=0.05)
+
+
+def test_pipeline_reduce_scatters_once_per_step() -> None:
+    # The pipelining stage turns off gradient sync and resharding for every backward and runs
+    # post_backward once after the chunk's last backward; torchtitan's default policy does
+    # not reshard after forward with PP: one all-gather and one reduce-scatter per unit.
+    mbs = 4
+    s = scenario(par={"pp": 2, "dp": 4}, global_batch_size=4 * mbs)
+    p = program(s)
+    assert p.meta["micro_batches"] == mbs
+    for cls in p.classes:
+        ops = [op for stream in cls.streams.values() for op in stream]
+        rs = [op for op in ops if op.collective == "reduce_scatter"]
+        ag = [op for op in ops if op.collective == "all_gather"]
+        units = {op.name.split()[1] for op in rs}
+        assert len(rs) == len(units) == len(ag)
+        assert {op.micro_batch for op in rs} == {mbs - 1}
+        assert {op.micro_batch for op in ag} == {0}
+    # The unsharded gradients accumulate in fp32 (to_accumulated_grad_if_needed) until then:
+    # at least 4 B per parameter of the stage on top of the 4 B sharded fp32 gradient.
+    r = simulate(s)
+    stage = sum(op.nbytes / 4 for op in p.ops if op.collective == "reduce_scatter"
+                and op.key.startswith("fsdp2/0/"))
+    grads = r.recorder.memory[0].peak_breakdown["gradients"]
+    assert grads >= 4 * stage + 4 * stage / 4
+    # Resharding after forward asked for explicitly: every backward gathers again, while
+    # the parameters its backward left gathered (reshard_after_backward off) serve the next
+    # forward: units x (1 + micro-batches) all-gathers per step.
+    again = program(scenario({"reshard_after_forward": True}, par={"pp": 2, "dp": 4},
+                             global_batch_size=4 * mbs))
+    ag = [op for op in again.classes[0].streams["ag"]]
+    assert len(ag) == 3 * (1 + mbs)        # embedding, layers 0 and 1
+
+
+# --------------------------------------------------------------------------- CP
+def test_context_parallel_ring_exchanges_and_fsdp_over_dp_x_cp() -> None:
+    cp, dp = 2, 4
+    s = scenario(par={"cp": cp})
+    p = program(s)
+    m = spec(s)
+    local_kv = 2 * (1024 // cp) * m.kv_dim * 2       # bf16 keys and values of the local chunk
+    layer = [op for op in p.ops if op.layer == 1 and op.stream == "cp"]
+    gathers = [op for op in layer if op.collective == "all_gather"]
+    shifts = [op for op in layer if op.kind == "send"]
+    # allgather rotater: once in forward, once in backward, cp chunks each; the fp32 key/value
+    # gradients are shifted round the ring once per step.
+    assert [op.nbytes for op in gathers] == [cp * local_kv] * 2
+    assert [op.nbytes for op in shifts] == [2 * local_kv] * cp
+    assert {op.pairs for op in shifts} == {tuple((g, g ^ 1) for g in range(8))}
+    # FSDP's mesh is dp_shard x cp flattened: states shard over all 8 ranks.
+    rs = [op for op in p.ops if op.collective == "reduce_scatter"]
+    assert {len(g) for op in rs for g in op.all_groups} == {dp * cp}
+    assert sum(p.classes[0].initial_memory.values()) == pytest.approx(
+        16 * m.total_params / (dp * cp))
+    # alltoall rotater: cp-1 shifts of the local keys and values in forward.
+    a2a = program(scenario({"cp_rotate_method": "alltoall"}, par={"cp": 4}))
+    fwd = [op for op in a2a.ops if op.layer == 1 and op.kind == "send"
+           and "K/V" in op.name and "bwd" not in op.name and "dK" not in op.name]
+    assert len(fwd) == 4 - 1
+
+
+# --------------------------------------------------------------------------- offload
+def test_cpu_offload_moves_states_to_the_host_and_copies_over_pcie() -> None:
+    on = scenario(global_batch_size=16)
+    off = scenario({"cpu_offload": True}, global_batch_size=16)
+    r_on, r_off = simulate(on), simulate(off)
+    n = spec(on).total_params
+    ranks = 8
+    # GPU memory drops by the fp32 shards (parameters, gradients) and both AdamW moments.
+    drop = (r_on.summary["peak_memory_gib"] - r_off.summary["peak_memory_gib"]) * GIB
+    assert drop == pytest.approx(16 * n / ranks, rel=0.05)
+    # PCIe carries what CPUOffloadPolicy copies: the fp32 shard of every unit before each
+    # all-gather (its bf16 output is 2 B per parameter) and the fp32 reduced shard after each
+    # reduce-scatter (fp32 input, 4 B per parameter), each over its host route.
+    p = r_off.program
+    fab = r_off.fabric
+    h2d_hops = sum(1 for link in fab.route_from_host(0) if fab.kind[link] == PCIE)
+    d2h_hops = sum(1 for link in fab.route_to_host(0) if fab.kind[link] == PCIE)
+    h2d = sum(4 * op.nbytes / 2 / ranks for op in p.ops if op.collective == "all_gather")
+    d2h = sum(4 * op.nbytes / 4 / ranks for op in p.ops if op.collective == "reduce_scatter")
+    expected = ranks * (h2d * h2d_hops + d2h * d2h_hops)
+    assert r_off.summary["bytes"]["pcie"] == pytest.approx(expected, rel=1e-9)
+    assert r_on.summary["bytes"]["pcie"] == 0
+    # torch.optim.AdamW steps the host shard on the CPU.
+    opt = [op for op in p.ops if op.phase == "optimizer" and op.stream == "cpu"]
+    assert opt[0].duration == pytest.approx(
+        cpu_adam_s(HostSpec.from_scenario(off), n / ranks, "torch"))
+
+
+# --------------------------------------------------------------------------- all layouts
+LAYOUTS = [
+    ({"hsdp_shard_size": 4}, {}, 2),
+    ({}, {"tp": 2}, 1),
+    ({"compile": True}, {"tp": 2, "cp": 2}, 1),
+    ({"cp_rotate_method": "alltoall"}, {"cp": 4}, 1),
+    ({}, {"pp": 2, "vp": 2}, 1),
+    ({"pipeline_schedule": "gpipe", "reduce_dtype": "bf16"}, {"pp": 2, "tp": 2}, 1),
+    ({"cpu_offload": True, "hsdp_shard_size": 8}, {}, 2),
+]
+
+
+@pytest.mark.parametrize("framework,par,nodes", LAYOUTS)
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_memory_returns_to_its_start_after_a_step(framework, par, nodes, ac) -> None:
+    r = simulate(scenario(framework, par, nodes=nodes, activation_checkpointing=ac,
+                          global_batch_size=8 * nodes * 2 // (par.get("tp", 1)
+                                                              * par.get("cp", 1))))
+    for cls in r.program.classes:
+        end = r.recorder.memory[cls.id].total
+        assert end == pytest.approx(sum(cls.initial_memory.values()), rel=1e-9, abs=1.0)
+
+
+def test_compile_fuses_under_tensor_parallelism_too() -> None:
+    for par in ({}, {"tp": 2}):
+        eager = simulate(scenario({}, par, seq_len=4096)).summary
+        compiled = simulate(scenario({"compile": True}, par, seq_len=4096)).summary
+        assert compiled["step_time_s"] < eager["step_time_s"]
+        assert compiled["peak_memory_gib"] <= eager["peak_memory_gib"]
