@@ -84,6 +84,7 @@ class CollectiveRunner:
         self._selected: dict[tuple[str, tuple[int, ...], float],
                              tuple[FlowPlan, nccl.Estimate, float]] = {}
         self._local: dict[tuple[tuple[int, ...], ...], bool] = {}
+        self._disjoint: dict[tuple[object, ...], bool] = {}
         self._p2p: dict[tuple[tuple[int, int], ...], FlowPlan] = {}
         self._caps: dict[tuple[int, str, str], np.ndarray] = {}
         self.chosen: list[Choice] = []
@@ -193,7 +194,9 @@ class CollectiveRunner:
 
         Groups that each sit inside one node, all of one size, use disjoint NVLink ports of
         their nodes: one group's flows stand for all of them (``count`` = number of groups),
-        as the architecture's folding asks. Otherwise every group's flows run.
+        as the architecture's folding asks. Groups across nodes fold the same way when their
+        plans are alike and share no link (:meth:`_same_and_disjoint`). Otherwise every
+        group's flows run.
         """
         tgroups: list[tuple[int, ...]] = [tuple(g) for g in groups if len(g) > 1]
         if not tgroups or nbytes <= 0:
@@ -226,8 +229,38 @@ class CollectiveRunner:
             self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
         yield self.env.timeout(max(est.latency_s + self._fill_s(plan, est)
                                    for plan, est, _ in chosen))
+        fkey = (key, op, chosen[0][0].algorithm, chosen[0][1].protocol)
+        foldable = self._disjoint.get(fkey)
+        if foldable is None:
+            foldable = self._disjoint[fkey] = self._same_and_disjoint(chosen)
+        if foldable:
+            yield self._start(chosen[0][0], chosen[0][1], nbytes, tag, count=len(chosen))
+            return
         events = [self._start(plan, est, nbytes, tag) for plan, est, _ in chosen]
         yield simpy.AllOf(self.env, events)
+
+    def _same_and_disjoint(self, chosen: Sequence[tuple[FlowPlan, nccl.Estimate, float]]
+                           ) -> bool:
+        """Whether the groups' plans run the same algorithm and protocol over link paths of
+        the same kinds and capacities, on pairwise disjoint links: then no group's flows meet
+        another's, and one group's flows stand for all (the data-parallel groups of each
+        tensor-parallel rank, one per rail, or context-parallel pairs across nodes)."""
+        first, est0, _ = chosen[0]
+        cap, kind = self.fabric.capacity, self.fabric.kind
+        seen: set[int] = set()
+        for plan, est, _ in chosen:
+            if (plan.algorithm != first.algorithm or est.protocol != est0.protocol
+                    or plan.n_flows != first.n_flows
+                    or not np.array_equal(plan.lengths, first.lengths)
+                    or not np.array_equal(cap[plan.flat], cap[first.flat])
+                    or not np.array_equal(kind[plan.flat], kind[first.flat])
+                    or not np.array_equal(plan.share, first.share)):
+                return False
+            links = set(plan.flat.tolist())
+            if links & seen:
+                return False
+            seen |= links
+        return True
 
     def _start(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float, tag: object,
                count: int = 1) -> simpy.Event:
