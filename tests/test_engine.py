@@ -169,3 +169,14 @@ def test_cpu_stream_is_not_slowed_by_communication() -> None:
     assert d["cpu adam"] == pytest.approx(1e-3)
     # The GEMM started under the all-reduce runs on the 132 - 16 SMs NCCL leaves free.
     assert d["gemm"] == pytest.approx(1e-3 * 132 / 116)
+
+
+def test_overlap_slowdown_sits_in_the_measured_range() -> None:
+    # Lee et al. (arXiv 2507.03114) measured kernels overlapped with collectives 18.9% slower
+    # on average across A100/H100/MI250/MI210, 40% at most; the SM-share model gives the
+    # NVIDIA parts a slowdown inside that band.
+    from sim.engine import NCCL_OVERLAP_CTAS
+
+    for sms in (108, 132):          # A100, H100 (datasheets)
+        slowdown = sms / (sms - NCCL_OVERLAP_CTAS) - 1
+        assert 0.10 < slowdown < 0.40
