@@ -32,10 +32,12 @@ STREAM_FRACTION = 0.75
 CORE_GBYTES_PER_S = 15.0
 
 # Bytes of DRAM traffic per parameter of one AdamW step.
-# DeepSpeedCPUAdam (csrc/adam/cpu_adam_impl.cpp, Step_AVX with the 16-bit copy of
-# ds_adam_step_plus_copy): reads the fp32 parameter, gradient, exp_avg and exp_avg_sq
-# (16 B), writes the parameter and both moments (12 B) and the 16-bit parameter (2 B).
-DEEPSPEED_ADAM_BYTES_PER_PARAM = 30.0
+# DeepSpeedCPUAdam (csrc/adam/cpu_adam_impl.cpp, Step_AVX): reads the fp32 parameter,
+# gradient, exp_avg and exp_avg_sq (16 B), writes the parameter and both moments (12 B).
+# The fused 16-bit copy (ds_adam_step_plus_copy) is not used by ZeRO: stage_1_and_2.py
+# _optimizer_step has it commented out and stage3.py calls optimizer.step() without it; the
+# frameworks move the updated partition back themselves.
+DEEPSPEED_ADAM_BYTES_PER_PARAM = 28.0
 # torch.optim.AdamW on CPU tensors runs _single_tensor_adamw (foreach is CUDA-only): one
 # vectorised ATen kernel per line, each a full pass: param.mul_ (r4 w4), exp_avg.lerp_
 # (r8 w4), exp_avg_sq.mul_ (r4 w4) and .addcmul_ (r12 w4), denom = sqrt (r4 w4), / bias
@@ -145,17 +147,17 @@ def cpu_adam_s(host: HostSpec, params_per_rank: float,
     params_per_rank : float
         Parameters of the rank's (sharded) optimizer partition.
     implementation : {"deepspeed", "torch"}
-        ``deepspeed``: DeepSpeedCPUAdam (fused AVX kernel, writes the 16-bit copy, OpenMP
-        over the rank's cores); ``torch``: ``torch.optim.AdamW`` on CPU tensors (one kernel
+        ``deepspeed``: DeepSpeedCPUAdam (fused AVX kernel, OpenMP over the rank's cores);
+        ``torch``: ``torch.optim.AdamW`` on CPU tensors (one kernel
         per line of the update, one thread under torchrun).
 
     Examples
     --------
     >>> h = HostSpec(112, 2048, 460.8, 55.2, 32.0, 8)
-    >>> round(cpu_adam_s(h, 1e9, "deepspeed"), 3)   # 30 GB over 57.6 GB/s
-    0.521
+    >>> round(cpu_adam_s(h, 1e9, "deepspeed"), 3)   # 28 GB over 57.6 GB/s
+    0.486
     >>> round(cpu_adam_s(h, 1e9, "torch") / cpu_adam_s(h, 1e9, "deepspeed"), 1)
-    10.8
+    11.5
     """
     ranks = max(1, host.gpus_per_node)
     share = host.memory_gbytes_per_s / ranks

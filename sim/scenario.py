@@ -209,6 +209,11 @@ class DeepSpeedOptions(_Strict):
     """Stage 3: parameters with fewer elements stay gathered on every rank (not partitioned)."""
     stage3_max_live_parameters: int = Field(default=1_000_000_000, gt=0)
     """Stage 3: most gathered elements held at once before releasing."""
+    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)
+    """Stage 3: a parameter used again within this many elements of upcoming modules is
+    kept gathered instead of released."""
+    sub_group_size: int = Field(default=1_000_000_000, gt=0)
+    """Stage 3: the optimizer steps the partition in sub-groups of this many elements."""
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     """ZeRO-Offload: fp32 master weights and Adam states in CPU memory (or NVMe), the
     optimizer step on the CPU (DeepSpeedCPUAdam); stages 1-3."""

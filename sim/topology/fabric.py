@@ -838,7 +838,7 @@ class Fabric:
         >>> fab = build_fabric(FabricSpec(nodes=1, gpus_per_node=8, nvlink_gbytes_per_s=450,
         ...                               pcie_gbytes_per_s=64, nics_per_node=0, nic_gbps=400,
         ...                               nvme_read_gbytes_per_s=55, nvme_write_gbytes_per_s=32))
-        >>> [fab.capacity[i] / 1e9 for i in fab.route_nvme(0, "write")]
+        >>> [float(fab.capacity[i]) / 1e9 for i in fab.route_nvme(0, "write")]
         [32.0]
         """
         host, nvme = ("host", node), ("nvme", node)
