@@ -429,19 +429,18 @@ def attention_block(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: 
     return b.finish()
 
 
-def mlp_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
-    """Norm, gate/up projections, SiLU-gate (or GELU), down projection, residual."""
-    b = _Builder("mlp", style)
-    tokens = batch * seq
-    h, f = m.hidden, m.ffn_hidden
-    x = b.t("in", tokens * h, style.act_bytes)
-    b.block.inputs.append(x)
-    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in")
-    y = b.norm(m, x, tokens, "norm")
+def mlp_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float, f: int,
+                    names: tuple[str, str, str] = ("gate", "up", "down")) -> Tensor:
+    """The MLP between its normalised input ``y`` and its output projection's result:
+    gate/up projections, SiLU and gate product (or the up projection and GELU), and the down
+    projection, over an inner width ``f`` (the full ``ffn_hidden``, or one tensor-parallel
+    rank's share). ``names``: the three projections' names (HF: gate, up, down; torchtitan:
+    w1, w3, w2)."""
+    h = m.hidden
+    gate, up, down = names
     if m.mlp == "swiglu":
-        b.sum_grads(2, tokens * h, FP32 if style.autocast else BF16, "norm_out")
-        g = b.linear(y, tokens, h, f, "gate", bias=m.bias)
-        u = b.linear(y, tokens, h, f, "up", bias=m.bias)
+        g = b.linear(y, tokens, h, f, gate, bias=m.bias)
+        u = b.linear(y, tokens, h, f, up, bias=m.bias)
         s = b.t("silu", tokens * f, BF16)
         prod = b.t("prod", tokens * f, BF16)
         b.fwd(Kernel("silu", "elementwise", (g,), (s,), activation_elements=tokens * f))
@@ -456,14 +455,28 @@ def mlp_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
               Kernel("g_silu", "elementwise", (gs, g), (gg,), activation_elements=tokens * f))
         act = prod
     else:
-        u = b.linear(y, tokens, h, f, "up", bias=m.bias)
+        u = b.linear(y, tokens, h, f, up, bias=m.bias)
         act = b.t("gelu", tokens * f, BF16)
         b.fwd(Kernel("gelu", "elementwise", (u,), (act,), activation_elements=tokens * f))
         b.save(u)
         ga = b.t("g_gelu", tokens * f, BF16)
         gu = b.t("g_up", tokens * f, BF16)
         b.bwd(Kernel("g_gelu", "elementwise", (ga, u), (gu,), activation_elements=tokens * f))
-    out = b.linear(act, tokens, f, h, "down", bias=m.bias)
+    return b.linear(act, tokens, f, h, down, bias=m.bias)
+
+
+def mlp_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+    """Norm, gate/up projections, SiLU-gate (or GELU), down projection, residual."""
+    b = _Builder("mlp", style)
+    tokens = batch * seq
+    h, f = m.hidden, m.ffn_hidden
+    x = b.t("in", tokens * h, style.act_bytes)
+    b.block.inputs.append(x)
+    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in")
+    y = b.norm(m, x, tokens, "norm")
+    if m.mlp == "swiglu":
+        b.sum_grads(2, tokens * h, FP32 if style.autocast else BF16, "norm_out")
+    out = mlp_projections(b, m, y, tokens, f)
     res = b.residual_add(x, out, tokens, h, "resid")
     b.block.outputs.append(res)
     return b.finish()

@@ -59,6 +59,7 @@ from sim.layer_ops import (
     Style,
     Tensor,
     _Builder,
+    mlp_projections,
     price_block,
 )
 from sim.model import ModelSpec
@@ -243,27 +244,7 @@ def _mlp_main(ml: ModelSpec, style: Style, tokens: float) -> Block:
     b.block.inputs.append(y)
     if ml.mlp == "swiglu":
         b.sum_grads(2, tokens * h, BF16, "norm_out")
-        g = b.linear(y, tokens, h, f, "w1", bias=ml.bias)
-        u = b.linear(y, tokens, h, f, "w3", bias=ml.bias)
-        s = b.t("silu", tokens * f, BF16)
-        prod = b.t("prod", tokens * f, BF16)
-        b.fwd(Kernel("silu", "elementwise", (g,), (s,), activation_elements=tokens * f))
-        b.fwd(Kernel("gate_mul", "elementwise", (s, u), (prod,)))
-        b.save(g, s, u)
-        gp, gs = b.t("g_prod", tokens * f, BF16), b.t("g_silu", tokens * f, BF16)
-        gu, gg = b.t("g_up", tokens * f, BF16), b.t("g_gate", tokens * f, BF16)
-        b.bwd(Kernel("g_gate_mul_s", "elementwise", (gp, u), (gs,)),
-              Kernel("g_gate_mul_u", "elementwise", (gp, s), (gu,)),
-              Kernel("g_silu", "elementwise", (gs, g), (gg,), activation_elements=tokens * f))
-        act = prod
-    else:
-        u = b.linear(y, tokens, h, f, "w1", bias=ml.bias)
-        act = b.t("gelu", tokens * f, BF16)
-        b.fwd(Kernel("gelu", "elementwise", (u,), (act,), activation_elements=tokens * f))
-        b.save(u)
-        ga, gu = b.t("g_gelu", tokens * f, BF16), b.t("g_up", tokens * f, BF16)
-        b.bwd(Kernel("g_gelu", "elementwise", (ga, u), (gu,), activation_elements=tokens * f))
-    b.block.outputs.append(b.linear(act, tokens, f, h, "w2", bias=ml.bias))
+    b.block.outputs.append(mlp_projections(b, ml, y, tokens, f, ("w1", "w3", "w2")))
     return b.finish()
 
 
