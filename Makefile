@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100
 	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-100g
+	$(BIN)/fabricsim run llama3-70b-megatron-tp8pp4-64xh100
+	$(BIN)/fabricsim run llama3-70b-deepspeed-zero3-64xh100
 	$(BIN)/fabricsim run llama3.2-1b-1xh200
 
 test: $(STAMP)

@@ -27,3 +27,20 @@ def test_llama3_70b_fsdp2_scales(nodes: int) -> None:
     print(f"\n{nodes * 8} GPUs: {wall:.2f} s wall, {ev} events ({ev / wall:,.0f}/s), "
           f"{flows} rate solves, step {r.summary['step_time_s']:.3f} s simulated")
     assert wall < 30.0
+
+
+@pytest.mark.benchmark
+def test_megatron_1024_gpus_under_30_seconds() -> None:
+    # Issue 4's bar: Llama 3 70B, TP8 x PP8 x DP16 on 1,024 GPUs (128 DGX H100 nodes), one
+    # step in under 30 s on 2 cores. 64 micro-batches per replica (global batch 1,024).
+    s = load_scenario("llama3-70b-megatron-tp8pp4-64xh100",
+                      ["cluster.nodes=128", "parallelism.pp=8", "parallelism.vp=1",
+                       "training.global_batch_size=1024"])
+    t0 = time.perf_counter()
+    r = simulate(s)
+    wall = time.perf_counter() - t0
+    print(f"\n1,024-GPU Megatron TP8xPP8xDP16: {wall:.2f} s wall, "
+          f"{r.summary['sim']['events']} events, step {r.summary['step_time_s']:.3f} s, "
+          f"bubble {r.summary['bubble_fraction']:.3f}")
+    assert s.dp == 16
+    assert wall < 30.0
