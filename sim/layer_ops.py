@@ -39,6 +39,7 @@ log_softmax) before casting it back to bf16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
@@ -746,6 +747,67 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
         fwd_gpu_s=_gpu_time(cm, fwd),
         bwd_gpu_s=_gpu_time(cm, bwd),
     )
+
+
+@dataclass(frozen=True)
+class SacCost:
+    """One block under torchtitan's op-level selective activation checkpointing."""
+
+    cached_bytes: float
+    """Outputs the policy keeps from the forward (every other matmul, attention)."""
+    recompute_s: float
+    """Time to re-run the rest of the block's forward before its backward."""
+    recompute_flops: float
+
+
+def op_sac_costs(blocks: Sequence[Block], style: Style, cm: ComputeModel
+                 ) -> dict[str, SacCost]:
+    """Price the layer's blocks (attention, then MLP, in forward order) under op-level SAC.
+
+    torchtitan (``torchtitan/distributed/activation_checkpoint.py``, ``_apply_op_sac``) wraps
+    each transformer layer in a checkpoint whose policy saves the outputs of the ops in its
+    save list -- matmuls and scaled-dot-product attention -- except every second matmul
+    (``mm_count % 2 == 0`` is recomputed), counting the layer's matmuls in forward order;
+    everything else (norms, RoPE, activations, residual adds, the other matmuls) runs again
+    in backward from those saved outputs.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> from sim.compute import ComputeModel
+    >>> from sim.model import ModelSpec
+    >>> m = ModelSpec.from_ref("llama3-8b")
+    >>> st = Style("bf16")
+    >>> cm = ComputeModel(catalog.gpu("h100-sxm"), "bf16")
+    >>> _, attn, mlp, _ = model_blocks(m, st, 1, 8192, False)
+    >>> sac = op_sac_costs((attn, mlp), st, cm)
+    >>> # saved: q (mm 1), v (mm 3), attention out + logsumexp; gate (mm 5), down (mm 7)
+    >>> round(sac["mlp"].cached_bytes / (8192 * 2))   # gate (14336) + down (4096) wide
+    18432
+    """
+    out: dict[str, SacCost] = {}
+    mm = 0
+    fwd_cpu = COMPILED_OP_CPU_S if style.compile else EAGER_FWD_OP_CPU_S
+    for block in blocks:
+        cached = 0.0
+        rerun: list[Kernel] = []
+        for k in block.forward:
+            if k.klass == "gemm":
+                mm += 1
+                if mm % 2 == 1:
+                    cached += sum(t.nbytes for t in k.writes)
+                    continue
+            elif k.klass == "attention":
+                cached += sum(t.nbytes for t in k.writes)
+                continue
+            rerun.append(k)
+        if style.compile:
+            rerun = _fuse(rerun, _needed_outside(rerun, block))
+        out[block.name] = SacCost(
+            cached_bytes=cached,
+            recompute_s=_stream_time(cm, rerun, fwd_cpu, cm.attention_cpu_s("fwd")),
+            recompute_flops=sum(k.flops for k in rerun))
+    return out
 
 
 @lru_cache(maxsize=256)

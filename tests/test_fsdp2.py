@@ -291,3 +291,41 @@ def test_compile_fuses_under_tensor_parallelism_too() -> None:
         compiled = simulate(scenario({"compile": True}, par, seq_len=4096)).summary
         assert compiled["step_time_s"] < eager["step_time_s"]
         assert compiled["peak_memory_gib"] <= eager["peak_memory_gib"]
+
+
+# --------------------------------------------------------------------------- selective AC
+def test_op_sac_recomputes_every_second_matmul_of_each_layer() -> None:
+    # torchtitan's op-level SAC counts a layer's matmuls in forward order (q, k, v, o, gate,
+    # up, down) and recomputes the even ones: k, o and up run again in backward, attention
+    # and the odd matmuls do not. Extra hardware FLOPs per step = layers x micro-batches x
+    # dp x 2 x tokens x (h x kv_dim + q_dim x h + h x ffn).
+    s = scenario(activation_checkpointing="selective", micro_batch_size=2)
+    p = program(s)
+    m = spec(s)
+    tokens = 2 * 1024
+    per_layer = 2 * tokens * (m.hidden * m.kv_dim + m.q_dim * m.hidden
+                              + m.hidden * m.ffn_hidden)
+    dp = 8
+    extra = p.hw_flops_per_step - p.model_flops_per_step
+    assert extra == pytest.approx(m.layers * p.meta["micro_batches"] * dp * per_layer)
+
+
+def test_op_sac_memory_and_time_sit_between_none_and_full() -> None:
+    # Memory: the layer input plus the cached outputs (q, v, attention out and logsumexp,
+    # gate, down) lie between nothing recomputed and only the input kept; time: recomputing
+    # three of seven matmuls and the elementwise ops costs less than the whole layer.
+    runs = {ac: simulate(scenario(activation_checkpointing=ac, micro_batch_size=4)).summary
+            for ac in ("none", "selective", "full")}
+    mem = {ac: r["peak_memory_breakdown_gib"]["activations"] for ac, r in runs.items()}
+    step = {ac: r["step_time_s"] for ac, r in runs.items()}
+    assert mem["full"] < mem["selective"] < mem["none"]
+    assert step["none"] < step["selective"] < step["full"]
+    # Memory returns to its start after the step.
+    r = simulate(scenario(activation_checkpointing="selective", micro_batch_size=4))
+    for track in r.recorder.memory.values():
+        assert track.current.get("activations", 0.0) == pytest.approx(0.0, abs=1.0)
+
+
+def test_op_sac_with_tensor_parallelism_is_refused_naming_the_key() -> None:
+    with pytest.raises(ScenarioError, match="training.activation_checkpointing"):
+        program(scenario(par={"tp": 2}, activation_checkpointing="selective"))

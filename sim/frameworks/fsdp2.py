@@ -85,7 +85,7 @@ from sim.frameworks.torchtitan_parallel import (
     titan_blocks,
 )
 from sim.host import CORE_GBYTES_PER_S, TORCH_THREADS_PER_RANK, HostSpec, cpu_adam_s
-from sim.layer_ops import BF16, FP32, BlockCost, Style
+from sim.layer_ops import BF16, FP32, BlockCost, SacCost, Style, model_blocks, op_sac_costs
 from sim.program import Op, Phase, Program, RankClass
 from sim.scenario import Fsdp2Options
 
@@ -125,9 +125,10 @@ def _check(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
                 f"fsdp2 is modelled with 16-bit mixed precision (bf16 or fp16); "
                 f"{s.training.precision} is not yet")
-    ctx.require(s.training.activation_checkpointing != "selective",
+    ctx.require(s.training.activation_checkpointing != "selective" or (t == 1 and cp == 1),
                 "training.activation_checkpointing",
-                "fsdp2 is modelled with none or full (per-block) checkpointing")
+                "selective (torchtitan's op-level) checkpointing is modelled without tensor or "
+                "context parallelism; use none or full with tp/cp > 1")
     ctx.require(m.heads % t == 0, "parallelism.tp",
                 f"{m.heads} attention heads do not split over tp={t}")
     ctx.require(m.kv_heads % t == 0, "parallelism.tp",
@@ -186,6 +187,8 @@ class _Job:
     p2p_bytes: float
     stage_params: list[int]
     host: HostSpec | None
+    sac: dict[str, SacCost] | None = None
+    """torchtitan's op-level selective checkpointing of each layer (``selective``)."""
     sends: dict[tuple[str, int, int], Op] = field(default_factory=dict)
     first_compute: dict[tuple[str, int, int], Op] = field(default_factory=dict)
     """The first compute-stream op of each (F|B, virtual stage, micro-batch)."""
@@ -276,7 +279,10 @@ def build_fsdp2(ctx: JobContext) -> Program:
         p2p_bytes=float(BF16 * (tb.local_tokens if tb is not None else tokens_mb) * m.hidden),
         stage_params=[sum(u.numel for v in range(st, n_virtual, pp) for u in chunk_units[v])
                       for st in range(pp)],
-        host=HostSpec.from_scenario(s) if opts.cpu_offload else None)
+        host=HostSpec.from_scenario(s) if opts.cpu_offload else None,
+        sac=(op_sac_costs(model_blocks(m, style, ctx.micro_batch, ctx.seq, False)[1:3],
+                          style, ctx.compute)
+             if s.training.activation_checkpointing == "selective" else None))
 
     classes = [RankClass(st, mesh.members(st),
                          label=(f"pipeline stage {st}" if pp > 1
@@ -289,7 +295,11 @@ def build_fsdp2(ctx: JobContext) -> Program:
         cls.initial_memory = {} if opts.cpu_offload else {
             "parameters": FP32 * shard_params, "optimizer": 2 * FP32 * shard_params,
             "gradients": FP32 * shard_params}
-    hw = ctx.model_flops_per_step() + ctx.layer_recompute_flops(costs)
+    if job.sac is not None:
+        hw = ctx.model_flops_per_step() + m.layers * ctx.micro_batches * dp * cp * sum(
+            c.recompute_flops for c in job.sac.values())
+    else:
+        hw = ctx.model_flops_per_step() + ctx.layer_recompute_flops(costs)
     program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
                       hw)
     program.meta.update(framework="fsdp2", micro_batches=job.n_mb, style=style.name,
@@ -378,7 +388,8 @@ class _Stage:
             extra = {"embed": cm.membound_time(3 * BF16 * m.vocab * m.hidden)
                      if m.tied_embeddings else 0.0}
             pops = micro_batch_ops(job.costs, m.layers, mb, job.ctx.recompute,
-                                   job.style.autocast, job.ugrad, extra, job.model_flops)
+                                   job.style.autocast, job.ugrad, extra, job.model_flops,
+                                   sac=job.sac)
 
             def ops_f(k: tuple[str, int]) -> list[Op]:
                 return [pops.fwd_of[k]]

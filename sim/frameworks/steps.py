@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from sim.layer_ops import BlockCost
+from sim.layer_ops import BlockCost, SacCost
 from sim.program import Op, Phase
 
 BLOCKS = ("embed", "attn", "mlp", "head")
@@ -48,15 +48,19 @@ def unit_order(layers: int) -> list[tuple[str, int]]:
 def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute: bool,
                     autocast: bool, grad_alloc: Mapping[str, float],
                     extra_bwd_s: Mapping[str, float],
-                    model_flops: Mapping[str, tuple[float, float]], stream: str = "compute"
-                    ) -> PassOps:
+                    model_flops: Mapping[str, tuple[float, float]], stream: str = "compute",
+                    sac: Mapping[str, SacCost] | None = None) -> PassOps:
     """Compute ops of one micro-batch (not yet added to a program).
 
     ``grad_alloc[block]``: gradient bytes the block's backward allocates (0 when they are
     accumulated into existing buffers). ``extra_bwd_s[block]``: framework work appended to the
     block's backward (gradient accumulation adds, bucket copies). ``model_flops[block]``:
-    (forward, backward) FLOPs counted as model FLOPs.
+    (forward, backward) FLOPs counted as model FLOPs. ``sac``: op-level selective
+    checkpointing of each layer (:func:`sim.layer_ops.op_sac_costs`): the forward keeps the
+    layer input and the policy's cached outputs; the backward re-runs the rest of the layer
+    and holds what the backward needs, as full checkpointing does.
     """
+    recompute = recompute or sac is not None
     ops = PassOps()
     scoped_total = 0.0
     for block, layer in unit_order(layers):
@@ -65,9 +69,12 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         ckpt = recompute and layered
         alloc: list[tuple[str, float]] = []
         if ckpt:
-            # Only the layer input is kept (the attention block's input, the residual stream).
+            # Only the layer input is kept (the attention block's input, the residual stream),
+            # with selective checkpointing also the outputs its policy caches.
             if block == "attn":
                 alloc.append(("activations", c.input_saved_bytes))
+            if sac is not None:
+                alloc.append(("activations", sac[block].cached_bytes))
             scoped = c.forward_scoped_bytes + (c.weight_cast_bytes if autocast else 0.0)
             transient = c.fwd_transient_unsaved_bytes
         else:
@@ -101,17 +108,23 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         transient = c.bwd_transient_bytes
         if ckpt and block == "mlp":
             # Recompute the whole layer (attention block, then the MLP block up to its last
-            # saved tensor) before the MLP's backward; hold what it saves again.
+            # saved tensor) before the MLP's backward; hold what it saves again. Under
+            # selective checkpointing only what the policy did not cache runs again.
             a = costs["attn"]
-            duration += a.fwd_s + c.early_stop_fwd_s
-            hw += a.flops_fwd + c.flops_fwd
+            if sac is not None:
+                duration += sac["attn"].recompute_s + sac["mlp"].recompute_s
+                hw += sac["attn"].recompute_flops + sac["mlp"].recompute_flops
+            else:
+                duration += a.fwd_s + c.early_stop_fwd_s
+                hw += a.flops_fwd + c.flops_fwd
             recomputed = _non_input_saved(a) + a.weight_cast_bytes + saved_here
             alloc.append(("activations", recomputed))
             transient = max(transient, a.fwd_transient_bytes, c.fwd_transient_bytes)
             phase = "recompute"
         if grad_alloc.get(block):
             alloc.append(("gradients", grad_alloc[block]))
-        free = (("activations", saved_here),)
+        cached = sac[block].cached_bytes if (sac is not None and layered) else 0.0
+        free = (("activations", saved_here + cached),)
         fb = model_flops[block][1]
         name = f"bwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}"
         op = Op(name=name, kind="compute", stream=stream, phase=phase, duration=duration,
