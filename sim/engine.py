@@ -17,6 +17,7 @@ compute op takes given what runs beside it).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -30,6 +31,12 @@ from sim.topology import LINK_KINDS, Fabric
 
 # NCCL CTAs (one per channel) a collective holds on each GPU while it runs.
 NCCL_OVERLAP_CTAS = 16
+# Pending kernel launches the CUDA driver queues before a launch blocks the host thread:
+# about 1,024 (measured by launching empty kernels behind a long one; NVIDIA developer forum
+# "cudaLaunchKernel blocks after 1024 launches", Stack Overflow question 53970187). It bounds
+# how far the host can run ahead of the GPU, and so how many prefetched all-gathers a
+# framework without its own limit (FairScale, DeepSpeed ZeRO-3) can have in flight.
+LAUNCH_QUEUE_KERNELS = 1024
 
 
 class EngineObserver(NetworkObserver):
@@ -109,18 +116,11 @@ class Engine:
         done: dict[int, simpy.Event] = {op.index: env.event() for op in program.ops}
         class_of = program.class_of_rank()
         # The host issues each class's ops in program order without waiting for the GPU,
-        # except after a host_sync op: an op is issued once the host time of every op since
-        # the last sync (and its own) has passed after that sync finished.
-        self._host: dict[int, tuple[Op | None, float]] = {}
-        for cls in program.classes:
-            last_sync: Op | None = None
-            since = 0.0
-            for op in sorted((o for ops in cls.streams.values() for o in ops),
-                             key=lambda o: o.index):
-                since += op.cpu_s
-                self._host[op.index] = (last_sync, since)
-                if op.host_sync:
-                    last_sync, since = op, 0.0
+        # except after a host_sync op (it waits for that op to finish) and when the launch
+        # queue is full (it waits for the oldest launched op to finish): one host-clock
+        # process per class publishes each op's issue time.
+        self._issue_time: dict[int, float] = {}
+        self._issue_wait: dict[int, simpy.Event] = {}
         self._t0 = t0
         self._finished: dict[int, float] = {}
         rendezvous: dict[str, _Rendezvous] = {}
@@ -129,6 +129,10 @@ class Engine:
             for cls in program.classes
             for ops in cls.streams.values()
         ]
+        for cls in program.classes:
+            order = sorted((o for ops in cls.streams.values() for o in ops),
+                           key=lambda o: o.index)
+            env.process(self._host_clock(order, done))
         env.run(until=simpy.AllOf(env, procs))
         self._step += 1
         return env.now - t0
@@ -142,10 +146,11 @@ class Engine:
             pending = [done[d.index] for d in op.deps if not done[d.index].processed]
             if pending:
                 yield simpy.AllOf(env, pending)
-            sync, since = self._host.get(op.index, (None, 0.0))
-            if sync is not None and not done[sync.index].processed:
-                yield done[sync.index]
-            issued = (self._finished[sync.index] if sync is not None else self._t0) + since
+            issued = self._issue_time.get(op.index)
+            if issued is None:
+                wait = self._issue_wait.setdefault(op.index, env.event())
+                yield wait
+                issued = self._issue_time[op.index]
             if issued > env.now:
                 yield env.timeout(issued - env.now)
             ready = env.now
@@ -170,6 +175,42 @@ class Engine:
             self.events_processed += 1
             self._finished[op.index] = end
             done[op.index].succeed()
+
+    def _host_clock(self, order: list[Op], done: dict[int, simpy.Event]
+                    ) -> Generator[simpy.Event, object, None]:
+        """The host thread of one rank class: issues its ops in program order, each after its
+        own CPU time; blocks after a ``host_sync`` op until that op has finished, and when
+        issuing would exceed :data:`LAUNCH_QUEUE_KERNELS` pending launches, until the oldest
+        launched op has finished. Runs ahead of simulated time and waits only when blocked."""
+        t = self._t0
+        inflight: deque[Op] = deque()
+        pending = 0
+        sync: Op | None = None
+        for op in order:
+            if sync is not None:
+                if not done[sync.index].processed:
+                    yield done[sync.index]
+                t = max(t, self._finished[sync.index])
+                sync = None
+            t += op.cpu_s
+            k = 0 if op.stream == "cpu" else op.kernels
+            if k:
+                while inflight and done[inflight[0].index].processed:
+                    pending -= inflight.popleft().kernels
+                while inflight and pending + k > LAUNCH_QUEUE_KERNELS:
+                    head = inflight.popleft()
+                    if not done[head.index].processed:
+                        yield done[head.index]
+                    t = max(t, self._finished[head.index])
+                    pending -= head.kernels
+                inflight.append(op)
+                pending += k
+            self._issue_time[op.index] = t
+            wait = self._issue_wait.pop(op.index, None)
+            if wait is not None:
+                wait.succeed()
+            if op.host_sync:
+                sync = op
 
     def _host_transfer(self, cls: RankClass, op: Op) -> Generator[simpy.Event, object, None]:
         """Every member rank moves ``op.nbytes`` over its own route (GPU <-> host over PCIe,

@@ -45,6 +45,9 @@ class Op:
     """CPU seconds the framework's host code spends issuing this op. The host issues a rank
     class's ops one after another in program order without waiting for the GPU, so an op
     cannot start before the host has issued it: small kernels become bound by the host."""
+    kernels: int = 1
+    """CUDA kernel launches this op stands for: the host may have at most
+    ``engine.LAUNCH_QUEUE_KERNELS`` of them issued and not yet finished."""
     host_sync: bool = False
     """The host waits for this op to finish on the GPU before issuing anything after it
     (``torch.cuda.synchronize``, a blocking ``.item()``)."""

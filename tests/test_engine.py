@@ -180,3 +180,23 @@ def test_overlap_slowdown_sits_in_the_measured_range() -> None:
     for sms in (108, 132):          # A100, H100 (datasheets)
         slowdown = sms / (sms - NCCL_OVERLAP_CTAS) - 1
         assert 0.10 < slowdown < 0.40
+
+
+def test_a_full_launch_queue_blocks_the_host() -> None:
+    # One long kernel, then n tiny ones queued behind it on the same stream, then a probe on
+    # another stream. The host may have LAUNCH_QUEUE_KERNELS launches pending: beyond that it
+    # waits for the long kernel to finish before it can issue the probe.
+    from sim.engine import LAUNCH_QUEUE_KERNELS
+
+    def probe_start(n: int) -> float:
+        cls = RankClass(0, (0, 1))
+        p = Program([cls], 2, 0, 0, 0)
+        p.add(cls, compute("long", 1.0))
+        for i in range(n):
+            p.add(cls, compute(f"tiny {i}", 0.0))
+        p.add(cls, compute("probe", 0.0, stream="side"))
+        rec, _ = run(p)
+        return next(r.start for r in rec.ops if r.op.name == "probe")
+
+    assert probe_start(LAUNCH_QUEUE_KERNELS - 10) == 0.0
+    assert probe_start(LAUNCH_QUEUE_KERNELS + 10) == pytest.approx(1.0)

@@ -255,7 +255,7 @@ class _Emitter:
         dur = self.cm.membound_time(nbytes) + max(0, kernels - 1) * self.cm.kernel_min_s
         return self.add(Op(name=name, kind="compute", stream=stream, phase=phase,
                            duration=dur, cpu_s=kernels * cpu_per_kernel, category=category,
-                           **kw))  # type: ignore[arg-type]
+                           kernels=kernels, **kw))  # type: ignore[arg-type]
 
     def collective(self, name: str, coll: CollectiveOp, nbytes: float, stream: str,
                    groups: tuple[tuple[int, ...], ...] | None = None,

@@ -86,7 +86,8 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
             scoped_total += scoped
         ff, _ = model_flops[block]
         op = Op(name=f"fwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}", kind="compute",
-                stream=stream, phase="fwd", duration=c.fwd_s, alloc=tuple(alloc),
+                stream=stream, phase="fwd", duration=c.fwd_s, kernels=c.fwd_kernels,
+                alloc=tuple(alloc),
                 transient=transient, layer=layer if layer >= 0 else None, micro_batch=mb,
                 flops=ff, hw_flops=c.flops_fwd, category="forward")
         if block == "head":
@@ -101,6 +102,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         layered = block in ("attn", "mlp")
         ckpt = recompute and layered
         duration = c.bwd_s + extra_bwd_s.get(block, 0.0)
+        kernels = c.bwd_kernels
         alloc = []
         hw = c.flops_bwd
         phase: Phase = "bwd"
@@ -111,6 +113,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
             # saved tensor) before the MLP's backward; hold what it saves again. Under
             # selective checkpointing only what the policy did not cache runs again.
             a = costs["attn"]
+            kernels += a.fwd_kernels + c.fwd_kernels
             if sac is not None:
                 duration += sac["attn"].recompute_s + sac["mlp"].recompute_s
                 hw += sac["attn"].recompute_flops + sac["mlp"].recompute_flops
@@ -128,7 +131,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         fb = model_flops[block][1]
         name = f"bwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}"
         op = Op(name=name, kind="compute", stream=stream, phase=phase, duration=duration,
-                alloc=tuple(alloc), free=free, transient=transient,
+                kernels=kernels, alloc=tuple(alloc), free=free, transient=transient,
                 layer=layer if layer >= 0 else None, micro_batch=mb, flops=fb, hw_flops=hw,
                 category="recompute+backward" if phase == "recompute" else "backward")
         ops.backward.append(op)
