@@ -31,11 +31,12 @@ from sim.topology import LINK_KINDS, Fabric
 
 # NCCL CTAs (one per channel) a collective holds on each GPU while it runs.
 NCCL_OVERLAP_CTAS = 16
-# Pending kernel launches the CUDA driver queues before a launch blocks the host thread:
-# about 1,024 (measured by launching empty kernels behind a long one; NVIDIA developer forum
-# "cudaLaunchKernel blocks after 1024 launches", Stack Overflow question 53970187). It bounds
-# how far the host can run ahead of the GPU, and so how many prefetched all-gathers a
-# framework without its own limit (FairScale, DeepSpeed ZeRO-3) can have in flight.
+# Pending kernel launches a CUDA stream queues before a launch blocks the host thread: about
+# 1,000 per stream, measured by launching 10,000 short kernels (Stack Overflow question
+# 53970187, "CUDA stream is blocked when launching many kernels (>1000)", and the same report
+# on the NVIDIA developer forum; with 3 streams each took 1,000). It bounds how far the host
+# can run ahead of the GPU, and so how many prefetched all-gathers a framework without its
+# own limit (FairScale, DeepSpeed ZeRO-3) can have in flight. We take 1,024.
 LAUNCH_QUEUE_KERNELS = 1024
 
 
@@ -116,8 +117,8 @@ class Engine:
         done: dict[int, simpy.Event] = {op.index: env.event() for op in program.ops}
         class_of = program.class_of_rank()
         # The host issues each class's ops in program order without waiting for the GPU,
-        # except after a host_sync op (it waits for that op to finish) and when the launch
-        # queue is full (it waits for the oldest launched op to finish): one host-clock
+        # except after a host_sync op (it waits for that op to finish) and when a stream's
+        # launch queue is full (it waits for that stream's oldest op to finish): one host-clock
         # process per class publishes each op's issue time.
         self._issue_time: dict[int, float] = {}
         self._issue_wait: dict[int, simpy.Event] = {}
@@ -179,12 +180,13 @@ class Engine:
     def _host_clock(self, order: list[Op], done: dict[int, simpy.Event]
                     ) -> Generator[simpy.Event, object, None]:
         """The host thread of one rank class: issues its ops in program order, each after its
-        own CPU time; blocks after a ``host_sync`` op until that op has finished, and when
-        issuing would exceed :data:`LAUNCH_QUEUE_KERNELS` pending launches, until the oldest
-        launched op has finished. Runs ahead of simulated time and waits only when blocked."""
+        own CPU time; blocks after a ``host_sync`` op until that op has finished, and when a
+        launch would put more than :data:`LAUNCH_QUEUE_KERNELS` pending launches on its
+        stream, until the oldest op of that stream has finished (a stream runs in order).
+        Runs ahead of simulated time and waits only when blocked."""
         t = self._t0
-        inflight: deque[Op] = deque()
-        pending = 0
+        inflight: dict[str, deque[Op]] = {}
+        pending: dict[str, int] = {}
         sync: Op | None = None
         for op in order:
             if sync is not None:
@@ -195,16 +197,15 @@ class Engine:
             t += op.cpu_s
             k = 0 if op.stream == "cpu" else op.kernels
             if k:
-                while inflight and done[inflight[0].index].processed:
-                    pending -= inflight.popleft().kernels
-                while inflight and pending + k > LAUNCH_QUEUE_KERNELS:
-                    head = inflight.popleft()
+                queue = inflight.setdefault(op.stream, deque())
+                while queue and pending[op.stream] + k > LAUNCH_QUEUE_KERNELS:
+                    head = queue.popleft()
                     if not done[head.index].processed:
                         yield done[head.index]
                     t = max(t, self._finished[head.index])
-                    pending -= head.kernels
-                inflight.append(op)
-                pending += k
+                    pending[op.stream] -= head.kernels
+                queue.append(op)
+                pending[op.stream] = pending.get(op.stream, 0) + k
             self._issue_time[op.index] = t
             wait = self._issue_wait.pop(op.index, None)
             if wait is not None:

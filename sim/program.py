@@ -47,7 +47,7 @@ class Op:
     cannot start before the host has issued it: small kernels become bound by the host."""
     kernels: int = 1
     """CUDA kernel launches this op stands for: the host may have at most
-    ``engine.LAUNCH_QUEUE_KERNELS`` of them issued and not yet finished."""
+    ``engine.LAUNCH_QUEUE_KERNELS`` of them issued and not yet finished on one stream."""
     host_sync: bool = False
     """The host waits for this op to finish on the GPU before issuing anything after it
     (``torch.cuda.synchronize``, a blocking ``.item()``)."""

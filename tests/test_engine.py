@@ -184,8 +184,8 @@ def test_overlap_slowdown_sits_in_the_measured_range() -> None:
 
 def test_a_full_launch_queue_blocks_the_host() -> None:
     # One long kernel, then n tiny ones queued behind it on the same stream, then a probe on
-    # another stream. The host may have LAUNCH_QUEUE_KERNELS launches pending: beyond that it
-    # waits for the long kernel to finish before it can issue the probe.
+    # another stream. A stream holds LAUNCH_QUEUE_KERNELS pending launches: beyond that the
+    # host waits for the long kernel to finish, and only then reaches the probe.
     from sim.engine import LAUNCH_QUEUE_KERNELS
 
     def probe_start(n: int) -> float:
