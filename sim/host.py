@@ -159,13 +159,25 @@ def cpu_adam_s(host: HostSpec, params_per_rank: float,
     >>> round(cpu_adam_s(h, 1e9, "torch") / cpu_adam_s(h, 1e9, "deepspeed"), 1)
     11.5
     """
+    per_param = (DEEPSPEED_ADAM_BYTES_PER_PARAM if implementation == "deepspeed"
+                 else TORCH_ADAMW_BYTES_PER_PARAM)
+    return cpu_pass_s(host, params_per_rank * per_param, implementation)
+
+
+def cpu_pass_s(host: HostSpec, nbytes: float, implementation: AdamImplementation) -> float:
+    """Seconds for one rank's CPU work to stream ``nbytes`` through DRAM while every rank of
+    the node does the same: the node's bandwidth shared by its ranks, or what the rank's
+    threads pull (``deepspeed``: its share of the cores; ``torch``: one thread), whichever
+    is lower.
+
+    Examples
+    --------
+    >>> h = HostSpec(112, 2048, 460.8, 55.2, 32.0, 8)
+    >>> round(cpu_pass_s(h, 15e9, "torch"), 3)       # one thread at 15 GB/s
+    1.0
+    """
     ranks = max(1, host.gpus_per_node)
     share = host.memory_gbytes_per_s / ranks
-    if implementation == "deepspeed":
-        threads = max(1, host.cpu_cores // ranks)
-        per_param = DEEPSPEED_ADAM_BYTES_PER_PARAM
-    else:
-        threads = TORCH_THREADS_PER_RANK
-        per_param = TORCH_ADAMW_BYTES_PER_PARAM
-    bandwidth = min(share, threads * CORE_GBYTES_PER_S) * 1e9
-    return params_per_rank * per_param / bandwidth
+    threads = (max(1, host.cpu_cores // ranks) if implementation == "deepspeed"
+               else TORCH_THREADS_PER_RANK)
+    return nbytes / (min(share, threads * CORE_GBYTES_PER_S) * 1e9)

@@ -111,7 +111,7 @@ from dataclasses import dataclass
 from sim.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S, ComputeModel
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.steps import PassOps, micro_batch_ops
-from sim.host import CORE_GBYTES_PER_S, HostSpec, cpu_adam_s
+from sim.host import HostSpec, cpu_adam_s, cpu_pass_s
 from sim.layer_ops import FP32, Kernel, Style, kernel_time, model_blocks
 from sim.model import ModelSpec
 from sim.program import CollectiveOp, HostTransfer, Op, Phase, Program, RankClass
@@ -342,14 +342,9 @@ def build_deepspeed(ctx: JobContext) -> Program:
 
 # --------------------------------------------------------------------------- host helpers
 def _host_pass_s(host: HostSpec, nbytes: float) -> float:
-    """Seconds of a memory-bound pass over ``nbytes`` of host memory by one rank's optimizer
-    thread pool while every rank of the node does the same (the bandwidth model of
-    :func:`sim.host.cpu_adam_s`: the node's DRAM bandwidth shared by its ranks, capped by what
-    the rank's cores pull)."""
-    ranks = max(1, host.gpus_per_node)
-    threads = max(1, host.cpu_cores // ranks)
-    bw = min(host.memory_gbytes_per_s / ranks, threads * CORE_GBYTES_PER_S) * 1e9
-    return nbytes / bw
+    """A memory-bound pass of DeepSpeed's CPU optimizer threads over ``nbytes`` of host
+    memory (:func:`sim.host.cpu_pass_s`)."""
+    return cpu_pass_s(host, nbytes, "deepspeed")
 
 
 # --------------------------------------------------------------------------- stages 0-2

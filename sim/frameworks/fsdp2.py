@@ -84,7 +84,7 @@ from sim.frameworks.torchtitan_parallel import (
     stage_layers,
     titan_blocks,
 )
-from sim.host import CORE_GBYTES_PER_S, TORCH_THREADS_PER_RANK, HostSpec, cpu_adam_s
+from sim.host import HostSpec, cpu_adam_s, cpu_pass_s
 from sim.layer_ops import BF16, FP32, BlockCost, SacCost, Style, model_blocks, op_sac_costs
 from sim.program import Op, Phase, Program, RankClass
 from sim.scenario import Fsdp2Options
@@ -505,12 +505,10 @@ class _Stage:
         if not first_grad:
             # grad += new on CPU tensors: read both, write one (12 B per parameter), one
             # thread under torchrun.
-            bw = min(host.memory_gbytes_per_s / host.gpus_per_node,
-                     TORCH_THREADS_PER_RANK * CORE_GBYTES_PER_S) * 1e9
             self.offloads.append(self.add(Op(
                 name=f"CPU grad += {u.name} mb{mb}", kind="compute", stream="cpu",
                 phase="bwd", deps=[d2h], category="copy", micro_batch=mb, host_sync=True,
-                duration=3 * nbytes / bw)))
+                duration=cpu_pass_s(host, 3 * nbytes, "torch"))))
 
     def accumulate(self, u: _Unit, mb: int, first: bool) -> None:
         """No gradient sync (pipeline parallelism): the unsharded gradient is kept in
