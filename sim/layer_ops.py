@@ -397,6 +397,22 @@ class _Builder:
 
 
 # ---------------------------------------------------------------------- blocks
+def qkv_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float,
+                    names: tuple[str, str, str] = ("q", "k", "v")
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Query, key and value projections of the normalised input ``y`` over the widths in
+    ``m`` (the whole model, or one tensor-parallel rank's heads), with RoPE on queries and
+    keys. ``names``: HF q, k, v; torchtitan wq, wk, wv."""
+    h = m.hidden
+    q = b.linear(y, tokens, h, m.q_dim, names[0], bias=m.bias)
+    k = b.linear(y, tokens, h, m.kv_dim, names[1], bias=m.bias)
+    v = b.linear(y, tokens, h, m.kv_dim, names[2], bias=m.bias)
+    if m.position == "rope":
+        q = b.rope(q, tokens, m.q_dim, "rope_q")
+        k = b.rope(k, tokens, m.kv_dim, "rope_k")
+    return q, k, v
+
+
 def attention_block(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: bool) -> Block:
     """Norm, q/k/v projections, rotary embedding, causal attention, output projection, residual."""
     b = _Builder("attn", style)
@@ -410,12 +426,7 @@ def attention_block(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: 
     # Under autocast each projection casts y separately (3 reads of y, 3 fp32 input grads);
     # in bf16 they share y and their input gradients are summed.
     b.sum_grads(3, tokens * h, FP32 if style.autocast else BF16, "norm_out")
-    q = b.linear(y, tokens, h, m.q_dim, "q", bias=m.bias)
-    k = b.linear(y, tokens, h, m.kv_dim, "k", bias=m.bias)
-    v = b.linear(y, tokens, h, m.kv_dim, "v", bias=m.bias)
-    if m.position == "rope":
-        q = b.rope(q, tokens, m.q_dim, "rope_q")
-        k = b.rope(k, tokens, m.kv_dim, "rope_k")
+    q, k, v = qkv_projections(b, m, y, tokens)
     if kv_cache:
         # DynamicCache.update: torch.cat([empty, k]) and the same for v, kept until return.
         kc = Tensor("attn.cache_k", k.nbytes)   # same dtype as k after RoPE

@@ -61,6 +61,7 @@ from sim.layer_ops import (
     _Builder,
     mlp_projections,
     price_block,
+    qkv_projections,
 )
 from sim.model import ModelSpec
 from sim.program import Op, Phase
@@ -228,13 +229,7 @@ def _qkv(b: _Builder, ml: ModelSpec, tokens: float) -> tuple[Tensor, Tensor, Ten
     b.block.inputs.append(y)
     # q, k and v read the gathered norm output: their input gradients are summed.
     b.sum_grads(3, tokens * h, BF16, "norm_out")
-    q = b.linear(y, tokens, h, ml.q_dim, "wq", bias=ml.bias)
-    k = b.linear(y, tokens, h, ml.kv_dim, "wk", bias=ml.bias)
-    v = b.linear(y, tokens, h, ml.kv_dim, "wv", bias=ml.bias)
-    if ml.position == "rope":
-        q = b.rope(q, tokens, ml.q_dim, "rope_q")
-        k = b.rope(k, tokens, ml.kv_dim, "rope_k")
-    return q, k, v
+    return qkv_projections(b, ml, y, tokens, ("wq", "wk", "wv"))
 
 
 def _mlp_main(ml: ModelSpec, style: Style, tokens: float) -> Block:
