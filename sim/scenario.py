@@ -202,7 +202,8 @@ class DeepSpeedOptions(_Strict):
     reduce_bucket_size: int = Field(default=500_000_000, gt=0)
     """Elements reduced at once (ds_config zero_optimization.reduce_bucket_size)."""
     allgather_bucket_size: int = Field(default=500_000_000, gt=0)
-    """Stages 1-2: elements all-gathered at once after the optimizer step."""
+    """Accepted as in ds_config, without effect: since all_gather_into_tensor exists,
+    runtime/utils.py all_gather_dp_groups gathers each parameter group in one call."""
     stage3_prefetch_bucket_size: int = Field(default=50_000_000, ge=0)
     """Stage 3: elements of upcoming parameters fetched ahead of use."""
     stage3_param_persistence_threshold: int = Field(default=100_000, ge=0)
