@@ -82,14 +82,18 @@ def nccl_settings(s: Scenario) -> NcclSettings:
 
 
 def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
-             progress: Callable[[int, int], None] | None = None) -> RunResult:
-    """Build, run and summarise ``steps`` training steps of ``scenario``."""
+             progress: Callable[[int, int], None] | None = None,
+             keep_link_series: bool = False) -> RunResult:
+    """Build, run and summarise ``steps`` training steps of ``scenario``.
+
+    ``keep_link_series`` also records every busy link's rate over time (for ``links.png``;
+    it costs memory on large fabrics)."""
     wall0 = time.perf_counter()
     # build
     ctx = JobContext.from_scenario(scenario, origin)
     program = build_program(ctx)
     fabric = build_fabric(fabric_spec(scenario))
-    recorder = Recorder()
+    recorder = Recorder(keep_link_series=keep_link_series)
     engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
                     scenario.cluster.nic_transport, ctx.gpu.sm_count)
     # run

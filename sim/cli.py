@@ -46,7 +46,8 @@ def run(
 
     try:
         sc = load_scenario(scenario, set_ or [])
-        result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb),
+        result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
+                                                keep_link_series=out is not None),
                                 quiet=as_json, steps=steps)
     except ScenarioError as exc:
         _bad_input(str(exc))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from sim.collectives.runner import CollectiveRunner, NcclSettings, transport_capacity
+from sim.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.network import FlowNetwork, NetworkObserver
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
@@ -51,6 +51,10 @@ class EngineObserver(NetworkObserver):
     def on_memory(self, cls: RankClass, t: float, category: str, delta: float) -> None:
         """``delta`` bytes of ``category`` allocated (positive) or freed (negative)."""
 
+    def on_collective(self, op: Op, choice: Choice | None) -> None:
+        """A collective or point-to-point op (``op.key``) finished on the fabric, once for all
+        its groups; ``choice`` is what NCCL ran (algorithm, protocol), None if nothing moved."""
+
 
 @dataclass
 class _Rendezvous:
@@ -58,6 +62,7 @@ class _Rendezvous:
     launched: simpy.Event
     arrived: set[int] = field(default_factory=set)
     start: float = 0.0
+    reported: bool = False
 
 
 class Engine:
@@ -273,4 +278,7 @@ class Engine:
         self._comm_active[cls.id] = self._comm_active.get(cls.id, 0) + 1
         yield proc
         self._comm_active[cls.id] -= 1
+        if not rv.reported:
+            rv.reported = True
+            self.observer.on_collective(op, proc.value)
         return rv.start

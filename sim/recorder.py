@@ -1,8 +1,9 @@
 """The recorder: listens to the engine and the network and keeps what happened.
 
 Every op's ready/start/end time, memory allocations and frees per rank class by category,
-and the bytes/s per link class after every rate change. Metrics, plots and exports read it;
-it computes nothing itself beyond running totals.
+the bytes/s per link class after every rate change, what NCCL ran for each collective, and
+(when asked: it costs memory on large fabrics) the rate of every busy link after every
+change. Metrics, plots and exports read it; it computes nothing itself beyond running totals.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sim.collectives.runner import Choice
 from sim.engine import EngineObserver
 from sim.program import MEMORY_CATEGORIES, Op, RankClass
 
@@ -44,13 +46,21 @@ class MemoryTrack:
 class Recorder(EngineObserver):
     """Keeps the engine's and network's reports."""
 
-    def __init__(self, keep_memory_series: bool = True) -> None:
+    def __init__(self, keep_memory_series: bool = True, keep_link_series: bool = False
+                 ) -> None:
         self.ops: list[OpRecord] = []
         self.memory: dict[int, MemoryTrack] = {}
         self.rate_series: list[tuple[float, np.ndarray]] = []
+        # Per rate change: (time, indices of links carrying traffic, their bytes/s), kept
+        # sparse; piecewise constant until the next entry. A folded collective's flows stand
+        # for several groups on disjoint links, so only the representative group's links show.
+        self.link_series: list[tuple[float, np.ndarray, np.ndarray]] = []
+        # What NCCL ran for each collective and point-to-point op, by ``Op.key``.
+        self.collective_choices: dict[str, Choice] = {}
         self.transfers_finished = 0
         self.transfer_bytes = 0.0
         self.keep_memory_series = keep_memory_series
+        self.keep_link_series = keep_link_series
 
     # engine
     def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
@@ -71,12 +81,24 @@ class Recorder(EngineObserver):
             else:
                 track.series.append((t, dict(track.current)))
 
+    def on_collective(self, op: Op, choice: Choice | None) -> None:
+        if choice is not None:
+            self.collective_choices[op.key] = choice
+
     # network
     def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
         if self.rate_series and self.rate_series[-1][0] == t:
             self.rate_series[-1] = (t, class_rates.copy())
         else:
             self.rate_series.append((t, class_rates.copy()))
+        if self.keep_link_series:
+            # Rates below a byte per second are solver rounding of links just emptied.
+            busy = np.flatnonzero(link_rates > 1.0).astype(np.int32)
+            entry = (t, busy, link_rates[busy].astype(np.float32))
+            if self.link_series and self.link_series[-1][0] == t:
+                self.link_series[-1] = entry
+            else:
+                self.link_series.append(entry)
 
     def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
         self.transfers_finished += 1

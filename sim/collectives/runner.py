@@ -178,19 +178,23 @@ class CollectiveRunner:
 
     # ------------------------------------------------------------------ running
     def run_collective(self, op: str, group: Sequence[int], nbytes: float, tag: object = None
-                       ) -> Generator[simpy.Event, object, None]:
-        """Process: one collective of ``nbytes`` (nccl-tests' message size) over ``group``."""
+                       ) -> Generator[simpy.Event, object, Choice | None]:
+        """Process: one collective of ``nbytes`` (nccl-tests' message size) over ``group``;
+        its value is what NCCL ran (None when there was nothing to move)."""
         group = tuple(group)
         if len(group) <= 1 or nbytes <= 0:
-            return
+            return None
         plan, est, predicted = self.select(op, group, nbytes)
-        self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
+        choice = Choice(op, plan.algorithm, est.protocol, nbytes, predicted)
+        self.chosen.append(choice)
         yield self.env.timeout(est.latency_s + self._fill_s(plan, est))
         yield self._start(plan, est, nbytes, tag)
+        return choice
 
     def run_collective_groups(self, op: str, groups: Sequence[Sequence[int]], nbytes: float,
-                              tag: object = None) -> Generator[simpy.Event, object, None]:
-        """Process: the same collective in several disjoint groups at once.
+                              tag: object = None) -> Generator[simpy.Event, object, Choice | None]:
+        """Process: the same collective in several disjoint groups at once; its value is
+        what NCCL ran in the first group (None when there was nothing to move).
 
         Groups that each sit inside one node, all of one size, use disjoint NVLink ports of
         their nodes: one group's flows stand for all of them (``count`` = number of groups),
@@ -200,10 +204,9 @@ class CollectiveRunner:
         """
         tgroups: list[tuple[int, ...]] = [tuple(g) for g in groups if len(g) > 1]
         if not tgroups or nbytes <= 0:
-            return
+            return None
         if len(tgroups) == 1:
-            yield from self.run_collective(op, tgroups[0], nbytes, tag)
-            return
+            return (yield from self.run_collective(op, tgroups[0], nbytes, tag))
         groups = tgroups
         key = tuple(tgroups)
         local = self._local.get(key)
@@ -220,13 +223,14 @@ class CollectiveRunner:
             self._local[key] = local
         if local:
             plan, est, predicted = self.select(op, groups[0], nbytes)
-            self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
+            choice = Choice(op, plan.algorithm, est.protocol, nbytes, predicted)
+            self.chosen.append(choice)
             yield self.env.timeout(est.latency_s + self._fill_s(plan, est))
             yield self._start(plan, est, nbytes, tag, count=len(groups))
-            return
+            return choice
         chosen = [self.select(op, grp, nbytes) for grp in groups]
-        for plan, est, predicted in chosen[:1]:
-            self.chosen.append(Choice(op, plan.algorithm, est.protocol, nbytes, predicted))
+        choice = Choice(op, chosen[0][0].algorithm, chosen[0][1].protocol, nbytes, chosen[0][2])
+        self.chosen.append(choice)
         yield self.env.timeout(max(est.latency_s + self._fill_s(plan, est)
                                    for plan, est, _ in chosen))
         fkey = (key, op, chosen[0][0].algorithm, chosen[0][1].protocol)
@@ -235,9 +239,10 @@ class CollectiveRunner:
             foldable = self._disjoint[fkey] = self._same_and_disjoint(chosen)
         if foldable:
             yield self._start(chosen[0][0], chosen[0][1], nbytes, tag, count=len(chosen))
-            return
+            return choice
         events = [self._start(plan, est, nbytes, tag) for plan, est, _ in chosen]
         yield simpy.AllOf(self.env, events)
+        return choice
 
     def _same_and_disjoint(self, chosen: Sequence[tuple[FlowPlan, nccl.Estimate, float]]
                            ) -> bool:
@@ -284,18 +289,19 @@ class CollectiveRunner:
                                     payload=float(plan.share.sum()) * nbytes * count)
 
     def run_p2p(self, pairs: Sequence[tuple[int, int]], nbytes: float, tag: object = None
-                ) -> Generator[simpy.Event, object, None]:
+                ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: point-to-point transfers (NCCL send/recv, Simple protocol), one flow per
         (source, destination) pair, all at once."""
         key = tuple((s, d) for s, d in pairs if s != d)
         if nbytes <= 0 or not key:
-            return
+            return None
         plan = self._p2p.get(key)
         if plan is None:
             plan = self._p2p[key] = self.builder.p2p(key, 1.0)
         est = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
         yield self.env.timeout(est.latency_s)
         yield self._start(plan, est, nbytes, tag)
+        return Choice("sendrecv", "p2p", "simple", nbytes, est.latency_s)
 
 
 def _p2p_latency(plan: FlowPlan) -> float:
