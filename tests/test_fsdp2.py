@@ -326,6 +326,42 @@ def test_op_sac_memory_and_time_sit_between_none_and_full() -> None:
         assert track.current.get("activations", 0.0) == pytest.approx(0.0, abs=1.0)
 
 
-def test_op_sac_with_tensor_parallelism_is_refused_naming_the_key() -> None:
-    with pytest.raises(ScenarioError, match="training.activation_checkpointing"):
-        program(scenario(par={"tp": 2}, activation_checkpointing="selective"))
+def test_op_sac_with_tensor_parallelism_recomputes_local_matmuls_and_all_gathers() -> None:
+    # Under TP the policy sees each rank's local matmuls (1/tp of the widths) and the
+    # functional collectives: reduce-scatters are saved, all-gathers re-run. Extra hardware
+    # FLOPs are the same every-second-matmul closed form as without TP (each of the tp ranks
+    # re-runs 1/tp of it); the recompute re-issues exactly two all-gathers per layer and
+    # micro-batch (before attention and before the MLP), and no reduce-scatter.
+    tp = 2
+    s = scenario(par={"tp": tp}, activation_checkpointing="selective", micro_batch_size=2)
+    p = program(s)
+    m = spec(s)
+    tokens = 2 * 1024
+    per_layer = 2 * tokens * (m.hidden * m.kv_dim + m.q_dim * m.hidden
+                              + m.hidden * m.ffn_hidden)
+    extra = p.hw_flops_per_step - p.model_flops_per_step
+    dp = 8 // tp
+    assert extra == pytest.approx(m.layers * p.meta["micro_batches"] * dp * per_layer)
+    ops = [o for ops_ in p.classes[0].streams.values() for o in ops_]
+    again = [o for o in ops if o.kind == "collective" and "(recompute)" in o.name]
+    assert {o.collective for o in again} == {"all_gather"}
+    assert len(again) == 2 * m.layers * p.meta["micro_batches"]
+    assert all(len(o.group) == tp for o in again)
+
+
+def test_op_sac_with_tp_and_cp_sits_between_none_and_full_and_frees_what_it_keeps() -> None:
+    # The ring attention is one saved op: nothing of the ring re-runs, so the context-
+    # parallel exchanges happen as often as without checkpointing, fewer than with full
+    # recomputation (which re-runs the whole layer, ring included).
+    par = {"tp": 2, "cp": 2}
+    runs = {ac: simulate(scenario(par=par, activation_checkpointing=ac, micro_batch_size=2))
+            for ac in ("none", "selective", "full")}
+    mem = {ac: r.summary["peak_memory_breakdown_gib"]["activations"] for ac, r in runs.items()}
+    step = {ac: r.summary["step_time_s"] for ac, r in runs.items()}
+    assert mem["full"] < mem["selective"] < mem["none"]
+    assert step["none"] < step["selective"] < step["full"]
+    cp_ops = {ac: len(r.program.classes[0].streams.get("cp", []))
+              for ac, r in runs.items()}
+    assert cp_ops["selective"] == cp_ops["none"] < cp_ops["full"]
+    for track in runs["selective"].recorder.memory.values():
+        assert track.current.get("activations", 0.0) == pytest.approx(0.0, abs=1.0)

@@ -125,10 +125,6 @@ def _check(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
                 f"fsdp2 is modelled with 16-bit mixed precision (bf16 or fp16); "
                 f"{s.training.precision} is not yet")
-    ctx.require(s.training.activation_checkpointing != "selective" or (t == 1 and cp == 1),
-                "training.activation_checkpointing",
-                "selective (torchtitan's op-level) checkpointing is modelled without tensor or "
-                "context parallelism; use none or full with tp/cp > 1")
     ctx.require(m.heads % t == 0, "parallelism.tp",
                 f"{m.heads} attention heads do not split over tp={t}")
     ctx.require(m.kv_heads % t == 0, "parallelism.tp",
@@ -232,8 +228,9 @@ def build_fsdp2(ctx: JobContext) -> Program:
                                 opts.pipeline_last_stage_less_layers)
 
     costs = ctx.block_costs(style, kv_cache=False)
+    selective = s.training.activation_checkpointing == "selective"
     tb = titan_blocks(m, style, ctx.compute, ctx.micro_batch, ctx.seq, t, cp,
-                      opts.cp_rotate_method) if t > 1 or cp > 1 else None
+                      opts.cp_rotate_method, sac=selective) if t > 1 or cp > 1 else None
     if tb is not None:
         numel = dict(tb.params)
         ugrad = {b: float(BF16 * n) for b, n in numel.items()}
@@ -282,7 +279,7 @@ def build_fsdp2(ctx: JobContext) -> Program:
         host=HostSpec.from_scenario(s) if opts.cpu_offload else None,
         sac=(op_sac_costs(model_blocks(m, style, ctx.micro_batch, ctx.seq, False)[1:3],
                           style, ctx.compute)
-             if s.training.activation_checkpointing == "selective" else None))
+             if selective and tb is None else None))
 
     classes = [RankClass(st, mesh.members(st),
                          label=(f"pipeline stage {st}" if pp > 1
@@ -295,7 +292,11 @@ def build_fsdp2(ctx: JobContext) -> Program:
         cls.initial_memory = {} if opts.cpu_offload else {
             "parameters": FP32 * shard_params, "optimizer": 2 * FP32 * shard_params,
             "gradients": FP32 * shard_params}
-    if job.sac is not None:
+    if tb is not None and tb.sac is not None:
+        # Every rank re-runs its own shard's share of each layer (local widths, seq/cp).
+        hw = ctx.model_flops_per_step() + m.layers * ctx.micro_batches * dp * cp * t * sum(
+            c.recompute_flops for c in tb.sac.values())
+    elif job.sac is not None:
         hw = ctx.model_flops_per_step() + m.layers * ctx.micro_batches * dp * cp * sum(
             c.recompute_flops for c in job.sac.values())
     else:

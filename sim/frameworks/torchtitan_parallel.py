@@ -56,10 +56,12 @@ from sim.layer_ops import (
     Block,
     BlockCost,
     Kernel,
+    SacCost,
     Style,
     Tensor,
     _Builder,
     mlp_projections,
+    op_sac_costs,
     price_block,
     qkv_projections,
 )
@@ -197,6 +199,14 @@ class TitanBlocks:
     hidden: int
     params: dict[str, int] = field(default_factory=dict)
     """Parameters on this rank per block (embed, attn, mlp, head)."""
+    sac: dict[str, SacCost] | None = None
+    """Op-level selective checkpointing of each layer segment (``selective``), else None."""
+
+    def layer_segments(self) -> list[str]:
+        """The segments of one transformer layer, in forward order."""
+        attn = (["attn_main"] if self.cp == 1 else
+                ["attn_qkv"] + [f"attn_ring{i}" for i in range(self.cp)] + ["attn_o"])
+        return ["attn_norm", *attn, "attn_resid", "mlp_norm", "mlp_main", "mlp_resid"]
 
 
 def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: bool) -> Block:
@@ -398,9 +408,11 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
 
 
 def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: int, tp: int,
-                 cp: int, rotate: str) -> TitanBlocks:
+                 cp: int, rotate: str, sac: bool = False) -> TitanBlocks:
     """Every segment of one micro-batch on one rank under tensor parallelism ``tp`` (with
-    sequence parallelism) and context parallelism ``cp``."""
+    sequence parallelism) and context parallelism ``cp``; with ``sac``, also what each layer
+    segment keeps and re-runs under torchtitan's op-level selective checkpointing
+    (:func:`layer_sac_costs`)."""
     ml = local_dims(m, tp)
     seq_local = seq // cp
     tokens = batch * seq_local
@@ -426,10 +438,35 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
         "mlp": sum(segs[k].params for k in segs if k.startswith("mlp")),
         "head": segs["head_norm"].params + segs["head_main"].params,
     }
-    return TitanBlocks(segs, cost, tp, cp, rotate, tokens, local,
-                       kv_bytes=2.0 * tokens * ml.kv_dim * BF16,
-                       attn_acc_bytes=float(tokens * (ml.q_dim + 2 * ml.kv_dim) * FP32),
-                       hidden=m.hidden, params=params)
+    tb = TitanBlocks(segs, cost, tp, cp, rotate, tokens, local,
+                     kv_bytes=2.0 * tokens * ml.kv_dim * BF16,
+                     attn_acc_bytes=float(tokens * (ml.q_dim + 2 * ml.kv_dim) * FP32),
+                     hidden=m.hidden, params=params)
+    if sac:
+        tb.sac = layer_sac_costs(tb, style, cm)
+    return tb
+
+
+def layer_sac_costs(tb: TitanBlocks, style: Style, cm: ComputeModel) -> dict[str, SacCost]:
+    """Op-level selective checkpointing of one layer's segments on one rank.
+
+    torchtitan's policy (``torchtitan/distributed/activation_checkpoint.py``, ``_apply_op_sac``
+    and its ``_save_list``) is applied by a dispatch mode that sees the ops as the layer
+    issues them: the local matmuls of the tensor-parallel shards (every second one saved,
+    counted over the layer in forward order, as :func:`sim.layer_ops.op_sac_costs`), the
+    attention op and ``_c10d_functional.reduce_scatter_tensor`` are saved; the functional
+    all-gathers are not, so recomputation runs them again. Context parallelism's ring runs
+    inside the one attention op that DTensor dispatches (``_context_parallel/_attention.py``),
+    so the mode saves that op's output and nothing of the ring (exchanges, merges) re-runs:
+    its segments keep what autograd saves and re-run nothing.
+    """
+    order = tb.layer_segments()
+    ring = [k for k in order if k.startswith("attn_ring")]
+    out = op_sac_costs([tb.seg[k] for k in order if k not in ring], style, cm)
+    for k in ring:
+        out[k] = SacCost(cached_bytes=tb.cost[k].saved_bytes, recompute_s=0.0,
+                         recompute_flops=0.0)
+    return out
 
 
 # ---------------------------------------------------------------------- ops of a pass
@@ -456,13 +493,17 @@ class TitanPass:
     forward allocates what autograd saves, backward frees it and allocates the bf16 weight
     gradients (``grad_alloc``); with ``recompute`` a layer keeps only its input and the
     backward of its MLP block starts by recomputing the whole layer, collectives included
-    (torchtitan's full activation checkpointing wraps each TransformerBlock).
+    (torchtitan's full activation checkpointing wraps each TransformerBlock). With the
+    blocks' ``sac`` (op-level selective checkpointing) a layer keeps its input, the outputs
+    the policy saves and its reduce-scatters' outputs, and its backward starts by re-running
+    the rest and the tensor-parallel all-gathers (:func:`layer_sac_costs`).
     """
 
     def __init__(self, tb: TitanBlocks, comms: Comms, recompute: bool) -> None:
         self.tb = tb
         self.c = comms
-        self.recompute = recompute
+        self.sac = tb.sac
+        self.recompute = recompute and tb.sac is None
         self._scoped = 0.0
 
     # ------------------------------------------------------------------ helpers
@@ -494,23 +535,68 @@ class TitanPass:
     def _gathered(self) -> float:
         return float(self.tb.tokens * self.tb.hidden * BF16)
 
+    def _rs_out(self) -> float:
+        return float(self.tb.local_tokens * self.tb.hidden * BF16)
+
+    def _free_rs_out(self, op: Op) -> None:
+        # The saved reduce-scatter output goes with the residual add's backward.
+        if self.sac is not None and self.tb.tp > 1:
+            op.free = op.free + (("activations", self._rs_out()),)
+
+    def _sac_recompute(self, layer: int, mb: int) -> list[Op]:
+        """Before a layer's backward: re-run, in forward order, what the selective policy did
+        not save, with the tensor-parallel all-gathers feeding the re-run matmuls; each
+        segment re-creates the tensors autograd holds for its backward beyond the saved ones
+        (the layer input stays held from the forward)."""
+        tb, sac = self.tb, self.sac
+        assert sac is not None
+        ops: list[Op] = []
+        for key in tb.layer_segments():
+            if key in ("attn_main", "attn_qkv", "mlp_main") and tb.tp > 1:
+                what = "attn" if key.startswith("attn") else "mlp"
+                ops.append(self.c.tp("all_gather", self._gathered(),
+                                     f"tp all_gather {what} (recompute) L{layer} mb{mb}",
+                                     mb, layer))
+            c = tb.cost[key]
+            regen = c.saved_bytes - sac[key].cached_bytes
+            if key == "attn_norm":
+                regen -= c.input_saved_bytes
+            regen = max(0.0, regen)
+            if sac[key].recompute_s <= 0 and regen <= 0:
+                continue
+            ops.append(Op(name=f"recompute {key} L{layer} mb{mb}", kind="compute",
+                          stream="compute", phase="recompute", duration=sac[key].recompute_s,
+                          alloc=(("activations", regen),) if regen else (),
+                          transient=c.fwd_transient_unsaved_bytes, layer=layer,
+                          micro_batch=mb, hw_flops=sac[key].recompute_flops,
+                          category="recompute"))
+        return ops
+
     # ------------------------------------------------------------------ forward
     def forward(self, block: str, layer: int, mb: int, phase: Phase = "fwd") -> list[Op]:
         tp, lay = self.tb.tp, (layer if layer >= 0 else None)
-        ckpt = self.recompute and block in ("attn", "mlp") and phase == "fwd"
+        layered = block in ("attn", "mlp")
+        sac = self.sac if layered and phase == "fwd" else None
+        ckpt = (self.recompute or sac is not None) and layered and phase == "fwd"
         ops: list[Op] = []
 
         def seg(key: str, saved: bool = True) -> Op:
             lbl = f"{key}{'' if lay is None else f' L{layer}'}"
             op = self._seg(key, lbl, mb, lay, phase, backward=False,
                            alloc_saved=saved and not ckpt)
+            if sac is not None and sac[key].cached_bytes:
+                op.alloc = op.alloc + (("activations", sac[key].cached_bytes),)
             ops.append(op)
             return op
 
         def tp_comm(kind: str, what: str) -> None:
             if tp > 1:
-                ops.append(self.c.tp(kind, self._gathered(), f"tp {kind} {what}"
-                                     f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay))
+                op = self.c.tp(kind, self._gathered(), f"tp {kind} {what}"
+                               f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay)
+                if sac is not None and kind == "reduce_scatter":
+                    # The policy saves reduce-scatter outputs (the local tokens' branch).
+                    op.alloc = (("activations", self._rs_out()),)
+                ops.append(op)
 
         if block == "embed":
             seg("embed")
@@ -600,6 +686,8 @@ class TitanPass:
         if block == "mlp" and self.recompute:
             ops += self.forward("attn", layer, mb, phase="recompute")
             ops += self.forward("mlp", layer, mb, phase="recompute")
+        elif block == "mlp" and self.sac is not None:
+            ops += self._sac_recompute(layer, mb)
 
         def seg(key: str) -> Op:
             lbl = f"{key}{'' if lay is None else f' L{layer}'}"
@@ -620,13 +708,13 @@ class TitanPass:
             tp_comm("all_gather", "embed")
             seg("embed")
         elif block == "mlp":
-            seg("mlp_resid")
+            self._free_rs_out(seg("mlp_resid"))
             tp_comm("all_gather", "mlp")
             seg("mlp_main")
             tp_comm("reduce_scatter", "mlp")
             seg("mlp_norm")
         else:
-            seg("attn_resid")
+            self._free_rs_out(seg("attn_resid"))
             tp_comm("all_gather", "attn")
             if self.tb.cp == 1:
                 seg("attn_main")
