@@ -87,7 +87,8 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     """Build, run and summarise ``steps`` training steps of ``scenario``.
 
     ``keep_link_series`` also records every busy link's rate over time (for ``links.png``;
-    it costs memory on large fabrics)."""
+    it costs memory on large fabrics). ``progress(done, total)`` is called as ops finish,
+    counted over all steps (``total`` = ops per step x steps)."""
     wall0 = time.perf_counter()
     # build
     ctx = JobContext.from_scenario(scenario, origin)
@@ -98,10 +99,14 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
                     scenario.cluster.nic_transport, ctx.gpu.sm_count)
     # run
     total = 0.0
-    for i in range(steps):
+    per_step = len(program.ops)
+    if progress is not None:
+        report = progress
+        engine.progress = lambda done: report(min(done, per_step * steps), per_step * steps)
+    for _ in range(steps):
         total += engine.run_step(program)
-        if progress is not None:
-            progress(i + 1, steps)
+    if progress is not None:
+        progress(per_step * steps, per_step * steps)
     # collect
     summary = summarise(ctx, program, recorder, engine, total, steps,
                         time.perf_counter() - wall0)

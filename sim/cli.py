@@ -140,13 +140,24 @@ def validate(
 
 
 def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
-    if quiet or steps == 1:
+    """Run ``fn(callback)`` under a transient progress bar on stderr (ops simulated of all
+    steps, rate, time left); none with ``--json`` or when stderr is not a terminal."""
+    if quiet or not err.is_terminal:
         return fn(None)
-    from rich.progress import Progress
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    with Progress(console=err, transient=True) as bar:
-        task = bar.add_task("simulating steps", total=steps)
-        return fn(lambda done, total: bar.update(task, completed=done))
+    label = "simulating" + (f" {steps} steps" if steps > 1 else "") + " (ops)"
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        return fn(lambda done, total: bar.update(task, completed=done, total=total))
 
 
 def _write_outputs(out: Path, result: Any) -> None:

@@ -18,7 +18,7 @@ compute op takes given what runs beside it).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +38,8 @@ NCCL_OVERLAP_CTAS = 16
 # can run ahead of the GPU, and so how many prefetched all-gathers a framework without its
 # own limit (FairScale, DeepSpeed ZeRO-3) can have in flight. We take 1,024.
 LAUNCH_QUEUE_KERNELS = 1024
+# Ops between two progress reports: often enough for a bar, rare enough to cost nothing.
+PROGRESS_EVERY = 512
 
 
 class EngineObserver(NetworkObserver):
@@ -83,6 +85,9 @@ class Engine:
                                fabric.kind, len(LINK_KINDS), self.observer)
         self.collectives = CollectiveRunner(self.env, self.net, fabric, arch, nccl)
         self.events_processed = 0
+        self.progress: Callable[[int], None] | None = None
+        """Called with the number of ops finished so far, every :data:`PROGRESS_EVERY` ops
+        (for a progress bar on long simulations)."""
         self._step = 0
         self.sm_count = sm_count
         self._comm_active: dict[int, int] = {}
@@ -179,6 +184,8 @@ class Engine:
                 obs.on_memory(cls, end, cat, -nbytes)
             obs.on_op(cls, op, ready, start, end, self._step)
             self.events_processed += 1
+            if self.progress is not None and self.events_processed % PROGRESS_EVERY == 0:
+                self.progress(self.events_processed)
             self._finished[op.index] = end
             done[op.index].succeed()
 
