@@ -240,8 +240,8 @@ class CollectiveRunner:
         if foldable:
             yield self._start(chosen[0][0], chosen[0][1], nbytes, tag, count=len(chosen))
             return choice
-        events = [self._start(plan, est, nbytes, tag) for plan, est, _ in chosen]
-        yield simpy.AllOf(self.env, events)
+        # All groups' flows start together: one rate solve, not one per group.
+        yield self._start_all([(plan, est) for plan, est, _ in chosen], nbytes, tag)
         return choice
 
     def _same_and_disjoint(self, chosen: Sequence[tuple[FlowPlan, nccl.Estimate, float]]
@@ -267,8 +267,28 @@ class CollectiveRunner:
             seen |= links
         return True
 
+    def _start_all(self, plans: Sequence[tuple[FlowPlan, nccl.Estimate]], nbytes: float,
+                   tag: object) -> simpy.Event:
+        """Start several plans' flows as one group (one rate solve); the event fires when the
+        last flow of any of them ends."""
+        parts = [self._flows(plan, est, nbytes, 1) for plan, est in plans]
+        return self.net.start_group(np.concatenate([p[0] for p in parts]),
+                                    np.concatenate([p[1] for p in parts]),
+                                    np.concatenate([p[2] for p in parts]),
+                                    np.concatenate([p[3] for p in parts]),
+                                    np.concatenate([p[4] for p in parts]), tag=tag,
+                                    payload=sum(p[5] for p in parts))
+
     def _start(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float, tag: object,
                count: int = 1) -> simpy.Event:
+        flat, lengths, sizes, counts, caps, payload = self._flows(plan, est, nbytes, count)
+        return self.net.start_group(flat, lengths, sizes, counts, caps, tag=tag,
+                                    payload=payload)
+
+    def _flows(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float, count: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+        """The flows of ``plan`` for a message of ``nbytes``: (links, lengths, sizes, counts,
+        caps, payload) as :meth:`FlowNetwork.start_group` takes them."""
         # The protocol's overhead travels on the wire (LL's flags, LL128's lines): a flow
         # carries payload / wire_factor bytes. Where NCCL also caps the protocol's bandwidth
         # (LL's maximum, LL128's per-channel limit), the flows are capped in proportion.
@@ -284,9 +304,8 @@ class CollectiveRunner:
                               np.inf)
             caps = self._caps[ckey] = np.minimum(caps, window)
         n = plan.n_flows
-        return self.net.start_group(plan.flat, plan.lengths, plan.share * nbytes / wire,
-                                    np.full(n, float(count)), caps, tag=tag,
-                                    payload=float(plan.share.sum()) * nbytes * count)
+        return (plan.flat, plan.lengths, plan.share * nbytes / wire, np.full(n, float(count)),
+                caps, float(plan.share.sum()) * nbytes * count)
 
     def run_p2p(self, pairs: Sequence[tuple[int, int]], nbytes: float, tag: object = None
                 ) -> Generator[simpy.Event, object, Choice | None]:
