@@ -91,9 +91,22 @@ class ComputeModel:
     def _flops_scale(self) -> float:
         # Matrix throughput scales with the dense peak times the share of it a large GEMM
         # reaches on each GPU (catalogue matmul_efficiency), relative to the fitted H200.
+        # FP8 training keeps its non-GEMM math (attention, the 16-bit layers) at 16 bits: only
+        # kernels marked fp8 run at the FP8 rate (:attr:`_fp8_speedup`).
+        base = "bf16" if self.precision == "fp8" else self.precision
         h200 = catalog.gpu("h200")
-        return (self.gpu.peak_flops(self.precision) * self.gpu.matmul_efficiency) / (
+        return (self.gpu.peak_flops(base) * self.gpu.matmul_efficiency) / (
             _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
+
+    @cached_property
+    def _fp8_speedup(self) -> float:
+        # An FP8 GEMM reaches about the same share of the FP8 peak as a 16-bit GEMM of the
+        # 16-bit peak: a published cuBLASLt cross-check (d-robotics test_gpu_scripts,
+        # reports_cublaslt_fp8_crosscheck_20260524.md; E4M3 in, bf16 out, 8192^3, 16 GPUs of
+        # Hopper nodes, model not named) measured 1,599-1,630 TFLOP/s, 81-82% of the
+        # H100/H200's 1,979, against 794.5 of 989 (80%) for bf16 on H100 SXM (catalogue
+        # matmul_efficiency). So FP8 GEMMs run at the ratio of the peaks; 1 without FP8 units.
+        return self.gpu.peak_flops("fp8") / self.gpu.peak_flops("bf16")
 
     @cached_property
     def _bw_scale(self) -> float:
@@ -125,26 +138,29 @@ class ComputeModel:
 
     # ------------------------------------------------------------------ GEMM
     def gemm_time(self, m: float, k: float, n: float, pass_: GemmPass = "fwd",
-                  measured_table: bool = True) -> float:
+                  measured_table: bool = True, fp8: bool = False) -> float:
         """One pass of a linear layer ``Y[m,n] = X[m,k] W[n,k]^T`` (fwd, dgrad or wgrad).
 
         ``measured_table=False`` gives the physical form alone, without the interpolated
-        residuals of the measured shapes (to check how much the form explains).
+        residuals of the measured shapes (to check how much the form explains). ``fp8``: the
+        GEMM runs on FP8 operands (Transformer Engine, torchao float8) at the FP8 rate.
         """
-        # The residual table records the H200's cuBLAS kernel choices shape by shape; it
-        # applies to Hopper (same SMs and tensor cores), not to other generations.
-        measured_table = measured_table and self.gpu.arch == "hopper"
-        key = (float(m), float(k), float(n), pass_, measured_table)
+        # The residual table records the H200's bf16 cuBLAS kernel choices shape by shape; it
+        # applies to Hopper (same SMs and tensor cores), not to other generations nor to FP8.
+        measured_table = measured_table and self.gpu.arch == "hopper" and not fp8
+        key = (float(m), float(k), float(n), pass_, measured_table, fp8)
         cache = self._cache
         if key not in cache:
-            cache[key] = self._gemm_time(float(m), float(k), float(n), pass_, measured_table)
+            cache[key] = self._gemm_time(float(m), float(k), float(n), pass_, measured_table,
+                                         self._fp8_speedup if fp8 else 1.0)
         return cache[key]
 
     @cached_property
-    def _cache(self) -> dict[tuple[float, float, float, str, bool], float]:
+    def _cache(self) -> dict[tuple[float, float, float, str, bool, bool], float]:
         return {}
 
-    def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass, table: bool) -> float:
+    def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass, table: bool,
+                   speedup: float = 1.0) -> float:
         g = _fit()["gemm"]
         rows, cols, red = gemm_dims(m, k, n, pass_)
         sms = self.gpu.sm_count
@@ -154,7 +170,7 @@ class ComputeModel:
         quant = (tiles / sms) / waves
         eff = 1 / (1 + (g["small_dim"] / min(rows, cols)) ** g["exponent"]
                    + (g["small_k"] / red) ** g["exponent"])
-        peak = g["peak_tflops"][pass_] * 1e12 * self._flops_scale
+        peak = g["peak_tflops"][pass_] * 1e12 * self._flops_scale * speedup
         t = g["fixed_us"] * 1e-6 + 2 * rows * cols * red / (peak * eff * quant)
         corr = _residual(self._gemm_table[pass_], np.log([rows, cols, red]),
                          g["residual_bandwidth"], g["residual_prior_weight"]) if table else 0.0

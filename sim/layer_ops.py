@@ -84,6 +84,8 @@ class Kernel:
     load balancing); 0 = the same sequence, causal."""
     activation_elements: float = 0.0
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
+    fp8: bool = False
+    """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
 
     @property
     def nbytes(self) -> float:
@@ -646,7 +648,7 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     if k.klass == "gemm":
         assert k.gemm is not None
         m_, kk, n, p = k.gemm
-        return cm.gemm_time(m_, kk, n, p)  # type: ignore[arg-type]
+        return cm.gemm_time(m_, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
     if k.klass == "attention":
         assert k.attn is not None
         bsz, heads, seq, hd, p = k.attn

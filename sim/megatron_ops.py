@@ -23,11 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from sim.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
 from sim.model import ModelSpec
 
 MASK = 1  # dropout masks are bytes
+FP8 = 1  # bytes per FP8 element (E4M3 / E5M2)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,12 @@ class MegatronLayout:
     """Recompute core attention in backward (Megatron's --recompute-granularity selective)."""
     cp: int = 1
     """Context parallelism: each rank holds seq/cp tokens of every sequence."""
+    fp8: Literal["delayed", "tensorwise"] | None = None
+    """FP8 linear layers (Transformer Engine, ``--fp8-format``) with this scaling recipe
+    (``--fp8-recipe``); None = 16-bit."""
+    weight_cast_share: float = 1.0
+    """Share of a weight's FP8 cast each micro-batch pays: Transformer Engine casts weights on
+    the first micro-batch of a step only (``is_first_microbatch``), 1 / micro-batches."""
 
 
 STYLE = Style("bf16")
@@ -108,24 +116,69 @@ def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Ten
 
 
 def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
-            bias: bool, bias_in_epilogue: bool = False) -> Tensor:
+            bias: bool, bias_in_epilogue: bool = False,
+            lay: MegatronLayout | None = None) -> Tensor:
     """A tensor-parallel linear on the local shard; weight gradient accumulated straight into
-    the fp32 main_grad by the wgrad GEMM (gradient_accumulation_fusion)."""
+    the fp32 main_grad by the wgrad GEMM (gradient_accumulation_fusion).
+
+    With FP8 (``lay.fp8``, Transformer Engine's ``Linear``/``LayerNormLinear`` under
+    ``fp8_autocast``, ``transformer_engine/pytorch/module/linear.py``): the input is cast to
+    E4M3 with its transpose (``cast_transpose``: Hopper's FP8 GEMMs take only the TN layout,
+    so the wgrad needs the transposed copy), which is what is saved for backward (1 byte per
+    element instead of 2); the weight is cast the same way once per step; backward casts the
+    output gradient to E5M2 with its transpose; the three GEMMs run on FP8 operands with
+    16-bit (fwd, dgrad) or fp32 main_grad (wgrad) outputs. The ``tensorwise`` recipe (current
+    scaling) first reduces each tensor's amax in its own pass; ``delayed`` scaling takes the
+    scale from the amax history and records the new amax inside the cast. Where TE fuses the
+    cast into the preceding norm or activation kernel we still count it as its own pass.
+    """
     b.block.params += n_in * n_out + (n_out if bias else 0)
-    w = b.t(f"{name}.w", n_in * n_out, BF16)
-    y = b.t(f"{name}.out", tokens * n_out, BF16)
+    fp8 = lay.fp8 if lay is not None else None
     fl = 2.0 * tokens * n_in * n_out
-    b.fwd(Kernel(f"{name}.fwd", "gemm", (x, w), (y,), fl, gemm=(tokens, n_in, n_out, "fwd")))
+    y = b.t(f"{name}.out", tokens * n_out, BF16)
+    gy = b.t(f"{name}.g_out", tokens * n_out, BF16)
+    gx = b.t(f"{name}.g_in", tokens * n_in, BF16)
+    gw = b.t(f"{name}.main_grad", n_in * n_out, FP32)
+    if fp8 is None:
+        w = b.t(f"{name}.w", n_in * n_out, BF16)
+        b.fwd(Kernel(f"{name}.fwd", "gemm", (x, w), (y,), fl,
+                     gemm=(tokens, n_in, n_out, "fwd")))
+        b.save(x)
+        ks = [Kernel(f"{name}.dgrad", "gemm", (gy, w), (gx,), fl,
+                     gemm=(tokens, n_in, n_out, "dgrad")),
+              Kernel(f"{name}.wgrad", "gemm", (gy, x), (gw,), fl,
+                     gemm=(tokens, n_in, n_out, "wgrad"))]
+    else:
+        assert lay is not None
+        share = lay.weight_cast_share
+        w16 = b.t(f"{name}.w_bf16_share", n_in * n_out * share, BF16)
+        w8s = b.t(f"{name}.w_fp8_share", 2 * n_in * n_out * share, FP8)
+        w8 = b.t(f"{name}.w_fp8", n_in * n_out, FP8)
+        if fp8 == "tensorwise":
+            b.fwd(Kernel(f"{name}.amax_w", "elementwise", (w16,), ()))
+        b.fwd(Kernel(f"{name}.cast_w", "elementwise", (w16,), (w8s,)))
+        x8 = b.t(f"{name}.in_fp8", tokens * n_in, FP8)
+        x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, FP8)
+        if fp8 == "tensorwise":
+            b.fwd(Kernel(f"{name}.amax_in", "elementwise", (x,), ()))
+        b.fwd(Kernel(f"{name}.cast_in", "elementwise", (x,), (x8, x8t)))
+        b.fwd(Kernel(f"{name}.fwd", "gemm", (x8, w8), (y,), fl,
+                     gemm=(tokens, n_in, n_out, "fwd"), fp8=True))
+        b.save(x8t)
+        g8 = b.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
+        g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8)
+        ks = []
+        if fp8 == "tensorwise":
+            ks.append(Kernel(f"{name}.amax_g", "elementwise", (gy,), ()))
+        ks += [Kernel(f"{name}.cast_g", "elementwise", (gy,), (g8, g8t)),
+               Kernel(f"{name}.dgrad", "gemm", (g8, w8), (gx,), fl,
+                      gemm=(tokens, n_in, n_out, "dgrad"), fp8=True),
+               Kernel(f"{name}.wgrad", "gemm", (g8t, x8t), (gw,), fl,
+                      gemm=(tokens, n_in, n_out, "wgrad"), fp8=True)]
     out = y
     if bias and not bias_in_epilogue:
         out = b.t(f"{name}.biased", tokens * n_out, BF16)
         b.fwd(Kernel(f"{name}.bias", "elementwise", (y,), (out,)))
-    b.save(x)
-    gy = b.t(f"{name}.g_out", tokens * n_out, BF16)
-    gx = b.t(f"{name}.g_in", tokens * n_in, BF16)
-    gw = b.t(f"{name}.main_grad", n_in * n_out, FP32)
-    ks = [Kernel(f"{name}.dgrad", "gemm", (gy, w), (gx,), fl, gemm=(tokens, n_in, n_out, "dgrad")),
-          Kernel(f"{name}.wgrad", "gemm", (gy, x), (gw,), fl, gemm=(tokens, n_in, n_out, "wgrad"))]
     if bias:
         gb = b.t(f"{name}.g_b", n_out, FP32)
         ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
@@ -170,10 +223,11 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     # With sequence parallelism the QKV input is kept sharded and gathered again in backward.
     yin = b.t("qkv_in", tokens * h, BF16)
     b.block.inputs.append(yin)
-    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias)
+    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay)
     if lay.sequence_parallel:
-        b.block.saved = [t_ for t_ in b.block.saved if t_ is not yin]
-        b.save(Tensor("attn_main.qkv_in_shard", local * h * BF16))
+        b.block.saved = [t_ for t_ in b.block.saved if t_.name != "attn_main.qkv.in_fp8_t"
+                         and t_ is not yin]
+        b.save(Tensor("attn_main.qkv_in_shard", local * h * (FP8 if lay.fp8 else BF16)))
     q = b.t("q", tokens * qd, BF16)
     k = b.t("k", tokens * kvd, BF16)
     v = b.t("v", tokens * kvd, BF16)
@@ -232,7 +286,7 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
                      gemm=(rows, m.head_dim, kv_len, "dgrad")),
               Kernel("qk_bmm.wgrad", "gemm", (gs, q), (gk,), fl,
                      gemm=(rows, m.head_dim, kv_len, "wgrad")))
-    out = _linear(b, ctx, tokens, qd, h, "proj", m.bias, bias_in_epilogue=True)
+    out = _linear(b, ctx, tokens, qd, h, "proj", m.bias, bias_in_epilogue=True, lay=lay)
     # The row-parallel output is reduced across the tensor-parallel group (the framework's
     # all-reduce or reduce-scatter) before the fused bias-dropout-add on `local` tokens.
     resid = b.t("resid", local * h, BF16)
@@ -258,10 +312,12 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
     yin = b.t("fc1_in", tokens * h, BF16)
     b.block.inputs.append(yin)
     width = 2 * f if m.mlp == "swiglu" else f
-    fc1 = _linear(b, yin, tokens, h, width, "fc1", m.bias, bias_in_epilogue=True)
+    fc1 = _linear(b, yin, tokens, h, width, "fc1", m.bias, bias_in_epilogue=True,
+                  lay=lay)
     if lay.sequence_parallel:
-        b.block.saved = [t_ for t_ in b.block.saved if t_ is not yin]
-        b.save(Tensor("mlp_main.fc1_in_shard", local * h * BF16))
+        b.block.saved = [t_ for t_ in b.block.saved if t_.name != "mlp_main.fc1.in_fp8_t"
+                         and t_ is not yin]
+        b.save(Tensor("mlp_main.fc1_in_shard", local * h * (FP8 if lay.fp8 else BF16)))
     act = b.t("act", tokens * f, BF16)
     # Jit-fused bias-GeLU (or bias-SwiGLU), a vectorised memory-bound kernel (not eager
     # PyTorch's slower SiLU); its input is saved for the backward.
@@ -270,7 +326,7 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
     ga = b.t("g_act", tokens * f, BF16)
     gi = b.t("g_fc1", tokens * width, BF16)
     b.bwd(Kernel("bias_act.bwd", "elementwise", (ga, fc1), (gi,)))
-    out = _linear(b, act, tokens, f, h, "fc2", m.bias, bias_in_epilogue=True)
+    out = _linear(b, act, tokens, f, h, "fc2", m.bias, bias_in_epilogue=True, lay=lay)
     resid = b.t("resid", local * h, BF16)
     y2 = _bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout)
     b.block.outputs.append(y2)

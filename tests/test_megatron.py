@@ -20,7 +20,7 @@ DEEP = {"layers": 32, "hidden": 4096, "heads": 32, "ffn_hidden": 16384, "vocab":
 
 def scenario(par: dict, gbs: int, mbs: int = 1, framework: dict | None = None,
              ac: str = "none", nvlink: float = 45000, nodes: int = 1, gpn: int = 8,
-             model: dict | None = None, seq: int = 2048):
+             model: dict | None = None, seq: int = 2048, precision: str = "bf16"):
     return scenario_from_dict({
         "model": model or DEEP,
         "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpn,
@@ -29,7 +29,7 @@ def scenario(par: dict, gbs: int, mbs: int = 1, framework: dict | None = None,
         "framework": framework or {"name": "megatron"},
         "parallelism": par,
         "training": {"seq_len": seq, "micro_batch_size": mbs, "global_batch_size": gbs,
-                     "activation_checkpointing": ac}})
+                     "activation_checkpointing": ac, "precision": precision}})
 
 
 def test_1f1b_order_matches_megatron() -> None:
@@ -136,3 +136,52 @@ def test_overlapped_gradient_buckets_hide_communication() -> None:
                              **kw)).summary
     assert over["exposed_comm_s"] < plain["exposed_comm_s"]
     assert over["step_time_s"] < plain["step_time_s"]
+
+
+# --------------------------------------------------------------------------- FP8
+def test_fp8_linears_save_their_inputs_in_one_byte_and_run_fp8_gemms() -> None:
+    # Transformer Engine saves each linear's input as its E4M3 transpose: the qkv, fc1 and fc2
+    # inputs (2h + ffn per token) drop from 2 bytes to 1; the proj input is attention's output,
+    # which attention keeps in 16 bits for its own backward anyway, so proj adds its 1-byte
+    # copy (q_dim per token). Everything else is unchanged.
+    m = ModelSpec.from_ref(ModelDims(**DEEP), 2048)
+    tokens = 2048
+    plain = megatron_blocks(m, MegatronLayout(), 1, tokens)
+    fp8 = megatron_blocks(m, MegatronLayout(fp8="delayed"), 1, tokens)
+    saved = {k: sum(t.nbytes for t in b.saved) for k, b in plain.items()}
+    saved8 = {k: sum(t.nbytes for t in b.saved) for k, b in fp8.items()}
+    halved = tokens * (2 * m.hidden + m.ffn_hidden)   # elements, 2 -> 1 byte
+    added = tokens * m.q_dim                          # elements, +1 byte
+    assert (saved["attn_main"] + saved["mlp_main"]) - (saved8["attn_main"] + saved8["mlp_main"]) \
+        == pytest.approx(halved - added)
+    gemms = [k for b in fp8.values() for k in b.forward + b.backward if k.klass == "gemm"]
+    assert sum(k.fp8 for k in gemms) == 12          # 4 linears x (fwd, dgrad, wgrad)
+    assert not any(k.fp8 for k in plain["head"].forward)
+
+
+def test_fp8_step_is_faster_but_not_twice_and_tensorwise_pays_its_amax_passes() -> None:
+    # The GEMMs run twice as fast; attention, norms, casts and communication do not, so the
+    # step gains less than 2x. Current scaling (tensorwise) reads each tensor once more.
+    fw = {"name": "megatron"}
+    par = {"tp": 2, "pp": 1, "dp": 4, "sequence_parallel": True}
+
+    def run(precision: str, recipe: str = "delayed") -> dict:
+        s = scenario(par, gbs=8, framework={**fw, "fp8_recipe": recipe}, precision=precision)
+        return simulate(s).summary
+
+    bf16, delayed, tensorwise = run("bf16"), run("fp8"), run("fp8", "tensorwise")
+    assert bf16["step_time_s"] / 2 < delayed["step_time_s"] < bf16["step_time_s"]
+    assert delayed["step_time_s"] < tensorwise["step_time_s"]
+    # FP8 weight copies (2 B per linear parameter) stay resident; MFU is against the FP8 peak
+    assert delayed["peak_memory_breakdown_gib"].get("buffers", 0) > 0
+    assert delayed["mfu"] < delayed["model_tflops_per_gpu"] * 1e12 / 989.4e12
+
+
+def test_fp8_needs_transformer_engine_layers() -> None:
+    from sim.scenario import ScenarioError
+
+    s = scenario({"tp": 1, "pp": 1}, gbs=8, framework={"name": "megatron",
+                                                       "implementation": "local"},
+                 precision="fp8")
+    with pytest.raises(ScenarioError, match="framework.implementation"):
+        build_program(JobContext.from_scenario(s))

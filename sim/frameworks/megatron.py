@@ -118,8 +118,12 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     dp = ctx.dp
     sp = par.sequence_parallel and t > 1
     precision = s.training.precision
-    ctx.require(precision in ("bf16", "fp16"), "training.precision",
-                "megatron is modelled with 16-bit parameters (bf16 or fp16)")
+    ctx.require(precision in ("bf16", "fp16", "fp8"), "training.precision",
+                "megatron is modelled with 16-bit parameters (bf16 or fp16) or FP8 layers")
+    ctx.require(precision != "fp8" or opts.implementation == "transformer_engine",
+                "framework.implementation",
+                "FP8 training needs Transformer Engine layers (implementation: "
+                "transformer_engine)")
     ctx.require(m.heads % t == 0, "parallelism.tp",
                 f"{m.heads} attention heads do not split over tp={t}")
     ctx.require(m.kv_heads % t == 0 or t % m.kv_heads == 0, "parallelism.tp",
@@ -137,7 +141,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 f"of pp={p}")
     ac = s.training.activation_checkpointing
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
-                         dropout=opts.dropout, selective_recompute=(ac == "selective"), cp=cp)
+                         dropout=opts.dropout, selective_recompute=(ac == "selective"), cp=cp,
+                         fp8=opts.fp8_recipe if precision == "fp8" else None,
+                         weight_cast_share=1.0 / ctx.micro_batches)
     cm = ctx.compute
     mbs, seq = ctx.micro_batch, ctx.seq
     blocks = megatron_blocks(m, lay, mbs, seq)
@@ -147,7 +153,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     h = m.hidden
     act = 2  # 16-bit activations
     grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
-        else precision == "bf16"
+        else precision in ("bf16", "fp8")
     grad_bytes = 4 if grad_fp32 else 2
 
     def rank(ti: int, ci: int, di: int, pi: int) -> int:
@@ -190,10 +196,16 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
 
     opt_bytes = 12 if grad_fp32 else 16   # fp32 master + Adam moments (+ fp32 grads for fp16)
     shard = dp * cp if opts.distributed_optimizer else 1
+    # FP8: Transformer Engine keeps each linear weight's E4M3 copy and its transpose between
+    # micro-batches (cast once per step): 2 bytes per linear parameter of the stage.
+    linear_params = cost["attn_main"].params + cost["mlp_main"].params
+    fp8_weights = 2 * layers_per_chunk * vp * linear_params if lay.fp8 else 0
     for st, cls in enumerate(classes):
         n = stage_params(st)
         cls.initial_memory = {"parameters": act * n, "gradients": grad_bytes * n,
                               "optimizer": opt_bytes * n / shard}
+        if fp8_weights:
+            cls.initial_memory["buffers"] = float(fp8_weights)
 
     # ------------------------------------------------------------------ op makers
     program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
