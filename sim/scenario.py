@@ -264,6 +264,9 @@ class MegatronOptions(_Strict):
     """Gradient bucket in parameters; default max(40M, 1M x dp) with overlap, else one."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved."""
+    fp8_recipe: Literal["delayed", "tensorwise"] = "delayed"
+    """With training.precision fp8: Transformer Engine's scaling (--fp8-recipe): delayed
+    (amax history) or tensorwise (current scaling, NeMo's FP8-CS)."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,
