@@ -267,6 +267,10 @@ class MegatronOptions(_Strict):
     fp8_recipe: Literal["delayed", "tensorwise"] = "delayed"
     """With training.precision fp8: Transformer Engine's scaling (--fp8-recipe): delayed
     (amax history) or tensorwise (current scaling, NeMo's FP8-CS)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """The embedding counts as one layer when layers are split over pipeline chunks."""
+    account_for_loss_in_pipeline_split: bool = False
+    """The loss and output layer count as one layer when layers are split over chunks."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,

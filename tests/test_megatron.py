@@ -185,3 +185,23 @@ def test_fp8_needs_transformer_engine_layers() -> None:
                  precision="fp8")
     with pytest.raises(ScenarioError, match="framework.implementation"):
         build_program(JobContext.from_scenario(s))
+
+
+def test_embedding_and_loss_count_as_layers_in_the_pipeline_split() -> None:
+    # 30 layers + embedding + loss = 32 = 4 stages x 8: stage 0 holds 7 transformer layers
+    # and the embedding, stage 3 seven and the output layer, the middle stages 8 each.
+    fw = {"name": "megatron", "account_for_embedding_in_pipeline_split": True,
+          "account_for_loss_in_pipeline_split": True}
+    s = scenario({"tp": 1, "pp": 4, "dp": 1}, gbs=4, gpn=4, framework=fw,
+                 model={**DEEP, "layers": 30})
+    r = simulate(s)
+    fwd_layers = {c.id: {x.op.layer for x in r.recorder.ops if x.cls == c.id
+                         and x.op.phase == "fwd" and x.op.layer is not None}
+                  for c in r.program.classes}
+    assert [len(fwd_layers[st]) for st in range(4)] == [7, 8, 8, 7]
+    assert sorted(set().union(*fwd_layers.values())) == list(range(30))
+    # without the options 30 layers do not split over 4 stages: refused, naming the key
+    from sim.scenario import ScenarioError
+    with pytest.raises(ScenarioError, match="parallelism.pp"):
+        build_program(JobContext.from_scenario(
+            scenario({"tp": 1, "pp": 4, "dp": 1}, gbs=4, gpn=4, model={**DEEP, "layers": 30})))

@@ -107,6 +107,41 @@ def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[tuple[str, int,
     return order
 
 
+def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
+                 loss_counts: bool = False) -> list[list[int]]:
+    """Transformer layers of each virtual pipeline chunk ``v`` (stage ``v % p``, model chunk
+    ``v // p``), in Megatron-Core's order (``get_transformer_layer_offset``).
+
+    With ``account_for_embedding_in_pipeline_split`` / ``..._loss_...`` the embedding (loss
+    and output layer) counts as one layer: ``layers + 1 (+1)`` are split evenly and the first
+    (last) chunk takes one transformer layer fewer. Llama 3.1 405B's 126 layers split over
+    8 x 8 chunks this way (NeMo's recipe).
+
+    Examples
+    --------
+    >>> chunk_layers(8, 4, 1)
+    [[0, 1], [2, 3], [4, 5], [6, 7]]
+    >>> sizes = [len(c) for c in chunk_layers(126, 8, 8, True, True)]
+    >>> sizes[:3], sizes[-2:], len(sizes)
+    ([1, 2, 2], [2, 1], 64)
+    """
+    n = p * vp
+    effective = layers + int(embedding_counts) + int(loss_counts)
+    if effective % n:
+        raise ValueError(f"{layers} layers do not split into pp x vp = {n} equal chunks")
+    per = effective // n
+    sizes = [per] * n
+    if embedding_counts:
+        sizes[0] -= 1
+    if loss_counts:
+        sizes[-1] -= 1
+    out, start = [], 0
+    for k in sizes:
+        out.append(list(range(start, start + k)))
+        start += k
+    return out
+
+
 @register("megatron")
 def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, read top down
     s = ctx.scenario
@@ -130,8 +165,12 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 f"{m.kv_heads} key/value heads do not split over tp={t}")
     ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
-    ctx.require(m.layers % (p * vp) == 0, "parallelism.pp",
-                f"{m.layers} layers do not split into pp x vp = {p * vp} equal chunks")
+    extra = int(opts.account_for_embedding_in_pipeline_split) + \
+        int(opts.account_for_loss_in_pipeline_split)
+    ctx.require((m.layers + extra) % (p * vp) == 0 and (m.layers + extra) // (p * vp) > 1
+                or extra == 0 and m.layers % (p * vp) == 0, "parallelism.pp",
+                f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do not "
+                f"split into pp x vp = {p * vp} equal chunks")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
     ctx.require(ctx.seq % cp == 0, "parallelism.cp",
                 f"seq_len {ctx.seq} does not split over cp={cp}")
@@ -179,7 +218,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                      for ti in range(t))
 
     # ------------------------------------------------------------------ per-stage sizes
-    layers_per_chunk = m.layers // (p * vp)
+    chunks = chunk_layers(m.layers, p, vp, opts.account_for_embedding_in_pipeline_split,
+                          opts.account_for_loss_in_pipeline_split)
+    stage_layer_count = [sum(len(chunks[v]) for v in range(st, p * vp, p)) for st in range(p)]
     layer_params = cost["attn_pre"].params + cost["attn_main"].params + \
         cost["mlp_pre"].params + cost["mlp_main"].params
     vocab_local = padded_vocab(m, t) // t
@@ -187,7 +228,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     head_params = m.norm_params + vocab_local * h   # output layer (a tied copy if tied)
 
     def stage_params(st: int) -> int:
-        n = layers_per_chunk * vp * layer_params
+        n = stage_layer_count[st] * layer_params
         if st == 0:
             n += emb_params
         if st == p - 1:
@@ -199,13 +240,12 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     # FP8: Transformer Engine keeps each linear weight's E4M3 copy and its transpose between
     # micro-batches (cast once per step): 2 bytes per linear parameter of the stage.
     linear_params = cost["attn_main"].params + cost["mlp_main"].params
-    fp8_weights = 2 * layers_per_chunk * vp * linear_params if lay.fp8 else 0
     for st, cls in enumerate(classes):
         n = stage_params(st)
         cls.initial_memory = {"parameters": act * n, "gradients": grad_bytes * n,
                               "optimizer": opt_bytes * n / shard}
-        if fp8_weights:
-            cls.initial_memory["buffers"] = float(fp8_weights)
+        if lay.fp8:
+            cls.initial_memory["buffers"] = float(2 * stage_layer_count[st] * linear_params)
 
     # ------------------------------------------------------------------ op makers
     program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
@@ -379,9 +419,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     def build_unit(kind: str, v: int, mb: int) -> _Unit:
         st = v % p
         unit = _Unit()
-        first_layer = (v // p) * p * layers_per_chunk + st * layers_per_chunk \
-            if vp > 1 else st * layers_per_chunk
-        layers = list(range(first_layer, first_layer + layers_per_chunk))
+        layers = chunks[v]
         receives = (v > 0) if kind == "F" else (v < n_virtual - 1)
         if receives and p2p_split > 1:
             # The received 1/tp slices are all-gathered in the tensor-parallel group
@@ -532,7 +570,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         local = n / shard
         # Optimizer: grad unscale/norm (read 4 B), Adam over the fp32 shard (28 B), copy the
         # updated shard into 16-bit parameters (6 B), zero the gradient buffers.
-        dur = (cm.adamw_time(local, True, 8 * layers_per_chunk * vp + 4)
+        dur = (cm.adamw_time(local, True, 8 * stage_layer_count[st] + 4)
                + cm.membound_time(4 * local) + cm.membound_time(6 * local)
                + cm.membound_time(grad_bytes * n))
         opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
