@@ -20,7 +20,7 @@ from typing import Any
 from sim import catalog
 from sim.claims import judge
 from sim.collectives.runner import NcclSettings
-from sim.cost import cost_summary
+from sim.cost import cost_summary, resolve_pricing
 from sim.engine import Engine
 from sim.frameworks import JobContext, build_program
 from sim.host import HostSpec
@@ -90,7 +90,8 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     it costs memory on large fabrics). ``progress(done, total)`` is called as ops finish,
     counted over all steps (``total`` = ops per step x steps)."""
     wall0 = time.perf_counter()
-    # build
+    # build (prices first: a bad pricing.instance is refused before anything runs)
+    resolve_pricing(scenario, origin=origin)
     ctx = JobContext.from_scenario(scenario, origin)
     program = build_program(ctx)
     fabric = build_fabric(fabric_spec(scenario))

@@ -40,10 +40,13 @@ def run(
     out: Annotated[Path | None, typer.Option(
         "--out", help="Also write summary, events, trace and plots to this folder.")] = None,
     steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps to simulate.")] = 1,
+    window: Annotated[str | None, typer.Option(
+        "--window", help="With --out: zoom the plots to START:END seconds.")] = None,
 ) -> None:
     """Simulate a training step and print its summary."""
     from sim.api import simulate
 
+    zoom = _parse_window(window) if window is not None else None
     try:
         sc = load_scenario(scenario, set_ or [])
         result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
@@ -53,7 +56,7 @@ def run(
         _bad_input(str(exc))
         return
     if out is not None:
-        _write_outputs(out, result)
+        _write_outputs(out, result, zoom)
     if as_json:
         print(json.dumps(result.summary, indent=2))
     else:
@@ -139,6 +142,78 @@ def validate(
     con.print(s)
 
 
+@app.command()
+def compare(
+    scenarios: Annotated[list[str], typer.Argument(
+        help="One scenario with --what-if, or two or more scenarios (files or shipped names).")],
+    what_if: Annotated[str | None, typer.Option(
+        "--what-if", help="KEY=V1,V2[,...]: one variant of the scenario per value.")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key in every variant: KEY.PATH=VALUE (repeatable).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Also write compare.json and compare.png to this folder.")] = None,
+) -> None:
+    """Variants side by side (--what-if values, or scenario files), with deltas against the
+    first."""
+    from sim import compare as cmp
+
+    try:
+        if what_if is not None:
+            if len(scenarios) != 1:
+                _bad_input("compare --what-if: give exactly one scenario")
+            variants = cmp.what_if_variants(scenarios[0], what_if, set_ or [])
+        else:
+            if len(scenarios) < 2:
+                _bad_input("compare: give --what-if KEY=V1,V2[,...] or two or more scenarios")
+            variants = cmp.file_variants(scenarios, set_ or [])
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if as_json or not err.is_terminal:
+        # Quiet with --json, and when stderr is not a terminal (a bar there is only noise).
+        cmp.simulate_variants(variants)
+    else:
+        from rich.progress import Progress
+
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("comparing", total=len(variants))
+
+            def report(done: int, total: int, label: str) -> None:
+                bar.update(task, completed=done, description=label or "done")
+
+            cmp.simulate_variants(variants, report)
+    if all(v.summary is None for v in variants):
+        # Nothing ran: the first failure is what the user has to fix.
+        first = variants[0].error or "every variant failed"
+        if first.startswith("internal error"):
+            print(f"fabricsim: {first}", file=sys.stderr)
+            raise typer.Exit(1)
+        _bad_input(first)
+    result = cmp.compare_result(variants)
+    if out is not None:
+        cmp.write_outputs(out, result)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    con = Console()
+    con.print(cmp.comparison_table(result))
+    for line in cmp.failures(result):
+        con.print(f"[red]failed[/red] {line}")
+
+
+def _parse_window(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in text.split(":"))
+    except ValueError:
+        _bad_input(f"--window: {text!r} is not START:END in seconds")
+        raise AssertionError from None  # _bad_input exits
+    if not 0 <= a < b:
+        _bad_input(f"--window: {text!r} needs 0 <= START < END")
+    return a, b
+
+
 def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
     """Run ``fn(callback)`` under a transient progress bar on stderr (ops simulated of all
     steps, rate, time left); none with ``--json`` or when stderr is not a terminal."""
@@ -160,7 +235,8 @@ def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
         return fn(lambda done, total: bar.update(task, completed=done, total=total))
 
 
-def _write_outputs(out: Path, result: Any) -> None:
+def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None
+                   ) -> None:
     """Write every output into a temporary folder first, then move it in place, so a failed
     run leaves nothing half-written."""
     from sim import export, plot
@@ -176,10 +252,19 @@ def _write_outputs(out: Path, result: Any) -> None:
         export.write_timeseries_csv(tmp / "timeseries.csv", rec)
         export.write_trace(tmp / "trace.json", rec, labels)
         export.write_memory_csv(tmp / "memory.csv", rec, labels)
-        plot.memory_over_time(tmp / "memory.png", rec, result.summary["scenario"], labels,
-                              result.summary["gpu_memory_gib"])
-        plot.timeline(tmp / "timeline.png", rec, result.summary["scenario"])
-        plot.bytes_over_time(tmp / "bytes.png", rec, result.summary["scenario"])
+        title = result.summary["scenario"]
+        stages = int(str(result.program.meta.get("pipeline_stages", 1)))
+        pricing = result.scenario.pricing
+        plot.timeline(tmp / "timeline.png", rec, title, labels, pipeline_stages=stages,
+                      window=window)
+        plot.bytes_over_time(tmp / "bytes.png", rec, title,
+                             egress_usd_per_gb=result.summary["cost"].get(
+                                 "egress_usd_per_gb", pricing.egress_usd_per_gb),
+                             region_egress_usd_per_gb=pricing.region_egress_usd_per_gb,
+                             window=window)
+        plot.memory_over_time(tmp / "memory.png", rec, title, labels,
+                              result.summary["gpu_memory_gib"], window=window)
+        plot.links(tmp / "links.png", rec, result.fabric, title, window=window)
         out.mkdir(exist_ok=True)
         for f in tmp.iterdir():
             os.replace(f, out / f.name)
@@ -216,10 +301,15 @@ def _print_summary(s: dict[str, Any]) -> None:
     for k, v in s["bytes"].items():
         rows.append((f"bytes · {k}", _fmt_bytes(v)))
     c = s["cost"]
+    priced = f", {c['instance']}" if c.get("instance") else ""
     rows += [
-        ("cost / hour", f"${c['usd_per_hour']:,.2f}"),
+        ("cost / hour", f"${c['usd_per_hour']:,.2f}  ({s['gpus']} GPU(s) x "
+                        f"${c['gpu_hour_usd']:,.3f}/GPU-h{priced})"),
         ("cost / step", f"${c['usd_per_step']:,.4f}  (egress ${c['egress_usd_per_step']:,.4f})"),
         ("cost / M tokens", f"${c['usd_per_million_tokens']:,.4f}"),
+        ("cost / day", f"${c['usd_per_day']:,.2f}  (egress ${c['egress_usd_per_day']:,.2f})"),
+        ("egress / day", f"{c['egress_gb_per_day']:,.1f} GB at "
+                         f"${c['egress_usd_per_gb']:,.4f}/GB crossing a zone"),
     ]
     if c["run_usd"] is not None:
         rows.append(("whole run", f"{c['run_hours']:,.0f} h, ${c['run_usd']:,.0f}"))

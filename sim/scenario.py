@@ -336,7 +336,8 @@ class Training(_Strict):
 
 
 class Pricing(_Strict):
-    """Prices; omitted fields come from the GPU catalogue's reference price."""
+    """Prices; omitted fields come from the named instance or cloud, else the GPU catalogue's
+    reference price and the defaults below."""
 
     gpu_hour_usd: float | None = Field(default=None, ge=0)
     """On-demand price per GPU-hour."""
@@ -344,6 +345,10 @@ class Pricing(_Strict):
     """Price per GB crossing an availability-zone boundary (each direction billed)."""
     region_egress_usd_per_gb: float = Field(default=0.02, ge=0)
     """Price per GB crossing a region boundary."""
+    instance: str | None = None
+    """A catalogue instance (aws-p5.48xlarge): its GPU-hour and cloud's transfer prices apply."""
+    cloud: Literal["aws", "gcp", "azure"] | None = None
+    """Whose transfer prices apply when no instance is named (an instance implies its cloud)."""
 
 
 class Claims(_Strict):

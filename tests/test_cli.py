@@ -66,6 +66,9 @@ COMMANDS: dict[str, list[str]] = {
     "steps-0": ["run", TINY, "--steps", "0"],
     # parent folders of --out do not exist yet
     "out": ["run", "tiny-fsdp2.yaml", "--json", "--out", "results/tiny"],
+    "out-window": ["run", "tiny-fsdp2.yaml", "--json", "--out", "zoomed", "--window",
+                   "0.001:0.002"],
+    "bad-window": ["run", "tiny-fsdp2.yaml", "--out", "never", "--window", "2:1"],
     **{f"bad-{i}": args for i, (args, _) in enumerate(BAD_INPUT)},
 }
 
@@ -214,9 +217,9 @@ def out_run(results, workdir) -> tuple[dict, Path]:
 def test_out_writes_every_file(out_run):
     _, out = out_run
     names = {"summary.json", "events.csv", "timeseries.csv", "trace.json", "timeline.png",
-             "bytes.png", "memory.csv", "memory.png"}
+             "bytes.png", "memory.csv", "memory.png", "links.png"}
     assert names <= {p.name for p in out.iterdir()}
-    for png in ("timeline.png", "bytes.png", "memory.png"):
+    for png in ("timeline.png", "bytes.png", "memory.png", "links.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"   # PNG signature
     # Nothing half-written is left beside the folder.
     assert [p.name for p in out.parent.iterdir()] == ["tiny"]
@@ -236,6 +239,14 @@ def test_memory_csv_peaks_match_the_summary(out_run):
         # so the summary's peak is at least the largest row.
         assert by_class[cls] * 2**30 >= peak * (1 - 1e-9)
     assert max(by_class.values()) == pytest.approx(printed["peak_memory_gib"])
+
+
+def test_window_zooms_the_plots_and_a_reversed_window_is_bad_input(results, workdir):
+    ok_json(results, "out-window")
+    assert (workdir / "zoomed" / "timeline.png").is_file()
+    bad = results["bad-window"]
+    assert bad.returncode == 2 and "--window" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (workdir / "never").exists()
 
 
 def test_out_summary_matches_stdout(out_run):

@@ -99,3 +99,96 @@ def calibration(name: str) -> dict[str, Any]:
         data = json.load(fh)
     assert isinstance(data, dict)
     return data
+
+
+# --------------------------------------------------------------------------- pricing
+@dataclass(frozen=True)
+class InstancePrice:
+    """One priced cloud instance from ``pricing.yaml``: on-demand price of the whole machine."""
+
+    key: str
+    cloud: str
+    instance_type: str
+    region: str
+    gpu: str
+    gpus: int
+    usd_per_hour: float
+    source: str
+    source_date: str
+    read_on: str
+
+    @property
+    def usd_per_gpu_hour(self) -> float:
+        """The instance's hourly price shared over its GPUs (what one GPU-hour costs)."""
+        return self.usd_per_hour / self.gpus
+
+
+@dataclass(frozen=True)
+class TransferPrice:
+    """A cloud's price for data crossing one kind of boundary (zone, region)."""
+
+    usd: float
+    unit: str
+    sides_billed: int
+    source: str
+    source_date: str
+    read_on: str
+
+    @property
+    def usd_per_gb_crossed(self) -> float:
+        """Dollars for one GB (1e9 bytes) crossing the boundary, both ends' charges included.
+
+        Examples
+        --------
+        >>> round(cloud_prices("aws").cross_zone.usd_per_gb_crossed, 6)   # $0.01 out + $0.01 in
+        0.02
+        >>> round(cloud_prices("gcp").cross_zone.usd_per_gb_crossed, 6)   # $0.01 per GiB, sender
+        0.009313
+        """
+        unit_bytes = {"GB": 1e9, "GiB": float(2**30)}[self.unit]
+        return self.usd * self.sides_billed * 1e9 / unit_bytes
+
+
+@dataclass(frozen=True)
+class CloudPrices:
+    """A cloud's transfer prices from ``pricing.yaml``; None where none could be sourced."""
+
+    key: str
+    name: str
+    same_zone: TransferPrice | None
+    cross_zone: TransferPrice | None
+    cross_region: TransferPrice | None
+
+
+def instance_price(key: str) -> InstancePrice:
+    """The catalogue entry of a priced instance (KeyError if unknown).
+
+    Examples
+    --------
+    >>> p = instance_price("aws-p5.48xlarge")
+    >>> p.gpu, p.gpus, round(p.usd_per_gpu_hour, 2)
+    ('h100-sxm', 8, 6.88)
+    """
+    entry = dict(_load("pricing.yaml")["instances"][key])
+    return InstancePrice(key=key, **entry)
+
+
+def instance_names() -> list[str]:
+    return sorted(_load("pricing.yaml")["instances"])
+
+
+def cloud_prices(key: str) -> CloudPrices:
+    """A cloud's transfer prices (KeyError if unknown)."""
+    entry = _load("pricing.yaml")["clouds"][key]
+    transfer = entry.get("transfer", {})
+
+    def price(kind: str) -> TransferPrice | None:
+        raw = transfer.get(kind)
+        return None if raw is None else TransferPrice(**raw)
+
+    return CloudPrices(key=key, name=entry["name"], same_zone=price("same_zone"),
+                       cross_zone=price("cross_zone"), cross_region=price("cross_region"))
+
+
+def cloud_names() -> list[str]:
+    return sorted(_load("pricing.yaml")["clouds"])
