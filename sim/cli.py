@@ -42,11 +42,18 @@ def run(
     steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps to simulate.")] = 1,
     window: Annotated[str | None, typer.Option(
         "--window", help="With --out: zoom the plots to START:END seconds.")] = None,
+    hta: Annotated[bool, typer.Option(
+        "--hta", help="With --out: also write OUT/hta/rank<N>.json, one trace per rank class "
+        "in the layout Holistic Trace Analysis reads.")] = False,
+    hta_all_ranks: Annotated[bool, typer.Option(
+        "--hta-all-ranks", help="With --out: one HTA trace per rank (implies --hta).")] = False,
 ) -> None:
     """Simulate a training step and print its summary."""
     from sim.api import simulate
 
     zoom = _parse_window(window) if window is not None else None
+    if (hta or hta_all_ranks or window is not None) and out is None:
+        _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
     try:
         sc = load_scenario(scenario, set_ or [])
         result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
@@ -56,7 +63,8 @@ def run(
         _bad_input(str(exc))
         return
     if out is not None:
-        _write_outputs(out, result, zoom)
+        _write_outputs(out, result, zoom, "all" if hta_all_ranks else "classes" if hta
+                       else None)
     if as_json:
         print(json.dumps(result.summary, indent=2))
     else:
@@ -235,8 +243,8 @@ def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
         return fn(lambda done, total: bar.update(task, completed=done, total=total))
 
 
-def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None
-                   ) -> None:
+def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None,
+                   hta: str | None = None) -> None:
     """Write every output into a temporary folder first, then move it in place, so a failed
     run leaves nothing half-written."""
     from sim import export, plot
@@ -250,7 +258,17 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
         export.write_summary(tmp / "summary.json", result.summary)
         export.write_events_csv(tmp / "events.csv", rec)
         export.write_timeseries_csv(tmp / "timeseries.csv", rec)
-        export.write_trace(tmp / "trace.json", rec, labels)
+        export.write_trace(tmp / "trace.json", rec, labels, program=result.program,
+                           scenario=result.summary["scenario"])
+        if hta is not None:
+            sc = result.scenario
+            reduce32 = getattr(sc.framework, "reduce_dtype", None) == "fp32" or \
+                getattr(sc.framework, "grad_reduce_in_fp32", None) is True
+            export.write_hta_traces(
+                tmp / "hta", rec, result.program, gpus_per_node=sc.cluster.gpus_per_node,
+                gpu=result.context.gpu,
+                dtype="f32" if reduce32 else export.NCCL_TYPES[sc.training.precision],
+                all_ranks=hta == "all", scenario=result.summary["scenario"])
         export.write_memory_csv(tmp / "memory.csv", rec, labels)
         title = result.summary["scenario"]
         stages = int(str(result.program.meta.get("pipeline_stages", 1)))
@@ -267,6 +285,8 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
         plot.links(tmp / "links.png", rec, result.fabric, title, window=window)
         out.mkdir(exist_ok=True)
         for f in tmp.iterdir():
+            if f.is_dir() and (out / f.name).is_dir():
+                shutil.rmtree(out / f.name)   # a folder of an earlier run (hta/)
             os.replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

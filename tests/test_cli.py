@@ -69,6 +69,8 @@ COMMANDS: dict[str, list[str]] = {
     "out-window": ["run", "tiny-fsdp2.yaml", "--json", "--out", "zoomed", "--window",
                    "0.001:0.002"],
     "bad-window": ["run", "tiny-fsdp2.yaml", "--out", "never", "--window", "2:1"],
+    "hta": ["run", "tiny-fsdp2.yaml", "--json", "--out", "hta-run", "--hta-all-ranks"],
+    "hta-without-out": ["run", "tiny-fsdp2.yaml", "--hta"],
     **{f"bad-{i}": args for i, (args, _) in enumerate(BAD_INPUT)},
 }
 
@@ -247,6 +249,16 @@ def test_window_zooms_the_plots_and_a_reversed_window_is_bad_input(results, work
     bad = results["bad-window"]
     assert bad.returncode == 2 and "--window" in bad.stderr and "Traceback" not in bad.stderr
     assert not (workdir / "never").exists()
+
+
+def test_hta_writes_one_trace_per_rank_with_its_rank(results, workdir):
+    summary = ok_json(results, "hta")
+    files = sorted((workdir / "hta-run" / "hta").glob("rank*.json"))
+    assert len(files) == summary["gpus"]
+    ranks = sorted(json.loads(f.read_text())["distributedInfo"]["rank"] for f in files)
+    assert ranks == list(range(summary["gpus"]))
+    bad = results["hta-without-out"]
+    assert bad.returncode == 2 and "--out" in bad.stderr and bad.stdout == ""
 
 
 def test_out_summary_matches_stdout(out_run):
