@@ -10,11 +10,13 @@ from collections.abc import Callable
 from typing import Any
 
 from sim.validation.nccl import nccl_cases
+from sim.validation.published import published_cases
 from sim.validation.vtrain import vtrain_cases
 
 Case = dict[str, Any]
 SUITES: dict[str, Callable[[], list[Case]]] = {
     "nccl": nccl_cases,
+    "published": published_cases,
     "vtrain-single": lambda: vtrain_cases("single"),
     "vtrain-multi": lambda: vtrain_cases("multi"),
 }
