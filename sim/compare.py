@@ -204,7 +204,8 @@ def metric_value(summary: dict[str, Any], path: str) -> float | None:
 
 def delta(value: float, base: float) -> dict[str, float | None]:
     """``{"abs": value - base, "rel": (value - base) / base}``; rel is 0 when both are 0 and
-    None when only the base is 0.
+    None when only the base is 0. A difference within 1e-12 of the values is float rounding
+    of sums taken in another order (bytes added flow by flow), and reads 0.
 
     Examples
     --------
@@ -212,8 +213,12 @@ def delta(value: float, base: float) -> dict[str, float | None]:
     {'abs': 1.0, 'rel': 0.5}
     >>> delta(0.0, 0.0), delta(1.0, 0.0)
     ({'abs': 0.0, 'rel': 0.0}, {'abs': 1.0, 'rel': None})
+    >>> delta(70.85e12 + 2, 70.85e12)
+    {'abs': 0.0, 'rel': 0.0}
     """
     diff = value - base
+    if abs(diff) <= 1e-12 * max(abs(value), abs(base)):
+        diff = 0.0
     if base != 0:
         rel: float | None = diff / base
     else:
