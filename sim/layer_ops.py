@@ -102,6 +102,9 @@ class Style:
 
     name: Literal["autocast", "bf16"]
     compile: bool = False
+    float8: bool = False
+    """torchao's Float8Linear (dynamic tensorwise scaling) on the transformer blocks' linears,
+    as torchtitan's ``float8`` model converter applies it (all but the output layer)."""
 
     @property
     def autocast(self) -> bool:
@@ -186,13 +189,17 @@ class _Builder:
         return Kernel(name, "elementwise", (a, b), (y,)), y
 
     def linear(self, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
-               bias: bool = False) -> Tensor:
+               bias: bool = False, float8: bool = True) -> Tensor:
         """``y = x W^T (+ b)``; under autocast x and W are cast to bf16 first.
 
         Returns the bf16 output. The backward kernels it registers expect a bf16 output
-        gradient and leave the input gradient in x's dtype.
+        gradient and leave the input gradient in x's dtype. With the style's ``float8`` (and
+        ``float8`` here: torchtitan leaves the output layer in bf16), see
+        :meth:`float8_linear`.
         """
         st = self.style
+        if st.float8 and float8 and not st.autocast:
+            return self.float8_linear(x, tokens, n_in, n_out, name, bias)
         self.block.params += n_in * n_out + (n_out if bias else 0)
         x_fp32 = x.nbytes == tokens * n_in * FP32
         xb = self.cast(x, tokens * n_in, BF16, f"{name}.in_bf16") if st.autocast and x_fp32 else x
@@ -231,6 +238,55 @@ class _Builder:
             k, _ = self.grad_cast(gxb, tokens * n_in, FP32, f"{name}.g_in_fp32")
             ks.append(k)
         self.bwd(*ks)
+        return y
+
+    def float8_linear(self, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
+                      bias: bool = False) -> Tensor:
+        """torchao's ``Float8Linear`` with dynamic tensorwise scaling
+        (``torchao/float8/float8_linear.py``, ``matmul_with_hp_or_float8_args``): forward takes
+        the amax of the bf16 input and weight (a reduction each), casts both to E4M3 and runs
+        the GEMM on FP8 operands into bf16; autograd keeps the bf16 input (and the weight),
+        not the FP8 copies, so backward casts again: the output gradient (amax, then one
+        cast per GEMM layout), the weight for dgrad and the input for wgrad, each after its
+        amax. Under ``compile`` the amax and cast kernels fuse with their neighbours.
+        """
+        self.block.params += n_in * n_out + (n_out if bias else 0)
+        fp8 = 1.0
+        w = self.t(f"{name}.w", n_in * n_out, BF16)
+        x8 = self.t(f"{name}.in_fp8", tokens * n_in, fp8)
+        w8 = self.t(f"{name}.w_fp8", n_in * n_out, fp8)
+        y = self.t(f"{name}.out", tokens * n_out, BF16)
+        flops = 2.0 * tokens * n_in * n_out
+        self.fwd(Kernel(f"{name}.amax_in", "elementwise", (x,), ()))
+        self.fwd(Kernel(f"{name}.cast_in", "elementwise", (x,), (x8,)))
+        self.fwd(Kernel(f"{name}.amax_w", "elementwise", (w,), ()))
+        self.fwd(Kernel(f"{name}.cast_w", "elementwise", (w,), (w8,)))
+        self.fwd(Kernel(f"{name}.fwd", "gemm", (x8, w8), (y,), flops,
+                        gemm=(tokens, n_in, n_out, "fwd"), fp8=True))
+        self.save(x)
+        gy = self.t(f"{name}.g_out", tokens * n_out, BF16)
+        g8a = self.t(f"{name}.g_out_fp8", tokens * n_out, fp8)
+        g8b = self.t(f"{name}.g_out_fp8_t", tokens * n_out, fp8)
+        w8b = self.t(f"{name}.w_fp8_bwd", n_in * n_out, fp8)
+        x8b = self.t(f"{name}.in_fp8_bwd", tokens * n_in, fp8)
+        gx = self.t(f"{name}.g_in", tokens * n_in, BF16)
+        gw = self.t(f"{name}.g_w", n_in * n_out, BF16)
+        ks = [Kernel(f"{name}.amax_g", "elementwise", (gy,), ()),
+              Kernel(f"{name}.cast_g", "elementwise", (gy,), (g8a,)),
+              Kernel(f"{name}.cast_g_t", "elementwise", (gy,), (g8b,)),
+              Kernel(f"{name}.amax_w_bwd", "elementwise", (w,), ()),
+              Kernel(f"{name}.cast_w_bwd", "elementwise", (w,), (w8b,)),
+              Kernel(f"{name}.dgrad", "gemm", (g8a, w8b), (gx,), flops,
+                     gemm=(tokens, n_in, n_out, "dgrad"), fp8=True),
+              Kernel(f"{name}.amax_in_bwd", "elementwise", (x,), ()),
+              Kernel(f"{name}.cast_in_bwd", "elementwise", (x,), (x8b,)),
+              Kernel(f"{name}.wgrad", "gemm", (g8b, x8b), (gw,), flops,
+                     gemm=(tokens, n_in, n_out, "wgrad"), fp8=True)]
+        if bias:
+            gb = self.t(f"{name}.g_b", n_out, BF16)
+            ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
+        self.bwd(*ks)
+        self.block.weight_grads.append(gw)
         return y
 
     def rmsnorm(self, x: Tensor, tokens: float, h: int, name: str) -> Tensor:
@@ -540,7 +596,7 @@ def head_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
     x = b.t("in", tokens * h, style.act_bytes)
     b.block.inputs.append(x)
     y = b.norm(m, x, tokens, "norm")
-    logits = b.linear(y, tokens, h, vocab, "lm_head")
+    logits = b.linear(y, tokens, h, vocab, "lm_head", float8=False)
     if m.tied_embeddings:
         # The shared matrix's parameters belong to the embedding block.
         b.block.params -= h * vocab

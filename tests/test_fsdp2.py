@@ -365,3 +365,30 @@ def test_op_sac_with_tp_and_cp_sits_between_none_and_full_and_frees_what_it_keep
     assert cp_ops["selective"] == cp_ops["none"] < cp_ops["full"]
     for track in runs["selective"].recorder.memory.values():
         assert track.current.get("activations", 0.0) == pytest.approx(0.0, abs=1.0)
+
+
+# --------------------------------------------------------------------------- float8
+def test_float8_runs_fp8_gemms_in_the_blocks_but_not_the_output_layer() -> None:
+    # torchtitan's float8 converter swaps every nn.Linear but `output` for torchao's
+    # Float8Linear: 7 linears per Llama layer x 3 GEMMs run on FP8 operands; the LM head's
+    # stay bf16. Autograd keeps the bf16 inputs (torchao saves the high-precision tensors),
+    # so activation memory is unchanged; the step is faster, by less than the 2x of the
+    # GEMM peaks (casts, attention, norms and communication stay as they were).
+    from sim.layer_ops import Style, model_blocks
+
+    m = spec(scenario())
+    _, attn, mlp, head = model_blocks(m, Style("bf16", float8=True), 1, 1024, False)
+    fp8 = [k for b in (attn, mlp) for k in b.forward + b.backward if k.fp8]
+    assert len(fp8) == 7 * 3
+    assert not any(k.fp8 for k in head.forward + head.backward)
+    # Llama 3 8B widths (float8 pays off only on large GEMMs: torchao's own guidance), two
+    # layers to keep the test fast.
+    wide = {"layers": 2, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336,
+            "vocab": 8192, "mlp": "swiglu", "tied_embeddings": False}
+    runs = {p: simulate(scenario(model=wide, precision=p, micro_batch_size=2,
+                                 seq_len=4096)).summary
+            for p in ("bf16", "fp8")}
+    assert runs["bf16"]["step_time_s"] / 2 < runs["fp8"]["step_time_s"] \
+        < runs["bf16"]["step_time_s"]
+    assert runs["fp8"]["peak_memory_breakdown_gib"]["activations"] == pytest.approx(
+        runs["bf16"]["peak_memory_breakdown_gib"]["activations"])

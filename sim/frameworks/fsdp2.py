@@ -122,9 +122,9 @@ def _check(ctx: JobContext, opts: Fsdp2Options) -> None:
     s = ctx.scenario
     p, m = s.parallelism, ctx.model
     t, pp, cp, vp = p.tp, p.pp, p.cp, p.vp
-    ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
-                f"fsdp2 is modelled with 16-bit mixed precision (bf16 or fp16); "
-                f"{s.training.precision} is not yet")
+    ctx.require(s.training.precision in ("bf16", "fp16", "fp8"), "training.precision",
+                f"fsdp2 is modelled with 16-bit mixed precision (bf16 or fp16) or torchao "
+                f"float8 linears (fp8); {s.training.precision} is not yet")
     ctx.require(m.heads % t == 0, "parallelism.tp",
                 f"{m.heads} attention heads do not split over tp={t}")
     ctx.require(m.kv_heads % t == 0, "parallelism.tp",
@@ -220,7 +220,9 @@ def build_fsdp2(ctx: JobContext) -> Program:
     dp = ctx.dp
     shard = opts.hsdp_shard_size or dp
     mesh = Mesh(pp, dp // shard, shard, cp, t)
-    style = Style("bf16", compile=opts.compile)
+    # training.precision fp8: torchtitan's float8 converter (torchao Float8Linear, dynamic
+    # tensorwise scaling) on every linear but the output layer; parameters stay bf16.
+    style = Style("bf16", compile=opts.compile, float8=s.training.precision == "fp8")
     vh = m.vocab * m.hidden
     tied = m.tied_embeddings
     n_virtual = pp * vp

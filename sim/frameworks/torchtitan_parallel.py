@@ -389,7 +389,7 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
     h, vl = m.hidden, local_vocab(m, tp)
     y = b.t("in", tokens * h, BF16)
     b.block.inputs.append(y)
-    logits = b.linear(y, tokens, h, vl, "output")
+    logits = b.linear(y, tokens, h, vl, "output", float8=False)
     if m.tied_embeddings:
         b.block.params -= h * vl
     b.block.forward_scoped.append(logits)
