@@ -45,9 +45,11 @@ DEEPSPEED_ADAM_BYTES_PER_PARAM = 28.0
 TORCH_ADAMW_BYTES_PER_PARAM = 84.0
 
 # Threads one rank's optimizer uses. torchrun sets OMP_NUM_THREADS=1 for each process when it
-# starts several per node (torch/distributed/run.py), so torch's CPU AdamW runs on one core;
-# DeepSpeedCPUAdam parallelises with OpenMP over the cores the rank is bound to (the node's
-# cores divided by its ranks, deepspeed --bind_cores_to_rank).
+# starts several per node (torch/distributed/run.py: only when nproc_per_node > 1 and the
+# variable is unset), so torch's CPU AdamW runs on one core; a single process per node keeps
+# torch's default, one intra-op thread per core. DeepSpeedCPUAdam parallelises with OpenMP
+# over the cores the rank is bound to (the node's cores divided by its ranks, deepspeed
+# --bind_cores_to_rank).
 TORCH_THREADS_PER_RANK = 1
 
 
@@ -167,8 +169,8 @@ def cpu_adam_s(host: HostSpec, params_per_rank: float,
 def cpu_pass_s(host: HostSpec, nbytes: float, implementation: AdamImplementation) -> float:
     """Seconds for one rank's CPU work to stream ``nbytes`` through DRAM while every rank of
     the node does the same: the node's bandwidth shared by its ranks, or what the rank's
-    threads pull (``deepspeed``: its share of the cores; ``torch``: one thread), whichever
-    is lower.
+    threads pull (``deepspeed``: its share of the cores; ``torch``: one thread, or every core
+    when the rank is alone on its node), whichever is lower.
 
     Examples
     --------
@@ -178,6 +180,6 @@ def cpu_pass_s(host: HostSpec, nbytes: float, implementation: AdamImplementation
     """
     ranks = max(1, host.gpus_per_node)
     share = host.memory_gbytes_per_s / ranks
-    threads = (max(1, host.cpu_cores // ranks) if implementation == "deepspeed"
+    threads = (max(1, host.cpu_cores // ranks) if implementation == "deepspeed" or ranks == 1
                else TORCH_THREADS_PER_RANK)
     return nbytes / (min(share, threads * CORE_GBYTES_PER_S) * 1e9)

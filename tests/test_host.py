@@ -10,6 +10,7 @@ from sim.host import (
     TORCH_ADAMW_BYTES_PER_PARAM,
     HostSpec,
     cpu_adam_s,
+    cpu_pass_s,
 )
 from sim.scenario import scenario_from_dict
 
@@ -51,3 +52,13 @@ def test_torch_cpu_adamw_is_several_times_slower_than_deepspeed_cpu_adam() -> No
     ratio = cpu_adam_s(h, 1e9, "torch") / cpu_adam_s(h, 1e9, "deepspeed")
     assert ratio > TORCH_ADAMW_BYTES_PER_PARAM / DEEPSPEED_ADAM_BYTES_PER_PARAM
     assert 4 < ratio < 15
+
+
+def test_a_rank_alone_on_its_node_uses_every_core_for_torch_cpu_work() -> None:
+    # torchrun sets OMP_NUM_THREADS=1 only with several processes per node: eight ranks each
+    # get one thread (15 GB/s), a single rank gets all 112 cores, bounded by the DRAM's
+    # 460.8 GB/s (DGX H100: 2 x 8 channels of DDR5-4800).
+    eight = HostSpec(112, 2048, 460.8, 55.2, 32.0, 8)
+    alone = HostSpec(112, 2048, 460.8, 55.2, 32.0, 1)
+    assert cpu_pass_s(eight, 15e9, "torch") == pytest.approx(1.0)
+    assert cpu_pass_s(alone, 460.8e9, "torch") == pytest.approx(1.0)
