@@ -177,5 +177,6 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
         if s.framework.name == "ddp" and "gradients" not in program.classes[0].initial_memory:
             states += 4.0 * ctx.model.total_params   # fp32 gradients exist during the step
         summary["claims"] = judge(s.claims, summary, ctx.gpu, s.training.precision,
-                                  ctx.model.model_flops_per_token(ctx.seq), states)
+                                  ctx.model.model_flops_per_token(ctx.seq), states,
+                                  scenario=s)
     return summary

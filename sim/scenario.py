@@ -362,6 +362,22 @@ class Claims(_Strict):
     peak_memory_gib: float | None = Field(default=None, gt=0)
     peak_memory_gb: float | None = Field(default=None, gt=0)
     mfu: float | None = Field(default=None, gt=0)
+    model_state_memory_gb: float | None = Field(default=None, gt=0)
+    """Parameters, gradients and optimizer states per GPU, GB (1e9 bytes)."""
+    exposed_comm_fraction: float | None = Field(default=None, gt=0)
+    """Share of the step spent in communication that computation does not hide."""
+    bubble_fraction: float | None = Field(default=None, gt=0)
+    """Share of the step a pipeline stage sits idle."""
+    run_hours: float | None = Field(default=None, gt=0)
+    """Hours to train ``training.tokens_total`` tokens."""
+    run_usd: float | None = Field(default=None, gt=0)
+    """US dollars to train ``training.tokens_total`` tokens."""
+    cross_az_bytes_per_day: float | None = Field(default=None, gt=0)
+    """Bytes crossing availability-zone boundaries per day of training."""
+    egress_usd_per_day: float | None = Field(default=None, gt=0)
+    """US dollars of cross-zone transfer per day of training."""
+    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """NVLink traffic per GPU per direction, GB/s, averaged over the step."""
 
 
 class Scenario(_Strict):

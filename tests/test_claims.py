@@ -7,9 +7,9 @@ import pytest
 
 from sim import catalog
 from sim.api import simulate
-from sim.claims import judge
+from sim.claims import judge, judge_ratio, zone_link_bytes_per_s
 from sim.model import ModelSpec
-from sim.scenario import Claims, load_scenario
+from sim.scenario import Claims, Scenario, ScenarioError, load_scenario
 
 H100 = catalog.gpu("h100-sxm")
 PEAK_BF16 = 989.4e12      # H100 SXM datasheet: 989.4 TFLOP/s dense BF16
@@ -171,3 +171,169 @@ def test_claims_end_to_end_on_the_one_gpu_scenario():
     assert out["peak_memory_gib"]["verdict"] == "physically impossible"
     assert "18.4 GiB" in out["peak_memory_gib"]["reason"]
     assert out["mfu"]["verdict"] == "physically impossible"
+
+
+# --------------------------------------------------------------------------- added claims
+# Llama 3 70B on 8 H100: 16 bytes per parameter over 8 GPUs = 141,107,412,992 bytes per GPU,
+# more than the H100's 85,031,714,816 bytes (gpus.yaml).
+STATES_70B_8 = 70_553_706_496 * 16 / 8
+
+
+def summary_8(step_time_s: float = 4.0, oom: bool = True) -> dict:
+    """Llama 3 70B on one 8-GPU node: 8 sequences of 4,096 tokens per step."""
+    tokens = 8 * 4096.0
+    return {"gpus": 8, "step_time_s": step_time_s, "tokens_per_step": tokens,
+            "tokens_per_s": tokens / step_time_s, "tokens_per_s_per_gpu": tokens / step_time_s / 8,
+            "mfu": 0.4, "peak_memory_gib": 150.0, "oom": oom, "exposed_comm_s": 0.02,
+            "model_params": 70_553_706_496}
+
+
+def test_model_states_below_sixteen_bytes_per_parameter_are_impossible():
+    # The benchmarks article's 35 GB per GPU for 70B over 8 GPUs is 3.97 bytes per parameter.
+    v = one({"model_state_memory_gb": 35}, summary=summary_8(), states=STATES_70B_8)
+    assert v["verdict"] == "physically impossible"
+    assert v["simulated"] == pytest.approx(141.107, rel=1e-5)
+    assert "141.1 GB" in v["reason"] and "16.0 bytes per parameter" in v["reason"]
+    assert "70.6e9 parameters / 8 GPUs" in v["reason"]
+    # 150 GB is above the states, +6.3%: consistent (the claimant may count buffers too).
+    assert one({"model_state_memory_gb": 150}, summary=summary_8(),
+               states=STATES_70B_8)["verdict"] == "consistent"
+
+
+def test_a_setup_whose_states_exceed_the_gpu_cannot_run():
+    # 1,024 tokens/s/GPU is below the FLOP/s bound (2,284), but nothing runs at all when the
+    # states alone (131.4 GiB) exceed the H100's 79.2 GiB.
+    assert 1024 * FLOPS_70B < PEAK_BF16 and STATES_70B_8 > H100.usable_memory_bytes
+    v = one({"tokens_per_s_per_gpu": 1024}, summary=summary_8(), states=STATES_70B_8)
+    assert v["verdict"] == "physically impossible"
+    assert "cannot run" in v["reason"] and "131.4 GiB" in v["reason"]
+    for claim in ({"mfu": 0.4}, {"exposed_comm_fraction": 0.1}, {"step_time_s": 4.0}):
+        assert one(claim, summary=summary_8(), states=STATES_70B_8)["verdict"] == \
+            "physically impossible"
+    # Above the FLOP/s bound too: both reasons.
+    v = one({"tokens_per_s_per_gpu": 2910}, summary=summary_8(), states=STATES_70B_8)
+    assert "989" in v["reason"] and "cannot run" in v["reason"]
+
+
+def test_an_oom_simulation_is_noted_when_the_states_fit():
+    s = summary_70b()
+    s["oom"], s["peak_memory_gib"] = True, 105.8
+    v = one({"tokens_per_s_per_gpu": 300}, summary=s)
+    assert v["verdict"] == "off by -27%"          # (300 - 409.6) / 409.6
+    assert "does not fit" in v["reason"] and "105.8 GiB" in v["reason"]
+
+
+def test_fractions_of_the_step():
+    s = summary_70b()
+    s["exposed_comm_s"], s["bubble_fraction"] = 1.0, 0.2      # 10% of a 10 s step exposed
+    assert one({"exposed_comm_fraction": 0.105}, summary=s)["verdict"] == "consistent"
+    assert one({"exposed_comm_fraction": 0.2}, summary=s)["verdict"] == "off by +100%"
+    assert one({"exposed_comm_fraction": 1.5}, summary=s)["verdict"] == "physically impossible"
+    assert one({"bubble_fraction": 0.1}, summary=s)["verdict"] == "off by -50%"
+    assert one({"bubble_fraction": 1.2}, summary=s)["verdict"] == "physically impossible"
+
+
+def with_cost(s: dict, tokens_total: float | None, gpu_hour_usd: float = 4.0) -> dict:
+    """The cost object cost_summary gives: GPU-hours at the price, run length from the rate."""
+    hours = tokens_total / s["tokens_per_s"] / 3600 if tokens_total else None
+    per_hour = s["gpus"] * gpu_hour_usd
+    s["cost"] = {"usd_per_hour": per_hour, "run_hours": hours,
+                 "run_usd": hours * per_hour if hours else None,
+                 "egress_usd_per_step": 0.0}
+    return s
+
+
+def test_run_length_and_cost():
+    # 1e12 tokens at 26,214.4 tokens/s = 10,596.4 h; x 64 GPUs x $4 = $2,712,668.
+    s = with_cost(summary_70b(), 1e12)
+    assert s["cost"]["run_hours"] == pytest.approx(10_596.4, abs=0.1)
+    assert one({"run_hours": 10_600}, summary=s)["verdict"] == "consistent"
+    # 1,000 h means 1e12 / 3.6e6 s / 64 = 4,340 tokens/s/GPU, above 2,284 (the bf16 bound).
+    v = one({"run_hours": 1000}, summary=s)
+    assert v["verdict"] == "physically impossible" and "989" in v["reason"]
+    assert one({"run_usd": 2_700_000}, summary=s)["verdict"] == "consistent"
+    # $100,000 buys 390.6 h of 64 GPUs at $4: at least 11,111 tokens/s/GPU, impossible.
+    assert one({"run_usd": 100_000}, summary=s)["verdict"] == "physically impossible"
+    # $1,000,000 buys 3,906 h: 1,111 tokens/s/GPU is possible, -63% against the simulation.
+    assert one({"run_usd": 1_000_000}, summary=s)["verdict"] == "off by -63%"
+
+
+def test_run_claims_need_the_run_length():
+    with pytest.raises(ScenarioError, match="claims.run_usd: needs training.tokens_total"):
+        run({"run_usd": 1e6}, summary=with_cost(summary_70b(), None))
+
+
+def two_zone_scenario(**cluster) -> Scenario:
+    return Scenario(model="llama3-70b", cluster={"nodes": 8, "azs": 2, "az_link_gbps": 800,
+                                                 **cluster})
+
+
+def test_zone_capacity():
+    # Two zones, 800 Gb/s each way: 2 x 100 GB/s.
+    assert zone_link_bytes_per_s(two_zone_scenario()) == 200e9
+    # Three zones in one region: 6 ordered pairs.
+    assert zone_link_bytes_per_s(two_zone_scenario(azs=3)) == 6 * 100e9
+    # Three zones over two regions (zone z in region z % 2): only zones 0 and 2 share one.
+    assert zone_link_bytes_per_s(two_zone_scenario(azs=3, regions=2)) == 2 * 100e9
+    assert zone_link_bytes_per_s(Scenario(model="llama3-70b", cluster={"nodes": 1})) is None
+
+
+def test_cross_zone_bytes_and_dollars_per_day():
+    # 1e12 bytes cross per 10 s step: 8.64e15 bytes a day; $10 of transfer a step: $86,400.
+    s = with_cost(summary_70b(), None)
+    s["bytes"] = {"cross_az": 1e12}
+    s["cost"]["egress_usd_per_step"] = 10.0
+    sc = two_zone_scenario()
+
+    def judged(claim: dict) -> dict:
+        out = judge(Claims(source="test", **claim), s, H100, "bf16", FLOPS_70B, STATES_70B_64,
+                    scenario=sc)
+        return out[0]
+
+    assert judged({"cross_az_bytes_per_day": 8e14})["verdict"] == "off by -91%"
+    assert judged({"cross_az_bytes_per_day": 8.7e15})["verdict"] == "consistent"
+    # The zone links carry 200 GB/s x 86,400 s = 17.28e15 bytes a day at most.
+    v = judged({"cross_az_bytes_per_day": 2e16})
+    assert v["verdict"] == "physically impossible" and "17,280 TB a day" in v["reason"]
+    assert judged({"egress_usd_per_day": 86_000})["verdict"] == "consistent"
+    # At $0.01/GB (the scenario's default) $200,000 buys 20e15 bytes: above 17.28e15.
+    assert judged({"egress_usd_per_day": 200_000})["verdict"] == "physically impossible"
+    # Without the scenario there is no capacity to check against.
+    assert one({"cross_az_bytes_per_day": 2e16}, summary=s)["verdict"] == "off by +131%"
+
+
+def test_nvlink_traffic_above_line_rate_is_impossible():
+    # 100 GB/s per GPU out, 2 NVLink hops per transfer, 64 GPUs, 10 s.
+    s = summary_70b()
+    s["bytes"] = {"nvlink": 100e9 * 2 * 64 * 10}
+    v = one({"nvlink_gbytes_per_s": 900}, summary=s)
+    assert v["simulated"] == pytest.approx(100.0)
+    assert v["verdict"] == "physically impossible"
+    assert "450 GB/s per GPU per direction" in v["reason"]    # H100: NVLink 4, 900 GB/s both ways
+    assert one({"nvlink_gbytes_per_s": 105}, summary=s)["verdict"] == "consistent"
+    faster = Scenario(model="llama3-70b", cluster={"nvlink_gbytes_per_s": 1000})
+    out = judge(Claims(source="t", nvlink_gbytes_per_s=900), s, H100, "bf16", FLOPS_70B,
+                STATES_70B_64, scenario=faster)
+    assert out[0]["verdict"] == "off by +800%"
+
+
+def test_ratio_claims():
+    assert judge_ratio("tokens_per_s", 1.12, 1.10)["verdict"] == "consistent"
+    assert judge_ratio("bytes.network", 0.25, 0.774)["verdict"] == "off by -68%"
+    v = judge_ratio("x", 1.0, 1.0, impossible="because")
+    assert (v["verdict"], v["reason"]) == ("physically impossible", "because")
+
+
+def test_verdicts_come_in_contract_order_then_the_added_fields():
+    s = with_cost(summary_70b(), 1e12)
+    s["bytes"] = {"cross_az": 0.0, "nvlink": 1e12}
+    s["bubble_fraction"], s["exposed_comm_s"] = 0.1, 1.0
+    s["cost"]["egress_usd_per_step"] = 0.0
+    claims = {"nvlink_gbytes_per_s": 1, "egress_usd_per_day": 1, "cross_az_bytes_per_day": 1,
+              "run_usd": 1e7, "run_hours": 1e4, "bubble_fraction": 0.1,
+              "exposed_comm_fraction": 0.1, "model_state_memory_gb": 20, "mfu": 0.2,
+              "tokens_per_s": 1e4}
+    assert [v["metric"] for v in run(claims, summary=s)] == [
+        "tokens_per_s", "mfu", "model_state_memory_gb", "exposed_comm_fraction",
+        "bubble_fraction", "run_hours", "run_usd", "cross_az_bytes_per_day",
+        "egress_usd_per_day", "nvlink_gbytes_per_s"]
