@@ -9,7 +9,10 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,ray,dask,parquet]'
+	# HTA pins jupyterlab and more it does not import: take the package alone (its imports
+	# are in the test extra).
+	$(BIN)/pip install -q --no-deps HolisticTraceAnalysis==0.5.0
 	touch $(STAMP)
 
 demo: $(STAMP)

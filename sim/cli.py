@@ -211,6 +211,46 @@ def compare(
         con.print(f"[red]failed[/red] {line}")
 
 
+@app.command()
+def sweep(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    grid: Annotated[list[str] | None, typer.Option(
+        "--grid", help="KEY=V1,V2,...: a scenario key and its values (repeatable); every "
+        "combination runs.")] = None,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="local (processes here), ray or dask.")] = "local",
+    address: Annotated[str | None, typer.Option(
+        "--address", help="Ray or Dask scheduler address (default: start one here).")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", min=1, help="Worker processes (default: every core).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write one row per variant to FILE: .csv, or .parquet.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Also plot step time and $/M tokens against the first numeric grid "
+        "key (.png, .svg, .pdf).")] = None,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", help="Cache folder (default: .fabricsim-cache next to --out, or here).")
+                     ] = None,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="Simulate every variant; read and write no cache.")] = False,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps to simulate.")
+                     ] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {rows: [...]} as JSON.")
+                       ] = False,
+) -> None:
+    """Every combination of the grid values, in parallel: one row per variant."""
+    from sim.sweep import sweep_command
+
+    try:
+        rc = sweep_command(scenario, grid or [], backend, address, workers, out, plot, as_json,
+                           cache=cache, use_cache=not no_cache, steps=steps)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if rc:
+        raise typer.Exit(rc)
+
+
 def _parse_window(text: str) -> tuple[float, float]:
     try:
         a, b = (float(x) for x in text.split(":"))
