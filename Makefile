@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench pictures clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,17 +17,23 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100
-	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-100g
+	$(BIN)/fabricsim compare llama3-70b-fsdp2-64xh100 --what-if cluster.nic_gbps=100,400
 	$(BIN)/fabricsim run llama3-70b-megatron-tp8pp4-64xh100
 	$(BIN)/fabricsim run llama3-70b-deepspeed-zero3-64xh100
+	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-2az --out runs/demo-2az
 	$(BIN)/fabricsim run llama3.2-1b-1xh200
+	@echo "plots, trace and CSVs of the two-zone run: runs/demo-2az/"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --nbmake notebooks
 
 lint: $(STAMP)
-	$(BIN)/ruff check sim tests
+	$(BIN)/ruff check sim tests tools notebooks
 	$(BIN)/mypy sim
+
+pictures: $(STAMP)
+	$(BIN)/python tools/readme_pictures.py
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m benchmark -s
