@@ -251,6 +251,67 @@ def sweep(
         raise typer.Exit(rc)
 
 
+@app.command()
+def plan(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key first: KEY.PATH=VALUE (repeatable).")] = None,
+    objective: Annotated[str, typer.Option(
+        "--objective", help="Rank by time (step time) or cost ($ per million tokens).")] = "time",
+    top: Annotated[int, typer.Option("--top", help="Layouts to show.")] = 5,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="Where simulations run: local, ray or dask.")] = "local",
+    address: Annotated[str | None, typer.Option(
+        "--address", help="With --backend ray or dask: the cluster to connect to.")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="Local processes (default: the CPUs), or simulations at once on "
+        "a Ray/Dask cluster.")] = None,
+    framework: Annotated[list[str] | None, typer.Option(
+        "--framework", help="Search only this framework (repeatable; default all).")] = None,
+    max_simulations: Annotated[int, typer.Option(
+        "--max-simulations", help="Simulations at most.")] = 16,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", help="Start no new work after this many seconds.")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write plan.json, plan.csv, pareto.png and top-K.yaml here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Search frameworks and parallel layouts that fit in memory; rank by time or cost."""
+    from sim.plan import plan_command
+
+    if address and backend == "local":
+        _bad_input("--address: only with --backend ray or dask")
+    be = hook = None
+    try:
+        if backend in ("ray", "dask"):
+            be, hook = _plan_simulations(backend, address, workers)
+        plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
+                     max_simulations, time_limit, out, as_json, hook)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+    finally:
+        if be is not None:
+            be.close()
+
+
+def _plan_simulations(backend: str, address: str | None, workers: int | None) -> Any:
+    """The planner's ``simulate_many`` on a Ray or Dask cluster, through sim.sweep's backend
+    (builds stay on local cores; only the simulations travel)."""
+    from sim import sweep
+    from sim.plan import Simulated, layout_scenario
+
+    be = sweep.make_backend(backend, address, workers, 1, "plan")
+
+    def simulate_many(base: Any, layouts: list[Any]) -> list[Any]:
+        tasks = [sweep.Task(i, layout_scenario(base, x), x.varied())
+                 for i, x in enumerate(layouts)]
+        got = {o.index: o for o in sweep.run_tasks(be, tasks, 1)}
+        return [Simulated(got[i].summary, got[i].error, got[i].wall_s)
+                for i in range(len(layouts))]
+
+    return be, simulate_many
+
+
 def _parse_window(text: str) -> tuple[float, float]:
     try:
         a, b = (float(x) for x in text.split(":"))

@@ -780,6 +780,13 @@ def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
                        time.perf_counter() - wall0, n_sim, n_cached, n_failed, title, size)
 
 
+def run_tasks(be: Backend, tasks: list[Task], size: int = 1) -> Iterator[Outcome]:
+    """Run ``tasks`` on an open backend, ``size`` per worker task, yielding each outcome as
+    it finishes (in any order); a dead worker costs only its own variant. For callers that
+    bring their own variants (``fabricsim plan --backend ray|dask``)."""
+    return _drive(be, tasks, size)
+
+
 def _drive(be: Backend, todo: list[Task], size: int) -> Iterator[Outcome]:
     """Run tasks to completion on ``be``, surviving dead workers.
 
