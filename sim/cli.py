@@ -130,7 +130,21 @@ def validate(
     if unknown:
         _bad_input(f"--suite: unknown suite {unknown[0]!r} (available: "
                    f"{', '.join(sorted(SUITES))})")
-    result = run_suites(suite or None)
+    if as_json or not err.is_terminal:
+        result = run_suites(suite or None)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=err, transient=True) as bar:
+            tasks: dict[str, Any] = {}
+
+            def report(name: str, done: int, total: int) -> None:
+                if name not in tasks:
+                    tasks[name] = bar.add_task(f"validate {name}", total=total)
+                bar.update(tasks[name], completed=done, total=total)
+
+            result = run_suites(suite or None, report)
     if as_json:
         print(json.dumps(result, indent=2))
         return

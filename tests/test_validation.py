@@ -65,3 +65,24 @@ def test_published_runs_within_the_issue_bar() -> None:
     errors = [abs(c["error"]) for c in cases]
     assert sum(errors) / len(errors) < 0.15
     assert max(errors) < 0.20
+
+
+def test_run_suites_reports_progress_per_case_up_to_the_total() -> None:
+    # The published suite's CI runs, one report before each and one at the end.
+    from sim.validation import run_suites
+    from sim.validation.published import entries
+
+    seen: list[tuple[str, int, int]] = []
+    import sim.validation as validation
+
+    original = validation.SUITES["published"]
+    validation.SUITES["published"] = lambda progress: \
+        validation.published_cases(ci_only=True, progress=progress)
+    try:
+        result = run_suites(["published"], lambda s, d, t: seen.append((s, d, t)))
+    finally:
+        validation.SUITES["published"] = original
+    n = sum(1 for e in entries() if e.get("ci"))
+    assert result["suites"]["published"]["cases"] == n
+    assert [d for _, d, _ in seen] == list(range(n + 1))
+    assert {(s, t) for s, _, t in seen} == {("published", n)}

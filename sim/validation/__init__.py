@@ -14,21 +14,26 @@ from sim.validation.published import published_cases
 from sim.validation.vtrain import vtrain_cases
 
 Case = dict[str, Any]
-SUITES: dict[str, Callable[[], list[Case]]] = {
-    "nccl": nccl_cases,
-    "published": published_cases,
-    "vtrain-single": lambda: vtrain_cases("single"),
-    "vtrain-multi": lambda: vtrain_cases("multi"),
+Progress = Callable[[int, int], None] | None
+SUITES: dict[str, Callable[[Progress], list[Case]]] = {
+    "nccl": lambda progress: nccl_cases(),
+    "published": lambda progress: published_cases(progress=progress),
+    "vtrain-single": lambda progress: vtrain_cases("single", progress=progress),
+    "vtrain-multi": lambda progress: vtrain_cases("multi", progress=progress),
 }
 
 
-def run_suites(names: list[str] | None = None) -> dict[str, Any]:
-    """The ``fabricsim validate --json`` object for the named suites (all by default)."""
+def run_suites(names: list[str] | None = None,
+               progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """The ``fabricsim validate --json`` object for the named suites (all by default);
+    ``progress(suite, done, total)`` as cases finish (the suites that report them)."""
     chosen = names or sorted(SUITES)
     cases: list[Case] = []
     suites: dict[str, Any] = {}
     for name in chosen:
-        got = SUITES[name]()
+        report = None if progress is None else (
+            lambda done, total, _name=name: progress(_name, done, total))
+        got = SUITES[name](report)
         cases += got
         errors = [abs(c["error"]) for c in got]
         suites[name] = {"cases": len(got),

@@ -9,6 +9,7 @@ Entries marked ``ci: false`` are too large for the test suite's time budget and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +25,18 @@ def entries() -> list[dict[str, Any]]:
     return list(yaml.safe_load(REFERENCE.read_text()))
 
 
-def published_cases(ci_only: bool = False) -> list[dict[str, Any]]:
-    """One case per published figure: ``{suite, id, metric, measured, simulated, error}``."""
+def published_cases(ci_only: bool = False,
+                    progress: Callable[[int, int], None] | None = None
+                    ) -> list[dict[str, Any]]:
+    """One case per published figure: ``{suite, id, metric, measured, simulated, error}``;
+    ``progress(done, total)`` after each run."""
     from sim.api import simulate
 
     cases = []
-    for e in entries():
-        if ci_only and not e.get("ci", False):
-            continue
+    todo = [e for e in entries() if not ci_only or e.get("ci", False)]
+    for done, e in enumerate(todo):
+        if progress is not None:
+            progress(done, len(todo))
         sc = scenario_from_dict({"name": e["id"], **e["scenario"]},
                                 origin=f"published {e['id']}")
         summary = simulate(sc).summary
@@ -41,4 +46,6 @@ def published_cases(ci_only: bool = False) -> list[dict[str, Any]]:
                           "measured": float(measured), "simulated": simulated,
                           "error": (simulated - float(measured)) / float(measured),
                           "source": e["source"]})
+    if progress is not None:
+        progress(len(todo), len(todo))
     return cases

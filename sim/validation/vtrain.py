@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,16 @@ def scenario_for(row: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def vtrain_cases(kind: str, every: int = 1) -> list[dict[str, Any]]:
+def vtrain_cases(kind: str, every: int = 1,
+                 progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
+    """One case per measured row (every ``every``-th); ``progress(done, total)`` after each."""
     from sim.api import simulate
 
     cases = []
-    for i, row in enumerate(rows(kind)):
-        if i % every:
-            continue
+    todo = [(i, row) for i, row in enumerate(rows(kind)) if i % every == 0]
+    for done, (i, row) in enumerate(todo, 1):
+        if progress is not None and done > 1:
+            progress(done - 1, len(todo))
         measured = float(row["iteration time (ms)"]) / 1e3
         sc = scenario_for(row)
         simulated = simulate(scenario_from_dict(sc, origin=f"vtrain-{kind} row {i}")
@@ -77,4 +81,6 @@ def vtrain_cases(kind: str, every: int = 1) -> list[dict[str, Any]]:
             "metric": "step_time_s", "measured": measured, "simulated": simulated,
             "error": (simulated - measured) / measured,
         })
+    if progress is not None:
+        progress(len(todo), len(todo))
     return cases
