@@ -105,6 +105,9 @@ class Style:
     float8: bool = False
     """torchao's Float8Linear (dynamic tensorwise scaling) on the transformer blocks' linears,
     as torchtitan's ``float8`` model converter applies it (all but the output layer)."""
+    float8_weights: bool = False
+    """The weights arrive in FP8 (FSDP2's float8 all-gather casts the shards before the
+    gather): the linears cast no weights."""
 
     @property
     def autocast(self) -> bool:
@@ -259,8 +262,9 @@ class _Builder:
         flops = 2.0 * tokens * n_in * n_out
         self.fwd(Kernel(f"{name}.amax_in", "elementwise", (x,), ()))
         self.fwd(Kernel(f"{name}.cast_in", "elementwise", (x,), (x8,)))
-        self.fwd(Kernel(f"{name}.amax_w", "elementwise", (w,), ()))
-        self.fwd(Kernel(f"{name}.cast_w", "elementwise", (w,), (w8,)))
+        if not self.style.float8_weights:
+            self.fwd(Kernel(f"{name}.amax_w", "elementwise", (w,), ()))
+            self.fwd(Kernel(f"{name}.cast_w", "elementwise", (w,), (w8,)))
         self.fwd(Kernel(f"{name}.fwd", "gemm", (x8, w8), (y,), flops,
                         gemm=(tokens, n_in, n_out, "fwd"), fp8=True))
         self.save(x)
@@ -271,11 +275,13 @@ class _Builder:
         x8b = self.t(f"{name}.in_fp8_bwd", tokens * n_in, fp8)
         gx = self.t(f"{name}.g_in", tokens * n_in, BF16)
         gw = self.t(f"{name}.g_w", n_in * n_out, BF16)
+        recast_w = [] if self.style.float8_weights else [
+            Kernel(f"{name}.amax_w_bwd", "elementwise", (w,), ()),
+            Kernel(f"{name}.cast_w_bwd", "elementwise", (w,), (w8b,))]
         ks = [Kernel(f"{name}.amax_g", "elementwise", (gy,), ()),
               Kernel(f"{name}.cast_g", "elementwise", (gy,), (g8a,)),
               Kernel(f"{name}.cast_g_t", "elementwise", (gy,), (g8b,)),
-              Kernel(f"{name}.amax_w_bwd", "elementwise", (w,), ()),
-              Kernel(f"{name}.cast_w_bwd", "elementwise", (w,), (w8b,)),
+              *recast_w,
               Kernel(f"{name}.dgrad", "gemm", (g8a, w8b), (gx,), flops,
                      gemm=(tokens, n_in, n_out, "dgrad"), fp8=True),
               Kernel(f"{name}.amax_in_bwd", "elementwise", (x,), ()),

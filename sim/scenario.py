@@ -148,6 +148,9 @@ class Fsdp2Options(_Strict):
     """MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reduce-scatter."""
     compile: bool = False
     """torch.compile of each block: memory-bound elementwise chains fused."""
+    float8_all_gather: bool = False
+    """With training.precision fp8: all-gather the blocks' weights in FP8 (torchtitan
+    float8.enable_fsdp_float8_all_gather), half the bytes, no weight casts in the GEMMs."""
     hsdp_shard_size: int | None = Field(default=None, gt=0)
     """HSDP: shard inside groups of this many ranks and all-reduce gradients across the
     dp / hsdp_shard_size replicas (torchtitan's data_parallel_shard_degree); None = plain

@@ -392,3 +392,26 @@ def test_float8_runs_fp8_gemms_in_the_blocks_but_not_the_output_layer() -> None:
         < runs["bf16"]["step_time_s"]
     assert runs["fp8"]["peak_memory_breakdown_gib"]["activations"] == pytest.approx(
         runs["bf16"]["peak_memory_breakdown_gib"]["activations"])
+
+
+def test_float8_all_gather_halves_the_blocks_gathers_and_drops_the_weight_casts() -> None:
+    # torchao's FSDP float8 all-gather casts each shard to E4M3 before the gather: every
+    # transformer block's all-gather moves 1 byte per parameter instead of bf16's 2 (the
+    # embedding and output units stay bf16), and the linears cast no weights themselves.
+    from sim.layer_ops import Style, model_blocks
+
+    def gathers(ag: bool) -> dict[str, float]:
+        p = program(scenario({"float8_all_gather": ag}, precision="fp8"))
+        return {o.name: o.nbytes for o in p.ops if o.collective == "all_gather"}
+
+    plain, fp8 = gathers(False), gathers(True)
+    assert plain.keys() == fp8.keys()
+    for name, nbytes in plain.items():
+        unit = name.split()[1]
+        assert fp8[name] == (nbytes / 2 if unit.startswith("L") else nbytes), name
+    m = spec(scenario())
+    _, attn, _, _ = model_blocks(m, Style("bf16", float8=True, float8_weights=True), 1,
+                                 1024, False)
+    assert not [k for k in attn.forward + attn.backward if "cast_w" in k.name]
+    with pytest.raises(ScenarioError, match="framework.float8_all_gather"):
+        program(scenario({"float8_all_gather": True}))

@@ -193,6 +193,15 @@ class _Job:
     def pp(self) -> int:
         return self.mesh.pp
 
+    def param_bytes(self, u: _Unit) -> float:
+        """Bytes of a unit's unsharded parameters as gathered: with FSDP2's float8 all-gather
+        (torchao ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``) a transformer
+        block's shards are cast to E4M3 before the gather, 1 byte per parameter (its norm
+        weights, a few thousandths of it, counted alike); embedding and output stay 16-bit."""
+        if self.style.float8_weights and u.name.startswith("L"):
+            return float(u.numel)
+        return float(self.pbytes * u.numel)
+
     @property
     def vp(self) -> int:
         return self.ctx.scenario.parallelism.vp
@@ -222,7 +231,11 @@ def build_fsdp2(ctx: JobContext) -> Program:
     mesh = Mesh(pp, dp // shard, shard, cp, t)
     # training.precision fp8: torchtitan's float8 converter (torchao Float8Linear, dynamic
     # tensorwise scaling) on every linear but the output layer; parameters stay bf16.
-    style = Style("bf16", compile=opts.compile, float8=s.training.precision == "fp8")
+    fp8 = s.training.precision == "fp8"
+    ctx.require(not opts.float8_all_gather or fp8, "framework.float8_all_gather",
+                "needs training.precision fp8 (the float8 converter)")
+    style = Style("bf16", compile=opts.compile, float8=fp8,
+                  float8_weights=fp8 and opts.float8_all_gather)
     vh = m.vocab * m.hidden
     tied = m.tied_embeddings
     n_virtual = pp * vp
@@ -417,7 +430,7 @@ class _Stage:
                 transient=nbytes))]
         if job.n_shard == 1:
             return None
-        nbytes = job.pbytes * u.numel
+        nbytes = job.param_bytes(u)
         return self.add(Op(
             name=f"{AG} {u.name} ({phase}) mb{mb}", kind="collective", stream="ag",
             phase="comm", deps=deps, collective="all_gather", group=self.shard_groups[0],
@@ -429,7 +442,7 @@ class _Stage:
         unsharded parameters (the buffer is released once copied); with an FSDP world size
         of 1 the sharded data is cast straight into them."""
         job, cm = self.job, self.job.ctx.compute
-        nbytes = job.pbytes * u.numel
+        nbytes = job.param_bytes(u)
         ph: Phase = "fwd" if phase == "fwd" else "bwd"
         if ag is None:
             return self.add(Op(name=f"copy-out {u.name} ({phase}) mb{mb}", kind="compute",
@@ -459,7 +472,7 @@ class _Stage:
                                  f"tp all_reduce norm grad {i} {u.name} mb{mb}", mb, None))
         frees: tuple[tuple[str, float], ...] = (("gradients", grads),)
         if free_params:
-            frees += (("parameters", job.pbytes * u.numel),)
+            frees += (("parameters", job.param_bytes(u)),)
         copy_in = self.add(Op(
             name=f"copy-in grads {u.name} mb{mb}", kind="compute", stream="compute",
             phase="bwd", deps=deps, duration=cm.membound_time(grads + rb * u.numel),
@@ -568,7 +581,7 @@ class _Stage:
                     last = self.add(op)
             assert last is not None
             if u.reshard_after_forward:
-                last.free = last.free + (("parameters", job.pbytes * u.numel),)
+                last.free = last.free + (("parameters", job.param_bytes(u)),)
                 self.gathered[u.name] = False
         assert last is not None
         self.send("F", v, mb, last)
@@ -597,7 +610,7 @@ class _Stage:
             assert last is not None
             if job.pp == 1:
                 # Reshard after backward, then reduce (every micro-batch).
-                last.free = last.free + (("parameters", job.pbytes * u.numel),)
+                last.free = last.free + (("parameters", job.param_bytes(u)),)
                 self.gathered[u.name] = False
                 self.reduce(u, u.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)
             else:
