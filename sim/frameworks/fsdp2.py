@@ -342,6 +342,10 @@ class _Stage:
         mesh = job.mesh
         self.shard_groups = mesh.shard_groups(st)
         self.rep_groups = mesh.replicate_groups(st)
+        # Built once per stage: every tensor- and context-parallel op names these groups.
+        self.tp_groups = mesh.tp_groups(st)
+        self.cp_groups = mesh.cp_groups(st)
+        self.cp_ring_pairs = mesh.cp_ring_pairs(st)
         self._keys = 0
         self.gathered: dict[str, bool] = {}
         self.last_rs: Op | None = None          # ReduceScatterState: one input buffer
@@ -365,20 +369,20 @@ class _Stage:
         return self.program.add(self.cls, op)
 
     def _tp_op(self, kind: str, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
-        groups = self.job.mesh.tp_groups(self.st)
+        groups = self.tp_groups
         return Op(name=name, kind="collective", stream="compute", phase="comm",
                   collective=kind, group=groups[0], groups=groups, nbytes=nbytes,  # type: ignore[arg-type]
                   key=self.key("tp"), category=kind, micro_batch=mb, layer=layer)
 
     def _cp_gather(self, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
-        groups = self.job.mesh.cp_groups(self.st)
+        groups = self.cp_groups
         return Op(name=name, kind="collective", stream="cp", phase="comm",
                   collective="all_gather", group=groups[0], groups=groups, nbytes=nbytes,
                   key=self.key("cp"), category="all_gather", micro_batch=mb, layer=layer)
 
     def _cp_shift(self, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
         return Op(name=name, kind="send", stream="cp", phase="comm",
-                  pairs=self.job.mesh.cp_ring_pairs(self.st), nbytes=nbytes,
+                  pairs=self.cp_ring_pairs, nbytes=nbytes,
                   key=self.key("cp-shift"), category="send_recv", micro_batch=mb, layer=layer)
 
     def block_ops(self, mb: int) -> tuple[BlockOps, BlockOps]:
