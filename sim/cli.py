@@ -387,13 +387,13 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
         export.write_memory_csv(tmp / "memory.csv", rec, labels)
         title = result.summary["scenario"]
         stages = int(str(result.program.meta.get("pipeline_stages", 1)))
-        pricing = result.scenario.pricing
         plot.timeline(tmp / "timeline.png", rec, title, labels, pipeline_stages=stages,
                       window=window)
         plot.bytes_over_time(tmp / "bytes.png", rec, title,
-                             egress_usd_per_gb=result.summary["cost"].get(
-                                 "egress_usd_per_gb", pricing.egress_usd_per_gb),
-                             region_egress_usd_per_gb=pricing.region_egress_usd_per_gb,
+                             # the prices the run was charged (instance, cloud or defaults)
+                             egress_usd_per_gb=result.summary["cost"]["egress_usd_per_gb"],
+                             region_egress_usd_per_gb=result.summary["cost"][
+                                 "region_egress_usd_per_gb"],
                              window=window)
         plot.memory_over_time(tmp / "memory.png", rec, title, labels,
                               result.summary["gpu_memory_gib"], window=window)

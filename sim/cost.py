@@ -123,7 +123,8 @@ def cost_summary(scenario: Scenario, gpu: GpuSpec, step_time_s: float, tokens_pe
     ``training.tokens_total``), ``usd_per_day`` (24 h of GPUs + a day of steps' transfer),
     ``egress_gb_per_step`` (GB billed: zone plus region crossings), ``egress_gb_per_day``,
     ``egress_usd_per_day``, ``gpu_hour_usd``, ``egress_usd_per_gb`` (per GB crossing a zone
-    boundary) and ``instance`` (the catalogue instance, or null).
+    boundary), ``region_egress_usd_per_gb`` (per GB crossing a region boundary) and
+    ``instance`` (the catalogue instance, or null).
 
     Examples
     --------
@@ -163,5 +164,6 @@ def cost_summary(scenario: Scenario, gpu: GpuSpec, step_time_s: float, tokens_pe
         "egress_usd_per_day": egress_usd_per_day,
         "gpu_hour_usd": prices.gpu_hour_usd,
         "egress_usd_per_gb": prices.egress_usd_per_gb,
+        "region_egress_usd_per_gb": prices.region_egress_usd_per_gb,
         "instance": prices.instance,
     }

@@ -33,7 +33,10 @@ def test_cost_object_by_hand():
                       "usd_per_million_tokens", "run_hours", "run_usd",
                       # added by the FinOps work (the contract only grows)
                       "usd_per_day", "egress_gb_per_step", "egress_gb_per_day",
-                      "egress_usd_per_day", "gpu_hour_usd", "egress_usd_per_gb", "instance"}
+                      "egress_usd_per_day", "gpu_hour_usd", "egress_usd_per_gb",
+                      "region_egress_usd_per_gb", "instance"}
+    # the prices charged are reported as resolved (the scenario's, else the defaults)
+    assert (c["egress_usd_per_gb"], c["region_egress_usd_per_gb"]) == (0.01, 0.02)
     assert c["usd_per_hour"] == pytest.approx(4.0 * 16, rel=1e-12)          # $64 per hour
     assert c["egress_usd_per_step"] == pytest.approx(3e9 / 1e9 * 0.01, rel=1e-12)  # $0.03
     gpu_part = 64.0 * 2.0 / 3600.0                                           # $0.0355556

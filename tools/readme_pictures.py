@@ -111,7 +111,7 @@ def two_zone_pictures() -> list[Picture]:
     return [
         Picture("bytes.png", plot.bytes_figure(
             run.recorder, TWO_ZONES, egress_usd_per_gb=cost["egress_usd_per_gb"],
-            region_egress_usd_per_gb=run.scenario.pricing.region_egress_usd_per_gb),
+            region_egress_usd_per_gb=cost["region_egress_usd_per_gb"]),
             plot.DPI),
         Picture("links.png", plot.links_figure(run.recorder, run.fabric, TWO_ZONES), plot.DPI),
     ]

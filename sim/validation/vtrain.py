@@ -66,9 +66,9 @@ def vtrain_cases(kind: str, every: int = 1,
 
     cases = []
     todo = [(i, row) for i, row in enumerate(rows(kind)) if i % every == 0]
-    for done, (i, row) in enumerate(todo, 1):
-        if progress is not None and done > 1:
-            progress(done - 1, len(todo))
+    for done, (i, row) in enumerate(todo):
+        if progress is not None:
+            progress(done, len(todo))
         measured = float(row["iteration time (ms)"]) / 1e3
         sc = scenario_for(row)
         simulated = simulate(scenario_from_dict(sc, origin=f"vtrain-{kind} row {i}")
