@@ -187,6 +187,16 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     return out
 
 
+def _keep_input_shard(b: _Builder, kept: int, name: str, numel: float,
+                      lay: MegatronLayout) -> None:
+    """With sequence parallelism a column-parallel linear keeps only its sequence shard of the
+    gathered input (1 byte per element in FP8) and gathers it again in backward: replace what
+    :func:`_linear` saved for its input (everything saved after index ``kept``)."""
+    if lay.sequence_parallel:
+        del b.block.saved[kept:]
+        b.save(b.t(name, numel, FP8 if lay.fp8 else BF16))
+
+
 def _bias_dropout_add(b: _Builder, out: Tensor, resid: Tensor, tokens: float, h: int,
                       name: str, p: float) -> Tensor:
     """Jit-fused bias + dropout + residual add; the dropout mask is saved."""
@@ -223,11 +233,9 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     # With sequence parallelism the QKV input is kept sharded and gathered again in backward.
     yin = b.t("qkv_in", tokens * h, BF16)
     b.block.inputs.append(yin)
+    kept = len(b.block.saved)
     qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay)
-    if lay.sequence_parallel:
-        b.block.saved = [t_ for t_ in b.block.saved if t_.name != "attn_main.qkv.in_fp8_t"
-                         and t_ is not yin]
-        b.save(Tensor("attn_main.qkv_in_shard", local * h * (FP8 if lay.fp8 else BF16)))
+    _keep_input_shard(b, kept, "qkv_in_shard", local * h, lay)
     q = b.t("q", tokens * qd, BF16)
     k = b.t("k", tokens * kvd, BF16)
     v = b.t("v", tokens * kvd, BF16)
@@ -312,12 +320,10 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
     yin = b.t("fc1_in", tokens * h, BF16)
     b.block.inputs.append(yin)
     width = 2 * f if m.mlp == "swiglu" else f
+    kept = len(b.block.saved)
     fc1 = _linear(b, yin, tokens, h, width, "fc1", m.bias, bias_in_epilogue=True,
                   lay=lay)
-    if lay.sequence_parallel:
-        b.block.saved = [t_ for t_ in b.block.saved if t_.name != "mlp_main.fc1.in_fp8_t"
-                         and t_ is not yin]
-        b.save(Tensor("mlp_main.fc1_in_shard", local * h * (FP8 if lay.fp8 else BF16)))
+    _keep_input_shard(b, kept, "fc1_in_shard", local * h, lay)
     act = b.t("act", tokens * f, BF16)
     # Jit-fused bias-GeLU (or bias-SwiGLU), a vectorised memory-bound kernel (not eager
     # PyTorch's slower SiLU); its input is saved for the backward.
