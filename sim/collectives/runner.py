@@ -3,10 +3,12 @@
 For each collective the runner builds the flow plan of every algorithm NCCL could use
 (:mod:`sim.collectives.algorithms`), predicts each (algorithm, protocol) with NCCL's cost
 model (:mod:`sim.collectives.nccl`) and runs the one of least predicted time, or the one the
-scenario's ``nccl`` section forces: it waits NCCL's latency term plus the pipeline fill, then
-starts the plan's flows, capped by the protocol's share of each flow's path and by NCCL's
-buffer window (``buffsize`` bytes in flight per channel and peer: a long link cannot be kept
-full by a small buffer), and ends when the last flow ends. The time it takes comes out of
+scenario's ``nccl`` section forces: it waits NCCL's latency term, the pipeline fill and the
+long-haul propagation along the algorithm's chain of dependent steps
+(:mod:`sim.collectives.chain`), then starts the plan's flows (one lock-step flow per ring
+channel or tree), capped by the protocol's share of each flow's path and by NCCL's buffer
+window (``buffsize`` bytes in flight per channel and peer: a long link cannot be kept full by
+a small buffer), and ends when the last flow ends. The time it takes comes out of
 the max-min sharing with everything else on the fabric.
 """
 
@@ -187,7 +189,7 @@ class CollectiveRunner:
         plan, est, predicted = self.select(op, group, nbytes)
         choice = Choice(op, plan.algorithm, est.protocol, nbytes, predicted)
         self.chosen.append(choice)
-        yield self.env.timeout(est.latency_s + self._fill_s(plan, est))
+        yield self.env.timeout(est.latency_s + self._fill_s(plan, est) + plan.chain_latency_s)
         yield self._start(plan, est, nbytes, tag)
         return choice
 
@@ -225,13 +227,14 @@ class CollectiveRunner:
             plan, est, predicted = self.select(op, groups[0], nbytes)
             choice = Choice(op, plan.algorithm, est.protocol, nbytes, predicted)
             self.chosen.append(choice)
-            yield self.env.timeout(est.latency_s + self._fill_s(plan, est))
+            yield self.env.timeout(est.latency_s + self._fill_s(plan, est)
+                                   + plan.chain_latency_s)
             yield self._start(plan, est, nbytes, tag, count=len(groups))
             return choice
         chosen = [self.select(op, grp, nbytes) for grp in groups]
         choice = Choice(op, chosen[0][0].algorithm, chosen[0][1].protocol, nbytes, chosen[0][2])
         self.chosen.append(choice)
-        yield self.env.timeout(max(est.latency_s + self._fill_s(plan, est)
+        yield self.env.timeout(max(est.latency_s + self._fill_s(plan, est) + plan.chain_latency_s
                                    for plan, est, _ in chosen))
         fkey = (key, op, chosen[0][0].algorithm, chosen[0][1].protocol)
         foldable = self._disjoint.get(fkey)
@@ -298,10 +301,12 @@ class CollectiveRunner:
         if caps is None:
             cap_scale = min(1.0, est.bw_factor / wire)
             caps = plan.bottleneck * cap_scale
-            # At most one buffer in flight per channel and peer: rate <= buffsize / RTT.
+            # At most one NCCL_BUFFSIZE in flight per channel and peer (NCCL_STEPS slots of
+            # buffsize/8, device.h), and each flow stands for plan.flow_channels channels:
+            # rate <= channels x buffsize / RTT, RTT over the flow's longest hop.
             rtt = 2.0 * plan.path_latency
-            window = np.where(rtt > 0, self.settings.buffsize / np.maximum(rtt, 1e-15),
-                              np.inf)
+            window = np.where(rtt > 0, plan.flow_channels * self.settings.buffsize
+                              / np.maximum(rtt, 1e-15), np.inf)
             caps = self._caps[ckey] = np.minimum(caps, window)
         n = plan.n_flows
         return (plan.flat, plan.lengths, plan.share * nbytes / wire, np.full(n, float(count)),
@@ -318,9 +323,10 @@ class CollectiveRunner:
         if plan is None:
             plan = self._p2p[key] = self.builder.p2p(key, 1.0)
         est = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
-        yield self.env.timeout(est.latency_s)
+        # A send pays its path's long-haul propagation once (sim.collectives.chain).
+        yield self.env.timeout(est.latency_s + plan.chain_latency_s)
         yield self._start(plan, est, nbytes, tag)
-        return Choice("sendrecv", "p2p", "simple", nbytes, est.latency_s)
+        return Choice("sendrecv", "p2p", "simple", nbytes, est.latency_s + plan.chain_latency_s)
 
 
 def _p2p_latency(plan: FlowPlan) -> float:
