@@ -239,3 +239,17 @@ def test_rail_groups_get_one_nic_each() -> None:
     plan, est, _ = run.select("all_reduce", (3, 11), size)
     nic = 400 / 8 * GB * nccl.NETWORK_EFFICIENCY
     assert t == pytest.approx(est.latency_s + size / nic, rel=1e-6)
+
+
+def test_rail_groups_fold_into_one() -> None:
+    # On their own rails the 8 data-parallel groups share no link, so one group's flows stand
+    # for all eight (the fold that keeps 1,024-GPU steps fast); the bytes still count 8 groups.
+    size = 1 << 26
+    env, net, run, _, _ = runner(dgx(4))
+    groups = [tuple(node * 8 + j for node in range(4)) for j in range(8)]
+    env.process(run.run_collective_groups("all_reduce", groups, size))
+    env.run(until=1e-3)
+    assert net.active_flows == 1
+    assert all(run._disjoint.values())
+    env.run()
+    assert net.class_bytes[NETWORK] == pytest.approx(8 * 4 * 2 * 3 / 4 * size * 2, rel=1e-9)

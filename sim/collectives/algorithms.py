@@ -76,6 +76,16 @@ class FlowPlan:
     flow_channels: float = 1.0
     """NCCL channels each flow stands for; each keeps one ``NCCL_BUFFSIZE`` in flight per peer,
     so a flow's window is ``flow_channels * buffsize / RTT``."""
+    flow_edges: np.ndarray | None = None
+    """Algorithm edges each flow strings together (None: one each); each edge delivers the
+    flow's bytes, so the data a plan delivers is ``(share * flow_edges).sum()`` per byte."""
+
+    @property
+    def delivered(self) -> float:
+        """Bytes the plan's edges deliver per byte of message (every edge counted)."""
+        if self.flow_edges is None:
+            return float(self.share.sum())
+        return float((self.share * self.flow_edges).sum())
 
     @property
     def n_flows(self) -> int:
@@ -162,7 +172,8 @@ class PlanBuilder:
                            count=int(lengths.sum()))
         return FlowPlan(algorithm, flat, lengths, np.array([f[1] for f in flows], dtype=float),
                         np.array(bottleneck), np.array(latency), n_ranks, n_nodes, channels,
-                        bus_bw, volume, fill_stages, chunk_bytes)
+                        bus_bw, volume, fill_stages, chunk_bytes,
+                        flow_edges=np.array([len(f[0]) for f in flows], dtype=np.int64))
 
     def _by_node(self, group: Sequence[int]) -> dict[int, list[int]]:
         by: dict[int, list[int]] = {}
@@ -280,7 +291,8 @@ class PlanBuilder:
         return FlowPlan("nvls", flat, np.array([len(flat)], dtype=np.int64),
                         np.array([(n + 1) / n]), np.array([bottleneck]), np.array([lat]),
                         n, 1, channels, bus, 2.0 * (n - 1) / n, fill_stages=3,
-                        chunk_bytes=128 * 1024, flow_channels=float(channels))
+                        chunk_bytes=128 * 1024, flow_channels=float(channels),
+                        flow_edges=np.array([len(flat)], dtype=np.int64))
 
     def nvls_tree(self, group: Sequence[int], efficiency: float, channels: int,
                   buffsize: float) -> FlowPlan:
@@ -309,6 +321,9 @@ class PlanBuilder:
         share = np.concatenate([p.share for p in inner] + [outer.share])
         bottleneck = np.concatenate([p.bottleneck for p in inner] + [outer.bottleneck])
         lat = np.concatenate([p.path_latency for p in inner] + [outer.path_latency])
+        n_edges = np.concatenate([p.flow_edges for p in inner if p.flow_edges is not None]
+                                 + [outer.flow_edges if outer.flow_edges is not None
+                                    else np.ones(outer.n_flows, dtype=np.int64)])
         # Across nodes each GPU's rail moves about twice its shard each way (a node is interior
         # in one tree and a leaf in the other): the ppn rails together give ppn x a rail.
         edge_min = min((self.edge(s, d, r)[1] for hops, _ in flows for s, d, r in hops),
@@ -320,7 +335,7 @@ class PlanBuilder:
                         len(nodes), channels, bus, 2.0 * (len(group) - 1) / len(group),
                         fill_stages=3 + 2 * int(math.ceil(math.log2(max(len(nodes), 1)))),
                         chunk_bytes=buffsize / 8, chain_latency_s=chain,
-                        flow_channels=max(1.0, channels / 2))
+                        flow_channels=max(1.0, channels / 2), flow_edges=n_edges)
 
     # ------------------------------------------------------------------ p2p
     def p2p(self, pairs: Sequence[tuple[int, int]], share: float) -> FlowPlan:

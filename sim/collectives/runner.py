@@ -310,7 +310,7 @@ class CollectiveRunner:
             caps = self._caps[ckey] = np.minimum(caps, window)
         n = plan.n_flows
         return (plan.flat, plan.lengths, plan.share * nbytes / wire, np.full(n, float(count)),
-                caps, float(plan.share.sum()) * nbytes * count)
+                caps, plan.delivered * nbytes * count)
 
     def run_p2p(self, pairs: Sequence[tuple[int, int]], nbytes: float, tag: object = None
                 ) -> Generator[simpy.Event, object, Choice | None]:
