@@ -259,3 +259,18 @@ def test_rail_groups_fold_into_one() -> None:
     assert all(run._disjoint.values())
     env.run()
     assert net.class_bytes[NETWORK] == pytest.approx(8 * 4 * 2 * 3 / 4 * size * 2, rel=1e-9)
+
+
+def test_a_large_send_over_a_long_link_is_window_bound() -> None:
+    # A send to one peer over the network: 2 channels (NCCL_NCHANNELS_PER_NET_PEER), each
+    # with NCCL_STEPS x NCCL_P2P_NET_CHUNKSIZE = 8 x 128 KiB in flight: 2 MiB per ~20 ms round
+    # trip at 10 ms one way, ~0.1 GB/s, after the one-way propagation of the first bytes.
+    env, _, run, _, _ = runner(dgx(2, azs=2, az_latency_ms=10.0))
+    size = 1 << 28
+    t = timed(env, run.run_p2p([(0, 8)], size))
+    plan = run.builder.p2p([(0, 8)], 1.0)
+    rtt = 2 * plan.path_latency.max()
+    rate = 2 * 8 * 128 * 1024 / rtt
+    assert plan.chain_latency_s == pytest.approx(10e-3, rel=0.01)
+    # NCCL's own send latency (~20 us) is within the tolerance.
+    assert t - plan.chain_latency_s == pytest.approx(size / rate, rel=1e-3)

@@ -76,6 +76,8 @@ class FlowPlan:
     flow_channels: float = 1.0
     """NCCL channels each flow stands for; each keeps one ``NCCL_BUFFSIZE`` in flight per peer,
     so a flow's window is ``flow_channels * buffsize / RTT``."""
+    window_bytes: float = 0.0
+    """Bytes in flight per NCCL channel and peer; 0: ``NCCL_BUFFSIZE`` (collectives)."""
     flow_edges: np.ndarray | None = None
     """Algorithm edges each flow strings together (None: one each); each edge delivers the
     flow's bytes, so the data a plan delivers is ``(share * flow_edges).sum()`` per byte."""
@@ -348,12 +350,16 @@ class PlanBuilder:
         plan = self._plan("p2p", edges, ranks, nodes, 1, 0.0, share * max(1, len(edges)) / ranks)
         chain = max((self.long_haul(s, d) for s, d, _, _ in edges), default=0.0)
         return replace(plan, bus_bw=float(plan.bottleneck.min()) if plan.n_flows else math.inf,
-                       chain_latency_s=chain, flow_channels=float(P2P_CHANNELS_PER_PEER))
+                       chain_latency_s=chain, flow_channels=float(P2P_CHANNELS_PER_PEER),
+                       window_bytes=float(NCCL_STEPS * P2P_NET_CHUNK_BYTES))
 
 
-# NCCL_NCHANNELS_PER_NET_PEER: send/recv to one peer over the network uses 2 channels by
-# default (NCCL user guide, "Environment Variables"), each with its own buffer.
+# Send/recv to one peer over the network runs on NCCL_NCHANNELS_PER_NET_PEER channels, 2 by
+# default (src/graph/paths.cc, ncclTopoGetNchannels), each moving NCCL_P2P_NET_CHUNKSIZE
+# (128 KiB, src/init.cc) per step with NCCL_STEPS (8, src/include/device.h) steps in flight.
 P2P_CHANNELS_PER_PEER = 2
+P2P_NET_CHUNK_BYTES = 128 * 1024
+NCCL_STEPS = 8
 
 
 def _with_bus(plan: FlowPlan, bus: float, nccl_channels: int = 0,

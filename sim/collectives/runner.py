@@ -305,7 +305,8 @@ class CollectiveRunner:
             # buffsize/8, device.h), and each flow stands for plan.flow_channels channels:
             # rate <= channels x buffsize / RTT, RTT over the flow's longest hop.
             rtt = 2.0 * plan.path_latency
-            window = np.where(rtt > 0, plan.flow_channels * self.settings.buffsize
+            per_channel = plan.window_bytes or self.settings.buffsize
+            window = np.where(rtt > 0, plan.flow_channels * per_channel
                               / np.maximum(rtt, 1e-15), np.inf)
             caps = self._caps[ckey] = np.minimum(caps, window)
         n = plan.n_flows
