@@ -274,3 +274,18 @@ def test_a_large_send_over_a_long_link_is_window_bound() -> None:
     assert plan.chain_latency_s == pytest.approx(10e-3, rel=0.01)
     # NCCL's own send latency (~20 us) is within the tolerance.
     assert t - plan.chain_latency_s == pytest.approx(size / rate, rel=1e-3)
+
+
+def test_a_collective_is_capped_as_a_whole_where_nccl_caps_it() -> None:
+    # NCCL caps LL's bus bandwidth for the whole collective (tuning.cc llMaxBws: 45 GB/s on
+    # Hopper across 2 nodes). The cap is spread over the ring's lock-step flows in proportion
+    # to their rates alone (bus_bw is their sum), so the collective runs at exactly the cap.
+    size = 1 << 26
+    env, _, run, _, _ = runner(dgx(2), proto="ll")
+    group = tuple(range(16))
+    t = timed(env, run.run_collective("all_reduce", group, size))
+    plan, est, _ = run.select("all_reduce", group, size)
+    assert plan.bus_bw == pytest.approx(float(plan.bottleneck.sum()))
+    cap = nccl.LL_MAX_BW_GBPS["hopper"][1] * GB
+    assert est.bus_bw_bytes_per_s == pytest.approx(cap)
+    assert t == pytest.approx(est.latency_s + 2 * 15 / 16 * size / cap, rel=1e-6)
