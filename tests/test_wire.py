@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from sim.collectives import nccl
 from sim.collectives.runner import CollectiveRunner, NcclSettings, transport_capacity
+from sim.frameworks import JobContext, build_program
 from sim.network import FlowNetwork, NetworkObserver
 from sim.topology import LINK_KINDS, NETWORK, NVLINK, PCIE, FabricSpec, build_fabric
 
@@ -290,3 +291,30 @@ def test_a_collective_is_capped_as_a_whole_where_nccl_caps_it() -> None:
     cap = nccl.LL_MAX_BW_GBPS["hopper"][1] * GB
     assert est.bus_bw_bytes_per_s == pytest.approx(cap)
     assert t == pytest.approx(est.latency_s + 2 * 15 / 16 * size / cap, rel=1e-6)
+
+
+def test_megatron_data_parallel_ops_at_tp8_touch_no_nvlink() -> None:
+    # Issue 11's bar on a shipped layout: Llama 3 70B, TP8 x PP4 x DP2 on 8 DGX H100. Every
+    # collective whose groups span nodes (the data-parallel gradient and parameter traffic:
+    # one GPU per node per group) runs on the GPUs' own rails: no NVLink link on any flow,
+    # and only the GPU <-> PCIe switch <-> NIC links at both ends (4 PCIe per edge).
+    from sim.api import fabric_spec
+    from sim.scenario import load_scenario
+
+    s = load_scenario("llama3-70b-megatron-tp8pp4-64xh100")
+    ctx = JobContext.from_scenario(s)
+    prog = build_program(ctx)
+    env, _, run, fab, _ = runner(fabric_spec(s), algo="auto", proto="auto")
+    seen = 0
+    for op in prog.ops:
+        if not op.collective:
+            continue
+        for group in op.all_groups:
+            if len({fab.node_of(r) for r in group}) < 2:
+                continue
+            plan, _, _ = run.select(op.collective, tuple(group), op.nbytes)
+            kinds = fab.kind[plan.flat]
+            assert not (kinds == NVLINK).any(), (op.collective, group)
+            assert (kinds == PCIE).sum() == 2 * (kinds == NETWORK).sum()
+            seen += 1
+    assert seen > 0
