@@ -318,3 +318,22 @@ def test_megatron_data_parallel_ops_at_tp8_touch_no_nvlink() -> None:
             assert (kinds == PCIE).sum() == 2 * (kinds == NETWORK).sum()
             seen += 1
     assert seen > 0
+
+
+def test_one_gpu_nodes_use_every_nic_on_the_gpus_switch() -> None:
+    # One GPU per node with two NICs on its PCIe switch: NCCL spreads the ring's channels over
+    # both (both are at PIX distance); each NIC carries half, no host or NVLink hop.
+    spec = FabricSpec(nodes=2, gpus_per_node=1, nvlink_gbytes_per_s=450, pcie_gbytes_per_s=63,
+                      nics_per_node=2, nic_gbps=400)
+    env, net, run, fab, _ = runner(spec)
+    size = 1 << 28
+    t = timed(env, run.run_collective("all_reduce", (0, 1), size))
+    plan, est, _ = run.select("all_reduce", (0, 1), size)
+    assert plan.channels == 2
+    nic_up = [fab._eid[(("nic", 0, k), fab._layout.leaf_of_nic(spec, 0, k))] for k in (0, 1)]
+    assert net.link_bytes[nic_up].tolist() == pytest.approx([size / 2, size / 2])
+    # The GPU's one PCIe link to its switch carries everything: 63 GB/s x efficiency binds
+    # before the two NICs' 2 x 50 GB/s do.
+    pcie = 63 * GB * nccl.PCIE_EFFICIENCY
+    nics = 2 * 50 * GB * nccl.NETWORK_EFFICIENCY
+    assert t == pytest.approx(est.latency_s + size / min(pcie, nics), rel=1e-6)

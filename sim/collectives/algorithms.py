@@ -196,7 +196,22 @@ class PlanBuilder:
 
     # ------------------------------------------------------------------ ring
     def ring_channels(self, group: Sequence[int]) -> list[tuple[list[int], int | None]]:
-        return ring_orders(group, self.node_of, self.nics, self.g)
+        """The ring of each channel (:func:`ring_orders`). A one-GPU-per-node ring whose GPUs
+        all sit at the same place in their nodes gets one channel per NIC on that GPU's own
+        PCIe switch (NCCL spreads its channels over the NICs nearest the GPU, all at PIX
+        distance; on a DGX H100 that is one)."""
+        rings = ring_orders(group, self.node_of, self.nics, self.g)
+        if len(rings) != 1 or rings[0][1] is not None or len(self._by_node(group)) < 2:
+            return rings
+        locals_ = {r % self.g for r in group}
+        if len(locals_) != 1:
+            return rings
+        spec = self.fabric.spec
+        switch = spec.pcie_switch_of_gpu(locals_.pop())
+        own = [k for k in range(self.nics) if spec.pcie_switch_of_nic(k) == switch]
+        if len(own) <= 1:
+            return rings
+        return [(rings[0][0], k) for k in own]
 
     def ring(self, op: str, group: Sequence[int]) -> FlowPlan:
         """Rings over the group, one lock-step flow per channel; ``op`` sets the volume
