@@ -342,6 +342,31 @@ def algo_time(est: Estimate, op: str, nbytes: float, volume: float, arch: str = 
     return est.latency_s + nbytes * volume / bw
 
 
+def chunk_bytes(algorithm: str, nbytes: float, channels: int, heads: int, n_nodes: int,
+                buffsize: float, nvls_chunk: float = NVLS_CHUNK_BYTES) -> float:
+    """The Simple chunk NCCL pipelines ``algorithm`` in (enqueue.cc calcCollChunking):
+    one buffer step (NCCL_BUFFSIZE / NCCL_STEPS) for trees and CollNet, NVLink SHARP's
+    ``NCCL_NVLS_CHUNKSIZE`` (128 KiB) cut to 64/32/16 KiB when few chunks would be in flight,
+    NVLS-tree's (at most 64 KiB from 4 nodes on, nvls.cc ncclNvlsTuning) cut by size."""
+    step = buffsize / NCCL_STEPS
+    ops = max(1, channels) * max(1, heads)      # concurrentOps = nChannels x nHeads
+    if algorithm == "nvls":
+        chunk = min(step, nvls_chunk)
+        for mult, size in ((64, 65536), (8, 32768), (2, 16384)):
+            if nbytes < mult * ops * chunk and chunk > size:
+                chunk = size
+        return chunk
+    if algorithm == "nvls_tree":
+        chunk = min(nvls_chunk, 65536 if n_nodes >= 4 else nvls_chunk)
+        for mult, size in ((32, 262144), (16, 131072), (4, 65536), (1, 32768)):
+            if nbytes < mult * ops * chunk and chunk > size:
+                chunk = size
+        return chunk
+    if algorithm == "collnet_chain":
+        return min(256 * 1024, step)
+    return step
+
+
 def choose(candidates: list[Estimate], bytes_per_rank: float, protocol: str = "auto"
            ) -> Estimate:
     """The candidate of least predicted time (restricted to ``protocol`` unless auto)."""

@@ -169,17 +169,24 @@ class CollectiveRunner:
 
     def _fill_s(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float | None = None
                 ) -> float:
-        """Pipeline fill (execution only, never in NCCL's choice): the first chunk crosses
-        ``fill_stages`` stages before every edge is busy, each at one channel's share of the
-        slowest link. The chunk is NCCL's (``chunk_bytes``) or, for a smaller message, the
-        channel's own part of it: a message below one chunk fills with its own size."""
+        """Pipeline fill (execution only, never in NCCL's choice): with Simple, the first
+        chunk crosses ``fill_stages`` stages before every edge is busy, each at one channel's
+        share of the slowest link. The chunk is NCCL's (``chunk_bytes``) or, for a smaller
+        message, the channel's own part of it: a message below one chunk fills with its own
+        size."""
         if nbytes is None and est.fill_s >= 0:
             return est.fill_s
-        if not plan.fill_stages or not plan.n_flows:
+        if not plan.fill_stages or not plan.n_flows or est.protocol != "simple":
+            # LL and LL128 forward each 16- or 128-byte line as soon as its flag lands
+            # (prims_ll.h, prims_ll128.h): no chunk to wait for beyond the per-hop latency
+            # NCCL's hwLat already charges.
             return 0.0
         chunk = plan.chunk_bytes
         if nbytes is not None:
-            chunk = min(chunk, nbytes / max(1, plan.channels))
+            heads = max(1, plan.n_ranks // max(1, plan.n_nodes))
+            chunk = min(nccl.chunk_bytes(plan.algorithm, nbytes, plan.channels, heads,
+                                         plan.n_nodes, self.settings.buffsize),
+                        nbytes / max(1, plan.channels))
         sharing = plan.channels if plan.algorithm == "nvls" else 1
         per_channel = float(plan.bottleneck.min()) * est.bw_factor / sharing
         return plan.fill_stages * chunk / per_channel
