@@ -184,9 +184,17 @@ class CollectiveRunner:
         chunk = plan.chunk_bytes
         if nbytes is not None:
             heads = max(1, plan.n_ranks // max(1, plan.n_nodes))
-            chunk = min(nccl.chunk_bytes(plan.algorithm, nbytes, plan.channels, heads,
-                                         plan.n_nodes, self.settings.buffsize),
-                        nbytes / max(1, plan.channels))
+            if plan.algorithm == "nvls":
+                # Single-node NVLS: calcCollChunking cuts the 128 KiB NVLS chunk to 64 KiB
+                # below 1 GiB, but each channel step moves a loop of nHeads chunks
+                # (all_reduce.h, RunWorkColl NVLS: loopCount = nHeads x chunkSize). Neither
+                # reading alone matches the published 64 MiB point (+11.5% / -11.2%); the
+                # default NCCL_NVLS_CHUNKSIZE is kept as the pipeline unit.
+                chunk = plan.chunk_bytes
+            else:
+                chunk = nccl.chunk_bytes(plan.algorithm, nbytes, plan.channels, heads,
+                                         plan.n_nodes, self.settings.buffsize)
+            chunk = min(chunk, nbytes / max(1, plan.channels))
         sharing = plan.channels if plan.algorithm == "nvls" else 1
         per_channel = float(plan.bottleneck.min()) * est.bw_factor / sharing
         return plan.fill_stages * chunk / per_channel
