@@ -55,7 +55,7 @@ def ring_ll_us(nodes: int, ppn: int, net_overhead: float = 1.0) -> float:
 SMALL = [8, 64, 512, 4096, 32768, 65536]
 
 
-@pytest.mark.parametrize("gpus", [16, 128])
+@pytest.mark.parametrize("gpus", [16, 128, 1024])
 def test_small_all_reduce_follows_nccls_model(gpus: int) -> None:
     bench = Bench.build("dgx-h100", gpus)
     nodes = gpus // 8
