@@ -199,3 +199,13 @@ def test_collnet_only_where_the_fabric_has_sharp() -> None:
     run, _ = _builder(sharp=False)
     assert all(p.algorithm != "collnet_direct" for p in run.plans("all_reduce",
                                                                   tuple(range(32))))
+
+
+def test_no_ll128_across_nodes_without_gpudirect() -> None:
+    # tuning.cc enables LL128 by default only on inter-node paths up to PXN (Hopper); without
+    # GPUDirect RDMA NCCL's path goes through the host bridge, and LL128 is off.
+    sizes = [1 << k for k in range(10, 25, 2)]
+    on = Bench.build("dgx-h100", 16, overrides={"nccl.gdr": True})
+    off = Bench.build("dgx-h100", 16, overrides={"nccl.gdr": False})
+    assert any(on.run("all_reduce", s)["protocol"] == "ll128" for s in sizes)
+    assert all(off.run("all_reduce", s)["protocol"] != "ll128" for s in sizes)

@@ -229,6 +229,10 @@ class CollectiveRunner:
                 ests = nccl.estimates(plan.algorithm, op, plan.n_ranks, plan.n_nodes,
                                       self.arch, plan.bus_bw,
                                       plan.nccl_channels or plan.channels, cpu, nbytes)
+            if plan.n_nodes > 1 and not getattr(self.fabric.spec, "gdr", True):
+                # tuning.cc: LL128 is on by default only for inter-node paths up to PXN (PXB
+                # before Hopper); without GPUDirect RDMA the path goes through the CPU (PHB).
+                ests = [e for e in ests if e.protocol != "ll128"] or ests
             protos = [e for e in ests if self.settings.proto in ("auto", e.protocol)] or ests
             for est in protos:
                 if est.bus_bw_bytes_per_s <= 0:
