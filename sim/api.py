@@ -73,12 +73,15 @@ def fabric_spec(s: Scenario) -> FabricSpec:
         ecmp_seed=s.seed,
         nvme_read_gbytes_per_s=host.nvme_read_gbytes_per_s,
         nvme_write_gbytes_per_s=host.nvme_write_gbytes_per_s,
+        cpu_vendor=c.cpu_vendor,
+        sharp=c.sharp,
     )
 
 
 def nccl_settings(s: Scenario) -> NcclSettings:
     n = s.nccl
-    return NcclSettings(algo=n.algo, proto=n.proto, buffsize=n.buffsize, cross_nic=n.cross_nic)
+    return NcclSettings(algo=n.algo, proto=n.proto, buffsize=n.buffsize, cross_nic=n.cross_nic,
+                        collnet_enable=n.collnet_enable)
 
 
 def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",

@@ -85,16 +85,18 @@ def collective(
     gpus: Annotated[int, typer.Option("--gpus", help="Ranks taking part.")] = 8,
     sizes: Annotated[str, typer.Option("--sizes", help="A:B doubles from A to B (8, 64K, "
                                        "1M, 8G), as nccl-tests -b A -e B -f 2.")] = "8:8G",
-    algo: Annotated[str, typer.Option("--algo", help="auto, ring, tree, nvls, nvls_tree.")
-                    ] = "auto",
+    algo: Annotated[str, typer.Option("--algo", help="auto, ring, tree, nvls, nvls_tree, pat, "
+                                      "collnet_direct, collnet_chain.")] = "auto",
     proto: Annotated[str, typer.Option("--proto", help="auto, ll, ll128, simple.")] = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """What nccl-tests would print on that fabric: time, algbw, busbw per size."""
     from sim.nccltests import collective_table, parse_sizes
 
-    if algo not in ("auto", "ring", "tree", "nvls", "nvls_tree"):
-        _bad_input(f"--algo: {algo!r} is not auto, ring, tree, nvls or nvls_tree")
+    algos = ("auto", "ring", "tree", "nvls", "nvls_tree", "pat", "collnet_direct",
+             "collnet_chain")
+    if algo not in algos:
+        _bad_input(f"--algo: {algo!r} is not one of {', '.join(algos)}")
     if proto not in ("auto", "ll", "ll128", "simple"):
         _bad_input(f"--proto: {proto!r} is not auto, ll, ll128 or simple")
     try:
@@ -108,12 +110,12 @@ def collective(
     t = Table(title=f"{op} on {topology}, {gpus} GPUs (nccl-tests definitions)",
               title_justify="left")
     for col in ("size (B)", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "algorithm",
-                "protocol"):
+                "protocol", "NCCL model (us)"):
         t.add_column(col, justify="right")
     for r in table["rows"]:
         t.add_row(f"{r['bytes']:,}", f"{r['time_s'] * 1e6:,.1f}",
                   f"{r['algbw_gbytes_per_s']:,.2f}", f"{r['busbw_gbytes_per_s']:,.2f}",
-                  r["algorithm"], r["protocol"])
+                  r["algorithm"], r["protocol"], f"{r['nccl_model_s'] * 1e6:,.1f}")
     Console().print(t)
 
 

@@ -89,7 +89,9 @@ class Bench:
                    nccl_settings(s), gpus)
 
     def run(self, op: str, nbytes: float) -> dict[str, Any]:
-        """One collective on an idle fabric: time, algbw, busbw, algorithm, protocol."""
+        """One collective on an idle fabric: time, algbw, busbw, the algorithm and protocol
+        NCCL's tuning picks and its own predicted time (``nccl_model_s``,
+        ncclTopoGetAlgoTime)."""
         env = simpy.Environment()
         net = FlowNetwork(env, transport_capacity(self.fabric, self.arch, self.transport),
                           self.fabric.kind, len(LINK_KINDS))
@@ -102,7 +104,8 @@ class Bench:
         return {"bytes": int(nbytes), "time_s": t, "algbw_gbytes_per_s": algbw,
                 "busbw_gbytes_per_s": algbw * bus_factor(op, self.gpus),
                 "algorithm": choice.algorithm if choice else "none",
-                "protocol": choice.protocol if choice else "none"}
+                "protocol": choice.protocol if choice else "none",
+                "nccl_model_s": choice.predicted_s if choice else 0.0}
 
 
 def collective_table(topology: str, op: str, gpus: int, sizes: list[int], algo: str = "auto",

@@ -121,6 +121,12 @@ class Cluster(_Strict):
     catalogue."""
     nvme_write_gbytes_per_s: float | None = Field(default=None, gt=0)
     """Local NVMe write bandwidth per server; default from the host catalogue."""
+    cpu_vendor: Literal["intel", "amd", "arm", "power", "zhaoxin", "mixed"] = "intel"
+    """Host CPU vendor (architecture for Arm and POWER): NCCL indexes its LL bandwidth
+    limit across nodes and its network overhead by it (tuning.cc). Intel where unknown."""
+    sharp: bool = False
+    """The network switches do in-network reductions (InfiniBand SHARP) and NCCL's CollNet
+    plugin is set up: CollNet Direct/Chain become available (with ``nccl.collnet_enable``)."""
 
 
 # --------------------------------------------------------------------------- framework
@@ -289,8 +295,10 @@ class Nccl(_Strict):
     """NCCL algorithm, protocol and the settings people tune; ``auto`` lets NCCL's cost model
     choose, as NCCL does."""
 
-    algo: Literal["auto", "ring", "tree", "nvls", "nvls_tree"] = "auto"
-    """Collective algorithm (NCCL_ALGO): ring, double binary tree, NVLink SHARP, NVLS+tree."""
+    algo: Literal["auto", "ring", "tree", "nvls", "nvls_tree", "pat", "collnet_direct",
+                  "collnet_chain"] = "auto"
+    """Collective algorithm (NCCL_ALGO): ring, double binary tree, NVLink SHARP, NVLS+tree,
+    PAT (all-gather/reduce-scatter, one GPU per node), CollNet Direct/Chain (SHARP)."""
     proto: Literal["auto", "ll", "ll128", "simple"] = "auto"
     """Protocol (NCCL_PROTO): LL (low latency), LL128, or Simple (bandwidth)."""
     buffsize: int = Field(default=4 * 2**20, gt=0)
@@ -300,6 +308,9 @@ class Nccl(_Strict):
     cross_nic: Literal[0, 1, 2] = 2
     """NCCL_CROSS_NIC: 0 keeps each ring on one rail, 1 lets it change rails, 2 (default)
     prefers rails."""
+    collnet_enable: bool = False
+    """NCCL_COLLNET_ENABLE (default 0 in NCCL): lets NCCL's tuning choose CollNet Direct or
+    Chain on a fabric whose switches have SHARP (``cluster.sharp``)."""
 
 
 class Parallelism(_Strict):

@@ -71,3 +71,18 @@ def test_cli_collective_and_validate() -> None:
     bad = subprocess.run([str(FABRICSIM), "validate", "--suite", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode == 2
+
+
+def test_collective_prints_nccls_choice_and_time_over_the_whole_curve() -> None:
+    # 8 B to 8 GiB, as `fabricsim collective` runs by default: NCCL's predicted time beside
+    # the simulated one; the tree for small messages across nodes, NVLS-tree for large ones on
+    # H100 (ncclTopoGetAlgoTime with tuning.cc's tables); NCCL's prediction grows with size.
+    rows = collective_table("dgx-h100", "all_reduce", 128, parse_sizes("8:8G"))["rows"]
+    assert len(rows) == 31 and rows[-1]["bytes"] == 8 << 30
+    assert rows[0]["algorithm"] == "tree" and rows[-1]["algorithm"] == "nvls_tree"
+    model = [r["nccl_model_s"] for r in rows]
+    assert all(b >= a for a, b in zip(model, model[1:], strict=False))
+    # 8 B: 6.8 + 2 x (7 x 0.6 + 4 x 5.0) us (tuning.cc tree/LL latency, 16 nodes).
+    assert model[0] * 1e6 == pytest.approx(55.2, rel=1e-3)
+    pat = collective_table("dgx-h100", "all_gather", 4, [4096], algo="pat")["rows"][0]
+    assert pat["algorithm"] != "pat"   # 4 GPUs in one node: PAT needs one GPU per node

@@ -387,8 +387,10 @@ def _with_bus(plan: FlowPlan, bus: float, nccl_channels: int = 0,
 
 
 # NCCL's ring/tree channels: through an NVSwitch its search finds 12 and doubles them (24,
-# as NCCL_DEBUG=INFO prints on DGX A100/H100); across nodes one per NIC, doubled
-# (ncclTopoPostset), at most MAXCHANNELS/2 = 32 from the search (init.cc).
+# as NCCL_DEBUG=INFO prints on DGX A100/H100); across nodes the search finds one per NIC
+# (search.cc), ncclTopoDupChannels does not double them on sm90+ below 50 GB/s per channel
+# with more than 4 channels, connect.cc ncclTopoPostset doubles them (and doubles again on
+# sm90+ multi-node only while under 16): 2 per NIC, at most MAXCHANNELS/2 = 32.
 NVSWITCH_CHANNELS = 24
 MAX_SEARCH_CHANNELS = 32
 

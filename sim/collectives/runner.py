@@ -15,12 +15,12 @@ the max-min sharing with everything else on the fabric.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import simpy
 
-from sim.collectives import nccl
+from sim.collectives import nccl, nccl_plans
 from sim.collectives.algorithms import FlowPlan, PlanBuilder
 from sim.network import FlowNetwork
 from sim.topology import CROSS_AZ, CROSS_REGION, NETWORK, NVLINK, PCIE, Fabric
@@ -50,6 +50,7 @@ class NcclSettings:
     proto: str = "auto"
     buffsize: float = 4 * 2**20
     cross_nic: int = 2
+    collnet_enable: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,21 @@ class CollectiveRunner:
     def _nvswitch(self) -> bool:
         return (self.fabric.spec.gpus_per_node >= 2 and self.arch in nccl.NVLS_EFFICIENCY)
 
+    @property
+    def cpu_vendor(self) -> str:
+        """The host CPU NCCL's tuning tables are indexed by (topology's ``cpu_vendor``)."""
+        return getattr(self.fabric.spec, "cpu_vendor", nccl.DEFAULT_CPU_VENDOR)
+
+    def _collnet(self, forced: bool) -> bool:
+        # CollNet needs SHARP switches (topology ``sharp``), NCCL_COLLNET_ENABLE (off by
+        # default in NCCL; forcing NCCL_ALGO=CollNet* implies it here) and, for Direct, an
+        # NVSwitch (tuning.cc: disabled when nvsCount == 0).
+        return bool(getattr(self.fabric.spec, "sharp", False)) and (
+            forced or self.settings.collnet_enable)
+
     def plans(self, op: str, group: tuple[int, ...]) -> list[FlowPlan]:
-        """The algorithms NCCL could run for ``op`` over ``group``, as flow plans."""
+        """The algorithms NCCL could run for ``op`` over ``group``, as flow plans (which of
+        them NCCL enables follows ncclTopoTuneModel and enqueue.cc updateCollCostTable)."""
         key = (op, group)
         cached = self._plans.get(key)
         if cached is not None:
@@ -107,21 +121,40 @@ class CollectiveRunner:
         for r in group:
             by_node[b.node_of[r]] = by_node.get(b.node_of[r], 0) + 1
         n_nodes, ppn = len(by_node), min(by_node.values())
+        max_local = max(by_node.values())
+        forced = self.settings.algo
         plans: list[FlowPlan] = []
         if op in ("all_reduce", "all_gather", "reduce_scatter"):
             plans.append(b.ring(op, group))
+        nvls_ok = self._nvswitch and ppn >= 2
+        if nvls_ok:
+            eff = nccl.NVLS_EFFICIENCY[self.arch]
+            ch = nccl.NVLS_CHANNELS[self.arch]
+            # NCCL's NVLS bandwidth counts (nChannels-1)/nChannels (tuning.cc).
+            eff *= (ch - 1) / ch
         if op == "all_reduce":
-            if n_nodes > 1 or self.settings.algo == "tree":
-                plans.append(b.tree(group, self.settings.buffsize))
-            if self._nvswitch and ppn >= 2:
-                eff = nccl.NVLS_EFFICIENCY[self.arch]
-                ch = nccl.NVLS_CHANNELS[self.arch]
-                # NCCL's NVLS bandwidth counts (nChannels-1)/nChannels (tuning.cc).
-                eff *= (ch - 1) / ch
+            # NCCL models trees in one node too (a chain); it keeps them as candidates.
+            plans.append(b.tree(group, self.settings.buffsize))
+            if nvls_ok:
                 if n_nodes == 1:
                     plans.append(b.nvls(group, eff, ch))
                 else:
                     plans.append(b.nvls_tree(group, eff, ch, self.settings.buffsize))
+            if (n_nodes > 1 and max_local <= nccl.MAX_COLLNET_LOCAL_RANKS
+                    and len(group) == n_nodes * ppn):
+                if self._collnet(forced == "collnet_direct") and self._nvswitch:
+                    plans.append(nccl_plans.collnet_direct(b, group, self.settings.buffsize))
+                if self._collnet(forced == "collnet_chain"):
+                    plans.append(nccl_plans.collnet_chain(b, group, self.settings.buffsize))
+        if op in ("all_gather", "reduce_scatter"):
+            # PAT: one GPU per node only (tuning.cc ncclPatEnable: nNodes == nRanks, SM60+,
+            # host network; NCCL 2.23 and later).
+            if n_nodes == len(group) and n_nodes > 1:
+                plans.append(nccl_plans.pat(b, op, group))
+            # NVLS all-gather/reduce-scatter: inside one node (across nodes it needs CollNet
+            # all-gather support), at most NCCL_MAX_NVLS_ARITY local ranks.
+            if nvls_ok and n_nodes == 1 and len(group) <= nccl.MAX_NVLS_ARITY:
+                plans.append(nccl_plans.nvls_gather(b, op, group, eff, ch))
         if op == "broadcast":
             plans.append(b.chain_broadcast(group, group[0]))
         if op == "all_to_all":
@@ -136,31 +169,60 @@ class CollectiveRunner:
         self._plans[key] = plans
         return plans
 
-    def _fill_s(self, plan: FlowPlan, est: nccl.Estimate) -> float:
-        """Pipeline fill: the first chunk crosses ``fill_stages`` stages before every edge is
-        busy, each at one channel's share of the slowest link."""
-        if not plan.fill_stages or not plan.n_flows:
+    def _fill_s(self, plan: FlowPlan, est: nccl.Estimate, nbytes: float | None = None
+                ) -> float:
+        """Pipeline fill (execution only, never in NCCL's choice): with Simple, the first
+        chunk crosses ``fill_stages`` stages before every edge is busy, each at one channel's
+        share of the slowest link. The chunk is NCCL's (``chunk_bytes``) or, for a smaller
+        message, the channel's own part of it: a message below one chunk fills with its own
+        size."""
+        if nbytes is None and est.fill_s >= 0:
+            return est.fill_s
+        if not plan.fill_stages or not plan.n_flows or est.protocol != "simple":
+            # LL and LL128 forward each 16- or 128-byte line as soon as its flag lands
+            # (prims_ll.h, prims_ll128.h): no chunk to wait for beyond the per-hop latency
+            # NCCL's hwLat already charges.
             return 0.0
+        chunk = plan.chunk_bytes
+        if nbytes is not None:
+            heads = max(1, plan.n_ranks // max(1, plan.n_nodes))
+            if plan.algorithm == "nvls":
+                # Single-node NVLS: calcCollChunking cuts the 128 KiB NVLS chunk to 64 KiB
+                # below 1 GiB, but each channel step moves a loop of nHeads chunks
+                # (all_reduce.h, RunWorkColl NVLS: loopCount = nHeads x chunkSize). Neither
+                # reading alone matches the published 64 MiB point (+11.5% / -11.2%); the
+                # default NCCL_NVLS_CHUNKSIZE is kept as the pipeline unit.
+                chunk = plan.chunk_bytes
+            else:
+                chunk = nccl.chunk_bytes(plan.algorithm, nbytes, plan.channels, heads,
+                                         plan.n_nodes, self.settings.buffsize)
+            chunk = min(chunk, nbytes / max(1, plan.channels))
         sharing = plan.channels if plan.algorithm == "nvls" else 1
         per_channel = float(plan.bottleneck.min()) * est.bw_factor / sharing
-        return plan.fill_stages * plan.chunk_bytes / per_channel
+        return plan.fill_stages * chunk / per_channel
 
     def select(self, op: str, group: tuple[int, ...], nbytes: float
                ) -> tuple[FlowPlan, nccl.Estimate, float]:
-        """The (plan, estimate, predicted time) NCCL would pick, honouring forced settings."""
+        """The (plan, estimate, predicted time) NCCL would pick, honouring forced settings.
+        The estimate carries the fill this size pays in execution (``fill_s``)."""
         key = (op, group, nbytes)
         hit = self._selected.get(key)
         if hit is None:
-            hit = self._selected[key] = self._select(op, group, nbytes)
+            plan, est, t = self._select(op, group, nbytes)
+            est = replace(est, fill_s=self._fill_s(plan, est, nbytes))
+            hit = self._selected[key] = (plan, est, t)
         return hit
 
     def _select(self, op: str, group: tuple[int, ...], nbytes: float
                 ) -> tuple[FlowPlan, nccl.Estimate, float]:
+        """ncclTopoGetAlgoTime over every (algorithm, protocol): latency + bytes / bandwidth
+        with the tree's size correction; the least time wins (enqueue.cc topoGetAlgoInfo)."""
         best: tuple[FlowPlan, nccl.Estimate, float] | None = None
         candidates = self.plans(op, group)
         forced = [p for p in candidates if p.algorithm == self.settings.algo]
         if forced:
             candidates = forced  # an algorithm that does not apply to this op is ignored
+        cpu = self.cpu_vendor
         for plan in candidates:
             if plan.algorithm == "p2p":
                 ests = [nccl.Estimate("p2p", "simple", _p2p_latency(plan),
@@ -168,11 +230,16 @@ class CollectiveRunner:
             else:
                 ests = nccl.estimates(plan.algorithm, op, plan.n_ranks, plan.n_nodes,
                                       self.arch, plan.bus_bw,
-                                      plan.nccl_channels or plan.channels)
+                                      plan.nccl_channels or plan.channels, cpu, nbytes)
+            if plan.n_nodes > 1 and not getattr(self.fabric.spec, "gdr", True):
+                # tuning.cc: LL128 is on by default only for inter-node paths up to PXN (PXB
+                # before Hopper); without GPUDirect RDMA the path goes through the CPU (PHB).
+                ests = [e for e in ests if e.protocol != "ll128"] or ests
             protos = [e for e in ests if self.settings.proto in ("auto", e.protocol)] or ests
             for est in protos:
-                t = est.latency_s + self._fill_s(plan, est) + (
-                    nbytes * plan.volume / est.bus_bw_bytes_per_s)
+                if est.bus_bw_bytes_per_s <= 0:
+                    continue
+                t = nccl.algo_time(est, op, nbytes, plan.volume, self.arch, cpu)
                 if best is None or t < best[2]:
                     best = (plan, est, t)
         assert best is not None

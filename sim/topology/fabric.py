@@ -227,6 +227,11 @@ class FabricSpec:
     """Local NVMe read bandwidth per server (drives striped); 0 = no NVMe device."""
     nvme_write_gbytes_per_s: float = 0.0
     """Local NVMe write bandwidth per server."""
+    cpu_vendor: str = "intel"
+    """Host CPU vendor (intel, amd, arm, power, zhaoxin, mixed): NCCL's tuning indexes its
+    multi-node LL bandwidth limit and network overhead by it; Intel where unknown."""
+    sharp: bool = False
+    """Network switches with in-network reduction (InfiniBand SHARP) for NCCL's CollNet."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
