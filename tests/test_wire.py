@@ -279,16 +279,17 @@ def test_a_large_send_over_a_long_link_is_window_bound() -> None:
 
 
 def test_a_collective_is_capped_as_a_whole_where_nccl_caps_it() -> None:
-    # NCCL caps LL's bus bandwidth for the whole collective (tuning.cc llMaxBws: 45 GB/s on
-    # Hopper across 2 nodes). The cap is spread over the ring's lock-step flows in proportion
-    # to their rates alone (bus_bw is their sum), so the collective runs at exactly the cap.
+    # NCCL caps LL's bus bandwidth for the whole collective (tuning.cc llMaxBws: across nodes
+    # indexed by the host CPU, 39 GB/s for 2 Intel nodes as on a DGX H100). The cap is spread
+    # over the ring's lock-step flows in proportion to their rates alone (bus_bw is their
+    # sum), so the collective runs at exactly the cap.
     size = 1 << 26
     env, _, run, _, _ = runner(dgx(2), proto="ll")
     group = tuple(range(16))
     t = timed(env, run.run_collective("all_reduce", group, size))
     plan, est, _ = run.select("all_reduce", group, size)
     assert plan.bus_bw == pytest.approx(float(plan.bottleneck.sum()))
-    cap = nccl.LL_MAX_BW_GBPS["hopper"][1] * GB
+    cap = nccl.ll_max_bw_gbps("hopper", 2, "intel") * GB
     assert est.bus_bw_bytes_per_s == pytest.approx(cap)
     assert t == pytest.approx(est.latency_s + 2 * 15 / 16 * size / cap, rel=1e-6)
 
@@ -337,3 +338,18 @@ def test_one_gpu_nodes_use_every_nic_on_the_gpus_switch() -> None:
     pcie = 63 * GB * nccl.PCIE_EFFICIENCY
     nics = 2 * 50 * GB * nccl.NETWORK_EFFICIENCY
     assert t == pytest.approx(est.latency_s + size / min(pcie, nics), rel=1e-6)
+
+
+def test_pat_pays_the_zone_link_once_per_crossing_distance() -> None:
+    # PAT (one GPU per node) exchanges at distances 1, 2, 4 in dependent steps. Nodes are
+    # spread over the two zones round robin, so only the odd distance (1) crosses the zone
+    # link: an 8-node PAT all-gather's chain crosses it once, a ring's 7 hops cross it 7 times.
+    spec = dgx(8, azs=2, az_latency_ms=1.0)
+    _, _, run, fab, _ = runner(spec, algo="pat")
+    zone_link = float(fab.latency[np.flatnonzero(fab.kind == LINK_KINDS.index("cross_az"))[0]])
+    group = tuple(range(0, 64, 8))
+    plan, _, _ = run.select("all_gather", group, 8)
+    assert plan.algorithm == "pat"
+    assert plan.chain_latency_s == pytest.approx(zone_link, rel=0.01)
+    ring = run.builder.ring("all_gather", group)
+    assert ring.chain_latency_s == pytest.approx(7 * zone_link, rel=0.01)

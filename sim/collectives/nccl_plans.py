@@ -24,6 +24,7 @@ out of the flows and their time out of the max-min solve.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -56,13 +57,19 @@ def pat(b: PlanBuilder, op: str, group: Sequence[int]) -> FlowPlan:
     ranks = sorted(group)
     n = len(ranks)
     edges: list[tuple[int, int, float, int | None]] = []
+    chain = 0.0
     d = 1
     while d < n:
         shards = min(d, n - d)
+        step = 0.0
         for i, r in enumerate(ranks):
             # All-gather sends towards r + d; reduce-scatter the mirror image: same bytes.
             dst = ranks[(i + d) % n] if op == "all_gather" else ranks[(i - d) % n]
             edges.append((r, dst, shards / n, None))
+            step = max(step, b.long_haul(r, dst))
+        # The log2(n) distances are dependent steps: each pays its slowest long-haul hop
+        # (sim.collectives.chain).
+        chain += step
         d *= 2
     plan = b._plan("pat", edges, n, n, 1, 0.0, 1.0)
     # NCCL: busBw = nChannels x the tree graph's per-channel bandwidth; all-gather and
@@ -71,7 +78,7 @@ def pat(b: PlanBuilder, op: str, group: Sequence[int]) -> FlowPlan:
     bus = float(plan.bottleneck.min()) if plan.n_flows else math.inf
     return FlowPlan("pat", plan.flat, plan.lengths, plan.share, plan.bottleneck,
                     plan.path_latency, n, n, 1, bus, 1.0, 0, 0.0,
-                    nccl_channel_count(n, 1, b.g))
+                    nccl_channel_count(n, 1, b.g), chain_latency_s=chain)
 
 
 def nvls_gather(b: PlanBuilder, op: str, group: Sequence[int], efficiency: float,
@@ -153,8 +160,14 @@ def _collnet(b: PlanBuilder, algorithm: str, group: Sequence[int], buffsize: flo
                               (tuple(fab.route(z, a)), 1.0 / ppn)]
     nvl = min((float(b.capacity[list(p)].min()) for p, _ in paths), default=math.inf)
     nic = math.inf
+    chain = 0.0
     for k in range(ppn):
-        tree = _sharp_tree(b, [by[node][k] for node in nodes], 1.0 / ppn)
+        heads = [by[node][k] for node in nodes]
+        # Reduced up the aggregation tree to its root and multicast back down
+        # (sim.collectives.chain): the slowest head's long-haul propagation both ways.
+        chain = max([chain] + [b.long_haul(h, heads[0]) + b.long_haul(heads[0], h)
+                               for h in heads[1:]])
+        tree = _sharp_tree(b, heads, 1.0 / ppn)
         nic = min(nic, min(float(b.capacity[list(p)].min()) for p, _ in tree))
         paths += tree
     # NCCL counts a CollNet all-reduce as 2S per rank over busBw (ratio 0.5): volume 2, and
@@ -162,8 +175,9 @@ def _collnet(b: PlanBuilder, algorithm: str, group: Sequence[int], buffsize: flo
     per_byte = max(2.0 * (ppn - 1) / ppn / nvl, 1.0 / ppn / nic)
     chans = nccl_channel_count(len(nodes), ppn, b.g)
     stages = 2 if algorithm == "collnet_direct" else 2 * ppn
-    return _raw(b, algorithm, paths, n, len(nodes), ppn, 2.0 / per_byte, 2.0, chans,
+    plan = _raw(b, algorithm, paths, n, len(nodes), ppn, 2.0 / per_byte, 2.0, chans,
                 fill_stages=stages, chunk_bytes=buffsize / 8)
+    return dataclasses.replace(plan, chain_latency_s=chain)
 
 
 def collnet_direct(b: PlanBuilder, group: Sequence[int], buffsize: float) -> FlowPlan:
