@@ -313,6 +313,9 @@ class _Pipe:
 
     def forward(self, cls: RankClass, st: int, mb: int) -> None:
         su, c = self.su, self.cost
+        # _exec_forward_pass clones the received input (pipe_buffers['inputs'] keeps the
+        # original until the gradient is sent back): one more [s, b, h] per micro-batch.
+        held = (("activations", self.act_bytes),) if st > 0 else ()
         if st > 0 and su.partitioned_act:
             # PartitionedTensor.from_meta(...).full(): all-gather the received slices.
             self.tp(cls, st, "all_gather", f"gather input mb{mb}", mb)
@@ -321,6 +324,9 @@ class _Pipe:
                          cpu_s=self.cpu["embed"],
                          alloc=(("activations", c["embed"].saved_bytes),))
             self.tp(cls, st, "all_reduce", f"embed all_reduce mb{mb}", mb)
+        else:
+            self.compute(cls, f"clone input mb{mb}", self.cm.membound_time(2 * self.act_bytes),
+                         "fwd", mb, cpu_s=TORCH_CALL_CPU_S, alloc=held)
         for layer in su.stage_layers[st]:
             self.layer_fwd(cls, st, mb, layer, "fwd")
         if st == su.p - 1:
@@ -331,39 +337,59 @@ class _Pipe:
 
     def backward(self, cls: RankClass, st: int, mb: int) -> None:
         su, c = self.su, self.cost
+        n = self.stage_params(st)
         if self.su.bf16_optimizer:
             # BF16_Optimizer.clear_lp_grads: the previous backward's bf16 .grad go.
             self.compute(cls, f"clear_lp_grads mb{mb}", 0.0, "bwd", mb,
-                         free=(("gradients", W16 * self.stage_params(st)),),
-                         cpu_s=TORCH_CALL_CPU_S)
+                         free=(("gradients", W16 * n),), cpu_s=TORCH_CALL_CPU_S)
         if st < su.p - 1 and su.partitioned_grad:
             # Rebuild this stage's output (freed after it was sent) and the received gradient.
             self.tp(cls, st, "all_gather", f"gather output mb{mb}", mb)
             self.tp(cls, st, "all_gather", f"gather output grad mb{mb}", mb)
-        grads = W16 * self.stage_params(st)
-        first = True
+        grads = self._grad_alloc(mb, W16 * n)
         if st == su.p - 1:
             self.compute(cls, f"bwd head+loss mb{mb}", c["head"].bwd_gpu_s, "bwd", mb,
                          cpu_s=self.cpu_b["head"], free=(("activations", c["head"].saved_bytes),),
                          transient=c["head"].bwd_transient_bytes,
-                         flops=self.blocks["head"].flops_bwd,
-                         alloc=self._grad_alloc(mb, grads))
-            first = False
+                         flops=self.blocks["head"].flops_bwd, alloc=grads)
+            grads = ()
+            # parallel_lm_logits: copy_to_tensor_model_parallel_region before the
+            # vocab-parallel logits GEMM, an all-reduce of the input gradient in backward.
+            self.tp(cls, st, "all_reduce", f"all_reduce bwd head mb{mb}", mb)
         for i, layer in enumerate(reversed(su.stage_layers[st])):
             before = len(self.program.ops)
             self.layer_bwd(cls, st, mb, layer)
-            if first and i == 0:
+            if grads and i == 0:
                 op = self.program.ops[before]
-                op.alloc = op.alloc + self._grad_alloc(mb, grads)
-                first = False
+                op.alloc = op.alloc + grads
+        last = None
         if st == 0:
-            self.compute(cls, f"bwd embed mb{mb}", c["embed"].bwd_gpu_s, "bwd", mb,
-                         cpu_s=self.cpu_b["embed"],
-                         free=(("activations", c["embed"].saved_bytes),))
+            last = self.compute(cls, f"bwd embed mb{mb}", c["embed"].bwd_gpu_s, "bwd", mb,
+                                cpu_s=self.cpu_b["embed"],
+                                free=(("activations", c["embed"].saved_bytes),))
+        tensors = self.tensors(st)
         if self.su.bf16_optimizer:
-            # update_hp_grads: hp.add_(lp.grad.float()) per tensor.
-            self.membound(cls, f"update_hp_grads mb{mb}", (W16 + 4 * FP32) * self.stage_params(st),
-                          "bwd", kernels=2 * (16 * len(su.stage_layers[st]) + 4), mb=mb)
+            # update_hp_grads: hp.add_(lp.grad.float()) per tensor (cast, then add).
+            last = self.membound(cls, f"update_hp_grads mb{mb}", (W16 + 4 * FP32) * n, "bwd",
+                                 kernels=2 * tensors, mb=mb)
+        elif mb > 0:
+            # AccumulateGrad adds each new 16-bit gradient into .grad.
+            last = self.membound(cls, f"accumulate .grad mb{mb}", 3 * W16 * n, "bwd",
+                                 kernels=tensors, mb=mb)
+        if st > 0:
+            # The input buffer goes once its gradient is sent (_exec_send_grads).
+            if last is None:
+                last = self.compute(cls, f"release input mb{mb}", 0.0, "bwd", mb)
+            last.free = last.free + (("activations", self.act_bytes),)
+
+    def tensors(self, st: int) -> int:
+        """Parameter tensors of stage ``st`` (Megatron's GPT layer: fused QKV, projection,
+        fc1, fc2 with their biases, two norms with theirs)."""
+        m = self.mdl
+        per_layer = 4 * (2 if m.bias else 1) + 2 * (2 if m.norm == "layernorm" and m.bias
+                                                    else 1)
+        n = per_layer * len(self.su.stage_layers[st])
+        return n + (1 if st == 0 else 0) + (3 if st == self.su.p - 1 else 0)
 
     def _grad_alloc(self, mb: int, nbytes: float) -> tuple[tuple[str, float], ...]:
         """16-bit gradients appear with the first backward (every backward under
@@ -443,7 +469,7 @@ class _Pipe:
             self.membound(cls, "grads to fp32 + unscale/clip", (W16 + 3 * FP32) * part, ph,
                           kernels=3, free=(("gradients", W16 * part),))
         self.compute(cls, "FusedAdam (partition)",
-                     cm.adamw_time(part, True, 16 * len(su.stage_layers[st]) + 4)
+                     cm.adamw_time(part, True, self.tensors(st))
                      + cm.membound_time(2 * FP32 * part), ph, cpu_s=TORCH_CALL_CPU_S)
         self.membound(cls, "copy fp32 partition into 16-bit weights", (FP32 + W16) * part, ph)
         self.collective(cls, "all_gather updated weights (dp)", "all_gather", W16 * n,
