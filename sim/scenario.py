@@ -209,6 +209,10 @@ class DeepSpeedPipeline(_Strict):
     cuda_launch_blocking: bool = False
     """CUDA_LAUNCH_BLOCKING=1 (BLOOM's launch script): every kernel launch waits for the
     kernel to finish, so the host cannot run ahead of the GPU."""
+    partition_activations: bool = False
+    """ds_config activation_checkpointing.partition_activations (Megatron-DeepSpeed
+    --partition-activations): with full checkpointing each tensor-parallel rank keeps 1/tp of
+    every layer's input and all-gathers it before the recompute."""
 
 
 class DeepSpeedOptions(_Strict):

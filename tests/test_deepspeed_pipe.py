@@ -229,3 +229,26 @@ def test_bloom_176b_against_its_logged_step_time() -> None:
     # and bf16 .grad, plus 12/8 B of sharded Adam; BigScience fit it in 80 GB.
     assert not r.summary["oom"]
     assert r.summary["bubble_fraction"] >= 11 / 139 - 0.01
+
+
+def test_partition_activations_keeps_one_tp_share_of_each_checkpoint() -> None:
+    # deepspeed.checkpointing with partition_activations: a checkpointed layer's input is
+    # split over the t tensor-parallel ranks (1/t of 2 x b x s x h bytes kept per layer and
+    # micro-batch) and all-gathered before its recompute: one more all-gather per layer.
+    t, seq, h = 2, 512, 1024
+    fw = {"name": "deepspeed", "zero_stage": 1}
+    base = scenario({"tp": t, "pp": 2, "dp": 1}, gbs=4, model=SMALL, seq=seq, ac="full",
+                    framework=fw)
+    part = scenario({"tp": t, "pp": 2, "dp": 1}, gbs=4, model=SMALL, seq=seq, ac="full",
+                    framework={**fw, "pipeline": {"partition_activations": True}})
+    held = {}
+    gathers = {}
+    for name, s in (("base", base), ("part", part)):
+        prog = program(s)
+        ops = prog.classes[1].streams["compute"]
+        held[name] = sum(b for o in ops if o.phase == "fwd" and o.layer is not None
+                         for c, b in o.alloc if c == "activations")
+        gathers[name] = sum(1 for o in ops if o.collective == "all_gather")
+    layers, m = 4, 4
+    assert held["base"] - held["part"] == pytest.approx(layers * m * 2 * seq * h * (1 - 1 / t))
+    assert gathers["part"] - gathers["base"] == layers * m

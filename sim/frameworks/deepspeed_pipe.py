@@ -25,7 +25,8 @@ at commit 38327e07 (``runtime/pipe/engine.py``, ``schedule.py``, ``p2p.py``, ``m
   output (its data was freed after the send) and the received gradient.
 * Activation checkpointing (``--checkpoint-activations``, ``deepspeed.checkpointing``):
   every transformer layer keeps only its input and recomputes its forward, tensor-parallel
-  all-reduces included, before its backward.
+  all-reduces included, before its backward; with ``partition_activations`` each
+  tensor-parallel rank keeps 1/tp of the input and all-gathers it before the recompute.
 * Gradients and optimizer (``_exec_reduce_tied_grads``, ``_exec_reduce_grads``: only after
   the last micro-batch, nothing overlaps backward; all on the compute stream):
 
@@ -186,7 +187,13 @@ class _Pipe:
         self.vocab_local = padded_vocab(m, su.t) // su.t
         self.layer_saved = sum(c[k].saved_bytes for k in ("attn_pre", "attn_main", "mlp_pre",
                                                           "mlp_main"))
-        self.layer_hold = self.act_bytes if self.recompute else self.layer_saved
+        # deepspeed.checkpointing keeps a checkpointed layer's input, 1/tp of it with
+        # partition_activations (checkpointing.py partition_activations /
+        # gather_partitioned_activations).
+        self.partition_acts = opts.pipeline.partition_activations and self.recompute \
+            and su.t > 1
+        self.layer_hold = (self.act_bytes / (su.t if self.partition_acts else 1)
+                           if self.recompute else self.layer_saved)
         self.cpu = {k: PYTHON_OPS[k][0] * MEGATRON_CPU_S_PER_OP for k in c}
         self.cpu_b = {k: PYTHON_OPS[k][1] * MEGATRON_CPU_S_PER_OP / 2 for k in c}
         self.blocking = opts.pipeline.cuda_launch_blocking
@@ -297,6 +304,9 @@ class _Pipe:
 
     def layer_bwd(self, cls: RankClass, st: int, mb: int, layer: int) -> None:
         if self.recompute:
+            if self.partition_acts:
+                self.tp(cls, st, "all_gather", f"gather checkpointed input L{layer} mb{mb}", mb,
+                        layer)
             self.layer_fwd(cls, st, mb, layer, "recompute")
         c, cpu = self.cost, self.cpu_b
         self.compute(cls, f"bwd mlp L{layer} mb{mb}",
