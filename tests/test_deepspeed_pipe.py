@@ -199,6 +199,10 @@ def test_three_d_layouts_are_no_longer_refused() -> None:
     r = simulate(scenario({"tp": 2, "pp": 2, "dp": 2}, gbs=8, model=SMALL, seq=512))
     assert r.program.meta["schedule"] == "deepspeed TrainSchedule"
     assert r.summary["step_time_s"] > 0 and r.summary["bubble_fraction"] > 0
+    # Tensor parallelism alone: a one-stage pipeline (F, B per micro-batch), no p2p.
+    r = simulate(scenario({"tp": 2, "pp": 1, "dp": 4}, gbs=8, model=SMALL, seq=512))
+    assert r.summary["step_time_s"] > 0 and r.summary["bubble_fraction"] == 0
+    assert not [o for o in r.program.ops if o.kind == "recv"]
 
 
 @pytest.mark.parametrize("framework,par,key", [
