@@ -430,13 +430,14 @@ class _Pipe:
             return
         ph: Phase = "bwd"
         if su.bf16_optimizer:
-            # buffered_allreduce_fallback over BF16_Optimizer's one flat fp32 gradient: cast
-            # to the bf16 communication dtype, scale by 1/dp, all-reduce, copy back.
+            # buffered_allreduce_fallback over BF16_Optimizer's one flat fp32 gradient
+            # (allreduce_bucket): cast to the bf16 communication dtype, all-reduce, scale by
+            # 1/dp afterwards (postscale_gradients, the default), copy back.
             self.membound(cls, "cast fp32 grads to bf16", (FP32 + W16) * n, ph,
                           alloc=(("buffers", W16 * n),))
-            self.membound(cls, "scale 1/dp", 2 * W16 * n, ph)
             self.collective(cls, "all_reduce grads (dp)", "all_reduce", W16 * n, groups,
                             f"dp/{st}")
+            self.membound(cls, "scale 1/dp", 2 * W16 * n, ph)
             self.membound(cls, "copy back to fp32", (W16 + FP32) * n, ph,
                           free=(("buffers", W16 * n),))
             return
