@@ -256,3 +256,25 @@ def test_partition_activations_keeps_one_tp_share_of_each_checkpoint() -> None:
     layers, m = 4, 4
     assert held["base"] - held["part"] == pytest.approx(layers * m * 2 * seq * h * (1 - 1 / t))
     assert gathers["part"] - gathers["base"] == layers * m
+
+
+def test_fp16_without_zero_keeps_every_state_and_gathers_nothing() -> None:
+    # zero_stage 0 with fp16 is FP16_Optimizer: each rank keeps the stage's full fp32 master
+    # and Adam states (12 B/param, not sharded), all-reduces the fp16 gradients (2 B/param)
+    # and has no weights to all-gather after the step.
+    s = scenario_from_dict({
+        "model": SMALL, "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 8,
+                                    "nics_per_node": 0},
+        "framework": {"name": "deepspeed", "zero_stage": 0},
+        "parallelism": {"tp": 2, "pp": 2, "dp": 2},
+        "training": {"seq_len": 512, "global_batch_size": 8, "precision": "fp16"}})
+    prog = program(s)
+    assert prog.meta["optimizer"] == "FP16_Optimizer"
+    counts = stage_param_counts(JobContext.from_scenario(s))
+    for st, cls in enumerate(prog.classes):
+        assert cls.initial_memory["optimizer"] == 12 * counts[st]
+        ops = [o for ops in cls.streams.values() for o in ops]
+        dp = [o for o in ops if o.kind == "collective" and o.name.endswith("(dp)")]
+        assert {o.collective for o in dp} == {"all_reduce"}
+        assert sum(o.nbytes for o in dp) == 2 * counts[st]
+    assert simulate(s).summary["step_time_s"] > 0

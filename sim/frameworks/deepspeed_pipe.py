@@ -37,6 +37,10 @@ at commit 38327e07 (``runtime/pipe/engine.py``, ``schedule.py``, ``p2p.py``, ``m
     flat fp32 gradients to bf16 and all-reduces them over data-parallel ranks; fp32 master
     weights and Adam states are sharded over data-parallel ranks, the step updates the shard
     and all-gathers the bf16 weights.
+  - ``zero_stage: 0`` with fp16 — ``FP16_Optimizer`` (fused): 16-bit gradients accumulate
+    in ``.grad``; ``buffered_allreduce_fallback`` all-reduces them in buckets of 5e8
+    elements; every rank keeps the stage's full fp32 master and Adam states; overflow
+    check and norm read by the host; no weight all-gather.
   - ``zero_stage: 1`` — ``DeepSpeedZeroOptimizer``: 16-bit gradients accumulate in ``.grad``;
     ``reduce_gradients(pipeline_parallel=True)`` all-reduces them bucket by bucket
     (``reduce_bucket_size``) through the ipg buffer, each rank keeping its slice; the step on
@@ -60,6 +64,14 @@ from dataclasses import dataclass
 
 from sim.frameworks.base import JobContext
 from sim.frameworks.deepspeed_pipe_schedule import train_schedule
+from sim.frameworks.deepspeed_pipe_step import (
+    FP32,
+    TORCH_CALL_CPU_S,
+    W16,
+    optimizer_step,
+    reduce_grads,
+    reduce_tied,
+)
 from sim.frameworks.megatron import MEGATRON_CPU_S_PER_OP
 from sim.layer_ops import BlockCost, price_block
 from sim.megatron_ops import (
@@ -73,15 +85,9 @@ from sim.megatron_ops import (
 from sim.program import CollectiveOp, Op, Phase, Program, RankClass
 from sim.scenario import DeepSpeedOptions
 
-W16 = 2
-FP32 = 4
-ENGINE_ALLREDUCE_ELEMENTS = 500_000_000
-"""engine.py MEMORY_OPT_ALLREDUCE_SIZE: bucket of buffered_allreduce_fallback."""
 META_BYTES = 64
 """PartitionedTensor.to_meta: a LongTensor of the original shape, part count, rank and the
 partition offsets (8 bytes each, about eight of them)."""
-TORCH_CALL_CPU_S = MEGATRON_CPU_S_PER_OP
-"""Host time of one Python-level torch call in this stack (sim.frameworks.megatron)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class _Setup:
     dp: int
     m: int
     bf16_optimizer: bool
+    fp16_optimizer: bool
     partitioned_act: bool
     partitioned_grad: bool
     stage_layers: tuple[tuple[int, ...], ...]
@@ -139,8 +146,6 @@ def _resolve(ctx: JobContext) -> _Setup:
                 "(vp) or sequence parallelism")
     ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
                 "Megatron-DeepSpeed is modelled with bf16 or fp16")
-    ctx.require(opts.zero_stage == 1 or s.training.precision == "bf16", "framework.zero_stage",
-                "fp16 without ZeRO (FP16_Optimizer) is not modelled with pipelines; use 1")
     ctx.require(s.training.activation_checkpointing != "selective",
                 "training.activation_checkpointing",
                 "deepspeed.checkpointing recomputes whole layers: none or full")
@@ -150,7 +155,8 @@ def _resolve(ctx: JobContext) -> _Setup:
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
     layers = _stage_layers(ctx, opts.pipeline.partition_method)
     return _Setup(t=t, p=par.pp, dp=ctx.dp, m=ctx.micro_batches,
-                  bf16_optimizer=opts.zero_stage == 0,
+                  bf16_optimizer=opts.zero_stage == 0 and s.training.precision == "bf16",
+                  fp16_optimizer=opts.zero_stage == 0 and s.training.precision == "fp16",
                   partitioned_act=opts.pipeline.pipe_partitioned and t > 1,
                   partitioned_grad=opts.pipeline.grad_partitioned and t > 1,
                   stage_layers=layers)
@@ -406,88 +412,6 @@ class _Pipe:
         BF16_Optimizer, which clears them before each)."""
         return (("gradients", nbytes),) if (mb == 0 or self.su.bf16_optimizer) else ()
 
-    # ------------------------------------------------------------------ step end
-    def reduce_tied(self, cls: RankClass, st: int) -> None:
-        su, m = self.su, self.mdl
-        if su.p == 1 or st not in (0, su.p - 1) or not m.tied_embeddings:
-            return
-        pairs = tuple((self.rank(ti, di, 0), self.rank(ti, di, su.p - 1))
-                      for ti in range(su.t) for di in range(su.dp))
-        # BF16_Optimizer reduces the fp32 accumulator (weight._hp_grad), ZeRO-1 the .grad.
-        width = FP32 if su.bf16_optimizer else W16
-        self.op(cls, Op(name="all_reduce tied embedding grads", kind="collective",
-                        stream="compute", phase="comm", collective="all_reduce",
-                        group=pairs[0], groups=pairs,
-                        nbytes=float(width * self.vocab_local * m.hidden),
-                        key="deepspeed-pipe/tied", category="all_reduce",
-                        cpu_s=TORCH_CALL_CPU_S))
-
-    def reduce_grads(self, cls: RankClass, st: int) -> None:
-        su = self.su
-        n = self.stage_params(st)
-        groups = self.dp_groups(st)
-        if su.dp == 1:
-            return
-        ph: Phase = "bwd"
-        if su.bf16_optimizer:
-            # buffered_allreduce_fallback over BF16_Optimizer's one flat fp32 gradient
-            # (allreduce_bucket): cast to the bf16 communication dtype, all-reduce, scale by
-            # 1/dp afterwards (postscale_gradients, the default), copy back.
-            self.membound(cls, "cast fp32 grads to bf16", (FP32 + W16) * n, ph,
-                          alloc=(("buffers", W16 * n),))
-            self.collective(cls, "all_reduce grads (dp)", "all_reduce", W16 * n, groups,
-                            f"dp/{st}")
-            self.membound(cls, "scale 1/dp", 2 * W16 * n, ph)
-            self.membound(cls, "copy back to fp32", (W16 + FP32) * n, ph,
-                          free=(("buffers", W16 * n),))
-            return
-        # DeepSpeedZeroOptimizer.reduce_gradients(pipeline_parallel=True): every gradient in
-        # parameter order through the ipg buffer, one all-reduce per reduce_bucket_size
-        # elements (pre-divided), each rank copying its slice into its partition.
-        bucket = self.opts.reduce_bucket_size
-        self.compute(cls, "allocate ipg buffer", 0.0, ph,
-                     alloc=(("buffers", W16 * min(bucket, n)),), cpu_s=TORCH_CALL_CPU_S)
-        left = n
-        k = 0
-        while left > 0:
-            el = min(bucket, left)
-            self.membound(cls, f"copy grads into ipg bucket {k}", 2 * W16 * el, ph)
-            self.membound(cls, f"pre-divide bucket {k}", 2 * W16 * el, ph)
-            self.collective(cls, f"all_reduce grad bucket {k} (dp)", "all_reduce", W16 * el,
-                            groups, f"dp/{st}")
-            self.membound(cls, f"copy my slice into partition (bucket {k})",
-                          2 * W16 * el / su.dp, ph, kernels=2)
-            left -= el
-            k += 1
-        self.compute(cls, "release ipg buffer + .grad", 0.0, ph,
-                     free=(("buffers", W16 * min(bucket, n)), ("gradients", W16 * n)),
-                     alloc=(("gradients", W16 * n / su.dp),))
-
-    def optimizer(self, cls: RankClass, st: int) -> None:
-        su, cm = self.su, self.cm
-        n = self.stage_params(st)
-        part = n / su.dp
-        ph: Phase = "optimizer"
-        grads = (FP32 if su.bf16_optimizer else W16) * part
-        self.membound(cls, "grad norm (partition)", grads, ph, kernels=4)
-        # Global norm: summed over the replica's model-parallel group (every stage and
-        # tensor-parallel rank), so no stage steps before the slowest has reduced.
-        mp = tuple(tuple(self.rank(ti, di, s) for s in range(su.p) for ti in range(su.t))
-                   for di in range(su.dp))
-        self.collective(cls, "all_reduce grad norm (model parallel)", "all_reduce", FP32, mp,
-                        "", key="deepspeed-pipe/norm")
-        if not su.bf16_optimizer:
-            self.membound(cls, "grads to fp32 + unscale/clip", (W16 + 3 * FP32) * part, ph,
-                          kernels=3, free=(("gradients", W16 * part),))
-        self.compute(cls, "FusedAdam (partition)",
-                     cm.adamw_time(part, True, self.tensors(st))
-                     + cm.membound_time(2 * FP32 * part), ph, cpu_s=TORCH_CALL_CPU_S)
-        self.membound(cls, "copy fp32 partition into 16-bit weights", (FP32 + W16) * part, ph)
-        self.collective(cls, "all_gather updated weights (dp)", "all_gather", W16 * n,
-                        self.dp_groups(st), f"dp/{st}")
-        if su.bf16_optimizer:
-            self.membound(cls, "clear_hp_grads (zero fp32 grads)", FP32 * n, ph)
-
     # ------------------------------------------------------------------ program
     def build(self) -> Program:
         ctx, su = self.ctx, self.su
@@ -497,8 +421,10 @@ class _Pipe:
                                    for di in range(su.dp)))
             cls = RankClass(st, members, label=f"pipeline stage {st}")
             n = self.stage_params(st)
+            # fp32 master + Adam m, v: sharded over the replicas, except FP16_Optimizer's.
+            shard = 1 if su.fp16_optimizer else su.dp
             cls.initial_memory = {"parameters": float(W16 * n),
-                                  "optimizer": 3.0 * FP32 * n / su.dp}
+                                  "optimizer": 3.0 * FP32 * n / shard}
             if su.bf16_optimizer:
                 # fp32 accumulators, and the bf16 .grad the last backward left (cleared by
                 # the first backward of the step).
@@ -513,7 +439,8 @@ class _Pipe:
         self.program.meta.update(
             framework="deepspeed", zero_stage=self.opts.zero_stage, micro_batches=su.m,
             pipeline_stages=su.p, style="megatron", schedule="deepspeed TrainSchedule",
-            optimizer="BF16_Optimizer" if su.bf16_optimizer else "DeepSpeedZeroOptimizer")
+            optimizer="BF16_Optimizer" if su.bf16_optimizer else "FP16_Optimizer"
+            if su.fp16_optimizer else "DeepSpeedZeroOptimizer")
         for st, cls in enumerate(classes):
             self.stage(cls, st)
         return self.program
@@ -530,9 +457,9 @@ class _Pipe:
                                              su.partitioned_grad),
             "recv_grad": lambda mb: self.p2p(cls, "grad", st + 1, st, mb, False,
                                              su.partitioned_grad),
-            "reduce_tied": lambda mb: self.reduce_tied(cls, st),
-            "reduce_grads": lambda mb: self.reduce_grads(cls, st),
-            "optimizer": lambda mb: self.optimizer(cls, st),
+            "reduce_tied": lambda mb: reduce_tied(self, cls, st),
+            "reduce_grads": lambda mb: reduce_grads(self, cls, st),
+            "optimizer": lambda mb: optimizer_step(self, cls, st),
         }
         for step in train_schedule(su.m, su.p, st):
             for ins in step:
