@@ -250,7 +250,7 @@ class _Pipe:
                  kernels: int = 1, **kw: object) -> Op:
         dur = self.cm.membound_time(nbytes) + max(0, kernels - 1) * self.cm.kernel_min_s
         return self.compute(cls, name, dur, phase, kernels=kernels,
-                            cpu_s=kernels * TORCH_CALL_CPU_S, **kw)
+                            cpu_s=kernels * TORCH_CALL_CPU_S, **kw)  # type: ignore[arg-type]
 
     def collective(self, cls: RankClass, name: str, coll: CollectiveOp, nbytes: float,
                    groups: tuple[tuple[int, ...], ...], prefix: str, mb: int = -1,
