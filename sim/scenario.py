@@ -195,9 +195,36 @@ class ZeroPlusPlus(_Strict):
     the node, then across nodes) instead of the ring reduce-scatter."""
 
 
+class DeepSpeedPipeline(_Strict):
+    """Megatron-DeepSpeed 3D (``parallelism.tp`` or ``pp`` > 1): DeepSpeed's PipelineEngine
+    over Megatron's tensor-parallel layers (``GPTModelPipe``), as BLOOM-176B trained."""
+
+    pipe_partitioned: bool = True
+    """ds_config pipeline.pipe_partitioned: with tp > 1 each tensor-parallel rank sends 1/tp
+    of the activation; the next stage all-gathers it."""
+    grad_partitioned: bool = True
+    """ds_config pipeline.grad_partitioned: the same for the gradients sent back."""
+    partition_method: Literal["type:transformer", "type:transformer|embedding"] = \
+        "type:transformer"
+    """PipelineModule partition_method (Megatron-DeepSpeed --pp-partition-method): balance
+    transformer layers, or count the two (tied) embedding layers as layers too."""
+    flash_attention: bool = False
+    """Megatron-DeepSpeed --use-flash-attn; false: baddbmm, fused softmax, bmm."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Hidden and attention dropout (Megatron-DeepSpeed's default is 0.1)."""
+    cuda_launch_blocking: bool = False
+    """CUDA_LAUNCH_BLOCKING=1 (BLOOM's launch script): every kernel launch waits for the
+    kernel to finish, so the host cannot run ahead of the GPU."""
+    partition_activations: bool = False
+    """ds_config activation_checkpointing.partition_activations (Megatron-DeepSpeed
+    --partition-activations): with full checkpointing each tensor-parallel rank keeps 1/tp of
+    every layer's input and all-gathers it before the recompute."""
+
+
 class DeepSpeedOptions(_Strict):
-    """Microsoft DeepSpeed ZeRO stages 0-3, ZeRO++ and ZeRO-Offload/Infinity (pure data
-    parallelism; values in elements unless the name says otherwise, as in ds_config)."""
+    """Microsoft DeepSpeed ZeRO stages 0-3, ZeRO++ and ZeRO-Offload/Infinity (values in
+    elements unless the name says otherwise, as in ds_config); with tensor or pipeline
+    parallelism, Megatron-DeepSpeed's 3D layout (``pipeline``, stages 0-1)."""
 
     name: Literal["deepspeed"]
     zero_stage: Literal[0, 1, 2, 3] = 3
@@ -232,6 +259,8 @@ class DeepSpeedOptions(_Strict):
     the GPU before each all-gather."""
     zeropp: ZeroPlusPlus = ZeroPlusPlus()
     """ZeRO++ communication optimisations (stage 3)."""
+    pipeline: DeepSpeedPipeline = DeepSpeedPipeline()
+    """Megatron-DeepSpeed 3D options (used with parallelism.tp or pp > 1)."""
 
 
 class FairscaleOptions(_Strict):

@@ -533,7 +533,9 @@ def test_nvme_offload_swaps_optimizer_states_around_the_cpu_step() -> None:
     ({"zero_stage": 0, "offload_optimizer": "cpu"}, {}, "framework.offload_optimizer"),
     ({"zero_stage": 3, "zeropp": {"hpz": True, "hpz_partition_size": 3}}, {},
      "framework.zeropp.hpz_partition_size"),
-    ({"zero_stage": 3}, {"parallelism": {"tp": 2}}, "parallelism"),
+    # With tp or pp > 1 the step is DeepSpeed's PipelineEngine, which refuses ZeRO-2/3.
+    ({"zero_stage": 3}, {"parallelism": {"tp": 2}}, "framework.zero_stage"),
+    ({"zero_stage": 1}, {"parallelism": {"tp": 2, "cp": 2}}, "parallelism"),
 ])
 def test_bad_input_is_refused_naming_the_key(framework: dict, extra: dict, key: str) -> None:
     d = {"name": "t", "model": SMALL,

@@ -52,6 +52,10 @@ PUBLISHED: dict[str, tuple[int, int | None]] = {
                     405_853_388_800),
     # Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, n_ctx 2048; GPT-2 BPE vocab 50,257.
     "gpt3-175b": (gpt_params(96, 12288, 50257, 2048), None),
+    # bigscience/bloom config.json: 70 layers, h 14336, vocab 250880, tied, ALiBi (no position
+    # table). The model card's 176,247,271,424 also holds the embedding LayerNorm (2h = 28,672),
+    # which the catalogue does not model.
+    "bloom-176b": (gpt_params(70, 14336, 250880, 0), 176_247_271_424 - 2 * 14336),
 }
 
 

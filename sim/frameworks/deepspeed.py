@@ -337,7 +337,13 @@ def _grad_ready(m: ModelSpec) -> dict[tuple[str, int], list[tuple[str, int]]]:
 
 @register("deepspeed")
 def build_deepspeed(ctx: JobContext) -> Program:
-    """The program of one steady-state DeepSpeed training step (see the module docstring)."""
+    """The program of one steady-state DeepSpeed training step (see the module docstring);
+    with tensor or pipeline parallelism, Megatron-DeepSpeed's 3D step
+    (:mod:`sim.frameworks.deepspeed_pipe`)."""
+    par = ctx.scenario.parallelism
+    if par.tp > 1 or par.pp > 1:
+        from sim.frameworks.deepspeed_pipe import build_deepspeed_pipe
+        return build_deepspeed_pipe(ctx)
     z = _resolve(ctx)
     if z.stage == 3:
         return _Stage3(ctx, z).build()
