@@ -68,6 +68,9 @@ class Op:
     alloc: tuple[tuple[str, float], ...] = ()
     free: tuple[tuple[str, float], ...] = ()
     transient: float = 0.0
+    transient_parts: tuple[float, ...] = ()
+    """The tensors making up ``transient`` (adding up to it), each a request to the caching
+    allocator; empty: one request of ``transient`` bytes."""
     layer: int | None = None
     micro_batch: int | None = None
     flops: float = 0.0
