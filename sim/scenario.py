@@ -364,6 +364,10 @@ class Claims(_Strict):
     step_time_s: float | None = Field(default=None, gt=0)
     peak_memory_gib: float | None = Field(default=None, gt=0)
     peak_memory_gb: float | None = Field(default=None, gt=0)
+    peak_memory_kind: Literal["reserved", "allocated", "nvidia_smi"] = "reserved"
+    """Which peak the memory claims quote: the caching allocator's reserved peak
+    (``torch.cuda.max_memory_reserved``, what torchtitan and most publications report), the
+    allocated peak (``max_memory_allocated``), or the whole process in ``nvidia-smi``."""
     mfu: float | None = Field(default=None, gt=0)
     model_state_memory_gb: float | None = Field(default=None, gt=0)
     """Parameters, gradients and optimizer states per GPU, GB (1e9 bytes)."""

@@ -24,7 +24,7 @@ from sim.memory_overheads import (
     nccl_buffer_bytes,
 )
 from sim.metrics import memory_summary
-from sim.scenario import load_scenario
+from sim.scenario import Claims, load_scenario
 
 CALIB = Path(__file__).resolve().parents[1] / "sim/catalog/calibration/h200-train-step.json"
 GIB = 2**30
@@ -203,3 +203,20 @@ def test_oom_is_judged_on_reserved() -> None:
     mem = memory_summary(r.recorder, r.program, small)
     assert mem["peak_memory_gib"] < cap < mem["peak_nvidia_smi_gib"]
     assert mem["oom"] and mem["memory_by_rank_class"][0]["oom"]
+
+
+@pytest.mark.parametrize("kind,key", [("reserved", "peak_reserved_gib"),
+                                      ("allocated", "peak_memory_gib"),
+                                      ("nvidia_smi", "peak_nvidia_smi_gib"),
+                                      (None, "peak_reserved_gib")])
+def test_memory_claim_compares_the_peak_it_names(kind: str | None, key: str) -> None:
+    # The calibration step's measured reserved peak, 80,692,117,504 B = 75.15 GiB.
+    fields: dict[str, object] = {"source": "h200-train-step.json", "peak_memory_gib": 75.15}
+    if kind is not None:
+        fields["peak_memory_kind"] = kind
+    s = load_scenario("llama3.2-1b-1xh200")
+    s = s.model_copy(update={"claims": Claims(**fields)})
+    summary = simulate(s).summary
+    (claim,) = summary["claims"]
+    assert claim["simulated"] == summary[key]
+    assert (kind or "reserved").replace("_", "-") in claim["reason"]
