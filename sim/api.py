@@ -31,6 +31,10 @@ from sim.recorder import Recorder
 from sim.scenario import Scenario
 from sim.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
 
+EXPANDABLE_SEGMENTS_BY_DEFAULT = ("fsdp2",)
+"""Frameworks whose launcher turns on the allocator's expandable segments: torchtitan's
+``run_train.sh`` exports ``PYTORCH_ALLOC_CONF="expandable_segments:True"``."""
+
 
 @dataclass
 class RunResult:
@@ -100,8 +104,12 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
              for c in program.classes}
     # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's
     # buffers are there before it.
+    expandable = scenario.allocator.expandable_segments
+    if expandable is None:
+        expandable = scenario.framework.name in EXPANDABLE_SEGMENTS_BY_DEFAULT
     recorder = Recorder(keep_link_series=keep_link_series, allocator_capacity={
-        k: ctx.gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()})
+        k: ctx.gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()},
+        expandable_segments=expandable)
     recorder.overheads = extra
     for c in program.classes:
         recorder.workspace(c.id, extra[c.id].cublas_workspace)

@@ -285,6 +285,16 @@ FrameworkOptions = Annotated[DdpOptions | Fsdp2Options | MegatronOptions | DeepS
                              Field(discriminator="name")]
 
 
+class Allocator(_Strict):
+    """PyTorch's CUDA caching allocator settings (``PYTORCH_CUDA_ALLOC_CONF``)."""
+
+    expandable_segments: bool | None = None
+    """``expandable_segments:True``: segments grow by mapping pages instead of new
+    ``cudaMalloc`` calls (less fragmentation). None: what the framework's launcher does:
+    torchtitan's ``run_train.sh`` sets it (``fsdp2``); Megatron-LM, DeepSpeed, FairScale and
+    plain PyTorch leave PyTorch's default, off."""
+
+
 class Nccl(_Strict):
     """NCCL algorithm, protocol and the settings people tune; ``auto`` lets NCCL's cost model
     choose, as NCCL does."""
@@ -397,6 +407,8 @@ class Scenario(_Strict):
     cluster: Cluster = Cluster()
     framework: FrameworkOptions = Field(default_factory=lambda: DdpOptions(name="ddp"))
     nccl: Nccl = Nccl()
+    allocator: Allocator = Allocator()
+    """PyTorch's caching allocator (``sim.allocator``)."""
     parallelism: Parallelism = Parallelism()
     training: Training = Training()
     pricing: Pricing = Pricing()

@@ -24,7 +24,7 @@ from sim.memory_overheads import (
     nccl_buffer_bytes,
 )
 from sim.metrics import memory_summary
-from sim.scenario import Claims, load_scenario
+from sim.scenario import Allocator, Claims, load_scenario
 
 CALIB = Path(__file__).resolve().parents[1] / "sim/catalog/calibration/h200-train-step.json"
 GIB = 2**30
@@ -220,3 +220,17 @@ def test_memory_claim_compares_the_peak_it_names(kind: str | None, key: str) -> 
     (claim,) = summary["claims"]
     assert claim["simulated"] == summary[key]
     assert (kind or "reserved").replace("_", "-") in claim["reason"]
+
+
+def test_expandable_segments_follow_the_launcher() -> None:
+    # torchtitan's run_train.sh exports PYTORCH_ALLOC_CONF="expandable_segments:True", so an
+    # fsdp2 run has it unless the scenario says otherwise; growing one segment in place
+    # reserves no more than separate cudaMalloc segments, and never less than allocated.
+    s = load_scenario("llama3-70b-fsdp2-64xh100")
+    default = simulate(s).summary
+    off = simulate(s.model_copy(update={"allocator": Allocator(expandable_segments=False)}))
+    on = simulate(s.model_copy(update={"allocator": Allocator(expandable_segments=True)}))
+    assert default["peak_reserved_gib"] == on.summary["peak_reserved_gib"]
+    assert default["peak_memory_gib"] <= on.summary["peak_reserved_gib"]
+    assert on.summary["peak_reserved_gib"] < off.summary["peak_reserved_gib"]
+    assert on.summary["peak_memory_gib"] == off.summary["peak_memory_gib"]
