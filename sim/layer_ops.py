@@ -664,6 +664,9 @@ class BlockCost:
     """The tensors making up ``fwd_transient_bytes`` (they add up to it), largest first."""
     fwd_transient_unsaved_parts: tuple[float, ...] = ()
     bwd_transient_parts: tuple[float, ...] = ()
+    saved_parts: tuple[float, ...] = ()
+    """The saved tensors making up ``saved_bytes``, then the weight casts making up
+    ``weight_cast_bytes``, in the order the forward creates them."""
 
 
 def _fuse(kernels: list[Kernel], keep: set[int]) -> list[Kernel]:
@@ -847,6 +850,7 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
         fwd_transient_parts=fwd_parts,
         fwd_transient_unsaved_parts=unsaved_parts,
         bwd_transient_parts=bwd_parts,
+        saved_parts=tuple(t.nbytes for t in block.saved + block.weight_casts),
     )
 
 

@@ -112,8 +112,13 @@ class Recorder(EngineObserver):
                 track.ledger.free(category, -delta)
         else:
             # An op's working set reaches the allocator as the tensors it is made of.
-            parts = (op.transient_parts if category == "buffers" and op.transient_parts
-                     and abs(abs(delta) - op.transient) <= 1.0 else (abs(delta),))
+            parts: tuple[float, ...] = (abs(delta),)
+            if category == "buffers" and op.transient_parts and abs(
+                    abs(delta) - op.transient) <= 1.0:
+                parts = op.transient_parts
+            elif category == "activations" and delta > 0 and op.alloc_parts and abs(
+                    delta - sum(op.alloc_parts)) <= 1.0:
+                parts = op.alloc_parts
             where = (op.micro_batch, op.layer)
             for part in parts:
                 if delta > 0:

@@ -68,6 +68,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         layered = block in ("attn", "mlp")
         ckpt = recompute and layered
         alloc: list[tuple[str, float]] = []
+        saved_parts: tuple[float, ...] = ()
         if ckpt:
             # Only the layer input is kept (the attention block's input, the residual stream),
             # with selective checkpointing also the outputs its policy caches.
@@ -80,6 +81,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
             parts = c.fwd_transient_unsaved_parts
         else:
             alloc.append(("activations", c.saved_bytes + c.weight_cast_bytes))
+            saved_parts = c.saved_parts
             scoped = c.forward_scoped_bytes
             transient = c.fwd_transient_bytes
             parts = c.fwd_transient_parts
@@ -90,7 +92,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         op = Op(name=f"fwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}", kind="compute",
                 stream=stream, phase="fwd", duration=c.fwd_s, kernels=c.fwd_kernels,
                 alloc=tuple(alloc),
-                transient=transient, transient_parts=parts,
+                transient=transient, transient_parts=parts, alloc_parts=saved_parts,
                 layer=layer if layer >= 0 else None, micro_batch=mb, flops=ff,
                 hw_flops=c.flops_fwd, category="forward")
         if block == "head":
