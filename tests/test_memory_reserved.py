@@ -234,3 +234,16 @@ def test_expandable_segments_follow_the_launcher() -> None:
     assert default["peak_memory_gib"] <= on.summary["peak_reserved_gib"]
     assert on.summary["peak_reserved_gib"] < off.summary["peak_reserved_gib"]
     assert on.summary["peak_memory_gib"] == off.summary["peak_memory_gib"]
+
+
+def test_memory_plot_draws_the_reserved_line() -> None:
+    from sim.plot import memory_figure
+
+    r = simulate(load_scenario("llama3.2-1b-1xh200"))
+    fig = memory_figure(r.recorder, "t")
+    (ax,) = [a for a in fig.axes if a.get_lines()]
+    lines = [ln for ln in ax.get_lines() if ln.get_label() == "reserved (caching allocator)"]
+    assert len(lines) == 1
+    top = max(lines[0].get_ydata())
+    assert top * GIB == pytest.approx(r.recorder.memory[0].reserved_peak, rel=1e-9)
+    assert top >= r.summary["peak_memory_gib"]
