@@ -109,6 +109,9 @@ def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> dict[str, A
             "peak_reserved_time_s": tr.reserved_peak_time if tr is not None else 0.0,
             "peak_nvidia_smi_gib": smi / GIB,
             "oom": smi > usable or (tr is not None and tr.ledger.allocator.oom),
+            # cudaMalloc failures the allocator survived by freeing its cache and retrying
+            # (torch.cuda.memory_stats' num_alloc_retries; DeepSpeed warns about them).
+            "allocator_retries": tr.ledger.allocator.retries if tr is not None else 0,
         })
     critical = max(rec.memory.values(), key=lambda t: t.peak) if rec.memory else None
     over = max(rec.overheads.values(), key=lambda o: o.outside_allocator + o.cublas_workspace,

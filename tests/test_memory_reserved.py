@@ -247,3 +247,25 @@ def test_memory_plot_draws_the_reserved_line() -> None:
     top = max(lines[0].get_ydata())
     assert top * GIB == pytest.approx(r.recorder.memory[0].reserved_peak, rel=1e-9)
     assert top >= r.summary["peak_memory_gib"]
+
+
+def test_allocator_retries_reported_at_the_edge_of_memory(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    # A GPU just above the allocated peak plus what sits outside PyTorch, below the reserved
+    # peak: the allocator frees its cache and retries (num_alloc_retries) and either fits
+    # within it or runs out of memory, which the summary then reports.
+    s = load_scenario("llama3.2-1b-1xh200")
+    base = simulate(s).summary
+    assert base["memory_by_rank_class"][0]["allocator_retries"] == 0
+    over = base["memory_overheads_gib"]
+    outside = over["cuda_context"] + over["nccl"]
+    cap = base["peak_memory_gib"] + outside + 1.0
+    assert cap < base["peak_nvidia_smi_gib"]
+    small = dataclasses.replace(catalog.gpu("h200"), usable_memory_gib=cap)
+    monkeypatch.setattr(catalog, "gpu", lambda key: small)
+    tight = simulate(s).summary
+    row = tight["memory_by_rank_class"][0]
+    assert row["allocator_retries"] > 0
+    assert tight["peak_memory_gib"] == base["peak_memory_gib"]
+    fits = tight["peak_reserved_gib"] <= cap - outside + 1e-9
+    assert tight["oom"] == (not fits)
