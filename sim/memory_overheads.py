@@ -26,7 +26,12 @@ Constants and their sources:
   channel) for its collectives and, for all-reduce across nodes, tree buffers (a parent and
   up to two children per channel in the double binary tree, each receiving). Point-to-point
   peers (pipeline sends) get ``NCCL_NCHANNELS_PER_NET_PEER`` = 2 channels each with a Simple
-  buffer in each direction. NVLS (NVLink SHARP) multicast buffers are not counted.
+  buffer in each direction. NVLink SHARP (``src/transport/nvls.cc``,
+  ``ncclNvlsBufferSetup``): a communicator with more than two GPUs of one NVSwitch node
+  (``ncclNvlsInit``) on Hopper or later maps ``NCCL_NVLS_NCHANNELS`` = 16 channels x 2
+  (reduce and broadcast) x ``NCCL_NVLS_CHUNKSIZE`` 128 KiB x ``NCCL_STEPS`` 8 per head, one
+  head per local GPU, in physical memory of each GPU, when it first runs an NVLS
+  collective (all-reduce, all-gather, reduce-scatter); 256 MiB on an 8-GPU node.
 * cuBLAS workspace: PyTorch gives each (cuBLAS handle, stream) a workspace from its caching
   allocator (``aten/src/ATen/cuda/CublasHandlePool.cpp``, ``getChosenWorkspaceSize``;
   ``CUBLAS_WORKSPACE_CONFIG`` default ``:4096:2:16:8`` = 8 MiB + 128 KiB, raised to 32 MiB
@@ -52,6 +57,11 @@ NCCL_CONNECTION_BYTES = NCCL_SIMPLE_BUFFSIZE + NCCL_LL128_BUFFSIZE + NCCL_LL_BUF
 NCCL_TREE_RECV_CONNECTIONS = 3
 """Parent and two children of a double-binary-tree channel, each a receive connection."""
 NCCL_P2P_CHANNELS_PER_PEER = 2
+NCCL_NVLS_CHANNELS = 16
+NCCL_NVLS_HEAD_BYTES = NCCL_NVLS_CHANNELS * 2 * 128 * 1024 * 8
+"""NVLS buffer per head (local GPU) of a communicator."""
+NVLS_ARCHS = ("hopper", "blackwell")
+NVLS_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 CUBLAS_WORKSPACE_BYTES = {"hopper": 32 * MIB, "blackwell": 32 * MIB}
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
 
@@ -75,11 +85,14 @@ def cublas_workspace_bytes(arch: str) -> int:
     return CUBLAS_WORKSPACE_BYTES.get(arch, CUBLAS_WORKSPACE_DEFAULT)
 
 
-def nccl_buffer_bytes(program: Program, cls: RankClass, gpus_per_node: int) -> float:
+def nccl_buffer_bytes(program: Program, cls: RankClass, gpus_per_node: int,
+                      arch: str = "") -> float:
     """NCCL's buffers on the first member of ``cls``: every communicator its collectives use
-    (ring, and tree for all-reduce across nodes) and its point-to-point peers."""
+    (ring, tree for all-reduce across nodes, NVLS inside an NVSwitch node on ``arch``) and
+    its point-to-point peers."""
     rank = cls.members[0]
     comms: dict[tuple[int, ...], bool] = {}      # group -> runs an all-reduce
+    nvls: set[tuple[int, ...]] = set()           # groups running an NVLS-capable collective
     peers: set[int] = set()
     for ops in cls.streams.values():
         for op in ops:
@@ -87,6 +100,8 @@ def nccl_buffer_bytes(program: Program, cls: RankClass, gpus_per_node: int) -> f
                 for g in op.all_groups:
                     if rank in g and len(g) > 1:
                         comms[g] = comms.get(g, False) or op.collective == "all_reduce"
+                        if op.collective in NVLS_COLLECTIVES:
+                            nvls.add(g)
                         break
             elif op.kind in ("send", "recv"):
                 for s, d in op.pairs:
@@ -106,11 +121,14 @@ def nccl_buffer_bytes(program: Program, cls: RankClass, gpus_per_node: int) -> f
         channels = nccl_channel_count(nodes, local, local)
         conns = 1 + (NCCL_TREE_RECV_CONNECTIONS if all_reduce and nodes > 1 else 0)
         total += channels * conns * NCCL_CONNECTION_BYTES
+        if g in nvls and arch in NVLS_ARCHS and gpus_per_node > 2 and local > 2:
+            total += local * NCCL_NVLS_HEAD_BYTES
     total += len(peers) * NCCL_P2P_CHANNELS_PER_PEER * 2 * NCCL_SIMPLE_BUFFSIZE
     return total
 
 
 def overheads(program: Program, cls: RankClass, arch: str, gpus_per_node: int) -> Overheads:
     """The CUDA context, NCCL buffers and cuBLAS workspace of one GPU of ``cls``."""
-    return Overheads(float(CUDA_CONTEXT_BYTES), nccl_buffer_bytes(program, cls, gpus_per_node),
+    return Overheads(float(CUDA_CONTEXT_BYTES),
+                     nccl_buffer_bytes(program, cls, gpus_per_node, arch),
                      float(cublas_workspace_bytes(arch)))

@@ -269,3 +269,21 @@ def test_allocator_retries_reported_at_the_edge_of_memory(monkeypatch: pytest.Mo
     assert tight["peak_memory_gib"] == base["peak_memory_gib"]
     fits = tight["peak_reserved_gib"] <= cap - outside + 1e-9
     assert tight["oom"] == (not fits)
+
+
+def test_nvls_buffers_inside_an_nvswitch_node() -> None:
+    # nvls.cc ncclNvlsBufferSetup: 16 channels x 2 x 128 KiB x 8 steps = 32 MiB per head,
+    # one head per local GPU: 256 MiB for 8 GPUs, on Hopper, not on Ampere (no multicast),
+    # nor for a group of two GPUs (ncclNvlsInit needs more than two).
+    from sim.program import Op, Program, RankClass
+
+    def comm_bytes(group: tuple[int, ...], arch: str) -> float:
+        cls = RankClass(0, tuple(range(8)))
+        prog = Program([cls], 8, 1.0, 1.0, 1.0)
+        prog.add(cls, Op("ar", "collective", "comm", "comm", collective="all_reduce",
+                         group=group, key="k"))
+        return nccl_buffer_bytes(prog, cls, 8, arch)
+
+    eight = tuple(range(8))
+    assert comm_bytes(eight, "hopper") - comm_bytes(eight, "ampere") == 256 * MIB
+    assert comm_bytes((0, 1), "hopper") == comm_bytes((0, 1), "ampere")
