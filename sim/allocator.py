@@ -368,6 +368,10 @@ class TensorLedger:
             if left <= 1.0:
                 return
 
+    def live_bytes(self) -> dict[str, float]:
+        """Bytes not yet freed, by category (what the engine's reports add up to)."""
+        return {cat: sum(e.left for e in stack if e.alive) for cat, stack in self._stack.items()}
+
     def _newest(self, key: tuple[object, ...]) -> _Entry | None:
         stack = self._by_key.get(key)
         while stack and not stack[-1].alive:

@@ -287,3 +287,26 @@ def test_nvls_buffers_inside_an_nvswitch_node() -> None:
     eight = tuple(range(8))
     assert comm_bytes(eight, "hopper") - comm_bytes(eight, "ampere") == 256 * MIB
     assert comm_bytes((0, 1), "hopper") == comm_bytes((0, 1), "ampere")
+
+
+@pytest.mark.parametrize("name,update", [
+    ("llama3.2-1b-ddp-8xh100", {}),
+    ("llama3-8b-fsdp2-8xh100-mbs4", {}),
+    ("llama3-8b-deepspeed-zero3-8xh100-mbs4", {}),
+    ("llama3-8b-fairscale-8xh100-mbs4", {}),
+    ("llama3-70b-fsdp2-tp8-32xh100", {}),
+    ("llama3-70b-megatron-tp8pp4-64xh100", {"model": "llama3.2-1b"}),
+])
+def test_allocator_conserves_what_the_engine_reports(name: str, update: dict[str, object]
+                                                     ) -> None:
+    # Conservation: after the step, the bytes the allocator still holds for each category
+    # are what the engine's allocations and frees add up to, and its blocks cover them.
+    s = load_scenario(name)
+    r = simulate(s.model_copy(update=update) if update else s)
+    for cls, tr in r.recorder.memory.items():
+        live = tr.ledger.live_bytes()
+        for cat, held in tr.current.items():
+            assert live.get(cat, 0.0) == pytest.approx(held, rel=1e-9, abs=4096), (cls, cat)
+        alloc = tr.ledger.allocator
+        assert alloc.allocated >= sum(live.values()) - 4096
+        assert alloc.peak_reserved >= alloc.peak_allocated >= tr.peak - 4096
