@@ -339,15 +339,19 @@ class TensorLedger:
              mb_layer: tuple[object, ...] = ()) -> None:
         """``nbytes`` of ``category`` freed by op number ``op``."""
         size = round(nbytes)
-        for key in ((category, "op", op, size), (category, "mb", mb_layer, size),
-                    (category, "size", size)):
+        exact: tuple[tuple[object, ...], ...] = (
+            (category, "op", op, size), (category, "mb", mb_layer, size),
+            (category, "size", size))
+        for key in exact:
             e = self._newest(key)
             if e is not None and abs(e.left - nbytes) <= 1.0:
                 self._release(e)
                 return
         left = nbytes
-        for key in ((category, "mb", mb_layer), None):
-            stack = self._stack.get(category, []) if key is None else self._by_key.get(key, [])
+        partial: tuple[tuple[object, ...] | None, ...] = ((category, "mb", mb_layer), None)
+        for part_key in partial:
+            stack = (self._stack.get(category, []) if part_key is None
+                     else self._by_key.get(part_key, []))
             while stack and not stack[-1].alive:
                 stack.pop()
             i = len(stack) - 1

@@ -92,7 +92,7 @@ def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> dict[str, A
     allocator released its cache), on every rank class.
     """
     usable = gpu.usable_memory_bytes
-    rows = []
+    rows: list[dict[str, Any]] = []
     for c in program.classes:
         tr = rec.memory.get(c.id)
         over = rec.overheads.get(c.id)
