@@ -71,7 +71,11 @@ def round_size(size: float) -> int:
     >>> round_size(1), round_size(512), round_size(513)
     (512, 512, 1024)
     """
-    n = max(int(-(-size // 1)), 1)
+    n = int(size)
+    if n < size:
+        n += 1
+    if n <= K_MIN_BLOCK_SIZE:
+        return K_MIN_BLOCK_SIZE
     return K_MIN_BLOCK_SIZE * -(-n // K_MIN_BLOCK_SIZE)
 
 
@@ -311,9 +315,9 @@ class TensorLedger:
     The engine reports memory as (category, bytes) allocations and frees of ops
     (:mod:`sim.program`): each allocation of an op is one request to the allocator, on the
     op's stream. A free names only a category and a size, so it is matched to what it
-    releases, most specific first: an allocation of the same op and size (an op's working
-    set), of the same micro-batch and layer and size (the activations a forward saved for its
-    backward), of the same size, and otherwise the newest allocations of the category, of the
+    releases, most specific first: the newest allocation of the same micro-batch, layer and
+    size (an op's working set; the activations a forward saved for its backward), of the
+    same size, and otherwise the newest allocations of the category, of the
     same micro-batch and layer first (autograd frees in reverse order of the forward); a
     partly freed allocation keeps its block until the rest goes.
     """
@@ -331,24 +335,26 @@ class TensorLedger:
         e = _Entry(self.allocator.malloc(nbytes, stream), nbytes, op, mb_layer)
         size = round(nbytes)
         self._stack.setdefault(category, []).append(e)
-        for key in ((category, "op", op, size), (category, "mb", mb_layer, size),
-                    (category, "size", size), (category, "mb", mb_layer)):
-            self._by_key.setdefault(key, []).append(e)
+        by_key = self._by_key
+        for key in ((category, mb_layer, size), (category, size), (category, mb_layer)):
+            stack = by_key.get(key)
+            if stack is None:
+                by_key[key] = [e]
+            else:
+                stack.append(e)
 
     def free(self, category: str, nbytes: float, op: int = -1,
              mb_layer: tuple[object, ...] = ()) -> None:
         """``nbytes`` of ``category`` freed by op number ``op``."""
         size = round(nbytes)
-        exact: tuple[tuple[object, ...], ...] = (
-            (category, "op", op, size), (category, "mb", mb_layer, size),
-            (category, "size", size))
+        exact: tuple[tuple[object, ...], ...] = ((category, mb_layer, size), (category, size))
         for key in exact:
             e = self._newest(key)
             if e is not None and abs(e.left - nbytes) <= 1.0:
                 self._release(e)
                 return
         left = nbytes
-        partial: tuple[tuple[object, ...] | None, ...] = ((category, "mb", mb_layer), None)
+        partial: tuple[tuple[object, ...] | None, ...] = ((category, mb_layer), None)
         for part_key in partial:
             stack = (self._stack.get(category, []) if part_key is None
                      else self._by_key.get(part_key, []))

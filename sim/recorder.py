@@ -101,38 +101,41 @@ class Recorder(EngineObserver):
 
     def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
                   op: Op | None = None) -> None:
-        track = self.track(cls.id)
+        track = self.memory.get(cls.id) or self.track(cls.id)
         track.current[category] = track.current.get(category, 0.0) + delta
-        allocator = track.ledger.allocator
+        ledger = track.ledger
+        allocator = ledger.allocator
         before = allocator.peak_reserved
         if op is None:
             if delta > 0:
-                track.ledger.alloc(category, delta)
+                ledger.alloc(category, delta)
             else:
-                track.ledger.free(category, -delta)
+                ledger.free(category, -delta)
         else:
             # An op's working set reaches the allocator as the tensors it is made of.
-            parts: tuple[float, ...] = (abs(delta),)
+            where = (op.micro_batch, op.layer)
+            parts: tuple[float, ...] = ()
             if category == "buffers" and op.transient_parts and abs(
                     abs(delta) - op.transient) <= 1.0:
                 parts = op.transient_parts
             elif category == "activations" and delta > 0 and op.alloc_parts and abs(
                     delta - sum(op.alloc_parts)) <= 1.0:
                 parts = op.alloc_parts
-            where = (op.micro_batch, op.layer)
-            for part in parts:
-                if delta > 0:
-                    track.ledger.alloc(category, part, op.stream, op.index, where)
-                else:
-                    track.ledger.free(category, part, op.index, where)
+            if delta > 0:
+                for part in parts or (delta,):
+                    ledger.alloc(category, part, op.stream, op.index, where)
+            else:
+                for part in parts or (-delta,):
+                    ledger.free(category, part, op.index, where)
         if allocator.peak_reserved > before:
             track.reserved_peak_time = t
         if self.keep_memory_series:
             rs = track.reserved_series
+            reserved = float(allocator.reserved)
             if rs and rs[-1][0] == t:
-                rs[-1] = (t, float(allocator.reserved))
-            else:
-                rs.append((t, float(allocator.reserved)))
+                rs[-1] = (t, reserved)
+            elif not rs or rs[-1][1] != reserved:
+                rs.append((t, reserved))
         total = track.total
         if total > track.peak:
             track.peak = total
