@@ -24,11 +24,16 @@ from sim.cost import cost_summary, resolve_pricing
 from sim.engine import Engine
 from sim.frameworks import JobContext, build_program
 from sim.host import HostSpec
-from sim.metrics import GIB, bytes_by_class, step_times
+from sim.memory_overheads import overheads
+from sim.metrics import bytes_by_class, memory_summary, step_times
 from sim.program import Program
 from sim.recorder import Recorder
 from sim.scenario import Scenario
 from sim.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
+
+EXPANDABLE_SEGMENTS_BY_DEFAULT = ("fsdp2",)
+"""Frameworks whose launcher turns on the allocator's expandable segments: torchtitan's
+``run_train.sh`` exports ``PYTORCH_ALLOC_CONF="expandable_segments:True"``."""
 
 
 @dataclass
@@ -98,7 +103,19 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     ctx = JobContext.from_scenario(scenario, origin)
     program = build_program(ctx)
     fabric = build_fabric(fabric_spec(scenario))
-    recorder = Recorder(keep_link_series=keep_link_series)
+    extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
+             for c in program.classes}
+    # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's
+    # buffers are there before it.
+    expandable = scenario.allocator.expandable_segments
+    if expandable is None:
+        expandable = scenario.framework.name in EXPANDABLE_SEGMENTS_BY_DEFAULT
+    recorder = Recorder(keep_link_series=keep_link_series, allocator_capacity={
+        k: ctx.gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()},
+        expandable_segments=expandable)
+    recorder.overheads = extra
+    for c in program.classes:
+        recorder.workspace(c.id, extra[c.id].cublas_workspace)
     engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
                     scenario.cluster.nic_transport, ctx.gpu.sm_count)
     # run
@@ -127,8 +144,7 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
     peak_flops = ctx.gpu.peak_flops(s.training.precision)
     mflops = program.model_flops_per_step
     hflops = program.hw_flops_per_step
-    peak_mem = max((t.peak for t in rec.memory.values()), default=0.0)
-    critical_mem = max(rec.memory.items(), key=lambda kv: kv[1].peak)[1] if rec.memory else None
+    mem = memory_summary(rec, program, ctx.gpu)
     gbytes = bytes_by_class(engine.net.class_bytes, steps)
     comm = times.comm_time_s
     summary: dict[str, Any] = {
@@ -142,9 +158,11 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
         "mfu": mflops / (step * gpus * peak_flops),
         "hfu": hflops / (step * gpus * peak_flops),
         "model_tflops_per_gpu": mflops / step / gpus / 1e12,
-        "peak_memory_gib": peak_mem / GIB,
-        "gpu_memory_gib": ctx.gpu.usable_memory_gib,
-        "oom": peak_mem > ctx.gpu.usable_memory_bytes,
+        "peak_memory_gib": mem["peak_memory_gib"],
+        "peak_reserved_gib": mem["peak_reserved_gib"],
+        "peak_nvidia_smi_gib": mem["peak_nvidia_smi_gib"],
+        "gpu_memory_gib": mem["gpu_memory_gib"],
+        "oom": mem["oom"],
         "compute_time_s": times.compute_time_s,
         "comm_time_s": comm,
         "exposed_comm_s": times.exposed_comm_s,
@@ -159,20 +177,11 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
         "framework": s.framework.name,
         "model_params": ctx.model.total_params,
         "micro_batches": ctx.micro_batches,
-        "peak_memory_breakdown_gib": (
-            {k: v / GIB for k, v in critical_mem.peak_breakdown.items()} if critical_mem
-            else {}),
-        # Each rank class's own peak (pipeline stages and the stages holding the embedding
+        "memory_overheads_gib": mem["memory_overheads_gib"],
+        "peak_memory_breakdown_gib": mem["peak_memory_breakdown_gib"],
+        # Each rank class's own peaks (pipeline stages and the stages holding the embedding
         # or the LM head differ), and whether that class runs out of memory.
-        "memory_by_rank_class": [
-            {"rank_class": c.id, "label": c.label, "ranks": len(c.members),
-             "peak_gib": rec.memory[c.id].peak / GIB if c.id in rec.memory else 0.0,
-             "peak_time_s": rec.memory[c.id].peak_time if c.id in rec.memory else 0.0,
-             "breakdown_gib": ({k: v / GIB for k, v in rec.memory[c.id].peak_breakdown.items()}
-                               if c.id in rec.memory else {}),
-             "oom": c.id in rec.memory
-             and rec.memory[c.id].peak > ctx.gpu.usable_memory_bytes}
-            for c in program.classes],
+        "memory_by_rank_class": mem["memory_by_rank_class"],
     }
     if s.claims is not None:
         states = sum(v for k, v in program.classes[0].initial_memory.items()

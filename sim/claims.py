@@ -50,6 +50,11 @@ def _num(x: float) -> str:
     return f"{x:,.{digits}f}"
 
 
+MEMORY_KIND_KEY = {"reserved": "peak_reserved_gib", "allocated": "peak_memory_gib",
+                   "nvidia_smi": "peak_nvidia_smi_gib"}
+"""The summary key of each kind of peak memory a claim may quote."""
+
+
 def verdict(metric: str, claimed: float, simulated: float,
             impossible: str | None = None, note: str | None = None) -> dict[str, Any]:
     """One verdict: physically impossible (with ``impossible`` as the reason), consistent
@@ -183,7 +188,8 @@ def judge(claims: Claims, summary: dict[str, Any], gpu: GpuSpec, precision: str,
                       f"alone take {states_text()}, above the {gpu.name}'s {mem_cap:.1f} GiB")
     oom_note = None
     if summary.get("oom") and cannot_run is None:
-        oom_note = (f"the simulated run does not fit ({summary['peak_memory_gib']:.1f} GiB "
+        smi = summary.get("peak_nvidia_smi_gib", summary["peak_memory_gib"])
+        oom_note = (f"the simulated run does not fit ({smi:.1f} GiB "
                     f"at its peak, above the {gpu.name}'s {mem_cap:.1f} GiB)")
 
     def both(*reasons: str | None) -> str | None:
@@ -236,13 +242,17 @@ def judge(claims: Claims, summary: dict[str, Any], gpu: GpuSpec, precision: str,
     if claims.mfu is not None:
         c = claims.mfu
         perf("mfu", c, summary["mfu"], fraction("MFU", c))
+    # The simulated peak of the kind the claim quotes (reserved unless it says otherwise).
+    kind = getattr(claims, "peak_memory_kind", "reserved")
+    sim_mem = summary.get(MEMORY_KIND_KEY[kind], summary["peak_memory_gib"])
+    kind_note = f"against the simulated {kind.replace('_', '-')} peak"
     if claims.peak_memory_gib is not None:
         c = claims.peak_memory_gib
-        out.append(verdict("peak_memory_gib", c, summary["peak_memory_gib"], memory(c)))
+        out.append(verdict("peak_memory_gib", c, sim_mem, memory(c), kind_note))
     if claims.peak_memory_gb is not None:
         c = claims.peak_memory_gb
-        out.append(verdict("peak_memory_gb", c, summary["peak_memory_gib"] * GIB / GB,
-                           memory(c * GB / GIB)))
+        out.append(verdict("peak_memory_gb", c, sim_mem * GIB / GB, memory(c * GB / GIB),
+                           kind_note))
     if claims.model_state_memory_gb is not None:
         c = claims.model_state_memory_gb
         low = None

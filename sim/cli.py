@@ -432,8 +432,10 @@ def _print_summary(s: dict[str, Any]) -> None:
         ("exposed communication", f"{s['exposed_comm_s']:.4f} s"
          f"  ({s['overlap_fraction']:.0%} hidden)"),
         ("pipeline bubble", f"{s['bubble_fraction']:.1%}"),
-        ("peak memory", f"{s['peak_memory_gib']:.1f} GiB of {s['gpu_memory_gib']:.1f}"
-         + ("  [red]OOM[/red]" if s["oom"] else "")),
+        ("peak memory", f"{s['peak_memory_gib']:.1f} GiB allocated, "
+         f"{s.get('peak_reserved_gib', s['peak_memory_gib']):.1f} reserved, "
+         f"{s.get('peak_nvidia_smi_gib', s['peak_memory_gib']):.1f} in nvidia-smi, "
+         f"of {s['gpu_memory_gib']:.1f}" + ("  [red]OOM[/red]" if s["oom"] else "")),
     ]
     for k, v in s["bytes"].items():
         rows.append((f"bytes · {k}", _fmt_bytes(v)))

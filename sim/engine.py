@@ -50,8 +50,10 @@ class EngineObserver(NetworkObserver):
         """An op finished: it was ready (reached and dependencies met) at ``ready``, ran from
         ``start`` (later than ready for a collective waiting for its peers) to ``end``."""
 
-    def on_memory(self, cls: RankClass, t: float, category: str, delta: float) -> None:
-        """``delta`` bytes of ``category`` allocated (positive) or freed (negative)."""
+    def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
+                  op: Op | None = None) -> None:
+        """``delta`` bytes of ``category`` allocated (positive) or freed (negative) by ``op``
+        (None: held before the step)."""
 
     def on_collective(self, op: Op, choice: Choice | None) -> None:
         """A collective or point-to-point op (``op.key``) finished on the fabric, once for all
@@ -170,18 +172,18 @@ class Engine:
             else:
                 start = env.now
                 for cat, nbytes in op.alloc:
-                    obs.on_memory(cls, start, cat, nbytes)
+                    obs.on_memory(cls, start, cat, nbytes, op)
                 if op.transient:
-                    obs.on_memory(cls, start, "buffers", op.transient)
+                    obs.on_memory(cls, start, "buffers", op.transient, op)
                 if op.host_transfer is not None:
                     yield from self._host_transfer(cls, op)
                 else:
                     yield env.timeout(self.compute_duration(cls, op))
             end = env.now
             if op.transient and op.kind in ("compute", "copy"):
-                obs.on_memory(cls, end, "buffers", -op.transient)
+                obs.on_memory(cls, end, "buffers", -op.transient, op)
             for cat, nbytes in op.free:
-                obs.on_memory(cls, end, cat, -nbytes)
+                obs.on_memory(cls, end, cat, -nbytes, op)
             obs.on_op(cls, op, ready, start, end, self._step)
             self.events_processed += 1
             if self.progress is not None and self.events_processed % PROGRESS_EVERY == 0:
@@ -270,7 +272,7 @@ class Engine:
             rendezvous[op.key] = rv
         rv.arrived.add(cls.id)
         for cat, nbytes in op.alloc:
-            self.observer.on_memory(cls, env.now, cat, nbytes)
+            self.observer.on_memory(cls, env.now, cat, nbytes, op)
         if rv.arrived >= rv.needed and not rv.launched.triggered:
             rv.start = env.now
             if op.kind == "collective":

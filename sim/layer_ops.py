@@ -660,6 +660,13 @@ class BlockCost:
     fwd_gpu_s: float = 0.0
     """GPU time of the forward kernels alone (fwd_s also bounds it by CPU issue time)."""
     bwd_gpu_s: float = 0.0
+    fwd_transient_parts: tuple[float, ...] = ()
+    """The tensors making up ``fwd_transient_bytes`` (they add up to it), largest first."""
+    fwd_transient_unsaved_parts: tuple[float, ...] = ()
+    bwd_transient_parts: tuple[float, ...] = ()
+    saved_parts: tuple[float, ...] = ()
+    """The saved tensors making up ``saved_bytes``, then the weight casts making up
+    ``weight_cast_bytes``, in the order the forward creates them."""
 
 
 def _fuse(kernels: list[Kernel], keep: set[int]) -> list[Kernel]:
@@ -751,6 +758,14 @@ def _transient_peak(kernels: list[Kernel], persistent: set[int], releasable: dic
     ``releasable``: saved tensors that autograd frees after their last backward read; their
     release lowers the running total.
     """
+    return sum(_transient_parts(kernels, persistent, releasable))
+
+
+def _transient_parts(kernels: list[Kernel], persistent: set[int],
+                     releasable: dict[int, float]) -> tuple[float, ...]:
+    """The tensors alive at :func:`_transient_peak`'s peak, largest first, trimmed so they
+    add up to the peak (released saved tensors make room for the first ones): the separate
+    requests the caching allocator sees (:mod:`sim.allocator`)."""
     last_use: dict[int, int] = {}
     for i, k in enumerate(kernels):
         for t in k.reads + k.writes:
@@ -758,17 +773,27 @@ def _transient_peak(kernels: list[Kernel], persistent: set[int], releasable: dic
     live: dict[int, float] = {}
     released = 0.0
     peak = 0.0
+    at_peak: list[float] = []
     for i, k in enumerate(kernels):
         for t in k.writes:
             if id(t) not in persistent:
                 live[id(t)] = t.nbytes
-        peak = max(peak, sum(live.values()) - released)
+        if sum(live.values()) - released > peak:
+            peak = sum(live.values()) - released
+            at_peak = sorted(live.values(), reverse=True)
         for t in k.reads + k.writes:
             if last_use.get(id(t)) == i:
                 live.pop(id(t), None)
                 if id(t) in releasable:
                     released += releasable.pop(id(t))
-    return max(0.0, peak)
+    parts: list[float] = []
+    left = peak
+    for size in at_peak:
+        if left <= 0:
+            break
+        parts.append(min(size, left))
+        left -= parts[-1]
+    return tuple(parts)
 
 
 def price_block(block: Block, style: Style, cm: ComputeModel,
@@ -795,11 +820,12 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
                default=len(fwd) - 1)
     early = _stream_time(cm, fwd[: last + 1], fwd_cpu, cm.attention_cpu_s("fwd"))
     held = saved_ids | {id(t) for t in block.inputs + block.forward_scoped}
-    fwd_peak = _transient_peak(fwd, held, {})
-    unsaved_peak = _transient_peak(
+    fwd_parts = _transient_parts(fwd, held, {})
+    unsaved_parts = _transient_parts(
         fwd, {id(t) for t in block.inputs + block.forward_scoped + block.weight_casts}, {})
     releasable = {id(t): t.nbytes for t in block.saved}
-    bwd_peak = _transient_peak(bwd, set(), releasable)
+    bwd_parts = _transient_parts(bwd, set(), releasable)
+    fwd_peak, unsaved_peak, bwd_peak = sum(fwd_parts), sum(unsaved_parts), sum(bwd_parts)
     return BlockCost(
         name=block.name,
         fwd_s=fwd_s,
@@ -821,6 +847,10 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
         early_stop_fwd_s=early,
         fwd_gpu_s=_gpu_time(cm, fwd),
         bwd_gpu_s=_gpu_time(cm, bwd),
+        fwd_transient_parts=fwd_parts,
+        fwd_transient_unsaved_parts=unsaved_parts,
+        bwd_transient_parts=bwd_parts,
+        saved_parts=tuple(t.nbytes for t in block.saved + block.weight_casts),
     )
 
 

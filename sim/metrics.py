@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from sim.catalog import GpuSpec
 from sim.program import Program
 from sim.recorder import OpRecord, Recorder
 from sim.topology import LINK_KINDS
@@ -77,3 +79,54 @@ def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> Step
 
 def bytes_by_class(class_bytes: Iterable[float], steps: int) -> dict[str, float]:
     return {k: float(v) / steps for k, v in zip(LINK_KINDS, class_bytes, strict=True)}
+
+
+def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> dict[str, Any]:
+    """The memory keys of the summary.
+
+    ``peak_memory_gib``: bytes of live tensors at their peak (``max_memory_allocated``);
+    ``peak_reserved_gib``: the caching allocator's segments at their peak
+    (``max_memory_reserved``, what torchtitan reports); ``peak_nvidia_smi_gib``: that plus
+    the CUDA context and NCCL's buffers, what ``nvidia-smi`` shows. ``oom`` is judged on the
+    last against the memory CUDA reports (or a ``cudaMalloc`` that failed even after the
+    allocator released its cache), on every rank class.
+    """
+    usable = gpu.usable_memory_bytes
+    rows: list[dict[str, Any]] = []
+    for c in program.classes:
+        tr = rec.memory.get(c.id)
+        over = rec.overheads.get(c.id)
+        outside = over.outside_allocator if over is not None else 0.0
+        reserved = tr.reserved_peak if tr is not None else 0.0
+        smi = reserved + outside
+        rows.append({
+            "rank_class": c.id, "label": c.label, "ranks": len(c.members),
+            "peak_gib": tr.peak / GIB if tr is not None else 0.0,
+            "peak_time_s": tr.peak_time if tr is not None else 0.0,
+            "breakdown_gib": ({k: v / GIB for k, v in tr.peak_breakdown.items()}
+                              if tr is not None else {}),
+            "peak_reserved_gib": reserved / GIB,
+            "peak_reserved_time_s": tr.reserved_peak_time if tr is not None else 0.0,
+            "peak_nvidia_smi_gib": smi / GIB,
+            "oom": smi > usable or (tr is not None and tr.ledger.allocator.oom),
+            # cudaMalloc failures the allocator survived by freeing its cache and retrying
+            # (torch.cuda.memory_stats' num_alloc_retries; DeepSpeed warns about them).
+            "allocator_retries": tr.ledger.allocator.retries if tr is not None else 0,
+        })
+    critical = max(rec.memory.values(), key=lambda t: t.peak) if rec.memory else None
+    over = max(rec.overheads.values(), key=lambda o: o.outside_allocator + o.cublas_workspace,
+               default=None)
+    return {
+        "peak_memory_gib": max((r["peak_gib"] for r in rows), default=0.0),
+        "peak_reserved_gib": max((r["peak_reserved_gib"] for r in rows), default=0.0),
+        "peak_nvidia_smi_gib": max((r["peak_nvidia_smi_gib"] for r in rows), default=0.0),
+        "gpu_memory_gib": gpu.usable_memory_gib,
+        "oom": any(r["oom"] for r in rows),
+        "memory_overheads_gib": ({"cuda_context": over.cuda_context / GIB,
+                                  "nccl": over.nccl / GIB,
+                                  "cublas_workspace": over.cublas_workspace / GIB}
+                                 if over is not None else {}),
+        "peak_memory_breakdown_gib": (
+            {k: v / GIB for k, v in critical.peak_breakdown.items()} if critical else {}),
+        "memory_by_rank_class": rows,
+    }

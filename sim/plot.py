@@ -624,7 +624,7 @@ def memory_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | No
     fig = Figure(figsize=(14 if ncols > 1 else 12, min(24.0, 1.6 + 2.7 * nrows)),
                  layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False, sharex=True, sharey=True).ravel()
-    ymax = max(rec.memory[c].peak for c in shown) / GIB
+    ymax = max(max(rec.memory[c].peak, rec.memory[c].reserved_peak) for c in shown) / GIB
     # The capacity line shows the headroom; when the peaks use under a tenth of the GPU it
     # would squash them flat, so it is named in the title instead.
     cap_line = (capacity_gib if capacity_gib and ymax >= CAPACITY_AXIS_SHARE * capacity_gib
@@ -641,13 +641,22 @@ def memory_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | No
                                    color=MEMORY_COLORS.get(cat, OTHER_COLOR), label=cat)
             legend.setdefault(cat, poly)
             lower = upper
+        tr = rec.memory[cls]
+        if tr.reserved_series:
+            # What the caching allocator holds (torch.cuda.memory_reserved): the stack plus
+            # rounding and cached free blocks.
+            rt = np.array([t for t, _ in tr.reserved_series] + [t_end], dtype=float)
+            rv = np.array([v for _, v in tr.reserved_series], dtype=float) / GIB
+            (res,) = ax.step(rt, np.append(rv, rv[-1]), where="post", color="#222222",
+                             linewidth=1.0, label="reserved (caching allocator)")
+            legend.setdefault("reserved (caching allocator)", res)
         if cap_line is not None:
             line = ax.axhline(cap_line, color="black", linestyle="--", linewidth=1,
                               label="usable GPU memory")
             legend.setdefault("usable GPU memory", line)
-        tr = rec.memory[cls]
         ax.set_title(f"{labels.get(cls, f'rank class {cls}')}: peak {tr.peak / GIB:,.1f} GiB "
-                     f"at {tr.peak_time:.3g} s", fontsize=9, loc="left")
+                     f"at {tr.peak_time:.3g} s, reserved {tr.reserved_peak / GIB:,.1f} GiB",
+                     fontsize=9, loc="left")
         ax.set_ylim(0, ymax * 1.08)
         ax.set_xlim(window if window is not None else (0.0, t_end))
         ax.grid(color="#EEEEEE", linewidth=0.5)
@@ -659,7 +668,10 @@ def memory_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | No
         ax.set_xlabel("time (s)")
         ax.xaxis.set_tick_params(labelbottom=True)
     head = title or "memory"
-    sub = "GPU memory by category"
+    sub = "GPU memory allocated by category, reserved as a line"
+    over = max(rec.overheads.values(), key=lambda o: o.outside_allocator, default=None)
+    if over is not None:
+        sub += f"; nvidia-smi adds {over.outside_allocator / GIB:.2f} GiB (context, NCCL)"
     if capacity_gib and cap_line is None:
         sub += f"; usable GPU memory {capacity_gib:,.1f} GiB is off the scale"
     if len(shown) < len(tracked):

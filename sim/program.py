@@ -68,6 +68,12 @@ class Op:
     alloc: tuple[tuple[str, float], ...] = ()
     free: tuple[tuple[str, float], ...] = ()
     transient: float = 0.0
+    transient_parts: tuple[float, ...] = ()
+    alloc_parts: tuple[float, ...] = ()
+    """The tensors of the op's ``activations`` allocation when it is the saved tensors of a
+    block (adding up to it), each a request to the caching allocator."""
+    """The tensors making up ``transient`` (adding up to it), each a request to the caching
+    allocator; empty: one request of ``transient`` bytes."""
     layer: int | None = None
     micro_batch: int | None = None
     flops: float = 0.0

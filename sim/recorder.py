@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sim.allocator import CachingAllocator, TensorLedger
 from sim.collectives.runner import Choice
 from sim.engine import EngineObserver
+from sim.memory_overheads import Overheads
 from sim.program import MEMORY_CATEGORIES, Op, RankClass
 
 
@@ -37,6 +39,16 @@ class MemoryTrack:
     peak_time: float = 0.0
     peak_breakdown: dict[str, float] = field(default_factory=dict)
     series: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    ledger: TensorLedger = field(default_factory=lambda: TensorLedger(CachingAllocator()))
+    """The caching allocator this class's tensors go through (:mod:`sim.allocator`)."""
+    reserved_peak_time: float = 0.0
+    reserved_series: list[tuple[float, float]] = field(default_factory=list)
+    """(time, bytes the caching allocator reserves) after every change."""
+
+    @property
+    def reserved_peak(self) -> float:
+        """Peak bytes the caching allocator reserved (``torch.cuda.max_memory_reserved``)."""
+        return float(self.ledger.allocator.peak_reserved)
 
     @property
     def total(self) -> float:
@@ -46,8 +58,9 @@ class MemoryTrack:
 class Recorder(EngineObserver):
     """Keeps the engine's and network's reports."""
 
-    def __init__(self, keep_memory_series: bool = True, keep_link_series: bool = False
-                 ) -> None:
+    def __init__(self, keep_memory_series: bool = True, keep_link_series: bool = False,
+                 allocator_capacity: dict[int, float] | None = None,
+                 expandable_segments: bool = False) -> None:
         self.ops: list[OpRecord] = []
         self.memory: dict[int, MemoryTrack] = {}
         self.rate_series: list[tuple[float, np.ndarray]] = []
@@ -61,15 +74,68 @@ class Recorder(EngineObserver):
         self.transfer_bytes = 0.0
         self.keep_memory_series = keep_memory_series
         self.keep_link_series = keep_link_series
+        # Bytes each rank class's caching allocator may reserve before cudaMalloc fails.
+        self.allocator_capacity = allocator_capacity or {}
+        self.expandable_segments = expandable_segments
+        # What each rank class's GPUs hold outside the tensors (set by the caller).
+        self.overheads: dict[int, Overheads] = {}
+
+    def track(self, cls: int) -> MemoryTrack:
+        """The memory track of rank class ``cls`` (created on first use)."""
+        track = self.memory.get(cls)
+        if track is None:
+            alloc = CachingAllocator(self.allocator_capacity.get(cls, float("inf")),
+                                     self.expandable_segments)
+            track = self.memory[cls] = MemoryTrack(ledger=TensorLedger(alloc))
+        return track
+
+    def workspace(self, cls: int, nbytes: float, stream: str = "compute") -> None:
+        """A buffer a library takes from the caching allocator for good (cuBLAS's workspace):
+        reserved and allocated by PyTorch, outside the model's tensor categories."""
+        self.track(cls).ledger.alloc("workspace", nbytes, stream)
 
     # engine
     def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
               step: int) -> None:
         self.ops.append(OpRecord(cls.id, op, ready, start, end, step))
 
-    def on_memory(self, cls: RankClass, t: float, category: str, delta: float) -> None:
-        track = self.memory.setdefault(cls.id, MemoryTrack())
+    def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
+                  op: Op | None = None) -> None:
+        track = self.memory.get(cls.id) or self.track(cls.id)
         track.current[category] = track.current.get(category, 0.0) + delta
+        ledger = track.ledger
+        allocator = ledger.allocator
+        before = allocator.peak_reserved
+        if op is None:
+            if delta > 0:
+                ledger.alloc(category, delta)
+            else:
+                ledger.free(category, -delta)
+        else:
+            # An op's working set reaches the allocator as the tensors it is made of.
+            where = (op.micro_batch, op.layer)
+            parts: tuple[float, ...] = ()
+            if category == "buffers" and op.transient_parts and abs(
+                    abs(delta) - op.transient) <= 1.0:
+                parts = op.transient_parts
+            elif category == "activations" and delta > 0 and op.alloc_parts and abs(
+                    delta - sum(op.alloc_parts)) <= 1.0:
+                parts = op.alloc_parts
+            if delta > 0:
+                for part in parts or (delta,):
+                    ledger.alloc(category, part, op.stream, op.index, where)
+            else:
+                for part in parts or (-delta,):
+                    ledger.free(category, part, op.index, where)
+        if allocator.peak_reserved > before:
+            track.reserved_peak_time = t
+        if self.keep_memory_series:
+            rs = track.reserved_series
+            reserved = float(allocator.reserved)
+            if rs and rs[-1][0] == t:
+                rs[-1] = (t, reserved)
+            elif not rs or rs[-1][1] != reserved:
+                rs.append((t, reserved))
         total = track.total
         if total > track.peak:
             track.peak = total

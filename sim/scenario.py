@@ -320,6 +320,16 @@ FrameworkOptions = Annotated[DdpOptions | Fsdp2Options | MegatronOptions | DeepS
                              Field(discriminator="name")]
 
 
+class Allocator(_Strict):
+    """PyTorch's CUDA caching allocator settings (``PYTORCH_CUDA_ALLOC_CONF``)."""
+
+    expandable_segments: bool | None = None
+    """``expandable_segments:True``: segments grow by mapping pages instead of new
+    ``cudaMalloc`` calls (less fragmentation). None: what the framework's launcher does:
+    torchtitan's ``run_train.sh`` sets it (``fsdp2``); Megatron-LM, DeepSpeed, FairScale and
+    plain PyTorch leave PyTorch's default, off."""
+
+
 class Nccl(_Strict):
     """NCCL algorithm, protocol and the settings people tune; ``auto`` lets NCCL's cost model
     choose, as NCCL does."""
@@ -404,6 +414,10 @@ class Claims(_Strict):
     step_time_s: float | None = Field(default=None, gt=0)
     peak_memory_gib: float | None = Field(default=None, gt=0)
     peak_memory_gb: float | None = Field(default=None, gt=0)
+    peak_memory_kind: Literal["reserved", "allocated", "nvidia_smi"] = "reserved"
+    """Which peak the memory claims quote: the caching allocator's reserved peak
+    (``torch.cuda.max_memory_reserved``, what torchtitan and most publications report), the
+    allocated peak (``max_memory_allocated``), or the whole process in ``nvidia-smi``."""
     mfu: float | None = Field(default=None, gt=0)
     model_state_memory_gb: float | None = Field(default=None, gt=0)
     """Parameters, gradients and optimizer states per GPU, GB (1e9 bytes)."""
@@ -433,6 +447,8 @@ class Scenario(_Strict):
     cluster: Cluster = Cluster()
     framework: FrameworkOptions = Field(default_factory=lambda: DdpOptions(name="ddp"))
     nccl: Nccl = Nccl()
+    allocator: Allocator = Allocator()
+    """PyTorch's caching allocator (``sim.allocator``)."""
     parallelism: Parallelism = Parallelism()
     training: Training = Training()
     pricing: Pricing = Pricing()

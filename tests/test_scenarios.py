@@ -277,7 +277,8 @@ def claim_runs() -> list[Run]:
 def claimed_figures(run: Run) -> list[tuple[str, float]]:
     c = run.load().claims
     assert c is not None
-    return [(k, v) for k, v in c.model_dump().items() if k != "source" and v is not None]
+    return [(k, v) for k, v in c.model_dump().items()
+            if k not in ("source", "peak_memory_kind") and v is not None]
 
 
 def rows(summary_of: Callable[[Run], dict[str, Any] | None] | None) -> Iterator[Row]:

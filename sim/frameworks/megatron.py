@@ -446,6 +446,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         cpu_s=fwd_cpu["head"],
                                         alloc=(("activations", c.saved_bytes),),
                                         transient=c.fwd_transient_bytes,
+                                        transient_parts=c.fwd_transient_parts,
                                         flops=blocks["head"].flops_fwd))
         else:
             if v == n_virtual - 1:
@@ -455,6 +456,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         cpu_s=bwd_cpu["head"],
                                         free=(("activations", c.saved_bytes),),
                                         transient=c.bwd_transient_bytes,
+                                        transient_parts=c.bwd_transient_parts,
                                         flops=blocks["head"].flops_bwd))
             for layer in reversed(layers):
                 layer_backward(st, unit, mb, layer)

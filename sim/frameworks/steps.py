@@ -68,6 +68,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         layered = block in ("attn", "mlp")
         ckpt = recompute and layered
         alloc: list[tuple[str, float]] = []
+        saved_parts: tuple[float, ...] = ()
         if ckpt:
             # Only the layer input is kept (the attention block's input, the residual stream),
             # with selective checkpointing also the outputs its policy caches.
@@ -77,10 +78,13 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
                 alloc.append(("activations", sac[block].cached_bytes))
             scoped = c.forward_scoped_bytes + (c.weight_cast_bytes if autocast else 0.0)
             transient = c.fwd_transient_unsaved_bytes
+            parts = c.fwd_transient_unsaved_parts
         else:
             alloc.append(("activations", c.saved_bytes + c.weight_cast_bytes))
+            saved_parts = c.saved_parts
             scoped = c.forward_scoped_bytes
             transient = c.fwd_transient_bytes
+            parts = c.fwd_transient_parts
         if scoped:
             alloc.append(("buffers", scoped))
             scoped_total += scoped
@@ -88,8 +92,9 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         op = Op(name=f"fwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}", kind="compute",
                 stream=stream, phase="fwd", duration=c.fwd_s, kernels=c.fwd_kernels,
                 alloc=tuple(alloc),
-                transient=transient, layer=layer if layer >= 0 else None, micro_batch=mb,
-                flops=ff, hw_flops=c.flops_fwd, category="forward")
+                transient=transient, transient_parts=parts, alloc_parts=saved_parts,
+                layer=layer if layer >= 0 else None, micro_batch=mb, flops=ff,
+                hw_flops=c.flops_fwd, category="forward")
         if block == "head":
             # The forward returns after the loss: KV cache, logits and (checkpointed) weight
             # casts of the whole pass are released.
@@ -108,6 +113,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         phase: Phase = "bwd"
         saved_here = c.saved_bytes + c.weight_cast_bytes
         transient = c.bwd_transient_bytes
+        parts = c.bwd_transient_parts
         if ckpt and block == "mlp":
             # Recompute the whole layer (attention block, then the MLP block up to its last
             # saved tensor) before the MLP's backward; hold what it saves again. Under
@@ -122,7 +128,9 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
                 hw += a.flops_fwd + c.flops_fwd
             recomputed = _non_input_saved(a) + a.weight_cast_bytes + saved_here
             alloc.append(("activations", recomputed))
-            transient = max(transient, a.fwd_transient_bytes, c.fwd_transient_bytes)
+            transient, parts = max((transient, parts), (a.fwd_transient_bytes,
+                                   a.fwd_transient_parts), (c.fwd_transient_bytes,
+                                   c.fwd_transient_parts))
             phase = "recompute"
         if grad_alloc.get(block):
             alloc.append(("gradients", grad_alloc[block]))
@@ -132,6 +140,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         name = f"bwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}"
         op = Op(name=name, kind="compute", stream=stream, phase=phase, duration=duration,
                 kernels=kernels, alloc=tuple(alloc), free=free, transient=transient,
+                transient_parts=parts,
                 layer=layer if layer >= 0 else None, micro_batch=mb, flops=fb, hw_flops=hw,
                 category="recompute+backward" if phase == "recompute" else "backward")
         ops.backward.append(op)
