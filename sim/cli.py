@@ -122,7 +122,9 @@ def collective(
 @app.command()
 def validate(
     suite: Annotated[list[str] | None, typer.Option(
-        "--suite", help="Suite(s) to run (default: all).")] = None,
+        "--suite", help="Suite(s) to run (default: all but the vtrain-*-fit halves; "
+        "vtrain-single/-multi report vTrain's validate half, vtrain-*-fit the fit half).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Predictions against the measured reference data: error per case and per suite."""

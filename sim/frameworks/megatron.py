@@ -49,7 +49,10 @@ from sim.program import Op, Program, RankClass
 from sim.scenario import MegatronOptions
 
 DEFAULT_BUCKET_PARAMS = 40_000_000   # distributed/: bucket_size = max(40M, 1M x dp)
-# CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS).
+# CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS). Fitted,
+# not measured: the MAPE minimum over vTrain's single-node FIT half only (every 2nd of its 720
+# rows; tools/fit_megatron_host.py, golden section: 33.8 us, kept at 34), validated on the
+# other half (docs/calibration.md). Earlier it was fitted on rows that also validated it.
 MEGATRON_CPU_S_PER_OP = 34e-6
 # With the local implementation (older Megatron, Megatron-DeepSpeed), the timers synchronise
 # the device around every micro-batch's forward and backward (megatron/timers.py
