@@ -14,7 +14,9 @@ What the step does, as ``megatron/core`` runs it:
   min(p - s - 1, m) warm-up forwards on stage s, interleaved 1F1B with ``vp`` model chunks per
   stage ((p - s - 1) * 2 + (vp - 1) * p warm-up units), or GPipe (all forwards, then all
   backwards). Activations go to the next stage and gradients back as point-to-point
-  transfers; a stage's forward waits for its input, so bubbles come out of the simulation.
+  transfers, each a rendezvous of both stages, issued and waited for where Megatron-Core's
+  schedules do (:mod:`sim.frameworks.megatron_pipeline`), so bubbles and stalls come out of
+  the simulation.
   The embedding sits on the first stage and the output layer with the loss on the last.
 * Context parallelism: each rank holds seq/cp tokens; keys and values of the other ranks are
   gathered for attention (and their gradients reduce-scattered in backward).
@@ -35,6 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext, register
+from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
+    P2PLink,
+    add_stage,
+    pipeline_steps,
+    schedule,
+)
 from sim.layer_ops import price_block
 from sim.megatron_ops import (
     CHECKPOINT_OPS,
@@ -66,45 +74,6 @@ class _Unit:
     first: Op | None = None
     last: Op | None = None
     layer_bwd: dict[int, Op] = field(default_factory=dict)
-
-
-def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[tuple[str, int, int]]:
-    """Stage ``s``'s order of (F|B, model chunk, micro-batch) units.
-
-    Examples
-    --------
-    1F1B on the first of 4 stages with 4 micro-batches: 3 warm-up forwards.
-
-    >>> [f"{k}{i}" for k, _, i in schedule("1f1b", 4, 0, 4, 1)]
-    ['F0', 'F1', 'F2', 'F3', 'B0', 'B1', 'B2', 'B3']
-    >>> [f"{k}{i}" for k, _, i in schedule("1f1b", 4, 3, 4, 1)]
-    ['F0', 'B0', 'F1', 'B1', 'F2', 'B2', 'F3', 'B3']
-    """
-    if kind == "gpipe":
-        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-    total = m * vp
-    if vp == 1:
-        warmup = min(p - s - 1, m)
-    else:
-        warmup = min((p - s - 1) * 2 + (vp - 1) * p, total)
-
-    def chunk(k: int, forward: bool) -> int:
-        c = (k % (p * vp)) // p
-        return c if forward else vp - 1 - c
-
-    def micro(k: int) -> int:
-        return (k // (p * vp)) * p + k % p if vp > 1 else k
-
-    order: list[tuple[str, int, int]] = []
-    for k in range(warmup):
-        order.append(("F", chunk(k, True), micro(k)))
-    for k in range(total - warmup):
-        f = warmup + k
-        order.append(("F", chunk(f, True), micro(f)))
-        order.append(("B", chunk(k, False), micro(k)))
-    for k in range(total - warmup, total):
-        order.append(("B", chunk(k, False), micro(k)))
-    return order
 
 
 def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
@@ -470,29 +439,14 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
 
     # ------------------------------------------------------------------ pipeline
     units: dict[tuple[str, int, int], _Unit] = {}
-    sends: dict[tuple[str, int, int], Op] = {}
-    p2p_bytes = act * local_tokens * h / p2p_split
     for v in range(n_virtual):
         for mb in range(mb_count):
             for kind in ("F", "B"):
                 units[(kind, v, mb)] = build_unit(kind, v, mb)
-    for (kind, v, mb), unit in units.items():
-        st = v % p
-        nxt = v + 1 if kind == "F" else v - 1
-        if 0 <= nxt < n_virtual:
-            dst = nxt % p
-            pairs = tuple((rank(ti, ci, di, st), rank(ti, ci, di, dst)) for ti in range(t)
-                          for ci in range(cp) for di in range(dp))
-            op = Op(name=f"send {'act' if kind == 'F' else 'grad'} v{v}->v{nxt} mb{mb}",
-                    kind="send", stream=f"pp-{'fwd' if kind == 'F' else 'bwd'}", phase="comm",
-                    deps=[unit.last] if unit.last else [], pairs=pairs, nbytes=p2p_bytes,
-                    key=f"pp/{kind}/{v}/{mb}", category="send_recv", micro_batch=mb,
-                    cpu_s=cpu_call)
-            sends[(kind, v, mb)] = op
-    for (kind, v, mb), unit in units.items():
-        prev = v - 1 if kind == "F" else v + 1
-        if 0 <= prev < n_virtual and unit.first is not None:
-            unit.first.deps = list(unit.first.deps) + [sends[(kind, prev, mb)]]
+    link = P2PLink(pairs=lambda a, b: tuple((rank(ti, ci, di, a), rank(ti, ci, di, b))
+                                            for ti in range(t) for ci in range(cp)
+                                            for di in range(dp)),
+                   nbytes=act * local_tokens * h / p2p_split, cpu_s=cpu_call, p=p)
 
     # ------------------------------------------------------------------ gradient buckets
     reduce_op = "reduce_scatter" if opts.distributed_optimizer else "all_reduce"
@@ -525,19 +479,23 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     kind_sched = opts.pipeline_schedule if vp == 1 else "1f1b"
     last_bwd: dict[int, Op] = {}
     for st, cls in enumerate(classes):
-        order = schedule(kind_sched, p, st, mb_count, vp)
-        for kind, chunk, mb in order:
-            v = chunk * p + st
-            unit = units[(kind, v, mb)]
+        last_on_stream: dict[str, Op] = {}
+
+        def run_unit(u: tuple[str, int, int], st: int = st, cls: RankClass = cls,
+                     last_on_stream: dict[str, Op] = last_on_stream
+                     ) -> tuple[Op | None, Op | None]:
+            kind, chunk, mb = u
+            unit = units[(kind, chunk * p + st, mb)]
             for op in unit.ops:
-                program.add(cls, op)
-                for b_op in launch_after.get(id(op), []):
-                    program.add(cls, b_op)
-            send = sends.get((kind, v, mb))
-            if send is not None:
-                program.add(cls, send)
+                for o in (op, *launch_after.get(id(op), [])):
+                    program.add(cls, o)
+                    last_on_stream[o.stream] = o
             if kind == "B":
                 last_bwd[st] = unit.last  # type: ignore[assignment]
+            return unit.first, unit.last
+
+        add_stage(program, cls, st, pipeline_steps(kind_sched, p, st, mb_count, vp),
+                  run_unit, link, last_on_stream)
 
     # ------------------------------------------------------------------ gradients, optimizer
     for st, cls in enumerate(classes):
