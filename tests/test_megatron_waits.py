@@ -67,3 +67,50 @@ def test_slow_receiver_stalls_the_sender() -> None:
     for i in range(1, 5):
         assert f0[i + 1][0] >= f1[i - 1][1] - 1e-9
     assert f0[5][1] - f0[0][0] > 1.5 * own
+
+
+def _dp(framework: dict, pp: int = 1, vp: int = 1, dp: int = 16):
+    # dp ranks across two nodes on a thin network, so data-parallel traffic matters.
+    fw = dict({"name": "megatron", "distributed_optimizer": True,
+               "overlap_grad_reduce": True}, **framework)
+    return scenario({"tp": 1, "pp": pp, "dp": dp, "vp": vp}, gbs=dp * 4 * pp, nodes=2,
+                    gpn=8, nvlink=450, framework=fw)
+
+
+def test_overlap_param_gather_gathers_per_bucket_in_the_forward() -> None:
+    # overlap_param_gather: the parameter all-gathers move from after the optimizer into the
+    # forward pre-hooks, bucket by bucket, hidden behind the forward (Megatron-Core
+    # _make_forward_pre_hook / finish_param_sync); without it they follow the optimizer.
+    off = simulate(_dp({"overlap_param_gather": False}))
+    on = simulate(_dp({"overlap_param_gather": True}))
+    gathers = [x for x in on.recorder.ops if "param all_gather" in x.op.name]
+    assert len(gathers) > 1                                 # one per bucket
+    fwd_end = max(x.end for x in on.recorder.ops if x.op.phase == "fwd")
+    assert all(x.end < fwd_end for x in gathers)
+    opt_end = max(x.end for x in off.recorder.ops if x.op.phase == "optimizer")
+    assert all(x.start >= opt_end for x in off.recorder.ops if "param all_gather" in x.op.name)
+    assert on.summary["exposed_comm_s"] < off.summary["exposed_comm_s"]
+    assert on.summary["step_time_s"] < off.summary["step_time_s"]
+
+
+def test_buckets_only_on_the_first_stage_and_first_model_chunk() -> None:
+    # distributed_data_parallel.py: bucket_size = None when pp_rank > 0; training.py get_model
+    # passes disable_bucketing=(model_chunk_idx > 0): every other chunk reduces in one bucket,
+    # launched when that chunk's last backward is done. 32 layers of ~201M parameters over
+    # 2 stages x 2 chunks, dp 8; 40M buckets split the first stage's first chunk layer by layer.
+    from sim.frameworks import JobContext, build_program
+
+    prog = build_program(JobContext.from_scenario(_dp({}, pp=2, vp=2, dp=8)))
+    grads: dict[int, list[str]] = {}
+    for c in prog.classes:
+        grads[c.id] = [o.name for ops in c.streams.values() for o in ops
+                       if o.name.startswith("grad reduce_scatter")]
+    assert sorted(n.split()[3] for n in grads[1]) == ["v1", "v3"]       # one per chunk
+    v0 = [n for n in grads[0] if n.split()[3] == "v0"]
+    v2 = [n for n in grads[0] if n.split()[3] == "v2"]
+    assert len(v0) == 8 + 1 and len(v2) == 1     # 8 layers + the embedding's own bucket
+    r = simulate(_dp({}, pp=2, vp=2, dp=8))
+    # Chunk 1's single bucket (v2) is reduced while chunk 0's backwards still run.
+    ends = {x.op.name: x for x in r.recorder.ops if x.cls == 0}
+    last_bwd = max(x.end for x in r.recorder.ops if x.cls == 0 and x.op.phase == "bwd")
+    assert ends[v2[0]].start < last_bwd

@@ -20,11 +20,12 @@ What the step does, as ``megatron/core`` runs it:
   The embedding sits on the first stage and the output layer with the loss on the last.
 * Context parallelism: each rank holds seq/cp tokens; keys and values of the other ranks are
   gathered for attention (and their gradients reduce-scattered in backward).
-* Data parallelism: fp32 (bf16 training) or 16-bit (fp16) gradient buffers reduced after the
-  last micro-batch's backward, in one bucket, or bucket by bucket as backward produces them
-  (``overlap_grad_reduce``; buckets of max(40M, 1M x dp) parameters, ``distributed/``); with
-  the distributed optimizer a reduce-scatter, the optimizer on the shard, and an all-gather of
-  the 16-bit parameters (overlapped with the next forward under ``overlap_param_gather``).
+* Data parallelism: fp32 (bf16 training) or 16-bit (fp16) gradient buffers reduced per
+  bucket (:mod:`sim.frameworks.megatron_buckets`: split only on the first stage's first model
+  chunk, one bucket per chunk elsewhere), from the backward hooks of the last micro-batch
+  (``overlap_grad_reduce``) or after the schedule; with the distributed optimizer a
+  reduce-scatter, the optimizer on the shard, and an all-gather of the 16-bit parameters per
+  bucket, after the optimizer or in the next forward's pre-hooks (``overlap_param_gather``).
   Tied embeddings are all-reduced between the first and last stage (``finalize_model_grads``).
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext, register
+from sim.frameworks.megatron_buckets import assign_buckets, bucket_size
 from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
     P2PLink,
     add_stage,
@@ -56,7 +58,6 @@ from sim.megatron_ops import (
 from sim.program import Op, Program, RankClass
 from sim.scenario import MegatronOptions
 
-DEFAULT_BUCKET_PARAMS = 40_000_000   # distributed/: bucket_size = max(40M, 1M x dp)
 # CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS).
 MEGATRON_CPU_S_PER_OP = 34e-6
 # With the local implementation (older Megatron, Megatron-DeepSpeed), the timers synchronise
@@ -74,6 +75,9 @@ class _Unit:
     first: Op | None = None
     last: Op | None = None
     layer_bwd: dict[int, Op] = field(default_factory=dict)
+    part_op: dict[int | str, Op] = field(default_factory=dict)
+    """Forward: the first op of each part (layer number, ``embed``, ``head``: where its
+    forward pre-hook runs); backward: the last op of each part (its gradients are ready)."""
 
 
 def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
@@ -375,6 +379,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                   flops=blocks["attn_main"].flops_bwd, cpu_pre=bwd_cpu["attn_pre"],
                   cpu_main=bwd_cpu["attn_main"])
         unit.layer_bwd[layer] = unit.ops[-1]
+        unit.part_op[layer] = unit.ops[-1]
 
     n_virtual = p * vp
     scatter_gather = opts.scatter_gather_tensors_in_pipeline
@@ -402,12 +407,15 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         micro_batch=mb, category="forward",
                                         cpu_s=fwd_cpu["embed"],
                                         alloc=(("activations", cost["embed"].saved_bytes),)))
+                unit.part_op["embed"] = unit.ops[-1]
                 if t > 1:
                     unit.ops.append(tp_comm(st, "reduce_scatter" if sp else "all_reduce",
                                             act * tokens * h, f"embed reduce mb{mb}", mb,
                                             None))
             for layer in layers:
+                n_before = len(unit.ops)
                 layer_forward(st, unit, mb, layer, recompute=False)
+                unit.part_op[layer] = unit.ops[n_before]
             if v == n_virtual - 1:
                 c = cost["head"]
                 unit.ops.append(compute(f"fwd head+loss mb{mb}", fwd_s["head"], phase="fwd",
@@ -416,6 +424,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         alloc=(("activations", c.saved_bytes),),
                                         transient=c.fwd_transient_bytes,
                                         flops=blocks["head"].flops_fwd))
+                unit.part_op["head"] = unit.ops[-1]
         else:
             if v == n_virtual - 1:
                 c = cost["head"]
@@ -425,6 +434,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         free=(("activations", c.saved_bytes),),
                                         transient=c.bwd_transient_bytes,
                                         flops=blocks["head"].flops_bwd))
+                unit.part_op["head"] = unit.ops[-1]
             for layer in reversed(layers):
                 layer_backward(st, unit, mb, layer)
             if v == 0:
@@ -432,6 +442,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         micro_batch=mb, category="backward",
                                         cpu_s=bwd_cpu["embed"],
                                         free=(("activations", cost["embed"].saved_bytes),)))
+                unit.part_op["embed"] = unit.ops[-1]
         unit.first, unit.last = unit.ops[0], unit.ops[-1]
         if legacy:
             unit.last.host_sync = True
@@ -448,33 +459,67 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                             for di in range(dp)),
                    nbytes=act * local_tokens * h / p2p_split, cpu_s=cpu_call, p=p)
 
-    # ------------------------------------------------------------------ gradient buckets
+    # ------------------------------------------------------------------ buckets
     reduce_op = "reduce_scatter" if opts.distributed_optimizer else "all_reduce"
-    overlap_buckets: dict[int, list[Op]] = {st: [] for st in range(p)}
-    launch_after: dict[int, list[Op]] = {}   # id(backward op) -> buckets it completes
-    if dp * cp > 1 and opts.overlap_grad_reduce:
-        bucket = opts.bucket_size or max(DEFAULT_BUCKET_PARAMS, 1_000_000 * dp)
-        last_mb = mb_count - 1
-        for st in range(p):
-            groups = dp_groups(st)
-            # Buckets in reverse layer order, each launched (from the backward hook, so in
-            # program order right after it) when the last micro-batch's backward of its last
-            # layer is done.
-            layer_ops: list[tuple[int, Op]] = []
-            for chunk in reversed(range(vp)):
-                u = units[("B", chunk * p + st, last_mb)]
-                layer_ops += sorted(u.layer_bwd.items(), key=lambda kv: -kv[0])
-            filled = 0
-            for layer, op in layer_ops:
-                filled += layer_params
-                if filled >= bucket:
-                    b_op = Op(name=f"grad {reduce_op} bucket L{layer}", kind="collective",
-                              stream="dp", phase="comm", deps=[op], collective=reduce_op,  # type: ignore[arg-type]
-                              group=groups[0], groups=groups, nbytes=grad_bytes * filled,
-                              key=new_key(f"dp/{st}"), category=reduce_op, cpu_s=cpu_call)
-                    overlap_buckets[st].append(b_op)
-                    launch_after.setdefault(id(op), []).append(b_op)
-                    filled = 0
+    size = bucket_size(opts.bucket_size, opts.overlap_grad_reduce, dp * cp)
+    buckets = {st: assign_buckets(st, p, vp, chunks, layer_params, emb_params, head_params,
+                                  size) for st in range(p)}
+    grad_ops: dict[int, list[Op]] = {st: [] for st in range(p)}
+    launch_after: dict[int, list[Op]] = {}   # id(op) -> ops the host issues right after it
+    insert_before: dict[int, list[Op]] = {}  # id(op) -> ops the host issues right before it
+    param_gather: dict[int, list[Op]] = {st: [] for st in range(p)}
+    for st in range(p):
+        if dp * cp == 1:
+            break
+        groups = dp_groups(st)
+        for b in buckets[st]:
+            # The bucket's reduce: from the backward hook of its last gradient in the last
+            # micro-batch (overlap_grad_reduce), else after the schedule (below).
+            g = Op(name=f"grad {reduce_op} bucket v{b.v} {b.parts[-1]}", kind="collective",
+                   stream="dp", phase="comm", collective=reduce_op,  # type: ignore[arg-type]
+                   group=groups[0], groups=groups, nbytes=grad_bytes * b.params,
+                   key=new_key(f"dp/{st}"), category=reduce_op, cpu_s=cpu_call)
+            grad_ops[st].append(g)
+            if opts.overlap_grad_reduce:
+                done = units[("B", b.v, mb_count - 1)].part_op[b.parts[-1]]
+                g.deps = [done]
+                launch_after.setdefault(id(done), []).append(g)
+            if not (opts.distributed_optimizer and opts.overlap_param_gather):
+                continue
+            gather = Op(name=f"param all_gather bucket v{b.v} {b.parts[-1]}",
+                        kind="collective", stream="dp", phase="comm",
+                        collective="all_gather", group=groups[0], groups=groups,
+                        nbytes=act * b.params, key=new_key(f"dp/{st}"),
+                        category="all_gather", cpu_s=cpu_call)
+            param_gather[st].append(gather)
+            # Forward pre-hook of the bucket's first part (its last in backward order) in the
+            # chunk's first micro-batch waits for the gather.
+            hook = units[("F", b.v, 0)].part_op[b.parts[-1]]
+            hook.deps = list(hook.deps) + [gather]
+        if not param_gather[st]:
+            continue
+        order = schedule("1f1b" if vp > 1 else opts.pipeline_schedule, p, st, mb_count, vp)
+        forwards = [u for u in order if u[0] == "F"]
+        start = units[("F", st, 0)].first   # the stage's first unit is its chunk-0 forward
+        by_chunk: dict[int, list[Op]] = {}
+        for b, gather in zip(buckets[st], param_gather[st], strict=True):
+            by_chunk.setdefault(b.v // p, []).insert(0, gather)   # forward order
+        for c, gathers in by_chunk.items():
+            if vp == 1:
+                # Lazy: the first bucket at its own pre-hook, each next one when the forward
+                # reaches the bucket before it (finish_param_sync dispatches the next).
+                for i, gather in enumerate(gathers):
+                    hook = _hook_of(gather, units[("F", c * p + st, 0)])
+                    if i == 0:
+                        insert_before.setdefault(id(hook), []).append(gather)
+                    if i + 1 < len(gathers):
+                        insert_before.setdefault(id(hook), []).append(gathers[i + 1])
+            elif c < 2:
+                insert_before.setdefault(id(start), []).extend(gathers)
+            else:
+                at = forwards[(c - 1) * p - st]
+                first = units[("F", at[1] * p + st, at[2])].first
+                insert_before.setdefault(id(first), []).extend(gathers)
 
     kind_sched = opts.pipeline_schedule if vp == 1 else "1f1b"
     last_bwd: dict[int, Op] = {}
@@ -487,7 +532,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             kind, chunk, mb = u
             unit = units[(kind, chunk * p + st, mb)]
             for op in unit.ops:
-                for o in (op, *launch_after.get(id(op), [])):
+                for o in (*insert_before.get(id(op), []), op, *launch_after.get(id(op), [])):
                     program.add(cls, o)
                     last_on_stream[o.stream] = o
             if kind == "B":
@@ -501,21 +546,11 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     for st, cls in enumerate(classes):
         n = stage_params(st)
         groups = dp_groups(st)
-        deps_done = [last_bwd[st]]
-        comm_ops: list[Op] = []
-        if dp * cp > 1:
-            done_bytes = sum(o.nbytes for o in overlap_buckets[st])
-            rest = n - done_bytes / grad_bytes
-            if rest > 0:
-                comm_ops.append(Op(
-                    name=f"grad {reduce_op}" + (" last bucket" if overlap_buckets[st] else ""),
-                    kind="collective", stream="dp", phase="comm", deps=[last_bwd[st]],
-                    collective=reduce_op, group=groups[0], groups=groups,  # type: ignore[arg-type]
-                    nbytes=grad_bytes * rest, key=new_key(f"dp/{st}"), category=reduce_op,
-                    cpu_s=cpu_call))
-        for op in comm_ops:
-            program.add(cls, op)
-        deps_done += overlap_buckets[st] + comm_ops
+        deps_done = [last_bwd[st]] + grad_ops[st]
+        if not opts.overlap_grad_reduce:
+            for g in grad_ops[st]:      # finalize_model_grads: every chunk's one bucket
+                g.deps = [last_bwd[st]]
+                program.add(cls, g)
         if m.tied_embeddings and p > 1 and st in (0, p - 1):
             pairs = tuple((rank(ti, ci, di, 0), rank(ti, ci, di, p - 1)) for ti in range(t)
                           for ci in range(cp) for di in range(dp))
@@ -533,14 +568,20 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                + cm.membound_time(grad_bytes * n))
         opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                        category="optimizer", deps=deps_done))
-        if opts.distributed_optimizer and dp * cp > 1:
-            program.add(cls, Op(
-                name="param all_gather", kind="collective",
-                stream="dp" if not opts.overlap_param_gather else "dp-param",
-                phase="comm", deps=[opt], collective="all_gather", group=groups[0],
-                groups=groups, nbytes=act * n, key=new_key(f"dp/{st}"),
-                category="all_gather"))
+        if opts.distributed_optimizer and dp * cp > 1 and not param_gather[st]:
+            # Without overlap_param_gather the optimizer gathers every bucket right away.
+            for b in buckets[st]:
+                program.add(cls, Op(
+                    name=f"param all_gather bucket v{b.v} {b.parts[-1]}", kind="collective",
+                    stream="dp", phase="comm", deps=[opt], collective="all_gather",
+                    group=groups[0], groups=groups, nbytes=act * b.params,
+                    key=new_key(f"dp/{st}"), category="all_gather"))
     return program
+
+
+def _hook_of(gather: Op, unit: _Unit) -> Op:
+    """The forward op whose pre-hook waits for ``gather``."""
+    return next(o for o in unit.part_op.values() if gather in o.deps)
 
 
 def _cat(phase: str) -> str:
