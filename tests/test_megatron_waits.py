@@ -114,3 +114,26 @@ def test_buckets_only_on_the_first_stage_and_first_model_chunk() -> None:
     ends = {x.op.name: x for x in r.recorder.ops if x.cls == 0}
     last_bwd = max(x.end for x in r.recorder.ops if x.cls == 0 and x.op.phase == "bwd")
     assert ends[v2[0]].start < last_bwd
+
+
+def test_sequence_parallel_backward_hides_the_reduce_scatter_behind_wgrad() -> None:
+    # LinearWithGradAccumulationAndAsyncCommunication.backward with sequence parallelism:
+    # the input shard is all-gathered again beside the dgrad GEMM and the input gradient is
+    # reduce-scattered beside the wgrad GEMM. Per layer and micro-batch backward then runs
+    # 4 all-gathers (2 output-gradient gathers for the row-parallel linears, 2 input
+    # re-gathers) and 2 reduce-scatters (Korthikanti et al. 2022, sec. 4.2.2).
+    s = scenario({"tp": 4, "pp": 1, "dp": 2, "sequence_parallel": True}, gbs=2, gpn=8,
+                 nvlink=450)
+    r = simulate(s)
+    bwd = [x for x in r.recorder.ops if x.op.kind == "collective" and x.cls == 0
+           and x.op.layer == 3 and x.op.micro_batch == 0 and "bwd" in x.op.name]
+    assert sorted(x.op.collective for x in bwd) == ["all_gather"] * 4 + ["reduce_scatter"] * 2
+    compute = [(x.start, x.end) for x in r.recorder.ops
+               if x.cls == 0 and x.op.kind == "compute" and x.end > x.start]
+    for x in bwd:
+        if x.op.stream != "tp":
+            continue
+        hidden = sum(max(0.0, min(b, x.end) - max(a, x.start)) for a, b in compute)
+        assert hidden > 0.5 * (x.end - x.start), x.op.name
+    rs = [x for x in bwd if x.op.collective == "reduce_scatter"]
+    assert all(x.op.stream == "tp" for x in rs)

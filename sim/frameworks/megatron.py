@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.megatron_buckets import assign_buckets, bucket_size
+from sim.frameworks.megatron_overlap import column_linear_backward
 from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
     P2PLink,
     add_stage,
@@ -246,6 +247,12 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
 
     core_fwd_s = sum(kernel_time(cm, k) for k in blocks["attn_main"].forward
                      if k.name.split(".")[0] in core_names)
+    # (dgrad, wgrad) GPU seconds of each column-parallel linear (with its FP8 gradient cast).
+    col_gemm_s = {lin: tuple(sum(kernel_time(cm, k) for k in blocks[blk].backward
+                                 if k.name in names)
+                             for names in ({f"{lin}.dgrad", f"{lin}.cast_g", f"{lin}.amax_g"},
+                                           {f"{lin}.wgrad"}))
+                  for lin, blk in (("qkv", "attn_main"), ("fc1", "mlp_main"))}
     layer_saved = sum(cost[k].saved_bytes for k in ("attn_pre", "attn_main", "mlp_pre",
                                                     "mlp_main"))
     layer_hold: float
@@ -271,19 +278,23 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     def compute(name: str, dur: float, **kw: object) -> Op:
         return Op(name=name, kind="compute", stream="compute", duration=dur, **kw)  # type: ignore[arg-type]
 
-    def tp_comm(st: int, op: str, nbytes: float, name: str, mb: int, layer: int | None
-                ) -> Op:
+    def tp_comm(st: int, op: str, nbytes: float, name: str, mb: int, layer: int | None,
+                side: bool = False) -> Op:
         groups = tp_groups(st)
-        return Op(name=name, kind="collective", stream="compute" if not opts.tp_comm_overlap
-                  else "tp", phase="comm", collective=op, group=groups[0], groups=groups,  # type: ignore[arg-type]
+        stream = "tp" if (opts.tp_comm_overlap or side) else "compute"
+        return Op(name=name, kind="collective", stream=stream, phase="comm", collective=op,  # type: ignore[arg-type]
+                  group=groups[0], groups=groups,
                   nbytes=nbytes, key=new_key(f"tp/{st}"), category=op, micro_batch=mb,
                   layer=layer, cpu_s=cpu_call)
 
     def block_ops(st: int, unit: _Unit, names: tuple[str, str], comm_after: str | None,
                   comm_before: str | None, dur_pre: float, dur_main: float, label: str,
                   mb: int, layer: int, phase: str, alloc: float = 0.0, free: float = 0.0,
-                  flops: float = 0.0, cpu_pre: float = 0.0, cpu_main: float = 0.0) -> None:
-        """One block's ops: [pre] [comm_before] main [comm_after], chained on the stream."""
+                  flops: float = 0.0, cpu_pre: float = 0.0, cpu_main: float = 0.0,
+                  column: str | None = None) -> None:
+        """One block's ops: [pre] [comm_before] main [comm_after], chained on the stream.
+        ``column``: a backward ending with this column-parallel linear, whose input re-gather
+        and gradient reduce-scatter overlap its GEMMs under sequence parallelism."""
         full = act * tokens * h          # a gathered [s, b, h] tensor
         ops: list[Op] = []
         if t > 1 and sp and comm_before:
@@ -300,7 +311,16 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             ops[0].alloc = (("activations", alloc),)
         if free:
             ops[-1].free = (("activations", free),)
-        if t > 1 and comm_after:
+        if t > 1 and sp and column and not opts.tp_comm_overlap:
+            gather = tp_comm(st, "all_gather", full, f"all_gather input {label}", mb, layer,
+                             side=True)
+            scatter = tp_comm(st, "reduce_scatter", full, f"reduce_scatter {label}", mb,
+                              layer, side=True)
+            ops[-1:] = column_linear_backward(
+                ops[-1], col_gemm_s[column][0], col_gemm_s[column][1], gather, scatter,
+                lambda name, d, **kw: compute(name, d, phase=phase, micro_batch=mb,
+                                              layer=layer, category=_cat(phase), **kw))
+        elif t > 1 and comm_after:
             comm = tp_comm(st, comm_after, full, f"{comm_after} {label}", mb, layer)
             if opts.tp_comm_overlap:
                 # Chunked overlap (TE userbuffers): the exchange starts once the first of t
@@ -369,7 +389,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                   "all_gather", bwd_s["mlp_pre"], bwd_s["mlp_main"],
                   f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
                   flops=blocks["mlp_main"].flops_bwd, cpu_pre=bwd_cpu["mlp_pre"],
-                  cpu_main=bwd_cpu["mlp_main"])
+                  cpu_main=bwd_cpu["mlp_main"], column="fc1")
         extra = core_fwd_s if ac == "selective" else 0.0
         free = layer_hold + (layer_saved if ac == "full" else 0.0)
         cp_exchange(st, unit, mb, layer, "reduce_scatter")
@@ -377,7 +397,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                   "all_gather", bwd_s["attn_pre"], bwd_s["attn_main"] + extra,
                   f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
                   flops=blocks["attn_main"].flops_bwd, cpu_pre=bwd_cpu["attn_pre"],
-                  cpu_main=bwd_cpu["attn_main"])
+                  cpu_main=bwd_cpu["attn_main"], column="qkv")
         unit.layer_bwd[layer] = unit.ops[-1]
         unit.part_op[layer] = unit.ops[-1]
 
