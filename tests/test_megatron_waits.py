@@ -137,3 +137,26 @@ def test_sequence_parallel_backward_hides_the_reduce_scatter_behind_wgrad() -> N
         assert hidden > 0.5 * (x.end - x.start), x.op.name
     rs = [x for x in bwd if x.op.collective == "reduce_scatter"]
     assert all(x.op.stream == "tp" for x in rs)
+
+
+def test_context_parallel_ring_overlaps_attention() -> None:
+    # Transformer Engine's AttnFuncWithCPAndKVP2P: cp steps of attention, each beside the
+    # exchange of the next K/V chunk with the ring neighbours. Per layer and micro-batch the
+    # forward sends K/V cp - 1 times (each rank's 2 x tokens x kv width, bf16: the same
+    # bytes each rank receives in an all-gather of K and V), the backward K/V at the first
+    # step, K/V + dK/dV in the middle and dK/dV at the last.
+    cp, seq = 4, 16384
+    s = scenario({"tp": 1, "pp": 1, "dp": 2, "cp": cp}, gbs=2, gpn=8, nvlink=450, seq=seq)
+    r = simulate(s)
+    kv = 2 * 2 * (seq // cp) * 4096            # K and V, bf16, hidden 4096 (32 x 128)
+    ring = [x for x in r.recorder.ops if x.cls == 0 and x.op.layer == 5
+            and x.op.micro_batch == 0 and x.op.name.startswith("cp ring")]
+    fwd = [x.op.nbytes for x in ring if x.op.phase == "comm" and " fwd " in x.op.name]
+    bwd = [x.op.nbytes for x in ring if " bwd " in x.op.name]
+    assert fwd == [kv] * (cp - 1)
+    assert bwd == [kv, 2 * kv, 2 * kv, kv]
+    assert not [x for x in r.recorder.ops if x.op.collective and "K/V" in x.op.name]
+    compute = [(x.start, x.end) for x in r.recorder.ops
+               if x.cls == 0 and x.op.kind == "compute" and x.end > x.start]
+    hidden = sum(max(0.0, min(b, x.end) - max(a, x.start)) for x in ring for a, b in compute)
+    assert hidden > 0.8 * sum(x.end - x.start for x in ring)

@@ -35,14 +35,16 @@ What the step does, as ``megatron/core`` runs it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.megatron_buckets import assign_buckets, bucket_size
-from sim.frameworks.megatron_overlap import column_linear_backward
+from sim.frameworks.megatron_overlap import column_linear_backward, cp_ring
 from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
     P2PLink,
     add_stage,
+    chunk_layers,
     pipeline_steps,
     schedule,
 )
@@ -79,41 +81,6 @@ class _Unit:
     part_op: dict[int | str, Op] = field(default_factory=dict)
     """Forward: the first op of each part (layer number, ``embed``, ``head``: where its
     forward pre-hook runs); backward: the last op of each part (its gradients are ready)."""
-
-
-def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
-                 loss_counts: bool = False) -> list[list[int]]:
-    """Transformer layers of each virtual pipeline chunk ``v`` (stage ``v % p``, model chunk
-    ``v // p``), in Megatron-Core's order (``get_transformer_layer_offset``).
-
-    With ``account_for_embedding_in_pipeline_split`` / ``..._loss_...`` the embedding (loss
-    and output layer) counts as one layer: ``layers + 1 (+1)`` are split evenly and the first
-    (last) chunk takes one transformer layer fewer. Llama 3.1 405B's 126 layers split over
-    8 x 8 chunks this way (NeMo's recipe).
-
-    Examples
-    --------
-    >>> chunk_layers(8, 4, 1)
-    [[0, 1], [2, 3], [4, 5], [6, 7]]
-    >>> sizes = [len(c) for c in chunk_layers(126, 8, 8, True, True)]
-    >>> sizes[:3], sizes[-2:], len(sizes)
-    ([1, 2, 2], [2, 1], 64)
-    """
-    n = p * vp
-    effective = layers + int(embedding_counts) + int(loss_counts)
-    if effective % n:
-        raise ValueError(f"{layers} layers do not split into pp x vp = {n} equal chunks")
-    per = effective // n
-    sizes = [per] * n
-    if embedding_counts:
-        sizes[0] -= 1
-    if loss_counts:
-        sizes[-1] -= 1
-    out, start = [], 0
-    for k in sizes:
-        out.append(list(range(start, start + k)))
-        start += k
-    return out
 
 
 @register("megatron")
@@ -291,7 +258,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                   comm_before: str | None, dur_pre: float, dur_main: float, label: str,
                   mb: int, layer: int, phase: str, alloc: float = 0.0, free: float = 0.0,
                   flops: float = 0.0, cpu_pre: float = 0.0, cpu_main: float = 0.0,
-                  column: str | None = None) -> None:
+                  column: str | None = None, ring: str | None = None) -> None:
         """One block's ops: [pre] [comm_before] main [comm_after], chained on the stream.
         ``column``: a backward ending with this column-parallel linear, whose input re-gather
         and gradient reduce-scatter overlap its GEMMs under sequence parallelism."""
@@ -307,6 +274,15 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             ops.append(compute(f"{label}", dur_pre + dur_main, phase=phase, micro_batch=mb,
                                layer=layer, category=_cat(phase), flops=flops,
                                cpu_s=cpu_pre + cpu_main))
+        if cp > 1 and ring:
+            before, core = ring_s[ring]
+            if ring == "fwd" and len(ops) == 1:
+                before += dur_pre           # the norm ran first in the merged op
+            ops[-1:] = cp_ring(ops[-1], before, core, cp, ring_bytes[ring],
+                               cp_transfer(st, mb, layer, label),
+                               lambda name, d, **kw: compute(name, d, phase=phase,
+                                                             micro_batch=mb, layer=layer,
+                                                             category=_cat(phase), **kw))
         if alloc:
             ops[0].alloc = (("activations", alloc),)
         if free:
@@ -346,32 +322,36 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
 
     ckpt_cpu = CHECKPOINT_OPS * MEGATRON_CPU_S_PER_OP
 
-    qd_local = (m.heads // t) * m.head_dim
-    kvd_local = max(1, m.kv_heads // t) * m.head_dim
-    # Context parallelism: every rank needs the keys and values of the whole sequence. The
-    # exchange (a ring in TE; here gathered before the attention, not overlapped with it)
-    # moves 2 x tokens x kv width of every cp rank; backward reduce-scatters their gradients.
-    cp_bytes = 2.0 * act * tokens * kvd_local * cp
-    del qd_local
+    # Context parallelism: Transformer Engine's ring (sim.frameworks.megatron_overlap.cp_ring)
+    # passes each rank's K and V (2 x tokens x kv width) to the next rank once per step.
+    kv_bytes = 2.0 * act * tokens * max(1, m.kv_heads // t) * m.head_dim
+    ring_bytes = {"fwd": [kv_bytes] * (cp - 1),
+                  "bwd": [kv_bytes] + [2 * kv_bytes] * (cp - 2) + [kv_bytes]}
+    core_bwd = {"flash_bwd", "qk_bmm", "softmax", "attn_dropout", "pv_bmm"}
+    fwd_ks = blocks["attn_main"].forward
+    first_core = next((i for i, k in enumerate(fwd_ks) if k.name.split(".")[0] in core_names),
+                      len(fwd_ks))
+    ring_s = {"fwd": (sum(kernel_time(cm, k) for k in fwd_ks[:first_core]), core_fwd_s),
+              "bwd": (sum(kernel_time(cm, k) for k in blocks["attn_main"].backward
+                          if k.name.split(".")[0] in ("proj", "bda")),
+                      sum(kernel_time(cm, k) for k in blocks["attn_main"].backward
+                          if k.name.split(".")[0] in core_bwd))}
 
-    def cp_exchange(st: int, unit: _Unit, mb: int, layer: int, op: str) -> None:
-        if cp <= 1:
-            return
-        groups = cp_groups(st)
-        unit.ops.append(Op(name=f"cp {op} K/V L{layer} mb{mb}", kind="collective",
-                           stream="compute", phase="comm", collective=op,  # type: ignore[arg-type]
-                           group=groups[0], groups=groups, nbytes=cp_bytes,
-                           key=new_key(f"cp/{st}"), category=op, micro_batch=mb, layer=layer,
-                           cpu_s=cpu_call))
+    def cp_transfer(st: int, mb: int, layer: int, label: str) -> Callable[[float, int], Op]:
+        pairs = tuple((rank(ti, ci, di, st), rank(ti, (ci + 1) % cp, di, st))
+                      for ti in range(t) for di in range(dp) for ci in range(cp))
+        return lambda nbytes, i: Op(
+            name=f"cp ring {label} step {i}", kind="send", stream="cp", phase="comm",
+            pairs=pairs, nbytes=nbytes, key=new_key(f"cp/{st}"), category="send_recv",
+            micro_batch=mb, layer=layer, cpu_s=cpu_call)
 
     def layer_forward(st: int, unit: _Unit, mb: int, layer: int, recompute: bool) -> None:
         phase = "recompute" if recompute else "fwd"
         alloc = 0.0 if recompute else layer_hold
-        cp_exchange(st, unit, mb, layer, "all_gather")
         block_ops(st, unit, ("norm", "attention"), "reduce_scatter" if sp else "all_reduce",
                   "all_gather", fwd_s["attn_pre"], fwd_s["attn_main"],
                   f"{phase} attn L{layer} mb{mb}", mb, layer, phase, alloc=alloc,
-                  flops=0.0 if recompute else blocks["attn_main"].flops_fwd,
+                  flops=0.0 if recompute else blocks["attn_main"].flops_fwd, ring="fwd",
                   cpu_pre=fwd_cpu["attn_pre"] + (ckpt_cpu if recompute else 0.0),
                   cpu_main=fwd_cpu["attn_main"])
         block_ops(st, unit, ("norm", "mlp"), "reduce_scatter" if sp else "all_reduce",
@@ -392,12 +372,11 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                   cpu_main=bwd_cpu["mlp_main"], column="fc1")
         extra = core_fwd_s if ac == "selective" else 0.0
         free = layer_hold + (layer_saved if ac == "full" else 0.0)
-        cp_exchange(st, unit, mb, layer, "reduce_scatter")
         block_ops(st, unit, ("attention", "norm"), "reduce_scatter" if sp else "all_reduce",
                   "all_gather", bwd_s["attn_pre"], bwd_s["attn_main"] + extra,
                   f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
                   flops=blocks["attn_main"].flops_bwd, cpu_pre=bwd_cpu["attn_pre"],
-                  cpu_main=bwd_cpu["attn_main"], column="qkv")
+                  cpu_main=bwd_cpu["attn_main"], column="qkv", ring="bwd")
         unit.layer_bwd[layer] = unit.ops[-1]
         unit.part_op[layer] = unit.ops[-1]
 

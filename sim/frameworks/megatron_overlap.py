@@ -43,3 +43,40 @@ def column_linear_backward(main: Op, dgrad_s: float, wgrad_s: float, gather: Op,
     join = make(f"wait {scatter.name}", 0.0, deps=[scatter])
     join.kernels = 0
     return [main, gather, dgrad, scatter, wgrad, join]
+
+
+def cp_ring(main: Op, before_s: float, core_s: float, cp: int, step_bytes: list[float],
+            transfer: Callable[[float, int], Op], make: Callable[..., Op]) -> list[Op]:
+    """Context parallelism as Transformer Engine's ``AttnFuncWithCPAndKVP2P`` runs it
+    (``transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py``):
+    attention in ``cp`` steps, each over the key/value chunk of one ring neighbour, the
+    exchange for step i + 1 (``flash_attn_p2p_communicate``: send to the next rank, receive
+    from the previous) issued at the start of step i and waited for before step i + 1. With
+    the load-balanced causal split (each rank holds sequence chunks r and 2cp - 1 - r) every
+    step does the same work: the diagonal step two causal halves and a full quarter, the
+    others half of a full block. Forward sends K/V for cp - 1 steps; backward sends K/V at
+    step 0, K/V with the accumulated dK/dV in the middle and dK/dV alone at the last step,
+    waited for after the loop (``step_bytes``: one size per exchange).
+
+    ``main`` (the block's compute) is split into the part before the core attention
+    (``before_s``), the cp steps (``core_s`` in all) and the rest, which keeps ``main``'s
+    frees. ``transfer(nbytes, i)`` builds exchange i; ``make(name, duration, **kw)`` a compute
+    op like ``main``. Returns the ops in the order the host issues them."""
+    before_s = min(before_s, main.duration)
+    core_s = min(core_s, main.duration - before_s)
+    rest_s = main.duration - before_s - core_s
+    main.duration = before_s
+    free, main.free = main.free, ()
+    ops: list[Op] = [main]
+    sent: list[Op] = []
+    for i in range(cp):
+        if i < len(step_bytes):
+            x = transfer(step_bytes[i], i)
+            x.deps = [sent[-1] if sent else main]
+            ops.append(x)
+            sent.append(x)
+        ops.append(make(f"{main.name} cp step {i}", core_s / cp,
+                        deps=[sent[i - 1]] if i > 0 else []))
+    ops.append(make(f"{main.name} (after attention)", rest_s, free=free,
+                    deps=[sent[-1]] if len(step_bytes) >= cp else []))
+    return ops

@@ -84,6 +84,41 @@ def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[Unit]:
     return order
 
 
+def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
+                 loss_counts: bool = False) -> list[list[int]]:
+    """Transformer layers of each virtual pipeline chunk ``v`` (stage ``v % p``, model chunk
+    ``v // p``), in Megatron-Core's order (``get_transformer_layer_offset``).
+
+    With ``account_for_embedding_in_pipeline_split`` / ``..._loss_...`` the embedding (loss
+    and output layer) counts as one layer: ``layers + 1 (+1)`` are split evenly and the first
+    (last) chunk takes one transformer layer fewer. Llama 3.1 405B's 126 layers split over
+    8 x 8 chunks this way (NeMo's recipe).
+
+    Examples
+    --------
+    >>> chunk_layers(8, 4, 1)
+    [[0, 1], [2, 3], [4, 5], [6, 7]]
+    >>> sizes = [len(c) for c in chunk_layers(126, 8, 8, True, True)]
+    >>> sizes[:3], sizes[-2:], len(sizes)
+    ([1, 2, 2], [2, 1], 64)
+    """
+    n = p * vp
+    effective = layers + int(embedding_counts) + int(loss_counts)
+    if effective % n:
+        raise ValueError(f"{layers} layers do not split into pp x vp = {n} equal chunks")
+    per = effective // n
+    sizes = [per] * n
+    if embedding_counts:
+        sizes[0] -= 1
+    if loss_counts:
+        sizes[-1] -= 1
+    out, start = [], 0
+    for k in sizes:
+        out.append(list(range(start, start + k)))
+        start += k
+    return out
+
+
 @dataclass
 class Step:
     """One item of a stage's program: run a unit, post transfers, or wait for them."""
