@@ -270,10 +270,12 @@ def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
         else:
             deps = [posted[tr] for _, tr in step.transfers]
             if step.sync:
-                deps += [o for s_, o in last_on_stream.items() if s_ != "compute"
-                         and o not in deps]
+                deps += [o for o in last_on_stream.values() if o not in deps]
+            # synchronize: the host's own wait (stream "host"); otherwise the compute
+            # stream waits for the transfers' events (no kernel either way).
             wait = add(Op(name="wait p2p" + (" + synchronize" if step.sync else ""),
-                          kind="compute", stream="compute", phase="comm", kernels=0,
-                          deps=deps, host_sync=step.sync, category="send_recv"))
+                          kind="compute", stream="host" if step.sync else "compute",
+                          phase="comm", kernels=0, deps=deps, host_sync=step.sync,
+                          category="sync"))
             pending = [wait]
             last = wait
