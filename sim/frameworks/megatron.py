@@ -8,7 +8,10 @@ What the step does, as ``megatron/core`` runs it:
 * Tensor parallelism: each layer's QKV and fc1 are column-parallel, the output projection and
   fc2 row-parallel; the row-parallel outputs are all-reduced across the tensor-parallel group
   (with sequence parallelism: reduce-scattered, and the normalised inputs all-gathered),
-  twice in forward and twice in backward per layer, blocking the compute stream. With
+  twice in forward and twice in backward per layer, blocking the compute stream; with
+  sequence parallelism a column-parallel linear's backward re-gathers its input and
+  reduce-scatters its input gradient beside its GEMMs
+  (:func:`sim.frameworks.megatron_overlap.column_linear_backward`). With
   ``tp_comm_overlap`` each exchange is chunked and overlapped with the GEMM that produces it.
 * Pipeline parallelism: the schedule of ``pipeline_parallel/schedules.py`` — 1F1B with
   min(p - s - 1, m) warm-up forwards on stage s, interleaved 1F1B with ``vp`` model chunks per
@@ -18,8 +21,9 @@ What the step does, as ``megatron/core`` runs it:
   schedules do (:mod:`sim.frameworks.megatron_pipeline`), so bubbles and stalls come out of
   the simulation.
   The embedding sits on the first stage and the output layer with the loss on the last.
-* Context parallelism: each rank holds seq/cp tokens; keys and values of the other ranks are
-  gathered for attention (and their gradients reduce-scattered in backward).
+* Context parallelism: each rank holds seq/cp tokens (two load-balanced chunks); attention
+  runs as Transformer Engine's ring, cp steps each beside the exchange of the next K/V chunk
+  (:func:`sim.frameworks.megatron_overlap.cp_ring`).
 * Data parallelism: fp32 (bf16 training) or 16-bit (fp16) gradient buffers reduced per
   bucket (:mod:`sim.frameworks.megatron_buckets`: split only on the first stage's first model
   chunk, one bucket per chunk elsewhere), from the backward hooks of the last micro-batch
