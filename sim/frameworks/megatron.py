@@ -43,7 +43,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext, register
-from sim.frameworks.megatron_buckets import assign_buckets, bucket_size
+from sim.frameworks.megatron_buckets import (
+    BucketComms,
+    StageBuckets,
+    assign_buckets,
+    bucket_ops,
+    bucket_size,
+)
 from sim.frameworks.megatron_overlap import column_linear_backward, cp_ring
 from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
     P2PLink,
@@ -467,62 +473,21 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     size = bucket_size(opts.bucket_size, opts.overlap_grad_reduce, dp * cp)
     buckets = {st: assign_buckets(st, p, vp, chunks, layer_params, emb_params, head_params,
                                   size) for st in range(p)}
-    grad_ops: dict[int, list[Op]] = {st: [] for st in range(p)}
     launch_after: dict[int, list[Op]] = {}   # id(op) -> ops the host issues right after it
     insert_before: dict[int, list[Op]] = {}  # id(op) -> ops the host issues right before it
-    param_gather: dict[int, list[Op]] = {st: [] for st in range(p)}
-    for st in range(p):
-        if dp * cp == 1:
-            break
-        groups = dp_groups(st)
-        for b in buckets[st]:
-            # The bucket's reduce: from the backward hook of its last gradient in the last
-            # micro-batch (overlap_grad_reduce), else after the schedule (below).
-            g = Op(name=f"grad {reduce_op} bucket v{b.v} {b.parts[-1]}", kind="collective",
-                   stream="dp", phase="comm", collective=reduce_op,  # type: ignore[arg-type]
-                   group=groups[0], groups=groups, nbytes=grad_bytes * b.params,
-                   key=new_key(f"dp/{st}"), category=reduce_op, cpu_s=cpu_call)
-            grad_ops[st].append(g)
-            if opts.overlap_grad_reduce:
-                done = units[("B", b.v, mb_count - 1)].part_op[b.parts[-1]]
-                g.deps = [done]
-                launch_after.setdefault(id(done), []).append(g)
-            if not (opts.distributed_optimizer and opts.overlap_param_gather):
-                continue
-            gather = Op(name=f"param all_gather bucket v{b.v} {b.parts[-1]}",
-                        kind="collective", stream="dp", phase="comm",
-                        collective="all_gather", group=groups[0], groups=groups,
-                        nbytes=act * b.params, key=new_key(f"dp/{st}"),
-                        category="all_gather", cpu_s=cpu_call)
-            param_gather[st].append(gather)
-            # Forward pre-hook of the bucket's first part (its last in backward order) in the
-            # chunk's first micro-batch waits for the gather.
-            hook = units[("F", b.v, 0)].part_op[b.parts[-1]]
-            hook.deps = list(hook.deps) + [gather]
-        if not param_gather[st]:
-            continue
-        order = schedule("1f1b" if vp > 1 else opts.pipeline_schedule, p, st, mb_count, vp)
-        forwards = [u for u in order if u[0] == "F"]
-        start = units[("F", st, 0)].first   # the stage's first unit is its chunk-0 forward
-        by_chunk: dict[int, list[Op]] = {}
-        for b, gather in zip(buckets[st], param_gather[st], strict=True):
-            by_chunk.setdefault(b.v // p, []).insert(0, gather)   # forward order
-        for c, gathers in by_chunk.items():
-            if vp == 1:
-                # Lazy: the first bucket at its own pre-hook, each next one when the forward
-                # reaches the bucket before it (finish_param_sync dispatches the next).
-                for i, gather in enumerate(gathers):
-                    hook = _hook_of(gather, units[("F", c * p + st, 0)])
-                    if i == 0:
-                        insert_before.setdefault(id(hook), []).append(gather)
-                    if i + 1 < len(gathers):
-                        insert_before.setdefault(id(hook), []).append(gathers[i + 1])
-            elif c < 2:
-                insert_before.setdefault(id(start), []).extend(gathers)
-            else:
-                at = forwards[(c - 1) * p - st]
-                first = units[("F", at[1] * p + st, at[2])].first
-                insert_before.setdefault(id(first), []).extend(gathers)
+    empty = StageBuckets()
+    stage_buckets = {st: empty for st in range(p)}
+    for st in range(p) if dp * cp > 1 else ():
+        forwards = [u for u in schedule("1f1b" if vp > 1 else opts.pipeline_schedule, p, st,
+                                        mb_count, vp) if u[0] == "F"]
+        stage_buckets[st] = bucket_ops(st, p, vp, mb_count, buckets[st], forwards, BucketComms(
+            groups=dp_groups(st), reduce_op=reduce_op, grad_bytes=grad_bytes, param_bytes=act,
+            overlap_grad_reduce=opts.overlap_grad_reduce,
+            overlap_param_gather=opts.distributed_optimizer and opts.overlap_param_gather,
+            part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
+            first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
+            key=lambda st=st: new_key(f"dp/{st}"), cpu_s=cpu_call,  # type: ignore[misc]
+            launch_after=launch_after, insert_before=insert_before))
 
     kind_sched = opts.pipeline_schedule if vp == 1 else "1f1b"
     last_bwd: dict[int, Op] = {}
@@ -549,9 +514,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     for st, cls in enumerate(classes):
         n = stage_params(st)
         groups = dp_groups(st)
-        deps_done = [last_bwd[st]] + grad_ops[st]
+        deps_done = [last_bwd[st]] + stage_buckets[st].grads
         if not opts.overlap_grad_reduce:
-            for g in grad_ops[st]:      # finalize_model_grads: every chunk's one bucket
+            for g in stage_buckets[st].grads:   # finalize_model_grads: every chunk's one bucket
                 g.deps = [last_bwd[st]]
                 program.add(cls, g)
         if m.tied_embeddings and p > 1 and st in (0, p - 1):
@@ -571,7 +536,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                + cm.membound_time(grad_bytes * n))
         opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                        category="optimizer", deps=deps_done))
-        if opts.distributed_optimizer and dp * cp > 1 and not param_gather[st]:
+        if opts.distributed_optimizer and dp * cp > 1 and not stage_buckets[st].gathers:
             # Without overlap_param_gather the optimizer gathers every bucket right away.
             for b in buckets[st]:
                 program.add(cls, Op(
@@ -580,11 +545,6 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                     group=groups[0], groups=groups, nbytes=act * b.params,
                     key=new_key(f"dp/{st}"), category="all_gather"))
     return program
-
-
-def _hook_of(gather: Op, unit: _Unit) -> Op:
-    """The forward op whose pre-hook waits for ``gather``."""
-    return next(o for o in unit.part_op.values() if gather in o.deps)
 
 
 def _cat(phase: str) -> str:

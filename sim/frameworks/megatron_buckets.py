@@ -25,7 +25,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from sim.program import Op
 
 DEFAULT_BUCKET_PARAMS = 40_000_000   # max(40M, 1M x dp x cp): training.py get_model
 
@@ -82,4 +85,88 @@ def assign_buckets(st: int, p: int, vp: int, chunks: list[list[int]], layer_para
                 cur = Bucket(v, 0.0)
         if cur.parts:
             out.append(cur)
+    return out
+
+
+@dataclass
+class StageBuckets:
+    """What one stage's buckets add to the program."""
+
+    grads: list[Op] = field(default_factory=list)
+    """Each bucket's gradient reduce."""
+    gathers: list[Op] = field(default_factory=list)
+    """With ``overlap_param_gather``: each bucket's parameter all-gather in the forward."""
+
+
+@dataclass
+class BucketComms:
+    """How a stage's bucket collectives are built and where they hook into its units."""
+
+    groups: tuple[tuple[int, ...], ...]
+    reduce_op: str
+    grad_bytes: float
+    param_bytes: float
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    part_op: Callable[[str, int, int, int | str], Op]
+    """(F|B, virtual stage, micro-batch, part) -> the forward's first op of the part (its
+    pre-hook) or the backward's last op of the part (its gradients are ready)."""
+    first_op: Callable[[str, int, int], Op]
+    key: Callable[[], str]
+    cpu_s: float
+    launch_after: dict[int, list[Op]]
+    """id(op) -> ops the host issues right after it (filled in)."""
+    insert_before: dict[int, list[Op]]
+    """id(op) -> ops the host issues right before it (filled in)."""
+
+
+def bucket_ops(st: int, p: int, vp: int, m: int, buckets: list[Bucket],
+               forwards: list[tuple[str, int, int]], c: BucketComms) -> StageBuckets:
+    """The gradient reduces and (``overlap_param_gather``) parameter gathers of stage
+    ``st``'s buckets, hooked where Megatron-Core issues and waits for them; ``forwards``:
+    the stage's forward units in schedule order."""
+    out = StageBuckets()
+    hooks: list[Op] = []
+    for b in buckets:
+        g = Op(name=f"grad {c.reduce_op} bucket v{b.v} {b.parts[-1]}", kind="collective",
+               stream="dp", phase="comm", collective=c.reduce_op,  # type: ignore[arg-type]
+               group=c.groups[0], groups=c.groups, nbytes=c.grad_bytes * b.params,
+               key=c.key(), category=c.reduce_op, cpu_s=c.cpu_s)
+        out.grads.append(g)
+        if c.overlap_grad_reduce:
+            done = c.part_op("B", b.v, m - 1, b.parts[-1])
+            g.deps = [done]
+            c.launch_after.setdefault(id(done), []).append(g)
+        if not c.overlap_param_gather:
+            continue
+        gather = Op(name=f"param all_gather bucket v{b.v} {b.parts[-1]}", kind="collective",
+                    stream="dp", phase="comm", collective="all_gather", group=c.groups[0],
+                    groups=c.groups, nbytes=c.param_bytes * b.params, key=c.key(),
+                    category="all_gather", cpu_s=c.cpu_s)
+        out.gathers.append(gather)
+        # The pre-hook of the bucket's first part in forward (its last in backward order),
+        # in the chunk's first micro-batch, waits for the gather.
+        hook = c.part_op("F", b.v, 0, b.parts[-1])
+        hook.deps = list(hook.deps) + [gather]
+        hooks.append(hook)
+    by_chunk: dict[int, list[tuple[Op, Op]]] = {}
+    for b, gather, hook in zip(buckets, out.gathers, hooks, strict=False):
+        by_chunk.setdefault(b.v // p, []).insert(0, (gather, hook))   # forward order
+    for chunk, pairs in by_chunk.items():
+        if vp == 1:
+            # Lazy: the first bucket at its own pre-hook, each next one when the forward
+            # reaches the bucket before it (finish_param_sync dispatches the next).
+            for i, (gather, hook) in enumerate(pairs):
+                at = c.insert_before.setdefault(id(hook), [])
+                if i == 0:
+                    at.append(gather)
+                if i + 1 < len(pairs):
+                    at.append(pairs[i + 1][0])
+            continue
+        if chunk < 2:
+            first = c.first_op("F", st, 0)      # the stage's first unit
+        else:
+            _, fc, fmb = forwards[(chunk - 1) * p - st]
+            first = c.first_op("F", fc * p + st, fmb)
+        c.insert_before.setdefault(id(first), []).extend(g for g, _ in pairs)
     return out
