@@ -175,3 +175,14 @@ def test_interleaved_bubble_matches_the_closed_form(p: int, vp: int, m: int) -> 
                        if x.cls == crit and x.op.phase in ("fwd", "bwd", "recompute"))
     got = r.summary["bubble_fraction"] * step / pipeline_end
     assert got == pytest.approx((p - 1) / (vp * m + p - 1), abs=0.02)
+
+
+def test_1f1b_warmup_sends_block_until_the_next_stage_receives() -> None:
+    # 1F1B warm-up on stage 0 of 4: send_forward(F1) is a blocking batch_isend_irecv that
+    # completes only when stage 1 posts recv_forward for micro-batch 1, after its forward of
+    # micro-batch 0 and its own send: stage 0's third forward cannot start before stage 1 has
+    # finished its first (a send that needed no receiver would let it start at 2 forwards).
+    r = simulate(scenario({"tp": 1, "pp": 4, "dp": 1}, gbs=8, gpn=4, nvlink=450))
+    f0, f1 = _fwd_spans(r, 0), _fwd_spans(r, 1)
+    assert f0[2][0] >= f1[0][1] - 1e-9
+    assert f0[2][0] > f0[0][0] + (f0[0][1] - f0[0][0]) + (f0[1][1] - f0[1][0])
