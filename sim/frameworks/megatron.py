@@ -89,6 +89,8 @@ class _Unit:
     last: Op | None = None
     layer_bwd: dict[int, Op] = field(default_factory=dict)
     part_op: dict[int | str, Op] = field(default_factory=dict)
+    carry: list[Op] = field(default_factory=list)
+    """Ops the unit's next compute op waits for (an overlapped reduce-scatter's handle)."""
     """Forward: the first op of each part (layer number, ``embed``, ``head``: where its
     forward pre-hook runs); backward: the last op of each part (its gradients are ready)."""
 
@@ -297,6 +299,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             ops[0].alloc = (("activations", alloc),)
         if free:
             ops[-1].free = (("activations", free),)
+        carry: list[Op] = []
         if t > 1 and sp and column and not opts.tp_comm_overlap:
             gather = tp_comm(st, "all_gather", full, f"all_gather input {label}", mb, layer,
                              side=True)
@@ -306,6 +309,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 ops[-1], col_gemm_s[column][0], col_gemm_s[column][1], gather, scatter,
                 lambda name, d, **kw: compute(name, d, phase=phase, micro_batch=mb,
                                               layer=layer, category=_cat(phase), **kw))
+            carry = [scatter]
         elif t > 1 and comm_after:
             comm = tp_comm(st, comm_after, full, f"{comm_after} {label}", mb, layer)
             if opts.tp_comm_overlap:
@@ -327,8 +331,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 ops.append(join)
             else:
                 ops.append(comm)
-        for op in ops:
-            unit.ops.append(op)
+        ops[0].deps = list(ops[0].deps) + unit.carry
+        unit.carry = carry
+        unit.ops.extend(ops)
 
     ckpt_cpu = CHECKPOINT_OPS * MEGATRON_CPU_S_PER_OP
 
@@ -450,8 +455,15 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 unit.ops.append(compute(f"bwd embed mb{mb}", bwd_s["embed"], phase="bwd",
                                         micro_batch=mb, category="backward",
                                         cpu_s=bwd_cpu["embed"],
-                                        free=(("activations", cost["embed"].saved_bytes),)))
+                                        free=(("activations", cost["embed"].saved_bytes),),
+                                        deps=unit.carry))
                 unit.part_op["embed"] = unit.ops[-1]
+                unit.carry = []
+        if unit.carry:      # the last linear's reduce-scatter, before the send
+            unit.ops.append(compute(f"wait {unit.carry[0].name}", 0.0, phase="bwd",
+                                    micro_batch=mb, category="backward", deps=unit.carry,
+                                    kernels=0))
+            unit.carry = []
         unit.first, unit.last = unit.ops[0], unit.ops[-1]
         if legacy:
             unit.last.host_sync = True

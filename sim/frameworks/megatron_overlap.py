@@ -31,7 +31,8 @@ def column_linear_backward(main: Op, dgrad_s: float, wgrad_s: float, gather: Op,
     gradient reduce-scatter beside the wgrad. ``gather`` and ``scatter`` are the two
     collectives on a communication stream; ``make(name, duration, **kw)`` builds a compute
     op like ``main``. Returns the ops in the order the host issues them; ``main``'s frees
-    move to the wgrad, which ends the block's compute."""
+    move to the wgrad, which ends the block's compute. The caller makes the next compute op
+    wait for ``scatter`` (the handle's wait at the end of the linear's backward)."""
     dgrad_s = min(dgrad_s, main.duration)
     wgrad_s = min(wgrad_s, main.duration - dgrad_s)
     main.duration -= dgrad_s + wgrad_s
@@ -40,9 +41,7 @@ def column_linear_backward(main: Op, dgrad_s: float, wgrad_s: float, gather: Op,
     scatter.deps = [dgrad, gather]
     wgrad = make(f"{main.name} wgrad", wgrad_s, deps=[gather], free=main.free)
     main.free = ()
-    join = make(f"wait {scatter.name}", 0.0, deps=[scatter])
-    join.kernels = 0
-    return [main, gather, dgrad, scatter, wgrad, join]
+    return [main, gather, dgrad, scatter, wgrad]
 
 
 def cp_ring(main: Op, before_s: float, core_s: float, cp: int, step_bytes: list[float],
