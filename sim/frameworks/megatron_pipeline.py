@@ -195,10 +195,12 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int) -> list[Step]:
     post_after: dict[int, list[tuple[str, Transfer]]] = {}
     prev_same: dict[str, int] = {}
     last_send: dict[str, tuple[str, Transfer]] = {}
+    # The first backward's receive is posted in the last warm-up iteration.
+    warmup = min((p - s - 1) * 2 + (vp - 1) * p, m * vp)
     for i, u in enumerate(order):
         r = peer(u, "recv")
         if r is not None:
-            j = prev_same.get(u[0], i - 1)
+            j = prev_same.get(u[0], i - 1 if u[0] == "F" else warmup - 1)
             post_after.setdefault(j, []).append(r)
         prev_same[u[0]] = i
     for r in post_after.get(-1, []):
