@@ -8,21 +8,28 @@ What the step does, as ``megatron/core`` runs it:
 * Tensor parallelism: each layer's QKV and fc1 are column-parallel, the output projection and
   fc2 row-parallel; the row-parallel outputs are all-reduced across the tensor-parallel group
   (with sequence parallelism: reduce-scattered, and the normalised inputs all-gathered),
-  twice in forward and twice in backward per layer, blocking the compute stream. With
+  twice in forward and twice in backward per layer, blocking the compute stream; with
+  sequence parallelism a column-parallel linear's backward re-gathers its input and
+  reduce-scatters its input gradient beside its GEMMs
+  (:func:`sim.frameworks.megatron_overlap.column_linear_backward`). With
   ``tp_comm_overlap`` each exchange is chunked and overlapped with the GEMM that produces it.
 * Pipeline parallelism: the schedule of ``pipeline_parallel/schedules.py`` — 1F1B with
   min(p - s - 1, m) warm-up forwards on stage s, interleaved 1F1B with ``vp`` model chunks per
   stage ((p - s - 1) * 2 + (vp - 1) * p warm-up units), or GPipe (all forwards, then all
   backwards). Activations go to the next stage and gradients back as point-to-point
-  transfers; a stage's forward waits for its input, so bubbles come out of the simulation.
+  transfers, each a rendezvous of both stages, issued and waited for where Megatron-Core's
+  schedules do (:mod:`sim.frameworks.megatron_pipeline`), so bubbles and stalls come out of
+  the simulation.
   The embedding sits on the first stage and the output layer with the loss on the last.
-* Context parallelism: each rank holds seq/cp tokens; keys and values of the other ranks are
-  gathered for attention (and their gradients reduce-scattered in backward).
-* Data parallelism: fp32 (bf16 training) or 16-bit (fp16) gradient buffers reduced after the
-  last micro-batch's backward, in one bucket, or bucket by bucket as backward produces them
-  (``overlap_grad_reduce``; buckets of max(40M, 1M x dp) parameters, ``distributed/``); with
-  the distributed optimizer a reduce-scatter, the optimizer on the shard, and an all-gather of
-  the 16-bit parameters (overlapped with the next forward under ``overlap_param_gather``).
+* Context parallelism: each rank holds seq/cp tokens (two load-balanced chunks); attention
+  runs as Transformer Engine's ring, cp steps each beside the exchange of the next K/V chunk
+  (:func:`sim.frameworks.megatron_overlap.cp_ring`).
+* Data parallelism: fp32 (bf16 training) or 16-bit (fp16) gradient buffers reduced per
+  bucket (:mod:`sim.frameworks.megatron_buckets`: split only on the first stage's first model
+  chunk, one bucket per chunk elsewhere), from the backward hooks of the last micro-batch
+  (``overlap_grad_reduce``) or after the schedule; with the distributed optimizer a
+  reduce-scatter, the optimizer on the shard, and an all-gather of the 16-bit parameters per
+  bucket, after the optimizer or in the next forward's pre-hooks (``overlap_param_gather``).
   Tied embeddings are all-reduced between the first and last stage (``finalize_model_grads``).
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
@@ -32,9 +39,25 @@ What the step does, as ``megatron/core`` runs it:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext, register
+from sim.frameworks.megatron_buckets import (
+    BucketComms,
+    StageBuckets,
+    assign_buckets,
+    bucket_ops,
+    bucket_size,
+)
+from sim.frameworks.megatron_overlap import column_linear_backward, cp_ring
+from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
+    P2PLink,
+    add_stage,
+    chunk_layers,
+    pipeline_steps,
+    schedule,
+)
 from sim.layer_ops import price_block
 from sim.megatron_ops import (
     CHECKPOINT_OPS,
@@ -48,7 +71,6 @@ from sim.megatron_ops import (
 from sim.program import Op, Program, RankClass
 from sim.scenario import MegatronOptions
 
-DEFAULT_BUCKET_PARAMS = 40_000_000   # distributed/: bucket_size = max(40M, 1M x dp)
 # CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS). Fitted,
 # not measured: the MAPE minimum over vTrain's single-node FIT half only (every 2nd of its 720
 # rows; tools/fit_megatron_host.py, golden section: 33.8 us, kept at 34), validated on the
@@ -69,80 +91,11 @@ class _Unit:
     first: Op | None = None
     last: Op | None = None
     layer_bwd: dict[int, Op] = field(default_factory=dict)
-
-
-def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[tuple[str, int, int]]:
-    """Stage ``s``'s order of (F|B, model chunk, micro-batch) units.
-
-    Examples
-    --------
-    1F1B on the first of 4 stages with 4 micro-batches: 3 warm-up forwards.
-
-    >>> [f"{k}{i}" for k, _, i in schedule("1f1b", 4, 0, 4, 1)]
-    ['F0', 'F1', 'F2', 'F3', 'B0', 'B1', 'B2', 'B3']
-    >>> [f"{k}{i}" for k, _, i in schedule("1f1b", 4, 3, 4, 1)]
-    ['F0', 'B0', 'F1', 'B1', 'F2', 'B2', 'F3', 'B3']
-    """
-    if kind == "gpipe":
-        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-    total = m * vp
-    if vp == 1:
-        warmup = min(p - s - 1, m)
-    else:
-        warmup = min((p - s - 1) * 2 + (vp - 1) * p, total)
-
-    def chunk(k: int, forward: bool) -> int:
-        c = (k % (p * vp)) // p
-        return c if forward else vp - 1 - c
-
-    def micro(k: int) -> int:
-        return (k // (p * vp)) * p + k % p if vp > 1 else k
-
-    order: list[tuple[str, int, int]] = []
-    for k in range(warmup):
-        order.append(("F", chunk(k, True), micro(k)))
-    for k in range(total - warmup):
-        f = warmup + k
-        order.append(("F", chunk(f, True), micro(f)))
-        order.append(("B", chunk(k, False), micro(k)))
-    for k in range(total - warmup, total):
-        order.append(("B", chunk(k, False), micro(k)))
-    return order
-
-
-def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
-                 loss_counts: bool = False) -> list[list[int]]:
-    """Transformer layers of each virtual pipeline chunk ``v`` (stage ``v % p``, model chunk
-    ``v // p``), in Megatron-Core's order (``get_transformer_layer_offset``).
-
-    With ``account_for_embedding_in_pipeline_split`` / ``..._loss_...`` the embedding (loss
-    and output layer) counts as one layer: ``layers + 1 (+1)`` are split evenly and the first
-    (last) chunk takes one transformer layer fewer. Llama 3.1 405B's 126 layers split over
-    8 x 8 chunks this way (NeMo's recipe).
-
-    Examples
-    --------
-    >>> chunk_layers(8, 4, 1)
-    [[0, 1], [2, 3], [4, 5], [6, 7]]
-    >>> sizes = [len(c) for c in chunk_layers(126, 8, 8, True, True)]
-    >>> sizes[:3], sizes[-2:], len(sizes)
-    ([1, 2, 2], [2, 1], 64)
-    """
-    n = p * vp
-    effective = layers + int(embedding_counts) + int(loss_counts)
-    if effective % n:
-        raise ValueError(f"{layers} layers do not split into pp x vp = {n} equal chunks")
-    per = effective // n
-    sizes = [per] * n
-    if embedding_counts:
-        sizes[0] -= 1
-    if loss_counts:
-        sizes[-1] -= 1
-    out, start = [], 0
-    for k in sizes:
-        out.append(list(range(start, start + k)))
-        start += k
-    return out
+    part_op: dict[int | str, Op] = field(default_factory=dict)
+    carry: list[Op] = field(default_factory=list)
+    """Ops the unit's next compute op waits for (an overlapped reduce-scatter's handle)."""
+    """Forward: the first op of each part (layer number, ``embed``, ``head``: where its
+    forward pre-hook runs); backward: the last op of each part (its gradients are ready)."""
 
 
 @register("megatron")
@@ -276,6 +229,12 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
 
     core_fwd_s = sum(kernel_time(cm, k) for k in blocks["attn_main"].forward
                      if k.name.split(".")[0] in core_names)
+    # (dgrad, wgrad) GPU seconds of each column-parallel linear (with its FP8 gradient cast).
+    col_gemm_s = {lin: tuple(sum(kernel_time(cm, k) for k in blocks[blk].backward
+                                 if k.name in names)
+                             for names in ({f"{lin}.dgrad", f"{lin}.cast_g", f"{lin}.amax_g"},
+                                           {f"{lin}.wgrad"}))
+                  for lin, blk in (("qkv", "attn_main"), ("fc1", "mlp_main"))}
     layer_saved = sum(cost[k].saved_bytes for k in ("attn_pre", "attn_main", "mlp_pre",
                                                     "mlp_main"))
     layer_hold: float
@@ -301,19 +260,23 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     def compute(name: str, dur: float, **kw: object) -> Op:
         return Op(name=name, kind="compute", stream="compute", duration=dur, **kw)  # type: ignore[arg-type]
 
-    def tp_comm(st: int, op: str, nbytes: float, name: str, mb: int, layer: int | None
-                ) -> Op:
+    def tp_comm(st: int, op: str, nbytes: float, name: str, mb: int, layer: int | None,
+                side: bool = False) -> Op:
         groups = tp_groups(st)
-        return Op(name=name, kind="collective", stream="compute" if not opts.tp_comm_overlap
-                  else "tp", phase="comm", collective=op, group=groups[0], groups=groups,  # type: ignore[arg-type]
+        stream = "tp" if (opts.tp_comm_overlap or side) else "compute"
+        return Op(name=name, kind="collective", stream=stream, phase="comm", collective=op,  # type: ignore[arg-type]
+                  group=groups[0], groups=groups,
                   nbytes=nbytes, key=new_key(f"tp/{st}"), category=op, micro_batch=mb,
                   layer=layer, cpu_s=cpu_call)
 
     def block_ops(st: int, unit: _Unit, names: tuple[str, str], comm_after: str | None,
                   comm_before: str | None, dur_pre: float, dur_main: float, label: str,
                   mb: int, layer: int, phase: str, alloc: float = 0.0, free: float = 0.0,
-                  flops: float = 0.0, cpu_pre: float = 0.0, cpu_main: float = 0.0) -> None:
-        """One block's ops: [pre] [comm_before] main [comm_after], chained on the stream."""
+                  flops: float = 0.0, cpu_pre: float = 0.0, cpu_main: float = 0.0,
+                  column: str | None = None, ring: str | None = None) -> None:
+        """One block's ops: [pre] [comm_before] main [comm_after], chained on the stream.
+        ``column``: a backward ending with this column-parallel linear, whose input re-gather
+        and gradient reduce-scatter overlap its GEMMs under sequence parallelism."""
         full = act * tokens * h          # a gathered [s, b, h] tensor
         ops: list[Op] = []
         if t > 1 and sp and comm_before:
@@ -326,11 +289,31 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             ops.append(compute(f"{label}", dur_pre + dur_main, phase=phase, micro_batch=mb,
                                layer=layer, category=_cat(phase), flops=flops,
                                cpu_s=cpu_pre + cpu_main))
+        if cp > 1 and ring:
+            before, core = ring_s[ring]
+            if ring == "fwd" and len(ops) == 1:
+                before += dur_pre           # the norm ran first in the merged op
+            ops[-1:] = cp_ring(ops[-1], before, core, cp, ring_bytes[ring],
+                               cp_transfer(st, mb, layer, label),
+                               lambda name, d, **kw: compute(name, d, phase=phase,
+                                                             micro_batch=mb, layer=layer,
+                                                             category=_cat(phase), **kw))
         if alloc:
             ops[0].alloc = (("activations", alloc),)
         if free:
             ops[-1].free = (("activations", free),)
-        if t > 1 and comm_after:
+        carry: list[Op] = []
+        if t > 1 and sp and column and not opts.tp_comm_overlap:
+            gather = tp_comm(st, "all_gather", full, f"all_gather input {label}", mb, layer,
+                             side=True)
+            scatter = tp_comm(st, "reduce_scatter", full, f"reduce_scatter {label}", mb,
+                              layer, side=True)
+            ops[-1:] = column_linear_backward(
+                ops[-1], col_gemm_s[column][0], col_gemm_s[column][1], gather, scatter,
+                lambda name, d, **kw: compute(name, d, phase=phase, micro_batch=mb,
+                                              layer=layer, category=_cat(phase), **kw))
+            carry = [scatter]
+        elif t > 1 and comm_after:
             comm = tp_comm(st, comm_after, full, f"{comm_after} {label}", mb, layer)
             if opts.tp_comm_overlap:
                 # Chunked overlap (TE userbuffers): the exchange starts once the first of t
@@ -351,37 +334,42 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 ops.append(join)
             else:
                 ops.append(comm)
-        for op in ops:
-            unit.ops.append(op)
+        ops[0].deps = list(ops[0].deps) + unit.carry
+        unit.carry = carry
+        unit.ops.extend(ops)
 
     ckpt_cpu = CHECKPOINT_OPS * MEGATRON_CPU_S_PER_OP
 
-    qd_local = (m.heads // t) * m.head_dim
-    kvd_local = max(1, m.kv_heads // t) * m.head_dim
-    # Context parallelism: every rank needs the keys and values of the whole sequence. The
-    # exchange (a ring in TE; here gathered before the attention, not overlapped with it)
-    # moves 2 x tokens x kv width of every cp rank; backward reduce-scatters their gradients.
-    cp_bytes = 2.0 * act * tokens * kvd_local * cp
-    del qd_local
+    # Context parallelism: Transformer Engine's ring (sim.frameworks.megatron_overlap.cp_ring)
+    # passes each rank's K and V (2 x tokens x kv width) to the next rank once per step.
+    kv_bytes = 2.0 * act * tokens * max(1, m.kv_heads // t) * m.head_dim
+    ring_bytes = {"fwd": [kv_bytes] * (cp - 1),
+                  "bwd": [kv_bytes] + [2 * kv_bytes] * (cp - 2) + [kv_bytes]}
+    core_bwd = {"flash_bwd", "qk_bmm", "softmax", "attn_dropout", "pv_bmm"}
+    fwd_ks = blocks["attn_main"].forward
+    first_core = next((i for i, k in enumerate(fwd_ks) if k.name.split(".")[0] in core_names),
+                      len(fwd_ks))
+    ring_s = {"fwd": (sum(kernel_time(cm, k) for k in fwd_ks[:first_core]), core_fwd_s),
+              "bwd": (sum(kernel_time(cm, k) for k in blocks["attn_main"].backward
+                          if k.name.split(".")[0] in ("proj", "bda")),
+                      sum(kernel_time(cm, k) for k in blocks["attn_main"].backward
+                          if k.name.split(".")[0] in core_bwd))}
 
-    def cp_exchange(st: int, unit: _Unit, mb: int, layer: int, op: str) -> None:
-        if cp <= 1:
-            return
-        groups = cp_groups(st)
-        unit.ops.append(Op(name=f"cp {op} K/V L{layer} mb{mb}", kind="collective",
-                           stream="compute", phase="comm", collective=op,  # type: ignore[arg-type]
-                           group=groups[0], groups=groups, nbytes=cp_bytes,
-                           key=new_key(f"cp/{st}"), category=op, micro_batch=mb, layer=layer,
-                           cpu_s=cpu_call))
+    def cp_transfer(st: int, mb: int, layer: int, label: str) -> Callable[[float, int], Op]:
+        pairs = tuple((rank(ti, ci, di, st), rank(ti, (ci + 1) % cp, di, st))
+                      for ti in range(t) for di in range(dp) for ci in range(cp))
+        return lambda nbytes, i: Op(
+            name=f"cp ring {label} step {i}", kind="send", stream="cp", phase="comm",
+            pairs=pairs, nbytes=nbytes, key=new_key(f"cp/{st}"), category="send_recv",
+            micro_batch=mb, layer=layer, cpu_s=cpu_call)
 
     def layer_forward(st: int, unit: _Unit, mb: int, layer: int, recompute: bool) -> None:
         phase = "recompute" if recompute else "fwd"
         alloc = 0.0 if recompute else layer_hold
-        cp_exchange(st, unit, mb, layer, "all_gather")
         block_ops(st, unit, ("norm", "attention"), "reduce_scatter" if sp else "all_reduce",
                   "all_gather", fwd_s["attn_pre"], fwd_s["attn_main"],
                   f"{phase} attn L{layer} mb{mb}", mb, layer, phase, alloc=alloc,
-                  flops=0.0 if recompute else blocks["attn_main"].flops_fwd,
+                  flops=0.0 if recompute else blocks["attn_main"].flops_fwd, ring="fwd",
                   cpu_pre=fwd_cpu["attn_pre"] + (ckpt_cpu if recompute else 0.0),
                   cpu_main=fwd_cpu["attn_main"])
         block_ops(st, unit, ("norm", "mlp"), "reduce_scatter" if sp else "all_reduce",
@@ -399,16 +387,16 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                   "all_gather", bwd_s["mlp_pre"], bwd_s["mlp_main"],
                   f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
                   flops=blocks["mlp_main"].flops_bwd, cpu_pre=bwd_cpu["mlp_pre"],
-                  cpu_main=bwd_cpu["mlp_main"])
+                  cpu_main=bwd_cpu["mlp_main"], column="fc1")
         extra = core_fwd_s if ac == "selective" else 0.0
         free = layer_hold + (layer_saved if ac == "full" else 0.0)
-        cp_exchange(st, unit, mb, layer, "reduce_scatter")
         block_ops(st, unit, ("attention", "norm"), "reduce_scatter" if sp else "all_reduce",
                   "all_gather", bwd_s["attn_pre"], bwd_s["attn_main"] + extra,
                   f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
                   flops=blocks["attn_main"].flops_bwd, cpu_pre=bwd_cpu["attn_pre"],
-                  cpu_main=bwd_cpu["attn_main"])
+                  cpu_main=bwd_cpu["attn_main"], column="qkv", ring="bwd")
         unit.layer_bwd[layer] = unit.ops[-1]
+        unit.part_op[layer] = unit.ops[-1]
 
     n_virtual = p * vp
     scatter_gather = opts.scatter_gather_tensors_in_pipeline
@@ -436,12 +424,15 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         micro_batch=mb, category="forward",
                                         cpu_s=fwd_cpu["embed"],
                                         alloc=(("activations", cost["embed"].saved_bytes),)))
+                unit.part_op["embed"] = unit.ops[-1]
                 if t > 1:
                     unit.ops.append(tp_comm(st, "reduce_scatter" if sp else "all_reduce",
                                             act * tokens * h, f"embed reduce mb{mb}", mb,
                                             None))
             for layer in layers:
+                n_before = len(unit.ops)
                 layer_forward(st, unit, mb, layer, recompute=False)
+                unit.part_op[layer] = unit.ops[n_before]
             if v == n_virtual - 1:
                 c = cost["head"]
                 unit.ops.append(compute(f"fwd head+loss mb{mb}", fwd_s["head"], phase="fwd",
@@ -451,6 +442,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         transient=c.fwd_transient_bytes,
                                         transient_parts=c.fwd_transient_parts,
                                         flops=blocks["head"].flops_fwd))
+                unit.part_op["head"] = unit.ops[-1]
         else:
             if v == n_virtual - 1:
                 c = cost["head"]
@@ -461,13 +453,22 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                                         transient=c.bwd_transient_bytes,
                                         transient_parts=c.bwd_transient_parts,
                                         flops=blocks["head"].flops_bwd))
+                unit.part_op["head"] = unit.ops[-1]
             for layer in reversed(layers):
                 layer_backward(st, unit, mb, layer)
             if v == 0:
                 unit.ops.append(compute(f"bwd embed mb{mb}", bwd_s["embed"], phase="bwd",
                                         micro_batch=mb, category="backward",
                                         cpu_s=bwd_cpu["embed"],
-                                        free=(("activations", cost["embed"].saved_bytes),)))
+                                        free=(("activations", cost["embed"].saved_bytes),),
+                                        deps=unit.carry))
+                unit.part_op["embed"] = unit.ops[-1]
+                unit.carry = []
+        if unit.carry:      # the last linear's reduce-scatter, before the send
+            unit.ops.append(compute(f"wait {unit.carry[0].name}", 0.0, phase="bwd",
+                                    micro_batch=mb, category="backward", deps=unit.carry,
+                                    kernels=0))
+            unit.carry = []
         unit.first, unit.last = unit.ops[0], unit.ops[-1]
         if legacy:
             unit.last.host_sync = True
@@ -475,94 +476,66 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
 
     # ------------------------------------------------------------------ pipeline
     units: dict[tuple[str, int, int], _Unit] = {}
-    sends: dict[tuple[str, int, int], Op] = {}
-    p2p_bytes = act * local_tokens * h / p2p_split
     for v in range(n_virtual):
         for mb in range(mb_count):
             for kind in ("F", "B"):
                 units[(kind, v, mb)] = build_unit(kind, v, mb)
-    for (kind, v, mb), unit in units.items():
-        st = v % p
-        nxt = v + 1 if kind == "F" else v - 1
-        if 0 <= nxt < n_virtual:
-            dst = nxt % p
-            pairs = tuple((rank(ti, ci, di, st), rank(ti, ci, di, dst)) for ti in range(t)
-                          for ci in range(cp) for di in range(dp))
-            op = Op(name=f"send {'act' if kind == 'F' else 'grad'} v{v}->v{nxt} mb{mb}",
-                    kind="send", stream=f"pp-{'fwd' if kind == 'F' else 'bwd'}", phase="comm",
-                    deps=[unit.last] if unit.last else [], pairs=pairs, nbytes=p2p_bytes,
-                    key=f"pp/{kind}/{v}/{mb}", category="send_recv", micro_batch=mb,
-                    cpu_s=cpu_call)
-            sends[(kind, v, mb)] = op
-    for (kind, v, mb), unit in units.items():
-        prev = v - 1 if kind == "F" else v + 1
-        if 0 <= prev < n_virtual and unit.first is not None:
-            unit.first.deps = list(unit.first.deps) + [sends[(kind, prev, mb)]]
+    link = P2PLink(pairs=lambda a, b: tuple((rank(ti, ci, di, a), rank(ti, ci, di, b))
+                                            for ti in range(t) for ci in range(cp)
+                                            for di in range(dp)),
+                   nbytes=act * local_tokens * h / p2p_split, cpu_s=cpu_call, p=p)
 
-    # ------------------------------------------------------------------ gradient buckets
+    # ------------------------------------------------------------------ buckets
     reduce_op = "reduce_scatter" if opts.distributed_optimizer else "all_reduce"
-    overlap_buckets: dict[int, list[Op]] = {st: [] for st in range(p)}
-    launch_after: dict[int, list[Op]] = {}   # id(backward op) -> buckets it completes
-    if dp * cp > 1 and opts.overlap_grad_reduce:
-        bucket = opts.bucket_size or max(DEFAULT_BUCKET_PARAMS, 1_000_000 * dp)
-        last_mb = mb_count - 1
-        for st in range(p):
-            groups = dp_groups(st)
-            # Buckets in reverse layer order, each launched (from the backward hook, so in
-            # program order right after it) when the last micro-batch's backward of its last
-            # layer is done.
-            layer_ops: list[tuple[int, Op]] = []
-            for chunk in reversed(range(vp)):
-                u = units[("B", chunk * p + st, last_mb)]
-                layer_ops += sorted(u.layer_bwd.items(), key=lambda kv: -kv[0])
-            filled = 0
-            for layer, op in layer_ops:
-                filled += layer_params
-                if filled >= bucket:
-                    b_op = Op(name=f"grad {reduce_op} bucket L{layer}", kind="collective",
-                              stream="dp", phase="comm", deps=[op], collective=reduce_op,  # type: ignore[arg-type]
-                              group=groups[0], groups=groups, nbytes=grad_bytes * filled,
-                              key=new_key(f"dp/{st}"), category=reduce_op, cpu_s=cpu_call)
-                    overlap_buckets[st].append(b_op)
-                    launch_after.setdefault(id(op), []).append(b_op)
-                    filled = 0
+    size = bucket_size(opts.bucket_size, opts.overlap_grad_reduce, dp * cp)
+    buckets = {st: assign_buckets(st, p, vp, chunks, layer_params, emb_params, head_params,
+                                  size) for st in range(p)}
+    launch_after: dict[int, list[Op]] = {}   # id(op) -> ops the host issues right after it
+    insert_before: dict[int, list[Op]] = {}  # id(op) -> ops the host issues right before it
+    empty = StageBuckets()
+    stage_buckets = {st: empty for st in range(p)}
+    for st in range(p) if dp * cp > 1 else ():
+        forwards = [u for u in schedule("1f1b" if vp > 1 else opts.pipeline_schedule, p, st,
+                                        mb_count, vp) if u[0] == "F"]
+        stage_buckets[st] = bucket_ops(st, p, vp, mb_count, buckets[st], forwards, BucketComms(
+            groups=dp_groups(st), reduce_op=reduce_op, grad_bytes=grad_bytes, param_bytes=act,
+            overlap_grad_reduce=opts.overlap_grad_reduce,
+            overlap_param_gather=opts.distributed_optimizer and opts.overlap_param_gather,
+            part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
+            first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
+            key=lambda st=st: new_key(f"dp/{st}"), cpu_s=cpu_call,  # type: ignore[misc]
+            launch_after=launch_after, insert_before=insert_before))
 
     kind_sched = opts.pipeline_schedule if vp == 1 else "1f1b"
     last_bwd: dict[int, Op] = {}
     for st, cls in enumerate(classes):
-        order = schedule(kind_sched, p, st, mb_count, vp)
-        for kind, chunk, mb in order:
-            v = chunk * p + st
-            unit = units[(kind, v, mb)]
+        last_on_stream: dict[str, Op] = {}
+
+        def run_unit(u: tuple[str, int, int], st: int = st, cls: RankClass = cls,
+                     last_on_stream: dict[str, Op] = last_on_stream
+                     ) -> tuple[Op | None, Op | None]:
+            kind, chunk, mb = u
+            unit = units[(kind, chunk * p + st, mb)]
             for op in unit.ops:
-                program.add(cls, op)
-                for b_op in launch_after.get(id(op), []):
-                    program.add(cls, b_op)
-            send = sends.get((kind, v, mb))
-            if send is not None:
-                program.add(cls, send)
+                for o in (*insert_before.get(id(op), []), op, *launch_after.get(id(op), [])):
+                    program.add(cls, o)
+                    last_on_stream[o.stream] = o
             if kind == "B":
                 last_bwd[st] = unit.last  # type: ignore[assignment]
+            return unit.first, unit.last
+
+        add_stage(program, cls, st, pipeline_steps(kind_sched, p, st, mb_count, vp),
+                  run_unit, link, last_on_stream)
 
     # ------------------------------------------------------------------ gradients, optimizer
     for st, cls in enumerate(classes):
         n = stage_params(st)
         groups = dp_groups(st)
-        deps_done = [last_bwd[st]]
-        comm_ops: list[Op] = []
-        if dp * cp > 1:
-            done_bytes = sum(o.nbytes for o in overlap_buckets[st])
-            rest = n - done_bytes / grad_bytes
-            if rest > 0:
-                comm_ops.append(Op(
-                    name=f"grad {reduce_op}" + (" last bucket" if overlap_buckets[st] else ""),
-                    kind="collective", stream="dp", phase="comm", deps=[last_bwd[st]],
-                    collective=reduce_op, group=groups[0], groups=groups,  # type: ignore[arg-type]
-                    nbytes=grad_bytes * rest, key=new_key(f"dp/{st}"), category=reduce_op,
-                    cpu_s=cpu_call))
-        for op in comm_ops:
-            program.add(cls, op)
-        deps_done += overlap_buckets[st] + comm_ops
+        deps_done = [last_bwd[st]] + stage_buckets[st].grads
+        if not opts.overlap_grad_reduce:
+            for g in stage_buckets[st].grads:   # finalize_model_grads: every chunk's one bucket
+                g.deps = [last_bwd[st]]
+                program.add(cls, g)
         if m.tied_embeddings and p > 1 and st in (0, p - 1):
             pairs = tuple((rank(ti, ci, di, 0), rank(ti, ci, di, p - 1)) for ti in range(t)
                           for ci in range(cp) for di in range(dp))
@@ -580,13 +553,14 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                + cm.membound_time(grad_bytes * n))
         opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                        category="optimizer", deps=deps_done))
-        if opts.distributed_optimizer and dp * cp > 1:
-            program.add(cls, Op(
-                name="param all_gather", kind="collective",
-                stream="dp" if not opts.overlap_param_gather else "dp-param",
-                phase="comm", deps=[opt], collective="all_gather", group=groups[0],
-                groups=groups, nbytes=act * n, key=new_key(f"dp/{st}"),
-                category="all_gather"))
+        if opts.distributed_optimizer and dp * cp > 1 and not stage_buckets[st].gathers:
+            # Without overlap_param_gather the optimizer gathers every bucket right away.
+            for b in buckets[st]:
+                program.add(cls, Op(
+                    name=f"param all_gather bucket v{b.v} {b.parts[-1]}", kind="collective",
+                    stream="dp", phase="comm", deps=[opt], collective="all_gather",
+                    group=groups[0], groups=groups, nbytes=act * b.params,
+                    key=new_key(f"dp/{st}"), category="all_gather"))
     return program
 
 
