@@ -23,6 +23,7 @@ import numpy as np
 
 from sim import catalog
 from sim.catalog import GpuSpec
+from sim.power import sustained_clock_ratio
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
 MemClass = Literal["elementwise", "norm_fused"]
@@ -93,10 +94,17 @@ class ComputeModel:
         # reaches on each GPU (catalogue matmul_efficiency), relative to the fitted H200.
         # FP8 training keeps its non-GEMM math (attention, the 16-bit layers) at 16 bits: only
         # kernels marked fp8 run at the FP8 rate (:attr:`_fp8_speedup`).
+        # A power cap below TDP lowers the sustained SM clock, and matrix throughput with it
+        # (sim/power.py); HBM-bound kernels keep their rate.
         base = "bf16" if self.precision == "fp8" else self.precision
         h200 = catalog.gpu("h200")
-        return (self.gpu.peak_flops(base) * self.gpu.matmul_efficiency) / (
+        return (self.gpu.peak_flops(base) * self.gpu.matmul_efficiency * self.clock_ratio) / (
             _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
+
+    @cached_property
+    def clock_ratio(self) -> float:
+        """Sustained SM clock under the GPU's power cap over the clock at TDP."""
+        return sustained_clock_ratio(self.gpu)
 
     @cached_property
     def _fp8_speedup(self) -> float:
