@@ -97,7 +97,7 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     fabric = build_fabric(fabric_spec(scenario))
     recorder = Recorder(keep_link_series=keep_link_series)
     engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
-                    scenario.cluster.nic_transport, ctx.gpu.sm_count)
+                    scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
     # run
     total = 0.0
     per_step = len(program.ops)
