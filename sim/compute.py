@@ -184,7 +184,15 @@ class ComputeModel:
                          g["residual_bandwidth"], g["residual_prior_weight"]) if table else 0.0
         # The residual is relative to the harness-inclusive time; keep it relative.
         with_harness = (t + self.harness_overhead_s) * math.exp(corr)
-        return max(self.kernel_min_s, with_harness - self.harness_overhead_s)
+        # Roofline floor: a GEMM cannot finish before its operands have been read from HBM
+        # and its output written, at the rate a streaming kernel reaches. It binds for small
+        # M (few tokens against a large weight), where the fitted form (fitted on M >= 2048,
+        # all compute-bound) would extrapolate; it is what makes such GEMMs slower on the
+        # H100's 3.35 TB/s than on the H200's 4.8.
+        operand = 1.0 if speedup > 1.0 else 2.0     # FP8 operands, bf16 output
+        nbytes = operand * (rows * red + cols * red) + 2.0 * rows * cols
+        floor = self.kernel_min_s + nbytes / (self._membound_bw["elementwise"] * self._bw_scale)
+        return max(floor, with_harness - self.harness_overhead_s)
 
     # ------------------------------------------------------------------ attention
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
