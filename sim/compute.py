@@ -241,6 +241,12 @@ class ComputeModel:
         at the rate measured for the fused RMSNorm kernel (56% of peak): PyTorch's reduction
         kernels give each row (or a few) to one block, which must finish its reduction
         before it writes, so fewer loads are in flight than in a streaming loop.
+
+        The fixed ``kernel_min_s`` makes the achieved bandwidth size-dependent:
+        ``n / (t0 + n / B)``, half the streaming rate at ``n = t0 * B`` (8.5 MB on the H200),
+        a tenth at 1 MB. Little's law puts the knee there: sustaining 4.8 TB/s through
+        ~700 ns of loaded HBM latency needs ~3.4 MB in flight, so a kernel only a few times
+        that size spends much of its life filling and draining the memory pipeline.
         """
         return self.kernel_min_s + nbytes / (self._membound_bw[klass] * self._bw_scale)
 

@@ -203,3 +203,19 @@ def test_long_sequence_attention_scales_with_the_square_and_skips_masked_tiles(s
     assert t2 / t == pytest.approx(4.0, rel=0.01)
     full = h100.attention_time(1, 8, seq, 128, "fwd", causal=False, measured_table=False)
     assert t / full == pytest.approx(0.5 * (1 + 64 / seq), rel=0.01)
+
+
+def test_memory_bound_bandwidth_depends_on_size() -> None:
+    # Achieved bandwidth n / t(n): a tenth of the streaming rate or less at 1 MB, half at
+    # t0 * B, 95% or more at 1 GB. The half-rate size must exceed the bytes Little's law
+    # needs in flight to stream at all (4.8 TB/s x ~700 ns of loaded HBM latency = 3.4 MB).
+    rate = DATA_FIT["membound"]["add_"]["bytes_per_s"]
+
+    def achieved(n: float) -> float:
+        return n / H200.membound_time(n)
+
+    assert achieved(1e6) < 0.12 * rate
+    half = H200.kernel_min_s * rate
+    assert achieved(half) == pytest.approx(rate / 2)
+    assert half > 4.8e12 * 700e-9
+    assert achieved(1e9) > 0.95 * rate
