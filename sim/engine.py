@@ -119,6 +119,7 @@ class Engine:
             self.matrix_flops = _DEFAULT_MATRIX_FLOPS
         self._load: dict[int, _GpuLoad] = {}
         self._wire_rate: dict[tuple[int, ...], float] = {}
+        self._load_cache: dict[tuple[str, tuple[int, ...], float], CommLoad] = {}
         self._host_routes: dict[tuple[int, str | None],
                                 tuple[np.ndarray, np.ndarray, float]] = {}
 
@@ -183,19 +184,32 @@ class Engine:
         old.succeed()
 
     def _comm_load(self, op: Op) -> CommLoad:
-        """SMs and HBM traffic this collective or send/recv holds on each member GPU."""
-        groups = op.all_groups if op.kind == "collective" else tuple(op.pairs)
-        first = tuple(groups[0]) if groups else ()
-        rate = self._wire_rate.get(first)
+        """SMs and HBM traffic this collective or send/recv holds on each member GPU: the
+        channels and the predicted time of what NCCL would run (the runner's selection)."""
+        if op.kind == "collective" and op.collective:
+            group = tuple(op.all_groups[0]) if op.all_groups else ()
+            if len(group) <= 1 or op.nbytes <= 0:
+                return CommLoad(0, 0.0)
+            key = (op.collective, group, op.nbytes)
+            hit = self._load_cache.get(key)
+            if hit is None:
+                plan, _, predicted = self.collectives.select(op.collective, group, op.nbytes)
+                hit = self._load_cache[key] = comm_load(
+                    self.arch, op.collective, op.nbytes, op.nbytes * plan.volume, predicted,
+                    plan.nccl_channels or plan.channels, plan.algorithm)
+            return hit
+        pairs = tuple(op.pairs)
+        if not pairs or op.nbytes <= 0:
+            return CommLoad(0, 0.0)
+        rate = self._wire_rate.get(pairs[0])
         if rate is None:
             spec = self.fabric.spec
-            one_node = len({r // spec.gpus_per_node for r in first}) <= 1
+            one_node = len({r // spec.gpus_per_node for r in pairs[0]}) <= 1
             nic = (spec.nic_gbps / 8e-9 * spec.nics_per_node / spec.gpus_per_node
                    if spec.nics_per_node else spec.pcie_gbytes_per_s * 1e9)
             nvlink = spec.nvlink_gbytes_per_s * 1e9
-            rate = self._wire_rate[first] = nvlink if one_node else min(nvlink, nic)
-        name = op.collective if op.kind == "collective" and op.collective else "p2p"
-        return comm_load(self.arch, name, op.nbytes, max(2, len(first)), rate)
+            rate = self._wire_rate[pairs[0]] = nvlink if one_node else min(nvlink, nic)
+        return comm_load(self.arch, "p2p", op.nbytes, op.nbytes, op.nbytes / rate)
 
     # ------------------------------------------------------------------ running
     def run_step(self, program: Program) -> float:

@@ -27,9 +27,10 @@ sends use ``NCCL_NCHANNELS_PER_NET_PEER`` = 2 channels per peer (``src/init.cc``
 HBM traffic. Per byte a GPU receives, NCCL's Simple protocol writes it into the receive FIFO
 (the peer's remote write), reads it back, and for a reduction also reads the local operand
 and writes the result: 4 HBM bytes per wire byte for all-reduce and reduce-scatter, 3 for
-all-gather and broadcast (FIFO write, read, output write), 2 for a send/recv. The wire rate
-is the group's slowest link class: NVLink inside a node, the GPU's share of the node's NICs
-across nodes.
+all-gather and broadcast (FIFO write, read, output write), 2 for a send/recv; NVLS reads and
+writes each byte once. The rate is the call's average: its bytes over the time NCCL's own
+cost model predicts for it (``CollectiveRunner.select``), so a latency-bound small call
+moves little.
 
 Checked, not fitted, against Lee et al., "Characterizing Compute-Communication Overlap in
 GPU-Accelerated Distributed Deep Learning" (arXiv 2507.03114, 2025): 18.9% average slowdown
@@ -66,29 +67,47 @@ class CommLoad:
     """HBM traffic it drives while moving data."""
 
 
-def collective_ctas(arch: str, op: str, nbytes: float, nranks: int) -> int:
-    """CTAs (channels) NCCL launches for one collective call of ``nbytes``.
+def collective_ctas(arch: str, op: str, nbytes: float, channels: int | None = None,
+                    algorithm: str = "ring") -> int:
+    """CTAs (channels) NCCL launches for one call of ``nbytes``.
 
     Examples
     --------
-    >>> collective_ctas("hopper", "all_reduce", 1 << 30, 64)   # large: every channel
+    >>> collective_ctas("hopper", "all_reduce", 1 << 30)    # large: every channel
     32
-    >>> collective_ctas("hopper", "all_reduce", 128 << 10, 8)  # 128 KiB: 4 channels
+    >>> collective_ctas("hopper", "all_reduce", 128 << 10)  # 128 KiB: 4 channels
     4
-    >>> collective_ctas("hopper", "p2p", 1 << 30, 2)
+    >>> collective_ctas("hopper", "all_reduce", 1 << 30, 16, "nvls")
+    16
+    >>> collective_ctas("hopper", "p2p", 1 << 30)
     2
     """
     if op == "p2p":
         return NCCL_P2P_CHANNELS
-    full = NCCL_CHANNELS.get(arch, 32)
+    full = channels or NCCL_CHANNELS.get(arch, 32)
+    if algorithm == "nvls":
+        return full
     return max(1, min(full, math.ceil(nbytes / NCCL_BYTES_PER_CHANNEL)))
 
 
-def comm_load(arch: str, op: str, nbytes: float, nranks: int, wire_bytes_per_s: float
-              ) -> CommLoad:
-    """The SMs and HBM bandwidth a collective holds on each GPU while it runs."""
-    return CommLoad(collective_ctas(arch, op, nbytes, nranks),
-                    HBM_BYTES_PER_WIRE_BYTE.get(op, 3.0) * wire_bytes_per_s)
+def comm_load(arch: str, op: str, nbytes: float, wire_bytes: float, seconds: float,
+              channels: int | None = None, algorithm: str = "ring") -> CommLoad:
+    """The SMs and HBM bandwidth a collective holds on each GPU while it runs.
+
+    ``wire_bytes``: bytes each GPU receives over the call (NCCL's bus bytes); ``seconds``:
+    the call's duration as NCCL's cost model predicts it (latency included), so the HBM
+    traffic is the call's average, not its links' peak. ``channels``: what NCCL's topology
+    gives the communicator (default :data:`NCCL_CHANNELS`). NVLS reduces in the NVSwitch:
+    each GPU's memory is read once and written once per message byte.
+    """
+    ctas = collective_ctas(arch, op, nbytes, channels, algorithm)
+    if seconds <= 0:
+        return CommLoad(ctas, 0.0)
+    if algorithm == "nvls":
+        hbm = 2.0 * nbytes / seconds
+    else:
+        hbm = HBM_BYTES_PER_WIRE_BYTE.get(op, 3.0) * wire_bytes / seconds
+    return CommLoad(ctas, hbm)
 
 
 def slowdown(sm_count: int, hbm_bytes_per_s: float, matrix_share: float, ctas: int,

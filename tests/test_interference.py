@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from sim.engine import Engine
-from sim.interference import NCCL_CHANNELS, collective_ctas, slowdown
+from sim.interference import NCCL_CHANNELS, collective_ctas, comm_load, slowdown
 from sim.program import Op, Program, RankClass
 from sim.recorder import Recorder
 from sim.topology import FabricSpec, build_fabric
@@ -40,12 +40,24 @@ def _durations(p: Program) -> dict[str, tuple[float, float]]:
     return {r.op.name: (r.start, r.end) for r in rec.ops}
 
 
+def _nccl(nbytes: float) -> tuple[int, float]:
+    """CTAs and HBM bytes/s of a 2-GPU all-reduce, from what the runner would run."""
+    eng = Engine(_fabric(), "hopper")
+    plan, _, predicted = eng.collectives.select("all_reduce", (0, 1), nbytes)
+    load = comm_load("hopper", "all_reduce", nbytes, nbytes * plan.volume, predicted,
+                     plan.nccl_channels or plan.channels, plan.algorithm)
+    return load.ctas, load.hbm_bytes_per_s
+
+
 def test_channel_count_follows_nccl_size_rule() -> None:
     # 32 KiB per channel (512 threads x 64 B, Simple): 1 MiB -> 32 channels on Hopper,
     # 96 KiB -> 3; never more than the communicator's channels (24 on Ampere).
-    assert collective_ctas("hopper", "all_gather", 1 << 20, 8) == 32
-    assert collective_ctas("hopper", "all_gather", 96 << 10, 8) == 3
-    assert collective_ctas("ampere", "all_reduce", 1 << 30, 8) == NCCL_CHANNELS["ampere"] == 24
+    assert collective_ctas("hopper", "all_gather", 1 << 20) == 32
+    assert collective_ctas("hopper", "all_gather", 96 << 10) == 3
+    assert collective_ctas("ampere", "all_reduce", 1 << 30) == NCCL_CHANNELS["ampere"] == 24
+    # The communicator's own channel count caps it; NVLS runs its fixed channels.
+    assert collective_ctas("hopper", "all_gather", 1 << 30, 16) == 16
+    assert collective_ctas("hopper", "all_reduce", 1 << 10, 16, "nvls") == 16
 
 
 def test_closed_forms() -> None:
@@ -60,7 +72,7 @@ def test_closed_forms() -> None:
 def test_a_collective_starting_mid_op_slows_only_the_rest() -> None:
     # A 2 ms GEMM; 1 ms in, an all-reduce starts on another stream (it waits on a 1 ms op
     # there) and runs to past the GEMM's end. The first 1 ms runs at full speed, the rest of
-    # the work (1 ms) at 132/100: 1 + 1.32 ms. Work is conserved, not the duration.
+    # the work (1 ms) at 132/(132 - ctas). Work is conserved, not the duration.
     cls = RankClass(0, (0, 1))
     p = Program([cls], 2, 0, 0, 0)
     gate = p.add(cls, _compute("gate", 1e-3, stream="side"))
@@ -70,12 +82,13 @@ def test_a_collective_starting_mid_op_slows_only_the_rest() -> None:
     ar_start, ar_end = d["ar"]
     assert ar_start == pytest.approx(1e-3)
     assert ar_end > 2.4e-3
-    assert d["gemm"][1] - d["gemm"][0] == pytest.approx(1e-3 + 1e-3 * 132 / 100)
+    ctas, _ = _nccl(8e9)
+    assert d["gemm"][1] - d["gemm"][0] == pytest.approx(1e-3 + 1e-3 * 132 / (132 - ctas))
 
 
 def test_a_collective_ending_mid_op_speeds_up_the_rest() -> None:
-    # An all-reduce of 96 KiB (3 channels) ends long before a 10 ms GEMM: the GEMM runs at
-    # full speed after it, so it ends within the all-reduce's time x 3/129 of 10 ms.
+    # An all-reduce of 96 KiB ends long before a 10 ms GEMM: the GEMM runs at full speed
+    # after it, so it ends within the all-reduce's time x ctas/(132 - ctas) of 10 ms.
     cls = RankClass(0, (0, 1))
     p = Program([cls], 2, 0, 0, 0)
     p.add(cls, _allreduce(96 * 1024))
@@ -83,21 +96,26 @@ def test_a_collective_ending_mid_op_speeds_up_the_rest() -> None:
     d = _durations(p)
     ar = d["ar"][1] - d["ar"][0]
     gemm = d["gemm"][1] - d["gemm"][0]
-    assert 10e-3 < gemm <= 10e-3 + ar * 3 / 129 + 1e-12
+    ctas, _ = _nccl(96 * 1024)
+    assert 10e-3 < gemm <= 10e-3 + ar * ctas / (132 - ctas) + 1e-12
 
 
 def test_memory_bound_op_feels_hbm_not_sms() -> None:
-    # A 4 GB all-reduce inside one node moves 450 GB/s NVLink x 4 HBM bytes per wire byte =
-    # 1.8 TB/s through HBM (engine default 3.35 TB/s): an elementwise op beside it runs
-    # 3.35 / 1.55 slower; the same op as tensor-core math, 132/100.
+    # A 4 GB all-reduce between two GPUs of a node (a ring of 24 channels here: 4 HBM bytes
+    # per received byte over NCCL's predicted time): an elementwise op beside it runs
+    # hbm / (hbm - d) slower (engine default 3.35 TB/s); the same op as tensor-core math,
+    # 132 / (132 - 24).
+    ctas, hbm = _nccl(4e9)
+    assert ctas == 24 and 0 < hbm < 3.35e12
     cls = RankClass(0, (0, 1))
     p = Program([cls], 2, 0, 0, 0)
     p.add(cls, _allreduce(4e9))
     p.add(cls, _compute("elementwise", 1e-3, matrix=False))
     p.add(cls, _compute("gemm", 1e-3))
     d = _durations(p)
-    assert d["elementwise"][1] - d["elementwise"][0] == pytest.approx(1e-3 * 3.35 / 1.55)
-    assert d["gemm"][1] - d["gemm"][0] == pytest.approx(1e-3 * 132 / 100)
+    assert d["elementwise"][1] - d["elementwise"][0] == pytest.approx(
+        1e-3 * 3.35e12 / (3.35e12 - hbm))
+    assert d["gemm"][1] - d["gemm"][0] == pytest.approx(1e-3 * 132 / 108)
 
 
 def test_slowdowns_sit_in_the_range_lee_et_al_measured() -> None:
