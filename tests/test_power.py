@@ -62,3 +62,18 @@ def test_a_capped_scenario_runs_slower() -> None:
     capped = simulate(scenario_from_dict(capped_dict)).summary["step_time_s"]
     # Slower, but by less than the GEMM factor: memory-bound kernels do not slow down.
     assert full < capped < full / sustained_clock_ratio(catalog.gpu("h100-sxm"), 500)
+
+
+def test_h800_and_gb200_are_in_the_catalogue() -> None:
+    # H800: the H100 SXM with NVLink cut to 400 GB/s (200 per direction); same math and HBM.
+    h800, h100 = catalog.gpu("h800"), catalog.gpu("h100-sxm")
+    assert h800.nvlink_gbytes_per_s == 200 and h800.peak_flops("bf16") == h100.peak_flops("bf16")
+    assert h800.hbm_gbytes_per_s == h100.hbm_gbytes_per_s
+    # GB200 NVL72 datasheet per GPU: 360 PFLOPS sparse BF16 / 72 / 2 = 2.5 PFLOPS dense,
+    # 576 TB/s / 72 = 8 TB/s of HBM3e.
+    gb200 = catalog.gpu("gb200")
+    assert gb200.peak_flops("bf16") == pytest.approx(360e15 / 72 / 2)
+    assert gb200.hbm_gbytes_per_s == pytest.approx(576e3 / 72)
+    sc = scenario_from_dict({"name": "x", "model": "llama3-8b",
+                             "cluster": {"gpu": "h800", "gpu_power_w": 600}})
+    assert sc.cluster.gpu == "h800" and sc.cluster.gpu_power_w == 600
