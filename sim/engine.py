@@ -69,7 +69,7 @@ class _GpuLoad:
 
 
 # Categories of compute ops that are GEMM/attention work when an op carries no FLOP count.
-_MATRIX_CATEGORIES = ("forward", "backward", "recompute")
+_MATRIX_CATEGORIES = ("forward", "backward", "recompute", "recompute+backward")
 # Defaults when the engine is built without a GPU spec (unit tests): the H100 SXM datasheet.
 _DEFAULT_HBM_BYTES_PER_S = 3.35e12
 _DEFAULT_MATRIX_FLOPS = 989.4e12 * 0.803
