@@ -117,7 +117,7 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     for c in program.classes:
         recorder.workspace(c.id, extra[c.id].cublas_workspace)
     engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
-                    scenario.cluster.nic_transport, ctx.gpu.sm_count)
+                    scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
     # run
     total = 0.0
     per_step = len(program.ops)

@@ -23,9 +23,10 @@ import numpy as np
 
 from sim import catalog
 from sim.catalog import GpuSpec
+from sim.power import sustained_clock_ratio
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
-MemClass = Literal["elementwise", "norm_fused"]
+MemClass = Literal["elementwise", "norm_fused", "reduction"]
 
 # CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
 # by it; large ones hide it because the CPU runs ahead of the GPU. Not measured here; set from
@@ -93,10 +94,17 @@ class ComputeModel:
         # reaches on each GPU (catalogue matmul_efficiency), relative to the fitted H200.
         # FP8 training keeps its non-GEMM math (attention, the 16-bit layers) at 16 bits: only
         # kernels marked fp8 run at the FP8 rate (:attr:`_fp8_speedup`).
+        # A power cap below TDP lowers the sustained SM clock, and matrix throughput with it
+        # (sim/power.py); HBM-bound kernels keep their rate.
         base = "bf16" if self.precision == "fp8" else self.precision
         h200 = catalog.gpu("h200")
-        return (self.gpu.peak_flops(base) * self.gpu.matmul_efficiency) / (
+        return (self.gpu.peak_flops(base) * self.gpu.matmul_efficiency * self.clock_ratio) / (
             _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
+
+    @cached_property
+    def clock_ratio(self) -> float:
+        """Sustained SM clock under the GPU's power cap over the clock at TDP."""
+        return sustained_clock_ratio(self.gpu)
 
     @cached_property
     def _fp8_speedup(self) -> float:
@@ -176,7 +184,15 @@ class ComputeModel:
                          g["residual_bandwidth"], g["residual_prior_weight"]) if table else 0.0
         # The residual is relative to the harness-inclusive time; keep it relative.
         with_harness = (t + self.harness_overhead_s) * math.exp(corr)
-        return max(self.kernel_min_s, with_harness - self.harness_overhead_s)
+        # Roofline floor: a GEMM cannot finish before its operands have been read from HBM
+        # and its output written, at the rate a streaming kernel reaches. It binds for small
+        # M (few tokens against a large weight), where the fitted form (fitted on M >= 2048,
+        # all compute-bound) would extrapolate; it is what makes such GEMMs slower on the
+        # H100's 3.35 TB/s than on the H200's 4.8.
+        operand = 1.0 if speedup > 1.0 else 2.0     # FP8 operands, bf16 output
+        nbytes = operand * (rows * red + cols * red) + 2.0 * rows * cols
+        floor = self.kernel_min_s + nbytes / (self._membound_bw["elementwise"] * self._bw_scale)
+        return max(floor, with_harness - self.harness_overhead_s)
 
     # ------------------------------------------------------------------ attention
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
@@ -217,14 +233,29 @@ class ComputeModel:
 
     # ------------------------------------------------------------------ memory-bound
     def membound_time(self, nbytes: float, klass: MemClass = "elementwise") -> float:
-        """A memory-bound kernel moving ``nbytes`` (read plus written)."""
+        """A memory-bound kernel moving ``nbytes`` (read plus written).
+
+        ``elementwise``: PyTorch's vectorised elementwise loop, at the rate measured for an
+        in-place add (89% of the H200's HBM peak). ``norm_fused`` and ``reduction``: a kernel
+        that reduces along rows (a norm, a mean, a softmax, a sum of a gradient over tokens)
+        at the rate measured for the fused RMSNorm kernel (56% of peak): PyTorch's reduction
+        kernels give each row (or a few) to one block, which must finish its reduction
+        before it writes, so fewer loads are in flight than in a streaming loop.
+
+        The fixed ``kernel_min_s`` makes the achieved bandwidth size-dependent:
+        ``n / (t0 + n / B)``, half the streaming rate at ``n = t0 * B`` (8.5 MB on the H200),
+        a tenth at 1 MB. Little's law puts the knee there: sustaining 4.8 TB/s through
+        ~700 ns of loaded HBM latency needs ~3.4 MB in flight, so a kernel only a few times
+        that size spends much of its life filling and draining the memory pipeline.
+        """
         return self.kernel_min_s + nbytes / (self._membound_bw[klass] * self._bw_scale)
 
     @cached_property
     def _membound_bw(self) -> dict[str, float]:
         mb = _fit()["membound"]
         return {"elementwise": mb["add_"]["bytes_per_s"],
-                "norm_fused": mb["rms_norm"]["bytes_per_s"]}
+                "norm_fused": mb["rms_norm"]["bytes_per_s"],
+                "reduction": mb["rms_norm"]["bytes_per_s"]}
 
     def activation_time(self, elements: float) -> float:
         """Time of PyTorch's eager SiLU over ``elements`` bf16 values, beyond its memory traffic

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from sim.catalog import GpuSpec
 from sim.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
+from sim.interference import CommLoad, comm_load, slowdown
 from sim.network import FlowNetwork, NetworkObserver
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
 
-# NCCL CTAs (one per channel) a collective holds on each GPU while it runs.
-NCCL_OVERLAP_CTAS = 16
 # Pending kernel launches a CUDA stream queues before a launch blocks the host thread: about
 # 1,000 per stream, measured by launching 10,000 short kernels (Stack Overflow question
 # 53970187, "CUDA stream is blocked when launching many kernels (>1000)", and the same report
@@ -61,6 +61,23 @@ class EngineObserver(NetworkObserver):
 
 
 @dataclass
+class _GpuLoad:
+    """What the running collectives of one rank class hold on each of its GPUs."""
+
+    ctas: int = 0
+    hbm_bytes_per_s: float = 0.0
+    changed: simpy.Event | None = None
+    """Succeeds (and is replaced) whenever ``ctas`` or the HBM traffic changes."""
+
+
+# Categories of compute ops that are GEMM/attention work when an op carries no FLOP count.
+_MATRIX_CATEGORIES = ("forward", "backward", "recompute", "recompute+backward")
+# Defaults when the engine is built without a GPU spec (unit tests): the H100 SXM datasheet.
+_DEFAULT_HBM_BYTES_PER_S = 3.35e12
+_DEFAULT_MATRIX_FLOPS = 989.4e12 * 0.803
+
+
+@dataclass
 class _Rendezvous:
     needed: set[int]
     launched: simpy.Event
@@ -79,7 +96,7 @@ class Engine:
 
     def __init__(self, fabric: Fabric, arch: str, observer: EngineObserver | None = None,
                  nccl: NcclSettings | None = None, nic_transport: str = "infiniband",
-                 sm_count: int = 132) -> None:
+                 sm_count: int = 132, gpu: GpuSpec | None = None) -> None:
         self.env = simpy.Environment()
         self.fabric = fabric
         self.observer = observer or EngineObserver()
@@ -91,30 +108,110 @@ class Engine:
         """Called with the number of ops finished so far, every :data:`PROGRESS_EVERY` ops
         (for a progress bar on long simulations)."""
         self._step = 0
-        self.sm_count = sm_count
-        self._comm_active: dict[int, int] = {}
+        self.arch = arch
+        self.sm_count = gpu.sm_count if gpu is not None else sm_count
+        self.hbm_bytes_per_s = (gpu.hbm_bytes_per_s if gpu is not None
+                                else _DEFAULT_HBM_BYTES_PER_S)
+        # Sustained matrix rate: the catalogue's share of the dense peak, under the power cap.
+        if gpu is not None:
+            from sim.power import sustained_clock_ratio
+            self.matrix_flops = (gpu.peak_flops("bf16") * gpu.matmul_efficiency
+                                 * sustained_clock_ratio(gpu))
+        else:
+            self.matrix_flops = _DEFAULT_MATRIX_FLOPS
+        self._load: dict[int, _GpuLoad] = {}
+        self._wire_rate: dict[tuple[int, ...], float] = {}
+        self._load_cache: dict[tuple[str, tuple[int, ...], float], CommLoad] = {}
         self._host_routes: dict[tuple[int, str | None],
                                 tuple[np.ndarray, np.ndarray, float]] = {}
 
     # ------------------------------------------------------------------ hooks
     def compute_duration(self, cls: RankClass, op: Op) -> float:
-        """Seconds a compute or copy op takes. Override to model interference.
+        """Seconds a compute or copy op would take if what runs beside it now ran to its end.
 
-        A compute op that starts while a collective of its rank class runs is slowed by the
-        share of SMs NCCL's kernels hold: NCCL runs one CTA per channel (16 channels for a
-        ring across nodes, ncclTopoPostset), so a kernel that fills the GPU runs on the
-        remaining SMs: sm/(sm - 16) = 1.14x on Hopper (132 SMs), 1.19x on Ampere (108);
-        memory-bound kernels also share HBM with NCCL's copies, treated alike. Derived from
-        NCCL's SM usage; checked against Lee et al., "Characterizing Compute-Communication
-        Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv 2507.03114, 2025), who
-        measured GPT/Llama kernels overlapped with collectives on A100, H100, MI250 and
-        MI210 slowing by 18.9% on average (up to 40%, where a GEMM sized to one wave of
-        SMs spills into a second).
+        Override to model interference differently. A collective running on the rank class
+        holds SMs (one CTA per NCCL channel) and HBM bandwidth; the op is slowed by
+        :func:`sim.interference.slowdown` from its matrix share. :meth:`_run_compute`
+        re-applies this whenever a collective starts or ends during the op.
         """
-        on_gpu = op.kind == "compute" and op.stream != "cpu"
-        if on_gpu and self._comm_active.get(cls.id):
-            return op.duration * self.sm_count / (self.sm_count - NCCL_OVERLAP_CTAS)
-        return op.duration
+        return op.duration * self._slowdown(cls, op)
+
+    def _matrix_share(self, op: Op) -> float:
+        """Share of the op's time in tensor-core math: its FLOPs at the sustained matrix
+        rate over its duration (1 for forward/backward work that carries no FLOP count)."""
+        flops = max(op.flops, op.hw_flops)
+        if op.duration <= 0:
+            return 0.0
+        if flops <= 0:
+            return 1.0 if op.kind == "compute" and op.category in _MATRIX_CATEGORIES else 0.0
+        return min(1.0, flops / self.matrix_flops / op.duration)
+
+    def _slowdown(self, cls: RankClass, op: Op) -> float:
+        load = self._load.get(cls.id)
+        if load is None or op.stream == "cpu" or (load.ctas == 0
+                                                  and load.hbm_bytes_per_s <= 0):
+            return 1.0
+        return slowdown(self.sm_count, self.hbm_bytes_per_s, self._matrix_share(op),
+                        load.ctas, load.hbm_bytes_per_s)
+
+    def _run_compute(self, cls: RankClass, op: Op) -> Generator[simpy.Event, object, None]:
+        """Run a compute or copy op whose rate follows the collectives beside it: the work
+        left (in seconds at full speed) drains at 1/slowdown, re-evaluated at every change."""
+        env = self.env
+        load = self._load.get(cls.id)
+        if load is None or op.stream == "cpu":
+            yield env.timeout(self.compute_duration(cls, op))
+            return
+        work = op.duration
+        while work > 0:
+            f = self.compute_duration(cls, op) / op.duration
+            changed = load.changed
+            assert changed is not None
+            t0 = env.now
+            done = env.timeout(work * f)
+            fired = yield done | changed
+            assert isinstance(fired, simpy.events.ConditionValue)
+            if done in fired:
+                return
+            work -= (env.now - t0) / f
+            if work <= 1e-15:
+                return
+
+    def _change_load(self, cls_id: int, ctas: int, hbm: float) -> None:
+        load = self._load[cls_id]
+        load.ctas += ctas
+        load.hbm_bytes_per_s = max(0.0, load.hbm_bytes_per_s + hbm)
+        old, load.changed = load.changed, self.env.event()
+        assert old is not None
+        old.succeed()
+
+    def _comm_load(self, op: Op) -> CommLoad:
+        """SMs and HBM traffic this collective or send/recv holds on each member GPU: the
+        channels and the predicted time of what NCCL would run (the runner's selection)."""
+        if op.kind == "collective" and op.collective:
+            group = tuple(op.all_groups[0]) if op.all_groups else ()
+            if len(group) <= 1 or op.nbytes <= 0:
+                return CommLoad(0, 0.0)
+            key = (op.collective, group, op.nbytes)
+            hit = self._load_cache.get(key)
+            if hit is None:
+                plan, _, predicted = self.collectives.select(op.collective, group, op.nbytes)
+                hit = self._load_cache[key] = comm_load(
+                    self.arch, op.collective, op.nbytes, op.nbytes * plan.volume, predicted,
+                    plan.nccl_channels or plan.channels, plan.algorithm)
+            return hit
+        pairs = tuple(op.pairs)
+        if not pairs or op.nbytes <= 0:
+            return CommLoad(0, 0.0)
+        rate = self._wire_rate.get(pairs[0])
+        if rate is None:
+            spec = self.fabric.spec
+            one_node = len({r // spec.gpus_per_node for r in pairs[0]}) <= 1
+            nic = (spec.nic_gbps / 8e-9 * spec.nics_per_node / spec.gpus_per_node
+                   if spec.nics_per_node else spec.pcie_gbytes_per_s * 1e9)
+            nvlink = spec.nvlink_gbytes_per_s * 1e9
+            rate = self._wire_rate[pairs[0]] = nvlink if one_node else min(nvlink, nic)
+        return comm_load(self.arch, "p2p", op.nbytes, op.nbytes, op.nbytes / rate)
 
     # ------------------------------------------------------------------ running
     def run_step(self, program: Program) -> float:
@@ -127,6 +224,12 @@ class Engine:
                     if nbytes:
                         self.observer.on_memory(cls, t0, cat, nbytes)
         done: dict[int, simpy.Event] = {op.index: env.event() for op in program.ops}
+        for cls in program.classes:
+            if any(o.kind in ("collective", "send", "recv")
+                   for ops in cls.streams.values() for o in ops):
+                self._load[cls.id] = _GpuLoad(changed=env.event())
+            else:
+                self._load.pop(cls.id, None)
         class_of = program.class_of_rank()
         # The host issues each class's ops in program order without waiting for the GPU,
         # except after a host_sync op (it waits for that op to finish) and when a stream's
@@ -178,7 +281,7 @@ class Engine:
                 if op.host_transfer is not None:
                     yield from self._host_transfer(cls, op)
                 else:
-                    yield env.timeout(self.compute_duration(cls, op))
+                    yield from self._run_compute(cls, op)
             end = env.now
             if op.transient and op.kind in ("compute", "copy"):
                 obs.on_memory(cls, end, "buffers", -op.transient, op)
@@ -282,11 +385,15 @@ class Engine:
             else:
                 body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
             rv.launched.succeed(env.process(body))
+        # The NCCL kernel holds its SMs from its launch on this GPU, waiting for the peers
+        # included; it moves data (HBM traffic) once every member has arrived.
+        need = self._comm_load(op)
+        self._change_load(cls.id, need.ctas, 0.0)
         proc = yield rv.launched
         assert isinstance(proc, simpy.Process)
-        self._comm_active[cls.id] = self._comm_active.get(cls.id, 0) + 1
+        self._change_load(cls.id, 0, need.hbm_bytes_per_s)
         yield proc
-        self._comm_active[cls.id] -= 1
+        self._change_load(cls.id, -need.ctas, -need.hbm_bytes_per_s)
         if not rv.reported:
             rv.reported = True
             self.observer.on_collective(op, proc.value)

@@ -86,6 +86,8 @@ class Kernel:
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
     fp8: bool = False
     """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
+    reduction: bool = False
+    """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
 
     @property
     def nbytes(self) -> float:
@@ -690,7 +692,8 @@ def _fuse(kernels: list[Kernel], keep: set[int]) -> list[Kernel]:
         writes = {id(t): t for k in run for t in k.writes if id(t) in keep}
         out.append(Kernel("fused[" + ",".join(k.name for k in run) + "]", "elementwise",
                           tuple(reads.values()), tuple(writes.values()),
-                          activation_elements=sum(k.activation_elements for k in run)))
+                          activation_elements=sum(k.activation_elements for k in run),
+                          reduction=any(is_reduction(k) for k in run)))
         run.clear()
 
     for k in kernels:
@@ -712,6 +715,31 @@ def _needed_outside(kernels: list[Kernel], block: Block) -> set[int]:
     return keep
 
 
+def is_reduction(k: Kernel) -> bool:
+    """A memory-bound kernel that reduces: it reads a tensor more than once (a softmax's
+    max, sum and output passes over a row too wide for shared memory), or writes less than a
+    quarter of what it reads (a mean over the hidden size, a gradient summed over tokens, an
+    amax). A fused kernel containing one (``Kernel.reduction``) is one too: inductor's
+    reduction kernels hold a row per block like the eager ones.
+
+    Examples
+    --------
+    >>> x, y = Tensor("x", 4e6), Tensor("y", 4e3)
+    >>> is_reduction(Kernel("mean", "elementwise", (x,), (y,)))
+    True
+    >>> is_reduction(Kernel("mul", "elementwise", (x, y), (Tensor("z", 4e6),)))
+    False
+    """
+    if k.klass not in ("elementwise", "norm_fused") or not k.reads:
+        return False
+    if k.reduction:
+        return True
+    ids = [id(t) for t in k.reads]
+    read = sum(t.nbytes for t in k.reads)
+    written = sum(t.nbytes for t in k.writes)
+    return len(set(ids)) < len(ids) or written < 0.25 * read
+
+
 def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     """GPU time of one kernel."""
     if k.klass == "gemm":
@@ -729,7 +757,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
         return cm.attention_time(bsz, heads, seq, hd, p)  # type: ignore[arg-type]
     if k.klass == "tiny":
         return cm.kernel_min_s
-    t = cm.membound_time(k.nbytes, k.klass)  # type: ignore[arg-type]
+    klass = "reduction" if k.klass == "elementwise" and is_reduction(k) else k.klass
+    t = cm.membound_time(k.nbytes, klass)  # type: ignore[arg-type]
     if k.activation_elements:
         t = max(t, cm.kernel_min_s + cm.activation_time(k.activation_elements))
     return t

@@ -60,7 +60,8 @@ class ModelDims(_Strict):
 
 
 # --------------------------------------------------------------------------- cluster
-GpuName = Literal["v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200"]
+GpuName = Literal["v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "h800",
+                  "gb200"]
 
 
 class Cluster(_Strict):
@@ -127,6 +128,21 @@ class Cluster(_Strict):
     sharp: bool = False
     """The network switches do in-network reductions (InfiniBand SHARP) and NCCL's CollNet
     plugin is set up: CollNet Direct/Chain become available (with ``nccl.collnet_enable``)."""
+    gpu_power_w: float | None = Field(default=None, gt=0)
+    """The GPUs' power cap in watts (default: the part's TDP). A cap lowers the sustained SM
+    clock and so the matrix (GEMM, attention) rates; memory-bound kernels barely change
+    (:mod:`sim.power`)."""
+
+    @model_validator(mode="after")
+    def _check_power(self) -> Cluster:
+        if self.gpu_power_w is not None:
+            from sim import catalog
+            from sim.power import PowerCapError, check_cap
+            try:
+                check_cap(catalog.gpu(self.gpu), self.gpu_power_w)
+            except PowerCapError as e:
+                raise ValueError(f"cluster.gpu_power_w: {e}") from None
+        return self
 
 
 # --------------------------------------------------------------------------- framework

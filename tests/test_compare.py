@@ -62,8 +62,10 @@ def test_slower_nics_slow_the_step_and_move_the_same_bytes(nic_what_if):
     assert slow["bytes"]["network"] > 0
     assert slow["step_time_s"] > fast["step_time_s"]
     assert slow["exposed_comm_s"] > fast["exposed_comm_s"]
-    # Same GPUs, same compute: the difference is communication the step cannot hide.
-    assert slow["compute_time_s"] == pytest.approx(fast["compute_time_s"], rel=0.02)
+    # Same GPUs, same kernels: the difference is communication the step cannot hide, and
+    # how much of it runs beside compute and slows it (sim/interference.py: up to the SM
+    # share of NCCL's channels, 132/100 on Hopper, over the overlapped part).
+    assert slow["compute_time_s"] == pytest.approx(fast["compute_time_s"], rel=0.08)
 
 
 def test_json_shape_and_deltas(nic_what_if):

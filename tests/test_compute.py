@@ -13,6 +13,7 @@ from sim.compute import ComputeModel
 
 DATA = catalog.calibration("h200-kernels.json")
 H200 = ComputeModel(catalog.gpu("h200"))
+DATA_FIT = catalog.calibration("h200-fit.json")
 
 
 @pytest.mark.parametrize("row", DATA["gemm"], ids=lambda r: f"{r['model']}-tp{r['tp']}-"
@@ -148,3 +149,73 @@ def test_b200_to_h100_gemm_ratio_follows_openxlas_measurements() -> None:
     assert len(errors) >= 30
     assert max(abs(e) for e in errors) < 0.12
     assert abs(sum(errors) / len(errors)) < 0.08
+
+
+def test_small_m_gemm_is_bound_by_reading_its_weight() -> None:
+    # 16 tokens through a 8192 x 28672 weight: 470 MB of bf16 operands, 2 * 16 * 8192 * 28672
+    # = 7.5 GFLOP. Reading the weight takes ~110 us at the H200's streaming rate and 1.43x
+    # that on the H100 (4.8 vs 3.35 TB/s); the math alone would take ~11 us.
+    h100 = ComputeModel(catalog.gpu("h100-sxm"))
+    nbytes = 2 * (16 * 8192 + 28672 * 8192) + 2 * 16 * 28672
+    t200, t100 = H200.gemm_time(16, 8192, 28672), h100.gemm_time(16, 8192, 28672)
+    rate = DATA_FIT["membound"]["add_"]["bytes_per_s"]
+    assert t200 == pytest.approx(H200.kernel_min_s + nbytes / rate, rel=1e-6)
+    assert (t100 - h100.kernel_min_s) / (t200 - H200.kernel_min_s) == pytest.approx(4800 / 3350)
+    # A large GEMM is compute-bound: the same on both (same SMs and clocks; the catalogue's
+    # large-GEMM shares differ by 0.4%).
+    big100, big200 = h100.gemm_time(8192, 8192, 28672), H200.gemm_time(8192, 8192, 28672)
+    assert big100 == pytest.approx(big200, rel=0.01)
+
+
+def _attn_tflops(cm: ComputeModel, seq: int, head_dim: int, pass_: str, causal: bool = True
+                 ) -> float:
+    heads = 16384 // head_dim            # a 16k-wide layer; 16k tokens per call
+    batch = max(1, 16384 // seq)
+    flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+    if pass_ == "bwd":
+        flops *= 2.5
+    return flops / cm.attention_time(batch, heads, seq, head_dim, pass_,  # type: ignore[arg-type]
+                                     causal=causal) / 1e12
+
+
+def test_attention_rates_against_published_flash_attention_figures() -> None:
+    # FlashAttention-2 on A100 SXM (Dao 2023, arXiv 2307.08691, fig. 4-6): forward up to
+    # 73% of the 312 TFLOP/s peak, causal head-dim 128 at long sequences 50-70%.
+    a100 = ComputeModel(catalog.gpu("a100-80gb"))
+    assert 0.50 * 312 < _attn_tflops(a100, 16384, 128, "fwd") < 0.75 * 312
+    # FlashAttention-3 / cuDNN on H100 SXM (Shah et al. 2024, arXiv 2407.08608, fig. 5):
+    # BF16 forward, causal, head-dim 128, 60-75% of 989 at 8k-16k.
+    h100 = ComputeModel(catalog.gpu("h100-sxm"))
+    assert 0.55 * 989 < _attn_tflops(h100, 16384, 128, "fwd") < 0.75 * 989
+    # Head-dim 64 runs at about 0.75x the TFLOP/s of head-dim 128 (same figure).
+    r = _attn_tflops(h100, 16384, 64, "fwd") / _attn_tflops(h100, 16384, 128, "fwd")
+    assert 0.6 < r < 0.9
+
+
+@pytest.mark.parametrize("seq", [32768, 131072, 1 << 20])
+def test_long_sequence_attention_scales_with_the_square_and_skips_masked_tiles(seq) -> None:
+    # One sequence of `seq` tokens, 8 heads of 128: doubling the length quadruples the work;
+    # a causal kernel skips the tiles above the diagonal: half the non-causal time plus the
+    # diagonal tiles (1 of seq/64 tile rows), within 1%.
+    h100 = ComputeModel(catalog.gpu("h100-sxm"))
+    t = h100.attention_time(1, 8, seq, 128, "fwd", measured_table=False)
+    t2 = h100.attention_time(1, 8, 2 * seq, 128, "fwd", measured_table=False)
+    assert t2 / t == pytest.approx(4.0, rel=0.01)
+    full = h100.attention_time(1, 8, seq, 128, "fwd", causal=False, measured_table=False)
+    assert t / full == pytest.approx(0.5 * (1 + 64 / seq), rel=0.01)
+
+
+def test_memory_bound_bandwidth_depends_on_size() -> None:
+    # Achieved bandwidth n / t(n): a tenth of the streaming rate or less at 1 MB, half at
+    # t0 * B, 95% or more at 1 GB. The half-rate size must exceed the bytes Little's law
+    # needs in flight to stream at all (4.8 TB/s x ~700 ns of loaded HBM latency = 3.4 MB).
+    rate = DATA_FIT["membound"]["add_"]["bytes_per_s"]
+
+    def achieved(n: float) -> float:
+        return n / H200.membound_time(n)
+
+    assert achieved(1e6) < 0.12 * rate
+    half = H200.kernel_min_s * rate
+    assert achieved(half) == pytest.approx(rate / 2)
+    assert half > 4.8e12 * 700e-9
+    assert achieved(1e9) > 0.95 * rate

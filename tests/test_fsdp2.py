@@ -385,13 +385,19 @@ def test_float8_runs_fp8_gemms_in_the_blocks_but_not_the_output_layer() -> None:
     # layers to keep the test fast.
     wide = {"layers": 2, "hidden": 4096, "heads": 32, "kv_heads": 8, "ffn_hidden": 14336,
             "vocab": 8192, "mlp": "swiglu", "tied_embeddings": False}
-    runs = {p: simulate(scenario(model=wide, precision=p, micro_batch_size=2,
-                                 seq_len=4096)).summary
-            for p in ("bf16", "fp8")}
+    results = {p: simulate(scenario(model=wide, precision=p, micro_batch_size=2,
+                                    seq_len=4096)) for p in ("bf16", "fp8")}
+    runs = {p: r.summary for p, r in results.items()}
     assert runs["bf16"]["step_time_s"] / 2 < runs["fp8"]["step_time_s"] \
         < runs["bf16"]["step_time_s"]
-    assert runs["fp8"]["peak_memory_breakdown_gib"]["activations"] == pytest.approx(
-        runs["bf16"]["peak_memory_breakdown_gib"]["activations"])
+
+    # The activations' own peak over the step (the breakdown at the total peak depends on
+    # which gathered parameters happen to be alive then, i.e. on timing).
+    def activation_peak(p: str) -> float:
+        return max(c["activations"] for tr in results[p].recorder.memory.values()
+                   for _, c in tr.series)
+
+    assert activation_peak("fp8") == pytest.approx(activation_peak("bf16"))
 
 
 def test_float8_all_gather_halves_the_blocks_gathers_and_drops_the_weight_casts() -> None:

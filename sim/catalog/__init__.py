@@ -33,6 +33,14 @@ class GpuSpec:
     reference_gpu_hour_usd: float
     matmul_efficiency: float
     sources: tuple[str, ...]
+    tdp_w: float = 700.0
+    """Default board power limit (datasheet max TDP), watts."""
+    min_power_w: float = 200.0
+    """Lowest power limit the driver accepts, watts."""
+    static_w: float = 70.0
+    """Draw that does not follow the SM clock (leakage, HBM, I/O), watts."""
+    power_cap_w: float | None = None
+    """The power cap in force (``cluster.gpu_power_w``); None = the TDP."""
 
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s of the matrix units for ``precision`` (bf16, fp16, fp8, fp32).
@@ -65,17 +73,21 @@ def _load(name: str) -> dict[str, Any]:
     return data
 
 
-def gpu(key: str) -> GpuSpec:
-    """The catalogue entry of a GPU.
+def gpu(key: str, power_w: float | None = None) -> GpuSpec:
+    """The catalogue entry of a GPU, optionally under a power cap of ``power_w`` watts
+    (``cluster.gpu_power_w``; :mod:`sim.power` turns it into sustained clocks).
 
     Examples
     --------
     >>> gpu("h100-sxm").peak_flops("bf16")
     989400000000000.0
+    >>> gpu("h100-sxm", power_w=500).power_cap_w
+    500.0
     """
     entry = dict(_load("gpus.yaml")[key])
     entry["sources"] = tuple(entry.get("sources", ()))
-    return GpuSpec(key=key, **entry)
+    cap = None if power_w is None else float(power_w)
+    return GpuSpec(key=key, power_cap_w=cap, **entry)
 
 
 def gpu_names() -> list[str]:

@@ -33,7 +33,7 @@ class JobContext:
     @classmethod
     def from_scenario(cls, s: Scenario, origin: str = "<scenario>") -> JobContext:
         model = ModelSpec.from_ref(s.model, s.training.seq_len)
-        gpu = catalog.gpu(s.cluster.gpu)
+        gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
         return cls(s, model, gpu, ComputeModel(gpu, s.training.precision), origin)
 
     # ------------------------------------------------------------------ layout
