@@ -88,10 +88,14 @@ def collective(
     algo: Annotated[str, typer.Option("--algo", help="auto, ring, tree, nvls, nvls_tree, pat, "
                                       "collnet_direct, collnet_chain.")] = "auto",
     proto: Annotated[str, typer.Option("--proto", help="auto, ll, ll128, simple.")] = "auto",
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a cluster or nccl key: cluster.azs=2, "
+        "cluster.az_latency_ms=10, nccl.buffsize=8388608 (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """What nccl-tests would print on that fabric: time, algbw, busbw per size."""
     from sim.nccltests import collective_table, parse_sizes
+    from sim.scenario import parse_set
 
     algos = ("auto", "ring", "tree", "nvls", "nvls_tree", "pat", "collnet_direct",
              "collnet_chain")
@@ -100,7 +104,13 @@ def collective(
     if proto not in ("auto", "ll", "ll128", "simple"):
         _bad_input(f"--proto: {proto!r} is not auto, ll, ll128 or simple")
     try:
-        table = collective_table(topology, op, gpus, parse_sizes(sizes), algo, proto)
+        overrides = dict(parse_set(a) for a in set_ or [])
+        bad = [k for k in overrides if k.split(".")[0] not in ("cluster", "nccl")
+               or k.count(".") != 1]
+        if bad:
+            raise ScenarioError(f"--set {bad[0]}: collective takes cluster.KEY or nccl.KEY")
+        table = collective_table(topology, op, gpus, parse_sizes(sizes), algo, proto,
+                                 overrides)
     except ScenarioError as exc:
         _bad_input(str(exc))
         return

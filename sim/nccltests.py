@@ -109,12 +109,14 @@ class Bench:
 
 
 def collective_table(topology: str, op: str, gpus: int, sizes: list[int], algo: str = "auto",
-                     proto: str = "auto") -> dict[str, Any]:
-    """The ``fabricsim collective --json`` object."""
+                     proto: str = "auto", overrides: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """The ``fabricsim collective --json`` object; ``overrides`` sets ``cluster.*`` or
+    ``nccl.*`` keys over the topology's (``{"cluster.azs": 2}``)."""
     if op not in OPS:
         raise ScenarioError(f"--op: {op!r} is not one of {', '.join(OPS)}")
     if gpus < 2:
         raise ScenarioError("--gpus: a collective needs at least 2 GPUs")
-    bench = Bench.build(topology, gpus, algo, proto)
+    bench = Bench.build(topology, gpus, algo, proto, overrides)
     return {"topology": topology, "op": op, "gpus": gpus,
             "rows": [bench.run(op, s) for s in sizes]}

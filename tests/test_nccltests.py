@@ -86,3 +86,22 @@ def test_collective_prints_nccls_choice_and_time_over_the_whole_curve() -> None:
     assert model[0] * 1e6 == pytest.approx(55.2, rel=1e-3)
     pat = collective_table("dgx-h100", "all_gather", 4, [4096], algo="pat")["rows"][0]
     assert pat["algorithm"] != "pat"   # 4 GPUs in one node: PAT needs one GPU per node
+
+
+def test_cli_collective_set_puts_the_fabric_across_zones() -> None:
+    # Issue 11's bar from the command line: an 8-byte all-reduce over two nodes in two zones
+    # takes at least twice the one-way zone latency (the data goes there and comes back), and
+    # 1 ms -> 10 ms makes it about 10x slower (NCCL's microseconds vanish beside it).
+    times = {}
+    for ms in (1, 10):
+        out = subprocess.run([str(FABRICSIM), "collective", "dgx-h100", "--gpus", "16",
+                              "--sizes", "8", "--set", "cluster.azs=2",
+                              "--set", f"cluster.az_latency_ms={ms}", "--json"],
+                             capture_output=True, text=True, check=True)
+        times[ms] = json.loads(out.stdout)["rows"][0]["time_s"]
+        assert times[ms] >= 2 * ms * 1e-3
+    assert times[10] / times[1] == pytest.approx(10.0, rel=0.05)
+    bad = subprocess.run([str(FABRICSIM), "collective", "dgx-h100", "--set",
+                          "training.seq_len=8"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--set training.seq_len" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
