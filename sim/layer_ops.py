@@ -31,6 +31,11 @@ Two execution styles cover the frameworks of this version:
     bf16 residual stream, fused RMSNorm kernel, rotary embedding by complex multiply in fp32,
     no KV cache. Sources: ``torchtitan/models/llama3/model.py``,
     ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``.
+``hf_bf16``
+    Hugging Face ``LlamaForCausalLM`` under FSDP2 mixed precision: bf16 parameters and
+    activations, no autocast, the model's own eager RMSNorm (eight kernels through fp32) and
+    ``rotate_half`` rotary embedding in bf16, and the KV cache of ``use_cache``
+    (:mod:`sim.hf_ops`).
 
 Loss (both): logits in bf16, ``.float()`` copy, ``log_softmax`` (output saved) and
 ``nll_loss``; backward materialises the fp32 gradient of the logits twice (nll and
@@ -102,7 +107,7 @@ class Kernel:
 class Style:
     """How a framework runs the model's math (see the module docstring)."""
 
-    name: Literal["autocast", "bf16"]
+    name: Literal["autocast", "bf16", "hf_bf16"]
     compile: bool = False
     float8: bool = False
     """torchao's Float8Linear (dynamic tensorwise scaling) on the transformer blocks' linears,
@@ -114,6 +119,11 @@ class Style:
     @property
     def autocast(self) -> bool:
         return self.name == "autocast"
+
+    @property
+    def hf(self) -> bool:
+        """Hugging Face's model code (transformers' modeling_llama.py), not torchtitan's."""
+        return self.name in ("autocast", "hf_bf16")
 
     @property
     def act_bytes(self) -> int:
@@ -299,6 +309,9 @@ class _Builder:
 
     def rmsnorm(self, x: Tensor, tokens: float, h: int, name: str) -> Tensor:
         st = self.style
+        if st.name == "hf_bf16":
+            from sim.hf_ops import hf_rmsnorm_bf16
+            return hf_rmsnorm_bf16(self, x, tokens, h, name)
         self.block.params += h
         if not st.autocast:
             # torch's fused RMSNorm kernel (F.rms_norm on CUDA): one read, one write, per-row rstd.
@@ -371,6 +384,9 @@ class _Builder:
     def rope(self, q: Tensor, tokens: float, width: int, name: str) -> Tensor:
         """Rotary embedding of q or k (bf16 in); fp32 out under autocast, bf16 otherwise."""
         n = tokens * width
+        if self.style.name == "hf_bf16":
+            from sim.hf_ops import hf_rope_bf16
+            return hf_rope_bf16(self, q, tokens, width, name)
         if self.style.autocast:
             # HF rotate_half: neg of one half, cat, q*cos and rot*sin in fp32, add.
             neg = self.t(f"{name}.neg", n / 2, BF16)
@@ -586,11 +602,13 @@ def embedding_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
         b.bwd(Kernel("g_pos_sum", "elementwise", (gout,), (gpos,)))
         b.block.weight_grads.append(gpos)
         out = out2
-    elif style.autocast:
-        # HF LlamaRotaryEmbedding, once per forward: a handful of [S, head_dim] kernels.
+    elif style.hf:
+        # HF LlamaRotaryEmbedding, once per forward: a handful of [S, head_dim] kernels
+        # (in bf16 also the casts of cos and sin to the hidden states' dtype).
         tab = b.t("rope_table", seq * m.head_dim, FP32)
+        casts = ("cos_to_bf16", "sin_to_bf16") if not style.autocast else ()
         for name in ("pos_float", "inv_freq_mul", "cat", "cos", "sin", "scale_cos",
-                     "scale_sin"):
+                     "scale_sin", *casts):
             b.fwd(Kernel(f"rope.{name}", "tiny", (tab,), (tab,)))
     b.block.outputs.append(out)
     return b.finish()

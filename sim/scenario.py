@@ -170,6 +170,10 @@ class Fsdp2Options(_Strict):
     """MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reduce-scatter."""
     compile: bool = False
     """torch.compile of each block: memory-bound elementwise chains fused."""
+    model_code: Literal["torchtitan", "huggingface"] = "torchtitan"
+    """Whose Llama code FSDP2 wraps: torchtitan's (fused RMSNorm, complex rotary, no KV
+    cache) or Hugging Face transformers' LlamaForCausalLM (eager RMSNorm through fp32,
+    rotate_half rotary, a KV cache while use_cache is on), one fully_shard per decoder layer."""
     float8_all_gather: bool = False
     """With training.precision fp8: all-gather the blocks' weights in FP8 (torchtitan
     float8.enable_fsdp_float8_all_gather), half the bytes, no weight casts in the GEMMs."""

@@ -234,7 +234,18 @@ def build_fsdp2(ctx: JobContext) -> Program:
     fp8 = s.training.precision == "fp8"
     ctx.require(not opts.float8_all_gather or fp8, "framework.float8_all_gather",
                 "needs training.precision fp8 (the float8 converter)")
-    style = Style("bf16", compile=opts.compile, float8=fp8,
+    hf = opts.model_code == "huggingface"
+    if hf:
+        # Hugging Face LlamaForCausalLM wrapped per decoder layer: bf16 parameters from the
+        # MixedPrecisionPolicy, the model's eager code (sim.hf_ops). torchtitan's tensor,
+        # context and pipeline plans, its float8 converter and op-level SAC are torchtitan's.
+        ctx.require(t == 1 and cp == 1 and pp == 1, "framework.model_code",
+                    "huggingface is modelled with FSDP (and HSDP) only: tp, cp and pp must be 1")
+        ctx.require(not fp8, "framework.model_code",
+                    "huggingface is modelled with bf16 or fp16 precision, not torchao float8")
+        ctx.require(s.training.activation_checkpointing != "selective",
+                    "framework.model_code", "selective (op-level SAC) is torchtitan's")
+    style = Style("hf_bf16" if hf else "bf16", compile=opts.compile, float8=fp8,
                   float8_weights=fp8 and opts.float8_all_gather)
     vh = m.vocab * m.hidden
     tied = m.tied_embeddings
@@ -242,7 +253,10 @@ def build_fsdp2(ctx: JobContext) -> Program:
     chunk_layers = stage_layers(m.layers, n_virtual, opts.pipeline_first_stage_less_layers,
                                 opts.pipeline_last_stage_less_layers)
 
-    costs = ctx.block_costs(style, kv_cache=False)
+    # HF's use_cache defaults on and LlamaModel builds a DynamicCache in training too;
+    # GradientCheckpointingLayer drops it under checkpointing (transformers modeling_layers.py).
+    kv_cache = hf and not ctx.recompute
+    costs = ctx.block_costs(style, kv_cache=kv_cache)
     selective = s.training.activation_checkpointing == "selective"
     tb = titan_blocks(m, style, ctx.compute, ctx.micro_batch, ctx.seq, t, cp,
                       opts.cp_rotate_method, sac=selective) if t > 1 or cp > 1 else None
@@ -432,14 +446,30 @@ class _Stage:
                 stream="ag-copy-in", phase="comm", deps=list(deps), host_transfer="h2d",
                 nbytes=nbytes, category="copy", micro_batch=mb,
                 transient=nbytes))]
-        if job.n_shard == 1:
-            return None
         nbytes = job.param_bytes(u)
+        if job.n_shard == 1:
+            return self.copy_in_single(u, deps, mb, phase)
         return self.add(Op(
             name=f"{AG} {u.name} ({phase}) mb{mb}", kind="collective", stream="ag",
             phase="comm", deps=deps, collective="all_gather", group=self.shard_groups[0],
             groups=self.shard_groups, nbytes=nbytes, key=self.key(f"ag/{u.name}/{phase}/{mb}"),
             category="all_gather", micro_batch=mb, alloc=(("buffers", nbytes),)))
+
+    def copy_in_single(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op:
+        """unshard() with an FSDP world size of 1: ``foreach_all_gather`` has no shortcut
+        for it (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``). On the
+        all-gather copy-in stream ``_get_param_all_gather_inputs`` casts the fp32 shards into
+        one flat param_dtype buffer (``torch._foreach_copy_``) and ``all_gather_copy_in``
+        copies that into the all-gather output; NCCL's one-rank all-gather is then in place
+        (the input is the output's own slice) and moves nothing. The copy-out follows."""
+        job, cm = self.job, self.job.ctx.compute
+        nbytes = job.param_bytes(u)
+        cast = cm.membound_time(FP32 * u.numel + nbytes)
+        return self.add(Op(
+            name=f"all-gather copy-in {u.name} ({phase}) mb{mb}", kind="compute",
+            stream="ag", phase="comm", deps=deps, category="copy", micro_batch=mb,
+            duration=cast + cm.membound_time(2 * nbytes), transient=nbytes,
+            alloc=(("buffers", nbytes),)))
 
     def copy_out(self, u: _Unit, ag: Op | None, mb: int, phase: str) -> Op:
         """wait_for_unshard(): split_with_sizes_copy out of the all-gather buffer into the
