@@ -119,3 +119,45 @@ def test_model_blocks_of_the_three_styles_share_their_flops() -> None:
              for st in ("autocast", "bf16", "hf_bf16")}
     assert flops["autocast"] == pytest.approx(flops["bf16"])
     assert flops["hf_bf16"] == pytest.approx(flops["bf16"])
+
+
+def _ddp_1gpu(**fw) -> object:
+    return scenario_from_dict({
+        "name": "t", "model": "llama3.2-1b",
+        "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
+        "framework": {"name": "ddp", **fw},
+        "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 1,
+                     "activation_checkpointing": "full"}})
+
+
+def test_reentrant_checkpointing_reruns_one_whole_forward_per_layer() -> None:
+    # CheckpointFunction.backward re-runs the layer's forward to the end; non-reentrant
+    # checkpointing stops once the last saved tensor (the down projection's input) is back.
+    ctx = JobContext.from_scenario(_ddp_1gpu(checkpoint_use_reentrant=True))
+    re_ops = build_program(ctx).ops
+    nr_ops = build_program(JobContext.from_scenario(_ddp_1gpu())).ops
+    costs = ctx.block_costs(Style("autocast"), kv_cache=False)
+    a, m = costs["attn"], costs["mlp"]
+    name = "bwd mlp L3 mb0"
+    re_op = next(o for o in re_ops if o.name == name)
+    nr_op = next(o for o in nr_ops if o.name == name)
+    assert re_op.duration == pytest.approx(m.bwd_s + a.fwd_s + m.fwd_s)
+    assert nr_op.duration == pytest.approx(m.bwd_s + a.fwd_s + m.early_stop_fwd_s)
+    # The part skipped by the early stop: at least the down projection's GEMM.
+    assert m.fwd_s - m.early_stop_fwd_s > 0
+    # Recomputed FLOPs: one whole layer forward (attention + MLP) per layer.
+    assert re_op.hw_flops - m.flops_bwd == pytest.approx(a.flops_fwd + m.flops_fwd)
+    recomputes = [o for o in re_ops if o.category == "recompute+backward"]
+    assert len(recomputes) == M.layers
+    extra = sum(o.hw_flops for o in recomputes) - M.layers * m.flops_bwd
+    assert extra == pytest.approx(M.layers * (a.flops_fwd + m.flops_fwd))
+
+
+def test_reentrant_is_refused_for_torchtitan_code() -> None:
+    with pytest.raises(ScenarioError, match="framework.checkpoint_use_reentrant"):
+        build_program(JobContext.from_scenario(scenario_from_dict({
+            "name": "t", "model": "llama3.2-1b",
+            "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
+            "framework": {"name": "fsdp2", "checkpoint_use_reentrant": True},
+            "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 1,
+                         "activation_checkpointing": "full"}})))

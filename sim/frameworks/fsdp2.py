@@ -245,6 +245,9 @@ def build_fsdp2(ctx: JobContext) -> Program:
                     "huggingface is modelled with bf16 or fp16 precision, not torchao float8")
         ctx.require(s.training.activation_checkpointing != "selective",
                     "framework.model_code", "selective (op-level SAC) is torchtitan's")
+    ctx.require(hf or not opts.checkpoint_use_reentrant, "framework.checkpoint_use_reentrant",
+                "torchtitan's checkpoint_wrapper is non-reentrant; reentrant checkpointing "
+                "is Hugging Face's option (model_code: huggingface)")
     style = Style("hf_bf16" if hf else "bf16", compile=opts.compile, float8=fp8,
                   float8_weights=fp8 and opts.float8_all_gather)
     vh = m.vocab * m.hidden
@@ -423,7 +426,7 @@ class _Stage:
                      if m.tied_embeddings else 0.0}
             pops = micro_batch_ops(job.costs, m.layers, mb, job.ctx.recompute,
                                    job.style.autocast, job.ugrad, extra, job.model_flops,
-                                   sac=job.sac)
+                                   sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant)
 
             def ops_f(k: tuple[str, int]) -> list[Op]:
                 return [pops.fwd_of[k]]
