@@ -689,38 +689,30 @@ class BlockCost:
     ``weight_cast_bytes``, in the order the forward creates them."""
 
 
-def _fuse(kernels: list[Kernel], keep: set[int]) -> list[Kernel]:
-    """torch.compile: fuse each run of memory-bound kernels into one kernel.
+def _fuse(kernels: list[Kernel], keep: set[int], block: Block | None = None) -> list[Kernel]:
+    """torch.compile: each run of memory-bound kernels between GEMM/attention kernels becomes
+    the fused kernels inductor makes of it (:func:`sim.inductor.fuse_run`).
 
-    A fused kernel reads the run's inputs produced outside it and writes the run's outputs
-    that something outside it still needs (``keep`` holds ids of such tensors).
+    A fused kernel reads the inputs produced outside it and writes the outputs that something
+    outside it still needs (``keep`` holds ids of such tensors needed outside the run).
+    ``block``: its weight gradients written by reductions are reductions over the tokens.
     """
+    from sim.inductor import fuse_run
+
+    grads = {id(t) for t in block.weight_grads} if block is not None else set()
+    token = {id(t) for k in kernels if is_reduction(k) for t in k.writes if id(t) in grads}
     out: list[Kernel] = []
     run: list[Kernel] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        made = {id(t) for k in run for t in k.writes}
-        reads: dict[int, Tensor] = {}
-        for k in run:
-            for t in k.reads:
-                if id(t) not in made:
-                    reads[id(t)] = t
-        writes = {id(t): t for k in run for t in k.writes if id(t) in keep}
-        out.append(Kernel("fused[" + ",".join(k.name for k in run) + "]", "elementwise",
-                          tuple(reads.values()), tuple(writes.values()),
-                          activation_elements=sum(k.activation_elements for k in run),
-                          reduction=any(is_reduction(k) for k in run)))
-        run.clear()
-
     for k in kernels:
         if k.fusible:
             run.append(k)
-        else:
-            flush()
-            out.append(k)
-    flush()
+            continue
+        if run:
+            out += fuse_run(run, keep, token)
+            run = []
+        out.append(k)
+    if run:
+        out += fuse_run(run, keep, token)
     return out
 
 
@@ -852,8 +844,8 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
     """
     fwd, bwd = block.forward, block.backward
     if style.compile:
-        fwd = _fuse(fwd, _needed_outside(fwd, block))
-        bwd = _fuse(bwd, _needed_outside(bwd, block))
+        fwd = _fuse(fwd, _needed_outside(fwd, block), block)
+        bwd = _fuse(bwd, _needed_outside(bwd, block), block)
         fwd_cpu = bwd_cpu = COMPILED_OP_CPU_S
     else:
         fwd_cpu, bwd_cpu = cpu_per_op or (EAGER_FWD_OP_CPU_S, EAGER_BWD_OP_CPU_S)
@@ -954,7 +946,7 @@ def op_sac_costs(blocks: Sequence[Block], style: Style, cm: ComputeModel
                 continue
             rerun.append(k)
         if style.compile:
-            rerun = _fuse(rerun, _needed_outside(rerun, block))
+            rerun = _fuse(rerun, _needed_outside(rerun, block), block)
         out[block.name] = SacCost(
             cached_bytes=cached,
             recompute_s=_stream_time(cm, rerun, fwd_cpu, cm.attention_cpu_s("fwd")),
