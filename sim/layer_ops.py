@@ -10,8 +10,9 @@ that one description come:
 * memory: saved activations per block, and the transient peak inside each block's forward
   and backward from tensor lifetimes (a tensor lives from the kernel that writes it to the last
   kernel that reads it);
-* torch.compile: maximal runs of memory-bound kernels between two GEMM/attention kernels fused
-  into one kernel that reads what comes from outside the run and writes what leaves it.
+* torch.compile: the runs of memory-bound kernels between two GEMM/attention kernels fused
+  as inductor's scheduler fuses them (:mod:`sim.inductor`): each fused kernel reads what
+  comes from outside it and writes what leaves it.
 
 Two execution styles cover the frameworks of this version:
 
