@@ -246,3 +246,32 @@ def test_compile_gain_on_one_h200_lies_between_none_and_one_kernel_per_run() -> 
         inductor.fuse_run = orig
         layer_ops.model_blocks.cache_clear()
     assert ideal < compiled
+
+
+def test_fsdp2_copy_in_runs_before_every_all_gather_on_the_shard() -> None:
+    # With 8 shards each all-gather waits for its copy-in: the fp32 shard cast to bf16
+    # (4 + 2 bytes per local parameter) and copied into the output's slice (2 + 2).
+    s = _fsdp2(gpus=8)
+    ctx = JobContext.from_scenario(s)
+    ops = build_program(ctx).ops
+    ags = [o for o in ops if o.kind == "collective" and o.collective == "all_gather"]
+    assert ags and all(len(o.deps) == 1 and o.deps[0].name.startswith("all-gather copy-in")
+                       for o in ags)
+    layer = next(o for o in ops if o.name.startswith("all-gather copy-in L0 (fwd)"))
+    local = M.layer_params / 8
+    cm = ctx.compute
+    assert layer.duration == pytest.approx(cm.membound_time(6 * local)
+                                           + cm.membound_time(4 * local), rel=1e-3)
+
+
+def test_cpu_offload_on_one_gpu_computes_only_after_the_parameters_arrive() -> None:
+    s = scenario_from_dict({
+        "name": "t", "model": "llama3.2-1b",
+        "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
+        "framework": {"name": "fsdp2", "cpu_offload": True},
+        "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 1}})
+    ops = build_program(JobContext.from_scenario(s)).ops
+    out = next(o for o in ops if o.name == "copy-out L0 (fwd) mb0")
+    copy_in = out.deps[0]
+    assert copy_in.name.startswith("all-gather copy-in L0")
+    assert any(d.name.startswith("H2D params L0") for d in copy_in.deps)

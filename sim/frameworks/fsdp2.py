@@ -438,7 +438,8 @@ class _Stage:
 
     # ------------------------------------------------------------------ FSDP collectives
     def gather(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op | None:
-        """unshard(): the all-gather of a unit (none when the FSDP world size is 1)."""
+        """unshard(): the copy-in and all-gather of a unit (the copy-in alone when the FSDP
+        world size is 1)."""
         job = self.job
         if job.host is not None:
             # CPU offload: the fp32 shard is copied to the GPU on the all-gather copy-in
@@ -451,28 +452,31 @@ class _Stage:
                 transient=nbytes))]
         nbytes = job.param_bytes(u)
         if job.n_shard == 1:
-            return self.copy_in_single(u, deps, mb, phase)
+            return self.copy_in(u, deps, mb, phase)
+        deps = [self.copy_in(u, deps, mb, phase)]
         return self.add(Op(
             name=f"{AG} {u.name} ({phase}) mb{mb}", kind="collective", stream="ag",
             phase="comm", deps=deps, collective="all_gather", group=self.shard_groups[0],
             groups=self.shard_groups, nbytes=nbytes, key=self.key(f"ag/{u.name}/{phase}/{mb}"),
             category="all_gather", micro_batch=mb, alloc=(("buffers", nbytes),)))
 
-    def copy_in_single(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op:
-        """unshard() with an FSDP world size of 1: ``foreach_all_gather`` has no shortcut
-        for it (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``). On the
-        all-gather copy-in stream ``_get_param_all_gather_inputs`` casts the fp32 shards into
-        one flat param_dtype buffer (``torch._foreach_copy_``) and ``all_gather_copy_in``
-        copies that into the all-gather output; NCCL's one-rank all-gather is then in place
-        (the input is the output's own slice) and moves nothing. The copy-out follows."""
+    def copy_in(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op:
+        """foreach_all_gather's copy-in (``torch/distributed/fsdp/_fully_shard/
+        _fsdp_collectives.py``), on the all-gather copy-in stream: ``_get_param_all_gather_
+        inputs`` casts this rank's fp32 shards into one flat param_dtype buffer
+        (``torch._foreach_copy_``) and ``all_gather_copy_in`` copies that into this rank's
+        slice of the all-gather output, which NCCL then gathers in place. There is no
+        shortcut for an FSDP world size of 1: both copies run on the whole unit and the
+        one-rank all-gather moves nothing, so this op stands for the gather."""
         job, cm = self.job, self.job.ctx.compute
-        nbytes = job.param_bytes(u)
-        cast = cm.membound_time(FP32 * u.numel + nbytes)
+        local = job.param_bytes(u) / job.n_shard
+        cast = cm.membound_time(FP32 * u.numel / job.n_shard + local)
+        alloc: tuple[tuple[str, float], ...] = (
+            (("buffers", job.param_bytes(u)),) if job.n_shard == 1 else ())
         return self.add(Op(
             name=f"all-gather copy-in {u.name} ({phase}) mb{mb}", kind="compute",
-            stream="ag", phase="comm", deps=deps, category="copy", micro_batch=mb,
-            duration=cast + cm.membound_time(2 * nbytes), transient=nbytes,
-            alloc=(("buffers", nbytes),)))
+            stream="ag-copy-in", phase="comm", deps=deps, category="copy", micro_batch=mb,
+            duration=cast + cm.membound_time(2 * local), transient=local, alloc=alloc))
 
     def copy_out(self, u: _Unit, ag: Op | None, mb: int, phase: str) -> Op:
         """wait_for_unshard(): split_with_sizes_copy out of the all-gather buffer into the
