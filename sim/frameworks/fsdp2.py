@@ -437,7 +437,7 @@ class _Stage:
         return ops_f, ops_b
 
     # ------------------------------------------------------------------ FSDP collectives
-    def gather(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op | None:
+    def gather(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op:
         """unshard(): the copy-in and all-gather of a unit (the copy-in alone when the FSDP
         world size is 1)."""
         job = self.job
@@ -478,18 +478,13 @@ class _Stage:
             stream="ag-copy-in", phase="comm", deps=deps, category="copy", micro_batch=mb,
             duration=cast + cm.membound_time(2 * local), transient=local, alloc=alloc))
 
-    def copy_out(self, u: _Unit, ag: Op | None, mb: int, phase: str) -> Op:
+    def copy_out(self, u: _Unit, ag: Op, mb: int, phase: str) -> Op:
         """wait_for_unshard(): split_with_sizes_copy out of the all-gather buffer into the
-        unsharded parameters (the buffer is released once copied); with an FSDP world size
-        of 1 the sharded data is cast straight into them."""
+        unsharded parameters (the buffer is released once copied), after the all-gather or,
+        with an FSDP world size of 1, after the copy-in that stands for it."""
         job, cm = self.job, self.job.ctx.compute
         nbytes = job.param_bytes(u)
         ph: Phase = "fwd" if phase == "fwd" else "bwd"
-        if ag is None:
-            return self.add(Op(name=f"copy-out {u.name} ({phase}) mb{mb}", kind="compute",
-                               stream="compute", phase=ph, category="copy", micro_batch=mb,
-                               duration=cm.membound_time((FP32 + job.pbytes) * u.numel),
-                               alloc=(("parameters", nbytes),)))
         return self.add(Op(
             name=f"copy-out {u.name} ({phase}) mb{mb}", kind="compute", stream="compute",
             phase=ph, deps=[ag], duration=cm.membound_time(2 * nbytes), category="copy",
@@ -631,7 +626,7 @@ class _Stage:
         job = self.job
         _, bwd_ops = self.block_ops(mb)
         units = list(reversed(job.chunk_units[v]))
-        pending: dict[str, Op | None] = {}
+        pending: dict[str, Op] = {}
         if not self.gathered.get(units[0].name):
             pending[units[0].name] = self.gather(units[0], [], mb, "bwd")
         last: Op | None = None
