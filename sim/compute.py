@@ -37,9 +37,12 @@ MemClass = Literal["elementwise", "norm_fused", "reduction"]
 # Backward runs in the C++ autograd engine, without Python between kernels: half as much.
 EAGER_FWD_OP_CPU_S = 10e-6
 EAGER_BWD_OP_CPU_S = 5e-6
-# Under torch.compile (inductor) a fused kernel is launched from generated code with little
-# Python in between.
-COMPILED_OP_CPU_S = 2e-6
+# Under torch.compile (inductor) each kernel is launched from the generated wrapper's call()
+# through CachingAutotuner.run and the Triton launcher: 6.8 us per kernel without arguments,
+# 9.1 us with 19 (tritonbench PR #1017, "Profile inductor launch overhead", 2026, on GB200;
+# a bare cuLaunchKernel is 3.0 us). Fused kernels take a handful of tensors: about 8 us.
+# Without CUDA graphs (mode="reduce-overhead") this stays on every launch.
+COMPILED_OP_CPU_S = 8e-6
 # The AdamW calibration split its parameters in 16 tensors (h200-kernels.json meta).
 ADAMW_CALIBRATION_TENSORS = 16
 

@@ -10,8 +10,9 @@ that one description come:
 * memory: saved activations per block, and the transient peak inside each block's forward
   and backward from tensor lifetimes (a tensor lives from the kernel that writes it to the last
   kernel that reads it);
-* torch.compile: maximal runs of memory-bound kernels between two GEMM/attention kernels fused
-  into one kernel that reads what comes from outside the run and writes what leaves it.
+* torch.compile: the runs of memory-bound kernels between two GEMM/attention kernels fused
+  as inductor's scheduler fuses them (:mod:`sim.inductor`): each fused kernel reads what
+  comes from outside it and writes what leaves it.
 
 Two execution styles cover the frameworks of this version:
 
@@ -31,6 +32,11 @@ Two execution styles cover the frameworks of this version:
     bf16 residual stream, fused RMSNorm kernel, rotary embedding by complex multiply in fp32,
     no KV cache. Sources: ``torchtitan/models/llama3/model.py``,
     ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``.
+``hf_bf16``
+    Hugging Face ``LlamaForCausalLM`` under FSDP2 mixed precision: bf16 parameters and
+    activations, no autocast, the model's own eager RMSNorm (eight kernels through fp32) and
+    ``rotate_half`` rotary embedding in bf16, and the KV cache of ``use_cache``
+    (:mod:`sim.hf_ops`).
 
 Loss (both): logits in bf16, ``.float()`` copy, ``log_softmax`` (output saved) and
 ``nll_loss``; backward materialises the fp32 gradient of the logits twice (nll and
@@ -102,7 +108,7 @@ class Kernel:
 class Style:
     """How a framework runs the model's math (see the module docstring)."""
 
-    name: Literal["autocast", "bf16"]
+    name: Literal["autocast", "bf16", "hf_bf16"]
     compile: bool = False
     float8: bool = False
     """torchao's Float8Linear (dynamic tensorwise scaling) on the transformer blocks' linears,
@@ -114,6 +120,11 @@ class Style:
     @property
     def autocast(self) -> bool:
         return self.name == "autocast"
+
+    @property
+    def hf(self) -> bool:
+        """Hugging Face's model code (transformers' modeling_llama.py), not torchtitan's."""
+        return self.name in ("autocast", "hf_bf16")
 
     @property
     def act_bytes(self) -> int:
@@ -299,6 +310,9 @@ class _Builder:
 
     def rmsnorm(self, x: Tensor, tokens: float, h: int, name: str) -> Tensor:
         st = self.style
+        if st.name == "hf_bf16":
+            from sim.hf_ops import hf_rmsnorm_bf16
+            return hf_rmsnorm_bf16(self, x, tokens, h, name)
         self.block.params += h
         if not st.autocast:
             # torch's fused RMSNorm kernel (F.rms_norm on CUDA): one read, one write, per-row rstd.
@@ -371,6 +385,9 @@ class _Builder:
     def rope(self, q: Tensor, tokens: float, width: int, name: str) -> Tensor:
         """Rotary embedding of q or k (bf16 in); fp32 out under autocast, bf16 otherwise."""
         n = tokens * width
+        if self.style.name == "hf_bf16":
+            from sim.hf_ops import hf_rope_bf16
+            return hf_rope_bf16(self, q, tokens, width, name)
         if self.style.autocast:
             # HF rotate_half: neg of one half, cat, q*cos and rot*sin in fp32, add.
             neg = self.t(f"{name}.neg", n / 2, BF16)
@@ -586,11 +603,13 @@ def embedding_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
         b.bwd(Kernel("g_pos_sum", "elementwise", (gout,), (gpos,)))
         b.block.weight_grads.append(gpos)
         out = out2
-    elif style.autocast:
-        # HF LlamaRotaryEmbedding, once per forward: a handful of [S, head_dim] kernels.
+    elif style.hf:
+        # HF LlamaRotaryEmbedding, once per forward: a handful of [S, head_dim] kernels
+        # (in bf16 also the casts of cos and sin to the hidden states' dtype).
         tab = b.t("rope_table", seq * m.head_dim, FP32)
+        casts = ("cos_to_bf16", "sin_to_bf16") if not style.autocast else ()
         for name in ("pos_float", "inv_freq_mul", "cat", "cos", "sin", "scale_cos",
-                     "scale_sin"):
+                     "scale_sin", *casts):
             b.fwd(Kernel(f"rope.{name}", "tiny", (tab,), (tab,)))
     b.block.outputs.append(out)
     return b.finish()
@@ -671,38 +690,30 @@ class BlockCost:
     ``weight_cast_bytes``, in the order the forward creates them."""
 
 
-def _fuse(kernels: list[Kernel], keep: set[int]) -> list[Kernel]:
-    """torch.compile: fuse each run of memory-bound kernels into one kernel.
+def _fuse(kernels: list[Kernel], keep: set[int], block: Block | None = None) -> list[Kernel]:
+    """torch.compile: each run of memory-bound kernels between GEMM/attention kernels becomes
+    the fused kernels inductor makes of it (:func:`sim.inductor.fuse_run`).
 
-    A fused kernel reads the run's inputs produced outside it and writes the run's outputs
-    that something outside it still needs (``keep`` holds ids of such tensors).
+    A fused kernel reads the inputs produced outside it and writes the outputs that something
+    outside it still needs (``keep`` holds ids of such tensors needed outside the run).
+    ``block``: its weight gradients written by reductions are reductions over the tokens.
     """
+    from sim.inductor import fuse_run
+
+    grads = {id(t) for t in block.weight_grads} if block is not None else set()
+    token = {id(t) for k in kernels if is_reduction(k) for t in k.writes if id(t) in grads}
     out: list[Kernel] = []
     run: list[Kernel] = []
-
-    def flush() -> None:
-        if not run:
-            return
-        made = {id(t) for k in run for t in k.writes}
-        reads: dict[int, Tensor] = {}
-        for k in run:
-            for t in k.reads:
-                if id(t) not in made:
-                    reads[id(t)] = t
-        writes = {id(t): t for k in run for t in k.writes if id(t) in keep}
-        out.append(Kernel("fused[" + ",".join(k.name for k in run) + "]", "elementwise",
-                          tuple(reads.values()), tuple(writes.values()),
-                          activation_elements=sum(k.activation_elements for k in run),
-                          reduction=any(is_reduction(k) for k in run)))
-        run.clear()
-
     for k in kernels:
         if k.fusible:
             run.append(k)
-        else:
-            flush()
-            out.append(k)
-    flush()
+            continue
+        if run:
+            out += fuse_run(run, keep, token)
+            run = []
+        out.append(k)
+    if run:
+        out += fuse_run(run, keep, token)
     return out
 
 
@@ -834,8 +845,8 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
     """
     fwd, bwd = block.forward, block.backward
     if style.compile:
-        fwd = _fuse(fwd, _needed_outside(fwd, block))
-        bwd = _fuse(bwd, _needed_outside(bwd, block))
+        fwd = _fuse(fwd, _needed_outside(fwd, block), block)
+        bwd = _fuse(bwd, _needed_outside(bwd, block), block)
         fwd_cpu = bwd_cpu = COMPILED_OP_CPU_S
     else:
         fwd_cpu, bwd_cpu = cpu_per_op or (EAGER_FWD_OP_CPU_S, EAGER_BWD_OP_CPU_S)
@@ -936,7 +947,7 @@ def op_sac_costs(blocks: Sequence[Block], style: Style, cm: ComputeModel
                 continue
             rerun.append(k)
         if style.compile:
-            rerun = _fuse(rerun, _needed_outside(rerun, block))
+            rerun = _fuse(rerun, _needed_outside(rerun, block), block)
         out[block.name] = SacCost(
             cached_bytes=cached,
             recompute_s=_stream_time(cm, rerun, fwd_cpu, cm.attention_cpu_s("fwd")),

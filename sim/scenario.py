@@ -156,6 +156,11 @@ class DdpOptions(_Strict):
     """Gradients alias the bucket buffers (saves one gradient-sized buffer and two copies)."""
     compile: bool = False
     """torch.compile: memory-bound elementwise chains fused into single kernels."""
+    checkpoint_use_reentrant: bool = False
+    """With full activation checkpointing, Hugging Face's gradient_checkpointing_kwargs
+    use_reentrant: True re-runs each decoder layer's whole forward in backward
+    (transformers 4.36 to 4.57's default); False (transformers 5's default, PR #43203) stops
+    recomputing once the last saved tensor is back."""
 
 
 class Fsdp2Options(_Strict):
@@ -170,6 +175,14 @@ class Fsdp2Options(_Strict):
     """MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reduce-scatter."""
     compile: bool = False
     """torch.compile of each block: memory-bound elementwise chains fused."""
+    model_code: Literal["torchtitan", "huggingface"] = "torchtitan"
+    """Whose Llama code FSDP2 wraps: torchtitan's (fused RMSNorm, complex rotary, no KV
+    cache) or Hugging Face transformers' LlamaForCausalLM (eager RMSNorm through fp32,
+    rotate_half rotary, a KV cache while use_cache is on), one fully_shard per decoder layer."""
+    checkpoint_use_reentrant: bool = False
+    """With model_code huggingface and full checkpointing: use_reentrant of HF's
+    gradient_checkpointing_kwargs (see DdpOptions); torchtitan's checkpoint_wrapper is
+    non-reentrant."""
     float8_all_gather: bool = False
     """With training.precision fp8: all-gather the blocks' weights in FP8 (torchtitan
     float8.enable_fsdp_float8_all_gather), half the bytes, no weight casts in the GEMMs."""

@@ -116,7 +116,7 @@ def build_ddp(ctx: JobContext) -> Program:
                 t += cm.membound_time(3 * FP32 * vh)       # tied weight: embed + head grads
             extra[b] = t
         ops = micro_batch_ops(costs, m.layers, mb, ctx.recompute, style.autocast, grad_alloc,
-                              extra, model_flops)
+                              extra, model_flops, reentrant=opts.checkpoint_use_reentrant)
         if not first:
             for op in ops.backward:
                 block = op.name.split()[1]

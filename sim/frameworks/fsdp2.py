@@ -234,7 +234,21 @@ def build_fsdp2(ctx: JobContext) -> Program:
     fp8 = s.training.precision == "fp8"
     ctx.require(not opts.float8_all_gather or fp8, "framework.float8_all_gather",
                 "needs training.precision fp8 (the float8 converter)")
-    style = Style("bf16", compile=opts.compile, float8=fp8,
+    hf = opts.model_code == "huggingface"
+    if hf:
+        # Hugging Face LlamaForCausalLM wrapped per decoder layer: bf16 parameters from the
+        # MixedPrecisionPolicy, the model's eager code (sim.hf_ops). torchtitan's tensor,
+        # context and pipeline plans, its float8 converter and op-level SAC are torchtitan's.
+        ctx.require(t == 1 and cp == 1 and pp == 1, "framework.model_code",
+                    "huggingface is modelled with FSDP (and HSDP) only: tp, cp and pp must be 1")
+        ctx.require(not fp8, "framework.model_code",
+                    "huggingface is modelled with bf16 or fp16 precision, not torchao float8")
+        ctx.require(s.training.activation_checkpointing != "selective",
+                    "framework.model_code", "selective (op-level SAC) is torchtitan's")
+    ctx.require(hf or not opts.checkpoint_use_reentrant, "framework.checkpoint_use_reentrant",
+                "torchtitan's checkpoint_wrapper is non-reentrant; reentrant checkpointing "
+                "is Hugging Face's option (model_code: huggingface)")
+    style = Style("hf_bf16" if hf else "bf16", compile=opts.compile, float8=fp8,
                   float8_weights=fp8 and opts.float8_all_gather)
     vh = m.vocab * m.hidden
     tied = m.tied_embeddings
@@ -242,7 +256,10 @@ def build_fsdp2(ctx: JobContext) -> Program:
     chunk_layers = stage_layers(m.layers, n_virtual, opts.pipeline_first_stage_less_layers,
                                 opts.pipeline_last_stage_less_layers)
 
-    costs = ctx.block_costs(style, kv_cache=False)
+    # HF's use_cache defaults on and LlamaModel builds a DynamicCache in training too;
+    # GradientCheckpointingLayer drops it under checkpointing (transformers modeling_layers.py).
+    kv_cache = hf and not ctx.recompute
+    costs = ctx.block_costs(style, kv_cache=kv_cache)
     selective = s.training.activation_checkpointing == "selective"
     tb = titan_blocks(m, style, ctx.compute, ctx.micro_batch, ctx.seq, t, cp,
                       opts.cp_rotate_method, sac=selective) if t > 1 or cp > 1 else None
@@ -409,7 +426,7 @@ class _Stage:
                      if m.tied_embeddings else 0.0}
             pops = micro_batch_ops(job.costs, m.layers, mb, job.ctx.recompute,
                                    job.style.autocast, job.ugrad, extra, job.model_flops,
-                                   sac=job.sac)
+                                   sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant)
 
             def ops_f(k: tuple[str, int]) -> list[Op]:
                 return [pops.fwd_of[k]]
@@ -420,8 +437,9 @@ class _Stage:
         return ops_f, ops_b
 
     # ------------------------------------------------------------------ FSDP collectives
-    def gather(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op | None:
-        """unshard(): the all-gather of a unit (none when the FSDP world size is 1)."""
+    def gather(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op:
+        """unshard(): the copy-in and all-gather of a unit (the copy-in alone when the FSDP
+        world size is 1)."""
         job = self.job
         if job.host is not None:
             # CPU offload: the fp32 shard is copied to the GPU on the all-gather copy-in
@@ -432,27 +450,41 @@ class _Stage:
                 stream="ag-copy-in", phase="comm", deps=list(deps), host_transfer="h2d",
                 nbytes=nbytes, category="copy", micro_batch=mb,
                 transient=nbytes))]
-        if job.n_shard == 1:
-            return None
         nbytes = job.param_bytes(u)
+        if job.n_shard == 1:
+            return self.copy_in(u, deps, mb, phase)
+        deps = [self.copy_in(u, deps, mb, phase)]
         return self.add(Op(
             name=f"{AG} {u.name} ({phase}) mb{mb}", kind="collective", stream="ag",
             phase="comm", deps=deps, collective="all_gather", group=self.shard_groups[0],
             groups=self.shard_groups, nbytes=nbytes, key=self.key(f"ag/{u.name}/{phase}/{mb}"),
             category="all_gather", micro_batch=mb, alloc=(("buffers", nbytes),)))
 
-    def copy_out(self, u: _Unit, ag: Op | None, mb: int, phase: str) -> Op:
+    def copy_in(self, u: _Unit, deps: list[Op], mb: int, phase: str) -> Op:
+        """foreach_all_gather's copy-in (``torch/distributed/fsdp/_fully_shard/
+        _fsdp_collectives.py``), on the all-gather copy-in stream: ``_get_param_all_gather_
+        inputs`` casts this rank's fp32 shards into one flat param_dtype buffer
+        (``torch._foreach_copy_``) and ``all_gather_copy_in`` copies that into this rank's
+        slice of the all-gather output, which NCCL then gathers in place. There is no
+        shortcut for an FSDP world size of 1: both copies run on the whole unit and the
+        one-rank all-gather moves nothing, so this op stands for the gather."""
+        job, cm = self.job, self.job.ctx.compute
+        local = job.param_bytes(u) / job.n_shard
+        cast = cm.membound_time(FP32 * u.numel / job.n_shard + local)
+        alloc: tuple[tuple[str, float], ...] = (
+            (("buffers", job.param_bytes(u)),) if job.n_shard == 1 else ())
+        return self.add(Op(
+            name=f"all-gather copy-in {u.name} ({phase}) mb{mb}", kind="compute",
+            stream="ag-copy-in", phase="comm", deps=deps, category="copy", micro_batch=mb,
+            duration=cast + cm.membound_time(2 * local), transient=local, alloc=alloc))
+
+    def copy_out(self, u: _Unit, ag: Op, mb: int, phase: str) -> Op:
         """wait_for_unshard(): split_with_sizes_copy out of the all-gather buffer into the
-        unsharded parameters (the buffer is released once copied); with an FSDP world size
-        of 1 the sharded data is cast straight into them."""
+        unsharded parameters (the buffer is released once copied), after the all-gather or,
+        with an FSDP world size of 1, after the copy-in that stands for it."""
         job, cm = self.job, self.job.ctx.compute
         nbytes = job.param_bytes(u)
         ph: Phase = "fwd" if phase == "fwd" else "bwd"
-        if ag is None:
-            return self.add(Op(name=f"copy-out {u.name} ({phase}) mb{mb}", kind="compute",
-                               stream="compute", phase=ph, category="copy", micro_batch=mb,
-                               duration=cm.membound_time((FP32 + job.pbytes) * u.numel),
-                               alloc=(("parameters", nbytes),)))
         return self.add(Op(
             name=f"copy-out {u.name} ({phase}) mb{mb}", kind="compute", stream="compute",
             phase=ph, deps=[ag], duration=cm.membound_time(2 * nbytes), category="copy",
@@ -594,7 +626,7 @@ class _Stage:
         job = self.job
         _, bwd_ops = self.block_ops(mb)
         units = list(reversed(job.chunk_units[v]))
-        pending: dict[str, Op | None] = {}
+        pending: dict[str, Op] = {}
         if not self.gathered.get(units[0].name):
             pending[units[0].name] = self.gather(units[0], [], mb, "bwd")
         last: Op | None = None

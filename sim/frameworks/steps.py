@@ -7,8 +7,12 @@ final norm, LM head and loss; backward in reverse. This module turns the priced 
 * forward allocates what autograd saves (activations; under autocast also the bf16 weight
   copies) and what lives until the forward returns (KV cache, logits; freed by the loss op);
 * with full activation checkpointing a layer saves only its input; its backward first
-  recomputes the layer's forward (up to the last saved tensor) and holds the recomputed
-  tensors until they are used;
+  recomputes the layer's forward and holds the recomputed tensors until they are used.
+  Non-reentrant ``torch.utils.checkpoint`` (torchtitan's ``checkpoint_wrapper``; Hugging
+  Face's default since transformers PR #43203, 2026) stops the recomputation once the last
+  saved tensor exists again (``_checkpoint_early_stop``); the reentrant variant
+  (``use_reentrant=True``, transformers' default from PR #28538 in 4.36 until then) re-runs
+  the whole layer forward under ``torch.enable_grad()`` in ``CheckpointFunction.backward``;
 * backward frees each block's saved tensors and allocates its weight gradients.
 
 The framework decides the gradient and parameter memory (``grad_alloc``) and adds its own
@@ -49,7 +53,8 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
                     autocast: bool, grad_alloc: Mapping[str, float],
                     extra_bwd_s: Mapping[str, float],
                     model_flops: Mapping[str, tuple[float, float]], stream: str = "compute",
-                    sac: Mapping[str, SacCost] | None = None) -> PassOps:
+                    sac: Mapping[str, SacCost] | None = None, reentrant: bool = False
+                    ) -> PassOps:
     """Compute ops of one micro-batch (not yet added to a program).
 
     ``grad_alloc[block]``: gradient bytes the block's backward allocates (0 when they are
@@ -58,7 +63,8 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
     (forward, backward) FLOPs counted as model FLOPs. ``sac``: op-level selective
     checkpointing of each layer (:func:`sim.layer_ops.op_sac_costs`): the forward keeps the
     layer input and the policy's cached outputs; the backward re-runs the rest of the layer
-    and holds what the backward needs, as full checkpointing does.
+    and holds what the backward needs, as full checkpointing does. ``reentrant``: full
+    checkpointing re-runs each layer's whole forward (no early stop).
     """
     recompute = recompute or sac is not None
     ops = PassOps()
@@ -124,7 +130,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
                 duration += sac["attn"].recompute_s + sac["mlp"].recompute_s
                 hw += sac["attn"].recompute_flops + sac["mlp"].recompute_flops
             else:
-                duration += a.fwd_s + c.early_stop_fwd_s
+                duration += a.fwd_s + (c.fwd_s if reentrant else c.early_stop_fwd_s)
                 hw += a.flops_fwd + c.flops_fwd
             recomputed = _non_input_saved(a) + a.weight_cast_bytes + saved_here
             alloc.append(("activations", recomputed))
