@@ -61,7 +61,7 @@ class ModelDims(_Strict):
 
 # --------------------------------------------------------------------------- cluster
 GpuName = Literal["v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "h800",
-                  "gb200"]
+                  "gb200", "h100-hbm2e-96gb"]
 
 
 class Cluster(_Strict):

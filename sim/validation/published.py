@@ -3,6 +3,9 @@ their setup and tokens per second per GPU (``sim/catalog/reference/published.yam
 torchtitan's FSDP2 runs and NVIDIA's Megatron-Bridge (NeMo) performance summary.
 
 Each entry carries the scenario it was measured on; no measured value enters the simulation.
+``measured`` maps summary keys to the published figures: ``tokens_per_s_per_gpu``, and
+``peak_reserved_gib`` where the source reports the caching allocator's reserved peak
+(torchtitan's logged memory); each is one case.
 Entries marked ``ci: false`` are too large for the test suite's time budget and run only with
 ``fabricsim validate --suite published`` (or ``published_cases(ci_only=False)``).
 """
