@@ -412,8 +412,8 @@ class Training(_Strict):
     @classmethod
     def _quoted_version(cls, v: Any) -> Any:
         if isinstance(v, (int, float)):
-            raise ValueError(f"write the version as a quoted string ('{v}'); unquoted, "
-                             "YAML reads 2.10 as the number 2.1")
+            raise ValueError(f"training.torch_version: write {v} as a quoted string; "
+                             "unquoted, YAML reads 2.10 as the number 2.1")
         return v
 
 
