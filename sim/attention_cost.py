@@ -120,8 +120,10 @@ def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
     ``auto`` the one its framework's source picks.
 
     * Megatron with Transformer Engine: cuDNN fused attention on Hopper and Blackwell,
-      flash-attn 2 on Ampere (TE ``dot_product_attention/utils.py`` ``get_attention_backend``
-      prefers FusedAttention from sm90). Megatron ``local`` and Megatron-DeepSpeed: the
+      flash-attn 2 on Ampere (TE ``dot_product_attention/utils.py`` ``get_attention_backend``:
+      "Disabling FlashAttention to give FusedAttention preference on Hopper+", compute
+      capability >= 9.0; below it FlashAttention stays first). Megatron ``local`` and
+      Megatron-DeepSpeed: the
       ``flash_attn`` package (``--use-flash-attn``), FA2; without flash attention, unfused.
     * FSDP2 (torchtitan's ``F.scaled_dot_product_attention``), DDP / plain PyTorch
       (Hugging Face's ``sdpa`` attention), FairScale and DeepSpeed ZeRO (Hugging Face
