@@ -6,7 +6,7 @@ triangle over the SMs, 4D or 10D matmul FLOPs plus one exponential per score) wa
 (``catalog/calibration/h200-kernels.json``). That measurement was cuDNN's fused attention:
 causal, head_dim 128, 16 heads x 16k tokens ran at 612 TFLOP/s forward and ~535 backward,
 against 335 / 322 for FlashAttention-2 on the same silicon (Shah et al. 2024, "FlashAttention-3",
-arXiv 2407.08608, fig. 5d and fig. 7) -- beyond what FA2's ``mma.sync`` kernels reach on
+arXiv 2407.08608, fig. 5d and fig. 6) -- beyond what FA2's ``mma.sync`` kernels reach on
 Hopper -- and PyTorch 2.11 is the first release whose bundled cuDNN passes the
 ``check_prefer_cudnn_attention`` gate in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``
 (cuDNN > 9.15 on sm90/sm100; see :data:`SDPA_CUDNN_FIRST`).
@@ -65,7 +65,7 @@ SDPA_CUDNN_FIRST: tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...] 
 # 16 heads, bf16/fp16), H100 80GB SXM5, from the FlashAttention-3 paper (Shah et al. 2024,
 # arXiv 2407.08608; the figures are Dao-AILab/flash-attention assets/flash3_fp16_fwd.png):
 #   fwd: fig. 5(d), "Forward, with causal mask, head dim 128": FA2 335, cuDNN 539, FA3 616
-#   bwd: fig. 7, "Attention backward speed, head dim 128" (no mask): FA2 322, cuDNN 516,
+#   bwd: fig. 6, "Attention backward speed, head dim 128" (no mask): FA2 322, cuDNN 516,
 #        FA3 561
 # (TFLOP/s count 4*S^2*D*H forward, halved with the causal mask; backward 2.5x that.)
 # The paper's cuDNN is 9.1 of mid-2024; ``cudnn`` here is the newer one PyTorch 2.11 bundles,

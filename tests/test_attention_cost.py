@@ -6,7 +6,7 @@ H100 SXM5 (Dao-AILab/flash-attention assets/flash3_fp16_fwd.png); the FlashAtten
 README's forward + backward figures on H100 and A100 (assets/flash2_h100_fwd_bwd_benchmark.png,
 assets/flash2_a100_fwd_bwd_benchmark.png; Dao 2023, arXiv 2307.08691, fig. 4). Benchmark
 shape of both: 16k tokens per call (batch 16,384 / seq), hidden 2048 (2048 / head_dim heads).
-Only fig. 5(d) at 16k and fig. 7 at 16k enter the model (the anchors); every other point
+Only fig. 5(d) at 16k and fig. 6 at 16k enter the model (the anchors); every other point
 checks it.
 """
 
@@ -99,7 +99,7 @@ def test_pytorch_sdpa_on_h100_ran_flash_attention_2_speed() -> None:
 
 
 def test_on_hopper_flash2_is_slowest_and_flash3_matches_the_measured_cudnn() -> None:
-    # fig. 5(d) and fig. 7 at 8k: FA2 at 55-62% of FA3, cuDNN within ~15% of FA3.
+    # fig. 5(d) and fig. 6 at 8k: FA2 at 55-62% of FA3, cuDNN within ~15% of FA3.
     rates = {b: {p: _tflops(ComputeModel(H100, attention_backend=b), 8192, 128, p)
                  for p in ("fwd", "bwd")} for b in ("flash2", "flash3", "cudnn")}
     for p in ("fwd", "bwd"):
