@@ -175,6 +175,7 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
                 "ranks_simulated": len(program.classes)},
         # Beyond the contract's keys (it only grows): what the numbers rest on.
         "framework": s.framework.name,
+        "attention_backend": ctx.compute.attention_backend,
         "model_params": ctx.model.total_params,
         "micro_batches": ctx.micro_batches,
         "memory_overheads_gib": mem["memory_overheads_gib"],

@@ -22,6 +22,7 @@ from typing import Literal
 import numpy as np
 
 from sim import catalog
+from sim.attention_cost import MEASURED_BACKEND, matmul_share
 from sim.catalog import GpuSpec
 from sim.power import sustained_clock_ratio
 
@@ -50,6 +51,11 @@ ADAMW_CALIBRATION_TENSORS = 16
 @lru_cache(maxsize=1)
 def _fit() -> dict:
     return catalog.calibration("h200-fit.json")
+
+
+def exp_cost_flops() -> float:
+    """One exponential in attention, in matmul FLOPs of the fitted GPU (h200-fit.json)."""
+    return float(_fit()["exp_cost_flops"])
 
 
 def gemm_dims(m: float, k: float, n: float, pass_: GemmPass) -> tuple[float, float, float]:
@@ -89,6 +95,9 @@ class ComputeModel:
 
     gpu: GpuSpec
     precision: str = "bf16"
+    attention_backend: str = MEASURED_BACKEND
+    """The fused-attention kernel (:mod:`sim.attention_cost`); the default is the one the
+    calibration measured."""
 
     # ------------------------------------------------------------------ scaling
     @cached_property
@@ -201,10 +210,12 @@ class ComputeModel:
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
                        pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
                        causal: bool = True, measured_table: bool = True) -> float:
-        """A fused (flash-style) attention kernel, forward or backward.
+        """A fused (flash-style) attention kernel, forward or backward, of this model's
+        ``attention_backend`` (FlashAttention-2/3, cuDNN: :mod:`sim.attention_cost`).
 
         The GPU time only: the fitted fixed term of a standalone call is dominated by CPU-side
-        dispatch, which :func:`attention_cpu_s` returns separately.
+        dispatch, which :func:`attention_cpu_s` returns separately. The measured residuals
+        apply only to the backend the calibration measured, on Hopper.
         """
         att = _fit()["attention"]
         p = att[pass_]
@@ -219,13 +230,17 @@ class ComputeModel:
         else:
             total = groups * blk * blk * nb * nbk
             longest = blk * blk * nbk
-        per_score = (4 if pass_ == "fwd" else 10) * head_dim + _fit()["exp_cost_flops"]
+        # Matmul FLOPs per score at the kernel's own tensor-core speed, plus the exponential.
+        share = matmul_share(self.attention_backend, self.gpu.arch, pass_)
+        per_score = (4 if pass_ == "fwd" else 10) * head_dim / share + exp_cost_flops()
         sms = self.gpu.sm_count
         rate = p["peak_tflops"] * 1e12 * self._flops_scale / sms
         t = max(total / sms, longest) * per_score / rate
+        measured = measured_table and self.gpu.arch == "hopper" and (
+            self.attention_backend == MEASURED_BACKEND)
         corr = _residual(self._attn_table[pass_], np.log([seq, groups]),
                          att["residual_bandwidth"], att["residual_prior_weight"]
-                         ) if measured_table and self.gpu.arch == "hopper" else 0.0
+                         ) if measured else 0.0
         # The residual is relative to the whole measured call; keep it relative.
         fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
         return max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)

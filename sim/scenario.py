@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from sim import resources
+from sim.attention_cost import DEFAULT_TORCH_VERSION
 
 
 class ScenarioError(Exception):
@@ -415,6 +416,18 @@ class Training(_Strict):
     """Tokens of the whole run, for run time and cost."""
     optimizer: Literal["adamw_fused", "adamw_foreach"] = "adamw_fused"
     """AdamW implementation (torch.optim.AdamW fused=True, or the default foreach kernels)."""
+    attention_backend: Literal["auto", "flash2", "flash3", "cudnn", "sdpa"] = "auto"
+    """Fused attention kernel; auto: the framework's own choice (sim/attention_cost.py)."""
+    torch_version: str = Field(default=DEFAULT_TORCH_VERSION, pattern=r"^\d+\.\d+(\.\d+)?$")
+    """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""
+
+    @field_validator("torch_version", mode="before")
+    @classmethod
+    def _quoted_version(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)):
+            raise ValueError(f"training.torch_version: write {v} as a quoted string; "
+                             "unquoted, YAML reads 2.10 as the number 2.1")
+        return v
 
 
 class Pricing(_Strict):

@@ -14,6 +14,7 @@ from sim.api import simulate
 from sim.scenario import scenario_from_dict
 
 RUN = catalog.calibration("h200-train-step.json")["runs"][0]
+assert "PyTorch 2.11" in catalog.calibration("h200-train-step.json")["meta"]["machine"]
 
 
 def measured_scenario():
@@ -28,7 +29,9 @@ def measured_scenario():
         "framework": {"name": "ddp"},
         "training": {"seq_len": RUN["seq"], "micro_batch_size": RUN["micro_batch"],
                      "activation_checkpointing": "full" if RUN["activation_checkpointing"]
-                     else "none"},
+                     else "none",
+                     # The measured machine's PyTorch (meta.machine): its SDPA runs cuDNN.
+                     "torch_version": "2.11"},
     })
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
-from sim import catalog
+from sim import attention_cost, catalog
 from sim.catalog import GpuSpec
 from sim.compute import ComputeModel
 from sim.layer_ops import BlockCost, Style, model_blocks, price_block
@@ -34,7 +34,11 @@ class JobContext:
     def from_scenario(cls, s: Scenario, origin: str = "<scenario>") -> JobContext:
         model = ModelSpec.from_ref(s.model, s.training.seq_len)
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
-        return cls(s, model, gpu, ComputeModel(gpu, s.training.precision), origin)
+        try:
+            backend = attention_cost.resolve(s, gpu)
+        except ValueError as e:
+            raise ScenarioError(f"{origin}: {e}") from None
+        return cls(s, model, gpu, ComputeModel(gpu, s.training.precision, backend), origin)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -138,5 +142,6 @@ def build_program(ctx: JobContext) -> Program:
         ctx.fail("framework.name", f"no schedule builder for {name!r}")
     assert builder is not None
     program = builder(ctx)
+    program.meta["attention_backend"] = ctx.compute.attention_backend
     program.validate()
     return program
