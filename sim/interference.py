@@ -32,12 +32,30 @@ writes each byte once. The rate is the call's average: its bytes over the time N
 cost model predicts for it (``CollectiveRunner.select``), so a latency-bound small call
 moves little.
 
+The converse: communication slowed by compute (:func:`comm_rate_share`, applied by
+:mod:`sim.hbm_share`). NCCL's kernels move every byte with SM loads and stores through HBM
+(and GPUDirect RDMA reads and writes HBM for network transfers), so a collective needs
+``HBM_BYTES_PER_WIRE_BYTE`` HBM bytes per wire byte. A memory-bound kernel beside it
+oversubscribes HBM: the memory system serves the outstanding requests of every SM issuing
+them in turn, and an SM's rate is bounded by its own outstanding requests (Little's law), so
+each issuing SM gets an equal share and NCCL's ``ctas`` CTAs get ``ctas / sm`` of HBM. The
+same share binds the other way: over a memory-bound phase the compute kernel loses at most
+that much (:func:`slowdown`). A GEMM's compulsory operand traffic (2(MK + KN + MN) bytes for
+2MNK FLOPs: 9% of H100 HBM for an 8192-cube bf16 GEMM at its sustained rate) leaves more than
+any NCCL demand, so a collective beside tensor-core math keeps its rate. Rashidi et al.
+("Enabling Compute-Communication Overlap in Distributed Deep Learning Training Platforms",
+ISCA 2021, arXiv 2007.00156) measure and model this contention: freeing the endpoint's
+memory bandwidth and SMs for the collectives (their ACE engine) raises the effective network
+bandwidth utilization beside DL compute by 1.44x on average, up to 2.67x; the Ascend
+profiling guide reports communication bandwidth "about 1 to 2 times lower" beside
+memory-intensive operators (hiascend.com, "Computing and Communication Bandwidth
+Contention"). tests/test_hbm_share.py checks the model against that range, not fit to it.
+
 Checked, not fitted, against Lee et al., "Characterizing Compute-Communication Overlap in
 GPU-Accelerated Distributed Deep Learning" (arXiv 2507.03114, 2025): 18.9% average slowdown
 of overlapped kernels on A100/H100, up to 40% (tests/test_interference.py). Not modelled:
 wave quantisation of a GEMM whose tile count just fits the whole GPU (Lee et al.'s worst
-cases), and the converse slowdown of the collective by the compute kernel (NCCL's rate here
-is set by the links; its HBM and SM needs are met first).
+cases), and L2 contention.
 """
 
 from __future__ import annotations
@@ -119,15 +137,42 @@ def slowdown(sm_count: int, hbm_bytes_per_s: float, matrix_share: float, ctas: i
     --------
     >>> slowdown(132, 4.8e12, 1.0, 32, 0.0)     # a GEMM beside a 32-channel collective
     1.32
-    >>> round(slowdown(132, 4.8e12, 0.0, 32, 1.2e12), 3)   # an elementwise kernel: HBM only
-    1.333
+    >>> round(slowdown(132, 4.8e12, 0.0, 32, 0.6e12), 3)   # an elementwise kernel: HBM only
+    1.143
     """
     if ctas <= 0 and comm_hbm_bytes_per_s <= 0:
         return 1.0
     # NCCL never gets every SM: its channel count is far below any GPU's SM count, but keep
     # one SM for compute whatever the sum of concurrent collectives.
     free_sms = max(1, sm_count - ctas)
-    # NCCL's traffic is capped by its links well below HBM bandwidth; keep a floor anyway.
-    free_hbm = max(0.1 * hbm_bytes_per_s, hbm_bytes_per_s - comm_hbm_bytes_per_s)
+    # Oversubscribed HBM is shared per issuing SM: NCCL takes at most ctas/sm of it, the
+    # same share comm_rate_share gives it (one rule for both directions).
+    drawn = min(comm_hbm_bytes_per_s, hbm_bytes_per_s * max(1, ctas) / sm_count)
+    free_hbm = hbm_bytes_per_s - drawn
     share = min(1.0, max(0.0, matrix_share))
     return share * sm_count / free_sms + (1.0 - share) * hbm_bytes_per_s / free_hbm
+
+
+def comm_rate_share(sm_count: int, hbm_bytes_per_s: float, memory_share: float, ctas: int,
+                    comm_hbm_bytes_per_s: float) -> float:
+    """Share of their own rate the collectives of a GPU keep beside compute (1.0: unslowed).
+
+    ``memory_share``: the part of the time the compute beside them runs memory-bound kernels
+    (1 - matrix share, summed over concurrent ops, at most 1); ``ctas`` and
+    ``comm_hbm_bytes_per_s``: what the collectives hold and need (:func:`comm_load`). Over a
+    memory-bound phase they get ``ctas / sm`` of HBM; over tensor-core math all they need.
+
+    Examples
+    --------
+    >>> comm_rate_share(132, 3.35e12, 0.0, 32, 1.5e12)     # beside a GEMM: unslowed
+    1.0
+    >>> round(comm_rate_share(132, 3.35e12, 1.0, 32, 1.5e12), 3)   # beside an elementwise op
+    0.541
+    >>> round(comm_rate_share(132, 3.35e12, 0.5, 32, 1.5e12), 3)   # half and half
+    0.771
+    """
+    if comm_hbm_bytes_per_s <= 0 or memory_share <= 0:
+        return 1.0
+    m = min(1.0, memory_share)
+    share = hbm_bytes_per_s * max(1, ctas) / sm_count
+    return (1.0 - m) + m * min(1.0, share / comm_hbm_bytes_per_s)
