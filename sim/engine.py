@@ -27,7 +27,7 @@ import simpy
 from sim.catalog import GpuSpec
 from sim.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.hbm_share import HbmShare
-from sim.interference import CommLoad, comm_load, slowdown
+from sim.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
 from sim.network import FlowNetwork, NetworkObserver
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
@@ -124,7 +124,7 @@ class Engine:
         # Collectives slowed by the memory-bound compute beside them (sim.hbm_share).
         self.hbm_share = HbmShare(self.net, self.sm_count, self.hbm_bytes_per_s,
                                   self._held)
-        self._wire_rate: dict[tuple[int, ...], float] = {}
+        self._wire_rate: dict[tuple[int, ...], tuple[float, int]] = {}
         self._load_cache: dict[tuple[str, tuple[int, ...], float], CommLoad] = {}
         self._host_routes: dict[tuple[int, str | None],
                                 tuple[np.ndarray, np.ndarray, float]] = {}
@@ -231,8 +231,13 @@ class Engine:
             nic = (spec.nic_gbps / 8e-9 * spec.nics_per_node / spec.gpus_per_node
                    if spec.nics_per_node else spec.pcie_gbytes_per_s * 1e9)
             nvlink = spec.nvlink_gbytes_per_s * 1e9
-            rate = self._wire_rate[pairs[0]] = nvlink if one_node else min(nvlink, nic)
-        return comm_load(self.arch, "p2p", op.nbytes, op.nbytes, op.nbytes / rate)
+            # NCCL runs a send to an NVLink peer on every channel, to a network peer on 2
+            # (sim.interference: ncclTopoGetNchannels).
+            rate = self._wire_rate[pairs[0]] = (
+                (nvlink, NCCL_CHANNELS.get(self.arch, 32)) if one_node
+                else (min(nvlink, nic), 0))
+        return comm_load(self.arch, "p2p", op.nbytes, op.nbytes, op.nbytes / rate[0],
+                         rate[1] or None)
 
     # ------------------------------------------------------------------ running
     def run_step(self, program: Program) -> float:

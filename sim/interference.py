@@ -22,7 +22,17 @@ NVLinks give 24. A call does not always launch them all: ``topoGetAlgoInfo``
 (``src/enqueue.cc``) drops channels while ``nBytes < nc * nThreads * threadThreshold``,
 with 512 threads (``NCCL_SIMPLE_MAX_NTHREADS``) and a Simple-protocol threshold of 64 bytes
 per thread (``NCCL_SIMPLE_THREAD_THRESHOLD``), i.e. 32 KiB per channel. Point-to-point
-sends use ``NCCL_NCHANNELS_PER_NET_PEER`` = 2 channels per peer (``src/init.cc``).
+sends get ``p2pnChannelsPerPeer`` channels per peer: ``NCCL_NCHANNELS_PER_NET_PEER`` = 2 to
+a network peer; to an NVLink peer ``ncclTopoGetNchannels`` (``src/graph/paths.cc``) gives 2
+per NVLink of the path (36 on H100's 18), a power of two capped at the communicator's
+channels (32 on H100, 24 on A100; the engine passes those for a send inside a node). Each
+send then uses (``addP2pToPlan``, ``src/enqueue.cc``) that count halved while it times the
+communicator's ranks exceeds its channels, at most one channel per ``minPartSize`` bytes
+(``NCCL_P2P_NVL_CHUNKSIZE`` / 8 = 64 KiB in a node, ``NCCL_P2P_NET_CHUNKSIZE`` / 2 = 64 KiB
+across nodes), doubled back while a part exceeds 32 chunks in a node. The communicator is
+PyTorch's two-rank one of a plain send/recv (``ProcessGroupNCCL::pointToPoint``, key
+"low:high", as Megatron's ``overlap_p2p_comm`` issues them); a batched send on a larger
+group would run on fewer.
 
 HBM traffic. Per byte a GPU receives, NCCL's Simple protocol writes it into the receive FIFO
 (the peer's remote write), reads it back, and for a reduction also reads the local operand
@@ -68,8 +78,14 @@ from dataclasses import dataclass
 NCCL_CHANNELS = {"volta": 24, "ampere": 24, "hopper": 32, "blackwell": 32}
 # topoGetAlgoInfo: Simple protocol, 512 threads x 64 bytes per thread per channel.
 NCCL_BYTES_PER_CHANNEL = 512 * 64
-# NCCL_NCHANNELS_PER_NET_PEER default: channels a send/recv to one peer uses.
+# NCCL_NCHANNELS_PER_NET_PEER default: channels a send/recv to one network peer uses.
 NCCL_P2P_CHANNELS = 2
+# addP2pToPlan's smallest part per channel: NCCL_P2P_NVL_CHUNKSIZE (512 KiB) / 8 in a node,
+# NCCL_P2P_NET_CHUNKSIZE (128 KiB) / 2 across nodes; a part grows to 32 NVLink chunks.
+NCCL_P2P_MIN_PART = 64 << 10
+NCCL_P2P_NVL_MAX_PART = 32 * (512 << 10)
+# Ranks of the communicator a send/recv runs on: PyTorch's per-pair communicator.
+P2P_COMM_RANKS = 2
 # HBM bytes moved per byte received over the wire (Simple protocol, see module docstring).
 HBM_BYTES_PER_WIRE_BYTE = {"all_reduce": 4.0, "reduce_scatter": 4.0, "all_gather": 3.0,
                            "broadcast": 3.0, "all_to_all": 2.0, "p2p": 2.0}
@@ -97,15 +113,38 @@ def collective_ctas(arch: str, op: str, nbytes: float, channels: int | None = No
     4
     >>> collective_ctas("hopper", "all_reduce", 1 << 30, 16, "nvls")
     16
-    >>> collective_ctas("hopper", "p2p", 1 << 30)
+    >>> collective_ctas("hopper", "p2p", 1 << 30)           # to a network peer
     2
+    >>> collective_ctas("hopper", "p2p", 8 << 20, NCCL_CHANNELS["hopper"])  # NVLink peer
+    16
+    >>> collective_ctas("hopper", "p2p", 1 << 30, NCCL_CHANNELS["hopper"])
+    32
+    >>> collective_ctas("hopper", "p2p", 128 << 10, NCCL_CHANNELS["hopper"])
+    2
+
+    For a send, ``channels`` is NCCL's ``p2pnChannelsPerPeer`` (default: a network peer's).
     """
     if op == "p2p":
-        return NCCL_P2P_CHANNELS
+        return p2p_ctas(arch, nbytes, channels)
     full = channels or NCCL_CHANNELS.get(arch, 32)
     if algorithm == "nvls":
         return full
     return max(1, min(full, math.ceil(nbytes / NCCL_BYTES_PER_CHANNEL)))
+
+
+def p2p_ctas(arch: str, nbytes: float, per_peer: int | None = None) -> int:
+    """Channels one send/recv of ``nbytes`` runs on (``addP2pToPlan``, see module docstring);
+    ``per_peer``: NCCL's ``p2pnChannelsPerPeer`` (None: a network peer's 2)."""
+    nvlink = per_peer is not None
+    most = per_peer or NCCL_P2P_CHANNELS
+    comm_channels = NCCL_CHANNELS.get(arch, 32)
+    least = most
+    while least * P2P_COMM_RANKS > comm_channels and least > 1:
+        least //= 2
+    n = max(1, min(least, math.ceil(nbytes / NCCL_P2P_MIN_PART)))
+    while nvlink and nbytes / n > NCCL_P2P_NVL_MAX_PART and n <= most // 2:
+        n *= 2
+    return n
 
 
 def comm_load(arch: str, op: str, nbytes: float, wire_bytes: float, seconds: float,
