@@ -217,3 +217,26 @@ def test_scaled_caps_never_raise_a_flow_above_its_links(flows, changes) -> None:
     assert all(ev.processed for ev in done)
     assert net.class_bytes[0] == pytest.approx(
         sum(size * len(links) for links, size, _ in flows), rel=1e-6)
+
+
+def test_the_slowest_gpu_paces_the_whole_collective() -> None:
+    # Two rank classes, one GPU each; only GPU 0 runs the elementwise kernel. NCCL's ring
+    # steps are lock-step, so the whole all-reduce runs at GPU 0's share: the same time as
+    # when both GPUs run it.
+    nbytes = 4e9
+    wait, load = _plan(nbytes)
+    share = comm_rate_share(SMS, HBM, 1.0, load.ctas, load.hbm_bytes_per_s)
+    times = []
+    for both in (False, True):
+        a, b = RankClass(0, (0,)), RankClass(1, (1,))
+        p = Program([a, b], 2, 0, 0, 0)
+        for cls in (a, b) if both else (a,):
+            p.add(cls, _compute("op", 1.0, 0.0))
+        for cls in (a, b):
+            p.add(cls, _allreduce(nbytes))
+        d, _ = _run(p)
+        times.append(d["ar"][1] - d["ar"][0])
+    alone, _ = _run(_program(nbytes, None))
+    assert times[0] == pytest.approx(times[1], rel=1e-12)
+    assert times[0] - wait == pytest.approx((alone["ar"][1] - alone["ar"][0] - wait) / share,
+                                            rel=1e-9)
