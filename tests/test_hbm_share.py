@@ -240,3 +240,31 @@ def test_the_slowest_gpu_paces_the_whole_collective() -> None:
     assert times[0] == pytest.approx(times[1], rel=1e-12)
     assert times[0] - wait == pytest.approx((alone["ar"][1] - alone["ar"][0] - wait) / share,
                                             rel=1e-9)
+
+
+def test_scale_caps_closed_form_and_later_groups() -> None:
+    # One 100 B/s link. Flow "a" (300 B) alone at 100; at t = 1 its tag is scaled to 0.2
+    # and flow "b" (tag scaled before it starts) joins: a runs at 20 (0.2 x its rate alone),
+    # b at 0.5 x 100 = 50. At t = 2 a's scale is lifted: max-min gives 50/50.
+    env = simpy.Environment()
+    net = FlowNetwork(env, np.array([100.0]), np.array([0]), 1)
+    ends: dict[str, float] = {}
+    ev = net.start_flow((0,), 300.0, tag="a")
+    ev.callbacks.append(lambda _e: ends.__setitem__("a", env.now))
+
+    def later():
+        yield env.timeout(1.0)
+        net.scale_caps("a", 0.2)
+        net.scale_caps("b", 0.5)
+        eb = net.start_flow((0,), 200.0, tag="b")
+        eb.callbacks.append(lambda _e: ends.__setitem__("b", env.now))
+        assert sorted(net._rate.tolist()) == pytest.approx([20.0, 50.0])
+        yield env.timeout(1.0)
+        net.scale_caps("a", 1.0)
+        assert sorted(net._rate.tolist()) == pytest.approx([50.0, 50.0])
+    env.process(later())
+    env.run()
+    # a: 100 by t=1, 20 by t=2, then 180 left at 50 -> ... b: 50 by t=2, 150 left at 50.
+    # b ends at t=5 (150/50); a then has 180 - 150 = 30 left alone at 100: t = 5.3.
+    assert ends["b"] == pytest.approx(5.0)
+    assert ends["a"] == pytest.approx(5.3)
