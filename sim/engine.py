@@ -26,7 +26,8 @@ import simpy
 
 from sim.catalog import GpuSpec
 from sim.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
-from sim.interference import CommLoad, comm_load, slowdown
+from sim.hbm_share import HbmShare
+from sim.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
 from sim.network import FlowNetwork, NetworkObserver
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
@@ -120,7 +121,10 @@ class Engine:
         else:
             self.matrix_flops = _DEFAULT_MATRIX_FLOPS
         self._load: dict[int, _GpuLoad] = {}
-        self._wire_rate: dict[tuple[int, ...], float] = {}
+        # Collectives slowed by the memory-bound compute beside them (sim.hbm_share).
+        self.hbm_share = HbmShare(self.net, self.sm_count, self.hbm_bytes_per_s,
+                                  self._held)
+        self._wire_rate: dict[tuple[int, ...], tuple[float, int]] = {}
         self._load_cache: dict[tuple[str, tuple[int, ...], float], CommLoad] = {}
         self._host_routes: dict[tuple[int, str | None],
                                 tuple[np.ndarray, np.ndarray, float]] = {}
@@ -154,14 +158,30 @@ class Engine:
         return slowdown(self.sm_count, self.hbm_bytes_per_s, self._matrix_share(op),
                         load.ctas, load.hbm_bytes_per_s)
 
+    def _held(self, cls_id: int) -> tuple[int, float]:
+        load = self._load.get(cls_id)
+        return (0, 0.0) if load is None else (load.ctas, load.hbm_bytes_per_s)
+
     def _run_compute(self, cls: RankClass, op: Op) -> Generator[simpy.Event, object, None]:
         """Run a compute or copy op whose rate follows the collectives beside it: the work
-        left (in seconds at full speed) drains at 1/slowdown, re-evaluated at every change."""
+        left (in seconds at full speed) drains at 1/slowdown, re-evaluated at every change.
+        While it runs, its memory-bound share slows the class's collectives
+        (:mod:`sim.hbm_share`)."""
         env = self.env
         load = self._load.get(cls.id)
         if load is None or op.stream == "cpu":
             yield env.timeout(self.compute_duration(cls, op))
             return
+        memory = 1.0 - self._matrix_share(op) if op.duration > 0 else 0.0
+        self.hbm_share.compute_started(cls.id, memory)
+        try:
+            yield from self._drain(cls, op, load)
+        finally:
+            self.hbm_share.compute_ended(cls.id, memory)
+
+    def _drain(self, cls: RankClass, op: Op, load: _GpuLoad
+               ) -> Generator[simpy.Event, object, None]:
+        env = self.env
         work = op.duration
         while work > 0:
             f = self.compute_duration(cls, op) / op.duration
@@ -184,6 +204,7 @@ class Engine:
         old, load.changed = load.changed, self.env.event()
         assert old is not None
         old.succeed()
+        self.hbm_share.load_changed(cls_id)
 
     def _comm_load(self, op: Op) -> CommLoad:
         """SMs and HBM traffic this collective or send/recv holds on each member GPU: the
@@ -210,8 +231,13 @@ class Engine:
             nic = (spec.nic_gbps / 8e-9 * spec.nics_per_node / spec.gpus_per_node
                    if spec.nics_per_node else spec.pcie_gbytes_per_s * 1e9)
             nvlink = spec.nvlink_gbytes_per_s * 1e9
-            rate = self._wire_rate[pairs[0]] = nvlink if one_node else min(nvlink, nic)
-        return comm_load(self.arch, "p2p", op.nbytes, op.nbytes, op.nbytes / rate)
+            # NCCL runs a send to an NVLink peer on every channel, to a network peer on 2
+            # (sim.interference: ncclTopoGetNchannels).
+            rate = self._wire_rate[pairs[0]] = (
+                (nvlink, NCCL_CHANNELS.get(self.arch, 32)) if one_node
+                else (min(nvlink, nic), 0))
+        return comm_load(self.arch, "p2p", op.nbytes, op.nbytes, op.nbytes / rate[0],
+                         rate[1] or None)
 
     # ------------------------------------------------------------------ running
     def run_step(self, program: Program) -> float:
@@ -384,6 +410,7 @@ class Engine:
                                                               op.nbytes, tag=op)
             else:
                 body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
+            self.hbm_share.collective_started(op.key, op, rv.needed)
             rv.launched.succeed(env.process(body))
         # The NCCL kernel holds its SMs from its launch on this GPU, waiting for the peers
         # included; it moves data (HBM traffic) once every member has arrived.
@@ -396,5 +423,6 @@ class Engine:
         self._change_load(cls.id, -need.ctas, -need.hbm_bytes_per_s)
         if not rv.reported:
             rv.reported = True
+            self.hbm_share.collective_ended(op.key)
             self.observer.on_collective(op, proc.value)
         return rv.start

@@ -84,6 +84,8 @@ class FlowNetwork:
         self._remaining = np.zeros(0)
         self._rate = np.zeros(0)
         self._cap = np.zeros(0)
+        self._base_cap = np.zeros(0)
+        self._cap0 = np.zeros(0)
         self._count = np.zeros(0)
         self._group = np.zeros(0, dtype=np.int64)
         self._hops = np.zeros((0, n_kinds))
@@ -92,6 +94,9 @@ class FlowNetwork:
         self._inc_flow = np.zeros(0, dtype=np.int64)
         # Per group: [event, flows pending, bytes, tag].
         self._groups: dict[int, list] = {}
+        # Rate-cap scales set by tag (:meth:`scale_caps`) and the live groups of each tag.
+        self._tag_scale: dict[object, float] = {}
+        self._tag_groups: dict[object, set[int]] = {}
         self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
         self._link_rates = np.zeros(n_links)
@@ -108,6 +113,37 @@ class FlowNetwork:
     def link_load(self) -> np.ndarray:
         """Bytes/s now carried by each link (representative flows, not multiplied)."""
         return self._link_rates.copy()
+
+    def scale_caps(self, tag: object, scale: float) -> None:
+        """Cap every flow of the groups started with ``tag`` (now and later) at ``scale``
+        times its rate alone (its own cap or its slowest link's capacity); 1 lifts it.
+
+        Only the flows sharing links with those groups get new rates (the incremental solve):
+        a collective slowed by what runs beside it on its GPUs (:mod:`sim.hbm_share`).
+        ``scale`` is clipped to (0, 1]: a scale never raises a flow above its links, and a
+        flow always progresses.
+        """
+        if tag is None:
+            return
+        scale = min(1.0, max(1e-6, float(scale)))
+        if scale >= 1.0:
+            if self._tag_scale.pop(tag, None) is None:
+                return
+        else:
+            if self._tag_scale.get(tag) == scale:
+                return
+            self._tag_scale[tag] = scale
+        gids = self._tag_groups.get(tag)
+        if not gids:
+            return
+        self._advance()
+        flows = np.isin(self._group, np.fromiter(gids, dtype=np.int64, count=len(gids)))
+        # base <= the flow's own cap, so base * scale is the tighter one; unscaled flows get
+        # their own cap back exactly (no rounding moves an unthrottled run).
+        self._cap[flows] = (self._cap0[flows] if scale >= 1.0
+                            else self._base_cap[flows] * scale)
+        self._dirty.append(self._inc_link[flows[self._inc_flow]])
+        self._resolve()
 
     def start_flow(self, links: Sequence[int], nbytes: float, count: int = 1,
                    cap: float = math.inf, tag: object = None) -> simpy.Event:
@@ -147,6 +183,15 @@ class FlowNetwork:
         self._next_group += 1
         delivered = float((sizes * counts).sum()) if payload is None else payload
         self._groups[gid] = [done, n_new, delivered, tag]
+        # Each flow's rate alone: its own cap or its slowest link, what a scale applies to.
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        alone = np.minimum(caps, np.minimum.reduceat(self.capacity[flat_links], starts))
+        caps0 = caps
+        if tag is not None:
+            self._tag_groups.setdefault(tag, set()).add(gid)
+            scale = self._tag_scale.get(tag)
+            if scale is not None:
+                caps = alone * scale
         base = len(self._size)
         owner = np.repeat(np.arange(n_new), lengths)
         hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
@@ -155,6 +200,8 @@ class FlowNetwork:
         self._remaining = np.concatenate([self._remaining, sizes])
         self._rate = np.concatenate([self._rate, np.zeros(n_new)])
         self._cap = np.concatenate([self._cap, caps])
+        self._base_cap = np.concatenate([self._base_cap, alone])
+        self._cap0 = np.concatenate([self._cap0, caps0])
         self._count = np.concatenate([self._count, counts])
         self._group = np.concatenate([self._group, np.full(n_new, gid, dtype=np.int64)])
         self._hops = np.concatenate([self._hops, hops.astype(float)])
@@ -214,13 +261,19 @@ class FlowNetwork:
         inc_keep = keep[self._inc_flow]
         self._inc_link = self._inc_link[inc_keep]
         self._inc_flow = remap[self._inc_flow[inc_keep]]
-        for name in ("_size", "_remaining", "_rate", "_cap", "_count", "_group", "_hops"):
+        for name in ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count",
+                     "_group", "_hops"):
             setattr(self, name, getattr(self, name)[keep])
         for gid, k in zip(gids.tolist(), n.tolist(), strict=True):
             entry = self._groups[gid]
             entry[1] -= k
             if entry[1] == 0:
                 del self._groups[gid]
+                live = self._tag_groups.get(entry[3])
+                if live is not None:
+                    live.discard(gid)
+                    if not live:
+                        del self._tag_groups[entry[3]]
                 self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
                 entry[0].succeed()
 
