@@ -71,7 +71,7 @@ What each step does (``torch/distributed/fsdp/_fully_shard/``):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.megatron import schedule as pipeline_order
@@ -85,7 +85,17 @@ from sim.frameworks.torchtitan_parallel import (
     titan_blocks,
 )
 from sim.host import HostSpec, cpu_adam_s, cpu_pass_s
-from sim.layer_ops import BF16, FP32, BlockCost, SacCost, Style, model_blocks, op_sac_costs
+from sim.layer_ops import (
+    BF16,
+    FP32,
+    BlockCost,
+    SacCost,
+    Style,
+    head_block,
+    model_blocks,
+    op_sac_costs,
+    price_block,
+)
 from sim.program import Op, Phase, Program, RankClass
 from sim.scenario import Fsdp2Options
 
@@ -260,9 +270,18 @@ def build_fsdp2(ctx: JobContext) -> Program:
     # GradientCheckpointingLayer drops it under checkpointing (transformers modeling_layers.py).
     kv_cache = hf and not ctx.recompute
     costs = ctx.block_costs(style, kv_cache=kv_cache)
+    # torchtitan's apply_compile compiles the transformer blocks; the loss is compiled apart
+    # (loss.py) or, before that existed, not at all: then norm, output and cross-entropy run
+    # eagerly (fp32 logits, log_softmax and their gradients materialised).
+    eager_head = opts.compile and opts.compile_loss is False
+    if eager_head:
+        eager = replace(style, compile=False)
+        costs["head"] = price_block(head_block(m, eager, ctx.micro_batch, ctx.seq), eager,
+                                    ctx.compute)
     selective = s.training.activation_checkpointing == "selective"
     tb = titan_blocks(m, style, ctx.compute, ctx.micro_batch, ctx.seq, t, cp,
-                      opts.cp_rotate_method, sac=selective) if t > 1 or cp > 1 else None
+                      opts.cp_rotate_method, sac=selective,
+                      eager_head=eager_head) if t > 1 or cp > 1 else None
     if tb is not None:
         numel = dict(tb.params)
         ugrad = {b: float(BF16 * n) for b, n in numel.items()}

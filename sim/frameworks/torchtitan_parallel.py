@@ -408,15 +408,18 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
 
 
 def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: int, tp: int,
-                 cp: int, rotate: str, sac: bool = False) -> TitanBlocks:
+                 cp: int, rotate: str, sac: bool = False, eager_head: bool = False
+                 ) -> TitanBlocks:
     """Every segment of one micro-batch on one rank under tensor parallelism ``tp`` (with
     sequence parallelism) and context parallelism ``cp``; with ``sac``, also what each layer
     segment keeps and re-runs under torchtitan's op-level selective checkpointing
-    (:func:`layer_sac_costs`)."""
+    (:func:`layer_sac_costs`). ``eager_head``: final norm, output and loss run uncompiled
+    although ``style.compile`` (``Fsdp2Options.compile_loss`` false)."""
     ml = local_dims(m, tp)
     seq_local = seq // cp
     tokens = batch * seq_local
     local = tokens // tp
+    hstyle = replace(style, compile=False) if eager_head else style
     segs: dict[str, Block] = {
         "embed": _embed_seg(m, style, tokens, tp),
         "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True),
@@ -424,14 +427,15 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
         "mlp_norm": _norm_seg(m, style, "mlp_norm", local, residual=True),
         "mlp_main": _mlp_main(ml, style, tokens),
         "mlp_resid": _resid_seg(m, style, "mlp_resid", local),
-        "head_norm": _norm_seg(m, style, "head_norm", local, residual=False),
-        "head_main": _head_main(m, style, tokens, tp),
+        "head_norm": _norm_seg(m, hstyle, "head_norm", local, residual=False),
+        "head_main": _head_main(m, hstyle, tokens, tp),
     }
     if cp == 1:
         segs["attn_main"] = _attn_main(ml, style, batch, seq_local)
     else:
         segs.update(_ring_segments(ml, style, batch, seq_local, cp))
-    cost = {k: price_block(b, style, cm) for k, b in segs.items()}
+    cost = {k: price_block(b, hstyle if k.startswith("head") else style, cm)
+            for k, b in segs.items()}
     params = {
         "embed": segs["embed"].params,
         "attn": sum(segs[k].params for k in segs if k.startswith("attn")),
