@@ -62,3 +62,49 @@ def test_uncompiled_loss_raises_peak_by_its_buffers() -> None:
     lo, hi = _run()["peak_memory_gib"], _run(compile_loss=False)["peak_memory_gib"]
     assert hi - lo > 1.5 * n
     assert hi - lo < 3 * n + 4.0
+
+
+def test_eager_loss_allocations_in_forward_order() -> None:
+    """The eager loss reaches the allocator as PyTorch creates the tensors: bf16 logits
+    (tokens x vocab x 2 B), their fp32 copy (x 4 B, freed when the forward returns), then
+    log_softmax's saved fp32 output (x 4 B) on top."""
+    from sim.frameworks.steps import ordered_forward_allocs
+
+    n = 8192 * M.vocab
+    eager = Style("bf16")
+    ordered = ordered_forward_allocs(price_block(head_block(M, eager, 1, 8192), eager, CM))
+    assert ordered is not None
+    alloc, free = ordered
+    assert alloc[-3:] == (("buffers", 2.0 * n), ("buffers", 4.0 * n), ("activations", 4.0 * n))
+    assert free == (("buffers", 4.0 * n),)
+    comp = Style("bf16", compile=True)
+    assert ordered_forward_allocs(price_block(head_block(M, comp, 1, 8192), comp, CM)) is None
+
+
+def test_freed_logits_leave_a_hole_below_log_softmax() -> None:
+    """``del pred`` (torchtitan train.py) and the dead fp32 copy free 1.5 x L below the saved
+    log_softmax output (L = tokens x vocab x 4 B); backward's nll gradient (L) fills it and
+    log_softmax's gradient (L) grows the expandable segment: at the backward's peak the
+    allocator reserves L / 2 more than is allocated (up to its 2 MiB page rounding)."""
+    from sim.allocator import CachingAllocator, TensorLedger
+    from sim.frameworks.steps import ordered_forward_allocs
+
+    eager = Style("bf16")
+    c = price_block(head_block(M, eager, 1, 8192), eager, CM)
+    ordered = ordered_forward_allocs(c)
+    assert ordered is not None
+    ledger = TensorLedger(CachingAllocator(expandable_segments=True))
+    for cat, nbytes in ordered[0]:
+        ledger.alloc(cat, nbytes)
+    for cat, nbytes in ordered[1] + (("buffers", c.forward_scoped_bytes),):
+        ledger.free(cat, nbytes)
+    for part in c.bwd_transient_parts:
+        ledger.alloc("buffers", part)
+    a = ledger.allocator
+    half = 8192 * M.vocab * FP32 / 2
+    assert half <= a.reserved - a.allocated <= half + 2 * 2**20
+    # In a whole step other blocks fill part of that hole: the reserved-allocated gap grows
+    # by a positive amount no larger than it.
+    g_comp, g_eager = (s["peak_reserved_gib"] - s["peak_memory_gib"]
+                       for s in (_run(), _run(compile_loss=False)))
+    assert 0 < g_eager - g_comp <= half / 2**30 + 0.01

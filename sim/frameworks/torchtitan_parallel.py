@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from sim.compute import ComputeModel
+from sim.frameworks.steps import ordered_forward_allocs
 from sim.layer_ops import (
     BF16,
     FP32,
@@ -519,20 +520,31 @@ class TitanPass:
             free = (("activations", c.saved_bytes),) if c.saved_bytes else ()
             return Op(name=f"bwd {label} mb{mb}", kind="compute", stream="compute",
                       phase=phase, duration=c.bwd_s, free=free,
-                      transient=c.bwd_transient_bytes, layer=layer, micro_batch=mb,
+                      transient=c.bwd_transient_bytes,
+                      transient_parts=c.bwd_transient_parts, layer=layer, micro_batch=mb,
                       hw_flops=blk.flops_bwd, category="backward")
         allocs: list[tuple[str, float]] = []
         transient = c.fwd_transient_bytes
+        ordered = ordered_forward_allocs(c) if alloc_saved and phase == "fwd" else None
+        if ordered is not None:
+            self._scoped += c.forward_scoped_bytes
+            return Op(name=f"fwd {label} mb{mb}", kind="compute", stream="compute",
+                      phase=phase, duration=c.fwd_s, alloc=ordered[0], free=ordered[1],
+                      layer=layer, micro_batch=mb, hw_flops=blk.flops_fwd,
+                      category="forward")
         if alloc_saved and c.saved_bytes:
             allocs.append(("activations", c.saved_bytes))
-        elif not alloc_saved:
+        parts = c.fwd_transient_parts
+        if not alloc_saved:
             transient = c.fwd_transient_unsaved_bytes
+            parts = c.fwd_transient_unsaved_parts
         if c.forward_scoped_bytes and phase == "fwd":
             allocs.append(("buffers", c.forward_scoped_bytes))
             self._scoped += c.forward_scoped_bytes
         return Op(name=f"{'fwd' if phase == 'fwd' else phase} {label} mb{mb}",
                   kind="compute", stream="compute", phase=phase, duration=c.fwd_s,
-                  alloc=tuple(allocs), transient=transient, layer=layer, micro_batch=mb,
+                  alloc=tuple(allocs), transient=transient, transient_parts=parts,
+                  layer=layer, micro_batch=mb,
                   hw_flops=blk.flops_fwd,
                   category="forward" if phase == "fwd" else "recompute")
 
