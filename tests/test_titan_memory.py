@@ -108,3 +108,18 @@ def test_freed_logits_leave_a_hole_below_log_softmax() -> None:
     g_comp, g_eager = (s["peak_reserved_gib"] - s["peak_memory_gib"]
                        for s in (_run(), _run(compile_loss=False)))
     assert 0 < g_eager - g_comp <= half / 2**30 + 0.01
+
+
+def test_loss_parallel_buffers_closed_form() -> None:
+    """torch loss_parallel, eager (torch/distributed/tensor/parallel/loss.py), on this rank's
+    vocabulary shard, L = tokens x vocab/tp x 4 B: forward holds the fp32 copy, ``shifted``
+    and the saved output at once (3 L besides the bf16 logits); ``nll_loss_backward`` holds
+    ``zeros_like(x)``, ``exp(x)`` / their sum and the product beside the saved output (4 L)."""
+    m70 = ModelSpec.from_ref("llama3-70b")
+    comp = Style("bf16", compile=True)
+    tb = titan_blocks(m70, comp, CM, 2, 8192, 8, 1, "allgather", eager_head=True)
+    c = tb.cost["head_main"]
+    big = 2 * 8192 * (m70.vocab // 8) * FP32
+    assert c.late_saved_parts == (big,)
+    assert sorted(c.fwd_transient_parts) == [big, big]
+    assert sorted(c.bwd_transient_parts) == [big, big, big]

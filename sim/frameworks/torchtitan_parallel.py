@@ -397,6 +397,9 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
     n = tokens * vl
     lf, lsm = b.t("logits_fp32", n, FP32), b.t("log_softmax", n, FP32)
     b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
+    if tp > 1 and not style.compile:
+        _loss_parallel(b, logits, lf, lsm, n)
+        return b.finish()
     b.fwd(Kernel("log_softmax", "elementwise", (lf, lf, lf), (lsm,)))
     b.fwd(Kernel("nll_loss", "tiny", (lsm,), (b.t("loss", 1, FP32),)))
     b.save(lsm)
@@ -406,6 +409,40 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
           Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_lsm,)),
           Kernel("g_logits_bf16", "elementwise", (g_lsm,), (g_logits,)))
     return b.finish()
+
+
+def _loss_parallel(b: _Builder, logits: Tensor, lf: Tensor, lsm: Tensor, n: float) -> None:
+    """Eager cross-entropy on vocabulary-sharded logits as torch's ``loss_parallel`` runs it
+    (``torch/distributed/tensor/parallel/loss.py``): DTensor dispatches ``_log_softmax`` and
+    ``nll_loss_backward`` to decompositions with all-reduces inserted, each op its own
+    tensor, unlike aten's fused softmax kernels.
+
+    * ``_log_softmax``: ``shifted = x - x_max``, ``torch.exp(shifted)`` summed over the
+      shard, ``result = shifted - log(sumexp)``; ``x`` (the fp32 copy) and ``shifted`` are
+      locals until it returns. The exp is materialised and freed before ``result`` exists,
+      so the peak (x, shifted and one more fp32 buffer) is the same with the exp and the sum
+      written as one kernel, as here.
+    * ``_nll_loss_and_log_softmax_backward``: ``grad_input = torch.zeros_like(x)`` (scatter
+      of -1 at the targets), returns ``(grad_input + torch.exp(x)) * grad_output``: four fp32
+      buffers live at once with the saved output (autograd releases a node's saved tensors
+      after its backward returns; ``grad_input`` is a local until then); the log_softmax
+      backward handler is a no-op ``.to(input_dtype)``.
+    """
+    shifted = b.t("shifted", n, FP32)
+    b.fwd(Kernel("amax", "elementwise", (lf,), ()))
+    b.fwd(Kernel("sub_max", "elementwise", (lf,), (shifted,)))
+    b.fwd(Kernel("exp_sum", "elementwise", (shifted, shifted), ()))
+    b.fwd(Kernel("sub_lse", "elementwise", (shifted, lf), (lsm,)))
+    b.fwd(Kernel("nll_loss", "tiny", (lsm,), (b.t("loss", 1, FP32),)))
+    b.save(lsm)
+    gi, ex, s, g = (b.t(k, n, FP32) for k in ("g_zeros", "g_exp", "g_sum", "g_mul"))
+    g_logits = b.t("output.g_out", n, BF16)
+    b.bwd(Kernel("g_zeros", "elementwise", (), (gi,)),
+          Kernel("g_scatter", "tiny", (gi,), (gi,)),
+          Kernel("g_exp", "elementwise", (lsm,), (ex,)),
+          Kernel("g_add", "elementwise", (gi, ex), (s,)),
+          Kernel("g_mul", "elementwise", (s, gi, lsm), (g,)),
+          Kernel("g_logits_bf16", "elementwise", (g,), (g_logits,)))
 
 
 def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: int, tp: int,
