@@ -50,6 +50,13 @@ from dataclasses import dataclass, field, replace
 
 from sim.compute import ComputeModel
 from sim.frameworks.steps import ordered_forward_allocs
+from sim.frameworks.titan_float8 import (
+    FP8,
+    Float8TpBuilder,
+    builder,
+    cast_module_input,
+    tp_all_gather_bytes_per_element,
+)
 from sim.layer_ops import (
     BF16,
     FP32,
@@ -202,6 +209,8 @@ class TitanBlocks:
     """Parameters on this rank per block (embed, attn, mlp, head)."""
     sac: dict[str, SacCost] | None = None
     """Op-level selective checkpointing of each layer segment (``selective``), else None."""
+    fp8_tp: bool = False
+    """torchao's float8 tensor-parallel styles are in effect (:mod:`titan_float8`)."""
 
     def layer_segments(self) -> list[str]:
         """The segments of one transformer layer, in forward order."""
@@ -210,7 +219,8 @@ class TitanBlocks:
         return ["attn_norm", *attn, "attn_resid", "mlp_norm", "mlp_main", "mlp_resid"]
 
 
-def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: bool) -> Block:
+def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: bool,
+              fp8_tp: bool = False) -> Block:
     # A SequenceParallel norm on the local tokens; the residual stream read by the norm and by
     # the residual add gets its two gradients summed here.
     b = _Builder(name, style)
@@ -220,6 +230,8 @@ def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: boo
     if residual:
         b.sum_grads(2, local * h, BF16, "resid_in")
     y = b.norm(m, x, local, "norm")
+    if fp8_tp and residual:
+        cast_module_input(b, y, local, h)
     b.block.outputs.append(y)
     return b.finish()
 
@@ -236,17 +248,18 @@ def _resid_seg(m: ModelSpec, style: Style, name: str, local: float) -> Block:
 
 def _qkv(b: _Builder, ml: ModelSpec, tokens: float) -> tuple[Tensor, Tensor, Tensor]:
     h = ml.hidden
-    y = b.t("in", tokens * h, BF16)
+    y = b.t("in", tokens * h, FP8 if isinstance(b, Float8TpBuilder) else BF16)
     b.block.inputs.append(y)
     # q, k and v read the gathered norm output: their input gradients are summed.
     b.sum_grads(3, tokens * h, BF16, "norm_out")
     return qkv_projections(b, ml, y, tokens, ("wq", "wk", "wv"))
 
 
-def _mlp_main(ml: ModelSpec, style: Style, tokens: float) -> Block:
-    b = _Builder("mlp_main", style)
+def _mlp_main(ml: ModelSpec, style: Style, tokens: float, fp8_tp: bool = False,
+              tp: int = 1) -> Block:
+    b = builder("mlp_main", style, fp8_tp, tokens / tp)
     h, f = ml.hidden, ml.ffn_hidden
-    y = b.t("in", tokens * h, BF16)
+    y = b.t("in", tokens * h, FP8 if fp8_tp else BF16)
     b.block.inputs.append(y)
     if ml.mlp == "swiglu":
         b.sum_grads(2, tokens * h, BF16, "norm_out")
@@ -254,25 +267,26 @@ def _mlp_main(ml: ModelSpec, style: Style, tokens: float) -> Block:
     return b.finish()
 
 
-def _attn_main(ml: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+def _attn_main(ml: ModelSpec, style: Style, batch: int, seq: int, fp8_tp: bool = False,
+               tp: int = 1) -> Block:
     """q/k/v, rotary embedding, attention over the whole (local) sequence, wo: no context
     parallelism."""
-    b = _Builder("attn_main", style)
     tokens = batch * seq
+    b = builder("attn_main", style, fp8_tp, tokens / tp)
     q, k, v = _qkv(b, ml, tokens)
     o = b.attention(ml, q, k, v, batch, seq)
     b.block.outputs.append(b.linear(o, tokens, ml.q_dim, ml.hidden, "wo", bias=ml.bias))
     return b.finish()
 
 
-def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int
-                   ) -> dict[str, Block]:
+def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int,
+                   fp8_tp: bool = False, tp: int = 1) -> dict[str, Block]:
     """Context parallelism: qkv, the cp ring steps forward and backward, the concatenations
     of the rotater, the final casts, and wo (``_templated_ring_attention[_backward]``)."""
     segs: dict[str, Block] = {}
     tokens = batch * seq          # local queries (seq is already seq/cp)
     qd, kvd, heads, hd = ml.q_dim, ml.kv_dim, ml.heads, ml.head_dim
-    b = _Builder("attn_qkv", style)
+    b = builder("attn_qkv", style, fp8_tp, tokens / tp)
     q, k, v = _qkv(b, ml, tokens)
     b.block.outputs += [q, k, v]
     segs["attn_qkv"] = b.finish()
@@ -348,7 +362,7 @@ def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int
           Kernel("ring.g_kv_to_bf16", "elementwise", (acckv,),
                  (f.t("g_kv", tokens * 2 * kvd, BF16),)))
     segs["attn_ring_final"] = f.finish()
-    w = _Builder("attn_o", style)
+    w = builder("attn_o", style, fp8_tp, tokens / tp)
     oin = w.t("in", tokens * qd, BF16)
     w.block.inputs.append(oin)
     w.block.outputs.append(w.linear(oin, tokens, qd, ml.hidden, "wo", bias=ml.bias))
@@ -458,20 +472,22 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
     tokens = batch * seq_local
     local = tokens // tp
     hstyle = replace(style, compile=False) if eager_head else style
+    # torchao's float8 TP styles (tensorwise scaling: the only float8 modelled here).
+    fp8_tp = style.float8 and tp > 1 and not style.autocast
     segs: dict[str, Block] = {
         "embed": _embed_seg(m, style, tokens, tp),
-        "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True),
+        "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True, fp8_tp=fp8_tp),
         "attn_resid": _resid_seg(m, style, "attn_resid", local),
-        "mlp_norm": _norm_seg(m, style, "mlp_norm", local, residual=True),
-        "mlp_main": _mlp_main(ml, style, tokens),
+        "mlp_norm": _norm_seg(m, style, "mlp_norm", local, residual=True, fp8_tp=fp8_tp),
+        "mlp_main": _mlp_main(ml, style, tokens, fp8_tp, tp),
         "mlp_resid": _resid_seg(m, style, "mlp_resid", local),
         "head_norm": _norm_seg(m, hstyle, "head_norm", local, residual=False),
         "head_main": _head_main(m, hstyle, tokens, tp),
     }
     if cp == 1:
-        segs["attn_main"] = _attn_main(ml, style, batch, seq_local)
+        segs["attn_main"] = _attn_main(ml, style, batch, seq_local, fp8_tp, tp)
     else:
-        segs.update(_ring_segments(ml, style, batch, seq_local, cp))
+        segs.update(_ring_segments(ml, style, batch, seq_local, cp, fp8_tp, tp))
     cost = {k: price_block(b, hstyle if k.startswith("head") else style, cm)
             for k, b in segs.items()}
     params = {
@@ -483,7 +499,7 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
     tb = TitanBlocks(segs, cost, tp, cp, rotate, tokens, local,
                      kv_bytes=2.0 * tokens * ml.kv_dim * BF16,
                      attn_acc_bytes=float(tokens * (ml.q_dim + 2 * ml.kv_dim) * FP32),
-                     hidden=m.hidden, params=params)
+                     hidden=m.hidden, params=params, fp8_tp=fp8_tp)
     if sac:
         tb.sac = layer_sac_costs(tb, style, cm)
     return tb
@@ -585,8 +601,11 @@ class TitanPass:
                   hw_flops=blk.flops_fwd,
                   category="forward" if phase == "fwd" else "recompute")
 
-    def _gathered(self) -> float:
-        return float(self.tb.tokens * self.tb.hidden * BF16)
+    def _gathered(self, what: str = "") -> float:
+        """Bytes of a tensor-parallel all-gather's output (or reduce-scatter's input) of
+        ``what``: float8 for a layer's all-gathers under float8 TP, else bf16."""
+        per = BF16 if not what else tp_all_gather_bytes_per_element(self.tb.fp8_tp, what)
+        return float(self.tb.tokens * self.tb.hidden * per)
 
     def _rs_out(self) -> float:
         return float(self.tb.local_tokens * self.tb.hidden * BF16)
@@ -607,7 +626,7 @@ class TitanPass:
         for key in tb.layer_segments():
             if key in ("attn_main", "attn_qkv", "mlp_main") and tb.tp > 1:
                 what = "attn" if key.startswith("attn") else "mlp"
-                ops.append(self.c.tp("all_gather", self._gathered(),
+                ops.append(self.c.tp("all_gather", self._gathered(what),
                                      f"tp all_gather {what} (recompute) L{layer} mb{mb}",
                                      mb, layer))
             c = tb.cost[key]
@@ -644,7 +663,8 @@ class TitanPass:
 
         def tp_comm(kind: str, what: str) -> None:
             if tp > 1:
-                op = self.c.tp(kind, self._gathered(), f"tp {kind} {what}"
+                nbytes = self._gathered(what if kind == "all_gather" else "")
+                op = self.c.tp(kind, nbytes, f"tp {kind} {what}"
                                f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay)
                 if sac is not None and kind == "reduce_scatter":
                     # The policy saves reduce-scatter outputs (the local tokens' branch).
@@ -750,7 +770,8 @@ class TitanPass:
 
         def tp_comm(kind: str, what: str) -> None:
             if tp > 1:
-                ops.append(self.c.tp(kind, self._gathered(), f"tp {kind} grad {what}"
+                nbytes = self._gathered(what if kind == "all_gather" else "")
+                ops.append(self.c.tp(kind, nbytes, f"tp {kind} grad {what}"
                                      f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay))
 
         if block == "head":
