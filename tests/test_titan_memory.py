@@ -123,3 +123,21 @@ def test_loss_parallel_buffers_closed_form() -> None:
     assert c.late_saved_parts == (big,)
     assert sorted(c.fwd_transient_parts) == [big, big]
     assert sorted(c.bwd_transient_parts) == [big, big, big]
+
+
+def test_foreach_adamw_sqrt_temporary() -> None:
+    """torch's _multi_tensor_adamw holds exp_avg_sq.sqrt() for every local parameter (fp32)
+    during the step; the fused kernel holds nothing. 8B over 8 ranks: 4 B x params / 8."""
+    def opt(optimizer: str) -> float:
+        sc = scenario_from_dict({
+            "name": "t", "model": "llama3-8b",
+            "cluster": {"topology": "meta-grand-teton", "nodes": 1},
+            "framework": {"name": "fsdp2"},
+            "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8,
+                         "precision": "bf16", "activation_checkpointing": "full",
+                         "optimizer": optimizer}}, origin="test")
+        ops = simulate(sc).program.ops
+        return next(o.transient for o in ops if o.name.startswith("optimizer step"))
+
+    assert opt("adamw_fused") == 0.0
+    assert opt("adamw_foreach") == FP32 * M.total_params / 8

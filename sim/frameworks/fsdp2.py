@@ -738,7 +738,10 @@ class _Stage:
                         duration=cpu_adam_s(job.host, local, "torch"), category="optimizer"))
             return
         fused = job.ctx.scenario.training.optimizer == "adamw_fused"
+        # torch.optim.adamw._multi_tensor_adamw (foreach; torchtitan 9dec370's default,
+        # foreach = not fused) allocates exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs):
+        # one fp32 tensor per parameter shard, all at once; the fused kernel allocates none.
         self.add(Op(name="optimizer step (AdamW, local shard)", kind="compute",
                     stream="compute", phase="optimizer", deps=last,
                     duration=job.ctx.compute.adamw_time(local, fused, len(m.parameter_tensors())),
-                    category="optimizer"))
+                    transient=0.0 if fused else FP32 * local, category="optimizer"))
