@@ -141,3 +141,26 @@ def test_foreach_adamw_sqrt_temporary() -> None:
 
     assert opt("adamw_fused") == 0.0
     assert opt("adamw_foreach") == FP32 * M.total_params / 8
+
+
+def test_reduce_scatter_input_held_until_next_post_backward() -> None:
+    """foreach_reduce allocates the fp32 reduce-scatter input (unit parameters x 4 B) on the
+    compute stream and returns it in ReduceScatterState: it is released when the next
+    unit's post_backward (or finalize_backward) waits for the collective, not when the
+    collective ends. One drop per reduce-scatter, each freeing the previous unit's input."""
+    sc = scenario_from_dict({
+        "name": "t", "model": "llama3-8b",
+        "cluster": {"topology": "meta-grand-teton", "nodes": 1},
+        "framework": {"name": "fsdp2"},
+        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8,
+                     "precision": "bf16", "activation_checkpointing": "full"}}, origin="test")
+    ops = simulate(sc).program.ops
+    rs = [o for o in ops if o.collective == "reduce_scatter"]
+    drops = [o for o in ops if o.name.startswith("wait reduce-scatter")]
+    assert rs and len(drops) == len(rs)
+    assert all(not o.free for o in rs)
+    for r, d in zip(rs, drops, strict=True):
+        assert d.deps == [r] and d.free == (("buffers", r.nbytes),)
+    # wq, wo (4096 x 4096); wk, wv (4096 x 1024, GQA); w1, w2, w3; two norms
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    assert any(r.nbytes == FP32 * layer for r in rs)

@@ -385,6 +385,7 @@ class _Stage:
         self._keys = 0
         self.gathered: dict[str, bool] = {}
         self.last_rs: Op | None = None          # ReduceScatterState: one input buffer
+        self.rs_held = 0.0                      # ... its bytes, until the state is dropped
         self.last_ar: dict[str, Op] = {}        # each unit's _all_reduce_state
         self.reduces: list[Op] = []
         self.offloads: list[Op] = []
@@ -528,6 +529,7 @@ class _Stage:
         frees: tuple[tuple[str, float], ...] = (("gradients", grads),)
         if free_params:
             frees += (("parameters", job.param_bytes(u)),)
+        deps += self.drop_reduce_scatter_state(mb)
         copy_in = self.add(Op(
             name=f"copy-in grads {u.name} mb{mb}", kind="compute", stream="compute",
             phase="bwd", deps=deps, duration=cm.membound_time(grads + rb * u.numel),
@@ -539,14 +541,14 @@ class _Stage:
                 deps=[copy_in], collective="reduce_scatter", group=self.shard_groups[0],
                 groups=self.shard_groups, nbytes=rb * u.numel,
                 key=self.key(f"rs/{u.name}/{mb}"), category="reduce_scatter",
-                free=(("buffers", rb * u.numel),), micro_batch=mb))
+                micro_batch=mb))
         else:
             # World size 1: the reduce-scatter is a copy (foreach_reduce).
             rs = self.add(Op(name=f"reduce copy {u.name} mb{mb}", kind="compute",
                              stream="rs", phase="bwd", deps=[copy_in], category="copy",
-                             duration=cm.membound_time(2 * rb * u.numel), micro_batch=mb,
-                             free=(("buffers", rb * u.numel),)))
+                             duration=cm.membound_time(2 * rb * u.numel), micro_batch=mb))
         self.last_rs = rs
+        self.rs_held = rb * u.numel
         self.reduces.append(rs)
         post = rs
         if job.mesh.replicate > 1:
@@ -559,6 +561,20 @@ class _Stage:
             self.reduces.append(post)
         if job.host is not None:
             self.offload_grad(u, post, mb, first_grad)
+
+    def drop_reduce_scatter_state(self, mb: int) -> list[Op]:
+        """The compute stream waits for the last reduce-scatter and drops its
+        ``ReduceScatterState``, releasing the reduce-scatter input (``foreach_reduce``
+        allocates it on the compute stream and returns it, so it is not freed when the
+        collective ends): at the next unit's ``post_backward`` or in ``finalize_backward``
+        at the end of each backward (``_fsdp_param_group.py``, ``_fsdp_state.py``)."""
+        if not self.rs_held or self.last_rs is None:
+            return []
+        op = self.add(Op(name=f"wait reduce-scatter (drop state) mb{mb}", kind="compute",
+                         stream="compute", phase="bwd", deps=[self.last_rs],
+                         free=(("buffers", self.rs_held),), category="copy", micro_batch=mb))
+        self.rs_held = 0.0
+        return [op]
 
     def offload_grad(self, u: _Unit, post: Op, mb: int, first_grad: bool) -> None:
         """The reduced shard, cast to fp32, is copied to pinned host memory on the
@@ -671,6 +687,8 @@ class _Stage:
             else:
                 self.accumulate(u, mb, first_of_step)
         assert last is not None
+        if job.pp == 1:
+            self.drop_reduce_scatter_state(mb)      # finalize_backward
         self.send("B", v, mb, last)
 
     def reduce_grad(self, v: int, mb: int, wait: list[Op]) -> None:
@@ -681,6 +699,7 @@ class _Stage:
                         first_grad=True)
             self.gathered[u.name] = False
             wait = []
+        self.drop_reduce_scatter_state(mb)          # finalize_backward
 
     # ------------------------------------------------------------------ the step
     def build(self) -> None:
