@@ -71,3 +71,31 @@ def test_tp_all_gathers_carry_float8() -> None:
     assert (per(True, "attn"), per(True, "mlp"), per(True, "head")) == (1, 1, 2)
     assert per(False, "mlp") == 2
     assert _tb(True).fp8_tp and not _tb(False).fp8_tp and not _tb(True, tp=1).fp8_tp
+
+
+def test_program_tp_collectives_bytes() -> None:
+    """In the built step: every layer all-gather (forward, SAC recompute, backward) carries
+    tokens x hidden x 1 B under float8 (x 2 B under bf16); every reduce-scatter and the
+    head's all-gather stay bf16."""
+    from sim.api import simulate
+    from sim.scenario import scenario_from_dict
+
+    def ops(precision: str) -> list:
+        sc = scenario_from_dict({
+            "name": "t", "model": "llama3-8b",
+            "cluster": {"topology": "meta-grand-teton", "nodes": 2},
+            "framework": {"name": "fsdp2", "compile": True},
+            "parallelism": {"tp": 8},
+            "training": {"seq_len": 8192, "micro_batch_size": 2, "global_batch_size": 4,
+                         "precision": precision, "activation_checkpointing": "selective"}},
+            origin="test")
+        return [o for o in simulate(sc).program.ops if o.name.startswith("tp ")]
+
+    full = TOKENS * M.hidden
+    for precision, per in (("fp8", 1), ("bf16", 2)):
+        tp = ops(precision)
+        layer_ag = [o for o in tp if o.collective == "all_gather" and " L" in o.name]
+        assert layer_ag and all(o.nbytes == full * per for o in layer_ag)
+        assert all(o.nbytes == full * 2 for o in tp if o.collective == "reduce_scatter")
+        assert all(o.nbytes == full * 2 for o in tp
+                   if o.collective == "all_gather" and "head" in o.name)
