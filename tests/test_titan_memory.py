@@ -164,3 +164,18 @@ def test_reduce_scatter_input_held_until_next_post_backward() -> None:
     # wq, wo (4096 x 4096); wk, wv (4096 x 1024, GQA); w1, w2, w3; two norms
     layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
     assert any(r.nbytes == FP32 * layer for r in rs)
+
+
+def test_compile_loss_without_compile_is_refused() -> None:
+    import pytest
+
+    from sim.api import simulate as sim_
+
+    sc = scenario_from_dict({
+        "name": "t", "model": "llama3-8b",
+        "cluster": {"topology": "meta-grand-teton", "nodes": 1},
+        "framework": {"name": "fsdp2", "compile_loss": True},
+        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8}},
+        origin="test")
+    with pytest.raises(Exception, match="compile_loss"):
+        sim_(sc)

@@ -273,6 +273,9 @@ def build_fsdp2(ctx: JobContext) -> Program:
     # torchtitan's apply_compile compiles the transformer blocks; the loss is compiled apart
     # (loss.py) or, before that existed, not at all: then norm, output and cross-entropy run
     # eagerly (fp32 logits, log_softmax and their gradients materialised).
+    ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
+                "true needs framework.compile true (torchtitan compiles the loss only when "
+                "compiling)")
     eager_head = opts.compile and opts.compile_loss is False
     if eager_head:
         eager = replace(style, compile=False)
