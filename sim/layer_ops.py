@@ -688,6 +688,11 @@ class BlockCost:
     saved_parts: tuple[float, ...] = ()
     """The saved tensors making up ``saved_bytes``, then the weight casts making up
     ``weight_cast_bytes``, in the order the forward creates them."""
+    late_saved_parts: tuple[float, ...] = ()
+    """Eager forward only: the saved tensors (of ``saved_parts``) created after the block's
+    first forward-scoped tensor, i.e. above it and above the transients of the same span in
+    the caching allocator's segment (the loss's ``log_softmax`` output sits above the bf16
+    logits and their fp32 copy; freeing those leaves a hole below it)."""
 
 
 def _fuse(kernels: list[Kernel], keep: set[int], block: Block | None = None) -> list[Kernel]:
@@ -866,6 +871,16 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
     releasable = {id(t): t.nbytes for t in block.saved}
     bwd_parts = _transient_parts(bwd, set(), releasable)
     fwd_peak, unsaved_peak, bwd_peak = sum(fwd_parts), sum(unsaved_parts), sum(bwd_parts)
+    late: tuple[float, ...] = ()
+    if not style.compile and block.forward_scoped:
+        # Eager kernels allocate their outputs in forward order (a compiled graph keeps its
+        # own buffers; its loss saves the logits it was given).
+        first: dict[int, int] = {}
+        for i, k in enumerate(fwd):
+            for t in k.writes:
+                first.setdefault(id(t), i)
+        scoped_at = min(first.get(id(t), len(fwd)) for t in block.forward_scoped)
+        late = tuple(t.nbytes for t in block.saved if first.get(id(t), -1) > scoped_at)
     return BlockCost(
         name=block.name,
         fwd_s=fwd_s,
@@ -891,6 +906,7 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
         fwd_transient_unsaved_parts=unsaved_parts,
         bwd_transient_parts=bwd_parts,
         saved_parts=tuple(t.nbytes for t in block.saved + block.weight_casts),
+        late_saved_parts=late,
     )
 
 

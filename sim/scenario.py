@@ -176,6 +176,13 @@ class Fsdp2Options(_Strict):
     """MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reduce-scatter."""
     compile: bool = False
     """torch.compile of each block: memory-bound elementwise chains fused."""
+    compile_loss: bool | None = None
+    """With compile: whether the loss (final norm, output layer and cross-entropy) is
+    compiled too. None = as torchtitan does since ``torchtitan/components/loss.py`` (2025,
+    e.g. 820504e): ``loss_fn = torch.compile(loss_fn)`` when compiling. False = torchtitan
+    before it (e.g. 9dec370, 2024-12: "compiling loss function causes CUDA errors, turning off
+    for now" in train.py): only the transformer blocks are compiled and the loss runs eagerly,
+    materialising the fp32 logits and their gradients."""
     model_code: Literal["torchtitan", "huggingface"] = "torchtitan"
     """Whose Llama code FSDP2 wraps: torchtitan's (fused RMSNorm, complex rotary, no KV
     cache) or Hugging Face transformers' LlamaForCausalLM (eager RMSNorm through fp32,

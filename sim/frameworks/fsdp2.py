@@ -71,7 +71,7 @@ What each step does (``torch/distributed/fsdp/_fully_shard/``):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.megatron import schedule as pipeline_order
@@ -85,7 +85,17 @@ from sim.frameworks.torchtitan_parallel import (
     titan_blocks,
 )
 from sim.host import HostSpec, cpu_adam_s, cpu_pass_s
-from sim.layer_ops import BF16, FP32, BlockCost, SacCost, Style, model_blocks, op_sac_costs
+from sim.layer_ops import (
+    BF16,
+    FP32,
+    BlockCost,
+    SacCost,
+    Style,
+    head_block,
+    model_blocks,
+    op_sac_costs,
+    price_block,
+)
 from sim.program import Op, Phase, Program, RankClass
 from sim.scenario import Fsdp2Options
 
@@ -260,9 +270,21 @@ def build_fsdp2(ctx: JobContext) -> Program:
     # GradientCheckpointingLayer drops it under checkpointing (transformers modeling_layers.py).
     kv_cache = hf and not ctx.recompute
     costs = ctx.block_costs(style, kv_cache=kv_cache)
+    # torchtitan's apply_compile compiles the transformer blocks; the loss is compiled apart
+    # (loss.py) or, before that existed, not at all: then norm, output and cross-entropy run
+    # eagerly (fp32 logits, log_softmax and their gradients materialised).
+    ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
+                "true needs framework.compile true (torchtitan compiles the loss only when "
+                "compiling)")
+    eager_head = opts.compile and opts.compile_loss is False
+    if eager_head:
+        eager = replace(style, compile=False)
+        costs["head"] = price_block(head_block(m, eager, ctx.micro_batch, ctx.seq), eager,
+                                    ctx.compute)
     selective = s.training.activation_checkpointing == "selective"
     tb = titan_blocks(m, style, ctx.compute, ctx.micro_batch, ctx.seq, t, cp,
-                      opts.cp_rotate_method, sac=selective) if t > 1 or cp > 1 else None
+                      opts.cp_rotate_method, sac=selective,
+                      eager_head=eager_head) if t > 1 or cp > 1 else None
     if tb is not None:
         numel = dict(tb.params)
         ugrad = {b: float(BF16 * n) for b, n in numel.items()}
@@ -366,6 +388,7 @@ class _Stage:
         self._keys = 0
         self.gathered: dict[str, bool] = {}
         self.last_rs: Op | None = None          # ReduceScatterState: one input buffer
+        self.rs_held = 0.0                      # ... its bytes, until the state is dropped
         self.last_ar: dict[str, Op] = {}        # each unit's _all_reduce_state
         self.reduces: list[Op] = []
         self.offloads: list[Op] = []
@@ -509,6 +532,7 @@ class _Stage:
         frees: tuple[tuple[str, float], ...] = (("gradients", grads),)
         if free_params:
             frees += (("parameters", job.param_bytes(u)),)
+        deps += self.drop_reduce_scatter_state(mb)
         copy_in = self.add(Op(
             name=f"copy-in grads {u.name} mb{mb}", kind="compute", stream="compute",
             phase="bwd", deps=deps, duration=cm.membound_time(grads + rb * u.numel),
@@ -520,14 +544,14 @@ class _Stage:
                 deps=[copy_in], collective="reduce_scatter", group=self.shard_groups[0],
                 groups=self.shard_groups, nbytes=rb * u.numel,
                 key=self.key(f"rs/{u.name}/{mb}"), category="reduce_scatter",
-                free=(("buffers", rb * u.numel),), micro_batch=mb))
+                micro_batch=mb))
         else:
             # World size 1: the reduce-scatter is a copy (foreach_reduce).
             rs = self.add(Op(name=f"reduce copy {u.name} mb{mb}", kind="compute",
                              stream="rs", phase="bwd", deps=[copy_in], category="copy",
-                             duration=cm.membound_time(2 * rb * u.numel), micro_batch=mb,
-                             free=(("buffers", rb * u.numel),)))
+                             duration=cm.membound_time(2 * rb * u.numel), micro_batch=mb))
         self.last_rs = rs
+        self.rs_held = rb * u.numel
         self.reduces.append(rs)
         post = rs
         if job.mesh.replicate > 1:
@@ -540,6 +564,20 @@ class _Stage:
             self.reduces.append(post)
         if job.host is not None:
             self.offload_grad(u, post, mb, first_grad)
+
+    def drop_reduce_scatter_state(self, mb: int) -> list[Op]:
+        """The compute stream waits for the last reduce-scatter and drops its
+        ``ReduceScatterState``, releasing the reduce-scatter input (``foreach_reduce``
+        allocates it on the compute stream and returns it, so it is not freed when the
+        collective ends): at the next unit's ``post_backward`` or in ``finalize_backward``
+        at the end of each backward (``_fsdp_param_group.py``, ``_fsdp_state.py``)."""
+        if not self.rs_held or self.last_rs is None:
+            return []
+        op = self.add(Op(name=f"wait reduce-scatter (drop state) mb{mb}", kind="compute",
+                         stream="compute", phase="bwd", deps=[self.last_rs],
+                         free=(("buffers", self.rs_held),), category="copy", micro_batch=mb))
+        self.rs_held = 0.0
+        return [op]
 
     def offload_grad(self, u: _Unit, post: Op, mb: int, first_grad: bool) -> None:
         """The reduced shard, cast to fp32, is copied to pinned host memory on the
@@ -652,6 +690,8 @@ class _Stage:
             else:
                 self.accumulate(u, mb, first_of_step)
         assert last is not None
+        if job.pp == 1:
+            self.drop_reduce_scatter_state(mb)      # finalize_backward
         self.send("B", v, mb, last)
 
     def reduce_grad(self, v: int, mb: int, wait: list[Op]) -> None:
@@ -662,6 +702,7 @@ class _Stage:
                         first_grad=True)
             self.gathered[u.name] = False
             wait = []
+        self.drop_reduce_scatter_state(mb)          # finalize_backward
 
     # ------------------------------------------------------------------ the step
     def build(self) -> None:
@@ -719,7 +760,10 @@ class _Stage:
                         duration=cpu_adam_s(job.host, local, "torch"), category="optimizer"))
             return
         fused = job.ctx.scenario.training.optimizer == "adamw_fused"
+        # torch.optim.adamw._multi_tensor_adamw (foreach; torchtitan 9dec370's default,
+        # foreach = not fused) allocates exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs):
+        # one fp32 tensor per parameter shard, all at once; the fused kernel allocates none.
         self.add(Op(name="optimizer step (AdamW, local shard)", kind="compute",
                     stream="compute", phase="optimizer", deps=last,
                     duration=job.ctx.compute.adamw_time(local, fused, len(m.parameter_tensors())),
-                    category="optimizer"))
+                    transient=0.0 if fused else FP32 * local, category="optimizer"))

@@ -95,16 +95,21 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
             alloc.append(("buffers", scoped))
             scoped_total += scoped
         ff, _ = model_flops[block]
+        ordered = None if ckpt or c.weight_cast_bytes else ordered_forward_allocs(c)
+        end_free: tuple[tuple[str, float], ...] = ()
+        if ordered is not None:
+            alloc, end_free = list(ordered[0]), ordered[1]
+            transient, parts, saved_parts = 0.0, (), ()
         op = Op(name=f"fwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}", kind="compute",
                 stream=stream, phase="fwd", duration=c.fwd_s, kernels=c.fwd_kernels,
-                alloc=tuple(alloc),
+                alloc=tuple(alloc), free=end_free,
                 transient=transient, transient_parts=parts, alloc_parts=saved_parts,
                 layer=layer if layer >= 0 else None, micro_batch=mb, flops=ff,
                 hw_flops=c.flops_fwd, category="forward")
         if block == "head":
             # The forward returns after the loss: KV cache, logits and (checkpointed) weight
             # casts of the whole pass are released.
-            op.free = (("buffers", scoped_total),)
+            op.free = op.free + (("buffers", scoped_total),)
         ops.forward.append(op)
         ops.fwd_of[(block, layer)] = op
 
@@ -152,6 +157,32 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         ops.backward.append(op)
         ops.bwd_of[(block, layer)] = op
     return ops
+
+
+def ordered_forward_allocs(c: BlockCost
+                           ) -> tuple[tuple[tuple[str, float], ...],
+                                      tuple[tuple[str, float], ...]] | None:
+    """An eager block whose saved tensors come partly after its forward-scoped ones (the
+    loss: ``log_softmax``'s output after the bf16 logits and their fp32 copy), as the
+    tensors reach the caching allocator in forward order: (allocations, frees at the op's
+    end) replacing its saved/scoped/transient requests; None for any other block.
+
+    Order matters for the reserved peak: torchtitan's train loop frees the logits
+    (``del pred`` before ``loss.backward()``, train.py) and the fp32 copy dies with the
+    forward, leaving a hole *below* the saved ``log_softmax`` output that the backward's
+    first fp32 gradient fills while the second one grows the segment.
+    """
+    if not c.late_saved_parts:
+        return None
+    early = list(c.saved_parts)
+    for p in c.late_saved_parts:
+        early.remove(p)
+    alloc = [("activations", p) for p in early if p > 0]
+    if c.forward_scoped_bytes:
+        alloc.append(("buffers", c.forward_scoped_bytes))
+    alloc += [("buffers", p) for p in c.fwd_transient_parts]
+    alloc += [("activations", p) for p in c.late_saved_parts]
+    return tuple(alloc), tuple(("buffers", p) for p in c.fwd_transient_parts)
 
 
 def _non_input_saved(c: BlockCost) -> float:

@@ -49,6 +49,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from sim.compute import ComputeModel
+from sim.frameworks.steps import ordered_forward_allocs
+from sim.frameworks.titan_float8 import (
+    FP8,
+    Float8TpBuilder,
+    builder,
+    cast_module_input,
+    tp_all_gather_bytes_per_element,
+)
 from sim.layer_ops import (
     BF16,
     FP32,
@@ -201,6 +209,8 @@ class TitanBlocks:
     """Parameters on this rank per block (embed, attn, mlp, head)."""
     sac: dict[str, SacCost] | None = None
     """Op-level selective checkpointing of each layer segment (``selective``), else None."""
+    fp8_tp: bool = False
+    """torchao's float8 tensor-parallel styles are in effect (:mod:`titan_float8`)."""
 
     def layer_segments(self) -> list[str]:
         """The segments of one transformer layer, in forward order."""
@@ -209,7 +219,8 @@ class TitanBlocks:
         return ["attn_norm", *attn, "attn_resid", "mlp_norm", "mlp_main", "mlp_resid"]
 
 
-def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: bool) -> Block:
+def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: bool,
+              fp8_tp: bool = False) -> Block:
     # A SequenceParallel norm on the local tokens; the residual stream read by the norm and by
     # the residual add gets its two gradients summed here.
     b = _Builder(name, style)
@@ -219,6 +230,8 @@ def _norm_seg(m: ModelSpec, style: Style, name: str, local: float, residual: boo
     if residual:
         b.sum_grads(2, local * h, BF16, "resid_in")
     y = b.norm(m, x, local, "norm")
+    if fp8_tp and residual:
+        cast_module_input(b, y, local, h)
     b.block.outputs.append(y)
     return b.finish()
 
@@ -235,17 +248,18 @@ def _resid_seg(m: ModelSpec, style: Style, name: str, local: float) -> Block:
 
 def _qkv(b: _Builder, ml: ModelSpec, tokens: float) -> tuple[Tensor, Tensor, Tensor]:
     h = ml.hidden
-    y = b.t("in", tokens * h, BF16)
+    y = b.t("in", tokens * h, FP8 if isinstance(b, Float8TpBuilder) else BF16)
     b.block.inputs.append(y)
     # q, k and v read the gathered norm output: their input gradients are summed.
     b.sum_grads(3, tokens * h, BF16, "norm_out")
     return qkv_projections(b, ml, y, tokens, ("wq", "wk", "wv"))
 
 
-def _mlp_main(ml: ModelSpec, style: Style, tokens: float) -> Block:
-    b = _Builder("mlp_main", style)
+def _mlp_main(ml: ModelSpec, style: Style, tokens: float, fp8_tp: bool = False,
+              tp: int = 1) -> Block:
+    b = builder("mlp_main", style, fp8_tp, tokens / tp)
     h, f = ml.hidden, ml.ffn_hidden
-    y = b.t("in", tokens * h, BF16)
+    y = b.t("in", tokens * h, FP8 if fp8_tp else BF16)
     b.block.inputs.append(y)
     if ml.mlp == "swiglu":
         b.sum_grads(2, tokens * h, BF16, "norm_out")
@@ -253,25 +267,26 @@ def _mlp_main(ml: ModelSpec, style: Style, tokens: float) -> Block:
     return b.finish()
 
 
-def _attn_main(ml: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+def _attn_main(ml: ModelSpec, style: Style, batch: int, seq: int, fp8_tp: bool = False,
+               tp: int = 1) -> Block:
     """q/k/v, rotary embedding, attention over the whole (local) sequence, wo: no context
     parallelism."""
-    b = _Builder("attn_main", style)
     tokens = batch * seq
+    b = builder("attn_main", style, fp8_tp, tokens / tp)
     q, k, v = _qkv(b, ml, tokens)
     o = b.attention(ml, q, k, v, batch, seq)
     b.block.outputs.append(b.linear(o, tokens, ml.q_dim, ml.hidden, "wo", bias=ml.bias))
     return b.finish()
 
 
-def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int
-                   ) -> dict[str, Block]:
+def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int,
+                   fp8_tp: bool = False, tp: int = 1) -> dict[str, Block]:
     """Context parallelism: qkv, the cp ring steps forward and backward, the concatenations
     of the rotater, the final casts, and wo (``_templated_ring_attention[_backward]``)."""
     segs: dict[str, Block] = {}
     tokens = batch * seq          # local queries (seq is already seq/cp)
     qd, kvd, heads, hd = ml.q_dim, ml.kv_dim, ml.heads, ml.head_dim
-    b = _Builder("attn_qkv", style)
+    b = builder("attn_qkv", style, fp8_tp, tokens / tp)
     q, k, v = _qkv(b, ml, tokens)
     b.block.outputs += [q, k, v]
     segs["attn_qkv"] = b.finish()
@@ -347,7 +362,7 @@ def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int
           Kernel("ring.g_kv_to_bf16", "elementwise", (acckv,),
                  (f.t("g_kv", tokens * 2 * kvd, BF16),)))
     segs["attn_ring_final"] = f.finish()
-    w = _Builder("attn_o", style)
+    w = builder("attn_o", style, fp8_tp, tokens / tp)
     oin = w.t("in", tokens * qd, BF16)
     w.block.inputs.append(oin)
     w.block.outputs.append(w.linear(oin, tokens, qd, ml.hidden, "wo", bias=ml.bias))
@@ -396,6 +411,9 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
     n = tokens * vl
     lf, lsm = b.t("logits_fp32", n, FP32), b.t("log_softmax", n, FP32)
     b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
+    if tp > 1 and not style.compile:
+        _loss_parallel(b, logits, lf, lsm, n)
+        return b.finish()
     b.fwd(Kernel("log_softmax", "elementwise", (lf, lf, lf), (lsm,)))
     b.fwd(Kernel("nll_loss", "tiny", (lsm,), (b.t("loss", 1, FP32),)))
     b.save(lsm)
@@ -407,31 +425,71 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
     return b.finish()
 
 
+def _loss_parallel(b: _Builder, logits: Tensor, lf: Tensor, lsm: Tensor, n: float) -> None:
+    """Eager cross-entropy on vocabulary-sharded logits as torch's ``loss_parallel`` runs it
+    (``torch/distributed/tensor/parallel/loss.py``): DTensor dispatches ``_log_softmax`` and
+    ``nll_loss_backward`` to decompositions with all-reduces inserted, each op its own
+    tensor, unlike aten's fused softmax kernels.
+
+    * ``_log_softmax``: ``shifted = x - x_max``, ``torch.exp(shifted)`` summed over the
+      shard, ``result = shifted - log(sumexp)``; ``x`` (the fp32 copy) and ``shifted`` are
+      locals until it returns. The exp is materialised and freed before ``result`` exists,
+      so the peak (x, shifted and one more fp32 buffer) is the same with the exp and the sum
+      written as one kernel, as here.
+    * ``_nll_loss_and_log_softmax_backward``: ``grad_input = torch.zeros_like(x)`` (scatter
+      of -1 at the targets), returns ``(grad_input + torch.exp(x)) * grad_output``: four fp32
+      buffers live at once with the saved output (autograd releases a node's saved tensors
+      after its backward returns; ``grad_input`` is a local until then); the log_softmax
+      backward handler is a no-op ``.to(input_dtype)``.
+    """
+    shifted = b.t("shifted", n, FP32)
+    b.fwd(Kernel("amax", "elementwise", (lf,), ()))
+    b.fwd(Kernel("sub_max", "elementwise", (lf,), (shifted,)))
+    b.fwd(Kernel("exp_sum", "elementwise", (shifted, shifted), ()))
+    b.fwd(Kernel("sub_lse", "elementwise", (shifted, lf), (lsm,)))
+    b.fwd(Kernel("nll_loss", "tiny", (lsm,), (b.t("loss", 1, FP32),)))
+    b.save(lsm)
+    gi, ex, s, g = (b.t(k, n, FP32) for k in ("g_zeros", "g_exp", "g_sum", "g_mul"))
+    g_logits = b.t("output.g_out", n, BF16)
+    b.bwd(Kernel("g_zeros", "elementwise", (), (gi,)),
+          Kernel("g_scatter", "tiny", (gi,), (gi,)),
+          Kernel("g_exp", "elementwise", (lsm,), (ex,)),
+          Kernel("g_add", "elementwise", (gi, ex), (s,)),
+          Kernel("g_mul", "elementwise", (s, gi, lsm), (g,)),
+          Kernel("g_logits_bf16", "elementwise", (g,), (g_logits,)))
+
+
 def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: int, tp: int,
-                 cp: int, rotate: str, sac: bool = False) -> TitanBlocks:
+                 cp: int, rotate: str, sac: bool = False, eager_head: bool = False
+                 ) -> TitanBlocks:
     """Every segment of one micro-batch on one rank under tensor parallelism ``tp`` (with
     sequence parallelism) and context parallelism ``cp``; with ``sac``, also what each layer
     segment keeps and re-runs under torchtitan's op-level selective checkpointing
-    (:func:`layer_sac_costs`)."""
+    (:func:`layer_sac_costs`). ``eager_head``: final norm, output and loss run uncompiled
+    although ``style.compile`` (``Fsdp2Options.compile_loss`` false)."""
     ml = local_dims(m, tp)
     seq_local = seq // cp
     tokens = batch * seq_local
     local = tokens // tp
+    hstyle = replace(style, compile=False) if eager_head else style
+    # torchao's float8 TP styles (tensorwise scaling: the only float8 modelled here).
+    fp8_tp = style.float8 and tp > 1 and not style.autocast
     segs: dict[str, Block] = {
         "embed": _embed_seg(m, style, tokens, tp),
-        "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True),
+        "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True, fp8_tp=fp8_tp),
         "attn_resid": _resid_seg(m, style, "attn_resid", local),
-        "mlp_norm": _norm_seg(m, style, "mlp_norm", local, residual=True),
-        "mlp_main": _mlp_main(ml, style, tokens),
+        "mlp_norm": _norm_seg(m, style, "mlp_norm", local, residual=True, fp8_tp=fp8_tp),
+        "mlp_main": _mlp_main(ml, style, tokens, fp8_tp, tp),
         "mlp_resid": _resid_seg(m, style, "mlp_resid", local),
-        "head_norm": _norm_seg(m, style, "head_norm", local, residual=False),
-        "head_main": _head_main(m, style, tokens, tp),
+        "head_norm": _norm_seg(m, hstyle, "head_norm", local, residual=False),
+        "head_main": _head_main(m, hstyle, tokens, tp),
     }
     if cp == 1:
-        segs["attn_main"] = _attn_main(ml, style, batch, seq_local)
+        segs["attn_main"] = _attn_main(ml, style, batch, seq_local, fp8_tp, tp)
     else:
-        segs.update(_ring_segments(ml, style, batch, seq_local, cp))
-    cost = {k: price_block(b, style, cm) for k, b in segs.items()}
+        segs.update(_ring_segments(ml, style, batch, seq_local, cp, fp8_tp, tp))
+    cost = {k: price_block(b, hstyle if k.startswith("head") else style, cm)
+            for k, b in segs.items()}
     params = {
         "embed": segs["embed"].params,
         "attn": sum(segs[k].params for k in segs if k.startswith("attn")),
@@ -441,7 +499,7 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
     tb = TitanBlocks(segs, cost, tp, cp, rotate, tokens, local,
                      kv_bytes=2.0 * tokens * ml.kv_dim * BF16,
                      attn_acc_bytes=float(tokens * (ml.q_dim + 2 * ml.kv_dim) * FP32),
-                     hidden=m.hidden, params=params)
+                     hidden=m.hidden, params=params, fp8_tp=fp8_tp)
     if sac:
         tb.sac = layer_sac_costs(tb, style, cm)
     return tb
@@ -515,25 +573,39 @@ class TitanPass:
             free = (("activations", c.saved_bytes),) if c.saved_bytes else ()
             return Op(name=f"bwd {label} mb{mb}", kind="compute", stream="compute",
                       phase=phase, duration=c.bwd_s, free=free,
-                      transient=c.bwd_transient_bytes, layer=layer, micro_batch=mb,
+                      transient=c.bwd_transient_bytes,
+                      transient_parts=c.bwd_transient_parts, layer=layer, micro_batch=mb,
                       hw_flops=blk.flops_bwd, category="backward")
         allocs: list[tuple[str, float]] = []
         transient = c.fwd_transient_bytes
+        ordered = ordered_forward_allocs(c) if alloc_saved and phase == "fwd" else None
+        if ordered is not None:
+            self._scoped += c.forward_scoped_bytes
+            return Op(name=f"fwd {label} mb{mb}", kind="compute", stream="compute",
+                      phase=phase, duration=c.fwd_s, alloc=ordered[0], free=ordered[1],
+                      layer=layer, micro_batch=mb, hw_flops=blk.flops_fwd,
+                      category="forward")
         if alloc_saved and c.saved_bytes:
             allocs.append(("activations", c.saved_bytes))
-        elif not alloc_saved:
+        parts = c.fwd_transient_parts
+        if not alloc_saved:
             transient = c.fwd_transient_unsaved_bytes
+            parts = c.fwd_transient_unsaved_parts
         if c.forward_scoped_bytes and phase == "fwd":
             allocs.append(("buffers", c.forward_scoped_bytes))
             self._scoped += c.forward_scoped_bytes
         return Op(name=f"{'fwd' if phase == 'fwd' else phase} {label} mb{mb}",
                   kind="compute", stream="compute", phase=phase, duration=c.fwd_s,
-                  alloc=tuple(allocs), transient=transient, layer=layer, micro_batch=mb,
+                  alloc=tuple(allocs), transient=transient, transient_parts=parts,
+                  layer=layer, micro_batch=mb,
                   hw_flops=blk.flops_fwd,
                   category="forward" if phase == "fwd" else "recompute")
 
-    def _gathered(self) -> float:
-        return float(self.tb.tokens * self.tb.hidden * BF16)
+    def _gathered(self, what: str = "") -> float:
+        """Bytes of a tensor-parallel all-gather's output (or reduce-scatter's input) of
+        ``what``: float8 for a layer's all-gathers under float8 TP, else bf16."""
+        per = BF16 if not what else tp_all_gather_bytes_per_element(self.tb.fp8_tp, what)
+        return float(self.tb.tokens * self.tb.hidden * per)
 
     def _rs_out(self) -> float:
         return float(self.tb.local_tokens * self.tb.hidden * BF16)
@@ -554,7 +626,7 @@ class TitanPass:
         for key in tb.layer_segments():
             if key in ("attn_main", "attn_qkv", "mlp_main") and tb.tp > 1:
                 what = "attn" if key.startswith("attn") else "mlp"
-                ops.append(self.c.tp("all_gather", self._gathered(),
+                ops.append(self.c.tp("all_gather", self._gathered(what),
                                      f"tp all_gather {what} (recompute) L{layer} mb{mb}",
                                      mb, layer))
             c = tb.cost[key]
@@ -591,7 +663,8 @@ class TitanPass:
 
         def tp_comm(kind: str, what: str) -> None:
             if tp > 1:
-                op = self.c.tp(kind, self._gathered(), f"tp {kind} {what}"
+                nbytes = self._gathered(what if kind == "all_gather" else "")
+                op = self.c.tp(kind, nbytes, f"tp {kind} {what}"
                                f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay)
                 if sac is not None and kind == "reduce_scatter":
                     # The policy saves reduce-scatter outputs (the local tokens' branch).
@@ -697,7 +770,8 @@ class TitanPass:
 
         def tp_comm(kind: str, what: str) -> None:
             if tp > 1:
-                ops.append(self.c.tp(kind, self._gathered(), f"tp {kind} grad {what}"
+                nbytes = self._gathered(what if kind == "all_gather" else "")
+                ops.append(self.c.tp(kind, nbytes, f"tp {kind} grad {what}"
                                      f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay))
 
         if block == "head":
