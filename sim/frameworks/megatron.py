@@ -55,6 +55,7 @@ from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-expor
     P2PLink,
     add_stage,
     chunk_layers,
+    p2p_modes,
     pipeline_steps,
     schedule,
 )
@@ -131,6 +132,15 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     ctx.require(ctx.seq % cp == 0, "parallelism.cp",
                 f"seq_len {ctx.seq} does not split over cp={cp}")
     mb_count = ctx.micro_batches
+    ctx.require(not opts.overlap_param_gather_with_optimizer_step
+                or (vp > 1 and opts.distributed_optimizer and opts.overlap_param_gather),
+                "framework.overlap_param_gather_with_optimizer_step",
+                "needs the interleaved schedule (parallelism.vp > 1), distributed_optimizer and "
+                "overlap_param_gather (Megatron-LM validate_args)")
+    # Megatron-LM's --no-align-param-gather defaults it on; validate_args turns it off without
+    # virtual stages (the non-interleaved schedules never call param_sync_func).
+    align_gather = vp > 1 and opts.align_param_gather is not False
+    overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm, p, vp)
     ctx.require(vp == 1 or mb_count % p == 0, "training.global_batch_size",
                 f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
                 f"of pp={p}")
@@ -501,11 +511,26 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             groups=dp_groups(st), reduce_op=reduce_op, grad_bytes=grad_bytes, param_bytes=act,
             overlap_grad_reduce=opts.overlap_grad_reduce,
             overlap_param_gather=opts.distributed_optimizer and opts.overlap_param_gather,
+            align_param_gather=align_gather,
+            gather_with_optimizer=opts.overlap_param_gather_with_optimizer_step,
             part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
             first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
             key=lambda st=st: new_key(f"dp/{st}"), cpu_s=cpu_call,  # type: ignore[misc]
             launch_after=launch_after, insert_before=insert_before))
 
+    def optimizer_s(st: int) -> float:
+        # Grad unscale/norm (read 4 B), Adam over the fp32 shard (28 B), copy the updated
+        # shard into 16-bit parameters (6 B), zero the gradient buffers.
+        n = stage_params(st)
+        local = n / shard
+        return (cm.adamw_time(local, True, 8 * stage_layer_count[st] + 4)
+                + cm.membound_time(4 * local) + cm.membound_time(6 * local)
+                + cm.membound_time(grad_bytes * n))
+
+    def chunk0_share(st: int) -> float:
+        return sum(b.params for b in buckets[st] if b.v < p) / stage_params(st)
+
+    rotated = opts.overlap_param_gather_with_optimizer_step and dp * cp > 1
     kind_sched = opts.pipeline_schedule if vp == 1 else "1f1b"
     last_bwd: dict[int, Op] = {}
     for st, cls in enumerate(classes):
@@ -524,8 +549,21 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 last_bwd[st] = unit.last  # type: ignore[assignment]
             return unit.first, unit.last
 
-        add_stage(program, cls, st, pipeline_steps(kind_sched, p, st, mb_count, vp),
-                  run_unit, link, last_on_stream)
+        for g in stage_buckets[st].prologue:    # aligned: before the first receive
+            program.add(cls, g)
+            last_on_stream[g.stream] = g
+        if rotated:
+            # overlap_param_gather_with_optimizer_step, in the steady state: ChainedOptimizer.
+            # _step steps chunk 0, dispatches its gathers, then steps the other chunks, so
+            # the step is taken to start at that dispatch, the other chunks' optimizer work
+            # beside the gathers, and to end with chunk 0's optimizer step.
+            last_on_stream["compute"] = program.add(cls, compute(
+                "optimizer step chunks 1+ (previous step)",
+                optimizer_s(st) * (1.0 - chunk0_share(st)), phase="optimizer",
+                category="optimizer"))
+        steps = pipeline_steps(kind_sched, p, st, mb_count, vp, overlap=overlap_p2p,
+                               sync=batch_p2p)
+        add_stage(program, cls, st, steps, run_unit, link, last_on_stream)
 
     # ------------------------------------------------------------------ gradients, optimizer
     for st, cls in enumerate(classes):
@@ -545,12 +583,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 group=pairs[0], groups=pairs, nbytes=grad_bytes * vocab_local * h,
                 key="embedding-group", category="all_reduce"))
             deps_done.append(tie)
-        local = n / shard
-        # Optimizer: grad unscale/norm (read 4 B), Adam over the fp32 shard (28 B), copy the
-        # updated shard into 16-bit parameters (6 B), zero the gradient buffers.
-        dur = (cm.adamw_time(local, True, 8 * stage_layer_count[st] + 4)
-               + cm.membound_time(4 * local) + cm.membound_time(6 * local)
-               + cm.membound_time(grad_bytes * n))
+        dur = optimizer_s(st)
+        if rotated:
+            dur *= chunk0_share(st)     # the other chunks' steps open the step (see above)
         opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                        category="optimizer", deps=deps_done))
         if opts.distributed_optimizer and dp * cp > 1 and not stage_buckets[st].gathers:

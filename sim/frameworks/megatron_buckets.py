@@ -17,10 +17,21 @@
 * With the distributed optimizer and ``overlap_param_gather`` the updated parameters are
   all-gathered per bucket in the next step's forward pre-hooks (``_make_forward_pre_hook`` ->
   ``finish_param_sync``: dispatch the bucket's gather if not yet dispatched, wait for it, then
-  dispatch the next bucket's), not after the optimizer. With the interleaved schedule
-  (``align_param_gather``) the schedule dispatches model chunks 0 and 1 at its start and chunk
-  c >= 2 at the forward of virtual micro-batch ``k`` with ``k + pp_rank`` the first of chunk
-  c - 1 (``schedules.py``, ``param_sync_func``).
+  dispatch the next bucket's), not after the optimizer. With ``align_param_gather``
+  (``training.py`` sets ``config.param_sync_func``, and ``_finish_param_sync_for_bucket_group``
+  then skips dispatching the next bucket) the interleaved schedule dispatches every bucket of
+  model chunks 0 and 1 on every stage before its first receive ("we launch asynchronous
+  communication at the same time across the pipeline-parallel group") and chunk c >= 2 at the
+  forward of virtual micro-batch ``k`` with ``k + pp_rank`` the first of chunk c - 1
+  (``schedules.py``, ``param_sync_func``). Megatron-LM's ``--no-align-param-gather`` defaults
+  it on, but ``validate_args`` turns it off without virtual stages, and the non-interleaved
+  schedules never call ``param_sync_func``; Megatron-Bridge's ``CommOverlapConfig`` turns it
+  on with pp > 1 and vp > 1 (``comm_overlap.py`` ``_get_optimizer_overlap_cfgs``).
+* ``overlap_param_gather_with_optimizer_step`` (interleaved only, ``validate_args``):
+  ``get_megatron_optimizer`` gives model chunk 0 its own optimizer, and
+  ``ChainedOptimizer._step`` dispatches chunk 0's gathers (``start_param_sync(force_dispatch
+  =True)``) right after stepping it, beside the other chunks' optimizer steps; the schedule's
+  own dispatch of chunk 0 is then skipped (``DistributedDataParallel.start_param_sync``).
 """
 
 from __future__ import annotations
@@ -96,6 +107,8 @@ class StageBuckets:
     """Each bucket's gradient reduce."""
     gathers: list[Op] = field(default_factory=list)
     """With ``overlap_param_gather``: each bucket's parameter all-gather in the forward."""
+    prologue: list[Op] = field(default_factory=list)
+    """Gathers the schedule dispatches before anything else (``align_param_gather``)."""
 
 
 @dataclass
@@ -108,6 +121,10 @@ class BucketComms:
     param_bytes: float
     overlap_grad_reduce: bool
     overlap_param_gather: bool
+    align_param_gather: bool
+    """Effective (interleaved schedule only)."""
+    gather_with_optimizer: bool
+    """``overlap_param_gather_with_optimizer_step`` (interleaved schedule only)."""
     part_op: Callable[[str, int, int, int | str], Op]
     """(F|B, virtual stage, micro-batch, part) -> the forward's first op of the part (its
     pre-hook) or the backward's last op of the part (its gradients are ready)."""
@@ -153,7 +170,10 @@ def bucket_ops(st: int, p: int, vp: int, m: int, buckets: list[Bucket],
     for b, gather, hook in zip(buckets, out.gathers, hooks, strict=False):
         by_chunk.setdefault(b.v // p, []).insert(0, (gather, hook))   # forward order
     for chunk, pairs in by_chunk.items():
-        if vp == 1:
+        if c.gather_with_optimizer and chunk == 0:
+            # Dispatched after chunk 0's optimizer step; the builder starts the step there.
+            out.prologue[:0] = [g for g, _ in pairs]
+        elif not c.align_param_gather:
             # Lazy: the first bucket at its own pre-hook, each next one when the forward
             # reaches the bucket before it (finish_param_sync dispatches the next).
             for i, (gather, hook) in enumerate(pairs):
@@ -162,11 +182,10 @@ def bucket_ops(st: int, p: int, vp: int, m: int, buckets: list[Bucket],
                     at.append(gather)
                 if i + 1 < len(pairs):
                     at.append(pairs[i + 1][0])
-            continue
-        if chunk < 2:
-            first = c.first_op("F", st, 0)      # the stage's first unit
+        elif chunk < 2:
+            out.prologue.extend(g for g, _ in pairs)     # before the stage's first receive
         else:
             _, fc, fmb = forwards[(chunk - 1) * p - st]
             first = c.first_op("F", fc * p + st, fmb)
-        c.insert_before.setdefault(id(first), []).extend(g for g, _ in pairs)
+            c.insert_before.setdefault(id(first), []).extend(g for g, _ in pairs)
     return out
