@@ -311,6 +311,8 @@ class MegatronOptions(_Strict):
     and chunk c's at one point; default Megatron-LM's: on with vp > 1 (no effect without)."""
     overlap_param_gather_with_optimizer_step: bool = False
     """Interleaved, distributed optimizer: chunk 0's gathers start after its own optimizer step."""
+    num_distributed_optimizer_instances: int = Field(default=1, gt=0)
+    """Distributed optimizer sharded within dp*cp/k ranks, gradient shards all-reduced across k."""
     overlap_p2p_comm: bool | None = None
     """Interleaved schedule: post pipeline sends/receives and wait later; default
     Megatron-LM's: on with vp > 1 (non-interleaved 1F1B cannot)."""

@@ -156,3 +156,36 @@ def test_overlap_param_gather_with_optimizer_step() -> None:
         chunk0 = [x for x in _gathers(r) if x.cls == c and int(x.op.name.split()[3][1:]) < 4]
         assert chunk0 and min(x.start for x in chunk0) < mine[0].end   # beside it
     assert r.summary["step_time_s"] <= base.summary["step_time_s"] + 1e-9
+
+
+def test_partial_distributed_optimizer_instances() -> None:
+    # num_distributed_optimizer_instances k: parallel_state.py splits each dp-cp group into k
+    # contiguous intra-instance groups; start_grad_sync reduce-scatters a bucket in its
+    # intra-instance group, then all-reduces the local shard (1/(dp/k) of the bucket) across
+    # instances; parameters are gathered in the intra-instance group and the optimizer states
+    # are sharded over dp/k ranks (k times the memory of the full distributed optimizer).
+    def prog(k: int):
+        return build_program(JobContext.from_scenario(_pp(
+            {"num_distributed_optimizer_instances": k}, pp=2, vp=1, dp=8)))
+
+    one, two = prog(1), prog(2)
+    ops = {o.name: o for o in two.ops}
+    rs = [o for o in two.ops if o.name.startswith("grad reduce_scatter")]
+    ar = [o for o in two.ops if o.name.startswith("grad all_reduce instances")]
+    assert rs and len(ar) == len(rs)
+    for o in rs:
+        assert all(len(g) == 4 for g in o.groups)
+        mate = ops[o.name.replace("reduce_scatter", "all_reduce instances")]
+        assert mate.deps == [o] and mate.nbytes == pytest.approx(o.nbytes / 4)
+        assert all(len(g) == 2 for g in mate.groups)
+        assert mate.groups[0] == (o.groups[0][0], o.groups[1][0])     # same place, 2 groups
+    gathers = [o for o in two.ops if o.name.startswith("param all_gather")]
+    assert gathers and all(len(g) == 4 for o in gathers for g in o.groups)
+    for a, b in zip(one.classes, two.classes, strict=True):
+        assert b.initial_memory["optimizer"] == pytest.approx(2 * a.initial_memory["optimizer"])
+    assert not [o for o in one.ops if "instances" in o.name]
+    assert simulate(_pp({"num_distributed_optimizer_instances": 2}, pp=2, vp=1,
+                        dp=8)).summary["step_time_s"] > 0
+    with pytest.raises(ScenarioError):
+        build_program(JobContext.from_scenario(_pp(
+            {"num_distributed_optimizer_instances": 3}, pp=2, vp=1, dp=8)))

@@ -49,6 +49,8 @@ from sim.frameworks.megatron_buckets import (
     assign_buckets,
     bucket_ops,
     bucket_size,
+    data_parallel_modes,
+    instance_groups,
 )
 from sim.frameworks.megatron_overlap import column_linear_backward, cp_ring
 from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
@@ -132,14 +134,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     ctx.require(ctx.seq % cp == 0, "parallelism.cp",
                 f"seq_len {ctx.seq} does not split over cp={cp}")
     mb_count = ctx.micro_batches
-    ctx.require(not opts.overlap_param_gather_with_optimizer_step
-                or (vp > 1 and opts.distributed_optimizer and opts.overlap_param_gather),
-                "framework.overlap_param_gather_with_optimizer_step",
-                "needs the interleaved schedule (parallelism.vp > 1), distributed_optimizer and "
-                "overlap_param_gather (Megatron-LM validate_args)")
-    # Megatron-LM's --no-align-param-gather defaults it on; validate_args turns it off without
-    # virtual stages (the non-interleaved schedules never call param_sync_func).
-    align_gather = vp > 1 and opts.align_param_gather is not False
+    align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
     overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm, p, vp)
     ctx.require(vp == 1 or mb_count % p == 0, "training.global_batch_size",
                 f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
@@ -202,7 +197,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         return n
 
     opt_bytes = 12 if grad_fp32 else 16   # fp32 master + Adam moments (+ fp32 grads for fp16)
-    shard = dp * cp if opts.distributed_optimizer else 1
+    shard = dp * cp // k_inst if opts.distributed_optimizer else 1
     # FP8: Transformer Engine keeps each linear weight's E4M3 copy and its transpose between
     # micro-batches (cast once per step): 2 bytes per linear parameter of the stage.
     linear_params = cost["attn_main"].params + cost["mlp_main"].params
@@ -508,7 +503,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         forwards = [u for u in schedule("1f1b" if vp > 1 else opts.pipeline_schedule, p, st,
                                         mb_count, vp) if u[0] == "F"]
         stage_buckets[st] = bucket_ops(st, p, vp, mb_count, buckets[st], forwards, BucketComms(
-            groups=dp_groups(st), reduce_op=reduce_op, grad_bytes=grad_bytes, param_bytes=act,
+            groups=instance_groups(dp_groups(st), k_inst)[0], reduce_op=reduce_op,
+            inter_groups=instance_groups(dp_groups(st), k_inst)[1],
+            grad_bytes=grad_bytes, param_bytes=act,
             overlap_grad_reduce=opts.overlap_grad_reduce,
             overlap_param_gather=opts.distributed_optimizer and opts.overlap_param_gather,
             align_param_gather=align_gather,
@@ -568,11 +565,11 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     # ------------------------------------------------------------------ gradients, optimizer
     for st, cls in enumerate(classes):
         n = stage_params(st)
-        groups = dp_groups(st)
+        groups = instance_groups(dp_groups(st), k_inst)[0]
         deps_done = [last_bwd[st]] + stage_buckets[st].grads
         if not opts.overlap_grad_reduce:
             for g in stage_buckets[st].grads:   # finalize_model_grads: every chunk's one bucket
-                g.deps = [last_bwd[st]]
+                g.deps = g.deps or [last_bwd[st]]
                 program.add(cls, g)
         if m.tied_embeddings and p > 1 and st in (0, p - 1):
             pairs = tuple((rank(ti, ci, di, 0), rank(ti, ci, di, p - 1)) for ti in range(t)
