@@ -29,8 +29,13 @@ What the step does, as ``megatron/core`` runs it:
   chunk, one bucket per chunk elsewhere), from the backward hooks of the last micro-batch
   (``overlap_grad_reduce``) or after the schedule; with the distributed optimizer a
   reduce-scatter, the optimizer on the shard, and an all-gather of the 16-bit parameters per
-  bucket, after the optimizer or in the next forward's pre-hooks (``overlap_param_gather``).
-  Tied embeddings are all-reduced between the first and last stage (``finalize_model_grads``).
+  bucket, after the optimizer or in the next forward's pre-hooks (``overlap_param_gather``;
+  with ``align_param_gather``, Megatron-LM's default under interleaving, every stage
+  dispatches its first two chunks' gathers at step start; ``overlap_param_gather_with_
+  optimizer_step`` dispatches chunk 0's after its own optimizer step; with k optimizer
+  instances the reduce-scatter and gather run in dp*cp/k ranks and the shard is all-reduced
+  across the instances). Tied embeddings are all-reduced between the first and last stage
+  (``finalize_model_grads``).
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
   gradients are fp16), the latter sharded over data-parallel ranks by the distributed
@@ -550,10 +555,8 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             program.add(cls, g)
             last_on_stream[g.stream] = g
         if rotated:
-            # overlap_param_gather_with_optimizer_step, in the steady state: ChainedOptimizer.
-            # _step steps chunk 0, dispatches its gathers, then steps the other chunks, so
-            # the step is taken to start at that dispatch, the other chunks' optimizer work
-            # beside the gathers, and to end with chunk 0's optimizer step.
+            # Steady state of ChainedOptimizer._step (chunk 0, its gathers, the others): the
+            # step opens at that dispatch and ends with chunk 0's optimizer step.
             last_on_stream["compute"] = program.add(cls, compute(
                 "optimizer step chunks 1+ (previous step)",
                 optimizer_s(st) * (1.0 - chunk0_share(st)), phase="optimizer",
