@@ -129,6 +129,7 @@ def test_overlap_p2p_comm_off_blocks_and_costs_time() -> None:
 @pytest.mark.parametrize("fw,par", [
     ({"overlap_p2p_comm": True}, {"pp": 2}),                       # schedules.py ValueError
     ({"overlap_p2p_comm": True, "batch_p2p_comm": True}, {"pp": 2, "vp": 2}),
+    ({"overlap_p2p_comm": False}, {"pp": 2, "vp": 2}),             # validate_args: pp > 2
     ({"distributed_optimizer": True, "overlap_param_gather": True,
       "overlap_param_gather_with_optimizer_step": True}, {"pp": 2}),   # validate_args
 ])

@@ -278,6 +278,9 @@ def p2p_modes(ctx: JobContext, overlap: bool | None, batch: bool | None, p: int,
     ctx.require(not (ov and vp == 1 and p > 1), "framework.overlap_p2p_comm",
                 "non-interleaved pipeline parallelism does not support overlapping p2p "
                 "communication (schedules.py)")
+    ctx.require(ov or vp == 1 or p > 2, "framework.overlap_p2p_comm",
+                "the interleaved schedule without p2p overlap needs pp > 2 (validate_args: "
+                "several sends and receives between the same two ranks per batch)")
     ctx.require(not (ov and ba), "framework.batch_p2p_comm",
                 "can not use both overlap_p2p_comm and batch_p2p_comm (schedules.py)")
     return ov, ba
