@@ -327,6 +327,19 @@ class MegatronOptions(_Strict):
     """Reduce gradients bucket by bucket during the last micro-batch's backward."""
     overlap_param_gather: bool = False
     """With the distributed optimizer: all-gather parameters bucket by bucket in forward."""
+    align_param_gather: bool | None = None
+    """Interleaved schedule: every stage dispatches its first two chunks' gathers at step start
+    and chunk c's at one point; default Megatron-LM's: on with vp > 1 (no effect without)."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Interleaved, distributed optimizer: chunk 0's gathers start after its own optimizer step."""
+    num_distributed_optimizer_instances: int = Field(default=1, gt=0)
+    """Distributed optimizer sharded within dp*cp/k ranks, gradient shards all-reduced across k."""
+    overlap_p2p_comm: bool | None = None
+    """Interleaved schedule: post pipeline sends/receives and wait later; default
+    Megatron-LM's: on with vp > 1 (non-interleaved 1F1B cannot)."""
+    batch_p2p_comm: bool | None = None
+    """Blocking pipeline calls as one batch_isend_irecv plus torch.cuda.synchronize; default
+    not overlap_p2p_comm (Megatron-LM)."""
     tp_comm_overlap: bool = False
     """Overlap tensor-parallel communication with the GEMMs around it (TE userbuffers)."""
     flash_attention: bool = True

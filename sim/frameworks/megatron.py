@@ -29,8 +29,13 @@ What the step does, as ``megatron/core`` runs it:
   chunk, one bucket per chunk elsewhere), from the backward hooks of the last micro-batch
   (``overlap_grad_reduce``) or after the schedule; with the distributed optimizer a
   reduce-scatter, the optimizer on the shard, and an all-gather of the 16-bit parameters per
-  bucket, after the optimizer or in the next forward's pre-hooks (``overlap_param_gather``).
-  Tied embeddings are all-reduced between the first and last stage (``finalize_model_grads``).
+  bucket, after the optimizer or in the next forward's pre-hooks (``overlap_param_gather``;
+  with ``align_param_gather``, Megatron-LM's default under interleaving, every stage
+  dispatches its first two chunks' gathers at step start; ``overlap_param_gather_with_
+  optimizer_step`` dispatches chunk 0's after its own optimizer step; with k optimizer
+  instances the reduce-scatter and gather run in dp*cp/k ranks and the shard is all-reduced
+  across the instances). Tied embeddings are all-reduced between the first and last stage
+  (``finalize_model_grads``).
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
   gradients are fp16), the latter sharded over data-parallel ranks by the distributed
@@ -49,12 +54,15 @@ from sim.frameworks.megatron_buckets import (
     assign_buckets,
     bucket_ops,
     bucket_size,
+    data_parallel_modes,
+    instance_groups,
 )
 from sim.frameworks.megatron_overlap import column_linear_backward, cp_ring
 from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
     P2PLink,
     add_stage,
     chunk_layers,
+    p2p_modes,
     pipeline_steps,
     schedule,
 )
@@ -131,6 +139,8 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
     ctx.require(ctx.seq % cp == 0, "parallelism.cp",
                 f"seq_len {ctx.seq} does not split over cp={cp}")
     mb_count = ctx.micro_batches
+    align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
+    overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm, p, vp)
     ctx.require(vp == 1 or mb_count % p == 0, "training.global_batch_size",
                 f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
                 f"of pp={p}")
@@ -192,7 +202,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         return n
 
     opt_bytes = 12 if grad_fp32 else 16   # fp32 master + Adam moments (+ fp32 grads for fp16)
-    shard = dp * cp if opts.distributed_optimizer else 1
+    shard = dp * cp // k_inst if opts.distributed_optimizer else 1
     # FP8: Transformer Engine keeps each linear weight's E4M3 copy and its transpose between
     # micro-batches (cast once per step): 2 bytes per linear parameter of the stage.
     linear_params = cost["attn_main"].params + cost["mlp_main"].params
@@ -498,14 +508,31 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         forwards = [u for u in schedule("1f1b" if vp > 1 else opts.pipeline_schedule, p, st,
                                         mb_count, vp) if u[0] == "F"]
         stage_buckets[st] = bucket_ops(st, p, vp, mb_count, buckets[st], forwards, BucketComms(
-            groups=dp_groups(st), reduce_op=reduce_op, grad_bytes=grad_bytes, param_bytes=act,
+            groups=instance_groups(dp_groups(st), k_inst)[0], reduce_op=reduce_op,
+            inter_groups=instance_groups(dp_groups(st), k_inst)[1],
+            grad_bytes=grad_bytes, param_bytes=act,
             overlap_grad_reduce=opts.overlap_grad_reduce,
             overlap_param_gather=opts.distributed_optimizer and opts.overlap_param_gather,
+            align_param_gather=align_gather,
+            gather_with_optimizer=opts.overlap_param_gather_with_optimizer_step,
             part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
             first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
             key=lambda st=st: new_key(f"dp/{st}"), cpu_s=cpu_call,  # type: ignore[misc]
             launch_after=launch_after, insert_before=insert_before))
 
+    def optimizer_s(st: int) -> float:
+        # Grad unscale/norm (read 4 B), Adam over the fp32 shard (28 B), copy the updated
+        # shard into 16-bit parameters (6 B), zero the gradient buffers.
+        n = stage_params(st)
+        local = n / shard
+        return (cm.adamw_time(local, True, 8 * stage_layer_count[st] + 4)
+                + cm.membound_time(4 * local) + cm.membound_time(6 * local)
+                + cm.membound_time(grad_bytes * n))
+
+    def chunk0_share(st: int) -> float:
+        return sum(b.params for b in buckets[st] if b.v < p) / stage_params(st)
+
+    rotated = opts.overlap_param_gather_with_optimizer_step and dp * cp > 1
     kind_sched = opts.pipeline_schedule if vp == 1 else "1f1b"
     last_bwd: dict[int, Op] = {}
     for st, cls in enumerate(classes):
@@ -524,17 +551,28 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 last_bwd[st] = unit.last  # type: ignore[assignment]
             return unit.first, unit.last
 
-        add_stage(program, cls, st, pipeline_steps(kind_sched, p, st, mb_count, vp),
-                  run_unit, link, last_on_stream)
+        for g in stage_buckets[st].prologue:    # aligned: before the first receive
+            program.add(cls, g)
+            last_on_stream[g.stream] = g
+        if rotated:
+            # Steady state of ChainedOptimizer._step (chunk 0, its gathers, the others): the
+            # step opens at that dispatch and ends with chunk 0's optimizer step.
+            last_on_stream["compute"] = program.add(cls, compute(
+                "optimizer step chunks 1+ (previous step)",
+                optimizer_s(st) * (1.0 - chunk0_share(st)), phase="optimizer",
+                category="optimizer"))
+        steps = pipeline_steps(kind_sched, p, st, mb_count, vp, overlap=overlap_p2p,
+                               sync=batch_p2p)
+        add_stage(program, cls, st, steps, run_unit, link, last_on_stream)
 
     # ------------------------------------------------------------------ gradients, optimizer
     for st, cls in enumerate(classes):
         n = stage_params(st)
-        groups = dp_groups(st)
+        groups = instance_groups(dp_groups(st), k_inst)[0]
         deps_done = [last_bwd[st]] + stage_buckets[st].grads
         if not opts.overlap_grad_reduce:
             for g in stage_buckets[st].grads:   # finalize_model_grads: every chunk's one bucket
-                g.deps = [last_bwd[st]]
+                g.deps = g.deps or [last_bwd[st]]
                 program.add(cls, g)
         if m.tied_embeddings and p > 1 and st in (0, p - 1):
             pairs = tuple((rank(ti, ci, di, 0), rank(ti, ci, di, p - 1)) for ti in range(t)
@@ -545,12 +583,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 group=pairs[0], groups=pairs, nbytes=grad_bytes * vocab_local * h,
                 key="embedding-group", category="all_reduce"))
             deps_done.append(tie)
-        local = n / shard
-        # Optimizer: grad unscale/norm (read 4 B), Adam over the fp32 shard (28 B), copy the
-        # updated shard into 16-bit parameters (6 B), zero the gradient buffers.
-        dur = (cm.adamw_time(local, True, 8 * stage_layer_count[st] + 4)
-               + cm.membound_time(4 * local) + cm.membound_time(6 * local)
-               + cm.membound_time(grad_bytes * n))
+        dur = optimizer_s(st)
+        if rotated:
+            dur *= chunk0_share(st)     # the other chunks' steps open the step (see above)
         opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                        category="optimizer", deps=deps_done))
         if opts.distributed_optimizer and dp * cp > 1 and not stage_buckets[st].gathers:

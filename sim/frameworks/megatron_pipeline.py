@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sim.frameworks.base import JobContext
 from sim.program import Op, Program, RankClass
 
 Unit = tuple[str, int, int]
@@ -132,8 +133,14 @@ class Step:
     """A wait that ends with ``torch.cuda.synchronize()`` (the host waits for the GPU)."""
 
 
-def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int) -> list[Step]:
+def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int, overlap: bool = True,
+                   sync: bool = True) -> list[Step]:
     """Stage ``s``'s units with the point-to-point calls Megatron-Core issues between them.
+
+    ``overlap``: the interleaved schedule's ``overlap_p2p_comm`` (posts and later waits);
+    without it every call blocks. ``sync``: a blocking call ends with
+    ``torch.cuda.synchronize()`` (``batch_p2p_comm`` with ``batch_p2p_sync``,
+    ``p2p_communication.py`` ``_communicate``).
 
     Examples
     --------
@@ -165,7 +172,7 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int) -> list[Step]:
         ts = [x for x in parts if x is not None]
         if ts:
             steps.append(Step("post", transfers=ts))
-            steps.append(Step("wait", transfers=ts, sync=True))
+            steps.append(Step("wait", transfers=ts, sync=sync))
 
     if vp == 1:
         F = [("F", 0, i) for i in range(m)]
@@ -189,9 +196,12 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int) -> list[Step]:
             call(peer(B[i], "send"))
         return steps
 
+    order = schedule("1f1b", p, s, m, vp)
+    if not overlap:
+        _interleaved_blocking(order, p, s, m, vp, peer, call, steps)
+        return steps
     # Interleaved with overlap_p2p_comm: posts after units, waits before the next unit of the
     # same direction.
-    order = schedule("1f1b", p, s, m, vp)
     post_after: dict[int, list[tuple[str, Transfer]]] = {}
     prev_same: dict[str, int] = {}
     last_send: dict[str, tuple[str, Transfer]] = {}
@@ -219,6 +229,61 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int) -> list[Step]:
     if last_send:
         steps.append(Step("wait", transfers=list(last_send.values())))
     return steps
+
+
+def _interleaved_blocking(order: list[Unit], p: int, s: int, m: int, vp: int,
+                          peer: Callable[[Unit, str], tuple[str, Transfer] | None],
+                          call: Callable[..., None], steps: list[Step]) -> None:
+    """The interleaved schedule without ``overlap_p2p_comm`` (``schedules.py``, the
+    ``not config.overlap_p2p_comm`` branches): a blocking ``recv_forward`` first; after each
+    warm-up forward ``send_forward_recv_forward`` (the last one also receives the first
+    backward's gradient: ``send_forward_backward_recv_forward_backward``); after each steady
+    forward + backward pair one ``send_forward_backward_recv_forward_backward``; after each
+    cool-down backward ``send_backward_recv_backward``."""
+    F = [u for u in order if u[0] == "F"]
+    B = [u for u in order if u[0] == "B"]
+    total = m * vp
+    warm = min((p - s - 1) * 2 + (vp - 1) * p, total)
+    rest = total - warm
+
+    def nxt(units: list[Unit], i: int) -> tuple[str, Transfer] | None:
+        return peer(units[i], "recv") if i < len(units) else None
+
+    call(peer(F[0], "recv"))
+    for i in range(warm):
+        steps.append(Step("unit", F[i]))
+        call(peer(F[i], "send"), nxt(F, i + 1),
+             nxt(B, 0) if i == warm - 1 and rest > 0 else None)
+    for k in range(rest):
+        steps.append(Step("unit", F[warm + k]))
+        steps.append(Step("unit", B[k]))
+        call(peer(F[warm + k], "send"), peer(B[k], "send"),
+             nxt(F, warm + k + 1), nxt(B, k + 1))
+    if rest == 0:
+        call(nxt(B, 0))
+    for k in range(rest, total):
+        steps.append(Step("unit", B[k]))
+        call(peer(B[k], "send"), nxt(B, k + 1))
+
+
+def p2p_modes(ctx: JobContext, overlap: bool | None, batch: bool | None, p: int, vp: int
+              ) -> tuple[bool, bool]:
+    """Effective (``overlap_p2p_comm``, ``batch_p2p_comm``). Megatron-LM: overlap on with
+    virtual stages (``--no-overlap-p2p-communication``), forced off without
+    (``validate_args``); ``batch_p2p_comm = not overlap_p2p_comm`` (``argument_utils.py``).
+    Megatron-Bridge's ``CommOverlapConfig`` sets the same pair. ``schedules.py`` refuses
+    overlap without interleaving and overlap together with batching."""
+    ov = vp > 1 if overlap is None else overlap
+    ba = not ov if batch is None else batch
+    ctx.require(not (ov and vp == 1 and p > 1), "framework.overlap_p2p_comm",
+                "non-interleaved pipeline parallelism does not support overlapping p2p "
+                "communication (schedules.py)")
+    ctx.require(ov or vp == 1 or p > 2, "framework.overlap_p2p_comm",
+                "the interleaved schedule without p2p overlap needs pp > 2 (validate_args: "
+                "several sends and receives between the same two ranks per batch)")
+    ctx.require(not (ov and ba), "framework.batch_p2p_comm",
+                "can not use both overlap_p2p_comm and batch_p2p_comm (schedules.py)")
+    return ov, ba
 
 
 @dataclass
