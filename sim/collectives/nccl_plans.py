@@ -160,13 +160,13 @@ def _collnet(b: PlanBuilder, algorithm: str, group: Sequence[int], buffsize: flo
                               (tuple(fab.route(z, a)), 1.0 / ppn)]
     nvl = min((float(b.capacity[list(p)].min()) for p, _ in paths), default=math.inf)
     nic = math.inf
-    chain = 0.0
+    propagation = 0.0
     for k in range(ppn):
         heads = [by[node][k] for node in nodes]
         # Reduced up the aggregation tree to its root and multicast back down
         # (sim.collectives.chain): the slowest head's long-haul propagation both ways.
-        chain = max([chain] + [b.long_haul(h, heads[0]) + b.long_haul(heads[0], h)
-                               for h in heads[1:]])
+        propagation = max([propagation] + [b.long_haul(h, heads[0]) + b.long_haul(heads[0], h)
+                                           for h in heads[1:]])
         tree = _sharp_tree(b, heads, 1.0 / ppn)
         nic = min(nic, min(float(b.capacity[list(p)].min()) for p, _ in tree))
         paths += tree
@@ -177,7 +177,7 @@ def _collnet(b: PlanBuilder, algorithm: str, group: Sequence[int], buffsize: flo
     stages = 2 if algorithm == "collnet_direct" else 2 * ppn
     plan = _raw(b, algorithm, paths, n, len(nodes), ppn, 2.0 / per_byte, 2.0, chans,
                 fill_stages=stages, chunk_bytes=buffsize / 8)
-    return dataclasses.replace(plan, chain_latency_s=chain)
+    return dataclasses.replace(plan, chain_latency_s=propagation)
 
 
 def collnet_direct(b: PlanBuilder, group: Sequence[int], buffsize: float) -> FlowPlan:
