@@ -178,7 +178,9 @@ class FabricSpec:
     spines_per_zone : int
         Spine switches per zone; 0 derives it as the number of uplink ports of the zone's largest
         leaf, ``ceil(leaf NIC ports / oversubscription)``, at least 1, i.e. one uplink from every
-        leaf to every spine as in a two-tier fat tree.
+        leaf to every spine as in a two-tier fat tree. With ``routing="adaptive"`` the graph
+        holds one pooled spine per zone instead (its leaf links carry the summed capacity;
+        ``graph.graph["spines_real"]`` keeps the real count).
     rail_optimized : bool
         NIC ``k`` of every node in a leaf group goes to that group's rail-``k`` leaf; otherwise one
         leaf per group takes all NICs of its nodes.
@@ -193,6 +195,10 @@ class FabricSpec:
         :data:`TRANSPORT_LATENCY_US` has NIC and switch values per transport.
     ecmp_seed : int
         Salt of the ECMP hash that spreads flows over spines.
+    routing : {"ecmp", "adaptive"}
+        Static per-flow ECMP over the spines, or adaptive routing (per-packet spreading, modelled
+        as one pooled spine per zone; :mod:`sim.topology.routing`). The scenario layer picks a
+        default by transport; ``ecmp`` here keeps the builder's historical graph.
 
     Examples
     --------
@@ -235,8 +241,6 @@ class FabricSpec:
     sharp: bool = False
     """Network switches with in-network reduction (InfiniBand SHARP) for NCCL's CollNet."""
     routing: str = "ecmp"
-    """How flows spread over a zone's spines: ``ecmp`` (static per-flow hash) or ``adaptive``
-    (per-packet, modelled as one pooled spine; :mod:`sim.topology.routing`)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -746,7 +750,8 @@ class Fabric:
 
         Same node: GPU -> NVSwitch -> GPU (``rail`` is ignored). Different nodes: up through a NIC
         of the source node, across the network, down through a NIC of the destination node, via
-        the shared leaf, or a spine chosen by ECMP hash, or spines and the zone gateways (and the
+        the shared leaf, or a spine chosen by ECMP hash (the zone's one pooled spine under
+        adaptive routing), or spines and the zone gateways (and the
         region gateways between regions). The NICs are the source GPU's rail NIC
         (:meth:`rail_of`) and the destination GPU's rail NIC when ``rail`` is None, and NIC
         ``rail`` at both ends otherwise, reached over PCIe through the host when that NIC hangs
