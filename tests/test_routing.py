@@ -204,3 +204,16 @@ def test_ecmp_keeps_previous_numbers():
         0.014531777347368423, rel=1e-12)
     assert _pat_one_gpu_per_node(128, "ecmp", nbytes, nodes_per_leaf=16)[0] == pytest.approx(
         0.007870562919298245, rel=1e-12)
+
+
+def test_collective_table_with_one_gpu_per_node_sizes_the_cluster():
+    """``fabricsim collective --gpus 256 --set cluster.gpus_per_node=1``: 256 nodes, not 32
+    (the override used to be ignored when sizing the cluster, and the run failed)."""
+    from sim.nccltests import collective_table
+
+    out = collective_table("dgx-h100", "all_gather", 256, [256 * MIB],
+                           overrides={"cluster.gpus_per_node": 1, "cluster.nics_per_node": 1})
+    row = out["rows"][0]
+    assert row["algorithm"] == "pat"
+    assert row["time_s"] == pytest.approx(row["nccl_model_s"], rel=0.10)
+    assert row["time_s"] >= 255 / 256 * 256 * MIB / NIC_BYTES_PER_S
