@@ -30,6 +30,7 @@ from sim.program import Program
 from sim.recorder import Recorder
 from sim.scenario import Scenario
 from sim.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
+from sim.topology.routing import ROUTING_BY_TRANSPORT
 
 EXPANDABLE_SEGMENTS_BY_DEFAULT = ("fsdp2",)
 """Frameworks whose launcher turns on the allocator's expandable segments: torchtitan's
@@ -80,6 +81,7 @@ def fabric_spec(s: Scenario) -> FabricSpec:
         nvme_write_gbytes_per_s=host.nvme_write_gbytes_per_s,
         cpu_vendor=c.cpu_vendor,
         sharp=c.sharp,
+        routing=c.routing or ROUTING_BY_TRANSPORT[c.nic_transport],
     )
 
 

@@ -75,7 +75,9 @@ class Bench:
         probe = scenario_from_dict({"model": "llama3.2-1b",
                                     "cluster": {"topology": topology, "nodes": 1}},
                                    origin=f"topology {topology}")
-        per_node = probe.cluster.gpus_per_node
+        # An override of gpus_per_node sizes the cluster too (one GPU per node: PAT's case).
+        per_node = int((overrides or {}).get("cluster.gpus_per_node",
+                                             probe.cluster.gpus_per_node))
         nodes = max(1, math.ceil(gpus / per_node))
         data: dict[str, Any] = {"model": "llama3.2-1b",
                                 "cluster": {"topology": topology, "nodes": nodes},

@@ -126,6 +126,10 @@ class Cluster(_Strict):
     cpu_vendor: Literal["intel", "amd", "arm", "power", "zhaoxin", "mixed"] = "intel"
     """Host CPU vendor (architecture for Arm and POWER): NCCL indexes its LL bandwidth
     limit across nodes and its network overhead by it (tuning.cc). Intel where unknown."""
+    routing: Literal["ecmp", "adaptive"] | None = None
+    """How flows spread over the spine switches: ``ecmp`` (static per-flow hash) or
+    ``adaptive`` (per-packet spreading, as InfiniBand adaptive routing and EFA's SRD do);
+    default by ``nic_transport`` (:data:`sim.topology.routing.ROUTING_BY_TRANSPORT`)."""
     sharp: bool = False
     """The network switches do in-network reductions (InfiniBand SHARP) and NCCL's CollNet
     plugin is set up: CollNet Direct/Chain become available (with ``nccl.collnet_enable``)."""

@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import networkx as nx
 import numpy as np
 
+from sim.topology.routing import ROUTINGS, spine_count
+
 __all__ = [
     "CROSS_AZ",
     "CROSS_REGION",
@@ -176,7 +178,9 @@ class FabricSpec:
     spines_per_zone : int
         Spine switches per zone; 0 derives it as the number of uplink ports of the zone's largest
         leaf, ``ceil(leaf NIC ports / oversubscription)``, at least 1, i.e. one uplink from every
-        leaf to every spine as in a two-tier fat tree.
+        leaf to every spine as in a two-tier fat tree. With ``routing="adaptive"`` the graph
+        holds one pooled spine per zone instead (its leaf links carry the summed capacity;
+        ``graph.graph["spines_real"]`` keeps the real count).
     rail_optimized : bool
         NIC ``k`` of every node in a leaf group goes to that group's rail-``k`` leaf; otherwise one
         leaf per group takes all NICs of its nodes.
@@ -191,6 +195,10 @@ class FabricSpec:
         :data:`TRANSPORT_LATENCY_US` has NIC and switch values per transport.
     ecmp_seed : int
         Salt of the ECMP hash that spreads flows over spines.
+    routing : {"ecmp", "adaptive"}
+        Static per-flow ECMP over the spines, or adaptive routing (per-packet spreading, modelled
+        as one pooled spine per zone; :mod:`sim.topology.routing`). The scenario layer picks a
+        default by transport; ``ecmp`` here keeps the builder's historical graph.
 
     Examples
     --------
@@ -232,6 +240,7 @@ class FabricSpec:
     multi-node LL bandwidth limit and network overhead by it; Intel where unknown."""
     sharp: bool = False
     """Network switches with in-network reduction (InfiniBand SHARP) for NCCL's CollNet."""
+    routing: str = "ecmp"
 
     def __post_init__(self) -> None:
         def need(ok: bool, what: str) -> None:
@@ -254,6 +263,7 @@ class FabricSpec:
         )
         need(self.nodes_per_leaf >= 1, f"nodes_per_leaf must be >= 1, got {self.nodes_per_leaf}")
         need(self.spines_per_zone >= 0, "spines_per_zone must be >= 0")
+        need(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         need(self.pcie_switches_per_node >= 0, "pcie_switches_per_node must be >= 0")
         for name in ("nvlink_gbytes_per_s", "pcie_gbytes_per_s", "nic_gbps", "az_link_gbps",
                      "region_link_gbps", "oversubscription"):
@@ -300,7 +310,8 @@ class _Layout:
     zone_nodes: tuple[tuple[int, ...], ...]  # nodes of each zone, in order
     leaves: tuple[int, ...]  # leaf count per zone
     leaf_downlinks: tuple[tuple[int, ...], ...]  # NIC ports per leaf, per zone
-    spines: tuple[int, ...]  # spine count per zone (0 when the zone has at most one leaf)
+    spines: tuple[int, ...]  # spines laid out per zone (0 with at most one leaf; 1 if pooled)
+    spines_real: tuple[int, ...]  # spine switches per zone before adaptive routing pools them
 
     @staticmethod
     def of(spec: FabricSpec) -> _Layout:
@@ -331,7 +342,8 @@ class _Layout:
                 spines.append(spec.spines_per_zone)
             else:
                 spines.append(max(1, math.ceil(max(ports) / spec.oversubscription)))
-        return _Layout(zone_nodes, tuple(leaves), tuple(downlinks), tuple(spines))
+        pooled = tuple(spine_count(spec.routing, n) for n in spines)
+        return _Layout(zone_nodes, tuple(leaves), tuple(downlinks), pooled, tuple(spines))
 
     def leaf_of_nic(self, spec: FabricSpec, node: int, k: int) -> Node:
         zone = node % spec.azs
@@ -389,8 +401,8 @@ def build_graph(spec: FabricSpec) -> nx.DiGraph:
     >>> g.edges[("gpu", 0, 0), ("nvswitch", 0)]["kind"], g.number_of_edges()
     ('nvlink', 10)
     """
-    g = nx.DiGraph(spec=spec, link_kinds=LINK_KINDS)
     layout = _Layout.of(spec)
+    g = nx.DiGraph(spec=spec, link_kinds=LINK_KINDS, spines_real=layout.spines_real)
     azs = spec.azs
     region = spec.region_of_zone
     edges: list[tuple[Node, Node, dict]] = []
@@ -738,7 +750,8 @@ class Fabric:
 
         Same node: GPU -> NVSwitch -> GPU (``rail`` is ignored). Different nodes: up through a NIC
         of the source node, across the network, down through a NIC of the destination node, via
-        the shared leaf, or a spine chosen by ECMP hash, or spines and the zone gateways (and the
+        the shared leaf, or a spine chosen by ECMP hash (the zone's one pooled spine under
+        adaptive routing), or spines and the zone gateways (and the
         region gateways between regions). The NICs are the source GPU's rail NIC
         (:meth:`rail_of`) and the destination GPU's rail NIC when ``rail`` is None, and NIC
         ``rail`` at both ends otherwise, reached over PCIe through the host when that NIC hangs
