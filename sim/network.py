@@ -352,6 +352,13 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     numpy.ndarray
         The rate of each flow.
 
+    Notes
+    -----
+    The filling runs on the links the flows use, renumbered 0..k-1 once, so each round costs
+    the live incidences and k, not every link of the fabric. The saturation tolerance is
+    taken against the whole fabric's largest capacity, as before the renumbering, so the
+    rates are the same to the last bit.
+
     Examples
     --------
     A flow limited to 30 elsewhere leaves 70 of a shared 100 to the other flow:
@@ -362,38 +369,47 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     """
     caps = np.full(n_flows, np.inf) if caps is None else np.asarray(caps, dtype=float)
     rates = np.zeros(n_flows)
-    remaining = capacity.astype(float).copy()
-    n_links = len(capacity)
-    tol = _EPS * np.maximum(capacity, float(capacity.max(initial=1.0)) * 1e-6)
+    capacity = np.asarray(capacity, dtype=float)
+    if not len(flat_links):
+        return rates
+    used_ids, links = np.unique(flat_links, return_inverse=True)
+    links = links.reshape(-1).astype(np.intp, copy=False)
+    n_links = len(used_ids)
+    remaining = capacity[used_ids]
+    tol = _EPS * np.maximum(remaining, float(capacity.max(initial=1.0)) * 1e-6)
+    own = np.asarray(owner, dtype=np.intp)
     # Work on the incidences of unfrozen flows only; drop them as flows freeze.
-    links, own = flat_links, owner
     active = np.ones(n_flows, dtype=bool)
+    act_idx = np.arange(n_flows)
+    act_caps = caps
     level = 0.0
     while links.size:
         users = np.bincount(links, minlength=n_links)
         used = users > 0
         share = np.full(n_links, np.inf)
-        share[used] = remaining[used] / users[used]
-        act_idx = np.flatnonzero(active)
-        step = min(share.min(), float((caps[act_idx] - level).min()))
+        np.divide(remaining, users, out=share, where=used)
+        step = min(share.min(), float((act_caps - level).min()))
         if not np.isfinite(step):
             raise ValueError("a flow has no finite bottleneck")
         step = max(step, 0.0)
         level += step
         remaining -= step * users
         saturated = used & (remaining <= tol)
-        frozen = np.zeros(n_flows, dtype=bool)
-        frozen[own[saturated[links]]] = True
-        frozen[act_idx[caps[act_idx] <= level * (1 + _EPS)]] = True
-        if not frozen.any():
+        frozen = own[saturated[links]]
+        capped = act_idx[act_caps <= level * (1 + _EPS)]
+        if not frozen.size and not capped.size:
             # Numerical corner: freeze the flows on the tightest link.
             tight = used & (share <= step * (1 + 1e-6))
-            frozen[own[tight[links]]] = True
-        newly = frozen & active
-        rates[newly] = level
-        active &= ~frozen
+            frozen = own[tight[links]]
+        # Every flow named here is still active (its incidences or its index are live).
+        rates[frozen] = level
+        rates[capped] = level
+        active[frozen] = False
+        active[capped] = False
         keep = active[own]
         links, own = links[keep], own[keep]
+        live = active[act_idx]
+        act_idx, act_caps = act_idx[live], act_caps[live]
     return rates
 
 
