@@ -29,6 +29,10 @@ import simpy
 # Relative tolerance for "this link is saturated" and "this flow is done".
 _EPS = 1e-9
 
+# Rows of FlowNetwork's per-flow table, before the hop counts per link class.
+_ROWS = ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count")
+_N_ROWS = len(_ROWS)
+
 
 class NetworkObserver:
     """Hook surface for the recorder; the network calls these, measurement stays outside.
@@ -79,19 +83,15 @@ class FlowNetwork:
         self.solves = 0
         self._last = env.now
         self._version = 0
-        # Per active flow.
-        self._size = np.zeros(0)
-        self._remaining = np.zeros(0)
-        self._rate = np.zeros(0)
-        self._cap = np.zeros(0)
-        self._base_cap = np.zeros(0)
-        self._cap0 = np.zeros(0)
-        self._count = np.zeros(0)
-        self._group = np.zeros(0, dtype=np.int64)
+        # Per active flow, one row each of one float table (so a start or a retire copies
+        # one array, not seven): see _ROWS. The hop counts per link class stay a C-ordered
+        # array of their own, so the class totals' matrix products sum as they always did.
+        self._flows = np.zeros((_N_ROWS, 0))
         self._hops = np.zeros((0, n_kinds))
-        # Per flow-link incidence.
-        self._inc_link = np.zeros(0, dtype=np.int64)
-        self._inc_flow = np.zeros(0, dtype=np.int64)
+        self._group = np.zeros(0, dtype=np.int64)
+        # Per flow-link incidence: row 0 the link, row 1 the flow.
+        self._inc = np.zeros((2, 0), dtype=np.int64)
+        self._bind()
         # Per group: [event, flows pending, bytes, tag].
         self._groups: dict[int, list] = {}
         # Rate-cap scales set by tag (:meth:`scale_caps`) and the live groups of each tag.
@@ -196,17 +196,20 @@ class FlowNetwork:
         owner = np.repeat(np.arange(n_new), lengths)
         hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
                            minlength=n_new * self.n_kinds).reshape(n_new, self.n_kinds)
-        self._size = np.concatenate([self._size, sizes])
-        self._remaining = np.concatenate([self._remaining, sizes])
-        self._rate = np.concatenate([self._rate, np.zeros(n_new)])
-        self._cap = np.concatenate([self._cap, caps])
-        self._base_cap = np.concatenate([self._base_cap, alone])
-        self._cap0 = np.concatenate([self._cap0, caps0])
-        self._count = np.concatenate([self._count, counts])
+        block = np.empty((_N_ROWS, n_new))
+        block[0] = sizes          # _size
+        block[1] = sizes          # _remaining
+        block[2] = 0.0            # _rate
+        block[3] = caps           # _cap
+        block[4] = alone          # _base_cap
+        block[5] = caps0          # _cap0
+        block[6] = counts         # _count
+        self._flows = np.concatenate([self._flows, block], axis=1)
         self._group = np.concatenate([self._group, np.full(n_new, gid, dtype=np.int64)])
         self._hops = np.concatenate([self._hops, hops.astype(float)])
-        self._inc_link = np.concatenate([self._inc_link, flat_links.astype(np.int64)])
-        self._inc_flow = np.concatenate([self._inc_flow, owner + base])
+        self._inc = np.concatenate([self._inc, np.stack([flat_links.astype(np.int64),
+                                                         owner + base])], axis=1)
+        self._bind()
         self._dirty.append(flat_links.astype(np.int64))
         self._resolve()
         return done
@@ -258,12 +261,13 @@ class FlowNetwork:
             self._hops[finished]
         keep = ~finished
         remap = np.cumsum(keep) - 1
-        inc_keep = keep[self._inc_flow]
-        self._inc_link = self._inc_link[inc_keep]
-        self._inc_flow = remap[self._inc_flow[inc_keep]]
-        for name in ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count",
-                     "_group", "_hops"):
-            setattr(self, name, getattr(self, name)[keep])
+        inc = self._inc[:, keep[self._inc_flow]]
+        inc[1] = remap[inc[1]]
+        self._inc = inc
+        self._flows = self._flows[:, keep]
+        self._group = self._group[keep]
+        self._hops = self._hops[keep]
+        self._bind()
         for gid, k in zip(gids.tolist(), n.tolist(), strict=True):
             entry = self._groups[gid]
             entry[1] -= k
@@ -276,6 +280,15 @@ class FlowNetwork:
                         del self._tag_groups[entry[3]]
                 self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
                 entry[0].succeed()
+
+    def _bind(self) -> None:
+        """Point the per-flow and per-incidence names at rows of the current tables (views:
+        writing into them writes the table)."""
+        f = self._flows
+        self._size, self._remaining, self._rate, self._cap = f[0], f[1], f[2], f[3]
+        self._base_cap, self._cap0, self._count = f[4], f[5], f[6]
+        self._inc_link = self._inc[0]
+        self._inc_flow = self._inc[1]
 
     def _wake(self, version: int) -> None:
         if version != self._version:
@@ -304,7 +317,6 @@ class FlowNetwork:
         dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
         self._dirty = []
         if n == 0:
-            self._rate = np.zeros(0)
             self._link_rates = np.zeros(len(self.capacity))
             self._class_rates = np.zeros(self.n_kinds)
         else:
@@ -313,8 +325,8 @@ class FlowNetwork:
             comp = self._component(dirty)
             if comp.all() or self.solves % 4096 == 0:
                 # A full solve, and now and then a full recount against rounding drift.
-                self._rate = max_min_rates(self._inc_link, self._inc_flow, n, self.capacity,
-                                           self._cap)
+                self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
+                                              self.capacity, self._cap)
                 self._link_rates = np.bincount(
                     self._inc_link, weights=self._rate[self._inc_flow],
                     minlength=len(self.capacity)).astype(float)
