@@ -250,7 +250,16 @@ class FlowNetwork:
         timeout.callbacks.append(lambda _ev: self._wake(version))
 
     def _retire(self, finished: np.ndarray) -> None:
-        gids, n = np.unique(self._group[finished], return_counts=True)
+        ended = self._group[finished]
+        if len(ended) > 64:
+            gids, n = np.unique(ended, return_counts=True)
+            tally = dict(zip(gids.tolist(), n.tolist(), strict=True))
+        else:
+            # A few flows end at once (usually one group): count them without np.unique's
+            # sort machinery; groups end below in ascending order all the same.
+            tally = {}
+            for g in ended.tolist():
+                tally[g] = tally.get(g, 0) + 1
         gone = finished[self._inc_flow]
         self._dirty.append(self._inc_link[gone])
         # Their rates leave the link and class totals (finished flows ran until now).
@@ -268,7 +277,8 @@ class FlowNetwork:
         self._group = self._group[keep]
         self._hops = self._hops[keep]
         self._bind()
-        for gid, k in zip(gids.tolist(), n.tolist(), strict=True):
+        for gid in sorted(tally):
+            k = tally[gid]
             entry = self._groups[gid]
             entry[1] -= k
             if entry[1] == 0:
@@ -384,6 +394,16 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     capacity = np.asarray(capacity, dtype=float)
     if not len(flat_links):
         return rates
+    if n_flows == 1:
+        # One flow (most solves of an incremental run): on distinct links, the first round
+        # already freezes it at min(bottleneck, cap), so skip the renumbering.
+        path = np.sort(flat_links)
+        if not (path[1:] == path[:-1]).any():
+            step = min(float(capacity[path].min()), float(caps[0]))
+            if not math.isfinite(step):
+                raise ValueError("a flow has no finite bottleneck")
+            rates[0] = 0.0 + max(step, 0.0)
+            return rates
     used_ids, links = np.unique(flat_links, return_inverse=True)
     links = links.reshape(-1).astype(np.intp, copy=False)
     n_links = len(used_ids)

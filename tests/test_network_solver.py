@@ -100,7 +100,10 @@ def test_unused_links_do_not_change_the_rates(inst, spare) -> None:
        st.lists(st.floats(0.0, 3.0), min_size=14, max_size=14))
 def test_network_rates_are_max_min_after_every_event(inst, sizes, starts) -> None:
     # The incremental solve (only the component of the changed links) must leave every flow
-    # at the rate a from-scratch solve of the live flows gives, after every start and end.
+    # at the rate a from-scratch solve of the live flows gives, after every start and end, up
+    # to the saturation tolerance: a joint solve may call a link saturated when it has less
+    # than 1e-9 of the largest capacity left and freeze its flows a little early (a link of
+    # 1 beside a 0.99999-capped flow elsewhere and a 5e10 link), a separate one does not.
     paths, capacity, caps = inst
     env = simpy.Environment()
     cap = np.array(capacity)
@@ -112,7 +115,8 @@ def test_network_rates_are_max_min_after_every_event(inst, sizes, starts) -> Non
             if not net.active_flows:
                 return
             ref = max_min_rates(net._inc_link, net._inc_flow, net.active_flows, cap, net._cap)
-            checks.append(np.allclose(net._rate, ref, rtol=1e-12, atol=0.0))
+            atol = len(paths) * 1e-9 * float(cap.max())
+            checks.append(np.allclose(net._rate, ref, rtol=1e-12, atol=atol))
 
         def on_transfer_end(self, t, tag, nbytes):
             pass
@@ -127,3 +131,14 @@ def test_network_rates_are_max_min_after_every_event(inst, sizes, starts) -> Non
         env.process(starter(p, sizes[f], caps[f], starts[f]))
     env.run()
     assert checks and all(checks)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=6),
+       st.lists(_capacity, min_size=4, max_size=4), st.one_of(st.just(math.inf), _capacity))
+def test_one_flow_even_through_a_link_twice(path, capacity, cap) -> None:
+    # The one-flow shortcut must fall back when a path repeats a link (it shares it with
+    # itself: half the link each time through).
+    got = max_min_rates(np.array(path), np.zeros(len(path), dtype=np.int64), 1,
+                        np.array(capacity), np.array([cap]))
+    assert got.tolist() == reference_rates([path], capacity, [cap])
