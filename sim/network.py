@@ -100,6 +100,11 @@ class FlowNetwork:
         self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
         self._link_rates = np.zeros(n_links)
+        # Links whose rate is not zero (sorted): only they add bytes as time passes, so an
+        # event costs the busy links, not every link of a 16k-GPU fabric.
+        self._busy = np.zeros(0, dtype=np.int64)
+        # Scratch mask over links for the component search, all False between calls.
+        self._link_mask = np.zeros(n_links, dtype=bool)
         # Links touched by flows started or ended since the last solve: only the flows
         # connected to them (through shared links) need new rates.
         self._dirty: list[np.ndarray] = []
@@ -222,7 +227,9 @@ class FlowNetwork:
         if dt > 0 and len(self._size):
             self._remaining -= self._rate * dt
             self.class_bytes += self._class_rates * dt
-            self.link_bytes += self._link_rates * dt
+            # Idle links would add 0 * dt: leaving them out changes no bit.
+            busy = self._busy
+            self.link_bytes[busy] += self._link_rates[busy] * dt
         self._last = now
 
     def _resolve(self) -> None:
@@ -263,9 +270,7 @@ class FlowNetwork:
         gone = finished[self._inc_flow]
         self._dirty.append(self._inc_link[gone])
         # Their rates leave the link and class totals (finished flows ran until now).
-        self._link_rates -= np.bincount(self._inc_link[gone],
-                                        weights=self._rate[self._inc_flow[gone]],
-                                        minlength=len(self.capacity))
+        self._add_link_rates(self._inc_link[gone], -self._rate[self._inc_flow[gone]])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
         keep = ~finished
@@ -306,10 +311,25 @@ class FlowNetwork:
         self._advance()
         self._resolve()
 
+    def _add_link_rates(self, links: np.ndarray, weights: np.ndarray) -> None:
+        """Add ``weights`` (one per incidence) to the rates of their links and keep the busy
+        set. The sums per link run in incidence order as ``np.bincount`` over all links would,
+        so every bit is the same; a link not named gains nothing (x + 0.0 is x)."""
+        n_links = len(self.capacity)
+        if 8 * len(links) < n_links:
+            ids, inv = np.unique(links, return_inverse=True)
+            self._link_rates[ids] += np.bincount(inv.reshape(-1), weights=weights,
+                                                 minlength=len(ids))
+            cand = np.union1d(self._busy, ids)
+            self._busy = cand[self._link_rates[cand] != 0.0]
+        else:
+            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
+            self._busy = np.flatnonzero(self._link_rates != 0.0)
+
     def _component(self, links: np.ndarray) -> np.ndarray:
         """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
         n = len(self._size)
-        link_mask = np.zeros(len(self.capacity), dtype=bool)
+        link_mask = self._link_mask
         link_mask[links] = True
         flows = np.zeros(n, dtype=bool)
         while True:
@@ -317,6 +337,9 @@ class FlowNetwork:
             hit[self._inc_flow[link_mask[self._inc_link]]] = True
             new = hit & ~flows
             if not new.any():
+                # Leave the scratch mask clear: only these links can have been set.
+                link_mask[links] = False
+                link_mask[self._inc_link] = False
                 return flows
             flows |= new
             link_mask[self._inc_link[new[self._inc_flow]]] = True
@@ -328,6 +351,7 @@ class FlowNetwork:
         self._dirty = []
         if n == 0:
             self._link_rates = np.zeros(len(self.capacity))
+            self._busy = np.zeros(0, dtype=np.int64)
             self._class_rates = np.zeros(self.n_kinds)
         else:
             # Flows not connected to a changed link keep their rates: they share no link with
@@ -337,9 +361,9 @@ class FlowNetwork:
                 # A full solve, and now and then a full recount against rounding drift.
                 self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
                                               self.capacity, self._cap)
-                self._link_rates = np.bincount(
-                    self._inc_link, weights=self._rate[self._inc_flow],
-                    minlength=len(self.capacity)).astype(float)
+                self._link_rates = np.zeros(len(self.capacity))
+                self._busy = np.zeros(0, dtype=np.int64)
+                self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
                 self._class_rates = (self._rate * self._count) @ self._hops
             elif comp.any():
                 sel = comp[self._inc_flow]
@@ -351,8 +375,7 @@ class FlowNetwork:
                                       self._cap[idx])
                 delta = rates - self._rate[idx]
                 self._rate[idx] = rates
-                self._link_rates += np.bincount(self._inc_link[sel], weights=delta[owner],
-                                                minlength=len(self.capacity))
+                self._add_link_rates(self._inc_link[sel], delta[owner])
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 
