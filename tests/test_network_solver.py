@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -142,3 +143,39 @@ def test_one_flow_even_through_a_link_twice(path, capacity, cap) -> None:
     got = max_min_rates(np.array(path), np.zeros(len(path), dtype=np.int64), 1,
                         np.array(capacity), np.array([cap]))
     assert got.tolist() == reference_rates([path], capacity, [cap])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 399), min_size=1, max_size=4, unique=True),
+                          st.floats(1.0, 1e4), st.floats(0.0, 3.0)), min_size=1, max_size=12))
+def test_bytes_per_link_are_conserved_on_a_mostly_idle_fabric(flows) -> None:
+    # 400 links, a few busy: the network updates rates and integrates bytes on the busy
+    # links only. Each link must still carry exactly the bytes of the flows that cross it,
+    # and its rate must always be the sum of its flows' rates.
+    env = simpy.Environment()
+    cap = np.linspace(10.0, 50.0, 400)
+    net = FlowNetwork(env, cap, np.zeros(400, dtype=np.int64), 1)
+    expected = np.zeros(400)
+    worst = [0.0]
+
+    class Check:
+        def on_rates(self, t, class_rates, link_rates):
+            fresh = np.bincount(net._inc_link, weights=net._rate[net._inc_flow],
+                                minlength=400)
+            worst[0] = max(worst[0], float(np.abs(link_rates - fresh).max()))
+
+        def on_transfer_end(self, t, tag, nbytes):
+            pass
+
+    net.observer = Check()  # type: ignore[assignment]
+
+    def starter(path, size, at):
+        yield env.timeout(at)
+        yield net.start_flow(path, size)
+
+    for path, size, at in flows:
+        expected[path] += size
+        env.process(starter(path, size, at))
+    env.run()
+    assert net.link_bytes == pytest.approx(expected, rel=1e-9, abs=1e-6)
+    assert worst[0] <= 1e-9 * 50.0
