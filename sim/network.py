@@ -100,9 +100,10 @@ class FlowNetwork:
         self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
         self._link_rates = np.zeros(n_links)
-        # Links whose rate is not zero (sorted): only they add bytes as time passes, so an
-        # event costs the busy links, not every link of a 16k-GPU fabric.
+        # Links whose rate is not zero, as indices and as a mask: only they add bytes as time
+        # passes, so an event costs the busy links, not every link of a 16k-GPU fabric.
         self._busy = np.zeros(0, dtype=np.int64)
+        self._busy_mask = np.zeros(n_links, dtype=bool)
         # Scratch mask over links for the component search, all False between calls.
         self._link_mask = np.zeros(n_links, dtype=bool)
         # Links touched by flows started or ended since the last solve: only the flows
@@ -320,11 +321,19 @@ class FlowNetwork:
             ids, inv = np.unique(links, return_inverse=True)
             self._link_rates[ids] += np.bincount(inv.reshape(-1), weights=weights,
                                                  minlength=len(ids))
-            cand = np.union1d(self._busy, ids)
-            self._busy = cand[self._link_rates[cand] != 0.0]
+            now_busy = self._link_rates[ids] != 0.0
+            idle = ids[~now_busy]
+            if self._busy_mask[idle].any():
+                self._busy_mask[idle] = False
+                self._busy = self._busy[self._busy_mask[self._busy]]
+            new = ids[now_busy & ~self._busy_mask[ids]]
+            if new.size:
+                self._busy_mask[new] = True
+                self._busy = np.concatenate([self._busy, new])
         else:
             self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
-            self._busy = np.flatnonzero(self._link_rates != 0.0)
+            self._busy_mask = self._link_rates != 0.0
+            self._busy = np.flatnonzero(self._busy_mask)
 
     def _component(self, links: np.ndarray) -> np.ndarray:
         """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
@@ -351,6 +360,7 @@ class FlowNetwork:
         self._dirty = []
         if n == 0:
             self._link_rates = np.zeros(len(self.capacity))
+            self._busy_mask[self._busy] = False
             self._busy = np.zeros(0, dtype=np.int64)
             self._class_rates = np.zeros(self.n_kinds)
         else:
@@ -362,6 +372,7 @@ class FlowNetwork:
                 self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
                                               self.capacity, self._cap)
                 self._link_rates = np.zeros(len(self.capacity))
+                self._busy_mask[self._busy] = False
                 self._busy = np.zeros(0, dtype=np.int64)
                 self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
                 self._class_rates = (self._rate * self._count) @ self._hops
