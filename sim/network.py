@@ -452,6 +452,16 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     while links.size:
         users = np.bincount(links, minlength=n_links)
         used = users > 0
+        n_used = int(np.count_nonzero(used))
+        if 2 * n_used < n_links:
+            # Most links have lost all their flows: renumber the rest (a link without flows
+            # never bounds a step nor saturates, so dropping it moves no rate).
+            alive = np.flatnonzero(used)
+            renum = np.cumsum(used) - 1
+            links = renum[links]
+            remaining, tol, users = remaining[alive], tol[alive], users[alive]
+            used = np.ones(n_used, dtype=bool)
+            n_links = n_used
         share = np.full(n_links, np.inf)
         np.divide(remaining, users, out=share, where=used)
         step = min(share.min(), float((act_caps - level).min()))
