@@ -36,6 +36,9 @@ _N_ROWS = len(_ROWS)
 # Fabrics with more links than this update link rates on the touched links only (measured
 # crossover of a per-link pass against renumbering the touched links, numpy 2, one core).
 _SPARSE_LINKS = 20_000
+# max_min_rates renumbers the used links on fabrics with more links than this (below, a
+# numpy pass over every link costs less than np.unique's ~20 us).
+_DENSE_LINKS = 2048
 
 
 class NetworkObserver:
@@ -416,8 +419,9 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
 
     Notes
     -----
-    The filling runs on the links the flows use, renumbered 0..k-1 once, so each round costs
-    the live incidences and k, not every link of the fabric. The saturation tolerance is
+    On a large fabric the filling runs on the links the flows use, renumbered 0..k-1 (again
+    when most have lost their flows), so each round costs the live incidences and k, not
+    every link of the fabric. The saturation tolerance is
     taken against the whole fabric's largest capacity, as before the renumbering, so the
     rates are the same to the last bit.
 
@@ -444,11 +448,17 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
                 raise ValueError("a flow has no finite bottleneck")
             rates[0] = 0.0 + max(step, 0.0)
             return rates
-    used_ids, links = np.unique(flat_links, return_inverse=True)
-    links = links.reshape(-1).astype(np.intp, copy=False)
-    n_links = len(used_ids)
-    remaining = capacity[used_ids]
-    tol = _EPS * np.maximum(remaining, float(capacity.max(initial=1.0)) * 1e-6)
+    floor = float(capacity.max(initial=1.0)) * 1e-6
+    if len(capacity) > _DENSE_LINKS:
+        used_ids, inverse = np.unique(flat_links, return_inverse=True)
+        links = inverse.reshape(-1).astype(np.intp, copy=False)
+        remaining = capacity[used_ids]
+    else:
+        # A small fabric: a pass over all its links costs less than renumbering them.
+        links = np.asarray(flat_links, dtype=np.intp)
+        remaining = capacity.copy()
+    n_links = len(remaining)
+    tol = _EPS * np.maximum(remaining, floor)
     own = np.asarray(owner, dtype=np.intp)
     # Work on the incidences of unfrozen flows only; drop them as flows freeze.
     active = np.ones(n_flows, dtype=bool)
@@ -458,7 +468,7 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     while links.size:
         users = np.bincount(links, minlength=n_links)
         used = users > 0
-        n_used = int(np.count_nonzero(used))
+        n_used = int(np.count_nonzero(used)) if n_links > _DENSE_LINKS else n_links
         if 2 * n_used < n_links:
             # Most links have lost all their flows: renumber the rest (a link without flows
             # never bounds a step nor saturates, so dropping it moves no rate).

@@ -81,8 +81,13 @@ def test_solver_equals_reference_bit_for_bit(inst) -> None:
     paths, capacity, caps = inst
     flat = np.array([k for p in paths for k in p], dtype=np.int64)
     owner = np.array([f for f, p in enumerate(paths) for _ in p], dtype=np.int64)
+    want = reference_rates(paths, capacity, caps)
     got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
-    assert got.tolist() == reference_rates(paths, capacity, caps)
+    assert got.tolist() == want
+    # The renumbered path (large fabrics only, normally) forced on, too.
+    with mock.patch.object(network, "_DENSE_LINKS", 0):
+        got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
+    assert got.tolist() == want
 
 
 @settings(max_examples=100, deadline=None)
@@ -94,7 +99,8 @@ def test_unused_links_do_not_change_the_rates(inst, spare) -> None:
     full = [*capacity, *([2e12] * spare)]
     flat = np.array([k for p in paths for k in p], dtype=np.int64)
     owner = np.array([f for f, p in enumerate(paths) for _ in p], dtype=np.int64)
-    got = max_min_rates(flat, owner, len(paths), np.array(full), np.array(caps))
+    with mock.patch.object(network, "_DENSE_LINKS", 0):
+        got = max_min_rates(flat, owner, len(paths), np.array(full), np.array(caps))
     assert got.tolist() == reference_rates(paths, full, caps)
 
 
@@ -187,3 +193,19 @@ def _run_on_idle_fabric(flows) -> None:
     env.run()
     assert net.link_bytes == pytest.approx(expected, rel=1e-9, abs=1e-6)
     assert worst[0] <= 1e-9 * 50.0
+
+
+def test_tolerance_floor_comes_from_the_whole_fabric() -> None:
+    # Two flows on a 1 B/s link, one capped at 0.49999: after the first round 2e-5 is left,
+    # under the tolerance floor 1e-9 x 1e-6 x 1e11 = 1e-4 set by an idle 1e11 link elsewhere,
+    # so the link counts as saturated and both freeze at 0.49999 (without the idle link the
+    # floor is 1e-9 and the second flow would get 0.50001).
+    flat, owner = np.array([0, 0]), np.array([0, 1])
+    caps = np.array([0.49999, math.inf])
+    for dense in (0, 1 << 30):
+        with mock.patch.object(network, "_DENSE_LINKS", dense):
+            rates = max_min_rates(flat, owner, 2, np.array([1.0, 1e11]), caps)
+            alone = max_min_rates(flat, owner, 2, np.array([1.0]), caps)
+        assert rates.tolist() == [0.49999, 0.49999]
+        assert alone.tolist() == pytest.approx([0.49999, 0.50001], rel=1e-12)
+    assert reference_rates([[0], [0]], [1.0, 1e11], caps.tolist()) == [0.49999, 0.49999]
