@@ -13,7 +13,9 @@ flows on disjoint copies of its path (a folded rank's traffic): it shares its ow
 one flow, and its bytes count ``count`` times.
 
 State is kept as arrays (one row per active flow, one entry per flow-link incidence) so that
-a 1,024-GPU ring's thousands of flows cost a few numpy operations per event. The next
+a 1,024-GPU ring's thousands of flows cost a few numpy operations per event; on a large
+fabric an event costs the links it touches and the links now busy, not every link, and the
+solver renumbers the links in use (same sums in the same order: the same bits). The next
 completion is scheduled as a simpy timeout; a wake-up made stale by a later change is
 ignored (each carries the solver's version number).
 """
