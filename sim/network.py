@@ -13,7 +13,9 @@ flows on disjoint copies of its path (a folded rank's traffic): it shares its ow
 one flow, and its bytes count ``count`` times.
 
 State is kept as arrays (one row per active flow, one entry per flow-link incidence) so that
-a 1,024-GPU ring's thousands of flows cost a few numpy operations per event. The next
+a 1,024-GPU ring's thousands of flows cost a few numpy operations per event; on a large
+fabric an event costs the links it touches and the links now busy, not every link, and the
+solver renumbers the links in use (same sums in the same order: the same bits). The next
 completion is scheduled as a simpy timeout; a wake-up made stale by a later change is
 ignored (each carries the solver's version number).
 """
@@ -28,6 +30,17 @@ import simpy
 
 # Relative tolerance for "this link is saturated" and "this flow is done".
 _EPS = 1e-9
+
+# Rows of FlowNetwork's per-flow table, before the hop counts per link class.
+_ROWS = ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count")
+_N_ROWS = len(_ROWS)
+
+# Fabrics with more links than this update link rates on the touched links only (measured
+# crossover of a per-link pass against renumbering the touched links, numpy 2, one core).
+_SPARSE_LINKS = 20_000
+# max_min_rates renumbers the used links on fabrics with more links than this (below, a
+# numpy pass over every link costs less than np.unique's ~20 us).
+_DENSE_LINKS = 2048
 
 
 class NetworkObserver:
@@ -79,19 +92,15 @@ class FlowNetwork:
         self.solves = 0
         self._last = env.now
         self._version = 0
-        # Per active flow.
-        self._size = np.zeros(0)
-        self._remaining = np.zeros(0)
-        self._rate = np.zeros(0)
-        self._cap = np.zeros(0)
-        self._base_cap = np.zeros(0)
-        self._cap0 = np.zeros(0)
-        self._count = np.zeros(0)
-        self._group = np.zeros(0, dtype=np.int64)
+        # Per active flow, one row each of one float table (so a start or a retire copies
+        # one array, not seven): see _ROWS. The hop counts per link class stay a C-ordered
+        # array of their own, so the class totals' matrix products sum as they always did.
+        self._flows = np.zeros((_N_ROWS, 0))
         self._hops = np.zeros((0, n_kinds))
-        # Per flow-link incidence.
-        self._inc_link = np.zeros(0, dtype=np.int64)
-        self._inc_flow = np.zeros(0, dtype=np.int64)
+        self._group = np.zeros(0, dtype=np.int64)
+        # Per flow-link incidence: row 0 the link, row 1 the flow.
+        self._inc = np.zeros((2, 0), dtype=np.int64)
+        self._bind()
         # Per group: [event, flows pending, bytes, tag].
         self._groups: dict[int, list] = {}
         # Rate-cap scales set by tag (:meth:`scale_caps`) and the live groups of each tag.
@@ -100,6 +109,12 @@ class FlowNetwork:
         self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
         self._link_rates = np.zeros(n_links)
+        # Links whose rate is not zero, as indices and as a mask: only they add bytes as time
+        # passes, so an event costs the busy links, not every link of a 16k-GPU fabric.
+        self._busy = np.zeros(0, dtype=np.int64)
+        self._busy_mask = np.zeros(n_links, dtype=bool)
+        # Scratch mask over links for the component search, all False between calls.
+        self._link_mask = np.zeros(n_links, dtype=bool)
         # Links touched by flows started or ended since the last solve: only the flows
         # connected to them (through shared links) need new rates.
         self._dirty: list[np.ndarray] = []
@@ -196,17 +211,20 @@ class FlowNetwork:
         owner = np.repeat(np.arange(n_new), lengths)
         hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
                            minlength=n_new * self.n_kinds).reshape(n_new, self.n_kinds)
-        self._size = np.concatenate([self._size, sizes])
-        self._remaining = np.concatenate([self._remaining, sizes])
-        self._rate = np.concatenate([self._rate, np.zeros(n_new)])
-        self._cap = np.concatenate([self._cap, caps])
-        self._base_cap = np.concatenate([self._base_cap, alone])
-        self._cap0 = np.concatenate([self._cap0, caps0])
-        self._count = np.concatenate([self._count, counts])
+        block = np.empty((_N_ROWS, n_new))
+        block[0] = sizes          # _size
+        block[1] = sizes          # _remaining
+        block[2] = 0.0            # _rate
+        block[3] = caps           # _cap
+        block[4] = alone          # _base_cap
+        block[5] = caps0          # _cap0
+        block[6] = counts         # _count
+        self._flows = np.concatenate([self._flows, block], axis=1)
         self._group = np.concatenate([self._group, np.full(n_new, gid, dtype=np.int64)])
         self._hops = np.concatenate([self._hops, hops.astype(float)])
-        self._inc_link = np.concatenate([self._inc_link, flat_links.astype(np.int64)])
-        self._inc_flow = np.concatenate([self._inc_flow, owner + base])
+        self._inc = np.concatenate([self._inc, np.stack([flat_links.astype(np.int64),
+                                                         owner + base])], axis=1)
+        self._bind()
         self._dirty.append(flat_links.astype(np.int64))
         self._resolve()
         return done
@@ -219,7 +237,9 @@ class FlowNetwork:
         if dt > 0 and len(self._size):
             self._remaining -= self._rate * dt
             self.class_bytes += self._class_rates * dt
-            self.link_bytes += self._link_rates * dt
+            # Idle links would add 0 * dt: leaving them out changes no bit.
+            busy = self._busy
+            self.link_bytes[busy] += self._link_rates[busy] * dt
         self._last = now
 
     def _resolve(self) -> None:
@@ -247,24 +267,33 @@ class FlowNetwork:
         timeout.callbacks.append(lambda _ev: self._wake(version))
 
     def _retire(self, finished: np.ndarray) -> None:
-        gids, n = np.unique(self._group[finished], return_counts=True)
+        ended = self._group[finished]
+        if len(ended) > 64:
+            gids, n = np.unique(ended, return_counts=True)
+            tally = dict(zip(gids.tolist(), n.tolist(), strict=True))
+        else:
+            # A few flows end at once (usually one group): count them without np.unique's
+            # sort machinery; groups end below in ascending order all the same.
+            tally = {}
+            for g in ended.tolist():
+                tally[g] = tally.get(g, 0) + 1
         gone = finished[self._inc_flow]
         self._dirty.append(self._inc_link[gone])
         # Their rates leave the link and class totals (finished flows ran until now).
-        self._link_rates -= np.bincount(self._inc_link[gone],
-                                        weights=self._rate[self._inc_flow[gone]],
-                                        minlength=len(self.capacity))
+        self._add_link_rates(self._inc_link[gone], -self._rate[self._inc_flow[gone]])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
         keep = ~finished
         remap = np.cumsum(keep) - 1
-        inc_keep = keep[self._inc_flow]
-        self._inc_link = self._inc_link[inc_keep]
-        self._inc_flow = remap[self._inc_flow[inc_keep]]
-        for name in ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count",
-                     "_group", "_hops"):
-            setattr(self, name, getattr(self, name)[keep])
-        for gid, k in zip(gids.tolist(), n.tolist(), strict=True):
+        inc = self._inc[:, keep[self._inc_flow]]
+        inc[1] = remap[inc[1]]
+        self._inc = inc
+        self._flows = self._flows[:, keep]
+        self._group = self._group[keep]
+        self._hops = self._hops[keep]
+        self._bind()
+        for gid in sorted(tally):
+            k = tally[gid]
             entry = self._groups[gid]
             entry[1] -= k
             if entry[1] == 0:
@@ -277,16 +306,50 @@ class FlowNetwork:
                 self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
                 entry[0].succeed()
 
+    def _bind(self) -> None:
+        """Point the per-flow and per-incidence names at rows of the current tables (views:
+        writing into them writes the table)."""
+        f = self._flows
+        self._size, self._remaining, self._rate, self._cap = f[0], f[1], f[2], f[3]
+        self._base_cap, self._cap0, self._count = f[4], f[5], f[6]
+        self._inc_link = self._inc[0]
+        self._inc_flow = self._inc[1]
+
     def _wake(self, version: int) -> None:
         if version != self._version:
             return  # a later start/finish already re-solved and rescheduled
         self._advance()
         self._resolve()
 
+    def _add_link_rates(self, links: np.ndarray, weights: np.ndarray) -> None:
+        """Add ``weights`` (one per incidence) to the rates of their links and keep the busy
+        set. The sums per link run in incidence order as ``np.bincount`` over all links would,
+        so every bit is the same; a link not named gains nothing (x + 0.0 is x)."""
+        n_links = len(self.capacity)
+        # Renumbering the few touched links costs ~9 us; a pass over every link costs less
+        # below ~20,000 links (a 2,048-GPU fabric), so small fabrics keep the plain pass.
+        if n_links > _SPARSE_LINKS and 8 * len(links) < n_links:
+            ids, inv = np.unique(links, return_inverse=True)
+            self._link_rates[ids] += np.bincount(inv.reshape(-1), weights=weights,
+                                                 minlength=len(ids))
+            now_busy = self._link_rates[ids] != 0.0
+            idle = ids[~now_busy]
+            if self._busy_mask[idle].any():
+                self._busy_mask[idle] = False
+                self._busy = self._busy[self._busy_mask[self._busy]]
+            new = ids[now_busy & ~self._busy_mask[ids]]
+            if new.size:
+                self._busy_mask[new] = True
+                self._busy = np.concatenate([self._busy, new])
+        else:
+            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
+            self._busy_mask = self._link_rates != 0.0
+            self._busy = np.flatnonzero(self._busy_mask)
+
     def _component(self, links: np.ndarray) -> np.ndarray:
         """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
         n = len(self._size)
-        link_mask = np.zeros(len(self.capacity), dtype=bool)
+        link_mask = self._link_mask
         link_mask[links] = True
         flows = np.zeros(n, dtype=bool)
         while True:
@@ -294,6 +357,9 @@ class FlowNetwork:
             hit[self._inc_flow[link_mask[self._inc_link]]] = True
             new = hit & ~flows
             if not new.any():
+                # Leave the scratch mask clear: only these links can have been set.
+                link_mask[links] = False
+                link_mask[self._inc_link] = False
                 return flows
             flows |= new
             link_mask[self._inc_link[new[self._inc_flow]]] = True
@@ -304,8 +370,9 @@ class FlowNetwork:
         dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
         self._dirty = []
         if n == 0:
-            self._rate = np.zeros(0)
             self._link_rates = np.zeros(len(self.capacity))
+            self._busy_mask[self._busy] = False
+            self._busy = np.zeros(0, dtype=np.int64)
             self._class_rates = np.zeros(self.n_kinds)
         else:
             # Flows not connected to a changed link keep their rates: they share no link with
@@ -313,11 +380,12 @@ class FlowNetwork:
             comp = self._component(dirty)
             if comp.all() or self.solves % 4096 == 0:
                 # A full solve, and now and then a full recount against rounding drift.
-                self._rate = max_min_rates(self._inc_link, self._inc_flow, n, self.capacity,
-                                           self._cap)
-                self._link_rates = np.bincount(
-                    self._inc_link, weights=self._rate[self._inc_flow],
-                    minlength=len(self.capacity)).astype(float)
+                self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
+                                              self.capacity, self._cap)
+                self._link_rates = np.zeros(len(self.capacity))
+                self._busy_mask[self._busy] = False
+                self._busy = np.zeros(0, dtype=np.int64)
+                self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
                 self._class_rates = (self._rate * self._count) @ self._hops
             elif comp.any():
                 sel = comp[self._inc_flow]
@@ -329,8 +397,7 @@ class FlowNetwork:
                                       self._cap[idx])
                 delta = rates - self._rate[idx]
                 self._rate[idx] = rates
-                self._link_rates += np.bincount(self._inc_link[sel], weights=delta[owner],
-                                                minlength=len(self.capacity))
+                self._add_link_rates(self._inc_link[sel], delta[owner])
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 
@@ -352,6 +419,14 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     numpy.ndarray
         The rate of each flow.
 
+    Notes
+    -----
+    On a large fabric the filling runs on the links the flows use, renumbered 0..k-1 (again
+    when most have lost their flows), so each round costs the live incidences and k, not
+    every link of the fabric. The saturation tolerance is
+    taken against the whole fabric's largest capacity, as before the renumbering, so the
+    rates are the same to the last bit.
+
     Examples
     --------
     A flow limited to 30 elsewhere leaves 70 of a shared 100 to the other flow:
@@ -362,38 +437,73 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     """
     caps = np.full(n_flows, np.inf) if caps is None else np.asarray(caps, dtype=float)
     rates = np.zeros(n_flows)
-    remaining = capacity.astype(float).copy()
-    n_links = len(capacity)
-    tol = _EPS * np.maximum(capacity, float(capacity.max(initial=1.0)) * 1e-6)
+    capacity = np.asarray(capacity, dtype=float)
+    if not len(flat_links):
+        return rates
+    if n_flows == 1:
+        # One flow (most solves of an incremental run): on distinct links, the first round
+        # already freezes it at min(bottleneck, cap), so skip the renumbering.
+        path = np.sort(flat_links)
+        if not (path[1:] == path[:-1]).any():
+            step = min(float(capacity[path].min()), float(caps[0]))
+            if not math.isfinite(step):
+                raise ValueError("a flow has no finite bottleneck")
+            rates[0] = 0.0 + max(step, 0.0)
+            return rates
+    floor = float(capacity.max(initial=1.0)) * 1e-6
+    if len(capacity) > _DENSE_LINKS:
+        used_ids, inverse = np.unique(flat_links, return_inverse=True)
+        links = inverse.reshape(-1).astype(np.intp, copy=False)
+        remaining = capacity[used_ids]
+    else:
+        # A small fabric: a pass over all its links costs less than renumbering them.
+        links = np.asarray(flat_links, dtype=np.intp)
+        remaining = capacity.copy()
+    n_links = len(remaining)
+    tol = _EPS * np.maximum(remaining, floor)
+    own = np.asarray(owner, dtype=np.intp)
     # Work on the incidences of unfrozen flows only; drop them as flows freeze.
-    links, own = flat_links, owner
     active = np.ones(n_flows, dtype=bool)
+    act_idx = np.arange(n_flows)
+    act_caps = caps
     level = 0.0
     while links.size:
         users = np.bincount(links, minlength=n_links)
         used = users > 0
+        n_used = int(np.count_nonzero(used)) if n_links > _DENSE_LINKS else n_links
+        if 2 * n_used < n_links:
+            # Most links have lost all their flows: renumber the rest (a link without flows
+            # never bounds a step nor saturates, so dropping it moves no rate).
+            alive = np.flatnonzero(used)
+            renum = np.cumsum(used) - 1
+            links = renum[links]
+            remaining, tol, users = remaining[alive], tol[alive], users[alive]
+            used = np.ones(n_used, dtype=bool)
+            n_links = n_used
         share = np.full(n_links, np.inf)
-        share[used] = remaining[used] / users[used]
-        act_idx = np.flatnonzero(active)
-        step = min(share.min(), float((caps[act_idx] - level).min()))
+        np.divide(remaining, users, out=share, where=used)
+        step = min(share.min(), float((act_caps - level).min()))
         if not np.isfinite(step):
             raise ValueError("a flow has no finite bottleneck")
         step = max(step, 0.0)
         level += step
         remaining -= step * users
         saturated = used & (remaining <= tol)
-        frozen = np.zeros(n_flows, dtype=bool)
-        frozen[own[saturated[links]]] = True
-        frozen[act_idx[caps[act_idx] <= level * (1 + _EPS)]] = True
-        if not frozen.any():
+        frozen = own[saturated[links]]
+        capped = act_idx[act_caps <= level * (1 + _EPS)]
+        if not frozen.size and not capped.size:
             # Numerical corner: freeze the flows on the tightest link.
             tight = used & (share <= step * (1 + 1e-6))
-            frozen[own[tight[links]]] = True
-        newly = frozen & active
-        rates[newly] = level
-        active &= ~frozen
+            frozen = own[tight[links]]
+        # Every flow named here is still active (its incidences or its index are live).
+        rates[frozen] = level
+        rates[capped] = level
+        active[frozen] = False
+        active[capped] = False
         keep = active[own]
         links, own = links[keep], own[keep]
+        live = active[act_idx]
+        act_idx, act_caps = act_idx[live], act_caps[live]
     return rates
 
 
