@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import simpy
+from helpers import dgx, timed
 
 from sim.collectives import nccl
 from sim.collectives.algorithms import ring_orders
@@ -21,19 +22,6 @@ def runner(spec: FabricSpec, arch: str = "hopper", proto: str = "simple", algo: 
     net = FlowNetwork(env, transport_capacity(fab, arch), fab.kind, len(LINK_KINDS))
     run = CollectiveRunner(env, net, fab, arch, NcclSettings(algo=algo, proto=proto, **settings))
     return env, net, run, fab
-
-
-def timed(env, gen) -> float:
-    t0 = env.now
-    env.run(env.process(gen))
-    return env.now - t0
-
-
-def dgx(nodes: int, **kw) -> FabricSpec:
-    base = dict(nodes=nodes, gpus_per_node=8, nvlink_gbytes_per_s=450, pcie_gbytes_per_s=63,
-                nics_per_node=8, nic_gbps=400)
-    base.update(kw)
-    return FabricSpec(**base)
 
 
 @pytest.mark.parametrize("op,factor", [("all_reduce", 2 * 7 / 8), ("all_gather", 7 / 8),

@@ -4,6 +4,7 @@ et al. 2022), tensor-parallel exchanges, bytes per parameter of the optimizers."
 from __future__ import annotations
 
 import pytest
+from helpers import pipeline_idle_share
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
@@ -47,12 +48,7 @@ def test_1f1b_bubble_matches_the_closed_form(p: int, m: int) -> None:
     # whole step, which also holds the optimizer: rescale to the pipeline phase.
     s = scenario({"tp": 1, "pp": p, "dp": 1}, gbs=m, gpn=p)
     r = simulate(s)
-    step = r.summary["step_time_s"]
-    crit = max(r.program.classes, key=lambda c: max(x.end for x in r.recorder.ops
-                                                    if x.cls == c.id)).id
-    pipeline_end = max(x.end for x in r.recorder.ops
-                       if x.cls == crit and x.op.phase in ("fwd", "bwd", "recompute"))
-    got = r.summary["bubble_fraction"] * step / pipeline_end
+    got = pipeline_idle_share(r)
     assert got == pytest.approx((p - 1) / (m + p - 1), abs=0.02)
 
 

@@ -7,6 +7,7 @@ and Transformer Engine's context-parallel ring."""
 from __future__ import annotations
 
 import pytest
+from helpers import pipeline_idle_share
 
 from sim.api import simulate
 from sim.frameworks.megatron_pipeline import pipeline_steps, schedule
@@ -168,12 +169,7 @@ def test_interleaved_bubble_matches_the_closed_form(p: int, vp: int, m: int) -> 
     # times against m (Narayanan et al., SC'21, sec. 2.2.2), an idle share of the pipeline
     # phase of (p-1)/(v m + p - 1), with overlap_p2p_comm's waits before each unit.
     r = simulate(scenario({"tp": 1, "pp": p, "dp": 1, "vp": vp}, gbs=m, gpn=p))
-    step = r.summary["step_time_s"]
-    crit = max(r.program.classes, key=lambda c: max(x.end for x in r.recorder.ops
-                                                    if x.cls == c.id)).id
-    pipeline_end = max(x.end for x in r.recorder.ops
-                       if x.cls == crit and x.op.phase in ("fwd", "bwd", "recompute"))
-    got = r.summary["bubble_fraction"] * step / pipeline_end
+    got = pipeline_idle_share(r)
     assert got == pytest.approx((p - 1) / (vp * m + p - 1), abs=0.02)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import simpy
+from helpers import dgx, timed
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -36,19 +37,6 @@ def runner(spec: FabricSpec, algo: str = "ring", proto: str = "simple", **settin
     run = CollectiveRunner(env, net, fab, "hopper",
                            NcclSettings(algo=algo, proto=proto, **settings))
     return env, net, run, fab, watch
-
-
-def timed(env, gen) -> float:
-    t0 = env.now
-    env.run(env.process(gen))
-    return env.now - t0
-
-
-def dgx(nodes: int, **kw) -> FabricSpec:
-    base = dict(nodes=nodes, gpus_per_node=8, nvlink_gbytes_per_s=450, pcie_gbytes_per_s=63,
-                nics_per_node=8, nic_gbps=400)
-    base.update(kw)
-    return FabricSpec(**base)
 
 
 # ------------------------------------------------------------------ latency is time
