@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from sim.catalog import GpuSpec
     from sim.scenario import Scenario
 
-# What a scenario may ask for (``training.attention_backend``).
-AttentionChoice = Literal["auto", "flash2", "flash3", "cudnn", "sdpa"]
 # The kernel that runs. ``mem_efficient``: PyTorch's CUTLASS (xformers) kernel, SDPA's choice
 # where no flash kernel exists (Volta). ``unfused``: no fused kernel (Megatron's baddbmm,
 # softmax, bmm path); recorded only, no attention kernel is priced then.

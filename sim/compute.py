@@ -24,7 +24,7 @@ import numpy as np
 from sim import catalog
 from sim.attention_cost import MEASURED_BACKEND, matmul_share
 from sim.catalog import GpuSpec
-from sim.power import sustained_clock_ratio
+from sim.power import sustained_clock_ratio, sustained_matrix_flops
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
 MemClass = Literal["elementwise", "norm_fused", "reduction"]
@@ -110,7 +110,7 @@ class ComputeModel:
         # (sim/power.py); HBM-bound kernels keep their rate.
         base = "bf16" if self.precision == "fp8" else self.precision
         h200 = catalog.gpu("h200")
-        return (self.gpu.peak_flops(base) * self.gpu.matmul_efficiency * self.clock_ratio) / (
+        return sustained_matrix_flops(self.gpu, base) / (
             _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
 
     @cached_property

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
+from sim import catalog
 from sim.catalog import GpuSpec
 from sim.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.hbm_share import HbmShare
 from sim.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
 from sim.network import FlowNetwork, NetworkObserver
+from sim.power import sustained_matrix_flops
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
 
@@ -73,9 +75,8 @@ class _GpuLoad:
 
 # Categories of compute ops that are GEMM/attention work when an op carries no FLOP count.
 _MATRIX_CATEGORIES = ("forward", "backward", "recompute", "recompute+backward")
-# Defaults when the engine is built without a GPU spec (unit tests): the H100 SXM datasheet.
-_DEFAULT_HBM_BYTES_PER_S = 3.35e12
-_DEFAULT_MATRIX_FLOPS = 989.4e12 * 0.803
+# The GPU when the engine is built without a spec (unit tests).
+_DEFAULT_GPU = "h100-sxm"
 
 
 @dataclass
@@ -111,15 +112,9 @@ class Engine:
         self._step = 0
         self.arch = arch
         self.sm_count = gpu.sm_count if gpu is not None else sm_count
-        self.hbm_bytes_per_s = (gpu.hbm_bytes_per_s if gpu is not None
-                                else _DEFAULT_HBM_BYTES_PER_S)
-        # Sustained matrix rate: the catalogue's share of the dense peak, under the power cap.
-        if gpu is not None:
-            from sim.power import sustained_clock_ratio
-            self.matrix_flops = (gpu.peak_flops("bf16") * gpu.matmul_efficiency
-                                 * sustained_clock_ratio(gpu))
-        else:
-            self.matrix_flops = _DEFAULT_MATRIX_FLOPS
+        spec = gpu if gpu is not None else catalog.gpu(_DEFAULT_GPU)
+        self.hbm_bytes_per_s = spec.hbm_bytes_per_s
+        self.matrix_flops = sustained_matrix_flops(spec)
         self._load: dict[int, _GpuLoad] = {}
         # Collectives slowed by the memory-bound compute beside them (sim.hbm_share).
         self.hbm_share = HbmShare(self.net, self.sm_count, self.hbm_bytes_per_s,

@@ -795,22 +795,17 @@ def _stream_time(cm: ComputeModel, kernels: list[Kernel], cpu_per_op: float, att
     return max(_gpu_time(cm, kernels), _cpu_time(kernels, cpu_per_op, attn_cpu))
 
 
-def _transient_peak(kernels: list[Kernel], persistent: set[int], releasable: dict[int, float]
-                    ) -> float:
-    """Peak of bytes alive during a kernel sequence, over those held anyway.
+def _transient_parts(kernels: list[Kernel], persistent: set[int],
+                     releasable: dict[int, float]) -> tuple[float, ...]:
+    """The tensors alive at the peak of bytes alive during a kernel sequence, over those held
+    anyway, largest first, trimmed so they add up to the peak (released saved tensors make
+    room for the first ones): the separate requests the caching allocator sees
+    (:mod:`sim.allocator`); their sum is the transient peak.
 
     ``persistent``: tensors accounted elsewhere (saved, parameters, block inputs).
     ``releasable``: saved tensors that autograd frees after their last backward read; their
     release lowers the running total.
     """
-    return sum(_transient_parts(kernels, persistent, releasable))
-
-
-def _transient_parts(kernels: list[Kernel], persistent: set[int],
-                     releasable: dict[int, float]) -> tuple[float, ...]:
-    """The tensors alive at :func:`_transient_peak`'s peak, largest first, trimmed so they
-    add up to the peak (released saved tensors make room for the first ones): the separate
-    requests the caching allocator sees (:mod:`sim.allocator`)."""
     last_use: dict[int, int] = {}
     for i, k in enumerate(kernels):
         for t in k.reads + k.writes:

@@ -56,6 +56,19 @@ def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
     return float(((cap - gpu.static_w) / (gpu.tdp_w - gpu.static_w)) ** (1.0 / 3.0))
 
 
+def sustained_matrix_flops(gpu: GpuSpec, precision: str = "bf16") -> float:
+    """FLOP/s a large GEMM sustains: the dense peak of ``precision`` times the share of it the
+    part reaches (catalogue ``matmul_efficiency``), at the clock its power cap allows.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> round(sustained_matrix_flops(catalog.gpu("h100-sxm")) / 1e12, 1)   # 989.4 x 0.803
+    794.5
+    """
+    return gpu.peak_flops(precision) * gpu.matmul_efficiency * sustained_clock_ratio(gpu)
+
+
 def check_cap(gpu: GpuSpec, cap_w: float | None) -> None:
     """Raise :class:`PowerCapError` for a cap the part refuses (below its minimum limit)."""
     sustained_clock_ratio(gpu, cap_w)

@@ -71,9 +71,6 @@ RING_HW_LAT_US = {link: HW_LAT_US[link]["ring"] for link in HW_LAT_US}
 NET_OVERHEAD_BY_CPU_US = {"intel": 1.0, "amd": 2.0}
 NET_OVERHEAD_DEFAULT_US = 1.0
 NET_OVERHEAD_SIMPLE_FACTOR = 3.0
-NET_OVERHEAD_US = {"ll": 1.0, "ll128": 1.0, "simple": 3.0}  # Intel row, kept for callers
-# CPU vendors a topology can name (graph.h NCCL_TOPO_CPU_VENDOR_*, NCCL_TOPO_CPU_ARCH_*).
-CPU_VENDORS = ("intel", "amd", "arm", "power", "zhaoxin", "mixed")
 DEFAULT_CPU_VENDOR = "intel"
 """Where a topology does not say: NCCL's tables then read the Intel (row 0) values."""
 X86_VENDORS = ("intel", "amd", "zhaoxin", "mixed")
@@ -94,7 +91,6 @@ ARCHS = ("volta", "ampere", "hopper", "blackwell")
 # for multi-node, we look at CPU type").
 LL_MAX_BWS_GBPS = ((39.0, 39.0, 20.4), (87.7, 22.5, 19.0), (141.0, 45.0, 35.0),
                    (282.0, 90.0, 70.0))
-LL_MAX_BW_GBPS = {a: LL_MAX_BWS_GBPS[ARCH_ROW[a]] for a in ARCHS}  # by GPU row (one node)
 # tuning.cc perChMaxRingLL128Bws, perChMaxTreeLL128Bws, perChMaxTreeBws, perChMaxNVLSTreeBws
 # [compCap][index2], GB/s per channel.
 LL128_PER_CHANNEL_GBPS = {"volta": 20.0, "ampere": 20.0, "hopper": 36.7, "blackwell": 40.0}
