@@ -46,28 +46,19 @@ def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) ->
     b.block.params += h
     n = tokens * h
     x32 = b.t(f"{name}.x_fp32", n, FP32)
-    p = b.t(f"{name}.pow", n, FP32)
-    var = b.t(f"{name}.var", tokens, FP32)
-    var_eps = b.t(f"{name}.var_eps", tokens, FP32)
-    r = b.t(f"{name}.rsqrt", tokens, FP32)
-    xn = b.t(f"{name}.xn", n, FP32)
+    b.fwd(Kernel(f"{name}.to_fp32", "elementwise", (x,), (x32,)))
+    r, xn = b.rms_core_forward(x32, tokens, h, name)
     xnb = b.t(f"{name}.xn_bf16", n, BF16)
     w = b.t(f"{name}.w", h, BF16)
     y = b.t(f"{name}.out", n, BF16)
-    b.fwd(Kernel(f"{name}.to_fp32", "elementwise", (x,), (x32,)))
-    b.fwd(Kernel(f"{name}.pow", "elementwise", (x32,), (p,)))
-    b.fwd(Kernel(f"{name}.mean", "elementwise", (p,), (var,)))
-    b.fwd(Kernel(f"{name}.add_eps", "tiny", (var,), (var_eps,)))
-    b.fwd(Kernel(f"{name}.rsqrt", "tiny", (var_eps,), (r,)))
-    b.fwd(Kernel(f"{name}.mul", "elementwise", (x32, r), (xn,)))
     b.fwd(Kernel(f"{name}.to_bf16", "elementwise", (xn,), (xnb,)))
     b.fwd(Kernel(f"{name}.mul_w", "elementwise", (w, xnb), (y,)))
     b.save(x32, r, xnb)
     gy = b.t(f"{name}.g_out", n, BF16)
     gb = {k: b.t(f"{name}.g_{k}", n, BF16) for k in ("xnb", "wprod")}
-    g = {k: b.t(f"{name}.g_{k}", n, FP32) for k in ("xn", "xa", "xprod", "mean", "xb", "x32")}
+    g_xn = b.t(f"{name}.g_xn", n, FP32)
     gw = b.t(f"{name}.g_w", h, BF16)
-    gr = b.t(f"{name}.g_r", tokens, FP32)
+    core, g_x32 = b.rms_core_backward(g_xn, x32, r, tokens, h, name, f"{name}.g_x32")
     gx = b.t(f"{name}.g_in", n, BF16)
     b.bwd(
         # MulBackward of weight * xn_bf16: both operands' gradients, the weight's summed
@@ -76,16 +67,10 @@ def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) ->
         Kernel(f"{name}.g_w_prod", "elementwise", (gy, xnb), (gb["wprod"],)),
         Kernel(f"{name}.g_w_sum", "elementwise", (gb["wprod"],), (gw,)),
         # ToCopyBackward of the cast to bf16: back to fp32.
-        Kernel(f"{name}.g_to_fp32", "elementwise", (gb["xnb"],), (g["xn"],)),
-        Kernel(f"{name}.g_mul_a", "elementwise", (g["xn"], r), (g["xa"],)),
-        Kernel(f"{name}.g_mul_b", "elementwise", (g["xn"], x32), (g["xprod"],)),
-        Kernel(f"{name}.g_r_sum", "elementwise", (g["xprod"],), (gr,)),
-        Kernel(f"{name}.g_rsqrt", "tiny", (gr,), ()),
-        Kernel(f"{name}.g_mean", "elementwise", (), (g["mean"],)),
-        Kernel(f"{name}.g_pow", "elementwise", (g["mean"], x32), (g["xb"],)),
-        Kernel(f"{name}.g_sum", "elementwise", (g["xa"], g["xb"]), (g["x32"],)),
+        Kernel(f"{name}.g_to_fp32", "elementwise", (gb["xnb"],), (g_xn,)),
+        *core,
         # ToCopyBackward of the cast to fp32: the input's gradient in bf16.
-        Kernel(f"{name}.g_to_bf16", "elementwise", (g["x32"],), (gx,)),
+        Kernel(f"{name}.g_to_bf16", "elementwise", (g_x32,), (gx,)),
     )
     b.block.weight_grads.append(gw)
     return y

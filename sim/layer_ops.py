@@ -329,37 +329,61 @@ class _Builder:
             return y
         # Hugging Face LlamaRMSNorm in fp32: pow, mean, add eps, rsqrt, mul, mul by weight.
         n = tokens * h
+        r, xn = self.rms_core_forward(x, tokens, h, name)
+        y = self.t(f"{name}.out", n, FP32)
+        self.fwd(Kernel(f"{name}.mul_w", "elementwise", (xn,), (y,)))
+        self.save(x, r, xn)
+        g = {k: self.t(f"{name}.g_{k}", n, FP32) for k in ("out", "xn", "wprod")}
+        gw = self.t(f"{name}.g_w", h, FP32)
+        core, _ = self.rms_core_backward(g["xn"], x, r, tokens, h, name, f"{name}.g_in")
+        self.bwd(
+            Kernel(f"{name}.g_mul_w", "elementwise", (g["out"],), (g["xn"],)),
+            Kernel(f"{name}.g_w_prod", "elementwise", (g["out"], xn), (g["wprod"],)),
+            Kernel(f"{name}.g_w_sum", "elementwise", (g["wprod"],), (gw,)),
+            *core,
+        )
+        self.block.weight_grads.append(gw)
+        return y
+
+    def rms_core_forward(self, x32: Tensor, tokens: float, h: int, name: str
+                         ) -> tuple[Tensor, Tensor]:
+        """The fp32 heart of ``LlamaRMSNorm`` (pow, mean, add eps, rsqrt, mul) on an fp32
+        input, as separate eager kernels; returns (rsqrt, normalised x). The autocast style
+        runs it on the fp32 residual stream, the bf16 style (:mod:`sim.hf_ops`) after its
+        upcast."""
+        n = tokens * h
         p = self.t(f"{name}.pow", n, FP32)
         var = self.t(f"{name}.var", tokens, FP32)
         var_eps = self.t(f"{name}.var_eps", tokens, FP32)
         r = self.t(f"{name}.rsqrt", tokens, FP32)
         xn = self.t(f"{name}.xn", n, FP32)
-        y = self.t(f"{name}.out", n, FP32)
-        self.fwd(Kernel(f"{name}.pow", "elementwise", (x,), (p,)))
+        self.fwd(Kernel(f"{name}.pow", "elementwise", (x32,), (p,)))
         self.fwd(Kernel(f"{name}.mean", "elementwise", (p,), (var,)))
         self.fwd(Kernel(f"{name}.add_eps", "tiny", (var,), (var_eps,)))
         self.fwd(Kernel(f"{name}.rsqrt", "tiny", (var_eps,), (r,)))
-        self.fwd(Kernel(f"{name}.mul", "elementwise", (x, r), (xn,)))
-        self.fwd(Kernel(f"{name}.mul_w", "elementwise", (xn,), (y,)))
-        self.save(x, r, xn)
-        g = {k: self.t(f"{name}.g_{k}", n, FP32) for k in
-             ("out", "xn", "wprod", "xa", "xprod", "mean", "xb", "in")}
-        gw = self.t(f"{name}.g_w", h, FP32)
+        self.fwd(Kernel(f"{name}.mul", "elementwise", (x32, r), (xn,)))
+        return r, xn
+
+    def rms_core_backward(self, g_xn: Tensor, x32: Tensor, r: Tensor, tokens: float, h: int,
+                          name: str, g_in_name: str) -> tuple[list[Kernel], Tensor]:
+        """Backward kernels of :meth:`rms_core_forward` from the normalised x's fp32 gradient:
+        both products' gradients, the rsqrt's through its row sum, the mean and the pow,
+        summed into the fp32 input's gradient (named ``g_in_name``), returned with it. The
+        caller issues them inside its own :meth:`bwd` group, which keeps the block's kernel
+        order."""
+        n = tokens * h
+        g = {k: self.t(f"{name}.g_{k}", n, FP32) for k in ("xa", "xprod", "mean", "xb")}
+        g_in = self.t(g_in_name, n, FP32)
         gr = self.t(f"{name}.g_r", tokens, FP32)
-        self.bwd(
-            Kernel(f"{name}.g_mul_w", "elementwise", (g["out"],), (g["xn"],)),
-            Kernel(f"{name}.g_w_prod", "elementwise", (g["out"], xn), (g["wprod"],)),
-            Kernel(f"{name}.g_w_sum", "elementwise", (g["wprod"],), (gw,)),
-            Kernel(f"{name}.g_mul_a", "elementwise", (g["xn"], r), (g["xa"],)),
-            Kernel(f"{name}.g_mul_b", "elementwise", (g["xn"], x), (g["xprod"],)),
+        return [
+            Kernel(f"{name}.g_mul_a", "elementwise", (g_xn, r), (g["xa"],)),
+            Kernel(f"{name}.g_mul_b", "elementwise", (g_xn, x32), (g["xprod"],)),
             Kernel(f"{name}.g_r_sum", "elementwise", (g["xprod"],), (gr,)),
             Kernel(f"{name}.g_rsqrt", "tiny", (gr,), ()),
             Kernel(f"{name}.g_mean", "elementwise", (), (g["mean"],)),
-            Kernel(f"{name}.g_pow", "elementwise", (g["mean"], x), (g["xb"],)),
-            Kernel(f"{name}.g_sum", "elementwise", (g["xa"], g["xb"]), (g["in"],)),
-        )
-        self.block.weight_grads.append(gw)
-        return y
+            Kernel(f"{name}.g_pow", "elementwise", (g["mean"], x32), (g["xb"],)),
+            Kernel(f"{name}.g_sum", "elementwise", (g["xa"], g["xb"]), (g_in,)),
+        ], g_in
 
     def layernorm(self, x: Tensor, tokens: float, h: int, name: str) -> Tensor:
         # GPT-style LayerNorm: one fused kernel each way (torch native_layer_norm).
