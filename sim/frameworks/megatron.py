@@ -12,7 +12,11 @@ What the step does, as ``megatron/core`` runs it:
   sequence parallelism a column-parallel linear's backward re-gathers its input and
   reduce-scatters its input gradient beside its GEMMs
   (:func:`sim.frameworks.megatron_overlap.column_linear_backward`). With
-  ``tp_comm_overlap`` each exchange is chunked and overlapped with the GEMM that produces it.
+  ``tp_comm_overlap`` (sequence parallelism required, as Megatron-LM's ``validate_args``
+  asks) Transformer Engine's userbuffers overlap each exchange with the GEMM beside it:
+  ring-exchange all-gathers under the consuming GEMM's chunks, pipelined reduce-scatters
+  under the producing GEMM's (:mod:`sim.frameworks.megatron_overlap`); each exchange still
+  waits for its input and its consumer for it.
 * Pipeline parallelism: the schedule of ``pipeline_parallel/schedules.py`` — 1F1B with
   min(p - s - 1, m) warm-up forwards on stage s, interleaved 1F1B with ``vp`` model chunks per
   stage ((p - s - 1) * 2 + (vp - 1) * p warm-up units), or GPipe (all forwards, then all
@@ -57,7 +61,14 @@ from sim.frameworks.megatron_buckets import (
     data_parallel_modes,
     instance_groups,
 )
-from sim.frameworks.megatron_overlap import column_linear_backward, cp_ring
+from sim.frameworks.megatron_overlap import (
+    TE_PIPELINE_SPLITS,
+    column_linear_backward,
+    cp_ring,
+    pipelined_scatter,
+    ring_exchange_gather,
+    userbuffer_gemm_spans,
+)
 from sim.frameworks.megatron_pipeline import (  # noqa: F401 - schedule re-exported
     P2PLink,
     add_stage,
@@ -136,6 +147,9 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                 f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do not "
                 f"split into pp x vp = {p * vp} equal chunks")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    ctx.require(not opts.tp_comm_overlap or sp, "framework.tp_comm_overlap",
+                "tensor-parallel communication/GEMM overlap needs sequence parallelism with "
+                "tp > 1 (Megatron-LM validate_args)")
     ctx.require(ctx.seq % cp == 0, "parallelism.cp",
                 f"seq_len {ctx.seq} does not split over cp={cp}")
     mb_count = ctx.micro_batches
@@ -245,6 +259,7 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
                              for names in ({f"{lin}.dgrad", f"{lin}.cast_g", f"{lin}.amax_g"},
                                            {f"{lin}.wgrad"}))
                   for lin, blk in (("qkv", "attn_main"), ("fc1", "mlp_main"))}
+    gemm_spans = userbuffer_gemm_spans(blocks, lambda k: kernel_time(cm, k))
     layer_saved = sum(cost[k].saved_bytes for k in ("attn_pre", "attn_main", "mlp_pre",
                                                     "mlp_main"))
     layer_hold: float
@@ -288,13 +303,26 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
         ``column``: a backward ending with this column-parallel linear, whose input re-gather
         and gradient reduce-scatter overlap its GEMMs under sequence parallelism."""
         full = act * tokens * h          # a gathered [s, b, h] tensor
+        overlap = opts.tp_comm_overlap and t > 1
+
+        def make(name: str, d: float, **kw: object) -> Op:
+            return compute(name, d, phase=phase, micro_batch=mb, layer=layer,
+                           category=_cat(phase), **kw)
+
         ops: list[Op] = []
+        consumed = 0.0      # seconds of the main block already split off before the core
         if t > 1 and sp and comm_before:
             ops.append(compute(f"{label} {names[0]}", dur_pre, phase=phase, micro_batch=mb,
                                layer=layer, category=_cat(phase), cpu_s=cpu_pre))
-            ops.append(tp_comm(st, comm_before, full, f"{comm_before} {label}", mb, layer))
-            ops.append(compute(f"{label} {names[1]}", dur_main, phase=phase, micro_batch=mb,
-                               layer=layer, category=_cat(phase), flops=flops, cpu_s=cpu_main))
+            gather = tp_comm(st, comm_before, full, f"{comm_before} {label}", mb, layer)
+            main = compute(f"{label} {names[1]}", dur_main, phase=phase, micro_batch=mb,
+                           layer=layer, category=_cat(phase), flops=flops, cpu_s=cpu_main)
+            if overlap:
+                before_s, gemm_s = gemm_spans[names][:2]
+                ops += ring_exchange_gather(main, before_s, gemm_s, t, gather, ops[0], make)
+                consumed = ops[-2].duration
+            else:
+                ops += [gather, main]
         else:
             ops.append(compute(f"{label}", dur_pre + dur_main, phase=phase, micro_batch=mb,
                                layer=layer, category=_cat(phase), flops=flops,
@@ -303,45 +331,31 @@ def build_megatron(ctx: JobContext) -> Program:  # noqa: C901 - one schedule, re
             before, core = ring_s[ring]
             if ring == "fwd" and len(ops) == 1:
                 before += dur_pre           # the norm ran first in the merged op
-            ops[-1:] = cp_ring(ops[-1], before, core, cp, ring_bytes[ring],
-                               cp_transfer(st, mb, layer, label),
-                               lambda name, d, **kw: compute(name, d, phase=phase,
-                                                             micro_batch=mb, layer=layer,
-                                                             category=_cat(phase), **kw))
+            ops[-1:] = cp_ring(ops[-1], max(0.0, before - consumed), core, cp,
+                               ring_bytes[ring], cp_transfer(st, mb, layer, label), make)
         if alloc:
             ops[0].alloc = (("activations", alloc),)
         if free:
             ops[-1].free = (("activations", free),)
         carry: list[Op] = []
-        if t > 1 and sp and column and not opts.tp_comm_overlap:
+        if t > 1 and sp and column:
             gather = tp_comm(st, "all_gather", full, f"all_gather input {label}", mb, layer,
                              side=True)
             scatter = tp_comm(st, "reduce_scatter", full, f"reduce_scatter {label}", mb,
                               layer, side=True)
-            ops[-1:] = column_linear_backward(
-                ops[-1], col_gemm_s[column][0], col_gemm_s[column][1], gather, scatter,
-                lambda name, d, **kw: compute(name, d, phase=phase, micro_batch=mb,
-                                              layer=layer, category=_cat(phase), **kw))
+            ops[-1:] = column_linear_backward(ops[-1], col_gemm_s[column][0],
+                                              col_gemm_s[column][1], gather, scatter, make)
             carry = [scatter]
         elif t > 1 and comm_after:
             comm = tp_comm(st, comm_after, full, f"{comm_after} {label}", mb, layer)
-            if opts.tp_comm_overlap:
-                # Chunked overlap (TE userbuffers): the exchange starts once the first of t
-                # GEMM chunks is done and runs beside the rest.
-                main = ops[-1]
-                head = compute(main.name + " (chunk 1)", main.duration / t, phase=main.phase,
-                               micro_batch=mb, layer=layer, category=main.category,
-                               flops=main.flops / t, alloc=main.alloc, cpu_s=main.cpu_s)
-                main.cpu_s = 0.0
-                main.duration *= (t - 1) / t
-                main.flops *= (t - 1) / t
-                main.alloc = ()
-                ops.insert(len(ops) - 1, head)
-                comm.deps = [head]
-                ops.append(comm)
-                join = compute(f"wait {comm_after} {label}", 0.0, phase=phase, micro_batch=mb,
-                               layer=layer, category=_cat(phase), deps=[comm])
-                ops.append(join)
+            if overlap:
+                gemm_s, after_s = gemm_spans[names][2:]
+                splits = TE_PIPELINE_SPLITS
+                comm.nbytes = full * (splits - 1) / splits
+                tail = tp_comm(st, comm_after, full / splits, f"{comm_after} {label} (last)",
+                               mb, layer)
+                ops[-1:] = pipelined_scatter(ops[-1], gemm_s, after_s, comm, tail, make,
+                                             f"wait {comm_after} {label}", splits)
             else:
                 ops.append(comm)
         ops[0].deps = list(ops[0].deps) + unit.carry

@@ -20,8 +20,12 @@ the work already queued on the compute stream.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from sim.program import Op
+
+if TYPE_CHECKING:
+    from sim.layer_ops import Block, Kernel
 
 
 def column_linear_backward(main: Op, dgrad_s: float, wgrad_s: float, gather: Op,
@@ -79,3 +83,96 @@ def cp_ring(main: Op, before_s: float, core_s: float, cp: int, step_bytes: list[
     ops.append(make(f"{main.name} (after attention)", rest_s, free=free,
                     deps=[sent[-1]] if len(step_bytes) >= cp else []))
     return ops
+
+
+# Transformer Engine's userbuffers overlap (``tp_comm_overlap``; Megatron-LM's
+# ``validate_args`` requires sequence parallelism for it). NeMo's Llama 3 userbuffer configs
+# (``TransformerLayerTPOverlapCfg`` in nemo/collections/llm/recipes/tp_overlap_configs) run
+# the forward all-gathers before QKV and fc1 and the backward all-gathers before the output
+# projection's and fc2's dgrad as ring exchanges (``RingExchangeOverlapCfg``: the GEMM runs in
+# tp chunks, chunk i on the shard that arrived in exchange step i, the local shard first), and
+# the forward reduce-scatters after the output projection and fc2 as pipelined overlaps
+# (``PipelineOverlapCfg``, ``num_splits`` 4: the GEMM in 4 row chunks, each chunk's
+# reduce-scatter beside the next chunk's GEMM). The column-parallel backward (QKV, fc1) uses
+# bulk overlaps, the same shape as :func:`column_linear_backward`.
+TE_PIPELINE_SPLITS = 4
+"""Row chunks of a pipelined GEMM + reduce-scatter (``PipelineOverlapCfg.num_splits``, 4 in
+NeMo's H100 and B200 configs and in Transformer Engine's ``initialize_ub`` defaults)."""
+
+
+def _cut(main: Op, seconds: float) -> float:
+    """Take ``seconds`` off ``main``; return the share of its FLOPs that goes with them."""
+    share = seconds / main.duration if main.duration > 0 else 0.0
+    flops = main.flops * share
+    main.duration -= seconds
+    main.flops -= flops
+    return flops
+
+
+def ring_exchange_gather(main: Op, before_s: float, gemm_s: float, tp: int, gather: Op,
+                         after: Op, make: Callable[..., Op]) -> list[Op]:
+    """An all-gather as Transformer Engine's ring exchange overlaps it with the GEMM that
+    consumes it.
+
+    ``main`` starts with ``before_s`` of other kernels (FP8 casts), then that GEMM
+    (``gemm_s``). The gather leaves once ``after`` (the op that produced its input, a norm)
+    is done; the GEMM's first ``tp - 1`` chunks run beside the exchange (each on a shard that
+    has arrived: the local one first), and the last chunk, with everything after it, waits
+    for the whole exchange. So the block costs ``max(gemm (tp-1)/tp, gather) + gemm/tp`` plus
+    the rest, never less than the GEMM. Returns the ops in issue order; the new head op takes
+    ``main``'s allocation and host time, ``main`` keeps its frees."""
+    head_s = min(main.duration, before_s + gemm_s * (tp - 1) / tp)
+    gather.deps = [after]
+    flops = _cut(main, head_s)
+    head = make(f"{main.name} (ring-exchange chunks)", head_s, alloc=main.alloc,
+                cpu_s=main.cpu_s, flops=flops)
+    main.alloc, main.cpu_s = (), 0.0
+    main.deps = list(main.deps) + [gather]
+    return [gather, head, main]
+
+
+def pipelined_scatter(main: Op, gemm_s: float, after_s: float, body: Op, tail: Op,
+                      make: Callable[..., Op], done_name: str,
+                      splits: int = TE_PIPELINE_SPLITS) -> list[Op]:
+    """A reduce-scatter as Transformer Engine's pipelined overlap runs it beside the GEMM that
+    produces it.
+
+    ``main`` ends with that GEMM (``gemm_s``) and ``after_s`` of kernels that use the
+    scattered output (bias-dropout-add). The GEMM runs in ``splits`` row chunks; the
+    reduce-scatter of the first ``splits - 1`` chunks (``body``; the caller sizes it) runs
+    beside the GEMM's later chunks, the last chunk's (``tail``) after the GEMM, and the
+    kernels after it (``done_name``) wait for ``tail``. Returns the ops in issue order; the
+    last op takes ``main``'s frees."""
+    rest_s = min(main.duration, gemm_s * (splits - 1) / splits + after_s)
+    after_s = min(after_s, rest_s)
+    gemm_flops = _cut(main, rest_s - after_s)
+    after_flops = _cut(main, after_s)
+    body.deps = [main]
+    gemm_rest = make(f"{main.name} (pipelined chunks)", rest_s - after_s, flops=gemm_flops)
+    tail.deps = [gemm_rest]
+    done = make(done_name, after_s, deps=[tail], free=main.free, flops=after_flops)
+    main.free = ()
+    return [main, body, gemm_rest, tail, done]
+
+
+def userbuffer_gemm_spans(blocks: dict[str, Block], seconds: Callable[[Kernel], float]
+                          ) -> dict[tuple[str, str], tuple[float, float, float, float]]:
+    """Where the overlapped GEMMs sit in each block's kernels, keyed by the block's op names
+    in ``build_megatron`` (``(pre, main)`` forward, ``(main, pre)`` backward):
+    ``(seconds before, seconds of)`` the GEMM that consumes the block's all-gather (forward
+    QKV and fc1; backward the output projection's and fc2's dgrad) and ``(seconds of,
+    seconds after)`` the GEMM whose output the forward reduce-scatters (the output projection,
+    fc2; zero in backward, where the column-parallel linears' bulk overlap applies)."""
+    spans: dict[tuple[str, str], tuple[float, float, float, float]] = {}
+    for names, blk, backward, first, last in (
+            (("norm", "attention"), "attn_main", False, "qkv.fwd", "proj.fwd"),
+            (("norm", "mlp"), "mlp_main", False, "fc1.fwd", "fc2.fwd"),
+            (("attention", "norm"), "attn_main", True, "proj.dgrad", None),
+            (("mlp", "norm"), "mlp_main", True, "fc2.dgrad", None)):
+        ks = blocks[blk].backward if backward else blocks[blk].forward
+        ts = [seconds(k) for k in ks]
+        order = [k.name for k in ks]
+        i = order.index(first)
+        j = order.index(last) if last else len(ks)
+        spans[names] = (sum(ts[:i]), ts[i], ts[j] if last else 0.0, sum(ts[j + 1:]))
+    return spans
