@@ -44,6 +44,11 @@ EAGER_BWD_OP_CPU_S = 5e-6
 # a bare cuLaunchKernel is 3.0 us). Fused kernels take a handful of tensors: about 8 us.
 # Without CUDA graphs (mode="reduce-overhead") this stays on every launch.
 COMPILED_OP_CPU_S = 8e-6
+# Tensor-core time of a Hopper FP8 GEMM run without fast accumulation (the backward GEMMs of
+# Transformer Engine and torchao) over the same GEMM with it: fast accumulation is a 1.1-1.2x
+# speedup on H100 (pytorch/ao issue 2377, 2025-06); the midpoint. A published measurement,
+# not fitted to any validation row (docs/calibration.md).
+FP8_SPLIT_ACCUMULATION_SLOWDOWN = 1.15
 # The AdamW calibration split its parameters in 16 tensors (h200-kernels.json meta).
 ADAMW_CALIBRATION_TENSORS = 16
 
@@ -128,6 +133,21 @@ class ComputeModel:
         # matmul_efficiency). So FP8 GEMMs run at the ratio of the peaks; 1 without FP8 units.
         return self.gpu.peak_flops("fp8") / self.gpu.peak_flops("bf16")
 
+    def _split_accumulation(self, pass_: GemmPass) -> float:
+        # Hopper's FP8 tensor cores accumulate with limited precision; without cuBLASLt's
+        # fast-accumulation mode the kernel promotes partial sums to FP32 registers every
+        # few K steps (CUBLASLT_MATMUL_DESC_FAST_ACCUM off). Both FP8 training stacks we
+        # model keep fast accumulation for the forward GEMM only: Transformer Engine's
+        # recipes (DelayedScaling, Float8CurrentScaling: fp8_gemm_fprop use_split_accumulator
+        # False, fp8_gemm_dgrad / fp8_gemm_wgrad True) and torchao's Float8LinearConfig
+        # (use_fast_accum for the output GEMM only). Blackwell accumulates in FP32 and has no
+        # such mode. The cost is published, not fitted: fast accumulation is a 1.1-1.2x
+        # speedup of these GEMMs on H100 (pytorch/ao issue 2377); the midpoint applies to the
+        # tensor-core term.
+        if self.gpu.arch != "hopper" or pass_ == "fwd":
+            return 1.0
+        return FP8_SPLIT_ACCUMULATION_SLOWDOWN
+
     @cached_property
     def _bw_scale(self) -> float:
         return self.gpu.hbm_gbytes_per_s / _fit()["hbm_gbytes_per_s"]
@@ -172,7 +192,8 @@ class ComputeModel:
         cache = self._cache
         if key not in cache:
             cache[key] = self._gemm_time(float(m), float(k), float(n), pass_, measured_table,
-                                         self._fp8_speedup if fp8 else 1.0)
+                                         self._fp8_speedup if fp8 else 1.0,
+                                         self._split_accumulation(pass_) if fp8 else 1.0)
         return cache[key]
 
     @cached_property
@@ -180,7 +201,7 @@ class ComputeModel:
         return {}
 
     def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass, table: bool,
-                   speedup: float = 1.0) -> float:
+                   speedup: float = 1.0, accumulation: float = 1.0) -> float:
         g = _fit()["gemm"]
         rows, cols, red = gemm_dims(m, k, n, pass_)
         sms = self.gpu.sm_count
@@ -205,7 +226,7 @@ class ComputeModel:
                     + (g["small_k"] / red) ** g["exponent"])
         peak = g["peak_tflops"][pass_] * 1e12 * self._flops_scale
         mac = 2 * rows * cols * red / (peak * quant)
-        t = g["fixed_us"] * 1e-6 + mac / speedup + mac * overhead
+        t = g["fixed_us"] * 1e-6 + mac * accumulation / speedup + mac * overhead
         corr = _residual(self._gemm_table[pass_], np.log([rows, cols, red]),
                          g["residual_bandwidth"], g["residual_prior_weight"]) if table else 0.0
         # The residual is relative to the harness-inclusive time; keep it relative.
