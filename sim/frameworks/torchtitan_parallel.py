@@ -21,17 +21,18 @@ kernels and collectives of one micro-batch on one rank:
   logits, cross-entropy with small all-reduces of per-token statistics). DTensor issues each
   collective as a functional collective that the next op waits for: they block the compute
   stream (``async_tp`` is not modelled).
-* Context parallelism (``torch/distributed/tensor/experimental/_context_parallel/
-  _attention.py``, ``_templated_ring_attention`` and ``_templated_ring_attention_backward``):
-  each rank holds seq/cp tokens, split head-tail (``_HeadTailLoadBalancer``, torchtitan's
-  ``context_parallel_load_balancer`` default) so every rank gets the same share of the causal
+* Context parallelism (``torch/distributed/tensor/experimental/_attention.py``,
+  ``_templated_ring_attention`` and ``_templated_ring_attention_backward``; what each step
+  runs is :mod:`sim.frameworks.torchtitan_cp`): each rank holds seq/cp tokens, split
+  round-robin (chunks r and 2cp-1-r) so every rank gets the same share of the causal
   triangle. Attention runs in cp steps, one per key/value chunk; results are merged in fp32
   (``_SDPAMerger``, ``convert_to_f32``). Keys and values move by the rotate method:
   ``allgather`` (torch's ``_cp_options`` default; torchtitan's ``context_parallel_rotate_method``
-  default) gathers every chunk once, issued before the first (local) step so it overlaps it;
+  default) gathers every chunk once, issued before the first (local) step;
   ``alltoall`` shifts the buffer to the next rank each step (``permute_tensor``). Backward
   gathers keys and values again the same way and always shifts the fp32 key/value gradients
-  round the ring, one shift per step, each overlapping the next step's attention backward.
+  round the ring, one shift per step. Eager, each exchange overlaps the next step; compiled,
+  each is waited for where it is issued.
 * Pipeline parallelism (``torchtitan/distributed/pipeline_parallel.py``,
   ``_generate_llm_fqn_per_model_part``): the layers are split over pp x vp model chunks with the
   embedding weighted as ``pipeline_parallel_first_stage_less_layers`` layers and the output as
