@@ -88,6 +88,9 @@ class Kernel:
     """Keys per query when they outnumber the local queries (context parallelism: each rank
     attends its seq/cp queries to the whole sequence, half of it on average under causal
     load balancing); 0 = the same sequence, causal."""
+    attn_block: tuple[int, int] | None = None
+    """(queries, keys) of one non-causal block (a step of torch's ring attention,
+    :mod:`sim.frameworks.torchtitan_cp`); the kernel runs exactly that rectangle."""
     activation_elements: float = 0.0
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
     fp8: bool = False
@@ -789,6 +792,10 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     if k.klass == "attention":
         assert k.attn is not None
         bsz, heads, seq, hd, p = k.attn
+        if k.attn_block is not None:
+            q_len, kv_len = k.attn_block
+            return cm.attention_time(bsz, heads, q_len, hd, p,  # type: ignore[arg-type]
+                                     kv_seq=kv_len, causal=False)
         if k.attn_kv_seq and k.attn_kv_seq != seq:
             # Megatron splits each sequence in 2 x cp chunks so every rank gets an equal
             # share of the causal triangle: half of its queries x all keys.

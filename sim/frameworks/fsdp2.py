@@ -76,6 +76,7 @@ from dataclasses import dataclass, field, replace
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.megatron import schedule as pipeline_order
 from sim.frameworks.steps import micro_batch_ops
+from sim.frameworks.torchtitan_cp import titan_repeats_kv
 from sim.frameworks.torchtitan_parallel import (
     Comms,
     Mesh,
@@ -283,8 +284,9 @@ def build_fsdp2(ctx: JobContext) -> Program:
                                     ctx.compute)
     selective = s.training.activation_checkpointing == "selective"
     tb = titan_blocks(m, style, ctx.compute, ctx.micro_batch, ctx.seq, t, cp,
-                      opts.cp_rotate_method, sac=selective,
-                      eager_head=eager_head) if t > 1 or cp > 1 else None
+                      opts.cp_rotate_method, sac=selective, eager_head=eager_head,
+                      repeat_kv=titan_repeats_kv(s.training.torch_version)
+                      ) if t > 1 or cp > 1 else None
     if tb is not None:
         numel = dict(tb.params)
         ugrad = {b: float(BF16 * n) for b, n in numel.items()}

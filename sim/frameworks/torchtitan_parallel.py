@@ -21,17 +21,18 @@ kernels and collectives of one micro-batch on one rank:
   logits, cross-entropy with small all-reduces of per-token statistics). DTensor issues each
   collective as a functional collective that the next op waits for: they block the compute
   stream (``async_tp`` is not modelled).
-* Context parallelism (``torch/distributed/tensor/experimental/_context_parallel/
-  _attention.py``, ``_templated_ring_attention`` and ``_templated_ring_attention_backward``):
-  each rank holds seq/cp tokens, split head-tail (``_HeadTailLoadBalancer``, torchtitan's
-  ``context_parallel_load_balancer`` default) so every rank gets the same share of the causal
+* Context parallelism (``torch/distributed/tensor/experimental/_attention.py``,
+  ``_templated_ring_attention`` and ``_templated_ring_attention_backward``; what each step
+  runs is :mod:`sim.frameworks.torchtitan_cp`): each rank holds seq/cp tokens, split
+  round-robin (chunks r and 2cp-1-r) so every rank gets the same share of the causal
   triangle. Attention runs in cp steps, one per key/value chunk; results are merged in fp32
   (``_SDPAMerger``, ``convert_to_f32``). Keys and values move by the rotate method:
   ``allgather`` (torch's ``_cp_options`` default; torchtitan's ``context_parallel_rotate_method``
-  default) gathers every chunk once, issued before the first (local) step so it overlaps it;
+  default) gathers every chunk once, issued before the first (local) step;
   ``alltoall`` shifts the buffer to the next rank each step (``permute_tensor``). Backward
   gathers keys and values again the same way and always shifts the fp32 key/value gradients
-  round the ring, one shift per step, each overlapping the next step's attention backward.
+  round the ring, one shift per step. Eager, each exchange overlaps the next step; compiled,
+  each is waited for where it is issued.
 * Pipeline parallelism (``torchtitan/distributed/pipeline_parallel.py``,
   ``_generate_llm_fqn_per_model_part``): the layers are split over pp x vp model chunks with the
   embedding weighted as ``pipeline_parallel_first_stage_less_layers`` layers and the output as
@@ -57,6 +58,7 @@ from sim.frameworks.titan_float8 import (
     cast_module_input,
     tp_all_gather_bytes_per_element,
 )
+from sim.frameworks.torchtitan_cp import repeat_kv_kernels, ring_step_segments
 from sim.layer_ops import (
     BF16,
     FP32,
@@ -211,6 +213,9 @@ class TitanBlocks:
     """Op-level selective checkpointing of each layer segment (``selective``), else None."""
     fp8_tp: bool = False
     """torchao's float8 tensor-parallel styles are in effect (:mod:`titan_float8`)."""
+    compiled: bool = False
+    """The blocks run under torch.compile: the ring's exchanges are waited for where they
+    are issued (:mod:`sim.frameworks.torchtitan_cp`)."""
 
     def layer_segments(self) -> list[str]:
         """The segments of one transformer layer, in forward order."""
@@ -279,95 +284,30 @@ def _attn_main(ml: ModelSpec, style: Style, batch: int, seq: int, fp8_tp: bool =
     return b.finish()
 
 
-def _ring_segments(ml: ModelSpec, style: Style, batch: int, seq: int, cp: int,
-                   fp8_tp: bool = False, tp: int = 1) -> dict[str, Block]:
-    """Context parallelism: qkv, the cp ring steps forward and backward, the concatenations
-    of the rotater, the final casts, and wo (``_templated_ring_attention[_backward]``)."""
-    segs: dict[str, Block] = {}
+def _ring_segments(ml: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: int,
+                   cp: int, fp8_tp: bool = False, tp: int = 1, repeat_kv: bool = True
+                   ) -> dict[str, Block]:
+    """Context parallelism: qkv (with torchtitan's ``repeat_kv``), the cp ring steps forward
+    and backward (:func:`sim.frameworks.torchtitan_cp.ring_step_segments`), and wo."""
     tokens = batch * seq          # local queries (seq is already seq/cp)
-    qd, kvd, heads, hd = ml.q_dim, ml.kv_dim, ml.heads, ml.head_dim
     b = builder("attn_qkv", style, fp8_tp, tokens / tp)
     q, k, v = _qkv(b, ml, tokens)
+    if repeat_kv:
+        k, v = repeat_kv_kernels(b, k, v, tokens, ml.kv_dim, ml.q_dim)
     b.block.outputs += [q, k, v]
-    segs["attn_qkv"] = b.finish()
-    # Each step's attention: seq/cp queries against one chunk of seq/cp keys. With head-tail
-    # balancing the first step is causal on the local chunks and every other step computes
-    # half a (seq/cp)^2 block, non-causal: the same work as a causal (seq/cp)^2 block, which
-    # is how each step is priced.
-    fl = 2.0 * batch * seq * seq * qd
-    out32 = Tensor("ring.out_fp32", tokens * qd * FP32)
-    lse = Tensor("ring.lse", batch * heads * seq * FP32)
-    for i in range(cp):
-        r = _Builder(f"attn_ring{i}", style)
-        qi = Tensor(f"ring{i}.q", tokens * qd * BF16)
-        ki = Tensor(f"ring{i}.k", tokens * kvd * BF16)
-        vi = Tensor(f"ring{i}.v", tokens * kvd * BF16)
-        r.block.inputs += [qi, ki, vi]
-        o = r.t("block_out", tokens * qd, BF16)
-        blse = r.t("block_lse", batch * heads * seq, FP32)
-        r.fwd(Kernel(f"ring{i}.sdpa", "attention", (qi, ki, vi), (o, blse), fl,
-                     attn=(batch, heads, seq, hd, "fwd")))
-        o32 = r.t("block_out_fp32", tokens * qd, FP32)
-        r.fwd(Kernel(f"ring{i}.out_to_fp32", "elementwise", (o,), (o32,)))
-        if i > 0:
-            # _SDPAMerger._merge_one: out - sigmoid(block_lse - lse) * (out - block_out);
-            # lse - logsigmoid(lse - block_lse).
-            d = r.t("diff", tokens * qd, FP32)
-            p = r.t("scaled", tokens * qd, FP32)
-            r.fwd(Kernel(f"ring{i}.sub", "elementwise", (out32, o32), (d,)))
-            r.fwd(Kernel(f"ring{i}.lse_sigmoid", "tiny", (blse, lse), ()))
-            r.fwd(Kernel(f"ring{i}.mul", "elementwise", (d,), (p,)))
-            r.fwd(Kernel(f"ring{i}.update", "elementwise", (out32, p), (out32,)))
-            r.fwd(Kernel(f"ring{i}.lse_update", "tiny", (blse, lse), (lse,)))
-        if i == 0:
-            # Autograd keeps the local q, k, v for backward (which fetches the others again).
-            r.save(qi, ki, vi)
-        if i == cp - 1:
-            outb = r.t("out", tokens * qd, BF16)
-            r.fwd(Kernel("ring.out_to_bf16", "elementwise", (out32,), (outb,)))
-            r.save(lse)
-        segs[f"attn_ring{i}"] = r.finish()
-        # Backward step i: the flash backward on this chunk, then (after the previous
-        # gradient shift arrived) the fp32 accumulation and the concatenation to send on.
-        fb = _Builder(f"attn_ring{i}_bwd", style)
-        go = fb.t("g_out", tokens * qd, BF16)
-        gq, gk, gv = (fb.t(n, tokens * w, BF16) for n, w in (("g_q", qd), ("g_k", kvd),
-                                                              ("g_v", kvd)))
-        ks = [Kernel(f"ring{i}.sdpa_bwd", "attention", (go, qi, ki, vi, o, blse), (gq, gk, gv),
-                     2.5 * fl, attn=(batch, heads, seq, hd, "bwd"))]
-        if i == 0:
-            acc = fb.t("acc", tokens * (qd + 2 * kvd), FP32)
-            ks.insert(0, Kernel("ring.zeros", "elementwise", (), (acc,)))
-        fb.bwd(*ks)
-        segs[f"attn_ring{i}_bwd"] = fb.finish()
-        ab = _Builder(f"attn_ring{i}_acc", style)
-        accq = ab.t("acc_q", tokens * qd, FP32)
-        acckv = ab.t("acc_kv", tokens * 2 * kvd, FP32)
-        gkv = ab.t("g_kv", tokens * 2 * kvd, BF16)
-        gqb = ab.t("g_q", tokens * qd, BF16)
-        nxt = ab.t("next_g_kv", tokens * 2 * kvd, FP32)
-        ab.bwd(Kernel(f"ring{i}.acc_kv", "elementwise", (acckv, gkv), (acckv,)),
-               Kernel(f"ring{i}.acc_q", "elementwise", (accq, gqb), (accq,)),
-               Kernel(f"ring{i}.cat_g_kv", "elementwise", (acckv,), (nxt,)))
-        segs[f"attn_ring{i}_acc"] = ab.finish()
-    # torch.cat([key.flatten(), value.flatten()]) before each exchange.
-    c = _Builder("attn_kv_cat", style)
-    kin, vin = c.t("k", tokens * kvd, BF16), c.t("v", tokens * kvd, BF16)
-    c.fwd(Kernel("kv_cat", "elementwise", (kin, vin), (c.t("kv", tokens * 2 * kvd, BF16),)))
-    segs["attn_kv_cat"] = c.finish()
-    f = _Builder("attn_ring_final", style)
-    accq = f.t("acc_q", tokens * qd, FP32)
-    acckv = f.t("acc_kv", tokens * 2 * kvd, FP32)
-    f.bwd(Kernel("ring.g_q_to_bf16", "elementwise", (accq,), (f.t("g_q", tokens * qd, BF16),)),
-          Kernel("ring.g_kv_to_bf16", "elementwise", (acckv,),
-                 (f.t("g_kv", tokens * 2 * kvd, BF16),)))
-    segs["attn_ring_final"] = f.finish()
+    segs = {"attn_qkv": b.finish()}
+    segs.update(ring_step_segments(ml, style, cm, batch, seq, cp, kv_width(ml, repeat_kv)))
     w = builder("attn_o", style, fp8_tp, tokens / tp)
-    oin = w.t("in", tokens * qd, BF16)
+    oin = w.t("in", tokens * ml.q_dim, BF16)
     w.block.inputs.append(oin)
-    w.block.outputs.append(w.linear(oin, tokens, qd, ml.hidden, "wo", bias=ml.bias))
+    w.block.outputs.append(w.linear(oin, tokens, ml.q_dim, ml.hidden, "wo", bias=ml.bias))
     segs["attn_o"] = w.finish()
     return segs
+
+
+def kv_width(ml: ModelSpec, repeat_kv: bool) -> int:
+    """Width of the keys (and of the values) that reach SDPA on one rank."""
+    return ml.q_dim if repeat_kv else ml.kv_dim
 
 
 def _embed_seg(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
@@ -460,13 +400,16 @@ def _loss_parallel(b: _Builder, logits: Tensor, lf: Tensor, lsm: Tensor, n: floa
 
 
 def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: int, tp: int,
-                 cp: int, rotate: str, sac: bool = False, eager_head: bool = False
-                 ) -> TitanBlocks:
+                 cp: int, rotate: str, sac: bool = False, eager_head: bool = False,
+                 repeat_kv: bool = True) -> TitanBlocks:
     """Every segment of one micro-batch on one rank under tensor parallelism ``tp`` (with
     sequence parallelism) and context parallelism ``cp``; with ``sac``, also what each layer
     segment keeps and re-runs under torchtitan's op-level selective checkpointing
     (:func:`layer_sac_costs`). ``eager_head``: final norm, output and loss run uncompiled
-    although ``style.compile`` (``Fsdp2Options.compile_loss`` false)."""
+    although ``style.compile`` (``Fsdp2Options.compile_loss`` false). ``repeat_kv``: the
+    keys and values reach SDPA with the query heads' width (torchtitan before 2026,
+    :func:`sim.frameworks.torchtitan_cp.titan_repeats_kv`; modelled on the context-parallel
+    path, where it sets the bytes the ring moves)."""
     ml = local_dims(m, tp)
     seq_local = seq // cp
     tokens = batch * seq_local
@@ -487,7 +430,8 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
     if cp == 1:
         segs["attn_main"] = _attn_main(ml, style, batch, seq_local, fp8_tp, tp)
     else:
-        segs.update(_ring_segments(ml, style, batch, seq_local, cp, fp8_tp, tp))
+        segs.update(_ring_segments(ml, style, cm, batch, seq_local, cp, fp8_tp, tp,
+                                   repeat_kv))
     cost = {k: price_block(b, hstyle if k.startswith("head") else style, cm)
             for k, b in segs.items()}
     params = {
@@ -496,10 +440,11 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
         "mlp": sum(segs[k].params for k in segs if k.startswith("mlp")),
         "head": segs["head_norm"].params + segs["head_main"].params,
     }
+    kvw = kv_width(ml, repeat_kv)
     tb = TitanBlocks(segs, cost, tp, cp, rotate, tokens, local,
-                     kv_bytes=2.0 * tokens * ml.kv_dim * BF16,
-                     attn_acc_bytes=float(tokens * (ml.q_dim + 2 * ml.kv_dim) * FP32),
-                     hidden=m.hidden, params=params, fp8_tp=fp8_tp)
+                     kv_bytes=2.0 * tokens * kvw * BF16,
+                     attn_acc_bytes=float(tokens * (ml.q_dim + 2 * kvw) * FP32),
+                     hidden=m.hidden, params=params, fp8_tp=fp8_tp, compiled=style.compile)
     if sac:
         tb.sac = layer_sac_costs(tb, style, cm)
     return tb
@@ -716,35 +661,50 @@ class TitanPass:
 
     def _ring_forward(self, ops: list[Op], seg: Callable[..., Op], mb: int,
                       lay: int | None) -> None:
-        tb, cp = self.tb, self.tb.cp
         seg("attn_qkv")
-        where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
-        ops.append(self._cat(mb, lay, ops[-1].phase))
-        if tb.rotate == "allgather":
-            gather = self.c.cp_gather(tb.kv_bytes * cp, f"cp all_gather K/V{where}", mb, lay)
-            gather.deps = [ops[-1]]
-            ops.append(gather)
-            arrived = gather
-        else:
-            arrived = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V 0{where}", mb, lay)
-            arrived.deps = [ops[-1]]
-            ops.append(arrived)
-        for i in range(cp):
-            if i > 0 and tb.rotate == "alltoall" and i < cp - 1:
-                cat = self._cat(mb, lay, ops[-1].phase)
-                cat.deps = [arrived]
-                ops.append(cat)
-                nxt = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V {i}{where}", mb, lay)
-                nxt.deps = [cat]
-                ops.append(nxt)
-                step = seg(f"attn_ring{i}")
-                step.deps = [arrived]
-                arrived = nxt
-                continue
-            step = seg(f"attn_ring{i}")
-            if i > 0:
-                step.deps = [arrived]
+        self._kv_ring(ops, mb, lay, ops[-1].phase, lambda i: seg(f"attn_ring{i}"))
         seg("attn_o")
+
+    def _kv_ring(self, ops: list[Op], mb: int, lay: int | None, phase: Phase,
+                 step: Callable[[int], Op]) -> None:
+        """The key/value exchanges of one ring pass around its cp steps (``step(i)`` appends
+        step i's ops and returns the one that needs the keys), as ``_templated_ring_attention
+        [_backward]`` issues them: the concatenation and first exchange before step 0; for
+        1 <= i < cp-1 a concatenation (dead with the all-gather rotater: eager runs it,
+        inductor drops it) and, all-to-all, the next shift. Eager, step i waits for the keys
+        it uses; compiled, also for the exchange issued in it (:mod:`torchtitan_cp`)."""
+        tb, cp = self.tb, self.tb.cp
+        tag = " (bwd)" if phase == "bwd" else ""
+        where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        ops.append(self._cat(mb, lay, phase))
+        if tb.rotate == "allgather":
+            first = self.c.cp_gather(tb.kv_bytes * cp, f"cp all_gather K/V{tag}{where}", mb,
+                                     lay)
+        else:
+            first = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V 0{tag}{where}", mb, lay)
+        first.deps = [ops[-1]]
+        ops.append(first)
+        arrived = first
+        for i in range(cp):
+            issued: Op | None = first if i == 0 else None
+            if 0 < i < cp - 1:
+                cat = self._cat(mb, lay, phase)
+                if tb.rotate == "alltoall":
+                    cat.deps = [arrived]
+                    ops.append(cat)
+                    issued = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V {i}{tag}{where}", mb,
+                                             lay)
+                    issued.deps = [cat]
+                    ops.append(issued)
+                elif not tb.compiled:
+                    ops.append(cat)
+            op = step(i)
+            deps = [arrived] if i > 0 else []
+            if tb.compiled and issued is not None:
+                deps.append(issued)
+            op.deps = op.deps + deps
+            if i > 0 and issued is not None:
+                arrived = issued
 
     def _cat(self, mb: int, lay: int | None, phase: Phase) -> Op:
         c = self.tb.cost["attn_kv_cat"]
@@ -801,44 +761,31 @@ class TitanPass:
 
     def _ring_backward(self, ops: list[Op], seg: Callable[[str], Op], mb: int,
                        lay: int | None) -> None:
-        tb, cp = self.tb, self.tb.cp
+        tb = self.tb
         where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
         seg("attn_o")
-        ops.append(self._cat(mb, lay, "bwd"))
-        if tb.rotate == "allgather":
-            kv = self.c.cp_gather(tb.kv_bytes * cp, f"cp all_gather K/V (bwd){where}", mb, lay)
-        else:
-            kv = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V 0 (bwd){where}", mb, lay)
-        kv.deps = [ops[-1]]
-        ops.append(kv)
-        dkv: Op | None = None
+        dkv: list[Op] = []
         grad_kv_bytes = 2.0 * tb.kv_bytes     # fp32 gradients of the local keys and values
-        for i in range(cp):
-            if i > 0 and tb.rotate == "alltoall" and i < cp - 1:
-                cat = self._cat(mb, lay, "bwd")
-                cat.deps = [kv]
-                ops.append(cat)
-                nxt = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V {i} (bwd){where}", mb, lay)
-                nxt.deps = [cat]
-                ops.append(nxt)
-                step = seg(f"attn_ring{i}_bwd")
-                step.deps = [kv]
-                kv = nxt
-            else:
-                step = seg(f"attn_ring{i}_bwd")
-                if i > 0:
-                    step.deps = [kv]
-            step.transient += tb.attn_acc_bytes
+
+        def step(i: int) -> Op:
+            op = seg(f"attn_ring{i}_bwd")
+            if tb.compiled and dkv:
+                op.deps = [dkv[-1]]           # compiled: the last shift was waited for at once
+            op.transient += tb.attn_acc_bytes
             # The ring's saved tensors (local q, k, v, lse) are freed with the whole node.
-            step.free = ()
+            op.free = ()
             acc = seg(f"attn_ring{i}_acc")
-            if dkv is not None:
-                acc.deps = [dkv]
+            if dkv:
+                acc.deps = [dkv[-1]]
             acc.transient += tb.attn_acc_bytes
-            dkv = self.c.cp_shift(grad_kv_bytes, f"cp shift dK/dV {i}{where}", mb, lay)
-            dkv.deps = [acc]
-            ops.append(dkv)
+            shift = self.c.cp_shift(grad_kv_bytes, f"cp shift dK/dV {i}{where}", mb, lay)
+            shift.deps = [acc]
+            ops.append(shift)
+            dkv.append(shift)
+            return op
+
+        self._kv_ring(ops, mb, lay, "bwd", step)
         final = seg("attn_ring_final")
-        final.deps = [dkv] if dkv is not None else []
-        saved = sum(tb.cost[f"attn_ring{i}"].saved_bytes for i in range(cp))
+        final.deps = dkv[-1:]
+        saved = sum(tb.cost[f"attn_ring{i}"].saved_bytes for i in range(tb.cp))
         final.free = (("activations", saved),)
