@@ -7,10 +7,11 @@ A refactoring leaves every golden unchanged. A change of behaviour regenerates t
 (``make golden``, i.e. ``python tools/update_golden.py``) in the same commit, whose message
 says which cases moved and by how much (the tool prints it). See docs/golden.md.
 
-Each case is one ``fabricsim`` command line, run in-process through the CLI from the
-repository root; its JSON output, less the wall-clock fields (:data:`EXCLUDED_KEYS`), is the
-golden. Values compare exactly: floats as Python reads back the repr that ``json`` wrote,
-ints and bools by type too (``1`` is not ``1.0``), NaN equal to NaN; key order is ignored.
+Each case is one ``fabricsim`` command line, run in-process through the CLI from
+``tests/golden/scenarios`` (where the synthetic cases' base scenarios are); its JSON output,
+less the wall-clock fields (:data:`EXCLUDED_KEYS`), is the golden. Values compare exactly:
+floats as Python reads back the repr that ``json`` wrote, ints and bools by type too (``1`` is
+not ``1.0``), NaN equal to NaN; key order is ignored.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-GOLDEN = ROOT / "tests" / "golden"
-TINY = "tests/golden/scenarios/tiny.yaml"       # relative: no absolute path in any output
-TINY_B = "tests/golden/scenarios/tiny-fsdp2.yaml"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+SCENARIOS = GOLDEN / "scenarios"
+"""The synthetic cases' base scenarios. Commands run from this folder and name them by file
+name, so no output holds a path that would change if the folder moved."""
+TINY = "tiny.yaml"
+TINY_B = "tiny-fsdp2.yaml"
 
 EXCLUDED_KEYS = frozenset({"wall_s", "sim.wall_s"})
 """Keys dropped at any depth before storing or comparing: wall-clock seconds (the summary's
@@ -110,6 +113,11 @@ SYNTHETIC: tuple[Case, ...] = (
          "parallelism.vp=2", "framework.num_distributed_optimizer_instances=2",
          "framework.overlap_param_gather_with_optimizer_step=true",
          "framework.bucket_size=1000000"),
+    _run("megatron-tp2-pp2-unbatched-p2p-scatter-gather", MEGATRON, "parallelism.tp=2",
+         "parallelism.pp=2", "framework.batch_p2p_comm=false",
+         "framework.grad_reduce_in_fp32=false",
+         "framework.scatter_gather_tensors_in_pipeline=true"),
+    _run("megatron-gelu-tp2", MEGATRON, "model.mlp=gelu", "parallelism.tp=2"),
     # DeepSpeed: ZeRO stages, offload, ZeRO++, the Megatron-DeepSpeed 3D pipeline
     _run("deepspeed-zero0", DEEPSPEED, "framework.zero_stage=0"),
     _run("deepspeed-zero1", DEEPSPEED, "framework.zero_stage=1"),
@@ -125,6 +133,10 @@ SYNTHETIC: tuple[Case, ...] = (
          "framework.offload_param=cpu"),
     _run("deepspeed-zero3-offload-nvme", DEEPSPEED, "framework.offload_optimizer=nvme",
          "framework.offload_param=nvme"),
+    _run("deepspeed-zero3-offload-nvme-host-limits", DEEPSPEED, "framework.offload_optimizer=nvme",
+         "framework.offload_param=nvme", "cluster.nvme_read_gbytes_per_s=6",
+         "cluster.nvme_write_gbytes_per_s=3", "cluster.cpu_cores=32",
+         "cluster.host_memory_gbytes_per_s=80"),
     _run("deepspeed-zero2-offload-cpu", DEEPSPEED, "framework.zero_stage=2",
          "framework.offload_optimizer=cpu"),
     _run("deepspeed-3d-tp2-pp2", DEEPSPEED, "framework.zero_stage=1", "parallelism.tp=2",
@@ -149,6 +161,8 @@ SYNTHETIC: tuple[Case, ...] = (
     _run("fsdp2-hf-full-reentrant", FSDP2, "framework.model_code=huggingface",
          "training.activation_checkpointing=full", "framework.checkpoint_use_reentrant=true",
          "training.attention_backend=sdpa"),
+    _run("fsdp2-hf-tied-llama3.2-1b-torch2.5", FSDP2, "framework.model_code=huggingface",
+         "model=llama3.2-1b", "training.seq_len=512", 'training.torch_version="2.5"'),
     _run("fsdp2-hsdp-fp32-no-reshard", FSDP2, "framework.hsdp_shard_size=4",
          "framework.param_dtype=fp32", "framework.reduce_dtype=bf16",
          "framework.reshard_after_forward=false"),
@@ -188,6 +202,7 @@ SYNTHETIC: tuple[Case, ...] = (
     _run("fabric-2region-2az", FSDP2, "cluster.nodes=4", "cluster.azs=2", "cluster.regions=2",
          "cluster.region_link_gbps=200", "cluster.region_latency_ms=20",
          "training.global_batch_size=32", "pricing.cloud=gcp",
+         "pricing.gpu_hour_usd=2.5", "pricing.region_egress_usd_per_gb=0.05",
          "training.tokens_total=1.0e9"),
     _run("fabric-ecmp-roce-oversubscribed", FSDP2, "cluster.nodes=4", "cluster.routing=ecmp",
          "cluster.nic_transport=roce", "cluster.nodes_per_leaf=2", "cluster.oversubscription=2",
@@ -197,6 +212,9 @@ SYNTHETIC: tuple[Case, ...] = (
          "training.global_batch_size=32"),
     _run("fabric-tcp-100g-amd", "cluster.nic_transport=tcp", "cluster.nic_gbps=100",
          "cluster.nics_per_node=1", "cluster.cpu_vendor=amd", "cluster.pcie_switches_per_node=2"),
+    _run("fabric-links-latencies", FSDP2, "cluster.nvlink_gbytes_per_s=300",
+         "cluster.pcie_gbytes_per_s=32", "cluster.nic_latency_us=5",
+         "cluster.switch_latency_us=1"),
     _run("gpu-a100-cudnn", FSDP2, "cluster.topology=dgx-a100", "cluster.gpu=a100-80gb",
          "training.attention_backend=cudnn"),
     _run("gpu-h200-power-cap", "cluster.gpu=h200", "cluster.gpu_power_w=500"),
@@ -265,10 +283,11 @@ def all_cases() -> list[Case]:
 
 # --------------------------------------------------------------------------- produce
 @contextmanager
-def _at_root() -> Iterator[None]:
-    # Relative scenario paths (labels in compare's output) resolve the same from anywhere.
+def _in_scenarios() -> Iterator[None]:
+    # The base scenarios by file name (labels in compare's output), whatever the caller's
+    # folder; shipped scenarios and topologies resolve by name from anywhere.
     here = os.getcwd()
-    os.chdir(ROOT)
+    os.chdir(SCENARIOS)
     try:
         yield
     finally:
@@ -290,7 +309,7 @@ def produce(case: Case) -> Any:
 
     from sim.cli import app
 
-    with _at_root():
+    with _in_scenarios():
         result = CliRunner().invoke(app, list(case.args), catch_exceptions=False)
     if result.exit_code != 0:
         raise RuntimeError(f"fabricsim {' '.join(case.args)}: exit {result.exit_code}\n"
@@ -371,7 +390,10 @@ UPDATE_HINT = ("the output changed. If the change is intended, run `make golden`
                                                if c.slow else []) for c in all_cases()])
 def test_golden(case: Case) -> None:
     assert case.path.is_file(), f"{case.path} is missing: run `make golden`"
-    report = diff_report(load(case), produce(case))
+    stored = json.loads(case.path.read_text())
+    assert stored["command"] == ["fabricsim", *case.args], (
+        f"{case.path}: the case's command changed since its golden was made: run make golden")
+    report = diff_report(stored["output"], produce(case))
     assert not report, f"fabricsim {' '.join(case.args)}: {UPDATE_HINT}\n{report}"
 
 
