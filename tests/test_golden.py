@@ -394,7 +394,8 @@ def test_golden(case: Case) -> None:
     assert stored["command"] == ["fabricsim", *case.args], (
         f"{case.path}: the case's command changed since its golden was made: run make golden")
     report = diff_report(stored["output"], produce(case))
-    assert not report, f"fabricsim {' '.join(case.args)}: {UPDATE_HINT}\n{report}"
+    if report:
+        pytest.fail(f"fabricsim {' '.join(case.args)}: {UPDATE_HINT}\n{report}", pytrace=False)
 
 
 def test_every_golden_file_is_a_case() -> None:
