@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench pictures clean
+.PHONY: demo test lint bench pictures golden clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ lint: $(STAMP)
 
 pictures: $(STAMP)
 	$(BIN)/python tools/readme_pictures.py
+
+# Regenerate tests/golden/ after an intended change of output; prints what moved
+# (docs/golden.md).
+golden: $(STAMP)
+	$(BIN)/python tools/update_golden.py
 
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m benchmark -s
