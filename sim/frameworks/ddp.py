@@ -21,6 +21,7 @@ What the step does, as torch's Reducer runs it (``torch/nn/parallel/distributed.
 
 from __future__ import annotations
 
+from sim.frameworks.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.steps import micro_batch_ops
 from sim.layer_ops import FP32, Style
@@ -68,16 +69,10 @@ def build_ddp(ctx: JobContext) -> Program:
     style = Style("autocast", compile=opts.compile)
     costs = ctx.block_costs(style, kv_cache=not ctx.recompute)
     cm = ctx.compute
-    tied = m.tied_embeddings
-    vh = m.vocab * m.hidden
 
     # Parameters whose gradient each block's backward produces first (fp32 under autocast).
-    grad_params = {
-        "embed": m.embedding_params - (vh if tied else 0),
-        "attn": costs["attn"].params,
-        "mlp": costs["mlp"].params,
-        "head": costs["head"].params + (vh if tied else 0),
-    }
+    grad_params = block_grad_params(m, costs)
+    tied_sum_s = tied_grad_sum_s(cm, m, FP32)
     total = m.total_params
     bucket_view = opts.gradient_as_bucket_view and sync
 
@@ -90,14 +85,7 @@ def build_ddp(ctx: JobContext) -> Program:
                       ctx.model_flops_per_step() + ctx.layer_recompute_flops(costs))
     program.meta.update(framework="ddp", micro_batches=ctx.micro_batches, style=style.name)
 
-    per_token = {
-        "embed": 0.0,
-        "attn": 6.0 * (costs["attn"].params) + 6.0 * ctx.seq * m.q_dim,
-        "mlp": 6.0 * costs["mlp"].params,
-        "head": 6.0 * vh,
-    }
-    tokens_mb = ctx.micro_batch * ctx.seq
-    model_flops = {b: (v * tokens_mb / 3, 2 * v * tokens_mb / 3) for b, v in per_token.items()}
+    model_flops = block_model_flops(m, costs, ctx.micro_batch, ctx.seq)
 
     last_bwd: Op | None = None
     for mb in range(ctx.micro_batches):
@@ -112,8 +100,8 @@ def build_ddp(ctx: JobContext) -> Program:
                 t += cm.membound_time(3 * FP32 * params)   # AccumulateGrad: grad += new
             if communicate:
                 t += cm.membound_time(2 * FP32 * params)   # copy into bucket, scaled 1/world
-            if tied and b == "embed":
-                t += cm.membound_time(3 * FP32 * vh)       # tied weight: embed + head grads
+            if b == "embed":
+                t += tied_sum_s                            # tied weight: embed + head grads
             extra[b] = t
         ops = micro_batch_ops(costs, m.layers, mb, ctx.recompute, style.autocast, grad_alloc,
                               extra, model_flops, reentrant=opts.checkpoint_use_reentrant)
