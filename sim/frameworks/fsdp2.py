@@ -73,6 +73,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from sim.frameworks.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.megatron import schedule as pipeline_order
 from sim.frameworks.steps import micro_batch_ops
@@ -261,8 +262,6 @@ def build_fsdp2(ctx: JobContext) -> Program:
                 "is Hugging Face's option (model_code: huggingface)")
     style = Style("hf_bf16" if hf else "bf16", compile=opts.compile, float8=fp8,
                   float8_weights=fp8 and opts.float8_all_gather)
-    vh = m.vocab * m.hidden
-    tied = m.tied_embeddings
     n_virtual = pp * vp
     chunk_layers = stage_layers(m.layers, n_virtual, opts.pipeline_first_stage_less_layers,
                                 opts.pipeline_last_stage_less_layers)
@@ -295,9 +294,7 @@ def build_fsdp2(ctx: JobContext) -> Program:
                  "mlp": costs["mlp"].params, "head": m.norm_params + m.lm_head_params}
         # Unsharded bf16 gradients, produced by each block's backward, freed by the copy-in
         # (a tied matrix gets its gradient from the output layer and the embedding).
-        ugrad = {"embed": BF16 * (m.embedding_params - (vh if tied else 0)),
-                 "attn": BF16 * costs["attn"].params, "mlp": BF16 * costs["mlp"].params,
-                 "head": BF16 * (costs["head"].params + (vh if tied else 0))}
+        ugrad = {b: BF16 * p for b, p in block_grad_params(m, costs).items()}
     layer_raf = _reshard_blocks(opts, pp)
 
     def units_of(v: int) -> list[_Unit]:
@@ -318,16 +315,12 @@ def build_fsdp2(ctx: JobContext) -> Program:
 
     chunk_units = [units_of(v) for v in range(n_virtual)]
     tokens_mb = ctx.micro_batch * ctx.seq
-    per_token = {"embed": 0.0,
-                 "attn": 6.0 * costs["attn"].params + 6.0 * ctx.seq * m.q_dim,
-                 "mlp": 6.0 * costs["mlp"].params, "head": 6.0 * vh}
     job = _Job(
         ctx=ctx, opts=opts, mesh=mesh, style=style, n_mb=ctx.micro_batches,
         n_shard=shard * cp, pbytes=BF16 if opts.param_dtype == "bf16" else FP32,
         rbytes=BF16 if opts.reduce_dtype == "bf16" else FP32, costs=costs, titan=tb,
         chunk_units=chunk_units, ugrad=ugrad,
-        model_flops={b: (v * tokens_mb / 3, 2 * v * tokens_mb / 3)
-                     for b, v in per_token.items()},
+        model_flops=block_model_flops(m, costs, ctx.micro_batch, ctx.seq),
         # Activations sent between stages: the last block's output, this rank's share.
         p2p_bytes=float(BF16 * (tb.local_tokens if tb is not None else tokens_mb) * m.hidden),
         stage_params=[sum(u.numel for v in range(st, n_virtual, pp) for u in chunk_units[v])
@@ -447,8 +440,7 @@ class _Stage:
                 done.alloc = done.alloc + (("gradients", job.ugrad[k[0]]),)
                 return ops
         else:
-            extra = {"embed": cm.membound_time(3 * BF16 * m.vocab * m.hidden)
-                     if m.tied_embeddings else 0.0}
+            extra = {"embed": tied_grad_sum_s(cm, m, BF16)}
             pops = micro_batch_ops(job.costs, m.layers, mb, job.ctx.recompute,
                                    job.style.autocast, job.ugrad, extra, job.model_flops,
                                    sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant)
