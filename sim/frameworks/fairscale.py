@@ -87,6 +87,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S
+from sim.frameworks.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.steps import micro_batch_ops
 from sim.layer_ops import BF16, FP32, Style
@@ -181,8 +182,6 @@ def build_fairscale(ctx: JobContext) -> Program:
     rbytes = FP32 if (opts.fp32_reduce_scatter or not mixed) else BF16
     pre_div, post_div = gradient_divide_factors(n)
     bucket_capacity = bucket_shard_capacity(rbytes, n)
-    vh = m.vocab * m.hidden
-    tied = m.tied_embeddings
     group = tuple(range(n))
 
     root = _Unit("root", m.embedding_params + m.norm_params + m.lm_head_params,
@@ -200,11 +199,7 @@ def build_fairscale(ctx: JobContext) -> Program:
     program.meta.update(framework="fairscale", micro_batches=ctx.micro_batches,
                         style=style.name)
 
-    tokens_mb = ctx.micro_batch * ctx.seq
-    per_token = {"embed": 0.0,
-                 "attn": 6.0 * costs["attn"].params + 6.0 * ctx.seq * m.q_dim,
-                 "mlp": 6.0 * costs["mlp"].params, "head": 6.0 * vh}
-    model_flops = {b: (v * tokens_mb / 3, 2 * v * tokens_mb / 3) for b, v in per_token.items()}
+    model_flops = block_model_flops(m, costs, ctx.micro_batch, ctx.seq)
 
     def block_cpu(block: str, pass_: str) -> float:
         """Host time to issue a block's kernels (eager PyTorch, as layer_ops prices it)."""
@@ -219,14 +214,12 @@ def build_fairscale(ctx: JobContext) -> Program:
     # Gradients each block's backward produces (per weight), and the flat gradient that the
     # flat parameter's split backward (FlatParameter.get_param_views: split + view) assembles
     # with a cat once the unit's last weight gradient exists; the pieces die after the cat.
-    pieces = {"embed": gbytes * (m.embedding_params - (vh if tied else 0)),
-              "attn": gbytes * costs["attn"].params, "mlp": gbytes * costs["mlp"].params,
-              "head": gbytes * (costs["head"].params + (vh if tied else 0))}
+    pieces = {b: gbytes * p for b, p in block_grad_params(m, costs).items()}
     flat_grad = {"embed": gbytes * root.numel, "attn": gbytes * m.layer_params}
     grad_alloc = {b: pieces[b] + flat_grad.get(b, 0.0) for b in pieces}
     extra = {"attn": cm.membound_time(2 * flat_grad["attn"]),
              "embed": cm.membound_time(2 * flat_grad["embed"])
-             + (cm.membound_time(3 * gbytes * vh) if tied else 0.0)}   # tied: sum both uses
+             + tied_grad_sum_s(cm, m, gbytes)}   # tied: sum both uses
     pieces_freed = {"attn": pieces["attn"] + pieces["mlp"],
                     "embed": pieces["embed"] + pieces["head"]}
 
