@@ -113,6 +113,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from sim.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S, ComputeModel
+from sim.frameworks.accounting import block_grad_params, block_model_flops
 from sim.frameworks.base import JobContext, register
 from sim.frameworks.steps import PassOps, micro_batch_ops
 from sim.host import HostSpec, cpu_adam_s, cpu_pass_s
@@ -310,17 +311,6 @@ def _kernels_gpu_cpu(cm: ComputeModel, kernels: Iterable[Kernel], backward: bool
     return gpu, cpu, flops
 
 
-def _model_flops(ctx: JobContext, costs: dict) -> dict[str, tuple[float, float]]:
-    """Model FLOPs (forward, backward) per block of one micro-batch, as the other builders
-    count them: 6 x matmul parameters plus causal attention per token."""
-    m = ctx.model
-    tokens = ctx.micro_batch * ctx.seq
-    per_token = {"embed": 0.0,
-                 "attn": 6.0 * costs["attn"].params + 6.0 * ctx.seq * m.q_dim,
-                 "mlp": 6.0 * costs["mlp"].params, "head": 6.0 * m.vocab * m.hidden}
-    return {b: (v * tokens / 3, 2 * v * tokens / 3) for b, v in per_token.items()}
-
-
 def _pad(numel: int, multiple: int) -> int:
     return -(-numel // multiple) * multiple
 
@@ -379,14 +369,9 @@ class _Stage012:
         self.offload = z.stage >= 1 and z.offload_opt != "none"
         self.host = HostSpec.from_scenario(ctx.scenario) if self.offload else None
         self.red = "reduce" if z.overlap else "compute"
-        vh = m.vocab * m.hidden
-        tied = m.tied_embeddings
-        # 16-bit gradient bytes each block's backward materialises (a tied matrix's gradient
-        # first appears in the LM head's backward).
-        self.grad_params = {
-            "embed": m.embedding_params - (vh if tied else 0),
-            "attn": self.costs["attn"].params, "mlp": self.costs["mlp"].params,
-            "head": self.costs["head"].params + (vh if tied else 0)}
+        # Parameters whose 16-bit gradient each block's backward materialises (a tied
+        # matrix's gradient first appears in the LM head's backward).
+        self.grad_params = block_grad_params(m, self.costs)
         # ipg bucket state
         self.elems = 0
         self.bucket_extra: list[int] = []
@@ -429,7 +414,7 @@ class _Stage012:
                                        "DeepSpeedZeroOptimizer"),
                             offload_optimizer="cpu" if self.offload else "none")
         self.e = _Emitter(program, cls, self.cm)
-        self.model_flops = _model_flops(ctx, self.costs)
+        self.model_flops = block_model_flops(self.m, self.costs, ctx.micro_batch, ctx.seq)
         for mb in range(ctx.micro_batches):
             self.micro_batch(mb)
         self.step()
@@ -1090,7 +1075,7 @@ class _Stage3:
         for step, key in enumerate(self.order):
             for pid in sorted(set(self.modules[key])):
                 self.param_order.append((pid, step))
-        model_flops = _model_flops(ctx, self.costs)
+        model_flops = block_model_flops(self.m, self.costs, ctx.micro_batch, ctx.seq)
         for mb in range(ctx.micro_batches):
             ops = micro_batch_ops(self.costs, self.m.layers, mb, ctx.recompute, False, {}, {},
                                   model_flops)
