@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.catalog import GpuSpec
+from sim.metrics import COMM_KINDS, records_by_class
 from sim.program import MEMORY_CATEGORIES, Op, Program, RankClass
 from sim.recorder import OpRecord, Recorder
 from sim.topology import LINK_KINDS
@@ -188,7 +189,7 @@ def op_args(r: OpRecord, rec: Recorder) -> dict[str, Any]:
     if op.hw_flops:
         args["flops"] = op.hw_flops
     args["ready_us"] = r.ready * 1e6
-    if op.kind in ("collective", "send", "recv"):
+    if op.kind in COMM_KINDS:
         # Time between reaching the head of its stream and every member having arrived.
         args["wait_for_peers_us"] = (r.start - r.ready) * 1e6
     return args
@@ -494,9 +495,7 @@ def hta_traces(rec: Recorder, program: Program, *, gpus_per_node: int = 8,
         ``ProfilerStep#<step>`` annotation per step, CPU ops (CPU optimizer steps, NVMe
         transfers) on host threads.
     """
-    by_class: dict[int, list[OpRecord]] = {}
-    for r in rec.ops:
-        by_class.setdefault(r.cls, []).append(r)
+    by_class = records_by_class(rec.ops)
     steps = _step_spans(rec.ops)
     launches = _launch_times(rec.ops)
     for cls in program.classes:

@@ -8,8 +8,10 @@ draws them without a display).
 
 * :func:`timeline` -- a Gantt chart, one row per simulated rank class and stream, ops coloured
   by :attr:`sim.program.Op.category`; pipeline bubbles shaded and exposed communication marked,
-  as :mod:`sim.metrics` defines them (:func:`bubble_intervals`,
-  :func:`exposed_comm_intervals`).
+  as :mod:`sim.metrics` defines them (:func:`sim.metrics.bubble_intervals`,
+  :func:`sim.metrics.exposed_comm_intervals`). The plots compute no analysis of their own:
+  intervals, exposed communication, bubbles and the critical rank class come from
+  :mod:`sim.metrics`.
 * :func:`bytes_over_time` -- bytes/s per link class, and the cumulative bytes that crossed
   a zone or region boundary with what they cost.
 * :func:`memory_over_time` -- memory per rank class by category, stacked.
@@ -34,6 +36,19 @@ from matplotlib.colors import PowerNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
+# The analysis the plots draw: one home, sim.metrics. Names re-exported here (``as``) stay
+# importable from sim.plot, where the tests and the first callers found them.
+from sim.metrics import BUSY_KINDS as BUSY_KINDS  # noqa: E402
+from sim.metrics import COMM_KINDS as COMM_KINDS  # noqa: E402
+from sim.metrics import Interval as Interval  # noqa: E402
+from sim.metrics import bubble_intervals as bubble_intervals  # noqa: E402
+from sim.metrics import critical_class as critical_class  # noqa: E402
+from sim.metrics import exposed_comm_intervals as exposed_comm_intervals  # noqa: E402
+from sim.metrics import merge_intervals as merge_intervals  # noqa: E402
+from sim.metrics import records_by_class  # noqa: E402
+from sim.metrics import step_spans as step_spans  # noqa: E402
+from sim.metrics import subtract_intervals as subtract_intervals  # noqa: E402
+from sim.metrics import total_length as total_length  # noqa: E402
 from sim.program import MEMORY_CATEGORIES  # noqa: E402
 from sim.recorder import OpRecord, Recorder  # noqa: E402
 from sim.topology import LINK_KINDS, Fabric  # noqa: E402
@@ -80,200 +95,10 @@ MEMORY_COLORS = {
     "buffers": "#B0B0B0",
 }
 
-# The op kinds sim.metrics.step_times counts as busy (compute) and as communication.
-BUSY_KINDS = ("compute", "copy")
-COMM_KINDS = ("collective", "send", "recv")
 COMPUTE_STREAM = "compute"
 
-Interval = tuple[float, float]
 
-
-# ----------------------------------------------------------------------------- intervals
-def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering the same points as ``intervals``.
-
-    Empty intervals (end <= start) are dropped.
-
-    Examples
-    --------
-    >>> merge_intervals([(3, 4), (0, 2), (1, 2.5), (5, 5)])
-    [(0, 2.5), (3, 4)]
-    """
-    out: list[Interval] = []
-    for a, b in sorted((a, b) for a, b in intervals if b > a):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-def subtract_intervals(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """The parts of the union of ``a`` not covered by the union of ``b``, merged.
-
-    Examples
-    --------
-    >>> subtract_intervals([(0, 10)], [(1, 2), (5, 12)])
-    [(0, 1), (2, 5)]
-    """
-    cover = merge_intervals(b)
-    out: list[Interval] = []
-    j = 0
-    for s, e in merge_intervals(a):
-        while j < len(cover) and cover[j][1] <= s:
-            j += 1
-        cur = s
-        k = j
-        while k < len(cover) and cover[k][0] < e:
-            if cover[k][0] > cur:
-                out.append((cur, cover[k][0]))
-            cur = max(cur, cover[k][1])
-            k += 1
-        if cur < e:
-            out.append((cur, e))
-    return out
-
-
-def total_length(intervals: Iterable[Interval]) -> float:
-    """Length of the union of ``intervals``.
-
-    Examples
-    --------
-    >>> total_length([(0, 2), (1, 3), (5, 6)])
-    4
-    """
-    return sum(e - s for s, e in merge_intervals(intervals))
-
-
-def _by_class(records: Iterable[OpRecord]) -> dict[int, list[OpRecord]]:
-    out: dict[int, list[OpRecord]] = {}
-    for r in records:
-        out.setdefault(r.cls, []).append(r)
-    return out
-
-
-def exposed_comm_intervals(records: Iterable[OpRecord]) -> dict[int, dict[str, list[Interval]]]:
-    """Exposed communication per rank class and stream.
-
-    On each stream, the parts of its communication ops (kinds ``collective``, ``send``,
-    ``recv``; from the moment they ran, all members arrived, to their end) that no compute or
-    copy op of the same rank class covers, on any stream. The union over a class's streams is
-    what :func:`sim.metrics.step_times` reports as exposed communication for that class.
-
-    Parameters
-    ----------
-    records : the recorder's op records (:attr:`sim.recorder.Recorder.ops`)
-
-    Returns
-    -------
-    dict
-        ``{rank class id: {stream: merged intervals}}``, only streams with exposed time.
-
-    Examples
-    --------
-    A 2 s all-reduce starting 1 s into a 2 s forward is exposed for its last second:
-
-    >>> from sim.program import Op
-    >>> fwd = Op("forward", "compute", "compute", "fwd")
-    >>> ar = Op("all-reduce", "collective", "comm", "comm")
-    >>> recs = [OpRecord(0, fwd, 0.0, 0.0, 2.0, 0), OpRecord(0, ar, 1.0, 1.0, 3.0, 0)]
-    >>> exposed_comm_intervals(recs)
-    {0: {'comm': [(2.0, 3.0)]}}
-    """
-    out: dict[int, dict[str, list[Interval]]] = {}
-    for cls, recs in _by_class(records).items():
-        busy = merge_intervals((r.start, r.end) for r in recs if r.op.kind in BUSY_KINDS)
-        comm_by_stream: dict[str, list[Interval]] = {}
-        for r in recs:
-            if r.op.kind in COMM_KINDS:
-                comm_by_stream.setdefault(r.op.stream, []).append((r.start, r.end))
-        streams = {s: subtract_intervals(iv, busy) for s, iv in comm_by_stream.items()}
-        streams = {s: iv for s, iv in streams.items() if iv}
-        if streams:
-            out[cls] = streams
-    return out
-
-
-def step_spans(records: Iterable[OpRecord]) -> list[Interval]:
-    """Start and end of each recorded step.
-
-    Steps run back to back from time 0 (:meth:`sim.engine.Engine.run_step` starts a step when
-    the previous one's last op, over every rank class, has ended).
-
-    Examples
-    --------
-    >>> from sim.program import Op
-    >>> op = Op("forward", "compute", "compute", "fwd")
-    >>> step_spans([OpRecord(0, op, 0.1, 0.1, 1.0, 0), OpRecord(1, op, 0.0, 1.2, 2.0, 1)])
-    [(0.0, 1.0), (1.0, 2.0)]
-    """
-    ends: dict[int, float] = {}
-    for r in records:
-        ends[r.step] = max(ends.get(r.step, 0.0), r.end)
-    spans: list[Interval] = []
-    start = 0.0
-    for step in sorted(ends):
-        spans.append((start, ends[step]))
-        start = ends[step]
-    return spans
-
-
-def bubble_intervals(records: Iterable[OpRecord]) -> dict[int, list[Interval]]:
-    """Idle time per rank class: the pipeline bubbles.
-
-    The times within the step when none of a class's ops runs: no compute or copy op (on
-    any stream) and no communication op (that part is exposed communication, see
-    :func:`exposed_comm_intervals`). For a pipeline stage this is the warm-up wait for the
-    first micro-batch, the gaps between its forwards and backwards, and the drain after its
-    last. On the critical class its length is :func:`sim.metrics.step_times`'s bubble:
-    step time less compute less exposed communication.
-
-    Parameters
-    ----------
-    records : the recorder's op records (:attr:`sim.recorder.Recorder.ops`)
-
-    Returns
-    -------
-    dict
-        ``{rank class id: merged idle intervals}`` for every class with ops.
-
-    Examples
-    --------
-    In a 4 s step, a stage computes for 1 s, sends for 0.5 s, waits, and computes from 3 s
-    to 3.5 s; another class ends the step at 4 s:
-
-    >>> from sim.program import Op
-    >>> fwd = Op("forward", "compute", "compute", "fwd")
-    >>> send = Op("send", "send", "pp-fwd", "comm")
-    >>> recs = [OpRecord(0, fwd, 0.0, 0.0, 1.0, 0), OpRecord(0, send, 1.0, 1.0, 1.5, 0),
-    ...         OpRecord(0, fwd, 3.0, 3.0, 3.5, 0), OpRecord(1, fwd, 0.0, 0.0, 4.0, 0)]
-    >>> bubble_intervals(recs)
-    {0: [(1.5, 3.0), (3.5, 4.0)], 1: []}
-    """
-    records = list(records)
-    spans = step_spans(records)
-    out: dict[int, list[Interval]] = {}
-    for cls, recs in _by_class(records).items():
-        ran = [(r.start, r.end) for r in recs if r.op.kind in BUSY_KINDS + COMM_KINDS]
-        out[cls] = subtract_intervals(spans, ran)
-    return out
-
-
-def critical_class(records: Iterable[OpRecord]) -> int:
-    """The rank class whose last op ends last (lowest id on ties), as :mod:`sim.metrics`.
-
-    Examples
-    --------
-    >>> from sim.program import Op
-    >>> op = Op("forward", "compute", "compute", "fwd")
-    >>> critical_class([OpRecord(0, op, 0, 0, 1, 0), OpRecord(1, op, 0, 0, 2, 0)])
-    1
-    """
-    ends = {c: max(r.end for r in recs) for c, recs in _by_class(records).items()}
-    return max(ends, key=lambda c: (ends[c], -c))
-
-
+# ----------------------------------------------------------------------------- layout
 def select_rank_classes(ids: Sequence[int], critical: int, limit: int) -> list[int]:
     """At most ``limit`` of ``ids``: the critical one, the first, the last and evenly spaced
     others, in id order.
@@ -343,9 +168,9 @@ def timeline_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | 
 
     Ops are coloured by category (:data:`CATEGORY_COLORS`; others grey); the legend names only
     the categories present. Communication rows carry a thin red strip under the bars where
-    the communication is exposed (:func:`exposed_comm_intervals`). With
+    the communication is exposed (:func:`sim.metrics.exposed_comm_intervals`). With
     ``pipeline_stages > 1`` the time in the step when a class runs nothing is shaded on its
-    compute row as the pipeline bubble (:func:`bubble_intervals`).
+    compute row as the pipeline bubble (:func:`sim.metrics.bubble_intervals`).
 
     Parameters
     ----------
@@ -362,7 +187,7 @@ def timeline_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | 
     if not rec.ops:
         fig = Figure(figsize=(12, 3), layout="constrained")
         return _empty(fig, fig.add_subplot(), "no ops recorded")
-    by_class = _by_class(rec.ops)
+    by_class = records_by_class(rec.ops)
     crit = critical_class(rec.ops)
     shown = select_rank_classes(list(by_class), crit, max_rank_classes)
     rows: list[tuple[int, str]] = [(c, s) for c in shown for s in _stream_order(by_class[c])]
