@@ -18,7 +18,7 @@ compute op takes given what runs beside it).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -307,7 +307,7 @@ class Engine:
             self._finished[op.index] = end
             done[op.index].succeed()
 
-    def _host_clock(self, issues: list[HostIssue], done: dict[int, simpy.Event]
+    def _host_clock(self, issues: Iterator[HostIssue], done: dict[int, simpy.Event]
                     ) -> Generator[simpy.Event, object, None]:
         """The host thread of one rank class: issues its ops as :mod:`sim.host_clock` rules,
         waiting (in simulated time) for the ops ``issues`` names to finish. Runs ahead of
@@ -315,20 +315,18 @@ class Engine:
         t = self._t0
         finished = self._finished
         issue_wait = self._issue_wait
-        for issue in issues:
+        for op, sync, launches in issues:
             sync_end = launch_end = -math.inf
-            sync = issue.sync
             if sync is not None:
                 if not done[sync.index].processed:
                     yield done[sync.index]
                 sync_end = finished[sync.index]
-            for head in issue.launches:
+            for head in launches:
                 if not done[head.index].processed:
                     yield done[head.index]
                 end = finished[head.index]
                 if end > launch_end:
                     launch_end = end
-            op = issue.op
             t = issue_time(t, sync_end, op.cpu_s, launch_end)
             self._issue_time[op.index] = t
             wait = issue_wait.pop(op.index, None)

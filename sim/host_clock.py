@@ -23,8 +23,7 @@ state.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 from sim.program import Op, RankClass
 
@@ -40,17 +39,15 @@ LAUNCH_QUEUE_KERNELS = 1024
 CPU_STREAM = "cpu"
 
 
-@dataclass(frozen=True, slots=True)
-class HostIssue:
-    """What the host waits for before it issues ``op``."""
+HostIssue = tuple[Op, "Op | None", tuple[Op, ...]]
+"""What the host waits for before it issues an op: ``(op, sync, launches)``.
 
-    op: Op
-    sync: Op | None
-    """The ``host_sync`` op issued just before ``op``: the host waits for its end before it
-    spends ``op.cpu_s``. None when the previous op does not synchronise."""
-    launches: tuple[Op, ...]
-    """Ops of ``op``'s stream, oldest first, whose ends free the launch-queue room ``op``
-    needs: the host waits for them after spending ``op.cpu_s``. Empty when there is room."""
+``sync`` is the ``host_sync`` op issued just before ``op`` (None if the previous op does not
+synchronise): the host waits for its end before it spends ``op.cpu_s``. ``launches`` are ops
+of ``op``'s stream, oldest first, whose ends free the launch-queue room ``op`` needs: the
+host waits for them after spending ``op.cpu_s`` (empty when there is room). A plain tuple:
+the engine and the planner make one per op, and a class would cost a third of the planner's
+bound more."""
 
 
 def issue_order(cls: RankClass) -> list[Op]:
@@ -63,34 +60,34 @@ def launched_kernels(op: Op) -> int:
     return 0 if op.stream == CPU_STREAM else op.kernels
 
 
-def host_issues(order: Iterable[Op]) -> list[HostIssue]:
+def host_issues(order: Iterable[Op]) -> Iterator[HostIssue]:
     """What the host waits for before issuing each op of ``order`` (one rank class's ops in
-    program order, :func:`issue_order`), in that order."""
+    program order, :func:`issue_order`), in that order.
+
+    A generator: the engine and the planner use each entry once, and entries that die at
+    once keep the garbage collector from rescanning large programs (a list of them made
+    the planner's bound half as slow again)."""
     queues: dict[str, deque[Op]] = {}
     pending: dict[str, int] = {}
-    out: list[HostIssue] = []
     sync: Op | None = None
     for op in order:
         launches: tuple[Op, ...] = ()
-        k = launched_kernels(op)
+        stream = op.stream
+        # launched_kernels(op), inlined: the engine and the planner call this per op.
+        k = 0 if stream == CPU_STREAM else op.kernels
         if k:
-            stream = op.stream
             queue = queues.get(stream)
             if queue is None:
                 queue = queues[stream] = deque()
             n = pending.get(stream, 0) + k
-            if n > LAUNCH_QUEUE_KERNELS and queue:
-                freed: list[Op] = []
-                while queue and n > LAUNCH_QUEUE_KERNELS:
-                    head = queue.popleft()
-                    freed.append(head)
-                    n -= launched_kernels(head)
-                launches = tuple(freed)
+            while queue and n > LAUNCH_QUEUE_KERNELS:
+                head = queue.popleft()
+                launches += (head,)
+                n -= head.kernels       # queued ops are never host work
             queue.append(op)
             pending[stream] = n
-        out.append(HostIssue(op, sync, launches))
+        yield op, sync, launches
         sync = op if op.host_sync else None
-    return out
 
 
 def issue_time(host_free: float, sync_end: float, cpu_s: float, launch_end: float) -> float:
