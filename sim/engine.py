@@ -309,7 +309,7 @@ class Engine:
 
     def _host_clock(self, issues: Iterator[HostIssue], done: dict[int, simpy.Event]
                     ) -> Generator[simpy.Event, object, None]:
-        """The host thread of one rank class: issues its ops as :mod:`sim.host_clock` rules,
+        """The host thread of one rank class: issues its ops as :mod:`sim.host_clock` says,
         waiting (in simulated time) for the ops ``issues`` names to finish. Runs ahead of
         simulated time and waits only when blocked."""
         t = self._t0
