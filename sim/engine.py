@@ -17,8 +17,8 @@ compute op takes given what runs beside it).
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Generator
+import math
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,19 +28,14 @@ from sim import catalog
 from sim.catalog import GpuSpec
 from sim.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.hbm_share import HbmShare
+from sim.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
+from sim.host_clock import HostIssue, host_issues, issue_order, issue_time
 from sim.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
 from sim.network import FlowNetwork, NetworkObserver
 from sim.power import sustained_matrix_flops
 from sim.program import Op, Program, RankClass
 from sim.topology import LINK_KINDS, Fabric
 
-# Pending kernel launches a CUDA stream queues before a launch blocks the host thread: about
-# 1,000 per stream, measured by launching 10,000 short kernels (Stack Overflow question
-# 53970187, "CUDA stream is blocked when launching many kernels (>1000)", and the same report
-# on the NVIDIA developer forum; with 3 streams each took 1,000). It bounds how far the host
-# can run ahead of the GPU, and so how many prefetched all-gathers a framework without its
-# own limit (FairScale, DeepSpeed ZeRO-3) can have in flight. We take 1,024.
-LAUNCH_QUEUE_KERNELS = 1024
 # Ops between two progress reports: often enough for a bar, rare enough to cost nothing.
 PROGRESS_EVERY = 512
 
@@ -253,9 +248,8 @@ class Engine:
                 self._load.pop(cls.id, None)
         class_of = program.class_of_rank()
         # The host issues each class's ops in program order without waiting for the GPU,
-        # except after a host_sync op (it waits for that op to finish) and when a stream's
-        # launch queue is full (it waits for that stream's oldest op to finish): one host-clock
-        # process per class publishes each op's issue time.
+        # except where the host-clock rule (sim.host_clock) makes it wait for an op to
+        # finish: one host-clock process per class publishes each op's issue time.
         self._issue_time: dict[int, float] = {}
         self._issue_wait: dict[int, simpy.Event] = {}
         self._t0 = t0
@@ -267,9 +261,7 @@ class Engine:
             for ops in cls.streams.values()
         ]
         for cls in program.classes:
-            order = sorted((o for ops in cls.streams.values() for o in ops),
-                           key=lambda o: o.index)
-            env.process(self._host_clock(order, done))
+            env.process(self._host_clock(host_issues(issue_order(cls)), done))
         env.run(until=simpy.AllOf(env, procs))
         self._step += 1
         return env.now - t0
@@ -315,41 +307,31 @@ class Engine:
             self._finished[op.index] = end
             done[op.index].succeed()
 
-    def _host_clock(self, order: list[Op], done: dict[int, simpy.Event]
+    def _host_clock(self, issues: Iterator[HostIssue], done: dict[int, simpy.Event]
                     ) -> Generator[simpy.Event, object, None]:
-        """The host thread of one rank class: issues its ops in program order, each after its
-        own CPU time; blocks after a ``host_sync`` op until that op has finished, and when a
-        launch would put more than :data:`LAUNCH_QUEUE_KERNELS` pending launches on its
-        stream, until the oldest op of that stream has finished (a stream runs in order).
-        Runs ahead of simulated time and waits only when blocked."""
+        """The host thread of one rank class: issues its ops as :mod:`sim.host_clock` says,
+        waiting (in simulated time) for the ops ``issues`` names to finish. Runs ahead of
+        simulated time and waits only when blocked."""
         t = self._t0
-        inflight: dict[str, deque[Op]] = {}
-        pending: dict[str, int] = {}
-        sync: Op | None = None
-        for op in order:
+        finished = self._finished
+        issue_wait = self._issue_wait
+        for op, sync, launches in issues:
+            sync_end = launch_end = -math.inf
             if sync is not None:
                 if not done[sync.index].processed:
                     yield done[sync.index]
-                t = max(t, self._finished[sync.index])
-                sync = None
-            t += op.cpu_s
-            k = 0 if op.stream == "cpu" else op.kernels
-            if k:
-                queue = inflight.setdefault(op.stream, deque())
-                while queue and pending[op.stream] + k > LAUNCH_QUEUE_KERNELS:
-                    head = queue.popleft()
-                    if not done[head.index].processed:
-                        yield done[head.index]
-                    t = max(t, self._finished[head.index])
-                    pending[op.stream] -= head.kernels
-                queue.append(op)
-                pending[op.stream] = pending.get(op.stream, 0) + k
+                sync_end = finished[sync.index]
+            for head in launches:
+                if not done[head.index].processed:
+                    yield done[head.index]
+                end = finished[head.index]
+                if end > launch_end:
+                    launch_end = end
+            t = issue_time(t, sync_end, op.cpu_s, launch_end)
             self._issue_time[op.index] = t
-            wait = self._issue_wait.pop(op.index, None)
+            wait = issue_wait.pop(op.index, None)
             if wait is not None:
                 wait.succeed()
-            if op.host_sync:
-                sync = op
 
     def _host_transfer(self, cls: RankClass, op: Op) -> Generator[simpy.Event, object, None]:
         """Every member rank moves ``op.nbytes`` over its own route (GPU <-> host over PCIe,

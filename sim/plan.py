@@ -47,8 +47,9 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from sim.host_clock import host_issues, issue_order, issue_time
 from sim.scenario import (
     FRAMEWORK_NAMES,
     Scenario,
@@ -483,20 +484,55 @@ class _Schedule:
     makespan: float
 
 
+class _HostNodes(NamedTuple):
+    """The host-clock nodes of :func:`_earliest_schedule`, node ``n_op_nodes + i`` for entry
+    ``i``: one per op of each rank class, in the order its host issues them."""
+
+    cpu: list[float]
+    """The op's CPU seconds."""
+    waits: list[int]
+    """How many of ``preds`` the host waits for before spending them: 0 (the class's first
+    op), 1 (the host's previous node) or 2 (that and the ``host_sync`` op just issued)."""
+    preds: list[tuple[int, ...]]
+    """Those, then the nodes whose ends free the launch-queue room the op needs."""
+
+
+def _host_nodes(program: Any, node_of: list[int], preds: list[list[int]]) -> _HostNodes:
+    """Host nodes for every op of ``program`` by the engine's rule (:mod:`sim.host_clock`),
+    each added to ``preds`` of its op's node (an op starts once issued). ``node_of`` maps an
+    op's index to its node; host nodes are numbered after the ``len(preds)`` op nodes."""
+    first = len(preds)
+    nodes = _HostNodes([], [], [])
+    cpu, waits, host_preds = nodes
+    for cls in program.classes:
+        prev_host = -1
+        for op, synced, launches in host_issues(issue_order(cls)):
+            h_node = first + len(cpu)
+            cpu.append(float(op.cpu_s))
+            # A sync op is issued before the op that waits for it: prev_host exists then.
+            if synced is not None:
+                before: tuple[int, ...] = (prev_host, node_of[synced.index])
+            else:
+                before = (prev_host,) if prev_host >= 0 else ()
+            waits.append(len(before))
+            host_preds.append(before + tuple([node_of[o.index] for o in launches])
+                              if launches else before)
+            preds[node_of[op.index]].append(h_node)
+            prev_host = h_node
+    return nodes
+
+
 def _earliest_schedule(program: Any, rates: LinkRates) -> _Schedule | None:
     """The program run with every op at its fastest, as :class:`sim.engine.Engine` runs it
     but with nothing shared: compute and copy ops take their durations, collectives and
     sends :func:`collective_lower_bound`; an op starts once its stream predecessor, its
     dependencies and (for a collective) every class of its group allow, and once its rank
-    class's host has issued it. The host clock is the engine's (``Engine._host_clock``): ops
-    issued in program order, each after its CPU seconds, the host waiting after a
-    ``host_sync`` op until it ends and, when a stream would hold more than
-    ``LAUNCH_QUEUE_KERNELS`` issued kernels, until the oldest of them ends.
+    class's host has issued it. The host clock is the engine's own rule,
+    :mod:`sim.host_clock` (:func:`~sim.host_clock.host_issues` names the ops the host waits
+    for, :func:`~sim.host_clock.issue_time` adds them up), run on this schedule's ends.
 
     The engine can only be slower: its compute ops are slowed beside NCCL kernels, its flows
     share links and pay latencies. None if the graph has a cycle (a broken program)."""
-    from sim.engine import LAUNCH_QUEUE_KERNELS
-
     ops = program.ops
     n_ops = len(ops)
     bounds = CommBounds(rates)
@@ -524,19 +560,10 @@ def _earliest_schedule(program: Any, rates: LinkRates) -> _Schedule | None:
         node_of[op.index] = node
     n_op_nodes = len(dur)
     preds: list[list[int]] = [[] for _ in range(n_op_nodes)]
-    # Host nodes, one per op of each class in program order: end = max(previous host end,
-    # end of a host_sync op just issued) + cpu_s, then max with the end of the op the launch
-    # queue waits for.
-    host_cpu: list[float] = []
-    host_wait: list[tuple[int, ...]] = []     # nodes whose end the clock waits for first
-    host_queue: list[int] = []                # node whose end the issue waits for, or -1
-    class_ops: dict[int, list[Any]] = {c.id: [] for c in program.classes}
-    class_of_op = [0] * n_ops
     for cls in program.classes:
         for stream in cls.streams.values():
             prev = -1
             for op in stream:
-                class_of_op[op.index] = cls.id
                 node = node_of[op.index]
                 np_ = preds[node]
                 if prev >= 0 and prev != node:
@@ -546,45 +573,9 @@ def _earliest_schedule(program: Any, rates: LinkRates) -> _Schedule | None:
                     if dn != node:
                         np_.append(dn)
                 prev = node
-    for op in ops:
-        class_ops[class_of_op[op.index]].append(op)
-    for members in class_ops.values():
-        pending: dict[str, list[tuple[int, int]]] = defaultdict(list)   # (node, kernels)
-        pending_total: dict[str, int] = defaultdict(int)
-        head: dict[str, int] = defaultdict(int)
-        prev_host = -1
-        prev_sync = -1
-        for op in members:
-            wait: tuple[int, ...] = ()
-            if prev_host >= 0:
-                wait = (prev_host,) if prev_sync < 0 else (prev_host, prev_sync)
-            queue_node = -1
-            stream = op.stream
-            k = 0 if stream == "cpu" else op.kernels
-            if k:
-                q = pending[stream]
-                total = pending_total[stream] + k
-                if total > LAUNCH_QUEUE_KERNELS:
-                    at = head[stream]
-                    while at < len(q) and total > LAUNCH_QUEUE_KERNELS:
-                        queue_node, kw = q[at]
-                        at += 1
-                        total -= kw
-                    head[stream] = at
-                q.append((node_of[op.index], k))
-                pending_total[stream] = total
-            h_node = n_op_nodes + len(host_cpu)
-            host_cpu.append(float(op.cpu_s))
-            host_wait.append(wait)
-            host_queue.append(queue_node)
-            preds[node_of[op.index]].append(h_node)
-            prev_host = h_node
-            prev_sync = node_of[op.index] if op.host_sync else -1
+    host_cpu, host_waits, host_preds = _host_nodes(program, node_of, preds)
     n_nodes = n_op_nodes + len(host_cpu)
-    all_preds: list[Sequence[int]] = list(preds)
-    for i in range(len(host_cpu)):
-        waited = host_queue[i]
-        all_preds.append(host_wait[i] + ((waited,) if waited >= 0 else ()))
+    all_preds: list[Sequence[int]] = [*preds, *host_preds]
     succs: list[list[int]] = [[] for _ in range(n_nodes)]
     indegree = [0] * n_nodes
     for node, ps in enumerate(all_preds):
@@ -607,15 +598,15 @@ def _earliest_schedule(program: Any, rates: LinkRates) -> _Schedule | None:
             end[node] = t + dur[node]
         else:
             i = node - n_op_nodes
-            t = 0.0
-            for p in host_wait[i]:
-                if end[p] > t:
-                    t = end[p]
-            t += host_cpu[i]
-            waited = host_queue[i]
-            if waited >= 0 and end[waited] > t:
-                t = end[waited]
-            start[node] = end[node] = t
+            ps = host_preds[i]
+            w = host_waits[i]
+            launch_end = -math.inf
+            for j in range(w, len(ps)):
+                if end[ps[j]] > launch_end:
+                    launch_end = end[ps[j]]
+            start[node] = end[node] = issue_time(end[ps[0]] if w else 0.0,
+                                                 end[ps[1]] if w == 2 else -math.inf,
+                                                 host_cpu[i], launch_end)
         for s in succs[node]:
             indegree[s] -= 1
             if indegree[s] == 0:
