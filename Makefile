@@ -31,6 +31,8 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check sim tests tools notebooks
 	$(BIN)/mypy sim
+	# the layers of docs/layers.md (contracts in pyproject.toml); no cache folder left behind
+	$(BIN)/lint-imports --no-cache
 
 pictures: $(STAMP)
 	$(BIN)/python tools/readme_pictures.py

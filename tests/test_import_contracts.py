@@ -1,0 +1,86 @@
+"""The layer contracts hold, and each one fails when its rule is broken.
+
+The contracts are import-linter's, in ``pyproject.toml`` (``[tool.importlinter]``, explained in
+``docs/layers.md``); ``make lint`` runs them too. This test makes CI (``make test``) check them,
+and shows on a copy of the package that each contract really catches the import it forbids.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACTS = {
+    c["id"]: c["name"]
+    for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"
+    ]
+}
+
+# One deliberate violation per contract: (file of the copy, import appended to it).
+VIOLATIONS = {
+    "core-not-above": ("sim/engine.py", "import sim.cli"),
+    "core-not-frameworks": ("sim/model.py", "import sim.frameworks.megatron"),
+    "engine-not-frameworks": ("sim/engine.py", "from sim.frameworks import base"),
+    "fabric-not-engine": ("sim/network.py", "from sim.engine import Engine"),
+    "workload-not-fabric": ("sim/layer_ops.py", "import sim.collectives.nccl"),
+    "config-at-bottom": ("sim/scenario.py", "import sim.program"),
+    "hardware-program-not-fabric": ("sim/program.py", "import sim.network"),
+}
+
+
+def _lint(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``lint-imports`` on the package under ``root`` (its ``sim`` first on the path)."""
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
+    code = "from importlinter.cli import lint_imports_command; lint_imports_command()"
+    return subprocess.run(
+        [sys.executable, "-c", code, "--no-cache", "--no-logo", *args],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def _copy(tmp_path: Path) -> Path:
+    """The package's Python files and the contracts, copied to ``tmp_path``."""
+    def skip(folder: str, names: list[str]) -> list[str]:
+        def data(n: str) -> bool:
+            return not n.endswith(".py") and not (Path(folder) / n).is_dir()
+
+        return [n for n in names if n == "__pycache__" or data(n)]
+
+    shutil.copytree(ROOT / "sim", tmp_path / "sim", ignore=skip)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_every_contract_is_exercised():
+    assert set(VIOLATIONS) == set(CONTRACTS)
+
+
+def test_contracts_hold():
+    run = _lint(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for name in CONTRACTS.values():
+        assert f"{name} KEPT" in run.stdout
+
+
+@pytest.mark.parametrize("contract", sorted(VIOLATIONS))
+def test_a_deliberate_violation_fails(tmp_path, contract):
+    root = _copy(tmp_path)
+    # The untouched copy passes: what fails below is the added import, not the copying.
+    clean = _lint(root, "--contract", contract)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    path, line = VIOLATIONS[contract]
+    with open(root / path, "a") as f:
+        f.write(f"\n{line}  # deliberate layer violation\n")
+    run = _lint(root, "--contract", contract)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert f"{CONTRACTS[contract]} BROKEN" in run.stdout
+    importer = path.removesuffix(".py").replace("/", ".")
+    assert f"{importer} is not allowed to import" in run.stdout
