@@ -329,10 +329,10 @@ def _grad_ready(m: ModelSpec) -> dict[tuple[str, int], list[tuple[str, int]]]:
 def build_deepspeed(ctx: JobContext) -> Program:
     """The program of one steady-state DeepSpeed training step (see the module docstring);
     with tensor or pipeline parallelism, Megatron-DeepSpeed's 3D step
-    (:mod:`sim.frameworks.deepspeed_pipe`)."""
+    (:mod:`sim.frameworks.deepspeed.pipe`)."""
     par = ctx.scenario.parallelism
     if par.tp > 1 or par.pp > 1:
-        from sim.frameworks.deepspeed_pipe import build_deepspeed_pipe
+        from sim.frameworks.deepspeed.pipe import build_deepspeed_pipe
         return build_deepspeed_pipe(ctx)
     z = _resolve(ctx)
     if z.stage == 3:
