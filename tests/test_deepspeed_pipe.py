@@ -11,8 +11,8 @@ import pytest
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.deepspeed_pipe import stage_param_counts
-from sim.frameworks.deepspeed_pipe_schedule import pipe_buffers, train_schedule
+from sim.frameworks.deepspeed.pipe import stage_param_counts
+from sim.frameworks.deepspeed.pipe_schedule import pipe_buffers, train_schedule
 from sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 
 # Deep and narrow-vocabulary, so the layers dominate every stage (the closed forms assume

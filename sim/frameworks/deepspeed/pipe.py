@@ -13,7 +13,7 @@ at commit 38327e07 (``runtime/pipe/engine.py``, ``schedule.py``, ``p2p.py``, ``m
   the tensor-parallel group in forward and two in backward per layer; no sequence
   parallelism). The tied word embedding sits on the first and last stage (``TiedLayerSpec``),
   split by ``partition_method``.
-* Schedule: :func:`sim.frameworks.deepspeed_pipe_schedule.train_schedule`, every instruction
+* Schedule: :func:`sim.frameworks.deepspeed.pipe_schedule.train_schedule`, every instruction
   in order on the compute stream. ``p2p.send``/``recv`` are ``torch.distributed.send``/
   ``recv`` (blocking; a large NCCL send completes only once the receiver has posted its
   receive), so each transfer is one rendezvous that both stages' streams wait for (an op of
@@ -63,8 +63,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sim.frameworks.base import JobContext
-from sim.frameworks.deepspeed_pipe_schedule import train_schedule
-from sim.frameworks.deepspeed_pipe_step import (
+from sim.frameworks.deepspeed.pipe_schedule import train_schedule
+from sim.frameworks.deepspeed.pipe_step import (
     FP32,
     TORCH_CALL_CPU_S,
     W16,

@@ -1,6 +1,6 @@
 """The end of a DeepSpeed pipeline-engine step: ``ReduceTiedGrads``, ``ReduceGrads`` and
 ``OptimizerStep`` (``runtime/pipe/engine.py`` at commit 38327e07), for the three optimizers
-the PipelineEngine runs (see :mod:`sim.frameworks.deepspeed_pipe`). Everything runs on the
+the PipelineEngine runs (see :mod:`sim.frameworks.deepspeed.pipe`). Everything runs on the
 compute stream after the stage's last backward: the pipeline engine turns DeepSpeed's
 backward all-reduce off (``enable_backward_allreduce = False``) and reduces only here.
 """
@@ -13,7 +13,7 @@ from sim.frameworks.megatron import MEGATRON_CPU_S_PER_OP
 from sim.program import Op, Phase, RankClass
 
 if TYPE_CHECKING:
-    from sim.frameworks.deepspeed_pipe import _Pipe
+    from sim.frameworks.deepspeed.pipe import _Pipe
 
 W16 = 2
 FP32 = 4

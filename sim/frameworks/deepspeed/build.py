@@ -1,0 +1,25 @@
+"""The registered ``deepspeed`` builder: ZeRO 0-2, ZeRO-3, or (tensor or pipeline parallel)
+Megatron-DeepSpeed 3D."""
+
+from __future__ import annotations
+
+from sim.frameworks.base import JobContext, register
+from sim.frameworks.deepspeed.options import _resolve
+from sim.frameworks.deepspeed.stage3 import _Stage3
+from sim.frameworks.deepspeed.zero012 import _Stage012
+from sim.program import Program
+
+
+@register("deepspeed")
+def build_deepspeed(ctx: JobContext) -> Program:
+    """The program of one steady-state DeepSpeed training step (see
+    :mod:`sim.frameworks.deepspeed`); with tensor or pipeline parallelism, Megatron-DeepSpeed's
+    3D step (:mod:`sim.frameworks.deepspeed.pipe`)."""
+    par = ctx.scenario.parallelism
+    if par.tp > 1 or par.pp > 1:
+        from sim.frameworks.deepspeed.pipe import build_deepspeed_pipe
+        return build_deepspeed_pipe(ctx)
+    z = _resolve(ctx)
+    if z.stage == 3:
+        return _Stage3(ctx, z).build()
+    return _Stage012(ctx, z).build()
