@@ -105,3 +105,20 @@ def test_builders_credit_the_shared_block_flops(framework: dict, tied: bool) -> 
     credited = sum(op.flops for op in p.ops) * len(cls.members)
     expect = p.model_flops_per_step - 6.0 * ctx.model.norm_params * p.tokens_per_step
     assert credited == pytest.approx(expect, rel=1e-12)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_012_charges_the_tied_gradient_sum(stage: int) -> None:
+    """ZeRO 0-2 run the model under plain autograd: a tied matrix's two gradients are added
+    (tied_grad_sum_s, 16-bit) in the embedding's backward, as DDP, FSDP2 and FairScale are
+    charged; an untied model pays nothing."""
+    def embed_bwd(tied: bool) -> float:
+        ctx, p = _program({"name": "deepspeed", "zero_stage": stage}, tied)
+        # The first micro-batch: no AccumulateGrad add yet (it differs with the tie).
+        return sum(op.duration for op in p.ops if op.phase == "bwd"
+                   and op.name.startswith("bwd embed") and op.micro_batch == 0)
+
+    ctx, _ = _program({"name": "deepspeed", "zero_stage": stage}, True)
+    added = tied_grad_sum_s(ctx.compute, ctx.model, 2)
+    assert added > 0
+    assert embed_bwd(True) - embed_bwd(False) == pytest.approx(added, rel=1e-9)

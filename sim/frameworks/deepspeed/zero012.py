@@ -5,7 +5,7 @@ and weight all-gather (stages 1-2), with ZeRO-Offload of the optimizer (see
 
 from __future__ import annotations
 
-from sim.frameworks.accounting import block_grad_params, block_model_flops
+from sim.frameworks.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
 from sim.frameworks.base import JobContext
 from sim.frameworks.deepspeed.constants import (
     ENGINE_ALLREDUCE_ELEMENTS,
@@ -122,6 +122,10 @@ class _Stage012:
         # AccumulateGrad adds a new 16-bit gradient into .grad (stage 0 fp16, stage 1).
         extra = {} if fresh else {b: cm.membound_time(3 * W16 * p)
                                   for b, p in self.grad_params.items()}
+        if m.tied_embeddings:
+            # Autograd adds the tied matrix's two gradients (LM head, embedding) before its
+            # AccumulateGrad hook fires, as DDP, FSDP2 and FairScale are charged.
+            extra["embed"] = extra.get("embed", 0.0) + tied_grad_sum_s(cm, m, W16)
         ops = micro_batch_ops(self.costs, m.layers, mb, self.ctx.recompute, False, grad_alloc,
                               extra, self.model_flops)
         if not fresh:
