@@ -459,6 +459,13 @@ def run_tasks(be: Backend, tasks: list[Task], size: int = 1) -> Iterator[Outcome
     return _drive(be, tasks, size)
 
 
+def simulate_in_order(be: Backend, tasks: list[Task], size: int = 1) -> list[Outcome]:
+    """:func:`run_tasks`, waiting for every outcome: one per task, in the tasks' order
+    (task indices must be distinct)."""
+    got = {o.index: o for o in run_tasks(be, tasks, size)}
+    return [got[t.index] for t in tasks]
+
+
 def _drive(be: Backend, todo: list[Task], size: int) -> Iterator[Outcome]:
     """Run tasks to completion on ``be``, surviving dead workers.
 
@@ -495,5 +502,6 @@ def _drive(be: Backend, todo: list[Task], size: int) -> Iterator[Outcome]:
 
 __all__ = ["BACKENDS", "Backend", "DaskBackend", "ErrorText", "LocalBackend", "Lost", "Outcome",
            "Pool", "RayBackend", "Task", "attempt", "backend_missing", "batch_size",
-           "cpu_count", "make_backend", "one_line", "run_batch", "run_tasks", "simulate_task",
+           "cpu_count", "make_backend", "one_line", "run_batch", "run_tasks", "simulate_in_order",
+           "simulate_task",
            "type_and_message"]

@@ -49,7 +49,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from sim.executor import BACKENDS, Outcome, Pool, attempt, cpu_count, type_and_message
+from sim.executor import (
+    BACKENDS,
+    Backend,
+    Outcome,
+    Pool,
+    Task,
+    attempt,
+    cpu_count,
+    simulate_in_order,
+    type_and_message,
+)
 from sim.host_clock import host_issues, issue_order, issue_time
 from sim.scenario import (
     FRAMEWORK_NAMES,
@@ -1000,6 +1010,17 @@ def _profiles_task(base: Scenario, layouts: list[Layout], rates: LinkRates
 # --------------------------------------------------------------------------- backend hook
 SimulateMany = Callable[[Scenario, list[Layout]], list[Simulated]]
 """A backend hook: simulate these layouts of the base scenario (anywhere), in order."""
+
+
+def backend_simulations(be: Backend) -> SimulateMany:
+    """The :data:`SimulateMany` hook on an open executor backend (``--backend ray|dask``):
+    each batch of layouts runs there, one layout to a worker task, and comes back in order
+    (a failed layout or a dead worker as that layout's error)."""
+    def simulate_many(base: Scenario, layouts: list[Layout]) -> list[Simulated]:
+        tasks = [Task(i, layout_scenario(base, x), x.varied()) for i, x in enumerate(layouts)]
+        return [_simulated(o) for o in simulate_in_order(be, tasks, 1)]
+
+    return simulate_many
 
 
 # --------------------------------------------------------------------------- the search

@@ -18,10 +18,10 @@
    from disk (:class:`SweepCache`).
 4. **Run** the rest on a backend of the shared executor layer (:mod:`sim.executor`, which
    ``compare`` and ``plan`` use too): local processes (joblib's loky executor), a Ray
-   cluster or a Dask cluster. Short variants travel several to a task (:func:`batch_size`). Results are
-   taken as they finish (``concurrent.futures.as_completed`` over the loky executor's
-   futures, ``ray.wait``, Dask's ``as_completed``), cached at once, and counted on a
-   progress bar.
+   cluster or a Dask cluster. Short variants travel several to a task (:func:`batch_size`).
+   Results are taken as they finish (``concurrent.futures.as_completed`` over the loky
+   executor's futures, ``ray.wait``, Dask's ``as_completed``), cached at once, and counted
+   on a progress bar.
 5. **Write** the rows in grid order, whatever the finishing order: CSV, or Parquet for a
    ``.parquet`` file; optionally a plot.
 

@@ -210,3 +210,36 @@ def test_the_apps_share_the_one_backend_layer() -> None:
     assert sweep.run_tasks is executor.run_tasks and sweep.Task is executor.Task
     assert sweep.one_line is executor.one_line and sweep.BACKENDS is executor.BACKENDS
     assert plan.BACKENDS is executor.BACKENDS
+
+
+class InlineBackend(executor.Backend):
+    """The executor's backend contract, run in this process (what a Ray or Dask worker
+    would run: :func:`sim.executor.run_batch`), finishing batches last to first."""
+
+    name = "inline"
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+
+    def run(self, batches: list[list[Task]], isolated: bool
+            ) -> Iterator[tuple[list[Task], list[Outcome] | Lost]]:
+        for b in reversed(batches):
+            yield b, run_batch(b, 1, self.origin)
+
+
+def test_planner_backend_hook_matches_local_simulations_in_order() -> None:
+    # The hook `fabricsim plan --backend ray|dask` uses: the same summaries and errors as the
+    # planner's local simulate_layout, in the layouts' order whatever the finishing order.
+    base = _tiny()
+    layouts = [plan.Layout("ddp", 1, 1, 4, 1, 1, 4, "none"),   # 16 sequences > 8: refused
+               plan.Layout("ddp", 1, 1, 4, 1, 1, 1, "none"),
+               plan.Layout("ddp", 1, 1, 4, 1, 1, 2, "none")]
+    remote = plan.backend_simulations(InlineBackend(plan.PLAN_ORIGIN))(base, layouts)
+    local = [plan.simulate_layout(base, x) for x in layouts]
+    assert [r.error for r in remote] == [x.error for x in local]
+    assert remote[0].error is not None and "not a multiple of micro_batch_size x dp = 4 x 4" \
+        in remote[0].error
+    for r, x in zip(remote, local, strict=True):
+        assert (r.summary is None) == (x.summary is None)
+        if r.summary is not None and x.summary is not None:
+            assert _no_wall(r.summary) == _no_wall(x.summary)
