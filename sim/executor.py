@@ -15,7 +15,12 @@ variants:
   :func:`make_backend`. :func:`run_tasks` drives :class:`Task` s on one to completion,
   several to a worker task (:func:`batch_size`), and turns a worker process that dies (a
   segfault, the kernel's OOM killer, ``os._exit``) into a ``WorkerDied`` error for the
-  variant that killed it, every other variant kept.
+  variant that killed it, every other variant kept; :func:`simulate_in_order` waits for
+  all of them and returns them in the tasks' order.
+
+Each app words an error its own way, as it always has (:data:`ErrorText`): a sweep row's
+:func:`one_line`, the planner's :func:`type_and_message`, compare's
+:func:`sim.compare.variant_error`.
 
 Nothing here knows of grids, deltas or layouts: each app turns outcomes into its own rows
 (``sim/sweep.py``), variants (``sim/compare.py``) or candidates (``sim/plan.py``).
