@@ -54,6 +54,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sim.cost import resolve_pricing  # noqa: E402
+from sim.executor import Task, simulate_task  # noqa: E402
 from sim.scenario import Scenario, ScenarioError, load_scenario  # noqa: E402
 
 
@@ -165,20 +166,35 @@ def simulate_variants(variants: Sequence[Variant],
     """Simulate every variant in place, recording a failure instead of raising it.
 
     ``progress(done, total, label)`` is called before each variant (done = variants finished).
+    Each runs here, one after another, through the shared executor
+    (:func:`sim.executor.simulate_task`); its error is worded by :func:`variant_error`.
     """
-    from sim.api import simulate
-
     for i, v in enumerate(variants):
         if progress is not None:
             progress(i, len(variants), v.label)
-        try:
-            v.summary = simulate(v.scenario, origin=v.origin).summary
-        except ScenarioError as exc:
-            v.error = str(exc)
-        except Exception as exc:  # noqa: BLE001 - one variant's crash must not end the others
-            v.error = f"internal error: {type(exc).__name__}: {exc}"
+        out = simulate_task(Task(i, v.scenario, {}), 1, v.origin, variant_error)
+        if out.error is None:
+            v.summary = out.summary
+        else:
+            v.error = out.error
     if progress is not None:
         progress(len(variants), len(variants), "")
+
+
+def variant_error(exc: BaseException) -> str:
+    """A failed variant's error: a ScenarioError's own line (the framework refusing the
+    layout), anything else ``internal error: Type: message`` (the CLI exits 1 on it).
+
+    Examples
+    --------
+    >>> variant_error(ScenarioError("x.yaml: parallelism.tp: 3 does not divide 8 heads"))
+    'x.yaml: parallelism.tp: 3 does not divide 8 heads'
+    >>> variant_error(ZeroDivisionError("float division by zero"))
+    'internal error: ZeroDivisionError: float division by zero'
+    """
+    if isinstance(exc, ScenarioError):
+        return str(exc)
+    return f"internal error: {type(exc).__name__}: {exc}"
 
 
 # --------------------------------------------------------------------------- deltas

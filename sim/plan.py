@@ -49,6 +49,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from sim.executor import (
+    BACKENDS,
+    Backend,
+    Outcome,
+    Pool,
+    Task,
+    attempt,
+    cpu_count,
+    simulate_in_order,
+    type_and_message,
+)
 from sim.host_clock import host_issues, issue_order, issue_time
 from sim.scenario import (
     FRAMEWORK_NAMES,
@@ -60,7 +71,6 @@ from sim.scenario import (
 
 GIB = float(2**30)
 OBJECTIVES = ("time", "cost")
-BACKENDS = ("local", "ray", "dask")
 PLAN_ORIGIN = "plan"
 """The origin the planner's builds report in their ScenarioError (``plan: KEY: message``)."""
 
@@ -979,17 +989,17 @@ class Simulated:
 
 
 def simulate_layout(base: Scenario, layout: Layout) -> Simulated:
-    """Simulate one training step of the layout (runs in a worker); an exception is the
-    layout's error, not the plan's."""
+    """Simulate one training step of the layout (runs in a worker); an exception, building
+    the layout's scenario included, is the layout's error, not the plan's."""
     from sim.api import simulate
 
-    t0 = time.perf_counter()
-    try:
-        summary = simulate(layout_scenario(base, layout), origin=PLAN_ORIGIN).summary
-    except Exception as exc:   # one failed layout must not end the search
-        return Simulated(None, f"{type(exc).__name__}: {' '.join(str(exc).split())}",
-                         time.perf_counter() - t0)
-    return Simulated(summary, None, time.perf_counter() - t0)
+    return _simulated(attempt(
+        0, lambda: simulate(layout_scenario(base, layout), origin=PLAN_ORIGIN).summary,
+        type_and_message))
+
+
+def _simulated(out: Outcome) -> Simulated:
+    return Simulated(out.summary, out.error, out.wall_s)
 
 
 def _profiles_task(base: Scenario, layouts: list[Layout], rates: LinkRates
@@ -997,47 +1007,20 @@ def _profiles_task(base: Scenario, layouts: list[Layout], rates: LinkRates
     return [layer_profile(base, x, rates) for x in layouts]
 
 
-# --------------------------------------------------------------------------- runners
+# --------------------------------------------------------------------------- backend hook
 SimulateMany = Callable[[Scenario, list[Layout]], list[Simulated]]
 """A backend hook: simulate these layouts of the base scenario (anywhere), in order."""
 
 
-class _Runner:
-    """Runs functions now (one worker) or in joblib's loky processes (several)."""
+def backend_simulations(be: Backend) -> SimulateMany:
+    """The :data:`SimulateMany` hook on an open executor backend (``--backend ray|dask``):
+    each batch of layouts runs there, one layout to a worker task, and comes back in order
+    (a failed layout or a dead worker as that layout's error)."""
+    def simulate_many(base: Scenario, layouts: list[Layout]) -> list[Simulated]:
+        tasks = [Task(i, layout_scenario(base, x), x.varied()) for i, x in enumerate(layouts)]
+        return [_simulated(o) for o in simulate_in_order(be, tasks, 1)]
 
-    def __init__(self, workers: int) -> None:
-        self.workers = max(1, workers)
-        self._executor: Any = None
-        if self.workers > 1:
-            from joblib.externals.loky import get_reusable_executor
-
-            self._executor = get_reusable_executor(max_workers=self.workers)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._executor is not None:
-            return self._executor.submit(fn, *args)
-        from concurrent.futures import Future
-
-        fut: Future[Any] = Future()
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as exc:   # surfaced by fut.result(), as a process pool would
-            fut.set_exception(exc)
-        return fut
-
-    def map_chunks(self, fn: Callable[..., list[Any]], items: list[Any], *args: Any
-                   ) -> list[Any]:
-        """``fn(*args[:1], chunk, *args[1:])`` over chunks of ``items``, results in order."""
-        if not items:
-            return []
-        n = self.workers * 4 if self.workers > 1 else 1
-        size = max(1, math.ceil(len(items) / n))
-        chunks = [items[i:i + size] for i in range(0, len(items), size)]
-        futures = [self.submit(fn, args[0], chunk, *args[1:]) for chunk in chunks]
-        out: list[Any] = []
-        for f in futures:
-            out.extend(f.result())
-        return out
+    return simulate_many
 
 
 # --------------------------------------------------------------------------- the search
@@ -1187,7 +1170,7 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
         per_step = x.micro_batch_size * x.dp
         m = shape.global_batch // per_step if shape.global_batch % per_step == 0 else 0
         cands.append(Candidate(i, x, m))
-    runner = _Runner(workers)
+    runner = Pool(workers)
     sim_thread: Any = None
     if simulate_many is not None:
         from concurrent.futures import ThreadPoolExecutor
@@ -1368,7 +1351,7 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
                         raise RuntimeError(f"the simulation backend returned {len(results)} "
                                            f"results for {len(indices)} layouts")
                 except Exception as exc:   # a failed batch: its layouts' error, not ours
-                    text = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+                    text = type_and_message(exc)
                     results = [Simulated(None, text, 0.0) for _ in indices]
                 for j, sim in zip(indices, results, strict=True):
                     settle_simulation(cands[j], sim)
@@ -1396,15 +1379,11 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
 
 
 def _simulate_base(base: Scenario) -> Simulated:
+    # The scenario as given may be one its framework refuses: its error, not the plan's.
     from sim.api import simulate
 
-    t0 = time.perf_counter()
-    try:
-        return Simulated(simulate(base, origin=PLAN_ORIGIN).summary, None,
-                         time.perf_counter() - t0)
-    except Exception as exc:   # the scenario as given may be one its framework refuses
-        return Simulated(None, f"{type(exc).__name__}: {' '.join(str(exc).split())}",
-                         time.perf_counter() - t0)
+    return _simulated(attempt(0, lambda: simulate(base, origin=PLAN_ORIGIN).summary,
+                              type_and_message))
 
 
 # --------------------------------------------------------------------------- reporting
@@ -1680,17 +1659,6 @@ def print_table(result: PlanResult, console: Any = None) -> None:
         console.print("No layout fits in memory and simulates: nothing to recommend.")
 
 
-def _default_workers() -> int:
-    try:
-        from joblib import cpu_count
-
-        return int(cpu_count())   # honours CPU affinity and cgroup quotas
-    except ImportError:
-        import os
-
-        return os.cpu_count() or 1
-
-
 def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = "time",
                  top: int = DEFAULT_TOP, backend: str = "local", workers: int | None = None,
                  frameworks: Sequence[str] | None = None,
@@ -1719,7 +1687,7 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
     if out is not None and out.exists() and not out.is_dir():
         raise ScenarioError(f"--out {out}: exists and is not a folder")
     base = load_scenario(scenario, list(overrides))
-    local = _default_workers()
+    local = cpu_count()
     from contextlib import nullcontext
 
     from rich.console import Console
