@@ -186,6 +186,8 @@ class UnitBuilder:
         self.full = shape.act * shape.tokens * shape.h
         """Bytes of a gathered [s, b, h] activation."""
         self.overlap = shape.opts.tp_comm_overlap and shape.t > 1
+        self.tp_groups = [shape.tp_groups(st) for st in range(shape.p)]
+        """Each stage's tensor-parallel groups (built once: every collective names them)."""
 
     def build_units(self) -> dict[UnitKey, UnitOps]:
         """Every unit of the step, built in (virtual stage, micro-batch, pass) order."""
@@ -197,7 +199,7 @@ class UnitBuilder:
                 layer: int | None, side: bool = False) -> Op:
         """A tensor-parallel collective: on the compute stream (blocking it), or on the
         ``tp`` stream beside the GEMMs (``tp_comm_overlap``, or a ``side`` exchange)."""
-        groups = self.s.tp_groups(st)
+        groups = self.tp_groups[st]
         stream = "tp" if (self.s.opts.tp_comm_overlap or side) else "compute"
         return Op(name=name, kind="collective", stream=stream, phase="comm", collective=op,  # type: ignore[arg-type]
                   group=groups[0], groups=groups,
