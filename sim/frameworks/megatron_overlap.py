@@ -158,7 +158,8 @@ def pipelined_scatter(main: Op, gemm_s: float, after_s: float, body: Op, tail: O
 def userbuffer_gemm_spans(blocks: dict[str, Block], seconds: Callable[[Kernel], float]
                           ) -> dict[tuple[str, str], tuple[float, float, float, float]]:
     """Where the overlapped GEMMs sit in each block's kernels, keyed by the block's op names
-    in ``build_megatron`` (``(pre, main)`` forward, ``(main, pre)`` backward):
+    (:attr:`sim.frameworks.megatron_layer.BlockSpec.names`: ``(pre, main)`` forward,
+    ``(main, pre)`` backward):
     ``(seconds before, seconds of)`` the GEMM that consumes the block's all-gather (forward
     QKV and fc1; backward the output projection's and fc2's dgrad) and ``(seconds of,
     seconds after)`` the GEMM whose output the forward reduce-scatters (the output projection,
