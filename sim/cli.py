@@ -323,21 +323,13 @@ def plan(
 
 
 def _plan_simulations(backend: str, address: str | None, workers: int | None) -> Any:
-    """The planner's ``simulate_many`` on a Ray or Dask cluster, through sim.sweep's backend
-    (builds stay on local cores; only the simulations travel)."""
+    """The planner's ``simulate_many`` on a Ray or Dask cluster, through the executor's
+    backend (builds stay on local cores; only the simulations travel)."""
     from sim import sweep
-    from sim.plan import Simulated, layout_scenario
+    from sim.plan import backend_simulations
 
     be = sweep.make_backend(backend, address, workers, 1, "plan")
-
-    def simulate_many(base: Any, layouts: list[Any]) -> list[Any]:
-        tasks = [sweep.Task(i, layout_scenario(base, x), x.varied())
-                 for i, x in enumerate(layouts)]
-        got = {o.index: o for o in sweep.run_tasks(be, tasks, 1)}
-        return [Simulated(got[i].summary, got[i].error, got[i].wall_s)
-                for i in range(len(layouts))]
-
-    return be, simulate_many
+    return be, backend_simulations(be)
 
 
 def _parse_window(text: str) -> tuple[float, float]:
