@@ -15,6 +15,9 @@ Otherwise the claim is compared with the simulation: within 10% is consistent, e
 N%" with N = (claimed - simulated) / simulated. When the simulated run itself runs out of
 memory the reason says so: the comparison is then with a run that would not fit.
 
+Each kind of claim has its own small judge (:data:`JUDGES`), reading what they share (the
+summary, the GPU, whether the setup can run) from one frozen context.
+
 :func:`judge_ratio` gives the same verdicts for claims that compare two setups (ZeRO++ against
 ZeRO-3, 100 Gb/s against 400 Gb/s): the claimed ratio against the simulated one.
 """
@@ -22,6 +25,8 @@ ZeRO-3, 100 Gb/s against 400 Gb/s): the claimed ratio against the simulated one.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sim.catalog import GpuSpec
@@ -130,6 +135,217 @@ def zone_link_bytes_per_s(scenario: Scenario) -> float | None:
     return pairs * c.az_link_gbps * 1e9 / 8 if pairs else None
 
 
+@dataclass(frozen=True)
+class _Judge:
+    """What every claim's verdict reads: the run's summary, the GPU and its bounds, and
+    whether the setup can run at all (see :func:`judge` for the arguments)."""
+
+    summary: dict[str, Any]
+    gpu: GpuSpec
+    precision: str
+    flops_per_token: float
+    model_state_bytes: float
+    scenario: Scenario | None
+    sim_mem: float
+    """The simulated peak of the kind the memory claims quote (reserved unless they say
+    otherwise)."""
+    kind_note: str
+
+    @classmethod
+    def make(cls, claims: Claims, summary: dict[str, Any], gpu: GpuSpec, precision: str,
+             flops_per_token: float, model_state_bytes: float,
+             scenario: Scenario | None) -> _Judge:
+        kind = getattr(claims, "peak_memory_kind", "reserved")
+        return cls(summary, gpu, precision, flops_per_token, model_state_bytes, scenario,
+                   summary.get(MEMORY_KIND_KEY[kind], summary["peak_memory_gib"]),
+                   f"against the simulated {kind.replace('_', '-')} peak")
+
+    @property
+    def gpus(self) -> Any:
+        """GPUs in the job (the summary's value, as it is)."""
+        return self.summary["gpus"]
+
+    @property
+    def step(self) -> Any:
+        """Simulated step time, seconds (the summary's value, as it is)."""
+        return self.summary["step_time_s"]
+
+    @property
+    def mem_cap(self) -> float:
+        return self.gpu.usable_memory_gib
+
+    def states_text(self, unit: float = GIB, name: str = "GiB") -> str:
+        text = f"{self.model_state_bytes / unit:.1f} {name} per GPU"
+        params = self.summary.get("model_params")
+        if params:
+            # Bytes per parameter over the whole job: 16 for bf16 training with fp32 master
+            # weights, gradients and Adam moments, however they are sharded.
+            text += (f" ({self.model_state_bytes * self.gpus / params:.1f} bytes per "
+                     f"parameter x {params / 1e9:.1f}e9 parameters / {self.gpus} GPUs)")
+        return text
+
+    def cannot_run(self) -> str | None:
+        """A setup whose model states alone exceed the GPU cannot run at all, whatever it
+        claims."""
+        if self.model_state_bytes > self.gpu.usable_memory_bytes:
+            return (f"the setup cannot run: parameters, gradients and optimizer states "
+                    f"alone take {self.states_text()}, above the {self.gpu.name}'s "
+                    f"{self.mem_cap:.1f} GiB")
+        return None
+
+    def oom_note(self) -> str | None:
+        """The simulated run itself does not fit (and the setup could run)."""
+        if self.summary.get("oom") and self.cannot_run() is None:
+            smi = self.summary.get("peak_nvidia_smi_gib", self.summary["peak_memory_gib"])
+            return (f"the simulated run does not fit ({smi:.1f} GiB "
+                    f"at its peak, above the {self.gpu.name}'s {self.mem_cap:.1f} GiB)")
+        return None
+
+    def perf(self, metric: str, claimed: float, simulated: float,
+             impossible: str | None = None) -> dict[str, Any]:
+        """Verdict on a performance figure: impossible too when the setup cannot run."""
+        found = [r for r in (impossible, self.cannot_run()) if r]
+        return verdict(metric, claimed, simulated, "; ".join(found) if found else None,
+                       self.oom_note())
+
+    def rate(self, tok_per_gpu: float) -> str | None:
+        return flops_bound(tok_per_gpu, self.flops_per_token, self.gpu, self.precision)
+
+    def memory(self, gib: float) -> str | None:
+        if gib > self.mem_cap:
+            return f"above the {self.gpu.name}'s {self.mem_cap:.1f} GiB of memory"
+        if gib * GIB < self.model_state_bytes:
+            return (f"parameters, gradients and optimizer states alone need "
+                    f"{self.model_state_bytes / GIB:.1f} GiB per GPU with this sharding")
+        return None
+
+    def tokens_total(self, metric: str) -> float:
+        hours = self.summary["cost"].get("run_hours")
+        if hours is None:
+            raise ScenarioError(f"claims.{metric}: needs training.tokens_total (the tokens of "
+                                "the claimed run)")
+        return float(hours) * SECONDS_PER_HOUR * self.summary["tokens_per_s"]
+
+    def zone_bound(self, bytes_per_day: float, what: str) -> str | None:
+        cap = zone_link_bytes_per_s(self.scenario) if self.scenario is not None else None
+        if cap is not None and bytes_per_day > cap * SECONDS_PER_DAY:
+            return (f"{what} {bytes_per_day / 1e12:,.0f} TB a day across the zone boundary, "
+                    f"above the {cap * SECONDS_PER_DAY / 1e12:,.0f} TB a day the links "
+                    f"between the zones carry at line rate")
+        return None
+
+
+def _fraction(name: str, c: float) -> str | None:
+    return f"{name} cannot exceed 1" if c > 1 else None
+
+
+# ---------------------------------------------------------------------- one judge per claim
+def _tokens_per_s_per_gpu(j: _Judge, c: float) -> dict[str, Any]:
+    return j.perf("tokens_per_s_per_gpu", c, j.summary["tokens_per_s_per_gpu"], j.rate(c))
+
+
+def _tokens_per_s(j: _Judge, c: float) -> dict[str, Any]:
+    return j.perf("tokens_per_s", c, j.summary["tokens_per_s"], j.rate(c / j.gpus))
+
+
+def _step_time_s(j: _Judge, c: float) -> dict[str, Any]:
+    return j.perf("step_time_s", c, j.step, j.rate(j.summary["tokens_per_step"] / c / j.gpus))
+
+
+def _mfu(j: _Judge, c: float) -> dict[str, Any]:
+    return j.perf("mfu", c, j.summary["mfu"], _fraction("MFU", c))
+
+
+def _peak_memory_gib(j: _Judge, c: float) -> dict[str, Any]:
+    return verdict("peak_memory_gib", c, j.sim_mem, j.memory(c), j.kind_note)
+
+
+def _peak_memory_gb(j: _Judge, c: float) -> dict[str, Any]:
+    return verdict("peak_memory_gb", c, j.sim_mem * GIB / GB, j.memory(c * GB / GIB),
+                   j.kind_note)
+
+
+def _model_state_memory_gb(j: _Judge, c: float) -> dict[str, Any]:
+    low = None
+    if c * GB < j.model_state_bytes:
+        low = (f"the parameters, gradients and optimizer states of this setup take "
+               f"{j.states_text(GB, 'GB')}")
+    return verdict("model_state_memory_gb", c, j.model_state_bytes / GB, low)
+
+
+def _exposed_comm_fraction(j: _Judge, c: float) -> dict[str, Any]:
+    return j.perf("exposed_comm_fraction", c, j.summary["exposed_comm_s"] / j.step,
+                  _fraction("a share of the step", c))
+
+
+def _bubble_fraction(j: _Judge, c: float) -> dict[str, Any]:
+    return j.perf("bubble_fraction", c, j.summary["bubble_fraction"],
+                  _fraction("a share of the step", c))
+
+
+def _run_hours(j: _Judge, c: float) -> dict[str, Any]:
+    tokens = j.tokens_total("run_hours")
+    return j.perf("run_hours", c, j.summary["cost"]["run_hours"],
+                  j.rate(tokens / (c * SECONDS_PER_HOUR) / j.gpus))
+
+
+def _run_usd(j: _Judge, c: float) -> dict[str, Any]:
+    tokens = j.tokens_total("run_usd")
+    # The GPUs alone cost usd_per_hour: the claimed dollars buy at most c / usd_per_hour
+    # hours, so the run must go at least this fast.
+    hours = c / j.summary["cost"]["usd_per_hour"]
+    return j.perf("run_usd", c, j.summary["cost"]["run_usd"],
+                  j.rate(tokens / (hours * SECONDS_PER_HOUR) / j.gpus))
+
+
+def _cross_az_bytes_per_day(j: _Judge, c: float) -> dict[str, Any]:
+    return j.perf("cross_az_bytes_per_day", c,
+                  j.summary["bytes"]["cross_az"] / j.step * SECONDS_PER_DAY,
+                  j.zone_bound(c, "moving"))
+
+
+def _egress_usd_per_day(j: _Judge, c: float) -> dict[str, Any]:
+    price = j.summary["cost"].get("egress_usd_per_gb")
+    if price is None and j.scenario is not None:
+        price = j.scenario.pricing.egress_usd_per_gb
+    bound = j.zone_bound(c / price * GB, "buying") if price else None
+    return j.perf("egress_usd_per_day", c,
+                  j.summary["cost"]["egress_usd_per_step"] / j.step * SECONDS_PER_DAY, bound)
+
+
+def _nvlink_gbytes_per_s(j: _Judge, c: float) -> dict[str, Any]:
+    line = j.gpu.nvlink_gbytes_per_s
+    if j.scenario is not None and j.scenario.cluster.nvlink_gbytes_per_s is not None:
+        line = j.scenario.cluster.nvlink_gbytes_per_s
+    over = None
+    if c > line:
+        over = (f"above NVLink's line rate of {line:,.0f} GB/s per GPU per direction on "
+                f"this {j.gpu.name} node")
+    simulated = (j.summary["bytes"]["nvlink"] / NVLINK_HOPS_PER_TRANSFER / j.gpus / j.step
+                 / GB)
+    return j.perf("nvlink_gbytes_per_s", c, simulated, over)
+
+
+JUDGES: tuple[tuple[str, Callable[[_Judge, float], dict[str, Any]]], ...] = (
+    ("tokens_per_s_per_gpu", _tokens_per_s_per_gpu),
+    ("tokens_per_s", _tokens_per_s),
+    ("step_time_s", _step_time_s),
+    ("mfu", _mfu),
+    ("peak_memory_gib", _peak_memory_gib),
+    ("peak_memory_gb", _peak_memory_gb),
+    ("model_state_memory_gb", _model_state_memory_gb),
+    ("exposed_comm_fraction", _exposed_comm_fraction),
+    ("bubble_fraction", _bubble_fraction),
+    ("run_hours", _run_hours),
+    ("run_usd", _run_usd),
+    ("cross_az_bytes_per_day", _cross_az_bytes_per_day),
+    ("egress_usd_per_day", _egress_usd_per_day),
+    ("nvlink_gbytes_per_s", _nvlink_gbytes_per_s),
+)
+"""Each :class:`~sim.scenario.Claims` figure and its judge, in the order of CONTRACT.md's
+summary keys, then the Claims fields added since: the order of :func:`judge`'s verdicts."""
+
+
 def judge(claims: Claims, summary: dict[str, Any], gpu: GpuSpec, precision: str,
           flops_per_token: float, model_state_bytes: float,
           scenario: Scenario | None = None) -> list[dict[str, Any]]:
@@ -166,142 +382,7 @@ def judge(claims: Claims, summary: dict[str, Any], gpu: GpuSpec, precision: str,
     ScenarioError
         A run-length claim (``run_hours``, ``run_usd``) without ``training.tokens_total``.
     """
-    out: list[dict[str, Any]] = []
-    gpus = summary["gpus"]
-    step = summary["step_time_s"]
-    mem_cap = gpu.usable_memory_gib
-    params = summary.get("model_params")
-
-    def states_text(unit: float = GIB, name: str = "GiB") -> str:
-        text = f"{model_state_bytes / unit:.1f} {name} per GPU"
-        if params:
-            # Bytes per parameter over the whole job: 16 for bf16 training with fp32 master
-            # weights, gradients and Adam moments, however they are sharded.
-            text += (f" ({model_state_bytes * gpus / params:.1f} bytes per parameter x "
-                     f"{params / 1e9:.1f}e9 parameters / {gpus} GPUs)")
-        return text
-
-    # A setup whose model states alone exceed the GPU cannot run at all, whatever it claims.
-    cannot_run = None
-    if model_state_bytes > gpu.usable_memory_bytes:
-        cannot_run = (f"the setup cannot run: parameters, gradients and optimizer states "
-                      f"alone take {states_text()}, above the {gpu.name}'s {mem_cap:.1f} GiB")
-    oom_note = None
-    if summary.get("oom") and cannot_run is None:
-        smi = summary.get("peak_nvidia_smi_gib", summary["peak_memory_gib"])
-        oom_note = (f"the simulated run does not fit ({smi:.1f} GiB "
-                    f"at its peak, above the {gpu.name}'s {mem_cap:.1f} GiB)")
-
-    def both(*reasons: str | None) -> str | None:
-        found = [r for r in reasons if r]
-        return "; ".join(found) if found else None
-
-    def perf(metric: str, claimed: float, simulated: float,
-             impossible: str | None = None) -> None:
-        out.append(verdict(metric, claimed, simulated, both(impossible, cannot_run), oom_note))
-
-    def rate(tok_per_gpu: float) -> str | None:
-        return flops_bound(tok_per_gpu, flops_per_token, gpu, precision)
-
-    def fraction(name: str, c: float) -> str | None:
-        return f"{name} cannot exceed 1" if c > 1 else None
-
-    def memory(gib: float) -> str | None:
-        if gib > mem_cap:
-            return f"above the {gpu.name}'s {mem_cap:.1f} GiB of memory"
-        if gib * GIB < model_state_bytes:
-            return (f"parameters, gradients and optimizer states alone need "
-                    f"{model_state_bytes / GIB:.1f} GiB per GPU with this sharding")
-        return None
-
-    def tokens_total(metric: str) -> float:
-        hours = summary["cost"].get("run_hours")
-        if hours is None:
-            raise ScenarioError(f"claims.{metric}: needs training.tokens_total (the tokens of "
-                                "the claimed run)")
-        return float(hours) * SECONDS_PER_HOUR * summary["tokens_per_s"]
-
-    zone_cap = zone_link_bytes_per_s(scenario) if scenario is not None else None
-
-    def zone_bound(bytes_per_day: float, what: str) -> str | None:
-        if zone_cap is not None and bytes_per_day > zone_cap * SECONDS_PER_DAY:
-            return (f"{what} {bytes_per_day / 1e12:,.0f} TB a day across the zone boundary, "
-                    f"above the {zone_cap * SECONDS_PER_DAY / 1e12:,.0f} TB a day the links "
-                    f"between the zones carry at line rate")
-        return None
-
-    if claims.tokens_per_s_per_gpu is not None:
-        c = claims.tokens_per_s_per_gpu
-        perf("tokens_per_s_per_gpu", c, summary["tokens_per_s_per_gpu"], rate(c))
-    if claims.tokens_per_s is not None:
-        c = claims.tokens_per_s
-        perf("tokens_per_s", c, summary["tokens_per_s"], rate(c / gpus))
-    if claims.step_time_s is not None:
-        c = claims.step_time_s
-        perf("step_time_s", c, step, rate(summary["tokens_per_step"] / c / gpus))
-    if claims.mfu is not None:
-        c = claims.mfu
-        perf("mfu", c, summary["mfu"], fraction("MFU", c))
-    # The simulated peak of the kind the claim quotes (reserved unless it says otherwise).
-    kind = getattr(claims, "peak_memory_kind", "reserved")
-    sim_mem = summary.get(MEMORY_KIND_KEY[kind], summary["peak_memory_gib"])
-    kind_note = f"against the simulated {kind.replace('_', '-')} peak"
-    if claims.peak_memory_gib is not None:
-        c = claims.peak_memory_gib
-        out.append(verdict("peak_memory_gib", c, sim_mem, memory(c), kind_note))
-    if claims.peak_memory_gb is not None:
-        c = claims.peak_memory_gb
-        out.append(verdict("peak_memory_gb", c, sim_mem * GIB / GB, memory(c * GB / GIB),
-                           kind_note))
-    if claims.model_state_memory_gb is not None:
-        c = claims.model_state_memory_gb
-        low = None
-        if c * GB < model_state_bytes:
-            low = (f"the parameters, gradients and optimizer states of this setup take "
-                   f"{states_text(GB, 'GB')}")
-        out.append(verdict("model_state_memory_gb", c, model_state_bytes / GB, low))
-    if claims.exposed_comm_fraction is not None:
-        c = claims.exposed_comm_fraction
-        perf("exposed_comm_fraction", c, summary["exposed_comm_s"] / step,
-             fraction("a share of the step", c))
-    if claims.bubble_fraction is not None:
-        c = claims.bubble_fraction
-        perf("bubble_fraction", c, summary["bubble_fraction"],
-             fraction("a share of the step", c))
-    if claims.run_hours is not None:
-        c = claims.run_hours
-        tokens = tokens_total("run_hours")
-        perf("run_hours", c, summary["cost"]["run_hours"],
-             rate(tokens / (c * SECONDS_PER_HOUR) / gpus))
-    if claims.run_usd is not None:
-        c = claims.run_usd
-        tokens = tokens_total("run_usd")
-        # The GPUs alone cost usd_per_hour: the claimed dollars buy at most c / usd_per_hour
-        # hours, so the run must go at least this fast.
-        hours = c / summary["cost"]["usd_per_hour"]
-        perf("run_usd", c, summary["cost"]["run_usd"],
-             rate(tokens / (hours * SECONDS_PER_HOUR) / gpus))
-    if claims.cross_az_bytes_per_day is not None:
-        c = claims.cross_az_bytes_per_day
-        perf("cross_az_bytes_per_day", c, summary["bytes"]["cross_az"] / step * SECONDS_PER_DAY,
-             zone_bound(c, "moving"))
-    if claims.egress_usd_per_day is not None:
-        c = claims.egress_usd_per_day
-        price = summary["cost"].get("egress_usd_per_gb")
-        if price is None and scenario is not None:
-            price = scenario.pricing.egress_usd_per_gb
-        bound = zone_bound(c / price * GB, "buying") if price else None
-        perf("egress_usd_per_day", c,
-             summary["cost"]["egress_usd_per_step"] / step * SECONDS_PER_DAY, bound)
-    if claims.nvlink_gbytes_per_s is not None:
-        c = claims.nvlink_gbytes_per_s
-        line = gpu.nvlink_gbytes_per_s
-        if scenario is not None and scenario.cluster.nvlink_gbytes_per_s is not None:
-            line = scenario.cluster.nvlink_gbytes_per_s
-        over = None
-        if c > line:
-            over = (f"above NVLink's line rate of {line:,.0f} GB/s per GPU per direction on "
-                    f"this {gpu.name} node")
-        simulated = (summary["bytes"]["nvlink"] / NVLINK_HOPS_PER_TRANSFER / gpus / step / GB)
-        perf("nvlink_gbytes_per_s", c, simulated, over)
-    return out
+    j = _Judge.make(claims, summary, gpu, precision, flops_per_token, model_state_bytes,
+                    scenario)
+    return [judge_one(j, c) for field, judge_one in JUDGES
+            if (c := getattr(claims, field)) is not None]
