@@ -4,13 +4,23 @@
 it (in reverse op order), with the tensors autograd saves. Its ops (casts, linear, float8
 linear, norms, rotary embedding, attention, residual add, gradient sums) follow the execution
 :class:`~sim.kernels.Style` described in :mod:`sim.layer_ops`; Hugging Face's bf16 RMSNorm and
-rotary embedding are in :mod:`sim.hf_ops`, the rules a linear layer shares with Megatron's in
-:mod:`sim.linear_ops`.
+rotary embedding are in :mod:`sim.hf_ops`, the rules its linears and fused norms share with
+Megatron's in :mod:`sim.layer_rules`.
 """
 
 from __future__ import annotations
 
 from sim.kernels import BF16, FP32, Block, Kernel, Style, Tensor
+from sim.layer_rules import (
+    FP8,
+    bias_grad,
+    fused_norm_forward,
+    linear16_gemms,
+    linear_gemm,
+    linear_params,
+    scaled_cast,
+    weight_mul_grad,
+)
 from sim.model import ModelSpec
 
 
@@ -73,7 +83,7 @@ class _Builder:
         st = self.style
         if st.float8 and float8 and not st.autocast:
             return self.float8_linear(x, tokens, n_in, n_out, name, bias)
-        self.block.params += n_in * n_out + (n_out if bias else 0)
+        self.block.params += linear_params(n_in, n_out, bias)
         x_fp32 = x.nbytes == tokens * n_in * FP32
         xb = self.cast(x, tokens * n_in, BF16, f"{name}.in_bf16") if st.autocast and x_fp32 else x
         if st.autocast:
@@ -84,19 +94,10 @@ class _Builder:
         else:
             wb = self.t(f"{name}.w", n_in * n_out, BF16)
         y = self.t(f"{name}.out", tokens * n_out, BF16)
-        flops = 2.0 * tokens * n_in * n_out
-        self.fwd(Kernel(f"{name}.fwd", "gemm", (xb, wb), (y,), flops,
-                        gemm=(tokens, n_in, n_out, "fwd")))
-        self.save(xb)
         gy = self.t(f"{name}.g_out", tokens * n_out, BF16)
         gxb = self.t(f"{name}.g_in", tokens * n_in, BF16)
         gwb = self.t(f"{name}.g_w", n_in * n_out, BF16)
-        ks = [
-            Kernel(f"{name}.dgrad", "gemm", (gy, wb), (gxb,), flops,
-                   gemm=(tokens, n_in, n_out, "dgrad")),
-            Kernel(f"{name}.wgrad", "gemm", (gy, xb), (gwb,), flops,
-                   gemm=(tokens, n_in, n_out, "wgrad")),
-        ]
+        ks = linear16_gemms(self, name, xb, wb, y, gy, gxb, gwb, tokens, n_in, n_out)
         if st.autocast:
             # ToCopyBackward of the weight cast: the fp32 gradient AccumulateGrad keeps.
             k, gw = self.grad_cast(gwb, n_in * n_out, FP32, f"{name}.g_w_fp32")
@@ -106,7 +107,7 @@ class _Builder:
             self.block.weight_grads.append(gwb)
         if bias:
             gb = self.t(f"{name}.g_b", n_out, FP32 if st.autocast else BF16)
-            ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
+            ks.append(bias_grad(name, gy, gb))
         if st.autocast and x_fp32:
             k, _ = self.grad_cast(gxb, tokens * n_in, FP32, f"{name}.g_in_fp32")
             ks.append(k)
@@ -123,44 +124,35 @@ class _Builder:
         cast per GEMM layout), the weight for dgrad and the input for wgrad, each after its
         amax. Under ``compile`` the amax and cast kernels fuse with their neighbours.
         """
-        self.block.params += n_in * n_out + (n_out if bias else 0)
-        fp8 = 1.0
+        self.block.params += linear_params(n_in, n_out, bias)
         w = self.t(f"{name}.w", n_in * n_out, BF16)
-        x8 = self.t(f"{name}.in_fp8", tokens * n_in, fp8)
-        w8 = self.t(f"{name}.w_fp8", n_in * n_out, fp8)
+        x8 = self.t(f"{name}.in_fp8", tokens * n_in, FP8)
+        w8 = self.t(f"{name}.w_fp8", n_in * n_out, FP8)
         y = self.t(f"{name}.out", tokens * n_out, BF16)
-        flops = 2.0 * tokens * n_in * n_out
-        self.fwd(Kernel(f"{name}.amax_in", "elementwise", (x,), ()))
-        self.fwd(Kernel(f"{name}.cast_in", "elementwise", (x,), (x8,)))
-        if not self.style.float8_weights:
-            self.fwd(Kernel(f"{name}.amax_w", "elementwise", (w,), ()))
-            self.fwd(Kernel(f"{name}.cast_w", "elementwise", (w,), (w8,)))
-        self.fwd(Kernel(f"{name}.fwd", "gemm", (x8, w8), (y,), flops,
-                        gemm=(tokens, n_in, n_out, "fwd"), fp8=True))
+        cast_w = not self.style.float8_weights
+        for k in scaled_cast(name, "in", x, (x8,), amax=True) + (
+                scaled_cast(name, "w", w, (w8,), amax=True) if cast_w else []):
+            self.fwd(k)
+        self.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
         self.save(x)
         gy = self.t(f"{name}.g_out", tokens * n_out, BF16)
-        g8a = self.t(f"{name}.g_out_fp8", tokens * n_out, fp8)
-        g8b = self.t(f"{name}.g_out_fp8_t", tokens * n_out, fp8)
-        w8b = self.t(f"{name}.w_fp8_bwd", n_in * n_out, fp8)
-        x8b = self.t(f"{name}.in_fp8_bwd", tokens * n_in, fp8)
+        g8a = self.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
+        g8b = self.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8)
+        w8b = self.t(f"{name}.w_fp8_bwd", n_in * n_out, FP8)
+        x8b = self.t(f"{name}.in_fp8_bwd", tokens * n_in, FP8)
         gx = self.t(f"{name}.g_in", tokens * n_in, BF16)
         gw = self.t(f"{name}.g_w", n_in * n_out, BF16)
-        recast_w = [] if self.style.float8_weights else [
-            Kernel(f"{name}.amax_w_bwd", "elementwise", (w,), ()),
-            Kernel(f"{name}.cast_w_bwd", "elementwise", (w,), (w8b,))]
-        ks = [Kernel(f"{name}.amax_g", "elementwise", (gy,), ()),
-              Kernel(f"{name}.cast_g", "elementwise", (gy,), (g8a,)),
+        # One amax of the gradient, then a cast per GEMM layout (two kernels, where
+        # Transformer Engine writes both layouts in one).
+        ks = [*scaled_cast(name, "g", gy, (g8a,), amax=True),
               Kernel(f"{name}.cast_g_t", "elementwise", (gy,), (g8b,)),
-              *recast_w,
-              Kernel(f"{name}.dgrad", "gemm", (g8a, w8b), (gx,), flops,
-                     gemm=(tokens, n_in, n_out, "dgrad"), fp8=True),
-              Kernel(f"{name}.amax_in_bwd", "elementwise", (x,), ()),
-              Kernel(f"{name}.cast_in_bwd", "elementwise", (x,), (x8b,)),
-              Kernel(f"{name}.wgrad", "gemm", (g8b, x8b), (gw,), flops,
-                     gemm=(tokens, n_in, n_out, "wgrad"), fp8=True)]
+              *(scaled_cast(name, "w_bwd", w, (w8b,), amax=True) if cast_w else []),
+              linear_gemm(name, "dgrad", (g8a, w8b), gx, tokens, n_in, n_out, fp8=True),
+              *scaled_cast(name, "in_bwd", x, (x8b,), amax=True),
+              linear_gemm(name, "wgrad", (g8b, x8b), gw, tokens, n_in, n_out, fp8=True)]
         if bias:
             gb = self.t(f"{name}.g_b", n_out, BF16)
-            ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
+            ks.append(bias_grad(name, gy, gb))
         self.bwd(*ks)
         self.block.weight_grads.append(gw)
         return y
@@ -175,11 +167,13 @@ class _Builder:
             # torch's fused RMSNorm kernel (F.rms_norm on CUDA): one read, one write, per-row rstd.
             y = self.t(f"{name}.out", tokens * h, BF16)
             rstd = self.t(f"{name}.rstd", tokens, FP32)
-            self.fwd(Kernel(f"{name}.fused", "norm_fused", (x,), (y, rstd)))
-            self.save(x, rstd)
+            fused_norm_forward(self, x, y, rstd, name)
             gy = self.t(f"{name}.g_out", tokens * h, BF16)
             gx = self.t(f"{name}.g_in", tokens * h, BF16)
             gw = self.t(f"{name}.g_w", h, BF16)
+            # Backward stays here, not shared with Megatron's fused norm (megatron_ops._norm):
+            # torch's rms_norm backward writes a bf16 weight gradient of h elements from one
+            # rstd per row, Megatron's apex/TE kernel an fp32 one from two statistics per row.
             self.bwd(Kernel(f"{name}.bwd_input", "norm_fused", (gy, x, rstd), (gx,)),
                      Kernel(f"{name}.bwd_weight", "norm_fused", (gy, x, rstd), (gw,)))
             self.block.weight_grads.append(gw)
@@ -194,9 +188,10 @@ class _Builder:
         gw = self.t(f"{name}.g_w", h, FP32)
         core, _ = self.rms_core_backward(g["xn"], x, r, tokens, h, name, f"{name}.g_in")
         self.bwd(
+            # xn's gradient counts no read of the weight (h elements), unlike hf_ops's bf16
+            # norm; the weight's gradient is the shared rule.
             Kernel(f"{name}.g_mul_w", "elementwise", (g["out"],), (g["xn"],)),
-            Kernel(f"{name}.g_w_prod", "elementwise", (g["out"], xn), (g["wprod"],)),
-            Kernel(f"{name}.g_w_sum", "elementwise", (g["wprod"],), (gw,)),
+            *weight_mul_grad(name, g["out"], xn, g["wprod"], gw),
             *core,
         )
         self.block.weight_grads.append(gw)
@@ -248,11 +243,14 @@ class _Builder:
         ab = self.style.act_bytes
         y = self.t(f"{name}.out", tokens * h, ab)
         stats = self.t(f"{name}.stats", 2 * tokens, FP32)
-        self.fwd(Kernel(f"{name}.fused", "norm_fused", (x,), (y, stats)))
-        self.save(x, stats)
+        fused_norm_forward(self, x, y, stats, name)
         gy = self.t(f"{name}.g_out", tokens * h, ab)
         gx = self.t(f"{name}.g_in", tokens * h, ab)
         gwb = self.t(f"{name}.g_wb", 2 * h, FP32)
+        # Not Megatron's kernel pair (megatron_ops._norm): here the weight kernel reads no row
+        # statistics, although PyTorch's GammaBetaBackward reads mean and rstd too
+        # (aten/src/ATen/native/cuda/layer_norm_kernel.cu); adding them would move numbers,
+        # so the difference is kept until a behaviour-changing issue takes it.
         self.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx,)),
                  Kernel(f"{name}.bwd_w", "norm_fused", (gy, x), (gwb,)))
         self.block.weight_grads.append(gwb)

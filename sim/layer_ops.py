@@ -17,8 +17,9 @@ that one description come:
 This module builds the blocks of Hugging Face's and torchtitan's Llama and is the import
 surface of the family (every name importable from it before it was split still is):
 :mod:`sim.kernels` holds the vocabulary (Tensor, Kernel, Style, Block, dtypes),
-:mod:`sim.layer_builder` the op-by-op builder, :mod:`sim.linear_ops` the linear-layer rules it
-shares with :mod:`sim.megatron_ops`, :mod:`sim.block_pricing` the time and memory above.
+:mod:`sim.layer_builder` the op-by-op builder, :mod:`sim.layer_rules` the linear-layer and
+fused-norm rules it shares with :mod:`sim.megatron_ops`, :mod:`sim.block_pricing` the time and
+memory above.
 
 Two execution styles cover the frameworks of this version:
 
