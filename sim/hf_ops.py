@@ -19,7 +19,7 @@ their eager code on bf16 tensors (``transformers/models/llama/modeling_llama.py`
     gradient with the half copied in: ``slice_backward`` in
     ``torch/csrc/autograd/FunctionsManual.cpp``), summed into q's gradient.
 
-Each function adds its kernels to a :class:`sim.layer_ops._Builder` and returns the output
+Each function adds its kernels to a :class:`sim.layer_builder._Builder` and returns the output
 tensor, like the builder's own ops.
 """
 
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sim.layer_ops import Tensor, _Builder
+from sim.kernels import BF16, FP32, Kernel, Tensor
+from sim.layer_rules import weight_mul_grad
 
-FP32 = 4
-BF16 = 2
+if TYPE_CHECKING:
+    from sim.layer_builder import _Builder
 
 
 def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) -> Tensor:
@@ -41,8 +41,6 @@ def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) ->
     pow ``8n``, mean ``4n + 4T``, add and rsqrt ``8T`` each, mul ``8n + 4T``, to bf16 ``6n``,
     weight mul ``4n + 2h``: ``36n + 24T + 2h`` in eight kernels.
     """
-    from sim.layer_ops import Kernel
-
     b.block.params += h
     n = tokens * h
     x32 = b.t(f"{name}.x_fp32", n, FP32)
@@ -64,8 +62,7 @@ def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) ->
         # MulBackward of weight * xn_bf16: both operands' gradients, the weight's summed
         # over tokens (sum_to_size).
         Kernel(f"{name}.g_mul_w", "elementwise", (gy, w), (gb["xnb"],)),
-        Kernel(f"{name}.g_w_prod", "elementwise", (gy, xnb), (gb["wprod"],)),
-        Kernel(f"{name}.g_w_sum", "elementwise", (gb["wprod"],), (gw,)),
+        *weight_mul_grad(name, gy, xnb, gb["wprod"], gw),
         # ToCopyBackward of the cast to bf16: back to fp32.
         Kernel(f"{name}.g_to_fp32", "elementwise", (gb["xnb"],), (g_xn,)),
         *core,
@@ -83,8 +80,6 @@ def hf_rope_bf16(b: _Builder, q: Tensor, tokens: float, width: int, name: str) -
     not counted): neg ``2n``, cat ``4n``, two muls ``4n`` each, add ``6n``: ``20n`` in five
     kernels.
     """
-    from sim.layer_ops import Kernel
-
     n = tokens * width
     half = b.t(f"{name}.half", n / 2, BF16)      # a view of q: counted as the half it reads
     neg = b.t(f"{name}.neg", n / 2, BF16)

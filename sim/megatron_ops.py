@@ -26,10 +26,18 @@ from functools import lru_cache
 from typing import Literal
 
 from sim.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
+from sim.layer_rules import (
+    FP8,
+    bias_grad,
+    fused_norm_forward,
+    linear16_gemms,
+    linear_gemm,
+    linear_params,
+    scaled_cast,
+)
 from sim.model import ModelSpec
 
 MASK = 1  # dropout masks are bytes
-FP8 = 1  # bytes per FP8 element (E4M3 / E5M2)
 
 
 @dataclass(frozen=True)
@@ -104,11 +112,12 @@ def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Ten
     b.block.params += m.norm_params
     y = b.t(f"{name}.out", tokens * h, BF16)
     stats = b.t(f"{name}.stats", 2 * tokens, FP32)
-    b.fwd(Kernel(f"{name}.fused", "norm_fused", (x,), (y, stats)))
-    b.save(x, stats)
+    fused_norm_forward(b, x, y, stats, name)
     gy = b.t(f"{name}.g_out", tokens * h, BF16)
     gx = b.t(f"{name}.g_in", tokens * h, BF16)
     gw = b.t(f"{name}.g_w", m.norm_params, FP32)
+    # Backward is Megatron's own, not the PyTorch builder's norms (layer_builder): the weight
+    # kernel reads the row statistics and writes an fp32 gradient.
     b.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx,)),
           Kernel(f"{name}.bwd_w", "norm_fused", (gy, x, stats), (gw,)))
     b.block.weight_grads.append(gw)
@@ -132,56 +141,42 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     scale from the amax history and records the new amax inside the cast. Where TE fuses the
     cast into the preceding norm or activation kernel we still count it as its own pass.
     """
-    b.block.params += n_in * n_out + (n_out if bias else 0)
+    b.block.params += linear_params(n_in, n_out, bias)
     fp8 = lay.fp8 if lay is not None else None
-    fl = 2.0 * tokens * n_in * n_out
     y = b.t(f"{name}.out", tokens * n_out, BF16)
     gy = b.t(f"{name}.g_out", tokens * n_out, BF16)
     gx = b.t(f"{name}.g_in", tokens * n_in, BF16)
     gw = b.t(f"{name}.main_grad", n_in * n_out, FP32)
     if fp8 is None:
         w = b.t(f"{name}.w", n_in * n_out, BF16)
-        b.fwd(Kernel(f"{name}.fwd", "gemm", (x, w), (y,), fl,
-                     gemm=(tokens, n_in, n_out, "fwd")))
-        b.save(x)
-        ks = [Kernel(f"{name}.dgrad", "gemm", (gy, w), (gx,), fl,
-                     gemm=(tokens, n_in, n_out, "dgrad")),
-              Kernel(f"{name}.wgrad", "gemm", (gy, x), (gw,), fl,
-                     gemm=(tokens, n_in, n_out, "wgrad"))]
+        ks = linear16_gemms(b, name, x, w, y, gy, gx, gw, tokens, n_in, n_out)
     else:
         assert lay is not None
         share = lay.weight_cast_share
         w16 = b.t(f"{name}.w_bf16_share", n_in * n_out * share, BF16)
         w8s = b.t(f"{name}.w_fp8_share", 2 * n_in * n_out * share, FP8)
         w8 = b.t(f"{name}.w_fp8", n_in * n_out, FP8)
-        if fp8 == "tensorwise":
-            b.fwd(Kernel(f"{name}.amax_w", "elementwise", (w16,), ()))
-        b.fwd(Kernel(f"{name}.cast_w", "elementwise", (w16,), (w8s,)))
+        amax = fp8 == "tensorwise"
         x8 = b.t(f"{name}.in_fp8", tokens * n_in, FP8)
         x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, FP8)
-        if fp8 == "tensorwise":
-            b.fwd(Kernel(f"{name}.amax_in", "elementwise", (x,), ()))
-        b.fwd(Kernel(f"{name}.cast_in", "elementwise", (x,), (x8, x8t)))
-        b.fwd(Kernel(f"{name}.fwd", "gemm", (x8, w8), (y,), fl,
-                     gemm=(tokens, n_in, n_out, "fwd"), fp8=True))
+        # TE's cast_transpose writes both GEMM layouts in one kernel (torchao: one cast each).
+        for k in (scaled_cast(name, "w", w16, (w8s,), amax)
+                  + scaled_cast(name, "in", x, (x8, x8t), amax)):
+            b.fwd(k)
+        b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
         b.save(x8t)
         g8 = b.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
         g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8)
-        ks = []
-        if fp8 == "tensorwise":
-            ks.append(Kernel(f"{name}.amax_g", "elementwise", (gy,), ()))
-        ks += [Kernel(f"{name}.cast_g", "elementwise", (gy,), (g8, g8t)),
-               Kernel(f"{name}.dgrad", "gemm", (g8, w8), (gx,), fl,
-                      gemm=(tokens, n_in, n_out, "dgrad"), fp8=True),
-               Kernel(f"{name}.wgrad", "gemm", (g8t, x8t), (gw,), fl,
-                      gemm=(tokens, n_in, n_out, "wgrad"), fp8=True)]
+        ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
+              linear_gemm(name, "dgrad", (g8, w8), gx, tokens, n_in, n_out, fp8=True),
+              linear_gemm(name, "wgrad", (g8t, x8t), gw, tokens, n_in, n_out, fp8=True)]
     out = y
     if bias and not bias_in_epilogue:
         out = b.t(f"{name}.biased", tokens * n_out, BF16)
         b.fwd(Kernel(f"{name}.bias", "elementwise", (y,), (out,)))
     if bias:
         gb = b.t(f"{name}.g_b", n_out, FP32)
-        ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
+        ks.append(bias_grad(name, gy, gb))
     b.bwd(*ks)
     b.block.weight_grads.append(gw)
     return out
