@@ -7,7 +7,7 @@ import pytest
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.torchtitan_parallel import stage_layers
+from sim.frameworks.fsdp2.mesh import stage_layers
 from sim.host import HostSpec, cpu_adam_s
 from sim.model import ModelSpec
 from sim.network import ring_bytes_per_rank

@@ -1,4 +1,4 @@
-"""torch's context-parallel ring attention under torchtitan (sim/frameworks/torchtitan_cp.py)
+"""torch's context-parallel ring attention under torchtitan (sim/frameworks/fsdp2/cp.py)
 against closed forms from ``torch/distributed/tensor/experimental/_attention.py``:
 the attention calls of each step and their shapes, the work balance of load balancing, the
 bytes each exchange moves, and where the exchanges are waited for."""
@@ -10,7 +10,7 @@ import pytest
 from sim import catalog
 from sim.compute import ComputeModel
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.torchtitan_cp import (
+from sim.frameworks.fsdp2.cp import (
     FULL_Q,
     HALF_Q,
     ring_step_segments,

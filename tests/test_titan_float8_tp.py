@@ -1,11 +1,11 @@
 """torchao's float8 tensor-parallel styles as torchtitan applies them
-(sim/frameworks/titan_float8.py; torchao/float8/float8_tensor_parallel.py)."""
+(sim/frameworks/fsdp2/float8.py; torchao/float8/float8_tensor_parallel.py)."""
 
 from __future__ import annotations
 
 from sim import catalog
 from sim.compute import ComputeModel
-from sim.frameworks.torchtitan_parallel import titan_blocks
+from sim.frameworks.fsdp2.tp import titan_blocks
 from sim.layer_ops import Style
 from sim.model import ModelSpec
 
@@ -72,7 +72,7 @@ def test_float8_tp_is_faster_than_bf16_tp() -> None:
 def test_tp_all_gathers_carry_float8() -> None:
     """The layer all-gathers carry 1 byte per element under float8 TP, 2 under bf16; the
     head's (bf16 output layer) stays 2."""
-    from sim.frameworks.titan_float8 import tp_all_gather_bytes_per_element as per
+    from sim.frameworks.fsdp2.float8 import tp_all_gather_bytes_per_element as per
 
     assert (per(True, "attn"), per(True, "mlp"), per(True, "head")) == (1, 1, 2)
     assert per(False, "mlp") == 2

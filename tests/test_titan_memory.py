@@ -6,7 +6,7 @@ from __future__ import annotations
 from sim import catalog
 from sim.api import simulate
 from sim.compute import ComputeModel
-from sim.frameworks.torchtitan_parallel import titan_blocks
+from sim.frameworks.fsdp2.tp import titan_blocks
 from sim.layer_ops import FP32, Style, head_block, price_block
 from sim.model import ModelSpec
 from sim.scenario import scenario_from_dict

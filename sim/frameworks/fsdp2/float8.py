@@ -1,5 +1,5 @@
 """torchao's float8 tensor-parallel plans as torchtitan applies them (used by
-:mod:`sim.frameworks.torchtitan_parallel`).
+:mod:`sim.frameworks.fsdp2.tp`).
 
 With float8 linears (tensorwise scaling) and tensor parallelism, torchtitan's ``apply_tp``
 (``torchtitan/models/llama3/infra/parallelize.py``; ``parallelize_llama.py`` in 2024-12)

@@ -1,0 +1,82 @@
+"""What the FSDP2 builder models, checked before it builds: one clear error naming the key."""
+
+from __future__ import annotations
+
+from sim.frameworks.base import JobContext
+from sim.frameworks.fsdp2.mesh import stage_layers
+from sim.scenario import Fsdp2Options
+
+
+def check(ctx: JobContext, opts: Fsdp2Options) -> None:
+    """Refuse layouts and options torchtitan (or this model of it) does not run: head and
+    width splits, torchtitan's ``ParallelDims.seq_len_divisor``, HSDP shapes, pipeline
+    schedules' micro-batch counts and stage splits, then the options that need each other."""
+    _check_layout(ctx, opts)
+    _check_options(ctx, opts)
+
+
+def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
+    s = ctx.scenario
+    p, m = s.parallelism, ctx.model
+    t, pp, cp, vp = p.tp, p.pp, p.cp, p.vp
+    ctx.require(s.training.precision in ("bf16", "fp16", "fp8"), "training.precision",
+                f"fsdp2 is modelled with 16-bit mixed precision (bf16 or fp16) or torchao "
+                f"float8 linears (fp8); {s.training.precision} is not yet")
+    ctx.require(m.heads % t == 0, "parallelism.tp",
+                f"{m.heads} attention heads do not split over tp={t}")
+    ctx.require(m.kv_heads % t == 0, "parallelism.tp",
+                f"{m.kv_heads} key/value heads do not split over tp={t} (colwise wk/wv)")
+    ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
+                f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
+    divisor = t * 2 * cp if cp > 1 else t
+    ctx.require(ctx.seq % divisor == 0, "training.seq_len",
+                f"{ctx.seq} is not a multiple of {divisor} (torchtitan ParallelDims."
+                "seq_len_divisor: tp, times 2 x cp for head-tail load balancing)")
+    dp = ctx.dp
+    shard = opts.hsdp_shard_size or dp
+    ctx.require(dp % shard == 0, "framework.hsdp_shard_size",
+                f"{shard} does not divide dp={dp}")
+    ctx.require(not (shard == 1 and cp == 1 and dp > 1), "framework.hsdp_shard_size",
+                "one shard per replica is plain replication: torchtitan applies DDP then "
+                "(framework ddp)")
+    ctx.require(vp == 1 or pp > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    mbs = ctx.micro_batches
+    if pp > 1:
+        if vp > 1:
+            ctx.require(mbs % pp == 0, "training.global_batch_size",
+                        f"Interleaved1F1B here needs the micro-batch count ({mbs}) to be a "
+                        f"multiple of pp={pp}")
+        elif opts.pipeline_schedule == "1f1b":
+            ctx.require(mbs >= pp, "training.global_batch_size",
+                        f"Schedule1F1B needs at least pp={pp} micro-batches (got {mbs})")
+    try:
+        stage_layers(m.layers, pp * vp, opts.pipeline_first_stage_less_layers,
+                     opts.pipeline_last_stage_less_layers)
+    except ValueError as exc:
+        ctx.fail("parallelism.pp", str(exc))
+
+
+def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
+    s = ctx.scenario
+    par = s.parallelism
+    t, pp, cp = par.tp, par.pp, par.cp
+    fp8 = s.training.precision == "fp8"
+    ctx.require(not opts.float8_all_gather or fp8, "framework.float8_all_gather",
+                "needs training.precision fp8 (the float8 converter)")
+    hf = opts.model_code == "huggingface"
+    if hf:
+        # Hugging Face LlamaForCausalLM wrapped per decoder layer: bf16 parameters from the
+        # MixedPrecisionPolicy, the model's eager code (sim.hf_ops). torchtitan's tensor,
+        # context and pipeline plans, its float8 converter and op-level SAC are torchtitan's.
+        ctx.require(t == 1 and cp == 1 and pp == 1, "framework.model_code",
+                    "huggingface is modelled with FSDP (and HSDP) only: tp, cp and pp must be 1")
+        ctx.require(not fp8, "framework.model_code",
+                    "huggingface is modelled with bf16 or fp16 precision, not torchao float8")
+        ctx.require(s.training.activation_checkpointing != "selective",
+                    "framework.model_code", "selective (op-level SAC) is torchtitan's")
+    ctx.require(hf or not opts.checkpoint_use_reentrant, "framework.checkpoint_use_reentrant",
+                "torchtitan's checkpoint_wrapper is non-reentrant; reentrant checkpointing "
+                "is Hugging Face's option (model_code: huggingface)")
+    ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
+                "true needs framework.compile true (torchtitan compiles the loss only when "
+                "compiling)")

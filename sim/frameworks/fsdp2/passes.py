@@ -1,0 +1,121 @@
+"""FSDP2's forward and backward of one model chunk for one micro-batch: each unit's unshard,
+compute and reshard, and its gradient reduction (or accumulation under pipelining).
+
+* Forward: each unit all-gathers its parameters on the all-gather stream, then the compute
+  stream copies them out of the flat buffer and runs the unit. Prefetch is implicit: the CPU
+  runs ahead, so unit u+1's all-gather is issued while unit u computes; it may start once the
+  all-gather of unit u-1 has been copied out (the two-deep ``AllGatherState``,
+  ``FSDPParamGroup.wait_for_unshard``). With ``reshard_after_forward`` a unit frees its
+  gathered parameters after its forward.
+* Backward: unit u's backward waits for its all-gather (issued again if resharded); when it
+  starts, the all-gather of the unit before it is prefetched (``_backward_prefetch``, one unit
+  ahead). After the unit's backward (``post_backward``) it reshards and its gradients are
+  reduced (:mod:`.reduce`) every micro-batch, or, under pipeline parallelism, accumulated
+  (:mod:`.pipeline`).
+"""
+
+from __future__ import annotations
+
+from sim.frameworks.accounting import tied_grad_sum_s
+from sim.frameworks.fsdp2.pipeline import accumulate, send
+from sim.frameworks.fsdp2.reduce import drop_reduce_scatter_state, reduce
+from sim.frameworks.fsdp2.stage import Stage
+from sim.frameworks.fsdp2.units import BlockOps
+from sim.frameworks.fsdp2.unshard import copy_out, gather
+from sim.frameworks.steps import micro_batch_ops
+from sim.layer_ops import BF16
+from sim.program import Op
+
+
+def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
+    """Forward and backward ops of each (block, layer) of micro-batch ``mb``."""
+    if mb in stage.per_mb:
+        return stage.per_mb[mb]
+    job, m, cm = stage.job, stage.job.ctx.model, stage.job.ctx.compute
+    ops_f: BlockOps
+    ops_b: BlockOps
+    if stage.titan is not None:
+        tp = stage.titan
+
+        def ops_f(k: tuple[str, int]) -> list[Op]:
+            return tp.forward(k[0], k[1], mb)
+
+        def ops_b(k: tuple[str, int]) -> list[Op]:
+            ops = tp.backward(k[0], k[1], mb)
+            # The block's bf16 weight gradients exist once its backward is done.
+            done = next(x for x in reversed(ops) if x.kind == "compute")
+            done.alloc = done.alloc + (("gradients", job.ugrad[k[0]]),)
+            return ops
+    else:
+        extra = {"embed": tied_grad_sum_s(cm, m, BF16)}
+        pops = micro_batch_ops(job.costs, m.layers, mb, job.ctx.recompute,
+                               job.style.autocast, job.ugrad, extra, job.model_flops,
+                               sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant)
+
+        def ops_f(k: tuple[str, int]) -> list[Op]:
+            return [pops.fwd_of[k]]
+
+        def ops_b(k: tuple[str, int]) -> list[Op]:
+            return [pops.bwd_of[k]]
+    stage.per_mb[mb] = (ops_f, ops_b)
+    return ops_f, ops_b
+
+
+def forward(stage: Stage, v: int, mb: int) -> None:
+    """Model chunk ``v``'s forward of micro-batch ``mb``, then its activation sent on."""
+    job = stage.job
+    fwd_ops, _ = block_ops(stage, mb)
+    copied: list[Op] = []
+    last: Op | None = None
+    for u in job.chunk_units[v]:
+        if not stage.gathered.get(u.name):
+            # Implicit prefetch: this all-gather waits for the copy-out two gathers back
+            # (the AllGatherState the previous unit's wait_for_unshard released).
+            ag = gather(stage, u, copied[-2:-1], mb, "fwd")
+            copied.append(copy_out(stage, u, ag, mb, "fwd"))
+            stage.gathered[u.name] = True
+        for k in u.keys:
+            for op in fwd_ops(k):
+                last = stage.add(op)
+        assert last is not None
+        if u.reshard_after_forward:
+            last.free = last.free + (("parameters", job.param_bytes(u)),)
+            stage.gathered[u.name] = False
+    assert last is not None
+    send(stage, "F", v, mb, last)
+
+
+def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
+    """Model chunk ``v``'s backward of micro-batch ``mb``, then its input gradient sent on."""
+    job = stage.job
+    _, bwd_ops = block_ops(stage, mb)
+    units = list(reversed(job.chunk_units[v]))
+    pending: dict[str, Op] = {}
+    if not stage.gathered.get(units[0].name):
+        pending[units[0].name] = gather(stage, units[0], [], mb, "bwd")
+    last: Op | None = None
+    for i, u in enumerate(units):
+        copied = None
+        if u.name in pending:
+            copied = copy_out(stage, u, pending.pop(u.name), mb, "bwd")
+            stage.gathered[u.name] = True
+        if i + 1 < len(units) and not stage.gathered.get(units[i + 1].name):
+            # Backward prefetch: the previous unit's all-gather is issued as this unit's
+            # backward begins.
+            nxt = units[i + 1]
+            pending[nxt.name] = gather(stage, nxt, [copied] if copied else [], mb, "bwd")
+        for k in reversed(u.keys):
+            for op in bwd_ops(k):
+                last = stage.add(op)
+        assert last is not None
+        if job.pp == 1:
+            # Reshard after backward, then reduce (every micro-batch).
+            last.free = last.free + (("parameters", job.param_bytes(u)),)
+            stage.gathered[u.name] = False
+            reduce(stage, u, u.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)
+        else:
+            accumulate(stage, u, mb, first_of_step)
+    assert last is not None
+    if job.pp == 1:
+        drop_reduce_scatter_state(stage, mb)      # finalize_backward
+    send(stage, "B", v, mb, last)

@@ -1,0 +1,75 @@
+"""The state of one pipeline stage's step (the whole job without pipeline parallelism) while
+its ops are issued, and the few helpers every part of the builder uses on it.
+
+The FSDP2 builder is split by what each part of ``torch/distributed/fsdp/_fully_shard/`` does
+(:mod:`.unshard`, :mod:`.reduce`, :mod:`.offload`), by pipeline composition
+(:mod:`.pipeline`), and by pass (:mod:`.passes`, :mod:`.step`); each is a set of functions of
+one :class:`Stage`, which holds all the state they share.
+"""
+
+from __future__ import annotations
+
+from sim.frameworks.fsdp2.tp_pass import Comms, TitanPass
+from sim.frameworks.fsdp2.units import BlockOps, Job
+from sim.program import Op, Program, RankClass
+
+
+class Stage:
+    """One pipeline stage's step (the whole job without pipeline parallelism): the rank class
+    it fills, its process groups, and the FSDP state that carries from one op to the next."""
+
+    def __init__(self, job: Job, program: Program, cls: RankClass, st: int) -> None:
+        self.job = job
+        self.program = program
+        self.cls = cls
+        self.st = st
+        mesh = job.mesh
+        self.shard_groups = mesh.shard_groups(st)
+        self.rep_groups = mesh.replicate_groups(st)
+        # Built once per stage: every tensor- and context-parallel op names these groups.
+        self.tp_groups = mesh.tp_groups(st)
+        self.cp_groups = mesh.cp_groups(st)
+        self.cp_ring_pairs = mesh.cp_ring_pairs(st)
+        self._keys = 0
+        self.gathered: dict[str, bool] = {}
+        self.last_rs: Op | None = None          # ReduceScatterState: one input buffer
+        self.rs_held = 0.0                      # ... its bytes, until the state is dropped
+        self.last_ar: dict[str, Op] = {}        # each unit's _all_reduce_state
+        self.reduces: list[Op] = []
+        self.offloads: list[Op] = []
+        self.accumulated: dict[str, float] = {}
+        self.sent: list[Op] = []
+        self.fwd_sent: list[Op] = []
+        self.per_mb: dict[int, tuple[BlockOps, BlockOps]] = {}
+        tb = job.titan
+        self.titan = TitanPass(tb, Comms(self.tp_op, self.cp_gather, self.cp_shift),
+                               job.ctx.recompute) if tb is not None else None
+
+    def key(self, prefix: str) -> str:
+        """A collective's key, unique in the program."""
+        self._keys += 1
+        return f"fsdp2/{self.st}/{prefix}#{self._keys}"
+
+    def add(self, op: Op) -> Op:
+        """Issue ``op`` on this stage's rank class."""
+        return self.program.add(self.cls, op)
+
+    def tp_op(self, kind: str, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
+        """A tensor-parallel collective, on the compute stream (DTensor waits for it)."""
+        groups = self.tp_groups
+        return Op(name=name, kind="collective", stream="compute", phase="comm",
+                  collective=kind, group=groups[0], groups=groups, nbytes=nbytes,  # type: ignore[arg-type]
+                  key=self.key("tp"), category=kind, micro_batch=mb, layer=layer)
+
+    def cp_gather(self, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
+        """A context-parallel all-gather of keys and values."""
+        groups = self.cp_groups
+        return Op(name=name, kind="collective", stream="cp", phase="comm",
+                  collective="all_gather", group=groups[0], groups=groups, nbytes=nbytes,
+                  key=self.key("cp"), category="all_gather", micro_batch=mb, layer=layer)
+
+    def cp_shift(self, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
+        """One shift of the context-parallel ring (each rank to the next)."""
+        return Op(name=name, kind="send", stream="cp", phase="comm",
+                  pairs=self.cp_ring_pairs, nbytes=nbytes,
+                  key=self.key("cp-shift"), category="send_recv", micro_batch=mb, layer=layer)

@@ -1,0 +1,72 @@
+"""One pipeline stage's whole step (the whole job without pipeline parallelism): its forward
+and backward passes in schedule order, the pipeline's gradient reduction after each chunk's
+last backward, and the optimizer.
+
+The optimizer waits for every reduce, then AdamW steps the local shard (on the CPU with
+offload, :mod:`.offload`). Gradient accumulation (torchtitan's train loop) reduce-scatters
+every micro-batch without pipelining.
+"""
+
+from __future__ import annotations
+
+from sim.frameworks.fsdp2.offload import cpu_optimizer_step
+from sim.frameworks.fsdp2.passes import backward, forward
+from sim.frameworks.fsdp2.pipeline import reduce_grad, step_order
+from sim.frameworks.fsdp2.stage import Stage
+from sim.layer_ops import FP32
+from sim.program import Op
+
+
+def build_stage(stage: Stage) -> None:
+    """Issue every op of the stage's step into its rank class."""
+    job = stage.job
+    pp, st = job.pp, stage.st
+    sched = job.schedule
+    backwards: dict[int, int] = {}
+    for kind, chunk, mb in step_order(job, st):
+        v = chunk * pp + st
+        start = len(stage.program.ops)
+        waits: list[Op] = []
+        if sched == "1f1b" and stage.sent:
+            # Schedule1F1B batches the previous unit's send with this unit's receive and
+            # waits for both before computing.
+            waits.append(stage.sent[-1])
+        if sched == "gpipe" and kind == "B" and backwards.get(v, 0) == 0:
+            waits += stage.fwd_sent        # all forward sends are waited for first
+        if kind == "F":
+            forward(stage, v, mb)
+        else:
+            backward(stage, v, mb, first_of_step=backwards.get(v, 0) == 0)
+            backwards[v] = backwards.get(v, 0) + 1
+            if pp > 1 and backwards[v] == job.n_mb:
+                # Single-stage schedules reduce once they have waited for their backward
+                # sends (Schedule1F1B the last, ScheduleGPipe all); the interleaved
+                # runtime right after the chunk's last backward (_add_reduce_grad).
+                bwd_sent = [o for o in stage.sent if o not in stage.fwd_sent]
+                reduce_grad(stage, v, mb, bwd_sent[-1:] if sched == "1f1b"
+                            else bwd_sent if sched == "gpipe" else [])
+        first = next((o for o in stage.program.ops[start:] if o.stream == "compute"), None)
+        if first is not None:
+            job.first_compute[(kind, v, mb)] = first
+            if waits:
+                first.deps = list(first.deps) + waits
+    optimizer(stage)
+
+
+def optimizer(stage: Stage) -> None:
+    """AdamW on the local shard once every reduce (and HSDP all-reduce) is done."""
+    job = stage.job
+    m = job.ctx.model
+    local = job.stage_params[stage.st] / job.n_shard
+    last = [o for o in (stage.last_rs, *stage.last_ar.values()) if o is not None]
+    if job.host is not None:
+        cpu_optimizer_step(stage, last, local)
+        return
+    fused = job.ctx.scenario.training.optimizer == "adamw_fused"
+    # torch.optim.adamw._multi_tensor_adamw (foreach; torchtitan 9dec370's default,
+    # foreach = not fused) allocates exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs):
+    # one fp32 tensor per parameter shard, all at once; the fused kernel allocates none.
+    stage.add(Op(name="optimizer step (AdamW, local shard)", kind="compute",
+                 stream="compute", phase="optimizer", deps=last,
+                 duration=job.ctx.compute.adamw_time(local, fused, len(m.parameter_tensors())),
+                 transient=0.0 if fused else FP32 * local, category="optimizer"))

@@ -1,0 +1,333 @@
+"""The ops of one micro-batch's blocks under torchtitan's tensor and context parallelism: each
+segment of :mod:`.tp` as a compute op, with the tensor-parallel collectives between them and
+context parallelism's key/value ring (:mod:`.cp`) around the attention steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sim.frameworks.fsdp2.float8 import tp_all_gather_bytes_per_element
+from sim.frameworks.fsdp2.tp import TitanBlocks
+from sim.frameworks.steps import ordered_forward_allocs
+from sim.layer_ops import BF16, FP32
+from sim.program import Op, Phase
+
+# ---------------------------------------------------------------------- ops of a pass
+
+
+@dataclass
+class Comms:
+    """How the builder makes the collectives of one pipeline stage (rank class)."""
+
+    tp: Callable[[str, float, str, int, int | None], Op]
+    """(collective, nbytes, name, micro-batch, layer) -> a tensor-parallel collective on the
+    compute stream."""
+    cp_gather: Callable[[float, str, int, int | None], Op]
+    """(nbytes, name, micro-batch, layer) -> a context-parallel all-gather on its stream."""
+    cp_shift: Callable[[float, str, int, int | None], Op]
+    """(bytes per rank, name, micro-batch, layer) -> the ring shift (each rank to the next)."""
+
+
+class TitanPass:
+    """Compute and collective ops of the blocks of one micro-batch under torchtitan's TP/CP.
+
+    :meth:`forward` and :meth:`backward` return, for one block (embed, attn, mlp, head) of
+    one layer, its ops in issue order. Memory effects follow :mod:`sim.frameworks.steps`:
+    forward allocates what autograd saves, backward frees it and allocates the bf16 weight
+    gradients (``grad_alloc``); with ``recompute`` a layer keeps only its input and the
+    backward of its MLP block starts by recomputing the whole layer, collectives included
+    (torchtitan's full activation checkpointing wraps each TransformerBlock). With the
+    blocks' ``sac`` (op-level selective checkpointing) a layer keeps its input, the outputs
+    the policy saves and its reduce-scatters' outputs, and its backward starts by re-running
+    the rest and the tensor-parallel all-gathers (:func:`layer_sac_costs`).
+    """
+
+    def __init__(self, tb: TitanBlocks, comms: Comms, recompute: bool) -> None:
+        self.tb = tb
+        self.c = comms
+        self.sac = tb.sac
+        self.recompute = recompute and tb.sac is None
+        self._scoped = 0.0
+
+    # ------------------------------------------------------------------ helpers
+    def _seg(self, key: str, label: str, mb: int, layer: int | None, phase: Phase,
+             backward: bool, alloc_saved: bool = True) -> Op:
+        c = self.tb.cost[key]
+        blk = self.tb.seg[key]
+        if backward:
+            free = (("activations", c.saved_bytes),) if c.saved_bytes else ()
+            return Op(name=f"bwd {label} mb{mb}", kind="compute", stream="compute",
+                      phase=phase, duration=c.bwd_s, free=free,
+                      transient=c.bwd_transient_bytes,
+                      transient_parts=c.bwd_transient_parts, layer=layer, micro_batch=mb,
+                      hw_flops=blk.flops_bwd, category="backward")
+        allocs: list[tuple[str, float]] = []
+        transient = c.fwd_transient_bytes
+        ordered = ordered_forward_allocs(c) if alloc_saved and phase == "fwd" else None
+        if ordered is not None:
+            self._scoped += c.forward_scoped_bytes
+            return Op(name=f"fwd {label} mb{mb}", kind="compute", stream="compute",
+                      phase=phase, duration=c.fwd_s, alloc=ordered[0], free=ordered[1],
+                      layer=layer, micro_batch=mb, hw_flops=blk.flops_fwd,
+                      category="forward")
+        if alloc_saved and c.saved_bytes:
+            allocs.append(("activations", c.saved_bytes))
+        parts = c.fwd_transient_parts
+        if not alloc_saved:
+            transient = c.fwd_transient_unsaved_bytes
+            parts = c.fwd_transient_unsaved_parts
+        if c.forward_scoped_bytes and phase == "fwd":
+            allocs.append(("buffers", c.forward_scoped_bytes))
+            self._scoped += c.forward_scoped_bytes
+        return Op(name=f"{'fwd' if phase == 'fwd' else phase} {label} mb{mb}",
+                  kind="compute", stream="compute", phase=phase, duration=c.fwd_s,
+                  alloc=tuple(allocs), transient=transient, transient_parts=parts,
+                  layer=layer, micro_batch=mb,
+                  hw_flops=blk.flops_fwd,
+                  category="forward" if phase == "fwd" else "recompute")
+
+    def _gathered(self, what: str = "") -> float:
+        """Bytes of a tensor-parallel all-gather's output (or reduce-scatter's input) of
+        ``what``: float8 for a layer's all-gathers under float8 TP, else bf16."""
+        per = BF16 if not what else tp_all_gather_bytes_per_element(self.tb.fp8_tp, what)
+        return float(self.tb.tokens * self.tb.hidden * per)
+
+    def _rs_out(self) -> float:
+        return float(self.tb.local_tokens * self.tb.hidden * BF16)
+
+    def _free_rs_out(self, op: Op) -> None:
+        # The saved reduce-scatter output goes with the residual add's backward.
+        if self.sac is not None and self.tb.tp > 1:
+            op.free = op.free + (("activations", self._rs_out()),)
+
+    def _sac_recompute(self, layer: int, mb: int) -> list[Op]:
+        """Before a layer's backward: re-run, in forward order, what the selective policy did
+        not save, with the tensor-parallel all-gathers feeding the re-run matmuls; each
+        segment re-creates the tensors autograd holds for its backward beyond the saved ones
+        (the layer input stays held from the forward)."""
+        tb, sac = self.tb, self.sac
+        assert sac is not None
+        ops: list[Op] = []
+        for key in tb.layer_segments():
+            if key in ("attn_main", "attn_qkv", "mlp_main") and tb.tp > 1:
+                what = "attn" if key.startswith("attn") else "mlp"
+                ops.append(self.c.tp("all_gather", self._gathered(what),
+                                     f"tp all_gather {what} (recompute) L{layer} mb{mb}",
+                                     mb, layer))
+            c = tb.cost[key]
+            regen = c.saved_bytes - sac[key].cached_bytes
+            if key == "attn_norm":
+                regen -= c.input_saved_bytes
+            regen = max(0.0, regen)
+            if sac[key].recompute_s <= 0 and regen <= 0:
+                continue
+            ops.append(Op(name=f"recompute {key} L{layer} mb{mb}", kind="compute",
+                          stream="compute", phase="recompute", duration=sac[key].recompute_s,
+                          alloc=(("activations", regen),) if regen else (),
+                          transient=c.fwd_transient_unsaved_bytes, layer=layer,
+                          micro_batch=mb, hw_flops=sac[key].recompute_flops,
+                          category="recompute"))
+        return ops
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, block: str, layer: int, mb: int, phase: Phase = "fwd") -> list[Op]:
+        tp, lay = self.tb.tp, (layer if layer >= 0 else None)
+        layered = block in ("attn", "mlp")
+        sac = self.sac if layered and phase == "fwd" else None
+        ckpt = (self.recompute or sac is not None) and layered and phase == "fwd"
+        ops: list[Op] = []
+
+        def seg(key: str, saved: bool = True) -> Op:
+            lbl = f"{key}{'' if lay is None else f' L{layer}'}"
+            op = self._seg(key, lbl, mb, lay, phase, backward=False,
+                           alloc_saved=saved and not ckpt)
+            if sac is not None and sac[key].cached_bytes:
+                op.alloc = op.alloc + (("activations", sac[key].cached_bytes),)
+            ops.append(op)
+            return op
+
+        def tp_comm(kind: str, what: str) -> None:
+            if tp > 1:
+                nbytes = self._gathered(what if kind == "all_gather" else "")
+                op = self.c.tp(kind, nbytes, f"tp {kind} {what}"
+                               f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay)
+                if sac is not None and kind == "reduce_scatter":
+                    # The policy saves reduce-scatter outputs (the local tokens' branch).
+                    op.alloc = (("activations", self._rs_out()),)
+                ops.append(op)
+
+        if block == "embed":
+            seg("embed")
+            tp_comm("reduce_scatter", "embed")
+        elif block == "head":
+            seg("head_norm")
+            tp_comm("all_gather", "head")
+            seg("head_main")
+            if tp > 1:
+                # Loss parallelism: all-reduces of the per-token max, sum of exponentials and
+                # target logit over the vocabulary shards (torch loss_parallel).
+                for what in ("max", "sumexp", "target"):
+                    ops.append(self.c.tp("all_reduce", float(self.tb.tokens * FP32),
+                                         f"tp all_reduce loss {what} mb{mb}", mb, None))
+            if phase == "fwd" and self._scoped:
+                # The forward returns after the loss: the logits are released.
+                ops[-1].free = ops[-1].free + (("buffers", self._scoped),)
+                self._scoped = 0.0
+        elif block == "attn":
+            first = seg("attn_norm")
+            if ckpt:
+                c = self.tb.cost["attn_norm"]
+                first.alloc = first.alloc + (("activations", c.input_saved_bytes),)
+            tp_comm("all_gather", "attn")
+            if self.tb.cp == 1:
+                seg("attn_main")
+            else:
+                self._ring_forward(ops, seg, mb, lay)
+            tp_comm("reduce_scatter", "attn")
+            seg("attn_resid")
+        else:
+            seg("mlp_norm")
+            tp_comm("all_gather", "mlp")
+            seg("mlp_main")
+            tp_comm("reduce_scatter", "mlp")
+            seg("mlp_resid")
+        if phase == "recompute" and block == "attn":
+            # The layer input is still held from the forward: recompute re-saves the rest.
+            c = self.tb.cost["attn_norm"]
+            op = ops[0]
+            op.alloc = tuple((k, v - c.input_saved_bytes) if k == "activations" else (k, v)
+                             for k, v in op.alloc)
+        return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
+
+    def _ring_forward(self, ops: list[Op], seg: Callable[..., Op], mb: int,
+                      lay: int | None) -> None:
+        seg("attn_qkv")
+        self._kv_ring(ops, mb, lay, ops[-1].phase, lambda i: seg(f"attn_ring{i}"))
+        seg("attn_o")
+
+    def _kv_ring(self, ops: list[Op], mb: int, lay: int | None, phase: Phase,
+                 step: Callable[[int], Op]) -> None:
+        """The key/value exchanges of one ring pass around its cp steps (``step(i)`` appends
+        step i's ops and returns the one that needs the keys), as ``_templated_ring_attention
+        [_backward]`` issues them: the concatenation and first exchange before step 0; for
+        1 <= i < cp-1 a concatenation (dead with the all-gather rotater: eager runs it,
+        inductor drops it) and, all-to-all, the next shift. Eager, step i waits for the keys
+        it uses; compiled, also for the exchange issued in it (:mod:`.cp`)."""
+        tb, cp = self.tb, self.tb.cp
+        tag = " (bwd)" if phase == "bwd" else ""
+        where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        ops.append(self._cat(mb, lay, phase))
+        if tb.rotate == "allgather":
+            first = self.c.cp_gather(tb.kv_bytes * cp, f"cp all_gather K/V{tag}{where}", mb,
+                                     lay)
+        else:
+            first = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V 0{tag}{where}", mb, lay)
+        first.deps = [ops[-1]]
+        ops.append(first)
+        arrived = first
+        for i in range(cp):
+            issued: Op | None = first if i == 0 else None
+            if 0 < i < cp - 1:
+                cat = self._cat(mb, lay, phase)
+                if tb.rotate == "alltoall":
+                    cat.deps = [arrived]
+                    ops.append(cat)
+                    issued = self.c.cp_shift(tb.kv_bytes, f"cp shift K/V {i}{tag}{where}", mb,
+                                             lay)
+                    issued.deps = [cat]
+                    ops.append(issued)
+                elif not tb.compiled:
+                    ops.append(cat)
+            op = step(i)
+            deps = [arrived] if i > 0 else []
+            if tb.compiled and issued is not None:
+                deps.append(issued)
+            op.deps = op.deps + deps
+            if i > 0 and issued is not None:
+                arrived = issued
+
+    def _cat(self, mb: int, lay: int | None, phase: Phase) -> Op:
+        c = self.tb.cost["attn_kv_cat"]
+        return Op(name=f"cp cat K/V{'' if lay is None else f' L{lay}'} mb{mb}", kind="compute",
+                  stream="compute", phase=phase, duration=c.fwd_s, layer=lay, micro_batch=mb,
+                  category="forward" if phase == "fwd" else "backward")
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, block: str, layer: int, mb: int) -> list[Op]:
+        tp, lay = self.tb.tp, (layer if layer >= 0 else None)
+        ops: list[Op] = []
+        if block == "mlp" and self.recompute:
+            ops += self.forward("attn", layer, mb, phase="recompute")
+            ops += self.forward("mlp", layer, mb, phase="recompute")
+        elif block == "mlp" and self.sac is not None:
+            ops += self._sac_recompute(layer, mb)
+
+        def seg(key: str) -> Op:
+            lbl = f"{key}{'' if lay is None else f' L{layer}'}"
+            op = self._seg(key, lbl, mb, lay, "bwd", backward=True)
+            ops.append(op)
+            return op
+
+        def tp_comm(kind: str, what: str) -> None:
+            if tp > 1:
+                nbytes = self._gathered(what if kind == "all_gather" else "")
+                ops.append(self.c.tp(kind, nbytes, f"tp {kind} grad {what}"
+                                     f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay))
+
+        if block == "head":
+            seg("head_main")
+            tp_comm("reduce_scatter", "head")
+            seg("head_norm")
+        elif block == "embed":
+            tp_comm("all_gather", "embed")
+            seg("embed")
+        elif block == "mlp":
+            self._free_rs_out(seg("mlp_resid"))
+            tp_comm("all_gather", "mlp")
+            seg("mlp_main")
+            tp_comm("reduce_scatter", "mlp")
+            seg("mlp_norm")
+        else:
+            self._free_rs_out(seg("attn_resid"))
+            tp_comm("all_gather", "attn")
+            if self.tb.cp == 1:
+                seg("attn_main")
+            else:
+                self._ring_backward(ops, seg, mb, lay)
+                seg("attn_qkv")
+            tp_comm("reduce_scatter", "attn")
+            seg("attn_norm")
+        return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
+
+    def _ring_backward(self, ops: list[Op], seg: Callable[[str], Op], mb: int,
+                       lay: int | None) -> None:
+        tb = self.tb
+        where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        seg("attn_o")
+        dkv: list[Op] = []
+        grad_kv_bytes = 2.0 * tb.kv_bytes     # fp32 gradients of the local keys and values
+
+        def step(i: int) -> Op:
+            op = seg(f"attn_ring{i}_bwd")
+            if tb.compiled and dkv:
+                op.deps = [dkv[-1]]           # compiled: the last shift was waited for at once
+            op.transient += tb.attn_acc_bytes
+            # The ring's saved tensors (local q, k, v, lse) are freed with the whole node.
+            op.free = ()
+            acc = seg(f"attn_ring{i}_acc")
+            if dkv:
+                acc.deps = [dkv[-1]]
+            acc.transient += tb.attn_acc_bytes
+            shift = self.c.cp_shift(grad_kv_bytes, f"cp shift dK/dV {i}{where}", mb, lay)
+            shift.deps = [acc]
+            ops.append(shift)
+            dkv.append(shift)
+            return op
+
+        self._kv_ring(ops, mb, lay, "bwd", step)
+        final = seg("attn_ring_final")
+        final.deps = dkv[-1:]
+        saved = sum(tb.cost[f"attn_ring{i}"].saved_bytes for i in range(tb.cp))
+        final.free = (("activations", saved),)

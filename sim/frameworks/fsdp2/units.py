@@ -1,0 +1,132 @@
+"""FSDP2's ``fully_shard`` units and what every pipeline stage of one step shares.
+
+Units (torchtitan ``apply_fsdp``, ``torchtitan/models/llama3/infra/parallelize.py``; now
+``torchtitan/distributed/fsdp.py``, ``apply_fsdp_to_decoder``): the token embedding, each
+transformer block, and the final norm with the output projection; the root wraps them and owns
+no parameters of its own here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sim.frameworks.base import JobContext
+from sim.frameworks.fsdp2.mesh import Mesh
+from sim.frameworks.fsdp2.tp import TitanBlocks
+from sim.host import HostSpec
+from sim.layer_ops import BlockCost, SacCost, Style
+from sim.program import Op
+from sim.scenario import Fsdp2Options
+
+AG, RS = "all-gather", "reduce-scatter"
+
+
+@dataclass
+class Unit:
+    """One ``fully_shard`` unit of one pipeline model chunk."""
+
+    name: str
+    numel: int
+    """Parameters on this tensor-parallel rank, unsharded."""
+    keys: list[tuple[str, int]]
+    """(block, layer) it covers, in forward order."""
+    reshard_after_forward: bool
+    grad_bytes: float
+    """bf16 gradients its backward produces (autograd's unsharded .grad)."""
+    partial_grads: int = 0
+    """Tensor parallelism: replicated (SequenceParallel norm) weights whose gradients come out
+    Partial and are all-reduced over the tensor-parallel group before the reduce
+    (``FSDPParam._get_grad_inner_tensor`` redistributes them to the parameter's Replicate)."""
+
+
+def reshard_blocks(opts: Fsdp2Options, pp: int) -> bool:
+    """Whether the embedding and blocks reshard after forward: the scenario's boolean when
+    given, else torchtitan's "default" policy (not with pipeline parallelism)."""
+    if "reshard_after_forward" in opts.model_fields_set:
+        return opts.reshard_after_forward
+    return pp == 1
+
+
+def chunk_units(chunk_layers: list[list[int]], numel: dict[str, int], ugrad: dict[str, float],
+                layer_raf: bool, tp: int) -> list[list[Unit]]:
+    """The units of every pipeline model chunk, in forward order: the embedding on the first,
+    one per layer, norm + output on the last (all on one chunk without pipelining)."""
+    n_virtual = len(chunk_layers)
+
+    def units_of(v: int) -> list[Unit]:
+        out: list[Unit] = []
+        if v == 0:
+            out.append(Unit("embed", numel["embed"], [("embed", -1)], layer_raf,
+                            ugrad["embed"]))
+        for layer in chunk_layers[v]:
+            out.append(Unit(f"L{layer}", numel["attn"] + numel["mlp"],
+                            [("attn", layer), ("mlp", layer)], layer_raf,
+                            ugrad["attn"] + ugrad["mlp"], partial_grads=2 if tp > 1 else 0))
+        if v == n_virtual - 1:
+            # torchtitan does not reshard norm + output after forward: backward needs them
+            # right away.
+            out.append(Unit("head", numel["head"], [("head", -1)], False,
+                            ugrad["head"], partial_grads=1 if tp > 1 else 0))
+        return out
+
+    return [units_of(v) for v in range(n_virtual)]
+
+
+BlockOps = Callable[[tuple[str, int]], list[Op]]
+"""The ops of one (block, layer) of one micro-batch, forward or backward."""
+
+
+@dataclass
+class Job:
+    """What every pipeline stage of the step shares."""
+
+    ctx: JobContext
+    opts: Fsdp2Options
+    mesh: Mesh
+    style: Style
+    n_mb: int
+    n_shard: int
+    """FSDP world size: dp_shard x cp."""
+    pbytes: int
+    rbytes: int
+    costs: dict[str, BlockCost]
+    titan: TitanBlocks | None
+    chunk_units: list[list[Unit]]
+    ugrad: dict[str, float]
+    model_flops: dict[str, tuple[float, float]]
+    p2p_bytes: float
+    stage_params: list[int]
+    host: HostSpec | None
+    sac: dict[str, SacCost] | None = None
+    """torchtitan's op-level selective checkpointing of each layer (``selective``)."""
+    sends: dict[tuple[str, int, int], Op] = field(default_factory=dict)
+    first_compute: dict[tuple[str, int, int], Op] = field(default_factory=dict)
+    """The first compute-stream op of each (F|B, virtual stage, micro-batch)."""
+
+    @property
+    def pp(self) -> int:
+        return self.mesh.pp
+
+    def param_bytes(self, u: Unit) -> float:
+        """Bytes of a unit's unsharded parameters as gathered: with FSDP2's float8 all-gather
+        (torchao ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``) a transformer
+        block's shards are cast to E4M3 before the gather, 1 byte per parameter (its norm
+        weights, a few thousandths of it, counted alike); embedding and output stay 16-bit."""
+        if self.style.float8_weights and u.name.startswith("L"):
+            return float(u.numel)
+        return float(self.pbytes * u.numel)
+
+    @property
+    def vp(self) -> int:
+        return self.ctx.scenario.parallelism.vp
+
+    @property
+    def n_virtual(self) -> int:
+        return self.pp * self.vp
+
+    @property
+    def schedule(self) -> str:
+        if self.pp == 1:
+            return "none"
+        return "interleaved 1f1b" if self.vp > 1 else self.opts.pipeline_schedule
