@@ -44,7 +44,7 @@ class Kernel:
     load balancing); 0 = the same sequence, causal."""
     attn_block: tuple[int, int] | None = None
     """(queries, keys) of one non-causal block (a step of torch's ring attention,
-    :mod:`sim.frameworks.torchtitan_cp`); the kernel runs exactly that rectangle."""
+    :mod:`sim.frameworks.fsdp2.cp`); the kernel runs exactly that rectangle."""
     activation_elements: float = 0.0
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
     fp8: bool = False

@@ -11,8 +11,8 @@
    some combinations only (``parallelism.tp=2`` with ``framework.name=ddp``, which fsdp2
    takes) makes those variants failed rows: a sweep does not die for one illegal
    combination. The same holds for what only the framework builders check (tp not dividing
-   the heads: ``sim/frameworks/fsdp2.py``, ``megatron.py``; micro-batches not dividing the
-   global batch).
+   the heads: ``sim/frameworks/fsdp2/checks.py``, ``megatron_shape.py``; micro-batches not
+   dividing the global batch).
 3. **Look up the cache**: a variant whose fully resolved scenario (topology merged, defaults
    filled), simulator version and source, and step count were simulated before is served
    from disk (:class:`SweepCache`).
