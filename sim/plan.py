@@ -61,8 +61,7 @@ from sim.executor import (
     type_and_message,
 )
 from sim.frameworks import registry
-from sim.frameworks.registry import SearchSpace
-from sim.frameworks.search_spaces import SearchPoint
+from sim.frameworks.registry import SearchPoint, SearchSpace
 from sim.host_clock import host_issues, issue_order, issue_time
 from sim.scenario import (
     Scenario,

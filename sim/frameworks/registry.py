@@ -33,6 +33,10 @@ from sim.frameworks.base import Builder, JobContext
 from sim.frameworks.search_spaces import Options, SearchPoint
 from sim.program import Program
 
+__all__ = ["FrameworkEntry", "Options", "SearchPoint", "SearchSpace", "StageSplit",
+           "build_program", "framework", "frameworks", "names", "register_framework",
+           "searchable", "unregister_framework"]
+
 StageSplit = Callable[[int, int, int, Mapping[str, Any]], list[list[int]]]
 """``(layers, pp, vp, options) -> layers of each of the pp x vp chunks`` (chunk v on stage
 v % pp); raises ValueError when the framework cannot split them so."""
