@@ -22,7 +22,7 @@ from sim.claims import judge
 from sim.collectives.runner import NcclSettings
 from sim.cost import cost_summary, resolve_pricing
 from sim.engine import Engine
-from sim.frameworks import JobContext, build_program
+from sim.frameworks import JobContext, build_program, framework
 from sim.host import HostSpec
 from sim.memory_overheads import overheads
 from sim.metrics import bytes_by_class, memory_summary, step_times
@@ -31,10 +31,6 @@ from sim.recorder import Recorder
 from sim.scenario import Scenario
 from sim.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
 from sim.topology.routing import ROUTING_BY_TRANSPORT
-
-EXPANDABLE_SEGMENTS_BY_DEFAULT = ("fsdp2",)
-"""Frameworks whose launcher turns on the allocator's expandable segments: torchtitan's
-``run_train.sh`` exports ``PYTORCH_ALLOC_CONF="expandable_segments:True"``."""
 
 
 @dataclass
@@ -108,10 +104,11 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
              for c in program.classes}
     # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's
-    # buffers are there before it.
+    # buffers are there before it. The default is the framework's launcher's (its registry
+    # entry: torchtitan's run_train.sh turns expandable segments on).
     expandable = scenario.allocator.expandable_segments
     if expandable is None:
-        expandable = scenario.framework.name in EXPANDABLE_SEGMENTS_BY_DEFAULT
+        expandable = framework(scenario.framework.name).expandable_segments
     recorder = Recorder(keep_link_series=keep_link_series, allocator_capacity={
         k: ctx.gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()},
         expandable_segments=expandable)
@@ -189,8 +186,11 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
     if s.claims is not None:
         states = sum(v for k, v in program.classes[0].initial_memory.items()
                      if k in ("parameters", "optimizer", "gradients"))
-        if s.framework.name == "ddp" and "gradients" not in program.classes[0].initial_memory:
-            states += 4.0 * ctx.model.total_params   # fp32 gradients exist during the step
+        # Gradients some frameworks allocate during the step only (DDP's fp32 .grad): they
+        # are model state too.
+        transient = framework(s.framework.name).step_gradient_bytes_per_param
+        if transient and "gradients" not in program.classes[0].initial_memory:
+            states += transient * ctx.model.total_params
         summary["claims"] = judge(s.claims, summary, ctx.gpu, s.training.precision,
                                   ctx.model.model_flops_per_token(ctx.seq), states,
                                   scenario=s)

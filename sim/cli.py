@@ -74,6 +74,8 @@ def run(
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of a scenario file."""
+    import sim.frameworks  # noqa: F401  (the registry: its frameworks make the schema's union)
+
     print(json.dumps(json_schema(), indent=2))
 
 
@@ -369,6 +371,7 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
     """Write every output into a temporary folder first, then move it in place, so a failed
     run leaves nothing half-written."""
     from sim import export, plot
+    from sim.frameworks import framework
 
     out = out.expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -383,8 +386,9 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
                            scenario=result.summary["scenario"])
         if hta is not None:
             sc = result.scenario
-            reduce32 = getattr(sc.framework, "reduce_dtype", None) == "fp32" or \
-                getattr(sc.framework, "grad_reduce_in_fp32", None) is True
+            # Gradient collectives' dtype: fp32 if the framework's options say so (its
+            # registry entry knows which option), else the training precision's.
+            reduce32 = framework(sc.framework.name).grad_reduce_fp32(sc.framework)
             export.write_hta_traces(
                 tmp / "hta", rec, result.program, gpus_per_node=sc.cluster.gpus_per_node,
                 gpu=result.context.gpu,

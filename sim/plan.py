@@ -60,9 +60,10 @@ from sim.executor import (
     simulate_in_order,
     type_and_message,
 )
+from sim.frameworks import registry
+from sim.frameworks.registry import SearchPoint, SearchSpace
 from sim.host_clock import host_issues, issue_order, issue_time
 from sim.scenario import (
-    FRAMEWORK_NAMES,
     Scenario,
     ScenarioError,
     load_scenario,
@@ -130,8 +131,10 @@ class Layout:
         # al., "Reducing Activation Recomputation in Large Transformer Models", 2022: the
         # norms' and dropouts' activations split t ways for the same bytes moved, an
         # all-reduce becoming a reduce-scatter plus an all-gather). torchtitan's tensor
-        # parallelism always shards the sequence (the flag is Megatron's only).
-        return self.framework == "megatron" and self.tp > 1
+        # parallelism always shards the sequence (the flag is Megatron's only): the
+        # registry entry's search space says which framework sets it.
+        space = _space(self.framework)
+        return space is not None and space.sequence_parallel and self.tp > 1
 
     def label(self) -> str:
         """A short name: ``megatron tp8 pp4 vp2 dp2 mbs1 selective``.
@@ -199,23 +202,15 @@ def step_sequences(base: Scenario) -> int:
     return t.global_batch_size or t.micro_batch_size * base.dp
 
 
-def _megatron_split(layers: int, pp: int, vp: int) -> tuple[tuple[str, Any], ...] | None:
-    """Megatron's pipeline split options for ``pp x vp`` chunks: an even split of the
-    layers, else the embedding and/or the loss counted as a layer
-    (``account_for_embedding_in_pipeline_split`` / ``..._loss_...``, as NeMo's Llama 3.1 405B
-    recipe splits 126 layers over 8 x 8 chunks); None when no split is even."""
-    n = pp * vp
-    if layers % n == 0:
-        return ()
-    for emb, loss in ((True, True), (True, False), (False, True)):
-        extra = int(emb) + int(loss)
-        if (layers + extra) % n == 0 and (layers + extra) // n > 1:
-            return (("account_for_embedding_in_pipeline_split", emb),
-                    ("account_for_loss_in_pipeline_split", loss))
-    return None
+def _space(framework: str) -> SearchSpace | None:
+    """The planner's search space of ``framework`` (its registry entry's), if any."""
+    try:
+        return registry.framework(framework).search
+    except KeyError:
+        return None
 
 
-def _vp_values(layers: int, pp: int, framework: str) -> list[int]:
+def _vp_values(layers: int, pp: int, space: SearchSpace) -> list[int]:
     """Interleaving degrees worth building for ``pp`` stages: 1, and each ``vp`` up to
     :data:`VP_MAX` whose ``pp x vp`` chunks split the layers (Megatron: evenly, possibly
     counting the embedding and loss; torchtitan: ``stage_layers`` spreads them unevenly, so
@@ -224,7 +219,7 @@ def _vp_values(layers: int, pp: int, framework: str) -> list[int]:
         return [1]
     out = [1]
     for vp in range(2, VP_MAX + 1):
-        if framework == "megatron" and _megatron_split(layers, pp, vp) is None:
+        if not space.chunks_split(layers, pp, vp):
             continue
         if layers // (pp * vp) < 1:
             continue
@@ -233,34 +228,12 @@ def _vp_values(layers: int, pp: int, framework: str) -> list[int]:
 
 
 # Framework options every layout of a framework gets, at the values the frameworks' own
-# recipes use for large models (and why):
-MEGATRON_BEST_PRACTICE: tuple[tuple[str, Any], ...] = (
-    # Shard fp32 master weights and Adam states over data-parallel ranks: 12 bytes/param
-    # become 12/dp for the same bytes moved (reduce-scatter + all-gather = all-reduce).
-    ("distributed_optimizer", True),
-    # Reduce gradients bucket by bucket while the last micro-batch's backward runs, and
-    # gather parameters bucket by bucket in the next forward: NeMo's recipes
-    # (DistributedDataParallelConfig overlap_grad_reduce / overlap_param_gather = True).
-    ("overlap_grad_reduce", True),
-    ("overlap_param_gather", True),
-)
-"""Megatron options fixed for every layout (``tp_comm_overlap`` is added when tp > 1:
-NeMo's Llama 3 recipes turn on Transformer Engine's userbuffer overlap of the
-tensor-parallel exchanges with their GEMMs on H100)."""
-DEEPSPEED_BEST_PRACTICE: tuple[tuple[str, Any], ...] = (
-    # Reduce gradients on a side stream while backward continues: the ds_config of
-    # DeepSpeed's ZeRO tutorials and Hugging Face's ds_config_zero2/3.json set it for every
-    # stage (DeepSpeed's own default is on only for stage 3).
-    ("overlap_comm", True),
-)
-DDP_BEST_PRACTICE: tuple[tuple[str, Any], ...] = (
-    # Gradients alias the bucket buffers: one gradient-sized buffer and two copies less, as
-    # PyTorch's DDP notes recommend for memory.
-    ("gradient_as_bucket_view", True),
-)
+# recipes use for large models: each registry entry's ``search.recipe``
+# (sim/frameworks/search_spaces.py says why). Kept here for older imports.
+MEGATRON_BEST_PRACTICE = registry.framework("megatron").search.recipe  # type: ignore[union-attr]
 
 
-def enumerate_layouts(base: Scenario, frameworks: Sequence[str] = FRAMEWORK_NAMES
+def enumerate_layouts(base: Scenario, frameworks: Sequence[str] | None = None
                       ) -> list[Layout]:
     """Every layout the planner builds for ``base``'s model, cluster, batch and precision.
 
@@ -272,6 +245,8 @@ def enumerate_layouts(base: Scenario, frameworks: Sequence[str] = FRAMEWORK_NAME
 
     Pure data-parallel frameworks (DeepSpeed, FairScale, DDP) are modelled with tp = pp =
     cp = 1 and without selective recomputation, so only those are enumerated for them.
+    ``frameworks``: names of registered frameworks with a search space (default: all of
+    them, :func:`sim.frameworks.registry.searchable`).
 
     Examples
     --------
@@ -282,11 +257,12 @@ def enumerate_layouts(base: Scenario, frameworks: Sequence[str] = FRAMEWORK_NAME
     [(1, 1), (1, 2), (1, 3)]
     """
     shape = _shape(base)
+    searchable = registry.searchable()
     out: list[Layout] = []
-    for fw in frameworks:
-        if fw not in FRAMEWORK_NAMES:
+    for fw in searchable if frameworks is None else frameworks:
+        if fw not in searchable:
             raise ScenarioError(f"--framework {fw}: unknown framework "
-                                f"(available: {', '.join(FRAMEWORK_NAMES)})")
+                                f"(available: {', '.join(searchable)})")
         out.extend(_framework_layouts(fw, shape, base))
     return out
 
@@ -299,7 +275,9 @@ def _micro_batch_sizes(shape: _Shape, dp: int) -> list[int]:
 
 def _framework_layouts(fw: str, shape: _Shape, base: Scenario) -> Iterable[Layout]:
     n = shape.gpus
-    data_parallel_only = fw in ("deepspeed", "fairscale", "ddp")
+    space = _space(fw)
+    assert space is not None
+    data_parallel_only = space.data_parallel_only
     tps = [1] if data_parallel_only else _divisors(shape.gpus_per_node)
     cps = [1] if data_parallel_only else [c for c in (1, 2, 4, 8, 16, 32)
                                           if c <= CP_MAX]
@@ -312,39 +290,14 @@ def _framework_layouts(fw: str, shape: _Shape, base: Scenario) -> Iterable[Layou
                                                   if p <= shape.layers]
             for pp in pps:
                 dp = n // (tp * cp * pp)
-                for vp in _vp_values(shape.layers, pp, fw) if not data_parallel_only else [1]:
-                    for options in _framework_options(fw, tp, pp, vp, dp, cp, shape):
+                for vp in _vp_values(shape.layers, pp, space) if not data_parallel_only \
+                        else [1]:
+                    point = SearchPoint(tp, pp, vp, dp, cp, shape.layers)
+                    for varied in space.options(point):
+                        options = tuple(sorted(space.recipe + varied))
                         for mbs in _micro_batch_sizes(shape, dp):
                             for ac in recompute:
                                 yield Layout(fw, tp, pp, dp, cp, vp, mbs, ac, options)
-
-
-def _framework_options(fw: str, tp: int, pp: int, vp: int, dp: int, cp: int, shape: _Shape
-                       ) -> Iterable[tuple[tuple[str, Any], ...]]:
-    if fw == "megatron":
-        split = _megatron_split(shape.layers, pp, vp) or ()
-        extra: tuple[tuple[str, Any], ...] = (("tp_comm_overlap", True),) if tp > 1 else ()
-        yield tuple(sorted(MEGATRON_BEST_PRACTICE + extra + split))
-    elif fw == "fsdp2":
-        # HSDP shard groups: every divisor of dp below dp (None = plain FSDP over all dp
-        # ranks); a shard of one rank is plain replication (torchtitan applies DDP then),
-        # which the builder refuses unless context parallelism shards the states.
-        shards: list[int | None] = [None] + [d for d in _divisors(dp)[:-1]
-                                             if d > 1 or cp > 1]
-        for shard in shards:
-            for reshard in (True, False):
-                opts: list[tuple[str, Any]] = [("reshard_after_forward", reshard)]
-                if shard is not None:
-                    opts.append(("hsdp_shard_size", shard))
-                yield tuple(sorted(opts))
-    elif fw == "deepspeed":
-        for stage in (1, 2, 3):
-            yield tuple(sorted(DEEPSPEED_BEST_PRACTICE + (("zero_stage", stage),)))
-    elif fw == "fairscale":
-        for reshard in (True, False):
-            yield (("reshard_after_forward", reshard),)
-    else:
-        yield DDP_BEST_PRACTICE
 
 
 def layout_scenario(base: Scenario, layout: Layout, global_batch: int | None = None,
@@ -723,11 +676,17 @@ class Profile:
     message: str | None = None
 
 
+def _layer_options(layout: Layout) -> tuple[tuple[str, Any], ...]:
+    # Options that change a layer's ops (the search space's ``layer_options``): Megatron's
+    # tensor-parallel overlap moves the exchanges off the compute stream; the rest (pipeline
+    # split, sharding, resharding) changes other streams or other ops.
+    space = _space(layout.framework)
+    keys = space.layer_options if space is not None else ()
+    return tuple((k, v) for k, v in layout.options if k in keys)
+
+
 def _profile_key(layout: Layout) -> tuple[Any, ...]:
-    # Options that change a layer's ops: Megatron's tensor-parallel overlap moves the
-    # exchanges off the compute stream; the rest (pipeline split, sharding, resharding)
-    # changes other streams or other ops.
-    opts = tuple((k, v) for k, v in layout.options if k == "tp_comm_overlap")
+    opts = _layer_options(layout)
     return (layout.framework, layout.tp, layout.cp, layout.micro_batch_size,
             layout.activation_checkpointing, opts)
 
@@ -767,7 +726,7 @@ def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
             "norm": m.norm, "position": m.position, "bias": m.bias,
             "max_positions": m.max_positions or None, "name": f"{m.name} (profile)"}
     dp = base.gpus // (layout.tp * layout.cp)
-    opts = tuple((k, v) for k, v in layout.options if k == "tp_comm_overlap")
+    opts = _layer_options(layout)
     probe = Layout(layout.framework, layout.tp, 1, dp, layout.cp, 1, layout.micro_batch_size,
                    layout.activation_checkpointing, opts)
     try:
@@ -808,22 +767,9 @@ def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
 
 def stage_layer_split(layout: Layout, layers: int) -> list[list[int]] | None:
     """Layers of each virtual pipeline chunk (chunk v on stage v % pp), as the framework
-    splits them; None if it cannot."""
-    opts = dict(layout.options)
-    try:
-        if layout.framework == "megatron":
-            from sim.frameworks.megatron import chunk_layers
-
-            return chunk_layers(layers, layout.pp, layout.vp,
-                                bool(opts.get("account_for_embedding_in_pipeline_split")),
-                                bool(opts.get("account_for_loss_in_pipeline_split")))
-        if layout.framework == "fsdp2":
-            from sim.frameworks.torchtitan_parallel import stage_layers
-
-            return stage_layers(layers, layout.pp * layout.vp)
-    except ValueError:
-        return None
-    return [list(range(layers))]
+    splits them (its registry entry's ``stage_split``); None if it cannot."""
+    entry = registry.framework(layout.framework)
+    return entry.chunks(layers, layout.pp, layout.vp, dict(layout.options))
 
 
 def profile_bound(layout: Layout, profile: Profile, layers: int, micro_batches: int
@@ -882,9 +828,12 @@ class Evaluation:
     wall_s: float
 
 
-PROXY_FRAMEWORKS = ("megatron", "deepspeed", "fairscale", "ddp")
-"""Frameworks whose memory peak stops growing after 2 x pp micro-batches (checked in
-``tests/test_plan.py``); FSDP2 qualifies without pipeline parallelism."""
+def _short_step(layout: Layout) -> bool:
+    """Whether the layout's memory peak stops growing after 2 x pp micro-batches: without
+    pipeline parallelism always, with it when the search space says so
+    (``short_step_with_pipeline``; checked in ``tests/test_plan.py``)."""
+    space = _space(layout.framework)
+    return layout.pp == 1 or (space is not None and space.short_step_with_pipeline)
 
 
 def proxy_micro_batches(micro_batches: int, pp: int) -> int:
@@ -900,7 +849,7 @@ def proxy_micro_batches(micro_batches: int, pp: int) -> int:
     least pp) and at least three, so that a micro-batch with neither the first's nor the
     last's extra work exists.
 
-    Not for FSDP2 with pipeline parallelism (:data:`PROXY_FRAMEWORKS`): there the simulated
+    Not for FSDP2 with pipeline parallelism (:func:`_short_step`): there the simulated
     last stage's buffers keep growing with the micro-batch count (70B-like 8-layer model,
     pp 4: 3.8 GiB of buffers at 8 micro-batches, 7.1 at 16, 11.1 at 32), so the full step
     is built.
@@ -957,7 +906,7 @@ def evaluate_layout(base: Scenario, layout: Layout, rates: LinkRates, usable_byt
     t0 = time.perf_counter()
     built = micro_batches
     try:
-        if micro_batches > 0 and (layout.framework in PROXY_FRAMEWORKS or layout.pp == 1):
+        if micro_batches > 0 and _short_step(layout):
             built = proxy_micro_batches(micro_batches, layout.pp)
             scenario = layout_scenario(base, layout, global_batch=built * layout.dp
                                        * layout.micro_batch_size)
@@ -1126,7 +1075,7 @@ def objective_value(summary: dict[str, Any], objective: str) -> float:
 
 
 def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
-           frameworks: Sequence[str] = FRAMEWORK_NAMES, workers: int = 1,
+           frameworks: Sequence[str] | None = None, workers: int = 1,
            max_simulations: int = DEFAULT_MAX_SIMULATIONS, time_limit_s: float | None = None,
            simulate_many: SimulateMany | None = None, backend: str = "local",
            progress: Callable[[str, int, int], None] | None = None,
@@ -1180,8 +1129,12 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
         sim_thread = ThreadPoolExecutor(max_workers=1)
 
     # Phase 1: a layer profile per (framework, tp, cp, micro-batch, recomputation).
-    profiled = [c for c in cands if c.layout.framework in ("megatron", "fsdp2")
-                and c.micro_batches > 0]
+    def space(c: Candidate) -> SearchSpace:
+        found = _space(c.layout.framework)
+        assert found is not None
+        return found
+
+    profiled = [c for c in cands if space(c).layer_profile and c.micro_batches > 0]
     keys: dict[tuple[Any, ...], Layout] = {}
     for c in profiled:
         keys.setdefault(_profile_key(c.layout), c.layout)
@@ -1197,7 +1150,7 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
         if prof.refused is not None:
             c.status, c.reason = "refused", prof.refused
             continue
-        if not (amortised and c.layout.framework == "megatron"):
+        if not (amortised and space(c).weight_casts_per_step):
             c.bound0_s = profile_bound(c.layout, prof, shape.layers, c.micro_batches)
     if progress is not None:
         progress("profiles", len(keys), len(keys))
@@ -1705,13 +1658,13 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
 
         report = progress if live else None
         if simulate_many is None:
-            result = search(base, objective, top, tuple(frameworks or FRAMEWORK_NAMES),
+            result = search(base, objective, top, tuple(frameworks or registry.searchable()),
                             workers or local, max_simulations, time_limit_s, backend=backend,
                             progress=report)
         else:
             # Builds on this machine's cores, simulations ``workers`` at a time on the
             # backend.
-            result = search(base, objective, top, tuple(frameworks or FRAMEWORK_NAMES), local,
+            result = search(base, objective, top, tuple(frameworks or registry.searchable()), local,
                             max_simulations, time_limit_s, simulate_many, backend, report,
                             simulation_batch=workers or local)
     if out is not None:

@@ -9,10 +9,11 @@ The public contract for these keys is ``CONTRACT.md``: keys may be added, never 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from sim import resources
 from sim.attention_cost import DEFAULT_TORCH_VERSION
@@ -372,6 +373,12 @@ class MegatronOptions(_Strict):
 FrameworkOptions = Annotated[DdpOptions | Fsdp2Options | MegatronOptions | DeepSpeedOptions
                              | FairscaleOptions,
                              Field(discriminator="name")]
+"""The built-in frameworks' options, for type checkers and for the schema before
+:mod:`sim.frameworks.registry` is imported. The registry owns the list: its entries point at
+these models (they move into their framework packages with the restructure), and registering
+a framework adds its options model to ``Scenario.framework`` (:func:`set_framework_options`)."""
+BUILTIN_FRAMEWORK_OPTIONS: tuple[type[BaseModel], ...] = (
+    DdpOptions, Fsdp2Options, MegatronOptions, DeepSpeedOptions, FairscaleOptions)
 
 
 class Allocator(_Strict):
@@ -551,9 +558,69 @@ class Scenario(_Strict):
         return p.dp if p.dp is not None else self.gpus // (p.tp * p.pp * p.cp)
 
 
+# --------------------------------------------------------------------------- frameworks
+def options_name(model: type[BaseModel]) -> str:
+    """The ``framework.name`` an options model answers to: its ``name: Literal[...]`` field.
+
+    Examples
+    --------
+    >>> options_name(Fsdp2Options)
+    'fsdp2'
+    """
+    field = model.model_fields.get("name")
+    args = get_args(field.annotation) if field is not None else ()
+    if field is None or get_origin(field.annotation) is not Literal or len(args) != 1 \
+            or not isinstance(args[0], str):
+        raise TypeError(f"{model.__name__}: a framework's options need a field "
+                        "name: Literal['<framework name>']")
+    return str(args[0])
+
+
+_framework_options: tuple[type[BaseModel], ...] = BUILTIN_FRAMEWORK_OPTIONS
+_BUILTIN_FRAMEWORK_FIELD = Scenario.model_fields["framework"]
+
+
+def framework_names() -> tuple[str, ...]:
+    """``framework.name`` values the schema accepts, in the registry's order."""
+    return tuple(options_name(m) for m in _framework_options)
+
+
+def set_framework_options(models: tuple[type[BaseModel], ...]) -> None:
+    """Make ``Scenario.framework`` the discriminated union of ``models`` (by ``name``).
+
+    Called by :mod:`sim.frameworks.registry` whenever its entries change, so the schema,
+    ``fabricsim schema`` and the "unknown framework" message list exactly the registered
+    frameworks; config itself imports no framework. A no-op when nothing changed."""
+    global _framework_options
+    models = tuple(models)
+    if models == _framework_options:
+        return
+    names = [options_name(m) for m in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two options models for one framework name: {names}")
+    if models == BUILTIN_FRAMEWORK_OPTIONS:
+        field = _BUILTIN_FRAMEWORK_FIELD          # exactly the field the class was built with
+    else:
+        union: Any = Union[models] if len(models) > 1 else models[0]  # noqa: UP007 (runtime)
+        field = FieldInfo.merge_field_infos(
+            _BUILTIN_FRAMEWORK_FIELD,
+            annotation=Annotated[union, Field(discriminator="name")] if len(models) > 1
+            else union)
+    Scenario.__pydantic_fields__["framework"] = field
+    Scenario.model_rebuild(force=True)
+    _framework_options = models
+
+
+# Kept for older imports: the built-in frameworks (the registry may hold more).
+FRAMEWORK_NAMES = framework_names()
+
+
 # --------------------------------------------------------------------------- loading
-FRAMEWORK_NAMES = ("ddp", "fsdp2", "megatron", "deepspeed", "fairscale")
-_UNION_TAGS = {"model": ("str", "ModelDims"), "framework": FRAMEWORK_NAMES}
+_UNION_TAGS = {"model": ("str", "ModelDims")}
+
+
+def _union_tags(field: Any) -> tuple[str, ...]:
+    return framework_names() if field == "framework" else _UNION_TAGS.get(field, ())
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
@@ -562,7 +629,7 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     prev: Any = None
     for item in loc:
-        if isinstance(prev, str) and item in _UNION_TAGS.get(prev, ()):
+        if isinstance(prev, str) and item in _union_tags(prev):
             prev = None
             continue
         if isinstance(item, int):
@@ -587,7 +654,7 @@ def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
         return f"{loc}: unknown key"
     if e["type"] == "union_tag_invalid":
         return (f"{loc}.name: unknown framework {e['input'].get('name')!r} "
-                f"(available: {', '.join(FRAMEWORK_NAMES)})")
+                f"(available: {', '.join(framework_names())})")
     if e["type"] == "union_tag_not_found":
         return f"{loc}.name: missing"
     msg = e["msg"].removeprefix("Value error, ")

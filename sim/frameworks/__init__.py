@@ -1,6 +1,17 @@
-"""Framework schedule builders, registered by name (``framework.name`` in a scenario)."""
+"""Framework schedule builders, one entry each in :mod:`sim.frameworks.registry` (by
+``framework.name`` in a scenario)."""
 
-from sim.frameworks import ddp, deepspeed, fairscale, fsdp2, megatron  # noqa: F401  (registration on import)
-from sim.frameworks.base import REGISTRY, JobContext, build_program, register
+from sim.frameworks.base import REGISTRY, JobContext, register
+from sim.frameworks.registry import (
+    FrameworkEntry,
+    SearchSpace,
+    build_program,
+    framework,
+    frameworks,
+    register_framework,
+    unregister_framework,
+)
 
-__all__ = ["REGISTRY", "JobContext", "build_program", "register"]
+__all__ = ["REGISTRY", "FrameworkEntry", "JobContext", "SearchSpace", "build_program",
+           "framework", "frameworks", "register", "register_framework",
+           "unregister_framework"]

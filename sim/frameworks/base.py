@@ -1,6 +1,7 @@
-"""What every framework schedule builder shares: the job context and the registry.
+"""What every framework schedule builder shares: the job context.
 
-A builder is a function ``(JobContext) -> Program`` registered under the framework's name.
+A builder is a function ``(JobContext) -> Program``, named by the framework's entry in
+:mod:`sim.frameworks.registry`.
 It reads the scenario's options, prices the model's blocks with :mod:`sim.layer_ops`, and lays
 out ops on streams with the framework's real order, prefetching and bucketing.
 """
@@ -122,10 +123,14 @@ class JobContext:
 
 Builder = Callable[[JobContext], Program]
 REGISTRY: dict[str, Builder] = {}
+"""Builders by the name their module gave ``@register``; kept while the builder modules are
+being split. The framework registry (:mod:`sim.frameworks.registry`) is what
+:func:`build_program` reads: its entries name their builders."""
 
 
 def register(name: str) -> Callable[[Builder], Builder]:
-    """Register a schedule builder under ``framework.name``."""
+    """Record a schedule builder under ``framework.name`` in :data:`REGISTRY` (the builders'
+    old hook; a framework is added with ``sim.frameworks.registry.register_framework``)."""
 
     def deco(fn: Builder) -> Builder:
         REGISTRY[name] = fn
@@ -135,13 +140,8 @@ def register(name: str) -> Callable[[Builder], Builder]:
 
 
 def build_program(ctx: JobContext) -> Program:
-    """The program of one training step for the scenario's framework."""
-    name = ctx.scenario.framework.name
-    builder = REGISTRY.get(name)
-    if builder is None:
-        ctx.fail("framework.name", f"no schedule builder for {name!r}")
-    assert builder is not None
-    program = builder(ctx)
-    program.meta["attention_backend"] = ctx.compute.attention_backend
-    program.validate()
-    return program
+    """The program of one training step for the scenario's framework (see
+    :func:`sim.frameworks.registry.build_program`)."""
+    from sim.frameworks.registry import build_program as build
+
+    return build(ctx)
