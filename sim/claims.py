@@ -38,7 +38,7 @@ GB = 1e9                    # CONTRACT.md: 1 GB = 1e9 bytes
 SECONDS_PER_HOUR = 3600.0
 SECONDS_PER_DAY = 86_400.0
 # NVLink: a GPU -> NVSwitch -> GPU transfer crosses two NVLink edges of the fabric graph
-# (sim/topology/fabric.py build_graph links every GPU to its node's NVSwitch), and
+# (sim/topology/graph.py build_graph links every GPU to its node's NVSwitch), and
 # bytes.nvlink counts every hop, so a GPU's own NVLink egress is half of those bytes.
 NVLINK_HOPS_PER_TRANSFER = 2
 
@@ -120,7 +120,7 @@ def flops_bound(tokens_per_s_per_gpu: float, flops_per_token: float, gpu: GpuSpe
 def zone_link_bytes_per_s(scenario: Scenario) -> float | None:
     """Most bytes per second that can cross availability-zone boundaries: every ordered pair
     of populated zones of one region has its own ``az_link_gbps`` link per direction
-    (sim/topology/fabric.py: zone gateways of a region joined pairwise). None with one zone.
+    (sim/topology/graph.py: zone gateways of a region joined pairwise). None with one zone.
 
     Examples
     --------

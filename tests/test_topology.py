@@ -1,4 +1,4 @@
-"""Tests of the fabric builder and router (sim/topology/fabric.py)."""
+"""Tests of the fabric builder and router (sim/topology/: graph.py, fabric.py)."""
 
 from __future__ import annotations
 
