@@ -174,8 +174,8 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
         progress("profiles", profiles, profiles)
     # The scenario as given, for comparison, alongside the search.
     baseline_future = runner.submit(_simulate_base, base) if compare_baseline else None
-    workers_ = _Workers(runner, sim_thread, simulate_many, simulation_batch, progress)
-    bb = _BranchAndBound(base, cands, rates, goal, MemoryPruning(usable), workers_,
+    pool = _Workers(runner, sim_thread, simulate_many, simulation_batch, progress)
+    bb = _BranchAndBound(base, cands, rates, goal, MemoryPruning(usable), pool,
                          _Limits(top, max_simulations, time_limit_s, t0))
     try:
         bb.run()
@@ -236,6 +236,7 @@ def _candidates(layouts: list[Layout], global_batch: int) -> list[Candidate]:
 
 
 def _search_space(c: Candidate) -> SearchSpace:
+    """The candidate's framework's search space (enumerated, so it has one)."""
     found = _space(c.layout.framework)
     assert found is not None
     return found
@@ -363,6 +364,7 @@ class _BranchAndBound:
         return sorted(self.best)[top - 1] if len(self.best) >= top else math.inf
 
     def run(self) -> None:
+        """Start work and settle it until nothing is in flight and nothing can start."""
         while True:
             self.launch()
             if not self.in_flight:
@@ -383,6 +385,7 @@ class _BranchAndBound:
                 self._start_simulation(self.cands[i])
 
     def _stop_reason(self) -> str | None:
+        """Why no more work starts now (``budget``, ``bound``, ``time``), or None."""
         limits = self.limits
         if self.sims_started >= limits.max_simulations:
             return "budget"
@@ -394,6 +397,7 @@ class _BranchAndBound:
         return None
 
     def _start_build(self, c: Candidate) -> None:
+        """Build ``c`` (or its family's probe first), unless its family rules it out."""
         if c.status != "pending":
             return                  # built already, as its family's probe
         why = self.memory.dominated(c.family, c.layout)
@@ -409,6 +413,7 @@ class _BranchAndBound:
         self.in_flight[fut] = ("build", [todo.index])
 
     def _start_simulation(self, c: Candidate) -> None:
+        """Simulate ``c`` locally, or with the next best fitting layouts on the hook."""
         w = self.workers
         c.status = "simulating"
         self.sims_started += 1
@@ -452,6 +457,7 @@ class _BranchAndBound:
                 self.workers.progress(kind, self.completed[kind], len(self.cands))
 
     def _settle_evaluation(self, c: Candidate, ev: Evaluation) -> None:
+        """A build came back: refused, does not fit, or queued for simulation."""
         c.evaluation = ev
         if ev.refused is not None:
             c.status, c.reason = "refused", ev.refused
@@ -463,6 +469,7 @@ class _BranchAndBound:
             heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), c.index, 1))
 
     def _settle_simulation(self, c: Candidate, sim: Simulated) -> None:
+        """A simulation came back: an error, out of memory, or a result that ranks."""
         c.simulated = sim
         if sim.summary is None:
             c.status, c.reason = "error", sim.error or ""
