@@ -72,6 +72,10 @@ def test_every_collective_of_every_framework_has_a_dtype(case) -> None:
     missing = [o.name for o in ops if o.dtype is None]
     assert not missing, f"{len(missing)} without a dtype, e.g. {missing[:3]}"
     assert all(o.dtype in SIZE for o in ops)
+    # Whole elements: a label whose size did not divide the bytes would be wrong (a 2-byte
+    # label on an fp32 buffer of odd element count, a 4-byte one on a 16-bit tensor).
+    split = [o.name for o in ops if o.nbytes % SIZE[o.dtype or ""] != 0]
+    assert not split, f"bytes not whole elements of the dtype: {split[:3]}"
 
 
 def _per_mb(program: Program, collective: str, mb: int) -> list[Op]:
