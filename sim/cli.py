@@ -371,7 +371,6 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
     """Write every output into a temporary folder first, then move it in place, so a failed
     run leaves nothing half-written."""
     from sim import export, plot
-    from sim.frameworks import framework
 
     out = out.expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -386,13 +385,11 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
                            scenario=result.summary["scenario"])
         if hta is not None:
             sc = result.scenario
-            # Gradient collectives' dtype: fp32 if the framework's options say so (its
-            # registry entry knows which option), else the training precision's.
-            reduce32 = framework(sc.framework.name).grad_reduce_fp32(sc.framework)
+            # Each collective names its own dtype (Op.dtype, set by its builder); the
+            # training precision's is the fallback for ops left without one.
             export.write_hta_traces(
                 tmp / "hta", rec, result.program, gpus_per_node=sc.cluster.gpus_per_node,
-                gpu=result.context.gpu,
-                dtype="f32" if reduce32 else export.NCCL_TYPES[sc.training.precision],
+                gpu=result.context.gpu, dtype=export.NCCL_TYPES[sc.training.precision],
                 all_ranks=hta == "all", scenario=result.summary["scenario"])
         export.write_memory_csv(tmp / "memory.csv", rec, labels)
         title = result.summary["scenario"]

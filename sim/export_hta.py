@@ -38,8 +38,9 @@ COMPUTE_CAPABILITY = {"volta": (7, 0), "ampere": (8, 0), "hopper": (9, 0),
 
 # NCCL's element type names in kernel names (NCCL src/device/generate.py, all_tys) for the
 # training precisions of sim.scenario: the type of the tensors between kernels (fp8 training
-# keeps bf16 tensors around its fp8 GEMMs). Frameworks that reduce gradients in fp32 (FSDP2's
-# default reduce_dtype, Megatron's grad_reduce_in_fp32) run "f32" kernels: pass dtype="f32".
+# keeps bf16 tensors around its fp8 GEMMs). A collective names its own type (Op.dtype, set
+# by the framework builder from the tensor it moves); this is only the fallback for an op
+# whose builder left it None.
 NCCL_TYPES = {"bf16": "bf16", "fp16": "f16", "fp32": "f32", "fp8": "bf16"}
 
 # Stream ids: CUPTI reports PyTorch's default (legacy) stream as 7 in profiler traces; side
@@ -69,6 +70,9 @@ def nccl_kernel_name(op: Op, algorithm: str | None, dtype: str = "bf16") -> str:
     >>> nccl_kernel_name(Op("ar", "collective", "comm", "comm", collective="all_reduce"),
     ...                  "nvls")
     'ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevComm*, unsigned long, ncclWork*)'
+    >>> nccl_kernel_name(Op("rs", "collective", "rs", "comm", collective="reduce_scatter",
+    ...                     dtype="f32"), "ring")
+    'ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)'
     >>> nccl_kernel_name(Op("ag", "collective", "ag", "comm", collective="all_gather"), "ring")
     'ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)'
     """
@@ -76,7 +80,7 @@ def nccl_kernel_name(op: Op, algorithm: str | None, dtype: str = "bf16") -> str:
     if coll in ("all_reduce", "reduce_scatter"):
         name = "AllReduce" if coll == "all_reduce" else "ReduceScatter"
         algo = "TREE" if (algorithm or "").lower() == "tree" else "RING"
-        return f"ncclDevKernel_{name}_Sum_{dtype}_{algo}_LL{_NCCL_ARGS}"
+        return f"ncclDevKernel_{name}_Sum_{op.dtype or dtype}_{algo}_LL{_NCCL_ARGS}"
     if coll == "all_gather":
         return f"ncclDevKernel_AllGather_RING_LL{_NCCL_ARGS}"
     if coll == "broadcast":
@@ -129,8 +133,8 @@ def hta_traces(rec: Recorder, program: Program, *, gpus_per_node: int = 8,
     rec, program : the run's recorder and program
     gpus_per_node : GPUs per node: a rank's device index is ``rank % gpus_per_node``
     gpu : the GPU model, for ``deviceProperties`` (empty list without it)
-    dtype : NCCL element type in reduction kernel names (``NCCL_TYPES[precision]``); the
-        program does not record each collective's element type
+    dtype : NCCL element type in reduction kernel names of ops whose builder left
+        ``Op.dtype`` None (``NCCL_TYPES[precision]``)
     all_ranks : one trace per member rank of every class; by default one per class, for its
         first member (the members of a class run identical ops at identical times)
     scenario : scenario name, written as ``traceName``

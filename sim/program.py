@@ -27,6 +27,10 @@ OpKind = Literal["compute", "collective", "send", "recv", "copy"]
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
 HostTransfer = Literal["h2d", "d2h", "nvme_read", "nvme_write"]
 Phase = Literal["fwd", "bwd", "recompute", "optimizer", "comm", "loss"]
+NcclType = Literal["i8", "u8", "i32", "u32", "i64", "u64", "f16", "f32", "f64", "bf16",
+                   "f8e4m3", "f8e5m2"]
+"""NCCL's element types by the names its kernels carry (NCCL src/device/generate.py,
+``all_tys``; ``ncclDataType_t`` in nccl.h)."""
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
 
@@ -90,6 +94,10 @@ class Op:
     (``h2d``, ``d2h``) or between host memory and the node's NVMe drives (``nvme_read``,
     ``nvme_write``): it runs as flows on the fabric's PCIe/NVMe links instead of taking
     ``duration``. Ops on stream ``cpu`` are CPU work (an optimizer step on the host)."""
+    dtype: NcclType | None = None
+    """Collectives and sends: the element type NCCL moves (``nbytes`` is whole elements of
+    it). A label only (the HTA trace's kernel names): it never feeds timing. None: not
+    set by the builder."""
 
     @property
     def all_groups(self) -> tuple[tuple[int, ...], ...]:

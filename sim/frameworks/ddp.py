@@ -129,7 +129,7 @@ def build_ddp(ctx: JobContext) -> Program:
                 ars.append(program.add(cls, Op(
                     name=f"all-reduce bucket {i}", kind="collective", stream="comm",
                     phase="comm", deps=[dep], collective="all_reduce", group=cls.members,
-                    nbytes=nbytes, key=f"ddp/ar/{i}", category="all_reduce",
+                    nbytes=nbytes, dtype="f32", key=f"ddp/ar/{i}", category="all_reduce",
                     micro_batch=mb)))
             copy_back = 0.0 if bucket_view else cm.membound_time(2 * FP32 * total)
             last_bwd = program.add(cls, Op(

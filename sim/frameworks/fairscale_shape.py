@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from sim.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S, ComputeModel
 from sim.frameworks.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
 from sim.frameworks.base import JobContext
+from sim.frameworks.nccl_dtype import half
 from sim.layer_ops import BF16, FP32, BlockCost, Style
 from sim.model import ModelSpec
+from sim.program import NcclType
 from sim.scenario import FairscaleOptions
 
 MIB = 1024 * 1024
@@ -119,6 +121,19 @@ class FairscaleShape:
     completes the unit."""
     hook_cpu_s: float
     """Host seconds of one kernel or collective FairScale's hooks issue."""
+    half: NcclType = "bf16"
+    """NCCL type of the 16-bit tensors (the training precision's)."""
+
+    @property
+    def param_dtype(self) -> NcclType:
+        """NCCL type of the all-gathered parameters (:attr:`pbytes`)."""
+        return "f32" if self.pbytes == FP32 else self.half
+
+    @property
+    def reduce_dtype(self) -> NcclType:
+        """NCCL type of the gradient reduce-scatters (:attr:`rbytes`): f32 with
+        ``fp32_reduce_scatter`` or without mixed precision."""
+        return "f32" if self.rbytes == FP32 else self.half
 
     @property
     def bucket_bytes(self) -> float:
@@ -191,4 +206,4 @@ def fairscale_shape(ctx: JobContext, hook_cpu_s: float) -> FairscaleShape:
                      + tied_grad_sum_s(cm, m, gbytes)},   # tied: sum both uses
         pieces_freed={"attn": pieces["attn"] + pieces["mlp"],
                       "embed": pieces["embed"] + pieces["head"]},
-        hook_cpu_s=hook_cpu_s)
+        hook_cpu_s=hook_cpu_s, half=half(s.training.precision))

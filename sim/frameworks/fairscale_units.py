@@ -67,7 +67,8 @@ class FairscaleStep:
         return self.add(Op(
             name=f"all-gather {tag}", kind="collective", stream="all_gather", phase="comm",
             deps=[cast] if cast is not None else wait, collective="all_gather", group=s.group,
-            nbytes=full, key=f"fairscale/ag/{unit.name}/{phase}/{mb}", category="all_gather",
+            nbytes=full, dtype=s.param_dtype, key=f"fairscale/ag/{unit.name}/{phase}/{mb}",
+            category="all_gather",
             micro_batch=mb, cpu_s=hook, alloc=(("parameters", full),),
             free=(("buffers", s.pbytes * chunk),) if s.mixed else ()))
 
@@ -116,7 +117,8 @@ class FairscaleStep:
         self.add(Op(
             name=f"reduce-scatter bucket {names} mb{mb}", kind="collective",
             stream="post_backward", phase="comm", deps=[prep], collective="reduce_scatter",
-            group=s.group, nbytes=full, key=f"fairscale/rs/bucket/{names}/{mb}",
+            group=s.group, nbytes=full, dtype=s.reduce_dtype,
+            key=f"fairscale/rs/bucket/{names}/{mb}",
             category="reduce_scatter", micro_batch=mb, cpu_s=hook,
             free=(("buffers", full),) if copy else ()))
         done = self.post_reduction(bucket.members, mb, f"bucket {names}", 0.0)
@@ -172,7 +174,7 @@ class FairscaleStep:
         self.add(Op(
             name=f"reduce-scatter {unit.name} mb{mb}", kind="collective",
             stream="post_backward", phase="comm", deps=[prep],
-            collective="reduce_scatter", group=s.group, nbytes=padded,
+            collective="reduce_scatter", group=s.group, nbytes=padded, dtype=s.reduce_dtype,
             key=f"fairscale/rs/{unit.name}/{mb}", category="reduce_scatter",
             micro_batch=mb, cpu_s=hook))
         # The unsharded gradient (record_stream on post_backward) and the temporaries

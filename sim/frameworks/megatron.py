@@ -118,7 +118,7 @@ def build_megatron(ctx: JobContext) -> Program:
     keys = KeySeq()
     units = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys).build_units()
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
-                   cpu_s=cpu_call, p=s.p)
+                   cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)
     step = _Step(ctx, s, program, classes, units, keys, cpu_call)
     step.add_buckets()
     step.add_stages(link)
@@ -169,6 +169,7 @@ class _Step:
                 st, s.p, s.vp, s.mb_count, self.buckets[st], forwards, BucketComms(
                     groups=intra, reduce_op=reduce_op, inter_groups=inter,
                     grad_bytes=s.grad_bytes, param_bytes=s.act,
+                    grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
                     overlap_grad_reduce=s.opts.overlap_grad_reduce,
                     overlap_param_gather=(s.opts.distributed_optimizer
                                           and s.opts.overlap_param_gather),
@@ -257,6 +258,7 @@ class _Step:
                     name="tied embedding all-reduce", kind="collective", stream="dp",
                     phase="comm", deps=list(deps_done), collective="all_reduce",
                     group=pairs[0], groups=pairs, nbytes=s.grad_bytes * s.vocab_local * s.h,
+                    dtype=s.grad_dtype,
                     key="embedding-group", category="all_reduce"))
                 deps_done.append(tie)
             dur = self.optimizer_s(st)
@@ -272,5 +274,5 @@ class _Step:
                         name=f"param all_gather bucket v{b.v} {b.parts[-1]}",
                         kind="collective", stream="dp", phase="comm", deps=[opt],
                         collective="all_gather", group=groups[0], groups=groups,
-                        nbytes=s.act * b.params, key=self.keys(f"dp/{st}"),
+                        nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
                         category="all_gather"))

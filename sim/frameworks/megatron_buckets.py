@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext
-from sim.program import Op
+from sim.program import NcclType, Op
 from sim.scenario import MegatronOptions
 
 DEFAULT_BUCKET_PARAMS = 40_000_000   # max(40M, 1M x dp x cp): training.py get_model
@@ -162,6 +162,10 @@ class BucketComms:
     inter_groups: tuple[tuple[int, ...], ...]
     """With k > 1 distributed-optimizer instances: the groups that all-reduce each shard."""
     param_bytes: float
+    grad_dtype: NcclType
+    """NCCL types of the gradient reduces and parameter gathers (of ``grad_bytes`` and
+    ``param_bytes`` per element)."""
+    param_dtype: NcclType
     overlap_grad_reduce: bool
     overlap_param_gather: bool
     align_param_gather: bool
@@ -191,6 +195,7 @@ def bucket_ops(st: int, p: int, vp: int, m: int, buckets: list[Bucket],
         g = Op(name=f"grad {c.reduce_op} bucket v{b.v} {b.parts[-1]}", kind="collective",
                stream="dp", phase="comm", collective=c.reduce_op,  # type: ignore[arg-type]
                group=c.groups[0], groups=c.groups, nbytes=c.grad_bytes * b.params,
+               dtype=c.grad_dtype,
                key=c.key(), category=c.reduce_op, cpu_s=c.cpu_s)
         out.grads.append(g)
         chain = [g]
@@ -200,6 +205,7 @@ def bucket_ops(st: int, p: int, vp: int, m: int, buckets: list[Bucket],
                             collective="all_reduce", group=c.inter_groups[0],
                             groups=c.inter_groups,
                             nbytes=c.grad_bytes * b.params / len(c.groups[0]), key=c.key(),
+                            dtype=c.grad_dtype,
                             category="all_reduce", cpu_s=c.cpu_s))
             out.grads.append(chain[-1])
         if c.overlap_grad_reduce:
@@ -211,6 +217,7 @@ def bucket_ops(st: int, p: int, vp: int, m: int, buckets: list[Bucket],
         gather = Op(name=f"param all_gather bucket v{b.v} {b.parts[-1]}", kind="collective",
                     stream="dp", phase="comm", collective="all_gather", group=c.groups[0],
                     groups=c.groups, nbytes=c.param_bytes * b.params, key=c.key(),
+                    dtype=c.param_dtype,
                     category="all_gather", cpu_s=c.cpu_s)
         out.gathers.append(gather)
         # The pre-hook of the bucket's first part in forward (its last in backward order),

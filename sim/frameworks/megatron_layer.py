@@ -203,7 +203,8 @@ class UnitBuilder:
         stream = "tp" if (self.s.opts.tp_comm_overlap or side) else "compute"
         return Op(name=name, kind="collective", stream=stream, phase="comm", collective=op,  # type: ignore[arg-type]
                   group=groups[0], groups=groups,
-                  nbytes=nbytes, key=self.keys(f"tp/{st}"), category=op, micro_batch=mb,
+                  nbytes=nbytes, dtype=self.s.act_dtype, key=self.keys(f"tp/{st}"),
+                  category=op, micro_batch=mb,
                   layer=layer, cpu_s=self.c.cpu_call)
 
     def cp_transfer(self, st: int, mb: int, layer: int, label: str
@@ -212,7 +213,8 @@ class UnitBuilder:
         pairs = self.s.cp_ring_pairs(st)
         return lambda nbytes, i: Op(
             name=f"cp ring {label} step {i}", kind="send", stream="cp", phase="comm",
-            pairs=pairs, nbytes=nbytes, key=self.keys(f"cp/{st}"), category="send_recv",
+            pairs=pairs, nbytes=nbytes, dtype=self.s.act_dtype, key=self.keys(f"cp/{st}"),
+            category="send_recv",
             micro_batch=mb, layer=layer, cpu_s=self.c.cpu_call)
 
     # ------------------------------------------------------------------ blocks and layers

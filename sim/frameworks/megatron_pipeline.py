@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.base import JobContext
-from sim.program import Op, Program, RankClass
+from sim.program import NcclType, Op, Program, RankClass
 
 Unit = tuple[str, int, int]
 """(F|B, model chunk, micro-batch) of one stage."""
@@ -295,6 +295,8 @@ class P2PLink:
     nbytes: float
     cpu_s: float
     p: int
+    dtype: NcclType | None = None
+    """NCCL type of the activations and gradients sent."""
 
 
 def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
@@ -332,7 +334,8 @@ def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
                 posted[tr] = add(Op(
                     name=f"{role} {what} v{v}->v{nxt} mb{mb}", kind="recv",
                     stream=f"pp-{d}-{role}", phase="comm", deps=[last] if last else [],
-                    pairs=link.pairs(src, dst), nbytes=link.nbytes, key=f"pp/{k}/{v}/{mb}",
+                    pairs=link.pairs(src, dst), nbytes=link.nbytes, dtype=link.dtype,
+                    key=f"pp/{k}/{v}/{mb}",
                     category="send_recv", micro_batch=mb, cpu_s=link.cpu_s))
         else:
             deps = [posted[tr] for _, tr in step.transfers]

@@ -16,9 +16,11 @@ from typing import Literal
 from sim.frameworks.base import JobContext
 from sim.frameworks.megatron_buckets import data_parallel_modes
 from sim.frameworks.megatron_pipeline import chunk_layers, p2p_modes
+from sim.frameworks.nccl_dtype import element_type
 from sim.layer_ops import Block, BlockCost, price_block
 from sim.megatron_ops import STYLE, MegatronLayout, megatron_blocks, padded_vocab
 from sim.model import ModelSpec
+from sim.program import NcclType
 from sim.scenario import MegatronOptions
 
 Groups = tuple[tuple[int, ...], ...]
@@ -80,6 +82,17 @@ class MegatronShape:
     """Ranks the optimizer state is sharded over (1 without the distributed optimizer)."""
     linear_params: float
     """Linear-layer parameters of one layer (their FP8 copies under FP8 training)."""
+
+    @property
+    def act_dtype(self) -> NcclType:
+        """NCCL type of activations and gathered parameters (:attr:`act` bytes)."""
+        return element_type(self.act, self.precision)
+
+    @property
+    def grad_dtype(self) -> NcclType:
+        """NCCL type of the gradient reduces (:attr:`grad_bytes`): f32 with
+        ``grad_reduce_in_fp32``, Megatron-Core's default for bf16 (and fp8) training."""
+        return element_type(self.grad_bytes, self.precision)
 
     @property
     def n_virtual(self) -> int:

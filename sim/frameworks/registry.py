@@ -92,9 +92,6 @@ class FrameworkEntry:
     expandable_segments: bool = False
     """The framework's launcher turns on the caching allocator's expandable segments (the
     default of ``allocator.expandable_segments``)."""
-    grad_reduce_fp32: Callable[[Any], bool] = lambda opts: False
-    """Whether these options reduce gradients in fp32 (the dtype HTA traces give gradient
-    collectives); otherwise the training precision's."""
     step_gradient_bytes_per_param: float = 0.0
     """Gradient bytes per parameter that exist during the step but are not in the
     program's initial memory (counted in the model-state memory claims are judged on)."""
@@ -186,18 +183,14 @@ _BUILTINS = (
                            short_step_with_pipeline=False),
         stage_split=spaces.torchtitan_stage_split,
         # torchtitan's run_train.sh exports PYTORCH_ALLOC_CONF="expandable_segments:True".
-        expandable_segments=True,
-        grad_reduce_fp32=lambda o: o.reduce_dtype == "fp32"),
+        expandable_segments=True),
     FrameworkEntry(
         "megatron", config.MegatronOptions, megatron.build_megatron,
         search=SearchSpace(spaces.megatron_options, recipe=spaces.MEGATRON_BEST_PRACTICE,
                            chunks_split=spaces.megatron_chunks_split, sequence_parallel=True,
                            layer_profile=True, layer_options=("tp_comm_overlap",),
                            weight_casts_per_step=True),
-        stage_split=spaces.megatron_stage_split,
-        # Only an explicit true: the None default (fp32 for bf16) is traced in the training
-        # precision, as before the registry (kept so outputs stay bit-identical).
-        grad_reduce_fp32=lambda o: o.grad_reduce_in_fp32 is True),
+        stage_split=spaces.megatron_stage_split),
     FrameworkEntry(
         "deepspeed", config.DeepSpeedOptions, deepspeed.build_deepspeed,
         search=SearchSpace(spaces.deepspeed_options, recipe=spaces.DEEPSPEED_BEST_PRACTICE,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from sim.compute import ComputeModel
 from sim.frameworks.deepspeed.host_costs import TORCH_CALL_CPU_S
-from sim.program import CollectiveOp, HostTransfer, Op, Phase, Program, RankClass
+from sim.program import CollectiveOp, HostTransfer, NcclType, Op, Phase, Program, RankClass
 
 
 class _Emitter:
@@ -16,8 +16,11 @@ class _Emitter:
     the last op of each stream, dependencies owed to the next op of a stream
     (``wait_stream``), and host time owed to the next op issued."""
 
-    def __init__(self, program: Program, cls: RankClass, cm: ComputeModel) -> None:
+    def __init__(self, program: Program, cls: RankClass, cm: ComputeModel,
+                 w16: NcclType = "bf16") -> None:
         self.program = program
+        self.w16 = w16
+        """NCCL type of the 16-bit model dtype (bf16, or f16 with fp16 training)."""
         self.cls = cls
         self.cm = cm
         self.last: dict[str, Op] = {}
@@ -54,8 +57,10 @@ class _Emitter:
 
     def collective(self, name: str, coll: CollectiveOp, nbytes: float, stream: str,
                    groups: tuple[tuple[int, ...], ...] | None = None,
-                   cpu_s: float = TORCH_CALL_CPU_S, **kw: object) -> Op | None:
-        """A collective over ``groups`` (default: every rank); none on a single rank."""
+                   cpu_s: float = TORCH_CALL_CPU_S, dtype: NcclType | None = None,
+                   **kw: object) -> Op | None:
+        """A collective over ``groups`` (default: every rank); none on a single rank. Its
+        tensor is of the 16-bit model dtype unless ``dtype`` says otherwise."""
         groups = groups or (self.group,)
         if len(groups[0]) <= 1:
             return None
@@ -63,6 +68,7 @@ class _Emitter:
         return self.add(Op(name=name, kind="collective", stream=stream, phase="comm",
                            collective=coll, group=groups[0],
                            groups=groups if len(groups) > 1 else (), nbytes=nbytes,
+                           dtype=dtype or self.w16,
                            key=f"deepspeed/{self._keys}", category=coll, cpu_s=cpu_s,
                            **kw))  # type: ignore[arg-type]
 

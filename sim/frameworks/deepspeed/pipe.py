@@ -73,6 +73,7 @@ from sim.frameworks.deepspeed.pipe_step import (
     reduce_tied,
 )
 from sim.frameworks.megatron import MEGATRON_CPU_S_PER_OP
+from sim.frameworks.nccl_dtype import half
 from sim.layer_ops import BlockCost, price_block
 from sim.megatron_ops import (
     CHECKPOINT_OPS,
@@ -82,7 +83,7 @@ from sim.megatron_ops import (
     megatron_blocks,
     padded_vocab,
 )
-from sim.program import CollectiveOp, Op, Phase, Program, RankClass
+from sim.program import CollectiveOp, NcclType, Op, Phase, Program, RankClass
 from sim.scenario import DeepSpeedOptions
 
 META_BYTES = 64
@@ -188,6 +189,7 @@ class _Pipe:
         c = self.cost
         self.tokens = ctx.micro_batch * ctx.seq
         self.act_bytes = float(W16 * self.tokens * m.hidden)     # one [s, b, h] tensor
+        self.w16 = half(s.training.precision)   # NCCL type of the 16-bit tensors
         self.layer_params = sum(c[k].params for k in ("attn_pre", "attn_main", "mlp_pre",
                                                       "mlp_main"))
         self.vocab_local = padded_vocab(m, su.t) // su.t
@@ -254,14 +256,16 @@ class _Pipe:
 
     def collective(self, cls: RankClass, name: str, coll: CollectiveOp, nbytes: float,
                    groups: tuple[tuple[int, ...], ...], prefix: str, mb: int = -1,
-                   layer: int | None = None, key: str | None = None) -> Op | None:
+                   layer: int | None = None, key: str | None = None,
+                   dtype: NcclType | None = None) -> Op | None:
         """A collective on the compute stream; ``key`` names it across rank classes (a
-        group inside one class gets a fresh one)."""
+        group inside one class gets a fresh one). Of 16-bit tensors unless ``dtype``."""
         if len(groups[0]) <= 1 or nbytes <= 0:
             return None
         return self.op(cls, Op(name=name, kind="collective", stream="compute", phase="comm",
                                collective=coll, group=groups[0], groups=groups,
-                               nbytes=nbytes, key=key or self.key(prefix), category=coll,
+                               nbytes=nbytes, dtype=dtype or self.w16,
+                               key=key or self.key(prefix), category=coll,
                                micro_batch=mb if mb >= 0 else None, layer=layer,
                                cpu_s=TORCH_CALL_CPU_S))
 
@@ -277,12 +281,15 @@ class _Pipe:
         su = self.su
         pairs = tuple((self.rank(ti, di, src), self.rank(ti, di, dst)) for ti in range(su.t)
                       for di in range(su.dp))
-        tensors = [("meta", float(META_BYTES)), ("data", self.act_bytes / su.t)] \
-            if partitioned else [("data", self.act_bytes)]
+        # The partition's meta is int64 (send_obj_meta's LongTensor), the data 16-bit.
+        tensors: list[tuple[str, float, NcclType]] = \
+            [("meta", float(META_BYTES), "i64"), ("data", self.act_bytes / su.t, self.w16)] \
+            if partitioned else [("data", self.act_bytes, self.w16)]
         verb = "send" if sending else "recv"
-        for label, nbytes in tensors:
+        for label, nbytes, dtype in tensors:
             self.op(cls, Op(name=f"{verb} {what} {label} s{src}->s{dst} mb{mb}", kind="recv",
                             stream="compute", phase="comm", pairs=pairs, nbytes=nbytes,
+                            dtype=dtype,
                             key=f"p2p/{what}/{src}->{dst}/{mb}/{label}", category="send_recv",
                             micro_batch=mb, cpu_s=TORCH_CALL_CPU_S))
 

@@ -37,6 +37,7 @@ def reduce_tied(pipe: _Pipe, cls: RankClass, st: int) -> None:
                     stream="compute", phase="comm", collective="all_reduce",
                     group=pairs[0], groups=pairs,
                     nbytes=float(width * pipe.vocab_local * m.hidden),
+                    dtype="f32" if su.bf16_optimizer else pipe.w16,
                     key="deepspeed-pipe/tied", category="all_reduce", cpu_s=TORCH_CALL_CPU_S))
 
 
@@ -115,7 +116,7 @@ def optimizer_step(pipe: _Pipe, cls: RankClass, st: int) -> None:
     mp = tuple(tuple(pipe.rank(ti, di, s) for s in range(su.p) for ti in range(su.t))
                for di in range(su.dp))
     red = pipe.collective(cls, "all_reduce grad norm (model parallel)", "all_reduce", FP32,
-                          mp, "", key="deepspeed-pipe/norm")
+                          mp, "", key="deepspeed-pipe/norm", dtype="f32")
     if su.bf16_optimizer or su.fp16_optimizer:
         (red or norm).host_sync = True
     if not su.bf16_optimizer:

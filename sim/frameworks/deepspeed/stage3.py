@@ -109,7 +109,7 @@ class _Stage3(_Step, _Gradients):
                             persistent_params=sum(p.persist for p in self.params),
                             zeropp={"qwz": z.qwz, "hpz": z.hpz, "qgz": self.qgz_active},
                             offload_optimizer=z.offload_opt, offload_param=z.offload_param)
-        self.e = _Emitter(program, cls, self.cm)
+        self.e = _Emitter(program, cls, self.cm, w16="f16" if z.fp16 else "bf16")
         self.program = program
         evs = self.events()
         self.order = [ev[1] for ev in evs if ev[0] == "pre"]

@@ -235,7 +235,8 @@ class _Coordinator(_Stage3State):
         ag = e.collective(f"all-gather ({'fwd' if forward else 'bwd'}) {what} mb{self.mb}",
                           "all_gather", out * elem, stream,
                           groups, cpu_s=0.0, deps=[dep] if dep is not None else [],
-                          alloc=((cat, out * elem),), micro_batch=self.mb)
+                          alloc=((cat, out * elem),), micro_batch=self.mb,
+                          dtype="i8" if quant else None)   # qwZ: int8 weights
         assert ag is not None
         ags = [ag]
         self.gathers.append((ag, "fwd" if forward else "bwd", secondary))
@@ -243,7 +244,7 @@ class _Coordinator(_Stage3State):
         if quant:
             sc = e.collective(f"all-gather qwZ scales mb{self.mb}", "all_gather", scale_bytes,
                               stream, groups, cpu_s=0.0, alloc=(("buffers", scale_bytes),),
-                              micro_batch=self.mb)
+                              micro_batch=self.mb, dtype="f32")
             assert sc is not None
             ags.append(sc)
         g = _Gather(pids, ags, single, quant, out, scale_bytes, set(pids))

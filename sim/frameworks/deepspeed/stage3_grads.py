@@ -107,17 +107,18 @@ class _Gradients(_Stage3State):
         e.kernels(f"qgZ swizzle_quant {p.name}", rs, "bwd",
                   W16 * n + q_intra + FP32_SCALE * intra,
                   alloc=(("buffers", 2 * (q_intra + FP32_SCALE * intra)),), micro_batch=mb)
+        # int4 values packed two to an int8 tensor, fp32 scales (all_to_all_quant_reduce).
         e.collective(f"qgZ intra-node all-to-all {p.name}", "all_to_all", q_intra, rs,
-                     self.local_groups, micro_batch=mb)
+                     self.local_groups, micro_batch=mb, dtype="i8")
         e.collective(f"qgZ intra-node all-to-all scales {p.name}", "all_to_all",
-                     FP32_SCALE * intra, rs, self.local_groups, micro_batch=mb)
+                     FP32_SCALE * intra, rs, self.local_groups, micro_batch=mb, dtype="f32")
         e.kernels(f"qgZ quantized_reduction {p.name}", rs, "bwd",
                   q_intra + FP32_SCALE * intra + q_inter + FP32_SCALE * inter,
                   alloc=(("buffers", 2 * (q_inter + FP32_SCALE * inter)),), micro_batch=mb)
         e.collective(f"qgZ inter-node all-to-all {p.name}", "all_to_all", q_inter, rs,
-                     self.global_groups, micro_batch=mb)
+                     self.global_groups, micro_batch=mb, dtype="i8")
         e.collective(f"qgZ inter-node all-to-all scales {p.name}", "all_to_all",
-                     FP32_SCALE * inter, rs, self.global_groups, micro_batch=mb)
+                     FP32_SCALE * inter, rs, self.global_groups, micro_batch=mb, dtype="f32")
         e.kernels(f"qgZ dequantize + sum over nodes {p.name}", rs, "bwd",
                   q_inter + W16 * n / L + W16 * n / L + W16 * n / W, kernels=1 + N,
                   free=(("buffers", 2 * (q_intra + FP32_SCALE * intra)

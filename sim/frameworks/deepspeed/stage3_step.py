@@ -40,7 +40,7 @@ class _Step(_Coordinator):
             e.kernels("overflow check (grad partitions)", self.rs, ph, 2 * W16 * part + 2,
                       kernels=6, category="optimizer")
             e.owe("compute", e.last[self.rs])
-            e.collective("all-reduce overflow flag", "all_reduce", 1, "compute")
+            e.collective("all-reduce overflow flag", "all_reduce", 1, "compute", dtype="u8")
             e.host_wait("overflow .item()", [e.last.get("compute")], phase=ph)
         # _create_fp16_sub_groups: parameters in order, a sub-group closed once its partition
         # elements reach sub_group_size.
@@ -55,7 +55,7 @@ class _Step(_Coordinator):
             # _get_norm_groups -> get_grad_norm_direct: g.double().norm(2) per parameter
             e.kernels("grad norm (fp64 per tensor)", "compute", ph, (W16 + 2 * FP64) * part,
                       kernels=2 * n_tensors + 3, category="optimizer")
-            e.collective("all-reduce grad norm", "all_reduce", FP64, "compute")
+            e.collective("all-reduce grad norm", "all_reduce", FP64, "compute", dtype="f64")
             for i, sg in enumerate(sub_groups):
                 e.kernels(f"flatten + fp32 grads (sub-group {i})", "compute", ph,
                           2 * W16 * sg + (W16 + FP32) * sg, kernels=2,
@@ -84,7 +84,7 @@ class _Step(_Coordinator):
         e.kernels("sum per-parameter grad norms", "compute", ph, 16.0 * n_tensors,
                   kernels=2 * n_tensors, category="optimizer")
         e.host_wait("norm float()", [e.last.get("compute"), e.last.get(self.rs)], phase=ph)
-        e.collective("all-reduce grad norm", "all_reduce", FP32, "compute")
+        e.collective("all-reduce grad norm", "all_reduce", FP32, "compute", dtype="f32")
         prev = e.host_wait("norm .cpu()", [e.last.get("compute")], phase=ph)
         for i, sg in enumerate(sub_groups):
             deps: list[Op] = [prev]

@@ -106,7 +106,7 @@ class _Stage012:
                                        "FP16_Optimizer" if z.stage == 0 else
                                        "DeepSpeedZeroOptimizer"),
                             offload_optimizer="cpu" if self.offload else "none")
-        self.e = _Emitter(program, cls, self.cm)
+        self.e = _Emitter(program, cls, self.cm, w16="f16" if z.fp16 else "bf16")
         self.model_flops = block_model_flops(self.m, self.costs, ctx.micro_batch, ctx.seq)
         for mb in range(ctx.micro_batches):
             self.micro_batch(mb)
@@ -363,7 +363,7 @@ class _Stage012:
             # has_overflow_partitioned_grads_serial + all_reduce + .item()
             e.kernels("overflow check (partition)", "compute", ph, 20 * part,
                       kernels=6 * tensors_mine, category="optimizer")
-            e.collective("all-reduce overflow flag", "all_reduce", 1, "compute")
+            e.collective("all-reduce overflow flag", "all_reduce", 1, "compute", dtype="u8")
             e.host_wait("overflow .item()", [e.last.get("compute")], phase=ph)
         if self.offload:
             assert self.host is not None
@@ -372,7 +372,7 @@ class _Stage012:
             e.host_wait("per-parameter norm .item()", [e.last.get("compute"),
                                                        e.last.get(self.red)], phase=ph)
             e.owed_cpu += tensors_mine * CUDA_API_CPU_S
-            e.collective("all-reduce grad norm", "all_reduce", FP32, "compute")
+            e.collective("all-reduce grad norm", "all_reduce", FP32, "compute", dtype="f32")
             sync = e.host_wait("norm .item()", [e.last.get("compute")], phase=ph)
             unscale = e.cpu_work("unscale fp32 grads (CPU)", _host_pass_s(self.host, 8 * part),
                                  ph, [sync])
@@ -390,7 +390,7 @@ class _Stage012:
             e.kernels("grad norm (fp64 per tensor)", "compute", ph,
                       (W16 + 2 * FP64) * part, kernels=2 * tensors_mine + 4,
                       category="optimizer")
-            e.collective("all-reduce grad norm", "all_reduce", FP32, "compute")
+            e.collective("all-reduce grad norm", "all_reduce", FP32, "compute", dtype="f32")
             # flatten(averaged_gradients).to(fp32); averaged freed; unscale; Adam; copy back.
             e.kernels("flatten + cast grads to fp32", "compute", ph,
                       2 * W16 * part + (W16 + FP32) * part, kernels=2,

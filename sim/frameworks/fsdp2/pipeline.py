@@ -66,6 +66,7 @@ def send(stage: Stage, kind: str, v: int, mb: int, after: Op) -> None:
         name=f"send {'act' if kind == 'F' else 'grad'} v{v}->v{nxt} mb{mb}", kind="send",
         stream=f"pp-{'fwd' if kind == 'F' else 'bwd'}", phase="comm", deps=[after],
         pairs=job.mesh.stage_pairs(stage.st, nxt % job.pp), nbytes=job.p2p_bytes,
+        dtype=stage.act_dtype,
         key=f"pp/{kind}/{v}/{mb}", category="send_recv", micro_batch=mb))
     job.sends[(kind, v, mb)] = op
     stage.sent.append(op)

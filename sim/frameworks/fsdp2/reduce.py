@@ -41,7 +41,8 @@ def reduce(stage: Stage, u: Unit, grads: float, mb: int, deps: list[Op], free_pa
         # Each replicated norm weight's gradient, in the dtype it is held in.
         held = BF16 if job.pp == 1 else rb
         stage.add(stage.tp_op("all_reduce", float(held * job.ctx.model.hidden),
-                              f"tp all_reduce norm grad {i} {u.name} mb{mb}", mb, None))
+                              f"tp all_reduce norm grad {i} {u.name} mb{mb}", mb, None,
+                              dtype="bf16" if job.pp == 1 else job.reduce_dtype))
     frees: tuple[tuple[str, float], ...] = (("gradients", grads),)
     if free_params:
         frees += (("parameters", job.param_bytes(u)),)
@@ -55,7 +56,7 @@ def reduce(stage: Stage, u: Unit, grads: float, mb: int, deps: list[Op], free_pa
         rs = stage.add(Op(
             name=f"{RS} {u.name} mb{mb}", kind="collective", stream="rs", phase="comm",
             deps=[copy_in], collective="reduce_scatter", group=stage.shard_groups[0],
-            groups=stage.shard_groups, nbytes=rb * u.numel,
+            groups=stage.shard_groups, nbytes=rb * u.numel, dtype=job.reduce_dtype,
             key=stage.key(f"rs/{u.name}/{mb}"), category="reduce_scatter",
             micro_batch=mb))
     else:
@@ -81,6 +82,7 @@ def hsdp_all_reduce(stage: Stage, u: Unit, rs: Op, mb: int) -> Op:
         name=f"all-reduce {u.name} mb{mb}", kind="collective", stream="ar",
         phase="comm", deps=[rs], collective="all_reduce", group=stage.rep_groups[0],
         groups=stage.rep_groups, nbytes=job.rbytes * u.numel / job.n_shard,
+        dtype=job.reduce_dtype,
         key=stage.key(f"ar/{u.name}/{mb}"), category="all_reduce", micro_batch=mb))
     stage.last_ar[u.name] = post
     stage.reduces.append(post)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from sim.frameworks.fsdp2.tp_pass import Comms, TitanPass
 from sim.frameworks.fsdp2.units import BlockOps, Job
-from sim.program import Op, Program, RankClass
+from sim.frameworks.nccl_dtype import half
+from sim.program import NcclType, Op, Program, RankClass
 
 
 class Stage:
@@ -30,6 +31,8 @@ class Stage:
         self.tp_groups = mesh.tp_groups(st)
         self.cp_groups = mesh.cp_groups(st)
         self.cp_ring_pairs = mesh.cp_ring_pairs(st)
+        # Activations (and their gradients) are 16-bit (sim.frameworks.fsdp2.tp counts them so).
+        self.act_dtype = half(job.ctx.scenario.training.precision)
         self._keys = 0
         self.gathered: dict[str, bool] = {}
         self.last_rs: Op | None = None          # ReduceScatterState: one input buffer
@@ -54,11 +57,14 @@ class Stage:
         """Issue ``op`` on this stage's rank class."""
         return self.program.add(self.cls, op)
 
-    def tp_op(self, kind: str, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
-        """A tensor-parallel collective, on the compute stream (DTensor waits for it)."""
+    def tp_op(self, kind: str, nbytes: float, name: str, mb: int, layer: int | None,
+              dtype: NcclType | None = None) -> Op:
+        """A tensor-parallel collective, on the compute stream (DTensor waits for it); of
+        16-bit activations unless ``dtype`` says otherwise."""
         groups = self.tp_groups
         return Op(name=name, kind="collective", stream="compute", phase="comm",
                   collective=kind, group=groups[0], groups=groups, nbytes=nbytes,  # type: ignore[arg-type]
+                  dtype=dtype or self.act_dtype,
                   key=self.key("tp"), category=kind, micro_batch=mb, layer=layer)
 
     def cp_gather(self, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
@@ -66,10 +72,11 @@ class Stage:
         groups = self.cp_groups
         return Op(name=name, kind="collective", stream="cp", phase="comm",
                   collective="all_gather", group=groups[0], groups=groups, nbytes=nbytes,
-                  key=self.key("cp"), category="all_gather", micro_batch=mb, layer=layer)
+                  dtype=self.act_dtype, key=self.key("cp"), category="all_gather",
+                  micro_batch=mb, layer=layer)
 
     def cp_shift(self, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
         """One shift of the context-parallel ring (each rank to the next)."""
         return Op(name=name, kind="send", stream="cp", phase="comm",
-                  pairs=self.cp_ring_pairs, nbytes=nbytes,
+                  pairs=self.cp_ring_pairs, nbytes=nbytes, dtype=self.act_dtype,
                   key=self.key("cp-shift"), category="send_recv", micro_batch=mb, layer=layer)

@@ -94,6 +94,15 @@ class TitanPass:
         per = BF16 if not what else tp_all_gather_bytes_per_element(self.tb.fp8_tp, what)
         return float(self.tb.tokens * self.tb.hidden * per)
 
+    def _fp8(self, op: Op, what: str) -> Op:
+        """Label a float8 all-gather of ``what`` (:meth:`_gathered`) uint8, as NCCL moves
+        float8 data (:func:`sim.frameworks.nccl_dtype.element_type`); the comms builder
+        labels the rest 16-bit."""
+        if op.collective == "all_gather" and what and \
+                tp_all_gather_bytes_per_element(self.tb.fp8_tp, what) == 1:
+            op.dtype = "u8"
+        return op
+
     def _rs_out(self) -> float:
         return float(self.tb.local_tokens * self.tb.hidden * BF16)
 
@@ -116,6 +125,7 @@ class TitanPass:
                 ops.append(self.c.tp("all_gather", self._gathered(what),
                                      f"tp all_gather {what} (recompute) L{layer} mb{mb}",
                                      mb, layer))
+                self._fp8(ops[-1], what)
             c = tb.cost[key]
             regen = c.saved_bytes - sac[key].cached_bytes
             if key == "attn_norm":
@@ -151,8 +161,8 @@ class TitanPass:
         def tp_comm(kind: str, what: str) -> None:
             if tp > 1:
                 nbytes = self._gathered(what if kind == "all_gather" else "")
-                op = self.c.tp(kind, nbytes, f"tp {kind} {what}"
-                               f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay)
+                op = self._fp8(self.c.tp(kind, nbytes, f"tp {kind} {what}"
+                               f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay), what)
                 if sac is not None and kind == "reduce_scatter":
                     # The policy saves reduce-scatter outputs (the local tokens' branch).
                     op.alloc = (("activations", self._rs_out()),)
@@ -171,6 +181,7 @@ class TitanPass:
                 for what in ("max", "sumexp", "target"):
                     ops.append(self.c.tp("all_reduce", float(self.tb.tokens * FP32),
                                          f"tp all_reduce loss {what} mb{mb}", mb, None))
+                    ops[-1].dtype = "f32"   # fp32 statistics, FP32 bytes above
             if phase == "fwd" and self._scoped:
                 # The forward returns after the loss: the logits are released.
                 ops[-1].free = ops[-1].free + (("buffers", self._scoped),)
@@ -273,8 +284,9 @@ class TitanPass:
         def tp_comm(kind: str, what: str) -> None:
             if tp > 1:
                 nbytes = self._gathered(what if kind == "all_gather" else "")
-                ops.append(self.c.tp(kind, nbytes, f"tp {kind} grad {what}"
-                                     f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay))
+                ops.append(self._fp8(self.c.tp(kind, nbytes, f"tp {kind} grad {what}"
+                                     f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay),
+                                     what))
 
         if block == "head":
             seg("head_main")

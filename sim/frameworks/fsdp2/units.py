@@ -16,7 +16,7 @@ from sim.frameworks.fsdp2.mesh import Mesh
 from sim.frameworks.fsdp2.tp import TitanBlocks
 from sim.host import HostSpec
 from sim.layer_ops import BlockCost, SacCost, Style
-from sim.program import Op
+from sim.program import NcclType, Op
 from sim.scenario import Fsdp2Options
 
 AG, RS = "all-gather", "reduce-scatter"
@@ -116,6 +116,20 @@ class Job:
         if self.style.float8_weights and u.name.startswith("L"):
             return float(u.numel)
         return float(self.pbytes * u.numel)
+
+    @property
+    def reduce_dtype(self) -> NcclType:
+        """NCCL type of the gradient reduce-scatter and HSDP all-reduce: ``reduce_dtype``
+        (as :attr:`rbytes`)."""
+        return "bf16" if self.opts.reduce_dtype == "bf16" else "f32"
+
+    def gather_dtype(self, u: Unit) -> NcclType:
+        """NCCL type of a unit's all-gather, as :meth:`param_bytes` counts it: float8
+        blocks go as uint8 (:func:`sim.frameworks.nccl_dtype.element_type`), the rest in
+        ``param_dtype``."""
+        if self.style.float8_weights and u.name.startswith("L"):
+            return "u8"
+        return "bf16" if self.opts.param_dtype == "bf16" else "f32"
 
     @property
     def vp(self) -> int:

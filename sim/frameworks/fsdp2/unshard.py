@@ -30,7 +30,7 @@ def gather(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str) -> Op:
     return stage.add(Op(
         name=f"{AG} {u.name} ({phase}) mb{mb}", kind="collective", stream="ag",
         phase="comm", deps=deps, collective="all_gather", group=stage.shard_groups[0],
-        groups=stage.shard_groups, nbytes=nbytes,
+        groups=stage.shard_groups, nbytes=nbytes, dtype=job.gather_dtype(u),
         key=stage.key(f"ag/{u.name}/{phase}/{mb}"),
         category="all_gather", micro_batch=mb, alloc=(("buffers", nbytes),)))
 
