@@ -1,7 +1,7 @@
 """The host clock: when a rank class's host thread issues each of its ops.
 
 One rule, used by the engine (:meth:`sim.engine.Engine.run_step` runs it against simulated
-ends) and by the planner's lower bound (:func:`sim.plan._earliest_schedule` runs it against
+ends) and by the planner's lower bound (:func:`sim.plan_bound._earliest_schedule` runs it against
 the earliest schedule's ends), so a change here changes both.
 
 A framework's Python thread issues a rank class's ops one after another in program order,

@@ -69,7 +69,7 @@ class SearchSpace:
     """Options that change a layer's own ops (the layer profile is built with them)."""
     short_step_with_pipeline: bool = True
     """The peak memory stops growing after 2 x pp micro-batches with pipeline parallelism,
-    so the planner may build a shorter step (``sim.plan.proxy_micro_batches``)."""
+    so the planner may build a shorter step (``sim.plan_evaluate.proxy_micro_batches``)."""
     weight_casts_per_step: bool = False
     """With fp8, weight casts are shared by the micro-batches of a step, so a
     one-micro-batch profile is no lower bound (the profile then only refuses)."""
@@ -167,7 +167,7 @@ def build_program(ctx: JobContext) -> Program:
 
 
 # --------------------------------------------------------------------------- the built-ins
-# One entry each; the options models still live in sim/scenario.py (they move into the
+# One entry each; the options models live in sim/framework_options.py (they move into the
 # framework packages with the restructure), the search spaces in search_spaces.py.
 _BUILTINS = (
     FrameworkEntry(
