@@ -449,9 +449,9 @@ class _BranchAndBound:
                 for j in self.probes.release(c.family):
                     heapq.heappush(self.heap, (self.goal.of_seconds(self.cands[j].bound0_s),
                                                j, 0))
-                continue
-            for j, sim in zip(indices, _batch_results(fut, indices), strict=True):
-                self._settle_simulation(self.cands[j], sim)
+            else:
+                for j, sim in zip(indices, _batch_results(fut, indices), strict=True):
+                    self._settle_simulation(self.cands[j], sim)
             self.completed[kind] += len(indices)
             if self.workers.progress is not None:
                 self.workers.progress(kind, self.completed[kind], len(self.cands))
