@@ -37,7 +37,7 @@ lint: $(STAMP)
 pictures: $(STAMP)
 	$(BIN)/python tools/readme_pictures.py
 
-# Regenerate tests/golden/ after an intended change of output; prints what moved
+# Regenerate tests/integration/golden/ after an intended change of output; prints what moved
 # (docs/golden.md).
 golden: $(STAMP)
 	$(BIN)/python tools/update_golden.py

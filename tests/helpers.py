@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import simpy
+from conftest import make_scenario
 
+from sim.scenario import Scenario
 from sim.topology import FabricSpec
 
 
@@ -34,3 +36,26 @@ def pipeline_idle_share(r: Any) -> float:
     pipeline_end = max(x.end for x in r.recorder.ops
                        if x.cls == crit and x.op.phase in ("fwd", "bwd", "recompute"))
     return float(r.summary["bubble_fraction"] * step / pipeline_end)
+
+
+# A deep, narrow-vocabulary model so the layers dominate each pipeline stage (the closed forms
+# of the Megatron tests assume identical stages).
+DEEP = {"layers": 32, "hidden": 4096, "heads": 32, "ffn_hidden": 16384, "vocab": 1024,
+        "mlp": "gelu", "tied_embeddings": False}
+
+
+def megatron_scenario(par: dict, gbs: int, mbs: int = 1, framework: dict | None = None,
+                      ac: str = "none", nvlink: float = 45000, nodes: int = 1, gpn: int = 8,
+                      model: dict | None = None, seq: int = 2048,
+                      precision: str = "bf16") -> Scenario:
+    """Megatron-LM on H100 nodes (DEEP by default), through the one factory
+    (:func:`conftest.make_scenario`): the builder the Megatron test modules share."""
+    return make_scenario({
+        "model": model or DEEP,
+        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpn,
+                    "nvlink_gbytes_per_s": nvlink, "nics_per_node": 8 if nodes > 1 else 0,
+                    "nic_gbps": 400},
+        "framework": framework or {"name": "megatron"},
+        "parallelism": par,
+        "training": {"seq_len": seq, "micro_batch_size": mbs, "global_batch_size": gbs,
+                     "activation_checkpointing": ac, "precision": precision}})

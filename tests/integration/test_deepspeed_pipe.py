@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+from conftest import make_scenario
+from helpers import DEEP
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
@@ -17,8 +19,6 @@ from sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 
 # Deep and narrow-vocabulary, so the layers dominate every stage (the closed forms assume
 # identical stages); GELU/LayerNorm/biases as Megatron-DeepSpeed's GPT.
-DEEP = {"layers": 32, "hidden": 4096, "heads": 32, "ffn_hidden": 16384, "vocab": 1024,
-        "mlp": "gelu", "tied_embeddings": False}
 SMALL = {"layers": 8, "hidden": 1024, "heads": 16, "ffn_hidden": 4096, "vocab": 2048,
          "mlp": "gelu", "tied_embeddings": True}
 
@@ -26,14 +26,12 @@ SMALL = {"layers": 8, "hidden": 1024, "heads": 16, "ffn_hidden": 4096, "vocab": 
 def scenario(par: dict, gbs: int, framework: dict | None = None, model: dict | None = None,
              ac: str = "none", mbs: int = 1, seq: int = 2048, nvlink: float = 45000):
     n = par.get("tp", 1) * par.get("pp", 1) * par.get("dp", 1)
-    return scenario_from_dict({
-        "model": model or DEEP,
-        "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": n,
-                    "nvlink_gbytes_per_s": nvlink, "nics_per_node": 0},
-        "framework": framework or {"name": "deepspeed", "zero_stage": 1},
-        "parallelism": par,
-        "training": {"seq_len": seq, "micro_batch_size": mbs, "global_batch_size": gbs,
-                     "activation_checkpointing": ac}})
+    return make_scenario(name=None, model=model or DEEP, cluster__gpus_per_node=n,
+                         cluster__nvlink_gbytes_per_s=nvlink, cluster__nics_per_node=0,
+                         framework=framework or {"name": "deepspeed", "zero_stage": 1},
+                         parallelism=par,
+                         training={"seq_len": seq, "micro_batch_size": mbs,
+                                   "global_batch_size": gbs, "activation_checkpointing": ac})
 
 
 def program(s):

@@ -8,6 +8,7 @@ its GEMM and at least its exchange, and overlap never beats free communication."
 from __future__ import annotations
 
 import pytest
+from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
 from sim.frameworks.megatron_overlap import (
@@ -17,7 +18,6 @@ from sim.frameworks.megatron_overlap import (
 )
 from sim.program import Op
 from sim.scenario import ScenarioError
-from tests.test_megatron import scenario
 
 SMALL = {"layers": 4, "hidden": 4096, "heads": 32, "ffn_hidden": 16384, "vocab": 1024,
          "mlp": "gelu", "tied_embeddings": False}

@@ -5,7 +5,7 @@ The truth each check uses: the frameworks' own dtype rules (DDP's fp32 ``.grad``
 FSDP2's ``MixedPrecisionPolicy``, Megatron-Core's ``grad_reduce_in_fp32`` default, FairScale's
 ``fp32_reduce_scatter``, DeepSpeed's fp64 ZeRO-3 norm), the model's parameter count, and NCCL's
 type sizes (nccl.h ``ncclDataType_t``). The type is a label only: ``run --json`` is pinned to
-the last bit by tests/test_golden.py.
+the last bit by tests/integration/test_golden.py.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from test_golden import SCENARIOS, SYNTHETIC, TINY
 
 from sim.export_hta import nccl_kernel_name
 from sim.frameworks.base import JobContext
 from sim.frameworks.registry import build_program
 from sim.program import Op, Program
 from sim.scenario import load_scenario
-from tests.test_golden import SCENARIOS, SYNTHETIC, TINY
 
 # Bytes per element of NCCL's types (nccl.h: ncclInt8/Uint8 1, Float16/Bfloat16 2,
 # Float32/Int32 4, Float64/Int64 8, the fp8 types 1).

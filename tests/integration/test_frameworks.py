@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import SMALL_MODEL, make_scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
@@ -10,18 +11,13 @@ from sim.frameworks.ddp import bucket_assignment
 from sim.model import ModelSpec
 from sim.scenario import ScenarioError, scenario_from_dict
 
-SMALL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn_hidden": 4096,
-         "vocab": 32000, "mlp": "swiglu"}
+SMALL = SMALL_MODEL
 
 
 def scenario(framework: dict, nodes: int = 1, gpus: int = 8, **training):
-    t = {"seq_len": 1024, "micro_batch_size": 1}
-    t.update(training)
-    return scenario_from_dict({
-        "name": "t", "model": SMALL,
-        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpus,
-                    "nics_per_node": 8 if nodes > 1 else 0},
-        "framework": framework, "training": t})
+    return make_scenario(cluster__nodes=nodes, cluster__gpus_per_node=gpus,
+                         cluster__nics_per_node=8 if nodes > 1 else 0, framework=framework,
+                         **{f"training.{k}": v for k, v in training.items()})
 
 
 def program(s):

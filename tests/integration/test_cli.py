@@ -56,7 +56,7 @@ BAD_INPUT = [
 
 # Every command the tests look at, run side by side (each is mostly interpreter start-up).
 # Other kinds of bad input (unknown model, framework, GPU) are covered in-process by
-# tests/test_scenario.py; run_hours with tokens_total by tests/test_cost.py.
+# tests/unit/test_scenario.py; run_hours with tokens_total by tests/unit/test_cost.py.
 COMMANDS: dict[str, list[str]] = {
     "json": ["run", TINY, "--json"],
     "json-again": ["run", TINY, "--json"],
@@ -109,7 +109,7 @@ def summary(results) -> dict:
 
 
 def test_not_run_from_the_repository(workdir):
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     assert repo not in workdir.resolve().parents and workdir.resolve() != repo
 
 

@@ -20,7 +20,7 @@ from sim.frameworks import base, registry
 from sim.frameworks.registry import FrameworkEntry, register_framework, unregister_framework
 from sim.scenario import ScenarioError, scenario_from_dict
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-framework.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "adding-a-framework.md"
 BUILTINS = ("ddp", "fsdp2", "megatron", "deepspeed", "fairscale")
 
 

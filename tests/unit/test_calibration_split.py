@@ -21,7 +21,7 @@ import yaml
 from sim.validation import FIT_SUITES, SUITES
 from sim.validation.vtrain import STRATUM, config_key, half_of, row_indices, rows
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "calibration.md"
 KINDS = ("single", "multi")
 

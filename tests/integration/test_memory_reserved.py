@@ -26,7 +26,7 @@ from sim.memory_overheads import (
 from sim.metrics import memory_summary
 from sim.scenario import Allocator, Claims, load_scenario
 
-CALIB = Path(__file__).resolve().parents[1] / "sim/catalog/calibration/h200-train-step.json"
+CALIB = Path(__file__).resolve().parents[2] / "sim/catalog/calibration/h200-train-step.json"
 GIB = 2**30
 
 

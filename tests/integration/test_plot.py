@@ -22,7 +22,7 @@ from sim.scenario import load_scenario, scenario_from_dict
 from sim.topology import LINK_KINDS
 
 # Two small nodes in two availability zones, FSDP2: its all-gathers and reduce-scatters
-# cross the zone boundary (as tests/test_cost.py's TINY_TWO_ZONES).
+# cross the zone boundary (as tests/unit/test_cost.py's TINY_TWO_ZONES).
 TWO_ZONES: dict[str, Any] = {
     "name": "tiny-2az",
     "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1536,

@@ -4,33 +4,15 @@ et al. 2022), tensor-parallel exchanges, bytes per parameter of the optimizers."
 from __future__ import annotations
 
 import pytest
-from helpers import pipeline_idle_share
+from helpers import DEEP, pipeline_idle_share
+from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.megatron import schedule
 from sim.megatron_ops import MegatronLayout, megatron_blocks
 from sim.model import ModelSpec
-from sim.scenario import ModelDims, scenario_from_dict
-
-# A deep, narrow-vocabulary model so the layers dominate each stage (the closed forms assume
-# identical stages).
-DEEP = {"layers": 32, "hidden": 4096, "heads": 32, "ffn_hidden": 16384, "vocab": 1024,
-        "mlp": "gelu", "tied_embeddings": False}
-
-
-def scenario(par: dict, gbs: int, mbs: int = 1, framework: dict | None = None,
-             ac: str = "none", nvlink: float = 45000, nodes: int = 1, gpn: int = 8,
-             model: dict | None = None, seq: int = 2048, precision: str = "bf16"):
-    return scenario_from_dict({
-        "model": model or DEEP,
-        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpn,
-                    "nvlink_gbytes_per_s": nvlink, "nics_per_node": 8 if nodes > 1 else 0,
-                    "nic_gbps": 400},
-        "framework": framework or {"name": "megatron"},
-        "parallelism": par,
-        "training": {"seq_len": seq, "micro_batch_size": mbs, "global_batch_size": gbs,
-                     "activation_checkpointing": ac, "precision": precision}})
+from sim.scenario import ModelDims
 
 
 def test_1f1b_order_matches_megatron() -> None:

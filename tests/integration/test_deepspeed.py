@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import SMALL_MODEL, make_scenario
 
 from sim.api import fabric_spec, simulate
 from sim.frameworks import JobContext, build_program
@@ -17,8 +18,7 @@ from sim.program import Op, Program
 from sim.scenario import ModelDims, ScenarioError, scenario_from_dict
 from sim.topology import build_fabric
 
-SMALL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn_hidden": 4096,
-         "vocab": 32000, "mlp": "swiglu"}
+SMALL = SMALL_MODEL
 # Layers so wide that no parameter is kept from its forward to its backward use under
 # DeepSpeed's default stage3_max_reuse_distance (1e9 elements) except the LM head, used last
 # in forward and first in backward. Only programs are built (or simulated: few ops).
@@ -30,16 +30,11 @@ BF16 = 2
 
 def scenario(framework: dict, nodes: int = 1, gpus: int = 8, model: dict | str = SMALL,
              cluster: dict | None = None, nccl: dict | None = None, **training):
-    t = {"seq_len": 1024, "micro_batch_size": 1}
-    t.update(training)
-    c = {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpus,
-         "nics_per_node": 8 if nodes > 1 else 0}
-    c.update(cluster or {})
-    d = {"name": "t", "model": model, "cluster": c, "framework": {"name": "deepspeed", **framework},
-         "training": t}
-    if nccl:
-        d["nccl"] = nccl
-    return scenario_from_dict(d)
+    return make_scenario(model=model, cluster__nodes=nodes, cluster__gpus_per_node=gpus,
+                         cluster__nics_per_node=8 if nodes > 1 else 0,
+                         **{f"cluster.{k}": v for k, v in (cluster or {}).items()},
+                         framework={"name": "deepspeed", **framework}, nccl=nccl or None,
+                         **{f"training.{k}": v for k, v in training.items()})
 
 
 def program(s) -> Program:

@@ -242,7 +242,7 @@ def test_bad_instance_is_one_line_naming_the_key(pricing, cluster_gpu, expected)
 
 
 # --------------------------------------------------------------------------- the doc
-DOC = Path(__file__).resolve().parents[1] / "docs" / "egress-arithmetic.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "egress-arithmetic.md"
 
 
 def test_doc_redoes_the_article_arithmetic():

@@ -16,7 +16,7 @@ import yaml
 
 from sim.scenario import TOPOLOGY_META_KEYS, Cluster, scenario_from_dict
 
-TOPOLOGIES = Path(__file__).resolve().parents[1] / "topologies"
+TOPOLOGIES = Path(__file__).resolve().parents[2] / "topologies"
 PRESETS = sorted(p.stem for p in TOPOLOGIES.glob("*.yaml"))
 
 

@@ -30,7 +30,7 @@ from sim.executor import (
 )
 from sim.scenario import ScenarioError, scenario_from_dict
 
-# Two nodes of two GPUs, ddp: dp = 4 replicas, global batch 8 (as tests/test_sweep.py).
+# Two nodes of two GPUs, ddp: dp = 4 replicas, global batch 8 (as tests/integration/test_sweep.py).
 TINY = {
     "name": "tiny-executor",
     "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1536,

@@ -158,7 +158,7 @@ def test_one_verdict_per_claimed_figure():
 
 def test_claims_end_to_end_on_the_one_gpu_scenario():
     # Llama 3.2 1B on an H200 (989.4 TFLOP/s bf16, same compute as H100): 8,220,192,768
-    # FLOP/token (tests/test_model.py) caps the rate at 989.4e12 / 8.22e9 = 120,363 tokens/s.
+    # FLOP/token (tests/unit/test_model.py) caps the rate at 989.4e12 / 8.22e9 = 120,363 tokens/s.
     # Plain PyTorch keeps fp32 params + fp32 grads + two fp32 Adam moments: 16 x 1,235,814,400
     # = 19,773,030,400 bytes = 18.4 GiB.
     s = load_scenario("llama3.2-1b-1xh200", [

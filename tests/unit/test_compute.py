@@ -99,7 +99,7 @@ def test_fit_file_is_reproducible(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     fit = root / "sim" / "catalog" / "calibration" / "h200-fit.json"
     before = json.loads(fit.read_text())
     refit = tmp_path / "h200-fit.json"

@@ -8,6 +8,7 @@ test says which.
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
@@ -33,17 +34,12 @@ ROOT = 2 * 32000 * 512 + 512
 def scenario(framework: dict | None = None, model: object = None, nodes: int = 1,
              gpus: int = 8, nic_gbps: float = 400.0, nccl: dict | None = None,
              cluster: dict | None = None, **training: object):
-    t: dict[str, object] = {"seq_len": 1024, "micro_batch_size": 1}
-    t.update(training)
-    c: dict[str, object] = {"gpu": "h200", "nodes": nodes, "gpus_per_node": gpus,
-                            "nics_per_node": 8 if nodes > 1 else 0, "nic_gbps": nic_gbps}
-    c.update(cluster or {})
-    d: dict[str, object] = {"name": "t", "model": SMALL if model is None else model,
-                            "cluster": c, "framework": framework or {"name": "fairscale"},
-                            "training": t}
-    if nccl:
-        d["nccl"] = nccl
-    return scenario_from_dict(d)
+    return make_scenario(model=SMALL if model is None else model, cluster__gpu="h200",
+                         cluster__nodes=nodes, cluster__gpus_per_node=gpus,
+                         cluster__nics_per_node=8 if nodes > 1 else 0, cluster__nic_gbps=nic_gbps,
+                         **{f"cluster.{k}": v for k, v in (cluster or {}).items()},
+                         framework=framework or {"name": "fairscale"}, nccl=nccl or None,
+                         **{f"training.{k}": v for k, v in training.items()})
 
 
 def records(result):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTRACTS = {
     c["id"]: c["name"]
     for c in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][

@@ -20,7 +20,7 @@ from types import ModuleType
 import pytest
 from matplotlib.figure import Figure
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PUBLIC_MODULES = {"sim.api", "sim.scenario", "sim.plot", "sim.compare"}
 """What the notebooks may import from fabricsim (README, "Using it from Python")."""

@@ -6,6 +6,7 @@ bytes each exchange moves, and where the exchanges are waited for."""
 from __future__ import annotations
 
 import pytest
+from conftest import SMALL_MODEL, make_scenario
 
 from sim import catalog
 from sim.compute import ComputeModel
@@ -19,21 +20,15 @@ from sim.frameworks.fsdp2.cp import (
 )
 from sim.layer_ops import Style, kernel_time
 from sim.model import ModelSpec
-from sim.scenario import scenario_from_dict
 
-SMALL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn_hidden": 4096,
-         "vocab": 32000, "mlp": "swiglu"}
+SMALL = SMALL_MODEL
 SEQ = 4096
 
 
 def scenario(cp: int, framework: dict | None = None, **training):
-    t = {"seq_len": SEQ, "micro_batch_size": 1}
-    t.update(training)
-    return scenario_from_dict({
-        "name": "t", "model": SMALL,
-        "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 8},
-        "framework": {"name": "fsdp2", **(framework or {})}, "parallelism": {"cp": cp},
-        "training": t})
+    return make_scenario(framework={"name": "fsdp2", **(framework or {})},
+                         parallelism={"cp": cp}, training__seq_len=SEQ,
+                         **{f"training.{k}": v for k, v in training.items()})
 
 
 def layer_ops(p, layer: int = 1):

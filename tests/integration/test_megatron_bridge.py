@@ -7,12 +7,12 @@ chunks 0-1 on every stage before anything else), ``overlap_p2p_comm`` / ``batch_
 from __future__ import annotations
 
 import pytest
+from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.megatron_pipeline import pipeline_steps, schedule
 from sim.scenario import ScenarioError
-from tests.test_megatron import scenario
 
 
 def _pp(framework: dict | None = None, pp: int = 4, vp: int = 2, dp: int = 4):

@@ -7,11 +7,11 @@ and Transformer Engine's context-parallel ring."""
 from __future__ import annotations
 
 import pytest
-from helpers import pipeline_idle_share
+from helpers import DEEP, pipeline_idle_share
+from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
 from sim.frameworks.megatron_pipeline import pipeline_steps, schedule
-from tests.test_megatron import DEEP, scenario
 
 
 def _fwd_spans(r, cls: int) -> dict[int, tuple[float, float]]:

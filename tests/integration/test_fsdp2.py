@@ -4,6 +4,7 @@ around it, against closed forms derived from what the source code issues."""
 from __future__ import annotations
 
 import pytest
+from conftest import SMALL_MODEL, make_scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
@@ -11,27 +12,22 @@ from sim.frameworks.fsdp2.mesh import stage_layers
 from sim.host import HostSpec, cpu_adam_s
 from sim.model import ModelSpec
 from sim.network import ring_bytes_per_rank
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import ScenarioError
 from sim.topology import NETWORK, PCIE
 
-SMALL = {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn_hidden": 4096,
-         "vocab": 32000, "mlp": "swiglu"}
+SMALL = SMALL_MODEL
 GIB = 2**30
 
 
 def scenario(framework: dict | None = None, par: dict | None = None, nodes: int = 1,
              gpus: int = 8, model: dict | None = None, nccl: dict | None = None,
              nvlink: float | None = None, **training):
-    t = {"seq_len": 1024, "micro_batch_size": 1}
-    t.update(training)
-    cluster = {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": gpus,
-               "nics_per_node": 8 if nodes > 1 else 0}
-    if nvlink:
-        cluster["nvlink_gbytes_per_s"] = nvlink
-    return scenario_from_dict({
-        "name": "t", "model": model or SMALL, "cluster": cluster,
-        "framework": {"name": "fsdp2", **(framework or {})}, "parallelism": par or {},
-        "nccl": nccl or {}, "training": t})
+    return make_scenario(model=model or SMALL, cluster__nodes=nodes, cluster__gpus_per_node=gpus,
+                         cluster__nics_per_node=8 if nodes > 1 else 0,
+                         cluster__nvlink_gbytes_per_s=nvlink or None,
+                         framework={"name": "fsdp2", **(framework or {})},
+                         parallelism=par or {}, nccl=nccl or {},
+                         **{f"training.{k}": v for k, v in training.items()})
 
 
 def program(s):

@@ -5,6 +5,7 @@ recomputation, against closed forms hand-counted from the model code
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
 
 from sim.frameworks import JobContext, build_program
 from sim.layer_ops import Style, _Builder, attention_block, model_blocks
@@ -72,12 +73,10 @@ def _fsdp2(model_code: str | None = None, gpus: int = 1, **training) -> object:
     fw = {"name": "fsdp2"}
     if model_code:
         fw["model_code"] = model_code
-    t = {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": gpus}
-    t.update(training)
-    return scenario_from_dict({
-        "name": "t", "model": "llama3.2-1b",
-        "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": gpus, "nics_per_node": 0},
-        "framework": fw, "training": t})
+    return make_scenario(model="llama3.2-1b", cluster__gpu="h200", cluster__gpus_per_node=gpus,
+                         cluster__nics_per_node=0, framework=fw,
+                         training__global_batch_size=gpus,
+                         **{f"training.{k}": v for k, v in training.items()})
 
 
 def test_model_code_selects_the_style_and_defaults_to_torchtitan() -> None:
@@ -122,12 +121,10 @@ def test_model_blocks_of_the_three_styles_share_their_flops() -> None:
 
 
 def _ddp_1gpu(**fw) -> object:
-    return scenario_from_dict({
-        "name": "t", "model": "llama3.2-1b",
-        "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
-        "framework": {"name": "ddp", **fw},
-        "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 1,
-                     "activation_checkpointing": "full"}})
+    return make_scenario(model="llama3.2-1b", cluster__gpu="h200", cluster__gpus_per_node=1,
+                         cluster__nics_per_node=0, framework={"name": "ddp", **fw},
+                         training__global_batch_size=1,
+                         training__activation_checkpointing="full")
 
 
 def test_reentrant_checkpointing_reruns_one_whole_forward_per_layer() -> None:

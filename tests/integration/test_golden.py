@@ -1,14 +1,15 @@
 """Golden outputs: every shipped scenario, small synthetic scenarios that together exercise
 every framework option, NCCL algorithm, zone/region and routing setting, and every output
 command (``run --json``, ``compare``, ``collective``, ``sweep``, ``plan``), compared with the
-results committed in ``tests/golden/`` to the last bit.
+results committed in ``tests/integration/golden/`` to the last bit.
 
 A refactoring leaves every golden unchanged. A change of behaviour regenerates them
 (``make golden``, i.e. ``python tools/update_golden.py``) in the same commit, whose message
 says which cases moved and by how much (the tool prints it). See docs/golden.md.
 
 Each case is one ``fabricsim`` command line, run in-process through the CLI from
-``tests/golden/scenarios`` (where the synthetic cases' base scenarios are); its JSON output,
+``tests/integration/golden/scenarios`` (where the synthetic cases' base scenarios are); its JSON
+output,
 less the wall-clock fields (:data:`EXCLUDED_KEYS`), is the golden. Values compare exactly:
 floats as Python reads back the repr that ``json`` wrote, ints and bools by type too (``1`` is
 not ``1.0``), NaN equal to NaN; key order is ignored.
@@ -41,7 +42,8 @@ Everything else the commands print is deterministic and compared."""
 
 SLOW_SHIPPED = {
     # Measured on the 2-core machine (simulation alone): these run under `-m benchmark`
-    # (make bench) and `make golden`, not in `make test`. tests/test_scenarios.py's SLOW.
+    # (make bench) and `make golden`, not in `make test`.
+    # tests/integration/test_scenarios.py's SLOW.
     "bloom-176b-deepspeed-3d-384xa100": "128,378 ops, ~15 s",
     "llama3-405b-megatron-tp8pp8-256xh100": "97,520 ops, ~14 s",
     "llama3-70b-megatron-tp16pp4-64xh100": "83,140 ops, ~14 s",
@@ -52,7 +54,7 @@ SLOW_SHIPPED = {
 class Case:
     """One ``fabricsim`` command line and the file holding its golden output."""
 
-    name: str                    # golden file, relative to tests/golden, without .json
+    name: str                    # golden file, relative to tests/integration/golden, without .json
     args: tuple[str, ...]        # arguments after ``fabricsim``
     slow: bool = False
 
