@@ -59,11 +59,11 @@ memory bandwidth and SMs for the collectives (their ACE engine) raises the effec
 bandwidth utilization beside DL compute by 1.44x on average, up to 2.67x; the Ascend
 profiling guide reports communication bandwidth "about 1 to 2 times lower" beside
 memory-intensive operators (hiascend.com, "Computing and Communication Bandwidth
-Contention"). tests/test_hbm_share.py checks the model against that range, not fit to it.
+Contention"). tests/unit/test_hbm_share.py checks the model against that range, not fit to it.
 
 Checked, not fitted, against Lee et al., "Characterizing Compute-Communication Overlap in
 GPU-Accelerated Distributed Deep Learning" (arXiv 2507.03114, 2025): 18.9% average slowdown
-of overlapped kernels on A100/H100, up to 40% (tests/test_interference.py). Not modelled:
+of overlapped kernels on A100/H100, up to 40% (tests/unit/test_interference.py). Not modelled:
 wave quantisation of a GEMM whose tile count just fits the whole GPU (Lee et al.'s worst
 cases), and L2 contention.
 """

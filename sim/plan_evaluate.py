@@ -43,7 +43,7 @@ class Evaluation:
 def _short_step(layout: Layout) -> bool:
     """Whether the layout's memory peak stops growing after 2 x pp micro-batches: without
     pipeline parallelism always, with it when the search space says so
-    (``short_step_with_pipeline``; checked in ``tests/test_plan.py``)."""
+    (``short_step_with_pipeline``; checked in ``tests/integration/test_plan.py``)."""
     space = _space(layout.framework)
     return layout.pp == 1 or (space is not None and space.short_step_with_pipeline)
 

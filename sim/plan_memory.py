@@ -79,7 +79,7 @@ def memory_estimate(program: Any, sched: _Schedule | None) -> dict[int, float]:
     as far ahead of computation as the program's dependencies and the host clock let it:
     prefetched gathers hold their buffers longest there. It is an estimate, not a proof:
     the engine's communication is slower, which lets less run ahead but also keeps some
-    buffers longer. ``tests/test_plan.py`` checks it against simulated peaks (at most a
+    buffers longer. ``tests/integration/test_plan.py`` checks it against simulated peaks (at most a
     few % below). The program-order replay alone falls far short where communication
     streams run ahead (FairScale 70B on 64 H100: 33 GiB, simulated 106 GiB).
     """

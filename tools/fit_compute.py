@@ -3,7 +3,7 @@
 Reads ``sim/catalog/calibration/h200-kernels.json`` and writes ``h200-fit.json`` beside it.
 The simulator reads only the fitted parameters (and the measurements, for the GEMM residual
 table), so it needs no SciPy; this script does. Run it after changing the data or the model
-form: ``python tools/fit_compute.py`` (``tests/test_compute.py`` checks the file is current).
+form: ``python tools/fit_compute.py`` (``tests/unit/test_compute.py`` checks the file is current).
 
 Model forms (all times in seconds, as the harness measured them):
 

@@ -1,6 +1,6 @@
 """Regenerate the golden outputs in ``tests/golden/`` (``make golden``).
 
-Runs every case of ``tests/test_golden.py`` (the slow shipped scenarios too; about two
+Runs every case of ``tests/integration/test_golden.py`` (the slow shipped scenarios too; about two
 minutes on 2 cores), writes each output whose value changed, deletes golden files no case
 produces, and prints what moved: per case, how many values changed and the headline figure
 before -> after, the lines a commit that changes goldens quotes in its message

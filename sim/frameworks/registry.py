@@ -15,7 +15,7 @@ the few launcher or dtype facts the API and the CLI used to spell out by name. R
 
 Adding a framework is a new module (options model, builder, optionally a search space) and
 one :func:`register_framework` line; ``docs/adding-a-framework.md`` walks through it and
-``tests/test_registry.py`` runs that walk-through.
+``tests/integration/test_registry.py`` runs that walk-through.
 """
 
 from __future__ import annotations
