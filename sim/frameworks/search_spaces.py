@@ -110,7 +110,7 @@ def fsdp2_options(pt: SearchPoint) -> Iterable[Options]:
 def torchtitan_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any]
                            ) -> list[list[int]]:
     # The planner sets no pipeline_*_stage_less_layers: torchtitan's defaults (1 and 1).
-    from sim.frameworks.torchtitan_parallel import stage_layers
+    from sim.frameworks.fsdp2.mesh import stage_layers
 
     return stage_layers(layers, pp * vp)
 
