@@ -18,19 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from sim import catalog
-from sim.claims import judge
-from sim.collectives.runner import NcclSettings
-from sim.cost import cost_summary, resolve_pricing
-from sim.engine import Engine
+from sim.analysis.claims import judge
+from sim.analysis.cost import cost_summary, resolve_pricing
+from sim.analysis.memory_overheads import overheads
+from sim.analysis.metrics import bytes_by_class, memory_summary, step_times
+from sim.engine.core import Engine
+from sim.engine.recorder import Recorder
+from sim.fabric.collectives.runner import NcclSettings
+from sim.fabric.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
+from sim.fabric.topology.routing import ROUTING_BY_TRANSPORT
 from sim.frameworks import JobContext, build_program, framework
-from sim.host import HostSpec
-from sim.memory_overheads import overheads
-from sim.metrics import bytes_by_class, memory_summary, step_times
-from sim.program import Program
-from sim.recorder import Recorder
+from sim.hardware.host import HostSpec
+from sim.program.ir import Program
 from sim.scenario import Scenario
-from sim.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
-from sim.topology.routing import ROUTING_BY_TRANSPORT
 
 
 @dataclass

@@ -9,23 +9,23 @@ This module is the config layer's import surface: the names the README, the note
 framework registry and the rest of fabricsim import from ``sim.scenario`` stay here, while
 each concern has its own module:
 
-* :mod:`sim.config_base`: :class:`ScenarioError` and the strict base of every section;
-* :mod:`sim.config_cluster`: ``cluster:`` (machines, fabric, zones, regions, power cap);
-* :mod:`sim.config_training`: the model's dimensions, ``parallelism:``, ``training:``,
+* :mod:`sim.config.base`: :class:`ScenarioError` and the strict base of every section;
+* :mod:`sim.config.cluster`: ``cluster:`` (machines, fabric, zones, regions, power cap);
+* :mod:`sim.config.training`: the model's dimensions, ``parallelism:``, ``training:``,
   ``allocator:``, ``nccl:``, ``pricing:`` and ``claims:``;
-* :mod:`sim.framework_options`: the ``framework:`` options of the built-in frameworks (config,
-  not :mod:`sim.frameworks`: config imports no framework);
-* :mod:`sim.config_scenario`: :class:`Scenario`, the ``framework`` union the registry sets
+* ``sim/frameworks/<name>/options.py``: the ``framework:`` options of each built-in
+  framework (each imports only :mod:`sim.config.base`);
+* :mod:`sim.config.scenario`: :class:`Scenario`, the ``framework`` union the registry sets
   (:func:`set_framework_options`) and the JSON Schema;
-* :mod:`sim.config_load`: files, shipped names, topology files, ``--set`` and the one-line
+* :mod:`sim.config.load`: files, shipped names, topology files, ``--set`` and the one-line
   error rendering.
 """
 
 from __future__ import annotations
 
-from sim.config_base import ScenarioError, StrictModel
-from sim.config_cluster import Cluster, GpuName
-from sim.config_load import (
+from sim.config.base import ScenarioError, StrictModel
+from sim.config.cluster import Cluster, GpuName
+from sim.config.load import (
     TOPOLOGY_META_KEYS,
     load_scenario,
     parse_set,
@@ -33,14 +33,17 @@ from sim.config_load import (
     scenario_from_dict,
     set_dotted,
 )
-from sim.config_scenario import (
+from sim.config.scenario import (
+    BUILTIN_FRAMEWORK_OPTIONS,
     FRAMEWORK_NAMES,
+    FrameworkOptions,
     Scenario,
     framework_names,
     json_schema,
+    options_name,
     set_framework_options,
 )
-from sim.config_training import (
+from sim.config.training import (
     Allocator,
     Claims,
     ModelDims,
@@ -49,18 +52,11 @@ from sim.config_training import (
     Pricing,
     Training,
 )
-from sim.framework_options import (
-    BUILTIN_FRAMEWORK_OPTIONS,
-    DdpOptions,
-    DeepSpeedOptions,
-    DeepSpeedPipeline,
-    FairscaleOptions,
-    FrameworkOptions,
-    Fsdp2Options,
-    MegatronOptions,
-    ZeroPlusPlus,
-    options_name,
-)
+from sim.frameworks.ddp.options import DdpOptions
+from sim.frameworks.deepspeed.options import DeepSpeedOptions, DeepSpeedPipeline, ZeroPlusPlus
+from sim.frameworks.fairscale.options import FairscaleOptions
+from sim.frameworks.fsdp2.options import Fsdp2Options
+from sim.frameworks.megatron.options import MegatronOptions
 
 __all__ = [
     "BUILTIN_FRAMEWORK_OPTIONS", "FRAMEWORK_NAMES", "TOPOLOGY_META_KEYS",

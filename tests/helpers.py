@@ -7,8 +7,8 @@ from typing import Any
 import simpy
 from conftest import make_scenario
 
+from sim.fabric.topology import FabricSpec
 from sim.scenario import Scenario
-from sim.topology import FabricSpec
 
 
 def timed(env: simpy.Environment, gen: Any) -> float:

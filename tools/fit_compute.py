@@ -3,7 +3,8 @@
 Reads ``sim/catalog/calibration/h200-kernels.json`` and writes ``h200-fit.json`` beside it.
 The simulator reads only the fitted parameters (and the measurements, for the GEMM residual
 table), so it needs no SciPy; this script does. Run it after changing the data or the model
-form: ``python tools/fit_compute.py`` (``tests/unit/test_compute.py`` checks the file is current).
+form: ``python tools/fit_compute.py`` (``tests/unit/hardware/test_compute.py`` checks the file is
+current).
 
 Model forms (all times in seconds, as the harness measured them):
 
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import least_squares
 
-from sim.compute import gemm_dims
+from sim.hardware.compute import gemm_dims
 
 ROOT = Path(__file__).resolve().parents[1]
 CAL = ROOT / "sim" / "catalog" / "calibration"

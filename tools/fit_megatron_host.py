@@ -2,9 +2,9 @@
 FIT half, and report the VALIDATE half it is then checked on.
 
 The constant is the one free parameter of the host side of the Megatron builder
-(:mod:`sim.frameworks.megatron`): the host issues ``PYTHON_OPS`` ops per block at this cost
+(:mod:`sim.frameworks.megatron.build`): the host issues ``PYTHON_OPS`` ops per block at this cost
 each, and a step of a small model on few GPUs is bound by it. It is fitted here, and only
-here, on the rows of ``half_of(kind, i) == "fit"`` (:mod:`sim.validation.vtrain`); the
+here, on the rows of ``half_of(kind, i) == "fit"`` (:mod:`sim.apps.validation.vtrain`); the
 ``vtrain-single`` / ``vtrain-multi`` validation suites report the other half.
 
 Method: the MAPE of the simulated iteration time over the chosen fit rows is minimised by a
@@ -34,10 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import sim.frameworks.megatron as megatron  # noqa: E402
+import sim.frameworks.megatron.build as megatron  # noqa: E402
 from sim.api import simulate  # noqa: E402
+from sim.apps.validation.vtrain import MEASURED, row_indices, rows, scenario_for  # noqa: E402
 from sim.scenario import scenario_from_dict  # noqa: E402
-from sim.validation.vtrain import MEASURED, row_indices, rows, scenario_for  # noqa: E402
 
 GOLDEN = (math.sqrt(5) - 1) / 2
 

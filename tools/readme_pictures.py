@@ -1,7 +1,7 @@
 """Draw the README's pictures, ``docs/images/*.png``, from shipped scenarios.
 
 Each picture is the figure ``fabricsim run --out`` or ``fabricsim compare --out`` writes for
-one run, built with the same public builders (:mod:`sim.plot`, :mod:`sim.compare`):
+one run, built with the same public builders (:mod:`sim.outputs.plot`, :mod:`sim.apps.compare`):
 
 =============  ==========================================================================
 timeline.png   ``llama3-70b-megatron-tp8pp4-64xh100`` as 1F1B (``parallelism.vp=1``) with 8
@@ -49,8 +49,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from sim import compare, plot  # noqa: E402
 from sim.api import RunResult, simulate  # noqa: E402
+from sim.apps import compare  # noqa: E402
+from sim.outputs import plot
 from sim.scenario import load_scenario  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,8 +64,8 @@ LINE_RATE = "llama3-70b-fsdp2-64xh100"
 LINE_RATE_WHAT_IF = "cluster.nic_gbps=100,200,400"
 
 COMPARE_DPI = 110
-"""``sim.compare.write_outputs`` saves compare.png at 110 dpi; the run plots use
-:data:`sim.plot.DPI`."""
+"""``sim.apps.compare.write_outputs`` saves compare.png at 110 dpi; the run plots use
+:data:`sim.outputs.plot.DPI`."""
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MIN_COLOURS = 8
 """A picture with fewer distinct colours than this is taken as blank (a readability check:

@@ -42,6 +42,14 @@ class GpuSpec:
     power_cap_w: float | None = None
     """The power cap in force (``cluster.gpu_power_w``); None = the TDP."""
 
+    def power_cap_problem(self, cap_w: float) -> str | None:
+        """Why the part cannot be capped at ``cap_w`` watts (below its minimum power limit,
+        which ``nvidia-smi -pl`` refuses), or None when it can."""
+        if cap_w < self.min_power_w:
+            return (f"gpu_power_w {cap_w:g} W is below the {self.key}'s minimum power limit "
+                    f"({self.min_power_w:g} W)")
+        return None
+
     def peak_flops(self, precision: str) -> float:
         """Dense peak FLOP/s of the matrix units for ``precision`` (bf16, fp16, fp8, fp32).
 
@@ -75,7 +83,7 @@ def _load(name: str) -> dict[str, Any]:
 
 def gpu(key: str, power_w: float | None = None) -> GpuSpec:
     """The catalogue entry of a GPU, optionally under a power cap of ``power_w`` watts
-    (``cluster.gpu_power_w``; :mod:`sim.power` turns it into sustained clocks).
+    (``cluster.gpu_power_w``; :mod:`sim.hardware.power` turns it into sustained clocks).
 
     Examples
     --------

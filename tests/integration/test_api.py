@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sim.api import simulate
-from sim.engine import PROGRESS_EVERY
+from sim.engine.core import PROGRESS_EVERY
 from sim.scenario import load_scenario
 
 

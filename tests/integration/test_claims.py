@@ -1,4 +1,5 @@
-"""Tests of the verdicts on published figures (sim/claims.py): physically impossible (with the
+"""Tests of the verdicts on published figures (sim/analysis/claims.py): physically impossible (with
+the
 reason), consistent within 10%, or off by N%."""
 
 from __future__ import annotations
@@ -6,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from sim import catalog
+from sim.analysis.claims import judge, judge_ratio, zone_link_bytes_per_s
 from sim.api import simulate
-from sim.claims import judge, judge_ratio, zone_link_bytes_per_s
-from sim.model import ModelSpec
 from sim.scenario import Claims, Scenario, ScenarioError, load_scenario
+from sim.workload.model import ModelSpec
 
 H100 = catalog.gpu("h100-sxm")
 PEAK_BF16 = 989.4e12      # H100 SXM datasheet: 989.4 TFLOP/s dense BF16
@@ -158,7 +159,8 @@ def test_one_verdict_per_claimed_figure():
 
 def test_claims_end_to_end_on_the_one_gpu_scenario():
     # Llama 3.2 1B on an H200 (989.4 TFLOP/s bf16, same compute as H100): 8,220,192,768
-    # FLOP/token (tests/unit/test_model.py) caps the rate at 989.4e12 / 8.22e9 = 120,363 tokens/s.
+    # FLOP/token (tests/unit/workload/test_model.py) caps the rate at 989.4e12 / 8.22e9 = 120,363
+    # tokens/s.
     # Plain PyTorch keeps fp32 params + fp32 grads + two fp32 Adam moments: 16 x 1,235,814,400
     # = 19,773,030,400 bytes = 18.4 GiB.
     s = load_scenario("llama3.2-1b-1xh200", [

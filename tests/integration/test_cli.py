@@ -1,4 +1,4 @@
-"""Tests of the installed ``fabricsim`` command (sim/cli.py), run as a subprocess from a
+"""Tests of the installed ``fabricsim`` command (sim/cli/commands.py), run as a subprocess from a
 temporary folder outside the repository, so shipped scenarios must resolve from anywhere."""
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ BAD_INPUT = [
 
 # Every command the tests look at, run side by side (each is mostly interpreter start-up).
 # Other kinds of bad input (unknown model, framework, GPU) are covered in-process by
-# tests/unit/test_scenario.py; run_hours with tokens_total by tests/unit/test_cost.py.
+# tests/unit/config/test_scenario.py; run_hours with tokens_total by
+# tests/unit/analysis/test_cost.py.
 COMMANDS: dict[str, list[str]] = {
     "json": ["run", TINY, "--json"],
     "json-again": ["run", TINY, "--json"],

@@ -17,10 +17,10 @@ from contextlib import contextmanager
 import pytest
 from test_golden import SCENARIOS, SYNTHETIC, TINY
 
-from sim.export_hta import nccl_kernel_name
-from sim.frameworks.base import JobContext
+from sim.frameworks.common.base import JobContext
 from sim.frameworks.registry import build_program
-from sim.program import Op, Program
+from sim.outputs.export.hta import nccl_kernel_name
+from sim.program.ir import Op, Program
 from sim.scenario import load_scenario
 
 # Bytes per element of NCCL's types (nccl.h: ncclInt8/Uint8 1, Float16/Bfloat16 2,

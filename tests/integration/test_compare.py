@@ -1,6 +1,7 @@
-"""Tests of ``fabricsim compare`` (sim/compare.py and the command in sim/cli.py): variants from
-``--what-if`` values and from scenario files, the deltas JSON, failed variants, bad input and
-the figure. Every simulation is a small job on 2 nodes x 2 H100."""
+"""Tests of ``fabricsim compare`` (sim/apps/compare.py and the command in
+sim/cli/commands.py): variants from ``--what-if`` values and from scenario files, the deltas
+JSON, failed variants, bad input and the figure.
+Every simulation is a small job on 2 nodes x 2 H100."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
-from sim import compare as cmp
-from sim.cli import app
+from sim.apps import compare as cmp
+from sim.cli.commands import app
 
 # A job whose step depends on the NICs: FSDP2 over 2 nodes, each rank gathering a 2-layer
 # model's parameters from the other node every step.
@@ -63,7 +64,7 @@ def test_slower_nics_slow_the_step_and_move_the_same_bytes(nic_what_if):
     assert slow["step_time_s"] > fast["step_time_s"]
     assert slow["exposed_comm_s"] > fast["exposed_comm_s"]
     # Same GPUs, same kernels: the difference is communication the step cannot hide, and
-    # how much of it runs beside compute and slows it (sim/interference.py: up to the SM
+    # how much of it runs beside compute and slows it (sim/hardware/interference.py: up to the SM
     # share of NCCL's channels, 132/100 on Hopper, over the overlapped part).
     assert slow["compute_time_s"] == pytest.approx(fast["compute_time_s"], rel=0.08)
 

@@ -10,13 +10,13 @@ import pytest
 from conftest import SMALL_MODEL, make_scenario
 
 from sim.api import fabric_spec, simulate
+from sim.fabric.network import ring_bytes_per_rank
+from sim.fabric.topology import build_fabric
 from sim.frameworks import JobContext, build_program
-from sim.host import HostSpec, cpu_adam_s
-from sim.model import ModelSpec
-from sim.network import ring_bytes_per_rank
-from sim.program import Op, Program
+from sim.hardware.host import HostSpec, cpu_adam_s
+from sim.program.ir import Op, Program
 from sim.scenario import ModelDims, ScenarioError, scenario_from_dict
-from sim.topology import build_fabric
+from sim.workload.model import ModelSpec
 
 SMALL = SMALL_MODEL
 # Layers so wide that no parameter is kept from its forward to its backward use under

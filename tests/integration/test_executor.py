@@ -1,9 +1,9 @@
-"""The shared executor (sim/executor.py): one home for "simulate many scenarios, keep each
+"""The shared executor (sim/apps/executor.py): one home for "simulate many scenarios, keep each
 failure as a record with its one-line error", used by compare, sweep and plan.
 
 The oracles are closed forms: the exact error text each app has always written (the golden
 test pins the numbers), the order and count of records, and the worker-death bookkeeping of
-:func:`sim.executor.run_tasks` driven by a scripted backend (no processes, so every branch is
+:func:`sim.apps.executor.run_tasks` driven by a scripted backend (no processes, so every branch is
 reached deterministically)."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import sim.api
-from sim import compare, executor, plan, sweep
-from sim.executor import (
+from sim.apps import compare, executor, plan, sweep
+from sim.apps.executor import (
     Lost,
     Outcome,
     Pool,
@@ -214,7 +214,7 @@ def test_the_apps_share_the_one_backend_layer() -> None:
 
 class InlineBackend(executor.Backend):
     """The executor's backend contract, run in this process (what a Ray or Dask worker
-    would run: :func:`sim.executor.run_batch`), finishing batches last to first."""
+    would run: :func:`sim.apps.executor.run_batch`), finishing batches last to first."""
 
     name = "inline"
 

@@ -1,4 +1,5 @@
-"""Trace exports (sim/export.py): the Perfetto trace's tracks, names, arguments and counters
+"""Trace exports (sim/outputs/export/__init__.py): the Perfetto trace's tracks, names, arguments and
+counters
 against the recorder and the summary, and the per-rank traces read by Holistic Trace Analysis
 (HTA, github.com/pytorch/HolisticTraceAnalysis) against the recorder's own numbers."""
 
@@ -12,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from sim import export
 from sim.api import RunResult, simulate
-from sim.program import MEMORY_CATEGORIES, Op
-from sim.recorder import OpRecord, Recorder
+from sim.engine.recorder import OpRecord, Recorder
+from sim.fabric.topology import LINK_KINDS
+from sim.outputs import export
+from sim.program.ir import MEMORY_CATEGORIES, Op
 from sim.scenario import load_scenario, scenario_from_dict
-from sim.topology import LINK_KINDS
 
 # Three small jobs with different shapes: DDP on one node (one rank class, one comm stream),
 # FSDP2 on 2 nodes x 2 GPUs (NVLink, PCIe and network traffic, two comm streams), Megatron

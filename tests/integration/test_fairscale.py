@@ -11,15 +11,15 @@ import pytest
 from conftest import make_scenario
 
 from sim.api import simulate
+from sim.fabric.network import ring_bytes_per_rank
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.fairscale import (
+from sim.frameworks.fairscale.build import (
     bucket_shard_capacity,
     gradient_divide_factors,
     shard_numel,
 )
-from sim.model import ModelSpec
-from sim.network import ring_bytes_per_rank
 from sim.scenario import ScenarioError, scenario_from_dict
+from sim.workload.model import ModelSpec
 
 MIB = 2**20
 # 8 layers of 4,195,328 parameters (attention 4 x 512 x 512, SwiGLU 3 x 512 x 2048, two

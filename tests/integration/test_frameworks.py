@@ -7,9 +7,9 @@ from conftest import SMALL_MODEL, make_scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.ddp import bucket_assignment
-from sim.model import ModelSpec
+from sim.frameworks.ddp.build import bucket_assignment
 from sim.scenario import ScenarioError, scenario_from_dict
+from sim.workload.model import ModelSpec
 
 SMALL = SMALL_MODEL
 
@@ -133,11 +133,11 @@ def test_whole_step_conservation_on_the_fabric() -> None:
     # every byte the collectives send is counted on the links, and the streams' busy time
     # fits in the step.
     from sim.api import fabric_spec
-    from sim.collectives.runner import transport_capacity
-    from sim.engine import Engine
-    from sim.network import ring_bytes_per_rank
-    from sim.recorder import Recorder
-    from sim.topology import build_fabric
+    from sim.engine.core import Engine
+    from sim.engine.recorder import Recorder
+    from sim.fabric.collectives.runner import transport_capacity
+    from sim.fabric.network import ring_bytes_per_rank
+    from sim.fabric.topology import build_fabric
 
     s = scenario({"name": "fsdp2"}, nodes=2, gpus=8)
     ctx = JobContext.from_scenario(s)
@@ -174,8 +174,8 @@ def test_zero3_and_fsdp2_move_the_same_bytes_one_and_a_half_times_ddp() -> None:
     # tolerance (1e-5) covers the layer norms (4e-6 of the parameters), which ZeRO-3 keeps
     # persistent and pads differently.
     from sim.frameworks import JobContext, build_program
-    from sim.model import ModelSpec
     from sim.scenario import ModelDims, scenario_from_dict
+    from sim.workload.model import ModelSpec
 
     huge = {"layers": 2, "hidden": 16384, "heads": 128, "ffn_hidden": 65536, "vocab": 32000,
             "mlp": "swiglu"}

@@ -7,13 +7,13 @@ import pytest
 from conftest import SMALL_MODEL, make_scenario
 
 from sim.api import simulate
+from sim.fabric.network import ring_bytes_per_rank
+from sim.fabric.topology import NETWORK, PCIE
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.fsdp2.mesh import stage_layers
-from sim.host import HostSpec, cpu_adam_s
-from sim.model import ModelSpec
-from sim.network import ring_bytes_per_rank
+from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.scenario import ScenarioError
-from sim.topology import NETWORK, PCIE
+from sim.workload.model import ModelSpec
 
 SMALL = SMALL_MODEL
 GIB = 2**30
@@ -372,7 +372,7 @@ def test_float8_runs_fp8_gemms_in_the_blocks_but_not_the_output_layer() -> None:
     # stay bf16. Autograd keeps the bf16 inputs (torchao saves the high-precision tensors),
     # so activation memory is unchanged; the step is faster, by less than the 2x of the
     # GEMM peaks (casts, attention, norms and communication stay as they were).
-    from sim.layer_ops import Style, model_blocks
+    from sim.workload.layer_ops import Style, model_blocks
 
     m = spec(scenario())
     _, attn, mlp, head = model_blocks(m, Style("bf16", float8=True), 1, 1024, False)
@@ -402,7 +402,7 @@ def test_float8_all_gather_halves_the_blocks_gathers_and_drops_the_weight_casts(
     # torchao's FSDP float8 all-gather casts each shard to E4M3 before the gather: every
     # transformer block's all-gather moves 1 byte per parameter instead of bf16's 2 (the
     # embedding and output units stay bf16), and the linears cast no weights themselves.
-    from sim.layer_ops import Style, model_blocks
+    from sim.workload.layer_ops import Style, model_blocks
 
     def gathers(ag: bool) -> dict[str, float]:
         p = program(scenario({"float8_all_gather": ag}, precision="fp8"))

@@ -272,7 +272,7 @@ APPS: tuple[Case, ...] = (
 
 
 def shipped_cases() -> list[Case]:
-    from sim import resources
+    from sim.config import resources
 
     return [Case(f"run/shipped/{n}", ("run", n, "--json"), slow=n in SLOW_SHIPPED)
             for n in resources.available("scenarios")]
@@ -312,7 +312,7 @@ def produce(case: Case) -> Any:
     """Run the case's command in-process and return its JSON output, stripped."""
     from typer.testing import CliRunner
 
-    from sim.cli import app
+    from sim.cli.commands import app
 
     with _in_scenarios():
         result = CliRunner().invoke(app, list(case.args), catch_exceptions=False)

@@ -6,7 +6,7 @@ measured on (``benchmarks/llama3_h100_202412_torchtitan.md``, formerly ``docs/pe
 limit, although tuning it up to 700W TDP ..."; footnote 2: "HBM2e-based SXM H100 with lower
 TDP, the actual peak TFLOPs number is between SXM and NVL"), NVIDIA's H100 datasheet (SXM:
 989 TFLOP/s dense BF16; NVL: 1,671 with sparsity, 835.5 dense), and the DVFS power law of
-:mod:`sim.power` solved by hand.
+:mod:`sim.hardware.power` solved by hand.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from sim import catalog
-from sim.compute import ComputeModel
-from sim.power import sustained_clock_ratio
+from sim.hardware.compute import ComputeModel
+from sim.hardware.power import sustained_clock_ratio
 from sim.scenario import scenario_from_dict
 
 KEY = "h100-hbm2e-96gb"
@@ -96,7 +96,7 @@ def test_the_cap_slows_a_grand_teton_step_but_less_than_the_clock() -> None:
 
 
 def _grand_teton_rows() -> list[dict]:
-    from sim.validation.published import entries
+    from sim.apps.validation.published import entries
     return [e for e in entries() if e["scenario"]["cluster"].get("topology")
             == "meta-grand-teton"]
 

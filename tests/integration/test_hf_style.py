@@ -8,9 +8,9 @@ import pytest
 from conftest import make_scenario
 
 from sim.frameworks import JobContext, build_program
-from sim.layer_ops import Style, _Builder, attention_block, model_blocks
-from sim.model import ModelSpec
 from sim.scenario import ScenarioError, scenario_from_dict
+from sim.workload.layer_ops import Style, _Builder, attention_block, model_blocks
+from sim.workload.model import ModelSpec
 
 M = ModelSpec.from_ref("llama3.2-1b")
 B, S = 2, 1024
@@ -162,15 +162,15 @@ def test_reentrant_is_refused_for_torchtitan_code() -> None:
 
 # --------------------------------------------------------------------------- torch.compile
 def _tensor(name: str, nbytes: float):
-    from sim.layer_ops import Tensor
+    from sim.workload.layer_ops import Tensor
     return Tensor(name, nbytes)
 
 
 def test_inductor_fuses_only_kernels_that_share_a_buffer() -> None:
     # A norm chain and an unrelated weight cast in one run: two kernels, not one
     # (Scheduler.get_possible_fusions pairs nodes by shared buffers).
-    from sim.inductor import fuse_run
-    from sim.layer_ops import Kernel
+    from sim.workload.inductor import fuse_run
+    from sim.workload.layer_ops import Kernel
     x, y, z = _tensor("x", 8e6), _tensor("y", 8e6), _tensor("z", 4e6)
     w, wb = _tensor("w", 4e6), _tensor("wb", 2e6)
     run = [Kernel("a", "elementwise", (x,), (y,)), Kernel("cast", "elementwise", (w,), (wb,)),
@@ -184,8 +184,8 @@ def test_inductor_fuses_only_kernels_that_share_a_buffer() -> None:
 def test_inductor_token_reduction_is_its_own_kernel_and_rereads_its_inputs() -> None:
     # RMSNorm backward's weight gradient (sum over tokens of g_out * xn) cannot share the
     # row-wise kernel: it takes its producer along and reads g_out and xn again.
-    from sim.inductor import fuse_run
-    from sim.layer_ops import Kernel
+    from sim.workload.inductor import fuse_run
+    from sim.workload.layer_ops import Kernel
     n, h = 4e6, 1e3
     g, xn, prod, gw, gx = (_tensor("g", n), _tensor("xn", n), _tensor("prod", n),
                            _tensor("gw", h), _tensor("gx", n))
@@ -200,7 +200,7 @@ def test_inductor_token_reduction_is_its_own_kernel_and_rereads_its_inputs() -> 
 def test_inductor_looped_softmax_reads_the_logits_twice() -> None:
     # Head forward: logits.float() -> log_softmax over 128k columns: online softmax's
     # max-and-sum loop and the output loop each read the bf16 logits.
-    from sim.layer_ops import Style, _fuse, _needed_outside, head_block
+    from sim.workload.layer_ops import Style, _fuse, _needed_outside, head_block
     blk = head_block(M, Style("autocast", compile=True), B, S)
     fwd = _fuse(blk.forward, _needed_outside(blk.forward, blk), blk)
     loss = next(k for k in fwd if "log_softmax" in k.name)
@@ -212,8 +212,8 @@ def test_inductor_looped_softmax_reads_the_logits_twice() -> None:
 def test_compile_gain_on_one_h200_lies_between_none_and_one_kernel_per_run() -> None:
     # Step-level bounds for Llama 3.2 1B, 4 x 4096 on one H200 (the calibration run's
     # setup): compile must help, but by less than fusing every run into a single kernel.
-    from sim import layer_ops
     from sim.api import simulate
+    from sim.workload import layer_ops
     base = {"name": "t", "model": "llama3.2-1b",
             "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
             "training": {"seq_len": 4096, "micro_batch_size": 4, "global_batch_size": 4}}
@@ -226,7 +226,7 @@ def test_compile_gain_on_one_h200_lies_between_none_and_one_kernel_per_run() -> 
     gain = 1 - compiled / eager
     assert 0.0 < gain < 0.25
     # One kernel per run (the old rule) is an upper bound on what fusion can remove.
-    from sim import inductor
+    from sim.workload import inductor
     orig = inductor.fuse_run
 
     def one_kernel(run, keep, token):
@@ -278,8 +278,8 @@ def test_compiled_launch_cost_is_inductors_measured_per_kernel_overhead() -> Non
     # tritonbench PR #1017: CachingAutotuner.run per kernel 6.8 us (no arguments) to 9.1 us
     # (19 arguments); a block takes at least its launches' CPU time.
     from sim import catalog
-    from sim.compute import COMPILED_OP_CPU_S, ComputeModel
-    from sim.layer_ops import mlp_block, price_block
+    from sim.hardware.compute import COMPILED_OP_CPU_S, ComputeModel
+    from sim.workload.layer_ops import mlp_block, price_block
     assert 6.8e-6 <= COMPILED_OP_CPU_S <= 9.1e-6
     st = Style("autocast", compile=True)
     blk = mlp_block(M, st, 1, 16)

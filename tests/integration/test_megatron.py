@@ -9,10 +9,10 @@ from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.megatron import schedule
-from sim.megatron_ops import MegatronLayout, megatron_blocks
-from sim.model import ModelSpec
+from sim.frameworks.megatron.build import schedule
 from sim.scenario import ModelDims
+from sim.workload.megatron_ops import MegatronLayout, megatron_blocks
+from sim.workload.model import ModelSpec
 
 
 def test_1f1b_order_matches_megatron() -> None:

@@ -11,7 +11,7 @@ from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.megatron_pipeline import pipeline_steps, schedule
+from sim.frameworks.megatron.pipeline import pipeline_steps, schedule
 from sim.scenario import ScenarioError
 
 

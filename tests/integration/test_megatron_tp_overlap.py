@@ -11,12 +11,12 @@ import pytest
 from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
-from sim.frameworks.megatron_overlap import (
+from sim.frameworks.megatron.overlap import (
     TE_PIPELINE_SPLITS,
     pipelined_scatter,
     ring_exchange_gather,
 )
-from sim.program import Op
+from sim.program.ir import Op
 from sim.scenario import ScenarioError
 
 SMALL = {"layers": 4, "hidden": 4096, "heads": 32, "ffn_hidden": 16384, "vocab": 1024,

@@ -11,7 +11,7 @@ from helpers import DEEP, pipeline_idle_share
 from helpers import megatron_scenario as scenario
 
 from sim.api import simulate
-from sim.frameworks.megatron_pipeline import pipeline_steps, schedule
+from sim.frameworks.megatron.pipeline import pipeline_steps, schedule
 
 
 def _fwd_spans(r, cls: int) -> dict[int, tuple[float, float]]:

@@ -1,6 +1,7 @@
 """Reserved memory: PyTorch's caching allocator, the CUDA context, NCCL and cuBLAS buffers.
 
-Closed forms follow ``c10/cuda/CUDACachingAllocator.cpp`` (constants in :mod:`sim.allocator`);
+Closed forms follow ``c10/cuda/CUDACachingAllocator.cpp`` (constants in
+:mod:`sim.engine.allocator`);
 the end-to-end check is the measured single-H200 step in
 ``sim/catalog/calibration/h200-train-step.json`` (``torch.cuda.max_memory_reserved``).
 """
@@ -15,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from sim import catalog
-from sim.allocator import MIB, CachingAllocator, TensorLedger, allocation_size, round_size
-from sim.api import simulate
-from sim.memory_overheads import (
+from sim.analysis.memory_overheads import (
     NCCL_CONNECTION_BYTES,
     NCCL_LL128_BUFFSIZE,
     NCCL_LL_BUFFSIZE,
     nccl_buffer_bytes,
 )
-from sim.metrics import memory_summary
+from sim.analysis.metrics import memory_summary
+from sim.api import simulate
+from sim.engine.allocator import MIB, CachingAllocator, TensorLedger, allocation_size, round_size
 from sim.scenario import Allocator, Claims, load_scenario
 
 CALIB = Path(__file__).resolve().parents[2] / "sim/catalog/calibration/h200-train-step.json"
@@ -237,7 +238,7 @@ def test_expandable_segments_follow_the_launcher() -> None:
 
 
 def test_memory_plot_draws_the_reserved_line() -> None:
-    from sim.plot import memory_figure
+    from sim.outputs.plot import memory_figure
 
     r = simulate(load_scenario("llama3.2-1b-1xh200"))
     fig = memory_figure(r.recorder, "t")
@@ -275,7 +276,7 @@ def test_nvls_buffers_inside_an_nvswitch_node() -> None:
     # nvls.cc ncclNvlsBufferSetup: 16 channels x 2 x 128 KiB x 8 steps = 32 MiB per head,
     # one head per local GPU: 256 MiB for 8 GPUs, on Hopper, not on Ampere (no multicast),
     # nor for a group of two GPUs (ncclNvlsInit needs more than two).
-    from sim.program import Op, Program, RankClass
+    from sim.program.ir import Op, Program, RankClass
 
     def comm_bytes(group: tuple[int, ...], arch: str) -> float:
         cls = RankClass(0, tuple(range(8)))

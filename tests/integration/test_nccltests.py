@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.nccltests import bus_factor, collective_table, parse_sizes
+from sim.apps.nccltests import bus_factor, collective_table, parse_sizes
 from sim.scenario import ScenarioError
 
 FABRICSIM = Path(sys.executable).parent / "fabricsim"
@@ -42,7 +42,7 @@ def test_slower_nics_slower_collectives() -> None:
 
 
 def test_every_preset_runs_every_op() -> None:
-    from sim import resources
+    from sim.config import resources
 
     for topo in resources.available("topologies"):
         for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",

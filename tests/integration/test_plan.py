@@ -1,4 +1,5 @@
-"""``fabricsim plan`` (sim/plan.py): enumeration, the memory estimate, the lower bounds, the
+"""``fabricsim plan`` (sim/apps/plan/__init__.py): enumeration, the memory estimate, the lower
+bounds, the
 branch and bound, the ranking and the outputs.
 
 The searches here run on one 8-GPU A100-40GB server with an 8-layer model of Llama 3 8B's
@@ -17,10 +18,11 @@ from typing import Any
 import pytest
 import yaml
 
-from sim import catalog, plan
+from sim import catalog
 from sim.api import simulate
+from sim.apps import plan
 from sim.frameworks import JobContext, build_program
-from sim.program import Op
+from sim.program.ir import Op
 from sim.scenario import ScenarioError, load_scenario, scenario_from_dict
 
 MID = {
@@ -355,12 +357,12 @@ def test_bad_input_is_one_line_naming_the_key(kwargs: dict[str, Any], key: str) 
 def test_cli_exits_2_on_bad_input() -> None:
     from typer.testing import CliRunner
 
-    from sim import cli
+    from sim.cli import commands as cli
 
     names = {c.name or (c.callback.__name__ if c.callback else "")
              for c in cli.app.registered_commands}
     if "plan" not in names:
-        pytest.skip("fabricsim plan is not wired into sim/cli.py yet")
+        pytest.skip("fabricsim plan is not wired into sim/cli/commands.py yet")
     result = CliRunner().invoke(cli.app, ["plan", "llama3.2-1b-ddp-8xh100",
                                           "--objective", "speed"])
     assert result.exit_code == 2

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from sim.plan import search
+from sim.apps.plan import search
 from sim.scenario import load_scenario
 
 

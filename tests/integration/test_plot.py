@@ -15,14 +15,14 @@ from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 
-from sim import plot
+from sim.analysis.metrics import union_length
 from sim.api import RunResult, simulate
-from sim.metrics import union_length
+from sim.fabric.topology import LINK_KINDS
+from sim.outputs import plot
 from sim.scenario import load_scenario, scenario_from_dict
-from sim.topology import LINK_KINDS
 
 # Two small nodes in two availability zones, FSDP2: its all-gathers and reduce-scatters
-# cross the zone boundary (as tests/unit/test_cost.py's TINY_TWO_ZONES).
+# cross the zone boundary (as tests/unit/analysis/test_cost.py's TINY_TWO_ZONES).
 TWO_ZONES: dict[str, Any] = {
     "name": "tiny-2az",
     "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1536,
@@ -138,7 +138,7 @@ def test_pipeline_bubbles_are_the_summarys_bubble(pp4: RunResult) -> None:
     step = pp4.summary["step_time_s"]
     bubbles = plot.bubble_intervals(rec.ops)
     crit = plot.critical_class(rec.ops)
-    # sim.metrics: bubble = step - compute - exposed communication, on the critical stage.
+    # sim.analysis.metrics: bubble = step - compute - exposed communication, on the critical stage.
     assert union_length(bubbles[crit]) == pytest.approx(pp4.summary["bubble_fraction"] * step,
                                                         rel=1e-9)
     # On every stage, idle + busy (compute, copy, communication) partition the step.

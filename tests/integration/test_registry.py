@@ -7,6 +7,7 @@ moves 2(n-1)/n of the buffer per rank).
 """
 from __future__ import annotations
 
+import importlib
 import json
 import re
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from sim import scenario as config
-from sim.frameworks import base, registry
+from sim.frameworks import registry
 from sim.frameworks.registry import FrameworkEntry, register_framework, unregister_framework
 from sim.scenario import ScenarioError, scenario_from_dict
 
@@ -107,12 +108,16 @@ def test_toy_single_stream_against_closed_forms(walkthrough):
 
 def test_builtins_are_the_schema_and_the_builders():
     """The registry's built-ins are the schema's union (before and after the registry is
-    imported) and the builders their modules registered with ``@register``."""
+    imported), and each entry is its package's ``entry.py`` with that package's options,
+    builder and search space."""
     assert registry.names() == BUILTINS
     assert config.framework_names() == BUILTINS
     assert tuple(e.options for e in registry.frameworks()) == config.BUILTIN_FRAMEWORK_OPTIONS
     for e in registry.frameworks():
-        assert base.REGISTRY[e.name] is e.build
+        package = f"sim.frameworks.{e.name}"
+        assert importlib.import_module(f"{package}.entry").ENTRY is e
+        assert e.options.__module__ == f"{package}.options"
+        assert e.build.__module__.startswith(package + ".")
         assert config.options_name(e.options) == e.name
     assert registry.searchable() == BUILTINS
 

@@ -26,13 +26,14 @@ from typing import Any
 
 import pytest
 
-from sim import catalog, resources
+from sim import catalog
+from sim.analysis.claims import flops_bound, judge_ratio, verdict
 from sim.api import fabric_spec, simulate
-from sim.claims import flops_bound, judge_ratio, verdict
+from sim.config import resources
+from sim.fabric.topology import build_fabric
 from sim.frameworks import JobContext, build_program
-from sim.model import ModelSpec
 from sim.scenario import Scenario, load_scenario
-from sim.topology import build_fabric
+from sim.workload.model import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "article-claims.md"

@@ -1,4 +1,5 @@
-"""Parameter sweeps (sim/sweep.py): the grid, the backends, the cache, failures and outputs.
+"""Parameter sweeps (sim/apps/sweep/__init__.py): the grid, the backends, the cache, failures and
+outputs.
 
 Every sweep here is a tiny job (2 nodes x 2 H100, a 2-layer model: 5-25 ms per variant), so
 the time goes to starting worker pools: loky ~1 s, a Dask LocalCluster ~2 s, Ray 7-20 s on
@@ -16,10 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sim import sweep
 from sim.api import simulate
-from sim.scenario import ScenarioError, load_scenario
-from sim.sweep import (
+from sim.apps import sweep
+from sim.apps.sweep import (
     ROW_TAIL,
     cache_key,
     expand,
@@ -32,6 +32,7 @@ from sim.sweep import (
     write_plot,
     write_rows,
 )
+from sim.scenario import ScenarioError, load_scenario
 
 # Two nodes, so that the NIC speed matters; global batch 8 over dp = 4 ranks.
 TINY = {

@@ -9,7 +9,6 @@ import pytest
 from conftest import SMALL_MODEL, make_scenario
 
 from sim import catalog
-from sim.compute import ComputeModel
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.fsdp2.cp import (
     FULL_Q,
@@ -18,8 +17,9 @@ from sim.frameworks.fsdp2.cp import (
     ring_steps,
     titan_repeats_kv,
 )
-from sim.layer_ops import Style, kernel_time
-from sim.model import ModelSpec
+from sim.hardware.compute import ComputeModel
+from sim.workload.layer_ops import Style, kernel_time
+from sim.workload.model import ModelSpec
 
 SMALL = SMALL_MODEL
 SEQ = 4096

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from sim import catalog
-from sim.compute import ComputeModel
 from sim.frameworks.fsdp2.tp import titan_blocks
-from sim.layer_ops import Style
-from sim.model import ModelSpec
+from sim.hardware.compute import ComputeModel
+from sim.workload.layer_ops import Style
+from sim.workload.model import ModelSpec
 
 M = ModelSpec.from_ref("llama3-8b")
 CM = ComputeModel(catalog.gpu("h100-sxm"), "bf16")

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from sim import catalog
 from sim.api import simulate
-from sim.compute import ComputeModel
 from sim.frameworks.fsdp2.tp import titan_blocks
-from sim.layer_ops import FP32, Style, head_block, price_block
-from sim.model import ModelSpec
+from sim.hardware.compute import ComputeModel
 from sim.scenario import scenario_from_dict
+from sim.workload.layer_ops import FP32, Style, head_block, price_block
+from sim.workload.model import ModelSpec
 
 M = ModelSpec.from_ref("llama3-8b")
 CM = ComputeModel(catalog.gpu("h100-sxm"), "bf16")
@@ -68,7 +68,7 @@ def test_eager_loss_allocations_in_forward_order() -> None:
     """The eager loss reaches the allocator as PyTorch creates the tensors: bf16 logits
     (tokens x vocab x 2 B), their fp32 copy (x 4 B, freed when the forward returns), then
     log_softmax's saved fp32 output (x 4 B) on top."""
-    from sim.frameworks.steps import ordered_forward_allocs
+    from sim.frameworks.common.steps import ordered_forward_allocs
 
     n = 8192 * M.vocab
     eager = Style("bf16")
@@ -86,8 +86,8 @@ def test_freed_logits_leave_a_hole_below_log_softmax() -> None:
     log_softmax output (L = tokens x vocab x 4 B); backward's nll gradient (L) fills it and
     log_softmax's gradient (L) grows the expandable segment: at the backward's peak the
     allocator reserves L / 2 more than is allocated (up to its 2 MiB page rounding)."""
-    from sim.allocator import CachingAllocator, TensorLedger
-    from sim.frameworks.steps import ordered_forward_allocs
+    from sim.engine.allocator import CachingAllocator, TensorLedger
+    from sim.frameworks.common.steps import ordered_forward_allocs
 
     eager = Style("bf16")
     c = price_block(head_block(M, eager, 1, 8192), eager, CM)

@@ -7,7 +7,8 @@ engine.py``, ``bf16_optimizer.py``, ``fp16/fused_optimizer.py``, ``zero/stage_1_
 ``zero/offload_config.py``, ``ops/adam/cpu_adam.py``, ``runtime/utils.py``). The model is a
 Hugging Face Llama/GPT module tree (its submodules are what ZeRO-3 hooks) run eagerly in
 16-bit: DeepSpeed casts the module to bf16/fp16, no autocast. Its kernels are priced with
-:mod:`sim.layer_ops` style ``bf16`` (16-bit weights and activations), whose fused RMSNorm and
+:mod:`sim.workload.layer_ops` style ``bf16`` (16-bit weights and activations), whose fused RMSNorm
+and
 complex-multiply RoPE stand in for Hugging Face's unfused fp32 RMSNorm and rotate_half RoPE;
 no KV cache is built.
 
@@ -66,7 +67,7 @@ ZeRO++ (stage 3)
     to a reduce-scatter.
 Offload
     ``offload_optimizer`` (stages 1-3): fp32 master and Adam states in host memory, the step
-    on the CPU (``DeepSpeedCPUAdam``, :func:`sim.host.cpu_adam_s`; synchronous inside
+    on the CPU (``DeepSpeedCPUAdam``, :func:`sim.hardware.host.cpu_adam_s`; synchronous inside
     ``step()``), gradients copied to the host and parameters back as the code does. Stages
     1-2 (``copy_grads_in_partition``): the fp32 gradient partition to the host (4 B per
     element; under accumulation the 16-bit gradients make a round trip every micro-step),
@@ -92,38 +93,3 @@ order), :mod:`.stage3_state`, :mod:`.stage3_coordinator` (fetch, prefetch, relea
 entry point) and Megatron-DeepSpeed 3D in :mod:`.pipe`, :mod:`.pipe_schedule`,
 :mod:`.pipe_step`.
 """
-
-from __future__ import annotations
-
-from sim.frameworks.deepspeed.build import build_deepspeed  # registers "deepspeed"
-from sim.frameworks.deepspeed.constants import (
-    ENGINE_ALLREDUCE_ELEMENTS,
-    FP32_SCALE,
-    FP64,
-    INT4_BYTES,
-    INT8,
-    MAX_ONGOING_FETCH_EVENTS,
-    MAX_PARAM_REDUCE_EVENTS,
-    NCCL_START_ALIGNMENT_FACTOR,
-    OFFLOAD_PARAM_MAX_IN_CPU,
-    QWZ_TARGET_GROUP,
-    W16,
-)
-from sim.frameworks.deepspeed.host_costs import (
-    CUDA_API_CPU_S,
-    FREE_PARAM_CPU_S,
-    GRAD_HOOK_CPU_S,
-    HOOK_PY_CPU_S,
-    RECORD_STREAM_CPU_S,
-    TORCH_CALL_CPU_S,
-    VIEW_CPU_S,
-    WAIT_CPU_S,
-)
-
-__all__ = [
-    "CUDA_API_CPU_S", "ENGINE_ALLREDUCE_ELEMENTS", "FP32_SCALE", "FP64", "FREE_PARAM_CPU_S",
-    "GRAD_HOOK_CPU_S", "HOOK_PY_CPU_S", "INT4_BYTES", "INT8", "MAX_ONGOING_FETCH_EVENTS",
-    "MAX_PARAM_REDUCE_EVENTS", "NCCL_START_ALIGNMENT_FACTOR", "OFFLOAD_PARAM_MAX_IN_CPU",
-    "QWZ_TARGET_GROUP", "RECORD_STREAM_CPU_S", "TORCH_CALL_CPU_S", "VIEW_CPU_S", "W16",
-    "WAIT_CPU_S", "build_deepspeed",
-]

@@ -3,14 +3,13 @@ Megatron-DeepSpeed 3D."""
 
 from __future__ import annotations
 
-from sim.frameworks.base import JobContext, register
-from sim.frameworks.deepspeed.options import _resolve
+from sim.frameworks.common.base import JobContext
+from sim.frameworks.deepspeed.resolve import _resolve
 from sim.frameworks.deepspeed.stage3 import _Stage3
 from sim.frameworks.deepspeed.zero012 import _Stage012
-from sim.program import Program
+from sim.program.ir import Program
 
 
-@register("deepspeed")
 def build_deepspeed(ctx: JobContext) -> Program:
     """The program of one steady-state DeepSpeed training step (see
     :mod:`sim.frameworks.deepspeed`); with tensor or pipeline parallelism, Megatron-DeepSpeed's

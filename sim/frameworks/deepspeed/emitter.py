@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sim.compute import ComputeModel
 from sim.frameworks.deepspeed.host_costs import TORCH_CALL_CPU_S
-from sim.program import CollectiveOp, HostTransfer, NcclType, Op, Phase, Program, RankClass
+from sim.hardware.compute import ComputeModel
+from sim.program.ir import CollectiveOp, HostTransfer, NcclType, Op, Phase, Program, RankClass
 
 
 class _Emitter:

@@ -1,6 +1,6 @@
 """Host (CPU) time of DeepSpeed's Python around the kernels, and of its CPU optimizer passes.
 
-Model kernels are issued eagerly (:mod:`sim.compute`'s per-op costs as
+Model kernels are issued eagerly (:mod:`sim.hardware.compute`'s per-op costs as
 ``Op.cpu_s``, the GPU time as the duration), so a step can be bound by the host. Stage 3 adds
 its Python: every submodule's four hooks (forward pre/post, and the autograd functions that
 trigger the backward pre/post hooks), each waited parameter, each gather issued and split,
@@ -13,15 +13,15 @@ copies, hpZ's ``synchronize``) are ops with ``host_sync``.
 
 from __future__ import annotations
 
-from sim.compute import EAGER_FWD_OP_CPU_S
-from sim.host import HostSpec, cpu_pass_s
+from sim.hardware.compute import EAGER_FWD_OP_CPU_S
+from sim.hardware.host import HostSpec, cpu_pass_s
 
 # Host (CPU) cost of DeepSpeed's Python around the kernels. No published per-hook measurement
 # was found (PR #6694 only reports that coalescing halves fetch/release CPU time); these are
 # derived from the work the code does, counting its calls:
 TORCH_CALL_CPU_S = EAGER_FWD_OP_CPU_S
 """A torch call through the dispatcher (torch.empty, cat, copy_, all_gather_into_tensor,
-autograd.Function.apply): the project's eager per-op cost (sim.compute)."""
+autograd.Function.apply): the project's eager per-op cost (sim.hardware.compute)."""
 CUDA_API_CPU_S = 3e-6
 """A stream or event call from Python (torch.cuda.Event(), record, query, wait_stream,
 entering or leaving a stream context): a CUDA runtime call of one to a few microseconds plus
@@ -64,5 +64,5 @@ narrow/view_as, copy_, record_stream."""
 
 def _host_pass_s(host: HostSpec, nbytes: float) -> float:
     """A memory-bound pass of DeepSpeed's CPU optimizer threads over ``nbytes`` of host
-    memory (:func:`sim.host.cpu_pass_s`)."""
+    memory (:func:`sim.hardware.host.cpu_pass_s`)."""
     return cpu_pass_s(host, nbytes, "deepspeed")

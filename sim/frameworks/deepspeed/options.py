@@ -1,65 +1,96 @@
-"""The scenario's DeepSpeed options checked against what DeepSpeed accepts and resolved to its
-effective settings (``zero/config.py``, ``zero/offload_config.py``, ``groups.py``)."""
+"""The ``framework:`` options of ``deepspeed`` (ZeRO 0-3, ZeRO++, offload, Megatron-DeepSpeed's
+pipeline); what DeepSpeed makes of them is :mod:`sim.frameworks.deepspeed.resolve`. Imports
+only the config layer's base: the scenario schema (:mod:`sim.config.scenario`) reads it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
-from sim.frameworks.base import JobContext
-from sim.scenario import DeepSpeedOptions
+from pydantic import Field
 
-
-@dataclass(frozen=True)
-class _Zero:
-    """The scenario's options resolved to DeepSpeed's effective settings."""
-
-    stage: int
-    overlap: bool
-    contiguous: bool
-    bucket: int
-    prefetch: int
-    persistence: int
-    max_live: int
-    offload_opt: str
-    offload_param: str
-    qwz: bool
-    hpz: int
-    qgz: bool
-    fp16: bool
-    max_reuse: int = 1_000_000_000
-    sub_group: int = 1_000_000_000
+from sim.config.base import StrictModel
 
 
-def _resolve(ctx: JobContext) -> _Zero:
-    """Check the options against what DeepSpeed accepts and resolve the defaults."""
-    s = ctx.scenario
-    opts = s.framework
-    assert isinstance(opts, DeepSpeedOptions)
-    ctx.require_data_parallel_only("deepspeed")
-    stage = opts.zero_stage
-    zpp = opts.zeropp
-    ctx.require(opts.offload_param == "none" or stage == 3, "framework.offload_param",
-                f"parameter offload needs zero_stage 3 (got {stage})")
-    ctx.require(opts.offload_optimizer == "none" or stage >= 1, "framework.offload_optimizer",
-                "optimizer offload needs zero_stage 1, 2 or 3 (ZeRO-Offload)")
-    ctx.require(not (zpp.qwz or zpp.hpz or zpp.qgz) or stage == 3, "framework.zeropp",
-                f"ZeRO++ (qwz, hpz, qgz) needs zero_stage 3 (got {stage})")
-    ctx.require(zpp.hpz_partition_size is None or zpp.hpz, "framework.zeropp.hpz_partition_size",
-                "is set but zeropp.hpz is false")
-    n = ctx.n_ranks
-    hpz = 1
-    if zpp.hpz:
-        hpz = zpp.hpz_partition_size or s.cluster.gpus_per_node
-        # groups._create_zero_param_parallel_group: min(size, world), world divisible by it.
-        hpz = min(hpz, n)
-        ctx.require(n % hpz == 0, "framework.zeropp.hpz_partition_size",
-                    f"{hpz} does not divide the {n} data-parallel ranks")
-    overlap = opts.overlap_comm if opts.overlap_comm is not None else stage == 3
-    return _Zero(stage=stage, overlap=overlap, contiguous=opts.contiguous_gradients,
-                 bucket=opts.reduce_bucket_size, prefetch=opts.stage3_prefetch_bucket_size,
-                 persistence=opts.stage3_param_persistence_threshold,
-                 max_live=opts.stage3_max_live_parameters,
-                 offload_opt=opts.offload_optimizer, offload_param=opts.offload_param,
-                 qwz=zpp.qwz, hpz=hpz, qgz=zpp.qgz,
-                 fp16=s.training.precision == "fp16",
-                 max_reuse=opts.stage3_max_reuse_distance, sub_group=opts.sub_group_size)
+class ZeroPlusPlus(StrictModel):
+    """ZeRO++ (Wang et al., "ZeRO++: Extremely Efficient Collective Communication for Giant
+    Model Training", 2023); each part may be used alone."""
+
+    qwz: bool = False
+    """zero_quantized_weights: all-gather int8 block-quantized weights (quantize and
+    dequantize kernels around each gather)."""
+    hpz: bool = False
+    """zero_hpz_partition_size > 1: keep a secondary copy of the weights sharded over the
+    GPUs of a node, so backward all-gathers stay on NVLink, at a memory cost."""
+    hpz_partition_size: int | None = Field(default=None, gt=1)
+    """Size of the secondary partition; default the GPUs per node."""
+    qgz: bool = False
+    """zero_quantized_gradients: int4 hierarchical all-to-all gradient reduce-scatter (inside
+    the node, then across nodes) instead of the ring reduce-scatter."""
+
+
+class DeepSpeedPipeline(StrictModel):
+    """Megatron-DeepSpeed 3D (``parallelism.tp`` or ``pp`` > 1): DeepSpeed's PipelineEngine
+    over Megatron's tensor-parallel layers (``GPTModelPipe``), as BLOOM-176B trained."""
+
+    pipe_partitioned: bool = True
+    """ds_config pipeline.pipe_partitioned: with tp > 1 each tensor-parallel rank sends 1/tp
+    of the activation; the next stage all-gathers it."""
+    grad_partitioned: bool = True
+    """ds_config pipeline.grad_partitioned: the same for the gradients sent back."""
+    partition_method: Literal["type:transformer", "type:transformer|embedding"] = \
+        "type:transformer"
+    """PipelineModule partition_method (Megatron-DeepSpeed --pp-partition-method): balance
+    transformer layers, or count the two (tied) embedding layers as layers too."""
+    flash_attention: bool = False
+    """Megatron-DeepSpeed --use-flash-attn; false: baddbmm, fused softmax, bmm."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Hidden and attention dropout (Megatron-DeepSpeed's default is 0.1)."""
+    cuda_launch_blocking: bool = False
+    """CUDA_LAUNCH_BLOCKING=1 (BLOOM's launch script): every kernel launch waits for the
+    kernel to finish, so the host cannot run ahead of the GPU."""
+    partition_activations: bool = False
+    """ds_config activation_checkpointing.partition_activations (Megatron-DeepSpeed
+    --partition-activations): with full checkpointing each tensor-parallel rank keeps 1/tp of
+    every layer's input and all-gathers it before the recompute."""
+
+
+class DeepSpeedOptions(StrictModel):
+    """Microsoft DeepSpeed ZeRO stages 0-3, ZeRO++ and ZeRO-Offload/Infinity (values in
+    elements unless the name says otherwise, as in ds_config); with tensor or pipeline
+    parallelism, Megatron-DeepSpeed's 3D layout (``pipeline``, stages 0-1)."""
+
+    name: Literal["deepspeed"]
+    zero_stage: Literal[0, 1, 2, 3] = 3
+    """0: plain data parallelism; 1: optimizer states sharded; 2: + gradients; 3: +
+    parameters."""
+    overlap_comm: bool | None = None
+    """Reduce gradients on a side stream while backward continues; default: true for stage
+    3, false otherwise (DeepSpeedZeroConfig)."""
+    contiguous_gradients: bool = True
+    """Copy reduced gradient shards into one contiguous buffer as they are produced."""
+    reduce_bucket_size: int = Field(default=500_000_000, gt=0)
+    """Elements reduced at once (ds_config zero_optimization.reduce_bucket_size)."""
+    allgather_bucket_size: int = Field(default=500_000_000, gt=0)
+    """Accepted as in ds_config, without effect: since all_gather_into_tensor exists,
+    runtime/utils.py all_gather_dp_groups gathers each parameter group in one call."""
+    stage3_prefetch_bucket_size: int = Field(default=50_000_000, ge=0)
+    """Stage 3: elements of upcoming parameters fetched ahead of use."""
+    stage3_param_persistence_threshold: int = Field(default=100_000, ge=0)
+    """Stage 3: parameters with fewer elements stay gathered on every rank (not partitioned)."""
+    stage3_max_live_parameters: int = Field(default=1_000_000_000, gt=0)
+    """Stage 3: most gathered elements held at once before releasing."""
+    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)
+    """Stage 3: a parameter used again within this many elements of upcoming modules is
+    kept gathered instead of released."""
+    sub_group_size: int = Field(default=1_000_000_000, gt=0)
+    """Stage 3: the optimizer steps the partition in sub-groups of this many elements."""
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Offload: fp32 master weights and Adam states in CPU memory (or NVMe), the
+    optimizer step on the CPU (DeepSpeedCPUAdam); stages 1-3."""
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    """ZeRO-Infinity, stage 3: 16-bit parameter shards in CPU memory (or NVMe), copied to
+    the GPU before each all-gather."""
+    zeropp: ZeroPlusPlus = ZeroPlusPlus()
+    """ZeRO++ communication optimisations (stage 3)."""
+    pipeline: DeepSpeedPipeline = DeepSpeedPipeline()
+    """Megatron-DeepSpeed 3D options (used with parallelism.tp or pp > 1)."""

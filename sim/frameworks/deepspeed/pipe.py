@@ -8,7 +8,7 @@ at commit 38327e07 (``runtime/pipe/engine.py``, ``schedule.py``, ``p2p.py``, ``m
 
 * Layout (``PipeModelDataParallelTopology``, axes pipe, data, model): global rank
   ``t + tp * (d + dp * s)``; each pipeline stage is one rank class.
-* Layers: Megatron's local (apex/fused-kernel) layers, priced by :mod:`sim.megatron_ops`
+* Layers: Megatron's local (apex/fused-kernel) layers, priced by :mod:`sim.workload.megatron_ops`
   (column-parallel QKV and fc1, row-parallel projection and fc2; two blocking all-reduces in
   the tensor-parallel group in forward and two in backward per layer; no sequence
   parallelism). The tied word embedding sits on the first and last stage (``TiedLayerSpec``),
@@ -62,7 +62,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sim.frameworks.base import JobContext
+from sim.frameworks.common.base import JobContext
+from sim.frameworks.common.nccl_dtype import half
 from sim.frameworks.deepspeed.pipe_schedule import train_schedule
 from sim.frameworks.deepspeed.pipe_step import (
     FP32,
@@ -72,10 +73,11 @@ from sim.frameworks.deepspeed.pipe_step import (
     reduce_grads,
     reduce_tied,
 )
-from sim.frameworks.megatron import MEGATRON_CPU_S_PER_OP
-from sim.frameworks.nccl_dtype import half
-from sim.layer_ops import BlockCost, price_block
-from sim.megatron_ops import (
+from sim.frameworks.megatron.build import MEGATRON_CPU_S_PER_OP
+from sim.program.ir import CollectiveOp, NcclType, Op, Phase, Program, RankClass
+from sim.scenario import DeepSpeedOptions
+from sim.workload.layer_ops import BlockCost, price_block
+from sim.workload.megatron_ops import (
     CHECKPOINT_OPS,
     PYTHON_OPS,
     STYLE,
@@ -83,8 +85,6 @@ from sim.megatron_ops import (
     megatron_blocks,
     padded_vocab,
 )
-from sim.program import CollectiveOp, NcclType, Op, Phase, Program, RankClass
-from sim.scenario import DeepSpeedOptions
 
 META_BYTES = 64
 """PartitionedTensor.to_meta: a LongTensor of the original shape, part count, rank and the

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sim.frameworks.megatron import MEGATRON_CPU_S_PER_OP
-from sim.program import Op, Phase, RankClass
+from sim.frameworks.megatron.build import MEGATRON_CPU_S_PER_OP
+from sim.program.ir import Op, Phase, RankClass
 
 if TYPE_CHECKING:
     from sim.frameworks.deepspeed.pipe import _Pipe
@@ -20,7 +20,7 @@ FP32 = 4
 ENGINE_ALLREDUCE_ELEMENTS = 500_000_000
 """engine.py MEMORY_OPT_ALLREDUCE_SIZE: bucket of buffered_allreduce_fallback."""
 TORCH_CALL_CPU_S = MEGATRON_CPU_S_PER_OP
-"""Host time of one Python-level torch call in this stack (sim.frameworks.megatron)."""
+"""Host time of one Python-level torch call in this stack (sim.frameworks.megatron.build)."""
 
 
 def reduce_tied(pipe: _Pipe, cls: RankClass, st: int) -> None:

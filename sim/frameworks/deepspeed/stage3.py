@@ -6,16 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sim.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S, ComputeModel
-from sim.frameworks.accounting import block_model_flops
+from sim.frameworks.common.accounting import block_model_flops
+from sim.frameworks.common.steps import PassOps, micro_batch_ops
 from sim.frameworks.deepspeed.constants import W16
 from sim.frameworks.deepspeed.emitter import _Emitter
 from sim.frameworks.deepspeed.stage3_grads import _Gradients
 from sim.frameworks.deepspeed.stage3_step import _Step
 from sim.frameworks.deepspeed.stage3_trace import _Event, _route, _scripts, _Seg
-from sim.frameworks.steps import PassOps, micro_batch_ops
-from sim.layer_ops import FP32, Kernel, kernel_time
-from sim.program import Op, Phase, Program, RankClass
+from sim.hardware.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S, ComputeModel
+from sim.program.ir import Op, Phase, Program, RankClass
+from sim.workload.layer_ops import FP32, Kernel, kernel_time
 
 
 class _Stage3(_Step, _Gradients):

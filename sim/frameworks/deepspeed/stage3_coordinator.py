@@ -41,7 +41,7 @@ from sim.frameworks.deepspeed.host_costs import (
     _release_call_cpu,
 )
 from sim.frameworks.deepspeed.stage3_state import _Gather, _Stage3State
-from sim.program import Op, Phase
+from sim.program.ir import Op, Phase
 
 
 class _Coordinator(_Stage3State):

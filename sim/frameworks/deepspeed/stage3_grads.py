@@ -18,8 +18,8 @@ from sim.frameworks.deepspeed.host_costs import (
     VIEW_CPU_S,
 )
 from sim.frameworks.deepspeed.stage3_state import _Stage3State
-from sim.layer_ops import FP32
-from sim.program import Op
+from sim.program.ir import Op
+from sim.workload.layer_ops import FP32
 
 
 class _Gradients(_Stage3State):

@@ -8,14 +8,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from sim.frameworks.base import JobContext
+from sim.frameworks.common.base import JobContext
 from sim.frameworks.deepspeed.constants import OFFLOAD_PARAM_MAX_IN_CPU
 from sim.frameworks.deepspeed.emitter import _Emitter
-from sim.frameworks.deepspeed.options import _Zero
+from sim.frameworks.deepspeed.resolve import _Zero
 from sim.frameworks.deepspeed.stage3_trace import _tree
-from sim.host import HostSpec
-from sim.layer_ops import Style, model_blocks
-from sim.program import Op, Program
+from sim.hardware.host import HostSpec
+from sim.program.ir import Op, Program
+from sim.workload.layer_ops import Style, model_blocks
 
 
 @dataclass

@@ -7,9 +7,9 @@ from __future__ import annotations
 from sim.frameworks.deepspeed.constants import FP64, W16
 from sim.frameworks.deepspeed.host_costs import TORCH_CALL_CPU_S, _host_pass_s
 from sim.frameworks.deepspeed.stage3_coordinator import _Coordinator
-from sim.host import cpu_adam_s
-from sim.layer_ops import FP32
-from sim.program import Op, Phase
+from sim.hardware.host import cpu_adam_s
+from sim.program.ir import Op, Phase
+from sim.workload.layer_ops import FP32
 
 
 class _Step(_Coordinator):

@@ -1,6 +1,6 @@
 """ZeRO-3's view of the model: the Hugging Face module tree's parameters in construction order
 (persistent or not, padded to the world), each submodule's own parameters, and the order in
-which the module hooks fire around the kernels of :mod:`sim.layer_ops`."""
+which the module hooks fire around the kernels of :mod:`sim.workload.layer_ops`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 from dataclasses import dataclass
 
 from sim.frameworks.deepspeed.constants import _pad
-from sim.layer_ops import Kernel
-from sim.model import ModelSpec
-from sim.program import Phase
+from sim.program.ir import Phase
+from sim.workload.layer_ops import Kernel
+from sim.workload.model import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ _LAYER_ROUTES = {"norm": "ln", "norm_out": "ln", "resid": "layer", "resid_in": "
 
 
 def _route(block: str, kernel: str) -> str:
-    """The module whose forward/backward a kernel of :mod:`sim.layer_ops` belongs to."""
+    """The module whose forward/backward a kernel of :mod:`sim.workload.layer_ops` belongs to."""
     head = kernel.split(".")[0]
     if block == "embed":
         return "wpe" if head in ("add_pos", "g_pos_sum") else "embed"

@@ -5,8 +5,9 @@ and weight all-gather (stages 1-2), with ZeRO-Offload of the optimizer (see
 
 from __future__ import annotations
 
-from sim.frameworks.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
-from sim.frameworks.base import JobContext
+from sim.frameworks.common.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
+from sim.frameworks.common.base import JobContext
+from sim.frameworks.common.steps import micro_batch_ops
 from sim.frameworks.deepspeed.constants import (
     ENGINE_ALLREDUCE_ELEMENTS,
     FP64,
@@ -22,12 +23,11 @@ from sim.frameworks.deepspeed.host_costs import (
     VIEW_CPU_S,
     _host_pass_s,
 )
-from sim.frameworks.deepspeed.options import _Zero
-from sim.frameworks.steps import micro_batch_ops
-from sim.host import HostSpec, cpu_adam_s
-from sim.layer_ops import FP32, Style
-from sim.model import ModelSpec
-from sim.program import Op, Phase, Program, RankClass
+from sim.frameworks.deepspeed.resolve import _Zero
+from sim.hardware.host import HostSpec, cpu_adam_s
+from sim.program.ir import Op, Phase, Program, RankClass
+from sim.workload.layer_ops import FP32, Style
+from sim.workload.model import ModelSpec
 
 
 def _grad_ready(m: ModelSpec) -> dict[tuple[str, int], list[tuple[str, int]]]:

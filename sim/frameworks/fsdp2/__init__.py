@@ -17,7 +17,7 @@ What each step does (``torch/distributed/fsdp/_fully_shard/``):
 * Parameters live sharded in fp32 (1/n per rank, n = the FSDP world size) with fp32 gradients
   and AdamW states of the shard. Mixed precision: gathered parameters in bf16 (``param_dtype``),
   gradients reduced in fp32 (``reduce_dtype``) by default; compute in bf16
-  (:mod:`sim.layer_ops` style ``bf16``).
+  (:mod:`sim.workload.layer_ops` style ``bf16``).
 * Forward: each unit all-gathers its parameters on the all-gather stream (the copy-in cast to
   bf16 is folded into it), then the compute stream copies them out of the flat buffer and runs
   the unit. Prefetch is implicit: the CPU runs ahead, so unit u+1's all-gather is issued while
@@ -47,7 +47,7 @@ What each step does (``torch/distributed/fsdp/_fully_shard/``):
   copied to the host on the post-reduce stream (``foreach_reduce``: non-blocking into pinned
   memory for the first gradient, blocking and added on the CPU when accumulating). The
   backward ends by waiting for those copies (``finalize_backward``) and ``torch.optim.AdamW``
-  steps the CPU tensors (:func:`sim.host.cpu_adam_s`, one thread per rank under torchrun).
+  steps the CPU tensors (:func:`sim.hardware.host.cpu_adam_s`, one thread per rank under torchrun).
 * Pipeline parallelism (``torch/distributed/pipelining``): each stage's model chunks are
   separate FSDP roots. ``_PipelineStageBase.backward_maybe_with_nosync`` runs every backward
   with ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)``:
@@ -56,7 +56,7 @@ What each step does (``torch/distributed/fsdp/_fully_shard/``):
   and parameters stay gathered; after the chunk's last backward (``_add_reduce_grad`` /
   ``perform_reduce_grad`` -> ``_post_backward``) ``post_backward`` runs for every unit in
   module order: one reduce-scatter per unit per step. Schedules come from
-  :func:`sim.frameworks.megatron.schedule` (the same orders as torch's ``Schedule1F1B``,
+  :func:`sim.frameworks.megatron.build.schedule` (the same orders as torch's ``Schedule1F1B``,
   ``ScheduleGPipe`` and ``ScheduleInterleaved1F1B``, whose warm-up is
   ``(vp - 1) * pp + 2 * (pp - 1 - rank)``); Schedule1F1B batches each forward's send with the
   next backward's receive and waits for both, and each backward's send with the next
@@ -77,13 +77,3 @@ parallel blocks in :mod:`.mesh` (device mesh, stage split), :mod:`.tp` (tensor-p
 segments), :mod:`.tp_pass` (their ops and collectives), :mod:`.cp` (ring attention) and
 :mod:`.float8` (torchao's float8 tensor-parallel styles).
 """
-
-from __future__ import annotations
-
-from sim.frameworks.fsdp2.build import build_fsdp2  # registers "fsdp2"
-from sim.frameworks.fsdp2.mesh import Mesh, stage_layers
-from sim.frameworks.fsdp2.tp import TitanBlocks, titan_blocks
-from sim.frameworks.fsdp2.tp_pass import Comms, TitanPass
-
-__all__ = ["Comms", "Mesh", "TitanBlocks", "TitanPass", "build_fsdp2", "stage_layers",
-           "titan_blocks"]

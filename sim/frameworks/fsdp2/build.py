@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sim.frameworks.accounting import block_grad_params, block_model_flops
-from sim.frameworks.base import JobContext, register
+from sim.frameworks.common.accounting import block_grad_params, block_model_flops
+from sim.frameworks.common.base import JobContext
 from sim.frameworks.fsdp2.checks import check
 from sim.frameworks.fsdp2.cp import titan_repeats_kv
 from sim.frameworks.fsdp2.mesh import Mesh, stage_layers
@@ -24,8 +24,10 @@ from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.step import build_stage
 from sim.frameworks.fsdp2.tp import TitanBlocks, titan_blocks
 from sim.frameworks.fsdp2.units import Job, chunk_units, reshard_blocks
-from sim.host import HostSpec
-from sim.layer_ops import (
+from sim.hardware.host import HostSpec
+from sim.program.ir import Program, RankClass
+from sim.scenario import Fsdp2Options
+from sim.workload.layer_ops import (
     BF16,
     FP32,
     BlockCost,
@@ -35,11 +37,8 @@ from sim.layer_ops import (
     op_sac_costs,
     price_block,
 )
-from sim.program import Program, RankClass
-from sim.scenario import Fsdp2Options
 
 
-@register("fsdp2")
 def build_fsdp2(ctx: JobContext) -> Program:
     """The program of one training step of FSDP2 as torchtitan (or a Hugging Face model)
     runs it: see :mod:`sim.frameworks.fsdp2`."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sim.frameworks.base import JobContext
+from sim.frameworks.common.base import JobContext
 from sim.frameworks.fsdp2.mesh import stage_layers
 from sim.scenario import Fsdp2Options
 
@@ -66,7 +66,7 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     hf = opts.model_code == "huggingface"
     if hf:
         # Hugging Face LlamaForCausalLM wrapped per decoder layer: bf16 parameters from the
-        # MixedPrecisionPolicy, the model's eager code (sim.hf_ops). torchtitan's tensor,
+        # MixedPrecisionPolicy, the model's eager code (sim.workload.hf_ops). torchtitan's tensor,
         # context and pipeline plans, its float8 converter and op-level SAC are torchtitan's.
         ctx.require(t == 1 and cp == 1 and pp == 1, "framework.model_code",
                     "huggingface is modelled with FSDP (and HSDP) only: tp, cp and pp must be 1")

@@ -48,9 +48,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sim.compute import ComputeModel
-from sim.layer_ops import BF16, FP32, Block, Kernel, Style, Tensor, _Builder, price_block
-from sim.model import ModelSpec
+from sim.hardware.compute import ComputeModel
+from sim.workload.layer_ops import BF16, FP32, Block, Kernel, Style, Tensor, _Builder, price_block
+from sim.workload.model import ModelSpec
 
 # The last torch release of the span in which torchtitan repeated the key/value heads:
 # torchtitan's #2259 (2026-01-27) moved to SDPA's enable_gqa; torchtitan tracks torch

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sim.layer_ops import BF16, Kernel, Style, Tensor, _Builder
+from sim.workload.layer_ops import BF16, Kernel, Style, Tensor, _Builder
 
 FP8 = 1
 COLWISE = frozenset({"wq", "wk", "wv", "w1", "w3"})

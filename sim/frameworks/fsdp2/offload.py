@@ -7,16 +7,16 @@ stream; after each reduce the fp32 reduced shard is copied to the host on the po
 stream (``foreach_reduce``: non-blocking into pinned memory for the first gradient, blocking
 and added on the CPU when accumulating). The backward ends by waiting for those copies
 (``finalize_backward``) and ``torch.optim.AdamW`` steps the CPU tensors
-(:func:`sim.host.cpu_adam_s`, one thread per rank under torchrun).
+(:func:`sim.hardware.host.cpu_adam_s`, one thread per rank under torchrun).
 """
 
 from __future__ import annotations
 
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.units import Unit
-from sim.host import cpu_adam_s, cpu_pass_s
-from sim.layer_ops import FP32
-from sim.program import Op
+from sim.hardware.host import cpu_adam_s, cpu_pass_s
+from sim.program.ir import Op
+from sim.workload.layer_ops import FP32
 
 
 def h2d_params(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str) -> Op:

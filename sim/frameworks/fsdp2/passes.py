@@ -16,15 +16,15 @@ compute and reshard, and its gradient reduction (or accumulation under pipelinin
 
 from __future__ import annotations
 
-from sim.frameworks.accounting import tied_grad_sum_s
+from sim.frameworks.common.accounting import tied_grad_sum_s
+from sim.frameworks.common.steps import micro_batch_ops
 from sim.frameworks.fsdp2.pipeline import accumulate, send
 from sim.frameworks.fsdp2.reduce import drop_reduce_scatter_state, reduce
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.units import BlockOps
 from sim.frameworks.fsdp2.unshard import copy_out, gather
-from sim.frameworks.steps import micro_batch_ops
-from sim.layer_ops import BF16
-from sim.program import Op
+from sim.program.ir import Op
+from sim.workload.layer_ops import BF16
 
 
 def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:

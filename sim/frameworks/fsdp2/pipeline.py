@@ -7,7 +7,7 @@ the first micro-batch, ``FSDPParam.to_accumulated_grad_if_needed``, then added,
 ``accumulate_unsharded_grad_if_needed``) and parameters stay gathered; after the chunk's last
 backward (``_add_reduce_grad`` / ``perform_reduce_grad`` -> ``_post_backward``)
 ``post_backward`` runs for every unit in module order: one reduce-scatter per unit per step.
-Schedules come from :func:`sim.frameworks.megatron.schedule` (the same orders as torch's
+Schedules come from :func:`sim.frameworks.megatron.build.schedule` (the same orders as torch's
 ``Schedule1F1B``, ``ScheduleGPipe`` and ``ScheduleInterleaved1F1B``, whose warm-up is
 ``(vp - 1) * pp + 2 * (pp - 1 - rank)``); Schedule1F1B batches each forward's send with the
 next backward's receive and waits for both, and each backward's send with the next forward's
@@ -19,9 +19,9 @@ from __future__ import annotations
 from sim.frameworks.fsdp2.reduce import drop_reduce_scatter_state, reduce
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.units import Job, Unit
-from sim.frameworks.megatron import schedule as pipeline_order
-from sim.layer_ops import BF16
-from sim.program import Op
+from sim.frameworks.megatron.build import schedule as pipeline_order
+from sim.program.ir import Op
+from sim.workload.layer_ops import BF16
 
 
 def step_order(job: Job, st: int) -> list[tuple[str, int, int]]:

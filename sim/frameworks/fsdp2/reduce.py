@@ -22,8 +22,8 @@ from __future__ import annotations
 from sim.frameworks.fsdp2.offload import offload_grad
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.units import RS, Unit
-from sim.layer_ops import BF16
-from sim.program import Op
+from sim.program.ir import Op
+from sim.workload.layer_ops import BF16
 
 
 def reduce(stage: Stage, u: Unit, grads: float, mb: int, deps: list[Op], free_params: bool,

@@ -9,10 +9,10 @@ one :class:`Stage`, which holds all the state they share.
 
 from __future__ import annotations
 
+from sim.frameworks.common.nccl_dtype import half
 from sim.frameworks.fsdp2.tp_pass import Comms, TitanPass
 from sim.frameworks.fsdp2.units import BlockOps, Job
-from sim.frameworks.nccl_dtype import half
-from sim.program import NcclType, Op, Program, RankClass
+from sim.program.ir import NcclType, Op, Program, RankClass
 
 
 class Stage:

@@ -13,8 +13,8 @@ from sim.frameworks.fsdp2.offload import cpu_optimizer_step
 from sim.frameworks.fsdp2.passes import backward, forward
 from sim.frameworks.fsdp2.pipeline import reduce_grad, step_order
 from sim.frameworks.fsdp2.stage import Stage
-from sim.layer_ops import FP32
-from sim.program import Op
+from sim.program.ir import Op
+from sim.workload.layer_ops import FP32
 
 
 def build_stage(stage: Stage) -> None:

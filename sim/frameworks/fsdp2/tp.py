@@ -28,8 +28,9 @@ segments of every block of one micro-batch on one rank, priced.
   round the ring, one shift per step. Eager, each exchange overlaps the next step; compiled,
   each is waited for where it is issued.
 
-The kernels are those of :mod:`sim.layer_ops` in its ``bf16`` style (torchtitan's Llama),
-built with the same :class:`~sim.layer_ops._Builder` operations on the tensor-parallel local
+The kernels are those of :mod:`sim.workload.layer_ops` in its ``bf16`` style (torchtitan's Llama),
+built with the same :class:`~sim.workload.layer_ops._Builder` operations on the tensor-parallel
+local
 widths and split into segments wherever a collective sits between them, since a per-block kernel
 list cannot carry a collective in its middle.
 """
@@ -38,10 +39,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from sim.compute import ComputeModel
 from sim.frameworks.fsdp2.cp import repeat_kv_kernels, ring_step_segments
 from sim.frameworks.fsdp2.float8 import FP8, Float8TpBuilder, builder, cast_module_input
-from sim.layer_ops import (
+from sim.hardware.compute import ComputeModel
+from sim.workload.layer_ops import (
     BF16,
     FP32,
     IDX,
@@ -57,7 +58,7 @@ from sim.layer_ops import (
     price_block,
     qkv_projections,
 )
-from sim.model import ModelSpec
+from sim.workload.model import ModelSpec
 
 # ---------------------------------------------------------------------- segments
 
@@ -224,7 +225,7 @@ def _embed_seg(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
 
 def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
     """Output projection to this rank's vocabulary shard and cross-entropy in fp32 (loss
-    parallelism with tp > 1), as :func:`sim.layer_ops.head_block` without its norm."""
+    parallelism with tp > 1), as :func:`sim.workload.layer_ops.head_block` without its norm."""
     b = _Builder("head_main", style)
     h, vl = m.hidden, local_vocab(m, tp)
     y = b.t("in", tokens * h, BF16)
@@ -341,7 +342,7 @@ def layer_sac_costs(tb: TitanBlocks, style: Style, cm: ComputeModel) -> dict[str
     torchtitan's policy (``torchtitan/distributed/activation_checkpoint.py``, ``_apply_op_sac``
     and its ``_save_list``) is applied by a dispatch mode that sees the ops as the layer
     issues them: the local matmuls of the tensor-parallel shards (every second one saved,
-    counted over the layer in forward order, as :func:`sim.layer_ops.op_sac_costs`), the
+    counted over the layer in forward order, as :func:`sim.workload.layer_ops.op_sac_costs`), the
     attention op and ``_c10d_functional.reduce_scatter_tensor`` are saved; the functional
     all-gathers are not, so recomputation runs them again. Context parallelism's ring runs
     inside the one attention op that DTensor dispatches (``_context_parallel/_attention.py``),

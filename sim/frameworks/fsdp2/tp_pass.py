@@ -8,11 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sim.frameworks.common.steps import ordered_forward_allocs
 from sim.frameworks.fsdp2.float8 import tp_all_gather_bytes_per_element
 from sim.frameworks.fsdp2.tp import TitanBlocks
-from sim.frameworks.steps import ordered_forward_allocs
-from sim.layer_ops import BF16, FP32
-from sim.program import Op, Phase
+from sim.program.ir import Op, Phase
+from sim.workload.layer_ops import BF16, FP32
 
 # ---------------------------------------------------------------------- ops of a pass
 
@@ -34,7 +34,7 @@ class TitanPass:
     """Compute and collective ops of the blocks of one micro-batch under torchtitan's TP/CP.
 
     :meth:`forward` and :meth:`backward` return, for one block (embed, attn, mlp, head) of
-    one layer, its ops in issue order. Memory effects follow :mod:`sim.frameworks.steps`:
+    one layer, its ops in issue order. Memory effects follow :mod:`sim.frameworks.common.steps`:
     forward allocates what autograd saves, backward frees it and allocates the bf16 weight
     gradients (``grad_alloc``); with ``recompute`` a layer keeps only its input and the
     backward of its MLP block starts by recomputing the whole layer, collectives included
@@ -96,7 +96,7 @@ class TitanPass:
 
     def _fp8(self, op: Op, what: str) -> Op:
         """Label a float8 all-gather of ``what`` (:meth:`_gathered`) uint8, as NCCL moves
-        float8 data (:func:`sim.frameworks.nccl_dtype.element_type`); the comms builder
+        float8 data (:func:`sim.frameworks.common.nccl_dtype.element_type`); the comms builder
         labels the rest 16-bit."""
         if op.collective == "all_gather" and what and \
                 tp_all_gather_bytes_per_element(self.tb.fp8_tp, what) == 1:

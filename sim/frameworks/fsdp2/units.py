@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sim.frameworks.base import JobContext
+from sim.frameworks.common.base import JobContext
 from sim.frameworks.fsdp2.mesh import Mesh
 from sim.frameworks.fsdp2.tp import TitanBlocks
-from sim.host import HostSpec
-from sim.layer_ops import BlockCost, SacCost, Style
-from sim.program import NcclType, Op
+from sim.hardware.host import HostSpec
+from sim.program.ir import NcclType, Op
 from sim.scenario import Fsdp2Options
+from sim.workload.layer_ops import BlockCost, SacCost, Style
 
 AG, RS = "all-gather", "reduce-scatter"
 
@@ -125,7 +125,7 @@ class Job:
 
     def gather_dtype(self, u: Unit) -> NcclType:
         """NCCL type of a unit's all-gather, as :meth:`param_bytes` counts it: float8
-        blocks go as uint8 (:func:`sim.frameworks.nccl_dtype.element_type`), the rest in
+        blocks go as uint8 (:func:`sim.frameworks.common.nccl_dtype.element_type`), the rest in
         ``param_dtype``."""
         if self.style.float8_weights and u.name.startswith("L"):
             return "u8"

@@ -11,8 +11,8 @@ from __future__ import annotations
 from sim.frameworks.fsdp2.offload import h2d_params
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.units import AG, Unit
-from sim.layer_ops import FP32
-from sim.program import Op, Phase
+from sim.program.ir import Op, Phase
+from sim.workload.layer_ops import FP32
 
 
 def gather(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str) -> Op:

@@ -1,0 +1,287 @@
+"""The planner's search points: :class:`Layout`, their enumeration and their scenarios.
+
+A layout is a set of overrides of the scenario (:meth:`Layout.varied`);
+:func:`enumerate_layouts` lists every one the planner builds for a model, cluster, batch and
+precision, from each framework's registry search space; :func:`layout_scenario` turns one into
+the scenario its builder runs, and :func:`refusal_key` reads a builder's refusal of it.
+Part of ``fabricsim plan`` (:mod:`sim.apps.plan`; docs/planner.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sim.frameworks import registry
+from sim.frameworks.registry import SearchPoint, SearchSpace
+from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+
+PLAN_ORIGIN = "plan"
+"""The origin the planner's builds report in their ScenarioError (``plan: KEY: message``)."""
+
+CP_MAX = 8
+"""Context-parallel degrees searched: powers of two up to this. Context parallelism splits
+the sequence; beyond 8 ranks the per-rank sequence of the common 4k-8k training lengths is a
+few hundred tokens, where attention no longer dominates (Megatron-LM's context-parallel
+guide uses cp 2-8 for 8k-128k sequences)."""
+VP_MAX = 8
+"""Interleaved pipeline chunks per stage searched at most: each chunk adds p2p transfers per
+micro-batch; NeMo's recipes use 2-8 (Llama 3 70B: 5 on pp 4; 405B: 8 on pp 8)."""
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    """One point of the search: the keys of the scenario the planner sets."""
+
+    framework: str
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    vp: int
+    micro_batch_size: int
+    activation_checkpointing: str
+    options: tuple[tuple[str, Any], ...] = ()
+    """Framework options the planner sets (``framework.<key>``), sorted by key."""
+
+    def varied(self) -> dict[str, Any]:
+        """The scenario keys this layout sets, as dotted paths (usable as ``--set KEY=V``).
+
+        Examples
+        --------
+        >>> Layout("fsdp2", 1, 1, 8, 1, 1, 1, "full",
+        ...        (("reshard_after_forward", True),)).varied()["framework.reshard_after_forward"]
+        True
+        """
+        out: dict[str, Any] = {"framework.name": self.framework}
+        out.update({f"framework.{k}": v for k, v in self.options})
+        out.update({"parallelism.tp": self.tp, "parallelism.pp": self.pp,
+                    "parallelism.dp": self.dp, "parallelism.cp": self.cp,
+                    "parallelism.vp": self.vp,
+                    "parallelism.sequence_parallel": self.sequence_parallel,
+                    "training.micro_batch_size": self.micro_batch_size,
+                    "training.activation_checkpointing": self.activation_checkpointing})
+        return out
+
+    @property
+    def sequence_parallel(self) -> bool:
+        # Megatron's sequence parallelism whenever tensor parallelism is used (Korthikanti et
+        # al., "Reducing Activation Recomputation in Large Transformer Models", 2022: the
+        # norms' and dropouts' activations split t ways for the same bytes moved, an
+        # all-reduce becoming a reduce-scatter plus an all-gather). torchtitan's tensor
+        # parallelism always shards the sequence (the flag is Megatron's only): the
+        # registry entry's search space says which framework sets it.
+        space = _space(self.framework)
+        return space is not None and space.sequence_parallel and self.tp > 1
+
+    def label(self) -> str:
+        """A short name: ``megatron tp8 pp4 vp2 dp2 mbs1 selective``.
+
+        Examples
+        --------
+        >>> Layout("deepspeed", 1, 1, 64, 1, 1, 1, "full", (("zero_stage", 3),)).label()
+        'deepspeed zero3 dp64 mbs1 full'
+        """
+        parts = [self.framework]
+        opts = dict(self.options)
+        if "zero_stage" in opts:
+            parts.append(f"zero{opts['zero_stage']}")
+        for key, short in (("tp", "tp"), ("pp", "pp"), ("vp", "vp"), ("cp", "cp")):
+            value = getattr(self, key)
+            if value > 1:
+                parts.append(f"{short}{value}")
+        parts.append(f"dp{self.dp}")
+        if opts.get("hsdp_shard_size"):
+            parts.append(f"hsdp{opts['hsdp_shard_size']}")
+        if opts.get("reshard_after_forward") is False:
+            parts.append("no-reshard")
+        if opts.get("account_for_embedding_in_pipeline_split") or \
+                opts.get("account_for_loss_in_pipeline_split"):
+            parts.append("emb/loss-split")
+        parts.append(f"mbs{self.micro_batch_size}")
+        parts.append(self.activation_checkpointing)
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in increasing order.
+
+    Examples
+    --------
+    >>> _divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the enumeration needs to know about the scenario."""
+
+    gpus: int
+    gpus_per_node: int
+    layers: int
+    global_batch: int
+    seq_len: int
+
+
+def _shape(base: Scenario) -> _Shape:
+    from sim.workload.model import ModelSpec
+
+    m = ModelSpec.from_ref(base.model, base.training.seq_len)
+    return _Shape(base.gpus, base.cluster.gpus_per_node, m.layers, step_sequences(base),
+                  base.training.seq_len)
+
+
+def step_sequences(base: Scenario) -> int:
+    """Sequences per optimizer step: the scenario's ``global_batch_size``, else one
+    micro-batch per replica of its own layout. Every layout keeps it."""
+    t = base.training
+    return t.global_batch_size or t.micro_batch_size * base.dp
+
+
+def _space(framework: str) -> SearchSpace | None:
+    """The planner's search space of ``framework`` (its registry entry's), if any."""
+    try:
+        return registry.framework(framework).search
+    except KeyError:
+        return None
+
+
+def _vp_values(layers: int, pp: int, space: SearchSpace) -> list[int]:
+    """Interleaving degrees worth building for ``pp`` stages: 1, and each ``vp`` up to
+    :data:`VP_MAX` whose ``pp x vp`` chunks split the layers (Megatron: evenly, possibly
+    counting the embedding and loss; torchtitan: ``stage_layers`` spreads them unevenly, so
+    every chunk needs a layer)."""
+    if pp == 1:
+        return [1]
+    out = [1]
+    for vp in range(2, VP_MAX + 1):
+        if not space.chunks_split(layers, pp, vp):
+            continue
+        if layers // (pp * vp) < 1:
+            continue
+        out.append(vp)
+    return out
+
+
+# Framework options every layout of a framework gets, at the values the frameworks' own
+# recipes use for large models: each registry entry's ``search.recipe``
+# (each framework's sim/frameworks/<name>/search.py says why). Kept here for older imports.
+MEGATRON_BEST_PRACTICE = registry.framework("megatron").search.recipe  # type: ignore[union-attr]
+
+
+def enumerate_layouts(base: Scenario, frameworks: Sequence[str] | None = None
+                      ) -> list[Layout]:
+    """Every layout the planner builds for ``base``'s model, cluster, batch and precision.
+
+    Enumerated by construction (never refused later): tp divides the GPUs of a node (tensor
+    parallelism stays on NVLink), tp x pp x cp divides the GPU count (dp fills the rest),
+    the micro-batch size divides the sequences each replica runs per step. The framework's
+    own rules (heads over tp, layers over pp x vp, micro-batch counts for interleaving, HSDP
+    divisibility, ...) are left to its builder, which refuses what it does not run.
+
+    Pure data-parallel frameworks (DeepSpeed, FairScale, DDP) are modelled with tp = pp =
+    cp = 1 and without selective recomputation, so only those are enumerated for them.
+    ``frameworks``: names of registered frameworks with a search space (default: all of
+    them, :func:`sim.frameworks.registry.searchable`).
+
+    Examples
+    --------
+    >>> from sim.scenario import load_scenario
+    >>> s = load_scenario("llama3.2-1b-ddp-8xh100")
+    >>> layouts = enumerate_layouts(s, ["deepspeed"])
+    >>> sorted({(x.micro_batch_size, dict(x.options)["zero_stage"]) for x in layouts})[:3]
+    [(1, 1), (1, 2), (1, 3)]
+    """
+    shape = _shape(base)
+    searchable = registry.searchable()
+    out: list[Layout] = []
+    for fw in searchable if frameworks is None else frameworks:
+        if fw not in searchable:
+            raise ScenarioError(f"--framework {fw}: unknown framework "
+                                f"(available: {', '.join(searchable)})")
+        out.extend(_framework_layouts(fw, shape, base))
+    return out
+
+
+def _micro_batch_sizes(shape: _Shape, dp: int) -> list[int]:
+    if shape.global_batch % dp:
+        return [1]      # the builder refuses it (global batch not a multiple of dp)
+    return _divisors(shape.global_batch // dp)
+
+
+def _framework_layouts(fw: str, shape: _Shape, base: Scenario) -> Iterable[Layout]:
+    n = shape.gpus
+    space = _space(fw)
+    assert space is not None
+    data_parallel_only = space.data_parallel_only
+    tps = [1] if data_parallel_only else _divisors(shape.gpus_per_node)
+    cps = [1] if data_parallel_only else [c for c in (1, 2, 4, 8, 16, 32)
+                                          if c <= CP_MAX]
+    recompute = ["none", "full"] if data_parallel_only else ["none", "selective", "full"]
+    for tp in tps:
+        for cp in cps:
+            if n % (tp * cp):
+                continue
+            pps = [1] if data_parallel_only else [p for p in _divisors(n // (tp * cp))
+                                                  if p <= shape.layers]
+            for pp in pps:
+                dp = n // (tp * cp * pp)
+                for vp in _vp_values(shape.layers, pp, space) if not data_parallel_only \
+                        else [1]:
+                    point = SearchPoint(tp, pp, vp, dp, cp, shape.layers)
+                    for varied in space.options(point):
+                        options = tuple(sorted(space.recipe + varied))
+                        for mbs in _micro_batch_sizes(shape, dp):
+                            for ac in recompute:
+                                yield Layout(fw, tp, pp, dp, cp, vp, mbs, ac, options)
+
+
+def layout_scenario(base: Scenario, layout: Layout, global_batch: int | None = None,
+                    model: dict[str, Any] | None = None) -> Scenario:
+    """``base`` with the layout's keys set.
+
+    The framework section is replaced by the layout's; options the planner does not set keep
+    the scenario's values when the framework is the scenario's own (a user can pin
+    ``implementation: local`` or ``compile: true``), else the framework's defaults. The
+    ``claims`` block is dropped: it describes the scenario's own layout. ``global_batch``
+    and ``model`` replace the scenario's (for :func:`layer_profile`'s small copies only).
+    """
+    data = base.model_dump(mode="json", exclude_unset=True)
+    data.pop("claims", None)
+    fw: dict[str, Any] = {"name": layout.framework}
+    if base.framework.name == layout.framework:
+        fw.update(base.framework.model_dump(mode="json", exclude_unset=True))
+    fw.update(dict(layout.options))
+    data["framework"] = fw
+    data["parallelism"] = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                           "cp": layout.cp, "vp": layout.vp,
+                           "sequence_parallel": layout.sequence_parallel}
+    training = dict(data.get("training", {}))
+    training["micro_batch_size"] = layout.micro_batch_size
+    training["activation_checkpointing"] = layout.activation_checkpointing
+    training["global_batch_size"] = global_batch or step_sequences(base)
+    data["training"] = training
+    if model is not None:
+        data["model"] = model
+    data["name"] = f"{base.name} [{layout.label()}]"
+    return scenario_from_dict(data, origin=PLAN_ORIGIN)
+
+
+def refusal_key(exc: ScenarioError) -> tuple[str, str]:
+    """(key path, message) of a builder's refusal ``plan: KEY: message``.
+
+    Examples
+    --------
+    >>> refusal_key(ScenarioError("plan: parallelism.tp: 6 heads do not split"))
+    ('parallelism.tp', '6 heads do not split')
+    """
+    text = str(exc)
+    if text.startswith(PLAN_ORIGIN + ": "):
+        text = text[len(PLAN_ORIGIN) + 2:]
+    key, _, message = text.partition(": ")
+    if not message or " " in key:
+        return "scenario", text
+    return key, message

@@ -1,0 +1,512 @@
+"""The planner's search: layer profiles, then branch and bound over building and simulating.
+
+:func:`search` enumerates the layouts (:mod:`sim.apps.plan.layouts`), bounds them by layer
+profiles (:mod:`sim.apps.plan.profile`), builds them best bound first
+(:mod:`sim.apps.plan.evaluate`)
+dropping those that do not fit (:mod:`sim.apps.plan.memory`), and simulates the fitting ones best
+bound first until nothing left can enter the top K (:class:`_BranchAndBound`). Part of
+``fabricsim plan`` (:mod:`sim.apps.plan`; docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from sim.apps.executor import Pool, type_and_message
+from sim.apps.plan.bound import LinkRates
+from sim.apps.plan.evaluate import (
+    Evaluation,
+    Simulated,
+    SimulateMany,
+    _simulate_base,
+    evaluate_layout,
+    simulate_layout,
+)
+from sim.apps.plan.layouts import Layout, _Shape, _shape, _space, enumerate_layouts
+from sim.apps.plan.memory import RECOMPUTE_RANK, MemoryPruning
+from sim.apps.plan.profile import _profile_key, _profiles_task, profile_bound
+from sim.frameworks.registry import SearchSpace
+from sim.scenario import Scenario, ScenarioError
+
+OBJECTIVES = ("time", "cost")
+DEFAULT_TOP = 5
+DEFAULT_MAX_SIMULATIONS = 16
+"""Simulations at most, whatever the bounds say. Llama 3 70B on 64 H100: the 16 best bounds
+are all Megatron layouts of 1.6-7 s each, 50 CPU-seconds; the search as a whole stays under
+two minutes on two cores (docs/planner.md)."""
+
+
+@dataclass
+class Candidate:
+    """One enumerated layout and what the search learnt about it."""
+
+    index: int
+    layout: Layout
+    micro_batches: int
+    bound0_s: float = 0.0
+    """:func:`profile_bound` (0 where no profile applies)."""
+    status: str = "pending"
+    """refused | memory | bound | budget | simulated | oom | error"""
+    reason: str = ""
+    evaluation: Evaluation | None = None
+    simulated: Simulated | None = None
+
+    @property
+    def family(self) -> tuple[Any, ...]:
+        """Layouts that differ only in micro-batch size and recomputation."""
+        x = self.layout
+        return (x.framework, x.tp, x.pp, x.dp, x.cp, x.vp, x.options)
+
+    @property
+    def lower_bound_s(self) -> float:
+        """The best lower bound known: the built program's, else the profile's."""
+        ev = self.evaluation
+        if ev is not None and math.isfinite(ev.lower_bound_s):
+            return max(ev.lower_bound_s, self.bound0_s)
+        return self.bound0_s
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        return self.simulated.summary if self.simulated is not None else None
+
+
+@dataclass
+class PlanResult:
+    """Everything one search did."""
+
+    base: Scenario
+    objective: str
+    top_k: int
+    candidates: list[Candidate]
+    wall_s: float
+    workers: int
+    backend: str
+    stop: str
+    """Why the search stopped: bound (nothing left could enter the top K), budget
+    (``max_simulations`` reached), time (``time_limit_s``), exhausted (everything done)."""
+    profiles: int = 0
+    """Layer profiles built (:func:`layer_profile`)."""
+    usd_per_second: float = 0.0
+    """GPU price of the whole cluster per second (for bounds in dollars)."""
+    baseline: Simulated | None = None
+    """The scenario as given, simulated: what the top layouts are compared with."""
+
+    def objective_of(self, summary: dict[str, Any]) -> float:
+        return objective_value(summary, self.objective)
+
+    @property
+    def built(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.evaluation is not None]
+
+    @property
+    def fitted(self) -> list[Candidate]:
+        """Built layouts whose memory estimate fits (simulated out-of-memory ones excluded)."""
+        return [c for c in self.candidates if c.evaluation is not None
+                and c.evaluation.refused is None and c.status not in ("memory", "oom")]
+
+    @property
+    def simulated(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.simulated is not None]
+
+    def ranked(self) -> list[Candidate]:
+        """Simulated layouts that fit, best first by the objective (ties: fewer GPUs-idle
+        reasons do not break them; the enumeration order does)."""
+        ok = [c for c in self.candidates if c.status == "simulated" and c.summary]
+        return sorted(ok, key=lambda c: (self.objective_of(c.summary or {}), c.index))
+
+    def pruned(self) -> dict[str, int]:
+        """Layouts not simulated (or simulated and out of memory), counted by reason."""
+        counts: Counter[str] = Counter()
+        for c in self.candidates:
+            if c.status in ("simulated",):
+                continue
+            counts[f"{c.status}: {c.reason}" if c.reason else c.status] += 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def objective_value(summary: dict[str, Any], objective: str) -> float:
+    """Step time (s) or dollars per million tokens of a summary: lower is better."""
+    if objective == "cost":
+        return float(summary["cost"]["usd_per_million_tokens"])
+    return float(summary["step_time_s"])
+
+
+
+def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
+           frameworks: Sequence[str] | None = None, workers: int = 1,
+           max_simulations: int = DEFAULT_MAX_SIMULATIONS, time_limit_s: float | None = None,
+           simulate_many: SimulateMany | None = None, backend: str = "local",
+           progress: Callable[[str, int, int], None] | None = None,
+           simulation_batch: int | None = None, compare_baseline: bool = True
+           ) -> PlanResult:
+    """Enumerate, build, bound and simulate layouts of ``base``; see :mod:`sim.apps.plan`.
+
+    ``workers`` processes (joblib's loky) build and simulate; 1 runs everything here.
+    ``simulate_many`` (a hook for Ray or Dask) simulates instead of the local processes:
+    called from one thread with the next ``simulation_batch`` (default ``workers``) best
+    layouts at a time, while the local processes keep building. ``progress(phase, done,
+    total)`` is called after each build or simulation (``done`` of that phase so far, of
+    ``total`` layouts). With ``compare_baseline`` the scenario as
+    given is simulated too (:attr:`PlanResult.baseline`). Raises ScenarioError on bad
+    arguments.
+    """
+    _check_arguments(objective, top, max_simulations)
+    t0 = time.perf_counter()
+    layouts = enumerate_layouts(base, frameworks)
+    shape = _shape(base)
+    rates = LinkRates.of(base)
+    goal, usable = _Objective.of(base, shape, objective)
+    cands = _candidates(layouts, shape.global_batch)
+    runner = Pool(workers)
+    sim_thread: Any = None
+    if simulate_many is not None:
+        # One thread calls the hook, one batch at a time: the backend runs the batch's
+        # layouts in parallel; local processes keep building meanwhile.
+        sim_thread = ThreadPoolExecutor(max_workers=1)
+    profiles = _profile_phase(base, cands, shape, rates, runner)
+    if progress is not None:
+        progress("profiles", profiles, profiles)
+    # The scenario as given, for comparison, alongside the search.
+    baseline_future = runner.submit(_simulate_base, base) if compare_baseline else None
+    pool = _Workers(runner, sim_thread, simulate_many, simulation_batch, progress)
+    bb = _BranchAndBound(base, cands, rates, goal, MemoryPruning(usable), pool,
+                         _Limits(top, max_simulations, time_limit_s, t0))
+    try:
+        bb.run()
+    finally:
+        if sim_thread is not None:
+            sim_thread.shutdown(wait=True, cancel_futures=True)
+    bb.close()
+    baseline = baseline_future.result() if baseline_future is not None else None
+    return PlanResult(base, objective, top, cands, time.perf_counter() - t0,
+                      runner.workers, backend, bb.stop, profiles, goal.usd_per_s, baseline)
+
+
+def _check_arguments(objective: str, top: int, max_simulations: int) -> None:
+    """Raise ScenarioError (one line naming the option) on a bad search argument."""
+    if objective not in OBJECTIVES:
+        raise ScenarioError(f"--objective {objective}: expected time or cost")
+    if top < 1:
+        raise ScenarioError(f"--top {top}: expected at least 1")
+    if max_simulations < 1:
+        raise ScenarioError(f"--max-simulations {max_simulations}: expected at least 1")
+
+
+@dataclass(frozen=True)
+class _Objective:
+    """The objective a lower bound in seconds is compared in."""
+
+    name: str
+    usd_per_s: float
+    """GPU price of the whole cluster per second."""
+    tokens: float
+    """Tokens per step."""
+
+    @classmethod
+    def of(cls, base: Scenario, shape: _Shape, name: str) -> tuple[_Objective, float]:
+        """The objective for ``base``, and its GPU's usable memory in bytes."""
+        from sim import catalog
+        from sim.analysis.cost import resolve_pricing
+
+        gpu = catalog.gpu(base.cluster.gpu)
+        usd_per_s = resolve_pricing(base, gpu).gpu_hour_usd * base.gpus / 3600.0
+        return (cls(name, usd_per_s, float(shape.global_batch * shape.seq_len)),
+                gpu.usable_memory_bytes)
+
+    def of_seconds(self, seconds: float) -> float:
+        # Dollars per million tokens at least: GPU time only (transfer costs >= 0).
+        return seconds if self.name == "time" else seconds * self.usd_per_s / self.tokens * 1e6
+
+
+def _candidates(layouts: list[Layout], global_batch: int) -> list[Candidate]:
+    """One candidate per layout, with its micro-batches per step (0: the batch does not
+    split into its micro-batches, which its builder refuses)."""
+    cands = []
+    for i, x in enumerate(layouts):
+        per_step = x.micro_batch_size * x.dp
+        m = global_batch // per_step if global_batch % per_step == 0 else 0
+        cands.append(Candidate(i, x, m))
+    return cands
+
+
+def _search_space(c: Candidate) -> SearchSpace:
+    """The candidate's framework's search space (enumerated, so it has one)."""
+    found = _space(c.layout.framework)
+    assert found is not None
+    return found
+
+
+def _profile_phase(base: Scenario, cands: list[Candidate], shape: _Shape, rates: LinkRates,
+                   runner: Pool) -> int:
+    """Phase 1: a layer profile per (framework, tp, cp, micro-batch, recomputation); each
+    candidate gets its profile's bound (``bound0_s``) or its refusal. Returns the number of
+    profiles built."""
+    profiled = [c for c in cands if _search_space(c).layer_profile and c.micro_batches > 0]
+    keys: dict[tuple[Any, ...], Layout] = {}
+    for c in profiled:
+        keys.setdefault(_profile_key(c.layout), c.layout)
+    profiles = dict(zip(keys, runner.map_chunks(_profiles_task, list(keys.values()), base,
+                                                 rates), strict=True))
+    # Megatron's FP8 weight casts are shared by the micro-batches of a step
+    # (MegatronLayout.weight_cast_share = 1/m): a one-micro-batch profile charges each
+    # micro-batch all of it, which is no lower bound for a longer step. There the profile
+    # only refuses; the bound comes from each layout's own build.
+    amortised = base.training.precision == "fp8"
+    for c in profiled:
+        prof = profiles[_profile_key(c.layout)]
+        if prof.refused is not None:
+            c.status, c.reason = "refused", prof.refused
+            continue
+        if not (amortised and _search_space(c).weight_casts_per_step):
+            c.bound0_s = profile_bound(c.layout, prof, shape.layers, c.micro_batches)
+    return len(keys)
+
+
+@dataclass(frozen=True)
+class _Workers:
+    """Where builds and simulations run."""
+
+    runner: Pool
+    """Local processes: every build, and simulations without a hook."""
+    sim_thread: Any
+    """The one thread that calls ``simulate_many``, or None."""
+    simulate_many: SimulateMany | None
+    simulation_batch: int | None
+    progress: Callable[[str, int, int], None] | None
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """When the branch and bound stops starting work."""
+
+    top: int
+    max_simulations: int
+    time_limit_s: float | None
+    t0: float
+    """``time.perf_counter()`` when the search began."""
+
+
+def _lightness(c: Candidate) -> tuple[int, int, int]:
+    """Order of a family's layouts by the memory they need, least first."""
+    return (c.layout.micro_batch_size,
+            -RECOMPUTE_RANK[c.layout.activation_checkpointing], c.index)
+
+
+class _FamilyProbes:
+    """Each family's lightest pending layout is built first (its probe): if even that does
+    not fit, no layout of the family does. The family's other layouts wait for it."""
+
+    def __init__(self, cands: list[Candidate]) -> None:
+        self.cands = cands
+        self.families: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for c in cands:
+            if c.status == "pending":
+                self.families[c.family].append(c.index)
+        self.probed: set[tuple[Any, ...]] = set()
+        self.probing: set[tuple[Any, ...]] = set()
+        self.waiting: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+
+    def to_build(self, c: Candidate) -> Candidate | None:
+        """The candidate to build when ``c`` is next: ``c``, its family's probe, or None
+        (``c`` waits for the probe being built)."""
+        fam = c.family
+        if fam in self.probing:
+            self.waiting[fam].append(c.index)
+            return None
+        if fam not in self.probed:
+            probe = min((x for x in self.families[fam] if self.cands[x].status == "pending"),
+                        key=lambda x: _lightness(self.cands[x]))
+            self.probed.add(fam)
+            if probe != c.index:
+                self.probing.add(fam)
+                self.waiting[fam].append(c.index)
+                return self.cands[probe]
+        return c
+
+    def release(self, family: tuple[Any, ...]) -> list[int]:
+        """The candidates that waited for the family's probe, now built."""
+        if family not in self.probing:
+            return []
+        self.probing.discard(family)
+        return self.waiting.pop(family, [])
+
+
+class _BranchAndBound:
+    """Phase 2: best first over (bound, stage): stage 0 builds a layout, stage 1 simulates
+    it, until the next bound cannot enter the top K, the simulation budget or the time limit
+    is spent, or nothing is left."""
+
+    def __init__(self, base: Scenario, cands: list[Candidate], rates: LinkRates,
+                 goal: _Objective, memory: MemoryPruning, workers: _Workers,
+                 limits: _Limits) -> None:
+        self.base, self.cands, self.rates = base, cands, rates
+        self.goal, self.memory, self.workers, self.limits = goal, memory, workers, limits
+        self.heap: list[tuple[float, int, int]] = [
+            (goal.of_seconds(c.bound0_s), c.index, 0) for c in cands if c.status == "pending"]
+        heapq.heapify(self.heap)
+        self.best: list[float] = []       # objective values of fitting simulated layouts
+        self.in_flight: dict[Any, tuple[str, list[int]]] = {}
+        self.sims_started = 0
+        self.completed: Counter[str] = Counter()
+        self.stop = "exhausted"
+        self.capacity = workers.runner.workers + 1
+        self.probes = _FamilyProbes(cands)
+
+    def threshold(self) -> float:
+        """The K-th best simulated objective: a bound at or above it cannot enter the top."""
+        top = self.limits.top
+        return sorted(self.best)[top - 1] if len(self.best) >= top else math.inf
+
+    def run(self) -> None:
+        """Start work and settle it until nothing is in flight and nothing can start."""
+        while True:
+            self.launch()
+            if not self.in_flight:
+                break
+            self.collect()
+
+    def launch(self) -> None:
+        """Start builds and simulations, best bound first, while there is room."""
+        while self.heap and len(self.in_flight) < self.capacity:
+            stop = self._stop_reason()
+            if stop is not None:
+                self.stop = stop
+                break
+            _, i, stage = heapq.heappop(self.heap)
+            if stage == 0:
+                self._start_build(self.cands[i])
+            else:
+                self._start_simulation(self.cands[i])
+
+    def _stop_reason(self) -> str | None:
+        """Why no more work starts now (``budget``, ``bound``, ``time``), or None."""
+        limits = self.limits
+        if self.sims_started >= limits.max_simulations:
+            return "budget"
+        if self.heap[0][0] >= self.threshold():
+            return "bound"
+        if limits.time_limit_s is not None and \
+                time.perf_counter() - limits.t0 > limits.time_limit_s:
+            return "time"
+        return None
+
+    def _start_build(self, c: Candidate) -> None:
+        """Build ``c`` (or its family's probe first), unless its family rules it out."""
+        if c.status != "pending":
+            return                  # built already, as its family's probe
+        why = self.memory.dominated(c.family, c.layout)
+        if why is not None:
+            c.status, c.reason = "memory", why
+            return
+        todo = self.probes.to_build(c)
+        if todo is None:
+            return
+        todo.status = "building"
+        fut = self.workers.runner.submit(evaluate_layout, self.base, todo.layout, self.rates,
+                                         self.memory.usable, todo.micro_batches)
+        self.in_flight[fut] = ("build", [todo.index])
+
+    def _start_simulation(self, c: Candidate) -> None:
+        """Simulate ``c`` locally, or with the next best fitting layouts on the hook."""
+        w = self.workers
+        c.status = "simulating"
+        self.sims_started += 1
+        batch = [c.index]
+        if w.sim_thread is not None:
+            # The next best simulations, as many as there are workers.
+            heap = self.heap
+            while (len(batch) < (w.simulation_batch or w.runner.workers)
+                   and heap and heap[0][2] == 1
+                   and heap[0][0] < self.threshold()
+                   and self.sims_started < self.limits.max_simulations):
+                j = heapq.heappop(heap)[1]
+                self.cands[j].status = "simulating"
+                self.sims_started += 1
+                batch.append(j)
+            fut = w.sim_thread.submit(w.simulate_many, self.base,
+                                      [self.cands[j].layout for j in batch])
+        else:
+            fut = w.runner.submit(simulate_layout, self.base, c.layout)
+        self.in_flight[fut] = ("simulate", batch)
+
+    def collect(self) -> None:
+        """Wait for work in flight and settle what finished."""
+        done = [f for f in self.in_flight if f.done()]
+        if not done:
+            finished, _ = wait(list(self.in_flight), return_when=FIRST_COMPLETED)
+            done = list(finished)
+        for fut in done:
+            kind, indices = self.in_flight.pop(fut)
+            if kind == "build":
+                c = self.cands[indices[0]]
+                self._settle_evaluation(c, fut.result())
+                for j in self.probes.release(c.family):
+                    heapq.heappush(self.heap, (self.goal.of_seconds(self.cands[j].bound0_s),
+                                               j, 0))
+            else:
+                for j, sim in zip(indices, _batch_results(fut, indices), strict=True):
+                    self._settle_simulation(self.cands[j], sim)
+            self.completed[kind] += len(indices)
+            if self.workers.progress is not None:
+                self.workers.progress(kind, self.completed[kind], len(self.cands))
+
+    def _settle_evaluation(self, c: Candidate, ev: Evaluation) -> None:
+        """A build came back: refused, does not fit, or queued for simulation."""
+        c.evaluation = ev
+        if ev.refused is not None:
+            c.status, c.reason = "refused", ev.refused
+            return
+        reason = self.memory.verdict(c.family, c.layout, ev.states_bytes, ev.memory_bytes)
+        if reason is not None:
+            c.status, c.reason = "memory", reason
+        else:
+            heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), c.index, 1))
+
+    def _settle_simulation(self, c: Candidate, sim: Simulated) -> None:
+        """A simulation came back: an error, out of memory, or a result that ranks."""
+        c.simulated = sim
+        if sim.summary is None:
+            c.status, c.reason = "error", sim.error or ""
+        elif sim.summary["oom"]:
+            c.status, c.reason = "oom", "simulated peak above usable memory"
+        else:
+            c.status = "simulated"
+            self.best.append(objective_value(sim.summary, self.goal.name))
+
+    def close(self) -> None:
+        """Give what is left its status: never needed (its bound reaches the K-th best
+        simulated result) or never reached (the simulation budget or the time limit ran
+        out first)."""
+        limit = self.threshold()
+        stop = self.stop
+        for c in self.cands:
+            if c.status in ("pending", "building", "simulating"):
+                if self.goal.of_seconds(c.lower_bound_s) >= limit:
+                    c.status, c.reason = "bound", "lower bound at or above the top-K threshold"
+                else:
+                    c.status = stop if stop in ("budget", "time") else "bound"
+                    c.reason = ("simulation budget spent" if stop == "budget"
+                                else "time limit reached" if stop == "time"
+                                else "lower bound at or above the top-K threshold")
+
+
+def _batch_results(fut: Any, indices: list[int]) -> list[Simulated]:
+    """The simulations of a finished batch, one per layout; a failed batch is its layouts'
+    error, not the plan's."""
+    try:
+        outcome = fut.result()
+        results = outcome if isinstance(outcome, list) else [outcome]
+        if len(results) != len(indices):
+            raise RuntimeError(f"the simulation backend returned {len(results)} "
+                               f"results for {len(indices)} layouts")
+    except Exception as exc:
+        text = type_and_message(exc)
+        results = [Simulated(None, text, 0.0) for _ in indices]
+    return results

@@ -1,0 +1,201 @@
+"""Parameter sweeps: every combination of grid values, run in parallel, one row per variant.
+
+``fabricsim sweep SCENARIO --grid KEY=V1,V2 ...`` (see ``docs/sweeps.md``). The phases:
+
+1. **Expand** the grid: the cross product of the ``--grid`` values, in grid order (the last
+   key varies fastest, as ``itertools.product``). Each value is parsed as ``--set`` parses it
+   (a YAML scalar, so ``100`` is an int, ``true`` a bool, ``ring`` a string).
+2. **Load** every variant's scenario before anything runs. A grid value that no variant can
+   use (an unknown key, a wrong type, a value out of range, a layout that fits no variant) is
+   bad input: :class:`~sim.scenario.ScenarioError`, exit status 2. A value that is refused in
+   some combinations only (``parallelism.tp=2`` with ``framework.name=ddp``, which fsdp2
+   takes) makes those variants failed rows: a sweep does not die for one illegal
+   combination. The same holds for what only the framework builders check (tp not dividing
+   the heads: ``sim/frameworks/fsdp2/checks.py``, ``sim/frameworks/megatron/shape.py``;
+   micro-batches not dividing the global batch).
+3. **Look up the cache**: a variant whose fully resolved scenario (topology merged, defaults
+   filled), simulator version and source, and step count were simulated before is served
+   from disk (:class:`SweepCache`).
+4. **Run** the rest on a backend of the shared executor layer (:mod:`sim.apps.executor`, which
+   ``compare`` and ``plan`` use too): local processes (joblib's loky executor), a Ray
+   cluster or a Dask cluster. Short variants travel several to a task (:func:`batch_size`).
+   Results are taken as they finish (``concurrent.futures.as_completed`` over the loky
+   executor's futures, ``ray.wait``, Dask's ``as_completed``), cached at once, and counted
+   on a progress bar.
+5. **Write** the rows in grid order, whatever the finishing order: CSV, or Parquet for a
+   ``.parquet`` file; optionally a plot.
+
+A variant that raises becomes a row with its ``error`` (exception type and message); a
+variant that kills its worker process (a segfault, the kernel's OOM killer, ``os._exit``)
+becomes a row with a ``WorkerDied`` error, and every other row is kept (:func:`run_sweep`).
+
+Rows are the run summary (``sim.api.summarise``) flattened with dotted keys
+(``bytes.network``, ``cost.usd_per_step``), after the grid keys and followed by ``error``,
+``cached`` and ``wall_s``. Same sweep, same rows on every backend, to the last bit, except the
+wall-clock columns ``wall_s`` and ``sim.wall_s`` (and ``cached``).
+
+The phases live in one module each, every name re-exported here: :mod:`sim.apps.sweep.grid` (1, 2),
+:mod:`sim.apps.sweep.cache` (3), :mod:`sim.apps.sweep.rows` (rows, CSV and Parquet),
+:mod:`sim.apps.sweep.plot`
+and :mod:`sim.apps.sweep.command` (``fabricsim sweep``); :func:`run_sweep`, which drives them, is
+here, and finds the backend layer (``make_backend``, ``run_tasks``) through this module.
+
+Examples
+--------
+>>> [a.values for a in parse_grid(["cluster.nic_gbps=100,400", "framework.name=ddp,fsdp2"])]
+[(100, 400), ('ddp', 'fsdp2')]
+>>> [v.values for v in expand(parse_grid(["a=1,2", "b=x,y"]))]  # doctest: +NORMALIZE_WHITESPACE
+[{'a': 1, 'b': 'x'}, {'a': 1, 'b': 'y'}, {'a': 2, 'b': 'x'}, {'a': 2, 'b': 'y'}]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sim.apps.executor import (  # noqa: F401 - the backend layer, importable from here as before
+    BACKENDS,
+    MAX_BATCH,
+    MAX_WORKER_LOSSES,
+    TASKS_PER_WORKER,
+    Backend,
+    DaskBackend,
+    LocalBackend,
+    Lost,
+    Outcome,
+    RayBackend,
+    Task,
+    backend_missing,
+    batch_size,
+    make_backend,
+    one_line,
+    run_batch,
+    run_tasks,
+)
+from sim.apps.sweep.cache import DEFAULT_CACHE_DIRNAME, SweepCache, cache_key, code_digest
+from sim.apps.sweep.command import OUT_SUFFIXES, PLOT_SUFFIXES, sweep_command
+from sim.apps.sweep.grid import GridAxis, Variant, expand, load_variants, parse_grid, split_values
+from sim.apps.sweep.plot import plot_axis, sweep_figure, write_plot
+from sim.apps.sweep.rows import (
+    ROW_TAIL,
+    WALL_CLOCK_COLUMNS,
+    ProgressFn,
+    SweepResult,
+    columns_of,
+    flatten,
+    make_row,
+    without_wall_clock,
+    write_rows,
+)
+from sim.scenario import ScenarioError
+
+
+def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
+              address: str | None = None, workers: int | None = None, steps: int = 1,
+              cache_dir: Path | None = None, use_cache: bool = True,
+              progress: ProgressFn | None = None,
+              before_variant: Callable[[dict[str, Any]], None] | None = None) -> SweepResult:
+    """Run every combination of the grid values; bad input raises ScenarioError before
+    anything runs.
+
+    Parameters
+    ----------
+    scenario
+        Scenario file or shipped name.
+    grid
+        ``KEY=V1,V2,...`` strings.
+    backend, address, workers
+        Where to run (:data:`BACKENDS`); a Ray/Dask address, or None to start one here;
+        worker processes (None: every core here, or the cluster's CPUs).
+    steps
+        Training steps per simulation.
+    cache_dir, use_cache
+        The cache folder (None: ``.fabricsim-cache`` in the current folder) and whether to
+        use it.
+    progress
+        Called after each variant (cached ones first, at once).
+    before_variant
+        Called in the worker with each variant's grid values before it runs (tests).
+    """
+    wall0 = time.perf_counter()
+    if steps < 1:
+        raise ScenarioError(f"--steps {steps}: must be at least 1")
+    if not grid:
+        raise ScenarioError("sweep: give at least one --grid KEY=V1,V2,...")
+    if backend not in BACKENDS:
+        raise ScenarioError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
+    if backend == "local" and address:
+        raise ScenarioError("--address: only with --backend ray or dask")
+    if workers is not None and workers < 1:
+        raise ScenarioError(f"--workers {workers}: must be at least 1")
+    missing = backend_missing(backend)
+    if missing:
+        raise ScenarioError(missing)
+    axes = parse_grid(grid)
+    keys = [a.key for a in axes]
+    variants = expand(axes)
+    loaded = load_variants(scenario, axes, variants)
+    cache = SweepCache(cache_dir or Path(DEFAULT_CACHE_DIRNAME)) if use_cache else None
+
+    rows: list[dict[str, Any] | None] = [None] * len(variants)
+    todo: list[Task] = []
+    ckeys: dict[int, str] = {}
+    n_failed = n_cached = n_sim = 0
+    for v, sc in zip(variants, loaded, strict=True):
+        if isinstance(sc, str):
+            rows[v.index] = make_row(v, None, f"ScenarioError: {sc}", False, 0.0)
+            n_failed += 1
+            continue
+        if cache is not None:
+            ckeys[v.index] = cache_key(sc, steps)
+            hit = cache.get(ckeys[v.index])
+            if hit is not None:
+                rows[v.index] = make_row(v, hit[0], None, True, hit[1])
+                n_cached += 1
+                continue
+        todo.append(Task(v.index, sc, v.values))
+    title = next((x.name for x in loaded if not isinstance(x, str)), Path(scenario).stem)
+    total = len(variants)
+    done = total - len(todo)
+    if progress is not None:
+        progress(done, n_failed, 0, total)
+
+    used_workers = workers or 0
+    size = 1
+    if todo:
+        be = make_backend(backend, address, workers, steps, scenario, before_variant)
+        used_workers = be.workers
+        size = batch_size(len(todo), be.workers)
+        try:
+            for out in run_tasks(be, todo, size):
+                v = variants[out.index]
+                if out.error is None and out.summary is not None:
+                    if cache is not None:
+                        cache.put(ckeys[out.index], out.summary, out.wall_s)
+                    rows[out.index] = make_row(v, out.summary, None, False, out.wall_s)
+                else:
+                    rows[out.index] = make_row(v, None, out.error, False, out.wall_s)
+                    n_failed += 1
+                n_sim += 1
+                done += 1
+                if progress is not None:
+                    progress(done, n_failed, n_sim, total)
+        finally:
+            be.close()
+    done_rows = [r for r in rows if r is not None]
+    assert len(done_rows) == total
+    # Every row gets every column (None where a failed variant has no summary).
+    columns = columns_of(done_rows, keys)
+    final = [{c: r.get(c) for c in columns} for r in done_rows]
+    return SweepResult(keys, final, columns, backend, used_workers,
+                       time.perf_counter() - wall0, n_sim, n_cached, n_failed, title, size)
+
+
+
+__all__ = ["BACKENDS", "DEFAULT_CACHE_DIRNAME", "OUT_SUFFIXES", "PLOT_SUFFIXES", "ROW_TAIL",
+           "WALL_CLOCK_COLUMNS", "GridAxis", "ProgressFn", "SweepCache", "SweepResult",
+           "Variant", "cache_key", "code_digest", "columns_of", "expand", "flatten",
+           "load_variants", "make_row", "parse_grid", "plot_axis", "run_sweep", "split_values",
+           "sweep_command", "sweep_figure", "without_wall_clock", "write_plot", "write_rows"]

@@ -1,0 +1,51 @@
+"""Validation suites: predictions against published measurements (``fabricsim validate``).
+
+A suite is a function returning cases ``{suite, id, metric, measured, simulated, error}``
+with ``error = (simulated - measured) / measured``. Suites are registered by name.
+
+``vtrain-single`` and ``vtrain-multi`` report vTrain's VALIDATE half only; the FIT half, on
+which constants are fitted (``docs/calibration.md``), runs as ``vtrain-single-fit`` and
+``vtrain-multi-fit`` when named, and is not part of the default (all validation suites).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sim.apps.validation.nccl import nccl_cases
+from sim.apps.validation.published import published_cases
+from sim.apps.validation.vtrain import vtrain_cases
+
+Case = dict[str, Any]
+Progress = Callable[[int, int], None] | None
+SUITES: dict[str, Callable[[Progress], list[Case]]] = {
+    "nccl": lambda progress: nccl_cases(),
+    "published": lambda progress: published_cases(progress=progress),
+    "vtrain-single": lambda progress: vtrain_cases("single", progress=progress),
+    "vtrain-multi": lambda progress: vtrain_cases("multi", progress=progress),
+    "vtrain-single-fit": lambda progress: vtrain_cases("single", progress=progress, half="fit"),
+    "vtrain-multi-fit": lambda progress: vtrain_cases("multi", progress=progress, half="fit"),
+}
+# Suites that report the rows constants were fitted on: run only when named.
+FIT_SUITES = frozenset(name for name in SUITES if name.endswith("-fit"))
+
+
+def run_suites(names: list[str] | None = None,
+               progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """The ``fabricsim validate --json`` object for the named suites (by default all but the
+    fit halves, :data:`FIT_SUITES`); ``progress(suite, done, total)`` as cases finish (the
+    suites that report them)."""
+    chosen = names or sorted(set(SUITES) - FIT_SUITES)
+    cases: list[Case] = []
+    suites: dict[str, Any] = {}
+    for name in chosen:
+        report = None if progress is None else (
+            lambda done, total, _name=name: progress(_name, done, total))
+        got = SUITES[name](report)
+        cases += got
+        errors = [abs(c["error"]) for c in got]
+        suites[name] = {"cases": len(got),
+                        "mape": sum(errors) / len(errors) if errors else 0.0,
+                        "max_abs_error": max(errors) if errors else 0.0}
+    return {"suites": suites, "cases": cases}

@@ -1,0 +1,505 @@
+"""The ``fabricsim`` command line: a small, frozen surface; the knobs live in scenario files.
+
+Exit status: 0 success, 2 bad input (one line on stderr naming the file and key), 1 an
+internal error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sim.scenario import ScenarioError, json_schema, load_scenario
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Discrete-event simulator of distributed LLM training steps.")
+err = Console(stderr=True)
+
+
+def _bad_input(message: str) -> None:
+    # One line, no traceback.
+    print(f"fabricsim: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+@app.command()
+def run(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key: KEY.PATH=VALUE (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Also write summary, events, trace and plots to this folder.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps to simulate.")] = 1,
+    window: Annotated[str | None, typer.Option(
+        "--window", help="With --out: zoom the plots to START:END seconds.")] = None,
+    hta: Annotated[bool, typer.Option(
+        "--hta", help="With --out: also write OUT/hta/rank<N>.json, one trace per rank class "
+        "in the layout Holistic Trace Analysis reads.")] = False,
+    hta_all_ranks: Annotated[bool, typer.Option(
+        "--hta-all-ranks", help="With --out: one HTA trace per rank (implies --hta).")] = False,
+) -> None:
+    """Simulate a training step and print its summary."""
+    from sim.api import simulate
+
+    zoom = _parse_window(window) if window is not None else None
+    if (hta or hta_all_ranks or window is not None) and out is None:
+        _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
+    try:
+        sc = load_scenario(scenario, set_ or [])
+        result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
+                                                keep_link_series=out is not None),
+                                quiet=as_json, steps=steps)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if out is not None:
+        _write_outputs(out, result, zoom, "all" if hta_all_ranks else "classes" if hta
+                       else None)
+    if as_json:
+        print(json.dumps(result.summary, indent=2))
+    else:
+        _print_summary(result.summary)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of a scenario file."""
+    import sim.frameworks  # noqa: F401  (the registry: its frameworks make the schema's union)
+
+    print(json.dumps(json_schema(), indent=2))
+
+
+@app.command()
+def collective(
+    topology: Annotated[str, typer.Argument(help="Topology name (topologies/) or file.")],
+    op: Annotated[str, typer.Option("--op", help="all_reduce, all_gather, reduce_scatter, "
+                                    "all_to_all, broadcast or sendrecv.")] = "all_reduce",
+    gpus: Annotated[int, typer.Option("--gpus", help="Ranks taking part.")] = 8,
+    sizes: Annotated[str, typer.Option("--sizes", help="A:B doubles from A to B (8, 64K, "
+                                       "1M, 8G), as nccl-tests -b A -e B -f 2.")] = "8:8G",
+    algo: Annotated[str, typer.Option("--algo", help="auto, ring, tree, nvls, nvls_tree, pat, "
+                                      "collnet_direct, collnet_chain.")] = "auto",
+    proto: Annotated[str, typer.Option("--proto", help="auto, ll, ll128, simple.")] = "auto",
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a cluster or nccl key: cluster.azs=2, "
+        "cluster.az_latency_ms=10, nccl.buffsize=8388608 (repeatable).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """What nccl-tests would print on that fabric: time, algbw, busbw per size."""
+    from sim.apps.nccltests import collective_table, parse_sizes
+    from sim.scenario import parse_set
+
+    algos = ("auto", "ring", "tree", "nvls", "nvls_tree", "pat", "collnet_direct",
+             "collnet_chain")
+    if algo not in algos:
+        _bad_input(f"--algo: {algo!r} is not one of {', '.join(algos)}")
+    if proto not in ("auto", "ll", "ll128", "simple"):
+        _bad_input(f"--proto: {proto!r} is not auto, ll, ll128 or simple")
+    try:
+        overrides = dict(parse_set(a) for a in set_ or [])
+        bad = [k for k in overrides if k.split(".")[0] not in ("cluster", "nccl")
+               or k.count(".") != 1]
+        if bad:
+            raise ScenarioError(f"--set {bad[0]}: collective takes cluster.KEY or nccl.KEY")
+        table = collective_table(topology, op, gpus, parse_sizes(sizes), algo, proto,
+                                 overrides)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if as_json:
+        print(json.dumps(table, indent=2))
+        return
+    t = Table(title=f"{op} on {topology}, {gpus} GPUs (nccl-tests definitions)",
+              title_justify="left")
+    for col in ("size (B)", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "algorithm",
+                "protocol", "NCCL model (us)"):
+        t.add_column(col, justify="right")
+    for r in table["rows"]:
+        t.add_row(f"{r['bytes']:,}", f"{r['time_s'] * 1e6:,.1f}",
+                  f"{r['algbw_gbytes_per_s']:,.2f}", f"{r['busbw_gbytes_per_s']:,.2f}",
+                  r["algorithm"], r["protocol"], f"{r['nccl_model_s'] * 1e6:,.1f}")
+    Console().print(t)
+
+
+@app.command()
+def validate(
+    suite: Annotated[list[str] | None, typer.Option(
+        "--suite", help="Suite(s) to run (default: all but the vtrain-*-fit halves; "
+        "vtrain-single/-multi report vTrain's validate half, vtrain-*-fit the fit half).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Predictions against the measured reference data: error per case and per suite."""
+    from sim.apps.validation import SUITES, run_suites
+
+    unknown = [s for s in suite or [] if s not in SUITES]
+    if unknown:
+        _bad_input(f"--suite: unknown suite {unknown[0]!r} (available: "
+                   f"{', '.join(sorted(SUITES))})")
+    if as_json or not err.is_terminal:
+        result = run_suites(suite or None)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      console=err, transient=True) as bar:
+            tasks: dict[str, Any] = {}
+
+            def report(name: str, done: int, total: int) -> None:
+                if name not in tasks:
+                    tasks[name] = bar.add_task(f"validate {name}", total=total)
+                bar.update(tasks[name], completed=done, total=total)
+
+            result = run_suites(suite or None, report)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    con = Console()
+    t = Table(title="validation cases", title_justify="left")
+    for col in ("suite", "case", "metric", "measured", "simulated", "error"):
+        t.add_column(col, justify="right" if col in ("measured", "simulated", "error") else "left")
+    for c in result["cases"]:
+        t.add_row(c["suite"], c["id"], c["metric"], f"{c['measured']:,.4g}",
+                  f"{c['simulated']:,.4g}", f"{c['error']:+.1%}")
+    con.print(t)
+    s = Table(title="suites", title_justify="left")
+    for col in ("suite", "cases", "MAPE", "max |error|"):
+        s.add_column(col)
+    for name, v in result["suites"].items():
+        s.add_row(name, str(v["cases"]), f"{v['mape']:.1%}", f"{v['max_abs_error']:.1%}")
+    con.print(s)
+
+
+@app.command()
+def compare(
+    scenarios: Annotated[list[str], typer.Argument(
+        help="One scenario with --what-if, or two or more scenarios (files or shipped names).")],
+    what_if: Annotated[str | None, typer.Option(
+        "--what-if", help="KEY=V1,V2[,...]: one variant of the scenario per value.")] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key in every variant: KEY.PATH=VALUE (repeatable).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Also write compare.json and compare.png to this folder.")] = None,
+) -> None:
+    """Variants side by side (--what-if values, or scenario files), with deltas against the
+    first."""
+    from sim.apps import compare as cmp
+
+    try:
+        if what_if is not None:
+            if len(scenarios) != 1:
+                _bad_input("compare --what-if: give exactly one scenario")
+            variants = cmp.what_if_variants(scenarios[0], what_if, set_ or [])
+        else:
+            if len(scenarios) < 2:
+                _bad_input("compare: give --what-if KEY=V1,V2[,...] or two or more scenarios")
+            variants = cmp.file_variants(scenarios, set_ or [])
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if as_json or not err.is_terminal:
+        # Quiet with --json, and when stderr is not a terminal (a bar there is only noise).
+        cmp.simulate_variants(variants)
+    else:
+        from rich.progress import Progress
+
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("comparing", total=len(variants))
+
+            def report(done: int, total: int, label: str) -> None:
+                bar.update(task, completed=done, description=label or "done")
+
+            cmp.simulate_variants(variants, report)
+    if all(v.summary is None for v in variants):
+        # Nothing ran: the first failure is what the user has to fix.
+        first = variants[0].error or "every variant failed"
+        if first.startswith("internal error"):
+            print(f"fabricsim: {first}", file=sys.stderr)
+            raise typer.Exit(1)
+        _bad_input(first)
+    result = cmp.compare_result(variants)
+    if out is not None:
+        cmp.write_outputs(out, result)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    con = Console()
+    con.print(cmp.comparison_table(result))
+    for line in cmp.failures(result):
+        con.print(f"[red]failed[/red] {line}")
+
+
+@app.command()
+def sweep(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    grid: Annotated[list[str] | None, typer.Option(
+        "--grid", help="KEY=V1,V2,...: a scenario key and its values (repeatable); every "
+        "combination runs.")] = None,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="local (processes here), ray or dask.")] = "local",
+    address: Annotated[str | None, typer.Option(
+        "--address", help="Ray or Dask scheduler address (default: start one here).")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", min=1, help="Worker processes (default: every core).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write one row per variant to FILE: .csv, or .parquet.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", help="Also plot step time and $/M tokens against the first numeric grid "
+        "key (.png, .svg, .pdf).")] = None,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", help="Cache folder (default: .fabricsim-cache next to --out, or here).")
+                     ] = None,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="Simulate every variant; read and write no cache.")] = False,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps to simulate.")
+                     ] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {rows: [...]} as JSON.")
+                       ] = False,
+) -> None:
+    """Every combination of the grid values, in parallel: one row per variant."""
+    from sim.apps.sweep import sweep_command
+
+    try:
+        rc = sweep_command(scenario, grid or [], backend, address, workers, out, plot, as_json,
+                           cache=cache, use_cache=not no_cache, steps=steps)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if rc:
+        raise typer.Exit(rc)
+
+
+@app.command()
+def plan(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key first: KEY.PATH=VALUE (repeatable).")] = None,
+    objective: Annotated[str, typer.Option(
+        "--objective", help="Rank by time (step time) or cost ($ per million tokens).")] = "time",
+    top: Annotated[int, typer.Option("--top", help="Layouts to show.")] = 5,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="Where simulations run: local, ray or dask.")] = "local",
+    address: Annotated[str | None, typer.Option(
+        "--address", help="With --backend ray or dask: the cluster to connect to.")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="Local processes (default: the CPUs), or simulations at once on "
+        "a Ray/Dask cluster.")] = None,
+    framework: Annotated[list[str] | None, typer.Option(
+        "--framework", help="Search only this framework (repeatable; default all).")] = None,
+    max_simulations: Annotated[int, typer.Option(
+        "--max-simulations", help="Simulations at most.")] = 16,
+    time_limit: Annotated[float | None, typer.Option(
+        "--time-limit", help="Start no new work after this many seconds.")] = None,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Write plan.json, plan.csv, pareto.png and top-K.yaml here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+) -> None:
+    """Search frameworks and parallel layouts that fit in memory; rank by time or cost."""
+    from sim.apps.plan import plan_command
+
+    if address and backend == "local":
+        _bad_input("--address: only with --backend ray or dask")
+    be = hook = None
+    try:
+        if backend in ("ray", "dask"):
+            be, hook = _plan_simulations(backend, address, workers)
+        plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
+                     max_simulations, time_limit, out, as_json, hook)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+    finally:
+        if be is not None:
+            be.close()
+
+
+def _plan_simulations(backend: str, address: str | None, workers: int | None) -> Any:
+    """The planner's ``simulate_many`` on a Ray or Dask cluster, through the executor's
+    backend (builds stay on local cores; only the simulations travel)."""
+    from sim.apps import sweep
+    from sim.apps.plan import backend_simulations
+
+    be = sweep.make_backend(backend, address, workers, 1, "plan")
+    return be, backend_simulations(be)
+
+
+def _parse_window(text: str) -> tuple[float, float]:
+    try:
+        a, b = (float(x) for x in text.split(":"))
+    except ValueError:
+        _bad_input(f"--window: {text!r} is not START:END in seconds")
+        raise AssertionError from None  # _bad_input exits
+    if not 0 <= a < b:
+        _bad_input(f"--window: {text!r} needs 0 <= START < END")
+    return a, b
+
+
+def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
+    """Run ``fn(callback)`` under a transient progress bar on stderr (ops simulated of all
+    steps, rate, time left); none with ``--json`` or when stderr is not a terminal."""
+    if quiet or not err.is_terminal:
+        return fn(None)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    label = "simulating" + (f" {steps} steps" if steps > 1 else "") + " (ops)"
+    with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(label, total=None)
+        return fn(lambda done, total: bar.update(task, completed=done, total=total))
+
+
+def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None,
+                   hta: str | None = None) -> None:
+    """Write every output into a temporary folder first, then move it in place, so a failed
+    run leaves nothing half-written."""
+    from sim.outputs import export, plot
+
+    out = out.expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".fabricsim-", dir=out.parent))
+    try:
+        rec = result.recorder
+        labels = {c.id: c.label or f"rank class {c.id}" for c in result.program.classes}
+        export.write_summary(tmp / "summary.json", result.summary)
+        export.write_events_csv(tmp / "events.csv", rec)
+        export.write_timeseries_csv(tmp / "timeseries.csv", rec)
+        export.write_trace(tmp / "trace.json", rec, labels, program=result.program,
+                           scenario=result.summary["scenario"])
+        if hta is not None:
+            sc = result.scenario
+            # Each collective names its own dtype (Op.dtype, set by its builder); the
+            # training precision's is the fallback for ops left without one.
+            export.write_hta_traces(
+                tmp / "hta", rec, result.program, gpus_per_node=sc.cluster.gpus_per_node,
+                gpu=result.context.gpu, dtype=export.NCCL_TYPES[sc.training.precision],
+                all_ranks=hta == "all", scenario=result.summary["scenario"])
+        export.write_memory_csv(tmp / "memory.csv", rec, labels)
+        title = result.summary["scenario"]
+        stages = int(str(result.program.meta.get("pipeline_stages", 1)))
+        plot.timeline(tmp / "timeline.png", rec, title, labels, pipeline_stages=stages,
+                      window=window)
+        plot.bytes_over_time(tmp / "bytes.png", rec, title,
+                             # the prices the run was charged (instance, cloud or defaults)
+                             egress_usd_per_gb=result.summary["cost"]["egress_usd_per_gb"],
+                             region_egress_usd_per_gb=result.summary["cost"][
+                                 "region_egress_usd_per_gb"],
+                             window=window)
+        plot.memory_over_time(tmp / "memory.png", rec, title, labels,
+                              result.summary["gpu_memory_gib"], window=window)
+        plot.links(tmp / "links.png", rec, result.fabric, title, window=window)
+        out.mkdir(exist_ok=True)
+        for f in tmp.iterdir():
+            if f.is_dir() and (out / f.name).is_dir():
+                shutil.rmtree(out / f.name)   # a folder of an earlier run (hta/)
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:,.2f} {unit}"
+    return f"{x:,.0f} B"
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    con = Console()
+    t = Table(title=f"{s['scenario']} — {s['gpus']} GPU(s), {s['framework']}",
+              show_header=False, title_justify="left")
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+    rows = [
+        ("step time", f"{s['step_time_s']:.4f} s"),
+        ("tokens / s", f"{s['tokens_per_s']:,.0f}  ({s['tokens_per_s_per_gpu']:,.0f} per GPU)"),
+        ("MFU / HFU", f"{s['mfu']:.1%} / {s['hfu']:.1%}"),
+        ("model TFLOP/s per GPU", f"{s['model_tflops_per_gpu']:.1f}"),
+        ("compute time", f"{s['compute_time_s']:.4f} s"),
+        ("communication time", f"{s['comm_time_s']:.4f} s"),
+        ("exposed communication", f"{s['exposed_comm_s']:.4f} s"
+         f"  ({s['overlap_fraction']:.0%} hidden)"),
+        ("pipeline bubble", f"{s['bubble_fraction']:.1%}"),
+        ("peak memory", f"{s['peak_memory_gib']:.1f} GiB allocated, "
+         f"{s.get('peak_reserved_gib', s['peak_memory_gib']):.1f} reserved, "
+         f"{s.get('peak_nvidia_smi_gib', s['peak_memory_gib']):.1f} in nvidia-smi, "
+         f"of {s['gpu_memory_gib']:.1f}" + ("  [red]OOM[/red]" if s["oom"] else "")),
+    ]
+    for k, v in s["bytes"].items():
+        rows.append((f"bytes · {k}", _fmt_bytes(v)))
+    c = s["cost"]
+    priced = f", {c['instance']}" if c.get("instance") else ""
+    rows += [
+        ("cost / hour", f"${c['usd_per_hour']:,.2f}  ({s['gpus']} GPU(s) x "
+                        f"${c['gpu_hour_usd']:,.3f}/GPU-h{priced})"),
+        ("cost / step", f"${c['usd_per_step']:,.4f}  (egress ${c['egress_usd_per_step']:,.4f})"),
+        ("cost / M tokens", f"${c['usd_per_million_tokens']:,.4f}"),
+        ("cost / day", f"${c['usd_per_day']:,.2f}  (egress ${c['egress_usd_per_day']:,.2f})"),
+        ("egress / day", f"{c['egress_gb_per_day']:,.1f} GB at "
+                         f"${c['egress_usd_per_gb']:,.4f}/GB crossing a zone"),
+    ]
+    if c["run_usd"] is not None:
+        rows.append(("whole run", f"{c['run_hours']:,.0f} h, ${c['run_usd']:,.0f}"))
+    rows.append(("simulated", f"{s['sim']['ranks_simulated']} rank class(es), "
+                              f"{s['sim']['events']:,} events in {s['sim']['wall_s']:.2f} s"))
+    for k, v in rows:
+        t.add_row(k, v)
+    con.print(t)
+    if s.get("claims"):
+        ct = Table(title="claims", title_justify="left")
+        for col in ("metric", "claimed", "simulated", "verdict", "reason"):
+            ct.add_column(col)
+        for cl in s["claims"]:
+            ct.add_row(cl["metric"], f"{cl['claimed']:,.4g}", f"{cl['simulated']:,.4g}",
+                       cl["verdict"], cl["reason"])
+        con.print(ct)
+
+
+def main() -> None:
+    """Entry point: bad input exits 2 with one line; internal errors exit 1."""
+    try:
+        # Not standalone: usage errors come back to us instead of printing a usage box.
+        rc = app(standalone_mode=False)
+    except SystemExit:
+        raise
+    except ScenarioError as exc:
+        print(f"fabricsim: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except Exception as exc:
+        code = getattr(exc, "exit_code", None)
+        if type(exc).__name__ == "Exit" and isinstance(code, int):
+            sys.exit(code)
+        if type(exc).__name__ == "Abort":
+            sys.exit(1)
+        if hasattr(exc, "format_message") and isinstance(code, int):
+            # click's usage errors (unknown option, bad value), as one line.
+            message = exc.format_message()
+            if message:
+                print(f"fabricsim: {message}", file=sys.stderr)
+            sys.exit(2)
+        if os.environ.get("FABRICSIM_DEBUG"):
+            raise
+        print(f"fabricsim: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

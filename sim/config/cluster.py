@@ -1,0 +1,99 @@
+"""The ``cluster:`` section of a scenario: the machines and the fabric between them.
+
+Part of the config layer (``sim.scenario`` re-exports these names). Fields left out come from
+a topology file (merged by :mod:`sim.config.load`) or from the GPU catalogue.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from sim.config.base import StrictModel
+
+GpuName = Literal["v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "h800",
+                  "gb200", "h100-hbm2e-96gb"]
+
+
+class Cluster(StrictModel):
+    """The machines and the fabric between them. Fields left out come from the topology file
+    (when one is named) or from the GPU catalogue."""
+
+    topology: str | None = None
+    """A file in ``topologies/`` (by name) or a path; inline fields override it."""
+    gpu: GpuName = "h100-sxm"
+    """GPU model, a name from the GPU catalogue."""
+    nodes: int = Field(default=1, gt=0)
+    """Number of servers."""
+    gpus_per_node: int = Field(default=8, gt=0)
+    """GPUs in each server, joined by NVLink through NVSwitch."""
+    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """NVLink bandwidth per GPU per direction; defaults to the GPU's datasheet figure."""
+    pcie_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """PCIe x16 bandwidth per direction; defaults to the GPU's PCIe generation."""
+    nics_per_node: int = Field(default=8, ge=0)
+    """Network adapters per server, rail-aligned to GPUs."""
+    nic_gbps: float = Field(default=400.0, gt=0)
+    """Line rate of each NIC, gigabits per second."""
+    nodes_per_leaf: int = Field(default=16, gt=0)
+    """Servers whose NICs share one leaf switch (per rail when rail-optimised)."""
+    oversubscription: float = Field(default=1.0, ge=1.0)
+    """Leaf downlink over uplink capacity (1 = full bisection)."""
+    rail_optimized: bool = True
+    """NIC k of every server in a leaf group connects to that group's rail-k leaf."""
+    azs: int = Field(default=1, gt=0)
+    """Availability zones the servers are spread over, round robin by node."""
+    az_link_gbps: float = Field(default=100.0, gt=0)
+    """Capacity between two zones, gigabits per second per direction."""
+    az_latency_ms: float = Field(default=1.0, ge=0)
+    """One-way latency between two zones."""
+    nic_latency_us: float | None = Field(default=None, ge=0)
+    """NIC plus cable latency per traversal; defaults to the transport's figure."""
+    switch_latency_us: float | None = Field(default=None, ge=0)
+    """Per network switch hop; defaults to the transport's figure."""
+    nic_transport: Literal["infiniband", "roce", "efa", "tcp"] = "infiniband"
+    """What the NICs speak: InfiniBand verbs, RoCE v2, AWS EFA (SRD), or plain TCP sockets."""
+    pcie_switches_per_node: int | None = Field(default=None, gt=0)
+    """PCIe switches per server (GPUs and NICs spread evenly over them); default one per NIC."""
+    regions: int = Field(default=1, gt=0)
+    """Cloud regions the zones are spread over, round robin by zone."""
+    region_link_gbps: float = Field(default=100.0, gt=0)
+    """Capacity between two regions, gigabits per second per direction."""
+    region_latency_ms: float = Field(default=30.0, ge=0)
+    """One-way latency between two regions."""
+    cpu_cores: int | None = Field(default=None, gt=0)
+    """CPU cores per server (both sockets); default from the host catalogue."""
+    host_memory_gib: float | None = Field(default=None, gt=0)
+    """CPU memory per server; default from the host catalogue."""
+    host_memory_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """Achievable CPU memory bandwidth per server (STREAM-like); default from the host
+    catalogue."""
+    nvme_read_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """Local NVMe read bandwidth per server (all drives striped); default from the host
+    catalogue."""
+    nvme_write_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """Local NVMe write bandwidth per server; default from the host catalogue."""
+    cpu_vendor: Literal["intel", "amd", "arm", "power", "zhaoxin", "mixed"] = "intel"
+    """Host CPU vendor (architecture for Arm and POWER): NCCL indexes its LL bandwidth
+    limit across nodes and its network overhead by it (tuning.cc). Intel where unknown."""
+    routing: Literal["ecmp", "adaptive"] | None = None
+    """How flows spread over the spine switches: ``ecmp`` (static per-flow hash) or
+    ``adaptive`` (per-packet spreading, as InfiniBand adaptive routing and EFA's SRD do);
+    default by ``nic_transport`` (:data:`sim.fabric.topology.routing.ROUTING_BY_TRANSPORT`)."""
+    sharp: bool = False
+    """The network switches do in-network reductions (InfiniBand SHARP) and NCCL's CollNet
+    plugin is set up: CollNet Direct/Chain become available (with ``nccl.collnet_enable``)."""
+    gpu_power_w: float | None = Field(default=None, gt=0)
+    """The GPUs' power cap in watts (default: the part's TDP). A cap lowers the sustained SM
+    clock and so the matrix (GEMM, attention) rates; memory-bound kernels barely change
+    (:mod:`sim.hardware.power`)."""
+
+    @model_validator(mode="after")
+    def _check_power(self) -> Cluster:
+        if self.gpu_power_w is not None:
+            from sim import catalog
+            problem = catalog.gpu(self.gpu).power_cap_problem(self.gpu_power_w)
+            if problem:
+                raise ValueError(f"cluster.gpu_power_w: {problem}")
+        return self

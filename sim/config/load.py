@@ -1,0 +1,193 @@
+"""Loading a scenario: YAML files, shipped names, topology files, ``--set`` overrides, and
+pydantic's errors rendered as one line naming the file and the key path.
+
+Part of the config layer (``sim.scenario`` re-exports these names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from sim.config import resources
+from sim.config.base import ScenarioError
+from sim.config.cluster import Cluster
+from sim.config.scenario import Scenario, framework_names
+
+_UNION_TAGS = {"model": ("str", "ModelDims")}
+
+
+def _union_tags(field: Any) -> tuple[str, ...]:
+    return framework_names() if field == "framework" else _UNION_TAGS.get(field, ())
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    # Drop the branch tags pydantic inserts after a union field ("model" -> "ModelDims",
+    # "framework" -> "fsdp2"), and only there: a user's key may be called anything.
+    parts: list[str] = []
+    prev: Any = None
+    for item in loc:
+        if isinstance(prev, str) and item in _union_tags(prev):
+            prev = None
+            continue
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+        else:
+            parts.append(("." if parts else "") + str(item))
+        prev = item
+    return "".join(parts) or "(top level)"
+
+
+def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
+    errors = err.errors()
+    # An inline model mapping fails both union branches; the string branch's complaint
+    # ("should be a valid string") says nothing useful, so report the mapping's own error.
+    if isinstance(data.get("model"), dict):
+        dims = [e for e in errors if tuple(e["loc"][:2]) == ("model", "ModelDims")]
+        others = [e for e in errors if e["loc"][:1] != ("model",)]
+        errors = others + dims if others else dims or errors
+    e = errors[0]
+    loc = _format_loc(tuple(e["loc"]))
+    if e["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if e["type"] == "union_tag_invalid":
+        return (f"{loc}.name: unknown framework {e['input'].get('name')!r} "
+                f"(available: {', '.join(framework_names())})")
+    if e["type"] == "union_tag_not_found":
+        return f"{loc}.name: missing"
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "value_error":
+        return msg
+    return f"{loc}: {msg} (got {e.get('input')!r})"
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in nested dicts, creating mappings on the way.
+
+    Examples
+    --------
+    >>> d = {"cluster": {"nodes": 1}}
+    >>> set_dotted(d, "cluster.nic_gbps", 100); d
+    {'cluster': {'nodes': 1, 'nic_gbps': 100}}
+    """
+    parts = key.split(".")
+    if not all(parts):
+        raise ScenarioError(f"--set {key}: empty key path")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, dict):
+            if part not in node or node[part] is None:
+                node[part] = {}
+            elif isinstance(node[part], str) and part in ("model", "framework"):
+                # `model: llama3-8b` or `framework: fsdp2` shorthand turned into a mapping.
+                node[part] = {"name": node[part]}
+            node = node[part]
+        if not isinstance(node, dict):
+            path = ".".join(parts[: i + 1])
+            raise ScenarioError(f"--set {key}: {path} is not a mapping")
+    node[parts[-1]] = value
+
+
+def parse_set(assignment: str) -> tuple[str, Any]:
+    """Split ``key.path=value``; the value is a YAML scalar (``100``, ``true``, ``ring``)."""
+    if "=" not in assignment:
+        raise ScenarioError(f"--set {assignment}: expected KEY=VALUE")
+    key, raw = assignment.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ScenarioError(f"{path}:{where} not valid YAML") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ScenarioError(f"{path}: top level must be a mapping")
+    return data
+
+
+TOPOLOGY_META_KEYS = ("name", "description", "sources")
+
+
+def _merge_topology(data: dict[str, Any], origin: str) -> dict[str, Any]:
+    """Fill cluster fields from the named topology file; inline fields win."""
+    cluster = data.get("cluster")
+    if not isinstance(cluster, dict) or not cluster.get("topology"):
+        return data
+    ref = cluster["topology"]
+    if not isinstance(ref, str):
+        raise ScenarioError(f"{origin}: cluster.topology: expected a name or a path")
+    path = resources.resolve("topologies", ref)
+    if path is None:
+        names = ", ".join(resources.available("topologies")) or "none"
+        raise ScenarioError(
+            f"{origin}: cluster.topology: no topology {ref!r} (shipped: {names})"
+        )
+    topo = read_yaml(path)
+    fields = {k: v for k, v in topo.items() if k not in TOPOLOGY_META_KEYS}
+    unknown = sorted(set(fields) - set(Cluster.model_fields))
+    if unknown:
+        raise ScenarioError(f"{path}: {unknown[0]}: unknown key")
+    merged = dict(fields)
+    merged.update(cluster)
+    out = dict(data)
+    out["cluster"] = merged
+    return out
+
+
+def _normalise(data: dict[str, Any]) -> dict[str, Any]:
+    # `framework: fsdp2` is accepted as shorthand for `framework: {name: fsdp2}`.
+    if isinstance(data.get("framework"), str):
+        data = dict(data)
+        data["framework"] = {"name": data["framework"]}
+    return data
+
+
+def scenario_from_dict(data: dict[str, Any], origin: str = "<scenario>") -> Scenario:
+    """Validate a scenario mapping; raise ScenarioError with one line on bad input."""
+    data = _merge_topology(_normalise(data), origin)
+    try:
+        scenario = Scenario.model_validate(data)
+    except ValidationError as err:
+        raise ScenarioError(f"{origin}: {_first_error(err, data)}") from None
+    from sim import catalog  # late import: catalogue loading is not needed for validation
+
+    if isinstance(scenario.model, str) and scenario.model not in catalog.model_names():
+        names = ", ".join(catalog.model_names())
+        raise ScenarioError(f"{origin}: model: unknown model {scenario.model!r} (known: {names})")
+    return scenario
+
+
+def load_scenario(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Load a scenario by path or shipped name and apply ``key.path=value`` overrides.
+
+    Examples
+    --------
+    >>> s = load_scenario("llama3.2-1b-1xh200", ["training.seq_len=2048"])
+    >>> s.training.seq_len
+    2048
+    """
+    path = resources.resolve("scenarios", ref)
+    if path is None:
+        names = ", ".join(resources.available("scenarios")) or "none"
+        raise ScenarioError(f"{ref}: no such file or shipped scenario (shipped: {names})")
+    data = read_yaml(path)
+    for assignment in overrides:
+        key, value = parse_set(assignment)
+        set_dotted(data, key, value)
+    return scenario_from_dict(data, origin=str(path))

@@ -1,0 +1,182 @@
+"""The job's sections of a scenario: the model, its parallel layout, the training step,
+PyTorch's allocator, NCCL's settings, prices, and published claims to check.
+
+Part of the config layer (``sim.scenario`` re-exports these names); the ``cluster:`` section
+is :mod:`sim.config.cluster`, the ``framework:`` section each framework package's
+``options.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from sim.config.base import StrictModel
+
+# PyTorch release assumed when a scenario does not name one (``training.torch_version``):
+# 2.8, the last release of the 2024-2025 span (2.5.1-2.8) that published FSDP2/torchtitan and
+# Hugging Face runs used, all of which run SDPA's flash backend (FlashAttention-2) on Hopper.
+DEFAULT_TORCH_VERSION = "2.8"
+
+
+class ModelDims(StrictModel):
+    """A decoder-only transformer given by its dimensions (instead of a catalogue name)."""
+
+    layers: int = Field(gt=0)
+    """Number of transformer blocks."""
+    hidden: int = Field(gt=0)
+    """Model (residual stream) width."""
+    heads: int = Field(gt=0)
+    """Attention (query) heads."""
+    kv_heads: int | None = Field(default=None, gt=0)
+    """Key/value heads (grouped-query attention); defaults to ``heads``."""
+    ffn_hidden: int = Field(gt=0)
+    """Inner width of the MLP (per gate/up projection for SwiGLU)."""
+    vocab: int = Field(gt=0)
+    """Vocabulary size (embedding rows)."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """SwiGLU (Llama: gate, up, down) or GELU (GPT: up, down)."""
+    tied_embeddings: bool = False
+    """The LM head reuses the input embedding matrix."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """Per-head width; defaults to ``hidden // heads``."""
+    norm: Literal["rmsnorm", "layernorm"] | None = None
+    """Normalisation; defaults to RMSNorm for SwiGLU models, LayerNorm for GELU models."""
+    position: Literal["rope", "learned"] | None = None
+    """Rotary (Llama) or learned absolute positions (GPT); default follows ``mlp``."""
+    bias: bool | None = None
+    """Linear and norm biases (GPT style); default follows ``mlp``."""
+    max_positions: int | None = Field(default=None, gt=0)
+    """Rows of the learned position table; defaults to the sequence length."""
+    name: str | None = None
+    """A label for reports."""
+
+
+class Allocator(StrictModel):
+    """PyTorch's CUDA caching allocator settings (``PYTORCH_CUDA_ALLOC_CONF``)."""
+
+    expandable_segments: bool | None = None
+    """``expandable_segments:True``: segments grow by mapping pages instead of new
+    ``cudaMalloc`` calls (less fragmentation). None: what the framework's launcher does:
+    torchtitan's ``run_train.sh`` sets it (``fsdp2``); Megatron-LM, DeepSpeed, FairScale and
+    plain PyTorch leave PyTorch's default, off."""
+
+
+class Nccl(StrictModel):
+    """NCCL algorithm, protocol and the settings people tune; ``auto`` lets NCCL's cost model
+    choose, as NCCL does."""
+
+    algo: Literal["auto", "ring", "tree", "nvls", "nvls_tree", "pat", "collnet_direct",
+                  "collnet_chain"] = "auto"
+    """Collective algorithm (NCCL_ALGO): ring, double binary tree, NVLink SHARP, NVLS+tree,
+    PAT (all-gather/reduce-scatter, one GPU per node), CollNet Direct/Chain (SHARP)."""
+    proto: Literal["auto", "ll", "ll128", "simple"] = "auto"
+    """Protocol (NCCL_PROTO): LL (low latency), LL128, or Simple (bandwidth)."""
+    buffsize: int = Field(default=4 * 2**20, gt=0)
+    """NCCL_BUFFSIZE in bytes: the per-channel pipeline buffer (8 steps of buffsize/8)."""
+    gdr: bool = True
+    """GPUDirect RDMA (NCCL_NET_GDR_LEVEL): off, network traffic bounces through host memory."""
+    cross_nic: Literal[0, 1, 2] = 2
+    """NCCL_CROSS_NIC: 0 keeps each ring on one rail, 1 lets it change rails, 2 (default)
+    prefers rails."""
+    collnet_enable: bool = False
+    """NCCL_COLLNET_ENABLE (default 0 in NCCL): lets NCCL's tuning choose CollNet Direct or
+    Chain on a fabric whose switches have SHARP (``cluster.sharp``)."""
+
+
+class Parallelism(StrictModel):
+    """How the GPUs split the work; tp*pp*dp*cp must equal the GPU count."""
+
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel degree (inside a node)."""
+    pp: int = Field(default=1, gt=0)
+    """Pipeline stages."""
+    dp: int | None = Field(default=None, gt=0)
+    """Data-parallel degree; omitted = the GPUs that remain."""
+    cp: int = Field(default=1, gt=0)
+    """Context-parallel degree."""
+    vp: int = Field(default=1, gt=0)
+    """Virtual pipeline chunks per stage (interleaved 1F1B)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism with tensor parallelism."""
+
+
+class Training(StrictModel):
+    """The step being simulated."""
+
+    seq_len: int = Field(default=4096, gt=0)
+    """Tokens per sequence."""
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Sequences per GPU per forward/backward."""
+    global_batch_size: int | None = Field(default=None, gt=0)
+    """Sequences per optimizer step across all replicas; default = one micro-batch each."""
+    precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
+    """Matrix-math precision; bf16/fp16 keep fp32 master weights and optimizer states."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (attention core), full (whole block)."""
+    tokens_total: float | None = Field(default=None, gt=0)
+    """Tokens of the whole run, for run time and cost."""
+    optimizer: Literal["adamw_fused", "adamw_foreach"] = "adamw_fused"
+    """AdamW implementation (torch.optim.AdamW fused=True, or the default foreach kernels)."""
+    attention_backend: Literal["auto", "flash2", "flash3", "cudnn", "sdpa"] = "auto"
+    """Fused attention kernel; auto: the framework's own choice (sim/hardware/attention_cost.py)."""
+    torch_version: str = Field(default=DEFAULT_TORCH_VERSION, pattern=r"^\d+\.\d+(\.\d+)?$")
+    """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""
+
+    @field_validator("torch_version", mode="before")
+    @classmethod
+    def _quoted_version(cls, v: Any) -> Any:
+        if isinstance(v, (int, float)):
+            raise ValueError(f"training.torch_version: write {v} as a quoted string; "
+                             "unquoted, YAML reads 2.10 as the number 2.1")
+        return v
+
+
+class Pricing(StrictModel):
+    """Prices; omitted fields come from the named instance or cloud, else the GPU catalogue's
+    reference price and the defaults below."""
+
+    gpu_hour_usd: float | None = Field(default=None, ge=0)
+    """On-demand price per GPU-hour."""
+    egress_usd_per_gb: float = Field(default=0.01, ge=0)
+    """Price per GB crossing an availability-zone boundary (each direction billed)."""
+    region_egress_usd_per_gb: float = Field(default=0.02, ge=0)
+    """Price per GB crossing a region boundary."""
+    instance: str | None = None
+    """A catalogue instance (aws-p5.48xlarge): its GPU-hour and cloud's transfer prices apply."""
+    cloud: Literal["aws", "gcp", "azure"] | None = None
+    """Whose transfer prices apply when no instance is named (an instance implies its cloud)."""
+
+
+class Claims(StrictModel):
+    """Figures someone published for this setup, checked against the simulation."""
+
+    source: str
+    """Where the figures come from."""
+    tokens_per_s_per_gpu: float | None = Field(default=None, gt=0)
+    tokens_per_s: float | None = Field(default=None, gt=0)
+    step_time_s: float | None = Field(default=None, gt=0)
+    peak_memory_gib: float | None = Field(default=None, gt=0)
+    peak_memory_gb: float | None = Field(default=None, gt=0)
+    peak_memory_kind: Literal["reserved", "allocated", "nvidia_smi"] = "reserved"
+    """Which peak the memory claims quote: the caching allocator's reserved peak
+    (``torch.cuda.max_memory_reserved``, what torchtitan and most publications report), the
+    allocated peak (``max_memory_allocated``), or the whole process in ``nvidia-smi``."""
+    mfu: float | None = Field(default=None, gt=0)
+    model_state_memory_gb: float | None = Field(default=None, gt=0)
+    """Parameters, gradients and optimizer states per GPU, GB (1e9 bytes)."""
+    exposed_comm_fraction: float | None = Field(default=None, gt=0)
+    """Share of the step spent in communication that computation does not hide."""
+    bubble_fraction: float | None = Field(default=None, gt=0)
+    """Share of the step a pipeline stage sits idle."""
+    run_hours: float | None = Field(default=None, gt=0)
+    """Hours to train ``training.tokens_total`` tokens."""
+    run_usd: float | None = Field(default=None, gt=0)
+    """US dollars to train ``training.tokens_total`` tokens."""
+    cross_az_bytes_per_day: float | None = Field(default=None, gt=0)
+    """Bytes crossing availability-zone boundaries per day of training."""
+    egress_usd_per_day: float | None = Field(default=None, gt=0)
+    """US dollars of cross-zone transfer per day of training."""
+    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0)
+    """NVLink traffic per GPU per direction, GB/s, averaged over the step."""

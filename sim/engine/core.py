@@ -1,0 +1,405 @@
+"""The engine: runs a :class:`~sim.program.ir.Program` on a fabric with simpy.
+
+One simpy process per (rank class, stream) walks that stream's ops in order. An op starts
+when its stream reaches it and its dependencies have finished. Compute and copy ops take
+their duration; a collective waits until every rank class of its group has reached it, then
+runs as flows on the fabric (:mod:`sim.fabric.collectives`). The engine holds no framework logic and
+does no measurement: it tells an :class:`EngineObserver` what happens.
+
+A ``copy`` op with ``host_transfer`` set moves bytes between each member GPU and its host
+memory (or between host memory and the node's NVMe) as flows on the fabric, so offloaded
+parameters and gradients share PCIe with GPUDirect network traffic. Ops on stream ``cpu``
+are host work (a CPU optimizer step) and run beside the GPU streams.
+
+Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how long a
+compute op takes given what runs beside it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from sim import catalog
+from sim.catalog import GpuSpec
+from sim.engine.hbm_share import HbmShare
+from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
+from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
+from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
+from sim.fabric.network import FlowNetwork, NetworkObserver
+from sim.fabric.topology import LINK_KINDS, Fabric
+from sim.hardware.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
+from sim.hardware.power import sustained_matrix_flops
+from sim.program.ir import Op, Program, RankClass
+
+# Ops between two progress reports: often enough for a bar, rare enough to cost nothing.
+PROGRESS_EVERY = 512
+
+
+class EngineObserver(NetworkObserver):
+    """What the engine reports; the recorder subclasses this."""
+
+    def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+              step: int) -> None:
+        """An op finished: it was ready (reached and dependencies met) at ``ready``, ran from
+        ``start`` (later than ready for a collective waiting for its peers) to ``end``."""
+
+    def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
+                  op: Op | None = None) -> None:
+        """``delta`` bytes of ``category`` allocated (positive) or freed (negative) by ``op``
+        (None: held before the step)."""
+
+    def on_collective(self, op: Op, choice: Choice | None) -> None:
+        """A collective or point-to-point op (``op.key``) finished on the fabric, once for all
+        its groups; ``choice`` is what NCCL ran (algorithm, protocol), None if nothing moved."""
+
+
+@dataclass
+class _GpuLoad:
+    """What the running collectives of one rank class hold on each of its GPUs."""
+
+    ctas: int = 0
+    hbm_bytes_per_s: float = 0.0
+    changed: simpy.Event | None = None
+    """Succeeds (and is replaced) whenever ``ctas`` or the HBM traffic changes."""
+
+
+# Categories of compute ops that are GEMM/attention work when an op carries no FLOP count.
+_MATRIX_CATEGORIES = ("forward", "backward", "recompute", "recompute+backward")
+# The GPU when the engine is built without a spec (unit tests).
+_DEFAULT_GPU = "h100-sxm"
+
+
+@dataclass
+class _Rendezvous:
+    needed: set[int]
+    launched: simpy.Event
+    arrived: set[int] = field(default_factory=set)
+    start: float = 0.0
+    reported: bool = False
+
+
+class Engine:
+    """Runs programs step after step on one fabric.
+
+    Examples
+    --------
+    See :func:`sim.api.simulate`, which builds the program and the fabric and runs this.
+    """
+
+    def __init__(self, fabric: Fabric, arch: str, observer: EngineObserver | None = None,
+                 nccl: NcclSettings | None = None, nic_transport: str = "infiniband",
+                 sm_count: int = 132, gpu: GpuSpec | None = None) -> None:
+        self.env = simpy.Environment()
+        self.fabric = fabric
+        self.observer = observer or EngineObserver()
+        self.net = FlowNetwork(self.env, transport_capacity(fabric, arch, nic_transport),
+                               fabric.kind, len(LINK_KINDS), self.observer)
+        self.collectives = CollectiveRunner(self.env, self.net, fabric, arch, nccl)
+        self.events_processed = 0
+        self.progress: Callable[[int], None] | None = None
+        """Called with the number of ops finished so far, every :data:`PROGRESS_EVERY` ops
+        (for a progress bar on long simulations)."""
+        self._step = 0
+        self.arch = arch
+        self.sm_count = gpu.sm_count if gpu is not None else sm_count
+        spec = gpu if gpu is not None else catalog.gpu(_DEFAULT_GPU)
+        self.hbm_bytes_per_s = spec.hbm_bytes_per_s
+        self.matrix_flops = sustained_matrix_flops(spec)
+        self._load: dict[int, _GpuLoad] = {}
+        # Collectives slowed by the memory-bound compute beside them (sim.engine.hbm_share).
+        self.hbm_share = HbmShare(self.net, self.sm_count, self.hbm_bytes_per_s,
+                                  self._held)
+        self._wire_rate: dict[tuple[int, ...], tuple[float, int]] = {}
+        self._load_cache: dict[tuple[str, tuple[int, ...], float], CommLoad] = {}
+        self._host_routes: dict[tuple[int, str | None],
+                                tuple[np.ndarray, np.ndarray, float]] = {}
+
+    # ------------------------------------------------------------------ hooks
+    def compute_duration(self, cls: RankClass, op: Op) -> float:
+        """Seconds a compute or copy op would take if what runs beside it now ran to its end.
+
+        Override to model interference differently. A collective running on the rank class
+        holds SMs (one CTA per NCCL channel) and HBM bandwidth; the op is slowed by
+        :func:`sim.hardware.interference.slowdown` from its matrix share. :meth:`_run_compute`
+        re-applies this whenever a collective starts or ends during the op.
+        """
+        return op.duration * self._slowdown(cls, op)
+
+    def _matrix_share(self, op: Op) -> float:
+        """Share of the op's time in tensor-core math: its FLOPs at the sustained matrix
+        rate over its duration (1 for forward/backward work that carries no FLOP count)."""
+        flops = max(op.flops, op.hw_flops)
+        if op.duration <= 0:
+            return 0.0
+        if flops <= 0:
+            return 1.0 if op.kind == "compute" and op.category in _MATRIX_CATEGORIES else 0.0
+        return min(1.0, flops / self.matrix_flops / op.duration)
+
+    def _slowdown(self, cls: RankClass, op: Op) -> float:
+        load = self._load.get(cls.id)
+        if load is None or op.stream == "cpu" or (load.ctas == 0
+                                                  and load.hbm_bytes_per_s <= 0):
+            return 1.0
+        return slowdown(self.sm_count, self.hbm_bytes_per_s, self._matrix_share(op),
+                        load.ctas, load.hbm_bytes_per_s)
+
+    def _held(self, cls_id: int) -> tuple[int, float]:
+        load = self._load.get(cls_id)
+        return (0, 0.0) if load is None else (load.ctas, load.hbm_bytes_per_s)
+
+    def _run_compute(self, cls: RankClass, op: Op) -> Generator[simpy.Event, object, None]:
+        """Run a compute or copy op whose rate follows the collectives beside it: the work
+        left (in seconds at full speed) drains at 1/slowdown, re-evaluated at every change.
+        While it runs, its memory-bound share slows the class's collectives
+        (:mod:`sim.engine.hbm_share`)."""
+        env = self.env
+        load = self._load.get(cls.id)
+        if load is None or op.stream == "cpu":
+            yield env.timeout(self.compute_duration(cls, op))
+            return
+        memory = 1.0 - self._matrix_share(op) if op.duration > 0 else 0.0
+        self.hbm_share.compute_started(cls.id, memory)
+        try:
+            yield from self._drain(cls, op, load)
+        finally:
+            self.hbm_share.compute_ended(cls.id, memory)
+
+    def _drain(self, cls: RankClass, op: Op, load: _GpuLoad
+               ) -> Generator[simpy.Event, object, None]:
+        env = self.env
+        work = op.duration
+        while work > 0:
+            f = self.compute_duration(cls, op) / op.duration
+            changed = load.changed
+            assert changed is not None
+            t0 = env.now
+            done = env.timeout(work * f)
+            fired = yield done | changed
+            assert isinstance(fired, simpy.events.ConditionValue)
+            if done in fired:
+                return
+            work -= (env.now - t0) / f
+            if work <= 1e-15:
+                return
+
+    def _change_load(self, cls_id: int, ctas: int, hbm: float) -> None:
+        load = self._load[cls_id]
+        load.ctas += ctas
+        load.hbm_bytes_per_s = max(0.0, load.hbm_bytes_per_s + hbm)
+        old, load.changed = load.changed, self.env.event()
+        assert old is not None
+        old.succeed()
+        self.hbm_share.load_changed(cls_id)
+
+    def _comm_load(self, op: Op) -> CommLoad:
+        """SMs and HBM traffic this collective or send/recv holds on each member GPU: the
+        channels and the predicted time of what NCCL would run (the runner's selection)."""
+        if op.kind == "collective" and op.collective:
+            group = tuple(op.all_groups[0]) if op.all_groups else ()
+            if len(group) <= 1 or op.nbytes <= 0:
+                return CommLoad(0, 0.0)
+            key = (op.collective, group, op.nbytes)
+            hit = self._load_cache.get(key)
+            if hit is None:
+                plan, _, predicted = self.collectives.select(op.collective, group, op.nbytes)
+                hit = self._load_cache[key] = comm_load(
+                    self.arch, op.collective, op.nbytes, op.nbytes * plan.volume, predicted,
+                    plan.nccl_channels or plan.channels, plan.algorithm)
+            return hit
+        pairs = tuple(op.pairs)
+        if not pairs or op.nbytes <= 0:
+            return CommLoad(0, 0.0)
+        rate = self._wire_rate.get(pairs[0])
+        if rate is None:
+            spec = self.fabric.spec
+            one_node = len({r // spec.gpus_per_node for r in pairs[0]}) <= 1
+            nic = (spec.nic_gbps / 8e-9 * spec.nics_per_node / spec.gpus_per_node
+                   if spec.nics_per_node else spec.pcie_gbytes_per_s * 1e9)
+            nvlink = spec.nvlink_gbytes_per_s * 1e9
+            # NCCL runs a send to an NVLink peer on every channel, to a network peer on 2
+            # (sim.hardware.interference: ncclTopoGetNchannels).
+            rate = self._wire_rate[pairs[0]] = (
+                (nvlink, NCCL_CHANNELS.get(self.arch, 32)) if one_node
+                else (min(nvlink, nic), 0))
+        return comm_load(self.arch, "p2p", op.nbytes, op.nbytes, op.nbytes / rate[0],
+                         rate[1] or None)
+
+    # ------------------------------------------------------------------ running
+    def run_step(self, program: Program) -> float:
+        """Run one step of ``program``; returns its duration (all streams of all classes)."""
+        env = self.env
+        t0 = env.now
+        if self._step == 0:
+            for cls in program.classes:
+                for cat, nbytes in cls.initial_memory.items():
+                    if nbytes:
+                        self.observer.on_memory(cls, t0, cat, nbytes)
+        done: dict[int, simpy.Event] = {op.index: env.event() for op in program.ops}
+        for cls in program.classes:
+            if any(o.kind in ("collective", "send", "recv")
+                   for ops in cls.streams.values() for o in ops):
+                self._load[cls.id] = _GpuLoad(changed=env.event())
+            else:
+                self._load.pop(cls.id, None)
+        class_of = program.class_of_rank()
+        # The host issues each class's ops in program order without waiting for the GPU,
+        # except where the host-clock rule (sim.engine.host_clock) makes it wait for an op to
+        # finish: one host-clock process per class publishes each op's issue time.
+        self._issue_time: dict[int, float] = {}
+        self._issue_wait: dict[int, simpy.Event] = {}
+        self._t0 = t0
+        self._finished: dict[int, float] = {}
+        rendezvous: dict[str, _Rendezvous] = {}
+        procs = [
+            env.process(self._stream(program, cls, ops, done, class_of, rendezvous))
+            for cls in program.classes
+            for ops in cls.streams.values()
+        ]
+        for cls in program.classes:
+            env.process(self._host_clock(host_issues(issue_order(cls)), done))
+        env.run(until=simpy.AllOf(env, procs))
+        self._step += 1
+        return env.now - t0
+
+    def _stream(self, program: Program, cls: RankClass, ops: list[Op],
+                done: dict[int, simpy.Event], class_of: dict[int, int],
+                rendezvous: dict[str, _Rendezvous]) -> Generator[simpy.Event, object, None]:
+        env = self.env
+        obs = self.observer
+        for op in ops:
+            pending = [done[d.index] for d in op.deps if not done[d.index].processed]
+            if pending:
+                yield simpy.AllOf(env, pending)
+            issued = self._issue_time.get(op.index)
+            if issued is None:
+                wait = self._issue_wait.setdefault(op.index, env.event())
+                yield wait
+                issued = self._issue_time[op.index]
+            if issued > env.now:
+                yield env.timeout(issued - env.now)
+            ready = env.now
+            if op.kind in ("collective", "send", "recv"):
+                start = yield from self._collective(cls, op, class_of, rendezvous)
+            else:
+                start = env.now
+                for cat, nbytes in op.alloc:
+                    obs.on_memory(cls, start, cat, nbytes, op)
+                if op.transient:
+                    obs.on_memory(cls, start, "buffers", op.transient, op)
+                if op.host_transfer is not None:
+                    yield from self._host_transfer(cls, op)
+                else:
+                    yield from self._run_compute(cls, op)
+            end = env.now
+            if op.transient and op.kind in ("compute", "copy"):
+                obs.on_memory(cls, end, "buffers", -op.transient, op)
+            for cat, nbytes in op.free:
+                obs.on_memory(cls, end, cat, -nbytes, op)
+            obs.on_op(cls, op, ready, start, end, self._step)
+            self.events_processed += 1
+            if self.progress is not None and self.events_processed % PROGRESS_EVERY == 0:
+                self.progress(self.events_processed)
+            self._finished[op.index] = end
+            done[op.index].succeed()
+
+    def _host_clock(self, issues: Iterator[HostIssue], done: dict[int, simpy.Event]
+                    ) -> Generator[simpy.Event, object, None]:
+        """The host thread of one rank class: issues its ops as :mod:`sim.engine.host_clock` says,
+        waiting (in simulated time) for the ops ``issues`` names to finish. Runs ahead of
+        simulated time and waits only when blocked."""
+        t = self._t0
+        finished = self._finished
+        issue_wait = self._issue_wait
+        for op, sync, launches in issues:
+            sync_end = launch_end = -math.inf
+            if sync is not None:
+                if not done[sync.index].processed:
+                    yield done[sync.index]
+                sync_end = finished[sync.index]
+            for head in launches:
+                if not done[head.index].processed:
+                    yield done[head.index]
+                end = finished[head.index]
+                if end > launch_end:
+                    launch_end = end
+            t = issue_time(t, sync_end, op.cpu_s, launch_end)
+            self._issue_time[op.index] = t
+            wait = issue_wait.pop(op.index, None)
+            if wait is not None:
+                wait.succeed()
+
+    def _host_transfer(self, cls: RankClass, op: Op) -> Generator[simpy.Event, object, None]:
+        """Every member rank moves ``op.nbytes`` over its own route (GPU <-> host over PCIe,
+        host <-> NVMe): one flow each, sharing the links max-min with all other traffic."""
+        if op.nbytes <= 0:
+            return
+        key = (cls.id, op.host_transfer)
+        plan = self._host_routes.get(key)
+        fab = self.fabric
+        if plan is None:
+            routes: list[tuple[int, ...]] = []
+            for r in cls.members:
+                if op.host_transfer == "h2d":
+                    routes.append(fab.route_from_host(r))
+                elif op.host_transfer == "d2h":
+                    routes.append(fab.route_to_host(r))
+                else:
+                    node = r // fab.spec.gpus_per_node
+                    routes.append(fab.route_nvme(node, "read" if op.host_transfer == "nvme_read"
+                                                 else "write"))
+            flat = np.fromiter((i for rt in routes for i in rt), dtype=np.int64)
+            lengths = np.array([len(rt) for rt in routes], dtype=np.int64)
+            latency = max(fab.path_latency(rt) for rt in routes)
+            plan = self._host_routes[key] = (flat, lengths, latency)
+        flat, lengths, latency = plan
+        n = len(lengths)
+        yield self.env.timeout(latency)
+        yield self.net.start_group(flat, lengths, np.full(n, float(op.nbytes)), np.ones(n),
+                                   np.full(n, np.inf), tag=op)
+
+    def _collective(self, cls: RankClass, op: Op, class_of: dict[int, int],
+                    rendezvous: dict[str, _Rendezvous]) -> Generator[simpy.Event, object, float]:
+        """Wait for every class of the group, then run the transfer once for all of them."""
+        env = self.env
+        rv = rendezvous.get(op.key)
+        if rv is None:
+            if op.kind == "collective":
+                ranks = [r for g in op.all_groups for r in g]
+            elif op.kind == "send":
+                ranks = [s for s, _ in op.pairs]
+            else:
+                ranks = [r for p in op.pairs for r in p]
+            rv = _Rendezvous(needed={class_of[r] for r in ranks}, launched=env.event())
+            rendezvous[op.key] = rv
+        rv.arrived.add(cls.id)
+        for cat, nbytes in op.alloc:
+            self.observer.on_memory(cls, env.now, cat, nbytes, op)
+        if rv.arrived >= rv.needed and not rv.launched.triggered:
+            rv.start = env.now
+            if op.kind == "collective":
+                assert op.collective is not None
+                body = self.collectives.run_collective_groups(op.collective, op.all_groups,
+                                                              op.nbytes, tag=op)
+            else:
+                body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
+            self.hbm_share.collective_started(op.key, op, rv.needed)
+            rv.launched.succeed(env.process(body))
+        # The NCCL kernel holds its SMs from its launch on this GPU, waiting for the peers
+        # included; it moves data (HBM traffic) once every member has arrived.
+        need = self._comm_load(op)
+        self._change_load(cls.id, need.ctas, 0.0)
+        proc = yield rv.launched
+        assert isinstance(proc, simpy.Process)
+        self._change_load(cls.id, 0, need.hbm_bytes_per_s)
+        yield proc
+        self._change_load(cls.id, -need.ctas, -need.hbm_bytes_per_s)
+        if not rv.reported:
+            rv.reported = True
+            self.hbm_share.collective_ended(op.key)
+            self.observer.on_collective(op, proc.value)
+        return rv.start

@@ -1,0 +1,171 @@
+"""The recorder: listens to the engine and the network and keeps what happened.
+
+Every op's ready/start/end time, memory allocations and frees per rank class by category,
+the bytes/s per link class after every rate change, what NCCL ran for each collective, and
+(when asked: it costs memory on large fabrics) the rate of every busy link after every
+change. Metrics, plots and exports read it; it computes nothing itself beyond running totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sim.analysis.memory_overheads import Overheads
+from sim.engine.allocator import CachingAllocator, TensorLedger
+from sim.engine.core import EngineObserver
+from sim.fabric.collectives.runner import Choice
+from sim.program.ir import MEMORY_CATEGORIES, Op, RankClass
+
+
+@dataclass
+class OpRecord:
+    cls: int
+    op: Op
+    ready: float
+    start: float
+    end: float
+    step: int
+
+
+@dataclass
+class MemoryTrack:
+    """Memory of one rank class over time."""
+
+    current: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_CATEGORIES,
+                                                                               0.0))
+    peak: float = 0.0
+    peak_time: float = 0.0
+    peak_breakdown: dict[str, float] = field(default_factory=dict)
+    series: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    ledger: TensorLedger = field(default_factory=lambda: TensorLedger(CachingAllocator()))
+    """The caching allocator this class's tensors go through (:mod:`sim.engine.allocator`)."""
+    reserved_peak_time: float = 0.0
+    reserved_series: list[tuple[float, float]] = field(default_factory=list)
+    """(time, bytes the caching allocator reserves) after every change."""
+
+    @property
+    def reserved_peak(self) -> float:
+        """Peak bytes the caching allocator reserved (``torch.cuda.max_memory_reserved``)."""
+        return float(self.ledger.allocator.peak_reserved)
+
+    @property
+    def total(self) -> float:
+        return sum(self.current.values())
+
+
+class Recorder(EngineObserver):
+    """Keeps the engine's and network's reports."""
+
+    def __init__(self, keep_memory_series: bool = True, keep_link_series: bool = False,
+                 allocator_capacity: dict[int, float] | None = None,
+                 expandable_segments: bool = False) -> None:
+        self.ops: list[OpRecord] = []
+        self.memory: dict[int, MemoryTrack] = {}
+        self.rate_series: list[tuple[float, np.ndarray]] = []
+        # Per rate change: (time, indices of links carrying traffic, their bytes/s), kept
+        # sparse; piecewise constant until the next entry. A folded collective's flows stand
+        # for several groups on disjoint links, so only the representative group's links show.
+        self.link_series: list[tuple[float, np.ndarray, np.ndarray]] = []
+        # What NCCL ran for each collective and point-to-point op, by ``Op.key``.
+        self.collective_choices: dict[str, Choice] = {}
+        self.transfers_finished = 0
+        self.transfer_bytes = 0.0
+        self.keep_memory_series = keep_memory_series
+        self.keep_link_series = keep_link_series
+        # Bytes each rank class's caching allocator may reserve before cudaMalloc fails.
+        self.allocator_capacity = allocator_capacity or {}
+        self.expandable_segments = expandable_segments
+        # What each rank class's GPUs hold outside the tensors (set by the caller).
+        self.overheads: dict[int, Overheads] = {}
+
+    def track(self, cls: int) -> MemoryTrack:
+        """The memory track of rank class ``cls`` (created on first use)."""
+        track = self.memory.get(cls)
+        if track is None:
+            alloc = CachingAllocator(self.allocator_capacity.get(cls, float("inf")),
+                                     self.expandable_segments)
+            track = self.memory[cls] = MemoryTrack(ledger=TensorLedger(alloc))
+        return track
+
+    def workspace(self, cls: int, nbytes: float, stream: str = "compute") -> None:
+        """A buffer a library takes from the caching allocator for good (cuBLAS's workspace):
+        reserved and allocated by PyTorch, outside the model's tensor categories."""
+        self.track(cls).ledger.alloc("workspace", nbytes, stream)
+
+    # engine
+    def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+              step: int) -> None:
+        self.ops.append(OpRecord(cls.id, op, ready, start, end, step))
+
+    def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
+                  op: Op | None = None) -> None:
+        track = self.memory.get(cls.id) or self.track(cls.id)
+        track.current[category] = track.current.get(category, 0.0) + delta
+        ledger = track.ledger
+        allocator = ledger.allocator
+        before = allocator.peak_reserved
+        if op is None:
+            if delta > 0:
+                ledger.alloc(category, delta)
+            else:
+                ledger.free(category, -delta)
+        else:
+            # An op's working set reaches the allocator as the tensors it is made of.
+            where = (op.micro_batch, op.layer)
+            parts: tuple[float, ...] = ()
+            if category == "buffers" and op.transient_parts and abs(
+                    abs(delta) - op.transient) <= 1.0:
+                parts = op.transient_parts
+            elif category == "activations" and delta > 0 and op.alloc_parts and abs(
+                    delta - sum(op.alloc_parts)) <= 1.0:
+                parts = op.alloc_parts
+            if delta > 0:
+                for part in parts or (delta,):
+                    ledger.alloc(category, part, op.stream, op.index, where)
+            else:
+                for part in parts or (-delta,):
+                    ledger.free(category, part, op.index, where)
+        if allocator.peak_reserved > before:
+            track.reserved_peak_time = t
+        if self.keep_memory_series:
+            rs = track.reserved_series
+            reserved = float(allocator.reserved)
+            if rs and rs[-1][0] == t:
+                rs[-1] = (t, reserved)
+            elif not rs or rs[-1][1] != reserved:
+                rs.append((t, reserved))
+        total = track.total
+        if total > track.peak:
+            track.peak = total
+            track.peak_time = t
+            track.peak_breakdown = dict(track.current)
+        if self.keep_memory_series:
+            if track.series and track.series[-1][0] == t:
+                track.series[-1] = (t, dict(track.current))
+            else:
+                track.series.append((t, dict(track.current)))
+
+    def on_collective(self, op: Op, choice: Choice | None) -> None:
+        if choice is not None:
+            self.collective_choices[op.key] = choice
+
+    # network
+    def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
+        if self.rate_series and self.rate_series[-1][0] == t:
+            self.rate_series[-1] = (t, class_rates.copy())
+        else:
+            self.rate_series.append((t, class_rates.copy()))
+        if self.keep_link_series:
+            # Rates below a byte per second are solver rounding of links just emptied.
+            busy = np.flatnonzero(link_rates > 1.0).astype(np.int32)
+            entry = (t, busy, link_rates[busy].astype(np.float32))
+            if self.link_series and self.link_series[-1][0] == t:
+                self.link_series[-1] = entry
+            else:
+                self.link_series.append(entry)
+
+    def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
+        self.transfers_finished += 1
+        self.transfer_bytes += nbytes

@@ -1,0 +1,522 @@
+"""Flow-level network: max-min fair sharing of link capacity among active flows, on simpy.
+
+Every active flow crosses a fixed list of links. Whenever flows start or end, the rates of
+all active flows are recomputed by progressive filling (water-filling): all unfrozen flows
+grow at the same rate until a link saturates or a flow reaches its own cap; the flows through
+that link freeze; repeat. This is the bandwidth-sharing model of SimGrid's LMM solver without
+weights (Casanova et al., "Versatile, Scalable, and Accurate Simulation of Distributed
+Applications and Platforms", JPDC 2014; Bertsekas and Gallager, "Data Networks", sec. 6.5.2).
+
+Flows start in groups (all the flows of one collective, or one transfer); a group's event
+fires when its last flow has delivered its bytes. A flow may stand for ``count`` identical
+flows on disjoint copies of its path (a folded rank's traffic): it shares its own links as
+one flow, and its bytes count ``count`` times.
+
+State is kept as arrays (one row per active flow, one entry per flow-link incidence) so that
+a 1,024-GPU ring's thousands of flows cost a few numpy operations per event; on a large
+fabric an event costs the links it touches and the links now busy, not every link, and the
+solver renumbers the links in use (same sums in the same order: the same bits). The next
+completion is scheduled as a simpy timeout; a wake-up made stale by a later change is
+ignored (each carries the solver's version number).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import simpy
+
+# Relative tolerance for "this link is saturated" and "this flow is done".
+_EPS = 1e-9
+
+# Rows of FlowNetwork's per-flow table, before the hop counts per link class.
+_ROWS = ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count")
+_N_ROWS = len(_ROWS)
+
+# Fabrics with more links than this update link rates on the touched links only (measured
+# crossover of a per-link pass against renumbering the touched links, numpy 2, one core).
+_SPARSE_LINKS = 20_000
+# max_min_rates renumbers the used links on fabrics with more links than this (below, a
+# numpy pass over every link costs less than np.unique's ~20 us).
+_DENSE_LINKS = 2048
+
+
+class NetworkObserver:
+    """Hook surface for the recorder; the network calls these, measurement stays outside.
+
+    Subclass and override what you need.
+    """
+
+    def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
+        """After every rate solve: bytes/s now flowing per link class (every hop and every
+        folded copy counted) and per link (representative flows)."""
+
+    def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
+        """A group of flows has delivered all its ``nbytes`` (copies counted)."""
+
+
+class FlowNetwork:
+    """Max-min fair flows over links with capacities.
+
+    Parameters
+    ----------
+    env : simpy.Environment
+    capacity : array of bytes/s per link
+    kind : array of link-class codes per link (small non-negative ints)
+    n_kinds : number of link classes
+    observer : optional :class:`NetworkObserver`
+
+    Examples
+    --------
+    Two flows on one 100 B/s link each get half, so 100 bytes each take 2 s:
+
+    >>> env = simpy.Environment()
+    >>> net = FlowNetwork(env, np.array([100.0]), np.array([0]), 1)
+    >>> a = net.start_flow((0,), 100.0); b = net.start_flow((0,), 100.0)
+    >>> env.run(); env.now
+    2.0
+    """
+
+    def __init__(self, env: simpy.Environment, capacity: np.ndarray, kind: np.ndarray,
+                 n_kinds: int, observer: NetworkObserver | None = None) -> None:
+        self.env = env
+        self.capacity = np.asarray(capacity, dtype=float)
+        self.kind = np.asarray(kind, dtype=np.int64)
+        self.n_kinds = n_kinds
+        self.observer = observer or NetworkObserver()
+        n_links = len(self.capacity)
+        self.class_bytes = np.zeros(n_kinds)
+        self.link_bytes = np.zeros(n_links)
+        self.solves = 0
+        self._last = env.now
+        self._version = 0
+        # Per active flow, one row each of one float table (so a start or a retire copies
+        # one array, not seven): see _ROWS. The hop counts per link class stay a C-ordered
+        # array of their own, so the class totals' matrix products sum as they always did.
+        self._flows = np.zeros((_N_ROWS, 0))
+        self._hops = np.zeros((0, n_kinds))
+        self._group = np.zeros(0, dtype=np.int64)
+        # Per flow-link incidence: row 0 the link, row 1 the flow.
+        self._inc = np.zeros((2, 0), dtype=np.int64)
+        self._bind()
+        # Per group: [event, flows pending, bytes, tag].
+        self._groups: dict[int, list] = {}
+        # Rate-cap scales set by tag (:meth:`scale_caps`) and the live groups of each tag.
+        self._tag_scale: dict[object, float] = {}
+        self._tag_groups: dict[object, set[int]] = {}
+        self._next_group = 0
+        self._class_rates = np.zeros(n_kinds)
+        self._link_rates = np.zeros(n_links)
+        # Links whose rate is not zero, as indices and as a mask: only they add bytes as time
+        # passes, so an event costs the busy links, not every link of a 16k-GPU fabric.
+        self._busy = np.zeros(0, dtype=np.int64)
+        self._busy_mask = np.zeros(n_links, dtype=bool)
+        # Scratch mask over links for the component search, all False between calls.
+        self._link_mask = np.zeros(n_links, dtype=bool)
+        # Links touched by flows started or ended since the last solve: only the flows
+        # connected to them (through shared links) need new rates.
+        self._dirty: list[np.ndarray] = []
+
+    # ------------------------------------------------------------------ API
+    @property
+    def active_flows(self) -> int:
+        return len(self._size)
+
+    @property
+    def link_load(self) -> np.ndarray:
+        """Bytes/s now carried by each link (representative flows, not multiplied)."""
+        return self._link_rates.copy()
+
+    def scale_caps(self, tag: object, scale: float) -> None:
+        """Cap every flow of the groups started with ``tag`` (now and later) at ``scale``
+        times its rate alone (its own cap or its slowest link's capacity); 1 lifts it.
+
+        Only the flows sharing links with those groups get new rates (the incremental solve):
+        a collective slowed by what runs beside it on its GPUs (:mod:`sim.engine.hbm_share`).
+        ``scale`` is clipped to (0, 1]: a scale never raises a flow above its links, and a
+        flow always progresses.
+        """
+        if tag is None:
+            return
+        scale = min(1.0, max(1e-6, float(scale)))
+        if scale >= 1.0:
+            if self._tag_scale.pop(tag, None) is None:
+                return
+        else:
+            if self._tag_scale.get(tag) == scale:
+                return
+            self._tag_scale[tag] = scale
+        gids = self._tag_groups.get(tag)
+        if not gids:
+            return
+        self._advance()
+        flows = np.isin(self._group, np.fromiter(gids, dtype=np.int64, count=len(gids)))
+        # base <= the flow's own cap, so base * scale is the tighter one; unscaled flows get
+        # their own cap back exactly (no rounding moves an unthrottled run).
+        self._cap[flows] = (self._cap0[flows] if scale >= 1.0
+                            else self._base_cap[flows] * scale)
+        self._dirty.append(self._inc_link[flows[self._inc_flow]])
+        self._resolve()
+
+    def start_flow(self, links: Sequence[int], nbytes: float, count: int = 1,
+                   cap: float = math.inf, tag: object = None) -> simpy.Event:
+        """Start one flow of ``nbytes`` over ``links``; the event fires when it ends."""
+        return self.start_flows([(links, nbytes, count, cap)], tag)
+
+    def start_flows(self, specs: Sequence[tuple[Sequence[int], float, int, float]],
+                    tag: object = None) -> simpy.Event:
+        """Start a group of flows, (links, bytes, count, cap) each, with one rate solve; the
+        returned event fires when the last of them ends."""
+        lengths = np.fromiter((len(s[0]) for s in specs), dtype=np.int64, count=len(specs))
+        flat = np.fromiter((x for s in specs for x in s[0]), dtype=np.int64,
+                           count=int(lengths.sum()))
+        return self.start_group(flat, lengths,
+                                np.array([s[1] for s in specs], dtype=float),
+                                np.array([s[2] for s in specs], dtype=float),
+                                np.array([s[3] for s in specs], dtype=float), tag)
+
+    def start_group(self, flat_links: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
+                    counts: np.ndarray, caps: np.ndarray, tag: object = None,
+                    payload: float | None = None) -> simpy.Event:
+        """Array form of :meth:`start_flows`: ``flat_links`` holds every flow's links in turn,
+        ``lengths`` how many belong to each flow. ``payload``: the data bytes the group
+        delivers, reported at its end (default: the bytes it puts on the links)."""
+        done = self.env.event()
+        keep = (sizes > 0) & (lengths > 0)
+        if not keep.any():
+            done.succeed()
+            return done
+        if not keep.all():
+            owner = np.repeat(np.arange(len(lengths)), lengths)
+            flat_links = flat_links[keep[owner]]
+            lengths, sizes, counts, caps = lengths[keep], sizes[keep], counts[keep], caps[keep]
+        self._advance()
+        n_new = len(lengths)
+        gid = self._next_group
+        self._next_group += 1
+        delivered = float((sizes * counts).sum()) if payload is None else payload
+        self._groups[gid] = [done, n_new, delivered, tag]
+        # Each flow's rate alone: its own cap or its slowest link, what a scale applies to.
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        alone = np.minimum(caps, np.minimum.reduceat(self.capacity[flat_links], starts))
+        caps0 = caps
+        if tag is not None:
+            self._tag_groups.setdefault(tag, set()).add(gid)
+            scale = self._tag_scale.get(tag)
+            if scale is not None:
+                caps = alone * scale
+        base = len(self._size)
+        owner = np.repeat(np.arange(n_new), lengths)
+        hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
+                           minlength=n_new * self.n_kinds).reshape(n_new, self.n_kinds)
+        block = np.empty((_N_ROWS, n_new))
+        block[0] = sizes          # _size
+        block[1] = sizes          # _remaining
+        block[2] = 0.0            # _rate
+        block[3] = caps           # _cap
+        block[4] = alone          # _base_cap
+        block[5] = caps0          # _cap0
+        block[6] = counts         # _count
+        self._flows = np.concatenate([self._flows, block], axis=1)
+        self._group = np.concatenate([self._group, np.full(n_new, gid, dtype=np.int64)])
+        self._hops = np.concatenate([self._hops, hops.astype(float)])
+        self._inc = np.concatenate([self._inc, np.stack([flat_links.astype(np.int64),
+                                                         owner + base])], axis=1)
+        self._bind()
+        self._dirty.append(flat_links.astype(np.int64))
+        self._resolve()
+        return done
+
+    # ------------------------------------------------------------------ internals
+    def _advance(self) -> None:
+        """Move every flow forward to now at its current rate and count the bytes."""
+        now = self.env.now
+        dt = now - self._last
+        if dt > 0 and len(self._size):
+            self._remaining -= self._rate * dt
+            self.class_bytes += self._class_rates * dt
+            # Idle links would add 0 * dt: leaving them out changes no bit.
+            busy = self._busy
+            self.link_bytes[busy] += self._link_rates[busy] * dt
+        self._last = now
+
+    def _resolve(self) -> None:
+        # Retire finished flows, solve rates for the rest, schedule the next completion.
+        now = self.env.now
+        if len(self._size):
+            # Time left where a flow moves (no errstate context: it costs more than the
+            # division on the engine's hot path).
+            moving = self._rate > 0
+            left = np.full(len(self._rate), np.inf)
+            np.divide(self._remaining, self._rate, out=left, where=moving)
+            finished = (self._remaining <= _EPS * self._size) | (left <= 1e-12 * max(1.0, now))
+            if finished.any():
+                self._retire(finished)
+        self._solve()
+        self._version += 1
+        if not len(self._size):
+            return
+        positive = self._rate > 0
+        if not positive.any():
+            raise RuntimeError("flows are active but none can progress (zero capacity?)")
+        dt = float((self._remaining[positive] / self._rate[positive]).min())
+        version = self._version
+        timeout = self.env.timeout(max(dt, 0.0))
+        timeout.callbacks.append(lambda _ev: self._wake(version))
+
+    def _retire(self, finished: np.ndarray) -> None:
+        ended = self._group[finished]
+        if len(ended) > 64:
+            gids, n = np.unique(ended, return_counts=True)
+            tally = dict(zip(gids.tolist(), n.tolist(), strict=True))
+        else:
+            # A few flows end at once (usually one group): count them without np.unique's
+            # sort machinery; groups end below in ascending order all the same.
+            tally = {}
+            for g in ended.tolist():
+                tally[g] = tally.get(g, 0) + 1
+        gone = finished[self._inc_flow]
+        self._dirty.append(self._inc_link[gone])
+        # Their rates leave the link and class totals (finished flows ran until now).
+        self._add_link_rates(self._inc_link[gone], -self._rate[self._inc_flow[gone]])
+        self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
+            self._hops[finished]
+        keep = ~finished
+        remap = np.cumsum(keep) - 1
+        inc = self._inc[:, keep[self._inc_flow]]
+        inc[1] = remap[inc[1]]
+        self._inc = inc
+        self._flows = self._flows[:, keep]
+        self._group = self._group[keep]
+        self._hops = self._hops[keep]
+        self._bind()
+        for gid in sorted(tally):
+            k = tally[gid]
+            entry = self._groups[gid]
+            entry[1] -= k
+            if entry[1] == 0:
+                del self._groups[gid]
+                live = self._tag_groups.get(entry[3])
+                if live is not None:
+                    live.discard(gid)
+                    if not live:
+                        del self._tag_groups[entry[3]]
+                self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
+                entry[0].succeed()
+
+    def _bind(self) -> None:
+        """Point the per-flow and per-incidence names at rows of the current tables (views:
+        writing into them writes the table)."""
+        f = self._flows
+        self._size, self._remaining, self._rate, self._cap = f[0], f[1], f[2], f[3]
+        self._base_cap, self._cap0, self._count = f[4], f[5], f[6]
+        self._inc_link = self._inc[0]
+        self._inc_flow = self._inc[1]
+
+    def _wake(self, version: int) -> None:
+        if version != self._version:
+            return  # a later start/finish already re-solved and rescheduled
+        self._advance()
+        self._resolve()
+
+    def _add_link_rates(self, links: np.ndarray, weights: np.ndarray) -> None:
+        """Add ``weights`` (one per incidence) to the rates of their links and keep the busy
+        set. The sums per link run in incidence order as ``np.bincount`` over all links would,
+        so every bit is the same; a link not named gains nothing (x + 0.0 is x)."""
+        n_links = len(self.capacity)
+        # Renumbering the few touched links costs ~9 us; a pass over every link costs less
+        # below ~20,000 links (a 2,048-GPU fabric), so small fabrics keep the plain pass.
+        if n_links > _SPARSE_LINKS and 8 * len(links) < n_links:
+            ids, inv = np.unique(links, return_inverse=True)
+            self._link_rates[ids] += np.bincount(inv.reshape(-1), weights=weights,
+                                                 minlength=len(ids))
+            now_busy = self._link_rates[ids] != 0.0
+            idle = ids[~now_busy]
+            if self._busy_mask[idle].any():
+                self._busy_mask[idle] = False
+                self._busy = self._busy[self._busy_mask[self._busy]]
+            new = ids[now_busy & ~self._busy_mask[ids]]
+            if new.size:
+                self._busy_mask[new] = True
+                self._busy = np.concatenate([self._busy, new])
+        else:
+            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
+            self._busy_mask = self._link_rates != 0.0
+            self._busy = np.flatnonzero(self._busy_mask)
+
+    def _component(self, links: np.ndarray) -> np.ndarray:
+        """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
+        n = len(self._size)
+        link_mask = self._link_mask
+        link_mask[links] = True
+        flows = np.zeros(n, dtype=bool)
+        while True:
+            hit = np.zeros(n, dtype=bool)
+            hit[self._inc_flow[link_mask[self._inc_link]]] = True
+            new = hit & ~flows
+            if not new.any():
+                # Leave the scratch mask clear: only these links can have been set.
+                link_mask[links] = False
+                link_mask[self._inc_link] = False
+                return flows
+            flows |= new
+            link_mask[self._inc_link[new[self._inc_flow]]] = True
+
+    def _solve(self) -> None:
+        self.solves += 1
+        n = len(self._size)
+        dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
+        self._dirty = []
+        if n == 0:
+            self._link_rates = np.zeros(len(self.capacity))
+            self._busy_mask[self._busy] = False
+            self._busy = np.zeros(0, dtype=np.int64)
+            self._class_rates = np.zeros(self.n_kinds)
+        else:
+            # Flows not connected to a changed link keep their rates: they share no link with
+            # any flow whose rate can change, so max-min gives them the same answer.
+            comp = self._component(dirty)
+            if comp.all() or self.solves % 4096 == 0:
+                # A full solve, and now and then a full recount against rounding drift.
+                self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
+                                              self.capacity, self._cap)
+                self._link_rates = np.zeros(len(self.capacity))
+                self._busy_mask[self._busy] = False
+                self._busy = np.zeros(0, dtype=np.int64)
+                self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
+                self._class_rates = (self._rate * self._count) @ self._hops
+            elif comp.any():
+                sel = comp[self._inc_flow]
+                idx = np.flatnonzero(comp)
+                local = np.full(n, -1, dtype=np.int64)
+                local[idx] = np.arange(len(idx))
+                owner = local[self._inc_flow[sel]]
+                rates = max_min_rates(self._inc_link[sel], owner, len(idx), self.capacity,
+                                      self._cap[idx])
+                delta = rates - self._rate[idx]
+                self._rate[idx] = rates
+                self._add_link_rates(self._inc_link[sel], delta[owner])
+                self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
+        self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
+
+
+def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
+                  capacity: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
+    """Max-min fair rates by progressive filling.
+
+    Parameters
+    ----------
+    flat_links : link index of every (flow, link) incidence
+    owner : flow index of every incidence (same length)
+    n_flows : number of flows
+    capacity : bytes/s per link
+    caps : optional per-flow rate limit (inf = none)
+
+    Returns
+    -------
+    numpy.ndarray
+        The rate of each flow.
+
+    Notes
+    -----
+    On a large fabric the filling runs on the links the flows use, renumbered 0..k-1 (again
+    when most have lost their flows), so each round costs the live incidences and k, not
+    every link of the fabric. The saturation tolerance is
+    taken against the whole fabric's largest capacity, as before the renumbering, so the
+    rates are the same to the last bit.
+
+    Examples
+    --------
+    A flow limited to 30 elsewhere leaves 70 of a shared 100 to the other flow:
+
+    >>> max_min_rates(np.array([0, 1, 0]), np.array([0, 0, 1]), 2,
+    ...               np.array([100.0, 30.0])).tolist()
+    [30.0, 70.0]
+    """
+    caps = np.full(n_flows, np.inf) if caps is None else np.asarray(caps, dtype=float)
+    rates = np.zeros(n_flows)
+    capacity = np.asarray(capacity, dtype=float)
+    if not len(flat_links):
+        return rates
+    if n_flows == 1:
+        # One flow (most solves of an incremental run): on distinct links, the first round
+        # already freezes it at min(bottleneck, cap), so skip the renumbering.
+        path = np.sort(flat_links)
+        if not (path[1:] == path[:-1]).any():
+            step = min(float(capacity[path].min()), float(caps[0]))
+            if not math.isfinite(step):
+                raise ValueError("a flow has no finite bottleneck")
+            rates[0] = 0.0 + max(step, 0.0)
+            return rates
+    floor = float(capacity.max(initial=1.0)) * 1e-6
+    if len(capacity) > _DENSE_LINKS:
+        used_ids, inverse = np.unique(flat_links, return_inverse=True)
+        links = inverse.reshape(-1).astype(np.intp, copy=False)
+        remaining = capacity[used_ids]
+    else:
+        # A small fabric: a pass over all its links costs less than renumbering them.
+        links = np.asarray(flat_links, dtype=np.intp)
+        remaining = capacity.copy()
+    n_links = len(remaining)
+    tol = _EPS * np.maximum(remaining, floor)
+    own = np.asarray(owner, dtype=np.intp)
+    # Work on the incidences of unfrozen flows only; drop them as flows freeze.
+    active = np.ones(n_flows, dtype=bool)
+    act_idx = np.arange(n_flows)
+    act_caps = caps
+    level = 0.0
+    while links.size:
+        users = np.bincount(links, minlength=n_links)
+        used = users > 0
+        n_used = int(np.count_nonzero(used)) if n_links > _DENSE_LINKS else n_links
+        if 2 * n_used < n_links:
+            # Most links have lost all their flows: renumber the rest (a link without flows
+            # never bounds a step nor saturates, so dropping it moves no rate).
+            alive = np.flatnonzero(used)
+            renum = np.cumsum(used) - 1
+            links = renum[links]
+            remaining, tol, users = remaining[alive], tol[alive], users[alive]
+            used = np.ones(n_used, dtype=bool)
+            n_links = n_used
+        share = np.full(n_links, np.inf)
+        np.divide(remaining, users, out=share, where=used)
+        step = min(share.min(), float((act_caps - level).min()))
+        if not np.isfinite(step):
+            raise ValueError("a flow has no finite bottleneck")
+        step = max(step, 0.0)
+        level += step
+        remaining -= step * users
+        saturated = used & (remaining <= tol)
+        frozen = own[saturated[links]]
+        capped = act_idx[act_caps <= level * (1 + _EPS)]
+        if not frozen.size and not capped.size:
+            # Numerical corner: freeze the flows on the tightest link.
+            tight = used & (share <= step * (1 + 1e-6))
+            frozen = own[tight[links]]
+        # Every flow named here is still active (its incidences or its index are live).
+        rates[frozen] = level
+        rates[capped] = level
+        active[frozen] = False
+        active[capped] = False
+        keep = active[own]
+        links, own = links[keep], own[keep]
+        live = active[act_idx]
+        act_idx, act_caps = act_idx[live], act_caps[live]
+    return rates
+
+
+def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring collective (nccl-tests' bus-bandwidth factors).
+
+    ``nbytes`` is the message size as nccl-tests counts it: the buffer of an all-reduce, the
+    gathered output of an all-gather, the input of a reduce-scatter.
+    """
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    raise ValueError(f"not a ring collective: {op}")

@@ -1,0 +1,2 @@
+"""What the framework builders share: the builder interface, micro-batch passes, block
+accounting and collective dtypes."""

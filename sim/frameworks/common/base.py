@@ -1,0 +1,128 @@
+"""What every framework schedule builder shares: the job context.
+
+A builder is a function ``(JobContext) -> Program``, named by the framework's entry in
+:mod:`sim.frameworks.registry`.
+It reads the scenario's options, prices the model's blocks with :mod:`sim.workload.layer_ops`, and
+lays
+out ops on streams with the framework's real order, prefetching and bucketing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+
+from sim import catalog
+from sim.catalog import GpuSpec
+from sim.hardware import attention_cost
+from sim.hardware.compute import ComputeModel
+from sim.program.ir import Program
+from sim.scenario import Scenario, ScenarioError
+from sim.workload.layer_ops import BlockCost, Style, model_blocks, price_block
+from sim.workload.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Everything a schedule builder needs, derived once from the scenario."""
+
+    scenario: Scenario
+    model: ModelSpec
+    gpu: GpuSpec
+    compute: ComputeModel
+    origin: str = "<scenario>"
+
+    @classmethod
+    def from_scenario(cls, s: Scenario, origin: str = "<scenario>") -> JobContext:
+        model = ModelSpec.from_ref(s.model, s.training.seq_len)
+        gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
+        try:
+            backend = attention_cost.resolve(s, gpu)
+        except ValueError as e:
+            raise ScenarioError(f"{origin}: {e}") from None
+        return cls(s, model, gpu, ComputeModel(gpu, s.training.precision, backend), origin)
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def n_ranks(self) -> int:
+        return self.scenario.gpus
+
+    @property
+    def dp(self) -> int:
+        return self.scenario.dp
+
+    @property
+    def micro_batch(self) -> int:
+        return self.scenario.training.micro_batch_size
+
+    @property
+    def seq(self) -> int:
+        return self.scenario.training.seq_len
+
+    @cached_property
+    def global_batch(self) -> int:
+        t = self.scenario.training
+        return t.global_batch_size or t.micro_batch_size * self.dp
+
+    @cached_property
+    def micro_batches(self) -> int:
+        """Gradient-accumulation steps: micro-batches each replica runs per optimizer step."""
+        per_step = self.micro_batch * self.dp
+        if self.global_batch % per_step:
+            self.fail("training.global_batch_size",
+                      f"{self.global_batch} is not a multiple of micro_batch_size x dp = "
+                      f"{self.micro_batch} x {self.dp}")
+        return self.global_batch // per_step
+
+    @property
+    def tokens_per_step(self) -> float:
+        return float(self.global_batch * self.seq)
+
+    @property
+    def recompute(self) -> bool:
+        return self.scenario.training.activation_checkpointing == "full"
+
+    def fail(self, key: str, message: str) -> None:
+        raise ScenarioError(f"{self.origin}: {key}: {message}")
+
+    def require(self, ok: bool, key: str, message: str) -> None:
+        if not ok:
+            self.fail(key, message)
+
+    def require_data_parallel_only(self, framework: str) -> None:
+        """Refuse what a pure data-parallel schedule of this version does not model: tensor,
+        pipeline or context parallelism, precisions other than 16-bit mixed precision, and
+        selective recomputation."""
+        s = self.scenario
+        p = s.parallelism
+        self.require(p.tp == 1 and p.pp == 1 and p.cp == 1, "parallelism",
+                     f"{framework} is modelled as pure data parallelism here: "
+                     "tp, pp and cp must be 1")
+        self.require(s.training.precision in ("bf16", "fp16"), "training.precision",
+                     f"{framework} is modelled with 16-bit mixed precision (bf16 or fp16); "
+                     f"{s.training.precision} is not yet")
+        self.require(s.training.activation_checkpointing != "selective",
+                     "training.activation_checkpointing",
+                     f"{framework} is modelled with none or full (per-block) checkpointing")
+
+    # ------------------------------------------------------------------ pricing
+    def block_costs(self, style: Style, kv_cache: bool) -> dict[str, BlockCost]:
+        """Price of each block (embed, attn, mlp, head) for one micro-batch."""
+        blocks = model_blocks(self.model, style, self.micro_batch, self.seq, kv_cache)
+        return {b.name: price_block(b, style, self.compute) for b in blocks}
+
+    def model_flops_per_step(self) -> float:
+        return self.model.model_flops_per_token(self.seq) * self.tokens_per_step
+
+    def layer_recompute_flops(self, costs: dict[str, BlockCost]) -> float:
+        """Extra hardware FLOPs per step when every layer's forward is recomputed."""
+        if not self.recompute:
+            return 0.0
+        per_mb = self.model.layers * (costs["attn"].flops_fwd + costs["mlp"].flops_fwd)
+        return per_mb * self.micro_batches * self.dp
+
+
+Builder = Callable[[JobContext], Program]
+"""A schedule builder: one training step's program for a scenario (a registry entry's
+``build``)."""

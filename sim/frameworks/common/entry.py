@@ -1,0 +1,86 @@
+"""What a framework is to the rest of fabricsim: a :class:`FrameworkEntry` (options model,
+builder, planner search space, pipeline split, launcher facts) and the :class:`SearchSpace`
+the planner searches. Each built-in framework's entry is its package's ``entry.py``;
+:mod:`sim.frameworks.registry` holds the list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from sim.frameworks.common.base import Builder
+from sim.frameworks.common.search import Options, SearchPoint
+
+__all__ = ["FrameworkEntry", "Options", "SearchPoint", "SearchSpace", "StageSplit"]
+
+StageSplit = Callable[[int, int, int, Mapping[str, Any]], list[list[int]]]
+"""``(layers, pp, vp, options) -> layers of each of the pp x vp chunks`` (chunk v on stage
+v % pp); raises ValueError when the framework cannot split them so."""
+
+
+def _every_chunk_has_a_layer(layers: int, pp: int, vp: int) -> bool:
+    return layers // (pp * vp) >= 1
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What ``fabricsim plan`` searches for a framework (see ``docs/planner.md``)."""
+
+    options: Callable[[SearchPoint], Iterable[Options]]
+    """The option sets to try at one parallel layout; each is merged with :attr:`recipe`."""
+    recipe: Options = ()
+    """Options every layout gets, at the values the framework's own recipes use."""
+    data_parallel_only: bool = False
+    """Modelled with tp = pp = cp = 1 and without selective recomputation: only those
+    layouts are enumerated."""
+    chunks_split: Callable[[int, int, int], bool] = _every_chunk_has_a_layer
+    """``(layers, pp, vp) -> bool``: whether ``pp x vp`` pipeline chunks are worth building
+    (with interleaving, vp > 1)."""
+    sequence_parallel: bool = False
+    """Layouts with tp > 1 set ``parallelism.sequence_parallel`` (Megatron's flag)."""
+    layer_profile: bool = False
+    """A per-layer profile bounds each layout's step time before it is built (the builder
+    tags each layer's compute ops with their layer)."""
+    layer_options: tuple[str, ...] = ()
+    """Options that change a layer's own ops (the layer profile is built with them)."""
+    short_step_with_pipeline: bool = True
+    """The peak memory stops growing after 2 x pp micro-batches with pipeline parallelism,
+    so the planner may build a shorter step (``sim.apps.plan.evaluate.proxy_micro_batches``)."""
+    weight_casts_per_step: bool = False
+    """With fp8, weight casts are shared by the micro-batches of a step, so a
+    one-micro-batch profile is no lower bound (the profile then only refuses)."""
+
+
+@dataclass(frozen=True)
+class FrameworkEntry:
+    """Everything fabricsim knows about one framework, by ``framework.name``."""
+
+    name: str
+    options: type[BaseModel]
+    """The pydantic model of the scenario's ``framework:`` section; its ``name`` field is
+    ``Literal[<name>]`` (the union's discriminator)."""
+    build: Builder
+    """``JobContext -> Program``: one training step's ops, streams and dependencies."""
+    search: SearchSpace | None = None
+    """The planner's search space; None: ``fabricsim plan`` does not search it."""
+    stage_split: StageSplit | None = None
+    """How layers are split over pipeline chunks; None: one stage holds every layer."""
+    expandable_segments: bool = False
+    """The framework's launcher turns on the caching allocator's expandable segments (the
+    default of ``allocator.expandable_segments``)."""
+    step_gradient_bytes_per_param: float = 0.0
+    """Gradient bytes per parameter that exist during the step but are not in the
+    program's initial memory (counted in the model-state memory claims are judged on)."""
+
+    def chunks(self, layers: int, pp: int, vp: int, opts: Mapping[str, Any]
+               ) -> list[list[int]] | None:
+        """Layers of each pipeline chunk, or None if the framework cannot split them so."""
+        if self.stage_split is None:
+            return [list(range(layers))]
+        try:
+            return self.stage_split(layers, pp, vp, opts)
+        except ValueError:
+            return None

@@ -1,0 +1,1 @@
+"""PyTorch DistributedDataParallel (and one-GPU training)."""

@@ -1,0 +1,13 @@
+"""The registry entry of ``deepspeed`` (:mod:`sim.frameworks.registry`)."""
+
+from __future__ import annotations
+
+from sim.frameworks.common.entry import FrameworkEntry, SearchSpace
+from sim.frameworks.deepspeed.build import build_deepspeed
+from sim.frameworks.deepspeed.options import DeepSpeedOptions
+from sim.frameworks.deepspeed.search import DEEPSPEED_BEST_PRACTICE, deepspeed_options
+
+ENTRY = FrameworkEntry(
+    "deepspeed", DeepSpeedOptions, build_deepspeed,
+    search=SearchSpace(deepspeed_options, recipe=DEEPSPEED_BEST_PRACTICE,
+                       data_parallel_only=True))

@@ -1,0 +1,1 @@
+"""FairScale's FullyShardedDataParallel (FSDP1)."""

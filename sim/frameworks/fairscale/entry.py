@@ -1,0 +1,12 @@
+"""The registry entry of ``fairscale`` (:mod:`sim.frameworks.registry`)."""
+
+from __future__ import annotations
+
+from sim.frameworks.common.entry import FrameworkEntry, SearchSpace
+from sim.frameworks.fairscale.build import build_fairscale
+from sim.frameworks.fairscale.options import FairscaleOptions
+from sim.frameworks.fairscale.search import fairscale_options
+
+ENTRY = FrameworkEntry(
+    "fairscale", FairscaleOptions, build_fairscale,
+    search=SearchSpace(fairscale_options, data_parallel_only=True))

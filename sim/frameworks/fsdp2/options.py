@@ -1,0 +1,61 @@
+"""The ``framework:`` options of ``fsdp2`` (torchtitan's FSDP2, TP, PP and CP). Imports only
+the config layer's base: the scenario schema (:mod:`sim.config.scenario`) reads it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from sim.config.base import StrictModel
+
+
+class Fsdp2Options(StrictModel):
+    """PyTorch FSDP2 (``fully_shard``) applied per transformer block, torchtitan style."""
+
+    name: Literal["fsdp2"]
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (gather again in backward)."""
+    param_dtype: Literal["bf16", "fp32"] = "bf16"
+    """MixedPrecisionPolicy.param_dtype: dtype of gathered parameters and of compute."""
+    reduce_dtype: Literal["bf16", "fp32"] = "fp32"
+    """MixedPrecisionPolicy.reduce_dtype: dtype of the gradient reduce-scatter."""
+    compile: bool = False
+    """torch.compile of each block: memory-bound elementwise chains fused."""
+    compile_loss: bool | None = None
+    """With compile: whether the loss (final norm, output layer and cross-entropy) is
+    compiled too. None = as torchtitan does since ``torchtitan/components/loss.py`` (2025,
+    e.g. 820504e): ``loss_fn = torch.compile(loss_fn)`` when compiling. False = torchtitan
+    before it (e.g. 9dec370, 2024-12: "compiling loss function causes CUDA errors, turning off
+    for now" in train.py): only the transformer blocks are compiled and the loss runs eagerly,
+    materialising the fp32 logits and their gradients."""
+    model_code: Literal["torchtitan", "huggingface"] = "torchtitan"
+    """Whose Llama code FSDP2 wraps: torchtitan's (fused RMSNorm, complex rotary, no KV
+    cache) or Hugging Face transformers' LlamaForCausalLM (eager RMSNorm through fp32,
+    rotate_half rotary, a KV cache while use_cache is on), one fully_shard per decoder layer."""
+    checkpoint_use_reentrant: bool = False
+    """With model_code huggingface and full checkpointing: use_reentrant of HF's
+    gradient_checkpointing_kwargs (see DdpOptions); torchtitan's checkpoint_wrapper is
+    non-reentrant."""
+    float8_all_gather: bool = False
+    """With training.precision fp8: all-gather the blocks' weights in FP8 (torchtitan
+    float8.enable_fsdp_float8_all_gather), half the bytes, no weight casts in the GEMMs."""
+    hsdp_shard_size: int | None = Field(default=None, gt=0)
+    """HSDP: shard inside groups of this many ranks and all-reduce gradients across the
+    dp / hsdp_shard_size replicas (torchtitan's data_parallel_shard_degree); None = plain
+    FSDP over every data-parallel rank."""
+    cpu_offload: bool = False
+    """CPUOffloadPolicy: sharded parameters, gradients and optimizer states live in pinned
+    host memory; parameters are copied in before each all-gather, gradients copied out after
+    each reduce-scatter, and the optimizer steps on the CPU."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """torch.distributed.pipelining schedule with parallelism.pp > 1 (torchtitan's
+    pipeline_parallel_schedule); with parallelism.vp > 1, Interleaved1F1B."""
+    pipeline_first_stage_less_layers: int = Field(default=1, ge=0)
+    """torchtitan's pipeline_parallel_first_stage_less_layers: the embedding counts as this
+    many layers when the layers are split over pipeline stages."""
+    pipeline_last_stage_less_layers: int = Field(default=1, ge=0)
+    """torchtitan's pipeline_parallel_last_stage_less_layers: the same for norm + output."""
+    cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """Context parallelism: how keys and values reach every rank (torchtitan's
+    context_parallel_rotate_method; torch's _cp_options default is allgather)."""

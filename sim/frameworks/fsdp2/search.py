@@ -1,0 +1,31 @@
+"""What ``fabricsim plan`` searches for FSDP2 (torchtitan), and how torchtitan splits layers
+over pipeline stages (the ``search`` and ``stage_split`` of its registry entry)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sim.frameworks.common.search import Options, SearchPoint, divisors
+
+
+def fsdp2_options(pt: SearchPoint) -> Iterable[Options]:
+    # HSDP shard groups: every divisor of dp below dp (None = plain FSDP over all dp
+    # ranks); a shard of one rank is plain replication (torchtitan applies DDP then),
+    # which the builder refuses unless context parallelism shards the states.
+    shards: list[int | None] = [None] + [d for d in divisors(pt.dp)[:-1]
+                                         if d > 1 or pt.cp > 1]
+    for shard in shards:
+        for reshard in (True, False):
+            opts: list[tuple[str, Any]] = [("reshard_after_forward", reshard)]
+            if shard is not None:
+                opts.append(("hsdp_shard_size", shard))
+            yield tuple(opts)
+
+
+def torchtitan_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any]
+                           ) -> list[list[int]]:
+    # The planner sets no pipeline_*_stage_less_layers: torchtitan's defaults (1 and 1).
+    from sim.frameworks.fsdp2.mesh import stage_layers
+
+    return stage_layers(layers, pp * vp)

@@ -1,0 +1,277 @@
+"""NVIDIA Megatron-LM: tensor, sequence, context, pipeline and data parallelism.
+
+What the step does, as ``megatron/core`` runs it:
+
+* Ranks are laid out ``tp-cp-ep-dp-pp`` (``parallel_state.py``): tensor-parallel peers are
+  adjacent (inside a node), pipeline stages outermost. Every rank of a pipeline stage runs the
+  same ops, so each stage is one rank class; its collectives name all their groups.
+* Tensor parallelism: each layer's QKV and fc1 are column-parallel, the output projection and
+  fc2 row-parallel; the row-parallel outputs are all-reduced across the tensor-parallel group
+  (with sequence parallelism: reduce-scattered, and the normalised inputs all-gathered),
+  twice in forward and twice in backward per layer, blocking the compute stream; with
+  sequence parallelism a column-parallel linear's backward re-gathers its input and
+  reduce-scatters its input gradient beside its GEMMs
+  (:func:`sim.frameworks.megatron.overlap.column_linear_backward`). With
+  ``tp_comm_overlap`` (sequence parallelism required, as Megatron-LM's ``validate_args``
+  asks) Transformer Engine's userbuffers overlap each exchange with the GEMM beside it:
+  ring-exchange all-gathers under the consuming GEMM's chunks, pipelined reduce-scatters
+  under the producing GEMM's (:mod:`sim.frameworks.megatron.overlap`); each exchange still
+  waits for its input and its consumer for it.
+* Pipeline parallelism: the schedule of ``pipeline_parallel/schedules.py`` — 1F1B with
+  min(p - s - 1, m) warm-up forwards on stage s, interleaved 1F1B with ``vp`` model chunks per
+  stage ((p - s - 1) * 2 + (vp - 1) * p warm-up units), or GPipe (all forwards, then all
+  backwards). Activations go to the next stage and gradients back as point-to-point
+  transfers, each a rendezvous of both stages, issued and waited for where Megatron-Core's
+  schedules do (:mod:`sim.frameworks.megatron.pipeline`), so bubbles and stalls come out of
+  the simulation.
+  The embedding sits on the first stage and the output layer with the loss on the last.
+* Context parallelism: each rank holds seq/cp tokens (two load-balanced chunks); attention
+  runs as Transformer Engine's ring, cp steps each beside the exchange of the next K/V chunk
+  (:func:`sim.frameworks.megatron.overlap.cp_ring`).
+* Data parallelism: fp32 (bf16 training) or 16-bit (fp16) gradient buffers reduced per
+  bucket (:mod:`sim.frameworks.megatron.buckets`: split only on the first stage's first model
+  chunk, one bucket per chunk elsewhere), from the backward hooks of the last micro-batch
+  (``overlap_grad_reduce``) or after the schedule; with the distributed optimizer a
+  reduce-scatter, the optimizer on the shard, and an all-gather of the 16-bit parameters per
+  bucket, after the optimizer or in the next forward's pre-hooks (``overlap_param_gather``;
+  with ``align_param_gather``, Megatron-LM's default under interleaving, every stage
+  dispatches its first two chunks' gathers at step start; ``overlap_param_gather_with_
+  optimizer_step`` dispatches chunk 0's after its own optimizer step; with k optimizer
+  instances the reduce-scatter and gather run in dp*cp/k ranks and the shard is all-reduced
+  across the instances). Tied embeddings are all-reduced between the first and last stage
+  (``finalize_model_grads``).
+* Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
+  buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
+  gradients are fp16), the latter sharded over data-parallel ranks by the distributed
+  optimizer. Activations per micro-batch in flight, from :mod:`sim.workload.megatron_ops`.
+
+Where each part lives: :mod:`sim.frameworks.megatron.shape` (option checks, rank layout and
+groups, per-stage sizes and memory), :mod:`sim.frameworks.megatron.layer` (op prices and each
+unit's ops: embedding, layers, output layer), :mod:`sim.frameworks.megatron.overlap`
+(overlapped tensor-parallel and context-parallel forms), :mod:`sim.frameworks.megatron.pipeline`
+(schedules and transfers), :mod:`sim.frameworks.megatron.buckets` (data-parallel buckets);
+this module assembles them into the step.
+"""
+
+from __future__ import annotations
+
+from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.buckets import (
+    BucketComms,
+    StageBuckets,
+    assign_buckets,
+    bucket_ops,
+    bucket_size,
+    instance_groups,
+)
+from sim.frameworks.megatron.layer import (
+    KeySeq,
+    UnitBuilder,
+    UnitKey,
+    UnitOps,
+    compute,
+    layer_costs,
+)
+from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-exported
+    P2PLink,
+    add_stage,
+    chunk_layers,
+    pipeline_steps,
+    schedule,
+)
+from sim.frameworks.megatron.shape import MegatronShape, megatron_shape
+from sim.program.ir import Op, Program, RankClass
+
+# CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS). Fitted,
+# not measured: the MAPE minimum over vTrain's single-node FIT half only (every 2nd of its 720
+# rows; tools/fit_megatron_host.py, golden section: 33.8 us, kept at 34), validated on the
+# other half (docs/calibration.md). Earlier it was fitted on rows that also validated it.
+# Read at build time (tools/fit_megatron_host.py sets it while fitting).
+MEGATRON_CPU_S_PER_OP = 34e-6
+# With the local implementation (older Megatron, Megatron-DeepSpeed), the timers synchronise
+# the device around every micro-batch's forward and backward (megatron/timers.py
+# _Timer.start/stop call torch.cuda.synchronize in the versions without timing log levels),
+# so the host cannot run ahead across micro-batches (UnitBuilder.build_unit). Megatron-Core's
+# timers at the default log level do not.
+
+Hooks = dict[int, list[Op]]
+"""id(op) -> ops the host issues right after (or right before) it."""
+
+
+def build_megatron(ctx: JobContext) -> Program:
+    """Megatron-LM's training step (see the module docstring): check and shape the job,
+    build every unit's ops, hook the data-parallel buckets into them, lay each stage's
+    units out in its pipeline schedule, then reduce gradients and step the optimizer."""
+    s = megatron_shape(ctx)
+    classes = []
+    for st in range(s.p):
+        classes.append(RankClass(st, s.members(st), label=f"pipeline stage {st}"))
+        classes[-1].initial_memory = s.initial_memory(st)
+    program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
+                      0.0)
+    program.meta.update(framework="megatron", micro_batches=s.mb_count, pipeline_stages=s.p,
+                        style="megatron", schedule=(s.opts.pipeline_schedule if s.vp == 1
+                                                    else "interleaved 1f1b"))
+    program.hw_flops_per_step = ctx.model_flops_per_step() + s.recompute_flops()
+    cpu_call = MEGATRON_CPU_S_PER_OP
+    keys = KeySeq()
+    units = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys).build_units()
+    link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
+                   cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)
+    step = _Step(ctx, s, program, classes, units, keys, cpu_call)
+    step.add_buckets()
+    step.add_stages(link)
+    step.add_gradients_and_optimizer()
+    return program
+
+
+class _Step:
+    """Adds a shaped job's units, data-parallel buckets and optimizer to ``program``, stage by
+    stage (one rank class per pipeline stage)."""
+
+    def __init__(self, ctx: JobContext, shape: MegatronShape, program: Program,
+                 classes: list[RankClass], units: dict[UnitKey, UnitOps], keys: KeySeq,
+                 cpu_call: float) -> None:
+        s = shape
+        self.cm = ctx.compute
+        self.s = s
+        self.program = program
+        self.classes = classes
+        self.units = units
+        self.keys = keys
+        self.cpu_call = cpu_call
+        # overlap_param_gather_with_optimizer_step: chunk 0's optimizer step closes the step
+        # and the other chunks' steps open the next (see add_stages).
+        self.rotated = s.opts.overlap_param_gather_with_optimizer_step and s.dp * s.cp > 1
+        size = bucket_size(s.opts.bucket_size, s.opts.overlap_grad_reduce, s.dp * s.cp)
+        self.buckets = {st: assign_buckets(st, s.p, s.vp, s.chunks, s.layer_params,
+                                           s.emb_params, s.head_params, size)
+                        for st in range(s.p)}
+        self.launch_after: Hooks = {}   # id(op) -> ops the host issues right after it
+        self.insert_before: Hooks = {}  # id(op) -> ops the host issues right before it
+        empty = StageBuckets()
+        self.stage_buckets = {st: empty for st in range(s.p)}
+        self.last_bwd: dict[int, Op] = {}
+
+    # ------------------------------------------------------------------ buckets
+    def add_buckets(self) -> None:
+        """Each stage's gradient reduces and parameter gathers (:func:`bucket_ops`), hooked
+        into its units where Megatron-Core issues them."""
+        s = self.s
+        reduce_op = "reduce_scatter" if s.opts.distributed_optimizer else "all_reduce"
+        units = self.units
+        for st in range(s.p) if s.dp * s.cp > 1 else ():
+            forwards = [u for u in schedule("1f1b" if s.vp > 1 else s.opts.pipeline_schedule,
+                                            s.p, st, s.mb_count, s.vp) if u[0] == "F"]
+            intra, inter = instance_groups(s.dp_groups(st), s.k_inst)
+            self.stage_buckets[st] = bucket_ops(
+                st, s.p, s.vp, s.mb_count, self.buckets[st], forwards, BucketComms(
+                    groups=intra, reduce_op=reduce_op, inter_groups=inter,
+                    grad_bytes=s.grad_bytes, param_bytes=s.act,
+                    grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
+                    overlap_grad_reduce=s.opts.overlap_grad_reduce,
+                    overlap_param_gather=(s.opts.distributed_optimizer
+                                          and s.opts.overlap_param_gather),
+                    align_param_gather=s.align_gather,
+                    gather_with_optimizer=s.opts.overlap_param_gather_with_optimizer_step,
+                    part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
+                    first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
+                    key=lambda st=st: self.keys(f"dp/{st}"),  # type: ignore[misc]
+                    cpu_s=self.cpu_call, launch_after=self.launch_after,
+                    insert_before=self.insert_before))
+
+    def optimizer_s(self, st: int) -> float:
+        """GPU seconds of stage ``st``'s optimizer step: grad unscale/norm (read 4 B), Adam
+        over the fp32 shard (28 B), copy the updated shard into 16-bit parameters (6 B), zero
+        the gradient buffers."""
+        s, cm = self.s, self.cm
+        n = s.stage_params(st)
+        local = n / s.shard
+        return (cm.adamw_time(local, True, 8 * s.stage_layer_count[st] + 4)
+                + cm.membound_time(4 * local) + cm.membound_time(6 * local)
+                + cm.membound_time(s.grad_bytes * n))
+
+    def chunk0_share(self, st: int) -> float:
+        """Share of stage ``st``'s parameters in its first model chunk."""
+        return sum(b.params for b in self.buckets[st] if b.v < self.s.p) / \
+            self.s.stage_params(st)
+
+    # ------------------------------------------------------------------ pipeline
+    def add_stages(self, link: P2PLink) -> None:
+        """Each stage's units and transfers in its pipeline schedule (:func:`add_stage`)."""
+        s = self.s
+        kind_sched = s.opts.pipeline_schedule if s.vp == 1 else "1f1b"
+        for st, cls in enumerate(self.classes):
+            last_on_stream: dict[str, Op] = {}
+
+            def run_unit(u: tuple[str, int, int], st: int = st, cls: RankClass = cls,
+                         last_on_stream: dict[str, Op] = last_on_stream
+                         ) -> tuple[Op | None, Op | None]:
+                return self._run_unit(u, st, cls, last_on_stream)
+
+            for g in self.stage_buckets[st].prologue:    # aligned: before the first receive
+                self.program.add(cls, g)
+                last_on_stream[g.stream] = g
+            if self.rotated:
+                # Steady state of ChainedOptimizer._step (chunk 0, its gathers, the others):
+                # the step opens at that dispatch and ends with chunk 0's optimizer step.
+                last_on_stream["compute"] = self.program.add(cls, compute(
+                    "optimizer step chunks 1+ (previous step)",
+                    self.optimizer_s(st) * (1.0 - self.chunk0_share(st)), phase="optimizer",
+                    category="optimizer"))
+            steps = pipeline_steps(kind_sched, s.p, st, s.mb_count, s.vp,
+                                   overlap=s.overlap_p2p, sync=s.batch_p2p)
+            add_stage(self.program, cls, st, steps, run_unit, link, last_on_stream)
+
+    def _run_unit(self, u: tuple[str, int, int], st: int, cls: RankClass,
+                  last_on_stream: dict[str, Op]) -> tuple[Op | None, Op | None]:
+        """Add one unit's ops, with the bucket ops hooked before and after them."""
+        kind, chunk, mb = u
+        unit = self.units[(kind, chunk * self.s.p + st, mb)]
+        for op in unit.ops:
+            for o in (*self.insert_before.get(id(op), []), op,
+                      *self.launch_after.get(id(op), [])):
+                self.program.add(cls, o)
+                last_on_stream[o.stream] = o
+        if kind == "B":
+            self.last_bwd[st] = unit.last  # type: ignore[assignment]
+        return unit.first, unit.last
+
+    # ------------------------------------------------------------------ gradients, optimizer
+    def add_gradients_and_optimizer(self) -> None:
+        """After the schedule: the gradient reduces not overlapped with backward
+        (``finalize_model_grads``: every chunk's one bucket), the tied embedding's all-reduce
+        between the first and last stage, the optimizer step and, without
+        ``overlap_param_gather``, the distributed optimizer's parameter gathers."""
+        s, program = self.s, self.program
+        for st, cls in enumerate(self.classes):
+            groups = instance_groups(s.dp_groups(st), s.k_inst)[0]
+            deps_done = [self.last_bwd[st]] + self.stage_buckets[st].grads
+            if not s.opts.overlap_grad_reduce:
+                for g in self.stage_buckets[st].grads:
+                    g.deps = g.deps or [self.last_bwd[st]]
+                    program.add(cls, g)
+            if s.model.tied_embeddings and s.p > 1 and st in (0, s.p - 1):
+                pairs = s.stage_pairs(0, s.p - 1)
+                tie = program.add(cls, Op(
+                    name="tied embedding all-reduce", kind="collective", stream="dp",
+                    phase="comm", deps=list(deps_done), collective="all_reduce",
+                    group=pairs[0], groups=pairs, nbytes=s.grad_bytes * s.vocab_local * s.h,
+                    dtype=s.grad_dtype,
+                    key="embedding-group", category="all_reduce"))
+                deps_done.append(tie)
+            dur = self.optimizer_s(st)
+            if self.rotated:
+                dur *= self.chunk0_share(st)   # the other chunks' steps open the step
+            opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
+                                           category="optimizer", deps=deps_done))
+            if s.opts.distributed_optimizer and s.dp * s.cp > 1 \
+                    and not self.stage_buckets[st].gathers:
+                # Without overlap_param_gather the optimizer gathers every bucket right away.
+                for b in self.buckets[st]:
+                    program.add(cls, Op(
+                        name=f"param all_gather bucket v{b.v} {b.parts[-1]}",
+                        kind="collective", stream="dp", phase="comm", deps=[opt],
+                        collective="all_gather", group=groups[0], groups=groups,
+                        nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
+                        category="all_gather"))

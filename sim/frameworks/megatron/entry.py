@@ -1,0 +1,21 @@
+"""The registry entry of ``megatron`` (:mod:`sim.frameworks.registry`)."""
+
+from __future__ import annotations
+
+from sim.frameworks.common.entry import FrameworkEntry, SearchSpace
+from sim.frameworks.megatron.build import build_megatron
+from sim.frameworks.megatron.options import MegatronOptions
+from sim.frameworks.megatron.search import (
+    MEGATRON_BEST_PRACTICE,
+    megatron_chunks_split,
+    megatron_options,
+    megatron_stage_split,
+)
+
+ENTRY = FrameworkEntry(
+    "megatron", MegatronOptions, build_megatron,
+    search=SearchSpace(megatron_options, recipe=MEGATRON_BEST_PRACTICE,
+                       chunks_split=megatron_chunks_split, sequence_parallel=True,
+                       layer_profile=True, layer_options=("tp_comm_overlap",),
+                       weight_casts_per_step=True),
+    stage_split=megatron_stage_split)

@@ -1,0 +1,409 @@
+"""Megatron-LM's units: the ops of one (virtual stage, micro-batch, pass).
+
+:func:`layer_costs` prices, once per job, what each layer's ops need: GPU and host seconds
+per block, the activations a layer holds, the overlapped GEMM spans of Transformer Engine's
+userbuffers and the context-parallel ring's steps. :class:`UnitBuilder` then lays out each
+unit as Megatron-Core runs it: the embedding and its tensor-parallel reduce on the first
+virtual stage, each layer's attention and MLP blocks with their tensor-parallel collectives
+(:mod:`sim.frameworks.megatron.overlap` for the overlapped forms), recomputation under
+activation checkpointing, and the output layer with the loss on the last virtual stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sim.frameworks.megatron.overlap import (
+    TE_PIPELINE_SPLITS,
+    column_linear_backward,
+    cp_ring,
+    pipelined_scatter,
+    ring_exchange_gather,
+    userbuffer_gemm_spans,
+)
+from sim.frameworks.megatron.shape import MegatronShape
+from sim.hardware.compute import ComputeModel
+from sim.program.ir import Op
+from sim.workload.layer_ops import kernel_time
+from sim.workload.megatron_ops import CHECKPOINT_OPS, PYTHON_OPS, PYTHON_OPS_TE
+
+UnitKey = tuple[str, int, int]
+"""(F|B, virtual stage, micro-batch)."""
+
+CORE_FWD = frozenset({"qk_bmm", "softmax", "attn_dropout", "pv_bmm", "flash_fwd"})
+"""Core attention's forward kernels (what selective recomputation re-runs)."""
+CORE_BWD = frozenset({"flash_bwd", "qk_bmm", "softmax", "attn_dropout", "pv_bmm"})
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Per-job price tables of the units' ops (see :func:`layer_costs`)."""
+
+    fwd_s: dict[str, float]
+    """GPU seconds of each block's forward kernels."""
+    bwd_s: dict[str, float]
+    fwd_cpu: dict[str, float]
+    """Host seconds Megatron's Python needs to issue each block's forward."""
+    bwd_cpu: dict[str, float]
+    cpu_call: float
+    """Host seconds of one Python-level torch call (a collective's issue)."""
+    ckpt_cpu: float
+    """Host seconds of a checkpointed layer's recompute bookkeeping."""
+    core_fwd_s: float
+    """GPU seconds of core attention's forward (re-run under selective recomputation)."""
+    col_gemm_s: dict[str, tuple[float, float]]
+    """(dgrad, wgrad) GPU seconds of each column-parallel linear (with its FP8 grad cast)."""
+    gemm_spans: dict[tuple[str, str], tuple[float, float, float, float]]
+    """:func:`userbuffer_gemm_spans` of the job's blocks."""
+    layer_saved: float
+    """Activation bytes one layer's blocks save for backward."""
+    layer_hold: float
+    """Of them, those held until backward under the job's activation checkpointing."""
+    ring_bytes: dict[str, list[float]]
+    """Context-parallel ring: bytes of each forward / backward K/V exchange step."""
+    ring_s: dict[str, tuple[float, float]]
+    """Context-parallel ring: (GPU seconds before core attention, of core attention)."""
+
+
+def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> LayerCosts:
+    """Price the units' ops: GPU time of each block's kernels, and the host time Megatron's
+    Python needs to issue them (PYTHON_OPS x ``cpu_s_per_op``; backward autograd nodes cost
+    half): the engine starts an op only once the host has issued it."""
+    cost, blocks = s.cost, s.blocks
+    py_ops = PYTHON_OPS if s.legacy else PYTHON_OPS_TE
+    # Selective recomputation drops what core attention saves beyond its inputs: the
+    # softmax output and the dropout mask and output (the 5as^2b term; Korthikanti et al.).
+    core_saved = float(sum(tn.nbytes for tn in blocks["attn_main"].saved
+                           if tn.name.endswith((".probs", "attn_dropout.mask",
+                                                "attn_dropout.out"))))
+    core_fwd_s = sum(kernel_time(cm, k) for k in blocks["attn_main"].forward
+                     if k.name.split(".")[0] in CORE_FWD)
+    layer_saved = sum(cost[k].saved_bytes for k in ("attn_pre", "attn_main", "mlp_pre",
+                                                    "mlp_main"))
+    layer_hold: float
+    if s.ac == "full":
+        layer_hold = float(s.act * s.local_tokens * s.h)   # the layer input only
+    elif s.ac == "selective":
+        layer_hold = layer_saved - core_saved
+    else:
+        layer_hold = layer_saved
+    # Context parallelism: Transformer Engine's ring (sim.frameworks.megatron.overlap.cp_ring)
+    # passes each rank's K and V (2 x tokens x kv width) to the next rank once per step.
+    kv_bytes = 2.0 * s.act * s.tokens * max(1, s.model.kv_heads // s.t) * s.model.head_dim
+    fwd_ks = blocks["attn_main"].forward
+    first_core = next((i for i, k in enumerate(fwd_ks) if k.name.split(".")[0] in CORE_FWD),
+                      len(fwd_ks))
+    return LayerCosts(
+        fwd_s={k: c.fwd_gpu_s for k, c in cost.items()},
+        bwd_s={k: c.bwd_gpu_s for k, c in cost.items()},
+        fwd_cpu={k: py_ops[k][0] * cpu_s_per_op for k in cost},
+        bwd_cpu={k: py_ops[k][1] * cpu_s_per_op / 2 for k in cost},
+        cpu_call=cpu_s_per_op, ckpt_cpu=CHECKPOINT_OPS * cpu_s_per_op, core_fwd_s=core_fwd_s,
+        col_gemm_s={lin: (sum(kernel_time(cm, k) for k in blocks[blk].backward
+                              if k.name in {f"{lin}.dgrad", f"{lin}.cast_g", f"{lin}.amax_g"}),
+                          sum(kernel_time(cm, k) for k in blocks[blk].backward
+                              if k.name in {f"{lin}.wgrad"}))
+                    for lin, blk in (("qkv", "attn_main"), ("fc1", "mlp_main"))},
+        gemm_spans=userbuffer_gemm_spans(blocks, lambda k: kernel_time(cm, k)),
+        layer_saved=layer_saved, layer_hold=layer_hold,
+        ring_bytes={"fwd": [kv_bytes] * (s.cp - 1),
+                    "bwd": [kv_bytes] + [2 * kv_bytes] * (s.cp - 2) + [kv_bytes]},
+        ring_s={"fwd": (sum(kernel_time(cm, k) for k in fwd_ks[:first_core]), core_fwd_s),
+                "bwd": (sum(kernel_time(cm, k) for k in blocks["attn_main"].backward
+                            if k.name.split(".")[0] in ("proj", "bda")),
+                        sum(kernel_time(cm, k) for k in blocks["attn_main"].backward
+                            if k.name.split(".")[0] in CORE_BWD))})
+
+
+@dataclass
+class UnitOps:
+    """The compute and communication ops of one (virtual stage, micro-batch, pass)."""
+
+    ops: list[Op] = field(default_factory=list)
+    first: Op | None = None
+    last: Op | None = None
+    layer_bwd: dict[int, Op] = field(default_factory=dict)
+    part_op: dict[int | str, Op] = field(default_factory=dict)
+    """Forward: the first op of each part (layer number, ``embed``, ``head``: where its
+    forward pre-hook runs); backward: the last op of each part (its gradients are ready)."""
+    carry: list[Op] = field(default_factory=list)
+    """Ops the unit's next compute op waits for (an overlapped reduce-scatter's handle)."""
+
+
+class KeySeq:
+    """Collective keys, numbered in the order the builder creates the ops (the same order on
+    every stage's rank class, so matching collectives get the same key)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, prefix: str) -> str:
+        self.n += 1
+        return f"{prefix}#{self.n}"
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block (attention or MLP) of a layer's forward, recompute or backward."""
+
+    names: tuple[str, str]
+    """(pre, main) op names in execution order: ("norm", "attention") forward."""
+    dur_pre: float
+    dur_main: float
+    label: str
+    mb: int
+    layer: int
+    phase: str
+    alloc: float = 0.0
+    free: float = 0.0
+    flops: float = 0.0
+    cpu_pre: float = 0.0
+    cpu_main: float = 0.0
+    column: str | None = None
+    """A backward ending with this column-parallel linear, whose input re-gather and
+    gradient reduce-scatter overlap its GEMMs under sequence parallelism."""
+    ring: str | None = None
+    """``fwd`` / ``bwd``: core attention, run as the context-parallel ring."""
+
+
+def compute(name: str, dur: float, **kw: object) -> Op:
+    """A compute-stream op."""
+    return Op(name=name, kind="compute", stream="compute", duration=dur, **kw)  # type: ignore[arg-type]
+
+
+def _cat(phase: str) -> str:
+    return {"fwd": "forward", "bwd": "backward", "recompute": "recompute"}.get(phase, phase)
+
+
+class UnitBuilder:
+    """Lays out the ops of Megatron's units for one job, keyed by :class:`KeySeq`."""
+
+    def __init__(self, shape: MegatronShape, costs: LayerCosts, keys: KeySeq) -> None:
+        self.s = shape
+        self.c = costs
+        self.keys = keys
+        self.full = shape.act * shape.tokens * shape.h
+        """Bytes of a gathered [s, b, h] activation."""
+        self.overlap = shape.opts.tp_comm_overlap and shape.t > 1
+        self.tp_groups = [shape.tp_groups(st) for st in range(shape.p)]
+        """Each stage's tensor-parallel groups (built once: every collective names them)."""
+
+    def build_units(self) -> dict[UnitKey, UnitOps]:
+        """Every unit of the step, built in (virtual stage, micro-batch, pass) order."""
+        return {(kind, v, mb): self.build_unit(kind, v, mb) for v in range(self.s.n_virtual)
+                for mb in range(self.s.mb_count) for kind in ("F", "B")}
+
+    # ------------------------------------------------------------------ op makers
+    def tp_comm(self, st: int, op: str, nbytes: float, name: str, mb: int,
+                layer: int | None, side: bool = False) -> Op:
+        """A tensor-parallel collective: on the compute stream (blocking it), or on the
+        ``tp`` stream beside the GEMMs (``tp_comm_overlap``, or a ``side`` exchange)."""
+        groups = self.tp_groups[st]
+        stream = "tp" if (self.s.opts.tp_comm_overlap or side) else "compute"
+        return Op(name=name, kind="collective", stream=stream, phase="comm", collective=op,  # type: ignore[arg-type]
+                  group=groups[0], groups=groups,
+                  nbytes=nbytes, dtype=self.s.act_dtype, key=self.keys(f"tp/{st}"),
+                  category=op, micro_batch=mb,
+                  layer=layer, cpu_s=self.c.cpu_call)
+
+    def cp_transfer(self, st: int, mb: int, layer: int, label: str
+                    ) -> Callable[[float, int], Op]:
+        """The context-parallel ring's step i transfer of ``nbytes`` (to the next rank)."""
+        pairs = self.s.cp_ring_pairs(st)
+        return lambda nbytes, i: Op(
+            name=f"cp ring {label} step {i}", kind="send", stream="cp", phase="comm",
+            pairs=pairs, nbytes=nbytes, dtype=self.s.act_dtype, key=self.keys(f"cp/{st}"),
+            category="send_recv",
+            micro_batch=mb, layer=layer, cpu_s=self.c.cpu_call)
+
+    # ------------------------------------------------------------------ blocks and layers
+    def block_ops(self, st: int, unit: UnitOps, b: BlockSpec) -> None:
+        """One block's ops: [pre] [all-gather] main [reduce], chained on the stream."""
+        s = self.s
+
+        def make(name: str, d: float, **kw: object) -> Op:
+            return compute(name, d, phase=b.phase, micro_batch=b.mb, layer=b.layer,
+                           category=_cat(b.phase), **kw)
+
+        ops, consumed = self._block_front(st, b, make)
+        if s.cp > 1 and b.ring:
+            before, core = self.c.ring_s[b.ring]
+            if b.ring == "fwd" and len(ops) == 1:
+                before += b.dur_pre           # the norm ran first in the merged op
+            ops[-1:] = cp_ring(ops[-1], max(0.0, before - consumed), core, s.cp,
+                               self.c.ring_bytes[b.ring],
+                               self.cp_transfer(st, b.mb, b.layer, b.label), make)
+        if b.alloc:
+            ops[0].alloc = (("activations", b.alloc),)
+        if b.free:
+            ops[-1].free = (("activations", b.free),)
+        carry = self._block_back(st, b, ops, make)
+        ops[0].deps = list(ops[0].deps) + unit.carry
+        unit.carry = carry
+        unit.ops.extend(ops)
+
+    def _block_front(self, st: int, b: BlockSpec, make: Callable[..., Op]
+                     ) -> tuple[list[Op], float]:
+        """[pre] [all-gather] main, and the seconds of main already split off before its
+        core (by the all-gather's ring exchange)."""
+        cat = _cat(b.phase)
+        if not (self.s.t > 1 and self.s.sp):
+            return [compute(f"{b.label}", b.dur_pre + b.dur_main, phase=b.phase,
+                            micro_batch=b.mb, layer=b.layer, category=cat, flops=b.flops,
+                            cpu_s=b.cpu_pre + b.cpu_main)], 0.0
+        ops = [compute(f"{b.label} {b.names[0]}", b.dur_pre, phase=b.phase, micro_batch=b.mb,
+                       layer=b.layer, category=cat, cpu_s=b.cpu_pre)]
+        gather = self.tp_comm(st, "all_gather", self.full, f"all_gather {b.label}", b.mb,
+                              b.layer)
+        main = compute(f"{b.label} {b.names[1]}", b.dur_main, phase=b.phase, micro_batch=b.mb,
+                       layer=b.layer, category=cat, flops=b.flops, cpu_s=b.cpu_main)
+        if not self.overlap:
+            return ops + [gather, main], 0.0
+        before_s, gemm_s = self.c.gemm_spans[b.names][:2]
+        ops += ring_exchange_gather(main, before_s, gemm_s, self.s.t, gather, ops[0], make)
+        return ops, ops[-2].duration
+
+    def _block_back(self, st: int, b: BlockSpec, ops: list[Op], make: Callable[..., Op]
+                    ) -> list[Op]:
+        """Append the block's closing tensor-parallel exchange to ``ops``; return what the
+        next block's first op waits for."""
+        s, full = self.s, self.full
+        if s.t > 1 and s.sp and b.column:
+            gather = self.tp_comm(st, "all_gather", full, f"all_gather input {b.label}", b.mb,
+                                  b.layer, side=True)
+            scatter = self.tp_comm(st, "reduce_scatter", full, f"reduce_scatter {b.label}",
+                                   b.mb, b.layer, side=True)
+            dgrad_s, wgrad_s = self.c.col_gemm_s[b.column]
+            ops[-1:] = column_linear_backward(ops[-1], dgrad_s, wgrad_s, gather, scatter, make)
+            return [scatter]
+        if s.t > 1:
+            red = s.row_reduce
+            comm = self.tp_comm(st, red, full, f"{red} {b.label}", b.mb, b.layer)
+            if self.overlap:
+                gemm_s, after_s = self.c.gemm_spans[b.names][2:]
+                splits = TE_PIPELINE_SPLITS
+                comm.nbytes = full * (splits - 1) / splits
+                tail = self.tp_comm(st, red, full / splits, f"{red} {b.label} (last)", b.mb,
+                                    b.layer)
+                ops[-1:] = pipelined_scatter(ops[-1], gemm_s, after_s, comm, tail, make,
+                                             f"wait {red} {b.label}", splits)
+            else:
+                ops.append(comm)
+        return []
+
+    def layer_forward(self, st: int, unit: UnitOps, mb: int, layer: int,
+                      recompute: bool) -> None:
+        """A layer's forward (or its recomputation under full checkpointing)."""
+        s, c = self.s, self.c
+        phase = "recompute" if recompute else "fwd"
+        self.block_ops(st, unit, BlockSpec(
+            ("norm", "attention"), c.fwd_s["attn_pre"], c.fwd_s["attn_main"],
+            f"{phase} attn L{layer} mb{mb}", mb, layer, phase,
+            alloc=0.0 if recompute else c.layer_hold,
+            flops=0.0 if recompute else s.blocks["attn_main"].flops_fwd, ring="fwd",
+            cpu_pre=c.fwd_cpu["attn_pre"] + (c.ckpt_cpu if recompute else 0.0),
+            cpu_main=c.fwd_cpu["attn_main"]))
+        self.block_ops(st, unit, BlockSpec(
+            ("norm", "mlp"), c.fwd_s["mlp_pre"], c.fwd_s["mlp_main"],
+            f"{phase} mlp L{layer} mb{mb}", mb, layer, phase,
+            flops=0.0 if recompute else s.blocks["mlp_main"].flops_fwd,
+            cpu_pre=c.fwd_cpu["mlp_pre"], cpu_main=c.fwd_cpu["mlp_main"]))
+
+    def layer_backward(self, st: int, unit: UnitOps, mb: int, layer: int) -> None:
+        """A layer's backward, after its recomputation under full checkpointing."""
+        s, c = self.s, self.c
+        if s.ac == "full":
+            self.layer_forward(st, unit, mb, layer, recompute=True)
+            # The recomputed layer's activations live until its backward ends.
+            unit.ops[-1].alloc = unit.ops[-1].alloc + (("activations", c.layer_saved),)
+        self.block_ops(st, unit, BlockSpec(
+            ("mlp", "norm"), c.bwd_s["mlp_pre"], c.bwd_s["mlp_main"],
+            f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
+            flops=s.blocks["mlp_main"].flops_bwd, cpu_pre=c.bwd_cpu["mlp_pre"],
+            cpu_main=c.bwd_cpu["mlp_main"], column="fc1"))
+        extra = c.core_fwd_s if s.ac == "selective" else 0.0
+        free = c.layer_hold + (c.layer_saved if s.ac == "full" else 0.0)
+        self.block_ops(st, unit, BlockSpec(
+            ("attention", "norm"), c.bwd_s["attn_pre"], c.bwd_s["attn_main"] + extra,
+            f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
+            flops=s.blocks["attn_main"].flops_bwd, cpu_pre=c.bwd_cpu["attn_pre"],
+            cpu_main=c.bwd_cpu["attn_main"], column="qkv", ring="bwd"))
+        unit.layer_bwd[layer] = unit.ops[-1]
+        unit.part_op[layer] = unit.ops[-1]
+
+    # ------------------------------------------------------------------ units
+    def build_unit(self, kind: str, v: int, mb: int) -> UnitOps:
+        """The forward (``F``) or backward (``B``) of virtual stage ``v``, micro-batch mb."""
+        s = self.s
+        st = v % s.p
+        unit = UnitOps()
+        receives = (v > 0) if kind == "F" else (v < s.n_virtual - 1)
+        if receives and s.p2p_split > 1:
+            # The received 1/tp slices are all-gathered in the tensor-parallel group
+            # (gather_split_1d_tensor after the recv in Megatron's _communicate).
+            unit.ops.append(self.tp_comm(st, "all_gather", self.full,
+                                         f"gather received {'act' if kind == 'F' else 'grad'} "
+                                         f"mb{mb}", mb, None))
+        if kind == "F":
+            self._forward(unit, st, v, mb)
+        else:
+            self._backward(unit, st, v, mb)
+        if unit.carry:      # the last linear's reduce-scatter, before the send
+            unit.ops.append(compute(f"wait {unit.carry[0].name}", 0.0, phase="bwd",
+                                    micro_batch=mb, category="backward", deps=unit.carry,
+                                    kernels=0))
+            unit.carry = []
+        unit.first, unit.last = unit.ops[0], unit.ops[-1]
+        if s.legacy:
+            unit.last.host_sync = True
+        return unit
+
+    def _forward(self, unit: UnitOps, st: int, v: int, mb: int) -> None:
+        s, c = self.s, self.c
+        if v == 0:
+            unit.ops.append(compute(f"fwd embed mb{mb}", c.fwd_s["embed"], phase="fwd",
+                                    micro_batch=mb, category="forward",
+                                    cpu_s=c.fwd_cpu["embed"],
+                                    alloc=(("activations", s.cost["embed"].saved_bytes),)))
+            unit.part_op["embed"] = unit.ops[-1]
+            if s.t > 1:
+                unit.ops.append(self.tp_comm(st, s.row_reduce, self.full,
+                                             f"embed reduce mb{mb}", mb, None))
+        for layer in s.chunks[v]:
+            n_before = len(unit.ops)
+            self.layer_forward(st, unit, mb, layer, recompute=False)
+            unit.part_op[layer] = unit.ops[n_before]
+        if v == s.n_virtual - 1:
+            head = s.cost["head"]
+            unit.ops.append(compute(f"fwd head+loss mb{mb}", c.fwd_s["head"], phase="fwd",
+                                    micro_batch=mb, category="forward",
+                                    cpu_s=c.fwd_cpu["head"],
+                                    alloc=(("activations", head.saved_bytes),),
+                                    transient=head.fwd_transient_bytes,
+                                    transient_parts=head.fwd_transient_parts,
+                                    flops=s.blocks["head"].flops_fwd))
+            unit.part_op["head"] = unit.ops[-1]
+
+    def _backward(self, unit: UnitOps, st: int, v: int, mb: int) -> None:
+        s, c = self.s, self.c
+        if v == s.n_virtual - 1:
+            head = s.cost["head"]
+            unit.ops.append(compute(f"bwd head+loss mb{mb}", c.bwd_s["head"], phase="bwd",
+                                    micro_batch=mb, category="backward",
+                                    cpu_s=c.bwd_cpu["head"],
+                                    free=(("activations", head.saved_bytes),),
+                                    transient=head.bwd_transient_bytes,
+                                    transient_parts=head.bwd_transient_parts,
+                                    flops=s.blocks["head"].flops_bwd))
+            unit.part_op["head"] = unit.ops[-1]
+        for layer in reversed(s.chunks[v]):
+            self.layer_backward(st, unit, mb, layer)
+        if v == 0:
+            unit.ops.append(compute(f"bwd embed mb{mb}", c.bwd_s["embed"], phase="bwd",
+                                    micro_batch=mb, category="backward",
+                                    cpu_s=c.bwd_cpu["embed"],
+                                    free=(("activations", s.cost["embed"].saved_bytes),),
+                                    deps=unit.carry))
+            unit.part_op["embed"] = unit.ops[-1]
+            unit.carry = []

@@ -1,0 +1,63 @@
+"""The ``framework:`` options of ``megatron`` (Megatron-LM / Megatron-Core). Imports only the
+config layer's base: the scenario schema (:mod:`sim.config.scenario`) reads it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from sim.config.base import StrictModel
+
+
+class MegatronOptions(StrictModel):
+    """NVIDIA Megatron-LM: tensor, pipeline, context and data parallelism."""
+
+    name: Literal["megatron"]
+    implementation: Literal["transformer_engine", "local"] = "transformer_engine"
+    """Megatron's --transformer-impl: Transformer Engine's fused modules (Megatron-Core's
+    default), or the local apex/PyTorch layers (older Megatron and Megatron-DeepSpeed, whose
+    timers also synchronise the device around every micro-batch)."""
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and Adam states over data-parallel ranks (reduce-scatter
+    gradients, all-gather parameters)."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradients bucket by bucket during the last micro-batch's backward."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather parameters bucket by bucket in forward."""
+    align_param_gather: bool | None = None
+    """Interleaved schedule: every stage dispatches its first two chunks' gathers at step start
+    and chunk c's at one point; default Megatron-LM's: on with vp > 1 (no effect without)."""
+    overlap_param_gather_with_optimizer_step: bool = False
+    """Interleaved, distributed optimizer: chunk 0's gathers start after its own optimizer step."""
+    num_distributed_optimizer_instances: int = Field(default=1, gt=0)
+    """Distributed optimizer sharded within dp*cp/k ranks, gradient shards all-reduced across k."""
+    overlap_p2p_comm: bool | None = None
+    """Interleaved schedule: post pipeline sends/receives and wait later; default
+    Megatron-LM's: on with vp > 1 (non-interleaved 1F1B cannot)."""
+    batch_p2p_comm: bool | None = None
+    """Blocking pipeline calls as one batch_isend_irecv plus torch.cuda.synchronize; default
+    not overlap_p2p_comm (Megatron-LM)."""
+    tp_comm_overlap: bool = False
+    """Overlap tensor-parallel communication with the GEMMs around it (TE userbuffers)."""
+    flash_attention: bool = True
+    """Fused flash attention; false: baddbmm, fused softmax, dropout, bmm."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Hidden and attention dropout (Megatron-DeepSpeed's default is 0.1)."""
+    grad_reduce_in_fp32: bool | None = None
+    """fp32 gradient buffers and all-reduce; default: true for bf16, false for fp16."""
+    bucket_size: int | None = Field(default=None, gt=0)
+    """Gradient bucket in parameters; default max(40M, 1M x dp) with overlap, else one."""
+    pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved."""
+    fp8_recipe: Literal["delayed", "tensorwise"] = "delayed"
+    """With training.precision fp8: Transformer Engine's scaling (--fp8-recipe): delayed
+    (amax history) or tensorwise (current scaling, NeMo's FP8-CS)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """The embedding counts as one layer when layers are split over pipeline chunks."""
+    account_for_loss_in_pipeline_split: bool = False
+    """The loss and output layer count as one layer when layers are split over chunks."""
+    scatter_gather_tensors_in_pipeline: bool | None = None
+    """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
+    to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,
+    Megatron-DeepSpeed), off for ``transformer_engine`` (Megatron-Core dropped it)."""

@@ -1,0 +1,271 @@
+"""Megatron-LM's job shape: option checks, rank layout and groups, per-stage sizes and memory.
+
+:func:`megatron_shape` checks a scenario's Megatron options (refusing what Megatron-LM's
+``validate_args`` refuses) and derives, once, everything the builder's units share: the
+parallel degrees, the rank numbering and groups of ``parallel_state.py``, the priced blocks of
+one micro-batch, the layers of each model chunk and the parameters and state memory of each
+pipeline stage. :class:`MegatronShape` is frozen: the builder's op makers read it and never
+change it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sim.frameworks.common.base import JobContext
+from sim.frameworks.common.nccl_dtype import element_type
+from sim.frameworks.megatron.buckets import data_parallel_modes
+from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
+from sim.program.ir import NcclType
+from sim.scenario import MegatronOptions
+from sim.workload.layer_ops import Block, BlockCost, price_block
+from sim.workload.megatron_ops import STYLE, MegatronLayout, megatron_blocks, padded_vocab
+from sim.workload.model import ModelSpec
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class MegatronShape:
+    """The layout, sizes and priced blocks of one Megatron job (see :func:`megatron_shape`)."""
+
+    opts: MegatronOptions
+    model: ModelSpec
+    t: int
+    """Tensor-parallel size."""
+    p: int
+    """Pipeline stages."""
+    cp: int
+    """Context-parallel size."""
+    vp: int
+    """Model chunks (virtual stages) per pipeline stage."""
+    dp: int
+    sp: bool
+    """Sequence parallelism in effect (requested and tp > 1)."""
+    precision: str
+    ac: Literal["none", "selective", "full"]
+    """Activation checkpointing (recomputation granularity)."""
+    mb_count: int
+    """Micro-batches per step."""
+    align_gather: bool
+    """Effective ``align_param_gather`` (:func:`data_parallel_modes`)."""
+    k_inst: int
+    """Distributed-optimizer instances."""
+    overlap_p2p: bool
+    batch_p2p: bool
+    lay: MegatronLayout
+    blocks: dict[str, Block]
+    """One micro-batch's blocks on one tensor-parallel rank (:func:`megatron_blocks`)."""
+    cost: dict[str, BlockCost]
+    """Each block priced on the job's GPU."""
+    tokens: int
+    """Tokens of one micro-batch on one context-parallel rank."""
+    local_tokens: int
+    """The same on one sequence-parallel rank (tokens / tp with sequence parallelism)."""
+    h: int
+    act: int
+    """Bytes per activation element (16-bit activations)."""
+    grad_bytes: int
+    """Bytes per gradient element in the reduced buffers (fp32 or 16-bit)."""
+    chunks: list[list[int]]
+    """Layer numbers of each virtual stage (model chunk v runs on stage v % p)."""
+    stage_layer_count: list[int]
+    layer_params: float
+    """Parameters of one transformer layer on one tensor-parallel rank."""
+    vocab_local: int
+    emb_params: float
+    head_params: float
+    opt_bytes: int
+    """Optimizer bytes per parameter: fp32 master and Adam moments (+ fp32 grads for fp16)."""
+    shard: int
+    """Ranks the optimizer state is sharded over (1 without the distributed optimizer)."""
+    linear_params: float
+    """Linear-layer parameters of one layer (their FP8 copies under FP8 training)."""
+
+    @property
+    def act_dtype(self) -> NcclType:
+        """NCCL type of activations and gathered parameters (:attr:`act` bytes)."""
+        return element_type(self.act, self.precision)
+
+    @property
+    def grad_dtype(self) -> NcclType:
+        """NCCL type of the gradient reduces (:attr:`grad_bytes`): f32 with
+        ``grad_reduce_in_fp32``, Megatron-Core's default for bf16 (and fp8) training."""
+        return element_type(self.grad_bytes, self.precision)
+
+    @property
+    def n_virtual(self) -> int:
+        """Virtual stages: pp x vp."""
+        return self.p * self.vp
+
+    @property
+    def legacy(self) -> bool:
+        """The local implementation (older Megatron, Megatron-DeepSpeed)."""
+        return self.opts.implementation == "local"
+
+    @property
+    def row_reduce(self) -> Literal["reduce_scatter", "all_reduce"]:
+        """The tensor-parallel reduce after a row-parallel linear (and the embedding):
+        reduce-scatter under sequence parallelism, all-reduce otherwise."""
+        return "reduce_scatter" if self.sp else "all_reduce"
+
+    @property
+    def p2p_split(self) -> int:
+        """Megatron's pipeline p2p (Narayanan et al., SC'21, sec. 4.1 "scatter/gather
+        optimization"): without sequence parallelism every tensor-parallel rank holds the
+        same activation, so each sends only its 1/tp slice across the stage boundary
+        (``scatter_gather_tensors_in_pipeline``, on by default in the local implementation)."""
+        scatter_gather = self.opts.scatter_gather_tensors_in_pipeline
+        if scatter_gather is None:
+            scatter_gather = self.legacy
+        return self.t if (scatter_gather and self.t > 1 and not self.sp) else 1
+
+    # ------------------------------------------------------------------ ranks and groups
+    def rank(self, ti: int, ci: int, di: int, pi: int) -> int:
+        """Global rank of (tp, cp, dp, pp) coordinates: ``tp-cp-ep-dp-pp`` order
+        (``parallel_state.py``), tensor-parallel peers adjacent, pipeline stages outermost."""
+        return ti + self.t * (ci + self.cp * (di + self.dp * pi))
+
+    def members(self, st: int) -> tuple[int, ...]:
+        """Ranks of pipeline stage ``st`` (one rank class: they all run the same ops)."""
+        return tuple(sorted(self.rank(ti, ci, di, st) for ti in range(self.t)
+                            for ci in range(self.cp) for di in range(self.dp)))
+
+    def tp_groups(self, st: int) -> Groups:
+        return tuple(tuple(self.rank(ti, ci, di, st) for ti in range(self.t))
+                     for ci in range(self.cp) for di in range(self.dp))
+
+    def dp_groups(self, st: int) -> Groups:
+        """Gradients are reduced over data- and context-parallel ranks together."""
+        return tuple(tuple(self.rank(ti, ci, di, st) for di in range(self.dp)
+                           for ci in range(self.cp))
+                     for ti in range(self.t))
+
+    def stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
+        """(rank on stage a, same coordinates on stage b) for every member: a pipeline
+        transfer's pairs, or the tied embedding's group pairs."""
+        return tuple((self.rank(ti, ci, di, a), self.rank(ti, ci, di, b))
+                     for ti in range(self.t) for ci in range(self.cp) for di in range(self.dp))
+
+    def cp_ring_pairs(self, st: int) -> tuple[tuple[int, int], ...]:
+        """(rank, next rank in its context-parallel ring) for every member of stage st."""
+        return tuple((self.rank(ti, ci, di, st), self.rank(ti, (ci + 1) % self.cp, di, st))
+                     for ti in range(self.t) for di in range(self.dp) for ci in range(self.cp))
+
+    # ------------------------------------------------------------------ per-stage sizes
+    def stage_params(self, st: int) -> float:
+        """Parameters of stage ``st`` on one tensor-parallel rank: its layers, the embedding
+        on the first stage, the output layer (a tied copy if tied) on the last."""
+        n = self.stage_layer_count[st] * self.layer_params
+        if st == 0:
+            n += self.emb_params
+        if st == self.p - 1:
+            n += self.head_params
+        return n
+
+    def initial_memory(self, st: int) -> dict[str, float]:
+        """Memory per rank of stage ``st`` before the step (``docs/.../dist_optimizer.md``):
+        16-bit parameters, gradient buffers, optimizer state sharded by the distributed
+        optimizer; under FP8, Transformer Engine keeps each linear weight's E4M3 copy and its
+        transpose between micro-batches (cast once per step): 2 bytes per linear parameter."""
+        n = self.stage_params(st)
+        mem = {"parameters": self.act * n, "gradients": self.grad_bytes * n,
+               "optimizer": self.opt_bytes * n / self.shard}
+        if self.lay.fp8:
+            mem["buffers"] = float(2 * self.stage_layer_count[st] * self.linear_params)
+        return mem
+
+    def recompute_flops(self) -> float:
+        """Hardware FLOPs beyond the model's: full recomputation re-runs every layer's
+        forward once per micro-batch on every data- and context-parallel replica."""
+        if self.ac != "full":
+            return 0.0
+        layer_fwd_flops = sum(self.blocks[k].flops_fwd for k in ("attn_main", "mlp_main"))
+        return layer_fwd_flops * self.model.layers * self.mb_count * self.dp * self.cp
+
+
+def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
+    """Refuse the precisions and splits Megatron-LM (and this model of it) cannot run: heads,
+    key/value heads, FFN width over tp; layers over pp x vp equal chunks; tp_comm_overlap
+    without sequence parallelism (``validate_args``); the sequence over cp."""
+    s = ctx.scenario
+    m = ctx.model
+    par = s.parallelism
+    t, p, cp, vp = par.tp, par.pp, par.cp, par.vp
+    sp = par.sequence_parallel and t > 1
+    precision = s.training.precision
+    ctx.require(precision in ("bf16", "fp16", "fp8"), "training.precision",
+                "megatron is modelled with 16-bit parameters (bf16 or fp16) or FP8 layers")
+    ctx.require(precision != "fp8" or opts.implementation == "transformer_engine",
+                "framework.implementation",
+                "FP8 training needs Transformer Engine layers (implementation: "
+                "transformer_engine)")
+    ctx.require(m.heads % t == 0, "parallelism.tp",
+                f"{m.heads} attention heads do not split over tp={t}")
+    ctx.require(m.kv_heads % t == 0 or t % m.kv_heads == 0, "parallelism.tp",
+                f"{m.kv_heads} key/value heads do not split over tp={t}")
+    ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
+                f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
+    extra = int(opts.account_for_embedding_in_pipeline_split) + \
+        int(opts.account_for_loss_in_pipeline_split)
+    ctx.require((m.layers + extra) % (p * vp) == 0 and (m.layers + extra) // (p * vp) > 1
+                or extra == 0 and m.layers % (p * vp) == 0, "parallelism.pp",
+                f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do not "
+                f"split into pp x vp = {p * vp} equal chunks")
+    ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    ctx.require(not opts.tp_comm_overlap or sp, "framework.tp_comm_overlap",
+                "tensor-parallel communication/GEMM overlap needs sequence parallelism with "
+                "tp > 1 (Megatron-LM validate_args)")
+    ctx.require(ctx.seq % cp == 0, "parallelism.cp",
+                f"seq_len {ctx.seq} does not split over cp={cp}")
+
+
+def megatron_shape(ctx: JobContext) -> MegatronShape:
+    """Check the scenario's Megatron options and derive the job's :class:`MegatronShape`."""
+    s = ctx.scenario
+    opts = s.framework
+    assert isinstance(opts, MegatronOptions)
+    par = s.parallelism
+    m = ctx.model
+    t, p, cp, vp = par.tp, par.pp, par.cp, par.vp
+    check_options(ctx, opts)
+    precision = s.training.precision
+    mb_count = ctx.micro_batches
+    align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
+    overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm, p, vp)
+    ctx.require(vp == 1 or mb_count % p == 0, "training.global_batch_size",
+                f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
+                f"of pp={p}")
+    sp = par.sequence_parallel and t > 1
+    ac = s.training.activation_checkpointing
+    lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
+                         dropout=opts.dropout, selective_recompute=(ac == "selective"), cp=cp,
+                         fp8=opts.fp8_recipe if precision == "fp8" else None,
+                         weight_cast_share=1.0 / ctx.micro_batches)
+    blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
+    cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
+    tokens = ctx.micro_batch * ctx.seq // cp
+    grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
+        else precision in ("bf16", "fp8")
+    chunks = chunk_layers(m.layers, p, vp, opts.account_for_embedding_in_pipeline_split,
+                          opts.account_for_loss_in_pipeline_split)
+    vocab_local = padded_vocab(m, t) // t
+    return MegatronShape(
+        opts=opts, model=m, t=t, p=p, cp=cp, vp=vp, dp=ctx.dp, sp=sp, precision=precision,
+        ac=ac, mb_count=mb_count, align_gather=align_gather, k_inst=k_inst,
+        overlap_p2p=overlap_p2p, batch_p2p=batch_p2p, lay=lay, blocks=blocks, cost=cost,
+        tokens=tokens, local_tokens=tokens // t if sp else tokens, h=m.hidden,
+        act=2,  # 16-bit activations
+        grad_bytes=4 if grad_fp32 else 2, chunks=chunks,
+        stage_layer_count=[sum(len(chunks[v]) for v in range(st, p * vp, p))
+                           for st in range(p)],
+        layer_params=cost["attn_pre"].params + cost["attn_main"].params
+        + cost["mlp_pre"].params + cost["mlp_main"].params,
+        vocab_local=vocab_local,
+        emb_params=vocab_local * m.hidden
+        + (m.max_positions * m.hidden if m.position == "learned" else 0),
+        head_params=m.norm_params + vocab_local * m.hidden,  # output layer (tied copy if tied)
+        opt_bytes=12 if grad_fp32 else 16,
+        shard=ctx.dp * cp // k_inst if opts.distributed_optimizer else 1,
+        linear_params=cost["attn_main"].params + cost["mlp_main"].params)

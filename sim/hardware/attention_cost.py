@@ -1,0 +1,189 @@
+"""Which fused-attention kernel a framework runs, and how fast each one is per GPU generation.
+
+The attention form in :meth:`sim.hardware.compute.ComputeModel.attention_time` (tiles of the causal
+triangle over the SMs, 4D or 10D matmul FLOPs plus one exponential per score) was fitted on
+``torch.nn.functional.scaled_dot_product_attention`` timed with PyTorch 2.11 on an H200
+(``catalog/calibration/h200-kernels.json``). That measurement was cuDNN's fused attention:
+causal, head_dim 128, 16 heads x 16k tokens ran at 612 TFLOP/s forward and ~535 backward,
+against 335 / 322 for FlashAttention-2 on the same silicon (Shah et al. 2024, "FlashAttention-3",
+arXiv 2407.08608, fig. 5d and fig. 6) -- beyond what FA2's ``mma.sync`` kernels reach on
+Hopper -- and PyTorch 2.11 is the first release whose bundled cuDNN passes the
+``check_prefer_cudnn_attention`` gate in ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``
+(cuDNN > 9.15 on sm90/sm100; see :data:`SDPA_CUDNN_FIRST`).
+
+Other kernels run the same form at their own matrix throughput (:func:`matmul_share`), from one
+published figure each at one anchor shape (causal or not as the figure says, head_dim 128,
+16k tokens, 16 heads, batch 1 -- the benchmark shape of both FlashAttention papers); the
+shape of the curve (sequence length, head dim, causal tile skipping, waves over the SMs)
+stays the physical form's. Only the measured backend keeps the H200's measured residuals.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING, Literal
+
+from sim.config.training import DEFAULT_TORCH_VERSION
+
+if TYPE_CHECKING:
+    from sim.catalog import GpuSpec
+    from sim.scenario import Scenario
+
+# The kernel that runs. ``mem_efficient``: PyTorch's CUTLASS (xformers) kernel, SDPA's choice
+# where no flash kernel exists (Volta). ``unfused``: no fused kernel (Megatron's baddbmm,
+# softmax, bmm path); recorded only, no attention kernel is priced then.
+AttentionBackend = Literal["flash2", "flash3", "cudnn", "mem_efficient", "unfused"]
+
+# The backend the calibration measured (PyTorch 2.11 SDPA on an H200, see module docstring):
+# only it keeps the measured residual correction, and only on Hopper.
+MEASURED_BACKEND: AttentionBackend = "cudnn"
+
+
+# Releases whose SDPA tries cuDNN attention first on datacenter Hopper (sm90) and, from 2.9,
+# Blackwell (sm100/sm103); every other release tries FlashAttention-2 first there, and every
+# release does on Ampere (cuDNN second or last). From pytorch/pytorch:
+#   2.5.0       cuDNN first on H100 (PR #125343; its 2.4 cherry-pick reverted, PR #128539)
+#   2.5.1-2.8   flash first: cuDNN made opt-in after 2.5.0's bugs (PR #138522, cherry-picked
+#               to release/2.5); issue #142132 (2.6 nightly, H100): SDPA 329 TFLOP/s against
+#               cuDNN's 631 at (1, 24, 4608, 128) -- SDPA was running FA2
+#   2.9         cuDNN first on sm90 and sm100 (PR #162073, "for 2.9")
+#   2.10        flash first unless the bundled cuDNN is newer than 9.15 (PR #171627 and its
+#               2.10 cherry-pick #171895; ``check_prefer_cudnn_attention``); 2.10's is not
+#   2.11+       cuDNN first: the bundled cuDNN passes that gate (huggingface/transformers
+#               PR #48163 discussion, 2026), as the calibration H200's 612 TFLOP/s confirms
+SDPA_CUDNN_FIRST: tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...] = (
+    ((2, 5, 0), (2, 5, 0)),
+    ((2, 9, 0), (2, 9, 99)),
+    ((2, 11, 0), (99, 0, 0)),
+)
+
+# Published TFLOP/s at the anchor shape (head_dim 128, 16k tokens = batch 1 x seq 16,384,
+# 16 heads, bf16/fp16), H100 80GB SXM5, from the FlashAttention-3 paper (Shah et al. 2024,
+# arXiv 2407.08608; the figures are Dao-AILab/flash-attention assets/flash3_fp16_fwd.png):
+#   fwd: fig. 5(d), "Forward, with causal mask, head dim 128": FA2 335, cuDNN 539, FA3 616
+#   bwd: fig. 6, "Attention backward speed, head dim 128" (no mask): FA2 322, cuDNN 516,
+#        FA3 561
+# (TFLOP/s count 4*S^2*D*H forward, halved with the causal mask; backward 2.5x that.)
+# The paper's cuDNN is 9.1 of mid-2024; ``cudnn`` here is the newer one PyTorch 2.11 bundles,
+# priced by the H200 measurement itself (612 fwd at the anchor), so it takes no anchor.
+ANCHOR = {"seq": 16384, "heads": 16, "head_dim": 128}
+PUBLISHED_H100: dict[tuple[str, str], tuple[float, bool]] = {
+    # (backend, pass): (TFLOP/s, causal)
+    ("flash2", "fwd"): (335.0, True),
+    ("flash2", "bwd"): (322.0, False),
+    ("flash3", "fwd"): (616.0, True),
+    ("flash3", "bwd"): (561.0, False),
+}
+
+# On Ampere the fitted form scaled by the A100's dense peak already lands within 2% of
+# FlashAttention-2's published A100 figure (forward + backward, causal, head dim 128, 16k:
+# 189 TFLOP/s, Dao 2023, arXiv 2307.08691, fig. 4(d); Dao-AILab/flash-attention
+# assets/flash2_a100_fwd_bwd_benchmark.png): FA2 runs at share 1 there, and so does cuDNN
+# (no published A100 figure found; Transformer Engine prefers flash-attn on Ampere anyway).
+# FlashAttention-2 on Blackwell runs its sm80 ``mma.sync`` kernels: assumed the same share of
+# the dense peak as on Hopper (no published figure found). Volta has no flash kernel; its
+# ``mem_efficient`` kernel keeps the scaled form (share 1), as before.
+_ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
+
+
+def _version(v: str) -> tuple[int, int, int]:
+    parts = ([int(x) for x in v.split(".")[:3]] + [0, 0, 0])[:3]
+    return parts[0], parts[1], parts[2]
+
+
+def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION) -> AttentionBackend:
+    """The kernel ``F.scaled_dot_product_attention`` runs (bf16, causal, no mask, head_dim
+    <= 256) on a GPU generation under a PyTorch release (:data:`SDPA_CUDNN_FIRST`).
+
+    Examples
+    --------
+    >>> sdpa_backend("hopper", "2.8"), sdpa_backend("hopper", "2.11")
+    ('flash2', 'cudnn')
+    >>> sdpa_backend("ampere", "2.11"), sdpa_backend("volta")
+    ('flash2', 'mem_efficient')
+    """
+    if arch == "volta":
+        return "mem_efficient"      # flash needs sm80 (sdp_utils.cpp check_sm_version)
+    v = _version(torch_version)
+    cudnn_archs = {"hopper"} | ({"blackwell"} if v >= (2, 9, 0) else set())
+    if arch in cudnn_archs and any(lo <= v <= hi for lo, hi in SDPA_CUDNN_FIRST):
+        return "cudnn"
+    return "flash2"
+
+
+def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
+    """The attention kernel of a scenario: its ``training.attention_backend``, or with
+    ``auto`` the one its framework's source picks.
+
+    * Megatron with Transformer Engine: cuDNN fused attention on Hopper and Blackwell,
+      flash-attn 2 on Ampere (TE ``dot_product_attention/utils.py`` ``get_attention_backend``:
+      "Disabling FlashAttention to give FusedAttention preference on Hopper+", compute
+      capability >= 9.0; below it FlashAttention stays first). Megatron ``local`` and
+      Megatron-DeepSpeed: the
+      ``flash_attn`` package (``--use-flash-attn``), FA2; without flash attention, unfused.
+    * FSDP2 (torchtitan's ``F.scaled_dot_product_attention``), DDP / plain PyTorch
+      (Hugging Face's ``sdpa`` attention), FairScale and DeepSpeed ZeRO (Hugging Face
+      models): SDPA's own choice under ``training.torch_version`` (:func:`sdpa_backend`).
+
+    Raises ``ValueError`` naming the key for a kernel the GPU cannot run.
+    """
+    t = s.training
+    choice = t.attention_backend
+    version = t.torch_version or DEFAULT_TORCH_VERSION
+    fw = s.framework
+    if choice == "auto":
+        if fw.name == "megatron":
+            if not fw.flash_attention:
+                return "unfused"
+            te = fw.implementation == "transformer_engine"
+            return "cudnn" if te and gpu.arch in ("hopper", "blackwell") else "flash2"
+        if fw.name == "deepspeed" and (s.parallelism.tp > 1 or s.parallelism.pp > 1):
+            return "flash2" if fw.pipeline.flash_attention else "unfused"
+        return sdpa_backend(gpu.arch, version)
+    if choice == "sdpa":
+        return sdpa_backend(gpu.arch, version)
+    if choice == "flash3" and gpu.arch != "hopper":
+        raise ValueError("training.attention_backend: flash3 (FlashAttention-3) runs only on "
+                         f"Hopper (sm90); {gpu.name} is {gpu.arch}")
+    if choice in ("flash2", "cudnn") and gpu.arch == "volta":
+        raise ValueError(f"training.attention_backend: {choice} needs sm80 or newer; "
+                         f"{gpu.name} is volta")
+    return choice  # type: ignore[return-value]
+
+
+@cache
+def matmul_share(backend: str, arch: str, pass_: str) -> float:
+    """The speed of a kernel's matrix work relative to the fitted form's (the measured cuDNN
+    kernel without its residuals), from its published anchor figure (:data:`PUBLISHED_H100`).
+
+    The form prices each score as ``4D`` (forward; ``10D`` backward) matmul FLOPs plus one
+    exponential worth ``exp_cost_flops`` of them (the H100's 3.9 TFLOP/s of MUFU against
+    989 of tensor cores, FA-3 paper section 3). What differs between kernels is the tensor
+    core pipeline -- FA2's synchronous ``mma.sync`` without warp specialisation against
+    FA3's and cuDNN's asynchronous ``wgmma`` with TMA -- not the exponential units, so only
+    the matmul term is divided by the share: ``kD / share + e``, solved so the form gives the
+    published TFLOP/s at the anchor. 1 for the measured backend and where no figure differs.
+
+    Examples
+    --------
+    >>> round(matmul_share("flash2", "hopper", "fwd"), 2)   # 335 TFLOP/s of the form's ~597
+    0.46
+    >>> matmul_share("cudnn", "hopper", "fwd"), matmul_share("flash2", "ampere", "fwd")
+    (1.0, 1.0)
+    """
+    if backend not in ("flash2", "flash3") or arch not in _ARCH_SHARE_FROM_HOPPER:
+        return 1.0
+    from sim import catalog
+    from sim.hardware.compute import ComputeModel, exp_cost_flops
+
+    tflops, causal = PUBLISHED_H100[(backend, pass_)]
+    a = ANCHOR
+    flops = 4.0 * a["heads"] * a["seq"] ** 2 * a["head_dim"] * (0.5 if causal else 1.0)
+    flops *= 2.5 if pass_ == "bwd" else 1.0
+    form_s = ComputeModel(catalog.gpu("h100-sxm")).attention_time(
+        1, a["heads"], a["seq"], a["head_dim"], pass_, causal=causal,  # type: ignore[arg-type]
+        measured_table=False)
+    slowdown = form_s / (flops / (tflops * 1e12))      # < 1: the kernel is slower
+    kd = (4 if pass_ == "fwd" else 10) * a["head_dim"]
+    e = exp_cost_flops()
+    return kd / ((kd + e) / slowdown - e)

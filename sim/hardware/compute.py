@@ -1,0 +1,350 @@
+"""How long a kernel takes on a GPU.
+
+Roofline times under efficiency curves fitted to measurements on one H200
+(``catalog/calibration/h200-kernels.json``, fitted by ``tools/fit_compute.py`` into
+``h200-fit.json``). Other GPUs scale from their datasheets: matrix throughput with the dense
+peak of the precision, memory-bound kernels with HBM bandwidth, wave quantisation with the SM
+count.
+
+Each measurement in the calibration file is one synchronised call, so it carries a fixed
+harness overhead (launch plus synchronisation) that a kernel queued behind another does not
+pay. The fit separates it (``harness_overhead_s``); :meth:`ComputeModel.measured_time`
+adds it back so tests can compare like with like.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Literal
+
+import numpy as np
+
+from sim import catalog
+from sim.catalog import GpuSpec
+from sim.hardware.attention_cost import MEASURED_BACKEND, matmul_share
+from sim.hardware.power import sustained_clock_ratio, sustained_matrix_flops
+
+GemmPass = Literal["fwd", "dgrad", "wgrad"]
+MemClass = Literal["elementwise", "norm_fused", "reduction"]
+
+# CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
+# by it; large ones hide it because the CPU runs ahead of the GPU. Not measured here; set from
+# published eager behaviour: per-op overhead of the order of 10 us (Horace He, "Making Deep
+# Learning Go Brrrr From First Principles", 2022, "Overhead"), and eager Llama-7B decoding on
+# an A100 running CPU-bound at about 25 tokens/s, i.e. over 1 ms per decoder layer of a few
+# dozen ops (PyTorch blog, "Accelerating Generative AI with PyTorch II: GPT, Fast", 2023).
+# Backward runs in the C++ autograd engine, without Python between kernels: half as much.
+EAGER_FWD_OP_CPU_S = 10e-6
+EAGER_BWD_OP_CPU_S = 5e-6
+# Under torch.compile (inductor) each kernel is launched from the generated wrapper's call()
+# through CachingAutotuner.run and the Triton launcher: 6.8 us per kernel without arguments,
+# 9.1 us with 19 (tritonbench PR #1017, "Profile inductor launch overhead", 2026, on GB200;
+# a bare cuLaunchKernel is 3.0 us). Fused kernels take a handful of tensors: about 8 us.
+# Without CUDA graphs (mode="reduce-overhead") this stays on every launch.
+COMPILED_OP_CPU_S = 8e-6
+# Tensor-core time of a Hopper FP8 GEMM run without fast accumulation (the backward GEMMs of
+# Transformer Engine and torchao) over the same GEMM with it: fast accumulation is a 1.1-1.2x
+# speedup on H100 (pytorch/ao issue 2377, 2025-06); the midpoint. A published measurement,
+# not fitted to any validation row (docs/calibration.md).
+FP8_SPLIT_ACCUMULATION_SLOWDOWN = 1.15
+# The AdamW calibration split its parameters in 16 tensors (h200-kernels.json meta).
+ADAMW_CALIBRATION_TENSORS = 16
+
+
+@lru_cache(maxsize=1)
+def _fit() -> dict:
+    return catalog.calibration("h200-fit.json")
+
+
+def exp_cost_flops() -> float:
+    """One exponential in attention, in matmul FLOPs of the fitted GPU (h200-fit.json)."""
+    return float(_fit()["exp_cost_flops"])
+
+
+def gemm_dims(m: float, k: float, n: float, pass_: GemmPass) -> tuple[float, float, float]:
+    """Output rows, output columns and reduction length of one pass of ``Y[m,n] = X[m,k] W^T``."""
+    if pass_ == "fwd":
+        return m, n, k
+    if pass_ == "dgrad":
+        return m, k, n
+    return n, k, m
+
+
+def _residual(table: list[tuple[np.ndarray, float]], point: np.ndarray, bw: float,
+              prior: float) -> float:
+    # Gaussian-kernel interpolation of measured log-time residuals: near a measured shape the
+    # measurement wins, far from all of them the physical form does (the prior weight pulls
+    # the correction to zero).
+    if not table:
+        return 0.0
+    keys = np.stack([k for k, _ in table])
+    vals = np.array([v for _, v in table])
+    d2 = ((keys - point) ** 2).sum(1)
+    w = np.exp(-d2 / (2 * bw * bw))
+    return float((w @ vals) / (w.sum() + prior))
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Kernel durations on one GPU.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> cm = ComputeModel(catalog.gpu("h200"))
+    >>> round(cm.gemm_time(8192, 4096, 4096, "fwd") * 1e6)   # about 0.43 ms measured
+    414
+    """
+
+    gpu: GpuSpec
+    precision: str = "bf16"
+    attention_backend: str = MEASURED_BACKEND
+    """The fused-attention kernel (:mod:`sim.hardware.attention_cost`); the default is the one the
+    calibration measured."""
+
+    # ------------------------------------------------------------------ scaling
+    @cached_property
+    def _flops_scale(self) -> float:
+        # Matrix throughput scales with the dense peak times the share of it a large GEMM
+        # reaches on each GPU (catalogue matmul_efficiency), relative to the fitted H200.
+        # FP8 training keeps its non-GEMM math (attention, the 16-bit layers) at 16 bits: only
+        # kernels marked fp8 run at the FP8 rate (:attr:`_fp8_speedup`).
+        # A power cap below TDP lowers the sustained SM clock, and matrix throughput with it
+        # (sim/hardware/power.py); HBM-bound kernels keep their rate.
+        base = "bf16" if self.precision == "fp8" else self.precision
+        h200 = catalog.gpu("h200")
+        return sustained_matrix_flops(self.gpu, base) / (
+            _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
+
+    @cached_property
+    def clock_ratio(self) -> float:
+        """Sustained SM clock under the GPU's power cap over the clock at TDP."""
+        return sustained_clock_ratio(self.gpu)
+
+    @cached_property
+    def _fp8_speedup(self) -> float:
+        # An FP8 GEMM reaches about the same share of the FP8 peak as a 16-bit GEMM of the
+        # 16-bit peak: a published cuBLASLt cross-check (d-robotics test_gpu_scripts,
+        # reports_cublaslt_fp8_crosscheck_20260524.md; E4M3 in, bf16 out, 8192^3, 16 GPUs of
+        # Hopper nodes, model not named) measured 1,599-1,630 TFLOP/s, 81-82% of the
+        # H100/H200's 1,979, against 794.5 of 989 (80%) for bf16 on H100 SXM (catalogue
+        # matmul_efficiency). So FP8 GEMMs run at the ratio of the peaks; 1 without FP8 units.
+        return self.gpu.peak_flops("fp8") / self.gpu.peak_flops("bf16")
+
+    def _split_accumulation(self, pass_: GemmPass) -> float:
+        # Hopper's FP8 tensor cores accumulate with limited precision; without cuBLASLt's
+        # fast-accumulation mode the kernel promotes partial sums to FP32 registers every
+        # few K steps (CUBLASLT_MATMUL_DESC_FAST_ACCUM off). Both FP8 training stacks we
+        # model keep fast accumulation for the forward GEMM only: Transformer Engine's
+        # recipes (DelayedScaling, Float8CurrentScaling: fp8_gemm_fprop use_split_accumulator
+        # False, fp8_gemm_dgrad / fp8_gemm_wgrad True) and torchao's Float8LinearConfig
+        # (use_fast_accum for the output GEMM only). Blackwell accumulates in FP32 and has no
+        # such mode. The cost is published, not fitted: fast accumulation is a 1.1-1.2x
+        # speedup of these GEMMs on H100 (pytorch/ao issue 2377); the midpoint applies to the
+        # tensor-core term.
+        if self.gpu.arch != "hopper" or pass_ == "fwd":
+            return 1.0
+        return FP8_SPLIT_ACCUMULATION_SLOWDOWN
+
+    @cached_property
+    def _bw_scale(self) -> float:
+        return self.gpu.hbm_gbytes_per_s / _fit()["hbm_gbytes_per_s"]
+
+    @property
+    def kernel_min_s(self) -> float:
+        return float(_fit()["kernel_min_s"])
+
+    @property
+    def harness_overhead_s(self) -> float:
+        return float(_fit()["harness_overhead_s"])
+
+    @cached_property
+    def _gemm_table(self) -> dict[str, list[tuple[np.ndarray, float]]]:
+        table: dict[str, list[tuple[np.ndarray, float]]] = {"fwd": [], "dgrad": [], "wgrad": []}
+        for r in _fit()["gemm"]["residuals"]:
+            key = np.log([r["rows"], r["cols"], r["k"]])
+            table[r["pass"]].append((key, r["log_ratio"]))
+        return table
+
+    @cached_property
+    def _attn_table(self) -> dict[str, list[tuple[np.ndarray, float]]]:
+        att = _fit()["attention"]
+        return {
+            p: [(np.log([r["seq"], r["heads"]]), r["log_ratio"]) for r in att[p]["residuals"]]
+            for p in ("fwd", "bwd")
+        }
+
+    # ------------------------------------------------------------------ GEMM
+    def gemm_time(self, m: float, k: float, n: float, pass_: GemmPass = "fwd",
+                  measured_table: bool = True, fp8: bool = False) -> float:
+        """One pass of a linear layer ``Y[m,n] = X[m,k] W[n,k]^T`` (fwd, dgrad or wgrad).
+
+        ``measured_table=False`` gives the physical form alone, without the interpolated
+        residuals of the measured shapes (to check how much the form explains). ``fp8``: the
+        GEMM runs on FP8 operands (Transformer Engine, torchao float8) at the FP8 rate.
+        """
+        # The residual table records the H200's bf16 cuBLAS kernel choices shape by shape; it
+        # applies to Hopper (same SMs and tensor cores), not to other generations nor to FP8.
+        measured_table = measured_table and self.gpu.arch == "hopper" and not fp8
+        key = (float(m), float(k), float(n), pass_, measured_table, fp8)
+        cache = self._cache
+        if key not in cache:
+            cache[key] = self._gemm_time(float(m), float(k), float(n), pass_, measured_table,
+                                         self._fp8_speedup if fp8 else 1.0,
+                                         self._split_accumulation(pass_) if fp8 else 1.0)
+        return cache[key]
+
+    @cached_property
+    def _cache(self) -> dict[tuple[float, float, float, str, bool, bool], float]:
+        return {}
+
+    def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass, table: bool,
+                   speedup: float = 1.0, accumulation: float = 1.0) -> float:
+        g = _fit()["gemm"]
+        rows, cols, red = gemm_dims(m, k, n, pass_)
+        sms = self.gpu.sm_count
+        tiles = math.ceil(rows / g["tile"][0]) * math.ceil(cols / g["tile"][1])
+        alpha = g["wave_alpha"]
+        waves = alpha * math.ceil(tiles / sms) + (1 - alpha) * tiles / sms
+        quant = (tiles / sms) / waves
+        # The fitted form is t = fixed + MAC / (peak * quant * eff) with
+        # 1/eff = 1 + (small_dim/min(rows, cols))^e + (small_k/red)^e. Written as a sum, the
+        # "1" is tensor-core math (it scales with the math rate, so FP8 halves it on Hopper),
+        # while the two penalty terms are time each output tile spends outside the MAC loop,
+        # in proportion to its MAC time: the small-K term is the per-tile prologue and
+        # epilogue (filling the TMA/cp.async pipeline with the first K panels, writing the
+        # 16-bit output tile, the scale and convert), which a longer K amortises; the
+        # small-dim term is the same fixed per-tile work against few tiles. Neither shrinks
+        # with FP8 math: an FP8 kernel loads a K-tile twice as deep (CUTLASS's Hopper FP8
+        # configurations use 128x256x128 tiles against 128x256x64 for bf16; same bytes per
+        # panel), writes the same bf16 output (torch._scaled_mm, Transformer Engine) and has
+        # the same tile count, so the same waves. For bf16 (speedup 1) the sum is the fitted
+        # form term for term, so h200-fit.json is reproduced unchanged.
+        overhead = ((g["small_dim"] / min(rows, cols)) ** g["exponent"]
+                    + (g["small_k"] / red) ** g["exponent"])
+        peak = g["peak_tflops"][pass_] * 1e12 * self._flops_scale
+        mac = 2 * rows * cols * red / (peak * quant)
+        t = g["fixed_us"] * 1e-6 + mac * accumulation / speedup + mac * overhead
+        corr = _residual(self._gemm_table[pass_], np.log([rows, cols, red]),
+                         g["residual_bandwidth"], g["residual_prior_weight"]) if table else 0.0
+        # The residual is relative to the harness-inclusive time; keep it relative.
+        with_harness = (t + self.harness_overhead_s) * math.exp(corr)
+        # Roofline floor: a GEMM cannot finish before its operands have been read from HBM
+        # and its output written, at the rate a streaming kernel reaches. It binds for small
+        # M (few tokens against a large weight), where the fitted form (fitted on M >= 2048,
+        # all compute-bound) would extrapolate; it is what makes such GEMMs slower on the
+        # H100's 3.35 TB/s than on the H200's 4.8.
+        operand = 1.0 if speedup > 1.0 else 2.0     # FP8 operands, bf16 output
+        nbytes = operand * (rows * red + cols * red) + 2.0 * rows * cols
+        floor = self.kernel_min_s + nbytes / (self._membound_bw["elementwise"] * self._bw_scale)
+        return max(floor, with_harness - self.harness_overhead_s)
+
+    # ------------------------------------------------------------------ attention
+    def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
+                       pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
+                       causal: bool = True, measured_table: bool = True) -> float:
+        """A fused (flash-style) attention kernel, forward or backward, of this model's
+        ``attention_backend`` (FlashAttention-2/3, cuDNN: :mod:`sim.hardware.attention_cost`).
+
+        The GPU time only: the fitted fixed term of a standalone call is dominated by CPU-side
+        dispatch, which :func:`attention_cpu_s` returns separately. The measured residuals
+        apply only to the backend the calibration measured, on Hopper.
+        """
+        att = _fit()["attention"]
+        p = att[pass_]
+        blk = att["block"]
+        kv_seq = seq if kv_seq is None else kv_seq
+        nb = math.ceil(seq / blk)
+        nbk = math.ceil(kv_seq / blk)
+        groups = batch * heads
+        if causal:
+            total = groups * blk * blk * nb * (nb + 1) / 2
+            longest = blk * blk * nb
+        else:
+            total = groups * blk * blk * nb * nbk
+            longest = blk * blk * nbk
+        # Matmul FLOPs per score at the kernel's own tensor-core speed, plus the exponential.
+        share = matmul_share(self.attention_backend, self.gpu.arch, pass_)
+        per_score = (4 if pass_ == "fwd" else 10) * head_dim / share + exp_cost_flops()
+        sms = self.gpu.sm_count
+        rate = p["peak_tflops"] * 1e12 * self._flops_scale / sms
+        t = max(total / sms, longest) * per_score / rate
+        measured = measured_table and self.gpu.arch == "hopper" and (
+            self.attention_backend == MEASURED_BACKEND)
+        corr = _residual(self._attn_table[pass_], np.log([seq, groups]),
+                         att["residual_bandwidth"], att["residual_prior_weight"]
+                         ) if measured else 0.0
+        # The residual is relative to the whole measured call; keep it relative.
+        fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
+        return max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
+
+    def attention_cpu_s(self, pass_: Literal["fwd", "bwd"] = "fwd") -> float:
+        """CPU time to issue one attention call (backend selection, graph lookup)."""
+        return float(_fit()["attention"][pass_]["fixed_us"]) * 1e-6
+
+    # ------------------------------------------------------------------ memory-bound
+    def membound_time(self, nbytes: float, klass: MemClass = "elementwise") -> float:
+        """A memory-bound kernel moving ``nbytes`` (read plus written).
+
+        ``elementwise``: PyTorch's vectorised elementwise loop, at the rate measured for an
+        in-place add (89% of the H200's HBM peak). ``norm_fused`` and ``reduction``: a kernel
+        that reduces along rows (a norm, a mean, a softmax, a sum of a gradient over tokens)
+        at the rate measured for the fused RMSNorm kernel (56% of peak): PyTorch's reduction
+        kernels give each row (or a few) to one block, which must finish its reduction
+        before it writes, so fewer loads are in flight than in a streaming loop.
+
+        The fixed ``kernel_min_s`` makes the achieved bandwidth size-dependent:
+        ``n / (t0 + n / B)``, half the streaming rate at ``n = t0 * B`` (8.5 MB on the H200),
+        a tenth at 1 MB. Little's law puts the knee there: sustaining 4.8 TB/s through
+        ~700 ns of loaded HBM latency needs ~3.4 MB in flight, so a kernel only a few times
+        that size spends much of its life filling and draining the memory pipeline.
+        """
+        return self.kernel_min_s + nbytes / (self._membound_bw[klass] * self._bw_scale)
+
+    @cached_property
+    def _membound_bw(self) -> dict[str, float]:
+        mb = _fit()["membound"]
+        return {"elementwise": mb["add_"]["bytes_per_s"],
+                "norm_fused": mb["rms_norm"]["bytes_per_s"],
+                "reduction": mb["rms_norm"]["bytes_per_s"]}
+
+    def activation_time(self, elements: float) -> float:
+        """Time of PyTorch's eager SiLU over ``elements`` bf16 values, beyond its memory traffic
+        at the elementwise rate; a kernel takes the longer of the two.
+
+        Calibrated from the measured eager ``silu(g) * u`` (counted bytes 3n for n elements):
+        the multiply runs at the elementwise rate, and the SiLU takes the rest of the measured
+        time: its 4n bytes move at about a fifth of HBM bandwidth on the H200. That is not
+        arithmetic (a SiLU is a dozen FP32 operations per element); it is the eager kernel's
+        own efficiency, so on other GPUs it scales with HBM bandwidth.
+        """
+        mb = _fit()["membound"]
+        swiglu, elementwise = mb["swiglu"]["bytes_per_s"], mb["add_"]["bytes_per_s"]
+        # Per element: measured 6 bytes counted at the swiglu rate, less the multiply's 6 bytes.
+        per_element = 6.0 / swiglu - 6.0 / elementwise
+        return elements * per_element / self._bw_scale
+
+    def adamw_time(self, params: float, fused: bool = True, tensors: int = 16) -> float:
+        """One AdamW step over ``params`` fp32 parameters in ``tensors`` tensors.
+
+        28 bytes move per parameter (read param, grad, two moments; write param and moments).
+        The calibration's fixed cost was measured with the parameters split in 16 tensors; it
+        is charged per tensor (step counters and list handling are per-tensor work).
+        """
+        a = _fit()["adamw"]["fused" if fused else "foreach"]
+        per_tensor = a["fixed_s"] / ADAMW_CALIBRATION_TENSORS
+        return per_tensor * tensors + params * 28 / (a["bytes_per_s"] * self._bw_scale)
+
+    def pcie_bytes_per_s(self) -> float:
+        """Achieved pinned-memory copy rate: the H200 measurement's share of its link rate,
+        applied to this GPU's link."""
+        fit = _fit()["pcie_bytes_per_s"]
+        share = min(fit.values()) / (catalog.gpu("h200").pcie_gbytes_per_s * 1e9)
+        return share * self.gpu.pcie_gbytes_per_s * 1e9
+
+    # ------------------------------------------------------------------ harness view
+    def measured_time(self, kernel_seconds: float) -> float:
+        """What the calibration harness would have measured for a kernel of this duration."""
+        return kernel_seconds + self.harness_overhead_s

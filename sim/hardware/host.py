@@ -1,0 +1,185 @@
+"""The servers' CPUs, host memory and local NVMe: what offloading frameworks lean on.
+
+ZeRO-Offload/Infinity and FSDP2's ``CPUOffloadPolicy`` keep optimizer states (and sometimes
+parameters) in host memory or on NVMe and run the optimizer step on the CPU. The transfers
+themselves run as flows on the fabric's PCIe and NVMe links (:mod:`sim.engine.core`); this module
+gives the host figures those links and the CPU step need.
+
+Defaults follow the NVIDIA DGX server that carries each GPU generation (the datasheets name
+the CPUs, the memory and the drives); a scenario's ``cluster`` fields override them.
+
+The CPU optimizer step is memory-bound: AdamW does about a dozen flops per parameter, far
+below what AVX-512 cores deliver, while it streams every optimizer tensor through DRAM. Its
+time is the bytes it moves over the bandwidth the rank gets: the node's achievable bandwidth
+shared by the ranks stepping at once, or what the rank's threads can pull, whichever is lower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from sim.scenario import Scenario
+
+# Achievable over theoretical DRAM bandwidth: STREAM triad on two-socket servers reaches
+# 70-80% of the channels' peak (e.g. ~330 of 410 GB/s on 2x EPYC 7742, ~470 of 614 GB/s on
+# 2x Xeon 8480; vendors' published STREAM results); we take 0.75.
+STREAM_FRACTION = 0.75
+
+# One core's sustained DRAM bandwidth. Little's law: ~48 outstanding L2 misses of 64 B over a
+# ~110 ns DRAM latency bound a Golden Cove / Zen 2 core near 28 GB/s; single-thread STREAM
+# measures 10-20 GB/s on these servers. We take 15 GB/s.
+CORE_GBYTES_PER_S = 15.0
+
+# Bytes of DRAM traffic per parameter of one AdamW step.
+# DeepSpeedCPUAdam (csrc/adam/cpu_adam_impl.cpp, Step_AVX): reads the fp32 parameter,
+# gradient, exp_avg and exp_avg_sq (16 B), writes the parameter and both moments (12 B).
+# The fused 16-bit copy (ds_adam_step_plus_copy) is not used by ZeRO: stage_1_and_2.py
+# _optimizer_step has it commented out and stage3.py calls optimizer.step() without it; the
+# frameworks move the updated partition back themselves.
+DEEPSPEED_ADAM_BYTES_PER_PARAM = 28.0
+# torch.optim.AdamW on CPU tensors runs _single_tensor_adamw (foreach is CUDA-only): one
+# vectorised ATen kernel per line, each a full pass: param.mul_ (r4 w4), exp_avg.lerp_
+# (r8 w4), exp_avg_sq.mul_ (r4 w4) and .addcmul_ (r12 w4), denom = sqrt (r4 w4), / bias
+# correction (r4 w4), .add_(eps) (r4 w4), param.addcdiv_ (r12 w4): 52 B read, 32 B written.
+TORCH_ADAMW_BYTES_PER_PARAM = 84.0
+
+# Threads one rank's optimizer uses. torchrun sets OMP_NUM_THREADS=1 for each process when it
+# starts several per node (torch/distributed/run.py: only when nproc_per_node > 1 and the
+# variable is unset), so torch's CPU AdamW runs on one core; a single process per node keeps
+# torch's default, one intra-op thread per core. DeepSpeedCPUAdam parallelises with OpenMP
+# over the cores the rank is bound to (the node's cores divided by its ranks, deepspeed
+# --bind_cores_to_rank).
+TORCH_THREADS_PER_RANK = 1
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One server's CPU side.
+
+    Examples
+    --------
+    >>> h = HostSpec(cpu_cores=112, memory_gib=2048, memory_gbytes_per_s=460.8,
+    ...              nvme_read_gbytes_per_s=55.2, nvme_write_gbytes_per_s=32.0,
+    ...              gpus_per_node=8)
+    >>> round(h.memory_gbytes_per_s / h.gpus_per_node, 1)
+    57.6
+    """
+
+    cpu_cores: int
+    memory_gib: float
+    memory_gbytes_per_s: float
+    """Achievable (STREAM-like) DRAM bandwidth of the whole server."""
+    nvme_read_gbytes_per_s: float
+    nvme_write_gbytes_per_s: float
+    gpus_per_node: int
+
+    @classmethod
+    def from_scenario(cls, s: Scenario) -> HostSpec:
+        """The host of ``s``'s servers: the DGX of its GPU generation, cluster fields over it."""
+        c = s.cluster
+        d = DGX_HOSTS[_generation(c.gpu)]
+        return cls(
+            cpu_cores=c.cpu_cores or d.cpu_cores,
+            memory_gib=c.host_memory_gib or d.memory_gib,
+            memory_gbytes_per_s=c.host_memory_gbytes_per_s or d.memory_gbytes_per_s,
+            nvme_read_gbytes_per_s=c.nvme_read_gbytes_per_s or d.nvme_read_gbytes_per_s,
+            nvme_write_gbytes_per_s=c.nvme_write_gbytes_per_s or d.nvme_write_gbytes_per_s,
+            gpus_per_node=c.gpus_per_node,
+        )
+
+
+@dataclass(frozen=True)
+class _Dgx:
+    cpu_cores: int
+    memory_gib: float
+    memory_gbytes_per_s: float
+    nvme_read_gbytes_per_s: float
+    nvme_write_gbytes_per_s: float
+    source: str
+
+
+def _dgx(cores: int, mem_gib: float, channels: int, mt_s: int, drives: int,
+         drive_read: float, drive_write: float, source: str) -> _Dgx:
+    # DDR: 8 bytes per transfer per channel.
+    peak = channels * mt_s * 8 / 1000
+    return _Dgx(cores, mem_gib, peak * STREAM_FRACTION, drives * drive_read,
+                drives * drive_write, source)
+
+
+DGX_HOSTS: dict[str, _Dgx] = {
+    "volta": _dgx(48, 1536, 12, 2666, 8, 3.5, 2.0,
+                  "DGX-2 datasheet (2019): 2x Xeon Platinum 8168 (24 cores), 1.5 TB DDR4-2666 "
+                  "(6 channels per socket), 30 TB NVMe (8x 3.84 TB, PCIe Gen3 U.2: ~3.5 GB/s "
+                  "read, ~2 GB/s write each)"),
+    "ampere": _dgx(128, 1024, 16, 3200, 4, 6.9, 4.0,
+                   "DGX A100 datasheet (2020): 2x AMD EPYC 7742 (64 cores), 1 TB DDR4-3200 "
+                   "(8 channels per socket), 15 TB NVMe (4x 3.84 TB Gen4 U.2; Samsung PM1733 / "
+                   "KIOXIA CM6 datasheets ~6.9 GB/s sequential read, ~4 GB/s write)"),
+    "hopper": _dgx(112, 2048, 16, 4800, 8, 6.9, 4.0,
+                   "DGX H100/H200 datasheet (2023/2024): 2x Xeon Platinum 8480C (56 cores), "
+                   "2 TB DDR5-4800 (8 channels per socket), 8x 3.84 TB NVMe U.2 Gen4"),
+    "blackwell": _dgx(112, 2048, 16, 5600, 8, 6.9, 4.0,
+                      "DGX B200 datasheet (2024): 2x Xeon Platinum 8570 (56 cores), 2 TB "
+                      "DDR5-5600 (8 channels per socket), 8x 3.84 TB NVMe U.2"),
+}
+
+
+def _generation(gpu: str) -> str:
+    if gpu.startswith("v100"):
+        return "volta"
+    if gpu.startswith("a100"):
+        return "ampere"
+    if gpu.startswith("b"):
+        return "blackwell"
+    return "hopper"
+
+
+AdamImplementation = Literal["deepspeed", "torch"]
+
+
+def cpu_adam_s(host: HostSpec, params_per_rank: float,
+               implementation: AdamImplementation) -> float:
+    """Seconds of one rank's AdamW step on the CPU while every rank of the node steps at once.
+
+    Parameters
+    ----------
+    host : HostSpec
+        The server.
+    params_per_rank : float
+        Parameters of the rank's (sharded) optimizer partition.
+    implementation : {"deepspeed", "torch"}
+        ``deepspeed``: DeepSpeedCPUAdam (fused AVX kernel, OpenMP over the rank's cores);
+        ``torch``: ``torch.optim.AdamW`` on CPU tensors (one kernel
+        per line of the update, one thread under torchrun).
+
+    Examples
+    --------
+    >>> h = HostSpec(112, 2048, 460.8, 55.2, 32.0, 8)
+    >>> round(cpu_adam_s(h, 1e9, "deepspeed"), 3)   # 28 GB over 57.6 GB/s
+    0.486
+    >>> round(cpu_adam_s(h, 1e9, "torch") / cpu_adam_s(h, 1e9, "deepspeed"), 1)
+    11.5
+    """
+    per_param = (DEEPSPEED_ADAM_BYTES_PER_PARAM if implementation == "deepspeed"
+                 else TORCH_ADAMW_BYTES_PER_PARAM)
+    return cpu_pass_s(host, params_per_rank * per_param, implementation)
+
+
+def cpu_pass_s(host: HostSpec, nbytes: float, implementation: AdamImplementation) -> float:
+    """Seconds for one rank's CPU work to stream ``nbytes`` through DRAM while every rank of
+    the node does the same: the node's bandwidth shared by its ranks, or what the rank's
+    threads pull (``deepspeed``: its share of the cores; ``torch``: one thread, or every core
+    when the rank is alone on its node), whichever is lower.
+
+    Examples
+    --------
+    >>> h = HostSpec(112, 2048, 460.8, 55.2, 32.0, 8)
+    >>> round(cpu_pass_s(h, 15e9, "torch"), 3)       # one thread at 15 GB/s
+    1.0
+    """
+    ranks = max(1, host.gpus_per_node)
+    share = host.memory_gbytes_per_s / ranks
+    threads = (max(1, host.cpu_cores // ranks) if implementation == "deepspeed" or ranks == 1
+               else TORCH_THREADS_PER_RANK)
+    return nbytes / (min(share, threads * CORE_GBYTES_PER_S) * 1e9)

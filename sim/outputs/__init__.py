@@ -1,0 +1,1 @@
+"""Plots and exports of a run, drawn from :mod:`sim.analysis` (nothing computed twice)."""

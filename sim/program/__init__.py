@@ -1,0 +1,1 @@
+"""The IR between the framework builders and the engine: ops, rank classes and programs."""

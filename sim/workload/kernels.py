@@ -1,0 +1,145 @@
+"""The vocabulary of a block's kernels: tensors, kernels, execution styles and blocks.
+
+A :class:`Block` is one part of a training step (embedding, attention or MLP half of a layer,
+head) as lists of forward and backward :class:`Kernel` objects, each reading and writing
+:class:`Tensor` objects identified by object identity. :mod:`sim.workload.layer_builder` writes
+them,
+:mod:`sim.workload.block_pricing` prices them, :mod:`sim.workload.layer_ops` (the import surface)
+assembles the
+blocks of Hugging Face's and torchtitan's Llama, :mod:`sim.workload.megatron_ops` those of
+Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FP32 = 4
+BF16 = 2
+IDX = 8  # int64 token ids
+
+KernelClass = Literal["gemm", "attention", "elementwise", "norm_fused", "tiny"]
+
+
+@dataclass(frozen=True, eq=False)
+class Tensor:
+    """A tensor of a block, identified by object identity."""
+
+    name: str
+    nbytes: float
+
+
+@dataclass(frozen=True, eq=False)
+class Kernel:
+    """One GPU kernel: what it reads and writes, and how it is priced."""
+
+    name: str
+    klass: KernelClass
+    reads: tuple[Tensor, ...] = ()
+    writes: tuple[Tensor, ...] = ()
+    flops: float = 0.0
+    gemm: tuple[float, float, float, str] | None = None      # (m, k, n, pass)
+    attn: tuple[int, int, int, int, str] | None = None       # (batch, heads, seq, head_dim, pass)
+    attn_kv_seq: int = 0
+    """Keys per query when they outnumber the local queries (context parallelism: each rank
+    attends its seq/cp queries to the whole sequence, half of it on average under causal
+    load balancing); 0 = the same sequence, causal."""
+    attn_block: tuple[int, int] | None = None
+    """(queries, keys) of one non-causal block (a step of torch's ring attention,
+    :mod:`sim.frameworks.fsdp2.cp`); the kernel runs exactly that rectangle."""
+    activation_elements: float = 0.0
+    """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
+    fp8: bool = False
+    """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
+    reduction: bool = False
+    """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
+
+    @property
+    def nbytes(self) -> float:
+        return sum(t.nbytes for t in self.reads) + sum(t.nbytes for t in self.writes)
+
+    @property
+    def fusible(self) -> bool:
+        return self.klass in ("elementwise", "tiny", "norm_fused")
+
+
+@dataclass(frozen=True)
+class Style:
+    """How a framework runs the model's math (the styles are described in
+    :mod:`sim.workload.layer_ops`)."""
+
+    name: Literal["autocast", "bf16", "hf_bf16"]
+    compile: bool = False
+    float8: bool = False
+    """torchao's Float8Linear (dynamic tensorwise scaling) on the transformer blocks' linears,
+    as torchtitan's ``float8`` model converter applies it (all but the output layer)."""
+    float8_weights: bool = False
+    """The weights arrive in FP8 (FSDP2's float8 all-gather casts the shards before the
+    gather): the linears cast no weights."""
+
+    @property
+    def autocast(self) -> bool:
+        return self.name == "autocast"
+
+    @property
+    def hf(self) -> bool:
+        """Hugging Face's model code (transformers' modeling_llama.py), not torchtitan's."""
+        return self.name in ("autocast", "hf_bf16")
+
+    @property
+    def act_bytes(self) -> int:
+        return FP32 if self.autocast else BF16
+
+    @property
+    def grad_bytes(self) -> int:
+        """dtype of weight gradients as autograd produces them."""
+        return FP32 if self.autocast else BF16
+
+
+@dataclass
+class Block:
+    """One block's kernels and tensors."""
+
+    name: str
+    forward: list[Kernel] = field(default_factory=list)
+    backward: list[Kernel] = field(default_factory=list)
+    saved: list[Tensor] = field(default_factory=list)
+    forward_scoped: list[Tensor] = field(default_factory=list)
+    """Live from this block's forward until the whole forward pass (and loss) returns."""
+    weight_casts: list[Tensor] = field(default_factory=list)
+    """Autocast's bf16 copies of the weights (saved for backward unless recomputed)."""
+    inputs: list[Tensor] = field(default_factory=list)
+    outputs: list[Tensor] = field(default_factory=list)
+    weight_grads: list[Tensor] = field(default_factory=list)
+    """Weight gradients as autograd produces them (fp32 under autocast, bf16 otherwise)."""
+    params: int = 0
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+
+
+
+def is_reduction(k: Kernel) -> bool:
+    """A memory-bound kernel that reduces: it reads a tensor more than once (a softmax's
+    max, sum and output passes over a row too wide for shared memory), or writes less than a
+    quarter of what it reads (a mean over the hidden size, a gradient summed over tokens, an
+    amax). A fused kernel containing one (``Kernel.reduction``) is one too: inductor's
+    reduction kernels hold a row per block like the eager ones.
+
+    Examples
+    --------
+    >>> x, y = Tensor("x", 4e6), Tensor("y", 4e3)
+    >>> is_reduction(Kernel("mean", "elementwise", (x,), (y,)))
+    True
+    >>> is_reduction(Kernel("mul", "elementwise", (x, y), (Tensor("z", 4e6),)))
+    False
+    """
+    if k.klass not in ("elementwise", "norm_fused") or not k.reads:
+        return False
+    if k.reduction:
+        return True
+    ids = [id(t) for t in k.reads]
+    read = sum(t.nbytes for t in k.reads)
+    written = sum(t.nbytes for t in k.writes)
+    return len(set(ids)) < len(ids) or written < 0.25 * read
+

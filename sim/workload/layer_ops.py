@@ -1,0 +1,268 @@
+"""The kernels a transformer training step runs, block by block, as a framework issues them.
+
+Each block (embedding, attention half of a layer, MLP half, final norm + LM head + loss) is
+built once as a list of forward kernels and a list of backward kernels, each reading and
+writing named tensors, plus the set of tensors autograd saves from forward to backward. From
+that one description come:
+
+* time: every kernel priced by :class:`~sim.hardware.compute.ComputeModel` (GEMM, attention,
+  memory-bound by class), with the eager CPU issue cost as a floor;
+* memory: saved activations per block, and the transient peak inside each block's forward
+  and backward from tensor lifetimes (a tensor lives from the kernel that writes it to the last
+  kernel that reads it);
+* torch.compile: the runs of memory-bound kernels between two GEMM/attention kernels fused
+  as inductor's scheduler fuses them (:mod:`sim.workload.inductor`): each fused kernel reads what
+  comes from outside it and writes what leaves it.
+
+This module builds the blocks of Hugging Face's and torchtitan's Llama and is the import
+surface of the family (every name importable from it before it was split still is):
+:mod:`sim.workload.kernels` holds the vocabulary (Tensor, Kernel, Style, Block, dtypes),
+:mod:`sim.workload.layer_builder` the op-by-op builder, :mod:`sim.workload.layer_rules` the
+linear-layer and
+fused-norm rules it shares with :mod:`sim.workload.megatron_ops`, :mod:`sim.workload.block_pricing`
+the time and
+memory above.
+
+Two execution styles cover the frameworks of this version:
+
+``autocast``
+    Plain PyTorch with fp32 parameters under ``torch.autocast(bfloat16)`` running Hugging Face
+    ``LlamaForCausalLM`` (transformers 5.x, SDPA attention): fp32 residual stream (the
+    embedding output is fp32 and adds promote), RMSNorm as six fp32 kernels, every linear
+    casting its input to bf16 separately and its weight once per forward (autocast's weight
+    cache, saved for backward), rotary embedding in fp32 (bf16 q times fp32 cos promotes), and a
+    KV cache built in training (``use_cache`` defaults on) that copies k and v and lives until
+    the forward returns. Sources: ``transformers/models/llama/modeling_llama.py``,
+    ``integrations/sdpa_attention.py``, ``loss/loss_utils.py``; PyTorch
+    ``aten/src/ATen/autocast_mode.cpp`` (cast cache only for fp32 leaf tensors that require
+    grad; SDPA on the lower-precision list).
+``bf16``
+    torchtitan's Llama under FSDP2 mixed precision: parameters gathered in bf16, no autocast,
+    bf16 residual stream, fused RMSNorm kernel, rotary embedding by complex multiply in fp32,
+    no KV cache. Sources: ``torchtitan/models/llama3/model.py``,
+    ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``.
+``hf_bf16``
+    Hugging Face ``LlamaForCausalLM`` under FSDP2 mixed precision: bf16 parameters and
+    activations, no autocast, the model's own eager RMSNorm (eight kernels through fp32) and
+    ``rotate_half`` rotary embedding in bf16, and the KV cache of ``use_cache``
+    (:mod:`sim.workload.hf_ops`).
+
+Loss (both): logits in bf16, ``.float()`` copy, ``log_softmax`` (output saved) and
+``nll_loss``; backward materialises the fp32 gradient of the logits twice (nll and
+log_softmax) before casting it back to bf16.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from sim.workload.block_pricing import (
+    BlockCost,
+    SacCost,
+    _fuse,
+    _needed_outside,
+    kernel_time,
+    op_sac_costs,
+    price_block,
+)
+from sim.workload.kernels import (
+    BF16,
+    FP32,
+    IDX,
+    Block,
+    Kernel,
+    KernelClass,
+    Style,
+    Tensor,
+    is_reduction,
+)
+from sim.workload.layer_builder import _Builder
+from sim.workload.model import ModelSpec
+
+__all__ = [
+    "BF16", "FP32", "IDX", "Block", "BlockCost", "Kernel", "KernelClass", "SacCost", "Style",
+    "Tensor", "_Builder", "_fuse", "_needed_outside", "attention_block", "embedding_block",
+    "head_block", "is_reduction", "kernel_time", "mlp_block", "mlp_projections",
+    "model_blocks", "op_sac_costs", "price_block", "qkv_projections",
+]
+
+
+# ---------------------------------------------------------------------- blocks
+def qkv_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float,
+                    names: tuple[str, str, str] = ("q", "k", "v")
+                    ) -> tuple[Tensor, Tensor, Tensor]:
+    """Query, key and value projections of the normalised input ``y`` over the widths in
+    ``m`` (the whole model, or one tensor-parallel rank's heads), with RoPE on queries and
+    keys. ``names``: HF q, k, v; torchtitan wq, wk, wv."""
+    h = m.hidden
+    q = b.linear(y, tokens, h, m.q_dim, names[0], bias=m.bias)
+    k = b.linear(y, tokens, h, m.kv_dim, names[1], bias=m.bias)
+    v = b.linear(y, tokens, h, m.kv_dim, names[2], bias=m.bias)
+    if m.position == "rope":
+        q = b.rope(q, tokens, m.q_dim, "rope_q")
+        k = b.rope(k, tokens, m.kv_dim, "rope_k")
+    return q, k, v
+
+
+def attention_block(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: bool) -> Block:
+    """Norm, q/k/v projections, rotary embedding, causal attention, output projection, residual."""
+    b = _Builder("attn", style)
+    tokens = batch * seq
+    h = m.hidden
+    x = b.t("in", tokens * h, style.act_bytes)
+    b.block.inputs.append(x)
+    # Residual stream gradient plus the branch gradient through the norm.
+    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in")
+    y = b.norm(m, x, tokens, "norm")
+    # Under autocast each projection casts y separately (3 reads of y, 3 fp32 input grads);
+    # in bf16 they share y and their input gradients are summed.
+    b.sum_grads(3, tokens * h, FP32 if style.autocast else BF16, "norm_out")
+    q, k, v = qkv_projections(b, m, y, tokens)
+    if kv_cache:
+        # DynamicCache.update: torch.cat([empty, k]) and the same for v, kept until return.
+        kc = Tensor("attn.cache_k", k.nbytes)   # same dtype as k after RoPE
+        vc = b.t("cache_v", tokens * m.kv_dim, BF16)
+        b.fwd(Kernel("cache_k", "elementwise", (k,), (kc,)))
+        b.fwd(Kernel("cache_v", "elementwise", (v,), (vc,)))
+        b.block.forward_scoped += [kc, vc]
+    o = b.attention(m, q, k, v, batch, seq)
+    out = b.linear(o, tokens, m.q_dim, h, "o", bias=m.bias)
+    res = b.residual_add(x, out, tokens, h, "resid")
+    b.block.outputs.append(res)
+    return b.finish()
+
+
+def mlp_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float, f: int,
+                    names: tuple[str, str, str] = ("gate", "up", "down")) -> Tensor:
+    """The MLP between its normalised input ``y`` and its output projection's result:
+    gate/up projections, SiLU and gate product (or the up projection and GELU), and the down
+    projection, over an inner width ``f`` (the full ``ffn_hidden``, or one tensor-parallel
+    rank's share). ``names``: the three projections' names (HF: gate, up, down; torchtitan:
+    w1, w3, w2)."""
+    h = m.hidden
+    gate, up, down = names
+    if m.mlp == "swiglu":
+        g = b.linear(y, tokens, h, f, gate, bias=m.bias)
+        u = b.linear(y, tokens, h, f, up, bias=m.bias)
+        s = b.t("silu", tokens * f, BF16)
+        prod = b.t("prod", tokens * f, BF16)
+        b.fwd(Kernel("silu", "elementwise", (g,), (s,), activation_elements=tokens * f))
+        b.fwd(Kernel("gate_mul", "elementwise", (s, u), (prod,)))
+        b.save(g, s, u)
+        gp = b.t("g_prod", tokens * f, BF16)
+        gs = b.t("g_silu", tokens * f, BF16)
+        gu = b.t("g_up", tokens * f, BF16)
+        gg = b.t("g_gate", tokens * f, BF16)
+        b.bwd(Kernel("g_gate_mul_s", "elementwise", (gp, u), (gs,)),
+              Kernel("g_gate_mul_u", "elementwise", (gp, s), (gu,)),
+              Kernel("g_silu", "elementwise", (gs, g), (gg,), activation_elements=tokens * f))
+        act = prod
+    else:
+        u = b.linear(y, tokens, h, f, up, bias=m.bias)
+        act = b.t("gelu", tokens * f, BF16)
+        b.fwd(Kernel("gelu", "elementwise", (u,), (act,), activation_elements=tokens * f))
+        b.save(u)
+        ga = b.t("g_gelu", tokens * f, BF16)
+        gu = b.t("g_up", tokens * f, BF16)
+        b.bwd(Kernel("g_gelu", "elementwise", (ga, u), (gu,), activation_elements=tokens * f))
+    return b.linear(act, tokens, f, h, down, bias=m.bias)
+
+
+def mlp_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+    """Norm, gate/up projections, SiLU-gate (or GELU), down projection, residual."""
+    b = _Builder("mlp", style)
+    tokens = batch * seq
+    h, f = m.hidden, m.ffn_hidden
+    x = b.t("in", tokens * h, style.act_bytes)
+    b.block.inputs.append(x)
+    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in")
+    y = b.norm(m, x, tokens, "norm")
+    if m.mlp == "swiglu":
+        b.sum_grads(2, tokens * h, FP32 if style.autocast else BF16, "norm_out")
+    out = mlp_projections(b, m, y, tokens, f)
+    res = b.residual_add(x, out, tokens, h, "resid")
+    b.block.outputs.append(res)
+    return b.finish()
+
+
+def embedding_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+    """Token (and learned position) embedding lookup; backward scatters into a dense grad."""
+    b = _Builder("embed", style)
+    tokens = batch * seq
+    h = m.hidden
+    wb = FP32 if style.autocast else BF16
+    ids = b.t("ids", tokens, IDX)
+    rows = b.t("rows", tokens * h, wb)
+    out = b.t("out", tokens * h, style.act_bytes)
+    b.fwd(Kernel("lookup", "elementwise", (ids, rows), (out,)))
+    b.block.params += m.vocab * h
+    gout = b.t("g_out", tokens * h, style.act_bytes)
+    gtab = b.t("g_table", m.vocab * h, wb)
+    # embedding_dense_backward: zero-filled [V, h] gradient, then index_add of the rows.
+    b.bwd(Kernel("g_zero", "elementwise", (), (gtab,)),
+          Kernel("g_index_add", "elementwise", (gout, ids), (rows,)))
+    b.block.weight_grads.append(gtab)
+    if m.position == "learned":
+        b.block.params += m.max_positions * h
+        pos = b.t("pos", seq * h, wb)
+        out2 = b.t("out_pos", tokens * h, style.act_bytes)
+        b.fwd(Kernel("add_pos", "elementwise", (out, pos), (out2,)))
+        gpos = b.t("g_pos", m.max_positions * h, wb)
+        b.bwd(Kernel("g_pos_sum", "elementwise", (gout,), (gpos,)))
+        b.block.weight_grads.append(gpos)
+        out = out2
+    elif style.hf:
+        # HF LlamaRotaryEmbedding, once per forward: a handful of [S, head_dim] kernels
+        # (in bf16 also the casts of cos and sin to the hidden states' dtype).
+        tab = b.t("rope_table", seq * m.head_dim, FP32)
+        casts = ("cos_to_bf16", "sin_to_bf16") if not style.autocast else ()
+        for name in ("pos_float", "inv_freq_mul", "cat", "cos", "sin", "scale_cos",
+                     "scale_sin", *casts):
+            b.fwd(Kernel(f"rope.{name}", "tiny", (tab,), (tab,)))
+    b.block.outputs.append(out)
+    return b.finish()
+
+
+def head_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+    """Final norm, LM head over every position, cross-entropy in fp32."""
+    b = _Builder("head", style)
+    tokens = batch * seq
+    h, vocab = m.hidden, m.vocab
+    x = b.t("in", tokens * h, style.act_bytes)
+    b.block.inputs.append(x)
+    y = b.norm(m, x, tokens, "norm")
+    logits = b.linear(y, tokens, h, vocab, "lm_head", float8=False)
+    if m.tied_embeddings:
+        # The shared matrix's parameters belong to the embedding block.
+        b.block.params -= h * vocab
+    # The bf16 logits stay referenced (model output / local) until the forward returns.
+    b.block.forward_scoped.append(logits)
+    n = tokens * vocab
+    lf = b.t("logits_fp32", n, FP32)
+    lsm = b.t("log_softmax", n, FP32)
+    loss = b.t("loss", 1, FP32)
+    b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
+    # A 128k-wide fp32 row does not fit in shared memory, so PyTorch's softmax kernel makes
+    # three passes over it (max, sum of exponentials, output) and writes once.
+    b.fwd(Kernel("log_softmax", "elementwise", (lf, lf, lf), (lsm,)))
+    b.fwd(Kernel("nll_loss", "tiny", (lsm,), (loss,)))
+    b.save(lsm)
+    g_nll = b.t("g_nll", n, FP32)
+    g_lsm = b.t("g_log_softmax", n, FP32)
+    g_logits = b.t("lm_head.g_out", n, BF16)
+    # log_softmax backward: sum of the gradient over the row, then grad - exp(out) * sum.
+    b.bwd(Kernel("g_nll", "elementwise", (), (g_nll,)),
+          Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_lsm,)),
+          Kernel("g_logits_bf16", "elementwise", (g_lsm,), (g_logits,)))
+    return b.finish()
+
+
+
+@lru_cache(maxsize=256)
+def model_blocks(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: bool
+                 ) -> tuple[Block, Block, Block, Block]:
+    """(embedding, attention, MLP, head) blocks of one micro-batch."""
+    return (embedding_block(m, style, batch, seq),
+            attention_block(m, style, batch, seq, kv_cache),
+            mlp_block(m, style, batch, seq),
+            head_block(m, style, batch, seq))

@@ -1,0 +1,107 @@
+"""The kernel rules of a linear layer and a fused norm: one home for each, whoever builds them.
+
+Three builders write linear layers: PyTorch's ``nn.Linear`` in eager or under autocast
+(:meth:`sim.workload.layer_builder._Builder.linear`), torchao's ``Float8Linear``
+(:meth:`~sim.workload.layer_builder._Builder.float8_linear`) and Megatron-LM's tensor-parallel
+linears,
+16-bit or FP8 through Transformer Engine (:func:`sim.workload.megatron_ops._linear`). What they
+share
+is here, and produces the same kernels (names, order, reads, writes, sizes) for all of them:
+
+* the parameters of ``y = x W^T (+ b)``: ``n_in * n_out`` (``+ n_out``);
+* its three GEMMs of ``2 * tokens * n_in * n_out`` FLOPs each, forward ``[T, n_in] x [n_in,
+  n_out]``, the input gradient (dgrad) and the weight gradient (wgrad), priced by
+  :meth:`sim.hardware.compute.ComputeModel.gemm_time` with the shape ``(T, n_in, n_out, pass)``;
+* on 16-bit operands, forward reads ``(x, W)`` and autograd saves ``x``; dgrad reads the
+  output gradient and ``W``, wgrad the output gradient and ``x``
+  (``torch/csrc/autograd/FunctionsManual.cpp``: ``mm_mat1_backward``, ``mm_mat2_backward``);
+* a scaled cast to FP8: current (tensorwise) scaling first reduces the tensor's amax in a pass
+  of its own, then casts; delayed scaling takes the scale from the amax history and records
+  the new amax inside the cast kernel (Transformer Engine ``recipe.py``; torchao
+  ``float8/float8_scaling_utils.py``);
+* the bias gradient: the output gradient summed over tokens;
+* a fused norm's forward (torch ``F.rms_norm``/``native_layer_norm``, apex or Transformer
+  Engine): one kernel reading the input and writing the output with per-row statistics, input
+  and statistics saved for backward.
+
+What the builders do differently stays with them, because the frameworks do it differently:
+which tensor each GEMM reads under FP8 (torchao keeps the bf16 input and casts again in
+backward; Transformer Engine saves the transposed FP8 copy), the dtype the weight gradient
+lands in (bf16, fp32 under autocast, fp32 ``main_grad`` with Megatron's gradient-accumulation
+fusion) and the norms' backward kernels (see :meth:`~sim.workload.layer_builder._Builder.rmsnorm`,
+:meth:`~sim.workload.layer_builder._Builder.layernorm` and :func:`sim.workload.megatron_ops._norm`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from sim.workload.kernels import Kernel, Tensor
+
+if TYPE_CHECKING:
+    from sim.workload.layer_builder import _Builder
+
+FP8 = 1
+"""Bytes per FP8 element (E4M3 or E5M2)."""
+
+
+def linear_params(n_in: int, n_out: int, bias: bool) -> int:
+    """Parameters of ``y = x W^T (+ b)`` with ``W`` of ``n_out x n_in``.
+
+    Examples
+    --------
+    >>> linear_params(4096, 1024, bias=True)
+    4195328
+    """
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def linear_gemm(name: str, pass_: str, reads: tuple[Tensor, ...], out: Tensor,
+                tokens: float, n_in: int, n_out: int, fp8: bool = False) -> Kernel:
+    """One of a linear layer's three GEMMs (``pass_``: ``fwd``, ``dgrad`` or ``wgrad``), named
+    ``{name}.{pass_}``: ``2 * tokens * n_in * n_out`` FLOPs, on FP8 operands if ``fp8``."""
+    return Kernel(f"{name}.{pass_}", "gemm", reads, (out,), 2.0 * tokens * n_in * n_out,
+                  gemm=(tokens, n_in, n_out, pass_), fp8=fp8)
+
+
+def linear16_gemms(b: _Builder, name: str, x: Tensor, w: Tensor, y: Tensor, gy: Tensor,
+                   gx: Tensor, gw: Tensor, tokens: float, n_in: int, n_out: int
+                   ) -> list[Kernel]:
+    """A linear on 16-bit operands: issue its forward GEMM ``y = x W^T``, save ``x``, and
+    return its backward GEMMs (dgrad into ``gx``, wgrad into ``gw``) for the caller's
+    :meth:`~sim.workload.layer_builder._Builder.bwd` group."""
+    b.fwd(linear_gemm(name, "fwd", (x, w), y, tokens, n_in, n_out))
+    b.save(x)
+    return [linear_gemm(name, "dgrad", (gy, w), gx, tokens, n_in, n_out),
+            linear_gemm(name, "wgrad", (gy, x), gw, tokens, n_in, n_out)]
+
+
+def scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax: bool
+                ) -> list[Kernel]:
+    """Cast ``src`` to FP8 (``dsts``: one or more layouts written by the one kernel): with
+    ``amax`` (current scaling) a reduction ``{name}.amax_{tag}`` first, then the cast
+    ``{name}.cast_{tag}``."""
+    ks = [Kernel(f"{name}.amax_{tag}", "elementwise", (src,), ())] if amax else []
+    ks.append(Kernel(f"{name}.cast_{tag}", "elementwise", (src,), dsts))
+    return ks
+
+
+def bias_grad(name: str, gy: Tensor, gb: Tensor) -> Kernel:
+    """``{name}.g_bias``: the bias gradient ``gb``, the output gradient summed over tokens."""
+    return Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,))
+
+
+def fused_norm_forward(b: _Builder, x: Tensor, y: Tensor, stats: Tensor, name: str) -> None:
+    """A fused norm's forward ``{name}.fused``: reads ``x``, writes ``y`` and the per-row
+    ``stats`` (rstd, or mean and rstd); autograd saves ``x`` and ``stats``."""
+    b.fwd(Kernel(f"{name}.fused", "norm_fused", (x,), (y, stats)))
+    b.save(x, stats)
+
+
+def weight_mul_grad(name: str, g: Tensor, xn: Tensor, prod: Tensor, gw: Tensor
+                    ) -> list[Kernel]:
+    """The weight's gradient of an eager ``weight * xn`` (Hugging Face ``LlamaRMSNorm``'s
+    last op): ``MulBackward`` multiplies the output gradient ``g`` by ``xn`` into ``prod``,
+    then ``sum_to_size`` sums it over the tokens into ``gw``."""
+    return [Kernel(f"{name}.g_w_prod", "elementwise", (g, xn), (prod,)),
+            Kernel(f"{name}.g_w_sum", "elementwise", (prod,), (gw,))]

@@ -1,0 +1,414 @@
+"""The kernels of a Megatron-LM transformer layer on one tensor-parallel rank.
+
+Megatron's GPT/Llama layer with its fused kernels (apex/TE fused LayerNorm or RMSNorm,
+column-parallel QKV and fc1, row-parallel output projection and fc2, jit-fused
+bias-dropout-add and bias-GeLU, gradient-accumulation fusion into fp32 ``main_grad``),
+following ``megatron/core/transformer`` (local spec) and ``megatron/core/tensor_parallel``.
+Parameters and activations are 16-bit; there is no autocast.
+
+Core attention is either a flash kernel (``flash_attention``) or Megatron's unfused path:
+``baddbmm`` for the scores, the fused scale-mask-softmax kernel, dropout on the
+probabilities, ``bmm`` with V (``megatron/core/transformer/dot_product_attention.py``).
+
+Each block is split in two parts so that the framework can place tensor-parallel
+communication between them as Megatron does: ``pre`` is the normalisation (on the local
+sequence shard with sequence parallelism), ``main`` the rest. Saved activations follow from
+the kernels; with 16-bit activations and 1-byte dropout masks they reproduce Korthikanti et
+al., "Reducing Activation Recomputation in Large Transformer Models" (2022), section 4:
+``sbh(34 + 5as/h)`` per layer without parallelism, ``sbh(10 + 24/t + 5as/(ht))`` with tensor
+parallelism, ``sbh(34/t + 5as/(ht))`` with sequence parallelism too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
+from sim.workload.layer_rules import (
+    FP8,
+    bias_grad,
+    fused_norm_forward,
+    linear16_gemms,
+    linear_gemm,
+    linear_params,
+    scaled_cast,
+)
+from sim.workload.model import ModelSpec
+
+MASK = 1  # dropout masks are bytes
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """What changes a Megatron layer's kernels: parallel degrees and options."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+    dropout: float = 0.0
+    """hidden_dropout and attention_dropout (Megatron-DeepSpeed default 0.1)."""
+    selective_recompute: bool = False
+    """Recompute core attention in backward (Megatron's --recompute-granularity selective)."""
+    cp: int = 1
+    """Context parallelism: each rank holds seq/cp tokens of every sequence."""
+    fp8: Literal["delayed", "tensorwise"] | None = None
+    """FP8 linear layers (Transformer Engine, ``--fp8-format``) with this scaling recipe
+    (``--fp8-recipe``); None = 16-bit."""
+    weight_cast_share: float = 1.0
+    """Share of a weight's FP8 cast each micro-batch pays: Transformer Engine casts weights on
+    the first micro-batch of a step only (``is_first_microbatch``), 1 / micro-batches."""
+
+
+STYLE = Style("bf16")
+
+# Python-level torch operations Megatron issues per block (forward ops; backward autograd
+# nodes), counted from Megatron's layer code (ParallelTransformerLayer, ParallelAttention,
+# CoreAttention, ParallelMLP; Megatron-DeepSpeed and megatron/core local spec): attention =
+# QKV ColumnParallelLinear (copy-to-region + linear), view and split, core attention (views
+# and transposes, baddbmm, view, fused softmax with its views, the CUDA RNG tracker's state
+# save/restore around dropout, dropout, bmm, permute/contiguous/view), RowParallelLinear
+# (linear + all-reduce), bias expand + fused bias-dropout-add; MLP = two linears with their
+# region functions, fused bias-GeLU, bias-dropout-add. Many are views that launch no kernel
+# but cost the CPU as much; a tiny layer is bound by them.
+PYTHON_OPS = {"attn_pre": (1, 1), "attn_main": (30, 24), "mlp_pre": (1, 1),
+              "mlp_main": (7, 6), "embed": (10, 5), "head": (16, 8)}
+# With Transformer Engine (megatron/core/extensions/transformer_engine.py) a layer is a few
+# module calls: fused LayerNorm+QKV linear, rotary embedding, TE dot-product attention, row-
+# parallel linear, bias-dropout-add; fused LayerNorm+fc1, activation, fc2, bias-dropout-add.
+PYTHON_OPS_TE = {"attn_pre": (0, 0), "attn_main": (8, 6), "mlp_pre": (0, 0),
+                 "mlp_main": (5, 4), "embed": (10, 5), "head": (16, 8)}
+# Extra ops of a checkpointed layer's recompute: RNG states saved and restored (CPU and
+# CUDA), inputs detached (megatron/core/tensor_parallel/random.py CheckpointFunction).
+CHECKPOINT_OPS = 6
+
+
+def _local(m: ModelSpec, lay: MegatronLayout) -> tuple[int, int, int, int, int]:
+    """Per-rank (q width, kv width, heads, kv heads, ffn width) under tensor parallelism."""
+    t = lay.tp
+    heads = m.heads // t
+    kv_heads = max(1, m.kv_heads // t)   # fewer KV heads than ranks: replicated
+    return heads * m.head_dim, kv_heads * m.head_dim, heads, kv_heads, m.ffn_hidden // t
+
+
+def _dropout(b: _Builder, x: Tensor, numel: float, name: str, p: float) -> Tensor:
+    """Dropout as its own kernel (attention probabilities): output and a 1-byte mask saved."""
+    if p <= 0:
+        return x
+    out = b.t(f"{name}.out", numel, BF16)
+    mask = b.t(f"{name}.mask", numel, MASK)
+    b.fwd(Kernel(f"{name}", "elementwise", (x,), (out, mask)))
+    b.save(mask)
+    g = b.t(f"{name}.g_out", numel, BF16)
+    gi = b.t(f"{name}.g_in", numel, BF16)
+    b.bwd(Kernel(f"{name}.bwd", "elementwise", (g, mask), (gi,)))
+    return out
+
+
+def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Tensor:
+    """Fused LayerNorm/RMSNorm (apex MixedFusedLayerNorm / TE): input and row stats saved."""
+    h = m.hidden
+    b.block.params += m.norm_params
+    y = b.t(f"{name}.out", tokens * h, BF16)
+    stats = b.t(f"{name}.stats", 2 * tokens, FP32)
+    fused_norm_forward(b, x, y, stats, name)
+    gy = b.t(f"{name}.g_out", tokens * h, BF16)
+    gx = b.t(f"{name}.g_in", tokens * h, BF16)
+    gw = b.t(f"{name}.g_w", m.norm_params, FP32)
+    # Backward is Megatron's own, not the PyTorch builder's norms (layer_builder): the weight
+    # kernel reads the row statistics and writes an fp32 gradient.
+    b.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx,)),
+          Kernel(f"{name}.bwd_w", "norm_fused", (gy, x, stats), (gw,)))
+    b.block.weight_grads.append(gw)
+    return y
+
+
+def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
+            bias: bool, bias_in_epilogue: bool = False,
+            lay: MegatronLayout | None = None) -> Tensor:
+    """A tensor-parallel linear on the local shard; weight gradient accumulated straight into
+    the fp32 main_grad by the wgrad GEMM (gradient_accumulation_fusion).
+
+    With FP8 (``lay.fp8``, Transformer Engine's ``Linear``/``LayerNormLinear`` under
+    ``fp8_autocast``, ``transformer_engine/pytorch/module/linear.py``): the input is cast to
+    E4M3 with its transpose (``cast_transpose``: Hopper's FP8 GEMMs take only the TN layout,
+    so the wgrad needs the transposed copy), which is what is saved for backward (1 byte per
+    element instead of 2); the weight is cast the same way once per step; backward casts the
+    output gradient to E5M2 with its transpose; the three GEMMs run on FP8 operands with
+    16-bit (fwd, dgrad) or fp32 main_grad (wgrad) outputs. The ``tensorwise`` recipe (current
+    scaling) first reduces each tensor's amax in its own pass; ``delayed`` scaling takes the
+    scale from the amax history and records the new amax inside the cast. Where TE fuses the
+    cast into the preceding norm or activation kernel we still count it as its own pass.
+    """
+    b.block.params += linear_params(n_in, n_out, bias)
+    fp8 = lay.fp8 if lay is not None else None
+    y = b.t(f"{name}.out", tokens * n_out, BF16)
+    gy = b.t(f"{name}.g_out", tokens * n_out, BF16)
+    gx = b.t(f"{name}.g_in", tokens * n_in, BF16)
+    gw = b.t(f"{name}.main_grad", n_in * n_out, FP32)
+    if fp8 is None:
+        w = b.t(f"{name}.w", n_in * n_out, BF16)
+        ks = linear16_gemms(b, name, x, w, y, gy, gx, gw, tokens, n_in, n_out)
+    else:
+        assert lay is not None
+        share = lay.weight_cast_share
+        w16 = b.t(f"{name}.w_bf16_share", n_in * n_out * share, BF16)
+        w8s = b.t(f"{name}.w_fp8_share", 2 * n_in * n_out * share, FP8)
+        w8 = b.t(f"{name}.w_fp8", n_in * n_out, FP8)
+        amax = fp8 == "tensorwise"
+        x8 = b.t(f"{name}.in_fp8", tokens * n_in, FP8)
+        x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, FP8)
+        # TE's cast_transpose writes both GEMM layouts in one kernel (torchao: one cast each).
+        for k in (scaled_cast(name, "w", w16, (w8s,), amax)
+                  + scaled_cast(name, "in", x, (x8, x8t), amax)):
+            b.fwd(k)
+        b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
+        b.save(x8t)
+        g8 = b.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
+        g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8)
+        ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
+              linear_gemm(name, "dgrad", (g8, w8), gx, tokens, n_in, n_out, fp8=True),
+              linear_gemm(name, "wgrad", (g8t, x8t), gw, tokens, n_in, n_out, fp8=True)]
+    out = y
+    if bias and not bias_in_epilogue:
+        out = b.t(f"{name}.biased", tokens * n_out, BF16)
+        b.fwd(Kernel(f"{name}.bias", "elementwise", (y,), (out,)))
+    if bias:
+        gb = b.t(f"{name}.g_b", n_out, FP32)
+        ks.append(bias_grad(name, gy, gb))
+    b.bwd(*ks)
+    b.block.weight_grads.append(gw)
+    return out
+
+
+def _keep_input_shard(b: _Builder, kept: int, name: str, numel: float,
+                      lay: MegatronLayout) -> None:
+    """With sequence parallelism a column-parallel linear keeps only its sequence shard of the
+    gathered input (1 byte per element in FP8) and gathers it again in backward: replace what
+    :func:`_linear` saved for its input (everything saved after index ``kept``)."""
+    if lay.sequence_parallel:
+        del b.block.saved[kept:]
+        b.save(b.t(name, numel, FP8 if lay.fp8 else BF16))
+
+
+def _bias_dropout_add(b: _Builder, out: Tensor, resid: Tensor, tokens: float, h: int,
+                      name: str, p: float) -> Tensor:
+    """Jit-fused bias + dropout + residual add; the dropout mask is saved."""
+    y = b.t(f"{name}.out", tokens * h, BF16)
+    writes: tuple[Tensor, ...] = (y,)
+    if p > 0:
+        mask = b.t(f"{name}.mask", tokens * h, MASK)
+        writes = (y, mask)
+        b.save(mask)
+    b.fwd(Kernel(name, "elementwise", (out, resid), writes))
+    g = b.t(f"{name}.g", tokens * h, BF16)
+    if p > 0:
+        gb = b.t(f"{name}.g_branch", tokens * h, BF16)
+        b.bwd(Kernel(f"{name}.bwd", "elementwise", (g, writes[-1]), (gb,)))
+    return y
+
+
+def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
+                    ) -> tuple[Block, Block]:
+    """(pre, main) of the attention half of a layer."""
+    t = lay.tp
+    s = seq // lay.cp
+    tokens = batch * s
+    local = tokens / t if lay.sequence_parallel else tokens
+    qd, kvd, heads, _, _ = _local(m, lay)
+    h = m.hidden
+    pre = _Builder("attn_pre", STYLE)
+    x = pre.t("in", local * h, BF16)
+    pre.block.inputs.append(x)
+    y = _norm(pre, m, x, local, "norm")
+    pre.block.outputs.append(y)
+
+    b = _Builder("attn_main", STYLE)
+    # With sequence parallelism the QKV input is kept sharded and gathered again in backward.
+    yin = b.t("qkv_in", tokens * h, BF16)
+    b.block.inputs.append(yin)
+    kept = len(b.block.saved)
+    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay)
+    _keep_input_shard(b, kept, "qkv_in_shard", local * h, lay)
+    q = b.t("q", tokens * qd, BF16)
+    k = b.t("k", tokens * kvd, BF16)
+    v = b.t("v", tokens * kvd, BF16)
+    b.fwd(Kernel("split_qkv", "tiny", (qkv,), (q, k, v)))
+    if m.position == "rope":
+        qr, kr = b.t("q_rope", tokens * qd, BF16), b.t("k_rope", tokens * kvd, BF16)
+        b.fwd(Kernel("rope", "elementwise", (q, k), (qr, kr)))
+        gq_, gk_ = b.t("g_q_rope", tokens * qd, BF16), b.t("g_k_rope", tokens * kvd, BF16)
+        gq2, gk2 = b.t("g_q_pre", tokens * qd, BF16), b.t("g_k_pre", tokens * kvd, BF16)
+        b.bwd(Kernel("rope.bwd", "elementwise", (gq_, gk_), (gq2, gk2)))
+        q, k = qr, kr
+    # Attention over the full sequence: with context parallelism the K/V of the other ranks
+    # arrive by ring exchange (the framework adds it); the scores cover seq x seq/cp.
+    kv_len = s * lay.cp
+    ctx = b.t("ctx", tokens * qd, BF16)
+    if lay.flash_attention:
+        lse = b.t("lse", batch * heads * s, FP32)
+        fl = 2.0 * batch * s * kv_len * qd / 2   # causal: half the score matrix
+        b.fwd(Kernel("flash_fwd", "attention", (q, k, v), (ctx, lse), fl,
+                     attn=(batch, heads, s, m.head_dim, "fwd"),
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0))
+        b.save(q, k, v, ctx, lse)
+        gctx = b.t("g_ctx", tokens * qd, BF16)
+        gqa = b.t("g_q", tokens * qd, BF16)
+        gka, gva = b.t("g_k", tokens * kvd, BF16), b.t("g_v", tokens * kvd, BF16)
+        b.bwd(Kernel("flash_bwd", "attention", (gctx, q, k, v, ctx, lse), (gqa, gka, gva),
+                     2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd"),
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0))
+    else:
+        # baddbmm -> fused scale-mask-softmax -> dropout -> bmm (Megatron's local path).
+        n_scores = batch * heads * s * kv_len
+        scores = b.t("scores", n_scores, BF16)
+        fl = 2.0 * batch * heads * s * kv_len * m.head_dim
+        rows = batch * heads * s
+        b.fwd(Kernel("qk_bmm", "gemm", (q, k), (scores,), fl,
+                     gemm=(rows, m.head_dim, kv_len, "fwd")))
+        b.save(q, k)
+        probs = b.t("probs", n_scores, BF16)
+        b.fwd(Kernel("softmax", "elementwise", (scores,), (probs,)))
+        b.save(probs)
+        dropped = _dropout(b, probs, n_scores, "attn_dropout", lay.dropout)
+        b.fwd(Kernel("pv_bmm", "gemm", (dropped, v), (ctx,), fl,
+                     gemm=(rows, kv_len, m.head_dim, "fwd")))
+        b.save(dropped, v)
+        gs = b.t("g_scores", n_scores, BF16)
+        gp = b.t("g_probs", n_scores, BF16)
+        gctx = b.t("g_ctx", tokens * qd, BF16)
+        gq, gk, gv = (b.t(f"g_{n}", tokens * w, BF16) for n, w in (("q", qd), ("k", kvd),
+                                                                    ("v", kvd)))
+        b.bwd(Kernel("pv_bmm.dgrad", "gemm", (gctx, v), (gp,), fl,
+                     gemm=(rows, kv_len, m.head_dim, "dgrad")),
+              Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl,
+                     gemm=(rows, kv_len, m.head_dim, "wgrad")))
+        b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,)))
+        b.bwd(Kernel("qk_bmm.dgrad", "gemm", (gs, k), (gq,), fl,
+                     gemm=(rows, m.head_dim, kv_len, "dgrad")),
+              Kernel("qk_bmm.wgrad", "gemm", (gs, q), (gk,), fl,
+                     gemm=(rows, m.head_dim, kv_len, "wgrad")))
+    out = _linear(b, ctx, tokens, qd, h, "proj", m.bias, bias_in_epilogue=True, lay=lay)
+    # The row-parallel output is reduced across the tensor-parallel group (the framework's
+    # all-reduce or reduce-scatter) before the fused bias-dropout-add on `local` tokens.
+    resid = b.t("resid", local * h, BF16)
+    y2 = _bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout)
+    b.block.outputs.append(y2)
+    return pre.finish(), b.finish()
+
+
+def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[Block, Block]:
+    """(pre, main) of the MLP half of a layer."""
+    t = lay.tp
+    tokens = batch * (seq // lay.cp)
+    local = tokens / t if lay.sequence_parallel else tokens
+    _, _, _, _, f = _local(m, lay)
+    h = m.hidden
+    pre = _Builder("mlp_pre", STYLE)
+    x = pre.t("in", local * h, BF16)
+    pre.block.inputs.append(x)
+    y = _norm(pre, m, x, local, "norm")
+    pre.block.outputs.append(y)
+
+    b = _Builder("mlp_main", STYLE)
+    yin = b.t("fc1_in", tokens * h, BF16)
+    b.block.inputs.append(yin)
+    width = 2 * f if m.mlp == "swiglu" else f
+    kept = len(b.block.saved)
+    fc1 = _linear(b, yin, tokens, h, width, "fc1", m.bias, bias_in_epilogue=True,
+                  lay=lay)
+    _keep_input_shard(b, kept, "fc1_in_shard", local * h, lay)
+    act = b.t("act", tokens * f, BF16)
+    # Jit-fused bias-GeLU (or bias-SwiGLU), a vectorised memory-bound kernel (not eager
+    # PyTorch's slower SiLU); its input is saved for the backward.
+    b.fwd(Kernel("bias_act", "elementwise", (fc1,), (act,)))
+    b.save(fc1)
+    ga = b.t("g_act", tokens * f, BF16)
+    gi = b.t("g_fc1", tokens * width, BF16)
+    b.bwd(Kernel("bias_act.bwd", "elementwise", (ga, fc1), (gi,)))
+    out = _linear(b, act, tokens, f, h, "fc2", m.bias, bias_in_epilogue=True, lay=lay)
+    resid = b.t("resid", local * h, BF16)
+    y2 = _bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout)
+    b.block.outputs.append(y2)
+    return pre.finish(), b.finish()
+
+
+def padded_vocab(m: ModelSpec, tp: int, divisible_by: int = 128) -> int:
+    """Megatron pads the vocabulary to a multiple of 128 x tp (--make-vocab-size-divisible-by)."""
+    unit = divisible_by * tp
+    return -(-m.vocab // unit) * unit
+
+
+def embedding_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block:
+    """Vocab-parallel token embedding (+ learned positions, + dropout) on the first stage; its
+    output is summed across the tensor-parallel group by the framework."""
+    b = _Builder("embed", STYLE)
+    tokens = batch * (seq // lay.cp)
+    h = m.hidden
+    vocab = padded_vocab(m, lay.tp) // lay.tp
+    b.block.params += vocab * h
+    ids = b.t("ids", tokens, IDX)
+    out = b.t("out", tokens * h, BF16)
+    b.fwd(Kernel("lookup", "elementwise", (ids,), (out,)))
+    gout = b.t("g_out", tokens * h, BF16)
+    gtab = b.t("main_grad", vocab * h, FP32)
+    b.bwd(Kernel("g_index_add", "elementwise", (gout, ids), (gtab,)))
+    b.block.weight_grads.append(gtab)
+    if m.position == "learned":
+        b.block.params += m.max_positions * h
+        out2 = b.t("out_pos", tokens * h, BF16)
+        b.fwd(Kernel("add_pos", "elementwise", (out,), (out2,)))
+        out = out2
+    if lay.dropout > 0:
+        local = tokens / lay.tp if lay.sequence_parallel else tokens
+        mask = b.t("dropout.mask", local * h, MASK)
+        out3 = b.t("dropout.out", local * h, BF16)
+        b.fwd(Kernel("dropout", "elementwise", (out,), (out3, mask)))
+        b.save(mask)
+        out = out3
+    b.block.outputs.append(out)
+    return b.finish()
+
+
+def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block:
+    """Final norm, vocab-parallel output layer and vocab-parallel cross-entropy in fp32
+    (``tensor_parallel/cross_entropy.py``: max, subtract, exp, sum, divide in place; the
+    all-reduces of the row max and sums are tiny and folded in)."""
+    b = _Builder("head", STYLE)
+    tokens = batch * (seq // lay.cp)
+    local = tokens / lay.tp if lay.sequence_parallel else tokens
+    h = m.hidden
+    vocab = padded_vocab(m, lay.tp) // lay.tp
+    x = b.t("in", local * h, BF16)
+    b.block.inputs.append(x)
+    y = _norm(b, m, x, local, "norm")
+    yin = b.t("out_in", tokens * h, BF16) if lay.sequence_parallel else y
+    logits = _linear(b, yin, tokens, h, vocab, "output", False)
+    if m.tied_embeddings:
+        b.block.params -= vocab * h
+    n = tokens * vocab
+    lf = b.t("logits_fp32", n, FP32)
+    b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
+    b.fwd(Kernel("row_max", "elementwise", (lf,), ()))
+    b.fwd(Kernel("sub_max", "elementwise", (lf,), (lf,)))
+    b.fwd(Kernel("exp", "elementwise", (lf,), (lf,)))
+    b.fwd(Kernel("row_sum", "elementwise", (lf,), ()))
+    b.fwd(Kernel("div_sum", "elementwise", (lf,), (lf,)))
+    b.save(lf)
+    g = b.t("g_logits", n, FP32)
+    gl = b.t("output.g_out", n, BF16)
+    b.bwd(Kernel("softmax_minus_onehot", "elementwise", (lf,), (lf,)),
+          Kernel("scale_by_grad", "elementwise", (lf,), (g,)),
+          Kernel("g_logits_half", "elementwise", (g,), (gl,)))
+    return b.finish()
+
+
+@lru_cache(maxsize=512)
+def megatron_blocks(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
+                    ) -> dict[str, Block]:
+    """Every block of a Megatron layer stack for one micro-batch on one TP rank."""
+    ap, am = attention_block(m, lay, batch, seq)
+    mp, mm = mlp_block(m, lay, batch, seq)
+    return {"embed": embedding_block(m, lay, batch, seq), "attn_pre": ap, "attn_main": am,
+            "mlp_pre": mp, "mlp_main": mm, "head": head_block(m, lay, batch, seq)}

@@ -1,0 +1,110 @@
+"""The nccl validation suite: every published nccl-tests point within 10% (issue #3's bar)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.apps.validation import run_suites
+from sim.apps.validation.nccl import nccl_cases
+
+CASES = nccl_cases()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+def test_published_nccl_points_within_10_percent(case) -> None:
+    assert abs(case["error"]) <= 0.10, case
+
+
+def test_nvls_is_chosen_for_large_in_node_all_reduce() -> None:
+    # NCCL picks NVLS on H100 for large all-reduce inside a node (reference.yaml note).
+    curve = [c for c in CASES if c["id"].startswith("dgx-h100-8gpu-allreduce-curve")]
+    assert curve and all(c["algorithm"] == "nvls" for c in curve)
+
+
+def test_suite_summary_is_consistent() -> None:
+    out = run_suites(["nccl"])
+    s = out["suites"]["nccl"]
+    errors = [abs(c["error"]) for c in out["cases"]]
+    assert s["cases"] == len(out["cases"]) == len(CASES)
+    assert s["mape"] == pytest.approx(sum(errors) / len(errors))
+    assert s["max_abs_error"] == pytest.approx(max(errors))
+
+
+def test_vtrain_single_node_mape_within_10_percent() -> None:
+    # vTrain's measured Megatron iterations on 2-8 A100s, VALIDATE half only (720 of 1,440
+    # rows; MEGATRON_CPU_S_PER_OP is fitted on the other half, docs/calibration.md), every
+    # 4th of it, spread over all layouts: the issue's bar is a MAPE within 10%.
+    from sim.apps.validation.vtrain import half_of, vtrain_cases
+
+    cases = vtrain_cases("single", every=4)
+    mape = sum(abs(c["error"]) for c in cases) / len(cases)
+    assert len(cases) == 180
+    assert all(half_of("single", int(c["id"].split(":")[0][3:])) == "validate" for c in cases)
+    assert mape <= 0.10, mape
+
+
+def test_vtrain_multi_node_mape_within_12_percent() -> None:
+    # vTrain's measured Megatron iterations on 64-512 A100s, VALIDATE half only (56 of the
+    # 109 rows), every 4th of it: 14 rows from DP-only to TP8 x PP16 on all four models. The
+    # issue's bar is a MAPE within 12%. The whole half runs with
+    # `fabricsim validate --suite vtrain-multi`.
+    from sim.apps.validation.vtrain import half_of, vtrain_cases
+
+    cases = vtrain_cases("multi", every=4)
+    mape = sum(abs(c["error"]) for c in cases) / len(cases)
+    assert len(cases) == 14
+    assert all(half_of("multi", int(c["id"].split(":")[0][3:])) == "validate" for c in cases)
+    assert mape <= 0.12, mape
+
+
+def test_fit_suites_run_only_when_named() -> None:
+    # The fit halves are registered (`--suite vtrain-single-fit`) but are not validation:
+    # the default run leaves them out.
+    import sim.apps.validation as validation
+
+    assert {"vtrain-single-fit", "vtrain-multi-fit"} <= set(validation.SUITES)
+    assert validation.FIT_SUITES == {"vtrain-single-fit", "vtrain-multi-fit"}
+    seen: list[str] = []
+    saved = dict(validation.SUITES)
+    for name in saved:
+        validation.SUITES[name] = lambda progress, _n=name: seen.append(_n) or []
+    try:
+        out = validation.run_suites()
+    finally:
+        validation.SUITES.update(saved)
+    assert sorted(seen) == sorted(set(saved) - validation.FIT_SUITES) == sorted(out["suites"])
+
+
+def test_published_runs_within_the_issue_bar() -> None:
+    # Throughput published by torchtitan and NVIDIA (Megatron-Bridge performance summary)
+    # for named setups, simulated from the setup alone: the mean absolute error within 15%
+    # (issue 4's bar for published runs), no case beyond 20%. The large setups (1,024 H100,
+    # 128 B200) run with `fabricsim validate --suite published`.
+    from sim.apps.validation.published import entries, published_cases
+
+    cases = published_cases(ci_only=True)
+    assert len(cases) == sum(1 for e in entries() if e.get("ci"))
+    errors = [abs(c["error"]) for c in cases]
+    assert sum(errors) / len(errors) < 0.15
+    assert max(errors) < 0.20
+
+
+def test_run_suites_reports_progress_per_case_up_to_the_total() -> None:
+    # The published suite's CI runs, one report before each and one at the end.
+    from sim.apps.validation import run_suites
+    from sim.apps.validation.published import entries
+
+    seen: list[tuple[str, int, int]] = []
+    import sim.apps.validation as validation
+
+    original = validation.SUITES["published"]
+    validation.SUITES["published"] = lambda progress: \
+        validation.published_cases(ci_only=True, progress=progress)
+    try:
+        result = run_suites(["published"], lambda s, d, t: seen.append((s, d, t)))
+    finally:
+        validation.SUITES["published"] = original
+    n = sum(1 for e in entries() if e.get("ci"))
+    assert result["suites"]["published"]["cases"] == n
+    assert [d for _, d, _ in seen] == list(range(n + 1))
+    assert {(s, t) for s, _, t in seen} == {("published", n)}

@@ -1,0 +1,79 @@
+"""Power caps (``cluster.gpu_power_w``) against the DVFS power law of :mod:`sim.hardware.power`.
+
+Independent truth: ``P = P_static + (P_tdp - P_static) (f/f_tdp)^3`` solved by hand for the
+cap, and the invariants a clock-only cap must keep (HBM-bound kernels unchanged).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sim import catalog
+from sim.hardware.compute import ComputeModel
+from sim.hardware.power import PowerCapError, sustained_clock_ratio
+from sim.scenario import ScenarioError, scenario_from_dict
+
+
+def _cm(cap: float | None) -> ComputeModel:
+    return ComputeModel(catalog.gpu("h100-sxm", power_w=cap))
+
+
+def test_at_tdp_nothing_changes() -> None:
+    free, at_tdp = _cm(None), _cm(700.0)
+    assert at_tdp.gemm_time(8192, 8192, 8192) == free.gemm_time(8192, 8192, 8192)
+    assert at_tdp.attention_time(1, 32, 8192, 128) == free.attention_time(1, 32, 8192, 128)
+    assert at_tdp.membound_time(1e9) == free.membound_time(1e9)
+
+
+def test_500w_h100_gemm_rate_drops_by_the_cube_root_law() -> None:
+    # By hand: H100 SXM TDP 700 W, static 70 W (catalogue) -> (430/630)^(1/3) = 0.8805.
+    ratio = (430 / 630) ** (1 / 3)
+    assert sustained_clock_ratio(catalog.gpu("h100-sxm"), 500) == pytest.approx(ratio)
+    free, capped = _cm(None), _cm(500.0)
+    # A large GEMM is all math: its time grows by 1/ratio (less the fixed launch term).
+    m = 16384
+    t0, t1 = free.gemm_time(m, m, m), capped.gemm_time(m, m, m)
+    assert t1 / t0 == pytest.approx(1 / ratio, rel=0.01)
+    assert capped.attention_time(1, 64, 16384, 128) > free.attention_time(1, 64, 16384, 128)
+
+
+def test_memory_bound_kernels_keep_their_rate_under_a_cap() -> None:
+    free, capped = _cm(None), _cm(500.0)
+    assert capped.membound_time(4e9) == free.membound_time(4e9)
+    assert capped.adamw_time(1e9) == free.adamw_time(1e9)
+
+
+def test_cap_below_the_parts_minimum_is_refused() -> None:
+    with pytest.raises(PowerCapError):
+        sustained_clock_ratio(catalog.gpu("h100-sxm"), 150)
+    with pytest.raises(ScenarioError, match="gpu_power_w"):
+        scenario_from_dict({"name": "x", "model": "llama3-8b",
+                            "cluster": {"gpu": "h100-sxm", "gpu_power_w": 100}})
+
+
+def test_a_capped_scenario_runs_slower() -> None:
+    from sim.api import simulate
+    base = {"name": "cap", "model": "llama3.2-1b",
+            "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
+            "framework": {"name": "ddp"},
+            "training": {"seq_len": 2048, "micro_batch_size": 2}}
+    full = simulate(scenario_from_dict(base)).summary["step_time_s"]
+    capped_dict = {**base, "cluster": {**base["cluster"], "gpu_power_w": 500}}
+    capped = simulate(scenario_from_dict(capped_dict)).summary["step_time_s"]
+    # Slower, but by less than the GEMM factor: memory-bound kernels do not slow down.
+    assert full < capped < full / sustained_clock_ratio(catalog.gpu("h100-sxm"), 500)
+
+
+def test_h800_and_gb200_are_in_the_catalogue() -> None:
+    # H800: the H100 SXM with NVLink cut to 400 GB/s (200 per direction); same math and HBM.
+    h800, h100 = catalog.gpu("h800"), catalog.gpu("h100-sxm")
+    assert h800.nvlink_gbytes_per_s == 200 and h800.peak_flops("bf16") == h100.peak_flops("bf16")
+    assert h800.hbm_gbytes_per_s == h100.hbm_gbytes_per_s
+    # GB200 NVL72 datasheet per GPU: 360 PFLOPS sparse BF16 / 72 / 2 = 2.5 PFLOPS dense,
+    # 576 TB/s / 72 = 8 TB/s of HBM3e.
+    gb200 = catalog.gpu("gb200")
+    assert gb200.peak_flops("bf16") == pytest.approx(360e15 / 72 / 2)
+    assert gb200.hbm_gbytes_per_s == pytest.approx(576e3 / 72)
+    sc = scenario_from_dict({"name": "x", "model": "llama3-8b",
+                             "cluster": {"gpu": "h800", "gpu_power_w": 600}})
+    assert sc.cluster.gpu == "h800" and sc.cluster.gpu_power_w == 600

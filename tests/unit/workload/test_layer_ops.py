@@ -1,0 +1,109 @@
+"""Per-block kernels: FLOPs, saved activations and the effect of compile, by closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim import catalog
+from sim.hardware.compute import ComputeModel
+from sim.workload.layer_ops import (
+    Style,
+    attention_block,
+    head_block,
+    mlp_block,
+    model_blocks,
+    price_block,
+)
+from sim.workload.model import ModelSpec
+
+M = ModelSpec.from_ref("llama3.2-1b")
+B, S = 2, 1024
+T = B * S
+H200 = ComputeModel(catalog.gpu("h200"))
+
+
+def test_forward_gemm_and_attention_flops() -> None:
+    # Linear layers: 2 x tokens x weights; causal attention forward: 2 x B x S^2 x q_dim.
+    a = attention_block(M, Style("bf16"), B, S, kv_cache=False)
+    m = mlp_block(M, Style("bf16"), B, S)
+    h, q, kv, f = M.hidden, M.q_dim, M.kv_dim, M.ffn_hidden
+    assert a.flops_fwd == pytest.approx(2 * T * (h * q + 2 * h * kv + q * h) + 2 * B * S * S * q)
+    assert m.flops_fwd == pytest.approx(2 * T * 3 * h * f)
+    # Backward: dgrad + wgrad per linear (2x forward), attention backward 2.5x forward.
+    assert a.flops_bwd == pytest.approx(2 * 2 * T * (h * q + 2 * h * kv + q * h)
+                                        + 2.5 * 2 * B * S * S * q)
+
+
+def test_saved_activations_autocast_match_hugging_face_autograd() -> None:
+    # HF Llama under autocast (fp32 residual): per token and layer, the norms save their fp32
+    # input and normalised value (2 x 8h), each of q/k/v casts its own bf16 input (3 x 2h),
+    # SDPA saves q (2q), k and v (2 x 2kv) and its output (2q), the MLP casts (2 x 2h),
+    # gate, silu, up and their product (4 x 2f): 30h + 4kv + 8f with q = h, plus per-row
+    # rsqrt (2 x 4) and SDPA's logsumexp (4 x heads).
+    st = Style("autocast")
+    a = attention_block(M, st, B, S, kv_cache=True)
+    m = mlp_block(M, st, B, S)
+    h, kv, f = M.hidden, M.kv_dim, M.ffn_hidden
+    saved = sum(t.nbytes for t in a.saved + m.saved)
+    small = T * (2 * 4 + 4 * M.heads)
+    assert saved == pytest.approx(T * (30 * h + 4 * kv + 8 * f) + small)
+    # The KV cache copies k (fp32 after RoPE) and v (bf16) and keeps them until forward ends.
+    assert sum(t.nbytes for t in a.forward_scoped) == pytest.approx(T * kv * (4 + 2))
+    # Every weight cast once per forward to bf16 (2 bytes per parameter).
+    assert sum(t.nbytes for t in a.weight_casts + m.weight_casts) == pytest.approx(
+        2 * (M.layer_params - 2 * h))
+
+
+def test_saved_activations_bf16_torchtitan() -> None:
+    # bf16 residual: norm input and output shared by the projections (2 x (2h + 2h)),
+    # q and k after RoPE, v, the attention output (2q + 4kv + 2q), 4 MLP tensors (8f).
+    st = Style("bf16")
+    a = attention_block(M, st, B, S, kv_cache=False)
+    m = mlp_block(M, st, B, S)
+    h, q, kv, f = M.hidden, M.q_dim, M.kv_dim, M.ffn_hidden
+    saved = sum(t.nbytes for t in a.saved + m.saved)
+    small = T * (2 * 4 + 4 * M.heads)
+    assert saved == pytest.approx(T * (8 * h + 4 * q + 4 * kv + 8 * f) + small)
+    assert not a.weight_casts and not a.forward_scoped
+
+
+def test_loss_memory_holds_three_fp32_logit_tensors_in_backward() -> None:
+    # nll_loss backward writes a [T, V] fp32 gradient, log_softmax backward another, while the
+    # saved log_softmax output is still held: 3 x 4 x T x V at the peak.
+    blk = head_block(M, Style("autocast"), B, S)
+    cost = price_block(blk, Style("autocast"), H200)
+    tv4 = 4.0 * T * M.vocab
+    assert cost.bwd_transient_bytes == pytest.approx(2 * tv4, rel=0.02)
+    assert cost.saved_bytes >= tv4
+    # Forward: bf16 logits (kept to the end of forward) and their fp32 copy.
+    assert cost.forward_scoped_bytes == pytest.approx(2.0 * T * M.vocab)
+
+
+def test_compile_fuses_memory_bound_kernels_but_not_gemms() -> None:
+    eager = Style("autocast")
+    compiled = Style("autocast", compile=True)
+    blk = mlp_block(M, eager, B, S)
+    e = price_block(blk, eager, H200)
+    c = price_block(blk, compiled, H200)
+    assert c.fwd_kernels < e.fwd_kernels and c.bwd_kernels < e.bwd_kernels
+    assert c.fwd_s < e.fwd_s and c.bwd_s < e.bwd_s
+    gemm_time = sum(H200.gemm_time(k.gemm[0], k.gemm[1], k.gemm[2], k.gemm[3])
+                    for k in blk.forward if k.gemm)
+    assert c.fwd_s > gemm_time     # GEMMs are untouched; only elementwise time went away
+
+
+def test_recompute_stops_early_after_last_saved_tensor() -> None:
+    # torch.utils.checkpoint (non-reentrant) stops recomputing once the last saved tensor is
+    # rebuilt: in the MLP block that skips the down projection and the residual add.
+    st = Style("autocast")
+    blk = mlp_block(M, st, B, S)
+    c = price_block(blk, st, H200)
+    down = [k for k in blk.forward if k.name == "down.fwd"][0]
+    assert c.early_stop_fwd_s < c.fwd_s
+    assert c.fwd_s - c.early_stop_fwd_s >= H200.gemm_time(*down.gemm)
+
+
+def test_block_params_sum_to_the_model() -> None:
+    for st in (Style("autocast"), Style("bf16")):
+        e, a, m, h = model_blocks(M, st, 1, 128, False)
+        assert e.params + M.layers * (a.params + m.params) + h.params == M.total_params
