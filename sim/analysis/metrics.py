@@ -24,8 +24,10 @@ GIB = float(2**30)
 
 Interval = tuple[float, float]
 
-BUSY_KINDS = ("compute", "copy")
-"""Op kinds that count as compute time: kernels and copies keep the GPU busy."""
+BUSY_KINDS = ("compute", "copy", "host")
+"""Op kinds that count as compute time: kernels and copies keep the GPU busy, and the host's
+own work (a CPU optimizer step) holds the step as they do: it is neither communication nor a
+pipeline bubble."""
 COMM_KINDS = ("collective", "send", "recv")
 """Op kinds that count as communication time."""
 

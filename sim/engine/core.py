@@ -8,8 +8,9 @@ does no measurement: it tells an :class:`EngineObserver` what happens.
 
 A ``copy`` op with ``host_transfer`` set moves bytes between each member GPU and its host
 memory (or between host memory and the node's NVMe) as flows on the fabric, so offloaded
-parameters and gradients share PCIe with GPUDirect network traffic. Ops on stream ``cpu``
-are host work (a CPU optimizer step) and run beside the GPU streams.
+parameters and gradients share PCIe with GPUDirect network traffic. Ops of kind ``host`` are
+the CPU's own work (a CPU optimizer step): they run beside the GPU streams, launch no kernel
+and take no share of the GPU.
 
 Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how long a
 compute op takes given what runs beside it).
@@ -142,7 +143,7 @@ class Engine:
 
     def _slowdown(self, cls: RankClass, op: Op) -> float:
         load = self._load.get(cls.id)
-        if load is None or op.stream == "cpu" or (load.ctas == 0
+        if load is None or op.kind == "host" or (load.ctas == 0
                                                   and load.hbm_bytes_per_s <= 0):
             return 1.0
         return slowdown(self.sm_count, self.hbm_bytes_per_s, self._matrix_share(op),
@@ -159,7 +160,7 @@ class Engine:
         (:mod:`sim.engine.hbm_share`)."""
         env = self.env
         load = self._load.get(cls.id)
-        if load is None or op.stream == "cpu":
+        if load is None or op.kind == "host":
             yield env.timeout(self.compute_duration(cls, op))
             return
         memory = 1.0 - self._matrix_share(op) if op.duration > 0 else 0.0

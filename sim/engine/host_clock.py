@@ -36,9 +36,6 @@ from sim.program.ir import Op, RankClass
 # own limit (FairScale, DeepSpeed ZeRO-3) can have in flight. We take 1,024.
 LAUNCH_QUEUE_KERNELS = 1024
 
-# Stream of host work (a CPU optimizer step): it runs on the CPU and launches no kernel.
-CPU_STREAM = "cpu"
-
 
 HostIssue = tuple[Op, Op | None, tuple[Op, ...]]
 """What the host waits for before it issues an op: ``(op, sync, launches)``.
@@ -69,7 +66,7 @@ def host_issues(order: Iterable[Op]) -> Iterator[HostIssue]:
     for op in order:
         launches: tuple[Op, ...] = ()
         stream = op.stream
-        k = 0 if stream == CPU_STREAM else op.kernels
+        k = 0 if op.kind == "host" else op.kernels   # host work launches no kernel
         if k:
             queue = queues.get(stream)
             if queue is None:

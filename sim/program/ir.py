@@ -4,8 +4,9 @@ The framework schedule builders (:mod:`sim.frameworks`) produce a :class:`Progra
 (:mod:`sim.engine.core`) runs it. Nothing here knows about time or the fabric.
 
 * An :class:`Op` runs on one stream of one rank class: the compute stream, a named
-  communication stream, or a copy engine. Ops of one stream run in order; ``deps`` add
-  cross-stream dependencies (CUDA events).
+  communication stream, a copy engine, or the host's own (:data:`CPU_STREAM`: work of the CPU,
+  kind ``host``; :data:`HOST_WAIT_STREAM`: the host waiting on the GPU). Ops of one stream run
+  in order; ``deps`` add cross-stream dependencies (CUDA events).
 * A rank class stands for every rank that runs exactly the same ops at the same times (the
   data-parallel replicas of a pure data-parallel job, for example). It is simulated once; its
   collectives still name their full group of global ranks, so every member's flows go on the
@@ -23,7 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-OpKind = Literal["compute", "collective", "send", "recv", "copy"]
+OpKind = Literal["compute", "host", "collective", "send", "recv", "copy"]
+"""What an op is. ``compute``: GPU kernels (``duration`` at full speed, slowed by the
+collectives beside them). ``host``: work of the host CPU itself (an optimizer step on CPU
+tensors, gradient accumulation into host memory): ``duration`` of CPU time, no kernel launched,
+no share of the GPU's SMs or HBM. ``collective``, ``send``, ``recv``: NCCL transfers on the
+fabric. ``copy``: a copy engine (device, host or NVMe transfers)."""
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
 HostTransfer = Literal["h2d", "d2h", "nvme_read", "nvme_write"]
 Phase = Literal["fwd", "bwd", "recompute", "optimizer", "comm", "loss"]
@@ -33,6 +39,12 @@ NcclType = Literal["i8", "u8", "i32", "u32", "i64", "u64", "f16", "f32", "f64", 
 ``all_tys``; ``ncclDataType_t`` in nccl.h)."""
 
 MEMORY_CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "buffers")
+
+CPU_STREAM = "cpu"
+"""The stream of a rank class's ``host`` ops (the CPU's own work, in program order)."""
+HOST_WAIT_STREAM = "host"
+"""The stream builders put the host's waits on (``torch.cuda.synchronize``, an event wait:
+``host_sync`` ops that do no work); a profiler shows them on the CPU, not as kernels."""
 
 
 @dataclass(eq=False)
@@ -93,7 +105,7 @@ class Op:
     """A ``copy`` op that moves ``nbytes`` per member rank between GPU and host memory
     (``h2d``, ``d2h``) or between host memory and the node's NVMe drives (``nvme_read``,
     ``nvme_write``): it runs as flows on the fabric's PCIe/NVMe links instead of taking
-    ``duration``. Ops on stream ``cpu`` are CPU work (an optimizer step on the host)."""
+    ``duration``."""
     dtype: NcclType | None = None
     """Collectives and sends: the element type NCCL moves (``nbytes`` is whole elements of
     it). A label only (the HTA trace's kernel names): it never feeds timing. None: not
@@ -159,3 +171,6 @@ class Program:
                     raise ValueError(f"{op.name} depends on an op outside the program")
             if op.kind == "collective" and (not op.all_groups or not op.key):
                 raise ValueError(f"collective {op.name} needs a group and a key")
+            if (op.kind == "host") != (op.stream == CPU_STREAM):
+                raise ValueError(f"{op.name}: host work runs on stream {CPU_STREAM!r}, and "
+                                 "only host work does")

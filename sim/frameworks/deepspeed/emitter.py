@@ -8,7 +8,17 @@ from collections.abc import Sequence
 
 from sim.frameworks.deepspeed.host_costs import TORCH_CALL_CPU_S
 from sim.hardware.compute import ComputeModel
-from sim.program.ir import CollectiveOp, HostTransfer, NcclType, Op, Phase, Program, RankClass
+from sim.program.ir import (
+    CPU_STREAM,
+    HOST_WAIT_STREAM,
+    CollectiveOp,
+    HostTransfer,
+    NcclType,
+    Op,
+    Phase,
+    Program,
+    RankClass,
+)
 
 
 class _Emitter:
@@ -82,11 +92,11 @@ class _Emitter:
     def cpu_work(self, name: str, seconds: float, phase: Phase, deps: list[Op],
                  category: str = "optimizer") -> Op:
         """Work of the host thread itself (it blocks until done)."""
-        return self.add(Op(name=name, kind="compute", stream="cpu", phase=phase,
+        return self.add(Op(name=name, kind="host", stream=CPU_STREAM, phase=phase,
                            duration=seconds, deps=deps, host_sync=True, category=category))
 
     def host_wait(self, name: str, deps: Sequence[Op | None], phase: Phase = "comm") -> Op:
         """The host blocks until ``deps`` are done (event/stream/device synchronize)."""
-        return self.add(Op(name=name, kind="compute", stream="host", phase=phase,
+        return self.add(Op(name=name, kind="compute", stream=HOST_WAIT_STREAM, phase=phase,
                            deps=[d for d in deps if d is not None], host_sync=True,
                            category="sync"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.units import Unit
 from sim.hardware.host import cpu_adam_s, cpu_pass_s
-from sim.program.ir import Op
+from sim.program.ir import CPU_STREAM, Op
 from sim.workload.layer_ops import FP32
 
 
@@ -48,7 +48,7 @@ def offload_grad(stage: Stage, u: Unit, post: Op, mb: int, first_grad: bool) -> 
         # grad += new on CPU tensors: read both, write one (12 B per parameter), one
         # thread under torchrun.
         stage.offloads.append(stage.add(Op(
-            name=f"CPU grad += {u.name} mb{mb}", kind="compute", stream="cpu",
+            name=f"CPU grad += {u.name} mb{mb}", kind="host", stream=CPU_STREAM,
             phase="bwd", deps=[d2h], category="copy", micro_batch=mb, host_sync=True,
             duration=cpu_pass_s(host, 3 * nbytes, "torch"))))
 
@@ -61,6 +61,6 @@ def cpu_optimizer_step(stage: Stage, last: list[Op], local: float) -> None:
     sync = stage.add(Op(name="wait gradient offload", kind="compute", stream="compute",
                         phase="optimizer", deps=last + stage.offloads, host_sync=True,
                         category="optimizer"))
-    stage.add(Op(name="optimizer step (AdamW on CPU, local shard)", kind="compute",
-                 stream="cpu", phase="optimizer", deps=[sync],
+    stage.add(Op(name="optimizer step (AdamW on CPU, local shard)", kind="host",
+                 stream=CPU_STREAM, phase="optimizer", deps=[sync],
                  duration=cpu_adam_s(host, local, "torch"), category="optimizer"))

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.common.base import JobContext
-from sim.program.ir import NcclType, Op, Program, RankClass
+from sim.program.ir import HOST_WAIT_STREAM, NcclType, Op, Program, RankClass
 
 Unit = tuple[str, int, int]
 """(F|B, model chunk, micro-batch) of one stage."""
@@ -341,10 +341,11 @@ def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
             deps = [posted[tr] for _, tr in step.transfers]
             if step.sync:
                 deps += [o for o in last_on_stream.values() if o not in deps]
-            # synchronize: the host's own wait (stream "host"); otherwise the compute
+            # synchronize: the host's own wait (HOST_WAIT_STREAM); otherwise the compute
             # stream waits for the transfers' events (no kernel either way).
             wait = add(Op(name="wait p2p" + (" + synchronize" if step.sync else ""),
-                          kind="compute", stream="host" if step.sync else "compute",
+                          kind="compute",
+                          stream=HOST_WAIT_STREAM if step.sync else "compute",
                           phase="comm", kernels=0, deps=deps, host_sync=step.sync,
                           category="sync"))
             pending = [wait]

@@ -19,7 +19,7 @@ from sim.analysis.metrics import records_by_class
 from sim.catalog import GpuSpec
 from sim.engine.recorder import OpRecord, Recorder
 from sim.outputs.export.common import GIB, group_args, stream_order, time_ns, us_from_ns
-from sim.program.ir import Op, Program, RankClass
+from sim.program.ir import HOST_WAIT_STREAM, Op, Program, RankClass
 
 # Holistic Trace Analysis (github.com/pytorch/HolisticTraceAnalysis, v0.5.0) reads a folder of
 # PyTorch profiler traces, one per rank (hta/common/trace_file.py, create_rank_to_trace_dict:
@@ -107,11 +107,11 @@ def _memcpy_name(op: Op) -> str:
 
 
 def _on_gpu(op: Op) -> bool:
-    """Ops a GPU profiler sees as kernels: everything but the host's own work (stream "cpu":
-    CPU optimizer steps), its waits on the GPU (stream "host": synchronize calls) and host <->
-    NVMe transfers."""
-    return op.stream not in ("cpu", "host") and op.host_transfer not in ("nvme_read",
-                                                                          "nvme_write")
+    """Ops a GPU profiler sees as kernels: everything but the host's own work (kind ``host``:
+    CPU optimizer steps), its waits on the GPU (:data:`HOST_WAIT_STREAM`: synchronize calls)
+    and host <-> NVMe transfers."""
+    return (op.kind != "host" and op.stream != HOST_WAIT_STREAM
+            and op.host_transfer not in ("nvme_read", "nvme_write"))
 
 
 def hta_kernel_span(r: OpRecord) -> tuple[int, int]:

@@ -20,7 +20,8 @@ def fabric(nodes: int = 1, gpus: int = 2):
 
 
 def compute(name: str, d: float, **kw) -> Op:
-    return Op(name=name, kind="compute", stream=kw.pop("stream", "compute"), phase="fwd",
+    return Op(name=name, kind=kw.pop("kind", "compute"), stream=kw.pop("stream", "compute"),
+              phase="fwd",
               duration=d, **kw)
 
 
@@ -162,7 +163,7 @@ def test_cpu_stream_is_not_slowed_by_communication() -> None:
     p.add(cls, Op(name="ar", kind="collective", stream="comm", phase="comm",
                   collective="all_reduce", group=(0, 1), nbytes=4e9, key="ar"))
     first = p.add(cls, compute("first", 1e-6))
-    p.add(cls, compute("cpu adam", 1e-3, stream="cpu", deps=[first]))
+    p.add(cls, compute("cpu adam", 1e-3, stream="cpu", kind="host", deps=[first]))
     # All tensor-core math: its FLOPs at the engine's default (H100) sustained matrix rate.
     p.add(cls, compute("gemm", 1e-3, flops=1e-3 * 989.4e12 * 0.803))
     rec, _ = run(p)

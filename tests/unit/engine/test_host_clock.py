@@ -27,7 +27,8 @@ RATES = plan.LinkRates(gpus_per_node=2, nvlink=450e9, node_network=0.0)
 
 
 def compute(name: str, d: float, **kw: object) -> Op:
-    return Op(name=name, kind="compute", stream=str(kw.pop("stream", "compute")), phase="fwd",
+    kind = kw.pop("kind", "compute")
+    return Op(name=name, kind=kind, stream=str(kw.pop("stream", "compute")), phase="fwd",  # type: ignore[arg-type]
               duration=d, **kw)  # type: ignore[arg-type]
 
 
@@ -93,7 +94,7 @@ def test_host_issues_frees_the_oldest_launches_first() -> None:
     cls, p = one_class()
     a = p.add(cls, compute("a", 1.0, kernels=500))
     b = p.add(cls, compute("b", 1.0, kernels=500, host_sync=True))
-    adam = p.add(cls, compute("adam", 1.0, kernels=5000, stream="cpu"))  # host work
+    adam = p.add(cls, compute("adam", 1.0, kernels=5000, stream="cpu", kind="host"))  # host work
     c = p.add(cls, compute("c", 1.0, kernels=1000))
     d = p.add(cls, compute("d", 1.0, kernels=LAUNCH_QUEUE_KERNELS - 1000))
     e = p.add(cls, compute("e", 1.0, kernels=1))
