@@ -1,0 +1,324 @@
+"""Profile one simulated step: where the wall seconds go (issue 13, item 1).
+
+Runs :func:`sim.api.simulate` once under pyinstrument's sampling profiler and reports
+
+* wall time, ops finished, rate solves, simpy events scheduled and events per second;
+* the time split by phase: the three phases of :func:`sim.api.simulate` (build, run,
+  collect), the run split further by the innermost module a sample is in (simpy's event
+  loop, the max-min rate solve of ``sim/network.py``, the collective runner, the engine's
+  per-op code, recording, ...);
+* the top functions by time spent in them and the library code they call (numpy included),
+  and by inclusive time;
+* a flame graph (SVG, icicle layout: callers above callees, width = time) and pyinstrument's
+  text tree, small enough to keep in the repository (frames under ``--min-share`` dropped).
+
+Usage (from the repository root, pyinstrument installed: ``pip install -e '.[test]'``)::
+
+    python tools/profile_step.py megatron-1k               # a preset (see PRESETS)
+    python tools/profile_step.py llama3-70b-fsdp2-64xh100 --set cluster.nodes=16
+    python tools/profile_step.py meta-405b-16k --out docs/profiles/meta-405b-16k
+
+The profiler costs some speed (a sampling interval of ``--interval`` seconds keeps it small);
+the wall time printed is the profiled one. Without pyinstrument (``--no-profile``) it prints
+the counts and the wall time only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The cases of issue 13, as (shipped scenario, overrides).
+PRESETS: dict[str, tuple[str, list[str]]] = {
+    # Issue 4's bar and issue 13's: Llama 3 70B, TP8 x PP8 x DP16 on 1,024 H100, 64
+    # micro-batches per replica (tests/integration/test_benchmark.py).
+    "megatron-1k": ("llama3-70b-megatron-tp8pp4-64xh100",
+                    ["cluster.nodes=128", "parallelism.pp=8", "parallelism.vp=1",
+                     "training.global_batch_size=1024"]),
+    # The same model with FSDP2 on 1,024 H100, one sequence per GPU.
+    "fsdp2-1k": ("llama3-70b-fsdp2-64xh100",
+                 ["cluster.nodes=128", "training.global_batch_size=1024"]),
+    # Llama 3.1 405B as Meta trained it on 16,384 H100 (Llama 3 paper, Dubey et al. 2024,
+    # table 4: TP8 x CP1 x PP16 x DP128, 8,192-token sequences, 16M-token batch = 2,048
+    # sequences; interleaved schedule, no activation checkpointing, TP comm overlap).
+    "meta-405b-16k": ("llama3-405b-megatron-tp8pp8-256xh100",
+                      ["name=meta-llama3.1-405b-16384xh100", "claims=null",
+                       "cluster.nodes=2048", "parallelism.pp=16", "parallelism.vp=4",
+                       "parallelism.dp=128", "framework.tp_comm_overlap=true",
+                       "training.seq_len=8192", "training.global_batch_size=2048",
+                       "training.activation_checkpointing=none"]),
+}
+
+# The phase of a sample: the function :func:`sim.api.simulate` called that it is under.
+_PHASE_OF_CALL = {
+    "resolve_pricing": "build: pricing",
+    "from_scenario": "build: job context (model, compute)",
+    "build_program": "build: program (framework builder)",
+    "build_fabric": "build: fabric (topology, routes)",
+    "fabric_spec": "build: fabric (topology, routes)",
+    "overheads": "build: memory overheads",
+    "run_step": "run: engine",
+    "summarise": "collect: summary / metrics",
+}
+# Inside the engine run: the innermost frame in one of these places names the component.
+_RUN_COMPONENTS: list[tuple[str, str]] = [
+    ("sim/network.py", "rate solve + flow bookkeeping (sim/network.py)"),
+    ("sim/recorder.py", "recording (sim/recorder.py, allocator)"),
+    ("sim/allocator.py", "recording (sim/recorder.py, allocator)"),
+    ("sim/collectives/", "collective runner (sim/collectives/)"),
+    ("sim/hbm_share.py", "interference (hbm_share, interference)"),
+    ("sim/interference.py", "interference (hbm_share, interference)"),
+    ("sim/host_clock.py", "host clock (sim/host_clock.py)"),
+    ("sim/topology/", "fabric lookups (sim/topology/)"),
+    ("sim/engine.py", "engine per-op code (sim/engine.py)"),
+    ("simpy/", "simpy event loop"),
+]
+
+
+@dataclass
+class Node:
+    """One frame of the aggregated call tree (the flame graph's boxes)."""
+
+    name: str
+    time: float = 0.0
+    children: dict[str, Node] = field(default_factory=dict)
+
+
+def _parse(frame_info: str) -> tuple[str, str, str]:
+    """(function, file, line) of one pyinstrument frame identifier."""
+    ident = frame_info.split("\x01")[0]
+    parts = ident.split("\x00")
+    return (parts[0], parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else "")
+
+
+def _short(path: str) -> str:
+    for marker in ("/site-packages/", "/sim/", "/tools/", "/lib/python3"):
+        i = path.rfind(marker)
+        if i >= 0:
+            return path[i + 1:] if marker in ("/sim/", "/tools/") else path[i + len(marker):]
+    return path
+
+
+def _label(func: str, path: str) -> str:
+    return f"{func} ({_short(path)})"
+
+
+def _phase(stack: list[tuple[str, str, str]]) -> str:
+    """The phase of one sample, its stack ordered root first."""
+    for i, (func, path, _) in enumerate(stack):
+        if func == "simulate" and path.endswith("sim/api.py"):
+            if i + 1 == len(stack):
+                return "other (simulate itself)"
+            call = stack[i + 1][0]
+            phase = _PHASE_OF_CALL.get(call, f"other ({call})")
+            if phase != "run: engine":
+                return phase
+            for _fn, path2, _ in reversed(stack[i + 1:]):
+                for marker, component in _RUN_COMPONENTS:
+                    if marker in path2.replace("\\", "/"):
+                        return f"run: {component}"
+            return "run: other"
+    return "outside simulate (loading, profiler)"
+
+
+def _own(stack: list[tuple[str, str, str]]) -> str:
+    """The innermost frame of the project or simpy: where a sample's time is actionable."""
+    for func, path, _ in reversed(stack):
+        p = path.replace("\\", "/")
+        if "/sim/" in p or "/simpy/" in p:
+            return _label(func, path)
+    func, path, _ = stack[-1]
+    return _label(func, path)
+
+
+def analyse(records: Iterable[tuple[list[str], float]], min_share: float
+            ) -> dict[str, Any]:
+    """Phase split, top functions and the aggregated call tree of pyinstrument's samples."""
+    phases: dict[str, float] = defaultdict(float)
+    own: dict[str, float] = defaultdict(float)
+    inclusive: dict[str, float] = defaultdict(float)
+    root = Node("all")
+    total = 0.0
+    for frames, t in records:
+        stack = [_parse(f) for f in frames]
+        if not stack:
+            continue
+        total += t
+        phases[_phase(stack)] += t
+        own[_own(stack)] += t
+        for lab in {_label(f, p) for f, p, _ in stack}:
+            inclusive[lab] += t
+        node = root
+        node.time += t
+        for func, path, _ in stack:
+            lab = _label(func, path)
+            node = node.children.setdefault(lab, Node(lab))
+            node.time += t
+
+    def top(d: dict[str, float], n: int) -> list[tuple[str, float]]:
+        return sorted(d.items(), key=lambda kv: -kv[1])[:n]
+
+    return {"total_s": total, "phases": dict(sorted(phases.items(), key=lambda kv: -kv[1])),
+            "top_own": top(own, 15), "top_inclusive": top(inclusive, 25), "tree": root,
+            "min_share": min_share}
+
+
+def flame_svg(root: Node, min_share: float, title: str, width: int = 1400) -> str:
+    """An icicle flame graph of ``root`` (boxes under ``min_share`` of the total dropped)."""
+    row = 17
+    total = root.time or 1.0
+    boxes: list[str] = []
+    depth_max = 0
+
+    def colour(name: str) -> str:
+        for key, c in (("sim/network", "#e4572e"), ("simpy/", "#4e79a7"),
+                       ("sim/recorder", "#59a14f"), ("sim/allocator", "#59a14f"),
+                       ("sim/collectives", "#f28e2b"), ("sim/engine", "#edc948"),
+                       ("sim/frameworks", "#b07aa1"), ("sim/topology", "#76b7b2"),
+                       ("numpy", "#ff9da7"), ("sim/", "#bab0ac")):
+            if key in name:
+                return c
+        return "#dddddd"
+
+    def walk(node: Node, x: float, depth: int) -> None:
+        nonlocal depth_max
+        w = node.time / total * width
+        depth_max = max(depth_max, depth)
+        share = node.time / total
+        text = html.escape(node.name)
+        tip = f"{text}: {node.time:.2f} s ({share:.1%})"
+        label = text if w > 60 else ""
+        max_chars = int(w / 6.5)
+        if label and len(label) > max_chars:
+            label = label[:max(0, max_chars - 2)] + ".."
+        boxes.append(f'<g><title>{tip}</title><rect x="{x:.1f}" y="{depth * row + 24}" '
+                     f'width="{max(w - 0.5, 0.5):.1f}" height="{row - 1}" '
+                     f'fill="{colour(node.name)}"/>'
+                     + (f'<text x="{x + 2:.1f}" y="{depth * row + 36}">{label}</text>'
+                        if label else "") + "</g>")
+        cx = x
+        for child in sorted(node.children.values(), key=lambda c: -c.time):
+            if child.time / total >= min_share:
+                walk(child, cx, depth + 1)
+            cx += child.time / total * width
+
+    walk(root, 0.0, 0)
+    height = (depth_max + 1) * row + 32
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'font-family="monospace" font-size="11">\n'
+            f'<text x="4" y="16" font-size="13">{html.escape(title)} (hover a box for its '
+            f'time; boxes under {min_share:.1%} dropped)</text>\n' + "\n".join(boxes)
+            + "\n</svg>\n")
+
+
+def _instrument() -> list[Any]:
+    """Keep the engine :func:`sim.api.simulate` builds, to read its counters afterwards."""
+    import sim.api
+    from sim.engine import Engine
+
+    engines: list[Any] = []
+
+    class CountingEngine(Engine):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    sim.api.Engine = CountingEngine  # type: ignore[misc]
+    return engines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("scenario", help=f"a preset ({', '.join(PRESETS)}), shipped name or path")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="key.path=value override (repeatable), after the preset's")
+    ap.add_argument("--out", help="write OUT.svg (flame graph), OUT.txt (pyinstrument's "
+                    "tree) and OUT.json (the figures)")
+    ap.add_argument("--interval", type=float, default=0.005,
+                    help="sampling interval in seconds (default 0.005)")
+    ap.add_argument("--min-share", type=float, default=0.004,
+                    help="drop flame-graph boxes under this share of the total")
+    ap.add_argument("--no-profile", action="store_true", help="time and count only")
+    args = ap.parse_args(argv)
+
+    from sim.api import simulate
+    from sim.scenario import load_scenario
+
+    base, overrides = PRESETS.get(args.scenario, (args.scenario, []))
+    t_load = time.perf_counter()
+    scenario = load_scenario(base, [*overrides, *args.sets])
+    t_load = time.perf_counter() - t_load
+    engines = _instrument()
+    profiler = None
+    if not args.no_profile:
+        from pyinstrument import Profiler
+        profiler = Profiler(interval=args.interval)
+        profiler.start()
+    t0 = time.perf_counter()
+    result = simulate(scenario)
+    wall = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.stop()
+    eng = engines[-1]
+    ops = eng.events_processed
+    solves = eng.net.solves
+    simpy_events = next(eng.env._eid)  # every event simpy scheduled (its heap counter)
+    figures: dict[str, Any] = {
+        "scenario": args.scenario, "base": base, "overrides": [*overrides, *args.sets],
+        "gpus": scenario.gpus, "rank_classes": len(result.program.classes),
+        "program_ops": len(result.program.ops), "links": len(eng.net.capacity),
+        "wall_s": round(wall, 2), "load_s": round(t_load, 2), "profiled": profiler is not None,
+        "ops_finished": ops, "rate_solves": solves, "flow_groups": eng.net._next_group,
+        "simpy_events": simpy_events,
+        "summary_events": result.summary["sim"]["events"],
+        "events_per_s": round(result.summary["sim"]["events"] / wall),
+        "simpy_events_per_s": round(simpy_events / wall),
+        "step_time_s": result.summary["step_time_s"],
+    }
+    print(f"{args.scenario}: {scenario.gpus:,} GPUs, {figures['rank_classes']} rank classes, "
+          f"{figures['program_ops']:,} ops, {figures['links']:,} links")
+    print(f"wall {wall:.2f} s{' (profiled)' if profiler else ''}; {ops:,} ops finished, "
+          f"{solves:,} rate solves, {figures['flow_groups']:,} flow groups, "
+          f"{simpy_events:,} simpy events; {figures['events_per_s']:,} events/s "
+          f"(ops + solves), step {figures['step_time_s']:.3f} s simulated")
+    if profiler is not None:
+        session = profiler.last_session
+        a = analyse(session.frame_records, args.min_share)
+        tot = a["total_s"] or 1.0
+        figures["phases_s"] = {k: round(v, 2) for k, v in a["phases"].items()}
+        figures["top_own_s"] = [(k, round(v, 2)) for k, v in a["top_own"]]
+        figures["top_inclusive_s"] = [(k, round(v, 2)) for k, v in a["top_inclusive"]]
+        print(f"\nphases (of {tot:.1f} s sampled):")
+        for k, v in a["phases"].items():
+            print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
+        print("\ntop functions by own time (with the numpy/library calls beneath them):")
+        for k, v in a["top_own"]:
+            print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
+        print("\ntop functions by inclusive time:")
+        for k, v in a["top_inclusive"]:
+            print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
+        if args.out:
+            out = Path(args.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            title = (f"{args.scenario}: {scenario.gpus:,} GPUs, {wall:.1f} s wall (profiled), "
+                     f"{ops:,} ops, {solves:,} rate solves")
+            out.with_suffix(".svg").write_text(flame_svg(a["tree"], args.min_share, title))
+            from pyinstrument.renderers import ConsoleRenderer
+            text = ConsoleRenderer(unicode=False, color=False, show_all=False,
+                                   short_mode=False).render(session)
+            out.with_suffix(".txt").write_text(text)
+    if args.out:
+        Path(args.out).with_suffix(".json").write_text(json.dumps(figures, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
