@@ -26,6 +26,7 @@ the counts and the wall time only.
 from __future__ import annotations
 
 import argparse
+import gc
 import html
 import json
 import sys
@@ -235,6 +236,120 @@ def _instrument() -> list[Any]:
     return engines
 
 
+class GcTimer:
+    """Wall seconds and passes of Python's cyclic garbage collector (``gc.callbacks``): its
+    time lands on whatever frame allocated when it ran, so the profile cannot show it."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.passes = [0, 0, 0]
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.seconds[g] += time.perf_counter() - self._t0
+            self.passes[g] += 1
+
+
+def program_stats(program: Any) -> dict[str, Any]:
+    """Ops by kind, and how many compute ops sit inside chains no other stream can observe:
+    a compute op whose successor on its stream is compute, depends on nothing off that
+    stream, and that no op other than that successor depends on (item 2's merge, an upper
+    bound: the host clock and interference can still split a chain at run time)."""
+    kinds: dict[str, int] = defaultdict(int)
+    dependents: dict[int, int] = defaultdict(int)
+    for op in program.ops:
+        kinds[op.kind] += 1
+        for d in op.deps:
+            dependents[d.index] += 1
+    mergeable = 0
+    for cls in program.classes:
+        for ops in cls.streams.values():
+            for a, b in zip(ops, ops[1:], strict=False):
+                if (a.kind == "compute" and b.kind == "compute" and a.host_transfer is None
+                        and b.host_transfer is None and a.stream != "cpu"
+                        and all(d is a or d.stream == b.stream and d.index < a.index
+                                for d in b.deps)
+                        and dependents[a.index] <= (1 if a in b.deps else 0)
+                        and not b.host_sync and not a.host_sync):
+                    mergeable += 1
+    return {"ops_by_kind": dict(kinds), "compute_ops_mergeable_into_predecessor": mergeable}
+
+
+class Counters:
+    """Light counters hooked into the flow network and simpy (``--count``): simpy events by
+    type, flows and incidences per started group, active flows and component sizes per
+    solve. They cost some speed; the wall time of such a run is not the bare one."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, int] = defaultdict(int)
+        self.groups = 0
+        self.flows_started = 0
+        self.incidences_started = 0
+        self.solves = 0
+        self.active_flows = 0
+        self.active_incidences = 0
+        self.component_flows = 0
+        self.full_solves = 0
+        self.max_active_flows = 0
+
+    def install(self) -> None:
+        import numpy as np
+        import simpy
+
+        from sim.network import FlowNetwork
+
+        c = self
+        schedule = simpy.Environment.schedule
+
+        def counting_schedule(env: Any, event: Any, *a: Any, **k: Any) -> None:
+            c.events[type(event).__name__] += 1
+            schedule(env, event, *a, **k)
+
+        simpy.Environment.schedule = counting_schedule  # type: ignore[method-assign]
+        start_group = FlowNetwork.start_group
+
+        def counting_start(net: Any, flat: Any, lengths: Any, *a: Any, **k: Any) -> Any:
+            c.groups += 1
+            c.flows_started += len(lengths)
+            c.incidences_started += int(np.sum(lengths))
+            return start_group(net, flat, lengths, *a, **k)
+
+        FlowNetwork.start_group = counting_start  # type: ignore[method-assign]
+        component = FlowNetwork._component
+
+        def counting_component(net: Any, links: Any) -> Any:
+            comp = component(net, links)
+            n = len(net._size)
+            c.solves += 1
+            c.active_flows += n
+            c.active_incidences += len(net._inc_link)
+            k = int(comp.sum())
+            c.component_flows += k
+            c.full_solves += int(k == n)
+            c.max_active_flows = max(c.max_active_flows, n)
+            return comp
+
+        FlowNetwork._component = counting_component  # type: ignore[method-assign]
+
+    def figures(self) -> dict[str, Any]:
+        s = max(self.solves, 1)
+        g = max(self.groups, 1)
+        return {"simpy_events_by_type": dict(sorted(self.events.items(),
+                                                    key=lambda kv: -kv[1])),
+                "flow_groups": self.groups, "flows_per_group": round(self.flows_started / g, 1),
+                "incidences_per_group": round(self.incidences_started / g, 1),
+                "solves_with_flows": self.solves,
+                "mean_active_flows": round(self.active_flows / s, 1),
+                "max_active_flows": self.max_active_flows,
+                "mean_active_incidences": round(self.active_incidences / s, 1),
+                "mean_component_flows": round(self.component_flows / s, 1),
+                "full_solves": self.full_solves}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("scenario", help=f"a preset ({', '.join(PRESETS)}), shipped name or path")
@@ -247,7 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-share", type=float, default=0.004,
                     help="drop flame-graph boxes under this share of the total")
     ap.add_argument("--no-profile", action="store_true", help="time and count only")
+    ap.add_argument("--count", action="store_true",
+                    help="also count simpy events by type, flows per group and active flows "
+                    "per solve (slower; implies --no-profile)")
     args = ap.parse_args(argv)
+    if args.count:
+        args.no_profile = True
 
     from sim.api import simulate
     from sim.scenario import load_scenario
@@ -257,16 +377,22 @@ def main(argv: list[str] | None = None) -> int:
     scenario = load_scenario(base, [*overrides, *args.sets])
     t_load = time.perf_counter() - t_load
     engines = _instrument()
+    counters = Counters() if args.count else None
+    if counters is not None:
+        counters.install()
     profiler = None
     if not args.no_profile:
         from pyinstrument import Profiler
         profiler = Profiler(interval=args.interval)
         profiler.start()
+    gc_timer = GcTimer()
+    gc.callbacks.append(gc_timer)
     t0 = time.perf_counter()
     result = simulate(scenario)
     wall = time.perf_counter() - t0
     if profiler is not None:
         profiler.stop()
+    gc.callbacks.remove(gc_timer)
     eng = engines[-1]
     ops = eng.events_processed
     solves = eng.net.solves
@@ -282,13 +408,25 @@ def main(argv: list[str] | None = None) -> int:
         "events_per_s": round(result.summary["sim"]["events"] / wall),
         "simpy_events_per_s": round(simpy_events / wall),
         "step_time_s": result.summary["step_time_s"],
+        "gc_s_by_generation": [round(x, 2) for x in gc_timer.seconds],
+        "gc_passes_by_generation": gc_timer.passes,
+        **program_stats(result.program),
     }
+    if counters is not None:
+        figures["counters"] = counters.figures()
     print(f"{args.scenario}: {scenario.gpus:,} GPUs, {figures['rank_classes']} rank classes, "
           f"{figures['program_ops']:,} ops, {figures['links']:,} links")
     print(f"wall {wall:.2f} s{' (profiled)' if profiler else ''}; {ops:,} ops finished, "
           f"{solves:,} rate solves, {figures['flow_groups']:,} flow groups, "
           f"{simpy_events:,} simpy events; {figures['events_per_s']:,} events/s "
           f"(ops + solves), step {figures['step_time_s']:.3f} s simulated")
+    print(f"garbage collector: {sum(gc_timer.seconds):.2f} s in "
+          f"{sum(gc_timer.passes):,} passes (generation 2: {gc_timer.seconds[2]:.2f} s, "
+          f"{gc_timer.passes[2]} passes)")
+    print(f"ops by kind: {figures['ops_by_kind']}; compute ops mergeable into their "
+          f"predecessor: {figures['compute_ops_mergeable_into_predecessor']:,}")
+    if counters is not None:
+        print(f"counters: {json.dumps(figures['counters'])}")
     if profiler is not None:
         session = profiler.last_session
         a = analyse(session.frame_records, args.min_share)
