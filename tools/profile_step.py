@@ -37,16 +37,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# The cases of issue 13, as (shipped scenario, overrides).
+# The cases of issue 13, as (shipped scenario, overrides); the same as the cases of
+# tests/integration/test_benchmark.py.
 PRESETS: dict[str, tuple[str, list[str]]] = {
     # Issue 4's bar and issue 13's: Llama 3 70B, TP8 x PP8 x DP16 on 1,024 H100, 64
     # micro-batches per replica (tests/integration/test_benchmark.py).
     "megatron-1k": ("llama3-70b-megatron-tp8pp4-64xh100",
                     ["cluster.nodes=128", "parallelism.pp=8", "parallelism.vp=1",
                      "training.global_batch_size=1024"]),
-    # The same model with FSDP2 on 1,024 H100, one sequence per GPU.
-    "fsdp2-1k": ("llama3-70b-fsdp2-64xh100",
-                 ["cluster.nodes=128", "training.global_batch_size=1024"]),
     # Llama 3.1 405B as Meta trained it on 16,384 H100 (Llama 3 paper, Dubey et al. 2024,
     # table 4: TP8 x CP1 x PP16 x DP128, 8,192-token sequences, 16M-token batch = 2,048
     # sequences; interleaved schedule, no activation checkpointing, TP comm overlap).
@@ -57,6 +55,18 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
                        "training.seq_len=8192", "training.global_batch_size=2048",
                        "training.activation_checkpointing=none"]),
 }
+
+for _k, _nodes in (("1k", 128), ("4k", 512), ("16k", 2048)):
+    # One 4,096-token sequence per GPU (FSDP2, DeepSpeed ZeRO-3); Megatron 70B TP8 x PP8 with
+    # 64 micro-batches per replica.
+    _per_gpu = [f"cluster.nodes={_nodes}", f"training.global_batch_size={_nodes * 8}"]
+    PRESETS[f"fsdp2-{_k}"] = ("llama3-70b-fsdp2-64xh100", _per_gpu)
+    PRESETS[f"zero3-{_k}"] = ("llama3-70b-deepspeed-zero3-64xh100", _per_gpu)
+    PRESETS.setdefault(f"megatron-{_k}", (
+        "llama3-70b-megatron-tp8pp4-64xh100",
+        [f"cluster.nodes={_nodes}", "parallelism.pp=8", "parallelism.vp=1",
+         # 64 micro-batches x DP (GPUs / 64) = one sequence per GPU
+         f"training.global_batch_size={_nodes * 8}"]))
 
 # The phase of a sample: the function :func:`sim.api.simulate` called that it is under.
 _PHASE_OF_CALL = {
@@ -427,13 +437,29 @@ def main(argv: list[str] | None = None) -> int:
           f"predecessor: {figures['compute_ops_mergeable_into_predecessor']:,}")
     if counters is not None:
         print(f"counters: {json.dumps(figures['counters'])}")
+    a: dict[str, Any] | None = None
     if profiler is not None:
         session = profiler.last_session
         a = analyse(session.frame_records, args.min_share)
-        tot = a["total_s"] or 1.0
         figures["phases_s"] = {k: round(v, 2) for k, v in a["phases"].items()}
         figures["top_own_s"] = [(k, round(v, 2)) for k, v in a["top_own"]]
         figures["top_inclusive_s"] = [(k, round(v, 2)) for k, v in a["top_inclusive"]]
+    if args.out:
+        # Written before the long tables are printed (a closed pipe must not lose them).
+        def path(suffix: str) -> Path:
+            return Path(f"{args.out}{suffix}")  # names may hold dots (llama3.2-1b)
+
+        path(".json").parent.mkdir(parents=True, exist_ok=True)
+        path(".json").write_text(json.dumps(figures, indent=1) + "\n")
+        if profiler is not None and a is not None:
+            title = (f"{args.scenario}: {scenario.gpus:,} GPUs, {wall:.1f} s wall (profiled), "
+                     f"{ops:,} ops, {solves:,} rate solves")
+            path(".svg").write_text(flame_svg(a["tree"], args.min_share, title))
+            from pyinstrument.renderers import ConsoleRenderer
+            path(".txt").write_text(ConsoleRenderer(unicode=False, color=False,
+                                                    show_all=False).render(session))
+    if a is not None:
+        tot = a["total_s"] or 1.0
         print(f"\nphases (of {tot:.1f} s sampled):")
         for k, v in a["phases"].items():
             print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
@@ -443,18 +469,6 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntop functions by inclusive time:")
         for k, v in a["top_inclusive"]:
             print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
-        if args.out:
-            out = Path(args.out)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            title = (f"{args.scenario}: {scenario.gpus:,} GPUs, {wall:.1f} s wall (profiled), "
-                     f"{ops:,} ops, {solves:,} rate solves")
-            out.with_suffix(".svg").write_text(flame_svg(a["tree"], args.min_share, title))
-            from pyinstrument.renderers import ConsoleRenderer
-            text = ConsoleRenderer(unicode=False, color=False, show_all=False,
-                                   short_mode=False).render(session)
-            out.with_suffix(".txt").write_text(text)
-    if args.out:
-        Path(args.out).with_suffix(".json").write_text(json.dumps(figures, indent=1) + "\n")
     return 0
 
 
