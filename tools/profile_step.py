@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", action="store_true",
                     help="also count simpy events by type, flows per group and active flows "
                     "per solve (slower; implies --no-profile)")
+    ap.add_argument("--gc-off", action="store_true",
+                    help="run the step with the cyclic garbage collector disabled (what the "
+                    "collector costs; the simulated numbers do not depend on it)")
     args = ap.parse_args(argv)
     if args.count:
         args.no_profile = True
@@ -397,9 +400,12 @@ def main(argv: list[str] | None = None) -> int:
         profiler.start()
     gc_timer = GcTimer()
     gc.callbacks.append(gc_timer)
+    if args.gc_off:
+        gc.disable()
     t0 = time.perf_counter()
     result = simulate(scenario)
     wall = time.perf_counter() - t0
+    gc.enable()
     if profiler is not None:
         profiler.stop()
     gc.callbacks.remove(gc_timer)
@@ -412,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": scenario.gpus, "rank_classes": len(result.program.classes),
         "program_ops": len(result.program.ops), "links": len(eng.net.capacity),
         "wall_s": round(wall, 2), "load_s": round(t_load, 2), "profiled": profiler is not None,
+        "gc_off": args.gc_off,
         "ops_finished": ops, "rate_solves": solves, "flow_groups": eng.net._next_group,
         "simpy_events": simpy_events,
         "summary_events": result.summary["sim"]["events"],
