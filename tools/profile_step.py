@@ -29,6 +29,7 @@ import argparse
 import gc
 import html
 import json
+import resource
 import sys
 import time
 from collections import defaultdict
@@ -230,8 +231,10 @@ def flame_svg(root: Node, min_share: float, title: str, width: int = 1400) -> st
             + "\n</svg>\n")
 
 
-def _instrument() -> list[Any]:
-    """Keep the engine :func:`sim.api.simulate` builds, to read its counters afterwards."""
+def _instrument(freeze: bool = False) -> list[Any]:
+    """Keep the engine :func:`sim.api.simulate` builds, to read its counters afterwards;
+    ``freeze``: move everything built so far (program, fabric) to the collector's permanent
+    generation when the run starts (``gc.freeze``), so its passes no longer traverse it."""
     import sim.api
     from sim.engine import Engine
 
@@ -241,6 +244,11 @@ def _instrument() -> list[Any]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             engines.append(self)
+
+        def run_step(self, program: Any) -> float:
+            if freeze:
+                gc.freeze()
+            return super().run_step(program)
 
     sim.api.Engine = CountingEngine  # type: ignore[misc]
     return engines
@@ -375,9 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--count", action="store_true",
                     help="also count simpy events by type, flows per group and active flows "
                     "per solve (slower; implies --no-profile)")
-    ap.add_argument("--gc-off", action="store_true",
-                    help="run the step with the cyclic garbage collector disabled (what the "
-                    "collector costs; the simulated numbers do not depend on it)")
+    ap.add_argument("--gc", choices=("on", "off", "freeze"), default="on",
+                    help="the cyclic garbage collector during the step: on (as shipped), off "
+                    "(disabled: what it costs), freeze (gc.freeze() once the program and "
+                    "fabric are built); the simulated numbers do not depend on it")
     args = ap.parse_args(argv)
     if args.count:
         args.no_profile = True
@@ -389,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     t_load = time.perf_counter()
     scenario = load_scenario(base, [*overrides, *args.sets])
     t_load = time.perf_counter() - t_load
-    engines = _instrument()
+    engines = _instrument(freeze=args.gc == "freeze")
     counters = Counters() if args.count else None
     if counters is not None:
         counters.install()
@@ -400,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         profiler.start()
     gc_timer = GcTimer()
     gc.callbacks.append(gc_timer)
-    if args.gc_off:
+    if args.gc == "off":
         gc.disable()
     t0 = time.perf_counter()
     result = simulate(scenario)
@@ -409,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if profiler is not None:
         profiler.stop()
     gc.callbacks.remove(gc_timer)
+    gc.unfreeze()
     eng = engines[-1]
     ops = eng.events_processed
     solves = eng.net.solves
@@ -418,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpus": scenario.gpus, "rank_classes": len(result.program.classes),
         "program_ops": len(result.program.ops), "links": len(eng.net.capacity),
         "wall_s": round(wall, 2), "load_s": round(t_load, 2), "profiled": profiler is not None,
-        "gc_off": args.gc_off,
+        "gc": args.gc,
         "ops_finished": ops, "rate_solves": solves, "flow_groups": eng.net._next_group,
         "simpy_events": simpy_events,
         "summary_events": result.summary["sim"]["events"],
@@ -437,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{solves:,} rate solves, {figures['flow_groups']:,} flow groups, "
           f"{simpy_events:,} simpy events; {figures['events_per_s']:,} events/s "
           f"(ops + solves), step {figures['step_time_s']:.3f} s simulated")
-    print(f"garbage collector: {sum(gc_timer.seconds):.2f} s in "
+    figures["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    print(f"peak resident memory {figures['max_rss_mib']:,} MiB; "
+          f"garbage collector: {sum(gc_timer.seconds):.2f} s in "
           f"{sum(gc_timer.passes):,} passes (generation 2: {gc_timer.seconds[2]:.2f} s, "
           f"{gc_timer.passes[2]} passes)")
     print(f"ops by kind: {figures['ops_by_kind']}; compute ops mergeable into their "
