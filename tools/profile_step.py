@@ -80,19 +80,45 @@ _PHASE_OF_CALL = {
     "run_step": "run: engine",
     "summarise": "collect: summary / metrics",
 }
-# Inside the engine run: the innermost frame in one of these places names the component.
+# Inside the engine run: the innermost frame in one of these places names the component. A
+# place is a module's file name or a package folder under sim/ (or simpy), so the split still
+# holds when modules move into subpackages (sim/network.py -> sim/fabric/network.py).
 _RUN_COMPONENTS: list[tuple[str, str]] = [
-    ("sim/network.py", "rate solve + flow bookkeeping (sim/network.py)"),
-    ("sim/recorder.py", "recording (sim/recorder.py, allocator)"),
-    ("sim/allocator.py", "recording (sim/recorder.py, allocator)"),
-    ("sim/collectives/", "collective runner (sim/collectives/)"),
-    ("sim/hbm_share.py", "interference (hbm_share, interference)"),
-    ("sim/interference.py", "interference (hbm_share, interference)"),
-    ("sim/host_clock.py", "host clock (sim/host_clock.py)"),
-    ("sim/topology/", "fabric lookups (sim/topology/)"),
-    ("sim/engine.py", "engine per-op code (sim/engine.py)"),
+    ("network.py", "rate solve + flow bookkeeping (network.py)"),
+    ("recorder.py", "recording (recorder.py, allocator.py)"),
+    ("allocator.py", "recording (recorder.py, allocator.py)"),
+    ("collectives/", "collective runner, plan building (collectives/)"),
+    ("hbm_share.py", "interference (hbm_share.py, interference.py)"),
+    ("interference.py", "interference (hbm_share.py, interference.py)"),
+    ("host_clock.py", "host clock (host_clock.py)"),
+    ("topology/", "fabric lookups (topology/)"),
+    ("engine.py", "engine per-op code (engine.py)"),
+    ("engine/", "engine per-op code (engine.py)"),
     ("simpy/", "simpy event loop"),
 ]
+
+
+def _in_sim(path: str) -> str | None:
+    """``path`` below the package folder (``sim/...``, ``simpy/...``), or None."""
+    p = path.replace("\\", "/")
+    for root in ("/sim/", "/simpy/"):
+        i = p.rfind(root)
+        if i >= 0:
+            return p[i + 1:]
+    return None
+
+
+def _component(path: str) -> str | None:
+    rel = _in_sim(path)
+    if rel is None:
+        return None
+    parts = rel.split("/")
+    for marker, component in _RUN_COMPONENTS:
+        if marker.endswith("/") and marker[:-1] in parts[:-1]:
+            return component
+        if parts[-1] == marker:
+            return component
+    return None
 
 
 @dataclass
@@ -126,7 +152,8 @@ def _label(func: str, path: str) -> str:
 def _phase(stack: list[tuple[str, str, str]]) -> str:
     """The phase of one sample, its stack ordered root first."""
     for i, (func, path, _) in enumerate(stack):
-        if func == "simulate" and path.endswith("sim/api.py"):
+        rel = _in_sim(path)
+        if func == "simulate" and rel is not None and "api" in rel:
             if i + 1 == len(stack):
                 return "other (simulate itself)"
             call = stack[i + 1][0]
@@ -134,9 +161,9 @@ def _phase(stack: list[tuple[str, str, str]]) -> str:
             if phase != "run: engine":
                 return phase
             for _fn, path2, _ in reversed(stack[i + 1:]):
-                for marker, component in _RUN_COMPONENTS:
-                    if marker in path2.replace("\\", "/"):
-                        return f"run: {component}"
+                component = _component(path2)
+                if component is not None:
+                    return f"run: {component}"
             return "run: other"
     return "outside simulate (loading, profiler)"
 
@@ -144,8 +171,7 @@ def _phase(stack: list[tuple[str, str, str]]) -> str:
 def _own(stack: list[tuple[str, str, str]]) -> str:
     """The innermost frame of the project or simpy: where a sample's time is actionable."""
     for func, path, _ in reversed(stack):
-        p = path.replace("\\", "/")
-        if "/sim/" in p or "/simpy/" in p:
+        if _in_sim(path) is not None:
             return _label(func, path)
     func, path, _ = stack[-1]
     return _label(func, path)
@@ -205,12 +231,13 @@ def flame_svg(root: Node, min_share: float, title: str, width: int = 1400) -> st
         w = node.time / total * width
         depth_max = max(depth_max, depth)
         share = node.time / total
-        text = html.escape(node.name)
-        tip = f"{text}: {node.time:.2f} s ({share:.1%})"
-        label = text if w > 60 else ""
+        tip = f"{html.escape(node.name)}: {node.time:.2f} s ({share:.1%})"
+        label = node.name if w > 60 else ""
         max_chars = int(w / 6.5)
         if label and len(label) > max_chars:
             label = label[:max(0, max_chars - 2)] + ".."
+        # Escaped after cutting: a cut must not split an entity (&lt;).
+        label = html.escape(label)
         boxes.append(f'<g><title>{tip}</title><rect x="{x:.1f}" y="{depth * row + 24}" '
                      f'width="{max(w - 0.5, 0.5):.1f}" height="{row - 1}" '
                      f'fill="{colour(node.name)}"/>'
@@ -236,8 +263,8 @@ def _instrument(freeze: bool = False) -> list[Any]:
     ``freeze``: move everything built so far (program, fabric) to the collector's permanent
     generation when the run starts (``gc.freeze``), so its passes no longer traverse it."""
     import sim.api
-    from sim.engine import Engine
 
+    Engine = sim.api.Engine  # the class simulate builds, wherever its module lives
     engines: list[Any] = []
 
     class CountingEngine(Engine):
@@ -314,11 +341,12 @@ class Counters:
         self.full_solves = 0
         self.max_active_flows = 0
 
-    def install(self) -> None:
+    def install(self, engine_cls: type) -> None:
         import numpy as np
         import simpy
 
-        from sim.network import FlowNetwork
+        # The flow network class the engine builds, wherever its module lives.
+        FlowNetwork = sys.modules[engine_cls.__module__].FlowNetwork
 
         c = self
         schedule = simpy.Environment.schedule
@@ -327,6 +355,9 @@ class Counters:
             c.events[type(event).__name__] += 1
             schedule(env, event, *a, **k)
 
+        self._restore = [(simpy.Environment, "schedule", schedule),
+                         (FlowNetwork, "start_group", FlowNetwork.start_group),
+                         (FlowNetwork, "_component", FlowNetwork._component)]
         simpy.Environment.schedule = counting_schedule  # type: ignore[method-assign]
         start_group = FlowNetwork.start_group
 
@@ -352,6 +383,11 @@ class Counters:
             return comp
 
         FlowNetwork._component = counting_component  # type: ignore[method-assign]
+
+    def uninstall(self) -> None:
+        """Put back what :meth:`install` replaced."""
+        for owner, name, original in getattr(self, "_restore", []):
+            setattr(owner, name, original)
 
     def figures(self) -> dict[str, Any]:
         s = max(self.solves, 1)
@@ -391,17 +427,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.count:
         args.no_profile = True
 
-    from sim.api import simulate
+    import sim.api
     from sim.scenario import load_scenario
 
     base, overrides = PRESETS.get(args.scenario, (args.scenario, []))
     t_load = time.perf_counter()
     scenario = load_scenario(base, [*overrides, *args.sets])
     t_load = time.perf_counter() - t_load
+    engine_cls = sim.api.Engine
     engines = _instrument(freeze=args.gc == "freeze")
     counters = Counters() if args.count else None
     if counters is not None:
-        counters.install()
+        counters.install(engine_cls)
     profiler = None
     if not args.no_profile:
         from pyinstrument import Profiler
@@ -412,13 +449,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.gc == "off":
         gc.disable()
     t0 = time.perf_counter()
-    result = simulate(scenario)
+    result = sim.api.simulate(scenario)
     wall = time.perf_counter() - t0
     gc.enable()
     if profiler is not None:
         profiler.stop()
     gc.callbacks.remove(gc_timer)
     gc.unfreeze()
+    sim.api.Engine = engine_cls  # type: ignore[misc]
+    if counters is not None:
+        counters.uninstall()
     eng = engines[-1]
     ops = eng.events_processed
     solves = eng.net.solves
