@@ -264,10 +264,10 @@ def _instrument(freeze: bool = False) -> list[Any]:
     generation when the run starts (``gc.freeze``), so its passes no longer traverse it."""
     import sim.api
 
-    Engine = sim.api.Engine  # the class simulate builds, wherever its module lives
+    Engine: Any = sim.api.Engine  # the class simulate builds, wherever its module lives
     engines: list[Any] = []
 
-    class CountingEngine(Engine):
+    class CountingEngine(Engine):  # type: ignore[misc,valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             engines.append(self)
@@ -358,7 +358,7 @@ class Counters:
         self._restore = [(simpy.Environment, "schedule", schedule),
                          (FlowNetwork, "start_group", FlowNetwork.start_group),
                          (FlowNetwork, "_component", FlowNetwork._component)]
-        simpy.Environment.schedule = counting_schedule  # type: ignore[method-assign]
+        simpy.Environment.schedule = counting_schedule  # type: ignore[method-assign,assignment]
         start_group = FlowNetwork.start_group
 
         def counting_start(net: Any, flat: Any, lengths: Any, *a: Any, **k: Any) -> Any:
@@ -497,8 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     if counters is not None:
         print(f"counters: {json.dumps(figures['counters'])}")
     a: dict[str, Any] | None = None
+    session = None
     if profiler is not None:
         session = profiler.last_session
+        assert session is not None
         a = analyse(session.frame_records, args.min_share)
         figures["phases_s"] = {k: round(v, 2) for k, v in a["phases"].items()}
         figures["top_own_s"] = [(k, round(v, 2)) for k, v in a["top_own"]]
@@ -510,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
 
         path(".json").parent.mkdir(parents=True, exist_ok=True)
         path(".json").write_text(json.dumps(figures, indent=1) + "\n")
-        if profiler is not None and a is not None:
+        if profiler is not None and a is not None and session is not None:
             title = (f"{args.scenario}: {scenario.gpus:,} GPUs, {wall:.1f} s wall (profiled), "
                      f"{ops:,} ops, {solves:,} rate solves")
             path(".svg").write_text(flame_svg(a["tree"], args.min_share, title))
