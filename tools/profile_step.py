@@ -404,7 +404,7 @@ class Counters:
                 "full_solves": self.full_solves}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("scenario", help=f"a preset ({', '.join(PRESETS)}), shipped name or path")
     ap.add_argument("--set", dest="sets", action="append", default=[],
@@ -426,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.count:
         args.no_profile = True
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     import sim.api
     from sim.scenario import load_scenario
@@ -481,13 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if counters is not None:
         figures["counters"] = counters.figures()
+    figures["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(f"{args.scenario}: {scenario.gpus:,} GPUs, {figures['rank_classes']} rank classes, "
           f"{figures['program_ops']:,} ops, {figures['links']:,} links")
     print(f"wall {wall:.2f} s{' (profiled)' if profiler else ''}; {ops:,} ops finished, "
           f"{solves:,} rate solves, {figures['flow_groups']:,} flow groups, "
           f"{simpy_events:,} simpy events; {figures['events_per_s']:,} events/s "
           f"(ops + solves), step {figures['step_time_s']:.3f} s simulated")
-    figures["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(f"peak resident memory {figures['max_rss_mib']:,} MiB; "
           f"garbage collector: {sum(gc_timer.seconds):.2f} s in "
           f"{sum(gc_timer.passes):,} passes (generation 2: {gc_timer.seconds[2]:.2f} s, "
@@ -520,17 +525,20 @@ def main(argv: list[str] | None = None) -> int:
             path(".txt").write_text(ConsoleRenderer(unicode=False, color=False,
                                                     show_all=False).render(session))
     if a is not None:
-        tot = a["total_s"] or 1.0
-        print(f"\nphases (of {tot:.1f} s sampled):")
-        for k, v in a["phases"].items():
-            print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
-        print("\ntop functions by own time (with the numpy/library calls beneath them):")
-        for k, v in a["top_own"]:
-            print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
-        print("\ntop functions by inclusive time:")
-        for k, v in a["top_inclusive"]:
-            print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
+        print_tables(a)
     return 0
+
+
+def print_tables(a: dict[str, Any]) -> None:
+    """The phase split and the top functions of :func:`analyse`'s result."""
+    tot = a["total_s"] or 1.0
+    for title, rows in ((f"phases (of {tot:.1f} s sampled)", a["phases"].items()),
+                        ("top functions by own time (with the numpy/library calls beneath "
+                         "them)", a["top_own"]),
+                        ("top functions by inclusive time", a["top_inclusive"])):
+        print(f"\n{title}:")
+        for k, v in rows:
+            print(f"  {v:8.2f} s {v / tot:6.1%}  {k}")
 
 
 if __name__ == "__main__":
