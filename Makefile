@@ -42,8 +42,10 @@ pictures: $(STAMP)
 golden: $(STAMP)
 	$(BIN)/python tools/update_golden.py
 
+# Simulator speed (tests/integration/test_benchmark.py, docs/performance.md); -rxX prints the
+# measured figure of each case still short of issue 13's goal (XFAIL).
 bench: $(STAMP)
-	$(BIN)/python -m pytest -q -m benchmark -s
+	$(BIN)/python -m pytest -q -m benchmark -s -rxX
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache
