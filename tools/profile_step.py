@@ -5,7 +5,7 @@ Runs :func:`sim.api.simulate` once under pyinstrument's sampling profiler and re
 * wall time, ops finished, rate solves, simpy events scheduled and events per second;
 * the time split by phase: the three phases of :func:`sim.api.simulate` (build, run,
   collect), the run split further by the innermost module a sample is in (simpy's event
-  loop, the max-min rate solve of ``sim/network.py``, the collective runner, the engine's
+  loop, the max-min rate solve of ``sim/fabric/network.py``, the collective runner, the engine's
   per-op code, recording, ...);
 * the top functions by time spent in them and the library code they call (numpy included),
   and by inclusive time;
@@ -82,7 +82,7 @@ _PHASE_OF_CALL = {
 }
 # Inside the engine run: the innermost frame in one of these places names the component. A
 # place is a module's file name or a package folder under sim/ (or simpy), so the split still
-# holds when modules move into subpackages (sim/network.py -> sim/fabric/network.py).
+# holds when modules move into subpackages (e.g. sim/fabric/network.py).
 _RUN_COMPONENTS: list[tuple[str, str]] = [
     ("network.py", "rate solve + flow bookkeeping (network.py)"),
     ("recorder.py", "recording (recorder.py, allocator.py)"),
