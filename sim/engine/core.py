@@ -18,6 +18,7 @@ compute op takes given what runs beside it).
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -117,6 +118,7 @@ class Engine:
                                   self._held)
         self._wire_rate: dict[tuple[int, ...], tuple[float, int]] = {}
         self._load_cache: dict[tuple[str, tuple[int, ...], float], CommLoad] = {}
+        self._needed: dict[tuple[str, int], tuple[object, frozenset[int]]] = {}
         self._host_routes: dict[tuple[int, str | None],
                                 tuple[np.ndarray, np.ndarray, float]] = {}
 
@@ -248,6 +250,7 @@ class Engine:
             else:
                 self._load.pop(cls.id, None)
         class_of = program.class_of_rank()
+        self._needed.clear()   # rank classes are the program's
         # The host issues each class's ops in program order without waiting for the GPU,
         # except where the host-clock rule (sim.engine.host_clock) makes it wait for an op to
         # finish: one host-clock process per class publishes each op's issue time.
@@ -263,7 +266,17 @@ class Engine:
         ]
         for cls in program.classes:
             env.process(self._host_clock(host_issues(issue_order(cls)), done))
-        env.run(until=simpy.AllOf(env, procs))
+        # The cyclic garbage collector would traverse every live Op, event and process again
+        # and again while nothing cyclic dies (a fifth of a 1,024-GPU step's wall time,
+        # docs/performance.md); it runs once the step is over. No simulated number depends
+        # on it.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            env.run(until=simpy.AllOf(env, procs))
+        finally:
+            if collecting:
+                gc.enable()
         self._step += 1
         return env.now - t0
 
@@ -363,19 +376,33 @@ class Engine:
         yield self.net.start_group(flat, lengths, np.full(n, float(op.nbytes)), np.ones(n),
                                    np.full(n, np.inf), tag=op)
 
+    def _classes_needed(self, op: Op, class_of: dict[int, int]) -> frozenset[int]:
+        """The rank classes that must reach ``op`` before it starts. Builders hand every
+        micro-batch's collective the same group (or pairs) tuple, so the answer is kept per
+        tuple object: at 16,384 GPUs a group is thousands of ranks, walked once."""
+        members: object = op.pairs if op.kind in ("send", "recv") else (op.groups or op.group)
+        cache_key = (op.kind, id(members))
+        hit = self._needed.get(cache_key)
+        if hit is not None and hit[0] is members:
+            return hit[1]
+        if op.kind == "collective":
+            ranks = [r for g in op.all_groups for r in g]
+        elif op.kind == "send":
+            ranks = [s for s, _ in op.pairs]
+        else:
+            ranks = [r for p in op.pairs for r in p]
+        needed = frozenset(class_of[r] for r in ranks)
+        self._needed[cache_key] = (members, needed)
+        return needed
+
     def _collective(self, cls: RankClass, op: Op, class_of: dict[int, int],
                     rendezvous: dict[str, _Rendezvous]) -> Generator[simpy.Event, object, float]:
         """Wait for every class of the group, then run the transfer once for all of them."""
         env = self.env
         rv = rendezvous.get(op.key)
         if rv is None:
-            if op.kind == "collective":
-                ranks = [r for g in op.all_groups for r in g]
-            elif op.kind == "send":
-                ranks = [s for s, _ in op.pairs]
-            else:
-                ranks = [r for p in op.pairs for r in p]
-            rv = _Rendezvous(needed={class_of[r] for r in ranks}, launched=env.event())
+            rv = _Rendezvous(needed=set(self._classes_needed(op, class_of)),
+                             launched=env.event())
             rendezvous[op.key] = rv
         rv.arrived.add(cls.id)
         for cat, nbytes in op.alloc:

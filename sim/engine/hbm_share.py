@@ -70,6 +70,8 @@ class HbmShare:
 
     def load_changed(self, cls_id: int) -> None:
         """The collectives a class holds changed (CTAs or HBM demand)."""
+        if cls_id not in self._memory and cls_id not in self._class_scale:
+            return   # no memory-bound compute and a share of 1: a load change cannot move it
         self._update(cls_id)
 
     def collective_started(self, key: str, tag: object, classes: Iterable[int]) -> None:
