@@ -194,9 +194,13 @@ class Engine:
         load = self._load[cls_id]
         load.ctas += ctas
         load.hbm_bytes_per_s = max(0.0, load.hbm_bytes_per_s + hbm)
-        old, load.changed = load.changed, self.env.event()
+        old = load.changed
         assert old is not None
-        old.succeed()
+        # Wake the compute ops draining under the old load; with none waiting (no callbacks)
+        # the event stays as it is: triggering it would schedule an event that does nothing.
+        if old.callbacks:
+            load.changed = self.env.event()
+            old.succeed()
         self.hbm_share.load_changed(cls_id)
 
     def _comm_load(self, op: Op) -> CommLoad:
