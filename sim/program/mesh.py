@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Group = tuple[int, ...]
 Groups = tuple[Group, ...]
@@ -69,6 +70,10 @@ class RankMesh:
     sizes: tuple[int, ...]
     _strides: dict[str, int] = field(init=False, repr=False, compare=False)
     _size: dict[str, int] = field(init=False, repr=False, compare=False)
+    _memo: dict[tuple[object, ...], Any] = field(
+        init=False, repr=False, compare=False, default_factory=dict)
+    """Answers already computed: builders ask for the same groups once per op, and the mesh
+    is immutable, so each answer (a tuple of ints) is computed once."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "names", tuple(self.names))
@@ -145,6 +150,11 @@ class RankMesh:
         outermost first), the others at ``fixed``. ``over`` defaults to every remaining
         dimension in mesh order, which lists the groups by their first rank; pass it to list
         them in another order."""
+        key = ("groups", tuple(along), None if over is None else tuple(over),
+               tuple(sorted(fixed.items())))
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
         rest = self._unnamed(fixed, along)
         if over is None:
             over = rest
@@ -152,7 +162,9 @@ class RankMesh:
             raise ValueError(f"over={list(over)} may name only the dimensions left free: {rest}")
         base = self._base(fixed, [d for d in rest if d not in over])
         inner = self._offsets(along)
-        return tuple(tuple(base + o + i for i in inner) for o in self._offsets(over))
+        out = tuple(tuple(base + o + i for i in inner) for o in self._offsets(over))
+        self._memo[key] = out
+        return out
 
     def group_of(self, rank: int, along: Sequence[str]) -> Group:
         """The group along ``along`` that ``rank`` is in (in :meth:`ranks` order)."""
@@ -170,9 +182,15 @@ class RankMesh:
         """(rank at ``dim = a``, the rank with the same other coordinates at ``dim = b``) for
         every point of ``over`` (default: the free dimensions in mesh order): a pipeline
         transfer between stages ``a`` and ``b``, for example."""
-        self._known([dim])
-        ia, ib = self._index(dim, a), self._index(dim, b)
-        return tuple((g[ia], g[ib]) for g in self.groups([dim], over, **fixed))
+        key = ("peer_pairs", dim, a, b, None if over is None else tuple(over),
+               tuple(sorted(fixed.items())))
+        hit = self._memo.get(key)
+        if hit is None:
+            self._known([dim])
+            ia, ib = self._index(dim, a), self._index(dim, b)
+            hit = self._memo[key] = tuple((g[ia], g[ib])
+                                          for g in self.groups([dim], over, **fixed))
+        return hit
 
     def ring_pairs(self, along: Sequence[str], over: Sequence[str] | None = None,
                    **fixed: int) -> Pairs:
