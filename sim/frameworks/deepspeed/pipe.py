@@ -6,7 +6,8 @@ at commit 38327e07 (``runtime/pipe/engine.py``, ``schedule.py``, ``p2p.py``, ``m
 ``runtime/engine.py``, ``bf16_optimizer.py``, ``zero/stage_1_and_2.py``, ``runtime/utils.py``
 ``PartitionedTensor``):
 
-* Layout (``PipeModelDataParallelTopology``, axes pipe, data, model): global rank
+* Layout (``PipeModelDataParallelTopology``, axes pipe, data, model; a
+  :class:`~sim.program.mesh.RankMesh`): global rank
   ``t + tp * (d + dp * s)``; each pipeline stage is one rank class.
 * Layers: Megatron's local (apex/fused-kernel) layers, priced by :mod:`sim.workload.megatron_ops`
   (column-parallel QKV and fc1, row-parallel projection and fc2; two blocking all-reduces in
@@ -75,6 +76,7 @@ from sim.frameworks.deepspeed.pipe_step import (
 )
 from sim.frameworks.megatron.build import MEGATRON_CPU_S_PER_OP
 from sim.program.ir import CollectiveOp, NcclType, Op, Phase, Program, RankClass
+from sim.program.mesh import Groups, Pairs, RankMesh
 from sim.scenario import DeepSpeedOptions
 from sim.workload.layer_ops import BlockCost, price_block
 from sim.workload.megatron_ops import (
@@ -163,6 +165,11 @@ def _resolve(ctx: JobContext) -> _Setup:
                   stage_layers=layers)
 
 
+TOPOLOGY_AXES = ("pipe", "data", "model")
+"""``PipeModelDataParallelTopology``'s axes, outermost first (``runtime/pipe/topology.py``;
+``ProcessTopology`` lays them out row-major): global rank ``t + tp * (d + dp * s)``."""
+
+
 def build_deepspeed_pipe(ctx: JobContext) -> Program:
     """The program of one DeepSpeed pipeline-engine step (see the module docstring)."""
     return _Pipe(ctx, _resolve(ctx)).build()
@@ -173,6 +180,7 @@ class _Pipe:
 
     def __init__(self, ctx: JobContext, su: _Setup) -> None:
         self.ctx, self.su = ctx, su
+        self.grid = RankMesh(TOPOLOGY_AXES, (su.p, su.dp, su.t))
         s = ctx.scenario
         opts = s.framework
         assert isinstance(opts, DeepSpeedOptions)
@@ -209,15 +217,23 @@ class _Pipe:
 
     # ------------------------------------------------------------------ layout
     def rank(self, ti: int, di: int, st: int) -> int:
-        return ti + self.su.t * (di + self.su.dp * st)
+        return self.grid.rank(model=ti, data=di, pipe=st)
 
-    def tp_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
-        su = self.su
-        return tuple(tuple(self.rank(ti, di, st) for ti in range(su.t)) for di in range(su.dp))
+    def tp_groups(self, st: int) -> Groups:
+        return self.grid.groups(["model"], pipe=st)
 
-    def dp_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
-        su = self.su
-        return tuple(tuple(self.rank(ti, di, st) for di in range(su.dp)) for ti in range(su.t))
+    def dp_groups(self, st: int) -> Groups:
+        return self.grid.groups(["data"], pipe=st)
+
+    def stage_pairs(self, src: int, dst: int) -> Pairs:
+        """(rank on stage ``src``, its peer on ``dst``), tensor-parallel index outermost: a
+        pipeline transfer's pairs, or the tied embedding's."""
+        return self.grid.peer_pairs("pipe", src, dst, over=["model", "data"])
+
+    def model_parallel_groups(self) -> Groups:
+        """One per data-parallel index: every stage and tensor-parallel rank of a replica
+        (``PipelineParallelGrid``'s ``ds_model_proc_group``, ranks ascending)."""
+        return self.grid.groups(["pipe", "model"])
 
     def stage_params(self, st: int) -> int:
         """Parameters of stage ``st`` on one tensor-parallel rank (a tied embedding counted
@@ -279,8 +295,7 @@ class _Pipe:
         """A blocking send (or receive) between neighbouring stages: one rendezvous per
         tensor, both ends' compute streams wait for it."""
         su = self.su
-        pairs = tuple((self.rank(ti, di, src), self.rank(ti, di, dst)) for ti in range(su.t)
-                      for di in range(su.dp))
+        pairs = self.stage_pairs(src, dst)
         # The partition's meta is int64 (send_obj_meta's LongTensor), the data 16-bit.
         tensors: list[tuple[str, float, NcclType]] = \
             [("meta", float(META_BYTES), "i64"), ("data", self.act_bytes / su.t, self.w16)] \
@@ -424,9 +439,7 @@ class _Pipe:
         ctx, su = self.ctx, self.su
         classes = []
         for st in range(su.p):
-            members = tuple(sorted(self.rank(ti, di, st) for ti in range(su.t)
-                                   for di in range(su.dp)))
-            cls = RankClass(st, members, label=f"pipeline stage {st}")
+            cls = RankClass(st, self.grid.members(pipe=st), label=f"pipeline stage {st}")
             n = self.stage_params(st)
             # fp32 master + Adam m, v: sharded over the replicas, except FP16_Optimizer's.
             shard = 1 if su.fp16_optimizer else su.dp

@@ -29,8 +29,7 @@ def reduce_tied(pipe: _Pipe, cls: RankClass, st: int) -> None:
     su, m = pipe.su, pipe.mdl
     if su.p == 1 or st not in (0, su.p - 1) or not m.tied_embeddings:
         return
-    pairs = tuple((pipe.rank(ti, di, 0), pipe.rank(ti, di, su.p - 1))
-                  for ti in range(su.t) for di in range(su.dp))
+    pairs = pipe.stage_pairs(0, su.p - 1)
     # BF16_Optimizer reduces the fp32 accumulator (weight._hp_grad), the others the .grad.
     width = FP32 if su.bf16_optimizer else W16
     pipe.op(cls, Op(name="all_reduce tied embedding grads", kind="collective",
@@ -113,8 +112,7 @@ def optimizer_step(pipe: _Pipe, cls: RankClass, st: int) -> None:
     # Global norm: summed over the replica's model-parallel group (every stage and
     # tensor-parallel rank), so no stage steps before the slowest has reduced; the host
     # reads it (BF16_Optimizer asserts it is positive, FP16_Optimizer checks overflow).
-    mp = tuple(tuple(pipe.rank(ti, di, s) for s in range(su.p) for ti in range(su.t))
-               for di in range(su.dp))
+    mp = pipe.model_parallel_groups()
     red = pipe.collective(cls, "all_reduce grad norm (model parallel)", "all_reduce", FP32,
                           mp, "", key="deepspeed-pipe/norm", dtype="f32")
     if su.bf16_optimizer or su.fp16_optimizer:

@@ -14,13 +14,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+from sim.program.mesh import Groups, Pairs, RankMesh
 
 # ---------------------------------------------------------------------- mesh
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""torchtitan's mesh dimensions, outermost first (``parallel_dims.py``,
+``ParallelDims._build_mesh_without_ep``: ``init_device_mesh`` over these names)."""
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """torchtitan's device mesh ``[pp, dp_replicate, dp_shard, cp, tp]``, row-major."""
+    """torchtitan's device mesh ``[pp, dp_replicate, dp_shard, cp, tp]``, row-major, over
+    the generic :class:`~sim.program.mesh.RankMesh`; every group of a pipeline stage."""
 
     pp: int
     replicate: int
@@ -28,46 +36,39 @@ class Mesh:
     cp: int
     tp: int
 
-    def rank(self, pi: int, ri: int, si: int, ci: int, ti: int) -> int:
-        return ti + self.tp * (ci + self.cp * (si + self.shard * (ri + self.replicate * pi)))
+    @cached_property
+    def grid(self) -> RankMesh:
+        """The rank mesh with torchtitan's dimension names and order."""
+        return RankMesh(DIMS, (self.pp, self.replicate, self.shard, self.cp, self.tp))
 
-    def _coords(self) -> list[tuple[int, int, int, int]]:
-        return [(ri, si, ci, ti) for ri in range(self.replicate) for si in range(self.shard)
-                for ci in range(self.cp) for ti in range(self.tp)]
+    def rank(self, pi: int, ri: int, si: int, ci: int, ti: int) -> int:
+        return self.grid.rank(pp=pi, dp_replicate=ri, dp_shard=si, cp=ci, tp=ti)
 
     def members(self, st: int) -> tuple[int, ...]:
-        return tuple(sorted(self.rank(st, *c) for c in self._coords()))
+        return self.grid.members(pp=st)
 
-    def tp_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(self.rank(st, ri, si, ci, ti) for ti in range(self.tp))
-                     for ri in range(self.replicate) for si in range(self.shard)
-                     for ci in range(self.cp))
+    def tp_groups(self, st: int) -> Groups:
+        return self.grid.groups(["tp"], pp=st)
 
-    def cp_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(self.rank(st, ri, si, ci, ti) for ci in range(self.cp))
-                     for ri in range(self.replicate) for si in range(self.shard)
-                     for ti in range(self.tp))
+    def cp_groups(self, st: int) -> Groups:
+        return self.grid.groups(["cp"], pp=st)
 
-    def shard_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
-        """FSDP's all-gather / reduce-scatter groups: dp_shard x cp flattened."""
-        return tuple(tuple(self.rank(st, ri, si, ci, ti) for si in range(self.shard)
-                           for ci in range(self.cp))
-                     for ri in range(self.replicate) for ti in range(self.tp))
+    def shard_groups(self, st: int) -> Groups:
+        """FSDP's all-gather / reduce-scatter groups: dp_shard x cp flattened
+        (torchtitan's ``dp_shard_cp`` mesh)."""
+        return self.grid.groups(["dp_shard", "cp"], pp=st)
 
-    def replicate_groups(self, st: int) -> tuple[tuple[int, ...], ...]:
+    def replicate_groups(self, st: int) -> Groups:
         """HSDP's all-reduce groups: the same shard on every replica."""
-        return tuple(tuple(self.rank(st, ri, si, ci, ti) for ri in range(self.replicate))
-                     for si in range(self.shard) for ci in range(self.cp)
-                     for ti in range(self.tp))
+        return self.grid.groups(["dp_replicate"], pp=st)
 
-    def stage_pairs(self, st: int, dst: int) -> tuple[tuple[int, int], ...]:
+    def stage_pairs(self, st: int, dst: int) -> Pairs:
         """Pipeline p2p: every rank of stage ``st`` sends to its peer on stage ``dst``."""
-        return tuple((self.rank(st, *c), self.rank(dst, *c)) for c in self._coords())
+        return self.grid.peer_pairs("pp", st, dst)
 
-    def cp_ring_pairs(self, st: int) -> tuple[tuple[int, int], ...]:
+    def cp_ring_pairs(self, st: int) -> Pairs:
         """Context-parallel ring shift: each rank sends to the next in its cp group."""
-        return tuple((g[i], g[(i + 1) % len(g)]) for g in self.cp_groups(st)
-                     for i in range(len(g)))
+        return self.grid.ring_pairs(["cp"], pp=st)
 
 
 # ---------------------------------------------------------------------- pipeline split

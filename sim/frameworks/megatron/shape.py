@@ -11,6 +11,7 @@ change it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from sim.frameworks.common.base import JobContext
@@ -18,12 +19,15 @@ from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.buckets import data_parallel_modes
 from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
 from sim.program.ir import NcclType
+from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
 from sim.workload.layer_ops import Block, BlockCost, price_block
 from sim.workload.megatron_ops import STYLE, MegatronLayout, megatron_blocks, padded_vocab
 from sim.workload.model import ModelSpec
 
-Groups = tuple[tuple[int, ...], ...]
+ORDER = "tp-cp-ep-dp-pp"
+"""Megatron-Core's default rank order, innermost first (``parallel_state.py``,
+``initialize_model_parallel(order=...)``)."""
 
 
 @dataclass(frozen=True)
@@ -122,36 +126,40 @@ class MegatronShape:
         return self.t if (scatter_gather and self.t > 1 and not self.sp) else 1
 
     # ------------------------------------------------------------------ ranks and groups
+    @cached_property
+    def mesh(self) -> RankMesh:
+        """The job's ranks in Megatron-Core's default order ``tp-cp-ep-dp-pp``
+        (``parallel_state.py``, ``RankGenerator``; innermost first): tensor-parallel peers
+        adjacent, pipeline stages outermost. Dense layers only, so ep = 1."""
+        return RankMesh.from_order(ORDER, {"tp": self.t, "cp": self.cp, "ep": 1,
+                                           "dp": self.dp, "pp": self.p})
+
     def rank(self, ti: int, ci: int, di: int, pi: int) -> int:
-        """Global rank of (tp, cp, dp, pp) coordinates: ``tp-cp-ep-dp-pp`` order
-        (``parallel_state.py``), tensor-parallel peers adjacent, pipeline stages outermost."""
-        return ti + self.t * (ci + self.cp * (di + self.dp * pi))
+        """Global rank of (tp, cp, dp, pp) coordinates."""
+        return self.mesh.rank(tp=ti, cp=ci, dp=di, pp=pi)
 
     def members(self, st: int) -> tuple[int, ...]:
         """Ranks of pipeline stage ``st`` (one rank class: they all run the same ops)."""
-        return tuple(sorted(self.rank(ti, ci, di, st) for ti in range(self.t)
-                            for ci in range(self.cp) for di in range(self.dp)))
+        return self.mesh.members(pp=st)
 
+    # The groups and pairs below list their entries in the order this builder always has
+    # (``over``): the collectives' flows go onto the fabric in that order.
     def tp_groups(self, st: int) -> Groups:
-        return tuple(tuple(self.rank(ti, ci, di, st) for ti in range(self.t))
-                     for ci in range(self.cp) for di in range(self.dp))
+        return self.mesh.groups(["tp"], over=["cp", "dp"], pp=st)
 
     def dp_groups(self, st: int) -> Groups:
-        """Gradients are reduced over data- and context-parallel ranks together."""
-        return tuple(tuple(self.rank(ti, ci, di, st) for di in range(self.dp)
-                           for ci in range(self.cp))
-                     for ti in range(self.t))
+        """Gradients are reduced over data- and context-parallel ranks together
+        (``parallel_state``'s ``dp-cp`` group)."""
+        return self.mesh.groups(["dp", "cp"], over=["tp"], pp=st)
 
     def stage_pairs(self, a: int, b: int) -> tuple[tuple[int, int], ...]:
         """(rank on stage a, same coordinates on stage b) for every member: a pipeline
         transfer's pairs, or the tied embedding's group pairs."""
-        return tuple((self.rank(ti, ci, di, a), self.rank(ti, ci, di, b))
-                     for ti in range(self.t) for ci in range(self.cp) for di in range(self.dp))
+        return self.mesh.peer_pairs("pp", a, b, over=["tp", "cp", "dp"])
 
     def cp_ring_pairs(self, st: int) -> tuple[tuple[int, int], ...]:
         """(rank, next rank in its context-parallel ring) for every member of stage st."""
-        return tuple((self.rank(ti, ci, di, st), self.rank(ti, (ci + 1) % self.cp, di, st))
-                     for ti in range(self.t) for di in range(self.dp) for ci in range(self.cp))
+        return self.mesh.ring_pairs(["cp"], over=["tp", "dp"], pp=st)
 
     # ------------------------------------------------------------------ per-stage sizes
     def stage_params(self, st: int) -> float:
