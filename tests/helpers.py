@@ -59,3 +59,16 @@ def megatron_scenario(par: dict, gbs: int, mbs: int = 1, framework: dict | None 
         "parallelism": par,
         "training": {"seq_len": seq, "micro_batch_size": mbs, "global_batch_size": gbs,
                      "activation_checkpointing": ac, "precision": precision}})
+
+
+# Two small nodes (2 x H100 each) in two availability zones, FSDP2: its all-gathers and
+# reduce-scatters cross the zone boundary. The cost and plot tests add their own prices.
+TWO_ZONES: dict[str, Any] = {
+    "name": "tiny-2az",
+    "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1536,
+              "vocab": 32000},
+    "cluster": {"gpu": "h100-sxm", "nodes": 2, "gpus_per_node": 2, "nics_per_node": 2,
+                "azs": 2},
+    "framework": "fsdp2",
+    "training": {"seq_len": 1024, "micro_batch_size": 1},
+}
