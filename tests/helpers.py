@@ -72,3 +72,12 @@ TWO_ZONES: dict[str, Any] = {
     "framework": "fsdp2",
     "training": {"seq_len": 1024, "micro_batch_size": 1},
 }
+
+
+# Llama 3.2 1B under DDP on one GPU, no NICs: the smallest whole run a per-GPU change (a power
+# cap, a part) shows in. Modules set ``cluster__gpu`` and their own name.
+ONE_GPU_1B: dict[str, Any] = {
+    "name": "1gpu", "model": "llama3.2-1b",
+    "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
+    "framework": {"name": "ddp"},
+    "training": {"seq_len": 2048, "micro_batch_size": 2}}
