@@ -81,3 +81,8 @@ ONE_GPU_1B: dict[str, Any] = {
     "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
     "framework": {"name": "ddp"},
     "training": {"seq_len": 2048, "micro_batch_size": 2}}
+
+
+# Llama 3.2 1B and nothing else: every other key takes the schema's default (unlike conftest's
+# BASE, which sets them), for tests of what a cluster section alone resolves to.
+MINIMAL_1B: dict[str, Any] = {"model": "llama3.2-1b"}
