@@ -86,3 +86,19 @@ ONE_GPU_1B: dict[str, Any] = {
 # Llama 3.2 1B and nothing else: every other key takes the schema's default (unlike conftest's
 # BASE, which sets them), for tests of what a cluster section alone resolves to.
 MINIMAL_1B: dict[str, Any] = {"model": "llama3.2-1b"}
+
+
+def megatron_pipeline(stages: int, micro_batches: int, layers: int,
+                      nodes: int = 1) -> Scenario:
+    """Megatron-LM 1F1B, one GPU per stage, a narrow model (hidden 1,024, 1,024-token
+    vocabulary) so the run stays fast: the pipeline the metrics and plot tests read."""
+    return make_scenario({
+        "name": f"pp{stages}",
+        "model": {"layers": layers, "hidden": 1024, "heads": 8, "ffn_hidden": 4096,
+                  "vocab": 1024, "mlp": "gelu", "tied_embeddings": False},
+        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": stages // nodes,
+                    "nics_per_node": 8 if nodes > 1 else 0, "nic_gbps": 400},
+        "framework": {"name": "megatron"},
+        "parallelism": {"tp": 1, "pp": stages, "dp": 1},
+        "training": {"seq_len": 2048, "micro_batch_size": 1,
+                     "global_batch_size": micro_batches}})

@@ -12,7 +12,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 from conftest import make_scenario
-from helpers import TWO_ZONES
+from helpers import TWO_ZONES, megatron_pipeline
 from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
@@ -21,26 +21,11 @@ from sim.analysis.metrics import union_length
 from sim.api import RunResult, simulate
 from sim.fabric.topology import LINK_KINDS
 from sim.outputs import plot
-from sim.scenario import Scenario, load_scenario
+from sim.scenario import load_scenario
 
 # The prices the two-zone runs (helpers.TWO_ZONES: 2 nodes x 2 H100 in two availability zones,
 # FSDP2, whose all-gathers and reduce-scatters cross the zone boundary) are billed at.
 PRICES: dict[str, Any] = {"egress_usd_per_gb": 0.02, "region_egress_usd_per_gb": 0.05}
-
-
-def pipeline(stages: int, micro_batches: int, layers: int, nodes: int = 1) -> Scenario:
-    """Megatron-LM 1F1B, one GPU per stage: a narrow model so the run stays fast."""
-    return make_scenario({
-        "name": f"pp{stages}",
-        "model": {"layers": layers, "hidden": 1024, "heads": 8, "ffn_hidden": 4096,
-                  "vocab": 1024, "mlp": "gelu", "tied_embeddings": False},
-        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": stages // nodes,
-                    "nics_per_node": 8 if nodes > 1 else 0, "nic_gbps": 400},
-        "framework": {"name": "megatron"},
-        "parallelism": {"tp": 1, "pp": stages, "dp": 1},
-        "training": {"seq_len": 2048, "micro_batch_size": 1,
-                     "global_batch_size": micro_batches},
-    })
 
 
 def labels_of(r: RunResult) -> dict[int, str]:
@@ -58,7 +43,7 @@ def ddp() -> RunResult:
 
 @pytest.fixture(scope="module")
 def pp4() -> RunResult:
-    return simulate(pipeline(4, 8, 8))
+    return simulate(megatron_pipeline(4, 8, 8))
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +143,7 @@ def test_pipeline_bubbles_are_the_summarys_bubble(pp4: RunResult) -> None:
 
 def test_many_rank_classes_fold_to_critical_first_last_and_sampled() -> None:
     # 64 pipeline stages on 8 nodes: 64 rank classes.
-    r = simulate(pipeline(64, 16, 64, nodes=8))
+    r = simulate(megatron_pipeline(64, 16, 64, nodes=8))
     labels = labels_of(r)
     fig = plot.timeline_figure(r.recorder, "pp64", labels, pipeline_stages=stages_of(r))
     ax = fig.axes[0]
