@@ -8,6 +8,8 @@ import simpy
 from conftest import make_scenario
 
 from sim.fabric.topology import FabricSpec
+from sim.frameworks import JobContext, build_program
+from sim.program.ir import Program
 from sim.scenario import Scenario
 
 
@@ -16,6 +18,11 @@ def timed(env: simpy.Environment, gen: Any) -> float:
     t0 = env.now
     env.run(env.process(gen))
     return env.now - t0
+
+
+def program(s: Scenario) -> Program:
+    """The step program the scenario's framework builds (no simulation)."""
+    return build_program(JobContext.from_scenario(s))
 
 
 def dgx(nodes: int, **kw: Any) -> FabricSpec:

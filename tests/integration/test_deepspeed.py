@@ -8,11 +8,11 @@ import math
 
 import pytest
 from conftest import SMALL_MODEL, make_scenario
+from helpers import program
 
 from sim.api import fabric_spec, simulate
 from sim.fabric.network import ring_bytes_per_rank
 from sim.fabric.topology import build_fabric
-from sim.frameworks import JobContext, build_program
 from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.program.ir import Op, Program
 from sim.scenario import ModelDims, ScenarioError
@@ -35,10 +35,6 @@ def scenario(framework: dict, nodes: int = 1, gpus: int = 8, model: dict | str =
                          **{f"cluster.{k}": v for k, v in (cluster or {}).items()},
                          framework={"name": "deepspeed", **framework}, nccl=nccl or None,
                          **{f"training.{k}": v for k, v in training.items()})
-
-
-def program(s) -> Program:
-    return build_program(JobContext.from_scenario(s))
 
 
 def colls(p: Program, kind: str) -> list[Op]:

@@ -9,10 +9,10 @@ from collections import Counter
 
 import pytest
 from conftest import make_scenario
-from helpers import DEEP
+from helpers import DEEP, program
 
 from sim.api import simulate
-from sim.frameworks import JobContext, build_program
+from sim.frameworks import JobContext
 from sim.frameworks.deepspeed.pipe import stage_param_counts
 from sim.frameworks.deepspeed.pipe_schedule import pipe_buffers, train_schedule
 from sim.scenario import ScenarioError, load_scenario
@@ -32,10 +32,6 @@ def scenario(par: dict, gbs: int, framework: dict | None = None, model: dict | N
                          parallelism=par,
                          training={"seq_len": seq, "micro_batch_size": mbs,
                                    "global_batch_size": gbs, "activation_checkpointing": ac})
-
-
-def program(s):
-    return build_program(JobContext.from_scenario(s))
 
 
 # --------------------------------------------------------------------------- TrainSchedule
