@@ -7,7 +7,7 @@ from typing import Any
 import simpy
 from conftest import make_scenario
 
-from sim.fabric.topology import FabricSpec
+from sim.fabric.topology import Fabric, FabricSpec, build_fabric
 from sim.frameworks import JobContext, build_program
 from sim.program.ir import Program
 from sim.scenario import Scenario
@@ -43,6 +43,12 @@ def pipeline_idle_share(r: Any) -> float:
     pipeline_end = max(x.end for x in r.recorder.ops
                        if x.cls == crit and x.op.phase in ("fwd", "bwd", "recompute"))
     return float(r.summary["bubble_fraction"] * step / pipeline_end)
+
+
+def nvlink_node(gpus: int = 2) -> Fabric:
+    """One :func:`dgx` node without NICs: its GPUs joined by NVLink 4 only (the engine's
+    interference and HBM-sharing tests)."""
+    return build_fabric(dgx(1, gpus_per_node=gpus, nics_per_node=0))
 
 
 # A deep, narrow-vocabulary model so the layers dominate each pipeline stage (the closed forms
