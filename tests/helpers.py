@@ -7,7 +7,9 @@ from typing import Any
 import simpy
 from conftest import make_scenario
 
-from sim.fabric.topology import FabricSpec
+from sim.fabric.topology import Fabric, FabricSpec, build_fabric
+from sim.frameworks import JobContext, build_program
+from sim.program.ir import Program
 from sim.scenario import Scenario
 
 
@@ -16,6 +18,11 @@ def timed(env: simpy.Environment, gen: Any) -> float:
     t0 = env.now
     env.run(env.process(gen))
     return env.now - t0
+
+
+def program(s: Scenario) -> Program:
+    """The step program the scenario's framework builds (no simulation)."""
+    return build_program(JobContext.from_scenario(s))
 
 
 def dgx(nodes: int, **kw: Any) -> FabricSpec:
@@ -36,6 +43,12 @@ def pipeline_idle_share(r: Any) -> float:
     pipeline_end = max(x.end for x in r.recorder.ops
                        if x.cls == crit and x.op.phase in ("fwd", "bwd", "recompute"))
     return float(r.summary["bubble_fraction"] * step / pipeline_end)
+
+
+def nvlink_node(gpus: int = 2) -> Fabric:
+    """One :func:`dgx` node without NICs: its GPUs joined by NVLink 4 only (the engine's
+    interference and HBM-sharing tests)."""
+    return build_fabric(dgx(1, gpus_per_node=gpus, nics_per_node=0))
 
 
 # A deep, narrow-vocabulary model so the layers dominate each pipeline stage (the closed forms
@@ -59,3 +72,46 @@ def megatron_scenario(par: dict, gbs: int, mbs: int = 1, framework: dict | None 
         "parallelism": par,
         "training": {"seq_len": seq, "micro_batch_size": mbs, "global_batch_size": gbs,
                      "activation_checkpointing": ac, "precision": precision}})
+
+
+# Two small nodes (2 x H100 each) in two availability zones, FSDP2: its all-gathers and
+# reduce-scatters cross the zone boundary. The cost and plot tests add their own prices.
+TWO_ZONES: dict[str, Any] = {
+    "name": "tiny-2az",
+    "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1536,
+              "vocab": 32000},
+    "cluster": {"gpu": "h100-sxm", "nodes": 2, "gpus_per_node": 2, "nics_per_node": 2,
+                "azs": 2},
+    "framework": "fsdp2",
+    "training": {"seq_len": 1024, "micro_batch_size": 1},
+}
+
+
+# Llama 3.2 1B under DDP on one GPU, no NICs: the smallest whole run a per-GPU change (a power
+# cap, a part) shows in. Modules set ``cluster__gpu`` and their own name.
+ONE_GPU_1B: dict[str, Any] = {
+    "name": "1gpu", "model": "llama3.2-1b",
+    "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
+    "framework": {"name": "ddp"},
+    "training": {"seq_len": 2048, "micro_batch_size": 2}}
+
+
+# Llama 3.2 1B and nothing else: every other key takes the schema's default (unlike conftest's
+# BASE, which sets them), for tests of what a cluster section alone resolves to.
+MINIMAL_1B: dict[str, Any] = {"model": "llama3.2-1b"}
+
+
+def megatron_pipeline(stages: int, micro_batches: int, layers: int,
+                      nodes: int = 1) -> Scenario:
+    """Megatron-LM 1F1B, one GPU per stage, a narrow model (hidden 1,024, 1,024-token
+    vocabulary) so the run stays fast: the pipeline the metrics and plot tests read."""
+    return make_scenario({
+        "name": f"pp{stages}",
+        "model": {"layers": layers, "hidden": 1024, "heads": 8, "ffn_hidden": 4096,
+                  "vocab": 1024, "mlp": "gelu", "tied_embeddings": False},
+        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": stages // nodes,
+                    "nics_per_node": 8 if nodes > 1 else 0, "nic_gbps": 400},
+        "framework": {"name": "megatron"},
+        "parallelism": {"tp": 1, "pp": stages, "dp": 1},
+        "training": {"seq_len": 2048, "micro_batch_size": 1,
+                     "global_batch_size": micro_batches}})

@@ -8,10 +8,10 @@ Targets from the issue: step time within 10%, peak memory within 15%.
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
 
 from sim import catalog
 from sim.api import simulate
-from sim.scenario import scenario_from_dict
 
 RUN = catalog.calibration("h200-train-step.json")["runs"][0]
 assert "PyTorch 2.11" in catalog.calibration("h200-train-step.json")["meta"]["machine"]
@@ -19,7 +19,7 @@ assert "PyTorch 2.11" in catalog.calibration("h200-train-step.json")["meta"]["ma
 
 def measured_scenario():
     c = RUN["config"]
-    return scenario_from_dict({
+    return make_scenario({
         "name": "h200-train-step",
         "model": {"layers": c["num_hidden_layers"], "hidden": c["hidden_size"],
                   "heads": c["num_attention_heads"], "kv_heads": c["num_key_value_heads"],

@@ -5,6 +5,7 @@ reason), consistent within 10%, or off by N%."""
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
 
 from sim import catalog
 from sim.analysis.claims import judge, judge_ratio, zone_link_bytes_per_s
@@ -265,9 +266,13 @@ def test_run_claims_need_the_run_length():
         run({"run_usd": 1e6}, summary=with_cost(summary_70b(), None))
 
 
+# Llama 3 70B and nothing else: the cluster section is all the zone checks read.
+MINIMAL_70B = {"model": "llama3-70b"}
+
+
 def two_zone_scenario(**cluster) -> Scenario:
-    return Scenario(model="llama3-70b", cluster={"nodes": 8, "azs": 2, "az_link_gbps": 800,
-                                                 **cluster})
+    return make_scenario(MINIMAL_70B, cluster={"nodes": 8, "azs": 2, "az_link_gbps": 800,
+                                               **cluster})
 
 
 def test_zone_capacity():
@@ -277,7 +282,7 @@ def test_zone_capacity():
     assert zone_link_bytes_per_s(two_zone_scenario(azs=3)) == 6 * 100e9
     # Three zones over two regions (zone z in region z % 2): only zones 0 and 2 share one.
     assert zone_link_bytes_per_s(two_zone_scenario(azs=3, regions=2)) == 2 * 100e9
-    assert zone_link_bytes_per_s(Scenario(model="llama3-70b", cluster={"nodes": 1})) is None
+    assert zone_link_bytes_per_s(make_scenario(MINIMAL_70B, cluster={"nodes": 1})) is None
 
 
 def test_cross_zone_bytes_and_dollars_per_day():
@@ -313,7 +318,7 @@ def test_nvlink_traffic_above_line_rate_is_impossible():
     assert v["verdict"] == "physically impossible"
     assert "450 GB/s per GPU per direction" in v["reason"]    # H100: NVLink 4, 900 GB/s both ways
     assert one({"nvlink_gbytes_per_s": 105}, summary=s)["verdict"] == "consistent"
-    faster = Scenario(model="llama3-70b", cluster={"nvlink_gbytes_per_s": 1000})
+    faster = make_scenario(MINIMAL_70B, cluster={"nvlink_gbytes_per_s": 1000})
     out = judge(Claims(source="t", nvlink_gbytes_per_s=900), s, H100, "bf16", FLOPS_70B,
                 STATES_70B_64, scenario=faster)
     assert out[0]["verdict"] == "off by +800%"

@@ -8,14 +8,14 @@ import math
 
 import pytest
 from conftest import SMALL_MODEL, make_scenario
+from helpers import program
 
 from sim.api import fabric_spec, simulate
 from sim.fabric.network import ring_bytes_per_rank
 from sim.fabric.topology import build_fabric
-from sim.frameworks import JobContext, build_program
 from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.program.ir import Op, Program
-from sim.scenario import ModelDims, ScenarioError, scenario_from_dict
+from sim.scenario import ModelDims, ScenarioError
 from sim.workload.model import ModelSpec
 
 SMALL = SMALL_MODEL
@@ -35,10 +35,6 @@ def scenario(framework: dict, nodes: int = 1, gpus: int = 8, model: dict | str =
                          **{f"cluster.{k}": v for k, v in (cluster or {}).items()},
                          framework={"name": "deepspeed", **framework}, nccl=nccl or None,
                          **{f"training.{k}": v for k, v in training.items()})
-
-
-def program(s) -> Program:
-    return build_program(JobContext.from_scenario(s))
 
 
 def colls(p: Program, kind: str) -> list[Op]:
@@ -536,9 +532,8 @@ def test_bad_input_is_refused_naming_the_key(framework: dict, extra: dict, key: 
     d = {"name": "t", "model": SMALL,
          "cluster": {"gpu": "h100-sxm", "gpus_per_node": 8, "nics_per_node": 0},
          "framework": {"name": "deepspeed", **framework}, "training": {"seq_len": 512}}
-    d.update(extra)
     with pytest.raises(ScenarioError) as err:
-        program(scenario_from_dict(d))
+        program(make_scenario(d, **extra))
     msg = str(err.value)
     assert key in msg and "\n" not in msg
 

@@ -9,13 +9,13 @@ from collections import Counter
 
 import pytest
 from conftest import make_scenario
-from helpers import DEEP
+from helpers import DEEP, program
 
 from sim.api import simulate
-from sim.frameworks import JobContext, build_program
+from sim.frameworks import JobContext
 from sim.frameworks.deepspeed.pipe import stage_param_counts
 from sim.frameworks.deepspeed.pipe_schedule import pipe_buffers, train_schedule
-from sim.scenario import ScenarioError, load_scenario, scenario_from_dict
+from sim.scenario import ScenarioError, load_scenario
 
 # Deep and narrow-vocabulary, so the layers dominate every stage (the closed forms assume
 # identical stages); GELU/LayerNorm/biases as Megatron-DeepSpeed's GPT.
@@ -32,10 +32,6 @@ def scenario(par: dict, gbs: int, framework: dict | None = None, model: dict | N
                          parallelism=par,
                          training={"seq_len": seq, "micro_batch_size": mbs,
                                    "global_batch_size": gbs, "activation_checkpointing": ac})
-
-
-def program(s):
-    return build_program(JobContext.from_scenario(s))
 
 
 # --------------------------------------------------------------------------- TrainSchedule
@@ -260,7 +256,7 @@ def test_fp16_without_zero_keeps_every_state_and_gathers_nothing() -> None:
     # zero_stage 0 with fp16 is FP16_Optimizer: each rank keeps the stage's full fp32 master
     # and Adam states (12 B/param, not sharded), all-reduces the fp16 gradients (2 B/param)
     # and has no weights to all-gather after the step.
-    s = scenario_from_dict({
+    s = make_scenario({
         "model": SMALL, "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 8,
                                     "nics_per_node": 0},
         "framework": {"name": "deepspeed", "zero_stage": 0},

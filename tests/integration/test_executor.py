@@ -8,11 +8,11 @@ reached deterministically)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import make_scenario
 
 import sim.api
 from sim.apps import compare, executor, plan, sweep
@@ -28,7 +28,7 @@ from sim.apps.executor import (
     simulate_task,
     type_and_message,
 )
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import ScenarioError
 
 # Two nodes of two GPUs, ddp: dp = 4 replicas, global batch 8 (as tests/integration/test_sweep.py).
 TINY = {
@@ -42,9 +42,7 @@ TINY = {
 
 
 def _tiny(**training: Any) -> Any:
-    raw = copy.deepcopy(TINY)
-    raw["training"].update(training)
-    return scenario_from_dict(raw)
+    return make_scenario(TINY, **{f"training.{k}": v for k, v in training.items()})
 
 
 def _no_wall(summary: dict[str, Any]) -> dict[str, Any]:

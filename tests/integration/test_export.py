@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import make_scenario
 
 from sim.api import RunResult, simulate
 from sim.engine.recorder import OpRecord, Recorder
 from sim.fabric.topology import LINK_KINDS
 from sim.outputs import export
 from sim.program.ir import MEMORY_CATEGORIES, Op
-from sim.scenario import load_scenario, scenario_from_dict
+from sim.scenario import load_scenario
 
 # Three small jobs with different shapes: DDP on one node (one rank class, one comm stream),
 # FSDP2 on 2 nodes x 2 GPUs (NVLink, PCIe and network traffic, two comm streams), Megatron
@@ -51,8 +52,8 @@ US = 1e-6
 @pytest.fixture(scope="module")
 def runs() -> dict[str, RunResult]:
     return {"ddp": simulate(load_scenario("llama3.2-1b-ddp-8xh100")),
-            "fsdp2": simulate(scenario_from_dict(FSDP2_2NODE)),
-            "megatron": simulate(scenario_from_dict(MEGATRON_PP))}
+            "fsdp2": simulate(make_scenario(FSDP2_2NODE)),
+            "megatron": simulate(make_scenario(MEGATRON_PP))}
 
 
 @pytest.fixture(scope="module")

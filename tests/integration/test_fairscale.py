@@ -18,7 +18,7 @@ from sim.frameworks.fairscale.build import (
     gradient_divide_factors,
     shard_numel,
 )
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import ScenarioError
 from sim.workload.model import ModelSpec
 
 MIB = 2**20
@@ -314,8 +314,8 @@ def test_gradient_divide_factors_average_over_the_world() -> None:
 
 
 def test_bad_input_is_refused_naming_the_key() -> None:
-    s = scenario_from_dict({"model": SMALL, "cluster": {"gpus_per_node": 8, "nics_per_node": 0},
-                            "framework": {"name": "fairscale"}, "parallelism": {"tp": 2}})
+    s = make_scenario({"model": SMALL, "cluster": {"gpus_per_node": 8, "nics_per_node": 0},
+                       "framework": {"name": "fairscale"}, "parallelism": {"tp": 2}})
     with pytest.raises(ScenarioError, match="parallelism"):
         build_program(JobContext.from_scenario(s))
     s = scenario({"name": "fairscale", "mixed_precision": False, "fp32_reduce_scatter": True})

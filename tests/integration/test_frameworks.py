@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 from conftest import SMALL_MODEL, make_scenario
+from helpers import program
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.ddp.build import bucket_assignment
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import ScenarioError
 from sim.workload.model import ModelSpec
 
 SMALL = SMALL_MODEL
@@ -18,10 +19,6 @@ def scenario(framework: dict, nodes: int = 1, gpus: int = 8, **training):
     return make_scenario(cluster__nodes=nodes, cluster__gpus_per_node=gpus,
                          cluster__nics_per_node=8 if nodes > 1 else 0, framework=framework,
                          **{f"training.{k}": v for k, v in training.items()})
-
-
-def program(s):
-    return build_program(JobContext.from_scenario(s))
 
 
 def test_single_gpu_ddp_has_no_communication() -> None:
@@ -119,8 +116,8 @@ def test_fsdp2_overlaps_its_communication() -> None:
 
 
 def test_unsupported_layouts_are_refused_naming_the_key() -> None:
-    s = scenario_from_dict({"model": SMALL, "cluster": {"gpus_per_node": 8, "nics_per_node": 0},
-                            "framework": {"name": "ddp"}, "parallelism": {"tp": 2}})
+    s = make_scenario({"model": SMALL, "cluster": {"gpus_per_node": 8, "nics_per_node": 0},
+                       "framework": {"name": "ddp"}, "parallelism": {"tp": 2}})
     with pytest.raises(ScenarioError, match="parallelism"):
         program(s)
     s = scenario({"name": "ddp"}, global_batch_size=12)
@@ -173,8 +170,7 @@ def test_zero3_and_fsdp2_move_the_same_bytes_one_and_a_half_times_ddp() -> None:
     # keeps them). Blocks of ~3e9 elements keep DeepSpeed from holding anything else. The
     # tolerance (1e-5) covers the layer norms (4e-6 of the parameters), which ZeRO-3 keeps
     # persistent and pads differently.
-    from sim.frameworks import JobContext, build_program
-    from sim.scenario import ModelDims, scenario_from_dict
+    from sim.scenario import ModelDims
     from sim.workload.model import ModelSpec
 
     huge = {"layers": 2, "hidden": 16384, "heads": 128, "ffn_hidden": 65536, "vocab": 32000,
@@ -184,10 +180,9 @@ def test_zero3_and_fsdp2_move_the_same_bytes_one_and_a_half_times_ddp() -> None:
     head = 2.0 * (m.lm_head_params + m.norm_params)
 
     def buffers(fw: dict) -> tuple[float, float]:
-        s = scenario_from_dict({"name": "t", "model": huge, "framework": fw,
-                                "cluster": {"gpu": "h100-sxm", "gpus_per_node": 8},
-                                "training": {"seq_len": 1024, "precision": "bf16"}})
-        prog = build_program(JobContext.from_scenario(s))
+        # conftest's BASE (one 8-GPU H100 node, 1,024-token sequences) in bf16.
+        s = make_scenario(model=huge, framework=fw, training__precision="bf16")
+        prog = program(s)
         total = {c: sum(o.nbytes * len(o.all_groups) for o in prog.ops if o.collective == c)
                  for c in ("all_gather", "reduce_scatter")}
         return total["all_gather"], total["reduce_scatter"]

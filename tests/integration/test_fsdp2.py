@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 from conftest import SMALL_MODEL, make_scenario
+from helpers import program
 
 from sim.api import simulate
 from sim.fabric.network import ring_bytes_per_rank
 from sim.fabric.topology import NETWORK, PCIE
-from sim.frameworks import JobContext, build_program
 from sim.frameworks.fsdp2.mesh import stage_layers
 from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.scenario import ScenarioError
@@ -28,10 +28,6 @@ def scenario(framework: dict | None = None, par: dict | None = None, nodes: int 
                          framework={"name": "fsdp2", **(framework or {})},
                          parallelism=par or {}, nccl=nccl or {},
                          **{f"training.{k}": v for k, v in training.items()})
-
-
-def program(s):
-    return build_program(JobContext.from_scenario(s))
 
 
 def spec(s) -> ModelSpec:

@@ -12,6 +12,8 @@ TDP, the actual peak TFLOPs number is between SXM and NVL"), NVIDIA's H100 datas
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
+from helpers import ONE_GPU_1B
 
 from sim import catalog
 from sim.hardware.compute import ComputeModel
@@ -71,9 +73,9 @@ def test_memory_bound_kernel_is_slower_than_on_h100_sxm_by_the_bandwidth_ratio()
 
 
 def test_grand_teton_preset_carries_the_part_its_cap_and_its_network() -> None:
-    c = scenario_from_dict({"name": "gt", "model": "llama3-8b",
-                            "cluster": {"topology": "meta-grand-teton", "nodes": 2},
-                            "framework": {"name": "fsdp2"}}).cluster
+    c = make_scenario({"name": "gt", "model": "llama3-8b",
+                       "cluster": {"topology": "meta-grand-teton", "nodes": 2},
+                       "framework": {"name": "fsdp2"}}).cluster
     assert c.gpu == KEY and c.gpu_power_w == 500   # torchtitan: "default 500W power limit"
     assert c.gpus_per_node == 8
     assert c.nics_per_node * c.nic_gbps == 8 * 400  # torchtitan: "400 Gb/s per GPU"
@@ -84,13 +86,10 @@ def test_grand_teton_preset_carries_the_part_its_cap_and_its_network() -> None:
 
 def test_the_cap_slows_a_grand_teton_step_but_less_than_the_clock() -> None:
     from sim.api import simulate
-    base = {"name": "gt1", "model": "llama3.2-1b",
-            "cluster": {"gpu": KEY, "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
-            "framework": {"name": "ddp"},
-            "training": {"seq_len": 2048, "micro_batch_size": 2}}
-    full = simulate(scenario_from_dict(base)).summary["step_time_s"]
-    capped = simulate(scenario_from_dict(
-        {**base, "cluster": {**base["cluster"], "gpu_power_w": 500}})).summary["step_time_s"]
+    base = make_scenario(ONE_GPU_1B, name="gt1", cluster__gpu=KEY)
+    full = simulate(base).summary["step_time_s"]
+    capped = simulate(make_scenario(ONE_GPU_1B, name="gt1", cluster__gpu=KEY,
+                                    cluster__gpu_power_w=500)).summary["step_time_s"]
     ratio = sustained_clock_ratio(catalog.gpu(KEY), 500)
     assert full < capped < full / ratio
 
@@ -121,6 +120,8 @@ def test_a_run_that_was_measured_is_accepted_and_fits(row: dict) -> None:
     # Each run ran on a 96 GB part, so the simulator must neither refuse the setup nor call
     # it out of memory, whatever its throughput error (a blind check: nothing is fitted here).
     from sim.api import simulate
+    # The row as published.yaml writes it, through the loader itself (not the test factory):
+    # a row that fails to load is named by its id.
     sc = scenario_from_dict({"name": row["id"], **row["scenario"]}, origin=row["id"])
     summary = simulate(sc).summary
     assert not summary["oom"]

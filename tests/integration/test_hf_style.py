@@ -8,7 +8,7 @@ import pytest
 from conftest import make_scenario
 
 from sim.frameworks import JobContext, build_program
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import ScenarioError
 from sim.workload.layer_ops import Style, _Builder, attention_block, model_blocks
 from sim.workload.model import ModelSpec
 
@@ -152,12 +152,11 @@ def test_reentrant_checkpointing_reruns_one_whole_forward_per_layer() -> None:
 
 def test_reentrant_is_refused_for_torchtitan_code() -> None:
     with pytest.raises(ScenarioError, match="framework.checkpoint_use_reentrant"):
-        build_program(JobContext.from_scenario(scenario_from_dict({
-            "name": "t", "model": "llama3.2-1b",
-            "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
-            "framework": {"name": "fsdp2", "checkpoint_use_reentrant": True},
-            "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 1,
-                         "activation_checkpointing": "full"}})))
+        build_program(JobContext.from_scenario(make_scenario(
+            model="llama3.2-1b", cluster__gpu="h200", cluster__gpus_per_node=1,
+            cluster__nics_per_node=0,
+            framework={"name": "fsdp2", "checkpoint_use_reentrant": True},
+            training__global_batch_size=1, training__activation_checkpointing="full")))
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -214,12 +213,13 @@ def test_compile_gain_on_one_h200_lies_between_none_and_one_kernel_per_run() -> 
     # setup): compile must help, but by less than fusing every run into a single kernel.
     from sim.api import simulate
     from sim.workload import layer_ops
-    base = {"name": "t", "model": "llama3.2-1b",
-            "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
-            "training": {"seq_len": 4096, "micro_batch_size": 4, "global_batch_size": 4}}
 
     def step(compile_: bool) -> float:
-        s = scenario_from_dict({**base, "framework": {"name": "ddp", "compile": compile_}})
+        s = make_scenario(model="llama3.2-1b", cluster__gpu="h200", cluster__gpus_per_node=1,
+                          cluster__nics_per_node=0,
+                          framework={"name": "ddp", "compile": compile_},
+                          training={"seq_len": 4096, "micro_batch_size": 4,
+                                    "global_batch_size": 4})
         return simulate(s).summary["step_time_s"]
 
     eager, compiled = step(False), step(True)
@@ -262,11 +262,9 @@ def test_fsdp2_copy_in_runs_before_every_all_gather_on_the_shard() -> None:
 
 
 def test_cpu_offload_on_one_gpu_computes_only_after_the_parameters_arrive() -> None:
-    s = scenario_from_dict({
-        "name": "t", "model": "llama3.2-1b",
-        "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
-        "framework": {"name": "fsdp2", "cpu_offload": True},
-        "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 1}})
+    s = make_scenario(model="llama3.2-1b", cluster__gpus_per_node=1, cluster__nics_per_node=0,
+                      framework={"name": "fsdp2", "cpu_offload": True},
+                      training__global_batch_size=1)
     ops = build_program(JobContext.from_scenario(s)).ops
     out = next(o for o in ops if o.name == "copy-out L0 (fwd) mb0")
     copy_in = out.deps[0]

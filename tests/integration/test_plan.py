@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import make_scenario
 
 from sim import catalog
 from sim.api import simulate
@@ -53,12 +54,12 @@ REFUSAL_KEYS = {"parallelism", "parallelism.tp", "parallelism.pp", "parallelism.
 
 @pytest.fixture(scope="module")
 def mid() -> Any:
-    return scenario_from_dict(MID)
+    return make_scenario(MID)
 
 
 @pytest.fixture(scope="module")
 def odd() -> Any:
-    return scenario_from_dict(ODD)
+    return make_scenario(ODD)
 
 
 @pytest.fixture(scope="module")
@@ -386,13 +387,14 @@ def test_a_backend_hook_simulates_in_batches(odd: Any) -> None:
 def test_layout_scenario_replaces_the_framework_section(odd: Any) -> None:
     # The scenario's own framework options it does not search stay (compile), those of
     # another framework go: a Megatron layout of an FSDP2 scenario runs as written.
-    base = scenario_from_dict(dict(ODD, framework={"name": "fsdp2", "compile": True,
-                                                   "reshard_after_forward": False}))
+    base = make_scenario(ODD, framework={"name": "fsdp2", "compile": True,
+                                         "reshard_after_forward": False})
     fsdp2 = plan.Layout("fsdp2", 1, 1, 8, 1, 1, 1, "full", (("reshard_after_forward", True),))
     megatron = plan.Layout("megatron", 2, 1, 4, 1, 1, 1, "full",
                            plan.MEGATRON_BEST_PRACTICE + (("tp_comm_overlap", True),))
     a = plan.layout_scenario(base, fsdp2).framework
     assert a.name == "fsdp2" and a.compile and a.reshard_after_forward
+    # The planner's own mapping through the loader, as `sim plan --out` writes it.
     b = scenario_from_dict(plan.scenario_mapping(base, megatron))
     assert b.framework.name == "megatron" and b.framework.tp_comm_overlap   # type: ignore[union-attr]
     assert (b.parallelism.tp, b.dp, b.training.global_batch_size) == (2, 4, 16)

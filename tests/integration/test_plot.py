@@ -11,6 +11,8 @@ from typing import Any
 import matplotlib.image
 import numpy as np
 import pytest
+from conftest import make_scenario
+from helpers import TWO_ZONES, megatron_pipeline
 from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
@@ -19,35 +21,11 @@ from sim.analysis.metrics import union_length
 from sim.api import RunResult, simulate
 from sim.fabric.topology import LINK_KINDS
 from sim.outputs import plot
-from sim.scenario import load_scenario, scenario_from_dict
+from sim.scenario import load_scenario
 
-# Two small nodes in two availability zones, FSDP2: its all-gathers and reduce-scatters
-# cross the zone boundary (as tests/unit/analysis/test_cost.py's TINY_TWO_ZONES).
-TWO_ZONES: dict[str, Any] = {
-    "name": "tiny-2az",
-    "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1536,
-              "vocab": 32000},
-    "cluster": {"gpu": "h100-sxm", "nodes": 2, "gpus_per_node": 2, "nics_per_node": 2,
-                "azs": 2},
-    "framework": "fsdp2",
-    "training": {"seq_len": 1024, "micro_batch_size": 1},
-    "pricing": {"egress_usd_per_gb": 0.02, "region_egress_usd_per_gb": 0.05},
-}
-
-
-def pipeline(stages: int, micro_batches: int, layers: int, nodes: int = 1) -> dict:
-    """Megatron-LM 1F1B, one GPU per stage: a narrow model so the run stays fast."""
-    return {
-        "name": f"pp{stages}",
-        "model": {"layers": layers, "hidden": 1024, "heads": 8, "ffn_hidden": 4096,
-                  "vocab": 1024, "mlp": "gelu", "tied_embeddings": False},
-        "cluster": {"gpu": "h100-sxm", "nodes": nodes, "gpus_per_node": stages // nodes,
-                    "nics_per_node": 8 if nodes > 1 else 0, "nic_gbps": 400},
-        "framework": {"name": "megatron"},
-        "parallelism": {"tp": 1, "pp": stages, "dp": 1},
-        "training": {"seq_len": 2048, "micro_batch_size": 1,
-                     "global_batch_size": micro_batches},
-    }
+# The prices the two-zone runs (helpers.TWO_ZONES: 2 nodes x 2 H100 in two availability zones,
+# FSDP2, whose all-gathers and reduce-scatters cross the zone boundary) are billed at.
+PRICES: dict[str, Any] = {"egress_usd_per_gb": 0.02, "region_egress_usd_per_gb": 0.05}
 
 
 def labels_of(r: RunResult) -> dict[int, str]:
@@ -65,12 +43,12 @@ def ddp() -> RunResult:
 
 @pytest.fixture(scope="module")
 def pp4() -> RunResult:
-    return simulate(scenario_from_dict(pipeline(4, 8, 8)))
+    return simulate(megatron_pipeline(4, 8, 8))
 
 
 @pytest.fixture(scope="module")
 def two_zones() -> RunResult:
-    return simulate(scenario_from_dict(TWO_ZONES), keep_link_series=True)
+    return simulate(make_scenario(TWO_ZONES, pricing=PRICES), keep_link_series=True)
 
 
 def bars(fig: Figure, label: str | None = None) -> list[tuple[float, float, float, float]]:
@@ -165,7 +143,7 @@ def test_pipeline_bubbles_are_the_summarys_bubble(pp4: RunResult) -> None:
 
 def test_many_rank_classes_fold_to_critical_first_last_and_sampled() -> None:
     # 64 pipeline stages on 8 nodes: 64 rank classes.
-    r = simulate(scenario_from_dict(pipeline(64, 16, 64, nodes=8)))
+    r = simulate(megatron_pipeline(64, 16, 64, nodes=8))
     labels = labels_of(r)
     fig = plot.timeline_figure(r.recorder, "pp64", labels, pipeline_stages=stages_of(r))
     ax = fig.axes[0]
@@ -201,7 +179,7 @@ def test_select_rank_classes_keeps_critical_first_and_last() -> None:
 
 # ----------------------------------------------------------------------------- bytes
 def test_cumulative_cross_az_is_the_summarys_bytes_and_price(two_zones: RunResult) -> None:
-    price = TWO_ZONES["pricing"]["egress_usd_per_gb"]
+    price = PRICES["egress_usd_per_gb"]
     fig = plot.bytes_figure(two_zones.recorder, "2az", egress_usd_per_gb=price)
     rates, billed = fig.axes[0], fig.axes[1]
     # The traffic panel: one line per link class that carried bytes, GB/s.
@@ -226,10 +204,9 @@ def test_cumulative_cross_az_is_the_summarys_bytes_and_price(two_zones: RunResul
 
 def test_cross_region_gets_its_own_price() -> None:
     # The two zones in two regions: every boundary crossed is a region's.
-    data = {**TWO_ZONES, "cluster": {**TWO_ZONES["cluster"], "regions": 2}}
-    r = simulate(scenario_from_dict(data))
+    r = simulate(make_scenario(TWO_ZONES, pricing=PRICES, cluster__regions=2))
     assert r.summary["bytes"]["cross_az"] == 0.0 < r.summary["bytes"]["cross_region"]
-    price = TWO_ZONES["pricing"]["region_egress_usd_per_gb"]
+    price = PRICES["region_egress_usd_per_gb"]
     fig = plot.bytes_figure(r.recorder, "2 regions", egress_usd_per_gb=0.02,
                             region_egress_usd_per_gb=price)
     assert len(fig.axes) >= 2

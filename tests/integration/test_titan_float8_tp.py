@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from conftest import make_scenario
+
 from sim import catalog
 from sim.frameworks.fsdp2.tp import titan_blocks
 from sim.hardware.compute import ComputeModel
@@ -84,17 +86,15 @@ def test_program_tp_collectives_bytes() -> None:
     tokens x hidden x 1 B under float8 (x 2 B under bf16); every reduce-scatter and the
     head's all-gather stay bf16."""
     from sim.api import simulate
-    from sim.scenario import scenario_from_dict
 
     def ops(precision: str) -> list:
-        sc = scenario_from_dict({
+        sc = make_scenario({
             "name": "t", "model": "llama3-8b",
             "cluster": {"topology": "meta-grand-teton", "nodes": 2},
             "framework": {"name": "fsdp2", "compile": True},
             "parallelism": {"tp": 8},
             "training": {"seq_len": 8192, "micro_batch_size": 2, "global_batch_size": 4,
-                         "precision": precision, "activation_checkpointing": "selective"}},
-            origin="test")
+                         "precision": precision, "activation_checkpointing": "selective"}})
         return [o for o in simulate(sc).program.ops if o.name.startswith("tp ")]
 
     full = TOKENS * M.hidden

@@ -3,16 +3,26 @@ allocations the published Grand Teton rows showed missing."""
 
 from __future__ import annotations
 
+from conftest import make_scenario
+
 from sim import catalog
 from sim.api import simulate
 from sim.frameworks.fsdp2.tp import titan_blocks
 from sim.hardware.compute import ComputeModel
-from sim.scenario import scenario_from_dict
 from sim.workload.layer_ops import FP32, Style, head_block, price_block
 from sim.workload.model import ModelSpec
 
 M = ModelSpec.from_ref("llama3-8b")
 CM = ComputeModel(catalog.gpu("h100-sxm"), "bf16")
+
+# Llama 3 8B under torchtitan's FSDP2 on one Grand Teton node (8 x H100): the base the
+# whole-run tests below override.
+GT_8B: dict = {
+    "name": "t", "model": "llama3-8b",
+    "cluster": {"topology": "meta-grand-teton", "nodes": 1},
+    "framework": {"name": "fsdp2"},
+    "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8,
+                 "precision": "bf16", "activation_checkpointing": "full"}}
 
 
 def test_eager_loss_buffers_closed_form() -> None:
@@ -43,13 +53,8 @@ def test_titan_blocks_eager_head_only() -> None:
 
 
 def _run(**fw: object) -> dict:
-    sc = scenario_from_dict({
-        "name": "t", "model": "llama3-8b",
-        "cluster": {"topology": "meta-grand-teton", "nodes": 1},
-        "framework": {"name": "fsdp2", "compile": True, **fw},
-        "training": {"seq_len": 8192, "micro_batch_size": 1, "global_batch_size": 8,
-                     "precision": "bf16", "activation_checkpointing": "full"}},
-        origin="test")
+    sc = make_scenario(GT_8B, framework={"name": "fsdp2", "compile": True, **fw},
+                       training__seq_len=8192)
     return simulate(sc).summary
 
 
@@ -129,13 +134,7 @@ def test_foreach_adamw_sqrt_temporary() -> None:
     """torch's _multi_tensor_adamw holds exp_avg_sq.sqrt() for every local parameter (fp32)
     during the step; the fused kernel holds nothing. 8B over 8 ranks: 4 B x params / 8."""
     def opt(optimizer: str) -> float:
-        sc = scenario_from_dict({
-            "name": "t", "model": "llama3-8b",
-            "cluster": {"topology": "meta-grand-teton", "nodes": 1},
-            "framework": {"name": "fsdp2"},
-            "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8,
-                         "precision": "bf16", "activation_checkpointing": "full",
-                         "optimizer": optimizer}}, origin="test")
+        sc = make_scenario(GT_8B, training__optimizer=optimizer)
         ops = simulate(sc).program.ops
         return next(o.transient for o in ops if o.name.startswith("optimizer step"))
 
@@ -148,12 +147,7 @@ def test_reduce_scatter_input_held_until_next_post_backward() -> None:
     compute stream and returns it in ReduceScatterState: it is released when the next
     unit's post_backward (or finalize_backward) waits for the collective, not when the
     collective ends. One drop per reduce-scatter, each freeing the previous unit's input."""
-    sc = scenario_from_dict({
-        "name": "t", "model": "llama3-8b",
-        "cluster": {"topology": "meta-grand-teton", "nodes": 1},
-        "framework": {"name": "fsdp2"},
-        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8,
-                     "precision": "bf16", "activation_checkpointing": "full"}}, origin="test")
+    sc = make_scenario(GT_8B)
     ops = simulate(sc).program.ops
     rs = [o for o in ops if o.collective == "reduce_scatter"]
     drops = [o for o in ops if o.name.startswith("wait reduce-scatter")]
@@ -171,11 +165,7 @@ def test_compile_loss_without_compile_is_refused() -> None:
 
     from sim.api import simulate as sim_
 
-    sc = scenario_from_dict({
-        "name": "t", "model": "llama3-8b",
-        "cluster": {"topology": "meta-grand-teton", "nodes": 1},
-        "framework": {"name": "fsdp2", "compile_loss": True},
-        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8}},
-        origin="test")
+    sc = make_scenario(GT_8B, framework__compile_loss=True,
+                       training={"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8})
     with pytest.raises(Exception, match="compile_loss"):
         sim_(sc)

@@ -9,20 +9,24 @@ from datetime import date
 from pathlib import Path
 
 import pytest
+from conftest import make_scenario
+from helpers import TWO_ZONES
 
 from sim import catalog
 from sim.analysis.cost import cost_summary, gpu_hour_usd, resolve_pricing
 from sim.api import simulate
-from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+from sim.scenario import Scenario, ScenarioError
 
 H100 = catalog.gpu("h100-sxm")
 
 
+# Llama 3 8B on 2 nodes x 8 GPUs = 16 GPUs: the base the by-hand tests price.
+SIXTEEN_GPUS = {"model": "llama3-8b", "cluster": {"nodes": 2, "gpus_per_node": 8}}
+
+
 def scenario(**kw) -> Scenario:
-    # 2 nodes x 8 GPUs = 16 GPUs.
-    data = {"model": "llama3-8b", "cluster": {"nodes": 2, "gpus_per_node": 8}}
-    data.update(kw)
-    return Scenario.model_validate(data)
+    """SIXTEEN_GPUS with whole sections replaced (``pricing=...``, ``cluster=...``)."""
+    return make_scenario(SIXTEEN_GPUS, **kw)
 
 
 def test_cost_object_by_hand():
@@ -87,21 +91,13 @@ def test_cost_scales_linearly_with_step_time():
                                                         rel=1e-12)
 
 
-TINY_TWO_ZONES = {
-    "name": "tiny-2az",
-    "model": {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1536,
-              "vocab": 32000},
-    "cluster": {"gpu": "h100-sxm", "nodes": 2, "gpus_per_node": 2, "nics_per_node": 2,
-                "azs": 2},
-    "framework": "fsdp2",
-    "training": {"seq_len": 1024, "micro_batch_size": 1},
-    "pricing": {"gpu_hour_usd": 3.0, "egress_usd_per_gb": 0.02},
-}
+# The prices the simulated two-zone runs (helpers.TWO_ZONES: 2 nodes x 2 H100) are billed at.
+TWO_ZONE_PRICES = {"gpu_hour_usd": 3.0, "egress_usd_per_gb": 0.02}
 
 
 def test_simulated_summary_cost_matches_its_own_bytes_and_time():
     # Two nodes in two zones, FSDP2: its all-gathers and reduce-scatters cross the boundary.
-    summary = simulate(scenario_from_dict(TINY_TWO_ZONES)).summary
+    summary = simulate(make_scenario(TWO_ZONES, pricing=TWO_ZONE_PRICES)).summary
     c, step = summary["cost"], summary["step_time_s"]
     cross = summary["bytes"]["cross_az"]
     assert cross > 0
@@ -115,8 +111,8 @@ def test_simulated_summary_cost_matches_its_own_bytes_and_time():
 
 def test_one_zone_has_no_egress():
     # One zone: no byte crosses a zone boundary, so nothing is billed for egress.
-    data = {**TINY_TWO_ZONES, "cluster": {**TINY_TWO_ZONES["cluster"], "azs": 1}}
-    summary = simulate(scenario_from_dict(data)).summary
+    summary = simulate(make_scenario(TWO_ZONES, pricing=TWO_ZONE_PRICES,
+                                     cluster__azs=1)).summary
     assert summary["bytes"]["cross_az"] == 0.0
     assert summary["cost"]["egress_usd_per_step"] == 0.0
 
@@ -260,8 +256,7 @@ def test_doc_redoes_the_article_arithmetic():
 def test_doc_arithmetic_on_a_small_two_zone_job():
     # The doc's arithmetic on 2 nodes x 2 H100 in 2 zones, FSDP2 (its all-gathers and
     # reduce-scatters cross the boundary), at the catalogue's AWS prices.
-    data = {**TINY_TWO_ZONES, "pricing": {"instance": "aws-p5.48xlarge"}}
-    result = simulate(scenario_from_dict(data))
+    result = simulate(make_scenario(TWO_ZONES, pricing={"instance": "aws-p5.48xlarge"}))
     s, m = result.summary, result.context.model
     # Closed form of the crossing bytes: a ring over N = 4 ranks on 2 nodes in 2 zones crosses
     # the boundary twice and carries S x (N-1)/N over each hop; one step moves 2P (bf16

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers import megatron_pipeline
 
 from sim.analysis import metrics
 from sim.analysis.metrics import (
@@ -26,7 +27,6 @@ from sim.api import RunResult, simulate
 from sim.engine.recorder import OpRecord
 from sim.outputs import plot
 from sim.program.ir import Op
-from sim.scenario import scenario_from_dict
 
 FWD = Op("forward", "compute", "compute", "fwd")
 COPY = Op("offload", "copy", "d2h", "fwd")
@@ -105,16 +105,7 @@ def test_critical_class_ties_go_to_the_lowest_id() -> None:
 @pytest.fixture(scope="module")
 def pp4() -> RunResult:
     """Megatron-LM 1F1B, 4 stages on one node, 8 micro-batches, a narrow model."""
-    return simulate(scenario_from_dict({
-        "name": "pp4",
-        "model": {"layers": 8, "hidden": 1024, "heads": 8, "ffn_hidden": 4096,
-                  "vocab": 1024, "mlp": "gelu", "tied_embeddings": False},
-        "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 4, "nics_per_node": 0,
-                    "nic_gbps": 400},
-        "framework": {"name": "megatron"},
-        "parallelism": {"tp": 1, "pp": 4, "dp": 1},
-        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8},
-    }))
+    return simulate(megatron_pipeline(4, 8, 8))
 
 
 def test_busy_exposed_and_idle_partition_every_stages_step(pp4: RunResult) -> None:

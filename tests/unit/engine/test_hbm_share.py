@@ -13,24 +13,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import simpy
+from helpers import nvlink_node
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.engine.core import Engine
 from sim.engine.recorder import Recorder
 from sim.fabric.network import FlowNetwork
-from sim.fabric.topology import FabricSpec, build_fabric
 from sim.hardware.interference import HBM_BYTES_PER_WIRE_BYTE, comm_load, comm_rate_share
 from sim.program.ir import Op, Program, RankClass
 
 H100_MATRIX = 989.4e12 * 0.803     # engine default: H100 SXM dense bf16 x catalogue share
 HBM = 3.35e12                      # engine default: H100 SXM HBM3
 SMS = 132
-
-
-def _fabric(gpus: int = 2):
-    return build_fabric(FabricSpec(nodes=1, gpus_per_node=gpus, nvlink_gbytes_per_s=450,
-                                   pcie_gbytes_per_s=63, nics_per_node=0, nic_gbps=400))
 
 
 def _compute(name: str, d: float, matrix: float, **kw) -> Op:
@@ -45,7 +40,7 @@ def _allreduce(nbytes: float, group=(0, 1), **kw) -> Op:
 
 def _run(p: Program, gpus: int = 2) -> tuple[dict[str, tuple[float, float]], Engine]:
     rec = Recorder()
-    eng = Engine(_fabric(gpus), "hopper", rec)
+    eng = Engine(nvlink_node(gpus), "hopper", rec)
     eng.run_step(p)
     return {r.op.name: (r.start, r.end) for r in rec.ops}, eng
 
@@ -65,7 +60,7 @@ def _program(nbytes: float, beside: float | None, length: float = 1.0,
 
 def _plan(nbytes: float, group=(0, 1)):
     """What the runner runs: the wait before the flows, the CTAs and the HBM demand."""
-    eng = Engine(_fabric(max(group) + 1), "hopper")
+    eng = Engine(nvlink_node(max(group) + 1), "hopper")
     plan, est, predicted = eng.collectives.select("all_reduce", tuple(group), nbytes)
     wait = est.latency_s + est.fill_s + plan.chain_latency_s
     load = comm_load("hopper", "all_reduce", nbytes, nbytes * plan.volume, predicted,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import simpy
+from conftest import make_scenario
+from helpers import MINIMAL_1B
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,7 +25,6 @@ from sim.fabric.collectives.runner import CollectiveRunner, transport_capacity
 from sim.fabric.network import FlowNetwork, max_min_rates
 from sim.fabric.topology import LINK_KINDS, NETWORK, FabricSpec, build_fabric, build_graph
 from sim.fabric.topology.routing import ROUTING_BY_TRANSPORT, default_routing, spine_count
-from sim.scenario import scenario_from_dict
 
 MIB = 2**20
 NIC_BYTES_PER_S = 400e9 / 8  # dgx-h100: one 400 Gb/s ConnectX-7 per GPU (topologies/dgx-h100)
@@ -57,8 +58,7 @@ def _pat_one_gpu_per_node(nodes: int, routing: str, nbytes: float, algo: str = "
 @pytest.mark.parametrize("transport,expected", [("infiniband", "adaptive"), ("efa", "adaptive"),
                                                 ("roce", "ecmp"), ("tcp", "ecmp")])
 def test_default_routing_per_transport(transport, expected):
-    s = scenario_from_dict({"model": "llama3.2-1b",
-                            "cluster": {"nodes": 2, "nic_transport": transport}})
+    s = make_scenario(MINIMAL_1B, cluster={"nodes": 2, "nic_transport": transport})
     assert s.cluster.routing is None
     assert fabric_spec(s).routing == expected == default_routing(transport)
 
@@ -69,16 +69,15 @@ def test_default_routing_per_transport(transport, expected):
                                                ("meta-grand-teton", "ecmp"),
                                                ("ethernet-100g", "ecmp")])
 def test_topology_files_name_their_routing(topology, expected):
-    s = scenario_from_dict({"model": "llama3.2-1b", "cluster": {"topology": topology,
-                                                                "nodes": 2}})
+    s = make_scenario(MINIMAL_1B, cluster={"topology": topology, "nodes": 2})
     assert s.cluster.routing == expected
     # Each file's value is its transport's default (the sources are the same).
     assert expected == ROUTING_BY_TRANSPORT[s.cluster.nic_transport]
 
 
 def test_inline_routing_overrides_the_topology():
-    s = scenario_from_dict({"model": "llama3.2-1b",
-                            "cluster": {"topology": "dgx-h100", "nodes": 2, "routing": "ecmp"}})
+    s = make_scenario(MINIMAL_1B, cluster={"topology": "dgx-h100", "nodes": 2,
+                                           "routing": "ecmp"})
     assert fabric_spec(s).routing == "ecmp"
 
 

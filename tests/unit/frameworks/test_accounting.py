@@ -6,12 +6,13 @@ model's dimensions and against the builders' programs."""
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
 
 from sim import catalog
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.common.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
 from sim.hardware.compute import ComputeModel
-from sim.scenario import ModelDims, scenario_from_dict
+from sim.scenario import ModelDims
 from sim.workload.layer_ops import BlockCost, Style, model_blocks, price_block
 from sim.workload.model import ModelSpec
 
@@ -86,11 +87,11 @@ def test_tied_gradient_sum_is_one_add_of_two_gradients() -> None:
 
 
 def _program(framework: dict, tied: bool):
-    d = {"name": "acc", "model": dims(tied),
-         "cluster": {"gpu": "h200", "nodes": 1, "gpus_per_node": 4},
-         "framework": framework,
-         "training": {"seq_len": SEQ, "micro_batch_size": MBS, "global_batch_size": 2 * 4 * MBS}}
-    ctx = JobContext.from_scenario(scenario_from_dict(d), "<test>")
+    s = make_scenario(name="acc", model=dims(tied), cluster__gpu="h200",
+                      cluster__gpus_per_node=4, framework=framework,
+                      training={"seq_len": SEQ, "micro_batch_size": MBS,
+                                "global_batch_size": 2 * 4 * MBS})
+    ctx = JobContext.from_scenario(s, "<test>")
     return ctx, build_program(ctx)
 
 

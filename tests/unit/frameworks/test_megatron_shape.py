@@ -4,22 +4,24 @@ Megatron-Core's own worked example, and the groups partitioning every pipeline s
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
 
 from sim.frameworks import JobContext
 from sim.frameworks.megatron.shape import MegatronShape, megatron_shape
-from sim.scenario import scenario_from_dict
+
+# 4 layers (pp up to 4), 16 heads (tp up to 16) on 8-GPU H100 nodes with 8 NICs each.
+SHAPED = {
+    "model": {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4,
+              "ffn_hidden": 2816, "vocab": 32000},
+    "cluster": {"gpu": "h100-sxm", "nodes": 2, "gpus_per_node": 8, "nics_per_node": 8},
+    "framework": {"name": "megatron"},
+    "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 64}}
 
 
 def shape(tp: int, pp: int, cp: int = 1, gpus: int = 16) -> MegatronShape:
     # 4 layers (pp up to 4), 16 heads (tp up to 16); the cluster sets dp = gpus / (tp pp cp).
-    return megatron_shape(JobContext.from_scenario(scenario_from_dict({
-        "model": {"layers": 4, "hidden": 1024, "heads": 16, "kv_heads": 4,
-                  "ffn_hidden": 2816, "vocab": 32000},
-        "cluster": {"gpu": "h100-sxm", "nodes": gpus // 8, "gpus_per_node": 8,
-                    "nics_per_node": 8},
-        "framework": {"name": "megatron"},
-        "parallelism": {"tp": tp, "pp": pp, "cp": cp},
-        "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 64}})))
+    return megatron_shape(JobContext.from_scenario(make_scenario(
+        SHAPED, cluster__nodes=gpus // 8, parallelism={"tp": tp, "pp": pp, "cp": cp})))
 
 
 def test_rank_groups_match_megatron_cores_worked_example() -> None:

@@ -13,13 +13,14 @@ checks it.
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
 
 from sim import catalog
 from sim.api import simulate
 from sim.frameworks.common.base import JobContext
 from sim.hardware.attention_cost import ANCHOR, matmul_share, sdpa_backend
 from sim.hardware.compute import ComputeModel
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import ScenarioError
 from sim.workload.layer_ops import Kernel, kernel_time
 
 H100 = catalog.gpu("h100-sxm")
@@ -163,13 +164,10 @@ def test_sdpa_default_backend_follows_pytorch_releases(arch, version, expected) 
 def _scenario(framework: dict, gpu: str = "h100-sxm", **training):
     framework = dict(framework)
     parallelism = framework.pop("_parallelism", {})
-    return scenario_from_dict({
-        "model": "llama3-8b",
-        "cluster": {"gpu": gpu, "nodes": 1, "gpus_per_node": 8},
-        "framework": framework,
-        "parallelism": parallelism,
-        "training": {"seq_len": 4096, **training},
-    })
+    return make_scenario({"model": "llama3-8b"},
+                         cluster={"gpu": gpu, "nodes": 1, "gpus_per_node": 8},
+                         framework=framework, parallelism=parallelism,
+                         training={"seq_len": 4096, **training})
 
 
 @pytest.mark.parametrize("framework,gpu,training,expected", [

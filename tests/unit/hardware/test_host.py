@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
+from helpers import MINIMAL_1B
 
 from sim.hardware.host import (
     DEEPSPEED_ADAM_BYTES_PER_PARAM,
@@ -12,12 +14,10 @@ from sim.hardware.host import (
     cpu_adam_s,
     cpu_pass_s,
 )
-from sim.scenario import scenario_from_dict
 
 
 def host(gpu: str = "h100-sxm", **cluster: object) -> HostSpec:
-    return HostSpec.from_scenario(scenario_from_dict(
-        {"model": "llama3.2-1b", "cluster": {"gpu": gpu, **cluster}}))
+    return HostSpec.from_scenario(make_scenario(MINIMAL_1B, cluster={"gpu": gpu, **cluster}))
 
 
 def test_dgx_h100_host_from_its_datasheet() -> None:

@@ -9,19 +9,14 @@ collective that starts in the middle of an op, and the range Lee et al. measured
 from __future__ import annotations
 
 import pytest
+from helpers import nvlink_node
 
 from sim.engine.core import Engine
 from sim.engine.recorder import Recorder
-from sim.fabric.topology import FabricSpec, build_fabric
 from sim.hardware.interference import NCCL_CHANNELS, collective_ctas, comm_load, slowdown
 from sim.program.ir import Op, Program, RankClass
 
 H100_MATRIX = 989.4e12 * 0.803     # engine default: H100 SXM dense bf16 x catalogue share
-
-
-def _fabric():
-    return build_fabric(FabricSpec(nodes=1, gpus_per_node=2, nvlink_gbytes_per_s=450,
-                                   pcie_gbytes_per_s=63, nics_per_node=0, nic_gbps=400))
 
 
 def _compute(name: str, d: float, matrix: bool = True, **kw) -> Op:
@@ -36,13 +31,13 @@ def _allreduce(nbytes: float, **kw) -> Op:
 
 def _durations(p: Program) -> dict[str, tuple[float, float]]:
     rec = Recorder()
-    Engine(_fabric(), "hopper", rec).run_step(p)
+    Engine(nvlink_node(), "hopper", rec).run_step(p)
     return {r.op.name: (r.start, r.end) for r in rec.ops}
 
 
 def _nccl(nbytes: float) -> tuple[int, float]:
     """CTAs and HBM bytes/s of a 2-GPU all-reduce, from what the runner would run."""
-    eng = Engine(_fabric(), "hopper")
+    eng = Engine(nvlink_node(), "hopper")
     plan, _, predicted = eng.collectives.select("all_reduce", (0, 1), nbytes)
     load = comm_load("hopper", "all_reduce", nbytes, nbytes * plan.volume, predicted,
                      plan.nccl_channels or plan.channels, plan.algorithm)

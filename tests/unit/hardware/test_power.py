@@ -7,11 +7,13 @@ cap, and the invariants a clock-only cap must keep (HBM-bound kernels unchanged)
 from __future__ import annotations
 
 import pytest
+from conftest import make_scenario
+from helpers import ONE_GPU_1B
 
 from sim import catalog
 from sim.hardware.compute import ComputeModel
 from sim.hardware.power import PowerCapError, sustained_clock_ratio
-from sim.scenario import ScenarioError, scenario_from_dict
+from sim.scenario import ScenarioError
 
 
 def _cm(cap: float | None) -> ComputeModel:
@@ -47,19 +49,15 @@ def test_cap_below_the_parts_minimum_is_refused() -> None:
     with pytest.raises(PowerCapError):
         sustained_clock_ratio(catalog.gpu("h100-sxm"), 150)
     with pytest.raises(ScenarioError, match="gpu_power_w"):
-        scenario_from_dict({"name": "x", "model": "llama3-8b",
-                            "cluster": {"gpu": "h100-sxm", "gpu_power_w": 100}})
+        make_scenario({"name": "x", "model": "llama3-8b",
+                       "cluster": {"gpu": "h100-sxm", "gpu_power_w": 100}})
 
 
 def test_a_capped_scenario_runs_slower() -> None:
     from sim.api import simulate
-    base = {"name": "cap", "model": "llama3.2-1b",
-            "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 1, "nics_per_node": 0},
-            "framework": {"name": "ddp"},
-            "training": {"seq_len": 2048, "micro_batch_size": 2}}
-    full = simulate(scenario_from_dict(base)).summary["step_time_s"]
-    capped_dict = {**base, "cluster": {**base["cluster"], "gpu_power_w": 500}}
-    capped = simulate(scenario_from_dict(capped_dict)).summary["step_time_s"]
+    full = simulate(make_scenario(ONE_GPU_1B, name="cap")).summary["step_time_s"]
+    capped = simulate(make_scenario(ONE_GPU_1B, name="cap",
+                                    cluster__gpu_power_w=500)).summary["step_time_s"]
     # Slower, but by less than the GEMM factor: memory-bound kernels do not slow down.
     assert full < capped < full / sustained_clock_ratio(catalog.gpu("h100-sxm"), 500)
 
@@ -74,6 +72,6 @@ def test_h800_and_gb200_are_in_the_catalogue() -> None:
     gb200 = catalog.gpu("gb200")
     assert gb200.peak_flops("bf16") == pytest.approx(360e15 / 72 / 2)
     assert gb200.hbm_gbytes_per_s == pytest.approx(576e3 / 72)
-    sc = scenario_from_dict({"name": "x", "model": "llama3-8b",
-                             "cluster": {"gpu": "h800", "gpu_power_w": 600}})
+    sc = make_scenario({"name": "x", "model": "llama3-8b",
+                        "cluster": {"gpu": "h800", "gpu_power_w": 600}})
     assert sc.cluster.gpu == "h800" and sc.cluster.gpu_power_w == 600
