@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
+from sim.analysis.summary import BytesByClass, MemorySummary, RankClassMemory
 from sim.catalog import GpuSpec
 from sim.engine.recorder import OpRecord, Recorder
 from sim.fabric.topology import LINK_KINDS
@@ -282,11 +282,22 @@ def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> Step
                      critical)
 
 
-def bytes_by_class(class_bytes: Iterable[float], steps: int) -> dict[str, float]:
-    return {k: float(v) / steps for k, v in zip(LINK_KINDS, class_bytes, strict=True)}
+def bytes_by_class(class_bytes: Iterable[float], steps: int) -> BytesByClass:
+    """The summary's ``bytes``: the network's bytes per link class (in :data:`LINK_KINDS`
+    order, each hop counted) per step.
+
+    Examples
+    --------
+    >>> bytes_by_class([8.0, 4.0, 2.0, 0.0, 0.0], 2)["pcie"]
+    2.0
+    """
+    per_step = dict(zip(LINK_KINDS, (float(v) / steps for v in class_bytes), strict=True))
+    return {"nvlink": per_step["nvlink"], "pcie": per_step["pcie"],
+            "network": per_step["network"], "cross_az": per_step["cross_az"],
+            "cross_region": per_step["cross_region"]}
 
 
-def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> dict[str, Any]:
+def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> MemorySummary:
     """The memory keys of the summary.
 
     ``peak_memory_gib``: bytes of live tensors at their peak (``max_memory_allocated``);
@@ -297,7 +308,7 @@ def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> dict[str, A
     allocator released its cache), on every rank class.
     """
     usable = gpu.usable_memory_bytes
-    rows: list[dict[str, Any]] = []
+    rows: list[RankClassMemory] = []
     for c in program.classes:
         tr = rec.memory.get(c.id)
         over = rec.overheads.get(c.id)
