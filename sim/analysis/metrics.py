@@ -275,7 +275,7 @@ def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> Step
     comm_t = union_length(comm)
     exposed = subtract_length(comm, compute)
     bubble = 0.0
-    if int(str(program.meta.get("pipeline_stages", 1))) > 1:
+    if program.pipeline_stages > 1:
         # Idle compute on the critical stage, less the exposed communication already counted.
         bubble = max(0.0, (wall - compute_t - exposed) / wall) if wall > 0 else 0.0
     return StepTimes(wall / steps, compute_t / steps, comm_t / steps, exposed / steps, bubble,

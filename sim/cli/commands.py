@@ -394,7 +394,7 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
                 all_ranks=hta == "all", scenario=result.summary["scenario"])
         export.write_memory_csv(tmp / "memory.csv", rec, labels)
         title = result.summary["scenario"]
-        stages = int(str(result.program.meta.get("pipeline_stages", 1)))
+        stages = result.program.pipeline_stages
         plot.timeline(tmp / "timeline.png", rec, title, labels, pipeline_stages=stages,
                       window=window)
         plot.bytes_over_time(tmp / "bytes.png", rec, title,

@@ -55,7 +55,7 @@ def labels_of(r: RunResult) -> dict[int, str]:
 
 
 def stages_of(r: RunResult) -> int:
-    return int(str(r.program.meta.get("pipeline_stages", 1)))
+    return r.program.pipeline_stages
 
 
 @pytest.fixture(scope="module")
