@@ -170,16 +170,23 @@ def exposed_comm_intervals(records: Iterable[OpRecord]) -> dict[int, dict[str, l
     """
     out: dict[int, dict[str, list[Interval]]] = {}
     for cls, recs in records_by_class(records).items():
-        busy = merge_intervals(busy_intervals(recs))
-        comm_by_stream: dict[str, list[Interval]] = {}
-        for r in recs:
-            if r.op.kind in COMM_KINDS:
-                comm_by_stream.setdefault(r.op.stream, []).append((r.start, r.end))
-        streams = {s: subtract_intervals(iv, busy) for s, iv in comm_by_stream.items()}
-        streams = {s: iv for s, iv in streams.items() if iv}
+        streams = class_exposed_comm(recs)
         if streams:
             out[cls] = streams
     return out
+
+
+def class_exposed_comm(recs: list[OpRecord]) -> dict[str, list[Interval]]:
+    """One rank class's exposed communication by stream (only streams with some): the rule
+    :func:`exposed_comm_intervals` applies to each class and :func:`step_times` to the
+    critical one."""
+    busy = merge_intervals(busy_intervals(recs))
+    comm_by_stream: dict[str, list[Interval]] = {}
+    for r in recs:
+        if r.op.kind in COMM_KINDS:
+            comm_by_stream.setdefault(r.op.stream, []).append((r.start, r.end))
+    streams = {s: subtract_intervals(iv, busy) for s, iv in comm_by_stream.items()}
+    return {s: iv for s, iv in streams.items() if iv}
 
 
 def step_spans(records: Iterable[OpRecord]) -> list[Interval]:
@@ -204,6 +211,15 @@ def step_spans(records: Iterable[OpRecord]) -> list[Interval]:
         spans.append((start, ends[step]))
         start = ends[step]
     return spans
+
+
+def class_idle(spans: list[Interval], recs: list[OpRecord]) -> list[Interval]:
+    """One rank class's idle time within the steps ``spans`` (:func:`step_spans`): the rule
+    :func:`bubble_intervals` applies to each class and :func:`step_times` to the critical
+    one."""
+    return subtract_intervals(spans, busy_intervals(recs) + comm_intervals(recs))
+
+
 def bubble_intervals(records: Iterable[OpRecord]) -> dict[int, list[Interval]]:
     """Idle time per rank class: the pipeline bubbles.
 
@@ -240,7 +256,7 @@ def bubble_intervals(records: Iterable[OpRecord]) -> dict[int, list[Interval]]:
     spans = step_spans(records)
     out: dict[int, list[Interval]] = {}
     for cls, recs in records_by_class(records).items():
-        out[cls] = subtract_intervals(spans, busy_intervals(recs) + comm_intervals(recs))
+        out[cls] = class_idle(spans, recs)
     return out
 
 
@@ -258,26 +274,23 @@ class StepTimes:
 def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> StepTimes:
     """Per-step averages of the interval metrics, on the critical rank class.
 
-    Exposed communication is the length of that class's :func:`exposed_comm_intervals`,
-    the bubble (with more than one pipeline stage) the share of the run in its
-    :func:`bubble_intervals`: the same sets, measured as union of communication and compute
-    less union of compute, and as run time less compute less exposed communication. The two
-    measures agree to rounding (about 1e-14 s); summing the intervals instead would move the
-    goldens in their last bits (llama3-70b-deepspeed-zero3-64xh100's ``exposed_comm_s`` by
-    +1.6e-14 s), so these differences stay the summary's definition.
+    Exposed communication is the length of that class's exposed intervals
+    (:func:`class_exposed_comm`, what :func:`exposed_comm_intervals` gives the timeline), the
+    bubble (with more than one pipeline stage) the share of the run ``wall`` in its idle
+    intervals (:func:`class_idle`, what :func:`bubble_intervals` shades): the same sets the
+    plots draw, measured once. (Until issue 12 the summary measured them as union of
+    communication and compute less union of compute, and as run time less compute less
+    exposed communication: equal up to rounding, about 1e-14 s.)
     """
     by_class = records_by_class(rec.ops)
     critical = _critical(by_class)
     recs = by_class[critical]
-    compute = busy_intervals(recs)
-    comm = comm_intervals(recs)
-    compute_t = union_length(compute)
-    comm_t = union_length(comm)
-    exposed = subtract_length(comm, compute)
+    compute_t = union_length(busy_intervals(recs))
+    comm_t = union_length(comm_intervals(recs))
+    exposed = union_length(iv for ivs in class_exposed_comm(recs).values() for iv in ivs)
     bubble = 0.0
-    if program.pipeline_stages > 1:
-        # Idle compute on the critical stage, less the exposed communication already counted.
-        bubble = max(0.0, (wall - compute_t - exposed) / wall) if wall > 0 else 0.0
+    if program.pipeline_stages > 1 and wall > 0:
+        bubble = union_length(class_idle(step_spans(rec.ops), recs)) / wall
     return StepTimes(wall / steps, compute_t / steps, comm_t / steps, exposed / steps, bubble,
                      critical)
 
