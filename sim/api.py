@@ -15,13 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from sim import catalog
-from sim.analysis.claims import judge
-from sim.analysis.cost import cost_summary, resolve_pricing
+from sim.analysis.collect import JobFacts, collect_summary
+from sim.analysis.cost import resolve_pricing
 from sim.analysis.memory_overheads import overheads
-from sim.analysis.metrics import bytes_by_class, memory_summary, step_times
+from sim.analysis.summary import Summary
 from sim.engine.core import Engine
 from sim.engine.recorder import Recorder
 from sim.fabric.collectives.runner import NcclSettings
@@ -38,7 +37,8 @@ class RunResult:
     """Everything a run produced: the summary and the raw material behind it."""
 
     scenario: Scenario
-    summary: dict[str, Any]
+    summary: Summary
+    """The summary object (CONTRACT.md); a plain dict at run time, typed for mypy."""
     program: Program
     recorder: Recorder
     fabric: Fabric
@@ -134,64 +134,20 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
 
 
 def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, total: float,
-              steps: int, wall_s: float) -> dict[str, Any]:
+              steps: int, wall_s: float) -> Summary:
+    """The run's summary object (:func:`sim.analysis.collect.collect_summary`), with what only
+    the framework layer knows gathered here."""
     s = ctx.scenario
-    gpus = s.gpus
-    times = step_times(rec, program, steps, total)
-    step = times.step_time_s
-    tokens = program.tokens_per_step
-    peak_flops = ctx.gpu.peak_flops(s.training.precision)
-    mflops = program.model_flops_per_step
-    hflops = program.hw_flops_per_step
-    mem = memory_summary(rec, program, ctx.gpu)
-    gbytes = bytes_by_class(engine.net.class_bytes, steps)
-    comm = times.comm_time_s
-    summary: dict[str, Any] = {
-        "scenario": s.name,
-        "gpus": gpus,
-        "step_time_s": step,
-        "tokens_per_step": tokens,
-        "tokens_per_s": tokens / step,
-        "tokens_per_s_per_gpu": tokens / step / gpus,
-        "model_flops_per_step": mflops,
-        "mfu": mflops / (step * gpus * peak_flops),
-        "hfu": hflops / (step * gpus * peak_flops),
-        "model_tflops_per_gpu": mflops / step / gpus / 1e12,
-        "peak_memory_gib": mem["peak_memory_gib"],
-        "peak_reserved_gib": mem["peak_reserved_gib"],
-        "peak_nvidia_smi_gib": mem["peak_nvidia_smi_gib"],
-        "gpu_memory_gib": mem["gpu_memory_gib"],
-        "oom": mem["oom"],
-        "compute_time_s": times.compute_time_s,
-        "comm_time_s": comm,
-        "exposed_comm_s": times.exposed_comm_s,
-        "overlap_fraction": (1.0 - times.exposed_comm_s / comm) if comm > 0 else 0.0,
-        "bubble_fraction": times.bubble_fraction,
-        "bytes": gbytes,
-        "cost": cost_summary(s, ctx.gpu, step, tokens, gbytes["cross_az"],
-                             gbytes.get("cross_region", 0.0)),
-        "sim": {"wall_s": wall_s, "events": engine.events_processed + engine.net.solves,
-                "ranks_simulated": len(program.classes)},
-        # Beyond the contract's keys (it only grows): what the numbers rest on.
-        "framework": s.framework.name,
-        "attention_backend": ctx.compute.attention_backend,
-        "model_params": ctx.model.total_params,
-        "micro_batches": ctx.micro_batches,
-        "memory_overheads_gib": mem["memory_overheads_gib"],
-        "peak_memory_breakdown_gib": mem["peak_memory_breakdown_gib"],
-        # Each rank class's own peaks (pipeline stages and the stages holding the embedding
-        # or the LM head differ), and whether that class runs out of memory.
-        "memory_by_rank_class": mem["memory_by_rank_class"],
-    }
-    if s.claims is not None:
-        states = sum(v for k, v in program.classes[0].initial_memory.items()
-                     if k in ("parameters", "optimizer", "gradients"))
-        # Gradients some frameworks allocate during the step only (DDP's fp32 .grad): they
-        # are model state too.
-        transient = framework(s.framework.name).step_gradient_bytes_per_param
-        if transient and "gradients" not in program.classes[0].initial_memory:
-            states += transient * ctx.model.total_params
-        summary["claims"] = judge(s.claims, summary, ctx.gpu, s.training.precision,
-                                  ctx.model.model_flops_per_token(ctx.seq), states,
-                                  scenario=s)
-    return summary
+    states = sum(v for k, v in program.classes[0].initial_memory.items()
+                 if k in ("parameters", "optimizer", "gradients"))
+    # Gradients some frameworks allocate during the step only (DDP's fp32 .grad): they are
+    # model state too.
+    transient = framework(s.framework.name).step_gradient_bytes_per_param
+    if transient and "gradients" not in program.classes[0].initial_memory:
+        states += transient * ctx.model.total_params
+    job = JobFacts(attention_backend=ctx.compute.attention_backend,
+                   model_params=ctx.model.total_params, micro_batches=ctx.micro_batches,
+                   flops_per_token=ctx.model.model_flops_per_token(ctx.seq),
+                   model_state_bytes=states)
+    return collect_summary(s, ctx.gpu, job, program, rec, engine.net.class_bytes,
+                           engine.events_processed + engine.net.solves, total, steps, wall_s)

@@ -96,7 +96,7 @@ def pipeline_pictures() -> list[Picture]:
     """timeline.png and memory.png of the 1F1B Megatron-LM run."""
     run = simulate(load_scenario(PIPELINE, PIPELINE_OVERRIDES), origin=PIPELINE)
     title = f"{PIPELINE} (1F1B, 8 micro-batches per pipeline)"
-    stages = int(str(run.program.meta.get("pipeline_stages", 1)))
+    stages = run.program.pipeline_stages
     return [
         Picture("timeline.png", plot.timeline_figure(run.recorder, title, _labels(run),
                                                      pipeline_stages=stages), plot.DPI),

@@ -25,10 +25,11 @@ ZeRO-3, 100 Gb/s against 400 Gb/s): the claimed ratio against the simulated one.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
+from sim.analysis.summary import Claim, Summary
 from sim.catalog import GpuSpec
 from sim.scenario import Claims, Scenario, ScenarioError
 
@@ -60,8 +61,23 @@ MEMORY_KIND_KEY = {"reserved": "peak_reserved_gib", "allocated": "peak_memory_gi
 """The summary key of each kind of peak memory a claim may quote."""
 
 
+def peak_of_kind(summary: Summary, kind: str) -> float:
+    """The simulated peak memory (GiB) of the kind a claim quotes (:data:`MEMORY_KIND_KEY`);
+    the allocated peak when a summary written by hand lacks that key.
+
+    Examples
+    --------
+    >>> peak_of_kind({"peak_memory_gib": 50.0, "peak_reserved_gib": 52.0}, "reserved")
+    52.0
+    """
+    peaks: Mapping[str, object] = summary
+    value = peaks.get(MEMORY_KIND_KEY[kind], summary["peak_memory_gib"])
+    assert isinstance(value, float | int)
+    return float(value)
+
+
 def verdict(metric: str, claimed: float, simulated: float,
-            impossible: str | None = None, note: str | None = None) -> dict[str, Any]:
+            impossible: str | None = None, note: str | None = None) -> Claim:
     """One verdict: physically impossible (with ``impossible`` as the reason), consistent
     within 10% of ``simulated``, or off by N%. ``note`` is appended to a comparison's reason.
 
@@ -88,7 +104,7 @@ def verdict(metric: str, claimed: float, simulated: float,
 
 
 def judge_ratio(metric: str, claimed: float, simulated: float,
-                impossible: str | None = None) -> dict[str, Any]:
+                impossible: str | None = None) -> Claim:
     """Verdict on a claim that compares two setups (``claimed`` = the claimed ratio of a
     figure between them, ``simulated`` = the ratio of the two simulations' figures)."""
     return verdict(metric, claimed, simulated, impossible)
@@ -140,7 +156,7 @@ class _Judge:
     """What every claim's verdict reads: the run's summary, the GPU and its bounds, and
     whether the setup can run at all (see :func:`judge` for the arguments)."""
 
-    summary: dict[str, Any]
+    summary: Summary
     gpu: GpuSpec
     precision: str
     flops_per_token: float
@@ -152,21 +168,21 @@ class _Judge:
     kind_note: str
 
     @classmethod
-    def make(cls, claims: Claims, summary: dict[str, Any], gpu: GpuSpec, precision: str,
+    def make(cls, claims: Claims, summary: Summary, gpu: GpuSpec, precision: str,
              flops_per_token: float, model_state_bytes: float,
              scenario: Scenario | None) -> _Judge:
         kind = getattr(claims, "peak_memory_kind", "reserved")
         return cls(summary, gpu, precision, flops_per_token, model_state_bytes, scenario,
-                   summary.get(MEMORY_KIND_KEY[kind], summary["peak_memory_gib"]),
+                   peak_of_kind(summary, kind),
                    f"against the simulated {kind.replace('_', '-')} peak")
 
     @property
-    def gpus(self) -> Any:
+    def gpus(self) -> int:
         """GPUs in the job (the summary's value, as it is)."""
         return self.summary["gpus"]
 
     @property
-    def step(self) -> Any:
+    def step(self) -> float:
         """Simulated step time, seconds (the summary's value, as it is)."""
         return self.summary["step_time_s"]
 
@@ -202,7 +218,7 @@ class _Judge:
         return None
 
     def perf(self, metric: str, claimed: float, simulated: float,
-             impossible: str | None = None) -> dict[str, Any]:
+             impossible: str | None = None) -> Claim:
         """Verdict on a performance figure: impossible too when the setup cannot run."""
         found = [r for r in (impossible, self.cannot_run()) if r]
         return verdict(metric, claimed, simulated, "; ".join(found) if found else None,
@@ -226,6 +242,13 @@ class _Judge:
                                 "the claimed run)")
         return float(hours) * SECONDS_PER_HOUR * self.summary["tokens_per_s"]
 
+    def run_figure(self, metric: Literal["run_hours", "run_usd"]) -> float:
+        """The simulated run's hours or dollars (:meth:`tokens_total` has checked that the
+        summary has them)."""
+        value = self.summary["cost"][metric]
+        assert value is not None
+        return value
+
     def zone_bound(self, bytes_per_day: float, what: str) -> str | None:
         cap = zone_link_bytes_per_s(self.scenario) if self.scenario is not None else None
         if cap is not None and bytes_per_day > cap * SECONDS_PER_DAY:
@@ -240,32 +263,32 @@ def _fraction(name: str, c: float) -> str | None:
 
 
 # ---------------------------------------------------------------------- one judge per claim
-def _tokens_per_s_per_gpu(j: _Judge, c: float) -> dict[str, Any]:
+def _tokens_per_s_per_gpu(j: _Judge, c: float) -> Claim:
     return j.perf("tokens_per_s_per_gpu", c, j.summary["tokens_per_s_per_gpu"], j.rate(c))
 
 
-def _tokens_per_s(j: _Judge, c: float) -> dict[str, Any]:
+def _tokens_per_s(j: _Judge, c: float) -> Claim:
     return j.perf("tokens_per_s", c, j.summary["tokens_per_s"], j.rate(c / j.gpus))
 
 
-def _step_time_s(j: _Judge, c: float) -> dict[str, Any]:
+def _step_time_s(j: _Judge, c: float) -> Claim:
     return j.perf("step_time_s", c, j.step, j.rate(j.summary["tokens_per_step"] / c / j.gpus))
 
 
-def _mfu(j: _Judge, c: float) -> dict[str, Any]:
+def _mfu(j: _Judge, c: float) -> Claim:
     return j.perf("mfu", c, j.summary["mfu"], _fraction("MFU", c))
 
 
-def _peak_memory_gib(j: _Judge, c: float) -> dict[str, Any]:
+def _peak_memory_gib(j: _Judge, c: float) -> Claim:
     return verdict("peak_memory_gib", c, j.sim_mem, j.memory(c), j.kind_note)
 
 
-def _peak_memory_gb(j: _Judge, c: float) -> dict[str, Any]:
+def _peak_memory_gb(j: _Judge, c: float) -> Claim:
     return verdict("peak_memory_gb", c, j.sim_mem * GIB / GB, j.memory(c * GB / GIB),
                    j.kind_note)
 
 
-def _model_state_memory_gb(j: _Judge, c: float) -> dict[str, Any]:
+def _model_state_memory_gb(j: _Judge, c: float) -> Claim:
     low = None
     if c * GB < j.model_state_bytes:
         low = (f"the parameters, gradients and optimizer states of this setup take "
@@ -273,38 +296,38 @@ def _model_state_memory_gb(j: _Judge, c: float) -> dict[str, Any]:
     return verdict("model_state_memory_gb", c, j.model_state_bytes / GB, low)
 
 
-def _exposed_comm_fraction(j: _Judge, c: float) -> dict[str, Any]:
+def _exposed_comm_fraction(j: _Judge, c: float) -> Claim:
     return j.perf("exposed_comm_fraction", c, j.summary["exposed_comm_s"] / j.step,
                   _fraction("a share of the step", c))
 
 
-def _bubble_fraction(j: _Judge, c: float) -> dict[str, Any]:
+def _bubble_fraction(j: _Judge, c: float) -> Claim:
     return j.perf("bubble_fraction", c, j.summary["bubble_fraction"],
                   _fraction("a share of the step", c))
 
 
-def _run_hours(j: _Judge, c: float) -> dict[str, Any]:
+def _run_hours(j: _Judge, c: float) -> Claim:
     tokens = j.tokens_total("run_hours")
-    return j.perf("run_hours", c, j.summary["cost"]["run_hours"],
+    return j.perf("run_hours", c, j.run_figure("run_hours"),
                   j.rate(tokens / (c * SECONDS_PER_HOUR) / j.gpus))
 
 
-def _run_usd(j: _Judge, c: float) -> dict[str, Any]:
+def _run_usd(j: _Judge, c: float) -> Claim:
     tokens = j.tokens_total("run_usd")
     # The GPUs alone cost usd_per_hour: the claimed dollars buy at most c / usd_per_hour
     # hours, so the run must go at least this fast.
     hours = c / j.summary["cost"]["usd_per_hour"]
-    return j.perf("run_usd", c, j.summary["cost"]["run_usd"],
+    return j.perf("run_usd", c, j.run_figure("run_usd"),
                   j.rate(tokens / (hours * SECONDS_PER_HOUR) / j.gpus))
 
 
-def _cross_az_bytes_per_day(j: _Judge, c: float) -> dict[str, Any]:
+def _cross_az_bytes_per_day(j: _Judge, c: float) -> Claim:
     return j.perf("cross_az_bytes_per_day", c,
                   j.summary["bytes"]["cross_az"] / j.step * SECONDS_PER_DAY,
                   j.zone_bound(c, "moving"))
 
 
-def _egress_usd_per_day(j: _Judge, c: float) -> dict[str, Any]:
+def _egress_usd_per_day(j: _Judge, c: float) -> Claim:
     price = j.summary["cost"].get("egress_usd_per_gb")
     if price is None and j.scenario is not None:
         price = j.scenario.pricing.egress_usd_per_gb
@@ -313,7 +336,7 @@ def _egress_usd_per_day(j: _Judge, c: float) -> dict[str, Any]:
                   j.summary["cost"]["egress_usd_per_step"] / j.step * SECONDS_PER_DAY, bound)
 
 
-def _nvlink_gbytes_per_s(j: _Judge, c: float) -> dict[str, Any]:
+def _nvlink_gbytes_per_s(j: _Judge, c: float) -> Claim:
     line = j.gpu.nvlink_gbytes_per_s
     if j.scenario is not None and j.scenario.cluster.nvlink_gbytes_per_s is not None:
         line = j.scenario.cluster.nvlink_gbytes_per_s
@@ -326,7 +349,7 @@ def _nvlink_gbytes_per_s(j: _Judge, c: float) -> dict[str, Any]:
     return j.perf("nvlink_gbytes_per_s", c, simulated, over)
 
 
-JUDGES: tuple[tuple[str, Callable[[_Judge, float], dict[str, Any]]], ...] = (
+JUDGES: tuple[tuple[str, Callable[[_Judge, float], Claim]], ...] = (
     ("tokens_per_s_per_gpu", _tokens_per_s_per_gpu),
     ("tokens_per_s", _tokens_per_s),
     ("step_time_s", _step_time_s),
@@ -346,9 +369,9 @@ JUDGES: tuple[tuple[str, Callable[[_Judge, float], dict[str, Any]]], ...] = (
 summary keys, then the Claims fields added since: the order of :func:`judge`'s verdicts."""
 
 
-def judge(claims: Claims, summary: dict[str, Any], gpu: GpuSpec, precision: str,
+def judge(claims: Claims, summary: Summary, gpu: GpuSpec, precision: str,
           flops_per_token: float, model_state_bytes: float,
-          scenario: Scenario | None = None) -> list[dict[str, Any]]:
+          scenario: Scenario | None = None) -> list[Claim]:
     """One verdict per claimed figure.
 
     Parameters

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim import catalog
+from sim.analysis.summary import Cost
 from sim.catalog import GpuSpec
 from sim.scenario import Pricing, Scenario, ScenarioError
 
@@ -114,7 +115,7 @@ def gpu_hour_usd(scenario: Scenario, gpu: GpuSpec) -> float:
 
 def cost_summary(scenario: Scenario, gpu: GpuSpec, step_time_s: float, tokens_per_step: float,
                  cross_az_bytes_per_step: float, cross_region_bytes_per_step: float = 0.0
-                 ) -> dict[str, float | str | None]:
+                 ) -> Cost:
     """The ``cost`` object of the summary.
 
     Keys (CONTRACT.md ones first; the rest added by the FinOps work, never renamed):

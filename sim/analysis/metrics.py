@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
+from sim.analysis.summary import BytesByClass, MemorySummary, RankClassMemory
 from sim.catalog import GpuSpec
 from sim.engine.recorder import OpRecord, Recorder
 from sim.fabric.topology import LINK_KINDS
@@ -172,16 +172,23 @@ def exposed_comm_intervals(records: Iterable[OpRecord]) -> dict[int, dict[str, l
     """
     out: dict[int, dict[str, list[Interval]]] = {}
     for cls, recs in records_by_class(records).items():
-        busy = merge_intervals(busy_intervals(recs))
-        comm_by_stream: dict[str, list[Interval]] = {}
-        for r in recs:
-            if r.op.kind in COMM_KINDS:
-                comm_by_stream.setdefault(r.op.stream, []).append((r.start, r.end))
-        streams = {s: subtract_intervals(iv, busy) for s, iv in comm_by_stream.items()}
-        streams = {s: iv for s, iv in streams.items() if iv}
+        streams = class_exposed_comm(recs)
         if streams:
             out[cls] = streams
     return out
+
+
+def class_exposed_comm(recs: list[OpRecord]) -> dict[str, list[Interval]]:
+    """One rank class's exposed communication by stream (only streams with some): the rule
+    :func:`exposed_comm_intervals` applies to each class and :func:`step_times` to the
+    critical one."""
+    busy = merge_intervals(busy_intervals(recs))
+    comm_by_stream: dict[str, list[Interval]] = {}
+    for r in recs:
+        if r.op.kind in COMM_KINDS:
+            comm_by_stream.setdefault(r.op.stream, []).append((r.start, r.end))
+    streams = {s: subtract_intervals(iv, busy) for s, iv in comm_by_stream.items()}
+    return {s: iv for s, iv in streams.items() if iv}
 
 
 def step_spans(records: Iterable[OpRecord]) -> list[Interval]:
@@ -206,6 +213,15 @@ def step_spans(records: Iterable[OpRecord]) -> list[Interval]:
         spans.append((start, ends[step]))
         start = ends[step]
     return spans
+
+
+def class_idle(spans: list[Interval], recs: list[OpRecord]) -> list[Interval]:
+    """One rank class's idle time within the steps ``spans`` (:func:`step_spans`): the rule
+    :func:`bubble_intervals` applies to each class and :func:`step_times` to the critical
+    one."""
+    return subtract_intervals(spans, busy_intervals(recs) + comm_intervals(recs))
+
+
 def bubble_intervals(records: Iterable[OpRecord]) -> dict[int, list[Interval]]:
     """Idle time per rank class: the pipeline bubbles.
 
@@ -242,7 +258,7 @@ def bubble_intervals(records: Iterable[OpRecord]) -> dict[int, list[Interval]]:
     spans = step_spans(records)
     out: dict[int, list[Interval]] = {}
     for cls, recs in records_by_class(records).items():
-        out[cls] = subtract_intervals(spans, busy_intervals(recs) + comm_intervals(recs))
+        out[cls] = class_idle(spans, recs)
     return out
 
 
@@ -260,35 +276,43 @@ class StepTimes:
 def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> StepTimes:
     """Per-step averages of the interval metrics, on the critical rank class.
 
-    Exposed communication is the length of that class's :func:`exposed_comm_intervals`,
-    the bubble (with more than one pipeline stage) the share of the run in its
-    :func:`bubble_intervals`: the same sets, measured as union of communication and compute
-    less union of compute, and as run time less compute less exposed communication. The two
-    measures agree to rounding (about 1e-14 s); summing the intervals instead would move the
-    goldens in their last bits (llama3-70b-deepspeed-zero3-64xh100's ``exposed_comm_s`` by
-    +1.6e-14 s), so these differences stay the summary's definition.
+    Exposed communication is the length of that class's exposed intervals
+    (:func:`class_exposed_comm`, what :func:`exposed_comm_intervals` gives the timeline), the
+    bubble (with more than one pipeline stage) the share of the run ``wall`` in its idle
+    intervals (:func:`class_idle`, what :func:`bubble_intervals` shades): the same sets the
+    plots draw, measured once. (Until issue 12 the summary measured them as union of
+    communication and compute less union of compute, and as run time less compute less
+    exposed communication: equal up to rounding, about 1e-14 s.)
     """
     by_class = records_by_class(rec.ops)
     critical = _critical(by_class)
     recs = by_class[critical]
-    compute = busy_intervals(recs)
-    comm = comm_intervals(recs)
-    compute_t = union_length(compute)
-    comm_t = union_length(comm)
-    exposed = subtract_length(comm, compute)
+    compute_t = union_length(busy_intervals(recs))
+    comm_t = union_length(comm_intervals(recs))
+    exposed = union_length(iv for ivs in class_exposed_comm(recs).values() for iv in ivs)
     bubble = 0.0
-    if int(str(program.meta.get("pipeline_stages", 1))) > 1:
-        # Idle compute on the critical stage, less the exposed communication already counted.
-        bubble = max(0.0, (wall - compute_t - exposed) / wall) if wall > 0 else 0.0
+    if program.pipeline_stages > 1 and wall > 0:
+        bubble = union_length(class_idle(step_spans(rec.ops), recs)) / wall
     return StepTimes(wall / steps, compute_t / steps, comm_t / steps, exposed / steps, bubble,
                      critical)
 
 
-def bytes_by_class(class_bytes: Iterable[float], steps: int) -> dict[str, float]:
-    return {k: float(v) / steps for k, v in zip(LINK_KINDS, class_bytes, strict=True)}
+def bytes_by_class(class_bytes: Iterable[float], steps: int) -> BytesByClass:
+    """The summary's ``bytes``: the network's bytes per link class (in :data:`LINK_KINDS`
+    order, each hop counted) per step.
+
+    Examples
+    --------
+    >>> bytes_by_class([8.0, 4.0, 2.0, 0.0, 0.0], 2)["pcie"]
+    2.0
+    """
+    per_step = dict(zip(LINK_KINDS, (float(v) / steps for v in class_bytes), strict=True))
+    return {"nvlink": per_step["nvlink"], "pcie": per_step["pcie"],
+            "network": per_step["network"], "cross_az": per_step["cross_az"],
+            "cross_region": per_step["cross_region"]}
 
 
-def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> dict[str, Any]:
+def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> MemorySummary:
     """The memory keys of the summary.
 
     ``peak_memory_gib``: bytes of live tensors at their peak (``max_memory_allocated``);
@@ -299,7 +323,7 @@ def memory_summary(rec: Recorder, program: Program, gpu: GpuSpec) -> dict[str, A
     allocator released its cache), on every rank class.
     """
     usable = gpu.usable_memory_bytes
-    rows: list[dict[str, Any]] = []
+    rows: list[RankClassMemory] = []
     for c in program.classes:
         tr = rec.memory.get(c.id)
         over = rec.overheads.get(c.id)

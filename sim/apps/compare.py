@@ -41,7 +41,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from sim.analysis.cost import resolve_pricing  # noqa: E402
+from sim.analysis.summary import Summary  # noqa: E402
 from sim.apps.executor import Task, simulate_task  # noqa: E402
 from sim.scenario import Scenario, ScenarioError, load_scenario  # noqa: E402
 
@@ -108,7 +109,7 @@ class Variant:
     label: str
     scenario: Scenario
     origin: str
-    summary: dict[str, Any] | None = None
+    summary: Summary | None = None
     error: str | None = None
 
 
@@ -198,7 +199,7 @@ def variant_error(exc: BaseException) -> str:
 
 
 # --------------------------------------------------------------------------- deltas
-def metric_value(summary: dict[str, Any], path: str) -> float | None:
+def metric_value(summary: Mapping[str, Any], path: str) -> float | None:
     """The number at a dotted path of a summary, or None if absent or null.
 
     Examples
@@ -350,7 +351,7 @@ SEGMENT_COLORS = {"compute": "#4C78A8", "exposed comm": "#E45756", "bubble": "#B
                   "other": "#EECA3B"}
 
 
-def step_breakdown(summary: dict[str, Any]) -> dict[str, float]:
+def step_breakdown(summary: Summary) -> dict[str, float]:
     """The step split for the figure: compute, exposed communication, pipeline bubble (the
     bubble fraction of the step) and other = step - compute - exposed - bubble, clipped at 0
     (host overheads and launch gaps; 0 when overlapping parts already fill the step).

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sim.analysis.summary import Summary
 from sim.scenario import Scenario, ScenarioError
 
 BACKENDS = ("local", "ray", "dask")
@@ -95,12 +96,12 @@ class Outcome:
     """What a worker returns for one variant: a summary or an error, and its wall seconds."""
 
     index: int
-    summary: dict[str, Any] | None
+    summary: Summary | None
     error: str | None
     wall_s: float
 
 
-def attempt(index: int, work: Callable[[], dict[str, Any]],
+def attempt(index: int, work: Callable[[], Summary],
             describe: ErrorText = one_line) -> Outcome:
     """Run ``work`` (which returns a summary), timed; an exception becomes the outcome's
     error, worded by ``describe``, instead of propagating."""
@@ -118,7 +119,7 @@ def simulate_task(task: Task, steps: int, origin: str, describe: ErrorText = one
     messages); its failure, ``before_variant``'s included, becomes the outcome's error."""
     from sim.api import simulate
 
-    def work() -> dict[str, Any]:
+    def work() -> Summary:
         if before_variant is not None:
             before_variant(task.values)
         return simulate(task.scenario, steps, origin=origin).summary

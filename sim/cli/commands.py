@@ -18,6 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sim.analysis.summary import Summary, bytes_items
 from sim.scenario import ScenarioError, json_schema, load_scenario
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -393,7 +394,7 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
                 all_ranks=hta == "all", scenario=result.summary["scenario"])
         export.write_memory_csv(tmp / "memory.csv", rec, labels)
         title = result.summary["scenario"]
-        stages = int(str(result.program.meta.get("pipeline_stages", 1)))
+        stages = result.program.pipeline_stages
         plot.timeline(tmp / "timeline.png", rec, title, labels, pipeline_stages=stages,
                       window=window)
         plot.bytes_over_time(tmp / "bytes.png", rec, title,
@@ -421,7 +422,7 @@ def _fmt_bytes(x: float) -> str:
     return f"{x:,.0f} B"
 
 
-def _print_summary(s: dict[str, Any]) -> None:
+def _print_summary(s: Summary) -> None:
     con = Console()
     t = Table(title=f"{s['scenario']} — {s['gpus']} GPU(s), {s['framework']}",
               show_header=False, title_justify="left")
@@ -442,8 +443,8 @@ def _print_summary(s: dict[str, Any]) -> None:
          f"{s.get('peak_nvidia_smi_gib', s['peak_memory_gib']):.1f} in nvidia-smi, "
          f"of {s['gpu_memory_gib']:.1f}" + ("  [red]OOM[/red]" if s["oom"] else "")),
     ]
-    for k, v in s["bytes"].items():
-        rows.append((f"bytes · {k}", _fmt_bytes(v)))
+    for kind, nbytes in bytes_items(s["bytes"]):
+        rows.append((f"bytes · {kind}", _fmt_bytes(nbytes)))
     c = s["cost"]
     priced = f", {c['instance']}" if c.get("instance") else ""
     rows += [

@@ -130,14 +130,24 @@ class RankClass:
 
 @dataclass
 class Program:
-    """Every rank class's streams for one training step."""
+    """Every rank class's streams for one training step.
+
+    What the analysis and the outputs read back is a typed field; ``meta`` holds the
+    builder's free-form labels (``framework``, ``style``, ``schedule``, ZeRO options, ...)
+    for people and tests, and nothing in the simulator reads it.
+    """
 
     classes: list[RankClass]
     n_ranks: int
     tokens_per_step: float
     model_flops_per_step: float
     hw_flops_per_step: float
+    micro_batches: int = 1
+    """Micro-batches each data-parallel rank runs per step (gradient accumulation steps)."""
+    pipeline_stages: int = 1
+    """Pipeline-parallel stages; above 1 the summary and the timeline count pipeline bubbles."""
     meta: dict[str, object] = field(default_factory=dict)
+    """Free-form labels, read by nobody in the simulator."""
     _ops: list[Op] = field(default_factory=list)
 
     def add(self, cls: RankClass, op: Op) -> Op:

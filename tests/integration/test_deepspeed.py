@@ -208,7 +208,7 @@ def test_stages_1_and_2_all_reduce_buckets_then_all_gather_once() -> None:
     padded = aligned(psi, 2 * w)
     for stage, reductions in ((1, 1), (2, 2)):
         p = program(scenario({"zero_stage": stage}, global_batch_size=16))
-        assert p.meta["micro_batches"] == 2
+        assert p.micro_batches == 2
         assert not colls(p, "reduce_scatter")
         grads = [op for op in colls(p, "all_reduce") if op.nbytes > 8]
         assert sum(op.nbytes for op in grads) == reductions * BF16 * psi

@@ -276,7 +276,7 @@ def test_gradient_accumulation_reduce_scatters_every_micro_batch() -> None:
     # gathers again in every forward: bytes scale with the micro-batch count.
     one = simulate(scenario(model="llama3.2-1b"))
     four = simulate(scenario(model="llama3.2-1b", global_batch_size=32))
-    assert four.program.meta["micro_batches"] == 4
+    assert four.program.micro_batches == 4
 
     def total(r, cat: str) -> float:
         return sum(x.op.nbytes for x in r.recorder.ops if x.op.category == cat)

@@ -51,7 +51,7 @@ def test_bucket_assignment_reaches_the_cap_then_closes() -> None:
 def test_ddp_gradient_accumulation_communicates_once() -> None:
     s = scenario({"name": "ddp"}, global_batch_size=32)
     p = program(s)
-    assert p.meta["micro_batches"] == 4
+    assert p.micro_batches == 4
     ars = [op for op in p.ops if op.collective == "all_reduce"]
     assert {op.micro_batch for op in ars} == {3}
 
@@ -195,3 +195,23 @@ def test_zero3_and_fsdp2_move_the_same_bytes_one_and_a_half_times_ddp() -> None:
         # Ring traffic: (ag + rs) x (n-1)/n against DDP's 2 x 2P x (n-1)/n.
         assert (ag + rs + head) / (2 * p16) == pytest.approx(1.5, rel=1e-5)
     assert zero3 == pytest.approx(fsdp2, rel=1e-5)
+
+
+@pytest.mark.parametrize("framework,pp", [
+    ({"name": "ddp"}, 1), ({"name": "fairscale"}, 1), ({"name": "fsdp2"}, 1),
+    ({"name": "fsdp2"}, 2), ({"name": "megatron"}, 2), ({"name": "megatron"}, 4),
+    ({"name": "deepspeed", "zero_stage": 1}, 1), ({"name": "deepspeed", "zero_stage": 3}, 1),
+    ({"name": "deepspeed", "zero_stage": 1}, 2),
+])
+def test_every_builder_types_stages_and_micro_batches(framework: dict, pp: int) -> None:
+    # 8 GPUs, pp stages, dp = 8 / pp replicas; 32 sequences of micro-batch 1 per step:
+    # 32 / dp micro-batches per replica (the gradient-accumulation steps).
+    s = make_scenario(framework=framework, parallelism={"pp": pp},
+                      training={"seq_len": 512, "micro_batch_size": 1,
+                                "global_batch_size": 32})
+    p = program(s)
+    assert p.pipeline_stages == pp
+    assert p.micro_batches == 32 // (8 // pp)
+    # Read back as typed fields only: meta keeps free-form labels.
+    assert "pipeline_stages" not in p.meta and "micro_batches" not in p.meta
+    assert p.meta["framework"] == framework["name"]

@@ -44,7 +44,7 @@ def test_hsdp_reduce_scatters_in_the_node_and_all_reduces_the_shard_across_repli
     r = simulate(s)
     p = r.program
     n = spec(s).total_params
-    mbs = p.meta["micro_batches"]
+    mbs = p.micro_batches
     assert mbs == 2
     rs = [op for op in p.ops if op.collective == "reduce_scatter"]
     ar = [op for op in p.ops if op.collective == "all_reduce"]
@@ -174,7 +174,7 @@ def test_pipeline_reduce_scatters_once_per_step() -> None:
     mbs = 4
     s = scenario(par={"pp": 2, "dp": 4}, global_batch_size=4 * mbs)
     p = program(s)
-    assert p.meta["micro_batches"] == mbs
+    assert p.micro_batches == mbs
     for cls in p.classes:
         ops = [op for stream in cls.streams.values() for op in stream]
         rs = [op for op in ops if op.collective == "reduce_scatter"]
@@ -301,7 +301,7 @@ def test_op_sac_recomputes_every_second_matmul_of_each_layer() -> None:
                               + m.hidden * m.ffn_hidden)
     dp = 8
     extra = p.hw_flops_per_step - p.model_flops_per_step
-    assert extra == pytest.approx(m.layers * p.meta["micro_batches"] * dp * per_layer)
+    assert extra == pytest.approx(m.layers * p.micro_batches * dp * per_layer)
 
 
 def test_op_sac_memory_and_time_sit_between_none_and_full() -> None:
@@ -335,11 +335,11 @@ def test_op_sac_with_tensor_parallelism_recomputes_local_matmuls_and_all_gathers
                               + m.hidden * m.ffn_hidden)
     extra = p.hw_flops_per_step - p.model_flops_per_step
     dp = 8 // tp
-    assert extra == pytest.approx(m.layers * p.meta["micro_batches"] * dp * per_layer)
+    assert extra == pytest.approx(m.layers * p.micro_batches * dp * per_layer)
     ops = [o for ops_ in p.classes[0].streams.values() for o in ops_]
     again = [o for o in ops if o.kind == "collective" and "(recompute)" in o.name]
     assert {o.collective for o in again} == {"all_gather"}
-    assert len(again) == 2 * m.layers * p.meta["micro_batches"]
+    assert len(again) == 2 * m.layers * p.micro_batches
     assert all(len(o.group) == tp for o in again)
 
 

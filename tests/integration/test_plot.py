@@ -33,7 +33,7 @@ def labels_of(r: RunResult) -> dict[int, str]:
 
 
 def stages_of(r: RunResult) -> int:
-    return int(str(r.program.meta.get("pipeline_stages", 1)))
+    return r.program.pipeline_stages
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,8 @@ def test_exposed_strips_are_the_summarys_exposed_communication(run: str,
     exposed = plot.exposed_comm_intervals(r.recorder.ops)
     crit = plot.critical_class(r.recorder.ops)
     from_function = [iv for stream in exposed[crit].values() for iv in stream]
-    assert union_length(from_function) == pytest.approx(r.summary["exposed_comm_s"], rel=1e-9)
+    # One computation (sim.analysis.metrics.class_exposed_comm): equal to the last bit.
+    assert union_length(from_function) == r.summary["exposed_comm_s"]
     fig = plot.timeline_figure(r.recorder, run, labels_of(r))
     strips = bars(fig, plot.EXPOSED_LABEL)
     assert strips and all("· compute" not in row_of(fig, y0, y1) for *_, y0, y1 in strips)
@@ -116,9 +117,8 @@ def test_pipeline_bubbles_are_the_summarys_bubble(pp4: RunResult) -> None:
     step = pp4.summary["step_time_s"]
     bubbles = plot.bubble_intervals(rec.ops)
     crit = plot.critical_class(rec.ops)
-    # sim.analysis.metrics: bubble = step - compute - exposed communication, on the critical stage.
-    assert union_length(bubbles[crit]) == pytest.approx(pp4.summary["bubble_fraction"] * step,
-                                                        rel=1e-9)
+    # sim.analysis.metrics: the bubble is the critical stage's idle intervals (one computation).
+    assert union_length(bubbles[crit]) / step == pp4.summary["bubble_fraction"]
     # On every stage, idle + busy (compute, copy, communication) partition the step.
     for cls, idle in bubbles.items():
         ran = [(r.start, r.end) for r in rec.ops if r.cls == cls]

@@ -13,8 +13,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from sim.analysis.summary import Summary
 from sim.apps.executor import Backend, Outcome, Task, attempt, simulate_in_order, type_and_message
 from sim.apps.plan.bound import LinkRates, _earliest_schedule, per_micro_batch_bound
 from sim.apps.plan.layouts import PLAN_ORIGIN, Layout, _space, layout_scenario, refusal_key
@@ -118,7 +118,7 @@ def evaluate_layout(base: Scenario, layout: Layout, rates: LinkRates, usable_byt
 class Simulated:
     """One simulated step: its summary, or the error that stopped it."""
 
-    summary: dict[str, Any] | None
+    summary: Summary | None
     error: str | None
     wall_s: float
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sim.analysis.summary import Summary
 from sim.apps.plan.layouts import Layout, layout_scenario
 from sim.apps.plan.search import Candidate, PlanResult
 from sim.scenario import Scenario
@@ -40,7 +41,7 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[bool]:
     return out
 
 
-def why(summary: dict[str, Any]) -> dict[str, float]:
+def why(summary: Summary) -> dict[str, float]:
     """What a layout's step is made of, as shares of its step time and memory: the
     quantities the top-K table explains a rank with.
 
@@ -66,7 +67,7 @@ def why(summary: dict[str, Any]) -> dict[str, float]:
             "mfu": mfu}
 
 
-def explain(summary: dict[str, Any], other: dict[str, Any] | None = None,
+def explain(summary: Summary, other: Summary | None = None,
             other_name: str = "next") -> str:
     """One line on what makes a layout fast, and where it beats ``other`` (the scenario as
     given, or the next layout).
@@ -106,9 +107,15 @@ def _why_line(result: PlanResult, ranked: list[Candidate], k: int) -> str:
     simulated and fits, else against the next layout."""
     base = result.baseline.summary if result.baseline is not None else None
     if base is not None and not base["oom"]:
-        return explain(ranked[k].summary or {}, base, "the scenario as given")
+        return explain(_ran(ranked[k]), base, "the scenario as given")
     nxt = ranked[k + 1].summary if k + 1 < len(ranked) else None
-    return explain(ranked[k].summary or {}, nxt)
+    return explain(_ran(ranked[k]), nxt)
+
+
+def _ran(c: Candidate) -> Summary:
+    """A ranked layout's summary (:meth:`PlanResult.ranked` keeps only simulated ones)."""
+    assert c.summary is not None
+    return c.summary
 
 
 def _gib(x: float | None) -> float | None:
@@ -270,7 +277,7 @@ def print_table(result: PlanResult, console: Any = None) -> None:
     for col in ("step s", "tok/s/GPU", "$/M tok", "MFU", "peak GiB"):
         t.add_column(col, justify="right")
     for k, c in enumerate(ranked):
-        s = c.summary or {}
+        s = _ran(c)
         t.add_row(str(k + 1), c.layout.label(), f"{s['step_time_s']:.3f}",
                   f"{s['tokens_per_s_per_gpu']:,.0f}",
                   f"{s['cost']['usd_per_million_tokens']:.3f}", f"{why(s)['mfu']:.0%}",

@@ -19,6 +19,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from sim.analysis.summary import Summary
 from sim.apps.executor import Pool, type_and_message
 from sim.apps.plan.bound import LinkRates
 from sim.apps.plan.evaluate import (
@@ -73,7 +74,7 @@ class Candidate:
         return self.bound0_s
 
     @property
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self) -> Summary | None:
         return self.simulated.summary if self.simulated is not None else None
 
 
@@ -98,7 +99,7 @@ class PlanResult:
     baseline: Simulated | None = None
     """The scenario as given, simulated: what the top layouts are compared with."""
 
-    def objective_of(self, summary: dict[str, Any]) -> float:
+    def objective_of(self, summary: Summary) -> float:
         return objective_value(summary, self.objective)
 
     @property
@@ -118,8 +119,10 @@ class PlanResult:
     def ranked(self) -> list[Candidate]:
         """Simulated layouts that fit, best first by the objective (ties: fewer GPUs-idle
         reasons do not break them; the enumeration order does)."""
-        ok = [c for c in self.candidates if c.status == "simulated" and c.summary]
-        return sorted(ok, key=lambda c: (self.objective_of(c.summary or {}), c.index))
+        ok = [(c, s) for c in self.candidates
+              if c.status == "simulated" and (s := c.summary) is not None]
+        ok.sort(key=lambda cs: (self.objective_of(cs[1]), cs[0].index))
+        return [c for c, _ in ok]
 
     def pruned(self) -> dict[str, int]:
         """Layouts not simulated (or simulated and out of memory), counted by reason."""
@@ -131,7 +134,7 @@ class PlanResult:
         return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def objective_value(summary: dict[str, Any], objective: str) -> float:
+def objective_value(summary: Summary, objective: str) -> float:
     """Step time (s) or dollars per million tokens of a summary: lower is better."""
     if objective == "cost":
         return float(summary["cost"]["usd_per_million_tokens"])

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sim.analysis.summary import Summary
 from sim.scenario import Scenario
 
 DEFAULT_CACHE_DIRNAME = ".fabricsim-cache"
@@ -67,7 +68,7 @@ class SweepCache:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def put(self, key: str, summary: dict[str, Any], wall_s: float) -> None:
+    def put(self, key: str, summary: Summary, wall_s: float) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = temporary_beside(path)

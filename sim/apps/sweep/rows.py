@@ -9,7 +9,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,7 @@ WALL_CLOCK_COLUMNS = frozenset({"wall_s", "sim.wall_s", "cached"})
 """Columns that may differ between two runs of the same sweep (wall clock, cache state)."""
 
 
-def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested mappings become dotted keys; lists (rank classes, claims) stay whole values.
 
     Examples
@@ -41,7 +41,7 @@ def flatten(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def make_row(variant: Variant, summary: dict[str, Any] | None, error: str | None,
+def make_row(variant: Variant, summary: Mapping[str, Any] | None, error: str | None,
              cached: bool, wall_s: float) -> dict[str, Any]:
     """A row: the grid values, the summary flattened, then error, cached, wall_s. Where a
     summary key equals a grid key (``framework``), the grid's value is kept."""

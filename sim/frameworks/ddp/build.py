@@ -81,8 +81,9 @@ def build_ddp(ctx: JobContext) -> Program:
         # Bucket buffers: a second copy of the gradients, or the gradients themselves.
         cls.initial_memory["gradients" if bucket_view else "buffers"] = FP32 * total
     program = Program([cls], n, ctx.tokens_per_step, ctx.model_flops_per_step(),
-                      ctx.model_flops_per_step() + ctx.layer_recompute_flops(costs))
-    program.meta.update(framework="ddp", micro_batches=ctx.micro_batches, style=style.name)
+                      ctx.model_flops_per_step() + ctx.layer_recompute_flops(costs),
+                      micro_batches=ctx.micro_batches)
+    program.meta.update(framework="ddp", style=style.name)
 
     model_flops = block_model_flops(m, costs, ctx.micro_batch, ctx.seq)
 

@@ -455,10 +455,11 @@ class _Pipe:
         if self.recompute:
             per_layer = self.blocks["attn_main"].flops_fwd + self.blocks["mlp_main"].flops_fwd
             hw += per_layer * self.mdl.layers * su.m * su.dp
-        self.program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, flops, hw)
+        self.program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, flops, hw,
+                               micro_batches=su.m, pipeline_stages=su.p)
         self.program.meta.update(
-            framework="deepspeed", zero_stage=self.opts.zero_stage, micro_batches=su.m,
-            pipeline_stages=su.p, style="megatron", schedule="deepspeed TrainSchedule",
+            framework="deepspeed", zero_stage=self.opts.zero_stage, style="megatron",
+            schedule="deepspeed TrainSchedule",
             optimizer="BF16_Optimizer" if su.bf16_optimizer else "FP16_Optimizer"
             if su.fp16_optimizer else "DeepSpeedZeroOptimizer")
         for st, cls in enumerate(classes):

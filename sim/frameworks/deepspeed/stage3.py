@@ -102,9 +102,9 @@ class _Stage3(_Step, _Gradients):
             cls.initial_memory["buffers"] = W16 * z.bucket    # __ipg_bucket_flat_buffer
         flops = ctx.model_flops_per_step()
         program = Program([cls], W, ctx.tokens_per_step, flops,
-                          flops + ctx.layer_recompute_flops(self.costs))
-        program.meta.update(framework="deepspeed", zero_stage=3,
-                            micro_batches=ctx.micro_batches, style=self.style.name,
+                          flops + ctx.layer_recompute_flops(self.costs),
+                          micro_batches=ctx.micro_batches)
+        program.meta.update(framework="deepspeed", zero_stage=3, style=self.style.name,
                             overlap_comm=z.overlap,
                             persistent_params=sum(p.persist for p in self.params),
                             zeropp={"qwz": z.qwz, "hpz": z.hpz, "qgz": self.qgz_active},

@@ -98,9 +98,9 @@ class _Stage012:
             cls.initial_memory = {"parameters": W16 * padded, "optimizer": 3 * FP32 * part}
         flops = ctx.model_flops_per_step()
         program = Program([cls], n, ctx.tokens_per_step, flops,
-                          flops + ctx.layer_recompute_flops(self.costs))
-        program.meta.update(framework="deepspeed", zero_stage=z.stage,
-                            micro_batches=ctx.micro_batches, style=self.style.name,
+                          flops + ctx.layer_recompute_flops(self.costs),
+                          micro_batches=ctx.micro_batches)
+        program.meta.update(framework="deepspeed", zero_stage=z.stage, style=self.style.name,
                             overlap_comm=z.overlap,
                             optimizer=("BF16_Optimizer" if z.stage == 0 and not z.fp16 else
                                        "FP16_Optimizer" if z.stage == 0 else

@@ -118,9 +118,9 @@ def build_fairscale(ctx: JobContext) -> Program:
     cls = RankClass(0, s.group, label="all ranks (identical FSDP shards)")
     cls.initial_memory = s.initial_memory()
     program = Program([cls], s.n, ctx.tokens_per_step, ctx.model_flops_per_step(),
-                      ctx.model_flops_per_step() + ctx.layer_recompute_flops(s.costs))
-    program.meta.update(framework="fairscale", micro_batches=ctx.micro_batches,
-                        style=s.style.name)
+                      ctx.model_flops_per_step() + ctx.layer_recompute_flops(s.costs),
+                      micro_batches=ctx.micro_batches)
+    program.meta.update(framework="fairscale", style=s.style.name)
     step = FairscaleStep(s, ctx.compute, program, cls)
     prev_compute: Op | None = None
     for mb in range(ctx.micro_batches):

@@ -49,9 +49,8 @@ def build_fsdp2(ctx: JobContext) -> Program:
     job = _job(ctx, opts)
     classes = _rank_classes(job)
     program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
-                      _hw_flops(job))
-    program.meta.update(framework="fsdp2", micro_batches=job.n_mb, style=job.style.name,
-                        pipeline_stages=job.pp, schedule=job.schedule,
+                      _hw_flops(job), micro_batches=job.n_mb, pipeline_stages=job.pp)
+    program.meta.update(framework="fsdp2", style=job.style.name, schedule=job.schedule,
                         hsdp_replicas=job.mesh.replicate, fsdp_shards=job.n_shard)
     for st, cls in enumerate(classes):
         build_stage(Stage(job, program, cls, st))

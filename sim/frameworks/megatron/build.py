@@ -108,10 +108,10 @@ def build_megatron(ctx: JobContext) -> Program:
         classes.append(RankClass(st, s.members(st), label=f"pipeline stage {st}"))
         classes[-1].initial_memory = s.initial_memory(st)
     program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
-                      0.0)
-    program.meta.update(framework="megatron", micro_batches=s.mb_count, pipeline_stages=s.p,
-                        style="megatron", schedule=(s.opts.pipeline_schedule if s.vp == 1
-                                                    else "interleaved 1f1b"))
+                      0.0, micro_batches=s.mb_count, pipeline_stages=s.p)
+    program.meta.update(framework="megatron", style="megatron",
+                        schedule=(s.opts.pipeline_schedule if s.vp == 1
+                                  else "interleaved 1f1b"))
     program.hw_flops_per_step = ctx.model_flops_per_step() + s.recompute_flops()
     cpu_call = MEGATRON_CPU_S_PER_OP
     keys = KeySeq()

@@ -9,13 +9,13 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
-from typing import Any
 
+from sim.analysis.summary import Summary
 from sim.engine.recorder import Recorder
 from sim.fabric.topology import LINK_KINDS
 
 
-def write_summary(path: Path, summary: dict[str, Any]) -> None:
+def write_summary(path: Path, summary: Summary) -> None:
     """The run summary as indented JSON (``summary.json``)."""
     path.write_text(json.dumps(summary, indent=2) + "\n")
 

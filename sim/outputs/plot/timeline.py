@@ -107,7 +107,8 @@ def timeline_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | 
     rec : the run's recorder
     title : first line of the title (the scenario's name)
     labels : rank class id -> label (the program's :attr:`~sim.program.ir.RankClass.label`)
-    pipeline_stages : the program's ``meta["pipeline_stages"]``; above 1 bubbles are shaded
+    pipeline_stages : the program's :attr:`~sim.program.ir.Program.pipeline_stages`; above 1
+        bubbles are shaded
     window : (start, end) in seconds to zoom to; ops are clipped to it
     max_rank_classes : above this many classes show the critical one, the first, the last
         and evenly spaced others (:func:`select_rank_classes`), and say so in the title

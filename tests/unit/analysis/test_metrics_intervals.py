@@ -124,11 +124,11 @@ def test_busy_exposed_and_idle_partition_every_stages_step(pp4: RunResult) -> No
         assert union_length(busy + out + idle[cls]) == pytest.approx(total, rel=1e-12)
         assert total == pytest.approx(step, rel=1e-12)
     crit = critical_class(ops)
-    # The summary's numbers are these intervals on the critical stage.
+    # The summary's numbers are these intervals on the critical stage, measured the same way
+    # (one computation, so equal to the last bit; one step, so step is the run's time).
     assert union_length(iv for ivs in exposed.get(crit, {}).values() for iv in ivs) \
-        == pytest.approx(pp4.summary["exposed_comm_s"], rel=1e-12, abs=1e-15)
-    assert union_length(idle[crit]) == pytest.approx(pp4.summary["bubble_fraction"] * step,
-                                                     rel=1e-12)
+        == pp4.summary["exposed_comm_s"]
+    assert union_length(idle[crit]) / step == pp4.summary["bubble_fraction"]
     assert pp4.summary["bubble_fraction"] > 0.1   # 1F1B with p = 4, m = 8 has a real bubble
 
 

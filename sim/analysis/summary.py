@@ -1,0 +1,169 @@
+"""The summary object's type: the JSON object ``fabricsim run --json`` prints, as TypedDicts.
+
+CONTRACT.md ("Summary object") defines the keys; the contract only grows, so every key here
+stays. At run time a summary is a plain ``dict`` (``result.summary["gpus"]`` and
+``json.dumps`` work as they always did); the types let mypy check every key a reader uses.
+:func:`sim.analysis.collect.collect_summary` builds it, key by key in this order (the JSON's
+order). Units are SI (seconds, bytes, FLOPs) unless the name says otherwise (``_gib``: 2**30
+bytes, ``_gb``: 1e9 bytes, ``usd_``: US dollars); all per optimizer step unless the name says
+otherwise.
+
+This module imports nothing of the project: everything else in :mod:`sim.analysis` and above
+may import it.
+"""
+
+# No ``from __future__ import annotations``: TypedDict reads NotRequired off evaluated
+# annotations only (Summary.__optional_keys__ would miss ``claims`` with postponed ones).
+from typing import NotRequired, TypedDict
+
+
+class BytesByClass(TypedDict):
+    """``bytes``: bytes carried per step by links of each class (:data:`LINK_KINDS
+    <sim.fabric.topology.links.LINK_KINDS>`, in that order), each hop counted; the zone and
+    region classes count each byte once per boundary crossed (what clouds bill)."""
+
+    nvlink: float
+    pcie: float
+    network: float
+    cross_az: float
+    cross_region: float
+
+
+def bytes_items(b: BytesByClass) -> list[tuple[str, float]]:
+    """``bytes`` as (link class, bytes per step) pairs in the JSON's order, each a float to
+    the type checker (``dict.items`` of a TypedDict gives ``object`` values).
+
+    Examples
+    --------
+    >>> bytes_items({"nvlink": 4.0, "pcie": 0.0, "network": 2.0, "cross_az": 0.0,
+    ...              "cross_region": 0.0})[:3]
+    [('nvlink', 4.0), ('pcie', 0.0), ('network', 2.0)]
+    """
+    return [("nvlink", b["nvlink"]), ("pcie", b["pcie"]), ("network", b["network"]),
+            ("cross_az", b["cross_az"]), ("cross_region", b["cross_region"])]
+
+
+class Cost(TypedDict):
+    """``cost``: :func:`sim.analysis.cost.cost_summary`'s object (CONTRACT.md's keys first)."""
+
+    usd_per_hour: float
+    usd_per_step: float
+    egress_usd_per_step: float
+    usd_per_million_tokens: float
+    run_hours: float | None
+    """Null without ``training.tokens_total``."""
+    run_usd: float | None
+    """Null without ``training.tokens_total``."""
+    usd_per_day: float
+    egress_gb_per_step: float
+    egress_gb_per_day: float
+    egress_usd_per_day: float
+    gpu_hour_usd: float
+    egress_usd_per_gb: float
+    region_egress_usd_per_gb: float
+    instance: str | None
+    """The catalogue instance the GPU price came from, or null."""
+
+
+class SimStats(TypedDict):
+    """``sim``: what the simulation itself cost."""
+
+    wall_s: float
+    events: int
+    """Engine events processed plus the network's rate solves."""
+    ranks_simulated: int
+    """Rank classes simulated (each stands for all its member ranks)."""
+
+
+class Claim(TypedDict):
+    """One verdict of ``claims`` (:func:`sim.analysis.claims.verdict`)."""
+
+    metric: str
+    claimed: float
+    simulated: float
+    verdict: str
+    """``consistent``, ``off by +N%`` or ``physically impossible``."""
+    reason: str
+
+
+class MemoryOverheads(TypedDict, total=False):
+    """``memory_overheads_gib``: memory beside the caching allocator's, on the rank class
+    with the most. Empty when the recorder has no overheads (:func:`sim.api.simulate` always
+    records them)."""
+
+    cuda_context: float
+    nccl: float
+    cublas_workspace: float
+
+
+class RankClassMemory(TypedDict):
+    """One row of ``memory_by_rank_class``: a rank class's own peaks."""
+
+    rank_class: int
+    label: str
+    ranks: int
+    peak_gib: float
+    peak_time_s: float
+    breakdown_gib: dict[str, float]
+    """Live bytes by category at the allocated peak (``parameters``, ``activations``, ...)."""
+    peak_reserved_gib: float
+    peak_reserved_time_s: float
+    peak_nvidia_smi_gib: float
+    oom: bool
+    allocator_retries: int
+    """cudaMalloc failures the allocator survived by freeing its cache and retrying."""
+
+
+class MemorySummary(TypedDict):
+    """The memory keys of the summary (:func:`sim.analysis.metrics.memory_summary`)."""
+
+    peak_memory_gib: float
+    peak_reserved_gib: float
+    peak_nvidia_smi_gib: float
+    gpu_memory_gib: float
+    oom: bool
+    memory_overheads_gib: MemoryOverheads
+    peak_memory_breakdown_gib: dict[str, float]
+    memory_by_rank_class: list[RankClassMemory]
+
+
+class Summary(TypedDict):
+    """The summary object (CONTRACT.md, "Summary object"), in the JSON's key order.
+
+    The keys after ``sim`` go beyond the contract's first list (it only grows): what the
+    numbers rest on. ``claims`` is there only when the scenario has a claims block.
+    """
+
+    scenario: str
+    gpus: int
+    step_time_s: float
+    tokens_per_step: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    model_flops_per_step: float
+    mfu: float
+    hfu: float
+    model_tflops_per_gpu: float
+    peak_memory_gib: float
+    peak_reserved_gib: float
+    peak_nvidia_smi_gib: float
+    gpu_memory_gib: float
+    oom: bool
+    compute_time_s: float
+    comm_time_s: float
+    exposed_comm_s: float
+    overlap_fraction: float
+    bubble_fraction: float
+    bytes: BytesByClass
+    cost: Cost
+    sim: SimStats
+    framework: str
+    attention_backend: str
+    model_params: int
+    micro_batches: int
+    memory_overheads_gib: MemoryOverheads
+    peak_memory_breakdown_gib: dict[str, float]
+    memory_by_rank_class: list[RankClassMemory]
+    """Each rank class's own peaks (pipeline stages and the stages holding the embedding or
+    the LM head differ), and whether that class runs out of memory."""
+    claims: NotRequired[list[Claim]]
