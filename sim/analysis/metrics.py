@@ -100,11 +100,6 @@ total_length = union_length
 """Another name for :func:`union_length` (as :mod:`sim.outputs.plot` first exported it)."""
 
 
-def subtract_length(a: list[Interval], b: list[Interval]) -> float:
-    """Length of the union of ``a`` not covered by the union of ``b``."""
-    return union_length(a + b) - union_length(b)
-
-
 # ----------------------------------------------------------------------------- per run
 def records_by_class(records: Iterable[OpRecord]) -> dict[int, list[OpRecord]]:
     """Op records grouped by rank class, each class's in recorded order."""
