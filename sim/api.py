@@ -21,7 +21,7 @@ from sim.analysis.collect import JobFacts, collect_summary
 from sim.analysis.cost import resolve_pricing
 from sim.analysis.memory_overheads import overheads
 from sim.analysis.summary import Summary
-from sim.engine.core import Engine
+from sim.engine.core import Engine, paused_gc
 from sim.engine.recorder import Recorder
 from sim.fabric.collectives.runner import NcclSettings
 from sim.fabric.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
@@ -96,40 +96,41 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     it costs memory on large fabrics). ``progress(done, total)`` is called as ops finish,
     counted over all steps (``total`` = ops per step x steps)."""
     wall0 = time.perf_counter()
-    # build (prices first: a bad pricing.instance is refused before anything runs)
-    resolve_pricing(scenario, origin=origin)
-    ctx = JobContext.from_scenario(scenario, origin)
-    program = build_program(ctx)
-    fabric = build_fabric(fabric_spec(scenario))
-    extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
-             for c in program.classes}
-    # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's
-    # buffers are there before it. The default is the framework's launcher's (its registry
-    # entry: torchtitan's run_train.sh turns expandable segments on).
-    expandable = scenario.allocator.expandable_segments
-    if expandable is None:
-        expandable = framework(scenario.framework.name).expandable_segments
-    recorder = Recorder(keep_link_series=keep_link_series, allocator_capacity={
-        k: ctx.gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()},
-        expandable_segments=expandable)
-    recorder.overheads = extra
-    for c in program.classes:
-        recorder.workspace(c.id, extra[c.id].cublas_workspace)
-    engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
-                    scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
-    # run
-    total = 0.0
-    per_step = len(program.ops)
-    if progress is not None:
-        report = progress
-        engine.progress = lambda done: report(min(done, per_step * steps), per_step * steps)
-    for _ in range(steps):
-        total += engine.run_step(program)
-    if progress is not None:
-        progress(per_step * steps, per_step * steps)
-    # collect
-    summary = summarise(ctx, program, recorder, engine, total, steps,
-                        time.perf_counter() - wall0)
+    with paused_gc():   # build, run and collect without the cyclic collector
+        # build (prices first: a bad pricing.instance is refused before anything runs)
+        resolve_pricing(scenario, origin=origin)
+        ctx = JobContext.from_scenario(scenario, origin)
+        program = build_program(ctx)
+        fabric = build_fabric(fabric_spec(scenario))
+        extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
+                 for c in program.classes}
+        # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's
+        # buffers are there before it. The default is the framework's launcher's (its registry
+        # entry: torchtitan's run_train.sh turns expandable segments on).
+        expandable = scenario.allocator.expandable_segments
+        if expandable is None:
+            expandable = framework(scenario.framework.name).expandable_segments
+        recorder = Recorder(keep_link_series=keep_link_series, allocator_capacity={
+            k: ctx.gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()},
+            expandable_segments=expandable)
+        recorder.overheads = extra
+        for c in program.classes:
+            recorder.workspace(c.id, extra[c.id].cublas_workspace)
+        engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
+                        scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
+        # run
+        total = 0.0
+        per_step = len(program.ops)
+        if progress is not None:
+            report = progress
+            engine.progress = lambda done: report(min(done, per_step * steps), per_step * steps)
+        for _ in range(steps):
+            total += engine.run_step(program)
+        if progress is not None:
+            progress(per_step * steps, per_step * steps)
+        # collect
+        summary = summarise(ctx, program, recorder, engine, total, steps,
+                            time.perf_counter() - wall0)
     return RunResult(scenario, summary, program, recorder, fabric, ctx)
 
 
