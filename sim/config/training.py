@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sim.config.base import StrictModel
 
@@ -51,6 +51,96 @@ class ModelDims(StrictModel):
     """Rows of the learned position table; defaults to the sequence length."""
     name: str | None = None
     """A label for reports."""
+    # -- mixture of experts (Hugging Face config.json names in brackets)
+    experts: int | None = Field(default=None, gt=0)
+    """Routed experts per MoE layer [n_routed_experts, num_experts]; None = a dense model."""
+    experts_per_token: int | None = Field(default=None, gt=0)
+    """Routed experts each token is sent to, top-k [num_experts_per_tok]."""
+    shared_experts: int = Field(default=0, ge=0)
+    """Experts every token passes through besides its top-k, each moe_ffn_hidden wide
+    [n_shared_experts]."""
+    moe_ffn_hidden: int | None = Field(default=None, gt=0)
+    """Inner width of one expert's MLP [moe_intermediate_size]; defaults to ffn_hidden."""
+    first_k_dense: int = Field(default=0, ge=0)
+    """Leading layers with a dense MLP ffn_hidden wide instead of experts
+    [first_k_dense_replace]."""
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    """Gate scores: softmax (Mixtral, Qwen3, GPT-OSS) or sigmoid with a learned per-expert
+    balancing bias (DeepSeek-V3's auxiliary-loss-free routing)."""
+    capacity_factor: float | None = Field(default=None, gt=0)
+    """Tokens an expert accepts, as a multiple of its balanced share; None = dropless."""
+    # -- attention variants
+    attention: Literal["gqa", "mla"] = "gqa"
+    """Grouped-query attention (heads, kv_heads, head_dim) or DeepSeek-V2/V3 Multi-head
+    Latent Attention (the low-rank fields below)."""
+    q_lora_rank: int | None = Field(default=None, gt=0)
+    """MLA: rank of the query compression [q_lora_rank]; None = queries projected directly."""
+    kv_lora_rank: int | None = Field(default=None, gt=0)
+    """MLA: rank of the joint key/value compression [kv_lora_rank]."""
+    qk_nope_head_dim: int | None = Field(default=None, gt=0)
+    """MLA: per-head query/key width without rotary positions [qk_nope_head_dim]."""
+    qk_rope_head_dim: int | None = Field(default=None, gt=0)
+    """MLA: per-head query/key width carrying rotary positions [qk_rope_head_dim]."""
+    v_head_dim: int | None = Field(default=None, gt=0)
+    """MLA: per-head value width [v_head_dim]."""
+    qk_norm: bool = False
+    """RMSNorm on each head's query and key (Qwen3)."""
+    attention_sinks: bool = False
+    """A learned sink logit per head in the softmax (GPT-OSS)."""
+    sliding_window: int | None = Field(default=None, gt=0)
+    """Keys a sliding-window layer attends to [sliding_window]; None = full context."""
+    full_attention_every: int | None = Field(default=None, gt=0)
+    """With sliding_window: every n-th layer (the n-th, 2n-th, ...) attends to the full
+    context (GPT-OSS: 2, alternating); None = every layer slides."""
+    mtp_layers: int = Field(default=0, ge=0)
+    """Multi-token prediction modules trained beside the model [num_nextn_predict_layers]."""
+
+    @model_validator(mode="after")
+    def _check_variants(self) -> ModelDims:
+        problem = _moe_problem(self) or _attention_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+_MOE_ONLY = ("experts_per_token", "moe_ffn_hidden", "capacity_factor")
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+               "v_head_dim")
+
+
+def _moe_problem(d: ModelDims) -> str | None:
+    """Why the mixture-of-experts fields of ``d`` do not fit together, or None."""
+    if d.experts is None:
+        extra = [k for k in _MOE_ONLY if getattr(d, k) is not None]
+        extra += [k for k in ("shared_experts", "first_k_dense") if getattr(d, k)]
+        extra += ["router"] if d.router != "softmax" else []
+        if extra:
+            return f"model.{extra[0]}: only for mixture-of-experts models (set model.experts)"
+        return None
+    if d.experts_per_token is None:
+        return "model.experts_per_token: required with model.experts (the router's top-k)"
+    if d.experts_per_token > d.experts:
+        return (f"model.experts_per_token: {d.experts_per_token} is more than the "
+                f"{d.experts} routed experts (model.experts)")
+    if d.first_k_dense >= d.layers:
+        return (f"model.first_k_dense: {d.first_k_dense} leaves none of the {d.layers} "
+                "layers with experts")
+    return None
+
+
+def _attention_problem(d: ModelDims) -> str | None:
+    """Why the attention fields of ``d`` do not fit together, or None."""
+    if d.attention == "mla":
+        missing = [k for k in _MLA_FIELDS[1:] if getattr(d, k) is None]
+        if missing:
+            return f"model.{missing[0]}: required with model.attention: mla"
+    else:
+        extra = [k for k in _MLA_FIELDS if getattr(d, k) is not None]
+        if extra:
+            return f"model.{extra[0]}: only for model.attention: mla"
+    if d.full_attention_every is not None and d.sliding_window is None:
+        return "model.full_attention_every: needs model.sliding_window"
+    return None
 
 
 class Allocator(StrictModel):

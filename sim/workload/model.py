@@ -1,8 +1,12 @@
 """A decoder-only transformer: exact parameter counts and model FLOPs, for any dimensions.
 
 Llama-style models (SwiGLU MLP, RMSNorm, rotary positions, no biases) and GPT-style models
-(GELU MLP, LayerNorm with biases, learned positions) are both described by :class:`ModelSpec`.
-The kernels a training step runs per layer live in :mod:`sim.workload.layer_ops`.
+(GELU MLP, LayerNorm with biases, learned positions) are both described by :class:`ModelSpec`,
+and so are mixture-of-experts models (DeepSeek, Mixtral, Qwen3-MoE, GPT-OSS) with their
+attention variants: Multi-head Latent Attention, query/key norms, attention sinks, sliding
+windows and multi-token prediction (the shapes are in :mod:`sim.workload.moe`).
+The kernels a training step runs per layer live in :mod:`sim.workload.layer_ops` (dense
+models only, for now: the builders refuse the rest, issue 14).
 """
 
 from __future__ import annotations
@@ -11,6 +15,14 @@ from dataclasses import dataclass
 
 from sim import catalog
 from sim.scenario import ModelDims
+from sim.workload.moe import (
+    BEYOND_DENSE,
+    MLASpec,
+    MoESpec,
+    causal_keys,
+    linear_params,
+    mlp_shapes,
+)
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,15 @@ class ModelSpec:
     position: str = "rope"
     bias: bool = False
     max_positions: int = 0
+    moe: MoESpec | None = None
+    """The experts, for a mixture-of-experts model."""
+    mla: MLASpec | None = None
+    """Multi-head Latent Attention instead of grouped-query attention."""
+    qk_norm: bool = False
+    attention_sinks: bool = False
+    sliding_window: int | None = None
+    full_attention_every: int | None = None
+    mtp_layers: int = 0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -59,6 +80,13 @@ class ModelSpec:
             position=dims.position or ("learned" if gelu else "rope"),
             bias=dims.bias if dims.bias is not None else gelu,
             max_positions=dims.max_positions or (seq_len if gelu else 0),
+            moe=_moe_spec(dims),
+            mla=_mla_spec(dims),
+            qk_norm=dims.qk_norm,
+            attention_sinks=dims.attention_sinks,
+            sliding_window=dims.sliding_window,
+            full_attention_every=dims.full_attention_every,
+            mtp_layers=dims.mtp_layers,
         )
 
     @classmethod
@@ -79,16 +107,18 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    def attention_shapes(self) -> list[tuple[str, int, int]]:
+        """(name, out_features, in_features) of each attention projection in one block."""
+        if self.mla is not None:
+            return self.mla.linear_shapes(self.hidden, self.heads)
+        h = self.hidden
+        return [("q", self.q_dim, h), ("k", self.kv_dim, h), ("v", self.kv_dim, h),
+                ("o", h, self.q_dim)]
+
     def linear_shapes(self) -> list[tuple[str, int, int]]:
-        """(name, out_features, in_features) of each linear layer in one block."""
-        h, f = self.hidden, self.ffn_hidden
-        shapes = [("q", self.q_dim, h), ("k", self.kv_dim, h), ("v", self.kv_dim, h),
-                  ("o", h, self.q_dim)]
-        if self.mlp == "swiglu":
-            shapes += [("gate", f, h), ("up", f, h), ("down", h, f)]
-        else:
-            shapes += [("up", f, h), ("down", h, f)]
-        return shapes
+        """(name, out_features, in_features) of each linear layer in one block with a dense
+        MLP (every block of a dense model)."""
+        return self.attention_shapes() + mlp_shapes(self.mlp, self.hidden, self.ffn_hidden)
 
     def parameter_tensors(self) -> list[tuple[str, int, str, int]]:
         """(name, numel, block, layer) of every parameter tensor in ``model.parameters()``
@@ -116,11 +146,46 @@ class ModelSpec:
         return self.hidden * (2 if self.norm == "layernorm" and self.bias else 1)
 
     @property
+    def attention_params(self) -> int:
+        """One block's attention: projections (with biases when the model has them), MLA's
+        latent norms, Qwen3's per-head query and key norms, GPT-OSS's per-head sinks."""
+        extra = self.mla.norm_params if self.mla is not None else 0
+        extra += 2 * self.head_dim if self.qk_norm else 0
+        extra += self.heads if self.attention_sinks else 0
+        return linear_params(self.attention_shapes(), self.bias) + extra
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one transformer block."""
-        weights = sum(o * i for _, o, i in self.linear_shapes())
-        biases = sum(o for _, o, _ in self.linear_shapes()) if self.bias else 0
-        return weights + biases + 2 * self.norm_params
+        """Parameters of one transformer block with a dense MLP (every block of a dense
+        model; DeepSeek's first ``first_k_dense``)."""
+        mlp = linear_params(mlp_shapes(self.mlp, self.hidden, self.ffn_hidden), self.bias)
+        return self.attention_params + mlp + 2 * self.norm_params
+
+    @property
+    def expert_params(self) -> int:
+        """One expert (routed or shared): an MLP ``moe_ffn_hidden`` wide."""
+        assert self.moe is not None
+        return linear_params(mlp_shapes(self.mlp, self.hidden, self.moe.ffn_hidden), self.bias)
+
+    def moe_layer_params(self, experts: int) -> int:
+        """One block with experts, counting ``experts`` of them besides the shared ones:
+        attention, the router (computed for every expert), the experts, two norms."""
+        assert self.moe is not None
+        return (self.attention_params + self.moe.router_params(self.hidden, self.bias)
+                + (experts + self.moe.shared) * self.expert_params + 2 * self.norm_params)
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with experts (0 for a dense model)."""
+        return self.moe.moe_layers(self.layers) if self.moe is not None else 0
+
+    def _blocks_params(self, active: bool) -> int:
+        """All transformer blocks; ``active``: only the routed experts a token uses."""
+        dense = (self.layers - self.moe_layers) * self.layer_params
+        if self.moe is None:
+            return dense
+        routed = self.moe.top_k if active else self.moe.experts
+        return dense + self.moe_layers * self.moe_layer_params(routed)
 
     @property
     def embedding_params(self) -> int:
@@ -135,7 +200,17 @@ class ModelSpec:
 
     @property
     def total_params(self) -> int:
-        return (self.layers * self.layer_params + self.embedding_params + self.norm_params
+        """Every parameter of the model, multi-token prediction modules excepted (as DeepSeek
+        counts V3's 671B: ``mtp_params`` holds them)."""
+        return (self._blocks_params(active=False) + self.embedding_params + self.norm_params
+                + self.lm_head_params)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token uses: ``total_params`` with only the top-k routed experts of
+        each MoE layer. The whole input embedding counts, as Mistral's 12.9B (Mixtral 8x7B)
+        and Qwen's 3.3B (Qwen3-30B-A3B) do; equal to ``total_params`` for a dense model."""
+        return (self._blocks_params(active=True) + self.embedding_params + self.norm_params
                 + self.lm_head_params)
 
     @property
@@ -143,22 +218,124 @@ class ModelSpec:
         """Parameters that take part in matrix multiplies: everything but the input embedding
         lookup tables (the convention of PaLM's MFU and torchtitan's FLOP counter). A tied
         embedding is counted once, as the LM head that multiplies with it."""
-        lookup = self.embedding_params - (self.vocab * self.hidden if self.tied_embeddings else 0)
-        return self.total_params - lookup
+        return self.total_params - self._lookup_params
+
+    @property
+    def active_matmul_params(self) -> int:
+        """``active_params`` without the embedding lookup: what a token multiplies with (the
+        convention of GPT-OSS's 5.1B and DeepSeek's 37B active)."""
+        return self.active_params - self._lookup_params
+
+    @property
+    def _lookup_params(self) -> int:
+        return self.embedding_params - (self.vocab * self.hidden if self.tied_embeddings else 0)
+
+    @property
+    def mtp_block_params(self) -> int:
+        """One multi-token prediction module's own parameters (DeepSeek-V3 report section
+        2.2; ``DeepseekV3`` checkpoint layer 61): norms of the hidden state and of the next
+        token's embedding, the 2h -> h projection, one transformer block like the last layer,
+        and its output norm. It shares the embedding and the output head with the model."""
+        return 3 * self.norm_params + 2 * self.hidden * self.hidden + self._last_block(False)
+
+    def _last_block(self, active: bool) -> int:
+        """The last layer's parameters (MoE layers come last), ``active``: top-k experts."""
+        if self.moe is None:
+            return self.layer_params
+        return self.moe_layer_params(self.moe.top_k if active else self.moe.experts)
+
+    @property
+    def mtp_params(self) -> int:
+        """Parameters of the ``mtp_layers`` prediction modules, besides ``total_params``."""
+        return self.mtp_layers * self.mtp_block_params
+
+    def beyond_dense(self) -> str | None:
+        """The scenario key of the first feature a dense Llama/GPT block lacks (experts, MLA,
+        MTP, query/key norms, sinks, sliding windows), or None for a dense model.
+
+        Examples
+        --------
+        >>> ModelSpec.from_ref("mixtral-8x7b").beyond_dense()
+        'experts'
+        >>> ModelSpec.from_ref("llama3-8b").beyond_dense() is None
+        True
+        """
+        present = {"experts": self.moe is not None, "attention": self.mla is not None,
+                   "mtp_layers": self.mtp_layers > 0, "qk_norm": self.qk_norm,
+                   "attention_sinks": self.attention_sinks,
+                   "sliding_window": self.sliding_window is not None}
+        return next((key for key in BEYOND_DENSE if present[key]), None)
 
     # ------------------------------------------------------------------ FLOPs
-    def attention_flops_per_token(self, seq_len: int) -> float:
-        """Causal attention score and value FLOPs, forward plus backward, per token.
+    def _attention_layer_flops(self, seq_len: int, window: int | None) -> float:
+        """Score and value FLOPs of one layer, forward plus backward, per token.
 
-        Forward QK^T and PV cost 4*S*D*H per token without a mask; causality halves it; backward
-        is twice forward: 3 * 2*S*D*H = 6*S*q_dim per layer.
+        Forward QK^T costs 2 x keys x qk_head_dim and PV 2 x keys x v_head_dim per query and
+        head; a causal query sees ``causal_keys`` keys on average (S/2); backward is twice
+        forward. Grouped-query heads are head_dim wide both ways: 6 x S x q_dim. MLA's
+        queries and keys are qk_nope + qk_rope wide, its values v_head_dim (training runs
+        the unabsorbed form).
         """
-        return 6.0 * self.layers * seq_len * self.q_dim
+        if self.mla is not None:
+            qk, v = self.mla.qk_head_dim, self.mla.v_head_dim
+        else:
+            qk = v = self.head_dim
+        return 6.0 * causal_keys(seq_len, window) * self.heads * (qk + v)
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        """Causal attention score and value FLOPs of all layers, forward plus backward, per
+        token: 6 x S x q_dim per layer for full-context grouped-query attention.
+
+        With ``sliding_window``, a layer attends to at most that many keys, except every
+        ``full_attention_every``-th layer (GPT-OSS: the odd layers, counting from 0).
+        """
+        full = self.layers
+        if self.sliding_window is not None:
+            full = self.layers // self.full_attention_every if self.full_attention_every else 0
+        flops = full * self._attention_layer_flops(seq_len, None)
+        if full < self.layers:
+            slide = self._attention_layer_flops(seq_len, self.sliding_window)
+            flops += (self.layers - full) * slide
+        return flops
+
+    def mtp_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of the multi-token prediction modules per trained token: 6 x (the
+        module's active parameters plus the shared output head it multiplies with again) plus
+        its block's full-context attention."""
+        if not self.mtp_layers:
+            return 0.0
+        active = self.mtp_block_params - self._last_block(False) + self._last_block(True)
+        per_module = 6.0 * (active + self.vocab * self.hidden)
+        return self.mtp_layers * (per_module + self._attention_layer_flops(seq_len, None))
 
     def model_flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token: 6 x matmul parameters plus causal attention."""
-        return 6.0 * self.matmul_params + self.attention_flops_per_token(seq_len)
+        """Model FLOPs per trained token: 6 x active matmul parameters (all of them for a dense
+        model; the router's GEMM over every expert included) plus causal attention, plus the
+        multi-token prediction modules' (``mtp_flops_per_token``), which a training step
+        runs too (Megatron-LM's ``num_floating_point_operations`` counts them as well)."""
+        return (6.0 * self.active_matmul_params + self.attention_flops_per_token(seq_len)
+                + self.mtp_flops_per_token(seq_len))
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """One forward pass (a third of the model FLOPs)."""
         return self.model_flops_per_token(seq_len) / 3.0
+
+
+def _moe_spec(dims: ModelDims) -> MoESpec | None:
+    if dims.experts is None:
+        return None
+    assert dims.experts_per_token is not None   # the schema requires it with experts
+    return MoESpec(experts=dims.experts, top_k=dims.experts_per_token,
+                   ffn_hidden=dims.moe_ffn_hidden or dims.ffn_hidden,
+                   shared=dims.shared_experts, first_k_dense=dims.first_k_dense,
+                   router=dims.router, capacity_factor=dims.capacity_factor)
+
+
+def _mla_spec(dims: ModelDims) -> MLASpec | None:
+    if dims.attention != "mla":
+        return None
+    assert dims.kv_lora_rank and dims.qk_nope_head_dim and dims.qk_rope_head_dim \
+        and dims.v_head_dim   # the schema requires them with attention: mla
+    return MLASpec(q_lora_rank=dims.q_lora_rank, kv_lora_rank=dims.kv_lora_rank,
+                   qk_nope_head_dim=dims.qk_nope_head_dim,
+                   qk_rope_head_dim=dims.qk_rope_head_dim, v_head_dim=dims.v_head_dim)

@@ -61,8 +61,10 @@ PUBLISHED: dict[str, tuple[int, int | None]] = {
 
 
 def test_every_catalogue_model_has_a_published_check():
-    # A model added to models.yaml must get its published total here (the catalogue says so).
-    assert set(PUBLISHED) == set(catalog.model_names())
+    # A dense model added to models.yaml must get its published total here (the catalogue
+    # says so); mixture-of-experts models get theirs in test_model_moe.py.
+    dense = {n for n in catalog.model_names() if "experts" not in catalog.model_entry(n)}
+    assert set(PUBLISHED) == dense
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
