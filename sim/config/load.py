@@ -24,13 +24,21 @@ def _union_tags(field: Any) -> tuple[str, ...]:
     return framework_names() if field == "framework" else _UNION_TAGS.get(field, ())
 
 
+def _branch(item: Any) -> Any:
+    """A union branch's tag without the wrapper pydantic names a model with an after-validator
+    by ("function-after[_check_variants(), ModelDims]" -> "ModelDims")."""
+    if isinstance(item, str) and item.startswith("function-") and item.endswith("]"):
+        return item[:-1].rsplit(", ", 1)[-1]
+    return item
+
+
 def _format_loc(loc: tuple[Any, ...]) -> str:
     # Drop the branch tags pydantic inserts after a union field ("model" -> "ModelDims",
     # "framework" -> "fsdp2"), and only there: a user's key may be called anything.
     parts: list[str] = []
     prev: Any = None
     for item in loc:
-        if isinstance(prev, str) and item in _union_tags(prev):
+        if isinstance(prev, str) and _branch(item) in _union_tags(prev):
             prev = None
             continue
         if isinstance(item, int):
@@ -46,7 +54,8 @@ def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
     # An inline model mapping fails both union branches; the string branch's complaint
     # ("should be a valid string") says nothing useful, so report the mapping's own error.
     if isinstance(data.get("model"), dict):
-        dims = [e for e in errors if tuple(e["loc"][:2]) == ("model", "ModelDims")]
+        dims = [e for e in errors
+                if tuple(map(_branch, e["loc"][:2])) == ("model", "ModelDims")]
         others = [e for e in errors if e["loc"][:1] != ("model",)]
         errors = others + dims if others else dims or errors
     e = errors[0]

@@ -21,6 +21,7 @@ from sim.program.ir import Program
 from sim.scenario import Scenario, ScenarioError
 from sim.workload.layer_ops import BlockCost, Style, model_blocks, price_block
 from sim.workload.model import ModelSpec
+from sim.workload.moe import BEYOND_DENSE
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class JobContext:
     @classmethod
     def from_scenario(cls, s: Scenario, origin: str = "<scenario>") -> JobContext:
         model = ModelSpec.from_ref(s.model, s.training.seq_len)
+        _require_dense(model, s.framework.name, origin)
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
         try:
             backend = attention_cost.resolve(s, gpu)
@@ -121,6 +123,16 @@ class JobContext:
             return 0.0
         per_mb = self.model.layers * (costs["attn"].flops_fwd + costs["mlp"].flops_fwd)
         return per_mb * self.micro_batches * self.dp
+
+
+def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:
+    """Refuse a model with a feature no builder prices yet (experts, MLA, MTP, ...): every
+    builder gets its context here, so none returns a number for a block it does not model.
+    Mixture-of-experts training is issue 14's work in progress."""
+    key = model.beyond_dense()
+    if key is not None:
+        raise ScenarioError(f"{origin}: model.{key}: {framework} does not model "
+                            f"{BEYOND_DENSE[key]} yet (issue 14)")
 
 
 Builder = Callable[[JobContext], Program]
