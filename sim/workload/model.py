@@ -34,6 +34,15 @@ class ModelSpec:
     >>> m = ModelSpec.from_ref("llama3-8b")
     >>> m.total_params
     8030261248
+
+    A mixture-of-experts model: all parameters, those a token multiplies with, and the
+    model FLOPs of one trained token at 4,096 tokens per sequence (MTP module included):
+
+    >>> v3 = ModelSpec.from_ref("deepseek-v3")
+    >>> v3.total_params, v3.active_matmul_params, v3.mtp_params
+    (671026419200, 36625618432, 11610068224)
+    >>> round(v3.model_flops_per_token(4096) / 1e9, 1)
+    260.6
     """
 
     name: str
@@ -55,10 +64,15 @@ class ModelSpec:
     mla: MLASpec | None = None
     """Multi-head Latent Attention instead of grouped-query attention."""
     qk_norm: bool = False
+    """RMSNorm on each head's query and key (Qwen3)."""
     attention_sinks: bool = False
+    """A learned sink logit per head (GPT-OSS)."""
     sliding_window: int | None = None
+    """Keys a sliding-window layer sees; None = full context everywhere."""
     full_attention_every: int | None = None
+    """With a window: every n-th layer attends to the full context."""
     mtp_layers: int = 0
+    """Multi-token prediction modules (DeepSeek-V3: 1)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
