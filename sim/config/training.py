@@ -134,6 +134,10 @@ def _attention_problem(d: ModelDims) -> str | None:
         missing = [k for k in _MLA_FIELDS[1:] if getattr(d, k) is None]
         if missing:
             return f"model.{missing[0]}: required with model.attention: mla"
+        unused = [k for k in ("kv_heads", "head_dim") if getattr(d, k) is not None]
+        if unused:
+            return (f"model.{unused[0]}: not used with model.attention: mla (its widths are "
+                    "qk_nope_head_dim, qk_rope_head_dim and v_head_dim)")
     else:
         extra = [k for k in _MLA_FIELDS if getattr(d, k) is not None]
         if extra:

@@ -245,6 +245,9 @@ BAD_MODELS = [
     ({"attention": "mla", "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64},
      "model.kv_lora_rank: required with model.attention: mla"),
     ({"kv_lora_rank": 128}, "model.kv_lora_rank: only for model.attention: mla"),
+    ({"attention": "mla", "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+      "qk_rope_head_dim": 32, "v_head_dim": 64, "kv_heads": 2},
+     "model.kv_heads: not used with model.attention: mla"),
     ({"full_attention_every": 2}, "model.full_attention_every: needs model.sliding_window"),
     ({"experts": 0}, "model.experts: Input should be greater than 0"),
 ]
