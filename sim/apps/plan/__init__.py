@@ -156,6 +156,8 @@ from sim.scenario import (  # noqa: F401
     load_scenario,
     scenario_from_dict,
 )
+from sim.workload.model import ModelSpec
+from sim.workload.moe import BEYOND_DENSE
 
 
 def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = "time",
@@ -186,6 +188,11 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
     if out is not None and out.exists() and not out.is_dir():
         raise ScenarioError(f"--out {out}: exists and is not a folder")
     base = load_scenario(scenario, list(overrides))
+    beyond = ModelSpec.from_ref(base.model, base.training.seq_len).beyond_dense()
+    if beyond is not None:
+        # Refused at once, not after every layout's build has refused it (issue 14).
+        raise ScenarioError(f"{scenario}: model.{beyond}: fabricsim plan cannot search "
+                            f"{BEYOND_DENSE[beyond]} yet (issue 14)")
     local = cpu_count()
     from contextlib import nullcontext
 
