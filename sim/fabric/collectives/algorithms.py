@@ -24,6 +24,7 @@ speed is what the fabric (and everything else on it) leaves it.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -108,6 +109,10 @@ class PlanBuilder:
         # Propagation of the links between zones and regions (see sim.fabric.collectives.chain).
         long = (fabric.kind == CROSS_AZ) | (fabric.kind == CROSS_REGION)
         self._long_lat: list[float] = np.where(long, fabric.latency, 0.0).tolist()
+        self._alone: dict[tuple[int, int, int | None], float] = {}
+        # Paths at least this long are counted with bincount over the link ids (its cost is
+        # the number of links); shorter ones with np.unique (its cost is the path's).
+        self._long_path = max(1, len(capacity) // 32)
 
     # ------------------------------------------------------------------ edges
     def edge(self, src: int, dst: int, rail: int | None = None
@@ -160,22 +165,60 @@ class PlanBuilder:
         paths: list[tuple[int, ...]] = []
         bottleneck, latency = [], []
         for hops, _ in flows:
+            if len(hops) == 1:
+                # One edge (p2p, PAT): its links, rate alone and latency are cached per edge.
+                s, d, rail = hops[0]
+                links, _, lat = self.edge(s, d, rail)
+                paths.append(links)
+                bottleneck.append(self._edge_alone(s, d, rail))
+                latency.append(lat)
+                continue
             data = [self.edge(s, d, rail) for s, d, rail in hops]
             path = tuple(i for x in data for i in x[0])
             paths.append(path)
-            if path:
-                links, times = np.unique(np.array(path, dtype=np.int64), return_counts=True)
-                bottleneck.append(float((self.capacity[links] / times).min()))
-            else:
+            if not path:
                 bottleneck.append(math.inf)
+            elif len(path) < self._long_path and len(set(path)) == len(path):
+                # No link crossed twice: every count is 1, so the bottleneck is the slowest
+                # edge's (the minimum of the edges' minima, the same float).
+                bottleneck.append(min(x[1] for x in data))
+            else:
+                bottleneck.append(self._counted_min(path))
             latency.append(max((x[2] for x in data), default=0.0))
         lengths = np.array([len(p) for p in paths], dtype=np.int64)
-        flat = np.fromiter((i for p in paths for i in p), dtype=np.int64,
+        flat = np.fromiter(itertools.chain.from_iterable(paths), dtype=np.int64,
                            count=int(lengths.sum()))
         return FlowPlan(algorithm, flat, lengths, np.array([f[1] for f in flows], dtype=float),
                         np.array(bottleneck), np.array(latency), n_ranks, n_nodes, channels,
                         bus_bw, volume, fill_stages, chunk_bytes,
                         flow_edges=np.array([len(f[0]) for f in flows], dtype=np.int64))
+
+    def _edge_alone(self, src: int, dst: int, rail: int | None) -> float:
+        """One edge's rate alone on the fabric: its slowest link's capacity over the times
+        the edge crosses that link (cached per edge; a route that repeats no link has the
+        edge's own bottleneck)."""
+        key = (src, dst, rail)
+        hit = self._alone.get(key)
+        if hit is None:
+            links, slowest, _ = self.edge(src, dst, rail)
+            hit = slowest if len(set(links)) == len(links) else self._counted_min(links)
+            self._alone[key] = hit
+        return hit
+
+    def _counted_min(self, path: tuple[int, ...]) -> float:
+        """min over the links of ``path`` of capacity / times the path crosses the link.
+
+        The links come out in ascending order and each quotient is one float division
+        either way, so both branches give the same float; a long path (a tree's flow over
+        16,384 ranks) is counted by ``bincount`` over the link ids instead of a sort."""
+        arr = np.array(path, dtype=np.int64)
+        if len(arr) >= self._long_path:
+            counts = np.bincount(arr)
+            links = np.flatnonzero(counts)
+            times = counts[links]
+        else:
+            links, times = np.unique(arr, return_counts=True)
+        return float((self.capacity[links] / times).min())
 
     def _by_node(self, group: Sequence[int]) -> dict[int, list[int]]:
         by: dict[int, list[int]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import simpy
 from helpers import dgx, timed
@@ -326,3 +327,24 @@ def test_disjoint_in_node_groups_fold_into_one_with_counted_bytes() -> None:
     env2, net2, run2, _ = runner(dgx(2))
     timed(env2, run2.run_collective("all_reduce", (0, 8), size))
     assert float(net.class_bytes.sum()) == pytest.approx(2 * float(net2.class_bytes.sum()))
+
+
+# ------------------------------------------------------------------ plan-building shortcuts
+# Issue 13 (docs/performance.md items 2-5): each shortcut must give what the long way gives.
+
+def test_a_link_crossed_twice_halves_a_flows_rate_alone_both_ways_of_counting() -> None:
+    # Independent truth: a lock-step flow crossing a NIC link twice and an NVLink once runs
+    # alone at min(C_nic / 2, C_nvlink) = C_nic / 2. Counted by a sort (short paths) and by
+    # bincount (long paths).
+    _, _, run, fab = runner(dgx(2))
+    b = run.builder
+    nvl = int(np.flatnonzero(fab.kind == LINK_KINDS.index("nvlink"))[0])
+    net = int(np.flatnonzero(fab.kind == LINK_KINDS.index("network"))[0])
+    cap = b.capacity
+    truth = cap[net] / 2
+    assert truth < cap[nvl]
+    assert b._counted_min((net, nvl, net)) == truth
+    b._long_path = 1                              # force the bincount branch
+    assert b._counted_min((net, nvl, net)) == truth
+    assert b._counted_min((net,)) == cap[net]
+
