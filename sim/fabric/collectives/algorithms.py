@@ -106,9 +106,14 @@ class PlanBuilder:
         self.nics = fabric.spec.nics_per_node
         self.node_of = {r: fabric.node_of(r) for r in range(fabric.n_gpus)}
         self._edges: dict[tuple[int, int, int | None], tuple[tuple[int, ...], float, float]] = {}
+        self._routes: dict[tuple[int, int, int | None], tuple[tuple[int, ...], float]] = {}
         # Propagation of the links between zones and regions (see sim.fabric.collectives.chain).
         long = (fabric.kind == CROSS_AZ) | (fabric.kind == CROSS_REGION)
         self._long_lat: list[float] = np.where(long, fabric.latency, 0.0).tolist()
+        self.long_links = bool(long.any())
+        """Whether the fabric has zone or region links: without them every edge's long-haul
+        propagation, and so every chain latency, is 0.0."""
+        self._long_haul: dict[tuple[int, int, int | None], float] = {}
         self._alone: dict[tuple[int, int, int | None], float] = {}
         # Paths at least this long are counted with bincount over the link ids (its cost is
         # the number of links); shorter ones with np.unique (its cost is the path's).
@@ -125,6 +130,17 @@ class PlanBuilder:
         hit = self._edges.get(key)
         if hit is not None:
             return hit
+        links, slowest = self._links(src, dst, rail)
+        out = (links, slowest, float(self.fabric.path_latency(links)))
+        self._edges[key] = out
+        return out
+
+    def _links(self, src: int, dst: int, rail: int | None) -> tuple[tuple[int, ...], float]:
+        """(links, bottleneck) of one algorithm edge (:meth:`edge` without its latency)."""
+        key = (src, dst, rail)
+        hit = self._routes.get(key)
+        if hit is not None:
+            return hit
         fab = self.fabric
         if self.node_of[src] == self.node_of[dst] or self.cross_nic == 1 or self.nics < 1:
             links = fab.route(src, dst)
@@ -136,16 +152,21 @@ class PlanBuilder:
                 links = fab.route(src, dst, k)
             else:
                 links = fab.route(src, proxy) + fab.route(proxy, dst, k)
-        idx = list(links)
-        out = (links, float(self.capacity[idx].min()), float(fab.path_latency(links)))
-        self._edges[key] = out
+        out = (links, float(self.capacity[list(links)].min()))
+        self._routes[key] = out
         return out
 
     def long_haul(self, src: int, dst: int, rail: int | None = None) -> float:
         """Propagation of the zone and region links on one edge (s), see
         :mod:`sim.fabric.collectives.chain`."""
-        lat = self._long_lat
-        return float(sum(lat[i] for i in self.edge(src, dst, rail)[0]))
+        if not self.long_links:
+            return 0.0     # the sum of the edge's zero long-haul latencies
+        key = (src, dst, rail)
+        hit = self._long_haul.get(key)
+        if hit is None:
+            lat = self._long_lat
+            hit = self._long_haul[key] = float(sum(lat[i] for i in self.edge(src, dst, rail)[0]))
+        return hit
 
     def _plan(self, algorithm: str, edges: list[tuple[int, int, float, int | None]],
               n_ranks: int, n_nodes: int, channels: int, bus_bw: float, volume: float,
@@ -200,7 +221,7 @@ class PlanBuilder:
         key = (src, dst, rail)
         hit = self._alone.get(key)
         if hit is None:
-            links, slowest, _ = self.edge(src, dst, rail)
+            links, slowest = self._links(src, dst, rail)
             hit = slowest if len(set(links)) == len(links) else self._counted_min(links)
             self._alone[key] = hit
         return hit
@@ -229,6 +250,8 @@ class PlanBuilder:
     def _tree_chain(self, ranks: Sequence[int], rail: int | None) -> float:
         """Up-and-down latency of the slower of the two trees over ``ranks`` (one per node)."""
         worst = 0.0
+        if not self.long_links:
+            return worst   # every hop's long haul is 0.0, and so is every depth
         for parents in double_binary_trees(len(ranks)):
             up = [self.long_haul(ranks[i], ranks[p], rail) if p >= 0 else 0.0
                   for i, p in enumerate(parents)]
@@ -265,8 +288,10 @@ class PlanBuilder:
         steps = 2 * (n - 1) if op == "all_reduce" else n - 1
         flows = [([(ring[i], ring[(i + 1) % n], rail) for i in range(n)], factor / len(rings))
                  for ring, rail in rings]
-        chain = max(ring_chain([self.long_haul(ring[i], ring[(i + 1) % n], rail)
-                                for i in range(n)], steps) for ring, rail in rings)
+        chain = 0.0    # ring_chain of hops that are all 0.0 without zone or region links
+        if self.long_links:
+            chain = max(ring_chain([self.long_haul(ring[i], ring[(i + 1) % n], rail)
+                                    for i in range(n)], steps) for ring, rail in rings)
         n_nodes = len(self._by_node(group))
         plan = self._lockstep("ring", flows, n, n_nodes, len(rings), 0.0, factor)
         return _with_bus(plan, float(plan.bottleneck.sum()),

@@ -84,6 +84,7 @@ class CollectiveRunner:
         self.settings = settings or NcclSettings()
         self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic)
         self._plans: dict[tuple[str, tuple[int, ...]], list[FlowPlan]] = {}
+        self._pat: dict[tuple[str, tuple[int, ...]], FlowPlan] = {}
         self._selected: dict[tuple[str, tuple[int, ...], float],
                              tuple[FlowPlan, nccl.Estimate, float]] = {}
         self._local: dict[tuple[tuple[int, ...], ...], bool] = {}
@@ -112,6 +113,21 @@ class CollectiveRunner:
     def plans(self, op: str, group: tuple[int, ...]) -> list[FlowPlan]:
         """The algorithms NCCL could run for ``op`` over ``group``, as flow plans (which of
         them NCCL enables follows ncclTopoTuneModel and enqueue.cc updateCollCostTable)."""
+        return [self._built(op, group, p) for p in self._candidates(op, group)]
+
+    def _built(self, op: str, group: tuple[int, ...], plan: FlowPlan) -> FlowPlan:
+        """``plan`` with its flows: a candidate that NCCL's cost model needed only the bus
+        bandwidth of (PAT, :func:`nccl_plans.pat_bus_only`) is built here, once."""
+        if plan.algorithm != "pat" or plan.n_flows:
+            return plan
+        full = self._pat.get((op, group))
+        if full is None:
+            full = self._pat[(op, group)] = nccl_plans.pat(self.builder, op, group)
+        return full
+
+    def _candidates(self, op: str, group: tuple[int, ...]) -> list[FlowPlan]:
+        """:meth:`plans`, with PAT's flows left out until it wins (they are 1 + log2(n)
+        times a ring's, and NCCL's choice reads only their bus bandwidth)."""
         key = (op, group)
         cached = self._plans.get(key)
         if cached is not None:
@@ -150,7 +166,7 @@ class CollectiveRunner:
             # PAT: one GPU per node only (tuning.cc ncclPatEnable: nNodes == nRanks, SM60+,
             # host network; NCCL 2.23 and later).
             if n_nodes == len(group) and n_nodes > 1:
-                plans.append(nccl_plans.pat(b, op, group))
+                plans.append(nccl_plans.pat_bus_only(b, op, group))
             # NVLS all-gather/reduce-scatter: inside one node (across nodes it needs CollNet
             # all-gather support), at most NCCL_MAX_NVLS_ARITY local ranks.
             if nvls_ok and n_nodes == 1 and len(group) <= nccl.MAX_NVLS_ARITY:
@@ -218,7 +234,7 @@ class CollectiveRunner:
         """ncclTopoGetAlgoTime over every (algorithm, protocol): latency + bytes / bandwidth
         with the tree's size correction; the least time wins (enqueue.cc topoGetAlgoInfo)."""
         best: tuple[FlowPlan, nccl.Estimate, float] | None = None
-        candidates = self.plans(op, group)
+        candidates = self._candidates(op, group)
         forced = [p for p in candidates if p.algorithm == self.settings.algo]
         if forced:
             candidates = forced  # an algorithm that does not apply to this op is ignored
@@ -243,7 +259,7 @@ class CollectiveRunner:
                 if best is None or t < best[2]:
                     best = (plan, est, t)
         assert best is not None
-        return best
+        return self._built(op, group, best[0]), best[1], best[2]
 
     # ------------------------------------------------------------------ running
     def run_collective(self, op: str, group: Sequence[int], nbytes: float, tag: object = None

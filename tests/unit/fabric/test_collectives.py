@@ -348,3 +348,38 @@ def test_a_link_crossed_twice_halves_a_flows_rate_alone_both_ways_of_counting() 
     assert b._counted_min((net, nvl, net)) == truth
     assert b._counted_min((net,)) == cap[net]
 
+def test_pat_is_chosen_on_its_bus_bandwidth_and_built_only_when_it_wins() -> None:
+    # One GPU per node on 4 nodes: PAT is a candidate for all-gather. Its stand-in for NCCL's
+    # cost model has no flows but the full plan's bus bandwidth, so the choice is the same.
+    from sim.fabric.collectives import nccl_plans
+    group = (0, 8, 16, 24)
+    _, _, run, _ = runner(dgx(4), algo="auto", proto="auto")
+    full = nccl_plans.pat(run.builder, "all_gather", group)
+    stub = nccl_plans.pat_bus_only(run.builder, "all_gather", group)
+    assert stub.n_flows == 0 and full.n_flows == 4 * 2      # log2(4) distances x 4 ranks
+    assert stub.bus_bw == full.bus_bw == float(full.bottleneck.min())
+    assert (stub.n_ranks, stub.n_nodes, stub.volume, stub.nccl_channels) == (
+        full.n_ranks, full.n_nodes, full.volume, full.nccl_channels)
+    # Public plans() are built; a large message goes to the ring and PAT's flows stay unbuilt.
+    assert [p.algorithm for p in run.plans("all_gather", group)] == ["ring", "pat"]
+    assert all(p.n_flows for p in run.plans("all_gather", group))
+    _, _, run, _ = runner(dgx(4), algo="auto", proto="auto")
+    assert run.select("all_gather", group, 1 << 30)[0].algorithm == "ring"
+    assert not run._pat
+    # Forced, PAT runs with its flows, the same ones as the direct build.
+    _, _, run, _ = runner(dgx(4), algo="pat", proto="auto")
+    plan = run.select("all_gather", group, 1 << 30)[0]
+    assert plan.algorithm == "pat" and np.array_equal(plan.flat, full.flat)
+
+
+def test_long_haul_is_the_edges_zone_latency_and_zero_in_one_zone() -> None:
+    _, _, run, fab = runner(dgx(2, azs=2, az_latency_ms=1.0))
+    b = run.builder
+    links = b.edge(0, 8)[0]
+    zone = fab.kind == LINK_KINDS.index("cross_az")
+    expected = sum(float(fab.latency[i]) for i in links if zone[i])
+    assert b.long_links and expected > 1e-3            # 1 ms zone link, crossed once
+    assert b.long_haul(0, 8) == expected == b.long_haul(0, 8)   # cached: the same float
+    _, _, run, _ = runner(dgx(2))
+    assert not run.builder.long_links and run.builder.long_haul(0, 8) == 0.0
+
