@@ -348,6 +348,7 @@ def test_a_link_crossed_twice_halves_a_flows_rate_alone_both_ways_of_counting() 
     assert b._counted_min((net, nvl, net)) == truth
     assert b._counted_min((net,)) == cap[net]
 
+
 def test_pat_is_chosen_on_its_bus_bandwidth_and_built_only_when_it_wins() -> None:
     # One GPU per node on 4 nodes: PAT is a candidate for all-gather. Its stand-in for NCCL's
     # cost model has no flows but the full plan's bus bandwidth, so the choice is the same.
@@ -383,3 +384,23 @@ def test_long_haul_is_the_edges_zone_latency_and_zero_in_one_zone() -> None:
     _, _, run, _ = runner(dgx(2))
     assert not run.builder.long_links and run.builder.long_haul(0, 8) == 0.0
 
+
+def test_send_plans_and_group_sets_follow_their_content_not_the_object() -> None:
+    # The runner caches a send's plan by the pairs tuple's identity (it keeps the tuple alive,
+    # so the id is not reused); a list may change between calls, so it is not cached that way.
+    _, _, run, _ = runner(dgx(2))
+    pairs = [(0, 8)]
+    first = run._p2p_plan(pairs)
+    pairs[0] = (0, 9)
+    second = run._p2p_plan(pairs)
+    assert first is not None and second is not None
+    assert not np.array_equal(first.flat, second.flat)
+    assert run._p2p_plan(((0, 8),)) is first and run._p2p_plan(((0, 8), (3, 3))) is first
+    assert run._p2p_plan(((3, 3),)) is None
+    # The same for several groups of one collective: in-node groups fold, cross-node do not.
+    groups = [[0, 1], [8, 9]]
+    assert run._group_set(groups)[2]
+    groups[1] = [2, 10]
+    assert not run._group_set(groups)[2]
+    frozen = ((0, 1), (8, 9))
+    assert run._group_set(frozen) is run._group_set(frozen) and run._group_set(frozen)[2]
