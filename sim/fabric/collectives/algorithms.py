@@ -118,6 +118,9 @@ class PlanBuilder:
         # Paths at least this long are counted with bincount over the link ids (its cost is
         # the number of links); shorter ones with np.unique (its cost is the path's).
         self._long_path = max(1, len(capacity) // 32)
+        # The capacities as Python floats (fixed for the builder's life, as its edge caches
+        # already assume).
+        self._cap: list[float] = capacity.tolist()
 
     # ------------------------------------------------------------------ edges
     def edge(self, src: int, dst: int, rail: int | None = None
@@ -152,7 +155,10 @@ class PlanBuilder:
                 links = fab.route(src, dst, k)
             else:
                 links = fab.route(src, proxy) + fab.route(proxy, dst, k)
-        out = (links, float(self.capacity[list(links)].min()))
+        # Python's min over the few links' capacities as floats: the same minimum as numpy's,
+        # without a numpy call per edge (295k routes for ZeRO-3's 16,384-rank all-reduce).
+        cap = self._cap
+        out = (links, min(cap[i] for i in links))
         self._routes[key] = out
         return out
 
@@ -195,7 +201,7 @@ class PlanBuilder:
                 latency.append(lat)
                 continue
             data = [self.edge(s, d, rail) for s, d, rail in hops]
-            path = tuple(i for x in data for i in x[0])
+            path = tuple(itertools.chain.from_iterable(x[0] for x in data))
             paths.append(path)
             if not path:
                 bottleneck.append(math.inf)
