@@ -52,25 +52,32 @@ def _raw(b: PlanBuilder, algorithm: str, paths: list[tuple[tuple[int, ...], floa
                     chunk_bytes, nccl_channels)
 
 
-def pat(b: PlanBuilder, op: str, group: Sequence[int]) -> FlowPlan:
-    """PAT all-gather / reduce-scatter over one GPU per node."""
+def _pat_steps(op: str, group: Sequence[int]) -> list[list[tuple[int, int, float]]]:
+    """PAT's dependent steps, distances 1, 2, 4, ...: each rank's (source, destination,
+    shards / n) at that distance."""
     ranks = sorted(group)
     n = len(ranks)
-    edges: list[tuple[int, int, float, int | None]] = []
-    chain = 0.0
+    steps = []
     d = 1
     while d < n:
         shards = min(d, n - d)
-        step = 0.0
-        for i, r in enumerate(ranks):
-            # All-gather sends towards r + d; reduce-scatter the mirror image: same bytes.
-            dst = ranks[(i + d) % n] if op == "all_gather" else ranks[(i - d) % n]
-            edges.append((r, dst, shards / n, None))
-            step = max(step, b.long_haul(r, dst))
+        # All-gather sends towards r + d; reduce-scatter the mirror image: same bytes.
+        steps.append([(r, ranks[(i + d) % n] if op == "all_gather" else ranks[(i - d) % n],
+                       shards / n) for i, r in enumerate(ranks)])
+        d *= 2
+    return steps
+
+
+def pat(b: PlanBuilder, op: str, group: Sequence[int]) -> FlowPlan:
+    """PAT all-gather / reduce-scatter over one GPU per node."""
+    n = len(group)
+    edges: list[tuple[int, int, float, int | None]] = []
+    chain = 0.0
+    for step_edges in _pat_steps(op, group):
+        edges += [(r, dst, share, None) for r, dst, share in step_edges]
         # The log2(n) distances are dependent steps: each pays its slowest long-haul hop
         # (sim.fabric.collectives.chain).
-        chain += step
-        d *= 2
+        chain += max(b.long_haul(r, dst) for r, dst, _ in step_edges)
     plan = b._plan("pat", edges, n, n, 1, 0.0, 1.0)
     # NCCL: busBw = nChannels x the tree graph's per-channel bandwidth; all-gather and
     # reduce-scatter keep busBw as algBw for PAT (no nRanks/nsteps ratio): volume 1. The
@@ -79,6 +86,19 @@ def pat(b: PlanBuilder, op: str, group: Sequence[int]) -> FlowPlan:
     return FlowPlan("pat", plan.flat, plan.lengths, plan.share, plan.bottleneck,
                     plan.path_latency, n, n, 1, bus, 1.0, 0, 0.0,
                     nccl_channel_count(n, 1, b.g), chain_latency_s=chain)
+
+
+def pat_bus_only(b: PlanBuilder, op: str, group: Sequence[int]) -> FlowPlan:
+    """What NCCL's cost model reads of :func:`pat` (algorithm, ranks, nodes, channels, bus
+    bandwidth, volume), without its flows: the bus bandwidth is the same minimum over the
+    same edges' rates alone, so the choice is the same. The runner builds the flows
+    (:func:`pat`) only when PAT wins."""
+    n = len(group)
+    bus = min((b._edge_alone(r, dst, None) for step_edges in _pat_steps(op, group)
+               for r, dst, _ in step_edges), default=math.inf)
+    empty = np.zeros(0)
+    return FlowPlan("pat", np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), empty,
+                    empty, empty, n, n, 1, bus, 1.0, 0, 0.0, nccl_channel_count(n, 1, b.g))
 
 
 def nvls_gather(b: PlanBuilder, op: str, group: Sequence[int], efficiency: float,

@@ -64,6 +64,10 @@ class Choice:
     predicted_s: float
 
 
+# (the groups of more than one rank, an id of that list, whether all sit in one node each)
+_GroupSet = tuple[list[tuple[int, ...]], int, bool]
+
+
 class CollectiveRunner:
     """Runs collectives on one fabric.
 
@@ -84,10 +88,15 @@ class CollectiveRunner:
         self.settings = settings or NcclSettings()
         self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic)
         self._plans: dict[tuple[str, tuple[int, ...]], list[FlowPlan]] = {}
+        self._pat: dict[tuple[str, tuple[int, ...]], FlowPlan] = {}
         self._selected: dict[tuple[str, tuple[int, ...], float],
                              tuple[FlowPlan, nccl.Estimate, float]] = {}
-        self._local: dict[tuple[tuple[int, ...], ...], bool] = {}
+        self._group_sets: dict[tuple[tuple[int, ...], ...], _GroupSet] = {}
+        self._group_ids: dict[int, tuple[object, _GroupSet]] = {}
+        self._group_choice: dict[tuple[int, str, float], tuple[
+            list[tuple[FlowPlan, nccl.Estimate, float]], float, bool]] = {}
         self._disjoint: dict[tuple[object, ...], bool] = {}
+        self._p2p_ids: dict[int, tuple[object, FlowPlan | None]] = {}
         self._p2p: dict[tuple[tuple[int, int], ...], FlowPlan] = {}
         self._caps: dict[tuple[int, str, str], np.ndarray] = {}
         self.chosen: list[Choice] = []
@@ -112,6 +121,21 @@ class CollectiveRunner:
     def plans(self, op: str, group: tuple[int, ...]) -> list[FlowPlan]:
         """The algorithms NCCL could run for ``op`` over ``group``, as flow plans (which of
         them NCCL enables follows ncclTopoTuneModel and enqueue.cc updateCollCostTable)."""
+        return [self._built(op, group, p) for p in self._candidates(op, group)]
+
+    def _built(self, op: str, group: tuple[int, ...], plan: FlowPlan) -> FlowPlan:
+        """``plan`` with its flows: a candidate that NCCL's cost model needed only the bus
+        bandwidth of (PAT, :func:`nccl_plans.pat_bus_only`) is built here, once."""
+        if plan.algorithm != "pat" or plan.n_flows:
+            return plan
+        full = self._pat.get((op, group))
+        if full is None:
+            full = self._pat[(op, group)] = nccl_plans.pat(self.builder, op, group)
+        return full
+
+    def _candidates(self, op: str, group: tuple[int, ...]) -> list[FlowPlan]:
+        """:meth:`plans`, with PAT's flows left out until it wins (they are 1 + log2(n)
+        times a ring's, and NCCL's choice reads only their bus bandwidth)."""
         key = (op, group)
         cached = self._plans.get(key)
         if cached is not None:
@@ -150,7 +174,7 @@ class CollectiveRunner:
             # PAT: one GPU per node only (tuning.cc ncclPatEnable: nNodes == nRanks, SM60+,
             # host network; NCCL 2.23 and later).
             if n_nodes == len(group) and n_nodes > 1:
-                plans.append(nccl_plans.pat(b, op, group))
+                plans.append(nccl_plans.pat_bus_only(b, op, group))
             # NVLS all-gather/reduce-scatter: inside one node (across nodes it needs CollNet
             # all-gather support), at most NCCL_MAX_NVLS_ARITY local ranks.
             if nvls_ok and n_nodes == 1 and len(group) <= nccl.MAX_NVLS_ARITY:
@@ -218,7 +242,7 @@ class CollectiveRunner:
         """ncclTopoGetAlgoTime over every (algorithm, protocol): latency + bytes / bandwidth
         with the tree's size correction; the least time wins (enqueue.cc topoGetAlgoInfo)."""
         best: tuple[FlowPlan, nccl.Estimate, float] | None = None
-        candidates = self.plans(op, group)
+        candidates = self._candidates(op, group)
         forced = [p for p in candidates if p.algorithm == self.settings.algo]
         if forced:
             candidates = forced  # an algorithm that does not apply to this op is ignored
@@ -243,7 +267,7 @@ class CollectiveRunner:
                 if best is None or t < best[2]:
                     best = (plan, est, t)
         assert best is not None
-        return best
+        return self._built(op, group, best[0]), best[1], best[2]
 
     # ------------------------------------------------------------------ running
     def run_collective(self, op: str, group: Sequence[int], nbytes: float, tag: object = None
@@ -271,48 +295,75 @@ class CollectiveRunner:
         plans are alike and share no link (:meth:`_same_and_disjoint`). Otherwise every
         group's flows run.
         """
-        tgroups: list[tuple[int, ...]] = [tuple(g) for g in groups if len(g) > 1]
-        if not tgroups or nbytes <= 0:
+        if nbytes <= 0:
+            return None
+        if len(groups) == 1:
+            # One group (an op's ``group``: a fresh 1-tuple of it on every call).
+            return (yield from self.run_collective(op, groups[0], nbytes, tag))
+        tgroups, kid, local = self._group_set(groups)
+        if not tgroups:
             return None
         if len(tgroups) == 1:
             return (yield from self.run_collective(op, tgroups[0], nbytes, tag))
-        groups = tgroups
-        key = tuple(tgroups)
-        local = self._local.get(key)
-        if local is None:
-            # Each group inside one node, all of one size: their flows use only their own
-            # GPUs' NVLink ports to the node's non-blocking NVSwitch, so the groups (several
-            # may share a node: tensor-parallel groups of 2 or 4) never meet on a link and
-            # any one of them behaves like the others.
-            b = self.builder
-            nodes = [{b.node_of[r] for r in g} for g in groups]
-            size = len(groups[0])
-            local = (all(len(n) == 1 for n in nodes)
-                     and all(len(grp) == size for grp in groups))
-            self._local[key] = local
         if local:
-            plan, est, predicted = self.select(op, groups[0], nbytes)
+            plan, est, predicted = self.select(op, tgroups[0], nbytes)
             choice = Choice(op, plan.algorithm, est.protocol, nbytes, predicted)
             self.chosen.append(choice)
             yield self.env.timeout(est.latency_s + self._fill_s(plan, est)
                                    + plan.chain_latency_s)
-            yield self._start(plan, est, nbytes, tag, count=len(groups))
+            yield self._start(plan, est, nbytes, tag, count=len(tgroups))
             return choice
-        chosen = [self.select(op, grp, nbytes) for grp in groups]
+        # What NCCL runs in each group, the longest wait and whether one group's flows stand
+        # for all depend only on (groups, op, size): worked out once, not per call.
+        ckey = (kid, op, nbytes)
+        hit = self._group_choice.get(ckey)
+        if hit is None:
+            chosen = [self.select(op, grp, nbytes) for grp in tgroups]
+            wait = max(est.latency_s + self._fill_s(plan, est) + plan.chain_latency_s
+                       for plan, est, _ in chosen)
+            fkey = (kid, op, chosen[0][0].algorithm, chosen[0][1].protocol)
+            foldable = self._disjoint.get(fkey)
+            if foldable is None:
+                foldable = self._disjoint[fkey] = self._same_and_disjoint(chosen)
+            hit = self._group_choice[ckey] = (chosen, wait, foldable)
+        chosen, wait, foldable = hit
         choice = Choice(op, chosen[0][0].algorithm, chosen[0][1].protocol, nbytes, chosen[0][2])
         self.chosen.append(choice)
-        yield self.env.timeout(max(est.latency_s + self._fill_s(plan, est) + plan.chain_latency_s
-                                   for plan, est, _ in chosen))
-        fkey = (key, op, chosen[0][0].algorithm, chosen[0][1].protocol)
-        foldable = self._disjoint.get(fkey)
-        if foldable is None:
-            foldable = self._disjoint[fkey] = self._same_and_disjoint(chosen)
+        yield self.env.timeout(wait)
         if foldable:
             yield self._start(chosen[0][0], chosen[0][1], nbytes, tag, count=len(chosen))
             return choice
         # All groups' flows start together: one rate solve, not one per group.
         yield self._start_all([(plan, est) for plan, est, _ in chosen], nbytes, tag)
         return choice
+
+    def _group_set(self, groups: Sequence[Sequence[int]]
+                   ) -> _GroupSet:
+        """(the groups of more than one rank as tuples, an id of that list, whether each group
+        sits inside one node and all are of one size). Cached by the list's content and, for
+        a tuple of tuples (an op's ``groups``, passed on every call), by its identity: the
+        entry keeps it alive, so its id is not reused, and a call costs no pass over the
+        GPUs."""
+        by_id = self._group_ids.get(id(groups))
+        if by_id is not None and by_id[0] is groups:
+            return by_id[1]
+        tgroups: list[tuple[int, ...]] = [tuple(g) for g in groups if len(g) > 1]
+        key = tuple(tgroups)
+        out = self._group_sets.get(key)
+        if out is None:
+            # Each group inside one node, all of one size: their flows use only their own
+            # GPUs' NVLink ports to the node's non-blocking NVSwitch, so the groups (several
+            # may share a node: tensor-parallel groups of 2 or 4) never meet on a link and
+            # any one of them behaves like the others.
+            b = self.builder
+            nodes = [{b.node_of[r] for r in g} for g in tgroups]
+            size = len(tgroups[0]) if tgroups else 0
+            local = (all(len(n) == 1 for n in nodes)
+                     and all(len(grp) == size for grp in tgroups))
+            out = self._group_sets[key] = (tgroups, len(self._group_sets), local)
+        if type(groups) is tuple and all(type(g) is tuple for g in groups):
+            self._group_ids[id(groups)] = (groups, out)
+        return out
 
     def _same_and_disjoint(self, chosen: Sequence[tuple[FlowPlan, nccl.Estimate, float]]
                            ) -> bool:
@@ -384,17 +435,34 @@ class CollectiveRunner:
                 ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: point-to-point transfers (NCCL send/recv, Simple protocol), one flow per
         (source, destination) pair, all at once."""
-        key = tuple((s, d) for s, d in pairs if s != d)
-        if nbytes <= 0 or not key:
+        if nbytes <= 0:
             return None
-        plan = self._p2p.get(key)
+        plan = self._p2p_plan(pairs)
         if plan is None:
-            plan = self._p2p[key] = self.builder.p2p(key, 1.0)
+            return None
         est = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
         # A send pays its path's long-haul propagation once (sim.fabric.collectives.chain).
         yield self.env.timeout(est.latency_s + plan.chain_latency_s)
         yield self._start(plan, est, nbytes, tag)
         return Choice("sendrecv", "p2p", "simple", nbytes, est.latency_s + plan.chain_latency_s)
+
+
+    def _p2p_plan(self, pairs: Sequence[tuple[int, int]]) -> FlowPlan | None:
+        """The plan of the pairs that move data (None: none do), cached by content and, for a
+        tuple of tuples (an op's ``pairs``: 1,024 of them per pipeline send at 16k GPUs), by
+        identity: the entry keeps it alive, so its id is not reused."""
+        hit = self._p2p_ids.get(id(pairs))
+        if hit is not None and hit[0] is pairs:
+            return hit[1]
+        key = tuple((s, d) for s, d in pairs if s != d)
+        plan = None
+        if key:
+            plan = self._p2p.get(key)
+            if plan is None:
+                plan = self._p2p[key] = self.builder.p2p(key, 1.0)
+        if type(pairs) is tuple and all(type(p) is tuple for p in pairs):
+            self._p2p_ids[id(pairs)] = (pairs, plan)
+        return plan
 
 
 def _p2p_latency(plan: FlowPlan) -> float:

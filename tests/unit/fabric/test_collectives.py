@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import simpy
 from helpers import dgx, timed
@@ -326,3 +327,80 @@ def test_disjoint_in_node_groups_fold_into_one_with_counted_bytes() -> None:
     env2, net2, run2, _ = runner(dgx(2))
     timed(env2, run2.run_collective("all_reduce", (0, 8), size))
     assert float(net.class_bytes.sum()) == pytest.approx(2 * float(net2.class_bytes.sum()))
+
+
+# ------------------------------------------------------------------ plan-building shortcuts
+# Issue 13 (docs/performance.md items 2-5): each shortcut must give what the long way gives.
+
+def test_a_link_crossed_twice_halves_a_flows_rate_alone_both_ways_of_counting() -> None:
+    # Independent truth: a lock-step flow crossing a NIC link twice and an NVLink once runs
+    # alone at min(C_nic / 2, C_nvlink) = C_nic / 2. Counted by a sort (short paths) and by
+    # bincount (long paths).
+    _, _, run, fab = runner(dgx(2))
+    b = run.builder
+    nvl = int(np.flatnonzero(fab.kind == LINK_KINDS.index("nvlink"))[0])
+    net = int(np.flatnonzero(fab.kind == LINK_KINDS.index("network"))[0])
+    cap = b.capacity
+    truth = cap[net] / 2
+    assert truth < cap[nvl]
+    assert b._counted_min((net, nvl, net)) == truth
+    b._long_path = 1                              # force the bincount branch
+    assert b._counted_min((net, nvl, net)) == truth
+    assert b._counted_min((net,)) == cap[net]
+
+
+def test_pat_is_chosen_on_its_bus_bandwidth_and_built_only_when_it_wins() -> None:
+    # One GPU per node on 4 nodes: PAT is a candidate for all-gather. Its stand-in for NCCL's
+    # cost model has no flows but the full plan's bus bandwidth, so the choice is the same.
+    from sim.fabric.collectives import nccl_plans
+    group = (0, 8, 16, 24)
+    _, _, run, _ = runner(dgx(4), algo="auto", proto="auto")
+    full = nccl_plans.pat(run.builder, "all_gather", group)
+    stub = nccl_plans.pat_bus_only(run.builder, "all_gather", group)
+    assert stub.n_flows == 0 and full.n_flows == 4 * 2      # log2(4) distances x 4 ranks
+    assert stub.bus_bw == full.bus_bw == float(full.bottleneck.min())
+    assert (stub.n_ranks, stub.n_nodes, stub.volume, stub.nccl_channels) == (
+        full.n_ranks, full.n_nodes, full.volume, full.nccl_channels)
+    # Public plans() are built; a large message goes to the ring and PAT's flows stay unbuilt.
+    assert [p.algorithm for p in run.plans("all_gather", group)] == ["ring", "pat"]
+    assert all(p.n_flows for p in run.plans("all_gather", group))
+    _, _, run, _ = runner(dgx(4), algo="auto", proto="auto")
+    assert run.select("all_gather", group, 1 << 30)[0].algorithm == "ring"
+    assert not run._pat
+    # Forced, PAT runs with its flows, the same ones as the direct build.
+    _, _, run, _ = runner(dgx(4), algo="pat", proto="auto")
+    plan = run.select("all_gather", group, 1 << 30)[0]
+    assert plan.algorithm == "pat" and np.array_equal(plan.flat, full.flat)
+
+
+def test_long_haul_is_the_edges_zone_latency_and_zero_in_one_zone() -> None:
+    _, _, run, fab = runner(dgx(2, azs=2, az_latency_ms=1.0))
+    b = run.builder
+    links = b.edge(0, 8)[0]
+    zone = fab.kind == LINK_KINDS.index("cross_az")
+    expected = sum(float(fab.latency[i]) for i in links if zone[i])
+    assert b.long_links and expected > 1e-3            # 1 ms zone link, crossed once
+    assert b.long_haul(0, 8) == expected == b.long_haul(0, 8)   # cached: the same float
+    _, _, run, _ = runner(dgx(2))
+    assert not run.builder.long_links and run.builder.long_haul(0, 8) == 0.0
+
+
+def test_send_plans_and_group_sets_follow_their_content_not_the_object() -> None:
+    # The runner caches a send's plan by the pairs tuple's identity (it keeps the tuple alive,
+    # so the id is not reused); a list may change between calls, so it is not cached that way.
+    _, _, run, _ = runner(dgx(2))
+    pairs = [(0, 8)]
+    first = run._p2p_plan(pairs)
+    pairs[0] = (0, 9)
+    second = run._p2p_plan(pairs)
+    assert first is not None and second is not None
+    assert not np.array_equal(first.flat, second.flat)
+    assert run._p2p_plan(((0, 8),)) is first and run._p2p_plan(((0, 8), (3, 3))) is first
+    assert run._p2p_plan(((3, 3),)) is None
+    # The same for several groups of one collective: in-node groups fold, cross-node do not.
+    groups = [[0, 1], [8, 9]]
+    assert run._group_set(groups)[2]
+    groups[1] = [2, 10]
+    assert not run._group_set(groups)[2]
+    frozen = ((0, 1), (8, 9))
+    assert run._group_set(frozen) is run._group_set(frozen) and run._group_set(frozen)[2]
