@@ -84,10 +84,33 @@ def test_solver_equals_reference_bit_for_bit(inst) -> None:
     want = reference_rates(paths, capacity, caps)
     got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
     assert got.tolist() == want
-    # The renumbered path (large fabrics only, normally) forced on, too.
-    with mock.patch.object(network, "_DENSE_LINKS", 0):
-        got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
-    assert got.tolist() == want
+    # The renumbered path (large fabrics only, normally) forced on, too, with either way of
+    # renumbering (walking the incidences, scanning a mask over the links).
+    for scan in (0, 1 << 30):
+        with mock.patch.object(network, "_DENSE_LINKS", 0), \
+                mock.patch.object(network, "_RENUMBER_SCAN", scan):
+            got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
+        assert got.tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=0, max_size=60), st.booleans())
+def test_renumbering_is_np_unique(links, scan) -> None:
+    # Both ways of renumbering give np.unique's ids and inverse exactly (ascending), or in the
+    # walking way's own order the same links with a consistent inverse; the scratch mask is
+    # left all False for the next caller.
+    flat = np.array(links, dtype=np.int64)
+    mask, pos = np.zeros(41, dtype=bool), np.full(41, -7, dtype=np.intp)
+    with mock.patch.object(network, "_RENUMBER_SCAN", 0 if scan else 1 << 30):
+        ids, inv = network._renumber(flat, (mask, pos))
+        assert not mask.any()
+        want_ids, want_inv = np.unique(flat, return_inverse=True)
+        assert ids.tolist() == want_ids.tolist()
+        assert inv.tolist() == want_inv.reshape(-1).tolist()
+        ids, inv = network._renumber(flat, (mask, pos), ascending=False)
+        assert not mask.any()
+        assert sorted(ids.tolist()) == want_ids.tolist()
+        assert ids[inv].tolist() == links
 
 
 @settings(max_examples=100, deadline=None)
