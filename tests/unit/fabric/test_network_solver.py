@@ -1,6 +1,6 @@
 """The fast max-min solver against a plain progressive-filling reference, bit for bit.
 
-``sim.fabric.network.max_min_rates`` renumbers the used links and works on numpy arrays; the
+``sim.fabric.maxmin.max_min_rates`` renumbers the used links and works on numpy arrays; the
 reference below is the textbook loop (Bertsekas and Gallager, "Data Networks", sec. 6.5.2)
 written one link and one flow at a time over *every* link of the fabric, with the same
 saturation tolerance (relative 1e-9 of the link, floored at 1e-6 of the fabric's largest
@@ -18,7 +18,7 @@ import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.fabric import network
+from sim.fabric import maxmin, network
 from sim.fabric.network import FlowNetwork, max_min_rates
 
 _EPS = 1e-9
@@ -87,8 +87,8 @@ def test_solver_equals_reference_bit_for_bit(inst) -> None:
     # The renumbered path (large fabrics only, normally) forced on, too, with either way of
     # renumbering (walking the incidences, scanning a mask over the links).
     for scan in (0, 1 << 30):
-        with mock.patch.object(network, "_DENSE_LINKS", 0), \
-                mock.patch.object(network, "_RENUMBER_SCAN", scan):
+        with mock.patch.object(maxmin, "_DENSE_LINKS", 0), \
+                mock.patch.object(maxmin, "_RENUMBER_SCAN", scan):
             got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
         assert got.tolist() == want
 
@@ -101,13 +101,13 @@ def test_renumbering_is_np_unique(links, scan) -> None:
     # left all False for the next caller.
     flat = np.array(links, dtype=np.int64)
     mask, pos = np.zeros(41, dtype=bool), np.full(41, -7, dtype=np.intp)
-    with mock.patch.object(network, "_RENUMBER_SCAN", 0 if scan else 1 << 30):
-        ids, inv = network._renumber(flat, (mask, pos))
+    with mock.patch.object(maxmin, "_RENUMBER_SCAN", 0 if scan else 1 << 30):
+        ids, inv = maxmin._renumber(flat, (mask, pos))
         assert not mask.any()
         want_ids, want_inv = np.unique(flat, return_inverse=True)
         assert ids.tolist() == want_ids.tolist()
         assert inv.tolist() == want_inv.reshape(-1).tolist()
-        ids, inv = network._renumber(flat, (mask, pos), ascending=False)
+        ids, inv = maxmin._renumber(flat, (mask, pos), ascending=False)
         assert not mask.any()
         assert sorted(ids.tolist()) == want_ids.tolist()
         assert ids[inv].tolist() == links
@@ -122,7 +122,7 @@ def test_unused_links_do_not_change_the_rates(inst, spare) -> None:
     full = [*capacity, *([2e12] * spare)]
     flat = np.array([k for p in paths for k in p], dtype=np.int64)
     owner = np.array([f for f, p in enumerate(paths) for _ in p], dtype=np.int64)
-    with mock.patch.object(network, "_DENSE_LINKS", 0):
+    with mock.patch.object(maxmin, "_DENSE_LINKS", 0):
         got = max_min_rates(flat, owner, len(paths), np.array(full), np.array(caps))
     assert got.tolist() == reference_rates(paths, full, caps)
 
@@ -226,7 +226,7 @@ def test_tolerance_floor_comes_from_the_whole_fabric() -> None:
     flat, owner = np.array([0, 0]), np.array([0, 1])
     caps = np.array([0.49999, math.inf])
     for dense in (0, 1 << 30):
-        with mock.patch.object(network, "_DENSE_LINKS", dense):
+        with mock.patch.object(maxmin, "_DENSE_LINKS", dense):
             rates = max_min_rates(flat, owner, 2, np.array([1.0, 1e11]), caps)
             alone = max_min_rates(flat, owner, 2, np.array([1.0]), caps)
         assert rates.tolist() == [0.49999, 0.49999]
