@@ -39,6 +39,10 @@ _N_ROWS = len(_ROWS)
 # Fabrics with more links than this update link rates on the touched links only (measured
 # crossover of a per-link pass against renumbering the touched links, numpy 2, one core).
 _SPARSE_LINKS = 20_000
+# The flow tables drop their dead rows once rows outnumber live flows this many times: each
+# start and end then writes only its own rows, and a compaction costs as much as the old
+# copy per start amortised over half as many events.
+_KEEP_DEAD = 2
 
 
 class NetworkObserver:
@@ -90,14 +94,21 @@ class FlowNetwork:
         self.solves = 0
         self._last = env.now
         self._version = 0
-        # Per active flow, one row each of one float table (so a start or a retire copies
-        # one array, not seven): see _ROWS. The hop counts per link class stay a C-ordered
-        # array of their own, so the class totals' matrix products sum as they always did.
-        self._flows = np.zeros((_N_ROWS, 0))
-        self._hops = np.zeros((0, n_kinds))
-        self._group = np.zeros(0, dtype=np.int64)
-        # Per flow-link incidence: row 0 the link, row 1 the flow.
-        self._inc = np.zeros((2, 0), dtype=np.int64)
+        # Per flow, one row each of one float table (see _ROWS), its hop counts per link
+        # class (C-ordered, so the class totals' matrix products sum as they always did) and
+        # its group; per flow-link incidence, row 0 the link and row 1 the flow. The tables
+        # are preallocated and grow by doubling: a start writes its rows after the last, an
+        # end marks its flows dead (see _retire) and the dead rows go when they outnumber the
+        # live ones (_compact), so live rows stay in the order they started.
+        self._flows = np.zeros((_N_ROWS, 8))
+        self._hops_t = np.zeros((8, n_kinds))
+        self._group_t = np.full(8, -1, dtype=np.int64)
+        self._inc = np.zeros((2, 32), dtype=np.int64)
+        self._n = 0      # rows in use, dead or alive
+        self._m = 0      # incidences in use
+        self._live = 0   # live flows
+        # A dead flow's incidences point at this link past the last, which nothing marks.
+        self._dead_link = n_links
         self._bind()
         # Per group: [event, flows pending, bytes, tag].
         self._groups: dict[int, list] = {}
@@ -113,7 +124,7 @@ class FlowNetwork:
         self._busy_mask = np.zeros(n_links, dtype=bool)
         # Scratch mask over links for the component search and the renumbering, all False
         # between calls, and a scratch position per link (any values between calls).
-        self._link_mask = np.zeros(n_links, dtype=bool)
+        self._link_mask = np.zeros(n_links + 1, dtype=bool)
         self._link_pos = np.empty(n_links, dtype=np.intp)
         # Links touched by flows started or ended since the last solve: only the flows
         # connected to them (through shared links) need new rates.
@@ -122,7 +133,7 @@ class FlowNetwork:
     # ------------------------------------------------------------------ API
     @property
     def active_flows(self) -> int:
-        return len(self._size)
+        return self._live
 
     @property
     def link_load(self) -> np.ndarray:
@@ -207,11 +218,14 @@ class FlowNetwork:
             scale = self._tag_scale.get(tag)
             if scale is not None:
                 caps = alone * scale
-        base = len(self._size)
+        base, m = self._n, self._m
+        end, m_end = base + n_new, m + len(flat_links)
+        if end > self._flows.shape[1] or m_end > self._inc.shape[1]:
+            self._grow(end, m_end)
         owner = np.repeat(np.arange(n_new), lengths)
         hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
                            minlength=n_new * self.n_kinds).reshape(n_new, self.n_kinds)
-        block = np.empty((_N_ROWS, n_new))
+        block = self._flows[:, base:end]
         block[0] = sizes          # _size
         block[1] = sizes          # _remaining
         block[2] = 0.0            # _rate
@@ -219,11 +233,12 @@ class FlowNetwork:
         block[4] = alone          # _base_cap
         block[5] = caps0          # _cap0
         block[6] = counts         # _count
-        self._flows = np.concatenate([self._flows, block], axis=1)
-        self._group = np.concatenate([self._group, np.full(n_new, gid, dtype=np.int64)])
-        self._hops = np.concatenate([self._hops, hops.astype(float)])
-        self._inc = np.concatenate([self._inc, np.stack([flat_links.astype(np.int64),
-                                                         owner + base])], axis=1)
+        self._group_t[base:end] = gid
+        self._hops_t[base:end] = hops
+        self._inc[0, m:m_end] = flat_links
+        self._inc[1, m:m_end] = owner + base
+        self._n, self._m = end, m_end
+        self._live += n_new
         self._bind()
         self._dirty.append(flat_links.astype(np.int64))
         self._resolve()
@@ -234,7 +249,7 @@ class FlowNetwork:
         """Move every flow forward to now at its current rate and count the bytes."""
         now = self.env.now
         dt = now - self._last
-        if dt > 0 and len(self._size):
+        if dt > 0 and self._live:
             self._remaining -= self._rate * dt
             self.class_bytes += self._class_rates * dt
             # Idle links would add 0 * dt: leaving them out changes no bit.
@@ -245,8 +260,9 @@ class FlowNetwork:
     def _resolve(self) -> None:
         # Retire finished flows, solve rates for the rest, schedule the next completion.
         now = self.env.now
-        if len(self._size):
-            # Time left where a flow moves (no errstate context: it costs more than the
+        if self._live:
+            # Time left where a flow moves (a dead row has rate 0 and infinite bytes left:
+            # never finished, never the next to finish) (no errstate context: it costs more than the
             # division on the engine's hot path).
             moving = self._rate > 0
             left = np.full(len(self._rate), np.inf)
@@ -256,7 +272,7 @@ class FlowNetwork:
                 self._retire(finished)
         self._solve()
         self._version += 1
-        if not len(self._size):
+        if not self._live:
             return
         positive = self._rate > 0
         if not positive.any():
@@ -278,20 +294,25 @@ class FlowNetwork:
             for g in ended.tolist():
                 tally[g] = tally.get(g, 0) + 1
         gone = finished[self._inc_flow]
-        self._dirty.append(self._inc_link[gone])
+        gone_links = self._inc_link[gone]
+        self._dirty.append(gone_links)
         # Their rates leave the link and class totals (finished flows ran until now).
-        self._add_link_rates(self._inc_link[gone], -self._rate[self._inc_flow[gone]])
+        self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
-        keep = ~finished
-        remap = np.cumsum(keep) - 1
-        inc = self._inc[:, keep[self._inc_flow]]
-        inc[1] = remap[inc[1]]
-        self._inc = inc
-        self._flows = self._flows[:, keep]
-        self._group = self._group[keep]
-        self._hops = self._hops[keep]
-        self._bind()
+        # Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never
+        # finished again), no group (no scale reaches them), incidences on no real link (no
+        # component reaches them); every sum over flows skips them (see _solve).
+        self._rate[finished] = 0.0
+        self._remaining[finished] = np.inf
+        self._group[finished] = -1
+        self._inc_link[gone] = self._dead_link
+        self._live -= len(ended)
+        if not self._live:
+            self._n = self._m = 0
+            self._bind()
+        elif _KEEP_DEAD * self._live < self._n:
+            self._compact()
         for gid in sorted(tally):
             k = tally[gid]
             entry = self._groups[gid]
@@ -307,13 +328,46 @@ class FlowNetwork:
                 entry[0].succeed()
 
     def _bind(self) -> None:
-        """Point the per-flow and per-incidence names at rows of the current tables (views:
-        writing into them writes the table)."""
-        f = self._flows
+        """Point the per-flow and per-incidence names at the rows in use of the tables
+        (views: writing into them writes the table)."""
+        f = self._flows[:, :self._n]
         self._size, self._remaining, self._rate, self._cap = f[0], f[1], f[2], f[3]
         self._base_cap, self._cap0, self._count = f[4], f[5], f[6]
-        self._inc_link = self._inc[0]
-        self._inc_flow = self._inc[1]
+        self._hops = self._hops_t[:self._n]
+        self._group = self._group_t[:self._n]
+        self._inc_link = self._inc[0, :self._m]
+        self._inc_flow = self._inc[1, :self._m]
+
+    def _grow(self, n: int, m: int) -> None:
+        """Room for ``n`` flows and ``m`` incidences, doubling what is short."""
+        if n > self._flows.shape[1]:
+            size = max(n, 2 * self._flows.shape[1])
+            flows = np.zeros((_N_ROWS, size))
+            flows[:, :self._n] = self._flows[:, :self._n]
+            hops = np.zeros((size, self.n_kinds))
+            hops[:self._n] = self._hops_t[:self._n]
+            group = np.full(size, -1, dtype=np.int64)
+            group[:self._n] = self._group_t[:self._n]
+            self._flows, self._hops_t, self._group_t = flows, hops, group
+        if m > self._inc.shape[1]:
+            inc = np.zeros((2, max(m, 2 * self._inc.shape[1])), dtype=np.int64)
+            inc[:, :self._m] = self._inc[:, :self._m]
+            self._inc = inc
+        self._bind()
+
+    def _compact(self) -> None:
+        """Drop the dead rows and incidences, the live ones keeping their order."""
+        keep = self._group >= 0
+        remap = np.cumsum(keep) - 1
+        inc = self._inc[:, :self._m][:, keep[self._inc_flow]]
+        inc[1] = remap[inc[1]]
+        n, m = self._live, inc.shape[1]
+        self._inc[:, :m] = inc
+        self._flows[:, :n] = self._flows[:, :self._n][:, keep]
+        self._hops_t[:n] = self._hops[keep]
+        self._group_t[:n] = self._group[keep]
+        self._n, self._m = n, m
+        self._bind()
 
     def _wake(self, version: int) -> None:
         if version != self._version:
@@ -348,7 +402,7 @@ class FlowNetwork:
 
     def _component(self, links: np.ndarray) -> np.ndarray:
         """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
-        n = len(self._size)
+        n = self._n
         link_mask = self._link_mask
         link_mask[links] = True
         flows = np.zeros(n, dtype=bool)
@@ -366,10 +420,9 @@ class FlowNetwork:
 
     def _solve(self) -> None:
         self.solves += 1
-        n = len(self._size)
         dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
         self._dirty = []
-        if n == 0:
+        if not self._live:
             self._link_rates = np.zeros(len(self.capacity))
             self._busy_mask[self._busy] = False
             self._busy = np.zeros(0, dtype=np.int64)
@@ -378,8 +431,13 @@ class FlowNetwork:
             # Flows not connected to a changed link keep their rates: they share no link with
             # any flow whose rate can change, so max-min gives them the same answer.
             comp = self._component(dirty)
-            if comp.all() or self.solves % 4096 == 0:
-                # A full solve, and now and then a full recount against rounding drift.
+            n_comp = int(np.count_nonzero(comp))
+            if n_comp == self._live or self.solves % 4096 == 0:
+                # A full solve, and now and then a full recount against rounding drift, on
+                # the live rows alone (the sums over flows see what they always saw).
+                if self._n > self._live:
+                    self._compact()
+                n = self._n
                 self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
                                               self.capacity, self._cap,
                                               (self._link_mask, self._link_pos))
@@ -388,10 +446,10 @@ class FlowNetwork:
                 self._busy = np.zeros(0, dtype=np.int64)
                 self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
                 self._class_rates = (self._rate * self._count) @ self._hops
-            elif comp.any():
+            elif n_comp:
                 sel = comp[self._inc_flow]
                 idx = np.flatnonzero(comp)
-                local = np.full(n, -1, dtype=np.int64)
+                local = np.full(self._n, -1, dtype=np.int64)
                 local[idx] = np.arange(len(idx))
                 owner = local[self._inc_flow[sel]]
                 rates = max_min_rates(self._inc_link[sel], owner, len(idx), self.capacity,
