@@ -129,6 +129,10 @@ class FlowNetwork:
         # Links touched by flows started or ended since the last solve: only the flows
         # connected to them (through shared links) need new rates.
         self._dirty: list[np.ndarray] = []
+        # Flows just started (the last rows, with the last incidences) whose links are all
+        # dirty: the component search starts from them (see _component), and says in
+        # _alone how many they were when it found no other flow on their links.
+        self._seed = self._seed_inc = self._alone = 0
 
     # ------------------------------------------------------------------ API
     @property
@@ -241,6 +245,7 @@ class FlowNetwork:
         self._live += n_new
         self._bind()
         self._dirty.append(flat_links.astype(np.int64))
+        self._seed, self._seed_inc = n_new, len(flat_links)
         self._resolve()
         return done
 
@@ -261,9 +266,9 @@ class FlowNetwork:
         # Retire finished flows, solve rates for the rest, schedule the next completion.
         now = self.env.now
         if self._live:
-            # Time left where a flow moves (a dead row has rate 0 and infinite bytes left:
-            # never finished, never the next to finish) (no errstate context: it costs more than the
-            # division on the engine's hot path).
+            # Time left where a flow moves (no errstate context: it costs more than the
+            # division on the engine's hot path). A dead row has rate 0 and infinite bytes
+            # left: never finished, never the next to finish.
             moving = self._rate > 0
             left = np.full(len(self._rate), np.inf)
             np.divide(self._remaining, self._rate, out=left, where=moving)
@@ -274,10 +279,14 @@ class FlowNetwork:
         self._version += 1
         if not self._live:
             return
+        # The next completion: the least time left among moving flows (the same divisions
+        # and an exact minimum, whether or not the others stand in as inf).
         positive = self._rate > 0
-        if not positive.any():
+        left = np.full(self._n, np.inf)
+        np.divide(self._remaining, self._rate, out=left, where=positive)
+        dt = float(left.min())
+        if dt == math.inf and not positive.any():
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
-        dt = float((self._remaining[positive] / self._rate[positive]).min())
         version = self._version
         timeout = self.env.timeout(max(dt, 0.0))
         timeout.callbacks.append(lambda _ev: self._wake(version))
@@ -401,11 +410,21 @@ class FlowNetwork:
             self._busy = np.flatnonzero(self._busy_mask)
 
     def _component(self, links: np.ndarray) -> np.ndarray:
-        """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
+        """Flows connected to ``links`` through shared links (a boolean mask over flows).
+
+        The flows of a group just started (the last ``_seed`` rows) are in it from the start:
+        all their links are among ``links``, so the first pass would find them (and the flows
+        sharing those links, which the next pass finds all the same). Starting from them
+        saves a pass, and the search ends after one when nothing else shares their links (a
+        collective alone on its links, the common case).
+        """
         n = self._n
         link_mask = self._link_mask
         link_mask[links] = True
         flows = np.zeros(n, dtype=bool)
+        seed, self._seed = self._seed, 0
+        if seed:
+            flows[n - seed:] = True
         while True:
             hit = np.zeros(n, dtype=bool)
             hit[self._inc_flow[link_mask[self._inc_link]]] = True
@@ -414,7 +433,9 @@ class FlowNetwork:
                 # Leave the scratch mask clear: only these links can have been set.
                 link_mask[links] = False
                 link_mask[self._inc_link] = False
+                self._alone = seed
                 return flows
+            seed = 0
             flows |= new
             link_mask[self._inc_link[new[self._inc_flow]]] = True
 
@@ -423,6 +444,7 @@ class FlowNetwork:
         dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
         self._dirty = []
         if not self._live:
+            self._seed = 0
             self._link_rates = np.zeros(len(self.capacity))
             self._busy_mask[self._busy] = False
             self._busy = np.zeros(0, dtype=np.int64)
@@ -430,8 +452,9 @@ class FlowNetwork:
         else:
             # Flows not connected to a changed link keep their rates: they share no link with
             # any flow whose rate can change, so max-min gives them the same answer.
+            self._alone = 0
             comp = self._component(dirty)
-            n_comp = int(np.count_nonzero(comp))
+            n_comp = self._alone or int(np.count_nonzero(comp))
             if n_comp == self._live or self.solves % 4096 == 0:
                 # A full solve, and now and then a full recount against rounding drift, on
                 # the live rows alone (the sums over flows see what they always saw).
@@ -447,16 +470,25 @@ class FlowNetwork:
                 self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
                 self._class_rates = (self._rate * self._count) @ self._hops
             elif n_comp:
-                sel = comp[self._inc_flow]
-                idx = np.flatnonzero(comp)
-                local = np.full(self._n, -1, dtype=np.int64)
-                local[idx] = np.arange(len(idx))
-                owner = local[self._inc_flow[sel]]
-                rates = max_min_rates(self._inc_link[sel], owner, len(idx), self.capacity,
+                if self._alone:
+                    # Just the group started (the last rows and incidences, in order): the
+                    # same arrays as below, without masking every flow and incidence.
+                    base, first = self._n - n_comp, self._m - self._seed_inc
+                    idx = np.arange(base, self._n)
+                    links = self._inc_link[first:]
+                    owner = self._inc_flow[first:] - base
+                else:
+                    sel = comp[self._inc_flow]
+                    idx = np.flatnonzero(comp)
+                    local = np.full(self._n, -1, dtype=np.int64)
+                    local[idx] = np.arange(len(idx))
+                    owner = local[self._inc_flow[sel]]
+                    links = self._inc_link[sel]
+                rates = max_min_rates(links, owner, len(idx), self.capacity,
                                       self._cap[idx], (self._link_mask, self._link_pos))
                 delta = rates - self._rate[idx]
                 self._rate[idx] = rates
-                self._add_link_rates(self._inc_link[sel], delta[owner])
+                self._add_link_rates(links, delta[owner])
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 

@@ -77,6 +77,54 @@ def test_dead_rows_move_no_bit(flows, scales, groups_of) -> None:
     assert _run(flows, scales, groups_of, keep_dead=2) == eager
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_flow, min_size=1, max_size=16), st.integers(1, 3))
+def test_component_from_the_started_flows_is_the_component(flows, groups_of) -> None:
+    # A start's component search begins from the started flows (they are in it); it must
+    # find exactly the flows the plain search from the dirty links finds.
+    plain = FlowNetwork._component
+    compared = []
+
+    def both(net, links):
+        seed = net._seed
+        net._seed = 0
+        want = plain(net, links)
+        net._seed = seed
+        got = plain(net, links)
+        assert net._seed == 0 and not net._link_mask.any()
+        compared.append(seed)
+        assert got.tolist() == want.tolist()
+        if net._alone:
+            # Told alone: the component is the started group, the last rows, and no more.
+            assert net._alone == seed
+            assert np.flatnonzero(got).tolist() == list(range(net._n - seed, net._n))
+        return got
+
+    with mock.patch.object(FlowNetwork, "_component", both):
+        _run(flows, [], groups_of, keep_dead=2)
+    assert any(compared)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_flow, min_size=1, max_size=16), st.lists(_scale, max_size=3),
+       st.integers(1, 3))
+def test_a_group_alone_on_its_links_solves_as_any_component(flows, scales, groups_of) -> None:
+    # The shortcut for a started group that shares no link (slices of the tables instead of
+    # masks over them) against the general incremental solve: the same bits.
+    plain = FlowNetwork._component
+    used = []
+
+    def general(net, links):
+        comp = plain(net, links)
+        used.append(net._alone)
+        net._alone = 0
+        return comp
+
+    fast = _run(flows, scales, groups_of, keep_dead=2)
+    with mock.patch.object(FlowNetwork, "_component", general):
+        assert _run(flows, scales, groups_of, keep_dead=2) == fast
+
+
 def test_tables_grow_and_compact_keeping_start_order() -> None:
     # 40 one-link flows of growing size on 40 links, started together: the tables (room for
     # 8 flows, 32 incidences at first) double to hold them; as the smallest end first, dead
@@ -106,3 +154,35 @@ def test_tables_grow_and_compact_keeping_start_order() -> None:
     assert any(n > live > 0 for n, live in seen)   # dead rows were kept for a while
     assert seen[-1] == (0, 0)
     assert net.link_bytes.tolist() == [10.0 * (k + 1) for k in range(40)]
+
+
+def test_the_shortcut_is_taken_and_gives_the_closed_form() -> None:
+    # Links 0..7 of 10..45 B/s: a flow of 100 B on link 0 (10 B/s) from t=0, then at t=1 a
+    # group of two flows on links 5 and 6+7 (35 and 40 B/s), sharing nothing with it: the
+    # group's solve is the shortcut's (alone, beside a live flow), and each flow runs at its
+    # bottleneck: 10, 35 and 40 B/s.
+    plain = FlowNetwork._component
+    alone = []
+
+    def watch(net, links):
+        comp = plain(net, links)
+        alone.append((net._alone, net.active_flows))
+        return comp
+
+    env = simpy.Environment()
+    net = FlowNetwork(env, np.linspace(10.0, 45.0, _N_LINKS), np.zeros(_N_LINKS, dtype=int), 1)
+    ends = {}
+
+    def later():
+        yield env.timeout(1.0)
+        yield net.start_flows([((5,), 70.0, 1, math.inf), ((6, 7), 80.0, 1, math.inf)])
+        ends["group"] = env.now
+
+    with mock.patch.object(FlowNetwork, "_component", watch):
+        first = net.start_flow((0,), 100.0)
+        first.callbacks.append(lambda _e: ends.setdefault("first", env.now))
+        env.process(later())
+        env.run()
+    assert (2, 3) in alone
+    assert ends == {"first": 10.0, "group": 3.0}
+    assert net.link_bytes.tolist() == [100.0, 0, 0, 0, 0, 70.0, 80.0, 80.0]
