@@ -200,10 +200,10 @@ class FlowNetwork:
         delivers, reported at its end (default: the bytes it puts on the links)."""
         done = self.env.event()
         keep = (sizes > 0) & (lengths > 0)
-        if not keep.any():
-            done.succeed()
-            return done
         if not keep.all():
+            if not keep.any():
+                done.succeed()
+                return done
             owner = np.repeat(np.arange(len(lengths)), lengths)
             flat_links = flat_links[keep[owner]]
             lengths, sizes, counts, caps = lengths[keep], sizes[keep], counts[keep], caps[keep]
@@ -214,7 +214,7 @@ class FlowNetwork:
         delivered = float((sizes * counts).sum()) if payload is None else payload
         self._groups[gid] = [done, n_new, delivered, tag]
         # Each flow's rate alone: its own cap or its slowest link, what a scale applies to.
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        starts = lengths.cumsum() - lengths
         alone = np.minimum(caps, np.minimum.reduceat(self.capacity[flat_links], starts))
         caps0 = caps
         if tag is not None:
@@ -244,7 +244,7 @@ class FlowNetwork:
         self._n, self._m = end, m_end
         self._live += n_new
         self._bind()
-        self._dirty.append(flat_links.astype(np.int64))
+        self._dirty.append(flat_links)
         self._seed, self._seed_inc = n_new, len(flat_links)
         self._resolve()
         return done
@@ -441,7 +441,9 @@ class FlowNetwork:
 
     def _solve(self) -> None:
         self.solves += 1
-        dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
+        # Links to mark in the component search (any integer array will do).
+        dirty = (self._dirty[0] if len(self._dirty) == 1 else
+                 np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64))
         self._dirty = []
         if not self._live:
             self._seed = 0
