@@ -5,7 +5,7 @@ incidences on a link past the last) until dead rows outnumber live ones. The ref
 the same network compacting at every end, which is what the tables did before (every sum over
 flows saw the live flows alone, in the order they started): both must give the same rates,
 times and byte counts to the last bit, through starts, ends, growth of the tables and cap
-scales.
+scales; and so must the large-fabric way of keeping link rates and bytes (busy links only).
 """
 
 from __future__ import annotations
@@ -75,6 +75,9 @@ def test_dead_rows_move_no_bit(flows, scales, groups_of) -> None:
     eager = _run(flows, scales, groups_of, keep_dead=1)
     assert _run(flows, scales, groups_of, keep_dead=1 << 30) == eager
     assert _run(flows, scales, groups_of, keep_dead=2) == eager
+    # The large-fabric bookkeeping (rates and bytes kept on the busy links only) as well.
+    with mock.patch.object(network, "_SPARSE_LINKS", 0):
+        assert _run(flows, scales, groups_of, keep_dead=2) == eager
 
 
 @settings(max_examples=60, deadline=None)
