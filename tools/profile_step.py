@@ -85,6 +85,7 @@ _PHASE_OF_CALL = {
 # holds when modules move into subpackages (e.g. sim/fabric/network.py).
 _RUN_COMPONENTS: list[tuple[str, str]] = [
     ("network.py", "rate solve + flow bookkeeping (network.py)"),
+    ("maxmin.py", "rate solve + flow bookkeeping (network.py)"),
     ("recorder.py", "recording (recorder.py, allocator.py)"),
     ("allocator.py", "recording (recorder.py, allocator.py)"),
     ("collectives/", "collective runner, plan building (collectives/)"),
@@ -372,10 +373,11 @@ class Counters:
 
         def counting_component(net: Any, links: Any) -> Any:
             comp = component(net, links)
-            n = len(net._size)
+            # Live flows and incidences: the tables keep ended flows as dead rows for a while.
+            n = net.active_flows
             c.solves += 1
             c.active_flows += n
-            c.active_incidences += len(net._inc_link)
+            c.active_incidences += int(np.count_nonzero(net._inc_link < len(net.capacity)))
             k = int(comp.sum())
             c.component_flows += k
             c.full_solves += int(k == n)

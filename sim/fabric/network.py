@@ -28,8 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 import simpy
 
-# Relative tolerance for "this link is saturated" and "this flow is done".
-_EPS = 1e-9
+from sim.fabric.maxmin import _EPS, _renumber, max_min_rates
+
+__all__ = ["FlowNetwork", "NetworkObserver", "max_min_rates", "ring_bytes_per_rank"]
 
 # Rows of FlowNetwork's per-flow table, before the hop counts per link class.
 _ROWS = ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count")
@@ -38,9 +39,10 @@ _N_ROWS = len(_ROWS)
 # Fabrics with more links than this update link rates on the touched links only (measured
 # crossover of a per-link pass against renumbering the touched links, numpy 2, one core).
 _SPARSE_LINKS = 20_000
-# max_min_rates renumbers the used links on fabrics with more links than this (below, a
-# numpy pass over every link costs less than np.unique's ~20 us).
-_DENSE_LINKS = 2048
+# The flow tables drop their dead rows once rows outnumber live flows this many times: each
+# start and end then writes only its own rows, and a compaction costs as much as the old
+# copy per start amortised over half as many events.
+_KEEP_DEAD = 2
 
 
 class NetworkObserver:
@@ -92,14 +94,21 @@ class FlowNetwork:
         self.solves = 0
         self._last = env.now
         self._version = 0
-        # Per active flow, one row each of one float table (so a start or a retire copies
-        # one array, not seven): see _ROWS. The hop counts per link class stay a C-ordered
-        # array of their own, so the class totals' matrix products sum as they always did.
-        self._flows = np.zeros((_N_ROWS, 0))
-        self._hops = np.zeros((0, n_kinds))
-        self._group = np.zeros(0, dtype=np.int64)
-        # Per flow-link incidence: row 0 the link, row 1 the flow.
-        self._inc = np.zeros((2, 0), dtype=np.int64)
+        # Per flow, one row each of one float table (see _ROWS), its hop counts per link
+        # class (C-ordered, so the class totals' matrix products sum as they always did) and
+        # its group; per flow-link incidence, row 0 the link and row 1 the flow. The tables
+        # are preallocated and grow by doubling: a start writes its rows after the last, an
+        # end marks its flows dead (see _retire) and the dead rows go when they outnumber the
+        # live ones (_compact), so live rows stay in the order they started.
+        self._flows = np.zeros((_N_ROWS, 8))
+        self._hops_t = np.zeros((8, n_kinds))
+        self._group_t = np.full(8, -1, dtype=np.int64)
+        self._inc = np.zeros((2, 32), dtype=np.int64)
+        self._n = 0      # rows in use, dead or alive
+        self._m = 0      # incidences in use
+        self._live = 0   # live flows
+        # A dead flow's incidences point at this link past the last, which nothing marks.
+        self._dead_link = n_links
         self._bind()
         # Per group: [event, flows pending, bytes, tag].
         self._groups: dict[int, list] = {}
@@ -113,16 +122,26 @@ class FlowNetwork:
         # passes, so an event costs the busy links, not every link of a 16k-GPU fabric.
         self._busy = np.zeros(0, dtype=np.int64)
         self._busy_mask = np.zeros(n_links, dtype=bool)
-        # Scratch mask over links for the component search, all False between calls.
-        self._link_mask = np.zeros(n_links, dtype=bool)
+        # Below _SPARSE_LINKS links a pass over every link costs less than keeping that set
+        # (measured on 10,560 links: the busy set's two passes per rate update against one
+        # more per advance), and the busy set stays empty.
+        self._dense = n_links <= _SPARSE_LINKS
+        # Scratch mask over links for the component search and the renumbering, all False
+        # between calls, and a scratch position per link (any values between calls).
+        self._link_mask = np.zeros(n_links + 1, dtype=bool)
+        self._link_pos = np.empty(n_links, dtype=np.intp)
         # Links touched by flows started or ended since the last solve: only the flows
         # connected to them (through shared links) need new rates.
         self._dirty: list[np.ndarray] = []
+        # Flows just started (the last rows, with the last incidences) whose links are all
+        # dirty: the component search starts from them (see _component), and says in
+        # _alone how many they were when it found no other flow on their links.
+        self._seed = self._seed_inc = self._alone = 0
 
     # ------------------------------------------------------------------ API
     @property
     def active_flows(self) -> int:
-        return len(self._size)
+        return self._live
 
     @property
     def link_load(self) -> np.ndarray:
@@ -185,10 +204,10 @@ class FlowNetwork:
         delivers, reported at its end (default: the bytes it puts on the links)."""
         done = self.env.event()
         keep = (sizes > 0) & (lengths > 0)
-        if not keep.any():
-            done.succeed()
-            return done
         if not keep.all():
+            if not keep.any():
+                done.succeed()
+                return done
             owner = np.repeat(np.arange(len(lengths)), lengths)
             flat_links = flat_links[keep[owner]]
             lengths, sizes, counts, caps = lengths[keep], sizes[keep], counts[keep], caps[keep]
@@ -199,7 +218,7 @@ class FlowNetwork:
         delivered = float((sizes * counts).sum()) if payload is None else payload
         self._groups[gid] = [done, n_new, delivered, tag]
         # Each flow's rate alone: its own cap or its slowest link, what a scale applies to.
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        starts = lengths.cumsum() - lengths
         alone = np.minimum(caps, np.minimum.reduceat(self.capacity[flat_links], starts))
         caps0 = caps
         if tag is not None:
@@ -207,11 +226,14 @@ class FlowNetwork:
             scale = self._tag_scale.get(tag)
             if scale is not None:
                 caps = alone * scale
-        base = len(self._size)
+        base, m = self._n, self._m
+        end, m_end = base + n_new, m + len(flat_links)
+        if end > self._flows.shape[1] or m_end > self._inc.shape[1]:
+            self._grow(end, m_end)
         owner = np.repeat(np.arange(n_new), lengths)
         hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
                            minlength=n_new * self.n_kinds).reshape(n_new, self.n_kinds)
-        block = np.empty((_N_ROWS, n_new))
+        block = self._flows[:, base:end]
         block[0] = sizes          # _size
         block[1] = sizes          # _remaining
         block[2] = 0.0            # _rate
@@ -219,13 +241,15 @@ class FlowNetwork:
         block[4] = alone          # _base_cap
         block[5] = caps0          # _cap0
         block[6] = counts         # _count
-        self._flows = np.concatenate([self._flows, block], axis=1)
-        self._group = np.concatenate([self._group, np.full(n_new, gid, dtype=np.int64)])
-        self._hops = np.concatenate([self._hops, hops.astype(float)])
-        self._inc = np.concatenate([self._inc, np.stack([flat_links.astype(np.int64),
-                                                         owner + base])], axis=1)
+        self._group_t[base:end] = gid
+        self._hops_t[base:end] = hops
+        self._inc[0, m:m_end] = flat_links
+        self._inc[1, m:m_end] = owner + base
+        self._n, self._m = end, m_end
+        self._live += n_new
         self._bind()
-        self._dirty.append(flat_links.astype(np.int64))
+        self._dirty.append(flat_links)
+        self._seed, self._seed_inc = n_new, len(flat_links)
         self._resolve()
         return done
 
@@ -234,20 +258,24 @@ class FlowNetwork:
         """Move every flow forward to now at its current rate and count the bytes."""
         now = self.env.now
         dt = now - self._last
-        if dt > 0 and len(self._size):
+        if dt > 0 and self._live:
             self._remaining -= self._rate * dt
             self.class_bytes += self._class_rates * dt
-            # Idle links would add 0 * dt: leaving them out changes no bit.
-            busy = self._busy
-            self.link_bytes[busy] += self._link_rates[busy] * dt
+            # Idle links add 0 * dt = 0.0, so adding them or leaving them out moves no bit.
+            if self._dense:
+                self.link_bytes += self._link_rates * dt
+            else:
+                busy = self._busy
+                self.link_bytes[busy] += self._link_rates[busy] * dt
         self._last = now
 
     def _resolve(self) -> None:
         # Retire finished flows, solve rates for the rest, schedule the next completion.
         now = self.env.now
-        if len(self._size):
+        if self._live:
             # Time left where a flow moves (no errstate context: it costs more than the
-            # division on the engine's hot path).
+            # division on the engine's hot path). A dead row has rate 0 and infinite bytes
+            # left: never finished, never the next to finish.
             moving = self._rate > 0
             left = np.full(len(self._rate), np.inf)
             np.divide(self._remaining, self._rate, out=left, where=moving)
@@ -256,12 +284,16 @@ class FlowNetwork:
                 self._retire(finished)
         self._solve()
         self._version += 1
-        if not len(self._size):
+        if not self._live:
             return
+        # The next completion: the least time left among moving flows (the same divisions
+        # and an exact minimum, whether or not the others stand in as inf).
         positive = self._rate > 0
-        if not positive.any():
+        left = np.full(self._n, np.inf)
+        np.divide(self._remaining, self._rate, out=left, where=positive)
+        dt = float(left.min())
+        if dt == math.inf and not positive.any():
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
-        dt = float((self._remaining[positive] / self._rate[positive]).min())
         version = self._version
         timeout = self.env.timeout(max(dt, 0.0))
         timeout.callbacks.append(lambda _ev: self._wake(version))
@@ -278,20 +310,25 @@ class FlowNetwork:
             for g in ended.tolist():
                 tally[g] = tally.get(g, 0) + 1
         gone = finished[self._inc_flow]
-        self._dirty.append(self._inc_link[gone])
+        gone_links = self._inc_link[gone]
+        self._dirty.append(gone_links)
         # Their rates leave the link and class totals (finished flows ran until now).
-        self._add_link_rates(self._inc_link[gone], -self._rate[self._inc_flow[gone]])
+        self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
-        keep = ~finished
-        remap = np.cumsum(keep) - 1
-        inc = self._inc[:, keep[self._inc_flow]]
-        inc[1] = remap[inc[1]]
-        self._inc = inc
-        self._flows = self._flows[:, keep]
-        self._group = self._group[keep]
-        self._hops = self._hops[keep]
-        self._bind()
+        # Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never
+        # finished again), no group (no scale reaches them), incidences on no real link (no
+        # component reaches them); every sum over flows skips them (see _solve).
+        self._rate[finished] = 0.0
+        self._remaining[finished] = np.inf
+        self._group[finished] = -1
+        self._inc_link[gone] = self._dead_link
+        self._live -= len(ended)
+        if not self._live:
+            self._n = self._m = 0
+            self._bind()
+        elif _KEEP_DEAD * self._live < self._n:
+            self._compact()
         for gid in sorted(tally):
             k = tally[gid]
             entry = self._groups[gid]
@@ -307,13 +344,46 @@ class FlowNetwork:
                 entry[0].succeed()
 
     def _bind(self) -> None:
-        """Point the per-flow and per-incidence names at rows of the current tables (views:
-        writing into them writes the table)."""
-        f = self._flows
+        """Point the per-flow and per-incidence names at the rows in use of the tables
+        (views: writing into them writes the table)."""
+        f = self._flows[:, :self._n]
         self._size, self._remaining, self._rate, self._cap = f[0], f[1], f[2], f[3]
         self._base_cap, self._cap0, self._count = f[4], f[5], f[6]
-        self._inc_link = self._inc[0]
-        self._inc_flow = self._inc[1]
+        self._hops = self._hops_t[:self._n]
+        self._group = self._group_t[:self._n]
+        self._inc_link = self._inc[0, :self._m]
+        self._inc_flow = self._inc[1, :self._m]
+
+    def _grow(self, n: int, m: int) -> None:
+        """Room for ``n`` flows and ``m`` incidences, doubling what is short."""
+        if n > self._flows.shape[1]:
+            size = max(n, 2 * self._flows.shape[1])
+            flows = np.zeros((_N_ROWS, size))
+            flows[:, :self._n] = self._flows[:, :self._n]
+            hops = np.zeros((size, self.n_kinds))
+            hops[:self._n] = self._hops_t[:self._n]
+            group = np.full(size, -1, dtype=np.int64)
+            group[:self._n] = self._group_t[:self._n]
+            self._flows, self._hops_t, self._group_t = flows, hops, group
+        if m > self._inc.shape[1]:
+            inc = np.zeros((2, max(m, 2 * self._inc.shape[1])), dtype=np.int64)
+            inc[:, :self._m] = self._inc[:, :self._m]
+            self._inc = inc
+        self._bind()
+
+    def _compact(self) -> None:
+        """Drop the dead rows and incidences, the live ones keeping their order."""
+        keep = self._group >= 0
+        remap = np.cumsum(keep) - 1
+        inc = self._inc[:, :self._m][:, keep[self._inc_flow]]
+        inc[1] = remap[inc[1]]
+        n, m = self._live, inc.shape[1]
+        self._inc[:, :m] = inc
+        self._flows[:, :n] = self._flows[:, :self._n][:, keep]
+        self._hops_t[:n] = self._hops[keep]
+        self._group_t[:n] = self._group[keep]
+        self._n, self._m = n, m
+        self._bind()
 
     def _wake(self, version: int) -> None:
         if version != self._version:
@@ -326,12 +396,15 @@ class FlowNetwork:
         set. The sums per link run in incidence order as ``np.bincount`` over all links would,
         so every bit is the same; a link not named gains nothing (x + 0.0 is x)."""
         n_links = len(self.capacity)
-        # Renumbering the few touched links costs ~9 us; a pass over every link costs less
-        # below ~20,000 links (a 2,048-GPU fabric), so small fabrics keep the plain pass.
-        if n_links > _SPARSE_LINKS and 8 * len(links) < n_links:
-            ids, inv = np.unique(links, return_inverse=True)
-            self._link_rates[ids] += np.bincount(inv.reshape(-1), weights=weights,
-                                                 minlength=len(ids))
+        if self._dense:
+            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
+            return
+        # A pass over every link costs less below ~20,000 links (a 2,048-GPU fabric: 18 us
+        # against 26 us for 31 incidences on 10,560 links), and above ~1/16 as many incidences
+        # as links (measured crossover on 168,960 links: 10,000 incidences, ~300 us either way).
+        if 16 * len(links) < n_links:
+            ids, inv = _renumber(links, (self._link_mask, self._link_pos), ascending=False)
+            self._link_rates[ids] += np.bincount(inv, weights=weights, minlength=len(ids))
             now_busy = self._link_rates[ids] != 0.0
             idle = ids[~now_busy]
             if self._busy_mask[idle].any():
@@ -347,11 +420,21 @@ class FlowNetwork:
             self._busy = np.flatnonzero(self._busy_mask)
 
     def _component(self, links: np.ndarray) -> np.ndarray:
-        """Flows connected to ``links`` through shared links (a boolean mask over flows)."""
-        n = len(self._size)
+        """Flows connected to ``links`` through shared links (a boolean mask over flows).
+
+        The flows of a group just started (the last ``_seed`` rows) are in it from the start:
+        all their links are among ``links``, so the first pass would find them (and the flows
+        sharing those links, which the next pass finds all the same). Starting from them
+        saves a pass, and the search ends after one when nothing else shares their links (a
+        collective alone on its links, the common case).
+        """
+        n = self._n
         link_mask = self._link_mask
         link_mask[links] = True
         flows = np.zeros(n, dtype=bool)
+        seed, self._seed = self._seed, 0
+        if seed:
+            flows[n - seed:] = True
         while True:
             hit = np.zeros(n, dtype=bool)
             hit[self._inc_flow[link_mask[self._inc_link]]] = True
@@ -360,16 +443,20 @@ class FlowNetwork:
                 # Leave the scratch mask clear: only these links can have been set.
                 link_mask[links] = False
                 link_mask[self._inc_link] = False
+                self._alone = seed
                 return flows
+            seed = 0
             flows |= new
             link_mask[self._inc_link[new[self._inc_flow]]] = True
 
     def _solve(self) -> None:
         self.solves += 1
-        n = len(self._size)
-        dirty = np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64)
+        # Links to mark in the component search (any integer array will do).
+        dirty = (self._dirty[0] if len(self._dirty) == 1 else
+                 np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64))
         self._dirty = []
-        if n == 0:
+        if not self._live:
+            self._seed = 0
             self._link_rates = np.zeros(len(self.capacity))
             self._busy_mask[self._busy] = False
             self._busy = np.zeros(0, dtype=np.int64)
@@ -377,134 +464,45 @@ class FlowNetwork:
         else:
             # Flows not connected to a changed link keep their rates: they share no link with
             # any flow whose rate can change, so max-min gives them the same answer.
+            self._alone = 0
             comp = self._component(dirty)
-            if comp.all() or self.solves % 4096 == 0:
-                # A full solve, and now and then a full recount against rounding drift.
+            n_comp = self._alone or int(np.count_nonzero(comp))
+            if n_comp == self._live or self.solves % 4096 == 0:
+                # A full solve, and now and then a full recount against rounding drift, on
+                # the live rows alone (the sums over flows see what they always saw).
+                if self._n > self._live:
+                    self._compact()
+                n = self._n
                 self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
-                                              self.capacity, self._cap)
+                                              self.capacity, self._cap,
+                                              (self._link_mask, self._link_pos))
                 self._link_rates = np.zeros(len(self.capacity))
                 self._busy_mask[self._busy] = False
                 self._busy = np.zeros(0, dtype=np.int64)
                 self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
                 self._class_rates = (self._rate * self._count) @ self._hops
-            elif comp.any():
-                sel = comp[self._inc_flow]
-                idx = np.flatnonzero(comp)
-                local = np.full(n, -1, dtype=np.int64)
-                local[idx] = np.arange(len(idx))
-                owner = local[self._inc_flow[sel]]
-                rates = max_min_rates(self._inc_link[sel], owner, len(idx), self.capacity,
-                                      self._cap[idx])
+            elif n_comp:
+                if self._alone:
+                    # Just the group started (the last rows and incidences, in order): the
+                    # same arrays as below, without masking every flow and incidence.
+                    base, first = self._n - n_comp, self._m - self._seed_inc
+                    idx = np.arange(base, self._n)
+                    links = self._inc_link[first:]
+                    owner = self._inc_flow[first:] - base
+                else:
+                    sel = comp[self._inc_flow]
+                    idx = np.flatnonzero(comp)
+                    local = np.full(self._n, -1, dtype=np.int64)
+                    local[idx] = np.arange(len(idx))
+                    owner = local[self._inc_flow[sel]]
+                    links = self._inc_link[sel]
+                rates = max_min_rates(links, owner, len(idx), self.capacity,
+                                      self._cap[idx], (self._link_mask, self._link_pos))
                 delta = rates - self._rate[idx]
                 self._rate[idx] = rates
-                self._add_link_rates(self._inc_link[sel], delta[owner])
+                self._add_link_rates(links, delta[owner])
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
-
-
-def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
-                  capacity: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
-    """Max-min fair rates by progressive filling.
-
-    Parameters
-    ----------
-    flat_links : link index of every (flow, link) incidence
-    owner : flow index of every incidence (same length)
-    n_flows : number of flows
-    capacity : bytes/s per link
-    caps : optional per-flow rate limit (inf = none)
-
-    Returns
-    -------
-    numpy.ndarray
-        The rate of each flow.
-
-    Notes
-    -----
-    On a large fabric the filling runs on the links the flows use, renumbered 0..k-1 (again
-    when most have lost their flows), so each round costs the live incidences and k, not
-    every link of the fabric. The saturation tolerance is
-    taken against the whole fabric's largest capacity, as before the renumbering, so the
-    rates are the same to the last bit.
-
-    Examples
-    --------
-    A flow limited to 30 elsewhere leaves 70 of a shared 100 to the other flow:
-
-    >>> max_min_rates(np.array([0, 1, 0]), np.array([0, 0, 1]), 2,
-    ...               np.array([100.0, 30.0])).tolist()
-    [30.0, 70.0]
-    """
-    caps = np.full(n_flows, np.inf) if caps is None else np.asarray(caps, dtype=float)
-    rates = np.zeros(n_flows)
-    capacity = np.asarray(capacity, dtype=float)
-    if not len(flat_links):
-        return rates
-    if n_flows == 1:
-        # One flow (most solves of an incremental run): on distinct links, the first round
-        # already freezes it at min(bottleneck, cap), so skip the renumbering.
-        path = np.sort(flat_links)
-        if not (path[1:] == path[:-1]).any():
-            step = min(float(capacity[path].min()), float(caps[0]))
-            if not math.isfinite(step):
-                raise ValueError("a flow has no finite bottleneck")
-            rates[0] = 0.0 + max(step, 0.0)
-            return rates
-    floor = float(capacity.max(initial=1.0)) * 1e-6
-    if len(capacity) > _DENSE_LINKS:
-        used_ids, inverse = np.unique(flat_links, return_inverse=True)
-        links = inverse.reshape(-1).astype(np.intp, copy=False)
-        remaining = capacity[used_ids]
-    else:
-        # A small fabric: a pass over all its links costs less than renumbering them.
-        links = np.asarray(flat_links, dtype=np.intp)
-        remaining = capacity.copy()
-    n_links = len(remaining)
-    tol = _EPS * np.maximum(remaining, floor)
-    own = np.asarray(owner, dtype=np.intp)
-    # Work on the incidences of unfrozen flows only; drop them as flows freeze.
-    active = np.ones(n_flows, dtype=bool)
-    act_idx = np.arange(n_flows)
-    act_caps = caps
-    level = 0.0
-    while links.size:
-        users = np.bincount(links, minlength=n_links)
-        used = users > 0
-        n_used = int(np.count_nonzero(used)) if n_links > _DENSE_LINKS else n_links
-        if 2 * n_used < n_links:
-            # Most links have lost all their flows: renumber the rest (a link without flows
-            # never bounds a step nor saturates, so dropping it moves no rate).
-            alive = np.flatnonzero(used)
-            renum = np.cumsum(used) - 1
-            links = renum[links]
-            remaining, tol, users = remaining[alive], tol[alive], users[alive]
-            used = np.ones(n_used, dtype=bool)
-            n_links = n_used
-        share = np.full(n_links, np.inf)
-        np.divide(remaining, users, out=share, where=used)
-        step = min(share.min(), float((act_caps - level).min()))
-        if not np.isfinite(step):
-            raise ValueError("a flow has no finite bottleneck")
-        step = max(step, 0.0)
-        level += step
-        remaining -= step * users
-        saturated = used & (remaining <= tol)
-        frozen = own[saturated[links]]
-        capped = act_idx[act_caps <= level * (1 + _EPS)]
-        if not frozen.size and not capped.size:
-            # Numerical corner: freeze the flows on the tightest link.
-            tight = used & (share <= step * (1 + 1e-6))
-            frozen = own[tight[links]]
-        # Every flow named here is still active (its incidences or its index are live).
-        rates[frozen] = level
-        rates[capped] = level
-        active[frozen] = False
-        active[capped] = False
-        keep = active[own]
-        links, own = links[keep], own[keep]
-        live = active[act_idx]
-        act_idx, act_caps = act_idx[live], act_caps[live]
-    return rates
 
 
 def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:

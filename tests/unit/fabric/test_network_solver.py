@@ -1,6 +1,6 @@
 """The fast max-min solver against a plain progressive-filling reference, bit for bit.
 
-``sim.fabric.network.max_min_rates`` renumbers the used links and works on numpy arrays; the
+``sim.fabric.maxmin.max_min_rates`` renumbers the used links and works on numpy arrays; the
 reference below is the textbook loop (Bertsekas and Gallager, "Data Networks", sec. 6.5.2)
 written one link and one flow at a time over *every* link of the fabric, with the same
 saturation tolerance (relative 1e-9 of the link, floored at 1e-6 of the fabric's largest
@@ -18,7 +18,7 @@ import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.fabric import network
+from sim.fabric import maxmin, network
 from sim.fabric.network import FlowNetwork, max_min_rates
 
 _EPS = 1e-9
@@ -59,6 +59,16 @@ def reference_rates(paths: list[list[int]], capacity: list[float],
     return rates
 
 
+def live_tables(net: FlowNetwork) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The live flows' incidences (links, flows renumbered), caps and rates: the network's
+    tables keep ended flows as dead rows (group -1) until they outnumber the live ones."""
+    keep = net._group >= 0
+    assert int(keep.sum()) == net.active_flows
+    inc = keep[net._inc_flow]
+    remap = np.cumsum(keep) - 1
+    return net._inc_link[inc], remap[net._inc_flow[inc]], net._cap[keep], net._rate[keep]
+
+
 # Capacities from a few distinct values (ties between links are the hard case) and a spread.
 _capacity = st.one_of(st.sampled_from([1.0, 2.5, 10.0, 50e9, 400e9]),
                       st.floats(0.5, 1e12, allow_nan=False, allow_infinity=False))
@@ -84,10 +94,33 @@ def test_solver_equals_reference_bit_for_bit(inst) -> None:
     want = reference_rates(paths, capacity, caps)
     got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
     assert got.tolist() == want
-    # The renumbered path (large fabrics only, normally) forced on, too.
-    with mock.patch.object(network, "_DENSE_LINKS", 0):
-        got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
-    assert got.tolist() == want
+    # The renumbered path (large fabrics only, normally) forced on, too, with either way of
+    # renumbering (walking the incidences, scanning a mask over the links).
+    for scan in (0, 1 << 30):
+        with mock.patch.object(maxmin, "_DENSE_LINKS", 0), \
+                mock.patch.object(maxmin, "_RENUMBER_SCAN", scan):
+            got = max_min_rates(flat, owner, len(paths), np.array(capacity), np.array(caps))
+        assert got.tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=0, max_size=60), st.booleans())
+def test_renumbering_is_np_unique(links, scan) -> None:
+    # Both ways of renumbering give np.unique's ids and inverse exactly (ascending), or in the
+    # walking way's own order the same links with a consistent inverse; the scratch mask is
+    # left all False for the next caller.
+    flat = np.array(links, dtype=np.int64)
+    mask, pos = np.zeros(41, dtype=bool), np.full(41, -7, dtype=np.intp)
+    with mock.patch.object(maxmin, "_RENUMBER_SCAN", 0 if scan else 1 << 30):
+        ids, inv = maxmin._renumber(flat, (mask, pos))
+        assert not mask.any()
+        want_ids, want_inv = np.unique(flat, return_inverse=True)
+        assert ids.tolist() == want_ids.tolist()
+        assert inv.tolist() == want_inv.reshape(-1).tolist()
+        ids, inv = maxmin._renumber(flat, (mask, pos), ascending=False)
+        assert not mask.any()
+        assert sorted(ids.tolist()) == want_ids.tolist()
+        assert ids[inv].tolist() == links
 
 
 @settings(max_examples=100, deadline=None)
@@ -99,7 +132,7 @@ def test_unused_links_do_not_change_the_rates(inst, spare) -> None:
     full = [*capacity, *([2e12] * spare)]
     flat = np.array([k for p in paths for k in p], dtype=np.int64)
     owner = np.array([f for f, p in enumerate(paths) for _ in p], dtype=np.int64)
-    with mock.patch.object(network, "_DENSE_LINKS", 0):
+    with mock.patch.object(maxmin, "_DENSE_LINKS", 0):
         got = max_min_rates(flat, owner, len(paths), np.array(full), np.array(caps))
     assert got.tolist() == reference_rates(paths, full, caps)
 
@@ -123,9 +156,10 @@ def test_network_rates_are_max_min_after_every_event(inst, sizes, starts) -> Non
         def on_rates(self, t, class_rates, link_rates):
             if not net.active_flows:
                 return
-            ref = max_min_rates(net._inc_link, net._inc_flow, net.active_flows, cap, net._cap)
+            links, owner, caps_now, rates = live_tables(net)
+            ref = max_min_rates(links, owner, net.active_flows, cap, caps_now)
             atol = len(paths) * 1e-9 * float(cap.max())
-            checks.append(np.allclose(net._rate, ref, rtol=1e-12, atol=atol))
+            checks.append(np.allclose(rates, ref, rtol=1e-12, atol=atol))
 
         def on_transfer_end(self, t, tag, nbytes):
             pass
@@ -174,8 +208,8 @@ def _run_on_idle_fabric(flows) -> None:
 
     class Check:
         def on_rates(self, t, class_rates, link_rates):
-            fresh = np.bincount(net._inc_link, weights=net._rate[net._inc_flow],
-                                minlength=400)
+            links, owner, _, rates = live_tables(net)
+            fresh = np.bincount(links, weights=rates[owner], minlength=400)
             worst[0] = max(worst[0], float(np.abs(link_rates - fresh).max()))
 
         def on_transfer_end(self, t, tag, nbytes):
@@ -203,7 +237,7 @@ def test_tolerance_floor_comes_from_the_whole_fabric() -> None:
     flat, owner = np.array([0, 0]), np.array([0, 1])
     caps = np.array([0.49999, math.inf])
     for dense in (0, 1 << 30):
-        with mock.patch.object(network, "_DENSE_LINKS", dense):
+        with mock.patch.object(maxmin, "_DENSE_LINKS", dense):
             rates = max_min_rates(flat, owner, 2, np.array([1.0, 1e11]), caps)
             alone = max_min_rates(flat, owner, 2, np.array([1.0]), caps)
         assert rates.tolist() == [0.49999, 0.49999]
