@@ -14,15 +14,19 @@ quantisation and HBM floor are what matter at a few hundred tokens per expert), 
 of the summed M, which would hide exactly that inefficiency. The four streams let GEMMs run
 side by side, which pays off when each fills only part of the GPU: the group takes the longer
 of the busiest stream's serial sum and the SM-time of all GEMMs (each GEMM's time weighted by
-the share of the SMs its output tiles occupy, at most 1). An expert with no tokens launches
-nothing that costs GPU time.
+the share of the SMs it occupies, at most 1) and the time to stream every expert's operands
+through HBM once (side by side they share the bandwidth). A GEMM occupies at least the share
+of SMs its output tiles need, and at least the share its math needs at the GPU's sustained
+peak: cuBLAS runs a few-row GEMM with a deep K split-K over more SMs than it has tiles. An
+expert with no tokens launches nothing that costs GPU time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sim.hardware.compute import ComputeModel, GemmPass
+from sim.hardware.compute import ComputeModel, GemmPass, gemm_dims
+from sim.hardware.power import sustained_matrix_flops
 
 TE_COMPUTE_STREAMS = 4
 """Side streams of TE's multi-stream cuBLAS grouped GEMM
@@ -58,22 +62,32 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
     >>> one = cm.gemm_time(4096, 7168, 4096, "fwd")
     >>> grouped_gemm_time(cm, [4096], 7168, 4096) == one
     True
-    >>> # 32 experts of 128 tokens: small GEMMs, slower than one GEMM of 4096 rows
-    >>> grouped_gemm_time(cm, [128] * 32, 7168, 4096) > one
+    >>> # 32 experts of 128 tokens read 32 weights: slower than 4 GEMMs of 1024 rows
+    >>> grouped_gemm_time(cm, [128] * 32, 7168, 4096) > grouped_gemm_time(cm, [1024] * 4,
+    ...                                                                   7168, 4096)
     True
     """
     times: list[float] = []
     busy = 0.0
+    hbm = 0.0
     sms = cm.gpu.sm_count
+    peak = sustained_matrix_flops(cm.gpu, "bf16")
+    if fp8:
+        peak *= cm.gpu.peak_flops("fp8") / cm.gpu.peak_flops("bf16")
+    operand = 1.0 if fp8 else 2.0
     for m in rows:
         if m <= 0:
             continue
         t = cm.gemm_time(m, k, n, pass_, fp8=fp8)
         times.append(t)
-        busy += t * min(1.0, cm.gemm_tiles(m, k, n, pass_) / sms)
+        share = max(cm.gemm_tiles(m, k, n, pass_) / sms, 2.0 * m * k * n / (peak * t))
+        busy += t * min(1.0, share)
+        # Operands in, 16-bit output out, as the GEMM's own roofline floor counts them.
+        r, c, red = gemm_dims(m, k, n, pass_)
+        hbm += operand * (r * red + c * red) + 2.0 * r * c
     if not times:
         return 0.0
     streams = [0.0] * min(TE_COMPUTE_STREAMS, len(times))
     for i, t in enumerate(times):
         streams[i % len(streams)] += t
-    return max(max(streams), busy)
+    return max(max(streams), busy, cm.membound_time(hbm))
