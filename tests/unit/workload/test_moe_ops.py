@@ -130,7 +130,8 @@ def test_grouped_gemm_is_per_expert_not_one_gemm():
 
 
 @pytest.mark.parametrize("name,lay", [
-    ("deepseek-v3", MoELayout(ep=64)), ("deepseek-v3", MoELayout(ep=8, etp=2, tp=2, fp8="tensorwise")),
+    ("deepseek-v3", MoELayout(ep=64)),
+    ("deepseek-v3", MoELayout(ep=8, etp=2, tp=2, fp8="tensorwise")),
     ("mixtral-8x7b", MoELayout(ep=8)), ("mixtral-8x7b", MoELayout(ep=2, etp=4)),
     ("deepseek-v2-lite", MoELayout(ep=8)), ("mixtral-8x22b", MoELayout(ep=4)),
 ])
