@@ -165,8 +165,10 @@ def _splits(tokens: float, top_k: int, ep: int, counts: Sequence[float], etp: in
     return out_send, out_recv
 
 
-def _router(m: ModelSpec, lay: MoELayout, tokens: float) -> tuple[_Builder, Tensor]:
-    """Gate GEMM, routing, aux losses, count of tokens per expert, permutation 1."""
+def _router(m: ModelSpec, lay: MoELayout, tokens: float
+            ) -> tuple[_Builder, Tensor, Tensor, Tensor]:
+    """Gate GEMM, routing, aux losses, count of tokens per expert: the builder, the layer's
+    input, the dense probs and their gradient (for :func:`_permute`)."""
     assert m.moe is not None
     e, h, k = m.moe.experts, m.hidden, m.moe.top_k
     b = _Builder("moe_router", STYLE)
@@ -234,17 +236,17 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float) -> tuple[_Builder, Tens
     # preprocess: tokens per expert, the map summed over tokens.
     counts = b.t("tokens_per_expert", e, 8)
     b.fwd(Kernel("count_tokens", "elementwise", (rmap,), (counts,)))
-    return b, x
+    return b, x, probs, gprobs
 
 
-def _permute(b: _Builder, m: ModelSpec, x: Tensor, tokens: float) -> None:
+def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,
+             tokens: float) -> None:
     """Permutation 1 (TE ``moe_permute_with_probs``): each token gathered once per chosen
     expert into expert order, with its prob; backward sums each token's ``top_k`` gradient
     rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient."""
     assert m.moe is not None
     h, k, e = m.hidden, m.moe.top_k, m.moe.experts
     rows = tokens * k
-    probs = b.t("probs", tokens * e, FP32)       # read only: the router's output
     src = b.t("permute.gathered_rows", rows * h, BF16)   # x read once per copy
     out = b.t("permuted", rows * h, BF16)
     pp = b.t("permuted_probs", rows, FP32)
@@ -254,7 +256,6 @@ def _permute(b: _Builder, m: ModelSpec, x: Tensor, tokens: float) -> None:
     g = b.t("g_permuted", rows * h, BF16)
     gx = b.t("permute.g_in", tokens * h, BF16)
     gpp = b.t("g_permuted_probs", rows, FP32)
-    gprobs = b.t("g_probs", tokens * e, FP32)
     b.bwd(Kernel("permute.bwd", "elementwise", (g, rid), (gx,)),
           Kernel("permute.probs_bwd", "elementwise", (gpp, rid), (gprobs,)))
     b.block.outputs += [out, pp]
@@ -325,20 +326,22 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         # sort_chunks_by_idxs (fused: TE moe_sort_chunks_by_index): tokens and probs from
         # source-rank order into local-expert order; backward sorts the gradient back.
         xs = b.t("sorted", rows * h, BF16)
-        b.fwd(Kernel("sort_chunks", "elementwise", (x, probs), (xs,)))
+        ps = b.t("sorted_probs", rows, FP32)
+        b.fwd(Kernel("sort_chunks", "elementwise", (x, probs), (xs, ps)))
         gxs, gx = b.t("g_sorted", rows * h, BF16), b.t("g_in", rows * h, BF16)
         b.bwd(Kernel("sort_chunks.bwd", "elementwise", (gxs,), (gx,)))
-        x = xs
+        x, probs = xs, ps
     gemm_counts = counts
     if lay.fp8 is not None:
         # quantization_padding (TE Fp8Padding): each expert's rows padded to the FP8 GEMM
         # alignment, a copy of the tokens; Fp8Unpadding after fc2 copies them back.
         gemm_counts = tuple(-(-c // FP8_ALIGN) * FP8_ALIGN if c > 0 else 0.0 for c in counts)
         xp = b.t("padded", sum(gemm_counts) * h, BF16)
-        b.fwd(Kernel("fp8_pad", "elementwise", (x,), (xp,)))
+        pp = b.t("padded_probs", sum(gemm_counts), FP32)
+        b.fwd(Kernel("fp8_pad", "elementwise", (x, probs), (xp, pp)))
         gxp, gx2 = b.t("g_padded", sum(gemm_counts) * h, BF16), b.t("g_unpad", rows * h, BF16)
         b.bwd(Kernel("fp8_pad.bwd", "elementwise", (gxp,), (gx2,)))
-        x = xp
+        x, probs = xp, pp
     prow = sum(gemm_counts)
     swiglu = m.mlp == "swiglu"
     width = 2 * f if swiglu else f
@@ -475,8 +478,8 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
         if len(counts) != local or min(counts) < 0:
             raise ValueError(f"tokens_per_expert needs {local} non-negative counts")
     send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
-    rb, x = _router(m, lay, tokens)
-    _permute(rb, m, x, tokens)
+    rb, x, probs, gprobs = _router(m, lay, tokens)
+    _permute(rb, m, x, probs, gprobs, tokens)
     router = rb.finish()
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
                       combine=_combine(m, tokens, moe.shared > 0),

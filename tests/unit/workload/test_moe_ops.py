@@ -161,3 +161,39 @@ def test_balanced_counts_and_bad_layouts():
         moe_layer_ops(m, MoELayout(ep=3), 4096)
     with pytest.raises(ValueError):
         moe_layer_ops(ModelSpec.from_ref("llama3-8b"), MoELayout(), 4096)
+
+
+def test_uneven_peer_splits_carry_through():
+    # Item 4 will give Megatron's input_splits/output_splits per EP peer; the bytes follow
+    # them exactly, this rank's own chunk (index ep_rank) never on the wire, and the
+    # backward all-to-alls are the forward ones reversed.
+    m = ModelSpec.from_ref("mixtral-8x7b")
+    send = (100.0, 2000.0, 3000.0, 2092.0)         # 4096 tokens x top-2 = 8192 rows
+    recv = (500.0, 700.0, 4000.0, 2992.0)
+    ops = moe_layer_ops(m, MoELayout(ep=4), 4096, send_tokens=send, recv_tokens=recv,
+                        ep_rank=2)
+    row = m.hidden * 2
+    d, c = ops.alltoall["dispatch_fwd"], ops.alltoall["combine_fwd"]
+    assert d.sent_bytes == pytest.approx((100 + 2000 + 2092) * row)
+    assert d.received_bytes == pytest.approx((500 + 700 + 2992) * row)
+    assert c.sent_bytes == d.received_bytes and c.received_bytes == d.sent_bytes
+    assert ops.alltoall["combine_bwd"].send_bytes == d.send_bytes
+    assert ops.alltoall["dispatch_bwd"].send_bytes == c.send_bytes
+    # probs travel with the tokens in fp32 (moe_router_dtype)
+    assert ops.alltoall["dispatch_probs_fwd"].sent_bytes == pytest.approx((100 + 2000 + 2092) * 4)
+    with pytest.raises(ValueError):
+        moe_layer_ops(m, MoELayout(ep=4), 4096, send_tokens=(1.0, 2.0))
+
+
+def test_expert_saved_activations_from_the_source():
+    # TEGroupedMLP in bf16 keeps for backward: fc1's input (GroupedLinear saves its inputs),
+    # fc1's output and the probs (weighted_bias_swiglu saves both), fc2's input: per routed
+    # row 2h + 2 x 2f + 4 + 2f bytes (SwiGLU, width f per expert-TP rank).
+    m = ModelSpec.from_ref("deepseek-v3")
+    assert m.moe is not None
+    lay = MoELayout(ep=16, etp=2)
+    ops = moe_layer_ops(m, lay, 4096)
+    rows = sum(ops.tokens_per_expert)
+    f = m.moe.ffn_hidden // lay.etp
+    cost = price_block(ops.experts, ST, CM)
+    assert cost.saved_bytes == pytest.approx(rows * (2 * m.hidden + 4 * f + 4 + 2 * f))
