@@ -13,9 +13,10 @@ shared experts. Per forward, on the ``tokens`` this rank holds (its sequence sha
    ``compute_routing_scores_for_aux_loss``;
 2. **dispatch** (``token_dispatcher.py``, ``MoEAlltoAllTokenDispatcher``): ``preprocess``
    counts tokens per expert (``routing_map.sum(0)``) and all-gathers the counts over the
-   TP x EP group; ``dispatch_preprocess`` permutes (``moe_utils.permute``, TE's fused
-   ``moe_permute_with_probs`` with ``moe_permute_fusion``): every token copied once per chosen
-   expert, grouped by expert; ``token_dispatch``: the all-to-all of tokens and of their probs
+   expert-TP x EP group (the dispatcher's ``tp_group`` is ``pg_collection.expt_tp``);
+   ``dispatch_preprocess`` permutes (``moe_utils.permute``, TE's fused
+   ``moe_permute_with_probs`` with ``moe_permute_fusion``): every token copied once per
+   chosen expert, grouped by expert; ``token_dispatch``: the all-to-all of tokens and of their probs
    over the EP group; ``dispatch_postprocess``: all-gather over expert-TP, then
    ``sort_chunks_by_idxs`` into local-expert order when a rank holds more than one expert;
 3. **experts** (``experts.py``, ``TEGroupedMLP.forward``): grouped fc1 (gate and up together
@@ -129,7 +130,13 @@ class MoELayerOps:
     """Bytes this rank contributes to the expert-TP all-gather of dispatched tokens (and to the
     reduce-scatter of the combine; the same again in backward); 0 when ``etp`` is 1."""
     count_gather_bytes: float = 0.0
-    """The per-expert token counts all-gathered over TP x EP before the dispatch (int64)."""
+    """The per-expert token counts all-gathered over expert-TP x EP before the dispatch
+    (int64; the dispatcher's ``tp_ep_group`` is ``pg_collection.tp_ep``)."""
+    host_sync: str = "before_finish"
+    """Where the CPU waits for the GPU's token counts (``MoEAlltoAllTokenDispatcher.preprocess``,
+    ``_maybe_update_cuda_sync_point``): ``before_ep_alltoall`` when the splits cross ranks
+    (ep or expert-TP > 1), ``before_permutation_1`` with a capacity factor, else ``before_finish``;
+    the CPU cannot run ahead of the GPU past it."""
 
     @property
     def blocks(self) -> list[Block]:
@@ -501,5 +508,9 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
         a = {k: AllToAll(v.name, (0.0,), (0.0,), 0) for k, v in a.items()}
     ops.alltoall = a
     ops.etp_gather_bytes = sum(recv) * hb if lay.etp > 1 else 0.0
-    ops.count_gather_bytes = moe.experts * 8.0 if lay.ep * lay.tp > 1 else 0.0
+    ops.count_gather_bytes = moe.experts * 8.0 if lay.ep * lay.etp > 1 else 0.0
+    if moe.capacity_factor is not None:
+        ops.host_sync = "before_permutation_1"
+    elif lay.ep * lay.etp > 1:
+        ops.host_sync = "before_ep_alltoall"
     return ops

@@ -197,3 +197,11 @@ def test_expert_saved_activations_from_the_source():
     f = m.moe.ffn_hidden // lay.etp
     cost = price_block(ops.experts, ST, CM)
     assert cost.saved_bytes == pytest.approx(rows * (2 * m.hidden + 4 * f + 4 + 2 * f))
+
+
+def test_host_sync_point_as_the_dispatcher_chooses():
+    # MoEAlltoAllTokenDispatcher.preprocess: dropless with ep or expert-TP > 1 waits for the
+    # splits before the all-to-all; a single rank only before returning.
+    m = ModelSpec.from_ref("mixtral-8x7b")
+    assert moe_layer_ops(m, MoELayout(ep=8), 1024).host_sync == "before_ep_alltoall"
+    assert moe_layer_ops(m, MoELayout(ep=1, tp=8), 1024).host_sync == "before_finish"
