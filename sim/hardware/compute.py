@@ -196,6 +196,14 @@ class ComputeModel:
                                          self._split_accumulation(pass_) if fp8 else 1.0)
         return cache[key]
 
+    def gemm_tiles(self, m: float, k: float, n: float, pass_: GemmPass = "fwd") -> int:
+        """Output tiles of one pass of ``Y[m,n] = X[m,k] W[n,k]^T`` at the fitted tile size
+        (one thread block each): how much of the GPU the GEMM can fill; against
+        ``gpu.sm_count`` it says whether another GEMM could run beside it."""
+        rows, cols, _ = gemm_dims(m, k, n, pass_)
+        tile = _fit()["gemm"]["tile"]
+        return math.ceil(rows / tile[0]) * math.ceil(cols / tile[1])
+
     @cached_property
     def _cache(self) -> dict[tuple[float, float, float, str, bool, bool], float]:
         return {}

@@ -21,6 +21,7 @@ from sim.hardware.compute import (
     EAGER_FWD_OP_CPU_S,
     ComputeModel,
 )
+from sim.workload.grouped_gemm import grouped_gemm_time
 from sim.workload.kernels import Block, Kernel, Style, is_reduction
 
 
@@ -111,6 +112,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     if k.klass == "gemm":
         assert k.gemm is not None
         m_, kk, n, p = k.gemm
+        if k.group:
+            return grouped_gemm_time(cm, k.group, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
         return cm.gemm_time(m_, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
     if k.klass == "attention":
         assert k.attn is not None

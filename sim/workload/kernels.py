@@ -54,6 +54,10 @@ class Kernel:
     """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
     reduction: bool = False
     """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
+    group: tuple[float, ...] = ()
+    """A grouped GEMM (Transformer Engine ``GroupedLinear`` over the local experts): the rows
+    of each of its GEMMs, which ``gemm``'s m adds up; priced by
+    :func:`sim.workload.grouped_gemm.grouped_gemm_time`. Empty for one GEMM."""
 
     @property
     def nbytes(self) -> float:

@@ -1,0 +1,93 @@
+"""Time of a grouped GEMM: one GEMM per local expert, each over the tokens routed to it.
+
+Megatron-Core's ``TEGroupedMLP`` (``megatron/core/transformer/moe/experts.py``) runs each of
+fc1 and fc2 as one Transformer Engine ``GroupedLinear`` call over the local experts, split by
+``tokens_per_expert``. TE executes it in ``nvte_multi_tensor_gemm``
+(``transformer_engine/common/gemm/cublaslt_gemm.cu``): by default (and always for FP8 and off
+Hopper) ``multi_stream_cublas_gemm``, one cuBLASLt GEMM per expert issued round-robin on
+``get_num_compute_streams()`` = 4 side streams (``common/util/multi_stream.cpp``); a CUTLASS
+grouped kernel only with ``NVTE_USE_CUTLASS_GROUPED_GEMM=1`` on Hopper, 16-bit, no epilogue.
+
+So we price the default path: each expert's GEMM with M = its token count under the existing
+:meth:`~sim.hardware.compute.ComputeModel.gemm_time` (its small-M penalty, wave
+quantisation and HBM floor are what matter at a few hundred tokens per expert), not one GEMM
+of the summed M, which would hide exactly that inefficiency. The four streams let GEMMs run
+side by side, which pays off when each fills only part of the GPU: the group takes the longer
+of the busiest stream's serial sum and the SM-time of all GEMMs (each GEMM's time weighted by
+the share of the SMs it occupies, at most 1) and the time to stream every expert's operands
+through HBM once (side by side they share the bandwidth). A GEMM occupies at least the share
+of SMs its output tiles need, and at least the share its math needs at the GPU's sustained
+peak: cuBLAS runs a few-row GEMM with a deep K split-K over more SMs than it has tiles. An
+expert with no tokens launches nothing that costs GPU time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sim.hardware.compute import ComputeModel, GemmPass, gemm_dims
+from sim.hardware.power import sustained_matrix_flops
+
+TE_COMPUTE_STREAMS = 4
+"""Side streams of TE's multi-stream cuBLAS grouped GEMM
+(``transformer_engine/common/util/multi_stream.cpp``, ``get_num_compute_streams``)."""
+
+
+def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: float,
+                      pass_: GemmPass = "fwd", fp8: bool = False) -> float:
+    """GPU time of one grouped GEMM pass: GEMM ``i`` is ``[rows[i], k] x [k, n]``.
+
+    Parameters
+    ----------
+    cm : ComputeModel
+        The GPU.
+    rows : sequence of float
+        Tokens of each local expert (M of its GEMM); zeros launch nothing.
+    k, n : float
+        Input and output features of each expert's linear (``Y = X W^T`` with W ``n x k``).
+    pass_ : {"fwd", "dgrad", "wgrad"}
+        Which of the linear's three GEMMs.
+    fp8 : bool
+        FP8 operands (Transformer Engine under ``fp8_autocast``).
+
+    Returns
+    -------
+    float
+        Seconds.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> cm = ComputeModel(catalog.gpu("h200"))
+    >>> one = cm.gemm_time(4096, 7168, 4096, "fwd")
+    >>> grouped_gemm_time(cm, [4096], 7168, 4096) == one
+    True
+    >>> # 32 experts of 128 tokens read 32 weights: slower than 4 GEMMs of 1024 rows
+    >>> grouped_gemm_time(cm, [128] * 32, 7168, 4096) > grouped_gemm_time(cm, [1024] * 4,
+    ...                                                                   7168, 4096)
+    True
+    """
+    times: list[float] = []
+    busy = 0.0
+    hbm = 0.0
+    sms = cm.gpu.sm_count
+    peak = sustained_matrix_flops(cm.gpu, "bf16")
+    if fp8:
+        peak *= cm.gpu.peak_flops("fp8") / cm.gpu.peak_flops("bf16")
+    operand = 1.0 if fp8 else 2.0
+    for m in rows:
+        if m <= 0:
+            continue
+        t = cm.gemm_time(m, k, n, pass_, fp8=fp8)
+        times.append(t)
+        share = max(cm.gemm_tiles(m, k, n, pass_) / sms, 2.0 * m * k * n / (peak * t))
+        busy += t * min(1.0, share)
+        # Operands in, 16-bit output out, as the GEMM's own roofline floor counts them.
+        r, c, red = gemm_dims(m, k, n, pass_)
+        hbm += operand * (r * red + c * red) + 2.0 * r * c
+    if not times:
+        return 0.0
+    streams = [0.0] * min(TE_COMPUTE_STREAMS, len(times))
+    for i, t in enumerate(times):
+        streams[i % len(streams)] += t
+    return max(max(streams), busy, cm.membound_time(hbm))

@@ -1,0 +1,516 @@
+"""The kernels of one mixture-of-experts layer on one rank, as Megatron-Core runs it.
+
+Megatron-Core's ``MoELayer`` (``megatron/core/transformer/moe/moe_layer.py``) with the
+``alltoall`` token dispatcher, Transformer Engine grouped GEMMs and, when the model has them,
+shared experts. Per forward, on the ``tokens`` this rank holds (its sequence shard):
+
+1. **router** (``router.py``, ``TopKRouter``): ``gating`` runs ``router_gating_linear``
+   (``moe_utils.py``, ``RouterGatingLinearFunction``): bf16 input and weight, logits in
+   ``moe_router_dtype`` (fp32 here); ``routing``: optional z-loss, then
+   ``topk_routing_with_score_function`` (softmax, or sigmoid plus the expert bias and
+   normalisation of the top-k), one fused TE kernel with ``moe_router_fusion``; the aux loss
+   (``switch_load_balancing_loss_func``) over scores recomputed by
+   ``compute_routing_scores_for_aux_loss``;
+2. **dispatch** (``token_dispatcher.py``, ``MoEAlltoAllTokenDispatcher``): ``preprocess``
+   counts tokens per expert (``routing_map.sum(0)``) and all-gathers the counts over the
+   expert-TP x EP group (the dispatcher's ``tp_group`` is ``pg_collection.expt_tp``);
+   ``dispatch_preprocess`` permutes (``moe_utils.permute``, TE's fused
+   ``moe_permute_with_probs`` with ``moe_permute_fusion``): every token copied once per
+   chosen expert, grouped by expert; ``token_dispatch``: the all-to-all of tokens and of their probs
+   over the EP group; ``dispatch_postprocess``: all-gather over expert-TP, then
+   ``sort_chunks_by_idxs`` into local-expert order when a rank holds more than one expert;
+3. **experts** (``experts.py``, ``TEGroupedMLP.forward``): grouped fc1 (gate and up together
+   for SwiGLU), ``weighted_bias_swiglu_impl`` (activation times the routing prob, fused),
+   grouped fc2 (:mod:`sim.workload.grouped_gemm` prices them); FP8 pads each expert's rows to
+   the recipe's alignment (``quantization_padding``, ``get_align_size_for_quantization``);
+4. **combine**: ``combine_preprocess`` sorts back and reduce-scatters over expert-TP;
+   ``token_combine``: the reverse all-to-all; ``combine_postprocess``: ``unpermute`` sums each
+   token's expert outputs (the probs were applied in the activation) and adds the shared
+   experts' output;
+5. **shared experts** (``shared_experts.py``, ``SharedExpertMLP``): a tensor-parallel MLP
+   ``shared x moe_ffn_hidden`` wide on every token, which Megatron can overlap with the
+   dispatch (``moe_shared_expert_overlap``): its own block, for the builder's streams.
+
+The all-to-alls and expert-TP gathers are not kernels here: :class:`MoELayerOps` returns their
+per-peer bytes for the builder to turn into collectives. Backward: every GEMM's dgrad and
+wgrad (grouped for the experts), the activation's backward (which also gives the probs'
+gradient), the permutations reversed, the router's two GEMMs (fp32 in Megatron; priced at the
+16-bit rate, see :func:`_router`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor
+from sim.workload.layer_builder import _Builder
+from sim.workload.layer_rules import FP8, linear_params, scaled_cast
+from sim.workload.megatron_ops import MegatronLayout, _linear
+from sim.workload.model import ModelSpec
+
+STYLE = Style("bf16")
+INT32 = 4   # TE's row_id_map of the fused permutation
+MASK = 1    # the boolean routing map
+# Rows per expert an FP8 grouped GEMM needs (megatron/core/fp8_utils.py get_fp8_align_size:
+# 16 for the per-tensor recipes, 32 for MXFP8 block scaling).
+FP8_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """What changes the kernels of an MoE layer on one rank: parallel sizes and options.
+
+    ``ep`` expert-parallel ranks share the ``experts`` (``experts / ep`` each);
+    ``etp`` expert-tensor-parallel ranks split each local expert's width (Megatron
+    ``--expert-tensor-parallel-size``); ``tp`` the attention's tensor parallelism, which the
+    shared experts use (``SharedExpertMLP`` is a dense ``MLP``).
+    """
+
+    ep: int = 1
+    etp: int = 1
+    tp: int = 1
+    fp8: Literal["delayed", "tensorwise"] | None = None
+    """FP8 expert GEMMs (TE ``fp8_autocast``); the dispatch itself stays 16-bit with the
+    ``alltoall`` dispatcher (only the NCCL-EP/HybridEP paths quantise it)."""
+    weight_cast_share: float = 1.0
+    """Share of a weight's FP8 cast each micro-batch pays (1 / micro-batches)."""
+    router_fusion: bool = True
+    """``moe_router_fusion``: top-k with score function and the aux-loss scores as single TE
+    kernels (else the PyTorch ops of ``topk_routing_with_score_function``)."""
+    aux_loss: bool = True
+    """``moe_aux_loss_coeff > 0`` (DeepSeek-V3 keeps a small sequence-wise one)."""
+    z_loss: bool = False
+    """``moe_z_loss_coeff`` set."""
+
+
+@dataclass(frozen=True)
+class AllToAll:
+    """One all-to-all over the EP group as this rank sees it: bytes to and from each peer
+    (index = EP rank; this rank's own chunk is copied locally, not sent)."""
+
+    name: str
+    send_bytes: tuple[float, ...]
+    recv_bytes: tuple[float, ...]
+    rank: int = 0
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank puts on the wire (its own chunk excluded)."""
+        return sum(b for i, b in enumerate(self.send_bytes) if i != self.rank)
+
+    @property
+    def received_bytes(self) -> float:
+        return sum(b for i, b in enumerate(self.recv_bytes) if i != self.rank)
+
+
+@dataclass
+class MoELayerOps:
+    """The kernels and communication of one MoE layer on one rank, for one micro-batch.
+
+    Blocks in forward order (backward runs them in reverse): ``router`` (gate, top-k, aux
+    loss, permutation), then the dispatch all-to-all, ``experts`` (sort by local expert,
+    grouped fc1, activation, grouped fc2, sort back), the combine all-to-all, ``combine``
+    (unpermute, shared-expert add); ``shared`` (None without shared experts) may run beside
+    the dispatch on another stream.
+    """
+
+    router: Block
+    experts: Block
+    combine: Block
+    shared: Block | None
+    tokens_per_expert: tuple[float, ...]
+    """Rows of each local expert's GEMMs (after the expert-TP gather)."""
+    alltoall: dict[str, AllToAll] = field(default_factory=dict)
+    """``dispatch_fwd``, ``dispatch_probs_fwd``, ``combine_fwd`` and, in backward,
+    ``combine_bwd`` (the output gradient sent back to the experts), ``dispatch_bwd``,
+    ``dispatch_probs_bwd``; each empty of wire bytes when ``ep`` is 1."""
+    etp_gather_bytes: float = 0.0
+    """Bytes this rank contributes to the expert-TP all-gather of dispatched tokens (and to the
+    reduce-scatter of the combine; the same again in backward); 0 when ``etp`` is 1."""
+    count_gather_bytes: float = 0.0
+    """The per-expert token counts all-gathered over expert-TP x EP before the dispatch
+    (int64; the dispatcher's ``tp_ep_group`` is ``pg_collection.tp_ep``)."""
+    host_sync: str = "before_finish"
+    """Where the CPU waits for the GPU's token counts (``MoEAlltoAllTokenDispatcher.preprocess``,
+    ``_maybe_update_cuda_sync_point``): ``before_ep_alltoall`` when the splits cross ranks
+    (ep or expert-TP > 1), ``before_permutation_1`` with a capacity factor, else ``before_finish``;
+    the CPU cannot run ahead of the GPU past it."""
+
+    @property
+    def blocks(self) -> list[Block]:
+        return [b for b in (self.router, self.experts, self.combine, self.shared) if b]
+
+
+def balanced_tokens_per_expert(tokens: float, top_k: int, experts: int, ep: int = 1,
+                               etp: int = 1) -> tuple[float, ...]:
+    """Rows of each local expert's GEMM under perfectly balanced routing: each of the
+    ``ep x etp`` ranks feeding this rank's experts sends ``tokens x top_k / experts`` to each.
+
+    Examples
+    --------
+    >>> balanced_tokens_per_expert(4096, 8, 256, ep=64)     # DeepSeek-V3, 4 local experts
+    (8192.0, 8192.0, 8192.0, 8192.0)
+    """
+    local = experts // ep
+    return (float(tokens) * top_k * ep * etp / experts,) * local
+
+
+def _splits(tokens: float, top_k: int, ep: int, counts: Sequence[float], etp: int,
+            send: Sequence[float] | None, recv: Sequence[float] | None
+            ) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Tokens sent to and received from each EP peer (``input_splits``, ``output_splits``)."""
+    out_send = tuple(send) if send is not None else (tokens * top_k / ep,) * ep
+    if recv is not None:
+        out_recv = tuple(recv)
+    else:
+        # Without a measured split, what the local experts hold came equally from every peer.
+        out_recv = (sum(counts) / etp / ep,) * ep
+    if len(out_send) != ep or len(out_recv) != ep:
+        raise ValueError(f"per-peer splits must have ep={ep} entries")
+    return out_send, out_recv
+
+
+def _router(m: ModelSpec, lay: MoELayout, tokens: float
+            ) -> tuple[_Builder, Tensor, Tensor, Tensor]:
+    """Gate GEMM, routing, aux losses, count of tokens per expert: the builder, the layer's
+    input, the dense probs and their gradient (for :func:`_permute`)."""
+    assert m.moe is not None
+    e, h, k = m.moe.experts, m.hidden, m.moe.top_k
+    b = _Builder("moe_router", STYLE)
+    x = b.t("in", tokens * h, BF16)
+    b.block.inputs.append(x)
+    b.block.params += m.moe.router_params(h, m.bias) - (e if m.moe.router == "sigmoid" else 0)
+    w = b.t("gate.w", e * h, BF16)
+    logits = b.t("logits", tokens * e, FP32)
+    # RouterGatingLinearFunction.forward: te_general_gemm(weight, inp, fp32): bf16 operands,
+    # fp32 output. Its backward casts the weight to fp32 and runs both GEMMs in fp32 (TF32 on
+    # Hopper: TE cublaslt_gemm.cu "Use TF32 only for pure FP32 GEMM"); priced here at the
+    # 16-bit rate (ComputeModel has no TF32 GEMM; E x h is a small GEMM).
+    fl = 2.0 * tokens * h * e
+    b.fwd(Kernel("gate.fwd", "gemm", (x, w), (logits,), fl, gemm=(tokens, h, e, "fwd")))
+    b.save(x)
+    glog = b.t("g_logits", tokens * e, FP32)
+    gx = b.t("gate.g_in", tokens * h, BF16)
+    gw = b.t("gate.main_grad", e * h, FP32)
+    w32 = b.t("gate.w_fp32", e * h, FP32)
+    b.bwd(Kernel("gate.w_to_fp32", "elementwise", (w,), (w32,)),
+          Kernel("gate.dgrad", "gemm", (glog, w32), (gx,), fl, gemm=(tokens, h, e, "dgrad")),
+          Kernel("gate.wgrad", "gemm", (glog, x), (gw,), fl, gemm=(tokens, h, e, "wgrad")))
+    b.block.weight_grads.append(gw)
+    if lay.z_loss:
+        # z_loss_func: mean of logsumexp(logits)^2, a row reduction; its gradient is dense.
+        b.fwd(Kernel("z_loss", "elementwise", (logits, logits), ()))
+        b.bwd(Kernel("z_loss.bwd", "elementwise", (logits,), (glog,)))
+    probs = b.t("probs", tokens * e, FP32)
+    rmap = b.t("routing_map", tokens * e, MASK)
+    gprobs = b.t("g_probs", tokens * e, FP32)
+    if lay.router_fusion:
+        # TE fused_topk_with_score_function: scores, top-k, (sigmoid: bias, normalise),
+        # scatter into dense probs and map; saves what its backward reads.
+        b.fwd(Kernel("topk_fused", "elementwise", (logits,), (probs, rmap)))
+        b.save(probs, rmap)
+        b.bwd(Kernel("topk_fused.bwd", "elementwise", (gprobs, probs, rmap), (glog,)))
+    else:
+        scores = b.t("scores", tokens * e, FP32)
+        idx = b.t("topk_idx", tokens * k, 8)
+        val = b.t("topk_val", tokens * k, FP32)
+        b.fwd(Kernel("score_fn", "elementwise", (logits,), (scores,)))
+        b.fwd(Kernel("topk", "elementwise", (scores, scores), (idx, val)))
+        b.fwd(Kernel("scatter_probs", "elementwise", (idx, val), (probs,)))
+        b.fwd(Kernel("scatter_map", "elementwise", (idx,), (rmap,)))
+        b.save(scores, idx)
+        gval = b.t("g_topk_val", tokens * k, FP32)
+        gsc = b.t("g_scores", tokens * e, FP32)
+        b.bwd(Kernel("scatter_probs.bwd", "elementwise", (gprobs, idx), (gval,)),
+              Kernel("topk.bwd", "elementwise", (gval, idx), (gsc,)),
+              Kernel("score_fn.bwd", "elementwise", (gsc, scores), (glog,)))
+    if lay.aux_loss:
+        # compute_routing_scores_for_aux_loss (scores of every expert, its own top-k map),
+        # then switch_load_balancing_loss_func: the scores summed over tokens, times the
+        # per-expert token counts (an all-reduce of E numbers, folded in). Backward: the
+        # loss gradient spread over every score (MoEAuxLossAutoScaler), then the score
+        # function's backward into the logits' gradient.
+        sc = b.t("aux.scores", tokens * e, FP32)
+        amap = b.t("aux.map", tokens * e, MASK)
+        b.fwd(Kernel("aux.scores", "elementwise", (logits,), (sc, amap)))
+        b.fwd(Kernel("aux.loss", "elementwise", (sc, amap), ()))
+        b.save(sc)
+        gsc2 = b.t("aux.g_scores", tokens * e, FP32)
+        b.bwd(Kernel("aux.loss.bwd", "elementwise", (), (gsc2,)),
+              Kernel("aux.scores.bwd", "elementwise", (gsc2, sc, glog), (glog,)))
+    # preprocess: tokens per expert, the map summed over tokens.
+    counts = b.t("tokens_per_expert", e, 8)
+    b.fwd(Kernel("count_tokens", "elementwise", (rmap,), (counts,)))
+    return b, x, probs, gprobs
+
+
+def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,
+             tokens: float) -> None:
+    """Permutation 1 (TE ``moe_permute_with_probs``): each token gathered once per chosen
+    expert into expert order, with its prob; backward sums each token's ``top_k`` gradient
+    rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient."""
+    assert m.moe is not None
+    h, k, e = m.hidden, m.moe.top_k, m.moe.experts
+    rows = tokens * k
+    src = b.t("permute.gathered_rows", rows * h, BF16)   # x read once per copy
+    out = b.t("permuted", rows * h, BF16)
+    pp = b.t("permuted_probs", rows, FP32)
+    rid = b.t("row_id_map", tokens * e, INT32)
+    b.fwd(Kernel("permute", "elementwise", (src, probs), (out, pp, rid)))
+    b.save(rid)
+    g = b.t("g_permuted", rows * h, BF16)
+    gx = b.t("permute.g_in", tokens * h, BF16)
+    gpp = b.t("g_permuted_probs", rows, FP32)
+    b.bwd(Kernel("permute.bwd", "elementwise", (g, rid), (gx,)),
+          Kernel("permute.probs_bwd", "elementwise", (gpp, rid), (gprobs,)))
+    b.block.outputs += [out, pp]
+
+
+def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int, n_out: int,
+                    name: str, lay: MoELayout, bias: bool) -> Tensor:
+    """TE ``GroupedLinear`` over the local experts (``TEColumnParallelGroupedLinear`` /
+    ``TERowParallelGroupedLinear``): one forward, dgrad and wgrad grouped GEMM, each priced
+    as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`); the weight
+    gradients accumulate into fp32 ``main_grad`` (gradient-accumulation fusion). With FP8 the
+    input, weights and output gradient are cast as in :func:`sim.workload.megatron_ops._linear`
+    (TE's multi-tensor casts do every expert in one launch)."""
+    rows = sum(counts)
+    experts = len(counts)
+    b.block.params += experts * linear_params(n_in, n_out, bias)
+    fl = 2.0 * rows * n_in * n_out
+    y = b.t(f"{name}.out", rows * n_out, BF16)
+    gy = b.t(f"{name}.g_out", rows * n_out, BF16)
+    gx = b.t(f"{name}.g_in", rows * n_in, BF16)
+    gw = b.t(f"{name}.main_grad", experts * n_in * n_out, FP32)
+
+    def gemm(pass_: str, reads: tuple[Tensor, ...], out: Tensor, fp8: bool) -> Kernel:
+        return Kernel(f"{name}.{pass_}", "gemm", reads, (out,), fl,
+                      gemm=(rows, n_in, n_out, pass_), fp8=fp8, group=counts)
+
+    if lay.fp8 is None:
+        w = b.t(f"{name}.w", experts * n_in * n_out, BF16)
+        b.fwd(gemm("fwd", (x, w), y, False))
+        b.save(x)
+        ks = [gemm("dgrad", (gy, w), gx, False), gemm("wgrad", (gy, x), gw, False)]
+    else:
+        amax = lay.fp8 == "tensorwise"
+        numel_w = experts * n_in * n_out
+        w16 = b.t(f"{name}.w_bf16_share", numel_w * lay.weight_cast_share, BF16)
+        w8s = b.t(f"{name}.w_fp8_share", 2 * numel_w * lay.weight_cast_share, FP8)
+        w8 = b.t(f"{name}.w_fp8", numel_w, FP8)
+        x8 = b.t(f"{name}.in_fp8", rows * n_in, FP8)
+        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, FP8)
+        for k in (scaled_cast(name, "w", w16, (w8s,), amax)
+                  + scaled_cast(name, "in", x, (x8, x8t), amax)):
+            b.fwd(k)
+        b.fwd(gemm("fwd", (x8, w8), y, True))
+        b.save(x8t)
+        g8 = b.t(f"{name}.g_out_fp8", rows * n_out, FP8)
+        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8)
+        ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
+              gemm("dgrad", (g8, w8), gx, True), gemm("wgrad", (g8t, x8t), gw, True)]
+    if bias:
+        gb = b.t(f"{name}.g_b", experts * n_out, FP32)
+        ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
+    b.bwd(*ks)
+    b.block.weight_grads.append(gw)
+    return y
+
+
+def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
+    """Sort by local expert, grouped fc1, weighted activation, grouped fc2, sort back."""
+    assert m.moe is not None
+    h = m.hidden
+    f = m.moe.ffn_hidden // lay.etp
+    b = _Builder("moe_experts", STYLE)
+    rows = sum(counts)
+    x = b.t("in", rows * h, BF16)
+    probs = b.t("probs", rows, FP32)
+    b.block.inputs += [x, probs]
+    if len(counts) > 1:
+        # sort_chunks_by_idxs (fused: TE moe_sort_chunks_by_index): tokens and probs from
+        # source-rank order into local-expert order; backward sorts the gradient back.
+        xs = b.t("sorted", rows * h, BF16)
+        ps = b.t("sorted_probs", rows, FP32)
+        b.fwd(Kernel("sort_chunks", "elementwise", (x, probs), (xs, ps)))
+        gxs, gx = b.t("g_sorted", rows * h, BF16), b.t("g_in", rows * h, BF16)
+        b.bwd(Kernel("sort_chunks.bwd", "elementwise", (gxs,), (gx,)))
+        x, probs = xs, ps
+    gemm_counts = counts
+    if lay.fp8 is not None:
+        # quantization_padding (TE Fp8Padding): each expert's rows padded to the FP8 GEMM
+        # alignment, a copy of the tokens; Fp8Unpadding after fc2 copies them back.
+        gemm_counts = tuple(-(-c // FP8_ALIGN) * FP8_ALIGN if c > 0 else 0.0 for c in counts)
+        xp = b.t("padded", sum(gemm_counts) * h, BF16)
+        pp = b.t("padded_probs", sum(gemm_counts), FP32)
+        b.fwd(Kernel("fp8_pad", "elementwise", (x, probs), (xp, pp)))
+        gxp, gx2 = b.t("g_padded", sum(gemm_counts) * h, BF16), b.t("g_unpad", rows * h, BF16)
+        b.bwd(Kernel("fp8_pad.bwd", "elementwise", (gxp,), (gx2,)))
+        x, probs = xp, pp
+    prow = sum(gemm_counts)
+    swiglu = m.mlp == "swiglu"
+    width = 2 * f if swiglu else f
+    fc1 = _grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias)
+    act = b.t("act", prow * f, BF16)
+    # weighted_bias_swiglu_impl (or the GELU equivalent): bias, activation and the routing
+    # prob in one kernel; input and probs saved; backward gives both gradients.
+    b.fwd(Kernel("weighted_act", "elementwise", (fc1, probs), (act,)))
+    b.save(fc1, probs)
+    ga = b.t("g_act", prow * f, BF16)
+    gfc1 = b.t("g_fc1", prow * width, BF16)
+    gp = b.t("g_probs", prow, FP32)
+    b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, fc1, probs), (gfc1, gp)))
+    out = _grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias)
+    if lay.fp8 is not None:
+        up = b.t("unpadded", rows * h, BF16)
+        b.fwd(Kernel("fp8_unpad", "elementwise", (out,), (up,)))
+        gup, gout = b.t("g_unpadded", rows * h, BF16), b.t("g_fc2_out", prow * h, BF16)
+        b.bwd(Kernel("fp8_unpad.bwd", "elementwise", (gup,), (gout,)))
+        out = up
+    if len(counts) > 1:
+        back = b.t("unsorted", rows * h, BF16)
+        b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,)))
+        gb, gbs = b.t("g_out", rows * h, BF16), b.t("g_unsorted", rows * h, BF16)
+        b.bwd(Kernel("unsort_chunks.bwd", "elementwise", (gb,), (gbs,)))
+        out = back
+    b.block.outputs.append(out)
+    return b.finish()
+
+
+def _combine(m: ModelSpec, tokens: float, shared: bool) -> Block:
+    """Unpermutation 1 (TE ``moe_unpermute``): each token's ``top_k`` expert outputs summed
+    back into place; then the shared experts' output added. Backward gathers the output
+    gradient once per copy."""
+    assert m.moe is not None
+    h, k, e = m.hidden, m.moe.top_k, m.moe.experts
+    rows = tokens * k
+    b = _Builder("moe_combine", STYLE)
+    x = b.t("in", rows * h, BF16)
+    rid = b.t("row_id_map", tokens * e, INT32)
+    b.block.inputs.append(x)
+    out = b.t("out", tokens * h, BF16)
+    b.fwd(Kernel("unpermute", "elementwise", (x, rid), (out,)))
+    # The output gradient [tokens, h], read once per copy.
+    gsrc = b.t("unpermute.g_rows", rows * h, BF16)
+    gx = b.t("g_in", rows * h, BF16)
+    b.bwd(Kernel("unpermute.bwd", "elementwise", (gsrc, rid), (gx,)))
+    if shared:
+        sh = b.t("shared_out", tokens * h, BF16)
+        y = b.t("sum", tokens * h, BF16)
+        b.fwd(Kernel("add_shared", "elementwise", (out, sh), (y,)))
+        out = y
+    b.block.outputs.append(out)
+    return b.finish()
+
+
+def _shared(m: ModelSpec, lay: MoELayout, tokens: float) -> Block:
+    """``SharedExpertMLP``: a dense TP MLP ``shared x moe_ffn_hidden`` wide over the layer's
+    tokens gathered across TP (sequence parallel), its width split over ``tp``."""
+    assert m.moe is not None
+    h = m.hidden
+    f = m.moe.shared * m.moe.ffn_hidden // lay.tp
+    full = tokens * lay.tp
+    mlay = MegatronLayout(tp=lay.tp, fp8=lay.fp8, weight_cast_share=lay.weight_cast_share)
+    b = _Builder("moe_shared", STYLE)
+    x = b.t("in", full * h, BF16)
+    b.block.inputs.append(x)
+    width = 2 * f if m.mlp == "swiglu" else f
+    fc1 = _linear(b, x, full, h, width, "fc1", m.bias, bias_in_epilogue=True, lay=mlay)
+    act = b.t("act", full * f, BF16)
+    b.fwd(Kernel("bias_act", "elementwise", (fc1,), (act,)))
+    b.save(fc1)
+    ga, gi = b.t("g_act", full * f, BF16), b.t("g_fc1", full * width, BF16)
+    b.bwd(Kernel("bias_act.bwd", "elementwise", (ga, fc1), (gi,)))
+    out = _linear(b, act, full, f, h, "fc2", m.bias, bias_in_epilogue=True, lay=mlay)
+    b.block.outputs.append(out)
+    return b.finish()
+
+
+def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
+                  tokens_per_expert: Sequence[float] | None = None,
+                  send_tokens: Sequence[float] | None = None,
+                  recv_tokens: Sequence[float] | None = None, ep_rank: int = 0
+                  ) -> MoELayerOps:
+    """The kernels of one MoE layer on one rank and the bytes of its all-to-alls.
+
+    Parameters
+    ----------
+    m : ModelSpec
+        A model with experts (``m.moe``).
+    lay : MoELayout
+        ``ep``, ``etp``, ``tp``, FP8 and router options.
+    tokens : float
+        Tokens entering the layer on this rank (micro-batch x sequence / (cp x tp) with
+        sequence parallelism).
+    tokens_per_expert : sequence of float, optional
+        Rows of each of the ``experts / ep`` local experts' GEMMs, after the expert-TP gather
+        (the routing imbalance); balanced by default
+        (:func:`balanced_tokens_per_expert`).
+    send_tokens, recv_tokens : sequence of float, optional
+        Tokens sent to and received from each EP peer by the dispatch (Megatron's
+        ``input_splits`` and ``output_splits``); balanced by default, ``recv_tokens`` then
+        spread evenly from ``tokens_per_expert``.
+    ep_rank : int
+        This rank's index in the EP group (its own chunk never leaves the GPU).
+
+    Returns
+    -------
+    MoELayerOps
+
+    Examples
+    --------
+    >>> m = ModelSpec.from_ref("mixtral-8x7b")
+    >>> ops = moe_layer_ops(m, MoELayout(ep=8), tokens=4096)
+    >>> ops.tokens_per_expert                     # 4096 tokens x top-2 over 8 experts x 8 ranks
+    (8192.0,)
+    >>> ops.alltoall["dispatch_fwd"].sent_bytes == 4096 * 2 * 4096 * 2 * 7 / 8
+    True
+    >>> round(ops.experts.flops_fwd / (2 * 4096 * 2 * 3 * 4096 * 14336), 6)
+    1.0
+    """
+    moe = m.moe
+    if moe is None:
+        raise ValueError(f"model {m.name!r} has no experts")
+    if moe.experts % lay.ep:
+        raise ValueError(f"experts ({moe.experts}) not divisible by ep ({lay.ep})")
+    if moe.ffn_hidden % lay.etp:
+        raise ValueError(f"expert width ({moe.ffn_hidden}) not divisible by etp ({lay.etp})")
+    local = moe.experts // lay.ep
+    if tokens_per_expert is None:
+        counts = balanced_tokens_per_expert(tokens, moe.top_k, moe.experts, lay.ep, lay.etp)
+    else:
+        counts = tuple(float(c) for c in tokens_per_expert)
+        if len(counts) != local or min(counts) < 0:
+            raise ValueError(f"tokens_per_expert needs {local} non-negative counts")
+    send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
+    rb, x, probs, gprobs = _router(m, lay, tokens)
+    _permute(rb, m, x, probs, gprobs, tokens)
+    router = rb.finish()
+    ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
+                      combine=_combine(m, tokens, moe.shared > 0),
+                      shared=_shared(m, lay, tokens) if moe.shared else None,
+                      tokens_per_expert=counts)
+    hb = m.hidden * BF16      # the alltoall dispatcher moves 16-bit tokens
+    s_b = tuple(t * hb for t in send)
+    r_b = tuple(t * hb for t in recv)
+    s_p = tuple(t * FP32 for t in send)      # probs in moe_router_dtype (fp32)
+    r_p = tuple(t * FP32 for t in recv)
+    a = {"dispatch_fwd": AllToAll("dispatch_fwd", s_b, r_b, ep_rank),
+         "dispatch_probs_fwd": AllToAll("dispatch_probs_fwd", s_p, r_p, ep_rank),
+         "combine_fwd": AllToAll("combine_fwd", r_b, s_b, ep_rank),
+         # Backward: each all-to-all's gradient is the reverse all-to-all.
+         "combine_bwd": AllToAll("combine_bwd", s_b, r_b, ep_rank),
+         "dispatch_bwd": AllToAll("dispatch_bwd", r_b, s_b, ep_rank),
+         "dispatch_probs_bwd": AllToAll("dispatch_probs_bwd", r_p, s_p, ep_rank)}
+    if lay.ep == 1:
+        a = {k: AllToAll(v.name, (0.0,), (0.0,), 0) for k, v in a.items()}
+    ops.alltoall = a
+    ops.etp_gather_bytes = sum(recv) * hb if lay.etp > 1 else 0.0
+    ops.count_gather_bytes = moe.experts * 8.0 if lay.ep * lay.etp > 1 else 0.0
+    if moe.capacity_factor is not None:
+        ops.host_sync = "before_permutation_1"
+    elif lay.ep * lay.etp > 1:
+        ops.host_sync = "before_ep_alltoall"
+    return ops
