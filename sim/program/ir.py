@@ -106,6 +106,12 @@ class Op:
     (``h2d``, ``d2h``) or between host memory and the node's NVMe drives (``nvme_read``,
     ``nvme_write``): it runs as flows on the fabric's PCIe/NVMe links instead of taking
     ``duration``."""
+    peer_bytes: tuple[tuple[float, ...], ...] = ()
+    """An ``all_to_all`` with uneven splits (``ncclSend``/``ncclRecv`` per peer, as
+    ``torch.distributed.all_to_all_single`` with split sizes issues it): row ``i``, column
+    ``j`` is the bytes the group's ``i``-th member sends to its ``j``-th (the diagonal stays on
+    the GPU), the same for every group of ``groups``. Empty: ``nbytes`` split evenly over the
+    ``n`` members (``nbytes / n`` to each peer, nccl-tests' all-to-all)."""
     dtype: NcclType | None = None
     """Collectives and sends: the element type NCCL moves (``nbytes`` is whole elements of
     it). A label only (the HTA trace's kernel names): it never feeds timing. None: not
@@ -181,6 +187,11 @@ class Program:
                     raise ValueError(f"{op.name} depends on an op outside the program")
             if op.kind == "collective" and (not op.all_groups or not op.key):
                 raise ValueError(f"collective {op.name} needs a group and a key")
+            if op.peer_bytes and (op.collective != "all_to_all" or any(
+                    len(row) != len(op.all_groups[0]) for row in op.peer_bytes)
+                    or len(op.peer_bytes) != len(op.all_groups[0])):
+                raise ValueError(f"{op.name}: peer_bytes is an all-to-all's group-size "
+                                 "square matrix")
             if (op.kind == "host") != (op.stream == CPU_STREAM):
                 raise ValueError(f"{op.name}: host work runs on stream {CPU_STREAM!r}, and "
                                  "only host work does")

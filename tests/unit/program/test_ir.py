@@ -35,3 +35,18 @@ def test_a_collective_needs_its_group_and_key():
     bad = _program(Op("ar", "collective", "comm", "comm", collective="all_reduce", nbytes=1.0))
     with pytest.raises(ValueError, match="group and a key"):
         bad.validate()
+
+
+def test_peer_bytes_is_an_all_to_alls_square_matrix():
+    # Uneven all-to-all splits (issue 14): one row per member, one column per peer.
+    ok = Op("a2a", "collective", "ep", "comm", collective="all_to_all", group=(0, 1),
+            key="a2a", nbytes=3.0, peer_bytes=((0.0, 1.0), (2.0, 0.0)))
+    bad = Op("a2a", "collective", "ep", "comm", collective="all_to_all", group=(0, 1),
+             key="a2a", nbytes=3.0, peer_bytes=((0.0, 1.0, 2.0),))
+    p = Program(classes=[RankClass(id=0, members=(0, 1))], n_ranks=2, tokens_per_step=1.0,
+                model_flops_per_step=0.0, hw_flops_per_step=0.0)
+    p.add(p.classes[0], ok)
+    p.validate()
+    p.add(p.classes[0], bad)
+    with pytest.raises(ValueError, match="square matrix"):
+        p.validate()
