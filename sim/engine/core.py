@@ -427,7 +427,8 @@ class Engine:
             if op.kind == "collective":
                 assert op.collective is not None
                 body = self.collectives.run_collective_groups(op.collective, op.all_groups,
-                                                              op.nbytes, tag=op)
+                                                              op.nbytes, tag=op,
+                                                              peer_bytes=op.peer_bytes)
             else:
                 body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
             self.hbm_share.collective_started(op.key, op, rv.needed)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import simpy
 
-from sim.fabric.collectives import nccl, nccl_plans
+from sim.fabric.collectives import alltoall, nccl, nccl_plans
 from sim.fabric.collectives.algorithms import FlowPlan, PlanBuilder
 from sim.fabric.network import FlowNetwork
 from sim.fabric.topology import CROSS_AZ, CROSS_REGION, NETWORK, NVLINK, PCIE, Fabric
@@ -99,6 +99,8 @@ class CollectiveRunner:
         self._p2p_ids: dict[int, tuple[object, FlowPlan | None]] = {}
         self._p2p: dict[tuple[tuple[int, int], ...], FlowPlan] = {}
         self._caps: dict[tuple[int, str, str], np.ndarray] = {}
+        self._a2a: dict[tuple[int, alltoall.PeerMatrix], tuple[
+            FlowPlan | None, nccl.Estimate | None, float, int]] = {}
         self.chosen: list[Choice] = []
 
     # ------------------------------------------------------------------ planning
@@ -285,9 +287,13 @@ class CollectiveRunner:
         return choice
 
     def run_collective_groups(self, op: str, groups: Sequence[Sequence[int]], nbytes: float,
-                              tag: object = None) -> Generator[simpy.Event, object, Choice | None]:
+                              tag: object = None, peer_bytes: alltoall.PeerMatrix = ()
+                              ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: the same collective in several disjoint groups at once; its value is
         what NCCL ran in the first group (None when there was nothing to move).
+
+        ``peer_bytes`` (an ``all_to_all``'s group-size matrix of bytes, ``Op.peer_bytes``)
+        runs it as per-peer sends of those sizes in every group (:meth:`run_all_to_all_v`).
 
         Groups that each sit inside one node, all of one size, use disjoint NVLink ports of
         their nodes: one group's flows stand for all of them (``count`` = number of groups),
@@ -295,6 +301,8 @@ class CollectiveRunner:
         plans are alike and share no link (:meth:`_same_and_disjoint`). Otherwise every
         group's flows run.
         """
+        if peer_bytes and op == "all_to_all":
+            return (yield from self.run_all_to_all_v(groups, peer_bytes, nbytes, tag))
         if nbytes <= 0:
             return None
         if len(groups) == 1:
@@ -335,6 +343,40 @@ class CollectiveRunner:
             return choice
         # All groups' flows start together: one rate solve, not one per group.
         yield self._start_all([(plan, est) for plan, est, _ in chosen], nbytes, tag)
+        return choice
+
+    def run_all_to_all_v(self, groups: Sequence[Sequence[int]], matrix: alltoall.PeerMatrix,
+                         nbytes: float = 0.0, tag: object = None
+                         ) -> Generator[simpy.Event, object, Choice | None]:
+        """Process: an all-to-all with ``matrix[i][j]`` bytes from each group's ``i``-th
+        member to its ``j``-th, in every group at once, as NCCL runs it: grouped
+        ``ncclSend``/``ncclRecv`` per peer (:mod:`sim.fabric.collectives.alltoall`), one
+        send/recv latency, then every transfer as its own flow on its PXN route. Its value
+        reports ``nbytes`` (the op's size) and the predicted time of the busiest rank alone."""
+        tgroups, kid, local = self._group_set(groups)
+        if not tgroups:
+            return None
+        key = (kid, matrix)
+        hit = self._a2a.get(key)
+        if hit is None:
+            # Groups inside one node each, of one size, never share a link (see _group_set):
+            # one group's flows stand for all of them.
+            plan = alltoall.peer_plan(self.builder, tgroups[:1] if local else tgroups, matrix)
+            count = len(tgroups) if local else 1
+            if plan is None:
+                hit = self._a2a[key] = (None, None, 0.0, count)
+            else:
+                e = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
+                predicted = (e.latency_s + plan.chain_latency_s
+                             + alltoall.paced_bytes(matrix) / max(plan.bus_bw, 1e-30))
+                hit = self._a2a[key] = (plan, e, predicted, count)
+        plan, est, predicted, count = hit
+        if plan is None or est is None:
+            return None
+        choice = Choice("all_to_all", "p2p", "simple", nbytes, predicted)
+        self.chosen.append(choice)
+        yield self.env.timeout(est.latency_s + plan.chain_latency_s)
+        yield self._start(plan, est, 1.0, tag, count=count)
         return choice
 
     def _group_set(self, groups: Sequence[Sequence[int]]

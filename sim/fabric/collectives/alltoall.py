@@ -1,0 +1,95 @@
+"""NCCL's all-to-all as per-peer flows, with even or uneven sizes per peer.
+
+NCCL has no all-to-all algorithm: ``alltoall_perf`` (nccl-tests ``src/alltoall.cu``) and
+``torch.distributed.all_to_all_single`` issue one ``ncclSend`` and one ``ncclRecv`` per peer
+inside ``ncclGroupStart``/``ncclGroupEnd``, so the op is ``n (n - 1)`` independent
+point-to-point transfers that run at once, each on NCCL's p2p channels
+(``ncclTopoGetNchannels``, :data:`~sim.fabric.collectives.algorithms.P2P_CHANNELS_PER_PEER`)
+with the p2p buffer window (:mod:`sim.fabric.collectives.algorithms`). No tuning model picks
+anything; the op ends when the last transfer ends, so the rank with most to send or receive
+over its slowest link paces it (the max-min solve gives each flow its share).
+
+Routes: a send to another node uses PXN (PCI x NVLink, NCCL 2.12 and later, on unless
+``NCCL_PXN_DISABLE=1``). In ``src/graph/search.cc`` ``ncclTopoGetNetDev`` with no graph (p2p)
+and ``NCCL_P2P_PXN_LEVEL=2`` (the default) looks up the NIC local to the GPU of *our* node with
+the peer's device index, and, when that NIC's own GPU reaches us over NVLink with GPUDirect
+RDMA, makes that GPU the proxy: the data crosses NVLink to it and leaves by its NIC. The
+receiver posts on its own local NIC (``src/transport/net.cc`` ``recvSetup`` passes its own
+rank as the peer). ``src/graph/paths.cc`` adds the same GPU -> GPU -> NET step
+(``addInterStep``, "PXN = PCI + NVLink") to the topology paths. So on a rail-optimised fabric a
+cross-node send stays on the destination's rail end to end: one NVLink hop to the local GPU of
+that rail, that GPU's PCIe switch to its NIC, the rail's leaf, the peer's NIC. The plan builder's
+edges already route this way (:meth:`PlanBuilder.edge`, receiver's rail, proxy GPU from
+:func:`~sim.fabric.collectives.algorithms.nic_gpu`); ``cross_nic=1`` there stands for the
+routes without PXN (each GPU's own NIC, crossing rails through the spines).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from sim.fabric.collectives.algorithms import (
+    NCCL_STEPS,
+    P2P_CHANNELS_PER_PEER,
+    P2P_NET_CHUNK_BYTES,
+    FlowPlan,
+    PlanBuilder,
+)
+
+PeerMatrix = tuple[tuple[float, ...], ...]
+
+
+def even_matrix(n: int, nbytes: float) -> PeerMatrix:
+    """nccl-tests' all-to-all of an ``nbytes`` buffer per rank: ``nbytes / n`` to each peer
+    (``alltoall.cu``: ``count / nranks`` elements per peer), the diagonal kept local."""
+    part = nbytes / n
+    return tuple(tuple(0.0 if i == j else part for j in range(n)) for i in range(n))
+
+
+def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: PeerMatrix
+              ) -> FlowPlan | None:
+    """One flow per (source, destination) with bytes to move, in every group, each carrying
+    ``matrix[i][j]`` bytes (the plan's message size is 1 byte: ``share`` is in bytes).
+
+    Parameters
+    ----------
+    builder : the fabric's plan builder (its edges carry the PXN routes)
+    groups : disjoint groups of one size ``n``; every group moves the same matrix
+    matrix : ``n x n`` bytes, row = sender's position in the group, column = receiver's
+
+    Returns
+    -------
+    FlowPlan or None
+        None when no off-diagonal entry is positive.
+    """
+    edges: list[tuple[int, int, float, int | None]] = []
+    for group in groups:
+        for i, src in enumerate(group):
+            row = matrix[i]
+            for j, dst in enumerate(group):
+                b = row[j]
+                if i != j and b > 0 and src != dst:
+                    edges.append((src, dst, float(b), None))
+    if not edges:
+        return None
+    ranks = {r for g in groups for r in g}
+    nodes = len({builder.node_of[r] for r in ranks})
+    # NCCL's cost model is not consulted (no algorithm choice); volume: bytes each rank puts
+    # on the wire, on average, per message byte.
+    volume = sum(e[2] for e in edges) / len(ranks)
+    plan = builder._plan("p2p", edges, len(ranks), nodes, 1, 0.0, volume)
+    chain = max((builder.long_haul(s, d) for s, d, _, _ in edges), default=0.0)
+    return replace(plan, bus_bw=float(plan.bottleneck.min()) if plan.n_flows else math.inf,
+                   chain_latency_s=chain, flow_channels=float(P2P_CHANNELS_PER_PEER),
+                   window_bytes=float(NCCL_STEPS * P2P_NET_CHUNK_BYTES))
+
+
+def paced_bytes(matrix: PeerMatrix) -> float:
+    """The most bytes one rank sends or receives (the largest off-diagonal row or column
+    sum): with every port equal, the op cannot end before that rank has moved them."""
+    n = len(matrix)
+    rows = [sum(matrix[i][j] for j in range(n) if j != i) for i in range(n)]
+    cols = [sum(matrix[i][j] for i in range(n) if i != j) for j in range(n)]
+    return max(rows + cols, default=0.0)
