@@ -36,7 +36,11 @@ from sim.fabric.collectives.algorithms import (
     P2P_NET_CHUNK_BYTES,
     FlowPlan,
     PlanBuilder,
+    nccl_channel_count,
 )
+
+# Peers one p2p work batch of a channel holds (src/include/device.h).
+MAX_P2P_PER_BATCH = 8
 
 PeerMatrix = tuple[tuple[float, ...], ...]
 
@@ -81,9 +85,34 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
     volume = sum(e[2] for e in edges) / len(ranks)
     plan = builder._plan("p2p", edges, len(ranks), nodes, 1, 0.0, volume)
     chain = max((builder.long_haul(s, d) for s, d, _, _ in edges), default=0.0)
+    n = max(len(g) for g in groups)
+    per_peer = channels_per_peer(n, nodes, builder.nics, builder.g)
     return replace(plan, bus_bw=float(plan.bottleneck.min()) if plan.n_flows else math.inf,
-                   chain_latency_s=chain, flow_channels=float(P2P_CHANNELS_PER_PEER),
+                   chain_latency_s=chain, flow_channels=float(per_peer),
                    window_bytes=float(NCCL_STEPS * P2P_NET_CHUNK_BYTES))
+
+
+def channels_per_peer(n_ranks: int, n_nodes: int, nics: int, gpus_per_node: int) -> int:
+    """NCCL channels each network peer's send runs on. Across nodes
+    ``ncclTopoComputeP2pChannels`` (src/graph/paths.cc) halves ``p2pnChannelsPerPeer`` while
+    ``perPeer x ceil(peers / NCCL_MAX_DEV_WORK_P2P_PER_BATCH)`` exceeds ``p2pnChannels`` (the
+    ring channel count rounded up to a power of two), so that every peer fits in one round:
+    2 per peer up to 64 ranks on 8-NIC nodes (16 channels), 1 beyond.
+
+    Examples
+    --------
+    >>> [channels_per_peer(n, n // 8, 8, 8) for n in (16, 64, 128, 1024)]
+    [2, 2, 1, 1]
+    """
+    per_peer = P2P_CHANNELS_PER_PEER
+    if n_nodes <= 1:
+        return per_peer
+    ring = nccl_channel_count(n_nodes, max(1, nics), gpus_per_node)
+    p2p_channels = 1 << max(0, ring - 1).bit_length()
+    rounds = -(-n_ranks // MAX_P2P_PER_BATCH)
+    while per_peer * rounds > p2p_channels and per_peer > 1:
+        per_peer //= 2
+    return per_peer
 
 
 def paced_bytes(matrix: PeerMatrix) -> float:

@@ -184,9 +184,11 @@ class CollectiveRunner:
         if op == "broadcast":
             plans.append(b.chain_broadcast(group, group[0]))
         if op == "all_to_all":
-            n = len(group)
-            pairs = [(s, d) for s in group for d in group if s != d]
-            plans.append(b.p2p(pairs, 1.0 / n))
+            # nccl-tests' even split: 1/n of the message to each peer, as per-peer sends
+            # (sim.fabric.collectives.alltoall); a group of 2+ ranks always has a flow.
+            a2a = alltoall.peer_plan(b, [group], alltoall.even_matrix(len(group), 1.0))
+            assert a2a is not None
+            plans.append(a2a)
         if op == "sendrecv":
             n = len(group)
             plans.append(b.p2p([(group[i], group[(i + 1) % n]) for i in range(n)], 1.0))
