@@ -18,10 +18,11 @@ receiver posts on its own local NIC (``src/transport/net.cc`` ``recvSetup`` pass
 rank as the peer). ``src/graph/paths.cc`` adds the same GPU -> GPU -> NET step
 (``addInterStep``, "PXN = PCI + NVLink") to the topology paths. So on a rail-optimised fabric a
 cross-node send stays on the destination's rail end to end: one NVLink hop to the local GPU of
-that rail, that GPU's PCIe switch to its NIC, the rail's leaf, the peer's NIC. The plan builder's
-edges already route this way (:meth:`PlanBuilder.edge`, receiver's rail, proxy GPU from
-:func:`~sim.fabric.collectives.algorithms.nic_gpu`); ``cross_nic=1`` there stands for the
-routes without PXN (each GPU's own NIC, crossing rails through the spines).
+that rail, that GPU's PCIe switch to its NIC, the rail's leaf, the peer's NIC. The plan builder
+routes a send's edge (``rail=P2P_ROUTE``) this way, proxy GPU from
+:func:`~sim.fabric.collectives.algorithms.nic_gpu`; with ``NcclSettings.pxn=False``
+(``NCCL_PXN_DISABLE=1``) it leaves by the sender's own NIC and crosses rails through the
+spines.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from sim.fabric.collectives.algorithms import (
     NCCL_STEPS,
     P2P_CHANNELS_PER_PEER,
     P2P_NET_CHUNK_BYTES,
+    P2P_ROUTE,
     FlowPlan,
     PlanBuilder,
     nccl_channel_count,
@@ -75,7 +77,7 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
             for j, dst in enumerate(group):
                 b = row[j]
                 if i != j and b > 0 and src != dst:
-                    edges.append((src, dst, float(b), None))
+                    edges.append((src, dst, float(b), P2P_ROUTE))
     if not edges:
         return None
     ranks = {r for g in groups for r in g}

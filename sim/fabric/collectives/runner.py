@@ -51,6 +51,9 @@ class NcclSettings:
     buffsize: float = 4 * 2**20
     cross_nic: int = 2
     collnet_enable: bool = False
+    pxn: bool = True
+    """Sends go by PXN (``NCCL_PXN_DISABLE=0``, NCCL's default since 2.12;
+    :mod:`sim.fabric.collectives.alltoall`)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,8 @@ class CollectiveRunner:
         self.fabric = fabric
         self.arch = arch
         self.settings = settings or NcclSettings()
-        self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic)
+        self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic,
+                                   self.settings.pxn)
         self._plans: dict[tuple[str, tuple[int, ...]], list[FlowPlan]] = {}
         self._pat: dict[tuple[str, tuple[int, ...]], FlowPlan] = {}
         self._selected: dict[tuple[str, tuple[int, ...], float],

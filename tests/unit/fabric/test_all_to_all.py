@@ -125,10 +125,10 @@ def test_pxn_keeps_cross_node_bytes_on_the_receivers_rail() -> None:
 
 
 def test_without_pxn_sends_cross_rails_through_the_spines() -> None:
-    # NCCL_CROSS_NIC=1 routes (each GPU's own NIC at both ends): a send from rail i to rail
+    # NCCL_PXN_DISABLE=1 (each GPU's own NIC at both ends): a send from rail i to rail
     # j != i must climb to a spine; 7 of every 8 cross-node sends do, and the op is never
     # faster than with PXN.
-    env, net, run, fab = runner(dgx(2), cross_nic=1)
+    env, net, run, fab = runner(dgx(2), pxn=False)
     group = tuple(range(16))
     t = timed(env, run.run_collective("all_to_all", group, S))
     spine = sum(net.link_bytes[i] for i in range(len(fab.capacity)) if "leaf>spine" in
@@ -136,6 +136,19 @@ def test_without_pxn_sends_cross_rails_through_the_spines() -> None:
     assert spine == pytest.approx(2 * 8 * 7 * S / 16, rel=1e-9)
     env2, _, run2, _ = runner(dgx(2))
     assert t >= timed(env2, run2.run_collective("all_to_all", group, S)) * (1 - 1e-9)
+
+
+def test_sends_use_pxn_whatever_cross_nic_says() -> None:
+    # search.cc ncclTopoGetNetDev: with NCCL_P2P_PXN_LEVEL=2 a send takes the PXN route even
+    # with NCCL_CROSS_NIC=1 (that knob is for rings and trees): the same time, no spine bytes.
+    group = tuple(range(16))
+    env, net, run, fab = runner(dgx(2), cross_nic=1)
+    t = timed(env, run.run_collective("all_to_all", group, S))
+    assert all(net.link_bytes[i] == 0.0 for i in range(len(fab.capacity))
+               if "spine" in kind_of(fab, i))
+    env2, _, run2, _ = runner(dgx(2))
+    assert t == pytest.approx(timed(env2, run2.run_collective("all_to_all", group, S)),
+                              rel=1e-12)
 
 
 @pytest.mark.parametrize("heavy", ["row", "column"])
