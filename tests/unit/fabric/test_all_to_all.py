@@ -196,3 +196,22 @@ def test_folded_groups_in_nodes_move_every_groups_bytes() -> None:
     assert t == pytest.approx(latency(run, groups[:1], even_matrix(4, S))
                               + 3 / 4 * S / NVLINK, rel=1e-9)
     assert Seen.delivered == pytest.approx(16 * 3 / 4 * S, rel=1e-9)
+
+
+def test_balanced_bytes_per_link_class_match_the_closed_form() -> None:
+    # N = 4 nodes x g = 8 GPUs, S bytes per rank, S/n to each peer, PXN. Per GPU:
+    # NVLink up = in-node sends (g-1) S/n + PXN hops to the other rails' proxies
+    # (N-1)(g-1) S/n = (g-1)/g S, and as much down (received in node + relayed as proxy);
+    # its PCIe to its NIC carries every cross-node send for its rail from the node's g GPUs:
+    # g (N-1) S/n = (N-1)/N S, the NIC to the leaf the same; no spine bytes.
+    nodes, g = 4, 8
+    n = nodes * g
+    env, net, run, fab = runner(dgx(nodes))
+    timed(env, run.run_collective("all_to_all", tuple(range(n)), S))
+    want = {"gpu>nvswitch": (g - 1) / g * S, "nvswitch>gpu": (g - 1) / g * S,
+            "gpu>pcie": (nodes - 1) / nodes * S, "pcie>nic": (nodes - 1) / nodes * S,
+            "nic>leaf": (nodes - 1) / nodes * S, "leaf>nic": (nodes - 1) / nodes * S,
+            "nic>pcie": (nodes - 1) / nodes * S, "pcie>gpu": (nodes - 1) / nodes * S,
+            "leaf>spine": 0.0, "spine>leaf": 0.0, "pcie>host": 0.0, "host>pcie": 0.0}
+    for i in range(len(fab.capacity)):
+        assert net.link_bytes[i] == pytest.approx(want[kind_of(fab, i)], rel=1e-9, abs=1.0)
