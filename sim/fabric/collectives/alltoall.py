@@ -27,6 +27,7 @@ spines.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -124,3 +125,19 @@ def paced_bytes(matrix: PeerMatrix) -> float:
     rows = [sum(matrix[i][j] for j in range(n) if j != i) for i in range(n)]
     cols = [sum(matrix[i][j] for i in range(n) if i != j) for j in range(n)]
     return max(rows + cols, default=0.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def even_equivalent(matrix: PeerMatrix) -> float:
+    """The message size of the even all-to-all (``nbytes / n`` to each peer) whose ranks each
+    move as much as the busiest rank of ``matrix``: what its SMs and HBM traffic stand for.
+
+    Examples
+    --------
+    >>> even_equivalent(even_matrix(4, 1024.0))
+    1024.0
+    >>> even_equivalent(((0.0, 3.0), (1.0, 0.0)))
+    6.0
+    """
+    n = len(matrix)
+    return paced_bytes(matrix) * n / (n - 1) if n > 1 else 0.0

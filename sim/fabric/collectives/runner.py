@@ -69,6 +69,8 @@ class Choice:
 
 # (the groups of more than one rank, an id of that list, whether all sit in one node each)
 _GroupSet = tuple[list[tuple[int, ...]], int, bool]
+# An all-to-all with uneven splits: (plan, estimate, predicted time, groups it stands for)
+_A2A = tuple[FlowPlan | None, nccl.Estimate | None, float, int]
 
 
 class CollectiveRunner:
@@ -103,8 +105,8 @@ class CollectiveRunner:
         self._p2p_ids: dict[int, tuple[object, FlowPlan | None]] = {}
         self._p2p: dict[tuple[tuple[int, int], ...], FlowPlan] = {}
         self._caps: dict[tuple[int, str, str], np.ndarray] = {}
-        self._a2a: dict[tuple[int, alltoall.PeerMatrix], tuple[
-            FlowPlan | None, nccl.Estimate | None, float, int]] = {}
+        self._a2a: dict[tuple[int, alltoall.PeerMatrix], _A2A] = {}
+        self._a2a_ids: dict[tuple[int, int], tuple[alltoall.PeerMatrix, _A2A]] = {}
         self.chosen: list[Choice] = []
 
     # ------------------------------------------------------------------ planning
@@ -362,20 +364,14 @@ class CollectiveRunner:
         tgroups, kid, local = self._group_set(groups)
         if not tgroups:
             return None
-        key = (kid, matrix)
-        hit = self._a2a.get(key)
+        # By the matrix's identity (an op's peer_bytes, passed on every call; the entry keeps
+        # it alive so its id is not reused), then by content: hashing a 64 x 64 matrix on
+        # every call would cost more than the call.
+        by_id = self._a2a_ids.get((kid, id(matrix)))
+        hit = by_id[1] if by_id is not None and by_id[0] is matrix else None
         if hit is None:
-            # Groups inside one node each, of one size, never share a link (see _group_set):
-            # one group's flows stand for all of them.
-            plan = alltoall.peer_plan(self.builder, tgroups[:1] if local else tgroups, matrix)
-            count = len(tgroups) if local else 1
-            if plan is None:
-                hit = self._a2a[key] = (None, None, 0.0, count)
-            else:
-                e = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
-                predicted = (e.latency_s + plan.chain_latency_s
-                             + alltoall.paced_bytes(matrix) / max(plan.bus_bw, 1e-30))
-                hit = self._a2a[key] = (plan, e, predicted, count)
+            hit = self._a2a_plan(kid, tgroups, local, matrix)
+            self._a2a_ids[(kid, id(matrix))] = (matrix, hit)
         plan, est, predicted, count = hit
         if plan is None or est is None:
             return None
@@ -384,6 +380,36 @@ class CollectiveRunner:
         yield self.env.timeout(est.latency_s + plan.chain_latency_s)
         yield self._start(plan, est, 1.0, tag, count=count)
         return choice
+
+    def _a2a_plan(self, kid: int, tgroups: list[tuple[int, ...]], local: bool,
+                  matrix: alltoall.PeerMatrix
+                  ) -> _A2A:
+        """(plan, estimate, predicted time, count) of :meth:`run_all_to_all_v`, cached by the
+        groups and the matrix's content."""
+        key = (kid, matrix)
+        hit = self._a2a.get(key)
+        if hit is None:
+            # Groups inside one node each, of one size, never share a link (see _group_set),
+            # nor do groups across nodes whose plans are alike on disjoint links
+            # (_same_and_disjoint: expert-parallel groups of distinct nodes): one group's
+            # flows stand for all of them. Otherwise every group's flows run.
+            b = self.builder
+            plan = alltoall.peer_plan(b, tgroups[:1], matrix)
+            count = len(tgroups)
+            if not local and count > 1 and plan is not None:
+                each = [alltoall.peer_plan(b, [g], matrix) for g in tgroups]
+                est0 = nccl.Estimate("p2p", "simple", 0.0, 0.0, 1.0)
+                if not self._same_and_disjoint([(q, est0, 0.0) for q in each
+                                                if q is not None]):
+                    plan, count = alltoall.peer_plan(b, tgroups, matrix), 1
+            if plan is None:
+                hit = self._a2a[key] = (None, None, 0.0, count)
+            else:
+                e = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
+                predicted = (e.latency_s + plan.chain_latency_s
+                             + alltoall.paced_bytes(matrix) / max(plan.bus_bw, 1e-30))
+                hit = self._a2a[key] = (plan, e, predicted, count)
+        return hit
 
     def _group_set(self, groups: Sequence[Sequence[int]]
                    ) -> _GroupSet:

@@ -215,3 +215,24 @@ def test_balanced_bytes_per_link_class_match_the_closed_form() -> None:
             "leaf>spine": 0.0, "spine>leaf": 0.0, "pcie>host": 0.0, "host>pcie": 0.0}
     for i in range(len(fab.capacity)):
         assert net.link_bytes[i] == pytest.approx(want[kind_of(fab, i)], rel=1e-9, abs=1.0)
+
+
+def test_groups_on_distinct_nodes_fold_and_overlapping_groups_do_not() -> None:
+    # Two 16-GPU groups on nodes {0, 1} and {2, 3}: disjoint links, one group's flows stand
+    # for both and the time is one group's alone. Groups whose PXN proxies are the other
+    # group's GPUs (local GPUs 0-3 of node 0 with 4-7 of node 1, and the rest) share NVLink
+    # ports and NICs: all their flows run.
+    m = even_matrix(16, S)
+    env, _, run, _ = runner(dgx(4))
+    apart = (tuple(range(16)), tuple(range(16, 32)))
+    t = timed(env, run.run_collective_groups("all_to_all", apart, S, peer_bytes=m))
+    env1, _, run1, _ = runner(dgx(4))
+    alone = timed(env1, run1.run_collective_groups("all_to_all", apart[:1], S, peer_bytes=m))
+    assert t == pytest.approx(alone, rel=1e-12)
+    assert [v[3] for v in run._a2a.values()] == [2]
+    env2, _, run2, _ = runner(dgx(2))
+    m8 = even_matrix(8, S)
+    crossed = ((0, 1, 2, 3, 12, 13, 14, 15), (4, 5, 6, 7, 8, 9, 10, 11))
+    timed(env2, run2.run_collective_groups("all_to_all", crossed, S, peer_bytes=m8))
+    (plan, _, _, count), = run2._a2a.values()
+    assert count == 1 and plan is not None and plan.n_flows == 2 * 8 * 7
