@@ -32,6 +32,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from sim.fabric.collectives.algorithms import (
     NCCL_STEPS,
     P2P_CHANNELS_PER_PEER,
@@ -90,7 +92,13 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
     chain = max((builder.long_haul(s, d) for s, d, _, _ in edges), default=0.0)
     n = max(len(g) for g in groups)
     per_peer = channels_per_peer(n, nodes, builder.nics, builder.g)
-    return replace(plan, bus_bw=float(plan.bottleneck.min()) if plan.n_flows else math.inf,
+    # The time per message byte alone on the fabric is its most loaded link's bytes over
+    # that link's rate (every flow of a link shares it): "bus bandwidth" = volume over that
+    # time, so volume / bus_bw predicts the op alone (the nccl-tests column, the SMs' hold).
+    load = np.bincount(plan.flat, weights=np.repeat(plan.share, plan.lengths),
+                       minlength=len(builder.capacity))
+    per_byte = float((load / builder.capacity).max())
+    return replace(plan, bus_bw=volume / per_byte if per_byte > 0 else math.inf,
                    chain_latency_s=chain, flow_channels=float(per_peer),
                    window_bytes=float(NCCL_STEPS * P2P_NET_CHUNK_BYTES))
 

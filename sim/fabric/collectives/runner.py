@@ -406,8 +406,7 @@ class CollectiveRunner:
                 hit = self._a2a[key] = (None, None, 0.0, count)
             else:
                 e = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
-                predicted = (e.latency_s + plan.chain_latency_s
-                             + alltoall.paced_bytes(matrix) / max(plan.bus_bw, 1e-30))
+                predicted = e.latency_s + plan.chain_latency_s + plan.volume / plan.bus_bw
                 hit = self._a2a[key] = (plan, e, predicted, count)
         return hit
 
