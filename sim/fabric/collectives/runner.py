@@ -359,7 +359,9 @@ class CollectiveRunner:
         """Process: an all-to-all with ``matrix[i][j]`` bytes from each group's ``i``-th
         member to its ``j``-th, in every group at once, as NCCL runs it: grouped
         ``ncclSend``/``ncclRecv`` per peer (:mod:`sim.fabric.collectives.alltoall`), one
-        send/recv latency, then every transfer as its own flow on its PXN route. Its value
+        send/recv latency (as :meth:`run_p2p`: NCCL sizes its p2p channels so every peer fits
+        one round, :func:`~sim.fabric.collectives.alltoall.channels_per_peer`), then every
+        transfer as its own flow on its PXN route. Its value
         reports ``nbytes`` (the op's size) and the predicted time of the busiest rank alone."""
         tgroups, kid, local = self._group_set(groups)
         if not tgroups:
