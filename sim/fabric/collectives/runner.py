@@ -192,7 +192,8 @@ class CollectiveRunner:
         if op == "all_to_all":
             # nccl-tests' even split: 1/n of the message to each peer, as per-peer sends
             # (sim.fabric.collectives.alltoall); a group of 2+ ranks always has a flow.
-            a2a = alltoall.peer_plan(b, [group], alltoall.even_matrix(len(group), 1.0))
+            a2a = alltoall.peer_plan(b, [group], alltoall.even_matrix(len(group), 1.0),
+                                     coflow=False)
             assert a2a is not None
             plans.append(a2a)
         if op == "sendrecv":

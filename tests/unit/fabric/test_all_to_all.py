@@ -72,9 +72,13 @@ def test_bytes_are_conserved_per_peer_and_per_link() -> None:
     matrix = tuple(tuple(0.0 if i == j else float(rng.integers(1, 9)) * 2**20
                          for j in range(n)) for i in range(n))
     group = tuple(range(n))
-    timed(env, run.run_collective_groups("all_to_all", [group], 1.0, peer_bytes=matrix))
+    t = timed(env, run.run_collective_groups("all_to_all", [group], 1.0, peer_bytes=matrix))
     plan = peer_plan(run.builder, [group], matrix)
     assert plan is not None
+    # Alone on the fabric the op takes its most loaded link's bytes over that link's rate
+    # (the sends are paced as one coflow and all end then).
+    busiest = float((net.link_bytes / transport_capacity(fab, "hopper")).max())
+    assert t == pytest.approx(_p2p_latency(plan) + busiest, rel=1e-9)
     expected = np.zeros(len(fab.capacity))
     start = 0
     for length, share in zip(plan.lengths, plan.share, strict=True):
