@@ -7,7 +7,8 @@ point-to-point transfers that run at once, each on NCCL's p2p channels
 (``ncclTopoGetNchannels``, :data:`~sim.fabric.collectives.algorithms.P2P_CHANNELS_PER_PEER`)
 with the p2p buffer window (:mod:`sim.fabric.collectives.algorithms`). No tuning model picks
 anything; the op ends when the last transfer ends, so the rank with most to send or receive
-over its slowest link paces it (the max-min solve gives each flow its share).
+over its slowest link paces it (the even split's sends share links by max-min; uneven ones
+are paced as one coflow, see :func:`peer_plan`).
 
 Routes: a send to another node uses PXN (PCI x NVLink, NCCL 2.12 and later, on unless
 ``NCCL_PXN_DISABLE=1``). In ``src/graph/search.cc`` ``ncclTopoGetNetDev`` with no graph (p2p)
