@@ -32,6 +32,7 @@ from sim.catalog import GpuSpec
 from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
+from sim.fabric.collectives import alltoall
 from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.fabric.network import FlowNetwork, NetworkObserver
 from sim.fabric.topology import LINK_KINDS, Fabric
@@ -228,14 +229,16 @@ class Engine:
         channels and the predicted time of what NCCL would run (the runner's selection)."""
         if op.kind == "collective" and op.collective:
             group = tuple(op.all_groups[0]) if op.all_groups else ()
-            if len(group) <= 1 or op.nbytes <= 0:
+            # Uneven splits: the even all-to-all as heavy as its busiest rank.
+            nbytes = alltoall.even_equivalent(op.peer_bytes) if op.peer_bytes else op.nbytes
+            if len(group) <= 1 or nbytes <= 0:
                 return CommLoad(0, 0.0)
-            key = (op.collective, group, op.nbytes)
+            key = (op.collective, group, nbytes)
             hit = self._load_cache.get(key)
             if hit is None:
-                plan, _, predicted = self.collectives.select(op.collective, group, op.nbytes)
+                plan, _, predicted = self.collectives.select(op.collective, group, nbytes)
                 hit = self._load_cache[key] = comm_load(
-                    self.arch, op.collective, op.nbytes, op.nbytes * plan.volume, predicted,
+                    self.arch, op.collective, nbytes, nbytes * plan.volume, predicted,
                     plan.nccl_channels or plan.channels, plan.algorithm)
             return hit
         pairs = tuple(op.pairs)
@@ -427,7 +430,8 @@ class Engine:
             if op.kind == "collective":
                 assert op.collective is not None
                 body = self.collectives.run_collective_groups(op.collective, op.all_groups,
-                                                              op.nbytes, tag=op)
+                                                              op.nbytes, tag=op,
+                                                              peer_bytes=op.peer_bytes)
             else:
                 body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
             self.hbm_share.collective_started(op.key, op, rv.needed)

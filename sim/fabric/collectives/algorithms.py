@@ -98,10 +98,13 @@ class FlowPlan:
 class PlanBuilder:
     """Builds flow plans on one fabric; routes and edge data are cached."""
 
-    def __init__(self, fabric: Fabric, capacity: np.ndarray, cross_nic: int = 2) -> None:
+    def __init__(self, fabric: Fabric, capacity: np.ndarray, cross_nic: int = 2,
+                 pxn: bool = True) -> None:
         self.fabric = fabric
         self.capacity = capacity
         self.cross_nic = cross_nic
+        self.pxn = pxn
+        """NCCL_PXN_DISABLE=0 (the default): sends (:data:`P2P_ROUTE` edges) go by PXN."""
         self.g = fabric.spec.gpus_per_node
         self.nics = fabric.spec.nics_per_node
         self.node_of = {r: fabric.node_of(r) for r in range(fabric.n_gpus)}
@@ -145,7 +148,13 @@ class PlanBuilder:
         if hit is not None:
             return hit
         fab = self.fabric
-        if self.node_of[src] == self.node_of[dst] or self.cross_nic == 1 or self.nics < 1:
+        # A send (search.cc ncclTopoGetNetDev without a graph) goes by PXN to the receiver's
+        # rail whatever NCCL_CROSS_NIC says, or with PXN disabled by each GPU's own NIC.
+        send = rail == P2P_ROUTE
+        if send:
+            rail = None
+        if (self.node_of[src] == self.node_of[dst] or self.nics < 1
+                or (not self.pxn if send else self.cross_nic == 1)):
             links = fab.route(src, dst)
         else:
             k = fab.rail_of(dst) if rail is None else rail
@@ -439,7 +448,7 @@ class PlanBuilder:
         """One flow per (source, destination), each ``share`` bytes per message byte; the
         chain is the slowest pair's path (a send crosses it once)."""
         edges: list[tuple[int, int, float, int | None]] = [
-            (s, d, share, None) for s, d in pairs if s != d]
+            (s, d, share, P2P_ROUTE) for s, d in pairs if s != d]
         nodes = len({self.node_of[r] for p in pairs for r in p})
         ranks = len({r for p in pairs for r in p})
         plan = self._plan("p2p", edges, ranks, nodes, 1, 0.0, share * max(1, len(edges)) / ranks)
@@ -448,6 +457,9 @@ class PlanBuilder:
                        chain_latency_s=chain, flow_channels=float(P2P_CHANNELS_PER_PEER),
                        window_bytes=float(NCCL_STEPS * P2P_NET_CHUNK_BYTES))
 
+
+# The ``rail`` of a send's edge: NCCL's p2p route (PXN unless disabled), not a ring's rail.
+P2P_ROUTE = -1
 
 # Send/recv to one peer over the network runs on NCCL_NCHANNELS_PER_NET_PEER channels, 2 by
 # default (src/graph/paths.cc, ncclTopoGetNchannels), each moving NCCL_P2P_NET_CHUNKSIZE

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import simpy
 
-from sim.fabric.collectives import nccl, nccl_plans
+from sim.fabric.collectives import alltoall, nccl, nccl_plans
 from sim.fabric.collectives.algorithms import FlowPlan, PlanBuilder
 from sim.fabric.network import FlowNetwork
 from sim.fabric.topology import CROSS_AZ, CROSS_REGION, NETWORK, NVLINK, PCIE, Fabric
@@ -51,6 +51,9 @@ class NcclSettings:
     buffsize: float = 4 * 2**20
     cross_nic: int = 2
     collnet_enable: bool = False
+    pxn: bool = True
+    """Sends go by PXN (``NCCL_PXN_DISABLE=0``, NCCL's default since 2.12;
+    :mod:`sim.fabric.collectives.alltoall`)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class Choice:
 
 # (the groups of more than one rank, an id of that list, whether all sit in one node each)
 _GroupSet = tuple[list[tuple[int, ...]], int, bool]
+# An all-to-all with uneven splits: (plan, estimate, predicted time, groups it stands for)
+_A2A = tuple[FlowPlan | None, nccl.Estimate | None, float, int]
 
 
 class CollectiveRunner:
@@ -86,7 +91,8 @@ class CollectiveRunner:
         self.fabric = fabric
         self.arch = arch
         self.settings = settings or NcclSettings()
-        self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic)
+        self.builder = PlanBuilder(fabric, net.capacity, self.settings.cross_nic,
+                                   self.settings.pxn)
         self._plans: dict[tuple[str, tuple[int, ...]], list[FlowPlan]] = {}
         self._pat: dict[tuple[str, tuple[int, ...]], FlowPlan] = {}
         self._selected: dict[tuple[str, tuple[int, ...], float],
@@ -99,6 +105,8 @@ class CollectiveRunner:
         self._p2p_ids: dict[int, tuple[object, FlowPlan | None]] = {}
         self._p2p: dict[tuple[tuple[int, int], ...], FlowPlan] = {}
         self._caps: dict[tuple[int, str, str], np.ndarray] = {}
+        self._a2a: dict[tuple[int, alltoall.PeerMatrix], _A2A] = {}
+        self._a2a_ids: dict[tuple[int, int], tuple[alltoall.PeerMatrix, _A2A]] = {}
         self.chosen: list[Choice] = []
 
     # ------------------------------------------------------------------ planning
@@ -182,9 +190,12 @@ class CollectiveRunner:
         if op == "broadcast":
             plans.append(b.chain_broadcast(group, group[0]))
         if op == "all_to_all":
-            n = len(group)
-            pairs = [(s, d) for s in group for d in group if s != d]
-            plans.append(b.p2p(pairs, 1.0 / n))
+            # nccl-tests' even split: 1/n of the message to each peer, as per-peer sends
+            # (sim.fabric.collectives.alltoall); a group of 2+ ranks always has a flow.
+            a2a = alltoall.peer_plan(b, [group], alltoall.even_matrix(len(group), 1.0),
+                                     coflow=False)
+            assert a2a is not None
+            plans.append(a2a)
         if op == "sendrecv":
             n = len(group)
             plans.append(b.p2p([(group[i], group[(i + 1) % n]) for i in range(n)], 1.0))
@@ -285,9 +296,13 @@ class CollectiveRunner:
         return choice
 
     def run_collective_groups(self, op: str, groups: Sequence[Sequence[int]], nbytes: float,
-                              tag: object = None) -> Generator[simpy.Event, object, Choice | None]:
+                              tag: object = None, peer_bytes: alltoall.PeerMatrix = ()
+                              ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: the same collective in several disjoint groups at once; its value is
         what NCCL ran in the first group (None when there was nothing to move).
+
+        ``peer_bytes`` (an ``all_to_all``'s group-size matrix of bytes, ``Op.peer_bytes``)
+        runs it as per-peer sends of those sizes in every group (:meth:`run_all_to_all_v`).
 
         Groups that each sit inside one node, all of one size, use disjoint NVLink ports of
         their nodes: one group's flows stand for all of them (``count`` = number of groups),
@@ -295,6 +310,8 @@ class CollectiveRunner:
         plans are alike and share no link (:meth:`_same_and_disjoint`). Otherwise every
         group's flows run.
         """
+        if peer_bytes and op == "all_to_all":
+            return (yield from self.run_all_to_all_v(groups, peer_bytes, nbytes, tag))
         if nbytes <= 0:
             return None
         if len(groups) == 1:
@@ -336,6 +353,65 @@ class CollectiveRunner:
         # All groups' flows start together: one rate solve, not one per group.
         yield self._start_all([(plan, est) for plan, est, _ in chosen], nbytes, tag)
         return choice
+
+    def run_all_to_all_v(self, groups: Sequence[Sequence[int]], matrix: alltoall.PeerMatrix,
+                         nbytes: float = 0.0, tag: object = None
+                         ) -> Generator[simpy.Event, object, Choice | None]:
+        """Process: an all-to-all with ``matrix[i][j]`` bytes from each group's ``i``-th
+        member to its ``j``-th, in every group at once, as NCCL runs it: grouped
+        ``ncclSend``/``ncclRecv`` per peer (:mod:`sim.fabric.collectives.alltoall`), one
+        send/recv latency (as :meth:`run_p2p`: NCCL sizes its p2p channels so every peer fits
+        one round, :func:`~sim.fabric.collectives.alltoall.channels_per_peer`), then every
+        transfer as its own flow on its PXN route. Its value
+        reports ``nbytes`` (the op's size) and the predicted time of the busiest rank alone."""
+        tgroups, kid, local = self._group_set(groups)
+        if not tgroups:
+            return None
+        # By the matrix's identity (an op's peer_bytes, passed on every call; the entry keeps
+        # it alive so its id is not reused), then by content: hashing a 64 x 64 matrix on
+        # every call would cost more than the call.
+        by_id = self._a2a_ids.get((kid, id(matrix)))
+        hit = by_id[1] if by_id is not None and by_id[0] is matrix else None
+        if hit is None:
+            hit = self._a2a_plan(kid, tgroups, local, matrix)
+            self._a2a_ids[(kid, id(matrix))] = (matrix, hit)
+        plan, est, predicted, count = hit
+        if plan is None or est is None:
+            return None
+        choice = Choice("all_to_all", "p2p", "simple", nbytes, predicted)
+        self.chosen.append(choice)
+        yield self.env.timeout(est.latency_s + plan.chain_latency_s)
+        yield self._start(plan, est, 1.0, tag, count=count)
+        return choice
+
+    def _a2a_plan(self, kid: int, tgroups: list[tuple[int, ...]], local: bool,
+                  matrix: alltoall.PeerMatrix
+                  ) -> _A2A:
+        """(plan, estimate, predicted time, count) of :meth:`run_all_to_all_v`, cached by the
+        groups and the matrix's content."""
+        key = (kid, matrix)
+        hit = self._a2a.get(key)
+        if hit is None:
+            # Groups inside one node each, of one size, never share a link (see _group_set),
+            # nor do groups across nodes whose plans are alike on disjoint links
+            # (_same_and_disjoint: expert-parallel groups of distinct nodes): one group's
+            # flows stand for all of them. Otherwise every group's flows run.
+            b = self.builder
+            plan = alltoall.peer_plan(b, tgroups[:1], matrix)
+            count = len(tgroups)
+            if not local and count > 1 and plan is not None:
+                each = [alltoall.peer_plan(b, [g], matrix) for g in tgroups]
+                est0 = nccl.Estimate("p2p", "simple", 0.0, 0.0, 1.0)
+                if not self._same_and_disjoint([(q, est0, 0.0) for q in each
+                                                if q is not None]):
+                    plan, count = alltoall.peer_plan(b, tgroups, matrix), 1
+            if plan is None:
+                hit = self._a2a[key] = (None, None, 0.0, count)
+            else:
+                e = nccl.Estimate("p2p", "simple", _p2p_latency(plan), plan.bus_bw, 1.0)
+                predicted = e.latency_s + plan.chain_latency_s + plan.volume / plan.bus_bw
+                hit = self._a2a[key] = (plan, e, predicted, count)
+        return hit
 
     def _group_set(self, groups: Sequence[Sequence[int]]
                    ) -> _GroupSet:

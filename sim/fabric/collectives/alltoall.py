@@ -1,0 +1,163 @@
+"""NCCL's all-to-all as per-peer flows, with even or uneven sizes per peer.
+
+NCCL has no all-to-all algorithm: ``alltoall_perf`` (nccl-tests ``src/alltoall.cu``) and
+``torch.distributed.all_to_all_single`` issue one ``ncclSend`` and one ``ncclRecv`` per peer
+inside ``ncclGroupStart``/``ncclGroupEnd``, so the op is ``n (n - 1)`` independent
+point-to-point transfers that run at once, each on NCCL's p2p channels
+(``ncclTopoGetNchannels``, :data:`~sim.fabric.collectives.algorithms.P2P_CHANNELS_PER_PEER`)
+with the p2p buffer window (:mod:`sim.fabric.collectives.algorithms`). No tuning model picks
+anything; the op ends when the last transfer ends, so the rank with most to send or receive
+over its slowest link paces it (the even split's sends share links by max-min; uneven ones
+are paced as one coflow, see :func:`peer_plan`).
+
+Routes: a send to another node uses PXN (PCI x NVLink, NCCL 2.12 and later, on unless
+``NCCL_PXN_DISABLE=1``). In ``src/graph/search.cc`` ``ncclTopoGetNetDev`` with no graph (p2p)
+and ``NCCL_P2P_PXN_LEVEL=2`` (the default) looks up the NIC local to the GPU of *our* node with
+the peer's device index, and, when that NIC's own GPU reaches us over NVLink with GPUDirect
+RDMA, makes that GPU the proxy: the data crosses NVLink to it and leaves by its NIC. The
+receiver posts on its own local NIC (``src/transport/net.cc`` ``recvSetup`` passes its own
+rank as the peer). ``src/graph/paths.cc`` adds the same GPU -> GPU -> NET step
+(``addInterStep``, "PXN = PCI + NVLink") to the topology paths. So on a rail-optimised fabric a
+cross-node send stays on the destination's rail end to end: one NVLink hop to the local GPU of
+that rail, that GPU's PCIe switch to its NIC, the rail's leaf, the peer's NIC. The plan builder
+routes a send's edge (``rail=P2P_ROUTE``) this way, proxy GPU from
+:func:`~sim.fabric.collectives.algorithms.nic_gpu`; with ``NcclSettings.pxn=False``
+(``NCCL_PXN_DISABLE=1``) it leaves by the sender's own NIC and crosses rails through the
+spines.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+import numpy as np
+
+from sim.fabric.collectives.algorithms import (
+    NCCL_STEPS,
+    P2P_CHANNELS_PER_PEER,
+    P2P_NET_CHUNK_BYTES,
+    P2P_ROUTE,
+    FlowPlan,
+    PlanBuilder,
+    nccl_channel_count,
+)
+
+# Peers one p2p work batch of a channel holds (src/include/device.h).
+MAX_P2P_PER_BATCH = 8
+
+PeerMatrix = tuple[tuple[float, ...], ...]
+
+
+def even_matrix(n: int, nbytes: float) -> PeerMatrix:
+    """nccl-tests' all-to-all of an ``nbytes`` buffer per rank: ``nbytes / n`` to each peer
+    (``alltoall.cu``: ``count / nranks`` elements per peer), the diagonal kept local."""
+    part = nbytes / n
+    return tuple(tuple(0.0 if i == j else part for j in range(n)) for i in range(n))
+
+
+def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: PeerMatrix,
+              coflow: bool = True) -> FlowPlan | None:
+    """One flow per (source, destination) with bytes to move, in every group, each carrying
+    ``matrix[i][j]`` bytes (the plan's message size is 1 byte: ``share`` is in bytes).
+
+    Parameters
+    ----------
+    builder : the fabric's plan builder (its edges carry the PXN routes)
+    groups : disjoint groups of one size ``n``; every group moves the same matrix
+    matrix : ``n x n`` bytes, row = sender's position in the group, column = receiver's
+    coflow : pace the sends as one coflow (below); False leaves each at its route's rate, for
+        the even split, whose sends end at a few distinct times anyway
+
+    Returns
+    -------
+    FlowPlan or None
+        None when no off-diagonal entry is positive.
+    """
+    edges: list[tuple[int, int, float, int | None]] = []
+    for group in groups:
+        for i, src in enumerate(group):
+            row = matrix[i]
+            for j, dst in enumerate(group):
+                b = row[j]
+                if i != j and b > 0 and src != dst:
+                    edges.append((src, dst, float(b), P2P_ROUTE))
+    if not edges:
+        return None
+    ranks = {r for g in groups for r in g}
+    nodes = len({builder.node_of[r] for r in ranks})
+    # NCCL's cost model is not consulted (no algorithm choice); volume: bytes each rank puts
+    # on the wire, on average, per message byte.
+    volume = sum(e[2] for e in edges) / len(ranks)
+    plan = builder._plan("p2p", edges, len(ranks), nodes, 1, 0.0, volume)
+    chain = max((builder.long_haul(s, d) for s, d, _, _ in edges), default=0.0)
+    n = max(len(g) for g in groups)
+    per_peer = channels_per_peer(n, nodes, builder.nics, builder.g)
+    # The time per message byte alone on the fabric is its most loaded link's bytes over
+    # that link's rate (every flow of a link shares it): "bus bandwidth" = volume over that
+    # time, so volume / bus_bw predicts the op alone (the nccl-tests column, the SMs' hold).
+    load = np.bincount(plan.flat, weights=np.repeat(plan.share, plan.lengths),
+                       minlength=len(builder.capacity))
+    per_byte = float((load / builder.capacity).max())
+    # Paced as one coflow: each send capped at its bytes over the op's time alone, so alone
+    # on the fabric every send ends together at that bound, the time max-min sharing also
+    # reaches when the busiest port is the only bottleneck (the tests' closed forms), with
+    # one completion instead of one per distinct size (thousands for an uneven 64-rank op).
+    # Under contention the caps keep each send to its share of the op: a send cannot take
+    # what another op frees before the others end, which max-min would allow (slower by at
+    # most that; the even split, ``coflow=False``, keeps max-min).
+    if coflow and per_byte > 0:
+        plan = replace(plan, bottleneck=np.minimum(plan.bottleneck, plan.share / per_byte))
+    return replace(plan, bus_bw=volume / per_byte if per_byte > 0 else math.inf,
+                   chain_latency_s=chain, flow_channels=float(per_peer),
+                   window_bytes=float(NCCL_STEPS * P2P_NET_CHUNK_BYTES))
+
+
+def channels_per_peer(n_ranks: int, n_nodes: int, nics: int, gpus_per_node: int) -> int:
+    """NCCL channels each network peer's send runs on. Across nodes
+    ``ncclTopoComputeP2pChannels`` (src/graph/paths.cc) halves ``p2pnChannelsPerPeer`` while
+    ``perPeer x ceil(peers / NCCL_MAX_DEV_WORK_P2P_PER_BATCH)`` exceeds ``p2pnChannels`` (the
+    ring channel count rounded up to a power of two), so that every peer fits in one round:
+    2 per peer up to 64 ranks on 8-NIC nodes (16 channels), 1 beyond.
+
+    Examples
+    --------
+    >>> [channels_per_peer(n, n // 8, 8, 8) for n in (16, 64, 128, 1024)]
+    [2, 2, 1, 1]
+    """
+    per_peer = P2P_CHANNELS_PER_PEER
+    if n_nodes <= 1:
+        return per_peer
+    ring = nccl_channel_count(n_nodes, max(1, nics), gpus_per_node)
+    p2p_channels = 1 << max(0, ring - 1).bit_length()
+    rounds = -(-n_ranks // MAX_P2P_PER_BATCH)
+    while per_peer * rounds > p2p_channels and per_peer > 1:
+        per_peer //= 2
+    return per_peer
+
+
+def paced_bytes(matrix: PeerMatrix) -> float:
+    """The most bytes one rank sends or receives (the largest off-diagonal row or column
+    sum): with every port equal, the op cannot end before that rank has moved them."""
+    n = len(matrix)
+    rows = [sum(matrix[i][j] for j in range(n) if j != i) for i in range(n)]
+    cols = [sum(matrix[i][j] for i in range(n) if i != j) for j in range(n)]
+    return max(rows + cols, default=0.0)
+
+
+@functools.lru_cache(maxsize=1024)
+def even_equivalent(matrix: PeerMatrix) -> float:
+    """The message size of the even all-to-all (``nbytes / n`` to each peer) whose ranks each
+    move as much as the busiest rank of ``matrix``: what its SMs and HBM traffic stand for.
+
+    Examples
+    --------
+    >>> even_equivalent(even_matrix(4, 1024.0))
+    1024.0
+    >>> even_equivalent(((0.0, 3.0), (1.0, 0.0)))
+    6.0
+    """
+    n = len(matrix)
+    return paced_bytes(matrix) * n / (n - 1) if n > 1 else 0.0
