@@ -187,6 +187,10 @@ class _Step:
         s, cm = self.s, self.cm
         n = s.stage_params(st)
         local = n / s.shard
+        e = s.stage_expert_params(st)
+        if e:   # the local experts' shard over the expert-data-parallel group
+            local += e / s.expert_shard
+            n += e
         return (cm.adamw_time(local, True, 8 * s.stage_layer_count[st] + 4)
                 + cm.membound_time(4 * local) + cm.membound_time(6 * local)
                 + cm.membound_time(s.grad_bytes * n))
@@ -251,6 +255,7 @@ class _Step:
                 for g in self.stage_buckets[st].grads:
                     g.deps = g.deps or [self.last_bwd[st]]
                     program.add(cls, g)
+            deps_done += self._expert_grads(st, cls)
             if s.model.tied_embeddings and s.p > 1 and st in (0, s.p - 1):
                 pairs = s.stage_pairs(0, s.p - 1)
                 tie = program.add(cls, Op(
@@ -265,6 +270,7 @@ class _Step:
                 dur *= self.chunk0_share(st)   # the other chunks' steps open the step
             opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                            category="optimizer", deps=deps_done))
+            self._expert_gather(st, cls, opt)
             if s.opts.distributed_optimizer and s.dp * s.cp > 1 \
                     and not self.stage_buckets[st].gathers:
                 # Without overlap_param_gather the optimizer gathers every bucket right away.
@@ -275,3 +281,40 @@ class _Step:
                         collective="all_gather", group=groups[0], groups=groups,
                         nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
                         category="all_gather"))
+
+    # ------------------------------------------------------------------ experts
+    def _expert_groups(self, st: int) -> tuple[tuple[int, ...], ...] | None:
+        s = self.s
+        if s.moe is None or s.moe.edp == 1 or not s.stage_expert_params(st):
+            return None
+        return s.moe.edp_groups(st)
+
+    def _expert_grads(self, st: int, cls: RankClass) -> list[Op]:
+        """The routed experts' gradient buffer reduced over the expert-data-parallel group
+        (Megatron-Core's DDP keeps expert parameters in their own buffers, reduced over
+        ``expt_dp``): a reduce-scatter with the distributed optimizer, else an all-reduce.
+        First cut: one reduce after the stage's backward (``finalize_model_grads``), not
+        bucketed into the backward hooks."""
+        s = self.s
+        groups = self._expert_groups(st)
+        if groups is None:
+            return []
+        op = "reduce_scatter" if s.opts.distributed_optimizer else "all_reduce"
+        return [self.program.add(cls, Op(
+            name=f"expert grads {op}", kind="collective", stream="dp", phase="comm",
+            deps=[self.last_bwd[st]], collective=op,  # type: ignore[arg-type]
+            group=groups[0], groups=groups, nbytes=s.grad_bytes * s.stage_expert_params(st),
+            dtype=s.grad_dtype, key=self.keys(f"edp/{st}"), category=op))]
+
+    def _expert_gather(self, st: int, cls: RankClass, opt: Op) -> None:
+        """The distributed optimizer's all-gather of the updated 16-bit expert parameters
+        over the expert-data-parallel group, after the optimizer step."""
+        s = self.s
+        groups = self._expert_groups(st)
+        if groups is None or not s.opts.distributed_optimizer:
+            return
+        self.program.add(cls, Op(
+            name="expert param all_gather", kind="collective", stream="dp", phase="comm",
+            deps=[opt], collective="all_gather", group=groups[0], groups=groups,
+            nbytes=s.act * s.stage_expert_params(st), dtype=s.act_dtype,
+            key=self.keys(f"edp/{st}"), category="all_gather"))
