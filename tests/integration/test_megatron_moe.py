@@ -91,7 +91,7 @@ def test_ep_groups_are_megatron_core_parallel_folding_groups() -> None:
     assert sorted(etp.all_groups) == [(0, 1), (2, 3), (4, 5), (6, 7)]
     count = next(op for op in ops if "token count" in op.name)
     assert sorted(count.all_groups) == [(0, 1, 2, 3), (4, 5, 6, 7)] and count.host_sync
-    grads = next(op for op in ops if op.name.startswith("expert grads"))
+    grads = next(op for op in ops if op.key.startswith("edp/") and op.name.startswith("grad"))
     assert sorted(grads.all_groups) == [(0, 4), (1, 5), (2, 6), (3, 7)]
 
 
@@ -100,8 +100,8 @@ def test_ep_1_has_no_all_to_all_and_one_expert_group_per_dp_rank() -> None:
     assert not _a2a(p)
     assert not [op for c, op in _ops(p) if "token count" in op.name]
     # expert-dp = 8: the experts' gradients are reduced like the dense ones, over all 8 ranks
-    grads = [op for c, op in _ops(p) if op.name.startswith("expert grads")]
-    assert [g.all_groups for g in grads] == [((0, 1, 2, 3, 4, 5, 6, 7),)]
+    grads = [op for _, op in _ops(p) if op.key.startswith("edp/")]
+    assert grads and all(g.all_groups == ((0, 1, 2, 3, 4, 5, 6, 7),) for g in grads)
 
 
 def test_model_flops_are_active_parameter_flops() -> None:
@@ -199,3 +199,28 @@ def test_summary_nvlink_bytes_conserve_the_all_to_all_bytes() -> None:
     for k in (2, 4):
         per_rank = 4 * 1 * (2 * 2 * SEQ * (k - 1) * 1024 * 2 + 2 * SEQ * (k - 1) * 4) * 7 / 8
         assert nv[k] - nv[1] == pytest.approx(2 * 8 * per_rank, rel=1e-9)
+
+
+@pytest.mark.parametrize("fw", [
+    {"name": "megatron"},
+    {"name": "megatron", "distributed_optimizer": True, "overlap_grad_reduce": True,
+     "overlap_param_gather": True}])
+def test_gradient_buckets_conserve_dense_and_expert_parameters(fw) -> None:
+    from sim.frameworks.megatron.shape import megatron_shape
+
+    # tp=2 (etp=2), ep=2 on 8 GPUs: dense gradients over dp=4, experts' over expert-dp 2.
+    s = _scn({"tp": 2, "ep": 2}, framework=fw)
+    ctx = JobContext.from_scenario(s, "s.yaml")
+    sh = megatron_shape(ctx)
+    p = build_program(ctx)
+    grads = [op for _, op in _ops(p) if op.name.startswith("grad ")]
+    dense = sum(op.nbytes for op in grads if op.key.startswith("dp/"))
+    expert = sum(op.nbytes for op in grads if op.key.startswith("edp/"))
+    assert dense == pytest.approx(4 * sh.stage_params(0), rel=1e-12)     # fp32 grad buffers
+    # TINY: 4 layers x 8 experts / ep 2 x 3 x 1024 x 1024 / etp 2, fp32.
+    assert expert == pytest.approx(4 * 4 * 4 * 3 * 1024 * 1024 / 2, rel=1e-12)
+    assert {len(op.all_groups[0]) for op in grads if op.key.startswith("edp/")} == {2}
+    if fw.get("overlap_grad_reduce"):
+        # issued from the backward hooks, before the stage's last backward op
+        last_bwd = max(op.index for _, op in _ops(p) if op.phase == "bwd")
+        assert min(op.index for op in grads if op.key.startswith("edp/")) < last_bwd

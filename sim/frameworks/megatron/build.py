@@ -57,6 +57,7 @@ from __future__ import annotations
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.buckets import (
+    Bucket,
     BucketComms,
     StageBuckets,
     assign_buckets,
@@ -149,36 +150,52 @@ class _Step:
                         for st in range(s.p)}
         self.launch_after: Hooks = {}   # id(op) -> ops the host issues right after it
         self.insert_before: Hooks = {}  # id(op) -> ops the host issues right before it
+        self.expert_buckets = {st: self._assign_expert_buckets(st, size) for st in range(s.p)}
         empty = StageBuckets()
         self.stage_buckets = {st: empty for st in range(s.p)}
+        self.expert_stage_buckets = {st: empty for st in range(s.p)}
         self.last_bwd: dict[int, Op] = {}
 
     # ------------------------------------------------------------------ buckets
     def add_buckets(self) -> None:
         """Each stage's gradient reduces and parameter gathers (:func:`bucket_ops`), hooked
-        into its units where Megatron-Core issues them."""
+        into its units where Megatron-Core issues them; the routed experts' buckets over the
+        expert-data-parallel groups likewise (their own buffers: Megatron-Core's
+        ``DistributedDataParallel`` ``expert_parallel_buffers`` over ``expt_dp``)."""
+        s = self.s
+        for st in range(s.p) if s.dp * s.cp > 1 else ():
+            self.stage_buckets[st] = self._bucket_ops(
+                st, self.buckets[st], instance_groups(s.dp_groups(st), s.k_inst), "dp")
+        for st in range(s.p):
+            groups = self._expert_groups(st)
+            if groups is not None:
+                self.expert_stage_buckets[st] = self._bucket_ops(
+                    st, self.expert_buckets[st], (groups, ()), "edp")
+
+    def _bucket_ops(self, st: int, buckets: list[Bucket],
+                    groups: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]],
+                    prefix: str) -> StageBuckets:
         s = self.s
         reduce_op = "reduce_scatter" if s.opts.distributed_optimizer else "all_reduce"
         units = self.units
-        for st in range(s.p) if s.dp * s.cp > 1 else ():
-            forwards = [u for u in schedule("1f1b" if s.vp > 1 else s.opts.pipeline_schedule,
-                                            s.p, st, s.mb_count, s.vp) if u[0] == "F"]
-            intra, inter = instance_groups(s.dp_groups(st), s.k_inst)
-            self.stage_buckets[st] = bucket_ops(
-                st, s.p, s.vp, s.mb_count, self.buckets[st], forwards, BucketComms(
-                    groups=intra, reduce_op=reduce_op, inter_groups=inter,
-                    grad_bytes=s.grad_bytes, param_bytes=s.act,
-                    grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
-                    overlap_grad_reduce=s.opts.overlap_grad_reduce,
-                    overlap_param_gather=(s.opts.distributed_optimizer
-                                          and s.opts.overlap_param_gather),
-                    align_param_gather=s.align_gather,
-                    gather_with_optimizer=s.opts.overlap_param_gather_with_optimizer_step,
-                    part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
-                    first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
-                    key=lambda st=st: self.keys(f"dp/{st}"),  # type: ignore[misc]
-                    cpu_s=self.cpu_call, launch_after=self.launch_after,
-                    insert_before=self.insert_before))
+        forwards = [u for u in schedule("1f1b" if s.vp > 1 else s.opts.pipeline_schedule,
+                                        s.p, st, s.mb_count, s.vp) if u[0] == "F"]
+        intra, inter = groups
+        return bucket_ops(
+            st, s.p, s.vp, s.mb_count, buckets, forwards, BucketComms(
+                groups=intra, reduce_op=reduce_op, inter_groups=inter,
+                grad_bytes=s.grad_bytes, param_bytes=s.act,
+                grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
+                overlap_grad_reduce=s.opts.overlap_grad_reduce,
+                overlap_param_gather=(s.opts.distributed_optimizer
+                                      and s.opts.overlap_param_gather),
+                align_param_gather=s.align_gather,
+                gather_with_optimizer=s.opts.overlap_param_gather_with_optimizer_step,
+                part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
+                first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
+                key=lambda: self.keys(f"{prefix}/{st}"),
+                cpu_s=self.cpu_call, launch_after=self.launch_after,
+                insert_before=self.insert_before))
 
     def optimizer_s(self, st: int) -> float:
         """GPU seconds of stage ``st``'s optimizer step: grad unscale/norm (read 4 B), Adam
@@ -213,7 +230,8 @@ class _Step:
                          ) -> tuple[Op | None, Op | None]:
                 return self._run_unit(u, st, cls, last_on_stream)
 
-            for g in self.stage_buckets[st].prologue:    # aligned: before the first receive
+            for g in (*self.stage_buckets[st].prologue,     # aligned: before the first receive
+                      *self.expert_stage_buckets[st].prologue):
                 self.program.add(cls, g)
                 last_on_stream[g.stream] = g
             if self.rotated:
@@ -250,12 +268,12 @@ class _Step:
         s, program = self.s, self.program
         for st, cls in enumerate(self.classes):
             groups = instance_groups(s.dp_groups(st), s.k_inst)[0]
-            deps_done = [self.last_bwd[st]] + self.stage_buckets[st].grads
+            grads = self.stage_buckets[st].grads + self.expert_stage_buckets[st].grads
+            deps_done = [self.last_bwd[st]] + grads
             if not s.opts.overlap_grad_reduce:
-                for g in self.stage_buckets[st].grads:
+                for g in grads:
                     g.deps = g.deps or [self.last_bwd[st]]
                     program.add(cls, g)
-            deps_done += self._expert_grads(st, cls)
             if s.model.tied_embeddings and s.p > 1 and st in (0, s.p - 1):
                 pairs = s.stage_pairs(0, s.p - 1)
                 tie = program.add(cls, Op(
@@ -270,7 +288,15 @@ class _Step:
                 dur *= self.chunk0_share(st)   # the other chunks' steps open the step
             opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                            category="optimizer", deps=deps_done))
-            self._expert_gather(st, cls, opt)
+            if s.opts.distributed_optimizer and not self.expert_stage_buckets[st].gathers:
+                groups_e = self._expert_groups(st) or ()
+                for b in self.expert_buckets[st] if groups_e else ():
+                    program.add(cls, Op(
+                        name=f"expert param all_gather bucket v{b.v} {b.parts[-1]}",
+                        kind="collective", stream="dp", phase="comm", deps=[opt],
+                        collective="all_gather", group=groups_e[0], groups=groups_e,
+                        nbytes=s.act * b.params, dtype=s.act_dtype,
+                        key=self.keys(f"edp/{st}"), category="all_gather"))
             if s.opts.distributed_optimizer and s.dp * s.cp > 1 \
                     and not self.stage_buckets[st].gathers:
                 # Without overlap_param_gather the optimizer gathers every bucket right away.
@@ -282,39 +308,28 @@ class _Step:
                         nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
                         category="all_gather"))
 
+
     # ------------------------------------------------------------------ experts
     def _expert_groups(self, st: int) -> tuple[tuple[int, ...], ...] | None:
+        """Stage ``st``'s expert-data-parallel groups; None when there is nothing to reduce
+        (no experts on the stage, or expert-dp 1)."""
         s = self.s
         if s.moe is None or s.moe.edp == 1 or not s.stage_expert_params(st):
             return None
         return s.moe.edp_groups(st)
 
-    def _expert_grads(self, st: int, cls: RankClass) -> list[Op]:
-        """The routed experts' gradient buffer reduced over the expert-data-parallel group
-        (Megatron-Core's DDP keeps expert parameters in their own buffers, reduced over
-        ``expt_dp``): a reduce-scatter with the distributed optimizer, else an all-reduce.
-        First cut: one reduce after the stage's backward (``finalize_model_grads``), not
-        bucketed into the backward hooks."""
+    def _assign_expert_buckets(self, st: int, size: int | None) -> list[Bucket]:
+        """The routed experts' buckets of stage ``st``: Megatron-Core's DDP packs the expert
+        parameters into their own buffers with the same bucket size and the same rule (split
+        only on the first stage's first chunk), in backward order of their layers."""
         s = self.s
-        groups = self._expert_groups(st)
-        if groups is None:
+        if s.moe is None:
             return []
-        op = "reduce_scatter" if s.opts.distributed_optimizer else "all_reduce"
-        return [self.program.add(cls, Op(
-            name=f"expert grads {op}", kind="collective", stream="dp", phase="comm",
-            deps=[self.last_bwd[st]], collective=op,  # type: ignore[arg-type]
-            group=groups[0], groups=groups, nbytes=s.grad_bytes * s.stage_expert_params(st),
-            dtype=s.grad_dtype, key=self.keys(f"edp/{st}"), category=op))]
-
-    def _expert_gather(self, st: int, cls: RankClass, opt: Op) -> None:
-        """The distributed optimizer's all-gather of the updated 16-bit expert parameters
-        over the expert-data-parallel group, after the optimizer step."""
-        s = self.s
-        groups = self._expert_groups(st)
-        if groups is None or not s.opts.distributed_optimizer:
-            return
-        self.program.add(cls, Op(
-            name="expert param all_gather", kind="collective", stream="dp", phase="comm",
-            deps=[opt], collective="all_gather", group=groups[0], groups=groups,
-            nbytes=s.act * s.stage_expert_params(st), dtype=s.act_dtype,
-            key=self.keys(f"edp/{st}"), category="all_gather"))
+        moe = s.moe
+        chunks = [[la for la in ch if moe.is_moe(la)] for ch in s.chunks]
+        out = []
+        for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size):
+            b.parts = [x for x in b.parts if isinstance(x, int)]
+            if b.parts:
+                out.append(b)
+        return out
