@@ -224,3 +224,39 @@ def test_gradient_buckets_conserve_dense_and_expert_parameters(fw) -> None:
         # issued from the backward hooks, before the stage's last backward op
         last_bwd = max(op.index for _, op in _ops(p) if op.phase == "bwd")
         assert min(op.index for op in grads if op.key.startswith("edp/")) < last_bwd
+
+
+def test_full_recomputation_reruns_the_dispatch() -> None:
+    # activation_checkpointing full re-runs each layer's forward in backward, the MoE
+    # layer's all-to-alls included (Megatron-Core's CheckpointFunction over the whole
+    # TransformerLayer): three passes' all-to-alls instead of two, hardware FLOPs above model.
+    base = _scn({"tp": 1, "ep": 4})
+    full = megatron_scenario({"tp": 1, "ep": 4}, 8, model=TINY, seq=SEQ, ac="full")
+    b, f = _program(base), _program(full)
+    wire = [sum(_wire(op) for _, op in _a2a(p) if "probs" not in op.name) for p in (b, f)]
+    assert wire[1] == pytest.approx(1.5 * wire[0], rel=1e-12)
+    # The recomputed FLOPs are the layers' forward FLOPs once more (the MoE part: 2 x tokens
+    # x active MoE parameters per layer, not all experts').
+    layer_fwd = sum(op.flops * len(c.members) for c, op in _ops(b)
+                    if op.phase == "fwd" and op.layer is not None)
+    assert b.hw_flops_per_step == b.model_flops_per_step
+    assert f.hw_flops_per_step - f.model_flops_per_step == pytest.approx(layer_fwd, rel=1e-12)
+    moe_fwd = sum(op.flops * len(c.members) for c, op in _ops(b)
+                  if op.phase == "fwd" and " moe " in op.name)
+    assert moe_fwd == pytest.approx(4 * 2 * 8 * SEQ * (8 * 1024 + 2 * 3 * 1024 * 1024),
+                                    rel=1e-12)
+
+
+def test_shared_experts_run_on_every_token_with_tensor_parallelism() -> None:
+    # One shared expert (DeepSeek/Qwen-style) beside the routed ones, tp=2 sequence parallel:
+    # a TP MLP over the gathered sequence, its output reduce-scattered; its FLOPs count once
+    # per token: 6 x (router + (top-k + shared) experts) per token and layer.
+    s = _scn({"tp": 2, "ep": 2}, model=dict(TINY, shared_experts=1))
+    p = _program(s)
+    tokens = 8 * SEQ
+    moe = sum(op.flops * len(c.members) for c, op in _ops(p) if " moe " in op.name)
+    assert moe == pytest.approx(6 * tokens * 4 * (8 * 1024 + 3 * 3 * 1024 * 1024), rel=1e-12)
+    names = {op.name.split(" mb")[1].split(" ", 1)[1] for _, op in _ops(p)
+             if op.name.startswith("fwd moe L0 ")}
+    assert {"shared all_gather", "shared experts", "shared reduce_scatter"} <= names
+    assert simulate(s).summary["step_time_s"] > 0
