@@ -260,3 +260,21 @@ def test_shared_experts_run_on_every_token_with_tensor_parallelism() -> None:
              if op.name.startswith("fwd moe L0 ")}
     assert {"shared all_gather", "shared experts", "shared reduce_scatter"} <= names
     assert simulate(s).summary["step_time_s"] > 0
+
+
+def test_router_options_follow_megatron_core_defaults() -> None:
+    from sim.frameworks.megatron.shape import megatron_shape
+
+    def router(**fw):
+        s = _scn({"tp": 1, "ep": 4}, framework={"name": "megatron", **fw})
+        return megatron_shape(JobContext.from_scenario(s, "s.yaml")).moe.ops.router
+
+    def names(b):
+        return {k.name for k in b.forward}
+
+    # TransformerConfig defaults: moe_aux_loss_coeff 0 (no aux loss), moe_z_loss_coeff None,
+    # moe_router_fusion False (PyTorch top-k and scatter ops).
+    plain = names(router())
+    assert "aux.loss" not in plain and "z_loss" not in plain and "topk" in plain
+    assert {"aux.loss", "z_loss"} <= names(router(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3))
+    assert "topk_fused" in names(router(moe_router_fusion=True))

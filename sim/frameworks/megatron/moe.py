@@ -38,6 +38,7 @@ from sim.frameworks.common.nccl_dtype import element_type
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
+from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.model import ModelSpec
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
@@ -145,8 +146,12 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     """The expert layout and one MoE layer's priced ops on one rank, whose ``local_tokens``
     (micro-batch x sequence / (cp x tp) with sequence parallelism) enter the router."""
     par = ctx.scenario.parallelism
+    opts = ctx.scenario.framework
+    assert isinstance(opts, MegatronOptions)
     ep, etp = par.ep, par.expert_tp
-    lay = MoELayout(ep=ep, etp=etp, tp=tp)
+    lay = MoELayout(ep=ep, etp=etp, tp=tp, router_fusion=opts.moe_router_fusion,
+                    aux_loss=opts.moe_aux_loss_coeff > 0,
+                    z_loss=opts.moe_z_loss_coeff is not None)
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens)
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
     return MoEPlan(model=ctx.model, ep=ep, etp=etp, edp=ctx.n_ranks // (etp * ep * pp), p=pp,
