@@ -54,15 +54,15 @@ def _wire(op) -> float:
 
 @pytest.mark.parametrize("par", [{"tp": 1, "ep": 8}, {"tp": 1, "ep": 4},
                                  {"tp": 2, "ep": 4}, {"tp": 2, "ep": 2, "etp": 1},
-                                 {"tp": 1, "pp": 2, "ep": 4}])
+                                 {"tp": 1, "pp": 2, "ep": 4}, {"tp": 1, "cp": 2, "ep": 4}])
 def test_all_to_all_bytes_follow_the_closed_form(par) -> None:
     s = _scn(par)
     p = _program(s)
-    ep, tp, pp = par["ep"], par["tp"], par.get("pp", 1)
-    tokens = 1 * SEQ // tp               # micro-batch 1, the sequence-parallel shard
+    ep, tp, pp, cp = par["ep"], par["tp"], par.get("pp", 1), par.get("cp", 1)
+    tokens = 1 * SEQ // (cp * tp)        # micro-batch 1, the context- and sequence-parallel shard
     k, h, bf16 = 2, 1024, 2
     closed = 2 * tokens * k * h * bf16 * (ep - 1) / ep     # per MoE layer per pass
-    mbs = 8 // (8 // (tp * pp))          # micro-batches per step: gbs / dp
+    mbs = 8 // (8 // (tp * pp * cp))     # micro-batches per step: gbs / dp
     layers_per_rank = 4 // pp
     tokens_a2a = [(c, op) for c, op in _a2a(p) if "probs" not in op.name]
     per_rank = {c.id: 0.0 for c in p.classes}
