@@ -40,6 +40,10 @@ What the step does, as ``megatron/core`` runs it:
   instances the reduce-scatter and gather run in dp*cp/k ranks and the shard is all-reduced
   across the instances). Tied embeddings are all-reduced between the first and last stage
   (``finalize_model_grads``).
+* Mixture-of-experts layers (:mod:`sim.frameworks.megatron.moe`): the router, the
+  ``alltoall`` dispatcher's all-to-alls over the EP groups, the grouped expert GEMMs, on the
+  compute stream; the experts laid out by MoE parallel folding (etp x ep x expert-dp x pp),
+  their gradients in their own buckets over the expert-data-parallel group.
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
   gradients are fp16), the latter sharded over data-parallel ranks by the distributed
