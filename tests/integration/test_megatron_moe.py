@@ -278,3 +278,32 @@ def test_router_options_follow_megatron_core_defaults() -> None:
     assert "aux.loss" not in plain and "z_loss" not in plain and "topk" in plain
     assert {"aux.loss", "z_loss"} <= names(router(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3))
     assert "topk_fused" in names(router(moe_router_fusion=True))
+
+
+def test_fp8_runs_the_expert_gemms_in_fp8_and_keeps_their_fp8_weights() -> None:
+    from sim.frameworks.megatron.shape import megatron_shape
+
+    def shape(precision, model=TINY):
+        s = megatron_scenario({"tp": 1, "ep": 4}, 8, model=model, seq=SEQ, precision=precision)
+        return megatron_shape(JobContext.from_scenario(s, "s.yaml"))
+
+    b16, f8 = shape("bf16"), shape("fp8")
+    gemms = [k for k in f8.moe.ops.experts.forward if k.klass == "gemm"]
+    assert gemms and all(k.fp8 for k in gemms)
+    # The H100's FP8 rate is twice its bf16 rate: Mixtral's experts (4,096-row GEMMs 4,096 x
+    # 28,672 per expert here) run faster despite the casts (the weights' cast, once per
+    # micro-batch here, eats much of the forward's gain).
+    mix = {p: shape(p, "mixtral-8x7b").moe.cost["experts"] for p in ("bf16", "fp8")}
+    assert mix["fp8"].fwd_gpu_s < mix["bf16"].fwd_gpu_s
+    assert mix["fp8"].bwd_gpu_s < 0.8 * mix["bf16"].bwd_gpu_s
+    # 1,024 rows per local expert (2,048 tokens x top-2 x ep 4 / 8 experts), a multiple of
+    # the FP8 alignment: no padding, the same FLOPs.
+    assert f8.moe.flops_fwd == b16.moe.flops_fwd
+    # Transformer Engine keeps each FP8 weight and its transpose: 2 B per linear parameter,
+    # attention's and the 2 local experts' (3 x 1024 x 1024 each), 4 layers; no router.
+    attn = f8.cost["attn_main"].params
+    assert f8.initial_memory(0)["buffers"] == 2 * 4 * (attn + 2 * 3 * 1024 * 1024)
+    # The dispatch stays 16-bit (the alltoall dispatcher does not quantise tokens).
+    a2a = [op for _, op in _a2a(_program(megatron_scenario(
+        {"tp": 1, "ep": 4}, 8, model=TINY, seq=SEQ, precision="fp8")))]
+    assert {op.dtype for op in a2a if "probs" not in op.name} == {"bf16"}

@@ -24,7 +24,7 @@ from it (:class:`MoEPlan`). Expert parameters' gradients are reduced over the
 expert-data-parallel group (``expt_dp``), the others over the usual data-parallel group.
 
 First cut (issue 14 item 2): balanced routing, the ``alltoall`` dispatcher without
-communication overlap, 16-bit training, no shared-expert overlap.
+communication overlap, no shared-expert overlap.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Literal
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
@@ -134,22 +135,23 @@ def check_moe(ctx: JobContext, implementation: str, k_inst: int, sp: bool) -> No
     ctx.require(t == 1 or sp, "parallelism.sequence_parallel",
                 "mixture-of-experts layers with tp > 1 need sequence parallelism "
                 "(Megatron-Core TransformerConfig)")
-    ctx.require(ctx.scenario.training.precision in ("bf16", "fp16"), "training.precision",
-                "mixture-of-experts layers are modelled with 16-bit training (bf16 or fp16) "
-                "for now")
     ctx.require(k_inst == 1, "framework.num_distributed_optimizer_instances",
                 "several distributed-optimizer instances are not modelled with experts yet")
 
 
-def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeModel
+def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeModel,
+             fp8: Literal["delayed", "tensorwise"] | None = None, weight_cast_share: float = 1.0
              ) -> MoEPlan:
     """The expert layout and one MoE layer's priced ops on one rank, whose ``local_tokens``
-    (micro-batch x sequence / (cp x tp) with sequence parallelism) enter the router."""
+    (micro-batch x sequence / (cp x tp) with sequence parallelism) enter the router. With
+    ``fp8`` the expert GEMMs run in FP8 as Transformer Engine's grouped linears do (the
+    ``alltoall`` dispatch itself stays 16-bit)."""
     par = ctx.scenario.parallelism
     opts = ctx.scenario.framework
     assert isinstance(opts, MegatronOptions)
     ep, etp = par.ep, par.expert_tp
-    lay = MoELayout(ep=ep, etp=etp, tp=tp, router_fusion=opts.moe_router_fusion,
+    lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
+                    router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None)
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens)

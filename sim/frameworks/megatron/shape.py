@@ -219,7 +219,16 @@ class MegatronShape:
             mem["gradients"] += self.grad_bytes * e
             mem["optimizer"] += self.opt_bytes * e / self.expert_shard
         if self.lay.fp8:
-            mem["buffers"] = float(2 * self.stage_layer_count[st] * self.linear_params)
+            if self.moe is None:
+                mem["buffers"] = float(2 * self.stage_layer_count[st] * self.linear_params)
+            else:
+                # An MoE layer's FP8 weights: attention's linears, the local experts' grouped
+                # weights and the shared experts (the router's GEMM stays 16-bit).
+                moe, attn = self.moe, self.cost["attn_main"].params
+                mlp = self.linear_params - attn
+                moe_lin = moe.expert_params + (moe.ops.shared.params if moe.ops.shared else 0)
+                mem["buffers"] = float(2 * sum(attn + (moe_lin if moe.is_moe(la) else mlp)
+                                               for la in self.stage_layers(st)))
         return mem
 
     def recompute_flops(self) -> float:
@@ -309,7 +318,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     layer_params: float = dense_layer
     if m.moe is not None:
         check_moe(ctx, opts.implementation, k_inst, sp)
-        moe = moe_plan(ctx, t, p, local_tokens, ctx.compute)
+        moe = moe_plan(ctx, t, p, local_tokens, ctx.compute, lay.fp8, lay.weight_cast_share)
         # A layer with experts: attention, the pre-MLP norm, the router and shared experts.
         layer_params = (cost["attn_pre"].params + cost["attn_main"].params
                         + cost["mlp_pre"].params + moe.dense_params)
