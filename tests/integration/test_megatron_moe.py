@@ -170,7 +170,7 @@ def test_mixtral_8x7b_on_64_h100_is_physically_plausible() -> None:
     s = load_scenario("mixtral-8x7b-megatron-ep8-64xh100")
     r = simulate(s).summary
     # Lower bound: the model FLOPs per GPU at the H100 SXM's dense bf16 peak (989 TFLOP/s,
-    # NVIDIA H100 datasheet); Mixtral's 6 x 12.9B-ish active FLOPs per token, not 46.7B.
+    # NVIDIA H100 datasheet), the FLOPs of Mixtral's active parameters (12.9B of 46.7B).
     per_gpu = r["model_flops_per_step"] / 64
     assert r["step_time_s"] > per_gpu / 989e12
     assert 0.3 < r["mfu"] < 0.7 and not r["oom"]
