@@ -292,15 +292,6 @@ class _Step:
                 dur *= self.chunk0_share(st)   # the other chunks' steps open the step
             opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
                                            category="optimizer", deps=deps_done))
-            if s.opts.distributed_optimizer and not self.expert_stage_buckets[st].gathers:
-                groups_e = self._expert_groups(st) or ()
-                for b in self.expert_buckets[st] if groups_e else ():
-                    program.add(cls, Op(
-                        name=f"expert param all_gather bucket v{b.v} {b.parts[-1]}",
-                        kind="collective", stream="dp", phase="comm", deps=[opt],
-                        collective="all_gather", group=groups_e[0], groups=groups_e,
-                        nbytes=s.act * b.params, dtype=s.act_dtype,
-                        key=self.keys(f"edp/{st}"), category="all_gather"))
             if s.opts.distributed_optimizer and s.dp * s.cp > 1 \
                     and not self.stage_buckets[st].gathers:
                 # Without overlap_param_gather the optimizer gathers every bucket right away.
@@ -311,7 +302,9 @@ class _Step:
                         collective="all_gather", group=groups[0], groups=groups,
                         nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
                         category="all_gather"))
-
+            # Then the experts' buffers (DistributedDataParallel.start_param_sync walks the
+            # dense bucket groups, then the expert-parallel ones).
+            self._expert_gathers(st, cls, opt)
 
     # ------------------------------------------------------------------ experts
     def _expert_groups(self, st: int) -> tuple[tuple[int, ...], ...] | None:
@@ -337,3 +330,19 @@ class _Step:
             if b.parts:
                 out.append(b)
         return out
+
+    def _expert_gathers(self, st: int, cls: RankClass, opt: Op) -> None:
+        """Without ``overlap_param_gather``: the distributed optimizer's all-gathers of the
+        updated expert parameters over the expert-data-parallel group, after its step."""
+        s = self.s
+        groups = self._expert_groups(st)
+        if not s.opts.distributed_optimizer or self.expert_stage_buckets[st].gathers \
+                or groups is None:
+            return
+        for b in self.expert_buckets[st]:
+            self.program.add(cls, Op(
+                name=f"expert param all_gather bucket v{b.v} {b.parts[-1]}",
+                kind="collective", stream="dp", phase="comm", deps=[opt],
+                collective="all_gather", group=groups[0], groups=groups,
+                nbytes=s.act * b.params, dtype=s.act_dtype,
+                key=self.keys(f"edp/{st}"), category="all_gather"))
