@@ -102,6 +102,12 @@ class Scenario(StrictModel):
             raise ValueError(
                 f"parallelism: tp*pp*dp*cp = {fixed * p.dp} but the cluster has {n} GPUs"
             )
+        expert = p.expert_tp * p.ep * p.pp
+        if n % expert:
+            # parallel_state.initialize_model_parallel: the expert layout (etp, ep, expert-dp,
+            # pp) must tile the same world as the attention's.
+            raise ValueError(f"parallelism.ep: etp*ep*pp = {p.expert_tp}*{p.ep}*{p.pp} = "
+                             f"{expert} does not divide the {n} GPUs")
         return self
 
     @property

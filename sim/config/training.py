@@ -194,6 +194,20 @@ class Parallelism(StrictModel):
     """Virtual pipeline chunks per stage (interleaved 1F1B)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism with tensor parallelism."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel size: ranks sharing a mixture-of-experts layer's routed experts
+    (Megatron ``--expert-model-parallel-size``, default 1). With MoE parallel folding
+    (Megatron-Core ``parallel_state.initialize_model_parallel``, arXiv:2504.14960) the experts
+    get their own layout over the same ranks: etp x ep x expert-dp x pp = the GPUs."""
+    etp: int | None = Field(default=None, gt=0)
+    """Expert tensor-parallel size: ranks splitting each local expert's width (Megatron
+    ``--expert-tensor-parallel-size``); omitted = ``tp``, as Megatron-LM's ``validate_args``
+    defaults it."""
+
+    @property
+    def expert_tp(self) -> int:
+        """``etp``, or ``tp`` when omitted."""
+        return self.etp if self.etp is not None else self.tp
 
 
 class Training(StrictModel):

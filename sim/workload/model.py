@@ -11,6 +11,7 @@ models only, for now: the builders refuse the rest, issue 14).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from sim import catalog
@@ -263,9 +264,10 @@ class ModelSpec:
         """Parameters of the ``mtp_layers`` prediction modules, besides ``total_params``."""
         return self.mtp_layers * self.mtp_block_params
 
-    def beyond_dense(self) -> str | None:
+    def beyond_dense(self, allowed: Collection[str] = ()) -> str | None:
         """The scenario key of the first feature a dense Llama/GPT block lacks (experts, MLA,
-        MTP, query/key norms, sinks, sliding windows), or None for a dense model.
+        MTP, query/key norms, sinks, sliding windows), or None for a dense model; features
+        named in ``allowed`` (a builder models them) are skipped.
 
         Examples
         --------
@@ -278,7 +280,8 @@ class ModelSpec:
                    "mtp_layers": self.mtp_layers > 0, "qk_norm": self.qk_norm,
                    "attention_sinks": self.attention_sinks,
                    "sliding_window": self.sliding_window is not None}
-        return next((key for key in BEYOND_DENSE if present[key]), None)
+        return next((key for key in BEYOND_DENSE if present[key] and key not in allowed),
+                    None)
 
     # ------------------------------------------------------------------ FLOPs
     def _attention_layer_flops(self, seq_len: int, window: int | None) -> float:

@@ -38,6 +38,7 @@ class JobContext:
     def from_scenario(cls, s: Scenario, origin: str = "<scenario>") -> JobContext:
         model = ModelSpec.from_ref(s.model, s.training.seq_len)
         _require_dense(model, s.framework.name, origin)
+        _check_experts(s, model, origin)
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
         try:
             backend = attention_cost.resolve(s, gpu)
@@ -125,14 +126,38 @@ class JobContext:
         return per_mb * self.micro_batches * self.dp
 
 
+MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {"megatron": frozenset({"experts"})}
+"""The features beyond a dense block each builder models (:data:`BEYOND_DENSE` keys):
+Megatron-Core's MoE layers with the ``alltoall`` dispatcher
+(:mod:`sim.frameworks.megatron.moe`)."""
+
+
 def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:
-    """Refuse a model with a feature no builder prices yet (experts, MLA, MTP, ...): every
-    builder gets its context here, so none returns a number for a block it does not model.
-    Mixture-of-experts training is issue 14's work in progress."""
-    key = model.beyond_dense()
+    """Refuse a model with a feature its builder does not price yet (experts, MLA, MTP, ...):
+    every builder gets its context here, so none returns a number for a block it does not
+    model. Mixture-of-experts training is issue 14's work in progress."""
+    key = model.beyond_dense(MODELLED_BEYOND_DENSE.get(framework, frozenset()))
     if key is not None:
         raise ScenarioError(f"{origin}: model.{key}: {framework} does not model "
                             f"{BEYOND_DENSE[key]} yet (issue 14)")
+
+
+def _check_experts(s: Scenario, model: ModelSpec, origin: str) -> None:
+    """Expert parallelism needs routed experts to share, as many experts as a multiple of
+    ``ep`` (Megatron-LM ``validate_args``: ``num_experts % expert_model_parallel_size == 0``)
+    and an expert width that splits over expert-TP."""
+    p = s.parallelism
+    if p.ep == 1 and p.etp is None:
+        return
+    if model.moe is None:
+        raise ScenarioError(f"{origin}: parallelism.ep: model {model.name!r} has no experts to "
+                            "split (ep and etp need a mixture-of-experts model)")
+    if model.moe.experts % p.ep:
+        raise ScenarioError(f"{origin}: parallelism.ep: {model.moe.experts} experts do not "
+                            f"split over ep={p.ep}")
+    if model.moe.ffn_hidden % p.expert_tp:
+        raise ScenarioError(f"{origin}: parallelism.etp: expert width {model.moe.ffn_hidden} "
+                            f"does not split over etp={p.expert_tp}")
 
 
 Builder = Callable[[JobContext], Program]

@@ -40,6 +40,10 @@ What the step does, as ``megatron/core`` runs it:
   instances the reduce-scatter and gather run in dp*cp/k ranks and the shard is all-reduced
   across the instances). Tied embeddings are all-reduced between the first and last stage
   (``finalize_model_grads``).
+* Mixture-of-experts layers (:mod:`sim.frameworks.megatron.moe`): the router, the
+  ``alltoall`` dispatcher's all-to-alls over the EP groups, the grouped expert GEMMs, on the
+  compute stream; the experts laid out by MoE parallel folding (etp x ep x expert-dp x pp),
+  their gradients in their own buckets over the expert-data-parallel group.
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
   gradients are fp16), the latter sharded over data-parallel ranks by the distributed
@@ -57,6 +61,7 @@ from __future__ import annotations
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.buckets import (
+    Bucket,
     BucketComms,
     StageBuckets,
     assign_buckets,
@@ -149,36 +154,52 @@ class _Step:
                         for st in range(s.p)}
         self.launch_after: Hooks = {}   # id(op) -> ops the host issues right after it
         self.insert_before: Hooks = {}  # id(op) -> ops the host issues right before it
+        self.expert_buckets = {st: self._assign_expert_buckets(st, size) for st in range(s.p)}
         empty = StageBuckets()
         self.stage_buckets = {st: empty for st in range(s.p)}
+        self.expert_stage_buckets = {st: empty for st in range(s.p)}
         self.last_bwd: dict[int, Op] = {}
 
     # ------------------------------------------------------------------ buckets
     def add_buckets(self) -> None:
         """Each stage's gradient reduces and parameter gathers (:func:`bucket_ops`), hooked
-        into its units where Megatron-Core issues them."""
+        into its units where Megatron-Core issues them; the routed experts' buckets over the
+        expert-data-parallel groups likewise (their own buffers: Megatron-Core's
+        ``DistributedDataParallel`` ``expert_parallel_buffers`` over ``expt_dp``)."""
+        s = self.s
+        for st in range(s.p) if s.dp * s.cp > 1 else ():
+            self.stage_buckets[st] = self._bucket_ops(
+                st, self.buckets[st], instance_groups(s.dp_groups(st), s.k_inst), "dp")
+        for st in range(s.p):
+            groups = self._expert_groups(st)
+            if groups is not None:
+                self.expert_stage_buckets[st] = self._bucket_ops(
+                    st, self.expert_buckets[st], (groups, ()), "edp")
+
+    def _bucket_ops(self, st: int, buckets: list[Bucket],
+                    groups: tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]],
+                    prefix: str) -> StageBuckets:
         s = self.s
         reduce_op = "reduce_scatter" if s.opts.distributed_optimizer else "all_reduce"
         units = self.units
-        for st in range(s.p) if s.dp * s.cp > 1 else ():
-            forwards = [u for u in schedule("1f1b" if s.vp > 1 else s.opts.pipeline_schedule,
-                                            s.p, st, s.mb_count, s.vp) if u[0] == "F"]
-            intra, inter = instance_groups(s.dp_groups(st), s.k_inst)
-            self.stage_buckets[st] = bucket_ops(
-                st, s.p, s.vp, s.mb_count, self.buckets[st], forwards, BucketComms(
-                    groups=intra, reduce_op=reduce_op, inter_groups=inter,
-                    grad_bytes=s.grad_bytes, param_bytes=s.act,
-                    grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
-                    overlap_grad_reduce=s.opts.overlap_grad_reduce,
-                    overlap_param_gather=(s.opts.distributed_optimizer
-                                          and s.opts.overlap_param_gather),
-                    align_param_gather=s.align_gather,
-                    gather_with_optimizer=s.opts.overlap_param_gather_with_optimizer_step,
-                    part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
-                    first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
-                    key=lambda st=st: self.keys(f"dp/{st}"),  # type: ignore[misc]
-                    cpu_s=self.cpu_call, launch_after=self.launch_after,
-                    insert_before=self.insert_before))
+        forwards = [u for u in schedule("1f1b" if s.vp > 1 else s.opts.pipeline_schedule,
+                                        s.p, st, s.mb_count, s.vp) if u[0] == "F"]
+        intra, inter = groups
+        return bucket_ops(
+            st, s.p, s.vp, s.mb_count, buckets, forwards, BucketComms(
+                groups=intra, reduce_op=reduce_op, inter_groups=inter,
+                grad_bytes=s.grad_bytes, param_bytes=s.act,
+                grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
+                overlap_grad_reduce=s.opts.overlap_grad_reduce,
+                overlap_param_gather=(s.opts.distributed_optimizer
+                                      and s.opts.overlap_param_gather),
+                align_param_gather=s.align_gather,
+                gather_with_optimizer=s.opts.overlap_param_gather_with_optimizer_step,
+                part_op=lambda k, v, mb, part: units[(k, v, mb)].part_op[part],
+                first_op=lambda k, v, mb: units[(k, v, mb)].first,  # type: ignore[arg-type,return-value]
+                key=lambda: self.keys(f"{prefix}/{st}"),
+                cpu_s=self.cpu_call, launch_after=self.launch_after,
+                insert_before=self.insert_before))
 
     def optimizer_s(self, st: int) -> float:
         """GPU seconds of stage ``st``'s optimizer step: grad unscale/norm (read 4 B), Adam
@@ -187,6 +208,10 @@ class _Step:
         s, cm = self.s, self.cm
         n = s.stage_params(st)
         local = n / s.shard
+        e = s.stage_expert_params(st)
+        if e:   # the local experts' shard over the expert-data-parallel group
+            local += e / s.expert_shard
+            n += e
         return (cm.adamw_time(local, True, 8 * s.stage_layer_count[st] + 4)
                 + cm.membound_time(4 * local) + cm.membound_time(6 * local)
                 + cm.membound_time(s.grad_bytes * n))
@@ -209,7 +234,8 @@ class _Step:
                          ) -> tuple[Op | None, Op | None]:
                 return self._run_unit(u, st, cls, last_on_stream)
 
-            for g in self.stage_buckets[st].prologue:    # aligned: before the first receive
+            for g in (*self.stage_buckets[st].prologue,     # aligned: before the first receive
+                      *self.expert_stage_buckets[st].prologue):
                 self.program.add(cls, g)
                 last_on_stream[g.stream] = g
             if self.rotated:
@@ -246,9 +272,10 @@ class _Step:
         s, program = self.s, self.program
         for st, cls in enumerate(self.classes):
             groups = instance_groups(s.dp_groups(st), s.k_inst)[0]
-            deps_done = [self.last_bwd[st]] + self.stage_buckets[st].grads
+            grads = self.stage_buckets[st].grads + self.expert_stage_buckets[st].grads
+            deps_done = [self.last_bwd[st]] + grads
             if not s.opts.overlap_grad_reduce:
-                for g in self.stage_buckets[st].grads:
+                for g in grads:
                     g.deps = g.deps or [self.last_bwd[st]]
                     program.add(cls, g)
             if s.model.tied_embeddings and s.p > 1 and st in (0, s.p - 1):
@@ -275,3 +302,47 @@ class _Step:
                         collective="all_gather", group=groups[0], groups=groups,
                         nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
                         category="all_gather"))
+            # Then the experts' buffers (DistributedDataParallel.start_param_sync walks the
+            # dense bucket groups, then the expert-parallel ones).
+            self._expert_gathers(st, cls, opt)
+
+    # ------------------------------------------------------------------ experts
+    def _expert_groups(self, st: int) -> tuple[tuple[int, ...], ...] | None:
+        """Stage ``st``'s expert-data-parallel groups; None when there is nothing to reduce
+        (no experts on the stage, or expert-dp 1)."""
+        s = self.s
+        if s.moe is None or s.moe.edp == 1 or not s.stage_expert_params(st):
+            return None
+        return s.moe.edp_groups(st)
+
+    def _assign_expert_buckets(self, st: int, size: int | None) -> list[Bucket]:
+        """The routed experts' buckets of stage ``st``: Megatron-Core's DDP packs the expert
+        parameters into their own buffers with the same bucket size and the same rule (split
+        only on the first stage's first chunk), in backward order of their layers."""
+        s = self.s
+        if s.moe is None:
+            return []
+        moe = s.moe
+        chunks = [[la for la in ch if moe.is_moe(la)] for ch in s.chunks]
+        out = []
+        for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size):
+            b.parts = [x for x in b.parts if isinstance(x, int)]
+            if b.parts:
+                out.append(b)
+        return out
+
+    def _expert_gathers(self, st: int, cls: RankClass, opt: Op) -> None:
+        """Without ``overlap_param_gather``: the distributed optimizer's all-gathers of the
+        updated expert parameters over the expert-data-parallel group, after its step."""
+        s = self.s
+        groups = self._expert_groups(st)
+        if not s.opts.distributed_optimizer or self.expert_stage_buckets[st].gathers \
+                or groups is None:
+            return
+        for b in self.expert_buckets[st]:
+            self.program.add(cls, Op(
+                name=f"expert param all_gather bucket v{b.v} {b.parts[-1]}",
+                kind="collective", stream="dp", phase="comm", deps=[opt],
+                collective="all_gather", group=groups[0], groups=groups,
+                nbytes=s.act * b.params, dtype=s.act_dtype,
+                key=self.keys(f"edp/{st}"), category="all_gather"))

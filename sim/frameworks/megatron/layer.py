@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sim.frameworks.megatron.moe import MoEOps
 from sim.frameworks.megatron.overlap import (
     TE_PIPELINE_SPLITS,
     column_linear_backward,
@@ -64,6 +65,9 @@ class LayerCosts:
     """Context-parallel ring: bytes of each forward / backward K/V exchange step."""
     ring_s: dict[str, tuple[float, float]]
     """Context-parallel ring: (GPU seconds before core attention, of core attention)."""
+    moe_saved_delta: float = 0.0
+    """A layer with experts: its MoE blocks' saved bytes less the dense MLP's (which
+    ``layer_saved`` counts)."""
 
 
 def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> LayerCosts:
@@ -94,7 +98,9 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     fwd_ks = blocks["attn_main"].forward
     first_core = next((i for i, k in enumerate(fwd_ks) if k.name.split(".")[0] in CORE_FWD),
                       len(fwd_ks))
+    moe_delta = (s.moe.saved_bytes - cost["mlp_main"].saved_bytes) if s.moe else 0.0
     return LayerCosts(
+        moe_saved_delta=moe_delta,
         fwd_s={k: c.fwd_gpu_s for k, c in cost.items()},
         bwd_s={k: c.bwd_gpu_s for k, c in cost.items()},
         fwd_cpu={k: py_ops[k][0] * cpu_s_per_op for k in cost},
@@ -188,6 +194,19 @@ class UnitBuilder:
         self.overlap = shape.opts.tp_comm_overlap and shape.t > 1
         self.tp_groups = [shape.tp_groups(st) for st in range(shape.p)]
         """Each stage's tensor-parallel groups (built once: every collective names them)."""
+        self.moe = [MoEOps(shape.moe, st, keys, costs.cpu_call, self.tp_groups[st], shape.t)
+                    for st in range(shape.p)] if shape.moe is not None else []
+        """Each stage's MoE layer op makers (models with experts)."""
+
+    def is_moe(self, layer: int) -> bool:
+        return self.s.moe is not None and self.s.moe.is_moe(layer)
+
+    def _moe_ops(self, unit: UnitOps, ops: list[Op]) -> None:
+        """Append an MoE layer's ops (no tensor-parallel exchange closes them: with sequence
+        parallelism the dispatcher takes and returns the sequence shard)."""
+        ops[0].deps = list(ops[0].deps) + unit.carry
+        unit.carry = []
+        unit.ops.extend(ops)
 
     def build_units(self) -> dict[UnitKey, UnitOps]:
         """Every unit of the step, built in (virtual stage, micro-batch, pass) order."""
@@ -297,13 +316,19 @@ class UnitBuilder:
         """A layer's forward (or its recomputation under full checkpointing)."""
         s, c = self.s, self.c
         phase = "recompute" if recompute else "fwd"
+        moe = self.is_moe(layer)
+        hold = c.layer_hold + (c.moe_saved_delta if moe and s.ac != "full" else 0.0)
         self.block_ops(st, unit, BlockSpec(
             ("norm", "attention"), c.fwd_s["attn_pre"], c.fwd_s["attn_main"],
             f"{phase} attn L{layer} mb{mb}", mb, layer, phase,
-            alloc=0.0 if recompute else c.layer_hold,
+            alloc=0.0 if recompute else hold,
             flops=0.0 if recompute else s.blocks["attn_main"].flops_fwd, ring="fwd",
             cpu_pre=c.fwd_cpu["attn_pre"] + (c.ckpt_cpu if recompute else 0.0),
             cpu_main=c.fwd_cpu["attn_main"]))
+        if moe:
+            self._moe_ops(unit, self.moe[st].forward(phase, mb, layer, c.fwd_s["mlp_pre"],
+                                                     c.fwd_cpu["mlp_pre"]))
+            return
         self.block_ops(st, unit, BlockSpec(
             ("norm", "mlp"), c.fwd_s["mlp_pre"], c.fwd_s["mlp_main"],
             f"{phase} mlp L{layer} mb{mb}", mb, layer, phase,
@@ -313,17 +338,23 @@ class UnitBuilder:
     def layer_backward(self, st: int, unit: UnitOps, mb: int, layer: int) -> None:
         """A layer's backward, after its recomputation under full checkpointing."""
         s, c = self.s, self.c
+        moe = self.is_moe(layer)
+        delta = c.moe_saved_delta if moe else 0.0
         if s.ac == "full":
             self.layer_forward(st, unit, mb, layer, recompute=True)
             # The recomputed layer's activations live until its backward ends.
-            unit.ops[-1].alloc = unit.ops[-1].alloc + (("activations", c.layer_saved),)
-        self.block_ops(st, unit, BlockSpec(
-            ("mlp", "norm"), c.bwd_s["mlp_pre"], c.bwd_s["mlp_main"],
-            f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
-            flops=s.blocks["mlp_main"].flops_bwd, cpu_pre=c.bwd_cpu["mlp_pre"],
-            cpu_main=c.bwd_cpu["mlp_main"], column="fc1"))
+            unit.ops[-1].alloc = unit.ops[-1].alloc + (("activations", c.layer_saved + delta),)
+        if moe:
+            self._moe_ops(unit, self.moe[st].backward(mb, layer, c.bwd_s["mlp_pre"],
+                                                      c.bwd_cpu["mlp_pre"]))
+        else:
+            self.block_ops(st, unit, BlockSpec(
+                ("mlp", "norm"), c.bwd_s["mlp_pre"], c.bwd_s["mlp_main"],
+                f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
+                flops=s.blocks["mlp_main"].flops_bwd, cpu_pre=c.bwd_cpu["mlp_pre"],
+                cpu_main=c.bwd_cpu["mlp_main"], column="fc1"))
         extra = c.core_fwd_s if s.ac == "selective" else 0.0
-        free = c.layer_hold + (c.layer_saved if s.ac == "full" else 0.0)
+        free = c.layer_hold + delta + (c.layer_saved if s.ac == "full" else 0.0)
         self.block_ops(st, unit, BlockSpec(
             ("attention", "norm"), c.bwd_s["attn_pre"], c.bwd_s["attn_main"] + extra,
             f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,

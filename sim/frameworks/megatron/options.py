@@ -57,6 +57,14 @@ class MegatronOptions(StrictModel):
     """The embedding counts as one layer when layers are split over pipeline chunks."""
     account_for_loss_in_pipeline_split: bool = False
     """The loss and output layer count as one layer when layers are split over chunks."""
+    moe_router_fusion: bool = False
+    """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
+    Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""
+    moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
+    """``--moe-aux-loss-coeff``: above 0 the router computes the load-balancing loss
+    (Megatron-Core's default 0; NeMo's Mixtral config 0.01)."""
+    moe_z_loss_coeff: float | None = Field(default=None, ge=0.0)
+    """``--moe-z-loss-coeff``: set, the router adds the z-loss over its logits."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,

@@ -17,6 +17,7 @@ from typing import Literal
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.buckets import data_parallel_modes
+from sim.frameworks.megatron.moe import MoEPlan, check_moe, moe_plan
 from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
 from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
@@ -86,6 +87,12 @@ class MegatronShape:
     """Ranks the optimizer state is sharded over (1 without the distributed optimizer)."""
     linear_params: float
     """Linear-layer parameters of one layer (their FP8 copies under FP8 training)."""
+    moe: MoEPlan | None = None
+    """The expert layout and one MoE layer's ops (:mod:`sim.frameworks.megatron.moe`); None
+    for a dense model. Its layers' ``layer_params`` count the router and shared experts, not
+    the routed experts (:meth:`stage_expert_params`)."""
+    dense_layer_params: float = 0.0
+    """With experts: one dense layer's parameters (the ``first_k_dense`` layers)."""
 
     @property
     def act_dtype(self) -> NcclType:
@@ -130,7 +137,8 @@ class MegatronShape:
     def mesh(self) -> RankMesh:
         """The job's ranks in Megatron-Core's default order ``tp-cp-ep-dp-pp``
         (``parallel_state.py``, ``RankGenerator``; innermost first): tensor-parallel peers
-        adjacent, pipeline stages outermost. Dense layers only, so ep = 1."""
+        adjacent, pipeline stages outermost. ep = 1: with parallel folding the attention's
+        layout has no expert dimension (the experts' is :attr:`MoEPlan.mesh`)."""
         return RankMesh.from_order(ORDER, {"tp": self.t, "cp": self.cp, "ep": 1,
                                            "dp": self.dp, "pp": self.p})
 
@@ -162,15 +170,40 @@ class MegatronShape:
         return self.mesh.ring_pairs(["cp"], over=["tp", "dp"], pp=st)
 
     # ------------------------------------------------------------------ per-stage sizes
+    def stage_layers(self, st: int) -> list[int]:
+        """Transformer layers of stage ``st``, all its model chunks."""
+        return [la for v in range(st, self.n_virtual, self.p) for la in self.chunks[v]]
+
     def stage_params(self, st: int) -> float:
-        """Parameters of stage ``st`` on one tensor-parallel rank: its layers, the embedding
-        on the first stage, the output layer (a tied copy if tied) on the last."""
-        n = self.stage_layer_count[st] * self.layer_params
+        """Parameters of stage ``st`` on one tensor-parallel rank, routed experts excepted
+        (those reduced over the data-parallel group): its layers, the embedding on the first
+        stage, the output layer (a tied copy if tied) on the last."""
+        if self.moe is None:
+            n = self.stage_layer_count[st] * self.layer_params
+        else:
+            moe = self.moe
+            n = sum(self.layer_params if moe.is_moe(la) else self.dense_layer_params
+                    for la in self.stage_layers(st))
         if st == 0:
             n += self.emb_params
         if st == self.p - 1:
             n += self.head_params
         return n
+
+    def stage_expert_params(self, st: int) -> float:
+        """Routed-expert parameters of stage ``st`` on one rank (its local experts' shards),
+        reduced over the expert-data-parallel group."""
+        if self.moe is None:
+            return 0.0
+        moe = self.moe
+        return sum(moe.expert_params for la in self.stage_layers(st) if moe.is_moe(la))
+
+    @property
+    def expert_shard(self) -> int:
+        """Ranks the experts' optimizer state is sharded over: the expert-data-parallel
+        group with the distributed optimizer (Megatron-Core's ``DistributedOptimizer`` over
+        the expert parameters' buffers uses ``expt_dp``), else 1."""
+        return self.moe.edp if self.moe is not None and self.opts.distributed_optimizer else 1
 
     def initial_memory(self, st: int) -> dict[str, float]:
         """Memory per rank of stage ``st`` before the step (``docs/.../dist_optimizer.md``):
@@ -180,8 +213,22 @@ class MegatronShape:
         n = self.stage_params(st)
         mem = {"parameters": self.act * n, "gradients": self.grad_bytes * n,
                "optimizer": self.opt_bytes * n / self.shard}
+        e = self.stage_expert_params(st)
+        if e:
+            mem["parameters"] += self.act * e
+            mem["gradients"] += self.grad_bytes * e
+            mem["optimizer"] += self.opt_bytes * e / self.expert_shard
         if self.lay.fp8:
-            mem["buffers"] = float(2 * self.stage_layer_count[st] * self.linear_params)
+            if self.moe is None:
+                mem["buffers"] = float(2 * self.stage_layer_count[st] * self.linear_params)
+            else:
+                # An MoE layer's FP8 weights: attention's linears, the local experts' grouped
+                # weights and the shared experts (the router's GEMM stays 16-bit).
+                moe, attn = self.moe, self.cost["attn_main"].params
+                mlp = self.linear_params - attn
+                moe_lin = moe.expert_params + (moe.ops.shared.params if moe.ops.shared else 0)
+                mem["buffers"] = float(2 * sum(attn + (moe_lin if moe.is_moe(la) else mlp)
+                                               for la in self.stage_layers(st)))
         return mem
 
     def recompute_flops(self) -> float:
@@ -190,6 +237,11 @@ class MegatronShape:
         if self.ac != "full":
             return 0.0
         layer_fwd_flops = sum(self.blocks[k].flops_fwd for k in ("attn_main", "mlp_main"))
+        if self.moe is not None:
+            moe_layers = self.model.moe_layers
+            extra = moe_layers * (self.moe.flops_fwd - self.blocks["mlp_main"].flops_fwd)
+            return ((layer_fwd_flops * self.model.layers + extra)
+                    * self.mb_count * self.dp * self.cp)
         return layer_fwd_flops * self.model.layers * self.mb_count * self.dp * self.cp
 
 
@@ -259,21 +311,32 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     chunks = chunk_layers(m.layers, p, vp, opts.account_for_embedding_in_pipeline_split,
                           opts.account_for_loss_in_pipeline_split)
     vocab_local = padded_vocab(m, t) // t
+    local_tokens = tokens // t if sp else tokens
+    dense_layer = (cost["attn_pre"].params + cost["attn_main"].params
+                   + cost["mlp_pre"].params + cost["mlp_main"].params)
+    moe = None
+    layer_params: float = dense_layer
+    if m.moe is not None:
+        check_moe(ctx, opts.implementation, k_inst, sp)
+        moe = moe_plan(ctx, t, p, local_tokens, ctx.compute, lay.fp8, lay.weight_cast_share)
+        # A layer with experts: attention, the pre-MLP norm, the router and shared experts.
+        layer_params = (cost["attn_pre"].params + cost["attn_main"].params
+                        + cost["mlp_pre"].params + moe.dense_params)
     return MegatronShape(
         opts=opts, model=m, t=t, p=p, cp=cp, vp=vp, dp=ctx.dp, sp=sp, precision=precision,
         ac=ac, mb_count=mb_count, align_gather=align_gather, k_inst=k_inst,
         overlap_p2p=overlap_p2p, batch_p2p=batch_p2p, lay=lay, blocks=blocks, cost=cost,
-        tokens=tokens, local_tokens=tokens // t if sp else tokens, h=m.hidden,
+        tokens=tokens, local_tokens=local_tokens, h=m.hidden,
         act=2,  # 16-bit activations
         grad_bytes=4 if grad_fp32 else 2, chunks=chunks,
         stage_layer_count=[sum(len(chunks[v]) for v in range(st, p * vp, p))
                            for st in range(p)],
-        layer_params=cost["attn_pre"].params + cost["attn_main"].params
-        + cost["mlp_pre"].params + cost["mlp_main"].params,
+        layer_params=layer_params,
         vocab_local=vocab_local,
         emb_params=vocab_local * m.hidden
         + (m.max_positions * m.hidden if m.position == "learned" else 0),
         head_params=m.norm_params + vocab_local * m.hidden,  # output layer (tied copy if tied)
         opt_bytes=12 if grad_fp32 else 16,
         shard=ctx.dp * cp // k_inst if opts.distributed_optimizer else 1,
-        linear_params=cost["attn_main"].params + cost["mlp_main"].params)
+        linear_params=cost["attn_main"].params + cost["mlp_main"].params,
+        moe=moe, dense_layer_params=dense_layer)
