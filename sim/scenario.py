@@ -50,6 +50,7 @@ from sim.config.training import (
     Nccl,
     Parallelism,
     Pricing,
+    Routing,
     Training,
 )
 from sim.frameworks.ddp.options import DdpOptions
@@ -62,8 +63,8 @@ __all__ = [
     "BUILTIN_FRAMEWORK_OPTIONS", "FRAMEWORK_NAMES", "TOPOLOGY_META_KEYS",
     "Allocator", "Claims", "Cluster", "DdpOptions", "DeepSpeedOptions", "DeepSpeedPipeline",
     "FairscaleOptions", "FrameworkOptions", "Fsdp2Options", "GpuName", "MegatronOptions",
-    "ModelDims", "Nccl", "Parallelism", "Pricing", "Scenario", "ScenarioError", "StrictModel",
-    "Training", "ZeroPlusPlus",
+    "ModelDims", "Nccl", "Parallelism", "Pricing", "Routing", "Scenario", "ScenarioError",
+    "StrictModel", "Training", "ZeroPlusPlus",
     "framework_names", "json_schema", "load_scenario", "options_name", "parse_set",
     "read_yaml", "scenario_from_dict", "set_dotted", "set_framework_options",
 ]

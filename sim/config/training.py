@@ -210,6 +210,60 @@ class Parallelism(StrictModel):
         return self.etp if self.etp is not None else self.tp
 
 
+class Routing(StrictModel):
+    """How a mixture-of-experts router spreads token copies over the experts
+    (:mod:`sim.workload.routing`); the busiest expert-parallel rank sets the pace."""
+
+    distribution: Literal["balanced", "zipf", "histogram"] = "balanced"
+    """balanced (every expert its equal share), zipf (the r-th hottest expert's share
+    proportional to r^-s) or histogram (measured per-expert loads)."""
+    s: float = Field(default=1.0, ge=0, le=10)
+    """Zipf exponent: 0 is balanced, larger is more skewed."""
+    seed: int | None = Field(default=None, ge=0)
+    """Seed of the zipf ranking's random order of the experts; None = the scenario's seed."""
+    histogram: list[float] | str | None = None
+    """Per-expert loads (any scale, normalised), one per routed expert in expert order, or
+    the path of a text file of them (numbers separated by commas or whitespace, # comments)."""
+
+    @field_validator("histogram")
+    @classmethod
+    def _read_histogram(cls, v: list[float] | str | None) -> list[float] | None:
+        if isinstance(v, str):
+            v = read_histogram(v)
+        if v is not None and (any(not x >= 0 or x == float("inf") for x in v)
+                              or sum(v) <= 0):
+            raise ValueError("training.routing.histogram: per-expert loads must be finite, "
+                             "non-negative and not all zero")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_histogram(self) -> Routing:
+        if (self.distribution == "histogram") != (self.histogram is not None):
+            raise ValueError("training.routing.histogram: give it exactly when "
+                             "training.routing.distribution is histogram")
+        return self
+
+
+def read_histogram(path: str) -> list[float]:
+    """Per-expert loads from a text file: numbers separated by commas or whitespace,
+    anything after ``#`` on a line ignored."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"training.routing.histogram: cannot read {path} "
+                         f"({exc.strerror})") from None
+    words = " ".join(line.split("#", 1)[0] for line in text.splitlines()).replace(",", " ")
+    try:
+        out = [float(w) for w in words.split()]
+    except ValueError as exc:
+        raise ValueError(f"training.routing.histogram: {path}: not a list of numbers "
+                         f"({exc})") from None
+    if not out:
+        raise ValueError(f"training.routing.histogram: {path}: no per-expert loads")
+    return out
+
+
 class Training(StrictModel):
     """The step being simulated."""
 
@@ -231,6 +285,8 @@ class Training(StrictModel):
     """Fused attention kernel; auto: the framework's own choice (sim/hardware/attention_cost.py)."""
     torch_version: str = Field(default=DEFAULT_TORCH_VERSION, pattern=r"^\d+\.\d+(\.\d+)?$")
     """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""
+    routing: Routing = Routing()
+    """Mixture-of-experts routing distribution (balanced by default)."""
 
     @field_validator("torch_version", mode="before")
     @classmethod
