@@ -23,7 +23,9 @@ attention keeps its ``tp-cp-dp-pp`` layout (Megatron-Core's decoder ``RankGenera
 from it (:class:`MoEPlan`). Expert parameters' gradients are reduced over the
 expert-data-parallel group (``expt_dp``), the others over the usual data-parallel group.
 
-First cut (issue 14 item 2): balanced routing, the ``alltoall`` dispatcher without
+Routing: balanced by default; with a skewed ``training.routing`` every rank runs the busiest
+EP rank's experts and the all-to-alls carry per-peer bytes
+(:mod:`sim.frameworks.megatron.imbalance`). The ``alltoall`` dispatcher without
 communication overlap, no shared-expert overlap.
 """
 
@@ -36,6 +38,7 @@ from typing import Literal
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
+from sim.frameworks.megatron.imbalance import Pace, routing_pace
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
@@ -65,6 +68,9 @@ class MoEPlan:
     act: int
     """Bytes per token element on the wire (16-bit)."""
     precision: str
+    pace: Pace | None = None
+    """The busiest EP rank under skewed routing (its experts' time, expert-TP bytes and the
+    all-to-alls' per-peer tokens); None when routing is balanced."""
 
     # ------------------------------------------------------------------ layers and sizes
     def is_moe(self, layer: int) -> bool:
@@ -88,9 +94,35 @@ class MoEPlan:
                                                else 0))
 
     @property
+    def experts_cost(self) -> BlockCost:
+        """The expert block whose time every rank waits for: the busiest EP rank's."""
+        return self.pace.experts if self.pace is not None else self.cost["experts"]
+
+    @property
+    def etp_gather_bytes(self) -> float:
+        """Bytes one rank adds to the expert-TP all-gather (the busiest EP rank's)."""
+        return (self.pace.ops if self.pace is not None else self.ops).etp_gather_bytes
+
+    def peer_bytes(self, which: str) -> tuple[tuple[float, ...], ...]:
+        """All-to-all ``which``'s byte matrix over one EP group (row: sender), or () for
+        the even split: tokens follow the dispatch matrix, the combine and the dispatch's
+        gradient go back the transposed way."""
+        if self.pace is None:
+            return ()
+        m = self.pace.peer_tokens
+        if len({x for row in m for x in row}) == 1:
+            return ()
+        per = 4.0 if "probs" in which else float(self.act * self.model.hidden)
+        if which in ("combine_fwd", "dispatch_bwd", "dispatch_probs_bwd"):
+            m = tuple(zip(*m, strict=True))
+        return tuple(tuple(x * per for x in row) for row in m)
+
+    @property
     def saved_bytes(self) -> float:
-        """Activation bytes one MoE layer's blocks save for backward."""
-        return sum(c.saved_bytes for c in self.cost.values())
+        """Activation bytes one MoE layer's blocks save for backward (the busiest EP
+        rank's experts)."""
+        return sum((self.experts_cost if k == "experts" else c).saved_bytes
+                   for k, c in self.cost.items())
 
     @property
     def flops_fwd(self) -> float:
@@ -157,7 +189,8 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens)
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
     return MoEPlan(model=ctx.model, ep=ep, etp=etp, edp=ctx.n_ranks // (etp * ep * pp), p=pp,
-                   ops=ops, cost=cost, act=2, precision=ctx.scenario.training.precision)
+                   ops=ops, cost=cost, act=2, precision=ctx.scenario.training.precision,
+                   pace=routing_pace(ctx, lay, local_tokens, cm))
 
 
 @dataclass
@@ -189,15 +222,18 @@ class MoEOps:
 
     def _a2a(self, which: str, label: str, mb: int, layer: int) -> Op | None:
         """One all-to-all over the EP groups: ``nbytes`` is this rank's whole send buffer
-        (its own chunk included, as nccl-tests counts it; balanced splits)."""
+        (its own chunk included, as nccl-tests counts it; every source sends the same total,
+        routing only changes where); with skewed routing the per-peer matrix."""
         pl = self.plan
         if pl.ep == 1:
             return None
         a = pl.ops.alltoall[which]
         elem = 4 if "probs" in which else pl.act
-        return self._coll(f"{label} {which.replace('_', ' ')}", "all_to_all",
-                          pl.ep_groups(self.st), sum(a.send_bytes),
-                          element_type(elem, pl.precision), "ep", mb, layer)
+        op = self._coll(f"{label} {which.replace('_', ' ')}", "all_to_all",
+                        pl.ep_groups(self.st), sum(a.send_bytes),
+                        element_type(elem, pl.precision), "ep", mb, layer)
+        op.peer_bytes = pl.peer_bytes(which)
+        return op
 
     def _etp(self, op: CollectiveOp, label: str, mb: int, layer: int) -> Op | None:
         """The expert-TP all-gather of the dispatched tokens or reduce-scatter of the expert
@@ -206,7 +242,7 @@ class MoEOps:
         if pl.etp == 1:
             return None
         return self._coll(f"{label} etp {op}", op, pl.etp_groups(self.st),
-                          pl.ops.etp_gather_bytes * pl.etp,
+                          pl.etp_gather_bytes * pl.etp,
                           element_type(pl.act, pl.precision), "etp", mb, layer)
 
     def _shared(self, phase: str, label: str, mb: int, layer: int, flops: bool) -> list[Op]:
@@ -254,7 +290,7 @@ class MoEOps:
         ops += [self._a2a("dispatch_fwd", label, mb, layer),
                 self._a2a("dispatch_probs_fwd", label, mb, layer),
                 self._etp("all_gather", label, mb, layer),
-                self._compute(f"{label} experts", c["experts"].fwd_gpu_s, phase, mb, layer,
+                self._compute(f"{label} experts", pl.experts_cost.fwd_gpu_s, phase, mb, layer,
                               c["experts"].fwd_kernels, 0.0 if rec else c["experts"].flops_fwd),
                 self._etp("reduce_scatter", label, mb, layer),
                 self._a2a("combine_fwd", label, mb, layer),
@@ -268,13 +304,14 @@ class MoEOps:
         expert-TP all-gather of the gradient, experts, reduce-scatter, the dispatch's
         reverse all-to-alls, shared experts, router and permutation, norm."""
         c = self.plan.cost
+        slow = self.plan.experts_cost
         label = f"bwd moe L{layer} mb{mb}"
         ops: list[Op | None] = [
             self._compute(f"{label} combine", c["combine"].bwd_gpu_s, "bwd", mb, layer,
                           c["combine"].bwd_kernels, c["combine"].flops_bwd),
             self._a2a("combine_bwd", label, mb, layer),
             self._etp("all_gather", label, mb, layer),
-            self._compute(f"{label} experts", c["experts"].bwd_gpu_s, "bwd", mb, layer,
+            self._compute(f"{label} experts", slow.bwd_gpu_s, "bwd", mb, layer,
                           c["experts"].bwd_kernels, c["experts"].flops_bwd),
             self._etp("reduce_scatter", label, mb, layer),
             self._a2a("dispatch_bwd", label, mb, layer),

@@ -1,0 +1,84 @@
+"""Routing imbalance in Megatron-Core's MoE layers: which EP rank sets the pace.
+
+With skewed routing (``training.routing``, :mod:`sim.workload.routing`) the EP ranks hold
+experts with different loads, so their grouped GEMMs and expert-TP exchanges take different
+times, and the dispatch and combine all-to-alls send different bytes to each peer
+(``input_splits``/``output_splits`` of ``MoEAlltoAllTokenDispatcher``). Every MoE layer's
+combine all-to-all waits for the slowest rank's experts, so here every rank of a pipeline
+stage runs the busiest EP rank's expert block (the stage stays one rank class), and the
+all-to-alls carry the full per-peer byte matrix (``Op.peer_bytes``). FLOPs stay those of
+balanced routing: the total work is the same, only its spread changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.frameworks.common.base import JobContext
+from sim.hardware.compute import ComputeModel
+from sim.workload.block_pricing import BlockCost, price_block
+from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
+from sim.workload.routing import expert_loads, peer_tokens, rank_loads, routing_shares
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The busiest EP rank under skewed routing."""
+
+    loads: tuple[int, ...]
+    """Token copies each routed expert receives from its EP x expert-TP ranks per layer and
+    micro-batch."""
+    rank: int
+    """EP rank whose experts take longest (fwd + bwd)."""
+    ops: MoELayerOps
+    """Its MoE layer ops (expert rows, expert-TP bytes)."""
+    experts: BlockCost
+    """Its expert block, priced."""
+    peer_tokens: tuple[tuple[float, ...], ...]
+    """Dispatch tokens from EP rank i (row) to EP rank j (column) in one EP group."""
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest EP rank's token copies over the mean (1 = balanced)."""
+        per = rank_loads(self.loads, len(self.peer_tokens))
+        return max(per) * len(per) / sum(per) if sum(per) else 1.0
+
+
+def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel
+                 ) -> Pace | None:
+    """The busiest EP rank's layer ops under the scenario's ``training.routing``, or None
+    when every EP rank gets the same load (balanced routing, or a skew that evens out over
+    each rank's experts): then the balanced program is exactly today's."""
+    r = ctx.scenario.training.routing
+    moe = ctx.model.moe
+    assert moe is not None
+    if r.distribution == "balanced":
+        return None
+    if r.histogram is not None:
+        ctx.require(len(r.histogram) == moe.experts, "training.routing.histogram",
+                    f"{len(r.histogram)} per-expert loads for the model's {moe.experts} "
+                    "routed experts")
+    seed = r.seed if r.seed is not None else ctx.scenario.seed
+    shares = routing_shares(moe.experts, r.distribution, r.s, r.histogram, seed)
+    sources = lay.ep * lay.etp
+    loads = expert_loads(tokens * sources, moe.top_k, shares)
+    per_rank = rank_loads(loads, lay.ep)
+    if len(set(per_rank)) == 1 and len(set(loads)) == 1:
+        return None
+    local = moe.experts // lay.ep
+    peers = peer_tokens(loads, lay.ep, sources)
+    best: tuple[float, int, MoELayerOps, BlockCost] | None = None
+    priced: dict[tuple[int, ...], tuple[MoELayerOps, BlockCost]] = {}
+    for j in range(lay.ep):
+        counts = loads[j * local:(j + 1) * local]
+        if counts not in priced:
+            ops = moe_layer_ops(ctx.model, lay, tokens, tokens_per_expert=counts,
+                                send_tokens=peers[j], recv_tokens=[row[j] for row in peers],
+                                ep_rank=j)
+            priced[counts] = (ops, price_block(ops.experts, STYLE, cm))
+        ops, cost = priced[counts]
+        t = cost.fwd_gpu_s + cost.bwd_gpu_s
+        if best is None or t > best[0]:
+            best = (t, j, ops, cost)
+    assert best is not None
+    return Pace(loads=loads, rank=best[1], ops=best[2], experts=best[3], peer_tokens=peers)
