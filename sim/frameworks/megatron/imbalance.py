@@ -54,12 +54,14 @@ def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel
     assert moe is not None
     if r.distribution == "balanced":
         return None
-    if r.histogram is not None:
-        ctx.require(len(r.histogram) == moe.experts, "training.routing.histogram",
-                    f"{len(r.histogram)} per-expert loads for the model's {moe.experts} "
+    hist = r.histogram
+    assert not isinstance(hist, str)        # the scenario's validator read the file
+    if hist is not None:
+        ctx.require(len(hist) == moe.experts, "training.routing.histogram",
+                    f"{len(hist)} per-expert loads for the model's {moe.experts} "
                     "routed experts")
     seed = r.seed if r.seed is not None else ctx.scenario.seed
-    shares = routing_shares(moe.experts, r.distribution, r.s, r.histogram, seed)
+    shares = routing_shares(moe.experts, r.distribution, r.s, hist, seed)
     sources = lay.ep * lay.etp
     loads = expert_loads(tokens * sources, moe.top_k, shares)
     per_rank = rank_loads(loads, lay.ep)
