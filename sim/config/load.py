@@ -199,4 +199,15 @@ def load_scenario(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Scen
     for assignment in overrides:
         key, value = parse_set(assignment)
         set_dotted(data, key, value)
+    _resolve_histogram(data, path.parent)
     return scenario_from_dict(data, origin=str(path))
+
+
+def _resolve_histogram(data: dict[str, Any], base: Path) -> None:
+    """A relative ``training.routing.histogram`` path names a file beside the scenario when
+    one is there (else it stays relative to the working directory)."""
+    training = data.get("training")
+    routing = training.get("routing") if isinstance(training, dict) else None
+    h = routing.get("histogram") if isinstance(routing, dict) else None
+    if isinstance(h, str) and not Path(h).is_absolute() and (base / h).is_file():
+        routing["histogram"] = str(base / h)

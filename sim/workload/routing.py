@@ -1,11 +1,12 @@
 """Routing imbalance of a mixture-of-experts layer: how many tokens each expert receives.
 
-Real routers do not spread tokens evenly. Measured loads are skewed: a few "hot" experts take
-several times their share in inference traces of the Switch/NLLB models (Huang et al.,
-"Towards MoE Deployment", arXiv:2303.06182, Fig. 4), and even with a load-balancing loss
-Mixtral's per-layer expert shares stay between about 8% and 20% against 12.5% balanced
-(Jiang et al., "Mixtral of Experts", arXiv:2401.04088, section 5, Fig. 7). Three
-distributions stand in for that:
+Real routers do not spread tokens evenly. Inference traces of trained MoE models show a few
+"hot" experts taking several times their share (Huang et al., "Towards MoE Deployment:
+Mitigating Inefficiencies in Mixture-of-Expert (MoE) Inference", arXiv:2303.06182), and
+Mixtral's routing analysis shows per-layer expert shares that stay visibly off the uniform
+1/8 even with a load-balancing loss (Jiang et al., "Mixtral of Experts", arXiv:2401.04088,
+section 5); DeepSeek-V3 plots per-expert load with and without its auxiliary-loss-free
+balancing (arXiv:2412.19437, section 4.5). Three distributions stand in for that:
 
 * ``balanced``: every expert gets ``tokens x top_k / experts`` (the aux-loss ideal);
 * ``zipf``: the expert ranked ``r`` (1-based) gets a share proportional to ``r ** -s``; which

@@ -146,6 +146,21 @@ def test_histogram_from_a_file_equals_inline(tmp_path) -> None:
     assert sh.moe.pace.loads[0] == 13107 and sum(sh.moe.pace.loads) == 2 * 8 * SEQ
 
 
+def test_a_relative_histogram_path_is_read_beside_the_scenario(tmp_path) -> None:
+    import yaml
+
+    from sim.scenario import load_scenario
+
+    (tmp_path / "loads.txt").write_text("4 1 1 1 1 1 1 1\n")
+    data = {"model": TINY, "framework": "megatron", "cluster": {"gpu": "h100-sxm"},
+            "parallelism": {"ep": 8},
+            "training": {"routing": {"distribution": "histogram", "histogram": "loads.txt"}}}
+    f = tmp_path / "s.yaml"
+    f.write_text(yaml.safe_dump(data))
+    s = load_scenario(str(f))
+    assert s.training.routing.histogram == [4, 1, 1, 1, 1, 1, 1, 1]
+
+
 def _load(training: dict) -> None:
     data = {"model": TINY, "framework": "megatron", "cluster": {"gpu": "h100-sxm"},
             "parallelism": {"ep": 8}, "training": training}
