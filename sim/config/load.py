@@ -208,6 +208,8 @@ def _resolve_histogram(data: dict[str, Any], base: Path) -> None:
     one is there (else it stays relative to the working directory)."""
     training = data.get("training")
     routing = training.get("routing") if isinstance(training, dict) else None
-    h = routing.get("histogram") if isinstance(routing, dict) else None
+    if not isinstance(routing, dict):
+        return
+    h = routing.get("histogram")
     if isinstance(h, str) and not Path(h).is_absolute() and (base / h).is_file():
         routing["histogram"] = str(base / h)
