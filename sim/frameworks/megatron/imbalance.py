@@ -8,6 +8,12 @@ combine all-to-all waits for the slowest rank's experts, so here every rank of a
 stage runs the busiest EP rank's expert block (the stage stays one rank class), and the
 all-to-alls carry the full per-peer byte matrix (``Op.peer_bytes``). FLOPs stay those of
 balanced routing: the total work is the same, only its spread changes.
+
+Limit of this one-class form: a collective has one size for all its groups, so with
+expert-TP > 1 every expert-TP group gathers and scatters the busiest EP rank's tokens; the
+step's pace is right, but the bytes those exchanges put on NVLink are overcounted by up to
+the imbalance factor (:attr:`Pace.imbalance`). The all-to-alls' bytes are exact. Classes per
+(stage, EP rank) would lift it.
 """
 
 from __future__ import annotations
