@@ -190,3 +190,22 @@ def test_a_file_that_is_not_numbers_names_the_key(tmp_path) -> None:
     f.write_text("1 2 three\n")
     with pytest.raises(ScenarioError, match="training.routing.histogram: .*not a list"):
         _load({"routing": {"distribution": "histogram", "histogram": str(f)}})
+
+
+def test_expert_tp_exchanges_carry_the_busiest_ranks_tokens() -> None:
+    # tp = etp = 2, ep = 4 on 8 GPUs (GPU-bound WIDE experts): each expert-TP group gathers
+    # the tokens its EP rank's two experts receive; the pace is the busiest rank's.
+    s = megatron_scenario({"tp": 2, "ep": 4, "sequence_parallel": True}, 8, model=WIDE,
+                          seq=4096)
+    tr = s.training.model_copy(update={"routing": Routing(distribution="zipf", s=1.0)})
+    skewed = s.model_copy(update={"training": tr})
+    sh = megatron_shape(JobContext.from_scenario(skewed, "s.yaml"))
+    assert sh.moe is not None and sh.moe.pace is not None
+    pace = sh.moe.pace
+    busiest = max(sum(pace.loads[2 * j:2 * j + 2]) for j in range(4))
+    p = build_program(JobContext.from_scenario(skewed, "s.yaml"))
+    gathers = [op for c in p.classes for ops in c.streams.values() for op in ops
+               if "etp all_gather" in op.name]
+    # the gathered rows of the busiest rank's experts, 16-bit, hidden 2048
+    assert gathers and {op.nbytes for op in gathers} == {busiest * 2048 * 2}
+    assert _summary(skewed)["step_time_s"] > _summary(s)["step_time_s"]
