@@ -79,6 +79,22 @@ PYTHON_OPS = {"attn_pre": (1, 1), "attn_main": (30, 24), "mlp_pre": (1, 1),
 # parallel linear, bias-dropout-add; fused LayerNorm+fc1, activation, fc2, bias-dropout-add.
 PYTHON_OPS_TE = {"attn_pre": (0, 0), "attn_main": (8, 6), "mlp_pre": (0, 0),
                  "mlp_main": (5, 4), "embed": (10, 5), "head": (16, 8)}
+# Qwen3's query and key norms (qk_layernorm): one module call each in forward, one autograd
+# node each in backward (SelfAttention.get_query_key_value_tensors).
+QK_NORM_OPS = (2, 2)
+
+
+def python_ops(m: ModelSpec, legacy: bool) -> dict[str, tuple[int, int]]:
+    """Python-level (forward, backward) ops per block: :data:`PYTHON_OPS` for Megatron's
+    local layers (``legacy``), :data:`PYTHON_OPS_TE` for Transformer Engine's, plus the
+    query/key norms' calls when the model has them."""
+    ops = dict(PYTHON_OPS if legacy else PYTHON_OPS_TE)
+    if m.qk_norm:
+        f, b = ops["attn_main"]
+        ops["attn_main"] = (f + QK_NORM_OPS[0], b + QK_NORM_OPS[1])
+    return ops
+
+
 # Extra ops of a checkpointed layer's recompute: RNG states saved and restored (CPU and
 # CUDA), inputs detached (megatron/core/tensor_parallel/random.py CheckpointFunction).
 CHECKPOINT_OPS = 6
@@ -120,6 +136,35 @@ def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Ten
     # kernel reads the row statistics and writes an fp32 gradient.
     b.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx,)),
           Kernel(f"{name}.bwd_w", "norm_fused", (gy, x, stats), (gw,)))
+    b.block.weight_grads.append(gw)
+    return y
+
+
+def _head_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, name: str) -> Tensor:
+    """Qwen3's per-head query or key norm (Megatron-Core ``qk_layernorm``): ``SelfAttention``
+    builds ``q_layernorm`` and ``k_layernorm`` over ``hidden_size_per_attention_head`` and
+    applies them in ``get_query_key_value_tensors`` to the split [s, b, heads, head_dim]
+    query and key, before the rotary embedding (megatron/core/transformer/attention.py).
+    One fused norm kernel per tensor (TE's ``RMSNorm`` or apex's fused norm), each of the
+    local ``rows`` = tokens x local heads normalised over ``head_dim``: it reads the input,
+    writes the output and one fp32 statistic per row (rstd; LayerNorm's mean too), and saves
+    the input and statistics. Backward is one fused kernel (TE's ``rmsnorm_bwd``: input
+    gradient and the per-block partial weight gradient from one read of the output
+    gradient, input and statistics) and the small sum of the partials into the fp32
+    ``main_grad``. Its ``head_dim`` weight is replicated over tensor-parallel ranks (each
+    sees other heads; ``finalize_model_grads._allreduce_layernorm_grads`` all-reduces the
+    gradient over the tensor-parallel group, a few KiB per layer, not modelled, like the
+    sequence-parallel norms')."""
+    d = m.head_dim
+    stat = 2 if m.norm == "layernorm" else 1
+    b.block.params += d      # ModelSpec.attention_params: 2 x head_dim per layer
+    y = b.t(f"{name}.out", rows * d, BF16)
+    stats = b.t(f"{name}.stats", stat * rows, FP32)
+    fused_norm_forward(b, x, y, stats, name)
+    gy = b.t(f"{name}.g_out", rows * d, BF16)
+    gx = b.t(f"{name}.g_in", rows * d, BF16)
+    gw = b.t(f"{name}.g_w", d, FP32)
+    b.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx, gw)))
     b.block.weight_grads.append(gw)
     return y
 
@@ -235,6 +280,9 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     k = b.t("k", tokens * kvd, BF16)
     v = b.t("v", tokens * kvd, BF16)
     b.fwd(Kernel("split_qkv", "tiny", (qkv,), (q, k, v)))
+    if m.qk_norm:
+        q = _head_norm(b, m, q, tokens * heads, "q_norm")
+        k = _head_norm(b, m, k, tokens * kvd // m.head_dim, "k_norm")
     if m.position == "rope":
         qr, kr = b.t("q_rope", tokens * qd, BF16), b.t("k_rope", tokens * kvd, BF16)
         b.fwd(Kernel("rope", "elementwise", (q, k), (qr, kr)))

@@ -126,10 +126,12 @@ class JobContext:
         return per_mb * self.micro_batches * self.dp
 
 
-MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {"megatron": frozenset({"experts"})}
+MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {
+    "megatron": frozenset({"experts", "qk_norm"})}
 """The features beyond a dense block each builder models (:data:`BEYOND_DENSE` keys):
 Megatron-Core's MoE layers with the ``alltoall`` dispatcher
-(:mod:`sim.frameworks.megatron.moe`)."""
+(:mod:`sim.frameworks.megatron.moe`) and its per-head query/key norms (``qk_layernorm``,
+:mod:`sim.workload.megatron_ops`)."""
 
 
 def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:

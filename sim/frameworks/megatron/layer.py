@@ -27,7 +27,7 @@ from sim.frameworks.megatron.shape import MegatronShape
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op
 from sim.workload.layer_ops import kernel_time
-from sim.workload.megatron_ops import CHECKPOINT_OPS, PYTHON_OPS, PYTHON_OPS_TE
+from sim.workload.megatron_ops import CHECKPOINT_OPS, python_ops
 
 UnitKey = tuple[str, int, int]
 """(F|B, virtual stage, micro-batch)."""
@@ -75,7 +75,7 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     Python needs to issue them (PYTHON_OPS x ``cpu_s_per_op``; backward autograd nodes cost
     half): the engine starts an op only once the host has issued it."""
     cost, blocks = s.cost, s.blocks
-    py_ops = PYTHON_OPS if s.legacy else PYTHON_OPS_TE
+    py_ops = python_ops(s.model, s.legacy)
     # Selective recomputation drops what core attention saves beyond its inputs: the
     # softmax output and the dropout mask and output (the 5as^2b term; Korthikanti et al.).
     core_saved = float(sum(tn.nbytes for tn in blocks["attn_main"].saved
