@@ -140,30 +140,31 @@ def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Ten
     return y
 
 
-def _head_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, name: str) -> Tensor:
-    """Qwen3's per-head query or key norm (Megatron-Core ``qk_layernorm``): ``SelfAttention``
-    builds ``q_layernorm`` and ``k_layernorm`` over ``hidden_size_per_attention_head`` and
-    applies them in ``get_query_key_value_tensors`` to the split [s, b, heads, head_dim]
-    query and key, before the rotary embedding (megatron/core/transformer/attention.py).
-    One fused norm kernel per tensor (TE's ``RMSNorm`` or apex's fused norm), each of the
-    local ``rows`` = tokens x local heads normalised over ``head_dim``: it reads the input,
-    writes the output and one fp32 statistic per row (rstd; LayerNorm's mean too), and saves
-    the input and statistics. Backward is one fused kernel (TE's ``rmsnorm_bwd``: input
-    gradient and the per-block partial weight gradient from one read of the output
-    gradient, input and statistics) and the small sum of the partials into the fp32
-    ``main_grad``. Its ``head_dim`` weight is replicated over tensor-parallel ranks (each
-    sees other heads; ``finalize_model_grads._allreduce_layernorm_grads`` all-reduces the
-    gradient over the tensor-parallel group, a few KiB per layer, not modelled, like the
-    sequence-parallel norms')."""
-    d = m.head_dim
+def _row_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, width: int,
+              name: str) -> Tensor:
+    """A fused norm of ``rows`` rows ``width`` wide inside a block, with its own ``width``
+    weights: Qwen3's per-head query or key norm (Megatron-Core ``qk_layernorm``:
+    ``SelfAttention`` builds ``q_layernorm``/``k_layernorm`` over
+    ``hidden_size_per_attention_head`` and applies them in ``get_query_key_value_tensors`` to
+    the split [s, b, heads, head_dim] query and key, before the rotary embedding;
+    megatron/core/transformer/attention.py), or MLA's latent norms (``q_layernorm`` over
+    q_lora_rank, ``kv_layernorm`` over kv_lora_rank; multi_latent_attention.py).
+    One fused kernel (TE's ``RMSNorm`` or apex's fused norm) reads the input and writes the
+    output and one fp32 statistic per row (rstd; LayerNorm's mean too), saving the input and
+    statistics. Backward is one fused kernel (TE's ``rmsnorm_bwd``: the input gradient and
+    the per-block partial weight gradient from one read of the output gradient, input and
+    statistics, the partials summed into the fp32 ``main_grad``). The weight is replicated
+    over tensor-parallel ranks; its gradient's all-reduce over the tensor-parallel group
+    (``finalize_model_grads._allreduce_layernorm_grads``, a few KiB per layer) is not
+    modelled, like the sequence-parallel norms'."""
     stat = 2 if m.norm == "layernorm" else 1
-    b.block.params += d      # ModelSpec.attention_params: 2 x head_dim per layer
-    y = b.t(f"{name}.out", rows * d, BF16)
+    b.block.params += width
+    y = b.t(f"{name}.out", rows * width, BF16)
     stats = b.t(f"{name}.stats", stat * rows, FP32)
     fused_norm_forward(b, x, y, stats, name)
-    gy = b.t(f"{name}.g_out", rows * d, BF16)
-    gx = b.t(f"{name}.g_in", rows * d, BF16)
-    gw = b.t(f"{name}.g_w", d, FP32)
+    gy = b.t(f"{name}.g_out", rows * width, BF16)
+    gx = b.t(f"{name}.g_in", rows * width, BF16)
+    gw = b.t(f"{name}.g_w", width, FP32)
     b.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx, gw)))
     b.block.weight_grads.append(gw)
     return y
@@ -281,8 +282,9 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     v = b.t("v", tokens * kvd, BF16)
     b.fwd(Kernel("split_qkv", "tiny", (qkv,), (q, k, v)))
     if m.qk_norm:
-        q = _head_norm(b, m, q, tokens * heads, "q_norm")
-        k = _head_norm(b, m, k, tokens * kvd // m.head_dim, "k_norm")
+        # ModelSpec.attention_params: 2 x head_dim weights per layer.
+        q = _row_norm(b, m, q, tokens * heads, m.head_dim, "q_norm")
+        k = _row_norm(b, m, k, tokens * kvd // m.head_dim, m.head_dim, "k_norm")
     if m.position == "rope":
         qr, kr = b.t("q_rope", tokens * qd, BF16), b.t("k_rope", tokens * kvd, BF16)
         b.fwd(Kernel("rope", "elementwise", (q, k), (qr, kr)))
