@@ -458,7 +458,12 @@ def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block
 def megatron_blocks(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
                     ) -> dict[str, Block]:
     """Every block of a Megatron layer stack for one micro-batch on one TP rank."""
-    ap, am = attention_block(m, lay, batch, seq)
+    if m.mla is not None:
+        # Multi-head Latent Attention's own module (imported here: it builds on this one).
+        from sim.workload.megatron_mla import mla_attention_block
+        ap, am = mla_attention_block(m, lay, batch, seq)
+    else:
+        ap, am = attention_block(m, lay, batch, seq)
     mp, mm = mlp_block(m, lay, batch, seq)
     return {"embed": embedding_block(m, lay, batch, seq), "attn_pre": ap, "attn_main": am,
             "mlp_pre": mp, "mlp_main": mm, "head": head_block(m, lay, batch, seq)}

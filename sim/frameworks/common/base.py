@@ -39,6 +39,7 @@ class JobContext:
         model = ModelSpec.from_ref(s.model, s.training.seq_len)
         _require_dense(model, s.framework.name, origin)
         _check_experts(s, model, origin)
+        _check_latent_attention(s, model, origin)
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
         try:
             backend = attention_cost.resolve(s, gpu)
@@ -127,11 +128,12 @@ class JobContext:
 
 
 MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {
-    "megatron": frozenset({"experts", "qk_norm"})}
+    "megatron": frozenset({"experts", "qk_norm", "attention"})}
 """The features beyond a dense block each builder models (:data:`BEYOND_DENSE` keys):
 Megatron-Core's MoE layers with the ``alltoall`` dispatcher
 (:mod:`sim.frameworks.megatron.moe`) and its per-head query/key norms (``qk_layernorm``,
-:mod:`sim.workload.megatron_ops`)."""
+:mod:`sim.workload.megatron_ops`) and Multi-head Latent Attention on one tensor-parallel rank
+(:mod:`sim.workload.megatron_mla`)."""
 
 
 def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:
@@ -160,6 +162,17 @@ def _check_experts(s: Scenario, model: ModelSpec, origin: str) -> None:
     if model.moe.ffn_hidden % p.expert_tp:
         raise ScenarioError(f"{origin}: parallelism.etp: expert width {model.moe.ffn_hidden} "
                             f"does not split over etp={p.expert_tp}")
+
+
+def _check_latent_attention(s: Scenario, model: ModelSpec, origin: str) -> None:
+    """Multi-head Latent Attention is modelled without tensor or context parallelism: with
+    them Megatron-Core gathers and scatters the latents (``MLASelfAttention``), which no
+    builder lays out yet."""
+    p = s.parallelism
+    if model.mla is not None and (p.tp > 1 or p.cp > 1):
+        key = "parallelism.tp" if p.tp > 1 else "parallelism.cp"
+        raise ScenarioError(f"{origin}: {key}: multi-head latent attention is modelled on "
+                            "one tensor- and context-parallel rank (tp 1, cp 1) yet (issue 14)")
 
 
 Builder = Callable[[JobContext], Program]

@@ -111,7 +111,9 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
                           sum(kernel_time(cm, k) for k in blocks[blk].backward
                               if k.name in {f"{lin}.wgrad"}))
                     for lin, blk in (("qkv", "attn_main"), ("fc1", "mlp_main"))},
-        gemm_spans=userbuffer_gemm_spans(blocks, lambda k: kernel_time(cm, k)),
+        # Only an overlapped tensor-parallel layout reads them (MLA's block has no QKV GEMM).
+        gemm_spans=userbuffer_gemm_spans(blocks, lambda k: kernel_time(cm, k))
+        if s.opts.tp_comm_overlap and s.t > 1 else {},
         layer_saved=layer_saved, layer_hold=layer_hold,
         ring_bytes={"fwd": [kv_bytes] * (s.cp - 1),
                     "bwd": [kv_bytes] + [2 * kv_bytes] * (s.cp - 2) + [kv_bytes]},
