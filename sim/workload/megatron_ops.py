@@ -84,14 +84,27 @@ PYTHON_OPS_TE = {"attn_pre": (0, 0), "attn_main": (8, 6), "mlp_pre": (0, 0),
 QK_NORM_OPS = (2, 2)
 
 
+# Multi-head Latent Attention's calls beyond a TE layer's attention (MLASelfAttention.forward
+# and get_query_key_value_tensors): q projection, kv down projection, its split, the latent
+# norm, kv up projection, two views, unsqueeze, two splits, two rotary applications, expand,
+# two concatenations, three contiguous copies, core attention, output projection and
+# bias-dropout-add are 21 against PYTHON_OPS_TE's 8; a query latent adds its down projection
+# and norm. As many autograd nodes in backward.
+MLA_OPS = 13
+MLA_Q_LATENT_OPS = 2
+
+
 def python_ops(m: ModelSpec, legacy: bool) -> dict[str, tuple[int, int]]:
     """Python-level (forward, backward) ops per block: :data:`PYTHON_OPS` for Megatron's
     local layers (``legacy``), :data:`PYTHON_OPS_TE` for Transformer Engine's, plus the
-    query/key norms' calls when the model has them."""
+    query/key norms' or latent attention's calls when the model has them."""
     ops = dict(PYTHON_OPS if legacy else PYTHON_OPS_TE)
-    if m.qk_norm:
-        f, b = ops["attn_main"]
-        ops["attn_main"] = (f + QK_NORM_OPS[0], b + QK_NORM_OPS[1])
+    extra = (QK_NORM_OPS[0], QK_NORM_OPS[1]) if m.qk_norm else (0, 0)
+    if m.mla is not None:
+        n = MLA_OPS + (MLA_Q_LATENT_OPS if m.mla.q_lora_rank else 0)
+        extra = (extra[0] + n, extra[1] + n)
+    f, b = ops["attn_main"]
+    ops["attn_main"] = (f + extra[0], b + extra[1])
     return ops
 
 
