@@ -88,12 +88,66 @@ def test_mla_is_slower_with_a_wider_latent() -> None:
     assert t[1] > t[0]
 
 
-@pytest.mark.parametrize("par,key", [({"tp": 2, "ep": 2, "sequence_parallel": True},
-                                      "parallelism.tp"),
-                                     ({"tp": 1, "cp": 2, "ep": 2}, "parallelism.cp")])
-def test_mla_with_tensor_or_context_parallelism_is_refused(par, key) -> None:
+@pytest.mark.parametrize("par,fw,key", [
+    ({"tp": 2, "ep": 2, "sequence_parallel": False}, None, "parallelism.sequence_parallel"),
+    ({"tp": 1, "cp": 2, "ep": 2}, None, "parallelism.cp"),
+    ({"tp": 2, "ep": 2, "sequence_parallel": True},
+     {"name": "megatron", "tp_comm_overlap": True}, "framework.tp_comm_overlap")])
+def test_mla_layouts_not_modelled_are_refused(par, fw, key) -> None:
+    s = megatron_scenario(par, 8, model=TINY_MLA, seq=SEQ, framework=fw)
     with pytest.raises(ScenarioError, match=rf"^s\.yaml: {key}: multi-head latent attention"):
-        JobContext.from_scenario(_scn(par), "s.yaml")
+        JobContext.from_scenario(s, "s.yaml")
+
+
+@pytest.mark.parametrize("ref,tp", [("deepseek-v2-lite", 2), ("deepseek-v3", 4),
+                                    ("deepseek-v3", 8)])
+def test_tensor_parallel_mla_splits_the_heads_and_shards_the_down_projections(ref, tp) -> None:
+    # Sequence parallel: each rank runs the duplicated down projections on its tokens / tp
+    # and the column-parallel up projections on every token for heads / tp, so the ranks'
+    # GEMM and attention FLOPs add up to one rank's at tp = 1.
+    m = ModelSpec.from_ref(ref, 4096)
+    one = megatron_blocks(m, MegatronLayout(), 1, 4096)["attn_main"]
+    split = megatron_blocks(m, MegatronLayout(tp=tp, sequence_parallel=True), 1, 4096)[
+        "attn_main"]
+    assert tp * split.flops_fwd == pytest.approx(one.flops_fwd, rel=1e-12)
+    assert tp * split.flops_bwd == pytest.approx(one.flops_bwd, rel=1e-12)
+    # Parameters per rank: the down projections and latent norms whole (duplicated), the
+    # q (or q up), kv up and output projections split over the heads.
+    mla = m.mla
+    assert mla is not None
+    h, n = m.hidden, m.heads
+    dup = h * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank
+    q_in = h
+    if mla.q_lora_rank:
+        dup += h * mla.q_lora_rank + mla.q_lora_rank
+        q_in = mla.q_lora_rank
+    heads = (q_in * n * mla.qk_head_dim
+             + mla.kv_lora_rank * n * (mla.qk_nope_head_dim + mla.v_head_dim)
+             + n * mla.v_head_dim * h)
+    assert split.params == dup + heads // tp
+    assert one.params == dup + heads == m.attention_params
+
+
+def test_sequence_parallel_mla_gathers_its_latents() -> None:
+    # tp = 2, sequence parallel: the attention's forward all-gather carries the query latent,
+    # the key/value latent and the shared rotary key per token (256 + 128 + 32 wide, bf16)
+    # instead of the hidden state (1,024); the output projection's reduce-scatter stays
+    # hidden-wide (MLASelfAttention: linear_q_up_proj, linear_kv_up_proj column-parallel
+    # over gathered latents, gather_from_sequence_parallel_region for the rotary key).
+    s = _scn({"tp": 2, "ep": 2, "sequence_parallel": True})
+    r = simulate(s)
+    ops = [op for c in r.program.classes for o in c.streams.values() for op in o]
+    gathers = {op.nbytes for op in ops if op.name.startswith("all_gather fwd attn")}
+    tokens = 1 * SEQ
+    assert gathers == {2 * tokens * (256 + 128 + 32)}
+    scatters = {op.nbytes for op in ops if op.name.startswith("reduce_scatter fwd attn")}
+    assert scatters == {2 * tokens * 1024}
+    # Backward: the latents' input gradients are reduce-scattered, their inputs re-gathered.
+    back = {op.nbytes for op in ops if op.name.startswith("reduce_scatter bwd attn")}
+    assert back == {2 * tokens * (256 + 128 + 32)}
+    m = ModelSpec.from_ref(s.model, SEQ)
+    assert r.summary["model_flops_per_step"] == pytest.approx(
+        m.model_flops_per_token(SEQ) * 8 * SEQ, rel=1e-12)
 
 
 def test_deepseek_v3_is_still_refused_for_its_mtp_module() -> None:

@@ -132,7 +132,7 @@ MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {
 """The features beyond a dense block each builder models (:data:`BEYOND_DENSE` keys):
 Megatron-Core's MoE layers with the ``alltoall`` dispatcher
 (:mod:`sim.frameworks.megatron.moe`) and its per-head query/key norms (``qk_layernorm``,
-:mod:`sim.workload.megatron_ops`) and Multi-head Latent Attention on one tensor-parallel rank
+:mod:`sim.workload.megatron_ops`) and Multi-head Latent Attention
 (:mod:`sim.workload.megatron_mla`)."""
 
 
@@ -165,14 +165,22 @@ def _check_experts(s: Scenario, model: ModelSpec, origin: str) -> None:
 
 
 def _check_latent_attention(s: Scenario, model: ModelSpec, origin: str) -> None:
-    """Multi-head Latent Attention is modelled without tensor or context parallelism: with
-    them Megatron-Core gathers and scatters the latents (``MLASelfAttention``), which no
-    builder lays out yet."""
+    """Multi-head Latent Attention is modelled without context parallelism, with sequence
+    parallelism when tp > 1 (where the latents, not the hidden state, are gathered), and
+    without Transformer Engine's userbuffer overlap of its GEMMs (which name the fused QKV
+    GEMM)."""
     p = s.parallelism
-    if model.mla is not None and (p.tp > 1 or p.cp > 1):
-        key = "parallelism.tp" if p.tp > 1 else "parallelism.cp"
-        raise ScenarioError(f"{origin}: {key}: multi-head latent attention is modelled on "
-                            "one tensor- and context-parallel rank (tp 1, cp 1) yet (issue 14)")
+    if model.mla is None:
+        return
+    if p.cp > 1:
+        raise ScenarioError(f"{origin}: parallelism.cp: multi-head latent attention is "
+                            "modelled without context parallelism yet (issue 14)")
+    if p.tp > 1 and not p.sequence_parallel:
+        raise ScenarioError(f"{origin}: parallelism.sequence_parallel: multi-head latent "
+                            "attention with tp > 1 is modelled with sequence parallelism")
+    if getattr(s.framework, "tp_comm_overlap", False):
+        raise ScenarioError(f"{origin}: framework.tp_comm_overlap: multi-head latent "
+                            "attention is modelled without userbuffer overlap yet (issue 14)")
 
 
 Builder = Callable[[JobContext], Program]
