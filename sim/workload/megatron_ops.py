@@ -79,6 +79,35 @@ PYTHON_OPS = {"attn_pre": (1, 1), "attn_main": (30, 24), "mlp_pre": (1, 1),
 # parallel linear, bias-dropout-add; fused LayerNorm+fc1, activation, fc2, bias-dropout-add.
 PYTHON_OPS_TE = {"attn_pre": (0, 0), "attn_main": (8, 6), "mlp_pre": (0, 0),
                  "mlp_main": (5, 4), "embed": (10, 5), "head": (16, 8)}
+# Qwen3's query and key norms (qk_layernorm): one module call each in forward, one autograd
+# node each in backward (SelfAttention.get_query_key_value_tensors).
+QK_NORM_OPS = (2, 2)
+
+
+# Multi-head Latent Attention's calls beyond a TE layer's attention (MLASelfAttention.forward
+# and get_query_key_value_tensors): q projection, kv down projection, its split, the latent
+# norm, kv up projection, two views, unsqueeze, two splits, two rotary applications, expand,
+# two concatenations, three contiguous copies, core attention, output projection and
+# bias-dropout-add are 21 against PYTHON_OPS_TE's 8; a query latent adds its down projection
+# and norm. As many autograd nodes in backward.
+MLA_OPS = 13
+MLA_Q_LATENT_OPS = 2
+
+
+def python_ops(m: ModelSpec, legacy: bool) -> dict[str, tuple[int, int]]:
+    """Python-level (forward, backward) ops per block: :data:`PYTHON_OPS` for Megatron's
+    local layers (``legacy``), :data:`PYTHON_OPS_TE` for Transformer Engine's, plus the
+    query/key norms' or latent attention's calls when the model has them."""
+    ops = dict(PYTHON_OPS if legacy else PYTHON_OPS_TE)
+    extra = (QK_NORM_OPS[0], QK_NORM_OPS[1]) if m.qk_norm else (0, 0)
+    if m.mla is not None:
+        n = MLA_OPS + (MLA_Q_LATENT_OPS if m.mla.q_lora_rank else 0)
+        extra = (extra[0] + n, extra[1] + n)
+    f, b = ops["attn_main"]
+    ops["attn_main"] = (f + extra[0], b + extra[1])
+    return ops
+
+
 # Extra ops of a checkpointed layer's recompute: RNG states saved and restored (CPU and
 # CUDA), inputs detached (megatron/core/tensor_parallel/random.py CheckpointFunction).
 CHECKPOINT_OPS = 6
@@ -120,6 +149,36 @@ def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Ten
     # kernel reads the row statistics and writes an fp32 gradient.
     b.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx,)),
           Kernel(f"{name}.bwd_w", "norm_fused", (gy, x, stats), (gw,)))
+    b.block.weight_grads.append(gw)
+    return y
+
+
+def _row_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, width: int,
+              name: str) -> Tensor:
+    """A fused norm of ``rows`` rows ``width`` wide inside a block, with its own ``width``
+    weights: Qwen3's per-head query or key norm (Megatron-Core ``qk_layernorm``:
+    ``SelfAttention`` builds ``q_layernorm``/``k_layernorm`` over
+    ``hidden_size_per_attention_head`` and applies them in ``get_query_key_value_tensors`` to
+    the split [s, b, heads, head_dim] query and key, before the rotary embedding;
+    megatron/core/transformer/attention.py), or MLA's latent norms (``q_layernorm`` over
+    q_lora_rank, ``kv_layernorm`` over kv_lora_rank; multi_latent_attention.py).
+    One fused kernel (TE's ``RMSNorm`` or apex's fused norm) reads the input and writes the
+    output and one fp32 statistic per row (rstd; LayerNorm's mean too), saving the input and
+    statistics. Backward is one fused kernel (TE's ``rmsnorm_bwd``: the input gradient and
+    the per-block partial weight gradient from one read of the output gradient, input and
+    statistics, the partials summed into the fp32 ``main_grad``). The weight is replicated
+    over tensor-parallel ranks; its gradient's all-reduce over the tensor-parallel group
+    (``finalize_model_grads._allreduce_layernorm_grads``, a few KiB per layer) is not
+    modelled, like the sequence-parallel norms'."""
+    stat = 2 if m.norm == "layernorm" else 1
+    b.block.params += width
+    y = b.t(f"{name}.out", rows * width, BF16)
+    stats = b.t(f"{name}.stats", stat * rows, FP32)
+    fused_norm_forward(b, x, y, stats, name)
+    gy = b.t(f"{name}.g_out", rows * width, BF16)
+    gx = b.t(f"{name}.g_in", rows * width, BF16)
+    gw = b.t(f"{name}.g_w", width, FP32)
+    b.bwd(Kernel(f"{name}.bwd", "norm_fused", (gy, x, stats), (gx, gw)))
     b.block.weight_grads.append(gw)
     return y
 
@@ -235,6 +294,10 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     k = b.t("k", tokens * kvd, BF16)
     v = b.t("v", tokens * kvd, BF16)
     b.fwd(Kernel("split_qkv", "tiny", (qkv,), (q, k, v)))
+    if m.qk_norm:
+        # ModelSpec.attention_params: 2 x head_dim weights per layer.
+        q = _row_norm(b, m, q, tokens * heads, m.head_dim, "q_norm")
+        k = _row_norm(b, m, k, tokens * kvd // m.head_dim, m.head_dim, "k_norm")
     if m.position == "rope":
         qr, kr = b.t("q_rope", tokens * qd, BF16), b.t("k_rope", tokens * kvd, BF16)
         b.fwd(Kernel("rope", "elementwise", (q, k), (qr, kr)))
@@ -408,7 +471,12 @@ def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block
 def megatron_blocks(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
                     ) -> dict[str, Block]:
     """Every block of a Megatron layer stack for one micro-batch on one TP rank."""
-    ap, am = attention_block(m, lay, batch, seq)
+    if m.mla is not None:
+        # Multi-head Latent Attention's own module (imported here: it builds on this one).
+        from sim.workload.megatron_mla import mla_attention_block
+        ap, am = mla_attention_block(m, lay, batch, seq)
+    else:
+        ap, am = attention_block(m, lay, batch, seq)
     mp, mm = mlp_block(m, lay, batch, seq)
     return {"embed": embedding_block(m, lay, batch, seq), "attn_pre": ap, "attn_main": am,
             "mlp_pre": mp, "mlp_main": mm, "head": head_block(m, lay, batch, seq)}

@@ -6,7 +6,10 @@ and so are mixture-of-experts models (DeepSeek, Mixtral, Qwen3-MoE, GPT-OSS) wit
 attention variants: Multi-head Latent Attention, query/key norms, attention sinks, sliding
 windows and multi-token prediction (the shapes are in :mod:`sim.workload.moe`).
 The kernels a training step runs per layer live in :mod:`sim.workload.layer_ops` (dense
-models only, for now: the builders refuse the rest, issue 14).
+models) and, for Megatron-LM, :mod:`sim.workload.megatron_ops` (query/key norms too),
+:mod:`sim.workload.megatron_mla` (Multi-head Latent Attention) and
+:mod:`sim.workload.moe_ops` (the experts); builders refuse the features they do not model
+(:meth:`ModelSpec.beyond_dense`, issue 14).
 """
 
 from __future__ import annotations

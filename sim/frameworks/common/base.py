@@ -39,6 +39,7 @@ class JobContext:
         model = ModelSpec.from_ref(s.model, s.training.seq_len)
         _require_dense(model, s.framework.name, origin)
         _check_experts(s, model, origin)
+        _check_latent_attention(s, model, origin)
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
         try:
             backend = attention_cost.resolve(s, gpu)
@@ -126,10 +127,13 @@ class JobContext:
         return per_mb * self.micro_batches * self.dp
 
 
-MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {"megatron": frozenset({"experts"})}
+MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {
+    "megatron": frozenset({"experts", "qk_norm", "attention"})}
 """The features beyond a dense block each builder models (:data:`BEYOND_DENSE` keys):
 Megatron-Core's MoE layers with the ``alltoall`` dispatcher
-(:mod:`sim.frameworks.megatron.moe`)."""
+(:mod:`sim.frameworks.megatron.moe`) and its per-head query/key norms (``qk_layernorm``,
+:mod:`sim.workload.megatron_ops`) and Multi-head Latent Attention
+(:mod:`sim.workload.megatron_mla`)."""
 
 
 def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:
@@ -158,6 +162,25 @@ def _check_experts(s: Scenario, model: ModelSpec, origin: str) -> None:
     if model.moe.ffn_hidden % p.expert_tp:
         raise ScenarioError(f"{origin}: parallelism.etp: expert width {model.moe.ffn_hidden} "
                             f"does not split over etp={p.expert_tp}")
+
+
+def _check_latent_attention(s: Scenario, model: ModelSpec, origin: str) -> None:
+    """Multi-head Latent Attention is modelled without context parallelism, with sequence
+    parallelism when tp > 1 (where the latents, not the hidden state, are gathered), and
+    without Transformer Engine's userbuffer overlap of its GEMMs (which name the fused QKV
+    GEMM)."""
+    p = s.parallelism
+    if model.mla is None:
+        return
+    if p.cp > 1:
+        raise ScenarioError(f"{origin}: parallelism.cp: multi-head latent attention is "
+                            "modelled without context parallelism yet (issue 14)")
+    if p.tp > 1 and not p.sequence_parallel:
+        raise ScenarioError(f"{origin}: parallelism.sequence_parallel: multi-head latent "
+                            "attention with tp > 1 is modelled with sequence parallelism")
+    if getattr(s.framework, "tp_comm_overlap", False):
+        raise ScenarioError(f"{origin}: framework.tp_comm_overlap: multi-head latent "
+                            "attention is modelled without userbuffer overlap yet (issue 14)")
 
 
 Builder = Callable[[JobContext], Program]

@@ -27,7 +27,8 @@ from sim.frameworks.megatron.shape import MegatronShape
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op
 from sim.workload.layer_ops import kernel_time
-from sim.workload.megatron_ops import CHECKPOINT_OPS, PYTHON_OPS, PYTHON_OPS_TE
+from sim.workload.megatron_mla import mla_gather_width
+from sim.workload.megatron_ops import CHECKPOINT_OPS, python_ops
 
 UnitKey = tuple[str, int, int]
 """(F|B, virtual stage, micro-batch)."""
@@ -75,7 +76,7 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     Python needs to issue them (PYTHON_OPS x ``cpu_s_per_op``; backward autograd nodes cost
     half): the engine starts an op only once the host has issued it."""
     cost, blocks = s.cost, s.blocks
-    py_ops = PYTHON_OPS if s.legacy else PYTHON_OPS_TE
+    py_ops = python_ops(s.model, s.legacy)
     # Selective recomputation drops what core attention saves beyond its inputs: the
     # softmax output and the dropout mask and output (the 5as^2b term; Korthikanti et al.).
     core_saved = float(sum(tn.nbytes for tn in blocks["attn_main"].saved
@@ -107,11 +108,14 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
         bwd_cpu={k: py_ops[k][1] * cpu_s_per_op / 2 for k in cost},
         cpu_call=cpu_s_per_op, ckpt_cpu=CHECKPOINT_OPS * cpu_s_per_op, core_fwd_s=core_fwd_s,
         col_gemm_s={lin: (sum(kernel_time(cm, k) for k in blocks[blk].backward
-                              if k.name in {f"{lin}.dgrad", f"{lin}.cast_g", f"{lin}.amax_g"}),
+                              for n in _column_linears(s, lin)
+                              if k.name in {f"{n}.dgrad", f"{n}.cast_g", f"{n}.amax_g"}),
                           sum(kernel_time(cm, k) for k in blocks[blk].backward
-                              if k.name in {f"{lin}.wgrad"}))
+                              for n in _column_linears(s, lin) if k.name == f"{n}.wgrad"))
                     for lin, blk in (("qkv", "attn_main"), ("fc1", "mlp_main"))},
-        gemm_spans=userbuffer_gemm_spans(blocks, lambda k: kernel_time(cm, k)),
+        # Only an overlapped tensor-parallel layout reads them (MLA's block has no QKV GEMM).
+        gemm_spans=userbuffer_gemm_spans(blocks, lambda k: kernel_time(cm, k))
+        if s.opts.tp_comm_overlap and s.t > 1 else {},
         layer_saved=layer_saved, layer_hold=layer_hold,
         ring_bytes={"fwd": [kv_bytes] * (s.cp - 1),
                     "bwd": [kv_bytes] + [2 * kv_bytes] * (s.cp - 2) + [kv_bytes]},
@@ -120,6 +124,15 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
                             if k.name.split(".")[0] in ("proj", "bda")),
                         sum(kernel_time(cm, k) for k in blocks["attn_main"].backward
                             if k.name.split(".")[0] in CORE_BWD))})
+
+
+def _column_linears(s: MegatronShape, lin: str) -> tuple[str, ...]:
+    """The column-parallel linears a block's backward ends with: the fused QKV (``qkv``) or
+    MLA's q (or q up) and kv up projections, fc1."""
+    mla = s.model.mla
+    if lin == "qkv" and mla is not None:
+        return ("q_up" if mla.q_lora_rank else "q_proj", "kv_up")
+    return (lin,)
 
 
 @dataclass
@@ -191,6 +204,10 @@ class UnitBuilder:
         self.keys = keys
         self.full = shape.act * shape.tokens * shape.h
         """Bytes of a gathered [s, b, h] activation."""
+        self.attn_in = self.full if shape.model.mla is None else \
+            shape.act * shape.tokens * mla_gather_width(shape.model)
+        """Bytes the attention's column-parallel linears gather under sequence parallelism
+        (MLA: its latents and shared rotary key, :func:`mla_gather_width`)."""
         self.overlap = shape.opts.tp_comm_overlap and shape.t > 1
         self.tp_groups = [shape.tp_groups(st) for st in range(shape.p)]
         """Each stage's tensor-parallel groups (built once: every collective names them)."""
@@ -273,7 +290,8 @@ class UnitBuilder:
                             cpu_s=b.cpu_pre + b.cpu_main)], 0.0
         ops = [compute(f"{b.label} {b.names[0]}", b.dur_pre, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, cpu_s=b.cpu_pre)]
-        gather = self.tp_comm(st, "all_gather", self.full, f"all_gather {b.label}", b.mb,
+        nbytes = self.attn_in if b.names == ("norm", "attention") else self.full
+        gather = self.tp_comm(st, "all_gather", nbytes, f"all_gather {b.label}", b.mb,
                               b.layer)
         main = compute(f"{b.label} {b.names[1]}", b.dur_main, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, flops=b.flops, cpu_s=b.cpu_main)
@@ -289,6 +307,7 @@ class UnitBuilder:
         next block's first op waits for."""
         s, full = self.s, self.full
         if s.t > 1 and s.sp and b.column:
+            full = self.attn_in if b.column == "qkv" else full
             gather = self.tp_comm(st, "all_gather", full, f"all_gather input {b.label}", b.mb,
                                   b.layer, side=True)
             scatter = self.tp_comm(st, "reduce_scatter", full, f"reduce_scatter {b.label}",

@@ -286,15 +286,16 @@ def test_every_builder_refuses_an_moe_model_naming_the_key(framework):
         JobContext.from_scenario(s, "s.yaml")
 
 
-def test_megatron_takes_experts_but_refuses_latent_attention():
-    """Megatron models routed experts (sim/frameworks/megatron/moe.py) but not yet
-    DeepSeek-V3's multi-head latent attention: the refusal names the next key."""
+def test_megatron_takes_experts_and_latent_attention_but_refuses_mtp():
+    """Megatron models routed experts (sim/frameworks/megatron/moe.py) and multi-head latent
+    attention (sim/workload/megatron_mla.py) but not yet DeepSeek-V3's multi-token
+    prediction: the refusal names the next key."""
     from sim.frameworks import JobContext
 
     data = scenario_with("deepseek-v3")
     data["framework"] = {"name": "megatron"}
-    with pytest.raises(ScenarioError, match=r"^s\.yaml: model\.attention: megatron does not "
-                       r"model multi-head latent attention yet \(issue 14\)$"):
+    with pytest.raises(ScenarioError, match=r"^s\.yaml: model\.mtp_layers: megatron does not "
+                       r"model multi-token prediction yet \(issue 14\)$"):
         JobContext.from_scenario(scenario_from_dict(data), "s.yaml")
 
 

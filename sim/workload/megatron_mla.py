@@ -1,0 +1,154 @@
+"""Multi-head Latent Attention's kernels in a Megatron-Core layer (DeepSeek-V2/V3).
+
+Megatron-Core's ``MLASelfAttention`` (megatron/core/transformer/multi_latent_attention.py)
+replaces the fused QKV projection of :func:`sim.workload.megatron_ops.attention_block`:
+
+* queries: ``linear_q_proj`` (hidden -> heads x (nope + rope), column-parallel) without a
+  query latent (``q_lora_rank`` None, DeepSeek-V2-Lite), else ``linear_q_down_proj``
+  (hidden -> q_lora_rank, duplicated on every tensor-parallel rank), ``q_layernorm`` (RMSNorm
+  over q_lora_rank) and ``linear_q_up_proj`` (q_lora_rank -> heads x (nope + rope),
+  column-parallel);
+* keys and values: ``linear_kv_down_proj`` (hidden -> kv_lora_rank + rope, duplicated),
+  split into the latent and the one rotary key all heads share, ``kv_layernorm`` (RMSNorm over
+  kv_lora_rank), ``linear_kv_up_proj`` (kv_lora_rank -> heads x (nope + v), column-parallel),
+  split into the keys without positions and the values;
+* rotary embedding on the query's rope part and the shared key, then the query
+  ``cat(q_nope, q_rope)`` and the key ``cat(k_nope, k_rope expanded to every head)``, made
+  contiguous for Transformer Engine's attention (queries and keys nope + rope wide, values
+  v_head_dim wide);
+* ``linear_proj`` (heads x v_head_dim -> hidden, row-parallel).
+
+With tensor parallelism the heads split over the ranks (the column-parallel up projections
+and q projection, the row-parallel output projection) while the down projections are
+duplicated: with sequence parallelism each rank runs them, and the latent norms, on its own
+sequence shard, and the column-parallel linears gather what they consume: the hidden state
+(``linear_q_proj``), the query latent (``linear_q_up_proj``), the key/value latent
+(``linear_kv_up_proj``) and the shared rotary key (``gather_from_sequence_parallel_region``).
+:func:`mla_gather_width` is that width per token; the unit builder gathers it (and
+reduce-scatters its gradient) where it gathers a dense layer's hidden state. The duplicated
+weights' gradients are all-reduced over the tensor-parallel group once per step
+(``finalize_model_grads``, like the sequence-parallel norms'), not modelled. Context
+parallelism is not modelled with MLA.
+"""
+
+from __future__ import annotations
+
+from sim.workload.layer_ops import BF16, FP32, Block, Kernel, Tensor, _Builder
+from sim.workload.layer_rules import FP8
+from sim.workload.megatron_ops import (
+    STYLE,
+    MegatronLayout,
+    _bias_dropout_add,
+    _linear,
+    _norm,
+    _row_norm,
+)
+from sim.workload.model import ModelSpec
+
+
+def mla_gather_width(m: ModelSpec) -> int:
+    """Per-token width the attention's column-parallel linears gather under sequence
+    parallelism: the hidden state for the q projection without a query latent, else the
+    query latent, plus the key/value latent and the shared rotary key."""
+    mla = m.mla
+    assert mla is not None
+    q = mla.q_lora_rank or m.hidden
+    return q + mla.kv_lora_rank + mla.qk_rope_head_dim
+
+
+def mla_attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
+                        ) -> tuple[Block, Block]:
+    """(pre, main) of an MLA attention half on one tensor-parallel rank (``lay.cp`` = 1)."""
+    mla = m.mla
+    assert mla is not None and lay.cp == 1
+    t = lay.tp
+    tokens = batch * seq
+    local = tokens / t if lay.sequence_parallel else tokens
+    h, heads = m.hidden, m.heads // t
+    qk, rope, nope, vd = mla.qk_head_dim, mla.qk_rope_head_dim, mla.qk_nope_head_dim, \
+        mla.v_head_dim
+    act = FP8 if lay.fp8 else BF16
+    pre = _Builder("attn_pre", STYLE)
+    x = pre.t("in", local * h, BF16)
+    pre.block.inputs.append(x)
+    pre.block.outputs.append(_norm(pre, m, x, local, "norm"))
+
+    b = _Builder("attn_main", STYLE)
+    yin = b.t("qkv_in", local * h, BF16)
+    b.block.inputs.append(yin)
+    # With sequence parallelism a column-parallel linear keeps its input's shard (1 byte per
+    # element in FP8) and gathers it again in backward: what it saved becomes the shard.
+    if mla.q_lora_rank:
+        qc = _linear(b, yin, local, h, mla.q_lora_rank, "q_down", m.bias, lay=lay)
+        qc = _row_norm(b, m, qc, local, mla.q_lora_rank, "q_latent_norm")
+        q = _sharded_input_linear(b, qc, tokens, local, mla.q_lora_rank, heads * qk, "q_up",
+                                  m, lay, act)
+    else:
+        q = _sharded_input_linear(b, yin, tokens, local, h, heads * qk, "q_proj", m, lay, act)
+    kvc = _linear(b, yin, local, h, mla.kv_lora_rank + rope, "kv_down", m.bias, lay=lay)
+    latent = b.t("kv_latent", local * mla.kv_lora_rank, BF16)
+    k_pos = b.t("k_pos", local * rope, BF16)
+    b.fwd(Kernel("split_kv_latent", "tiny", (kvc,), (latent, k_pos)))
+    if local != tokens:
+        k_pos = b.t("k_pos_gathered", tokens * rope, BF16)     # the shared key, gathered
+    latent = _row_norm(b, m, latent, local, mla.kv_lora_rank, "kv_latent_norm")
+    kv = _sharded_input_linear(b, latent, tokens, local, mla.kv_lora_rank, heads * (nope + vd),
+                               "kv_up", m, lay, act)
+    # Rotary embedding on the query's rope part and the shared rotary key (views of q and
+    # kv_combined), then the contiguous query and key TE's attention takes.
+    q_rope = b.t("q_rope", tokens * heads * rope, BF16)
+    k_rope = b.t("k_rope", tokens * rope, BF16)
+    b.fwd(Kernel("rope", "elementwise", (q, k_pos), (q_rope, k_rope)))
+    b.bwd(Kernel("rope.bwd", "elementwise", (b.t("g_q_rope", tokens * heads * rope, BF16),
+                                             b.t("g_k_rope", tokens * rope, BF16)),
+                 (b.t("g_q_pos", tokens * heads * rope, BF16),
+                  b.t("g_k_pos", tokens * rope, BF16))))
+    query = b.t("query", tokens * heads * qk, BF16)
+    key = b.t("key", tokens * heads * qk, BF16)
+    value = b.t("value", tokens * heads * vd, BF16)
+    b.fwd(Kernel("cat_query", "elementwise", (q, q_rope), (query,)))
+    b.fwd(Kernel("cat_key", "elementwise", (kv, k_rope), (key,)))
+    b.fwd(Kernel("value_contiguous", "elementwise", (kv,), (value,)))
+    # Backward of the concatenations: the gradients sliced back into q and kv, and the shared
+    # rotary key's gradient summed over the heads.
+    gq, gk, gv = (b.t(f"g_{n}", tokens * heads * w, BF16)
+                  for n, w in (("query", qk), ("key", qk), ("value", vd)))
+    b.bwd(Kernel("cat.bwd", "elementwise", (gq, gk, gv),
+                 (b.t("g_q", tokens * heads * qk, BF16),
+                  b.t("g_kv", tokens * heads * (nope + vd), BF16),
+                  b.t("g_k_rope_sum", tokens * rope, BF16))))
+    ctx = b.t("ctx", tokens * heads * vd, BF16)
+    lse = b.t("lse", batch * heads * seq, FP32)
+    # Causal: each query sees seq/2 keys on average; QK^T is 2 x qk and PV 2 x v FLOPs per
+    # key and head (the FLOPs of ModelSpec._attention_layer_flops). The time model takes
+    # one head width: the mean of the two, which gives the same FLOPs.
+    fl = 2.0 * batch * seq * (seq / 2) * heads * (qk + vd)
+    hd = (qk + vd) // 2
+    b.fwd(Kernel("flash_fwd", "attention", (query, key, value), (ctx, lse), fl,
+                 attn=(batch, heads, seq, hd, "fwd")))
+    b.save(query, key, value, ctx, lse)
+    gctx = b.t("g_ctx", tokens * heads * vd, BF16)
+    b.bwd(Kernel("flash_bwd", "attention", (gctx, query, key, value, ctx, lse), (gq, gk, gv),
+                 2.5 * fl, attn=(batch, heads, seq, hd, "bwd")))
+    out = _linear(b, ctx, tokens, heads * vd, h, "proj", m.bias, bias_in_epilogue=True,
+                  lay=lay)
+    # Reduced over the tensor-parallel group (all-reduce or reduce-scatter) before the
+    # bias-dropout-add on the local tokens, as in the dense layer.
+    resid = b.t("resid", local * h, BF16)
+    b.block.outputs.append(_bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout))
+    return pre.finish(), b.finish()
+
+
+def _sharded_input_linear(b: _Builder, x: Tensor, tokens: float, local: float, n_in: int,
+                          n_out: int, name: str, m: ModelSpec, lay: MegatronLayout,
+                          act: int) -> Tensor:
+    """A column-parallel linear over the gathered ``tokens`` whose input arrives as a
+    ``local`` shard: under sequence parallelism it saves the shard only (re-gathered in
+    backward)."""
+    xin = b.t(f"{name}.in", tokens * n_in, BF16) if local != tokens else x
+    kept = len(b.block.saved)
+    y = _linear(b, xin, tokens, n_in, n_out, name, m.bias, lay=lay)
+    if local != tokens:
+        del b.block.saved[kept:]
+        b.save(b.t(f"{name}.in_shard", local * n_in, act))
+    return y
