@@ -311,7 +311,9 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     ctx = b.t("ctx", tokens * qd, BF16)
     if lay.flash_attention:
         lse = b.t("lse", batch * heads * s, FP32)
-        fl = 2.0 * batch * s * kv_len * qd / 2   # causal: half the score matrix
+        # Two matmuls (Q K^T and P V) of 2 x s x kv x d FLOPs per head each, causal: half of
+        # the score matrix (as sdpa.fwd in sim/workload/layer_builder.py counts it).
+        fl = 2.0 * batch * s * kv_len * qd
         b.fwd(Kernel("flash_fwd", "attention", (q, k, v), (ctx, lse), fl,
                      attn=(batch, heads, s, m.head_dim, "fwd"),
                      attn_kv_seq=kv_len if lay.cp > 1 else 0))

@@ -184,3 +184,21 @@ def test_embedding_and_loss_count_as_layers_in_the_pipeline_split() -> None:
     with pytest.raises(ScenarioError, match="parallelism.pp"):
         build_program(JobContext.from_scenario(
             scenario({"tp": 1, "pp": 4, "dp": 1}, gbs=4, gpn=4, model={**DEEP, "layers": 30})))
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_full_recompute_adds_one_forward_of_the_layers_whatever_tp(tp: int) -> None:
+    # Full activation checkpointing re-runs each layer's forward once per micro-batch: the
+    # hardware FLOPs exceed the model's by the layers' forward FLOPs, 2 x (their matmul
+    # parameters: all but the LM head's vocab x hidden) + their causal attention's forward
+    # (a third of ModelSpec's forward + backward attention), per token, at any tensor
+    # parallelism (the blocks are priced per tensor-parallel rank).
+    s = scenario({"tp": tp, "pp": 1, "sequence_parallel": tp > 1}, gbs=8, ac="full")
+    program = build_program(JobContext.from_scenario(s, "test"))
+    m = ModelSpec.from_ref(s.model, s.training.seq_len)
+    layers_fwd = (2.0 * (m.active_matmul_params - m.vocab * m.hidden)
+                  + m.attention_flops_per_token(s.training.seq_len) / 3.0)
+    extra = program.hw_flops_per_step - program.model_flops_per_step
+    # 3e-4: ModelSpec counts a causal row's keys with the diagonal, (S + 1) / 2, the flash
+    # kernel S / 2 (the bugs this guards against were factors of 2 and of tp).
+    assert extra == pytest.approx(layers_fwd * program.tokens_per_step, rel=3e-4)

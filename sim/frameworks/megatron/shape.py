@@ -233,7 +233,8 @@ class MegatronShape:
 
     def recompute_flops(self) -> float:
         """Hardware FLOPs beyond the model's: full recomputation re-runs every layer's
-        forward once per micro-batch on every data- and context-parallel replica."""
+        forward once per micro-batch on every data- and context-parallel replica. The
+        blocks are priced per tensor-parallel rank, so a layer's forward is ``t`` of them."""
         if self.ac != "full":
             return 0.0
         layer_fwd_flops = sum(self.blocks[k].flops_fwd for k in ("attn_main", "mlp_main"))
@@ -241,8 +242,9 @@ class MegatronShape:
             moe_layers = self.model.moe_layers
             extra = moe_layers * (self.moe.flops_fwd - self.blocks["mlp_main"].flops_fwd)
             return ((layer_fwd_flops * self.model.layers + extra)
-                    * self.mb_count * self.dp * self.cp)
-        return layer_fwd_flops * self.model.layers * self.mb_count * self.dp * self.cp
+                    * self.mb_count * self.dp * self.cp * self.t)
+        return (layer_fwd_flops * self.model.layers * self.mb_count * self.dp * self.cp
+                * self.t)
 
 
 def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
