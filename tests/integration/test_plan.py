@@ -400,3 +400,80 @@ def test_layout_scenario_replaces_the_framework_section(odd: Any) -> None:
     b = scenario_from_dict(plan.scenario_mapping(base, megatron))
     assert b.framework.name == "megatron" and b.framework.tp_comm_overlap   # type: ignore[union-attr]
     assert (b.parallelism.tp, b.dp, b.training.global_batch_size) == (2, 4, 16)
+
+
+# --------------------------------------------------------------------------- mixture of experts
+# Mixtral 8x7B on 64 H100 (8 DGX nodes), as the shipped NeMo-like scenario, global batch 64.
+# The search is pinned to tp 1, cp 1 and micro-batch 1 (168 layouts: pp x vp x ep x
+# recomputation) so that it runs in seconds; the expert layouts are Megatron's (ep of 1, 2, 4,
+# 8 experts' divisors, etp 1 = tp).
+MIXTRAL = "mixtral-8x7b-megatron-ep8-64xh100"
+MIXTRAL_PIN = {"parallelism.tp": 1, "parallelism.cp": 1, "training.micro_batch_size": 1}
+
+
+@pytest.fixture(scope="module")
+def mixtral() -> Any:
+    return load_scenario(MIXTRAL, ["training.global_batch_size=64"])
+
+
+@pytest.fixture(scope="module")
+def mixtral_plan(mixtral: Any) -> plan.PlanResult:
+    return plan.search(mixtral, "time", top=2, workers=1, max_simulations=3,
+                       compare_baseline=False, pin=MIXTRAL_PIN)
+
+
+def test_moe_plan_searches_expert_parallelism(mixtral: Any,
+                                              mixtral_plan: plan.PlanResult) -> None:
+    # Only Megatron models MoE layers: the others are skipped, not refused layout by layout.
+    kept, skipped = plan.plan_frameworks(mixtral)
+    assert kept == ["megatron"]
+    assert skipped == {fw: "experts" for fw in ("ddp", "fsdp2", "deepspeed", "fairscale")}
+    cands = mixtral_plan.candidates
+    assert {c.layout.framework for c in cands} == {"megatron"}
+    # ep over the divisors of the 8 experts, at every pipeline depth that leaves room.
+    assert {c.layout.ep for c in cands} == {1, 2, 4, 8}
+    assert all(64 % (c.layout.ep * c.layout.etp * c.layout.pp) == 0 for c in cands)
+    ranked = mixtral_plan.ranked()
+    assert len(ranked) >= 2 and all(c.layout.ep > 1 for c in ranked)
+    for c in mixtral_plan.simulated:
+        summary = c.summary
+        assert summary is not None
+        step = summary["step_time_s"]
+        assert c.bound0_s <= step and c.lower_bound_s <= step, c.layout.label()
+    for c in ranked:
+        # What `simulate` gives for the layout's scenario (the varied keys set ep and etp).
+        assert c.layout.varied()["parallelism.ep"] == c.layout.ep
+        again = simulate(plan.layout_scenario(mixtral, c.layout)).summary
+        assert c.summary is not None
+        for key in ("step_time_s", "tokens_per_s_per_gpu", "peak_memory_gib", "mfu"):
+            assert c.summary[key] == again[key], (c.layout.label(), key)
+
+
+def test_moe_memory_estimate_counts_experts_over_ep(mixtral: Any) -> None:
+    # Megatron keeps bf16 parameters and, with grad_reduce_in_fp32 off, bf16 main grads
+    # (DistributedDataParallel's grad buffer): 4 bytes per local expert parameter; the
+    # distributed optimizer's 12 bytes (fp32 master, Adam m and v) are sharded over the
+    # expert-data-parallel group, 1/(ep x edp) = 1/64 of them at every ep. So going from ep 1
+    # to ep 8 frees 4 x 7/8 of the experts' parameters on every rank.
+    from sim.workload.model import ModelSpec
+
+    moe = ModelSpec.from_ref("mixtral-8x7b").moe
+    assert moe is not None
+    experts = 32 * moe.experts * 3 * 4096 * moe.ffn_hidden     # 45.1 B (w1, w2, w3)
+    rates = plan.LinkRates.of(mixtral)
+    opts = tuple(sorted(plan.MEGATRON_BEST_PRACTICE))
+    states = {}
+    for ep in (1, 8):
+        x = plan.Layout("megatron", 1, 1, 64, 1, 1, 1, "full", opts, ep, 1)
+        ev = plan.evaluate_layout(mixtral, x, rates, math.inf, 64)
+        assert ev.refused is None
+        states[ep] = ev.states_bytes
+    assert states[1] - states[8] == pytest.approx(4 * experts * 7 / 8, rel=1e-3)
+
+
+def test_moe_model_with_no_framework_is_refused_in_one_line() -> None:
+    # Megatron is left out: no framework asked models the experts.
+    with pytest.raises(ScenarioError) as err:
+        plan.plan_command(MIXTRAL, frameworks=["fsdp2", "deepspeed"], workers=1,
+                          max_simulations=1)
+    assert "model.experts" in str(err.value) and "\n" not in str(err.value)
