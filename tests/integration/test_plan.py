@@ -477,3 +477,20 @@ def test_moe_model_with_no_framework_is_refused_in_one_line() -> None:
         plan.plan_command(MIXTRAL, frameworks=["fsdp2", "deepspeed"], workers=1,
                           max_simulations=1)
     assert "model.experts" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_states_oom_rules_out_less_expert_parallelism() -> None:
+    # Per rank, expert parameters and grads are 1/(ep x etp) of a stage's: a layout whose
+    # states do not fit at (ep 4, etp 2) cannot fit at (2, 2) or (4, 1), may at (8, 1).
+    pruning = plan.MemoryPruning(usable_bytes=1.0)
+
+    def cand(ep: int, etp: int, mbs: int = 1) -> plan.Candidate:
+        return plan.Candidate(0, plan.Layout("megatron", 2, 1, 32, 1, 1, mbs, "full", (),
+                                             ep, etp), 1)
+
+    big = cand(4, 2)
+    assert pruning.verdict(big.family, big.layout, 2.0, 2.0) == "model states"
+    for ep, etp, pruned in ((4, 2, True), (2, 2, True), (4, 1, True), (1, 1, True),
+                            (8, 1, False), (8, 2, False)):
+        c = cand(ep, etp, mbs=2)
+        assert (pruning.dominated(c.family, c.layout) is not None) == pruned, (ep, etp)

@@ -7,7 +7,10 @@ scenario gives them; everything else a team chooses when it sets up a run is sea
   options that change memory or communication (ZeRO stage, FSDP ``reshard_after_forward``,
   FSDP2's HSDP shard size); the rest at the frameworks' recipe values;
 * tensor (inside a node), pipeline, context and data parallelism, Megatron's and torchtitan's
-  interleaved pipeline chunks, the micro-batch size and activation recomputation.
+  interleaved pipeline chunks, the micro-batch size and activation recomputation;
+* for a mixture-of-experts model, with the frameworks that build it only (the registry
+  entries' ``model_features``: Megatron), the expert layout too: ``ep`` and expert tensor
+  parallelism ``etp`` (the search space's ``expert_layouts``).
 
 Each phase is cheap enough to decide what the next one spends time on:
 
