@@ -218,6 +218,20 @@ def test_collective_lower_bound_closed_forms() -> None:
     assert plan.collective_lower_bound(rs, rates) == pytest.approx(8 * 0.5 * s / 200e9)
     send = Op("send", "send", "p", "comm", nbytes=s, pairs=((0, 8), (1, 9)), key="c")
     assert plan.collective_lower_bound(send, rates) == pytest.approx(2 * s / 200e9)
+    # All-to-all, even split (s / n to each member): inside a server each GPU sends 7/8 of
+    # its buffer over NVLink; over two servers of 8 each rank sends s / 16 to each of its 8
+    # remote peers, 8 x s / 2 leaving each server through its NICs.
+    a2a = Op("a2a", "collective", "c", "comm", collective="all_to_all", nbytes=s,
+             group=tuple(range(8)), key="d")
+    assert plan.collective_lower_bound(a2a, rates) == pytest.approx(7 / 8 * s / 300e9)
+    wide = Op("a2a16", "collective", "c", "comm", collective="all_to_all", nbytes=s,
+              group=tuple(range(16)), key="e")
+    assert plan.collective_lower_bound(wide, rates) == pytest.approx(8 * s / 2 / 200e9)
+    # Uneven: member 0 sends 3 s to member 1 in its server, nothing else: its NVLink port.
+    peer = tuple(tuple(3 * s if (i, j) == (0, 1) else 0.0 for j in range(8)) for i in range(8))
+    skew = Op("skew", "collective", "c", "comm", collective="all_to_all", nbytes=s,
+              group=tuple(range(8)), key="f", peer_bytes=peer)
+    assert plan.collective_lower_bound(skew, rates) == pytest.approx(3 * s / 300e9)
 
 
 # --------------------------------------------------------------------------- pruning
