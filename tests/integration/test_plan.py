@@ -508,3 +508,9 @@ def test_states_oom_rules_out_less_expert_parallelism() -> None:
                             (8, 1, False), (8, 2, False)):
         c = cand(ep, etp, mbs=2)
         assert (pruning.dominated(c.family, c.layout) is not None) == pruned, (ep, etp)
+
+
+def test_a_pin_that_leaves_nothing_is_one_line(odd: Any) -> None:
+    with pytest.raises(ScenarioError) as err:
+        plan.search(odd, workers=1, max_simulations=1, pin={"parallelism.ep": 2})
+    assert "parallelism.ep" in str(err.value) and "\n" not in str(err.value)

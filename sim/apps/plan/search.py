@@ -169,6 +169,9 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
     if pin:
         layouts = [x for x in layouts
                    if all(k in (v := x.varied()) and v[k] == want for k, want in pin.items())]
+        if not layouts:
+            raise ScenarioError(f"pin {dict(pin)}: no layout of the search sets these keys "
+                                "to these values")
     shape = _shape(base)
     rates = LinkRates.of(base)
     goal, usable = _Objective.of(base, shape, objective)
