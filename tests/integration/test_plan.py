@@ -514,3 +514,24 @@ def test_a_pin_that_leaves_nothing_is_one_line(odd: Any) -> None:
     with pytest.raises(ScenarioError) as err:
         plan.search(odd, workers=1, max_simulations=1, pin={"parallelism.ep": 2})
     assert "parallelism.ep" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_moe_profile_with_leading_dense_layers_bounds_the_step() -> None:
+    # DeepSeek-like toy: 2 dense layers first, 1 shared expert; the profile's 2-layer copy
+    # keeps one dense layer and one MoE layer, and the minimum of the two bounds each layer.
+    toy = make_scenario({
+        "name": "toy-moe", "model": {"layers": 8, "hidden": 1024, "heads": 8,
+                                     "ffn_hidden": 4096, "vocab": 32000, "experts": 8,
+                                     "experts_per_token": 2, "moe_ffn_hidden": 1024,
+                                     "first_k_dense": 2, "shared_experts": 1,
+                                     "name": "toy-moe"},
+        "cluster": {"topology": "dgx-h100", "nodes": 1}, "framework": {"name": "megatron"},
+        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 16}})
+    rates = plan.LinkRates.of(toy)
+    opts = tuple(sorted(plan.MEGATRON_BEST_PRACTICE))
+    for ep in (1, 4):
+        x = plan.Layout("megatron", 1, 2, 4, 1, 1, 1, "none", opts, ep, 1)
+        prof = plan.layer_profile(toy, x, rates)
+        assert prof.refused is None and prof.layer_s > 0
+        step = simulate(plan.layout_scenario(toy, x)).summary["step_time_s"]
+        assert plan.profile_bound(x, prof, 8, 4) <= step, ep
