@@ -535,3 +535,21 @@ def test_moe_profile_with_leading_dense_layers_bounds_the_step() -> None:
         assert prof.refused is None and prof.layer_s > 0
         step = simulate(plan.layout_scenario(toy, x)).summary["step_time_s"]
         assert plan.profile_bound(x, prof, 8, 4) <= step, ep
+
+
+def test_plan_command_skips_frameworks_that_cannot_build_the_model(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # plan_command finds search() through sim.apps.plan: record what it is asked to search.
+    asked: list[tuple[str, ...]] = []
+
+    def fake_search(base: Any, objective: str, top: int, frameworks: tuple[str, ...],
+                    *args: Any, **kwargs: Any) -> None:
+        asked.append(frameworks)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(plan, "search", fake_search)
+    with pytest.raises(RuntimeError):
+        plan.plan_command(MIXTRAL, frameworks=["fsdp2", "megatron", "ddp"], workers=1)
+    assert asked == [("megatron",)]
+    err = capsys.readouterr().err
+    assert "fsdp2 skipped" in err and "ddp skipped" in err and "model.experts" in err
