@@ -35,6 +35,7 @@ from sim.frameworks.fairscale.entry import ENTRY as FAIRSCALE
 from sim.frameworks.fsdp2.entry import ENTRY as FSDP2
 from sim.frameworks.megatron.entry import ENTRY as MEGATRON
 from sim.program.ir import Program
+from sim.workload.model import ModelSpec
 
 __all__ = ["FrameworkEntry", "Options", "SearchPoint", "SearchSpace", "StageSplit",
            "build_program", "framework", "frameworks", "names", "register_framework",
@@ -81,9 +82,12 @@ def names() -> tuple[str, ...]:
     return tuple(_ENTRIES)
 
 
-def searchable() -> tuple[str, ...]:
-    """Frameworks the planner searches (those with a search space), in registry order."""
-    return tuple(e.name for e in _ENTRIES.values() if e.search is not None)
+def searchable(model: ModelSpec | None = None) -> tuple[str, ...]:
+    """Frameworks the planner searches (those with a search space), in registry order;
+    with ``model``, only those whose builder models it (:meth:`FrameworkEntry.builds`: a
+    mixture-of-experts model, Megatron only)."""
+    return tuple(e.name for e in _ENTRIES.values() if e.search is not None
+                 and (model is None or e.builds(model) is None))
 
 
 def build_program(ctx: JobContext) -> Program:

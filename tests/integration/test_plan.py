@@ -218,6 +218,20 @@ def test_collective_lower_bound_closed_forms() -> None:
     assert plan.collective_lower_bound(rs, rates) == pytest.approx(8 * 0.5 * s / 200e9)
     send = Op("send", "send", "p", "comm", nbytes=s, pairs=((0, 8), (1, 9)), key="c")
     assert plan.collective_lower_bound(send, rates) == pytest.approx(2 * s / 200e9)
+    # All-to-all, even split (s / n to each member): inside a server each GPU sends 7/8 of
+    # its buffer over NVLink; over two servers of 8 each rank sends s / 16 to each of its 8
+    # remote peers, 8 x s / 2 leaving each server through its NICs.
+    a2a = Op("a2a", "collective", "c", "comm", collective="all_to_all", nbytes=s,
+             group=tuple(range(8)), key="d")
+    assert plan.collective_lower_bound(a2a, rates) == pytest.approx(7 / 8 * s / 300e9)
+    wide = Op("a2a16", "collective", "c", "comm", collective="all_to_all", nbytes=s,
+              group=tuple(range(16)), key="e")
+    assert plan.collective_lower_bound(wide, rates) == pytest.approx(8 * s / 2 / 200e9)
+    # Uneven: member 0 sends 3 s to member 1 in its server, nothing else: its NVLink port.
+    peer = tuple(tuple(3 * s if (i, j) == (0, 1) else 0.0 for j in range(8)) for i in range(8))
+    skew = Op("skew", "collective", "c", "comm", collective="all_to_all", nbytes=s,
+              group=tuple(range(8)), key="f", peer_bytes=peer)
+    assert plan.collective_lower_bound(skew, rates) == pytest.approx(3 * s / 300e9)
 
 
 # --------------------------------------------------------------------------- pruning
@@ -400,3 +414,142 @@ def test_layout_scenario_replaces_the_framework_section(odd: Any) -> None:
     b = scenario_from_dict(plan.scenario_mapping(base, megatron))
     assert b.framework.name == "megatron" and b.framework.tp_comm_overlap   # type: ignore[union-attr]
     assert (b.parallelism.tp, b.dp, b.training.global_batch_size) == (2, 4, 16)
+
+
+# --------------------------------------------------------------------------- mixture of experts
+# Mixtral 8x7B on 64 H100 (8 DGX nodes), as the shipped NeMo-like scenario, global batch 64.
+# The search is pinned to tp 1, cp 1 and micro-batch 1 (168 layouts: pp x vp x ep x
+# recomputation) so that it runs in seconds; the expert layouts are Megatron's (ep of 1, 2, 4,
+# 8 experts' divisors, etp 1 = tp).
+MIXTRAL = "mixtral-8x7b-megatron-ep8-64xh100"
+MIXTRAL_PIN = {"parallelism.tp": 1, "parallelism.cp": 1, "training.micro_batch_size": 1}
+
+
+@pytest.fixture(scope="module")
+def mixtral() -> Any:
+    return load_scenario(MIXTRAL, ["training.global_batch_size=64"])
+
+
+@pytest.fixture(scope="module")
+def mixtral_plan(mixtral: Any) -> plan.PlanResult:
+    return plan.search(mixtral, "time", top=2, workers=1, max_simulations=3,
+                       compare_baseline=False, pin=MIXTRAL_PIN)
+
+
+def test_moe_plan_searches_expert_parallelism(mixtral: Any,
+                                              mixtral_plan: plan.PlanResult) -> None:
+    # Only Megatron models MoE layers: the others are skipped, not refused layout by layout.
+    kept, skipped = plan.plan_frameworks(mixtral)
+    assert kept == ["megatron"]
+    assert skipped == {fw: "experts" for fw in ("ddp", "fsdp2", "deepspeed", "fairscale")}
+    cands = mixtral_plan.candidates
+    assert {c.layout.framework for c in cands} == {"megatron"}
+    # ep over the divisors of the 8 experts, at every pipeline depth that leaves room.
+    assert {c.layout.ep for c in cands} == {1, 2, 4, 8}
+    assert all(64 % (c.layout.ep * c.layout.etp * c.layout.pp) == 0 for c in cands)
+    ranked = mixtral_plan.ranked()
+    assert len(ranked) >= 2 and all(c.layout.ep > 1 for c in ranked)
+    for c in mixtral_plan.simulated:
+        summary = c.summary
+        assert summary is not None
+        step = summary["step_time_s"]
+        assert c.bound0_s <= step and c.lower_bound_s <= step, c.layout.label()
+    for c in ranked:
+        # What `simulate` gives for the layout's scenario (the varied keys set ep and etp).
+        assert c.layout.varied()["parallelism.ep"] == c.layout.ep
+        again = simulate(plan.layout_scenario(mixtral, c.layout)).summary
+        assert c.summary is not None
+        for key in ("step_time_s", "tokens_per_s_per_gpu", "peak_memory_gib", "mfu"):
+            assert c.summary[key] == again[key], (c.layout.label(), key)
+
+
+def test_moe_memory_estimate_counts_experts_over_ep(mixtral: Any) -> None:
+    # Megatron keeps bf16 parameters and, with grad_reduce_in_fp32 off, bf16 main grads
+    # (DistributedDataParallel's grad buffer): 4 bytes per local expert parameter; the
+    # distributed optimizer's 12 bytes (fp32 master, Adam m and v) are sharded over the
+    # expert-data-parallel group, 1/(ep x edp) = 1/64 of them at every ep. So going from ep 1
+    # to ep 8 frees 4 x 7/8 of the experts' parameters on every rank.
+    from sim.workload.model import ModelSpec
+
+    moe = ModelSpec.from_ref("mixtral-8x7b").moe
+    assert moe is not None
+    experts = 32 * moe.experts * 3 * 4096 * moe.ffn_hidden     # 45.1 B (w1, w2, w3)
+    rates = plan.LinkRates.of(mixtral)
+    opts = tuple(sorted(plan.MEGATRON_BEST_PRACTICE))
+    states = {}
+    for ep in (1, 8):
+        x = plan.Layout("megatron", 1, 1, 64, 1, 1, 1, "full", opts, ep, 1)
+        ev = plan.evaluate_layout(mixtral, x, rates, math.inf, 64)
+        assert ev.refused is None
+        states[ep] = ev.states_bytes
+    assert states[1] - states[8] == pytest.approx(4 * experts * 7 / 8, rel=1e-3)
+
+
+def test_moe_model_with_no_framework_is_refused_in_one_line() -> None:
+    # Megatron is left out: no framework asked models the experts.
+    with pytest.raises(ScenarioError) as err:
+        plan.plan_command(MIXTRAL, frameworks=["fsdp2", "deepspeed"], workers=1,
+                          max_simulations=1)
+    assert "model.experts" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_states_oom_rules_out_less_expert_parallelism() -> None:
+    # Per rank, expert parameters and grads are 1/(ep x etp) of a stage's: a layout whose
+    # states do not fit at (ep 4, etp 2) cannot fit at (2, 2) or (4, 1), may at (8, 1).
+    pruning = plan.MemoryPruning(usable_bytes=1.0)
+
+    def cand(ep: int, etp: int, mbs: int = 1) -> plan.Candidate:
+        return plan.Candidate(0, plan.Layout("megatron", 2, 1, 32, 1, 1, mbs, "full", (),
+                                             ep, etp), 1)
+
+    big = cand(4, 2)
+    assert pruning.verdict(big.family, big.layout, 2.0, 2.0) == "model states"
+    for ep, etp, pruned in ((4, 2, True), (2, 2, True), (4, 1, True), (1, 1, True),
+                            (8, 1, False), (8, 2, False)):
+        c = cand(ep, etp, mbs=2)
+        assert (pruning.dominated(c.family, c.layout) is not None) == pruned, (ep, etp)
+
+
+def test_a_pin_that_leaves_nothing_is_one_line(odd: Any) -> None:
+    with pytest.raises(ScenarioError) as err:
+        plan.search(odd, workers=1, max_simulations=1, pin={"parallelism.ep": 2})
+    assert "parallelism.ep" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_moe_profile_with_leading_dense_layers_bounds_the_step() -> None:
+    # DeepSeek-like toy: 2 dense layers first, 1 shared expert; the profile's 2-layer copy
+    # keeps one dense layer and one MoE layer, and the minimum of the two bounds each layer.
+    toy = make_scenario({
+        "name": "toy-moe", "model": {"layers": 8, "hidden": 1024, "heads": 8,
+                                     "ffn_hidden": 4096, "vocab": 32000, "experts": 8,
+                                     "experts_per_token": 2, "moe_ffn_hidden": 1024,
+                                     "first_k_dense": 2, "shared_experts": 1,
+                                     "name": "toy-moe"},
+        "cluster": {"topology": "dgx-h100", "nodes": 1}, "framework": {"name": "megatron"},
+        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 16}})
+    rates = plan.LinkRates.of(toy)
+    opts = tuple(sorted(plan.MEGATRON_BEST_PRACTICE))
+    for ep in (1, 4):
+        x = plan.Layout("megatron", 1, 2, 4, 1, 1, 1, "none", opts, ep, 1)
+        prof = plan.layer_profile(toy, x, rates)
+        assert prof.refused is None and prof.layer_s > 0
+        step = simulate(plan.layout_scenario(toy, x)).summary["step_time_s"]
+        assert plan.profile_bound(x, prof, 8, 4) <= step, ep
+
+
+def test_plan_command_skips_frameworks_that_cannot_build_the_model(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # plan_command finds search() through sim.apps.plan: record what it is asked to search.
+    asked: list[tuple[str, ...]] = []
+
+    def fake_search(base: Any, objective: str, top: int, frameworks: tuple[str, ...],
+                    *args: Any, **kwargs: Any) -> None:
+        asked.append(frameworks)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(plan, "search", fake_search)
+    with pytest.raises(RuntimeError):
+        plan.plan_command(MIXTRAL, frameworks=["fsdp2", "megatron", "ddp"], workers=1)
+    assert asked == [("megatron",)]
+    err = capsys.readouterr().err
+    assert "fsdp2 skipped" in err and "ddp skipped" in err and "model.experts" in err

@@ -7,7 +7,10 @@ scenario gives them; everything else a team chooses when it sets up a run is sea
   options that change memory or communication (ZeRO stage, FSDP ``reshard_after_forward``,
   FSDP2's HSDP shard size); the rest at the frameworks' recipe values;
 * tensor (inside a node), pipeline, context and data parallelism, Megatron's and torchtitan's
-  interleaved pipeline chunks, the micro-batch size and activation recomputation.
+  interleaved pipeline chunks, the micro-batch size and activation recomputation;
+* for a mixture-of-experts model, with the frameworks that build it only (the registry
+  entries' ``model_features``: Megatron), the expert layout too: ``ep`` and expert tensor
+  parallelism ``etp`` (the search space's ``expert_layouts``).
 
 Each phase is cheap enough to decide what the next one spends time on:
 
@@ -102,6 +105,7 @@ from sim.apps.plan.layouts import (  # noqa: F401
     _vp_values,
     enumerate_layouts,
     layout_scenario,
+    plan_frameworks,
     refusal_key,
     step_sequences,
 )
@@ -148,7 +152,7 @@ from sim.apps.plan.search import (  # noqa: F401
     search,
 )
 from sim.engine.host_clock import host_issues, issue_order, issue_time  # noqa: F401
-from sim.frameworks import registry
+from sim.frameworks import registry  # noqa: F401
 from sim.frameworks.registry import SearchPoint, SearchSpace  # noqa: F401
 from sim.scenario import (  # noqa: F401
     Scenario,
@@ -156,7 +160,6 @@ from sim.scenario import (  # noqa: F401
     load_scenario,
     scenario_from_dict,
 )
-from sim.workload.model import ModelSpec
 from sim.workload.moe import BEYOND_DENSE
 
 
@@ -188,17 +191,24 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
     if out is not None and out.exists() and not out.is_dir():
         raise ScenarioError(f"--out {out}: exists and is not a folder")
     base = load_scenario(scenario, list(overrides))
-    beyond = ModelSpec.from_ref(base.model, base.training.seq_len).beyond_dense()
-    if beyond is not None:
-        # Refused at once, not after every layout's build has refused it (issue 14).
-        raise ScenarioError(f"{scenario}: model.{beyond}: fabricsim plan cannot search "
-                            f"{BEYOND_DENSE[beyond]} yet (issue 14)")
+    kept, skipped = plan_frameworks(base, frameworks)
+    if not kept:
+        # Refused at once, not after every layout's build has refused it: no framework
+        # asked for models the model (a mixture-of-experts model: Megatron only).
+        key = next(iter(skipped.values()))
+        raise ScenarioError(f"{scenario}: model.{key}: no framework fabricsim plan searches "
+                            f"({', '.join(skipped)}) models {BEYOND_DENSE[key]} yet "
+                            "(issue 14)")
     local = cpu_count()
     from contextlib import nullcontext
 
     from rich.console import Console
 
     err = Console(stderr=True)
+    if skipped and not quiet:
+        for fw, key in skipped.items():
+            err.print(f"plan: {fw} skipped: it does not model {BEYOND_DENSE[key]} "
+                      f"(model.{key})", highlight=False)
     live = not as_json and not quiet and err.is_terminal
     with err.status("plan: profiling layers") if live else nullcontext() as status:
         counts = {"build": 0, "simulate": 0, "profiles": 0}
@@ -211,13 +221,13 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
 
         report = progress if live else None
         if simulate_many is None:
-            result = search(base, objective, top, tuple(frameworks or registry.searchable()),
+            result = search(base, objective, top, tuple(kept),
                             workers or local, max_simulations, time_limit_s, backend=backend,
                             progress=report)
         else:
             # Builds on this machine's cores, simulations ``workers`` at a time on the
             # backend.
-            result = search(base, objective, top, tuple(frameworks or registry.searchable()), local,
+            result = search(base, objective, top, tuple(kept), local,
                             max_simulations, time_limit_s, simulate_many, backend, report,
                             simulation_batch=workers or local)
     if out is not None:

@@ -54,7 +54,11 @@ def collective_lower_bound(op: Any, rates: LinkRates) -> float:
     * A send: bytes leaving (entering) each server through its NICs, or one GPU's NVLink
       port inside a server.
 
-    Broadcasts and all-to-alls count zero (a lower bound). Latencies count zero.
+    * An all-to-all: what each GPU sends to (receives from) the peers of its own server
+      over its NVLink port, and what each server sends out (brings in) through its NICs
+      (:meth:`CommBounds._all_to_all`; an even split sends ``(n-1)/n`` of ``nbytes``).
+
+    Broadcasts count zero (a lower bound). Latencies count zero.
 
     Examples
     --------
@@ -84,6 +88,14 @@ class CommBounds:
             key: tuple[Any, ...] = ("p2p", op.pairs)
         elif op.collective in ("all_gather", "reduce_scatter", "all_reduce"):
             key = ("coll", op.groups or (op.group,))
+        elif op.collective == "all_to_all":
+            key = ("a2a", op.groups or (op.group,), op.peer_bytes, None if op.peer_bytes
+                   else nbytes)
+            seconds = self._per_byte.get(key)
+            if seconds is None:
+                seconds = self._per_byte[key] = self._all_to_all(key[1], op.peer_bytes,
+                                                                 nbytes)
+            return seconds
         else:
             return 0.0
         per_byte = self._per_byte.get(key)
@@ -106,6 +118,35 @@ class CommBounds:
                 in_count[b] += 1
         busiest = max(list(out_count.values()) + list(in_count.values()) + [0])
         return max(worst, busiest / self.rates.node_network)
+
+    def _all_to_all(self, groups: Sequence[Sequence[int]],
+                    peer_bytes: Sequence[Sequence[float]], nbytes: float) -> float:
+        """Seconds of an all-to-all at least: what each GPU sends to (receives from) peers
+        in its own server over its NVLink port, and what each server sends out (brings in)
+        through its NICs, all groups of a folded op together. ``peer_bytes[i][j]``: member
+        i to member j; none: ``nbytes / n`` to each (the op's even split, ``Op.peer_bytes``).
+        The diagonal stays on the GPU. PXN or not, bytes for another server leave through
+        some NIC of their own server."""
+        per_node = self.rates.gpus_per_node
+        nvl: dict[tuple[int, str], float] = defaultdict(float)
+        nic: dict[tuple[int, str], float] = defaultdict(float)
+        for group in groups:
+            n = len(group)
+            for i, src in enumerate(group):
+                for j, dst in enumerate(group):
+                    if i == j:
+                        continue
+                    b = float(peer_bytes[i][j]) if peer_bytes else nbytes / n
+                    a, c = src // per_node, dst // per_node
+                    if a == c:
+                        nvl[src, "out"] += b
+                        nvl[dst, "in"] += b
+                    else:
+                        nic[a, "out"] += b
+                        nic[c, "in"] += b
+        intra = max(nvl.values(), default=0.0) / self.rates.nvlink
+        inter = max(nic.values(), default=0.0) / self.rates.node_network
+        return max(intra, inter)
 
     def _groups(self, groups: Sequence[Sequence[int]]) -> float:
         per_node = self.rates.gpus_per_node

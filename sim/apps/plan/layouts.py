@@ -44,6 +44,24 @@ class Layout:
     activation_checkpointing: str
     options: tuple[tuple[str, Any], ...] = ()
     """Framework options the planner sets (``framework.<key>``), sorted by key."""
+    ep: int = 1
+    """Expert-parallel size (``parallelism.ep``; mixture-of-experts models only)."""
+    etp: int = 0
+    """Expert tensor-parallel size (``parallelism.etp``); 0 for a dense model's layouts,
+    which set neither key (their scenarios and outputs stay as before MoE)."""
+
+    @property
+    def moe(self) -> bool:
+        """The layout sets the expert layout (``parallelism.ep`` and ``etp``)."""
+        return self.etp > 0
+
+    def parallelism(self) -> dict[str, Any]:
+        """The ``parallelism:`` section this layout sets."""
+        out: dict[str, Any] = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp,
+                               "vp": self.vp, "sequence_parallel": self.sequence_parallel}
+        if self.moe:
+            out.update(ep=self.ep, etp=self.etp)
+        return out
 
     def varied(self) -> dict[str, Any]:
         """The scenario keys this layout sets, as dotted paths (usable as ``--set KEY=V``).
@@ -56,11 +74,8 @@ class Layout:
         """
         out: dict[str, Any] = {"framework.name": self.framework}
         out.update({f"framework.{k}": v for k, v in self.options})
-        out.update({"parallelism.tp": self.tp, "parallelism.pp": self.pp,
-                    "parallelism.dp": self.dp, "parallelism.cp": self.cp,
-                    "parallelism.vp": self.vp,
-                    "parallelism.sequence_parallel": self.sequence_parallel,
-                    "training.micro_batch_size": self.micro_batch_size,
+        out.update({f"parallelism.{k}": v for k, v in self.parallelism().items()})
+        out.update({"training.micro_batch_size": self.micro_batch_size,
                     "training.activation_checkpointing": self.activation_checkpointing})
         return out
 
@@ -91,6 +106,8 @@ class Layout:
             value = getattr(self, key)
             if value > 1:
                 parts.append(f"{short}{value}")
+        if self.moe:
+            parts.append(f"ep{self.ep} etp{self.etp}")
         parts.append(f"dp{self.dp}")
         if opts.get("hsdp_shard_size"):
             parts.append(f"hsdp{opts['hsdp_shard_size']}")
@@ -124,14 +141,19 @@ class _Shape:
     layers: int
     global_batch: int
     seq_len: int
+    experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    expert_width: int = 0
+    """Inner width of one expert (what expert tensor parallelism splits)."""
 
 
 def _shape(base: Scenario) -> _Shape:
     from sim.workload.model import ModelSpec
 
     m = ModelSpec.from_ref(base.model, base.training.seq_len)
+    experts, width = (m.moe.experts, m.moe.ffn_hidden) if m.moe is not None else (0, 0)
     return _Shape(base.gpus, base.cluster.gpus_per_node, m.layers, step_sequences(base),
-                  base.training.seq_len)
+                  base.training.seq_len, experts, width)
 
 
 def step_sequences(base: Scenario) -> int:
@@ -196,14 +218,35 @@ def enumerate_layouts(base: Scenario, frameworks: Sequence[str] | None = None
     [(1, 1), (1, 2), (1, 3)]
     """
     shape = _shape(base)
-    searchable = registry.searchable()
     out: list[Layout] = []
+    for fw in plan_frameworks(base, frameworks)[0]:
+        out.extend(_framework_layouts(fw, shape, base))
+    return out
+
+
+def plan_frameworks(base: Scenario, frameworks: Sequence[str] | None = None
+                    ) -> tuple[list[str], dict[str, str]]:
+    """The frameworks searched for ``base``'s model: those named (default: every one with a
+    search space) whose builder models it, and the others with the model key they do not
+    model (``experts`` for a mixture-of-experts model on any framework but Megatron: the
+    registry entries' ``model_features``, the rule their builders refuse by). Raises
+    ScenarioError for a name that is not a searchable framework."""
+    from sim.workload.model import ModelSpec
+
+    searchable = registry.searchable()
+    model = ModelSpec.from_ref(base.model, base.training.seq_len)
+    kept: list[str] = []
+    skipped: dict[str, str] = {}
     for fw in searchable if frameworks is None else frameworks:
         if fw not in searchable:
             raise ScenarioError(f"--framework {fw}: unknown framework "
                                 f"(available: {', '.join(searchable)})")
-        out.extend(_framework_layouts(fw, shape, base))
-    return out
+        key = registry.framework(fw).builds(model)
+        if key is None:
+            kept.append(fw)
+        else:
+            skipped[fw] = key
+    return kept, skipped
 
 
 def _micro_batch_sizes(shape: _Shape, dp: int) -> list[int]:
@@ -231,12 +274,16 @@ def _framework_layouts(fw: str, shape: _Shape, base: Scenario) -> Iterable[Layou
                 dp = n // (tp * cp * pp)
                 for vp in _vp_values(shape.layers, pp, space) if not data_parallel_only \
                         else [1]:
-                    point = SearchPoint(tp, pp, vp, dp, cp, shape.layers)
+                    point = SearchPoint(tp, pp, vp, dp, cp, shape.layers, shape.experts,
+                                        shape.expert_width)
+                    experts = list(space.expert_layouts(point)) if shape.experts else [(1, 0)]
                     for varied in space.options(point):
                         options = tuple(sorted(space.recipe + varied))
                         for mbs in _micro_batch_sizes(shape, dp):
                             for ac in recompute:
-                                yield Layout(fw, tp, pp, dp, cp, vp, mbs, ac, options)
+                                for ep, etp in experts:
+                                    yield Layout(fw, tp, pp, dp, cp, vp, mbs, ac, options,
+                                                 ep, etp)
 
 
 def layout_scenario(base: Scenario, layout: Layout, global_batch: int | None = None,
@@ -256,9 +303,7 @@ def layout_scenario(base: Scenario, layout: Layout, global_batch: int | None = N
         fw.update(base.framework.model_dump(mode="json", exclude_unset=True))
     fw.update(dict(layout.options))
     data["framework"] = fw
-    data["parallelism"] = {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                           "cp": layout.cp, "vp": layout.vp,
-                           "sequence_parallel": layout.sequence_parallel}
+    data["parallelism"] = layout.parallelism()
     training = dict(data.get("training", {}))
     training["micro_batch_size"] = layout.micro_batch_size
     training["activation_checkpointing"] = layout.activation_checkpointing

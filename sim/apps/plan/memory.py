@@ -99,6 +99,13 @@ class MemoryPruning:
     layout; a layout whose estimate exceeds it means every layout of its family with at
     least its micro-batch size and at most its recomputation does not fit either
     (activations only grow with the micro-batch and shrink with recomputation).
+
+    For a mixture-of-experts model the expert layout ``(ep, etp)`` ends the family key; a
+    family whose model states do not fit rules out the same layout with no more expert
+    parallelism (``ep' <= ep`` and ``etp' <= etp``): each rank then holds at least as many
+    expert parameters and gradients (``1 / (ep x etp)`` of each stage's experts), and the
+    expert optimizer states are ``1 / (etp x ep x expert-dp x pp)`` = 1/world of them
+    with the distributed optimizer, ``1 / (etp x ep x pp)`` without.
     """
 
     def __init__(self, usable_bytes: float) -> None:
@@ -113,6 +120,9 @@ class MemoryPruning:
         """Why the layout cannot fit, by what its family taught so far; None if it may."""
         if family in self.states_oom:
             return "model states (another micro-batch size or recomputation)"
+        if layout.moe and any(f[:-1] == family[:-1] and layout.ep <= f[-1][0]
+                              and layout.etp <= f[-1][1] for f in self.states_oom):
+            return "model states (more expert parallelism does not fit)"
         rank = RECOMPUTE_RANK[layout.activation_checkpointing]
         for mbs, r in self.oom_points.get(family, ()):
             if layout.micro_batch_size >= mbs and rank <= r:

@@ -134,6 +134,8 @@ def layout_row(c: Candidate) -> dict[str, Any]:
     row: dict[str, Any] = {
         "index": c.index, "layout": x.label(), "framework": x.framework,
         "tp": x.tp, "pp": x.pp, "dp": x.dp, "cp": x.cp, "vp": x.vp,
+        # The expert layout: mixture-of-experts layouts only (dense rows as before).
+        **({"ep": x.ep, "etp": x.etp} if x.moe else {}),
         "micro_batch_size": x.micro_batch_size,
         "activation_checkpointing": x.activation_checkpointing,
         "options": ";".join(f"{k}={v}" for k, v in x.options),

@@ -17,6 +17,7 @@ from sim.apps.plan.bound import LinkRates, collective_lower_bound
 from sim.apps.plan.layouts import PLAN_ORIGIN, Layout, _space, layout_scenario, refusal_key
 from sim.frameworks import registry
 from sim.scenario import Scenario, ScenarioError
+from sim.workload.moe import MoESpec
 
 PROFILE_LAYERS = 2
 """Layers of the model copy a profile is built with: the per-layer ops do not depend on the
@@ -53,8 +54,11 @@ def _layer_options(layout: Layout) -> tuple[tuple[str, Any], ...]:
 
 def _profile_key(layout: Layout) -> tuple[Any, ...]:
     opts = _layer_options(layout)
-    return (layout.framework, layout.tp, layout.cp, layout.micro_batch_size,
-            layout.activation_checkpointing, opts)
+    key: tuple[Any, ...] = (layout.framework, layout.tp, layout.cp, layout.micro_batch_size,
+                            layout.activation_checkpointing, opts)
+    # A mixture-of-experts layer's ops on one rank depend on its expert layout too (local
+    # experts, tokens received, expert-TP exchanges); dense layouts keep their key.
+    return key + (layout.ep, layout.etp) if layout.moe else key
 
 
 def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
@@ -74,10 +78,12 @@ def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
             "mlp": m.mlp, "tied_embeddings": m.tied_embeddings, "head_dim": m.head_dim,
             "norm": m.norm, "position": m.position, "bias": m.bias,
             "max_positions": m.max_positions or None, "name": f"{m.name} (profile)"}
+    if m.moe is not None:
+        dims.update(_moe_dims(m.moe))
     dp = base.gpus // (layout.tp * layout.cp)
     opts = _layer_options(layout)
     probe = Layout(layout.framework, layout.tp, 1, dp, layout.cp, 1, layout.micro_batch_size,
-                   layout.activation_checkpointing, opts)
+                   layout.activation_checkpointing, opts, layout.ep, layout.etp)
     try:
         scenario = layout_scenario(base, probe, global_batch=layout.micro_batch_size * dp,
                                    model=dims)
@@ -112,6 +118,17 @@ def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
     embed = sum(t for pos, t in outside if pos < first or pos > last)
     head = sum(t for pos, t in outside if first < pos < last)
     return Profile(min(per_layer.values(), default=0.0), embed, head)
+
+
+def _moe_dims(moe: MoESpec) -> dict[str, Any]:
+    """The mixture-of-experts fields of the profile's model copy: the same experts, and at
+    most one leading dense layer, so that with :data:`PROFILE_LAYERS` layers the minimum over
+    layers is no more than a dense layer's or an MoE layer's (a lower bound for a model with
+    both, DeepSeek-V3's three dense layers first)."""
+    return {"experts": moe.experts, "experts_per_token": moe.top_k,
+            "shared_experts": moe.shared, "moe_ffn_hidden": moe.ffn_hidden,
+            "first_k_dense": min(moe.first_k_dense, PROFILE_LAYERS - 1),
+            "router": moe.router, "capacity_factor": moe.capacity_factor}
 
 
 def stage_layer_split(layout: Layout, layers: int) -> list[list[int]] | None:

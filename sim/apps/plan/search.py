@@ -14,7 +14,7 @@ import heapq
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -61,9 +61,11 @@ class Candidate:
 
     @property
     def family(self) -> tuple[Any, ...]:
-        """Layouts that differ only in micro-batch size and recomputation."""
+        """Layouts that differ only in micro-batch size and recomputation (for a
+        mixture-of-experts model the expert layout is part of it: ``(ep, etp)`` last)."""
         x = self.layout
-        return (x.framework, x.tp, x.pp, x.dp, x.cp, x.vp, x.options)
+        fam: tuple[Any, ...] = (x.framework, x.tp, x.pp, x.dp, x.cp, x.vp, x.options)
+        return fam + ((x.ep, x.etp),) if x.moe else fam
 
     @property
     def lower_bound_s(self) -> float:
@@ -147,8 +149,8 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
            max_simulations: int = DEFAULT_MAX_SIMULATIONS, time_limit_s: float | None = None,
            simulate_many: SimulateMany | None = None, backend: str = "local",
            progress: Callable[[str, int, int], None] | None = None,
-           simulation_batch: int | None = None, compare_baseline: bool = True
-           ) -> PlanResult:
+           simulation_batch: int | None = None, compare_baseline: bool = True,
+           pin: Mapping[str, Any] | None = None) -> PlanResult:
     """Enumerate, build, bound and simulate layouts of ``base``; see :mod:`sim.apps.plan`.
 
     ``workers`` processes (joblib's loky) build and simulate; 1 runs everything here.
@@ -157,12 +159,19 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
     layouts at a time, while the local processes keep building. ``progress(phase, done,
     total)`` is called after each build or simulation (``done`` of that phase so far, of
     ``total`` layouts). With ``compare_baseline`` the scenario as
-    given is simulated too (:attr:`PlanResult.baseline`). Raises ScenarioError on bad
-    arguments.
+    given is simulated too (:attr:`PlanResult.baseline`). ``pin`` keeps only the layouts
+    that set these keys (:meth:`Layout.varied`, e.g. ``{"parallelism.tp": 1}``) to these
+    values. Raises ScenarioError on bad arguments.
     """
     _check_arguments(objective, top, max_simulations)
     t0 = time.perf_counter()
     layouts = enumerate_layouts(base, frameworks)
+    if pin:
+        layouts = [x for x in layouts
+                   if all(k in (v := x.varied()) and v[k] == want for k, want in pin.items())]
+        if not layouts:
+            raise ScenarioError(f"pin {dict(pin)}: no layout of the search sets these keys "
+                                "to these values")
     shape = _shape(base)
     rates = LinkRates.of(base)
     goal, usable = _Objective.of(base, shape, objective)

@@ -12,7 +12,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from sim.frameworks.common.base import Builder
-from sim.frameworks.common.search import Options, SearchPoint
+from sim.frameworks.common.search import Options, SearchPoint, no_expert_layouts
+from sim.workload.model import ModelSpec
 
 __all__ = ["FrameworkEntry", "Options", "SearchPoint", "SearchSpace", "StageSplit"]
 
@@ -49,6 +50,9 @@ class SearchSpace:
     short_step_with_pipeline: bool = True
     """The peak memory stops growing after 2 x pp micro-batches with pipeline parallelism,
     so the planner may build a shorter step (``sim.apps.plan.evaluate.proxy_micro_batches``)."""
+    expert_layouts: Callable[[SearchPoint], Iterable[tuple[int, int]]] = no_expert_layouts
+    """``(ep, etp)`` pairs to try at one parallel layout of a mixture-of-experts model (never
+    called for a dense one)."""
     weight_casts_per_step: bool = False
     """With fp8, weight casts are shared by the micro-batches of a step, so a
     one-micro-batch profile is no lower bound (the profile then only refuses)."""
@@ -74,6 +78,16 @@ class FrameworkEntry:
     step_gradient_bytes_per_param: float = 0.0
     """Gradient bytes per parameter that exist during the step but are not in the
     program's initial memory (counted in the model-state memory claims are judged on)."""
+    model_features: frozenset[str] = frozenset()
+    """Model features beyond a dense block (:data:`sim.workload.moe.BEYOND_DENSE` keys) the
+    builder models: the rule :class:`~sim.frameworks.common.base.JobContext` refuses models
+    by (``MODELLED_BEYOND_DENSE``), so the planner skips this framework for a model it
+    cannot build (:meth:`builds`)."""
+
+    def builds(self, model: ModelSpec) -> str | None:
+        """The scenario key (``experts``, ...) of the first feature of ``model`` this
+        framework's builder does not model, or None if it builds the model."""
+        return model.beyond_dense(self.model_features)
 
     def chunks(self, layers: int, pp: int, vp: int, opts: Mapping[str, Any]
                ) -> list[list[int]] | None:

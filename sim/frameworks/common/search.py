@@ -24,6 +24,14 @@ class SearchPoint:
     cp: int
     layers: int
     """Transformer layers of the model."""
+    experts: int = 0
+    """Routed experts per mixture-of-experts layer; 0 for a dense model."""
+    expert_width: int = 0
+    """Inner width of one expert (``moe_ffn_hidden``); 0 for a dense model."""
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
 
 
 def divisors(n: int) -> list[int]:
@@ -33,3 +41,8 @@ def divisors(n: int) -> list[int]:
 def no_options(pt: SearchPoint) -> Iterable[Options]:
     """One layout per parallel point, with the recipe options only."""
     yield ()
+
+
+def no_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
+    """No expert parallelism: a framework that does not search it."""
+    yield (1, 0)

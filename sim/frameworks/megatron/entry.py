@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from sim.frameworks.common.base import MODELLED_BEYOND_DENSE
 from sim.frameworks.common.entry import FrameworkEntry, SearchSpace
 from sim.frameworks.megatron.build import build_megatron
 from sim.frameworks.megatron.options import MegatronOptions
 from sim.frameworks.megatron.search import (
     MEGATRON_BEST_PRACTICE,
     megatron_chunks_split,
+    megatron_expert_layouts,
     megatron_options,
     megatron_stage_split,
 )
@@ -17,5 +19,6 @@ ENTRY = FrameworkEntry(
     search=SearchSpace(megatron_options, recipe=MEGATRON_BEST_PRACTICE,
                        chunks_split=megatron_chunks_split, sequence_parallel=True,
                        layer_profile=True, layer_options=("tp_comm_overlap",),
-                       weight_casts_per_step=True),
-    stage_split=megatron_stage_split)
+                       weight_casts_per_step=True,
+                       expert_layouts=megatron_expert_layouts),
+    stage_split=megatron_stage_split, model_features=MODELLED_BEYOND_DENSE["megatron"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sim.frameworks.common.search import Options, SearchPoint
+from sim.frameworks.common.search import Options, SearchPoint, divisors
 
 MEGATRON_BEST_PRACTICE: Options = (
     # Shard fp32 master weights and Adam states over data-parallel ranks: 12 bytes/param
@@ -54,6 +54,33 @@ def megatron_options(pt: SearchPoint) -> Iterable[Options]:
     split = megatron_split(pt.layers, pt.pp, pt.vp) or ()
     extra: Options = (("tp_comm_overlap", True),) if pt.tp > 1 else ()
     yield extra + split
+
+
+def megatron_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
+    """``(ep, etp)`` of a mixture-of-experts model at one parallel layout, by MoE parallel
+    folding (arXiv:2504.14960; Megatron-Core ``parallel_state.initialize_model_parallel``
+    lays the experts out as ``etp x ep x expert-dp x pp`` over the same ranks as the
+    attention's ``tp x cp x dp x pp``, so ep need not divide dp):
+
+    * ``ep`` divides the routed experts (``validate_args``: ``num_experts %
+      expert_model_parallel_size == 0``): 1 up to one expert per rank;
+    * ``etp`` is 1 (each expert whole on one rank, the folding paper's and DeepSeek-V3's
+      choice) or the attention's ``tp`` (``--expert-tensor-parallel-size`` omitted), and
+      splits the expert width;
+    * ``etp x ep x pp`` divides the world (the expert layout's data-parallel size is what
+      is left).
+
+    Examples
+    --------
+    >>> pt = SearchPoint(tp=2, pp=4, vp=1, dp=8, cp=1, layers=32, experts=8,
+    ...                  expert_width=14336)             # Mixtral 8x7B on 64 GPUs
+    >>> sorted(megatron_expert_layouts(pt))
+    [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)]
+    """
+    for ep in divisors(pt.experts):
+        for etp in sorted({1, pt.tp}):
+            if pt.expert_width % etp == 0 and pt.world % (etp * ep * pt.pp) == 0:
+                yield ep, etp
 
 
 def megatron_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any]
