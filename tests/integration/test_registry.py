@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from sim import scenario as config
-from sim.frameworks import registry
+from sim.frameworks import JobContext, registry
 from sim.frameworks.registry import FrameworkEntry, register_framework, unregister_framework
 from sim.scenario import ScenarioError, scenario_from_dict
 
@@ -157,3 +157,27 @@ def test_stage_splits():
     assert registry.framework("megatron").chunks(126, 8, 8, {}) is None
     # A framework without a pipeline split keeps every layer on one stage.
     assert registry.framework("ddp").chunks(6, 1, 1, {}) == [list(range(6))]
+
+
+def test_a_frameworks_model_features_decide_what_it_may_build():
+    # JobContext refuses a model by the entry's model_features (the one home the planner
+    # reads too): a registered framework that declares experts is let through, one that does
+    # not is refused naming the key.
+    class Experts(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+        name: Literal["moe_toy"]
+
+    ddp = registry.framework("ddp")
+    moe = {"name": "m", "model": "mixtral-8x7b",
+           "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 8},
+           "training": {"seq_len": 1024, "micro_batch_size": 1}}
+    register_framework(FrameworkEntry("moe_toy", Experts, ddp.build,
+                                      model_features=frozenset({"experts"})))
+    try:
+        s = scenario_from_dict({**moe, "framework": {"name": "moe_toy"}})
+        assert JobContext.from_scenario(s, "s.yaml").model.moe is not None
+        with pytest.raises(ScenarioError, match=r"model\.experts: ddp does not model"):
+            JobContext.from_scenario(scenario_from_dict({**moe, "framework": {"name": "ddp"}}),
+                                     "s.yaml")
+    finally:
+        unregister_framework("moe_toy")

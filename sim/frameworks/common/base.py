@@ -127,20 +127,19 @@ class JobContext:
         return per_mb * self.micro_batches * self.dp
 
 
-MODELLED_BEYOND_DENSE: dict[str, frozenset[str]] = {
-    "megatron": frozenset({"experts", "qk_norm", "attention"})}
-"""The features beyond a dense block each builder models (:data:`BEYOND_DENSE` keys):
-Megatron-Core's MoE layers with the ``alltoall`` dispatcher
-(:mod:`sim.frameworks.megatron.moe`) and its per-head query/key norms (``qk_layernorm``,
-:mod:`sim.workload.megatron_ops`) and Multi-head Latent Attention
-(:mod:`sim.workload.megatron_mla`)."""
-
-
 def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:
     """Refuse a model with a feature its builder does not price yet (experts, MLA, MTP, ...):
     every builder gets its context here, so none returns a number for a block it does not
-    model. Mixture-of-experts training is issue 14's work in progress."""
-    key = model.beyond_dense(MODELLED_BEYOND_DENSE.get(framework, frozenset()))
+    model. What each builder models is its registry entry's ``model_features`` (the one home
+    the planner reads too). Mixture-of-experts training is issue 14's work in progress."""
+    # The registry imports every builder, and they import this module: ask it at call time.
+    from sim.frameworks import registry
+
+    try:
+        entry = registry.framework(framework)
+    except KeyError:
+        return   # no builder of that name: build_program says so
+    key = entry.builds(model)
     if key is not None:
         raise ScenarioError(f"{origin}: model.{key}: {framework} does not model "
                             f"{BEYOND_DENSE[key]} yet (issue 14)")

@@ -80,9 +80,8 @@ class FrameworkEntry:
     program's initial memory (counted in the model-state memory claims are judged on)."""
     model_features: frozenset[str] = frozenset()
     """Model features beyond a dense block (:data:`sim.workload.moe.BEYOND_DENSE` keys) the
-    builder models: the rule :class:`~sim.frameworks.common.base.JobContext` refuses models
-    by (``MODELLED_BEYOND_DENSE``), so the planner skips this framework for a model it
-    cannot build (:meth:`builds`)."""
+    builder models: :class:`~sim.frameworks.common.base.JobContext` refuses any other
+    model by this field, and the planner skips this framework for it (:meth:`builds`)."""
 
     def builds(self, model: ModelSpec) -> str | None:
         """The scenario key (``experts``, ...) of the first feature of ``model`` this

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from sim.frameworks.common.base import MODELLED_BEYOND_DENSE
 from sim.frameworks.common.entry import FrameworkEntry, SearchSpace
 from sim.frameworks.megatron.build import build_megatron
 from sim.frameworks.megatron.options import MegatronOptions
@@ -21,4 +20,8 @@ ENTRY = FrameworkEntry(
                        layer_profile=True, layer_options=("tp_comm_overlap",),
                        weight_casts_per_step=True,
                        expert_layouts=megatron_expert_layouts),
-    stage_split=megatron_stage_split, model_features=MODELLED_BEYOND_DENSE["megatron"])
+    stage_split=megatron_stage_split,
+    # Megatron-Core's MoE layers with the alltoall dispatcher (megatron/moe.py), its per-head
+    # query/key norms (qk_layernorm, sim/workload/megatron_ops.py) and Multi-head Latent
+    # Attention (sim/workload/megatron_mla.py).
+    model_features=frozenset({"experts", "qk_norm", "attention"}))
