@@ -55,6 +55,21 @@ PRESETS: dict[str, tuple[str, list[str]]] = {
                        "parallelism.dp=128", "framework.tp_comm_overlap=true",
                        "training.seq_len=8192", "training.global_batch_size=2048",
                        "training.activation_checkpointing=none"]),
+    # Megatron-LM's 1T model (Narayanan et al. 2021, "Efficient Large-Scale Language Model
+    # Training on GPU Clusters Using Megatron-LM", table 1): 128 layers, hidden 25,600, 160
+    # heads, TP8 x PP64 x DP6 on 3,072 A100 (DGX A100, 8 x 200 Gb/s HDR), batch 3,072,
+    # 2,048-token sequences, full recomputation; 163 TFLOP/s per GPU published. 1,051,200
+    # ops: issue 13's "published run at 3,072 GPUs in under 2 minutes".
+    "megatron-1t-3k": ("llama3-70b-megatron-tp8pp4-64xh100",
+                       ["name=megatron-lm-1t-3072xa100", "training.tokens_total=null",
+                        "model={layers: 128, hidden: 25600, heads: 160, kv_heads: 160, "
+                        "ffn_hidden: 102400, vocab: 51200, mlp: gelu}",
+                        "cluster={gpu: a100-80gb, nodes: 384, gpus_per_node: 8, "
+                        "nics_per_node: 8, nic_gbps: 200}",
+                        "framework={name: megatron, implementation: local}",
+                        "parallelism={tp: 8, pp: 64, dp: 6}",
+                        "training.seq_len=2048", "training.global_batch_size=3072",
+                        "training.precision=fp16", "training.activation_checkpointing=full"]),
 }
 
 for _k, _nodes in (("1k", 128), ("4k", 512), ("16k", 2048)):
