@@ -84,7 +84,7 @@ def fabric_spec(s: Scenario) -> FabricSpec:
 def nccl_settings(s: Scenario) -> NcclSettings:
     n = s.nccl
     return NcclSettings(algo=n.algo, proto=n.proto, buffsize=n.buffsize, cross_nic=n.cross_nic,
-                        collnet_enable=n.collnet_enable)
+                        collnet_enable=n.collnet_enable, pxn=n.pxn)
 
 
 def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",

@@ -437,9 +437,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="also count simpy events by type, flows per group and active flows "
                     "per solve (slower; implies --no-profile)")
     ap.add_argument("--gc", choices=("on", "off", "freeze"), default="on",
-                    help="the cyclic garbage collector during the step: on (as shipped), off "
-                    "(disabled: what it costs), freeze (gc.freeze() once the program and "
-                    "fabric are built); the simulated numbers do not depend on it")
+                    help="the cyclic garbage collector around the step: on (as shipped: "
+                    "simulate itself pauses it while it builds, runs and collects, "
+                    "sim.engine.core.paused_gc, so only the collection after remains), off "
+                    "(disabled throughout), freeze (gc.freeze() once the program and fabric "
+                    "are built); the simulated numbers do not depend on it")
     args = ap.parse_args(argv)
     if args.count:
         args.no_profile = True

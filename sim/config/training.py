@@ -177,6 +177,9 @@ class Nccl(StrictModel):
     collnet_enable: bool = False
     """NCCL_COLLNET_ENABLE (default 0 in NCCL): lets NCCL's tuning choose CollNet Direct or
     Chain on a fabric whose switches have SHARP (``cluster.sharp``)."""
+    pxn: bool = True
+    """PXN (NCCL 2.12+): a send to another node crosses NVLink to the local GPU on the peer's
+    rail and leaves by that GPU's NIC; false = NCCL_PXN_DISABLE=1 (the sender's own NIC)."""
 
 
 class Parallelism(StrictModel):

@@ -240,3 +240,13 @@ def test_groups_on_distinct_nodes_fold_and_overlapping_groups_do_not() -> None:
     timed(env2, run2.run_collective_groups("all_to_all", crossed, S, peer_bytes=m8))
     (plan, _, _, count), = run2._a2a.values()
     assert count == 1 and plan is not None and plan.n_flows == 2 * 8 * 7
+
+
+def test_the_scenario_key_nccl_pxn_reaches_the_runner() -> None:
+    # nccl.pxn: false is NCCL_PXN_DISABLE=1, the setting the test above runs with.
+    from conftest import make_scenario
+
+    from sim.api import nccl_settings
+
+    assert nccl_settings(make_scenario()).pxn is True
+    assert nccl_settings(make_scenario(nccl={"pxn": False})).pxn is False
