@@ -137,6 +137,16 @@ class FlowNetwork:
         # dirty: the component search starts from them (see _component), and says in
         # _alone how many they were when it found no other flow on their links.
         self._seed = self._seed_inc = self._alone = 0
+        # Live incidences per link (the last entry, the dead link, counts nothing useful):
+        # a group started on links nobody uses, or a group ended leaving its links empty,
+        # needs no component search (what it would find is known: the group, or nothing).
+        self._link_users = np.zeros(n_links + 1, dtype=np.int64)
+        self._seed_alone = False
+        self._gone_alone: np.ndarray | None = None
+        # The rates of a group alone on its links, by its links, owners and caps: the same
+        # collective of a rank class repeats thousands of times on the same links, and
+        # max_min_rates is a pure function of these and the (fixed) capacities.
+        self._alone_rates: dict[tuple[bytes, bytes, bytes], np.ndarray] = {}
 
     # ------------------------------------------------------------------ API
     @property
@@ -248,6 +258,9 @@ class FlowNetwork:
         self._n, self._m = end, m_end
         self._live += n_new
         self._bind()
+        users = self._link_users
+        self._seed_alone = not users[flat_links].any()
+        np.add.at(users, flat_links, 1)
         self._dirty.append(flat_links)
         self._seed, self._seed_inc = n_new, len(flat_links)
         self._resolve()
@@ -312,6 +325,9 @@ class FlowNetwork:
         gone = finished[self._inc_flow]
         gone_links = self._inc_link[gone]
         self._dirty.append(gone_links)
+        users = self._link_users
+        np.subtract.at(users, gone_links, 1)
+        self._gone_alone = gone_links if not users[gone_links].any() else None
         # Their rates leave the link and class totals (finished flows ran until now).
         self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
@@ -449,14 +465,49 @@ class FlowNetwork:
             flows |= new
             link_mask[self._inc_link[new[self._inc_flow]]] = True
 
+    def _known_component(self) -> int:
+        """How many flows the component search would find when it is known without it
+        (-1 when not): the started group alone when none of its links had users (it is then
+        the last rows, what ``_component`` returns from its seed), none when the links of the
+        flows just ended have no users left. Consumes the marks either way."""
+        seed, dirty = self._seed, self._dirty_seen
+        seed_alone, gone = self._seed_alone, self._gone_alone
+        self._seed_alone, self._gone_alone = False, None
+        self._alone = 0
+        if len(dirty) != 1:
+            return -1
+        if seed and seed_alone and gone is None:
+            self._seed = 0
+            self._alone = seed
+            return seed
+        if not seed and gone is not None and dirty[0] is gone:
+            return 0
+        return -1
+
+    def _alone_solve(self, links: np.ndarray, owner: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """:func:`max_min_rates` of a group alone on its links, remembered (see
+        ``_alone_rates``; a copy, as the caller keeps what it gets)."""
+        caps = self._cap[idx]
+        key = (links.tobytes(), owner.tobytes(), caps.tobytes())
+        rates = self._alone_rates.get(key)
+        if rates is None:
+            if len(self._alone_rates) >= 4096:
+                self._alone_rates.clear()
+            rates = max_min_rates(links, owner, len(idx), self.capacity, caps,
+                                  (self._link_mask, self._link_pos))
+            self._alone_rates[key] = rates
+        return rates.copy()
+
     def _solve(self) -> None:
         self.solves += 1
         # Links to mark in the component search (any integer array will do).
+        self._dirty_seen = self._dirty
         dirty = (self._dirty[0] if len(self._dirty) == 1 else
                  np.concatenate(self._dirty) if self._dirty else np.zeros(0, dtype=np.int64))
         self._dirty = []
         if not self._live:
             self._seed = 0
+            self._seed_alone, self._gone_alone = False, None
             self._link_rates = np.zeros(len(self.capacity))
             self._busy_mask[self._busy] = False
             self._busy = np.zeros(0, dtype=np.int64)
@@ -464,9 +515,10 @@ class FlowNetwork:
         else:
             # Flows not connected to a changed link keep their rates: they share no link with
             # any flow whose rate can change, so max-min gives them the same answer.
-            self._alone = 0
-            comp = self._component(dirty)
-            n_comp = self._alone or int(np.count_nonzero(comp))
+            n_comp = self._known_component()
+            if n_comp < 0:
+                comp = self._component(dirty)
+                n_comp = self._alone or int(np.count_nonzero(comp))
             if n_comp == self._live or self.solves % 4096 == 0:
                 # A full solve, and now and then a full recount against rounding drift, on
                 # the live rows alone (the sums over flows see what they always saw).
@@ -496,8 +548,9 @@ class FlowNetwork:
                     local[idx] = np.arange(len(idx))
                     owner = local[self._inc_flow[sel]]
                     links = self._inc_link[sel]
-                rates = max_min_rates(links, owner, len(idx), self.capacity,
-                                      self._cap[idx], (self._link_mask, self._link_pos))
+                rates = self._alone_solve(links, owner, idx) if self._alone else \
+                    max_min_rates(links, owner, len(idx), self.capacity, self._cap[idx],
+                                  (self._link_mask, self._link_pos))
                 delta = rates - self._rate[idx]
                 self._rate[idx] = rates
                 self._add_link_rates(links, delta[owner])

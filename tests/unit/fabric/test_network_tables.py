@@ -103,7 +103,8 @@ def test_component_from_the_started_flows_is_the_component(flows, groups_of) -> 
             assert np.flatnonzero(got).tolist() == list(range(net._n - seed, net._n))
         return got
 
-    with mock.patch.object(FlowNetwork, "_component", both):
+    with mock.patch.object(FlowNetwork, "_component", both), \
+            mock.patch.object(FlowNetwork, "_known_component", _unknown):
         _run(flows, [], groups_of, keep_dead=2)
     assert any(compared)
 
@@ -124,7 +125,40 @@ def test_a_group_alone_on_its_links_solves_as_any_component(flows, scales, group
         return comp
 
     fast = _run(flows, scales, groups_of, keep_dead=2)
-    with mock.patch.object(FlowNetwork, "_component", general):
+    with mock.patch.object(FlowNetwork, "_component", general), \
+            mock.patch.object(FlowNetwork, "_known_component", _unknown):
+        assert _run(flows, scales, groups_of, keep_dead=2) == fast
+
+
+def _unknown(net) -> int:
+    # FlowNetwork._known_component with nothing known: every solve searches its component.
+    net._seed_alone, net._gone_alone, net._alone = False, None, 0
+    return -1
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_flow, min_size=1, max_size=16), st.lists(_scale, max_size=3),
+       st.integers(1, 3))
+def test_known_components_and_remembered_rates_move_no_bit(flows, scales, groups_of) -> None:
+    # A group started on links nobody uses is its own component, an ended group that leaves
+    # its links empty leaves none, and a group alone on its links gets the rates max_min_rates
+    # gave it before on the same links and caps: skipping the search and the solve in those
+    # cases must give what searching and solving every time gives, to the last bit.
+    taken = []
+    known = FlowNetwork._known_component
+
+    def watch(net) -> int:
+        n = known(net)
+        taken.append(n)
+        return n
+
+    with mock.patch.object(FlowNetwork, "_known_component", watch):
+        fast = _run(flows, scales, groups_of, keep_dead=2)
+    assert any(n >= 0 for n in taken)
+    with mock.patch.object(FlowNetwork, "_known_component", _unknown), \
+            mock.patch.object(FlowNetwork, "_alone_solve",
+                              lambda net, links, owner, idx: network.max_min_rates(
+                                  links, owner, len(idx), net.capacity, net._cap[idx])):
         assert _run(flows, scales, groups_of, keep_dead=2) == fast
 
 
@@ -163,14 +197,15 @@ def test_the_shortcut_is_taken_and_gives_the_closed_form() -> None:
     # Links 0..7 of 10..45 B/s: a flow of 100 B on link 0 (10 B/s) from t=0, then at t=1 a
     # group of two flows on links 5 and 6+7 (35 and 40 B/s), sharing nothing with it: the
     # group's solve is the shortcut's (alone, beside a live flow), and each flow runs at its
-    # bottleneck: 10, 35 and 40 B/s.
-    plain = FlowNetwork._component
+    # bottleneck: 10, 35 and 40 B/s. Its links had no users, so the shortcut knows it is
+    # alone without a component search.
+    known = FlowNetwork._known_component
     alone = []
 
-    def watch(net, links):
-        comp = plain(net, links)
+    def watch(net):
+        n = known(net)
         alone.append((net._alone, net.active_flows))
-        return comp
+        return n
 
     env = simpy.Environment()
     net = FlowNetwork(env, np.linspace(10.0, 45.0, _N_LINKS), np.zeros(_N_LINKS, dtype=int), 1)
@@ -181,7 +216,7 @@ def test_the_shortcut_is_taken_and_gives_the_closed_form() -> None:
         yield net.start_flows([((5,), 70.0, 1, math.inf), ((6, 7), 80.0, 1, math.inf)])
         ends["group"] = env.now
 
-    with mock.patch.object(FlowNetwork, "_component", watch):
+    with mock.patch.object(FlowNetwork, "_known_component", watch):
         first = net.start_flow((0,), 100.0)
         first.callbacks.append(lambda _e: ends.setdefault("first", env.now))
         env.process(later())
