@@ -147,7 +147,8 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
     if transient and "gradients" not in program.classes[0].initial_memory:
         states += transient * ctx.model.total_params
     job = JobFacts(attention_backend=ctx.compute.attention_backend,
-                   model_params=ctx.model.total_params, micro_batches=ctx.micro_batches,
+                   model_params=ctx.model.total_params,
+                   active_params=ctx.model.active_params, micro_batches=ctx.micro_batches,
                    flops_per_token=ctx.model.model_flops_per_token(ctx.seq),
                    model_state_bytes=states)
     return collect_summary(s, ctx.gpu, job, program, rec, engine.net.class_bytes,

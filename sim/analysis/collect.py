@@ -29,6 +29,8 @@ class JobFacts:
     attention_backend: str
     """The attention kernels the compute model chose (``flash2``, ``cudnn``, ...)."""
     model_params: int
+    active_params: int
+    """Parameters one token uses (only its top-k routed experts); model_params if dense."""
     micro_batches: int
     """Micro-batches per step on each data-parallel rank."""
     flops_per_token: float
@@ -84,6 +86,7 @@ def collect_summary(s: Scenario, gpu: GpuSpec, job: JobFacts, program: Program, 
         "framework": s.framework.name,
         "attention_backend": job.attention_backend,
         "model_params": job.model_params,
+        "active_params": job.active_params,
         "micro_batches": job.micro_batches,
         "memory_overheads_gib": mem["memory_overheads_gib"],
         "peak_memory_breakdown_gib": mem["peak_memory_breakdown_gib"],

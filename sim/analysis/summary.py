@@ -160,6 +160,9 @@ class Summary(TypedDict):
     framework: str
     attention_backend: str
     model_params: int
+    active_params: int
+    """Parameters one token uses: model_params with only the top-k routed experts of each
+    mixture-of-experts layer (CONTRACT.md); equal to model_params for a dense model."""
     micro_batches: int
     memory_overheads_gib: MemoryOverheads
     peak_memory_breakdown_gib: dict[str, float]

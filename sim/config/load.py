@@ -204,12 +204,16 @@ def load_scenario(ref: str, overrides: list[str] | tuple[str, ...] = ()) -> Scen
 
 
 def _resolve_histogram(data: dict[str, Any], base: Path) -> None:
-    """A relative ``training.routing.histogram`` path names a file beside the scenario when
-    one is there (else it stays relative to the working directory)."""
+    """A relative ``training.routing.histogram`` (or ``training.moe_routing.file``) path names
+    a file beside the scenario when one is there (else it stays relative to the working
+    directory)."""
     training = data.get("training")
-    routing = training.get("routing") if isinstance(training, dict) else None
-    if not isinstance(routing, dict):
+    if not isinstance(training, dict):
         return
-    h = routing.get("histogram")
-    if isinstance(h, str) and not Path(h).is_absolute() and (base / h).is_file():
-        routing["histogram"] = str(base / h)
+    for section, key in (("routing", "histogram"), ("moe_routing", "file")):
+        routing = training.get(section)
+        if not isinstance(routing, dict):
+            continue
+        h = routing.get(key)
+        if isinstance(h, str) and not Path(h).is_absolute() and (base / h).is_file():
+            routing[key] = str(base / h)

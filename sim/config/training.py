@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from sim.config.base import StrictModel
+from sim.config.moe_keys import MLABlock, MoEBlock, MoeRouting, flat_model_update
 
 # PyTorch release assumed when a scenario does not name one (``training.torch_version``):
 # 2.8, the last release of the 2024-2025 span (2.5.1-2.8) that published FSDP2/torchtitan and
@@ -70,9 +71,9 @@ class ModelDims(StrictModel):
     capacity_factor: float | None = Field(default=None, gt=0)
     """Tokens an expert accepts, as a multiple of its balanced share; None = dropless."""
     # -- attention variants
-    attention: Literal["gqa", "mla"] = "gqa"
-    """Grouped-query attention (heads, kv_heads, head_dim) or DeepSeek-V2/V3 Multi-head
-    Latent Attention (the low-rank fields below)."""
+    attention: Literal["mha", "gqa", "mla"] = "gqa"
+    """Grouped-query attention (heads, kv_heads, head_dim; mha: kv_heads = heads) or
+    DeepSeek-V2/V3 Multi-head Latent Attention (the low-rank fields below, or ``mla``)."""
     q_lora_rank: int | None = Field(default=None, gt=0)
     """MLA: rank of the query compression [q_lora_rank]; None = queries projected directly."""
     kv_lora_rank: int | None = Field(default=None, gt=0)
@@ -94,13 +95,22 @@ class ModelDims(StrictModel):
     context (GPT-OSS: 2, alternating); None = every layer slides."""
     mtp_layers: int = Field(default=0, ge=0)
     """Multi-token prediction modules trained beside the model [num_nextn_predict_layers]."""
+    moe: MoEBlock | None = None
+    """The experts in CONTRACT.md's nested form ({experts, top_k, shared_experts,
+    expert_ffn_hidden, dense_layers, router, capacity_factor}), instead of the flat keys."""
+    mla: MLABlock | None = None
+    """With attention: mla, its widths as one mapping instead of the flat keys."""
 
     @model_validator(mode="after")
     def _check_variants(self) -> ModelDims:
-        problem = _moe_problem(self) or _attention_problem(self)
+        # The nested form (sim.config.moe_keys) becomes the flat one first, so the checks
+        # and everything after read one set of names.
+        update = flat_model_update(self)
+        dims = self.model_copy(update=update) if update else self
+        problem = _moe_problem(dims) or _attention_problem(dims)
         if problem:
             raise ValueError(problem)
-        return self
+        return dims
 
 
 _MOE_ONLY = ("experts_per_token", "moe_ffn_hidden", "capacity_factor")
@@ -290,6 +300,24 @@ class Training(StrictModel):
     """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""
     routing: Routing = Routing()
     """Mixture-of-experts routing distribution (balanced by default)."""
+    moe_routing: MoeRouting | None = None
+    """The routing in CONTRACT.md's form ({distribution: balanced|zipf|file, skew, file}),
+    instead of ``routing``."""
+
+    @model_validator(mode="after")
+    def _contract_routing(self) -> Training:
+        if self.moe_routing is None:
+            return self
+        if self.routing != Routing():
+            raise ValueError("training.moe_routing: the routing is given twice "
+                             "(training.routing and training.moe_routing): write one")
+        try:
+            routing = Routing.model_validate(self.moe_routing.routing_dict())
+        except ValidationError as err:
+            msg = err.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(msg.replace("training.routing.histogram",
+                                         "training.moe_routing.file")) from None
+        return self.model_copy(update={"routing": routing, "moe_routing": None})
 
     @field_validator("torch_version", mode="before")
     @classmethod

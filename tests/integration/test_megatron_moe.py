@@ -307,3 +307,17 @@ def test_fp8_runs_the_expert_gemms_in_fp8_and_keeps_their_fp8_weights() -> None:
     a2a = [op for _, op in _a2a(_program(megatron_scenario(
         {"tp": 1, "ep": 4}, 8, model=TINY, seq=SEQ, precision="fp8")))]
     assert {op.dtype for op in a2a if "probs" not in op.name} == {"bf16"}
+
+
+def test_summary_counts_the_active_parameters() -> None:
+    # CONTRACT.md: the summary adds active_params. TINY per layer: 8 experts of 3 x 1024 x
+    # 1024 of which a token uses 2; model_params counts all 8, active_params 2 of them.
+    s = _scn({"tp": 1, "ep": 8}, model={**{k: v for k, v in TINY.items()
+                                            if k not in ("experts", "experts_per_token",
+                                                         "moe_ffn_hidden")},
+                                         "moe": {"experts": 8, "top_k": 2,
+                                                 "expert_ffn_hidden": 1024}})
+    r = simulate(s).summary
+    per_layer_unused = 6 * 3 * 1024 * 1024
+    assert r["model_params"] - r["active_params"] == TINY["layers"] * per_layer_unused
+    assert r["active_params"] == ModelSpec.from_dims(s.model).active_params
