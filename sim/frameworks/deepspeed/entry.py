@@ -10,4 +10,6 @@ from sim.frameworks.deepspeed.search import DEEPSPEED_BEST_PRACTICE, deepspeed_o
 ENTRY = FrameworkEntry(
     "deepspeed", DeepSpeedOptions, build_deepspeed,
     search=SearchSpace(deepspeed_options, recipe=DEEPSPEED_BEST_PRACTICE,
-                       data_parallel_only=True))
+                       data_parallel_only=True),
+    # DeepSpeed-MoE layers beside ZeRO 1-2 (sim.frameworks.deepspeed.moe).
+    model_features=frozenset({"experts"}))
