@@ -89,8 +89,6 @@ def check_moe(ctx: JobContext, z: _Zero) -> None:
                 "DeepSpeed-MoE is modelled without optimizer offload yet")
     ctx.require(z.contiguous, "framework.contiguous_gradients",
                 "DeepSpeed asserts contiguous_gradients with MoE (_configure_moe_settings)")
-    ctx.require(not ctx.recompute, "training.activation_checkpointing",
-                "DeepSpeed-MoE is modelled without activation checkpointing yet")
     ctx.require(moe.router == "softmax", "model.router",
                 "DeepSpeed's TopKGate is a softmax gate (no sigmoid router with bias)")
     ctx.require(moe.shared == 0, "model.shared_experts",
@@ -242,29 +240,54 @@ class DsMoEPlan:
             e.collective(label, "all_to_all", self.a2a_bytes, "compute",
                          groups=self.ep_groups, micro_batch=mb, layer=layer)
 
-    def forward(self, e: _Emitter, mb: int, layer: int) -> None:
-        """Gate and dispatch, all-to-all, experts, all-to-all, combine."""
-        label = f"fwd moe L{layer} mb{mb}"
+    def forward(self, e: _Emitter, mb: int, layer: int, mode: str = "fwd") -> None:
+        """Gate and dispatch, all-to-all, experts, all-to-all, combine. ``mode``: ``fwd``
+        (what autograd saves stays), ``ckpt`` (under activation checkpointing: nothing
+        stays but the layer input) or ``recompute`` (the checkpoint's re-run before the
+        backward, all-to-alls included; non-reentrant, it stops after the last saved
+        tensor, the combine's inputs)."""
+        label = f"{'recompute' if mode == 'recompute' else 'fwd'} moe L{layer} mb{mb}"
+        phase: Phase = "recompute" if mode == "recompute" else "fwd"
         if not self.drop_tokens:
             # top-k gating without drop_tokens: capacity = max count, all-reduce MAX over
             # the EP group, read on the host (before the dispatch's one-hot).
             if self.ep > 1:
                 e.collective(f"{label} capacity all_reduce max", "all_reduce", 8, "compute",
                              groups=self.ep_groups, dtype="i64", micro_batch=mb, layer=layer)
-            e.host_wait(f"{label} capacity .item()", [e.last.get("compute")], phase="fwd")
+            e.host_wait(f"{label} capacity .item()", [e.last.get("compute")], phase=phase)
         for part, a2a in (("gate", "dispatch all_to_all"), ("experts", "combine all_to_all"),
                           ("combine", None)):
             c = self.cost[part]
-            e.add(self._compute(f"{label} {part}", c, "fwd", mb, layer, self._flops(part),
-                                alloc=(("activations", c.saved_bytes),),
-                                transient=c.fwd_transient_bytes))
+            ckpt = mode == "ckpt"
+            op = self._compute(f"{label} {part}", c, "fwd", mb, layer,
+                               0.0 if mode == "recompute" else self._flops(part),
+                               alloc=() if ckpt else (("activations", c.saved_bytes),),
+                               transient=(c.fwd_transient_unsaved_bytes if ckpt
+                                          else c.fwd_transient_bytes))
+            if mode == "recompute":
+                op.phase, op.category = "recompute", "recompute+backward"
+                if part == "combine":
+                    op.duration = c.early_stop_fwd_s
+            e.add(op)
             if a2a is not None:
                 self._a2a(e, f"{label} {a2a}", mb, layer)
 
     def backward(self, e: _Emitter, mb: int, layer: int, fresh: bool,
-                 hook: Callable[[tuple[str, int]], None]) -> None:
+                 hook: Callable[[tuple[str, int]], None],
+                 attn: BlockCost | None = None) -> None:
         """Combine, the combine all-to-all's gradient, experts (their gradients' hooks),
-        the dispatch all-to-all's gradient, gate and norm (their hooks)."""
+        the dispatch all-to-all's gradient, gate and norm (their hooks). ``attn``: under
+        activation checkpointing, the layer's attention block, recomputed first with the
+        MoE forward."""
+        if attn is not None:
+            e.add(Op(name=f"recompute attn L{layer} mb{mb}", kind="compute",
+                     stream="compute", phase="recompute", duration=attn.fwd_s,
+                     kernels=attn.fwd_kernels, hw_flops=attn.flops_fwd, micro_batch=mb,
+                     layer=layer, category="recompute+backward",
+                     alloc=(("activations", attn.saved_bytes - attn.input_saved_bytes
+                             + attn.weight_cast_bytes),),
+                     transient=attn.fwd_transient_bytes))
+            self.forward(e, mb, layer, "recompute")
         label = f"bwd moe L{layer} mb{mb}"
         cm = e.cm
         for part, a2a, key in (("combine", "combine all_to_all", None),
@@ -283,6 +306,12 @@ class DsMoEPlan:
                 hook(key)
             if a2a is not None:
                 self._a2a(e, f"{label} {a2a}", mb, layer)
+
+    def recompute_flops(self, attn: BlockCost) -> float:
+        """Hardware FLOPs one MoE layer's checkpointed re-run adds per micro-batch: the
+        attention's and the MoE blocks' forward (the convention of
+        :meth:`~sim.frameworks.common.base.JobContext.layer_recompute_flops`)."""
+        return attn.flops_fwd + sum(c.flops_fwd for c in self.cost.values())
 
 
 def _group(numel: int, size: int, groups: Groups, expert: bool) -> ParamGroup:

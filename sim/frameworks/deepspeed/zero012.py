@@ -103,7 +103,7 @@ class _Stage012:
             cls.initial_memory = {"parameters": W16 * padded, "optimizer": 3 * FP32 * part}
         flops = ctx.model_flops_per_step()
         program = Program([cls], n, ctx.tokens_per_step, flops,
-                          flops + ctx.layer_recompute_flops(self.costs),
+                          flops + self.recompute_flops(),
                           micro_batches=ctx.micro_batches)
         if self.moe is not None:
             program.meta.update(moe="deepspeed-moe", ep=self.moe.ep, expert_dp=self.moe.edp,
@@ -143,7 +143,8 @@ class _Stage012:
         for op in ops.forward:
             if id(op) in moe_fwd:
                 assert self.moe is not None
-                self.moe.forward(e, mb, moe_fwd[id(op)])
+                self.moe.forward(e, mb, moe_fwd[id(op)],
+                                 "ckpt" if self.ctx.recompute else "fwd")
             else:
                 e.add(op)
         if z.stage == 0 and not z.fp16:
@@ -164,7 +165,8 @@ class _Stage012:
             if id(op) in moe_bwd:
                 assert self.moe is not None
                 self.moe.backward(e, mb, moe_bwd[id(op)], fresh, lambda key: hooks and
-                                  self.hook_params(self.ready.get(key, []), mb))
+                                  self.hook_params(self.ready.get(key, []), mb),
+                                  self.costs["attn"] if self.ctx.recompute else None)
                 continue
             e.add(op)
             if hooks:
@@ -178,9 +180,23 @@ class _Stage012:
         if z.stage == 1 and not last:
             return
         if z.stage == 1 and not z.overlap:
-            # reduce_gradients: after backward, every parameter in group (model) order.
-            self.hook_params([(name, numel) for name, numel, _, _ in self.tensors], mb)
+            # reduce_gradients: after backward, every parameter in group order (the dense
+            # group in model order, then the MoE groups').
+            experts = self.moe.expert_names if self.moe else set()
+            self.hook_params(sorted(((name, numel) for name, numel, _, _ in self.tensors),
+                                    key=lambda t: t[0] in experts), mb)
         self.epilogue(mb)
+
+    def recompute_flops(self) -> float:
+        """Hardware FLOPs activation checkpointing adds to the step (MoE layers re-run
+        their own blocks)."""
+        ctx = self.ctx
+        if self.moe is None or not ctx.recompute:
+            return ctx.layer_recompute_flops(self.costs)
+        a, mlp = self.costs["attn"], self.costs["mlp"]
+        per_mb = sum(self.moe.recompute_flops(a) if self.moe.is_moe(la)
+                     else a.flops_fwd + mlp.flops_fwd for la in range(self.m.layers))
+        return per_mb * ctx.micro_batches * ctx.dp
 
     def moe_ops(self, ops: PassOps) -> tuple[dict[int, int], dict[int, int]]:
         """The MLP ops of MoE layers (by id) the DeepSpeed-MoE layer's ops replace, with
