@@ -164,8 +164,11 @@ class _Stage012:
         for op in ops.backward:
             if id(op) in moe_bwd:
                 assert self.moe is not None
-                self.moe.backward(e, mb, moe_bwd[id(op)], fresh, lambda key: hooks and
-                                  self.hook_params(self.ready.get(key, []), mb),
+                def hook(key: tuple[str, int]) -> None:
+                    if hooks:
+                        self.hook_params(self.ready.get(key, []), mb)
+
+                self.moe.backward(e, mb, moe_bwd[id(op)], fresh, hook,
                                   self.costs["attn"] if self.ctx.recompute else None)
                 continue
             e.add(op)
