@@ -4,6 +4,7 @@ Megatron-DeepSpeed 3D."""
 from __future__ import annotations
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.deepspeed.moe import check_moe
 from sim.frameworks.deepspeed.resolve import _resolve
 from sim.frameworks.deepspeed.stage3 import _Stage3
 from sim.frameworks.deepspeed.zero012 import _Stage012
@@ -15,6 +16,10 @@ def build_deepspeed(ctx: JobContext) -> Program:
     :mod:`sim.frameworks.deepspeed`); with tensor or pipeline parallelism, Megatron-DeepSpeed's
     3D step (:mod:`sim.frameworks.deepspeed.pipe`)."""
     par = ctx.scenario.parallelism
+    if ctx.model.moe is not None:
+        ctx.require(par.tp == 1 and par.pp == 1, "parallelism",
+                    "DeepSpeed-MoE is modelled beside ZeRO data parallelism (tp and pp 1)")
+        check_moe(ctx, _resolve(ctx))
     if par.tp > 1 or par.pp > 1:
         from sim.frameworks.deepspeed.pipe import build_deepspeed_pipe
         return build_deepspeed_pipe(ctx)

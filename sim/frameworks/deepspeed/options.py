@@ -54,6 +54,30 @@ class DeepSpeedPipeline(StrictModel):
     every layer's input and all-gathers it before the recompute."""
 
 
+class DeepSpeedMoE(StrictModel):
+    """DeepSpeed-MoE layers (``deepspeed.moe.layer.MoE``) on a model with experts: the
+    arguments its constructor takes (num_experts and k come from the model, ep_size from
+    ``parallelism.ep``)."""
+
+    capacity_factor: float = Field(default=1.0, gt=0.0)
+    """MoE(capacity_factor): each expert takes ceil(tokens / experts x capacity_factor x k)
+    routed tokens per micro-batch (sharded_moe.py _capacity), the rest are dropped."""
+    min_capacity: int = Field(default=4, ge=0)
+    """MoE(min_capacity): the capacity never falls below this many tokens."""
+    drop_tokens: bool = True
+    """MoE(drop_tokens); false: the capacity is the busiest expert's load over the EP group
+    (an all-reduce MAX and a host sync per layer), nothing is dropped."""
+    use_residual: bool = False
+    """MoE(use_residual): Residual MoE (PR-MoE, arXiv:2201.05596): a dense MLP beside the
+    experts on every token, mixed by a learned 2-way coefficient."""
+    use_tutel: bool = False
+    """MoE(use_tutel) with Tutel installed, top-1 only: gather/scatter dispatch (Tutel's
+    fast_dispatcher) instead of the one-hot einsums."""
+    use_data_before_expert_parallel: bool = False
+    """ds_config use_data_before_expert_parallel_: expert-parallel peers strided instead of
+    adjacent (groups._create_expert_and_data_parallel)."""
+
+
 class DeepSpeedOptions(StrictModel):
     """Microsoft DeepSpeed ZeRO stages 0-3, ZeRO++ and ZeRO-Offload/Infinity (values in
     elements unless the name says otherwise, as in ds_config); with tensor or pipeline
@@ -94,3 +118,5 @@ class DeepSpeedOptions(StrictModel):
     """ZeRO++ communication optimisations (stage 3)."""
     pipeline: DeepSpeedPipeline = DeepSpeedPipeline()
     """Megatron-DeepSpeed 3D options (used with parallelism.tp or pp > 1)."""
+    moe: DeepSpeedMoE = DeepSpeedMoE()
+    """DeepSpeed-MoE layer options (models with experts; ZeRO stage 1 or 2)."""

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 from sim.frameworks.common.accounting import block_grad_params, block_model_flops, tied_grad_sum_s
 from sim.frameworks.common.base import JobContext
-from sim.frameworks.common.steps import micro_batch_ops
+from sim.frameworks.common.steps import PassOps, micro_batch_ops
 from sim.frameworks.deepspeed.constants import (
     ENGINE_ALLREDUCE_ELEMENTS,
     FP64,
-    NCCL_START_ALIGNMENT_FACTOR,
     W16,
-    _pad,
 )
 from sim.frameworks.deepspeed.emitter import _Emitter
 from sim.frameworks.deepspeed.host_costs import (
@@ -23,19 +21,19 @@ from sim.frameworks.deepspeed.host_costs import (
     VIEW_CPU_S,
     _host_pass_s,
 )
+from sim.frameworks.deepspeed.moe import Tensors, _group, moe_plan
 from sim.frameworks.deepspeed.resolve import _Zero
 from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.program.ir import Op, Phase, Program, RankClass
 from sim.workload.layer_ops import FP32, Style
-from sim.workload.model import ModelSpec
 
 
-def _grad_ready(m: ModelSpec) -> dict[tuple[str, int], list[tuple[str, int]]]:
+def _grad_ready(tensors: Tensors) -> dict[tuple[str, int], list[tuple[str, int]]]:
     """Parameter tensors (name, numel) whose gradient is complete after each block's backward,
     in the order their AccumulateGrad hooks fire. A tied embedding is one leaf used twice: its
     hook fires after the embedding's backward, the last use."""
     out: dict[tuple[str, int], list[tuple[str, int]]] = {}
-    for name, numel, block, layer in reversed(m.parameter_tensors()):
+    for name, numel, block, layer in reversed(tensors):
         out.setdefault((block, layer), []).append((name, numel))
     return out
 
@@ -52,13 +50,18 @@ class _Stage012:
         self.cm = ctx.compute
         self.style = Style("bf16")
         self.costs = ctx.block_costs(self.style, kv_cache=False)
-        self.psi = m.total_params
-        # Flat 16-bit buffer padded to nccl_start_alignment_factor x world elements; each rank
-        # owns an equal partition of it (get_data_parallel_partitions).
-        self.padded = _pad(self.psi, NCCL_START_ALIGNMENT_FACTOR * self.n)
-        self.part = self.padded // self.n
-        self.tensors = m.parameter_tensors()
-        self.ready = _grad_ready(m)
+        # DeepSpeed-MoE: expert parameters in their own groups over the expert-DP group.
+        self.moe = moe_plan(ctx, z) if m.moe is not None else None
+        self.tensors = self.moe.tensors if self.moe else m.parameter_tensors()
+        world = (tuple(range(self.n)),)
+        # Each group's flat 16-bit buffer padded to nccl_start_alignment_factor x its group's
+        # size; each rank owns an equal partition of it (get_data_parallel_partitions).
+        self.param_groups = (self.moe.param_groups if self.moe else
+                             [_group(m.total_params, self.n, world, False)])
+        self.psi = sum(g.numel for g in self.param_groups)
+        self.padded = sum(g.padded for g in self.param_groups)
+        self.part = sum(g.part for g in self.param_groups)
+        self.ready = _grad_ready(self.tensors)
         self.offload = z.stage >= 1 and z.offload_opt != "none"
         self.host = HostSpec.from_scenario(ctx.scenario) if self.offload else None
         self.red = "reduce" if z.overlap else "compute"
@@ -67,6 +70,8 @@ class _Stage012:
         self.grad_params = block_grad_params(m, self.costs)
         # ipg bucket state
         self.elems = 0
+        self.elems_expert = 0
+        self.expert_first = False
         self.bucket_extra: list[int] = []
         self.bucket_count = 0
         self.partition_grads_live = False
@@ -98,8 +103,11 @@ class _Stage012:
             cls.initial_memory = {"parameters": W16 * padded, "optimizer": 3 * FP32 * part}
         flops = ctx.model_flops_per_step()
         program = Program([cls], n, ctx.tokens_per_step, flops,
-                          flops + ctx.layer_recompute_flops(self.costs),
+                          flops + self.recompute_flops(),
                           micro_batches=ctx.micro_batches)
+        if self.moe is not None:
+            program.meta.update(moe="deepspeed-moe", ep=self.moe.ep, expert_dp=self.moe.edp,
+                                capacity=self.moe.lay.capacity)
         program.meta.update(framework="deepspeed", zero_stage=z.stage, style=self.style.name,
                             overlap_comm=z.overlap,
                             optimizer=("BF16_Optimizer" if z.stage == 0 and not z.fp16 else
@@ -131,8 +139,14 @@ class _Stage012:
         if not fresh:
             for op in ops.backward:
                 op.transient += W16 * self.grad_params[op.name.split()[1]]
+        moe_fwd, moe_bwd = self.moe_ops(ops)
         for op in ops.forward:
-            e.add(op)
+            if id(op) in moe_fwd:
+                assert self.moe is not None
+                self.moe.forward(e, mb, moe_fwd[id(op)],
+                                 "ckpt" if self.ctx.recompute else "fwd")
+            else:
+                e.add(op)
         if z.stage == 0 and not z.fp16:
             # BF16_Optimizer.backward: clear_lp_grads() sets every .grad to None first.
             e.add(Op(name=f"clear_lp_grads mb{mb}", kind="compute", stream="compute",
@@ -148,6 +162,15 @@ class _Stage012:
         hooks = z.stage == 2 or (z.stage == 1 and z.overlap and last)
         key_of = {id(op): key for key, op in ops.bwd_of.items()}
         for op in ops.backward:
+            if id(op) in moe_bwd:
+                assert self.moe is not None
+                def hook(key: tuple[str, int]) -> None:
+                    if hooks:
+                        self.hook_params(self.ready.get(key, []), mb)
+
+                self.moe.backward(e, mb, moe_bwd[id(op)], fresh, hook,
+                                  self.costs["attn"] if self.ctx.recompute else None)
+                continue
             e.add(op)
             if hooks:
                 self.hook_params(self.ready.get(key_of[id(op)], []), mb)
@@ -160,9 +183,32 @@ class _Stage012:
         if z.stage == 1 and not last:
             return
         if z.stage == 1 and not z.overlap:
-            # reduce_gradients: after backward, every parameter in group (model) order.
-            self.hook_params([(name, numel) for name, numel, _, _ in self.tensors], mb)
+            # reduce_gradients: after backward, every parameter in group order (the dense
+            # group in model order, then the MoE groups').
+            experts = self.moe.expert_names if self.moe else set()
+            self.hook_params(sorted(((name, numel) for name, numel, _, _ in self.tensors),
+                                    key=lambda t: t[0] in experts), mb)
         self.epilogue(mb)
+
+    def recompute_flops(self) -> float:
+        """Hardware FLOPs activation checkpointing adds to the step (MoE layers re-run
+        their own blocks)."""
+        ctx = self.ctx
+        if self.moe is None or not ctx.recompute:
+            return ctx.layer_recompute_flops(self.costs)
+        a, mlp = self.costs["attn"], self.costs["mlp"]
+        per_mb = sum(self.moe.recompute_flops(a) if self.moe.is_moe(la)
+                     else a.flops_fwd + mlp.flops_fwd for la in range(self.m.layers))
+        return per_mb * ctx.micro_batches * ctx.dp
+
+    def moe_ops(self, ops: PassOps) -> tuple[dict[int, int], dict[int, int]]:
+        """The MLP ops of MoE layers (by id) the DeepSpeed-MoE layer's ops replace, with
+        their layer: forward, backward."""
+        if self.moe is None:
+            return {}, {}
+        layers = [la for la in range(self.m.layers) if self.moe.is_moe(la)]
+        return ({id(ops.fwd_of[("mlp", la)]): la for la in layers},
+                {id(ops.bwd_of[("mlp", la)]): la for la in layers})
 
     # ------------------------------------------------------------------ stage 0
     def update_hp_grads(self, mb: int) -> None:
@@ -209,7 +255,8 @@ class _Stage012:
         """reduce_independent_p_g_buckets_and_remove_grads for each gradient in hook order."""
         z = self.z
         run: list[int] = []
-        for _name, numel in params:
+        experts = self.moe.expert_names if self.moe else set()
+        for name, numel in params:
             if self.elems + numel > z.bucket and self.elems > 0:
                 self.copy_into_bucket(run, mb)
                 run = []
@@ -218,6 +265,9 @@ class _Stage012:
                 self.bucket_extra.append(numel)   # reduced from its own .grad
             else:
                 run.append(numel)
+            if name in experts:
+                self.expert_first = self.expert_first or self.elems == 0
+                self.elems_expert += numel
             self.elems += numel
         self.copy_into_bucket(run, mb)
 
@@ -236,7 +286,7 @@ class _Stage012:
         """reduce_ipg_grads: average_tensor (all-reduce of the bucket) then
         copy_grads_in_partition on the reduction stream (the compute stream without
         overlap_comm)."""
-        z, e, n = self.z, self.e, self.n
+        z, e = self.z, self.e
         el = self.elems
         if el == 0:
             return
@@ -257,12 +307,22 @@ class _Stage012:
         # pre-divide (tensor.div_) and flatten of the per-rank slices (torch.cat)
         e.kernels(f"pre-divide + flatten bucket {k} mb{mb}", s, "bwd", 4 * W16 * el,
                   kernels=2, deps=deps, alloc=(("buffers", W16 * el),), micro_batch=mb)
-        e.collective(f"all-reduce grad bucket {k} mb{mb}", "all_reduce", W16 * el, s,
-                     micro_batch=mb)
+        # average_tensor: one all-reduce per process group, in the order the bucket's
+        # slices first name it (dense over the world, experts over the expert-DP group).
+        parts = [(el - self.elems_expert, self.param_groups[0].groups, "")]
+        if self.elems_expert:
+            assert self.moe is not None
+            exp = (self.elems_expert, self.moe.edp_groups, " (experts)")
+            parts = [exp] + parts if self.expert_first else parts + [exp]
+        mine = 0.0
+        for count, groups, what in parts:
+            if count:
+                e.collective(f"all-reduce grad bucket {k}{what} mb{mb}", "all_reduce",
+                             W16 * count, s, groups=groups, micro_batch=mb)
+                mine += count / len(groups[0])
         frees: list[tuple[str, float]] = [("buffers", W16 * el)]
         if extra:
             frees.append(("gradients", W16 * extra))
-        mine = el / n
         if self.offload:
             # allreduce_and_copy_with_multiple_ranks copies back this rank's slices
             e.kernels(f"copy back my slice (bucket {k}) mb{mb}", s, "bwd", 2 * W16 * mine,
@@ -279,6 +339,8 @@ class _Stage012:
                       copies * 2 * W16 * mine, kernels=1 + copies, alloc=alloc,
                       free=tuple(frees), micro_batch=mb)
         self.elems = 0
+        self.elems_expert = 0
+        self.expert_first = False
         self.bucket_extra = []
 
     def offload_partition_grads(self, mine: float, mb: int, s: str,
@@ -391,6 +453,14 @@ class _Stage012:
                       (W16 + 2 * FP64) * part, kernels=2 * tensors_mine + 4,
                       category="optimizer")
             e.collective("all-reduce grad norm", "all_reduce", FP32, "compute", dtype="f32")
+            for i, g in enumerate(self.param_groups[1:], 1):
+                # Each further group's norm over the world, a MoE group's again over its
+                # expert-DP group (_average_expert_grad_norms).
+                e.collective(f"all-reduce grad norm (group {i})", "all_reduce", FP32,
+                             "compute", dtype="f32")
+                if g.expert:
+                    e.collective(f"all-reduce expert grad norm (group {i})", "all_reduce",
+                                 FP32, "compute", groups=g.groups, dtype="f32")
             # flatten(averaged_gradients).to(fp32); averaged freed; unscale; Adam; copy back.
             e.kernels("flatten + cast grads to fp32", "compute", ph,
                       2 * W16 * part + (W16 + FP32) * part, kernels=2,
@@ -403,8 +473,11 @@ class _Stage012:
                      cpu_s=TORCH_CALL_CPU_S, free=(("gradients", FP32 * part),)))
             e.kernels("copy fp32 partition into 16-bit weights", "compute", ph,
                       (FP32 + W16) * part, category="optimizer")
-        # all_gather_dp_groups -> all_gather_into_tensor of the flat buffer (one param group)
-        e.collective("all-gather updated weights", "all_gather", W16 * padded, "compute")
+        # all_gather_dp_groups -> all_gather_into_tensor of each group's flat buffer over
+        # its own data-parallel group (one group for a dense model)
+        for i, g in enumerate(self.param_groups):
+            e.collective("all-gather updated weights" + (f" (group {i})" if i else ""),
+                         "all_gather", W16 * g.padded, "compute", groups=g.groups)
         self.averaged_exists = False
 
     def fp16_optimizer_step(self) -> None:
