@@ -127,3 +127,30 @@ def test_refused_entries_are_skipped_and_the_statistics_are_by_hand(monkeypatch)
     # Entries with the same scenario (Qwen3 on H100 in two containers) are simulated once.
     distinct = {repr(sorted(e["scenario"].items())) for e in ENTRIES}
     assert len(calls) == len(distinct) < len(ENTRIES)
+
+
+def test_the_cli_lists_skipped_entries_apart(monkeypatch) -> None:
+    # `fabricsim validate` prints skipped entries in their own table with the reason, and the
+    # JSON carries them under "skipped", out of the suite's MAPE.
+    import json
+
+    from typer.testing import CliRunner
+
+    from sim import cli
+
+    got = [{"suite": SUITE, "id": "a", "metric": "tokens_per_s_per_gpu", "measured": 100.0,
+            "simulated": 120.0, "error": 0.2, "source": "s"},
+           {"suite": SUITE, "id": "b", "metric": "tokens_per_s_per_gpu", "measured": 100.0,
+            "skipped": "b: model.attention_sinks: megatron does not model attention sinks yet",
+            "source": "s"}]
+    monkeypatch.setitem(validation.SUITES, SUITE, lambda progress: got)
+    out = CliRunner().invoke(cli.app, ["validate", "--suite", SUITE, "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output)
+    assert result["suites"][SUITE] == {"cases": 1, "mape": pytest.approx(0.2),
+                                      "max_abs_error": pytest.approx(0.2), "skipped": 1}
+    assert [c["id"] for c in result["cases"]] == ["a"]
+    assert [c["id"] for c in result["skipped"]] == ["b"]
+    table = CliRunner().invoke(cli.app, ["validate", "--suite", SUITE])
+    assert table.exit_code == 0, table.output
+    assert "skipped (not simulated)" in table.output and "sinks" in table.output
