@@ -36,10 +36,10 @@ def _source(cell: dict) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
-def test_the_four_notebooks_are_there() -> None:
+def test_the_five_notebooks_are_there() -> None:
     assert [p.name for p in NOTEBOOKS] == [
         "01-quickstart.ipynb", "02-fabric-what-if.ipynb", "03-cross-az-finops.ipynb",
-        "04-pipeline-bubbles.ipynb"]
+        "04-pipeline-bubbles.ipynb", "05-moe-zones.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -1,0 +1,87 @@
+"""The ``published-moe`` suite: simulated throughput of mixture-of-experts training runs whose
+owners published the layout and tokens per second per GPU (issue 14, item 7;
+``sim/catalog/reference/published_moe.yaml``: NVIDIA's NeMo / Megatron-Bridge performance
+summaries for Qwen3-MoE, Mixtral, GPT-OSS and DeepSeek-V3 on H100, B200 and GB200).
+
+It reads its entries the way the ``published`` suite does (:mod:`sim.apps.validation.published`)
+and differs in one thing: an entry whose model the framework's builder refuses today (a feature
+it does not price yet, such as GPT-OSS's attention sinks) is not an error of the suite but a
+**skipped** case, ``{suite, id, metric, skipped: reason, source}``, with the builder's one-line
+reason, as a sweep records a failing variant in its row and goes on. Every entry must still
+load (schema errors are bugs in the data file and raise). :func:`sim.apps.validation.run_suites`
+keeps skipped cases out of the error statistics and lists them apart.
+
+Entries marked ``ci: false`` are too large for the test suite's time budget and run only with
+``fabricsim validate --suite published-moe`` (or ``published_moe_cases(ci_only=False)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sim.scenario import Scenario, ScenarioError, scenario_from_dict
+
+REFERENCE = (Path(__file__).resolve().parents[2] / "catalog" / "reference"
+             / "published_moe.yaml")
+SUITE = "published-moe"
+
+
+def entries() -> list[dict[str, Any]]:
+    """The published runs, as written in the reference file."""
+    return list(yaml.safe_load(REFERENCE.read_text()))
+
+
+def scenario_of(entry: Mapping[str, Any]) -> Scenario:
+    """The validated scenario of one entry (a schema error raises :class:`ScenarioError`)."""
+    return scenario_from_dict({"name": entry["id"], **entry["scenario"]},
+                              origin=f"published-moe {entry['id']}")
+
+
+def error_of(simulated: float, measured: float) -> float:
+    """Signed relative error of a simulated figure against the measured one."""
+    return (simulated - measured) / measured
+
+
+def published_moe_cases(ci_only: bool = False,
+                        progress: Callable[[int, int], None] | None = None
+                        ) -> list[dict[str, Any]]:
+    """One case per published figure: ``{suite, id, metric, measured, simulated, error,
+    source}``, or ``{suite, id, metric, measured, skipped, source}`` where the builder refuses
+    the scenario; ``progress(done, total)`` before each run and at the end."""
+    from sim.api import simulate
+
+    cases: list[dict[str, Any]] = []
+    todo = [e for e in entries() if not ci_only or e.get("ci", False)]
+    # Two containers' figures for one setup are one simulation (same scenario, same numbers).
+    seen: dict[str, Mapping[str, Any] | ScenarioError] = {}
+    for done, e in enumerate(todo):
+        if progress is not None:
+            progress(done, len(todo))
+        sc = scenario_of(e)
+        key = yaml.safe_dump(e["scenario"], sort_keys=True)
+        if key not in seen:
+            try:
+                seen[key] = simulate(sc, origin=f"published-moe {e['id']}").summary
+            except ScenarioError as refused:
+                seen[key] = refused
+        summary = seen[key]
+        if isinstance(summary, ScenarioError):
+            # The builder's refusal (what it does not model yet), one line naming the key.
+            for metric, measured in e["measured"].items():
+                cases.append({"suite": SUITE, "id": e["id"], "metric": metric,
+                              "measured": float(measured), "skipped": str(summary),
+                              "source": e["source"]})
+            continue
+        for metric, measured in e["measured"].items():
+            simulated = float(summary[metric])
+            cases.append({"suite": SUITE, "id": e["id"], "metric": metric,
+                          "measured": float(measured), "simulated": simulated,
+                          "error": error_of(simulated, float(measured)),
+                          "source": e["source"]})
+    if progress is not None:
+        progress(len(todo), len(todo))
+    return cases

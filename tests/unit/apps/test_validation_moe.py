@@ -1,0 +1,156 @@
+"""The ``published-moe`` validation suite (issue 14, item 7): its data file loads, every entry
+is a valid scenario with its source, the CI entries simulate, errors and statistics are
+computed as defined, and entries the builder refuses are recorded, not fatal.
+
+No accuracy bar here: these in-repository rows are a check, not the issue's blind test (runs
+not in the repository), and no constant was set from them (docs/calibration.md reports the
+suite's MAPE)."""
+
+from __future__ import annotations
+
+import pytest
+
+import sim.apps.validation as validation
+from sim.apps.validation.published_moe import (
+    SUITE,
+    entries,
+    error_of,
+    published_moe_cases,
+    scenario_of,
+)
+
+ENTRIES = entries()
+
+
+@pytest.fixture(scope="module")
+def ci_cases() -> list[dict]:
+    return published_moe_cases(ci_only=True)
+
+
+def test_the_suite_is_registered_and_run_by_default() -> None:
+    assert SUITE in validation.SUITES
+    assert SUITE not in validation.FIT_SUITES
+
+
+def test_ids_are_unique_and_every_entry_names_its_source() -> None:
+    ids = [e["id"] for e in ENTRIES]
+    assert len(ids) == len(set(ids))
+    for e in ENTRIES:
+        assert set(e) <= {"id", "source", "measured", "ci", "scenario"}, e["id"]
+        # A public source with the container and the figure as published.
+        assert "performance" in e["source"].lower() and "tokens/s/gpu" in e["source"].lower()
+        assert set(e["measured"]) == {"tokens_per_s_per_gpu"}
+        assert e["measured"]["tokens_per_s_per_gpu"] > 0
+        assert isinstance(e.get("ci", False), bool)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e["id"] for e in ENTRIES])
+def test_every_entry_is_a_valid_mixture_of_experts_scenario(entry) -> None:
+    # The schema accepts it (a typo in the data file must fail here, not be skipped later),
+    # the model has routed experts, and the layout is the one the source prints: the GPU
+    # count and the global batch in the id's source line.
+    from sim import catalog
+
+    sc = scenario_of(entry)
+    assert sc.framework.name == "megatron"
+    dims = catalog.model_entry(sc.model) if isinstance(sc.model, str) else sc.model.model_dump()
+    assert dims["experts"] and dims["experts_per_token"]
+    n = sc.cluster.nodes * sc.cluster.gpus_per_node
+    assert f"{n} GPUs" in entry["source"]
+    assert f"GBS {sc.training.global_batch_size}," in entry["source"]
+    assert f"EP{sc.parallelism.ep}" in entry["source"]
+
+
+def test_the_large_setups_are_kept_out_of_ci() -> None:
+    # The CI rows are the one-node and two-node setups (seconds each); 64 GPUs and more run
+    # with `fabricsim validate --suite published-moe`.
+    for e in ENTRIES:
+        sc = scenario_of(e)
+        n = sc.cluster.nodes * sc.cluster.gpus_per_node
+        assert e.get("ci", False) == (n <= 16), e["id"]
+
+
+def test_ci_entries_simulate_and_errors_are_relative_to_the_measurement(ci_cases) -> None:
+    ci = [e for e in ENTRIES if e.get("ci")]
+    assert len(ci) >= 3
+    assert [c["id"] for c in ci_cases] == [e["id"] for e in ci]
+    for c in ci_cases:
+        assert "skipped" not in c, c        # every CI entry is a model the builder prices
+        assert c["suite"] == SUITE and c["metric"] == "tokens_per_s_per_gpu"
+        assert c["simulated"] > 0
+        assert c["error"] == pytest.approx((c["simulated"] - c["measured"]) / c["measured"])
+    # Two containers' figures for one setup (Qwen3-30B-A3B on 16 H100, 25.09 and 25.11) are
+    # one simulation: one simulated figure, two errors.
+    pair = [c for c in ci_cases if "qwen3-30b-a3b-16xh100" in c["id"]]
+    assert len(pair) == 2 and pair[0]["simulated"] == pair[1]["simulated"]
+    assert pair[0]["measured"] != pair[1]["measured"]
+
+
+def test_error_of_by_hand() -> None:
+    assert error_of(110.0, 100.0) == pytest.approx(0.10)
+    assert error_of(90.0, 100.0) == pytest.approx(-0.10)
+    assert error_of(5275.0, 5275.0) == 0.0
+
+
+def test_refused_entries_are_skipped_and_the_statistics_are_by_hand(monkeypatch) -> None:
+    # A builder that refuses a model raises ScenarioError naming the key; the suite records the
+    # entry as skipped with that line and keeps going, and run_suites leaves it out of the
+    # statistics. The other runs return 10,000 tokens/s/GPU, so every error is known by hand.
+    from types import SimpleNamespace
+
+    import sim.api
+    from sim.scenario import ScenarioError
+
+    calls: list[str] = []
+
+    def fake(sc, *a, **k):
+        calls.append(sc.name)
+        if "gb200" in sc.name:
+            raise ScenarioError(f"{sc.name}: model.experts: megatron does not model this yet")
+        return SimpleNamespace(summary={"tokens_per_s_per_gpu": 10_000.0})
+
+    monkeypatch.setattr(sim.api, "simulate", fake)
+    monkeypatch.setitem(validation.SUITES, SUITE,
+                        lambda progress: published_moe_cases(progress=progress))
+    out = validation.run_suites([SUITE])
+    gb200 = [e["id"] for e in ENTRIES if "gb200" in e["id"]]
+    assert gb200 and [c["id"] for c in out["skipped"]] == gb200
+    assert all("does not model" in c["skipped"] and "error" not in c for c in out["skipped"])
+    scored = [e for e in ENTRIES if "gb200" not in e["id"]]
+    by_hand = [abs(10_000.0 - m) / m for m in
+               (e["measured"]["tokens_per_s_per_gpu"] for e in scored)]
+    s = out["suites"][SUITE]
+    assert s["skipped"] == len(gb200) and s["cases"] == len(out["cases"]) == len(scored)
+    assert [abs(c["error"]) for c in out["cases"]] == pytest.approx(by_hand)
+    assert s["mape"] == pytest.approx(sum(by_hand) / len(by_hand))
+    assert s["max_abs_error"] == pytest.approx(max(by_hand))
+    # Entries with the same scenario (Qwen3 on H100 in two containers) are simulated once.
+    distinct = {repr(sorted(e["scenario"].items())) for e in ENTRIES}
+    assert len(calls) == len(distinct) < len(ENTRIES)
+
+
+def test_the_cli_lists_skipped_entries_apart(monkeypatch) -> None:
+    # `fabricsim validate` prints skipped entries in their own table with the reason, and the
+    # JSON carries them under "skipped", out of the suite's MAPE.
+    import json
+
+    from typer.testing import CliRunner
+
+    from sim import cli
+
+    got = [{"suite": SUITE, "id": "a", "metric": "tokens_per_s_per_gpu", "measured": 100.0,
+            "simulated": 120.0, "error": 0.2, "source": "s"},
+           {"suite": SUITE, "id": "b", "metric": "tokens_per_s_per_gpu", "measured": 100.0,
+            "skipped": "b: model.attention_sinks: megatron does not model attention sinks yet",
+            "source": "s"}]
+    monkeypatch.setitem(validation.SUITES, SUITE, lambda progress: got)
+    out = CliRunner().invoke(cli.app, ["validate", "--suite", SUITE, "--json"])
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.output)
+    assert result["suites"][SUITE] == {"cases": 1, "mape": pytest.approx(0.2),
+                                      "max_abs_error": pytest.approx(0.2), "skipped": 1}
+    assert [c["id"] for c in result["cases"]] == ["a"]
+    assert [c["id"] for c in result["skipped"]] == ["b"]
+    table = CliRunner().invoke(cli.app, ["validate", "--suite", SUITE])
+    assert table.exit_code == 0, table.output
+    assert "skipped (not simulated)" in table.output and "sinks" in table.output
