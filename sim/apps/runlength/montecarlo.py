@@ -156,7 +156,10 @@ def expected_segment_s(segment_s: np.ndarray, blocking_s: np.ndarray, durable_af
     if rate_per_s <= 0:
         return segment_s + blocking_s
     span = segment_s + blocking_s + durable_after_s
-    return (1.0 / rate_per_s + downtime_s) * np.expm1(rate_per_s * span) - durable_after_s
+    # Capped exponent: a segment expecting e**600 restarts is as good as never done, and
+    # stays finite (no inf x 0 = nan in the caller's sums).
+    exponent = np.minimum(rate_per_s * span, 600.0)
+    return (1.0 / rate_per_s + downtime_s) * np.expm1(exponent) - durable_after_s
 
 
 def expected_ettr(segment_s: np.ndarray, blocking_s: np.ndarray, durable_after_s: float,
