@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -151,11 +152,11 @@ def test_llama3_ettr_brackets_the_reported_90_percent() -> None:
 
 # --------------------------------------------------------------------------- determinism, speed
 def test_deterministic_per_seed() -> None:
-    base = dict(step_s=5.0, steps_total=200_000, interval_steps=200, write_s=20.0, copy_s=1.0,
-                asynchronous=True, rates=llama3_rates(), restart_s=600.0, spares=4,
-                replace_s=1800.0, repair_s=DAY, samples=100)
-    a, b = play(RunPlan(**base, seed=7)), play(RunPlan(**base, seed=7))
-    c = play(RunPlan(**base, seed=8))
+    base = RunPlan(step_s=5.0, steps_total=200_000, interval_steps=200, write_s=20.0,
+                   copy_s=1.0, asynchronous=True, rates=llama3_rates(), restart_s=600.0,
+                   spares=4, replace_s=1800.0, repair_s=DAY, samples=100)
+    a, b = play(replace(base, seed=7)), play(replace(base, seed=7))
+    c = play(replace(base, seed=8))
     assert np.array_equal(a.wall_s, b.wall_s) and a.ettr == b.ettr
     assert not np.array_equal(a.wall_s, c.wall_s)
 
@@ -163,11 +164,11 @@ def test_deterministic_per_seed() -> None:
 def test_spares_shorten_the_wait() -> None:
     """Without a free hot spare a server replacement waits 30 min more; with enough spares
     (repaired in a day, against ~6 server-removing failures a day) it never waits."""
-    base = dict(step_s=5.0, steps_total=300_000, interval_steps=200, write_s=20.0, copy_s=1.0,
-                asynchronous=False, rates=llama3_rates(), restart_s=600.0,
-                replace_s=1800.0, repair_s=DAY, samples=200, seed=1)
-    none = play(RunPlan(**base, spares=0))
-    many = play(RunPlan(**base, spares=64))
+    base = RunPlan(step_s=5.0, steps_total=300_000, interval_steps=200, write_s=20.0,
+                   copy_s=1.0, asynchronous=False, rates=llama3_rates(), restart_s=600.0,
+                   replace_s=1800.0, repair_s=DAY, samples=200, seed=1)
+    none = play(replace(base, spares=0))
+    many = play(replace(base, spares=64))
     assert many.downtime_s == pytest.approx(600.0)
     assert none.downtime_s > 600.0 + 0.5 * 1800.0      # most interruptions replace a server
     assert many.ettr > none.ettr
