@@ -61,6 +61,9 @@ def test_human_output_prints_the_run() -> None:
     (["run.failures.gpu.basis=rack", "run.failures.gpu.rate_per_unit_per_day=0.1"],
      "run.failures.gpu.basis"),
     (["run.samples=0"], "run.samples"),
+    # A failure a second against saves every 200 steps of 0.4 s: it never finishes.
+    (["run.failures.x.basis=job", "run.failures.x.rate_per_unit_per_day=86400"],
+     "the run would practically never finish"),
 ])
 def test_bad_run_keys_exit_2_with_one_line(sets: list[str], message: str) -> None:
     args = [x for kv in sets for x in ("--set", kv)]

@@ -22,13 +22,15 @@ time to the next interruption and whether the run finishes first. Same seed, sam
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-MAX_SEGMENT_FAILURES = 30.0
-"""Refuse a run whose checkpoint segment expects more than this many interruptions (in
-exponent: e**30 restarts per checkpoint would never finish)."""
+MAX_INTERRUPTIONS = 1e6
+"""Refuse a run expecting more interruptions than this (segments x (exp(rate x segment) - 1),
+the renewal form's count): one loop iteration each, and a run that restarts a million times
+is not one anybody would start."""
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,12 @@ def simulate_runs(inp: RunInputs, samples: int, seed: int) -> Runs:
     rates = np.asarray(inp.rates_per_s, dtype=float)
     lam = float(rates.sum())
     cycle = inp.segment_s + inp.blocking_s
-    if lam * (cycle + inp.durable_after_s) > MAX_SEGMENT_FAILURES:
+    segments = math.ceil(inp.work_s / inp.segment_s) if inp.work_s > 0 else 0
+    expected = segments * math.expm1(min(lam * (cycle + inp.durable_after_s), 700.0))
+    if expected > MAX_INTERRUPTIONS:
         raise ValueError(f"run: {lam * 3600:.3g} interruptions per hour against a checkpoint "
-                         f"every {cycle / 60:.3g} min: the run would never finish")
+                         f"every {cycle / 60:.3g} min: about {expected:.2g} restarts, the run "
+                         "would practically never finish (checkpoint more often)")
     rng = np.random.default_rng(seed)
     w = np.zeros(samples)              # durable useful progress
     t = np.zeros(samples)              # wall clock
