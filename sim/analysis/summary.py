@@ -127,11 +127,45 @@ class MemorySummary(TypedDict):
     memory_by_rank_class: list[RankClassMemory]
 
 
+class RunLength(TypedDict):
+    """``run``: the whole run (:func:`sim.apps.runlength.run_length`), there only when the
+    scenario has a ``run:`` block. CONTRACT.md's keys first; days are wall-clock days."""
+
+    ettr: float
+    """Effective training time ratio: useful training time / wall time of the expected run."""
+    expected_days: float
+    days_p5: float
+    days_p95: float
+    expected_usd: float
+    checkpoint_interval_steps: int
+    optimal_checkpoint_interval_steps: int
+    """The interval maximising the expected ETTR."""
+    interruptions_expected: float
+    """Interruptions per run, planned stops included."""
+    ettr_p5: float
+    ettr_p95: float
+    young_daly_interval_steps: float | None
+    """sqrt(2 x checkpoint cost x MTBF) in steps; null without unplanned interruptions."""
+    steps_total: int
+    mtbf_hours: float | None
+    """Mean time between unplanned interruptions of the job."""
+    downtime_minutes: float
+    """Mean stop per unplanned interruption (restart and replacement waits)."""
+    checkpoint_gb: float
+    checkpoint_write_s: float
+    checkpoint_blocking_s: float
+    checkpoint_write_gbytes_per_s: float
+    failures: str
+    """The catalogue name, or ``custom``."""
+    samples: int
+
+
 class Summary(TypedDict):
     """The summary object (CONTRACT.md, "Summary object"), in the JSON's key order.
 
     The keys after ``sim`` go beyond the contract's first list (it only grows): what the
-    numbers rest on. ``claims`` is there only when the scenario has a claims block.
+    numbers rest on. ``claims`` is there only when the scenario has a claims block, ``run``
+    only when it has a ``run:`` block.
     """
 
     scenario: str
@@ -170,3 +204,4 @@ class Summary(TypedDict):
     """Each rank class's own peaks (pipeline stages and the stages holding the embedding or
     the LM head differ), and whether that class runs out of memory."""
     claims: NotRequired[list[Claim]]
+    run: NotRequired[RunLength]

@@ -212,3 +212,47 @@ def cloud_prices(key: str) -> CloudPrices:
 
 def cloud_names() -> list[str]:
     return sorted(_load("pricing.yaml")["clouds"])
+
+
+# --------------------------------------------------------------------------- failures
+FAILURE_BASES = ("gpu", "host", "nic", "job")
+"""Units a failure rate scales with (``failures.yaml``): per GPU, per server, per NIC link,
+per job."""
+
+
+@dataclass(frozen=True)
+class FailureComponent:
+    """One component of a failure catalogue: its rate per unit of its basis per day."""
+
+    name: str
+    rate_per_unit_per_day: float
+    basis: str
+    """One of :data:`FAILURE_BASES`."""
+    needs_node: bool = False
+    """The interruption takes a server out of the job (a spare replaces it)."""
+    planned: bool = False
+    """A stop on purpose, after a checkpoint: no work is lost."""
+
+
+def failure_catalogue(name: str) -> tuple[FailureComponent, ...]:
+    """The components of a failure catalogue of ``failures.yaml``, each count turned into a
+    rate per unit of its basis per day over the observed units and days (KeyError if unknown).
+
+    Examples
+    --------
+    >>> c = {x.name: x for x in failure_catalogue("llama3-16k-h100")}
+    >>> round(c["faulty_gpu"].rate_per_unit_per_day * 16384 * 54)   # Llama 3, Table 5
+    148
+    """
+    entry = _load("failures.yaml")[name]
+    units = {"gpu": entry["gpus"], "host": entry["hosts"], "nic": entry["nics"], "job": 1}
+    return tuple(
+        FailureComponent(name=k, rate_per_unit_per_day=v["count"] / (units[v["basis"]]
+                                                                      * entry["days"]),
+                         basis=v["basis"], needs_node=bool(v.get("needs_node", False)),
+                         planned=bool(v.get("planned", False)))
+        for k, v in entry["components"].items())
+
+
+def failure_catalogue_names() -> list[str]:
+    return sorted(_load("failures.yaml"))

@@ -60,6 +60,10 @@ def run(
         result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
                                                 keep_link_series=out is not None),
                                 quiet=as_json, steps=steps)
+        if sc.run is not None:
+            from sim.apps.runlength import run_length
+
+            result.summary["run"] = run_length(result)
     except ScenarioError as exc:
         _bad_input(str(exc))
         return
@@ -466,6 +470,17 @@ def _print_summary(s: Summary) -> None:
     ]
     if c["run_usd"] is not None:
         rows.append(("whole run", f"{c['run_hours']:,.0f} h, ${c['run_usd']:,.0f}"))
+    if "run" in s:
+        r = s["run"]
+        rows += [
+            ("run: days", f"{r['expected_days']:,.1f} expected ({r['days_p5']:,.1f} to "
+                          f"{r['days_p95']:,.1f}, 5th-95th percentile), ${r['expected_usd']:,.0f}"),
+            ("run: ETTR", f"{r['ettr']:.1%}, {r['interruptions_expected']:,.0f} interruptions"),
+            ("run: checkpoint", f"every {r['checkpoint_interval_steps']:,} steps "
+                                f"(best {r['optimal_checkpoint_interval_steps']:,}), "
+                                f"{r['checkpoint_gb']:,.0f} GB, "
+                                f"{r['checkpoint_blocking_s']:,.1f} s blocking"),
+        ]
     rows.append(("simulated", f"{s['sim']['ranks_simulated']} rank class(es), "
                               f"{s['sim']['events']:,} events in {s['sim']['wall_s']:.2f} s"))
     for k, v in rows:

@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 
 from sim.config.base import StrictModel
 from sim.config.cluster import Cluster
+from sim.config.run import Run
 from sim.config.training import (
     Allocator,
     Claims,
@@ -78,6 +79,8 @@ class Scenario(StrictModel):
     training: Training = Training()
     pricing: Pricing = Pricing()
     claims: Claims | None = None
+    run: Run | None = None
+    """A whole run (checkpoints, failures, restarts); needs ``training.tokens_total``."""
     seed: int = 0
     """Seed for every random choice (ECMP hashing); same seed, same numbers."""
 
@@ -102,6 +105,8 @@ class Scenario(StrictModel):
             raise ValueError(
                 f"parallelism: tp*pp*dp*cp = {fixed * p.dp} but the cluster has {n} GPUs"
             )
+        if self.run is not None and self.training.tokens_total is None:
+            raise ValueError("run: needs training.tokens_total (the tokens of the whole run)")
         expert = p.expert_tp * p.ep * p.pp
         if n % expert:
             # parallel_state.initialize_model_parallel: the expert layout (etp, ep, expert-dp,

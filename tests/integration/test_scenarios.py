@@ -55,6 +55,8 @@ SLOW = {
     "bloom-176b-deepspeed-3d-384xa100":
         "128,378 ops: 12 stages x 128 micro-batches, ~15 s CPU "
         "(tests/integration/test_deepspeed_pipe.py)",
+    "llama3.1-405b-megatron-16384xh100-run":
+        "104,096 ops: 16 stages x 4 chunks x 16 micro-batches on 16,384 GPUs, ~20-30 s",
 }
 # Scenarios that run out of GPU memory, and why (a result, not an error).
 EXPECTED_OOM = {
