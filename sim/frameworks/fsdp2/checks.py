@@ -13,6 +13,7 @@ def check(ctx: JobContext, opts: Fsdp2Options) -> None:
     schedules' micro-batch counts and stage splits, then the options that need each other."""
     _check_layout(ctx, opts)
     _check_options(ctx, opts)
+    _check_moe(ctx, opts)
 
 
 def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
@@ -28,6 +29,8 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"{m.kv_heads} key/value heads do not split over tp={t} (colwise wk/wv)")
     ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
+    ctx.require(not m.qk_norm or (t == 1 and cp == 1), "parallelism",
+                "query/key norms (qk_norm) are modelled with tp and cp of 1 in fsdp2")
     divisor = t * 2 * cp if cp > 1 else t
     ctx.require(ctx.seq % divisor == 0, "training.seq_len",
                 f"{ctx.seq} is not a multiple of {divisor} (torchtitan ParallelDims."
@@ -80,3 +83,32 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
                 "true needs framework.compile true (torchtitan compiles the loss only when "
                 "compiling)")
+
+
+def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
+    """torchtitan's MoE path as modelled (:mod:`.moe`): its own model code, tensor, context
+    and pipeline parallelism of 1, 16-bit precision, no op-level SAC, no CPU offload; ``ep``
+    must divide ``dp_shard`` (``efsdp = dp_shard x cp x tp / ep``, ``ParallelDims``) and, with
+    ``etp`` left to torchtitan's 1, nothing else."""
+    s = ctx.scenario
+    p, m = s.parallelism, ctx.model
+    if m.moe is None:
+        return
+    why = "with mixture-of-experts layers fsdp2 is modelled"
+    ctx.require(opts.model_code == "torchtitan", "framework.model_code",
+                f"{why} with torchtitan's MoE code (model_code: torchtitan)")
+    ctx.require(p.tp == 1 and p.cp == 1 and p.pp == 1, "parallelism",
+                f"{why} with expert and data parallelism only yet: tp, cp and pp must be 1")
+    ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
+                f"{why} with 16-bit mixed precision (torchtitan's float8 MoE converter is "
+                "not modelled)")
+    ctx.require(s.training.activation_checkpointing != "selective",
+                "training.activation_checkpointing",
+                f"{why} with none or full (per-block) checkpointing")
+    ctx.require(not opts.cpu_offload, "framework.cpu_offload", f"{why} without CPU offload")
+    ctx.require(p.etp in (None, 1), "parallelism.etp",
+                "torchtitan's expert tensor parallelism is not modelled (etp must be 1)")
+    shard = opts.hsdp_shard_size or ctx.dp
+    ctx.require(shard % p.ep == 0, "parallelism.ep",
+                f"ep={p.ep} must divide the FSDP shard size {shard} (torchtitan borrows the "
+                "expert-parallel ranks from dp_shard: efsdp = dp_shard / ep)")

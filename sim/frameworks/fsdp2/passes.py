@@ -21,7 +21,7 @@ from sim.frameworks.common.steps import micro_batch_ops
 from sim.frameworks.fsdp2.pipeline import accumulate, send
 from sim.frameworks.fsdp2.reduce import drop_reduce_scatter_state, reduce
 from sim.frameworks.fsdp2.stage import Stage
-from sim.frameworks.fsdp2.units import BlockOps
+from sim.frameworks.fsdp2.units import BlockOps, Unit
 from sim.frameworks.fsdp2.unshard import copy_out, gather
 from sim.program.ir import Op
 from sim.workload.layer_ops import BF16
@@ -53,9 +53,15 @@ def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
                                sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant)
 
         def ops_f(k: tuple[str, int]) -> list[Op]:
+            if k[0] == "moe":
+                assert stage.moe is not None
+                return stage.moe.forward(mb, k[1]).ops
             return [pops.fwd_of[k]]
 
         def ops_b(k: tuple[str, int]) -> list[Op]:
+            if k[0] == "moe":
+                assert stage.moe is not None
+                return stage.moe.backward(mb, k[1]).ops
             return [pops.bwd_of[k]]
     stage.per_mb[mb] = (ops_f, ops_b)
     return ops_f, ops_b
@@ -64,6 +70,9 @@ def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
 def forward(stage: Stage, v: int, mb: int) -> None:
     """Model chunk ``v``'s forward of micro-batch ``mb``, then its activation sent on."""
     job = stage.job
+    if job.moe is not None and job.moe.split_experts:
+        _forward_explicit(stage, v, mb)
+        return
     fwd_ops, _ = block_ops(stage, mb)
     copied: list[Op] = []
     last: Op | None = None
@@ -85,26 +94,88 @@ def forward(stage: Stage, v: int, mb: int) -> None:
     send(stage, "F", v, mb, last)
 
 
+def _gather_unit(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str,
+                 pending: dict[str, Op]) -> None:
+    """Issue the all-gathers of a unit and of its nested experts unit that are not gathered
+    yet (``set_modules_to_forward_prefetch([block, block.moe.experts])``)."""
+    for w in (u, u.experts):
+        if w is not None and not stage.gathered.get(w.name) and w.name not in pending:
+            pending[w.name] = gather(stage, w, deps, mb, phase)
+
+
+def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
+    """Forward with torchtitan's explicit prefetching under expert parallelism: once a unit
+    is unsharded (its pre-forward), the next unit and its experts are all-gathered, ahead of
+    the host's wait for the token counts in this unit's MoE layer. The experts' unit is
+    waited for just before the routed experts run, and resharded after them."""
+    job = stage.job
+    assert stage.moe is not None
+    fwd_ops, _ = block_ops(stage, mb)
+    units = job.chunk_units[v]
+    pending: dict[str, Op] = {}
+    last: Op | None = None
+    for i, u in enumerate(units):
+        _gather_unit(stage, u, [], mb, "fwd", pending)
+        copied = None
+        if u.name in pending:
+            copied = copy_out(stage, u, pending.pop(u.name), mb, "fwd")
+            stage.gathered[u.name] = True
+        if i + 1 < len(units):
+            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "fwd", pending)
+        for k in u.keys:
+            if k[0] == "moe":
+                last = _moe_forward(stage, u, k[1], mb, pending)
+                continue
+            for op in fwd_ops(k):
+                last = stage.add(op)
+        assert last is not None
+        if u.reshard_after_forward:
+            last.free = last.free + (("parameters", job.param_bytes(u)),)
+            stage.gathered[u.name] = False
+    assert last is not None
+    send(stage, "F", v, mb, last)
+
+
+def _moe_forward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op]) -> Op:
+    """An MoE layer's forward; its experts' unit copied out before the experts run."""
+    assert stage.moe is not None
+    step = stage.moe.forward(mb, layer)
+    e = u.experts
+    last = step.ops[0]
+    for op in step.ops:
+        if op is step.experts and e is not None:
+            if e.name in pending:
+                copy_out(stage, e, pending.pop(e.name), mb, "fwd")
+                stage.gathered[e.name] = True
+            op.free = op.free + ((("parameters", stage.job.param_bytes(e)),)
+                                 if e.reshard_after_forward else ())
+            if e.reshard_after_forward:
+                stage.gathered[e.name] = False
+        last = stage.add(op)
+    return last
+
+
 def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
     """Model chunk ``v``'s backward of micro-batch ``mb``, then its input gradient sent on."""
     job = stage.job
     _, bwd_ops = block_ops(stage, mb)
     units = list(reversed(job.chunk_units[v]))
     pending: dict[str, Op] = {}
-    if not stage.gathered.get(units[0].name):
-        pending[units[0].name] = gather(stage, units[0], [], mb, "bwd")
+    _gather_unit(stage, units[0], [], mb, "bwd", pending)
     last: Op | None = None
     for i, u in enumerate(units):
         copied = None
         if u.name in pending:
             copied = copy_out(stage, u, pending.pop(u.name), mb, "bwd")
             stage.gathered[u.name] = True
-        if i + 1 < len(units) and not stage.gathered.get(units[i + 1].name):
-            # Backward prefetch: the previous unit's all-gather is issued as this unit's
-            # backward begins.
-            nxt = units[i + 1]
-            pending[nxt.name] = gather(stage, nxt, [copied] if copied else [], mb, "bwd")
+        if i + 1 < len(units):
+            # Backward prefetch: the previous unit's all-gather (with its experts' under
+            # expert parallelism) is issued as this unit's backward begins.
+            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "bwd", pending)
         for k in reversed(u.keys):
+            if k[0] == "moe":
+                last = _moe_backward(stage, u, k[1], mb, pending)
+                continue
             for op in bwd_ops(k):
                 last = stage.add(op)
         assert last is not None
@@ -119,3 +190,24 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
     if job.pp == 1:
         drop_reduce_scatter_state(stage, mb)      # finalize_backward
     send(stage, "B", v, mb, last)
+
+
+def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op]) -> Op:
+    """An MoE layer's backward: under expert parallelism the experts' unit is copied out
+    before the experts' backward (its pre-backward) and, after it, resharded and its
+    gradients reduce-scattered over ``efsdp`` (its post-backward)."""
+    assert stage.moe is not None
+    job = stage.job
+    step = stage.moe.backward(mb, layer)
+    e = u.experts
+    last = step.ops[0]
+    for op in step.ops:
+        if op is step.experts and e is not None and e.name in pending:
+            copy_out(stage, e, pending.pop(e.name), mb, "bwd")
+            stage.gathered[e.name] = True
+        last = stage.add(op)
+        if op is step.experts and e is not None:
+            op.free = op.free + (("parameters", job.param_bytes(e)),)
+            stage.gathered[e.name] = False
+            reduce(stage, e, e.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)
+    return last

@@ -29,3 +29,25 @@ def torchtitan_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any
     from sim.frameworks.fsdp2.mesh import stage_layers
 
     return stage_layers(layers, pp * vp)
+
+
+def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
+    """``(ep, etp)`` of a mixture-of-experts model under torchtitan: ``ep`` borrows ranks from
+    ``dp_shard`` (``ParallelDims``: ``efsdp = dp_shard x cp x tp / (ep x etp)``), so it divides
+    the routed experts and dp; ``etp`` is 1. Modelled with tp, cp and pp of 1 (:mod:`.moe`),
+    so other points have none.
+
+    Examples
+    --------
+    >>> pt = SearchPoint(tp=1, pp=1, vp=1, dp=16, cp=1, layers=48, experts=128,
+    ...                  expert_width=768)              # Qwen3-30B-A3B on 16 GPUs
+    >>> [ep for ep, _ in fsdp2_expert_layouts(pt)]
+    [1, 2, 4, 8, 16]
+    >>> list(fsdp2_expert_layouts(SearchPoint(2, 1, 1, 8, 1, 48, 128, 768)))
+    []
+    """
+    if pt.tp * pt.cp * pt.pp > 1:
+        return
+    for ep in divisors(pt.experts):
+        if pt.dp % ep == 0:
+            yield ep, 1
