@@ -223,3 +223,43 @@ def test_shipped_qwen3_scenario_runs() -> None:
     a2a = [op for op in r.program.ops if op.collective == "all_to_all"]
     assert a2a and all(g[-1] - g[0] == 7 and g[0] % 8 == 0 for op in a2a
                        for g in op.all_groups)
+
+
+@pytest.mark.parametrize("ep", [1, 4, 8])
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_every_byte_allocated_in_the_step_is_freed(ep: int, ckpt: str) -> None:
+    # Conservation: activations, gathered parameters, gradients and buffers the MoE ops and
+    # the expert units allocate are all released by the end of the step.
+    p = program(_scn(ep, activation_checkpointing=ckpt))
+    held: dict[str, float] = {}
+    for op in p.ops:
+        for cat, b in op.alloc:
+            held[cat] = held.get(cat, 0.0) + b
+        for cat, b in op.free:
+            held[cat] = held.get(cat, 0.0) - b
+    assert all(abs(v) < 1e-3 for v in held.values()), held
+
+
+@pytest.mark.parametrize(("ep", "schedule"), [(4, "1f1b"), (2, "gpipe")])
+def test_pipeline_stages_accumulate_expert_gradients_and_reduce_them_once(ep, schedule) -> None:
+    # torch.distributed.pipelining: no gradient sync in the micro-batches' backwards; after a
+    # chunk's last backward every unit, a block before its experts, is reduce-scattered once.
+    # 2 stages of 8 ranks (layers 0-1 and 2-3, no embedding/output weighting).
+    s = _scn(ep, par={"pp": 2}, framework={"pipeline_schedule": schedule,
+                                           "pipeline_first_stage_less_layers": 0,
+                                           "pipeline_last_stage_less_layers": 0})
+    p = program(s)
+    m = ModelSpec.from_ref(s.model, SEQ)
+    mbs = p.micro_batches
+    closed = 2 * SEQ * K * H * BF16 * (ep - 1) / ep
+    states = 0.0
+    for c, first in zip(p.classes, (0, 2), strict=True):
+        ops = [op for ops in c.streams.values() for op in ops]
+        a2a = [op for op in ops if op.collective == "all_to_all" and "count" not in op.name]
+        assert sum(_wire(op) for op in a2a) == pytest.approx(2 * closed * 2 * mbs, rel=1e-12)
+        rs = [op.name.split()[1] for op in ops if op.collective == "reduce_scatter"]
+        units = [f"L{first}", f"E{first}", f"L{first + 1}", f"E{first + 1}"]
+        assert sorted(rs) == sorted(units + ["embed" if first == 0 else "head"])
+        assert rs.index(f"L{first}") < rs.index(f"E{first}")
+        states += c.initial_memory["parameters"]
+    assert states == pytest.approx(4 * m.total_params / 8)

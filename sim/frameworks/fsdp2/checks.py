@@ -97,8 +97,9 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     why = "with mixture-of-experts layers fsdp2 is modelled"
     ctx.require(opts.model_code == "torchtitan", "framework.model_code",
                 f"{why} with torchtitan's MoE code (model_code: torchtitan)")
-    ctx.require(p.tp == 1 and p.cp == 1 and p.pp == 1, "parallelism",
-                f"{why} with expert and data parallelism only yet: tp, cp and pp must be 1")
+    ctx.require(p.tp == 1 and p.cp == 1, "parallelism",
+                f"{why} with expert, data and pipeline parallelism only yet: tp and cp must "
+                "be 1")
     ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
                 f"{why} with 16-bit mixed precision (torchtitan's float8 MoE converter is "
                 "not modelled)")

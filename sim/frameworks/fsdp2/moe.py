@@ -51,7 +51,8 @@ Routing: balanced, or skewed by ``training.routing``: every rank then runs the b
 rank's experts and the all-to-alls carry per-peer bytes (the same rule as Megatron's:
 :func:`sim.frameworks.megatron.imbalance.routing_pace`, :class:`MoEPlan.peer_bytes`).
 
-Modelled with tensor, context and pipeline parallelism of 1 and 16-bit precision; the MoE
+Modelled with tensor and context parallelism of 1 (pipeline parallelism composes: each
+stage's experts accumulate and reduce like its other units) and 16-bit precision; the MoE
 kernels are priced eagerly (with ``compile`` only the rest of the block is fused). Megatron's
 grouped fc1 (gate and up together) stands for torchtitan's two grouped GEMMs (w1, w3): the same
 FLOPs and bytes.

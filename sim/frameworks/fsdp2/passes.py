@@ -174,7 +174,7 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
             _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "bwd", pending)
         for k in reversed(u.keys):
             if k[0] == "moe":
-                last = _moe_backward(stage, u, k[1], mb, pending)
+                last = _moe_backward(stage, u, k[1], mb, pending, first_of_step)
                 continue
             for op in bwd_ops(k):
                 last = stage.add(op)
@@ -192,7 +192,8 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
     send(stage, "B", v, mb, last)
 
 
-def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op]) -> Op:
+def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op],
+                  first_of_step: bool) -> Op:
     """An MoE layer's backward: under expert parallelism the experts' unit is copied out
     before the experts' backward (its pre-backward) and, after it, resharded and its
     gradients reduce-scattered over ``efsdp`` (its post-backward)."""
@@ -207,6 +208,11 @@ def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str,
             stage.gathered[e.name] = True
         last = stage.add(op)
         if op is step.experts and e is not None:
+            if job.pp > 1:
+                # Pipelining: no sync and no reshard after backward; the gradient
+                # accumulates until the chunk's REDUCE_GRAD (:func:`.pipeline.reduce_grad`).
+                accumulate(stage, e, mb, first_of_step)
+                continue
             op.free = op.free + (("parameters", job.param_bytes(e)),)
             stage.gathered[e.name] = False
             reduce(stage, e, e.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)

@@ -34,8 +34,8 @@ def torchtitan_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any
 def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     """``(ep, etp)`` of a mixture-of-experts model under torchtitan: ``ep`` borrows ranks from
     ``dp_shard`` (``ParallelDims``: ``efsdp = dp_shard x cp x tp / (ep x etp)``), so it divides
-    the routed experts and dp; ``etp`` is 1. Modelled with tp, cp and pp of 1 (:mod:`.moe`),
-    so other points have none.
+    the routed experts and dp; ``etp`` is 1. Modelled with tp and cp of 1 (:mod:`.moe`), so
+    other points have none.
 
     Examples
     --------
@@ -46,7 +46,7 @@ def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     >>> list(fsdp2_expert_layouts(SearchPoint(2, 1, 1, 8, 1, 48, 128, 768)))
     []
     """
-    if pt.tp * pt.cp * pt.pp > 1:
+    if pt.tp * pt.cp > 1:
         return
     for ep in divisors(pt.experts):
         if pt.dp % ep == 0:
