@@ -201,12 +201,17 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
 
 @dataclass(frozen=True)
 class MoEStep:
-    """One MoE layer's ops for one micro-batch, in issue order, and which of them is the
-    routed experts' compute (where the experts' FSDP unit is waited for and, in backward,
-    reduced)."""
+    """One MoE layer's ops for one micro-batch, in issue order, and the span of the routed
+    experts' module (``moe.experts``, where ``ExpertParallel`` puts its hooks): FSDP2's hooks
+    wrap the EP ones (``fully_shard`` prepends its pre-forward hook and appends its
+    post-forward hook, and is applied after ``parallelize_module``), so the experts' unit is
+    waited for before ``enter`` (forward: the count all-to-all; backward: the combine's
+    reverse all-to-all) and resharded (in backward, reduced) after ``leave`` (the combine
+    all-to-all; the dispatch's reverse one)."""
 
     ops: list[Op]
-    experts: Op
+    enter: Op
+    leave: Op
 
 
 @dataclass
@@ -283,14 +288,15 @@ class MoEPass:
                                  alloc=c.saved_bytes if keep else 0.0)
 
         experts = part("experts")
+        counts = self._counts(label, mb, layer)
+        combine = self._a2a("combine_fwd", label, mb, layer)
         ops: list[Op | None] = [
-            part("norm"), part("router"), self._counts(label, mb, layer),
-            self._a2a("dispatch_fwd", label, mb, layer), experts,
-            self._a2a("combine_fwd", label, mb, layer)]
+            part("norm"), part("router"), counts,
+            self._a2a("dispatch_fwd", label, mb, layer), experts, combine]
         if "shared" in b:
             ops.append(part("shared"))
         ops += [part("combine"), part("resid")]
-        return MoEStep([o for o in ops if o is not None], experts)
+        return MoEStep([o for o in ops if o is not None], counts or experts, combine or experts)
 
     def backward(self, mb: int, layer: int) -> MoEStep:
         """The forward reversed (after its recomputation under full checkpointing, itself
@@ -319,7 +325,8 @@ class MoEPass:
         ops += [part("resid"), part("combine")]
         if "shared" in b:
             ops.append(part("shared"))
-        ops += [self._a2a("combine_bwd", label, mb, layer), experts,
-                self._a2a("dispatch_bwd", label, mb, layer), part("router"),
-                part("norm", self.grad_bytes)]
-        return MoEStep([o for o in ops if o is not None], experts)
+        combine = self._a2a("combine_bwd", label, mb, layer)
+        dispatch = self._a2a("dispatch_bwd", label, mb, layer)
+        ops += [combine, experts, dispatch, part("router"), part("norm", self.grad_bytes)]
+        return MoEStep([o for o in ops if o is not None], combine or experts,
+                       dispatch or experts)

@@ -137,20 +137,20 @@ def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
 
 
 def _moe_forward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op]) -> Op:
-    """An MoE layer's forward; its experts' unit copied out before the experts run."""
+    """An MoE layer's forward; its experts' unit copied out as the experts module is
+    entered (before the token counts are exchanged), resharded as it is left (after the
+    combine all-to-all)."""
     assert stage.moe is not None
     step = stage.moe.forward(mb, layer)
     e = u.experts
     last = step.ops[0]
     for op in step.ops:
-        if op is step.experts and e is not None:
-            if e.name in pending:
-                copy_out(stage, e, pending.pop(e.name), mb, "fwd")
-                stage.gathered[e.name] = True
-            op.free = op.free + ((("parameters", stage.job.param_bytes(e)),)
-                                 if e.reshard_after_forward else ())
-            if e.reshard_after_forward:
-                stage.gathered[e.name] = False
+        if op is step.enter and e is not None and e.name in pending:
+            copy_out(stage, e, pending.pop(e.name), mb, "fwd")
+            stage.gathered[e.name] = True
+        if op is step.leave and e is not None and e.reshard_after_forward:
+            op.free = op.free + (("parameters", stage.job.param_bytes(e)),)
+            stage.gathered[e.name] = False
         last = stage.add(op)
     return last
 
@@ -195,19 +195,21 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
 def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op],
                   first_of_step: bool) -> Op:
     """An MoE layer's backward: under expert parallelism the experts' unit is copied out
-    before the experts' backward (its pre-backward) and, after it, resharded and its
-    gradients reduce-scattered over ``efsdp`` (its post-backward)."""
+    when the gradient reaches the experts module's output (its pre-backward, before the
+    combine's reverse all-to-all) and, once the gradient of the module's input exists (after
+    the dispatch's reverse all-to-all), resharded and its gradients reduce-scattered over
+    ``efsdp`` (its post-backward)."""
     assert stage.moe is not None
     job = stage.job
     step = stage.moe.backward(mb, layer)
     e = u.experts
     last = step.ops[0]
     for op in step.ops:
-        if op is step.experts and e is not None and e.name in pending:
+        if op is step.enter and e is not None and e.name in pending:
             copy_out(stage, e, pending.pop(e.name), mb, "bwd")
             stage.gathered[e.name] = True
         last = stage.add(op)
-        if op is step.experts and e is not None:
+        if op is step.leave and e is not None:
             if job.pp > 1:
                 # Pipelining: no sync and no reshard after backward; the gradient
                 # accumulates until the chunk's REDUCE_GRAD (:func:`.pipeline.reduce_grad`).
