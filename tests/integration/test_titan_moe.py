@@ -176,8 +176,10 @@ def test_skewed_routing_is_never_faster_and_moves_the_same_tokens() -> None:
 
 
 def test_refusals_name_the_key() -> None:
-    with pytest.raises(ScenarioError, match=r"parallelism: with mixture-of-experts layers "):
-        program(_scn(4, par={"tp": 2}))
+    with pytest.raises(ScenarioError, match=r"parallelism\.cp: with mixture-of-experts layers "):
+        program(_scn(4, par={"cp": 2}))
+    with pytest.raises(ScenarioError, match=r"parallelism\.ep: ep=2 must be a multiple of tp=4"):
+        program(_scn(2, par={"tp": 4, "etp": 1}))
     with pytest.raises(ScenarioError, match=r"parallelism\.ep: ep=4 must divide the FSDP"):
         program(_scn(4, framework={"hsdp_shard_size": 2}))
     with pytest.raises(ScenarioError, match=r"training\.activation_checkpointing"):
@@ -263,3 +265,41 @@ def test_pipeline_stages_accumulate_expert_gradients_and_reduce_them_once(ep, sc
         assert rs.index(f"L{first}") < rs.index(f"E{first}")
         states += c.initial_memory["parameters"]
     assert states == pytest.approx(4 * m.total_params / 8)
+
+
+@pytest.mark.parametrize(("tp", "ep", "ckpt", "qk"), [(2, 4, "none", False), (2, 8, "full", True),
+                                                    (4, 8, "none", False), (2, 2, "full", False)])
+def test_tensor_parallel_ranks_route_their_share_of_the_tokens(tp, ep, ckpt, qk) -> None:
+    # apply_moe_ep_tp with expert TP 1: EP borrows the tensor-parallel ranks (innermost), the
+    # MoE module's input is all-gathered over tp and ReordererSequenceParallel gives each
+    # rank 1/tp of the tokens to dispatch, so the closed form holds with tokens / tp.
+    s = _scn(ep, par={"tp": tp, "etp": 1}, model=dict(TINY, qk_norm=qk),
+             activation_checkpointing=ckpt)
+    p = program(s)
+    m = ModelSpec.from_ref(s.model, SEQ)
+    assert m.moe is not None
+    mbs, passes = p.micro_batches, 3 if ckpt == "full" else 2
+    closed = 2 * SEQ / tp * K * H * BF16 * (ep - 1) / ep
+    a2a = _token_a2a(p)
+    assert sum(_wire(op) for op in a2a) == pytest.approx(passes * closed * 4 * mbs, rel=1e-12)
+    tp_groups = {g for op in _ops(p) if op.name.startswith("tp ") for g in op.all_groups}
+    assert all(any(set(t) <= set(g) for g in a2a[0].all_groups) for t in tp_groups)
+    # Every parameter once over the world, except what each tensor-parallel rank holds
+    # whole: the norms (and Qwen3's per-head q/k norms), the router gate and the final norm.
+    replicated = 4 * (2 * H + m.moe.experts * H + (2 * m.head_dim if qk else 0)) + H
+    states = p.classes[0].initial_memory["parameters"] / 4 * 16
+    assert states == pytest.approx(m.total_params + (tp - 1) * replicated)
+    # Routed experts: their FSDP group is what is left of dp_shard x tp after ep.
+    rs_e = [op for op in _ops(p) if op.collective == "reduce_scatter" and " E" in op.name]
+    assert {len(op.all_groups[0]) for op in rs_e} == {16 // ep}
+    held: dict[str, float] = {}
+    for op in p.ops:
+        for cat, b in op.alloc:
+            held[cat] = held.get(cat, 0.0) + b
+        for cat, b in op.free:
+            held[cat] = held.get(cat, 0.0) - b
+    assert all(abs(v) < 1e-3 for v in held.values()), held
+    # q_norm and k_norm gradients are all-reduced over tp like the block norms'.
+    norm_ar = [op for op in _ops(p) if "norm grad" in op.name and " L0 " in op.name]
+    assert sorted(op.nbytes for op in norm_ar) == sorted(
+        [2.0 * H] * 2 * mbs + ([2.0 * m.head_dim] * 2 * mbs if qk else []))

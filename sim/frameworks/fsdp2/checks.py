@@ -29,8 +29,9 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"{m.kv_heads} key/value heads do not split over tp={t} (colwise wk/wv)")
     ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
-    ctx.require(not m.qk_norm or (t == 1 and cp == 1), "parallelism",
-                "query/key norms (qk_norm) are modelled with tp and cp of 1 in fsdp2")
+    ctx.require(not m.qk_norm or cp == 1, "parallelism.cp",
+                "query/key norms (qk_norm) are modelled without context parallelism in fsdp2 "
+                "(torchtitan's Qwen3 does not support it)")
     divisor = t * 2 * cp if cp > 1 else t
     ctx.require(ctx.seq % divisor == 0, "training.seq_len",
                 f"{ctx.seq} is not a multiple of {divisor} (torchtitan ParallelDims."
@@ -97,9 +98,12 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     why = "with mixture-of-experts layers fsdp2 is modelled"
     ctx.require(opts.model_code == "torchtitan", "framework.model_code",
                 f"{why} with torchtitan's MoE code (model_code: torchtitan)")
-    ctx.require(p.tp == 1 and p.cp == 1, "parallelism",
-                f"{why} with expert, data and pipeline parallelism only yet: tp and cp must "
-                "be 1")
+    ctx.require(p.cp == 1, "parallelism.cp", f"{why} without context parallelism yet")
+    # Expert TP 1 with tp > 1: ep borrows every tensor-parallel rank
+    # (ReordererSequenceParallel splits each TP group's tokens over its ranks).
+    ctx.require(p.ep % p.tp == 0, "parallelism.ep",
+                f"ep={p.ep} must be a multiple of tp={p.tp}: with expert TP 1 torchtitan's "
+                "expert parallelism borrows every tensor-parallel rank")
     ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
                 f"{why} with 16-bit mixed precision (torchtitan's float8 MoE converter is "
                 "not modelled)")
@@ -110,6 +114,7 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(p.etp in (None, 1), "parallelism.etp",
                 "torchtitan's expert tensor parallelism is not modelled (etp must be 1)")
     shard = opts.hsdp_shard_size or ctx.dp
-    ctx.require(shard % p.ep == 0, "parallelism.ep",
-                f"ep={p.ep} must divide the FSDP shard size {shard} (torchtitan borrows the "
-                "expert-parallel ranks from dp_shard: efsdp = dp_shard / ep)")
+    ctx.require((shard * p.tp) % p.ep == 0, "parallelism.ep",
+                f"ep={p.ep} must divide the FSDP shard size {shard} x tp={p.tp} (torchtitan "
+                "borrows the expert-parallel ranks from dp_shard x tp: efsdp = dp_shard x tp "
+                "/ ep)")

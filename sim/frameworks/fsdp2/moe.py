@@ -51,8 +51,13 @@ Routing: balanced, or skewed by ``training.routing``: every rank then runs the b
 rank's experts and the all-to-alls carry per-peer bytes (the same rule as Megatron's:
 :func:`sim.frameworks.megatron.imbalance.routing_pace`, :class:`MoEPlan.peer_bytes`).
 
-Modelled with tensor and context parallelism of 1 (pipeline parallelism composes: each
-stage's experts accumulate and reduce like its other units) and 16-bit precision; the MoE
+Tensor parallelism (``apply_moe_ep_tp`` with expert TP 1): the MoE module's input is
+all-gathered over tp and its Partial output (routed and shared experts) reduce-scattered,
+the router gate is replicated, the shared experts are column/row-parallel, and
+``ReordererSequenceParallel`` splits the routed tokens over the tensor-parallel ranks, which EP
+borrows (ep a multiple of tp; ``efsdp = dp_shard x tp / ep``). Pipeline parallelism composes:
+each stage's experts accumulate and reduce like its other units. Modelled without context
+parallelism and with 16-bit precision; the MoE
 kernels are priced eagerly (with ``compile`` only the rest of the block is fused). Megatron's
 grouped fc1 (gate and up together) stands for torchtitan's two grouped GEMMs (w1, w3): the same
 FLOPs and bytes.
@@ -65,6 +70,7 @@ from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
+from sim.frameworks.fsdp2.tp_pass import TitanPass
 from sim.frameworks.megatron.imbalance import routing_pace
 from sim.frameworks.megatron.moe import MoEPlan
 from sim.hardware.compute import ComputeModel
@@ -128,6 +134,9 @@ class TitanMoE:
     """FSDP size of the routed experts' units (dp_shard x cp x tp / ep)."""
     loss_ranks: int
     """Ranks of the load-balancing all-reduce (dp_replicate x dp_shard x cp)."""
+    tp: int = 1
+    """Tensor parallelism: EP borrows the tensor-parallel ranks and each routes 1/tp of
+    the micro-batch's tokens (``ReordererSequenceParallel``)."""
 
     @property
     def ep(self) -> int:
@@ -164,11 +173,9 @@ class TitanMoE:
 
     @property
     def flops_fwd(self) -> float:
-        return self.plan.flops_fwd + self.norm.flops_fwd + self.resid.flops_fwd
-
-    @property
-    def flops_bwd(self) -> float:
-        return self.plan.flops_bwd + self.norm.flops_bwd + self.resid.flops_bwd
+        """Forward FLOPs of one MoE layer over one micro-batch of the tensor-parallel group
+        (each rank's MoE part over its 1/tp of the tokens; norm and residual over all)."""
+        return self.plan.flops_fwd * self.tp + self.norm.flops_fwd + self.resid.flops_fwd
 
     @property
     def balance_bytes(self) -> float:
@@ -177,26 +184,33 @@ class TitanMoE:
         return float(FP32 * self.plan.model.moe.experts)
 
 
-def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: int
-              ) -> TitanMoE | None:
-    """The MoE layers' plan of an FSDP2 job (None for a dense model)."""
+def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: int,
+              tp: int = 1) -> TitanMoE | None:
+    """The MoE layers' plan of an FSDP2 job (None for a dense model). With tensor
+    parallelism each rank routes ``1 / tp`` of the micro-batch's tokens
+    (``ReordererSequenceParallel``: EP borrows the tensor-parallel ranks, expert TP 1); its
+    router is priced on those tokens too, though torchtitan scores every token of the
+    all-gathered input on each tensor-parallel rank (``NoParallel`` gate: a tokens x experts
+    GEMM and top-k, small beside the permutation of tokens x top-k rows that is split), and
+    its shared experts are column/row-parallel over ``tp`` on all the tokens."""
     m = ctx.model
     if m.moe is None:
         return None
     cm: ComputeModel = ctx.compute
-    tokens = ctx.micro_batch * ctx.seq
-    lay = MoELayout(ep=ep, router_fusion=False, aux_loss=False, z_loss=False)
+    full = ctx.micro_batch * ctx.seq
+    tokens = full // tp
+    lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False)
     balanced = balanced_tokens_per_expert(tokens, m.moe.top_k, m.moe.experts, ep)
     ops = moe_layer_ops(m, lay, tokens=tokens, tokens_per_expert=_aligned(balanced),
                         recv_tokens=(sum(balanced) / ep,) * ep)
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
-    pre, post = _around_blocks(m, style, tokens)
+    pre, post = _around_blocks(m, style, full)
     plan = MoEPlan(model=m, ep=ep, etp=1, edp=efsdp, p=1, ops=ops, cost=cost, act=BF16,
                    precision=ctx.scenario.training.precision,
                    pace=routing_pace(ctx, lay, tokens, cm))
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
                     resid=price_block(post.finish(), style, cm), efsdp=efsdp,
-                    loss_ranks=loss_ranks)
+                    loss_ranks=loss_ranks, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,10 @@ class MoEPass:
     grad_bytes: float
     """bf16 gradients the layer's non-expert MoE parameters produce (norm, router, shared)."""
     expert_grad_bytes: float
+    titan: TitanPass | None = None
+    """Tensor parallelism: torchtitan's blocks (:mod:`.tp_pass`) put the sequence-parallel
+    norm, the all-gather before the MoE module and the reduce-scatter of its Partial
+    output (routed and shared experts together) and the residual around the MoE ops."""
 
     def _compute(self, name: str, c: BlockCost, phase: Phase, mb: int, layer: int,
                  alloc: float = 0.0, free: float = 0.0, grads: float = 0.0) -> Op:
@@ -291,12 +309,17 @@ class MoEPass:
         counts = self._counts(label, mb, layer)
         combine = self._a2a("combine_fwd", label, mb, layer)
         ops: list[Op | None] = [
-            part("norm"), part("router"), counts,
-            self._a2a("dispatch_fwd", label, mb, layer), experts, combine]
+            part("router"), counts, self._a2a("dispatch_fwd", label, mb, layer), experts,
+            combine]
         if "shared" in b:
             ops.append(part("shared"))
-        ops += [part("combine"), part("resid")]
-        return MoEStep([o for o in ops if o is not None], counts or experts, combine or experts)
+        ops.append(part("combine"))
+        core = [o for o in ops if o is not None]
+        if self.titan is not None:
+            return MoEStep(self.titan.forward("mlp", layer, mb, phase, middle=core),
+                           counts or experts, combine or experts)
+        return MoEStep([part("norm"), *core, part("resid")], counts or experts,
+                       combine or experts)
 
     def backward(self, mb: int, layer: int) -> MoEStep:
         """The forward reversed (after its recomputation under full checkpointing, itself
@@ -305,7 +328,11 @@ class MoEPass:
         b = self.moe.blocks()
         label = f"bwd moe L{layer} mb{mb}"
         ops: list[Op | None] = []
-        if self.recompute:
+        tp = self.titan
+        if self.recompute and tp is not None:
+            ops += tp.forward("attn", layer, mb, "recompute")
+            ops += self.forward(mb, layer, "recompute").ops
+        elif self.recompute:
             a = self.attn
             ops.append(Op(
                 name=f"recompute attn L{layer} mb{mb}", kind="compute", stream="compute",
@@ -322,11 +349,19 @@ class MoEPass:
                                  grads=grads)
 
         experts = part("experts", self.expert_grad_bytes)
-        ops += [part("resid"), part("combine")]
+        core: list[Op | None] = [part("combine")]
         if "shared" in b:
-            ops.append(part("shared"))
+            core.append(part("shared"))
         combine = self._a2a("combine_bwd", label, mb, layer)
         dispatch = self._a2a("dispatch_bwd", label, mb, layer)
-        ops += [combine, experts, dispatch, part("router"), part("norm", self.grad_bytes)]
+        # The non-expert gradients exist after the norm's backward (the router's under
+        # tensor parallelism, where the norm is torchtitan's segment).
+        core += [combine, experts, dispatch,
+                 part("router", self.grad_bytes if tp is not None else 0.0)]
+        mid = [o for o in core if o is not None]
+        if tp is not None:
+            ops += tp.backward("mlp", layer, mb, middle=mid)
+        else:
+            ops += [part("resid"), *mid, part("norm", self.grad_bytes)]
         return MoEStep([o for o in ops if o is not None], combine or experts,
                        dispatch or experts)

@@ -38,6 +38,9 @@ def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
         tp = stage.titan
 
         def ops_f(k: tuple[str, int]) -> list[Op]:
+            if k[0] == "moe":
+                assert stage.moe is not None
+                return stage.moe.forward(mb, k[1]).ops
             return tp.forward(k[0], k[1], mb)
 
         def ops_b(k: tuple[str, int]) -> list[Op]:

@@ -37,10 +37,11 @@ def reduce(stage: Stage, u: Unit, grads: float, mb: int, deps: list[Op], free_pa
         deps.append(stage.last_rs)
     if u.name in stage.last_ar:
         deps.append(stage.last_ar[u.name])
-    for i in range(u.partial_grads):
+    sizes = (job.ctx.model.hidden,) * u.partial_grads + u.partial_extra
+    for i, size in enumerate(sizes):
         # Each replicated norm weight's gradient, in the dtype it is held in.
         held = BF16 if job.pp == 1 else rb
-        stage.add(stage.tp_op("all_reduce", float(held * job.ctx.model.hidden),
+        stage.add(stage.tp_op("all_reduce", float(held * size),
                               f"tp all_reduce norm grad {i} {u.name} mb{mb}", mb, None,
                               dtype="bf16" if job.pp == 1 else job.reduce_dtype))
     frees: tuple[tuple[str, float], ...] = (("gradients", grads),)

@@ -33,9 +33,10 @@ def torchtitan_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any
 
 def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     """``(ep, etp)`` of a mixture-of-experts model under torchtitan: ``ep`` borrows ranks from
-    ``dp_shard`` (``ParallelDims``: ``efsdp = dp_shard x cp x tp / (ep x etp)``), so it divides
-    the routed experts and dp; ``etp`` is 1. Modelled with tp and cp of 1 (:mod:`.moe`), so
-    other points have none.
+    ``dp_shard x tp`` (``ParallelDims``: ``efsdp = dp_shard x cp x tp / (ep x etp)``), so it
+    divides the routed experts and dp x tp and, with ``etp`` 1, takes every tensor-parallel
+    rank (a multiple of tp). Modelled without context parallelism (:mod:`.moe`), so those
+    points have none.
 
     Examples
     --------
@@ -43,11 +44,13 @@ def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     ...                  expert_width=768)              # Qwen3-30B-A3B on 16 GPUs
     >>> [ep for ep, _ in fsdp2_expert_layouts(pt)]
     [1, 2, 4, 8, 16]
-    >>> list(fsdp2_expert_layouts(SearchPoint(2, 1, 1, 8, 1, 48, 128, 768)))
+    >>> [ep for ep, _ in fsdp2_expert_layouts(SearchPoint(2, 1, 1, 8, 1, 48, 128, 768))]
+    [2, 4, 8, 16]
+    >>> list(fsdp2_expert_layouts(SearchPoint(1, 1, 1, 8, 2, 48, 128, 768)))
     []
     """
-    if pt.tp * pt.cp > 1:
+    if pt.cp > 1:
         return
     for ep in divisors(pt.experts):
-        if pt.dp % ep == 0:
+        if ep % pt.tp == 0 and (pt.dp * pt.tp) % ep == 0:
             yield ep, 1

@@ -54,7 +54,7 @@ class Stage:
         moe = job.moe
         self.moe = MoEPass(moe, mesh.ep_groups(st), self.key, job.ctx.recompute,
                            job.costs["attn"], grad_bytes=BF16 * moe.dense_numel,
-                           expert_grad_bytes=BF16 * moe.expert_numel
+                           expert_grad_bytes=BF16 * moe.expert_numel, titan=self.titan
                            ) if moe is not None else None
         """The MoE layers' op maker (:mod:`.moe`); None for a dense model."""
 

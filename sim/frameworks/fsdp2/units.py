@@ -39,6 +39,9 @@ class Unit:
     """Tensor parallelism: replicated (SequenceParallel norm) weights whose gradients come out
     Partial and are all-reduced over the tensor-parallel group before the reduce
     (``FSDPParam._get_grad_inner_tensor`` redistributes them to the parameter's Replicate)."""
+    partial_extra: tuple[int, ...] = ()
+    """Further replicated weights with Partial gradients, by size (Qwen3's per-head q_norm
+    and k_norm under tensor parallelism: head_dim each)."""
     experts: Unit | None = None
     """An MoE block under expert parallelism: its routed experts' own ``fully_shard`` unit,
     nested in this one (:mod:`.moe`)."""
@@ -55,23 +58,26 @@ def reshard_blocks(opts: Fsdp2Options, pp: int) -> bool:
 
 
 def moe_unit(layer: int, moe: TitanMoE, numel: dict[str, int], ugrad: dict[str, float],
-             raf: bool) -> Unit:
+             raf: bool, qk: tuple[int, ...] = ()) -> Unit:
     """An MoE layer's unit: the attention block and the MoE module's dense parameters, with
     the routed experts inside it, or, under expert parallelism, in their own nested unit
     (torchtitan ``apply_fsdp``: ``fully_shard(transformer_block.moe.experts, mesh=edp_mesh)``
     before ``fully_shard(transformer_block)``)."""
     keys = [("attn", layer), ("moe", layer)]
     dense, experts = moe.dense_numel, moe.expert_numel
+    partial = 2 if moe.tp > 1 else 0          # the two SequenceParallel norms
     if not moe.split_experts:
         n = numel["attn"] + dense + experts
-        return Unit(f"L{layer}", n, keys, raf, ugrad["attn"] + BF16 * (dense + experts))
+        return Unit(f"L{layer}", n, keys, raf, ugrad["attn"] + BF16 * (dense + experts),
+                    partial_grads=partial, partial_extra=qk)
     inner = Unit(f"E{layer}", experts, [("experts", layer)], raf, BF16 * experts, expert=True)
     return Unit(f"L{layer}", numel["attn"] + dense, keys, raf, ugrad["attn"] + BF16 * dense,
-                experts=inner)
+                partial_grads=partial, partial_extra=qk, experts=inner)
 
 
 def chunk_units(chunk_layers: list[list[int]], numel: dict[str, int], ugrad: dict[str, float],
-                layer_raf: bool, tp: int, moe: TitanMoE | None = None) -> list[list[Unit]]:
+                layer_raf: bool, tp: int, moe: TitanMoE | None = None,
+                qk: tuple[int, ...] = ()) -> list[list[Unit]]:
     """The units of every pipeline model chunk, in forward order: the embedding on the first,
     one per layer, norm + output on the last (all on one chunk without pipelining)."""
     n_virtual = len(chunk_layers)
@@ -83,11 +89,12 @@ def chunk_units(chunk_layers: list[list[int]], numel: dict[str, int], ugrad: dic
                             ugrad["embed"]))
         for layer in chunk_layers[v]:
             if moe is not None and moe.is_moe(layer):
-                out.append(moe_unit(layer, moe, numel, ugrad, layer_raf))
+                out.append(moe_unit(layer, moe, numel, ugrad, layer_raf, qk))
                 continue
             out.append(Unit(f"L{layer}", numel["attn"] + numel["mlp"],
                             [("attn", layer), ("mlp", layer)], layer_raf,
-                            ugrad["attn"] + ugrad["mlp"], partial_grads=2 if tp > 1 else 0))
+                            ugrad["attn"] + ugrad["mlp"], partial_grads=2 if tp > 1 else 0,
+                            partial_extra=qk))
         if v == n_virtual - 1:
             # torchtitan does not reshard norm + output after forward: backward needs them
             # right away.
