@@ -176,11 +176,12 @@ def test_skewed_routing_is_never_faster_and_moves_the_same_tokens() -> None:
 
 
 def test_refusals_name_the_key() -> None:
-    with pytest.raises(ScenarioError, match=r"parallelism\.cp: with mixture-of-experts layers "):
-        program(_scn(4, par={"cp": 2}))
+    with pytest.raises(ScenarioError, match=r"training\.precision: with mixture-of-experts "):
+        program(_scn(4, precision="fp8"))
     with pytest.raises(ScenarioError, match=r"parallelism\.ep: ep=2 must be a multiple of tp=4"):
         program(_scn(2, par={"tp": 4, "etp": 1}))
-    with pytest.raises(ScenarioError, match=r"parallelism\.ep: ep=4 must divide the FSDP"):
+    with pytest.raises(ScenarioError,
+                       match=r"parallelism\.ep: ep=4 must divide dp_shard x cp x tp = 2 x 1 x 1"):
         program(_scn(4, framework={"hsdp_shard_size": 2}))
     with pytest.raises(ScenarioError, match=r"training\.activation_checkpointing"):
         program(_scn(4, activation_checkpointing="selective"))
@@ -267,19 +268,22 @@ def test_pipeline_stages_accumulate_expert_gradients_and_reduce_them_once(ep, sc
     assert states == pytest.approx(4 * m.total_params / 8)
 
 
-@pytest.mark.parametrize(("tp", "ep", "ckpt", "qk"), [(2, 4, "none", False), (2, 8, "full", True),
-                                                    (4, 8, "none", False), (2, 2, "full", False)])
-def test_tensor_parallel_ranks_route_their_share_of_the_tokens(tp, ep, ckpt, qk) -> None:
+@pytest.mark.parametrize(("tp", "cp", "ep", "ckpt", "qk"), [
+    (2, 1, 4, "none", False), (2, 1, 8, "full", True), (4, 1, 8, "none", False),
+    (2, 1, 2, "full", False), (1, 2, 4, "none", False), (2, 2, 8, "full", False)])
+def test_tensor_and_context_parallel_ranks_route_their_share_of_the_tokens(tp, cp, ep, ckpt,
+                                                                           qk) -> None:
     # apply_moe_ep_tp with expert TP 1: EP borrows the tensor-parallel ranks (innermost), the
     # MoE module's input is all-gathered over tp and ReordererSequenceParallel gives each
-    # rank 1/tp of the tokens to dispatch, so the closed form holds with tokens / tp.
-    s = _scn(ep, par={"tp": tp, "etp": 1}, model=dict(TINY, qk_norm=qk),
+    # rank 1/tp of the tokens to dispatch; under context parallelism each rank routes its
+    # seq / cp shard. The closed form holds with tokens / (tp x cp).
+    s = _scn(ep, par={"tp": tp, "cp": cp, "etp": 1}, model=dict(TINY, qk_norm=qk),
              activation_checkpointing=ckpt)
     p = program(s)
     m = ModelSpec.from_ref(s.model, SEQ)
     assert m.moe is not None
     mbs, passes = p.micro_batches, 3 if ckpt == "full" else 2
-    closed = 2 * SEQ / tp * K * H * BF16 * (ep - 1) / ep
+    closed = 2 * SEQ / (tp * cp) * K * H * BF16 * (ep - 1) / ep
     a2a = _token_a2a(p)
     assert sum(_wire(op) for op in a2a) == pytest.approx(passes * closed * 4 * mbs, rel=1e-12)
     tp_groups = {g for op in _ops(p) if op.name.startswith("tp ") for g in op.all_groups}
@@ -301,5 +305,5 @@ def test_tensor_parallel_ranks_route_their_share_of_the_tokens(tp, ep, ckpt, qk)
     assert all(abs(v) < 1e-3 for v in held.values()), held
     # q_norm and k_norm gradients are all-reduced over tp like the block norms'.
     norm_ar = [op for op in _ops(p) if "norm grad" in op.name and " L0 " in op.name]
-    assert sorted(op.nbytes for op in norm_ar) == sorted(
-        [2.0 * H] * 2 * mbs + ([2.0 * m.head_dim] * 2 * mbs if qk else []))
+    assert sorted(op.nbytes for op in norm_ar) == (sorted(
+        [2.0 * H] * 2 * mbs + ([2.0 * m.head_dim] * 2 * mbs if qk else [])) if tp > 1 else [])

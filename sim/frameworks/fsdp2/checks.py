@@ -87,10 +87,10 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
 
 
 def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
-    """torchtitan's MoE path as modelled (:mod:`.moe`): its own model code, tensor, context
-    and pipeline parallelism of 1, 16-bit precision, no op-level SAC, no CPU offload; ``ep``
-    must divide ``dp_shard`` (``efsdp = dp_shard x cp x tp / ep``, ``ParallelDims``) and, with
-    ``etp`` left to torchtitan's 1, nothing else."""
+    """torchtitan's MoE path as modelled (:mod:`.moe`): its own model code, 16-bit
+    precision, no op-level SAC, no CPU offload, expert TP 1 (``ep`` then takes every
+    tensor-parallel rank); ``ep`` must divide ``dp_shard x cp x tp`` (``efsdp``,
+    ``ParallelDims``)."""
     s = ctx.scenario
     p, m = s.parallelism, ctx.model
     if m.moe is None:
@@ -98,7 +98,6 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     why = "with mixture-of-experts layers fsdp2 is modelled"
     ctx.require(opts.model_code == "torchtitan", "framework.model_code",
                 f"{why} with torchtitan's MoE code (model_code: torchtitan)")
-    ctx.require(p.cp == 1, "parallelism.cp", f"{why} without context parallelism yet")
     # Expert TP 1 with tp > 1: ep borrows every tensor-parallel rank
     # (ReordererSequenceParallel splits each TP group's tokens over its ranks).
     ctx.require(p.ep % p.tp == 0, "parallelism.ep",
@@ -114,7 +113,7 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(p.etp in (None, 1), "parallelism.etp",
                 "torchtitan's expert tensor parallelism is not modelled (etp must be 1)")
     shard = opts.hsdp_shard_size or ctx.dp
-    ctx.require((shard * p.tp) % p.ep == 0, "parallelism.ep",
-                f"ep={p.ep} must divide the FSDP shard size {shard} x tp={p.tp} (torchtitan "
-                "borrows the expert-parallel ranks from dp_shard x tp: efsdp = dp_shard x tp "
-                "/ ep)")
+    ctx.require((shard * p.cp * p.tp) % p.ep == 0, "parallelism.ep",
+                f"ep={p.ep} must divide dp_shard x cp x tp = {shard} x {p.cp} x {p.tp} "
+                "(torchtitan borrows the expert-parallel ranks from them: efsdp = dp_shard x "
+                "cp x tp / ep)")

@@ -55,9 +55,10 @@ Tensor parallelism (``apply_moe_ep_tp`` with expert TP 1): the MoE module's inpu
 all-gathered over tp and its Partial output (routed and shared experts) reduce-scattered,
 the router gate is replicated, the shared experts are column/row-parallel, and
 ``ReordererSequenceParallel`` splits the routed tokens over the tensor-parallel ranks, which EP
-borrows (ep a multiple of tp; ``efsdp = dp_shard x tp / ep``). Pipeline parallelism composes:
-each stage's experts accumulate and reduce like its other units. Modelled without context
-parallelism and with 16-bit precision; the MoE
+borrows (ep a multiple of tp; ``efsdp = dp_shard x cp x tp / ep``). Context parallelism:
+each rank routes its own sequence shard, and EP borrows cp ranks after the tensor-parallel
+ones. Pipeline parallelism composes: each stage's experts accumulate and reduce like its other
+units. Modelled with 16-bit precision; the MoE
 kernels are priced eagerly (with ``compile`` only the rest of the block is fused). Megatron's
 grouped fc1 (gate and up together) stands for torchtitan's two grouped GEMMs (w1, w3): the same
 FLOPs and bytes.
@@ -137,6 +138,8 @@ class TitanMoE:
     tp: int = 1
     """Tensor parallelism: EP borrows the tensor-parallel ranks and each routes 1/tp of
     the micro-batch's tokens (``ReordererSequenceParallel``)."""
+    cp: int = 1
+    """Context parallelism: each rank holds (and routes) seq / cp of every sequence."""
 
     @property
     def ep(self) -> int:
@@ -173,9 +176,10 @@ class TitanMoE:
 
     @property
     def flops_fwd(self) -> float:
-        """Forward FLOPs of one MoE layer over one micro-batch of the tensor-parallel group
-        (each rank's MoE part over its 1/tp of the tokens; norm and residual over all)."""
-        return self.plan.flops_fwd * self.tp + self.norm.flops_fwd + self.resid.flops_fwd
+        """Forward FLOPs of one MoE layer over one whole micro-batch (each rank's MoE part
+        over its 1/(tp x cp) of the tokens; norm and residual over a cp shard)."""
+        return (self.plan.flops_fwd * self.tp + self.norm.flops_fwd + self.resid.flops_fwd) \
+            * self.cp
 
     @property
     def balance_bytes(self) -> float:
@@ -185,19 +189,21 @@ class TitanMoE:
 
 
 def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: int,
-              tp: int = 1) -> TitanMoE | None:
+              tp: int = 1, cp: int = 1) -> TitanMoE | None:
     """The MoE layers' plan of an FSDP2 job (None for a dense model). With tensor
     parallelism each rank routes ``1 / tp`` of the micro-batch's tokens
     (``ReordererSequenceParallel``: EP borrows the tensor-parallel ranks, expert TP 1); its
     router is priced on those tokens too, though torchtitan scores every token of the
     all-gathered input on each tensor-parallel rank (``NoParallel`` gate: a tokens x experts
     GEMM and top-k, small beside the permutation of tokens x top-k rows that is split), and
-    its shared experts are column/row-parallel over ``tp`` on all the tokens."""
+    its shared experts are column/row-parallel over ``tp`` on all the tokens. With context
+    parallelism each rank routes its own ``seq / cp`` tokens (EP borrows cp ranks after the
+    tensor-parallel ones: the sparse mesh's ``ep`` is innermost)."""
     m = ctx.model
     if m.moe is None:
         return None
     cm: ComputeModel = ctx.compute
-    full = ctx.micro_batch * ctx.seq
+    full = ctx.micro_batch * ctx.seq // cp
     tokens = full // tp
     lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False)
     balanced = balanced_tokens_per_expert(tokens, m.moe.top_k, m.moe.experts, ep)
@@ -210,7 +216,7 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
                    pace=routing_pace(ctx, lay, tokens, cm))
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
                     resid=price_block(post.finish(), style, cm), efsdp=efsdp,
-                    loss_ranks=loss_ranks, tp=tp)
+                    loss_ranks=loss_ranks, tp=tp, cp=cp)
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,9 @@ def torchtitan_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any
 
 def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     """``(ep, etp)`` of a mixture-of-experts model under torchtitan: ``ep`` borrows ranks from
-    ``dp_shard x tp`` (``ParallelDims``: ``efsdp = dp_shard x cp x tp / (ep x etp)``), so it
-    divides the routed experts and dp x tp and, with ``etp`` 1, takes every tensor-parallel
-    rank (a multiple of tp). Modelled without context parallelism (:mod:`.moe`), so those
-    points have none.
+    ``dp_shard x cp x tp`` (``ParallelDims``: ``efsdp = dp_shard x cp x tp / (ep x etp)``), so
+    it divides the routed experts and dp x cp x tp and, with ``etp`` 1, takes every
+    tensor-parallel rank (a multiple of tp).
 
     Examples
     --------
@@ -46,11 +45,9 @@ def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     [1, 2, 4, 8, 16]
     >>> [ep for ep, _ in fsdp2_expert_layouts(SearchPoint(2, 1, 1, 8, 1, 48, 128, 768))]
     [2, 4, 8, 16]
-    >>> list(fsdp2_expert_layouts(SearchPoint(1, 1, 1, 8, 2, 48, 128, 768)))
-    []
+    >>> [ep for ep, _ in fsdp2_expert_layouts(SearchPoint(1, 1, 1, 2, 4, 48, 8, 768))]
+    [1, 2, 4, 8]
     """
-    if pt.cp > 1:
-        return
     for ep in divisors(pt.experts):
-        if ep % pt.tp == 0 and (pt.dp * pt.tp) % ep == 0:
+        if ep % pt.tp == 0 and (pt.dp * pt.cp * pt.tp) % ep == 0:
             yield ep, 1
