@@ -307,3 +307,23 @@ def test_tensor_and_context_parallel_ranks_route_their_share_of_the_tokens(tp, c
     norm_ar = [op for op in _ops(p) if "norm grad" in op.name and " L0 " in op.name]
     assert sorted(op.nbytes for op in norm_ar) == (sorted(
         [2.0 * H] * 2 * mbs + ([2.0 * m.head_dim] * 2 * mbs if qk else [])) if tp > 1 else [])
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_scores_keep_an_fp32_copy_of_the_routed_tokens_where_torchtitan_applies_them(before):
+    # MoE.forward: score_before_experts multiplies the routed rows in fp32 before the
+    # dispatch (the product keeps its fp32 input and the scores); otherwise an fp32 bmm
+    # weights the unsorted copies after the combine (keeping the fp32 copies and the scores).
+    # Either way the unsort keeps its int64 token indices. Per MoE layer and micro-batch:
+    rows = SEQ * K
+    p = program(_scn(4, framework={"moe_score_before_experts": before}))
+    fwd = {op.name.split(" L0 mb0 ")[1]: op for op in _ops(p)
+           if op.name.startswith("fwd moe L0 mb0 ")}
+    saved = {k: sum(b for cat, b in op.alloc if cat == "activations") for k, op in fwd.items()}
+    fp32_copy = 4 * rows * H + 4 * rows
+    assert ("score" in saved) == before
+    if before:
+        assert saved["score"] == fp32_copy
+        assert saved["combine"] == 8 * rows
+    else:
+        assert saved["combine"] == fp32_copy + 8 * rows

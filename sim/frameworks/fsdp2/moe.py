@@ -13,7 +13,9 @@ are waited for by the next op that reads them):
    count ``histc``) and the reorderer (``argsort`` by expert, the gather of each token once
    per chosen expert): the ``router`` block of :func:`sim.workload.moe_ops.moe_layer_ops`,
    with PyTorch's unfused ops (no Transformer Engine router fusion) and no auxiliary loss
-   (torchtitan balances with the expert bias instead, ``load_balance_coeff``);
+   (torchtitan balances with the expert bias instead, ``load_balance_coeff``); with
+   ``score_before_experts`` the routed rows are scaled by their scores in fp32
+   (:func:`.moe_blocks.score_block`);
 2. ``ExpertParallel._token_dispatch``: an all-to-all of the per-expert token counts over the
    EP group, then ``output_splits.to("cpu", non_blocking=False)``: the host waits for the
    counts ("this would incur a device-to-host sync"); then the dispatch all-to-all of the
@@ -25,7 +27,8 @@ are waited for by the next op that reads them):
 4. ``_token_combine``: ``_unpermute`` and the combine all-to-all back (the reverse splits);
 5. the shared experts (a dense FeedForward on every token, after the routed ones: "to
    implicitly overlap the shared expert compute with token combine communication"), the
-   unsort and top-k sum, the residual add.
+   unsort and top-k sum or fp32 score-weighted ``bmm`` (:func:`.moe_blocks.combine_block`),
+   the residual add.
 
 Backward runs it in reverse: each all-to-all's gradient is the reverse all-to-all (no count
 exchange and no host sync: the splits are kept). No probs travel: torchtitan weights the tokens
@@ -71,6 +74,7 @@ from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
+from sim.frameworks.fsdp2.moe_blocks import combine_block, score_block
 from sim.frameworks.fsdp2.tp_pass import TitanPass
 from sim.frameworks.megatron.imbalance import routing_pace
 from sim.frameworks.megatron.moe import MoEPlan
@@ -131,6 +135,10 @@ class TitanMoE:
     Megatron process groups are not used here)."""
     norm: BlockCost
     resid: BlockCost
+    combine: BlockCost
+    """Unsort and top-k reduction of the combined tokens (:mod:`.moe_blocks`)."""
+    score: BlockCost | None
+    """The scores applied before the dispatch (``score_before_experts``), else None."""
     efsdp: int
     """FSDP size of the routed experts' units (dp_shard x cp x tp / ep)."""
     loss_ranks: int
@@ -167,8 +175,10 @@ class TitanMoE:
     def blocks(self) -> dict[str, BlockCost]:
         """Every priced part of the layer in forward order (``experts``: the busiest rank's)."""
         c = self.plan.cost
-        out = {"norm": self.norm, "router": c["router"], "experts": self.plan.experts_cost,
-               "combine": c["combine"]}
+        out = {"norm": self.norm, "router": c["router"]}
+        if self.score is not None:
+            out["score"] = self.score
+        out.update(experts=self.plan.experts_cost, combine=self.combine)
         if "shared" in c:
             out["shared"] = c["shared"]
         out["resid"] = self.resid
@@ -178,8 +188,8 @@ class TitanMoE:
     def flops_fwd(self) -> float:
         """Forward FLOPs of one MoE layer over one whole micro-batch (each rank's MoE part
         over its 1/(tp x cp) of the tokens; norm and residual over a cp shard)."""
-        return (self.plan.flops_fwd * self.tp + self.norm.flops_fwd + self.resid.flops_fwd) \
-            * self.cp
+        return sum(c.flops_fwd * (1 if k in ("norm", "resid") else self.tp)
+                   for k, c in self.blocks().items()) * self.cp
 
     @property
     def balance_bytes(self) -> float:
@@ -189,7 +199,7 @@ class TitanMoE:
 
 
 def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: int,
-              tp: int = 1, cp: int = 1) -> TitanMoE | None:
+              tp: int = 1, cp: int = 1, score_before: bool = True) -> TitanMoE | None:
     """The MoE layers' plan of an FSDP2 job (None for a dense model). With tensor
     parallelism each rank routes ``1 / tp`` of the micro-batch's tokens
     (``ReordererSequenceParallel``: EP borrows the tensor-parallel ranks, expert TP 1); its
@@ -214,9 +224,11 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     plan = MoEPlan(model=m, ep=ep, etp=1, edp=efsdp, p=1, ops=ops, cost=cost, act=BF16,
                    precision=ctx.scenario.training.precision,
                    pace=routing_pace(ctx, lay, tokens, cm))
+    score = price_block(score_block(m, tokens), STYLE, cm) if score_before else None
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
-                    resid=price_block(post.finish(), style, cm), efsdp=efsdp,
-                    loss_ranks=loss_ranks, tp=tp, cp=cp)
+                    resid=price_block(post.finish(), style, cm),
+                    combine=price_block(combine_block(m, tokens, full, score_before), STYLE, cm),
+                    score=score, efsdp=efsdp, loss_ranks=loss_ranks, tp=tp, cp=cp)
 
 
 @dataclass(frozen=True)
@@ -315,8 +327,8 @@ class MoEPass:
         counts = self._counts(label, mb, layer)
         combine = self._a2a("combine_fwd", label, mb, layer)
         ops: list[Op | None] = [
-            part("router"), counts, self._a2a("dispatch_fwd", label, mb, layer), experts,
-            combine]
+            part("router"), part("score") if "score" in b else None, counts,
+            self._a2a("dispatch_fwd", label, mb, layer), experts, combine]
         if "shared" in b:
             ops.append(part("shared"))
         ops.append(part("combine"))
@@ -362,7 +374,7 @@ class MoEPass:
         dispatch = self._a2a("dispatch_bwd", label, mb, layer)
         # The non-expert gradients exist after the norm's backward (the router's under
         # tensor parallelism, where the norm is torchtitan's segment).
-        core += [combine, experts, dispatch,
+        core += [combine, experts, dispatch, part("score") if "score" in b else None,
                  part("router", self.grad_bytes if tp is not None else 0.0)]
         mid = [o for o in core if o is not None]
         if tp is not None:
