@@ -108,21 +108,46 @@ def test_expert_gradients_reduce_over_efsdp_and_every_parameter_is_sharded_once(
 
 
 def test_expert_units_gather_only_the_local_experts_so_memory_shrinks_with_ep() -> None:
-    # Each expert unit all-gathers its rank's experts / ep experts (bf16). The step's peak is
-    # at the loss, with the next block's experts prefetched in the all-gather buffer: it
-    # falls by exactly the experts ep leaves to the other ranks, 2 B x (1 - 1/ep) x experts.
-    m = ModelSpec.from_ref(_scn(1).model, SEQ)
+    # Each expert unit all-gathers its rank's experts / ep experts (bf16), and their bf16
+    # gradients are as many. With experts that dominate the model (64 of width 2048), the
+    # step's peak falls with every doubling of ep, and at the peak exactly one layer's
+    # gathered experts and one layer's expert gradients are held: they shrink as 1/ep.
+    big = dict(TINY, experts=64, moe_ffn_hidden=2048)
+    m = ModelSpec.from_ref(_scn(1, model=big).model, 512)
     assert m.moe is not None
     layer = 2 * m.moe.experts * m.expert_params      # one layer's experts in bf16
-    peaks = {}
-    for ep in (1, 2, 8):
-        r = simulate(_scn(ep))
+    peak, held = {}, {}
+    for ep in (2, 4, 8):
+        r = simulate(_scn(ep, model=big, seq_len=512))
         ag_e = [op for op in r.program.ops if op.collective == "all_gather" and " E" in op.name]
-        if ep > 1:
-            assert {op.nbytes for op in ag_e} == {layer / ep}
-        peaks[ep] = r.summary["peak_memory_gib"] * 2**30
-    assert peaks[1] - peaks[2] == pytest.approx(layer / 2, rel=1e-6)
-    assert peaks[1] - peaks[8] == pytest.approx(layer * 7 / 8, rel=1e-6)
+        assert {op.nbytes for op in ag_e} == {layer / ep}
+        peak[ep] = r.summary["peak_memory_gib"] * 2**30
+        held[ep] = {k: v * 2**30 for k, v in r.summary["peak_memory_breakdown_gib"].items()}
+    for ep in (2, 4):
+        assert peak[2 * ep] < peak[ep]
+        for cat in ("parameters", "gradients"):
+            assert held[ep][cat] - held[2 * ep][cat] == pytest.approx(layer / (2 * ep),
+                                                                      rel=1e-9)
+
+
+def test_the_output_prefetches_the_last_block_without_its_experts() -> None:
+    # apply_fsdp: model.output.set_modules_to_backward_prefetch([last block]) (and the
+    # embedding's forward prefetch likewise): the experts unit is gathered when its module is
+    # entered. TINY's peak is at the loss, holding that prefetched block: one layer's
+    # experts (bf16) more when they are inside it (ep 1) than when they are a unit of their
+    # own, whatever ep.
+    m = ModelSpec.from_ref(_scn(1).model, SEQ)
+    assert m.moe is not None
+    layer = 2 * m.moe.experts * m.expert_params
+    peaks = {ep: simulate(_scn(ep)).summary["peak_memory_gib"] * 2**30 for ep in (1, 2, 8)}
+    assert peaks[1] - peaks[2] == pytest.approx(layer, rel=1e-9)
+    assert peaks[1] - peaks[8] == pytest.approx(layer, rel=1e-9)
+    p = program(_scn(4))
+    ops = sorted(p.ops, key=lambda o: o.index)
+    first_e0 = next(o for o in ops if o.collective == "all_gather" and "E0 (fwd) mb0" in o.name)
+    count_l0 = next(o for o in ops if "L0 mb0 token count" in o.name)
+    attn_l0 = next(o for o in ops if o.name.startswith("fwd attn L0 mb0"))
+    assert attn_l0.index < first_e0.index < count_l0.index
 
 
 def test_counts_all_to_all_syncs_the_host_and_prefetch_is_issued_before_it() -> None:
@@ -138,6 +163,7 @@ def test_counts_all_to_all_syncs_the_host_and_prefetch_is_issued_before_it() -> 
                           for o in counts)
     assert all(o.phase == "comm" and o.name.startswith("fwd") for o in counts)
     for layer in range(3):
+        # From the first block on, each prefetches the next block and its experts.
         sync = next(o for o in counts if f"L{layer} mb0" in o.name)
         for unit in (f"L{layer + 1}", f"E{layer + 1}"):
             ag = next(o for o in ops if o.collective == "all_gather"

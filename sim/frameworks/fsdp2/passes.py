@@ -98,10 +98,14 @@ def forward(stage: Stage, v: int, mb: int) -> None:
 
 
 def _gather_unit(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str,
-                 pending: dict[str, Op]) -> None:
-    """Issue the all-gathers of a unit and of its nested experts unit that are not gathered
-    yet (``set_modules_to_forward_prefetch([block, block.moe.experts])``)."""
-    for w in (u, u.experts):
+                 pending: dict[str, Op], by: Unit | None = None) -> None:
+    """Issue the all-gathers of a unit and, when a transformer block ``by`` prefetches it, of
+    its nested experts unit, those not gathered yet: torchtitan's ``apply_fsdp`` has each
+    block prefetch ``[next_block, next_block.moe.experts]``, but the embedding (and, in
+    backward, the output) only ``[block]``; an experts unit nobody prefetched is gathered
+    when its module is entered (:func:`_enter_experts`)."""
+    experts = by is not None and by.name.startswith("L")
+    for w in (u, u.experts if experts else None):
         if w is not None and not stage.gathered.get(w.name) and w.name not in pending:
             pending[w.name] = gather(stage, w, deps, mb, phase)
 
@@ -124,7 +128,8 @@ def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
             copied = copy_out(stage, u, pending.pop(u.name), mb, "fwd")
             stage.gathered[u.name] = True
         if i + 1 < len(units):
-            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "fwd", pending)
+            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "fwd", pending,
+                         by=u)
         for k in u.keys:
             if k[0] == "moe":
                 last = _moe_forward(stage, u, k[1], mb, pending)
@@ -139,6 +144,16 @@ def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
     send(stage, "F", v, mb, last)
 
 
+def _enter_experts(stage: Stage, e: Unit, mb: int, phase: str, pending: dict[str, Op]) -> None:
+    """The experts unit's pre-forward (pre-backward): all-gathered now unless prefetched or
+    still gathered, then copied out."""
+    if stage.gathered.get(e.name):
+        return
+    ag = pending.pop(e.name, None) or gather(stage, e, [], mb, phase)
+    copy_out(stage, e, ag, mb, phase)
+    stage.gathered[e.name] = True
+
+
 def _moe_forward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op]) -> Op:
     """An MoE layer's forward; its experts' unit copied out as the experts module is
     entered (before the token counts are exchanged), resharded as it is left (after the
@@ -148,9 +163,8 @@ def _moe_forward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, 
     e = u.experts
     last = step.ops[0]
     for op in step.ops:
-        if op is step.enter and e is not None and e.name in pending:
-            copy_out(stage, e, pending.pop(e.name), mb, "fwd")
-            stage.gathered[e.name] = True
+        if op is step.enter and e is not None:
+            _enter_experts(stage, e, mb, "fwd", pending)
         if op is step.leave and e is not None and e.reshard_after_forward:
             op.free = op.free + (("parameters", stage.job.param_bytes(e)),)
             stage.gathered[e.name] = False
@@ -174,7 +188,8 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
         if i + 1 < len(units):
             # Backward prefetch: the previous unit's all-gather (with its experts' under
             # expert parallelism) is issued as this unit's backward begins.
-            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "bwd", pending)
+            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "bwd", pending,
+                         by=u)
         for k in reversed(u.keys):
             if k[0] == "moe":
                 last = _moe_backward(stage, u, k[1], mb, pending, first_of_step)
@@ -208,9 +223,8 @@ def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str,
     e = u.experts
     last = step.ops[0]
     for op in step.ops:
-        if op is step.enter and e is not None and e.name in pending:
-            copy_out(stage, e, pending.pop(e.name), mb, "bwd")
-            stage.gathered[e.name] = True
+        if op is step.enter and e is not None:
+            _enter_experts(stage, e, mb, "bwd", pending)
         last = stage.add(op)
         if op is step.leave and e is not None:
             if job.pp > 1:
