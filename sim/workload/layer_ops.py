@@ -98,6 +98,12 @@ def qkv_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float,
     q = b.linear(y, tokens, h, m.q_dim, names[0], bias=m.bias)
     k = b.linear(y, tokens, h, m.kv_dim, names[1], bias=m.bias)
     v = b.linear(y, tokens, h, m.kv_dim, names[2], bias=m.bias)
+    if m.qk_norm:
+        # Qwen3 (torchtitan models/qwen3/model/model.py Attention.q_norm/k_norm, HF
+        # Qwen3Attention): an RMSNorm over each head's head_dim on queries and keys, before
+        # RoPE (ModelSpec.attention_params counts their 2 x head_dim weights).
+        q = b.rmsnorm(q, tokens * m.q_dim // m.head_dim, m.head_dim, "q_norm")
+        k = b.rmsnorm(k, tokens * m.kv_dim // m.head_dim, m.head_dim, "k_norm")
     if m.position == "rope":
         q = b.rope(q, tokens, m.q_dim, "rope_q")
         k = b.rope(k, tokens, m.kv_dim, "rope_k")

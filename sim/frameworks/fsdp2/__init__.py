@@ -75,5 +75,7 @@ offload), :mod:`.pipeline` (pipelining: accumulation, sends, REDUCE_GRAD), :mod:
 (forward and backward of a chunk), :mod:`.step` (a stage's step and optimizer); torchtitan's
 parallel blocks in :mod:`.mesh` (device mesh, stage split), :mod:`.tp` (tensor-parallel
 segments), :mod:`.tp_pass` (their ops and collectives), :mod:`.cp` (ring attention) and
-:mod:`.float8` (torchao's float8 tensor-parallel styles).
+:mod:`.float8` (torchao's float8 tensor-parallel styles); mixture-of-experts layers with
+expert parallelism in :mod:`.moe` (the experts' own FSDP units over the ``efsdp`` mesh, the
+token all-to-alls) and :mod:`.moe_blocks` (torchtitan's score and unsort kernels).
 """

@@ -19,6 +19,7 @@ from sim.frameworks.common.base import JobContext
 from sim.frameworks.fsdp2.checks import check
 from sim.frameworks.fsdp2.cp import titan_repeats_kv
 from sim.frameworks.fsdp2.mesh import Mesh, stage_layers
+from sim.frameworks.fsdp2.moe import titan_moe
 from sim.frameworks.fsdp2.pipeline import link_stages
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.step import build_stage
@@ -52,6 +53,8 @@ def build_fsdp2(ctx: JobContext) -> Program:
                       _hw_flops(job), micro_batches=job.n_mb, pipeline_stages=job.pp)
     program.meta.update(framework="fsdp2", style=job.style.name, schedule=job.schedule,
                         hsdp_replicas=job.mesh.replicate, fsdp_shards=job.n_shard)
+    if job.moe is not None:
+        program.meta.update(ep=job.moe.ep, efsdp_shards=job.mesh.efsdp)
     for st, cls in enumerate(classes):
         build_stage(Stage(job, program, cls, st))
     link_stages(job)
@@ -112,7 +115,7 @@ def _job(ctx: JobContext, opts: Fsdp2Options) -> Job:
     t, pp, cp, vp = par.tp, par.pp, par.cp, par.vp
     dp = ctx.dp
     shard = opts.hsdp_shard_size or dp
-    mesh = Mesh(pp, dp // shard, shard, cp, t)
+    mesh = Mesh(pp, dp // shard, shard, cp, t, par.ep)
     style = _style(ctx, opts)
     n_virtual = pp * vp
     chunk_layers = stage_layers(m.layers, n_virtual, opts.pipeline_first_stage_less_layers,
@@ -124,10 +127,15 @@ def _job(ctx: JobContext, opts: Fsdp2Options) -> Job:
                       repeat_kv=titan_repeats_kv(s.training.torch_version)
                       ) if t > 1 or cp > 1 else None
     numel, ugrad = _unit_sizes(ctx, costs, tb)
-    units = chunk_units(chunk_layers, numel, ugrad, reshard_blocks(opts, pp), t)
+    moe = titan_moe(ctx, style, par.ep, mesh.efsdp, dp * cp, t, cp,
+                    opts.moe_score_before_experts)
+    # Qwen3's q_norm / k_norm are SequenceParallel(sequence_dim=2) under tensor parallelism:
+    # replicated head_dim weights whose gradients are all-reduced like the block norms'.
+    qk = (m.head_dim, m.head_dim) if m.qk_norm and t > 1 else ()
+    units = chunk_units(chunk_layers, numel, ugrad, reshard_blocks(opts, pp), t, moe, qk)
     tokens_mb = ctx.micro_batch * ctx.seq
     return Job(
-        ctx=ctx, opts=opts, mesh=mesh, style=style, n_mb=ctx.micro_batches,
+        ctx=ctx, opts=opts, mesh=mesh, style=style, n_mb=ctx.micro_batches, moe=moe,
         n_shard=shard * cp, pbytes=BF16 if opts.param_dtype == "bf16" else FP32,
         rbytes=BF16 if opts.reduce_dtype == "bf16" else FP32, costs=costs, titan=tb,
         chunk_units=units, ugrad=ugrad,
@@ -150,7 +158,7 @@ def _rank_classes(job: Job) -> list[RankClass]:
                                 else "all ranks (identical FSDP shards)"))
                for st in range(pp)]
     for st, cls in enumerate(classes):
-        shard_params = job.stage_params[st] / job.n_shard
+        shard_params = job.local_params(st)
         # fp32 sharded parameters, gradients and the two AdamW moments: 16 B per parameter
         # over the FSDP world size; in host memory with CPU offload.
         cls.initial_memory = {} if job.opts.cpu_offload else {
@@ -170,4 +178,11 @@ def _hw_flops(job: Job) -> float:
     if job.sac is not None:
         return ctx.model_flops_per_step() + m.layers * ctx.micro_batches * dp * cp * sum(
             c.recompute_flops for c in job.sac.values())
+    if job.moe is not None and ctx.recompute:
+        # Every layer's forward again; an MoE layer's is its attention and MoE parts.
+        moe = job.moe
+        n_moe = sum(moe.is_moe(i) for i in range(m.layers))
+        per_mb = m.layers * job.costs["attn"].flops_fwd + n_moe * moe.flops_fwd \
+            + (m.layers - n_moe) * job.costs["mlp"].flops_fwd
+        return ctx.model_flops_per_step() + per_mb * ctx.micro_batches * dp
     return ctx.model_flops_per_step() + ctx.layer_recompute_flops(costs=job.costs)

@@ -13,6 +13,7 @@ def check(ctx: JobContext, opts: Fsdp2Options) -> None:
     schedules' micro-batch counts and stage splits, then the options that need each other."""
     _check_layout(ctx, opts)
     _check_options(ctx, opts)
+    _check_moe(ctx, opts)
 
 
 def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
@@ -28,6 +29,9 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"{m.kv_heads} key/value heads do not split over tp={t} (colwise wk/wv)")
     ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
+    ctx.require(not m.qk_norm or cp == 1, "parallelism.cp",
+                "query/key norms (qk_norm) are modelled without context parallelism in fsdp2 "
+                "(torchtitan's Qwen3 does not support it)")
     divisor = t * 2 * cp if cp > 1 else t
     ctx.require(ctx.seq % divisor == 0, "training.seq_len",
                 f"{ctx.seq} is not a multiple of {divisor} (torchtitan ParallelDims."
@@ -80,3 +84,36 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
                 "true needs framework.compile true (torchtitan compiles the loss only when "
                 "compiling)")
+
+
+def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
+    """torchtitan's MoE path as modelled (:mod:`.moe`): its own model code, 16-bit
+    precision, no op-level SAC, no CPU offload, expert TP 1 (``ep`` then takes every
+    tensor-parallel rank); ``ep`` must divide ``dp_shard x cp x tp`` (``efsdp``,
+    ``ParallelDims``)."""
+    s = ctx.scenario
+    p, m = s.parallelism, ctx.model
+    if m.moe is None:
+        return
+    why = "with mixture-of-experts layers fsdp2 is modelled"
+    ctx.require(opts.model_code == "torchtitan", "framework.model_code",
+                f"{why} with torchtitan's MoE code (model_code: torchtitan)")
+    # Expert TP 1 with tp > 1: ep borrows every tensor-parallel rank
+    # (ReordererSequenceParallel splits each TP group's tokens over its ranks).
+    ctx.require(p.ep % p.tp == 0, "parallelism.ep",
+                f"ep={p.ep} must be a multiple of tp={p.tp}: with expert TP 1 torchtitan's "
+                "expert parallelism borrows every tensor-parallel rank")
+    ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
+                f"{why} with 16-bit mixed precision (torchtitan's float8 MoE converter is "
+                "not modelled)")
+    ctx.require(s.training.activation_checkpointing != "selective",
+                "training.activation_checkpointing",
+                f"{why} with none or full (per-block) checkpointing")
+    ctx.require(not opts.cpu_offload, "framework.cpu_offload", f"{why} without CPU offload")
+    ctx.require(p.etp in (None, 1), "parallelism.etp",
+                "torchtitan's expert tensor parallelism is not modelled (etp must be 1)")
+    shard = opts.hsdp_shard_size or ctx.dp
+    ctx.require((shard * p.cp * p.tp) % p.ep == 0, "parallelism.ep",
+                f"ep={p.ep} must divide dp_shard x cp x tp = {shard} x {p.cp} x {p.tp} "
+                "(torchtitan borrows the expert-parallel ranks from them: efsdp = dp_shard x "
+                "cp x tp / ep)")

@@ -5,6 +5,11 @@
   (inside a node), pipeline stages outermost. FSDP shards over ``dp_shard x cp`` flattened
   (``apply_fsdp`` gets the ``["dp_replicate", "fsdp"]`` mesh), HSDP all-reduces over
   ``dp_replicate``. :class:`Mesh` gives every group of a stage.
+* Expert parallelism (torchtitan v0.2.2 ``ParallelDims.build_mesh``): a second, "sparse"
+  view of the same ranks, ``[pp, dp_replicate, efsdp, ep, etp]`` row-major, with
+  ``efsdp = dp_shard x cp x tp / (ep x etp)``: EP borrows the innermost ranks of the FSDP
+  (and tensor-parallel) dimensions, and the routed experts are sharded by FSDP over what is
+  left (``efsdp``; older torchtitan called it ``dp_shard_mod_ep``).
 * Pipeline parallelism (``torchtitan/distributed/pipeline_parallel.py``,
   ``_generate_llm_fqn_per_model_part``): the layers are split over pp x vp model chunks with the
   embedding weighted as ``pipeline_parallel_first_stage_less_layers`` layers and the output as
@@ -24,6 +29,10 @@ DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """torchtitan's mesh dimensions, outermost first (``parallel_dims.py``,
 ``ParallelDims._build_mesh_without_ep``: ``init_device_mesh`` over these names)."""
 
+SPARSE_DIMS = ("pp", "dp_replicate", "efsdp", "ep", "etp")
+"""torchtitan's mesh of the expert region, outermost first (``parallel_dims.py``,
+``build_mesh``: the ``sparse_mesh``)."""
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -35,6 +44,8 @@ class Mesh:
     shard: int
     cp: int
     tp: int
+    ep: int = 1
+    """Expert parallelism (the routed experts split over ``ep`` ranks); etp is 1 here."""
 
     @cached_property
     def grid(self) -> RankMesh:
@@ -58,9 +69,34 @@ class Mesh:
         (torchtitan's ``dp_shard_cp`` mesh)."""
         return self.grid.groups(["dp_shard", "cp"], pp=st)
 
+    def loss_groups(self, st: int) -> Groups:
+        """torchtitan's ``loss`` mesh: dp_replicate x dp_shard x cp flattened."""
+        return self.grid.groups(["dp_replicate", "dp_shard", "cp"], pp=st)
+
     def replicate_groups(self, st: int) -> Groups:
         """HSDP's all-reduce groups: the same shard on every replica."""
         return self.grid.groups(["dp_replicate"], pp=st)
+
+    @cached_property
+    def sparse(self) -> RankMesh:
+        """torchtitan's sparse mesh ``[pp, dp_replicate, efsdp, ep, etp]`` over the same ranks
+        (``unflatten_mesh(world, ("pp", "dp_replicate", "efsdp", "ep", "etp"), ...)``)."""
+        efsdp = self.shard * self.cp * self.tp // self.ep
+        return RankMesh(SPARSE_DIMS, (self.pp, self.replicate, efsdp, self.ep, 1))
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks each expert shard is split over by FSDP: dp_shard x cp x tp / ep."""
+        return self.shard * self.cp * self.tp // self.ep
+
+    def ep_groups(self, st: int) -> Groups:
+        """The expert-parallel groups: the token all-to-alls run here."""
+        return self.sparse.groups(["ep"], pp=st)
+
+    def efsdp_groups(self, st: int) -> Groups:
+        """FSDP's groups for the routed experts (``edp_mesh["efsdp"]``): their all-gathers
+        and reduce-scatters."""
+        return self.sparse.groups(["efsdp"], pp=st)
 
     def stage_pairs(self, st: int, dst: int) -> Pairs:
         """Pipeline p2p: every rank of stage ``st`` sends to its peer on stage ``dst``."""

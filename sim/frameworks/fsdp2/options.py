@@ -56,6 +56,11 @@ class Fsdp2Options(StrictModel):
     many layers when the layers are split over pipeline stages."""
     pipeline_last_stage_less_layers: int = Field(default=1, ge=0)
     """torchtitan's pipeline_parallel_last_stage_less_layers: the same for norm + output."""
+    moe_score_before_experts: bool = True
+    """Mixture-of-experts layers: torchtitan's ``MoEArgs.score_before_experts`` (default
+    True: the routed tokens are scaled by their scores in fp32 before the dispatch and
+    summed after the combine; Qwen3's configs set False: the combined copies are weighted by
+    an fp32 ``bmm`` that keeps an fp32 copy of them for backward)."""
     cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """Context parallelism: how keys and values reach every rank (torchtitan's
     context_parallel_rotate_method; torch's _cp_options default is allgather)."""

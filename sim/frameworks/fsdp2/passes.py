@@ -21,7 +21,7 @@ from sim.frameworks.common.steps import micro_batch_ops
 from sim.frameworks.fsdp2.pipeline import accumulate, send
 from sim.frameworks.fsdp2.reduce import drop_reduce_scatter_state, reduce
 from sim.frameworks.fsdp2.stage import Stage
-from sim.frameworks.fsdp2.units import BlockOps
+from sim.frameworks.fsdp2.units import BlockOps, Unit
 from sim.frameworks.fsdp2.unshard import copy_out, gather
 from sim.program.ir import Op
 from sim.workload.layer_ops import BF16
@@ -38,6 +38,9 @@ def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
         tp = stage.titan
 
         def ops_f(k: tuple[str, int]) -> list[Op]:
+            if k[0] == "moe":
+                assert stage.moe is not None
+                return stage.moe.forward(mb, k[1]).ops
             return tp.forward(k[0], k[1], mb)
 
         def ops_b(k: tuple[str, int]) -> list[Op]:
@@ -53,9 +56,15 @@ def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
                                sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant)
 
         def ops_f(k: tuple[str, int]) -> list[Op]:
+            if k[0] == "moe":
+                assert stage.moe is not None
+                return stage.moe.forward(mb, k[1]).ops
             return [pops.fwd_of[k]]
 
         def ops_b(k: tuple[str, int]) -> list[Op]:
+            if k[0] == "moe":
+                assert stage.moe is not None
+                return stage.moe.backward(mb, k[1]).ops
             return [pops.bwd_of[k]]
     stage.per_mb[mb] = (ops_f, ops_b)
     return ops_f, ops_b
@@ -64,6 +73,9 @@ def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
 def forward(stage: Stage, v: int, mb: int) -> None:
     """Model chunk ``v``'s forward of micro-batch ``mb``, then its activation sent on."""
     job = stage.job
+    if job.moe is not None and job.moe.split_experts:
+        _forward_explicit(stage, v, mb)
+        return
     fwd_ops, _ = block_ops(stage, mb)
     copied: list[Op] = []
     last: Op | None = None
@@ -85,26 +97,103 @@ def forward(stage: Stage, v: int, mb: int) -> None:
     send(stage, "F", v, mb, last)
 
 
+def _gather_unit(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str,
+                 pending: dict[str, Op], by: Unit | None = None) -> None:
+    """Issue the all-gathers of a unit and, when a transformer block ``by`` prefetches it, of
+    its nested experts unit, those not gathered yet: torchtitan's ``apply_fsdp`` has each
+    block prefetch ``[next_block, next_block.moe.experts]``, but the embedding (and, in
+    backward, the output) only ``[block]``; an experts unit nobody prefetched is gathered
+    when its module is entered (:func:`_enter_experts`)."""
+    experts = by is not None and by.name.startswith("L")
+    for w in (u, u.experts if experts else None):
+        if w is not None and not stage.gathered.get(w.name) and w.name not in pending:
+            pending[w.name] = gather(stage, w, deps, mb, phase)
+
+
+def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
+    """Forward with torchtitan's explicit prefetching under expert parallelism: once a unit
+    is unsharded (its pre-forward), the next unit and its experts are all-gathered, ahead of
+    the host's wait for the token counts in this unit's MoE layer. The experts' unit is
+    waited for just before the routed experts run, and resharded after them."""
+    job = stage.job
+    assert stage.moe is not None
+    fwd_ops, _ = block_ops(stage, mb)
+    units = job.chunk_units[v]
+    pending: dict[str, Op] = {}
+    last: Op | None = None
+    for i, u in enumerate(units):
+        _gather_unit(stage, u, [], mb, "fwd", pending)
+        copied = None
+        if u.name in pending:
+            copied = copy_out(stage, u, pending.pop(u.name), mb, "fwd")
+            stage.gathered[u.name] = True
+        if i + 1 < len(units):
+            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "fwd", pending,
+                         by=u)
+        for k in u.keys:
+            if k[0] == "moe":
+                last = _moe_forward(stage, u, k[1], mb, pending)
+                continue
+            for op in fwd_ops(k):
+                last = stage.add(op)
+        assert last is not None
+        if u.reshard_after_forward:
+            last.free = last.free + (("parameters", job.param_bytes(u)),)
+            stage.gathered[u.name] = False
+    assert last is not None
+    send(stage, "F", v, mb, last)
+
+
+def _enter_experts(stage: Stage, e: Unit, mb: int, phase: str, pending: dict[str, Op]) -> None:
+    """The experts unit's pre-forward (pre-backward): all-gathered now unless prefetched or
+    still gathered, then copied out."""
+    if stage.gathered.get(e.name):
+        return
+    ag = pending.pop(e.name, None) or gather(stage, e, [], mb, phase)
+    copy_out(stage, e, ag, mb, phase)
+    stage.gathered[e.name] = True
+
+
+def _moe_forward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op]) -> Op:
+    """An MoE layer's forward; its experts' unit copied out as the experts module is
+    entered (before the token counts are exchanged), resharded as it is left (after the
+    combine all-to-all)."""
+    assert stage.moe is not None
+    step = stage.moe.forward(mb, layer)
+    e = u.experts
+    last = step.ops[0]
+    for op in step.ops:
+        if op is step.enter and e is not None:
+            _enter_experts(stage, e, mb, "fwd", pending)
+        if op is step.leave and e is not None and e.reshard_after_forward:
+            op.free = op.free + (("parameters", stage.job.param_bytes(e)),)
+            stage.gathered[e.name] = False
+        last = stage.add(op)
+    return last
+
+
 def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
     """Model chunk ``v``'s backward of micro-batch ``mb``, then its input gradient sent on."""
     job = stage.job
     _, bwd_ops = block_ops(stage, mb)
     units = list(reversed(job.chunk_units[v]))
     pending: dict[str, Op] = {}
-    if not stage.gathered.get(units[0].name):
-        pending[units[0].name] = gather(stage, units[0], [], mb, "bwd")
+    _gather_unit(stage, units[0], [], mb, "bwd", pending)
     last: Op | None = None
     for i, u in enumerate(units):
         copied = None
         if u.name in pending:
             copied = copy_out(stage, u, pending.pop(u.name), mb, "bwd")
             stage.gathered[u.name] = True
-        if i + 1 < len(units) and not stage.gathered.get(units[i + 1].name):
-            # Backward prefetch: the previous unit's all-gather is issued as this unit's
-            # backward begins.
-            nxt = units[i + 1]
-            pending[nxt.name] = gather(stage, nxt, [copied] if copied else [], mb, "bwd")
+        if i + 1 < len(units):
+            # Backward prefetch: the previous unit's all-gather (with its experts' under
+            # expert parallelism) is issued as this unit's backward begins.
+            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "bwd", pending,
+                         by=u)
         for k in reversed(u.keys):
+            if k[0] == "moe":
+                last = _moe_backward(stage, u, k[1], mb, pending, first_of_step)
+                continue
             for op in bwd_ops(k):
                 last = stage.add(op)
         assert last is not None
@@ -119,3 +208,31 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
     if job.pp == 1:
         drop_reduce_scatter_state(stage, mb)      # finalize_backward
     send(stage, "B", v, mb, last)
+
+
+def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str, Op],
+                  first_of_step: bool) -> Op:
+    """An MoE layer's backward: under expert parallelism the experts' unit is copied out
+    when the gradient reaches the experts module's output (its pre-backward, before the
+    combine's reverse all-to-all) and, once the gradient of the module's input exists (after
+    the dispatch's reverse all-to-all), resharded and its gradients reduce-scattered over
+    ``efsdp`` (its post-backward)."""
+    assert stage.moe is not None
+    job = stage.job
+    step = stage.moe.backward(mb, layer)
+    e = u.experts
+    last = step.ops[0]
+    for op in step.ops:
+        if op is step.enter and e is not None:
+            _enter_experts(stage, e, mb, "bwd", pending)
+        last = stage.add(op)
+        if op is step.leave and e is not None:
+            if job.pp > 1:
+                # Pipelining: no sync and no reshard after backward; the gradient
+                # accumulates until the chunk's REDUCE_GRAD (:func:`.pipeline.reduce_grad`).
+                accumulate(stage, e, mb, first_of_step)
+                continue
+            op.free = op.free + (("parameters", job.param_bytes(e)),)
+            stage.gathered[e.name] = False
+            reduce(stage, e, e.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)
+    return last

@@ -77,11 +77,15 @@ def send(stage: Stage, kind: str, v: int, mb: int, after: Op) -> None:
 def reduce_grad(stage: Stage, v: int, mb: int, wait: list[Op]) -> None:
     """Pipeline REDUCE_GRAD (stage ``_post_backward``): post_backward of every unit of the
     chunk in module order: reshard, reduce-scatter the accumulated gradient."""
-    for u in stage.job.chunk_units[v]:
-        reduce(stage, u, stage.accumulated.pop(u.name), mb, wait, free_params=True,
-               first_grad=True)
-        stage.gathered[u.name] = False
-        wait = []
+    for unit in stage.job.chunk_units[v]:
+        # Module order: a block before its nested experts unit (model.modules()).
+        for u in (unit, unit.experts):
+            if u is None:
+                continue
+            reduce(stage, u, stage.accumulated.pop(u.name), mb, wait, free_params=True,
+                   first_grad=True)
+            stage.gathered[u.name] = False
+            wait = []
     drop_reduce_scatter_state(stage, mb)          # finalize_backward
 
 

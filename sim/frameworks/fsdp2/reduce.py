@@ -37,10 +37,11 @@ def reduce(stage: Stage, u: Unit, grads: float, mb: int, deps: list[Op], free_pa
         deps.append(stage.last_rs)
     if u.name in stage.last_ar:
         deps.append(stage.last_ar[u.name])
-    for i in range(u.partial_grads):
+    sizes = (job.ctx.model.hidden,) * u.partial_grads + u.partial_extra
+    for i, size in enumerate(sizes):
         # Each replicated norm weight's gradient, in the dtype it is held in.
         held = BF16 if job.pp == 1 else rb
-        stage.add(stage.tp_op("all_reduce", float(held * job.ctx.model.hidden),
+        stage.add(stage.tp_op("all_reduce", float(held * size),
                               f"tp all_reduce norm grad {i} {u.name} mb{mb}", mb, None,
                               dtype="bf16" if job.pp == 1 else job.reduce_dtype))
     frees: tuple[tuple[str, float], ...] = (("gradients", grads),)
@@ -52,11 +53,12 @@ def reduce(stage: Stage, u: Unit, grads: float, mb: int, deps: list[Op], free_pa
         phase="bwd", deps=deps, duration=cm.membound_time(grads + rb * u.numel),
         category="copy", alloc=(("buffers", rb * u.numel),), free=frees,
         micro_batch=mb))
-    if job.n_shard > 1:
+    if job.shard_size(u) > 1:
+        groups = stage.groups_of(u)
         rs = stage.add(Op(
             name=f"{RS} {u.name} mb{mb}", kind="collective", stream="rs", phase="comm",
-            deps=[copy_in], collective="reduce_scatter", group=stage.shard_groups[0],
-            groups=stage.shard_groups, nbytes=rb * u.numel, dtype=job.reduce_dtype,
+            deps=[copy_in], collective="reduce_scatter", group=groups[0],
+            groups=groups, nbytes=rb * u.numel, dtype=job.reduce_dtype,
             key=stage.key(f"rs/{u.name}/{mb}"), category="reduce_scatter",
             micro_batch=mb))
     else:
@@ -81,7 +83,7 @@ def hsdp_all_reduce(stage: Stage, u: Unit, rs: Op, mb: int) -> Op:
     post = stage.add(Op(
         name=f"all-reduce {u.name} mb{mb}", kind="collective", stream="ar",
         phase="comm", deps=[rs], collective="all_reduce", group=stage.rep_groups[0],
-        groups=stage.rep_groups, nbytes=job.rbytes * u.numel / job.n_shard,
+        groups=stage.rep_groups, nbytes=job.rbytes * u.numel / job.shard_size(u),
         dtype=job.reduce_dtype,
         key=stage.key(f"ar/{u.name}/{mb}"), category="all_reduce", micro_batch=mb))
     stage.last_ar[u.name] = post

@@ -29,3 +29,25 @@ def torchtitan_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any
     from sim.frameworks.fsdp2.mesh import stage_layers
 
     return stage_layers(layers, pp * vp)
+
+
+def fsdp2_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
+    """``(ep, etp)`` of a mixture-of-experts model under torchtitan: ``ep`` borrows ranks from
+    ``dp_shard x cp x tp`` (``ParallelDims``: ``efsdp = dp_shard x cp x tp / (ep x etp)``), so
+    it divides the routed experts and dp x cp x tp and, with ``etp`` 1, takes every
+    tensor-parallel rank (a multiple of tp).
+
+    Examples
+    --------
+    >>> pt = SearchPoint(tp=1, pp=1, vp=1, dp=16, cp=1, layers=48, experts=128,
+    ...                  expert_width=768)              # Qwen3-30B-A3B on 16 GPUs
+    >>> [ep for ep, _ in fsdp2_expert_layouts(pt)]
+    [1, 2, 4, 8, 16]
+    >>> [ep for ep, _ in fsdp2_expert_layouts(SearchPoint(2, 1, 1, 8, 1, 48, 128, 768))]
+    [2, 4, 8, 16]
+    >>> [ep for ep, _ in fsdp2_expert_layouts(SearchPoint(1, 1, 1, 2, 4, 48, 8, 768))]
+    [1, 2, 4, 8]
+    """
+    for ep in divisors(pt.experts):
+        if ep % pt.tp == 0 and (pt.dp * pt.cp * pt.tp) % ep == 0:
+            yield ep, 1

@@ -10,9 +10,12 @@ one :class:`Stage`, which holds all the state they share.
 from __future__ import annotations
 
 from sim.frameworks.common.nccl_dtype import half
+from sim.frameworks.fsdp2.moe import MoEPass
 from sim.frameworks.fsdp2.tp_pass import Comms, TitanPass
-from sim.frameworks.fsdp2.units import BlockOps, Job
+from sim.frameworks.fsdp2.units import BlockOps, Job, Unit
 from sim.program.ir import NcclType, Op, Program, RankClass
+from sim.program.mesh import Groups
+from sim.workload.layer_ops import BF16
 
 
 class Stage:
@@ -31,6 +34,7 @@ class Stage:
         self.tp_groups = mesh.tp_groups(st)
         self.cp_groups = mesh.cp_groups(st)
         self.cp_ring_pairs = mesh.cp_ring_pairs(st)
+        self.efsdp_groups = mesh.efsdp_groups(st) if job.moe is not None else ()
         # Activations (and their gradients) are 16-bit (sim.frameworks.fsdp2.tp counts them so).
         self.act_dtype = half(job.ctx.scenario.training.precision)
         self._keys = 0
@@ -47,6 +51,17 @@ class Stage:
         tb = job.titan
         self.titan = TitanPass(tb, Comms(self.tp_op, self.cp_gather, self.cp_shift),
                                job.ctx.recompute) if tb is not None else None
+        moe = job.moe
+        self.moe = MoEPass(moe, mesh.ep_groups(st), self.key, job.ctx.recompute,
+                           job.costs["attn"], grad_bytes=BF16 * moe.dense_numel,
+                           expert_grad_bytes=BF16 * moe.expert_numel, titan=self.titan
+                           ) if moe is not None else None
+        """The MoE layers' op maker (:mod:`.moe`); None for a dense model."""
+
+    def groups_of(self, u: Unit) -> Groups:
+        """The FSDP groups a unit is gathered and reduced over: ``efsdp`` for routed experts
+        (torchtitan's ``edp_mesh``), else dp_shard x cp."""
+        return self.efsdp_groups if u.expert else self.shard_groups
 
     def key(self, prefix: str) -> str:
         """A collective's key, unique in the program."""

@@ -57,11 +57,14 @@ def optimizer(stage: Stage) -> None:
     """AdamW on the local shard once every reduce (and HSDP all-reduce) is done."""
     job = stage.job
     m = job.ctx.model
-    local = job.stage_params[stage.st] / job.n_shard
+    local = job.local_params(stage.st)
     last = [o for o in (stage.last_rs, *stage.last_ar.values()) if o is not None]
     if job.host is not None:
         cpu_optimizer_step(stage, last, local)
         return
+    balance = expert_bias_all_reduce(stage)
+    if balance is not None:
+        last = last + [balance]
     fused = job.ctx.scenario.training.optimizer == "adamw_fused"
     # torch.optim.adamw._multi_tensor_adamw (foreach; torchtitan 9dec370's default,
     # foreach = not fused) allocates exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs):
@@ -70,3 +73,24 @@ def optimizer(stage: Stage) -> None:
                  stream="compute", phase="optimizer", deps=last,
                  duration=job.ctx.compute.adamw_time(local, fused, len(m.parameter_tensors())),
                  transient=0.0 if fused else FP32 * local, category="optimizer"))
+
+
+def expert_bias_all_reduce(stage: Stage) -> Op | None:
+    """torchtitan's load balancing of MoE layers (``build_optimizers_with_moe_load_balancing``,
+    an optimizer step pre-hook): the stage's per-layer expert token counts (fp32, one row of
+    ``experts`` per MoE layer) all-reduced over the loss mesh before the expert biases are
+    updated; None for a dense model or a loss mesh of one rank."""
+    job = stage.job
+    moe = job.moe
+    if moe is None or moe.loss_ranks == 1:
+        return None
+    layers = sum(1 for v in range(stage.st, job.n_virtual, job.pp)
+                 for u in job.chunk_units[v] if any(k[0] == "moe" for k in u.keys))
+    if not layers:
+        return None
+    groups = job.mesh.loss_groups(stage.st)
+    return stage.add(Op(
+        name="all-reduce expert token counts (load balancing)", kind="collective",
+        stream="compute", phase="comm", collective="all_reduce", group=groups[0],
+        groups=groups, nbytes=layers * moe.balance_bytes, dtype="f32",
+        key=stage.key("balance"), category="all_reduce"))

@@ -142,7 +142,11 @@ class TitanPass:
         return ops
 
     # ------------------------------------------------------------------ forward
-    def forward(self, block: str, layer: int, mb: int, phase: Phase = "fwd") -> list[Op]:
+    def forward(self, block: str, layer: int, mb: int, phase: Phase = "fwd",
+                middle: list[Op] | None = None) -> list[Op]:
+        """A block's ops; ``middle``: an MoE layer's ops in place of the MLP's matmuls
+        (torchtitan ``apply_moe_ep_tp``: the ``moe`` module's input all-gathered from
+        Shard(1) to Replicate and its Partial output reduce-scattered back, like the MLP's)."""
         tp, lay = self.tb.tp, (layer if layer >= 0 else None)
         layered = block in ("attn", "mlp")
         sac = self.sac if layered and phase == "fwd" else None
@@ -201,7 +205,10 @@ class TitanPass:
         else:
             seg("mlp_norm")
             tp_comm("all_gather", "mlp")
-            seg("mlp_main")
+            if middle is None:
+                seg("mlp_main")
+            else:
+                ops.extend(middle)
             tp_comm("reduce_scatter", "mlp")
             seg("mlp_resid")
         if phase == "recompute" and block == "attn":
@@ -266,10 +273,15 @@ class TitanPass:
                   category="forward" if phase == "fwd" else "backward")
 
     # ------------------------------------------------------------------ backward
-    def backward(self, block: str, layer: int, mb: int) -> list[Op]:
+    def backward(self, block: str, layer: int, mb: int, middle: list[Op] | None = None
+                 ) -> list[Op]:
+        """A block's backward ops; ``middle``: an MoE layer's backward in place of the MLP's
+        matmuls (its caller then issues the layer's recomputation itself)."""
         tp, lay = self.tb.tp, (layer if layer >= 0 else None)
         ops: list[Op] = []
-        if block == "mlp" and self.recompute:
+        if middle is not None:
+            pass
+        elif block == "mlp" and self.recompute:
             ops += self.forward("attn", layer, mb, phase="recompute")
             ops += self.forward("mlp", layer, mb, phase="recompute")
         elif block == "mlp" and self.sac is not None:
@@ -298,7 +310,10 @@ class TitanPass:
         elif block == "mlp":
             self._free_rs_out(seg("mlp_resid"))
             tp_comm("all_gather", "mlp")
-            seg("mlp_main")
+            if middle is None:
+                seg("mlp_main")
+            else:
+                ops.extend(middle)
             tp_comm("reduce_scatter", "mlp")
             seg("mlp_norm")
         else:

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.fsdp2.mesh import Mesh
+from sim.frameworks.fsdp2.moe import TitanMoE
 from sim.frameworks.fsdp2.tp import TitanBlocks
 from sim.hardware.host import HostSpec
 from sim.program.ir import NcclType, Op
 from sim.scenario import Fsdp2Options
-from sim.workload.layer_ops import BlockCost, SacCost, Style
+from sim.workload.layer_ops import BF16, BlockCost, SacCost, Style
 
 AG, RS = "all-gather", "reduce-scatter"
 
@@ -38,6 +39,14 @@ class Unit:
     """Tensor parallelism: replicated (SequenceParallel norm) weights whose gradients come out
     Partial and are all-reduced over the tensor-parallel group before the reduce
     (``FSDPParam._get_grad_inner_tensor`` redistributes them to the parameter's Replicate)."""
+    partial_extra: tuple[int, ...] = ()
+    """Further replicated weights with Partial gradients, by size (Qwen3's per-head q_norm
+    and k_norm under tensor parallelism: head_dim each)."""
+    experts: Unit | None = None
+    """An MoE block under expert parallelism: its routed experts' own ``fully_shard`` unit,
+    nested in this one (:mod:`.moe`)."""
+    expert: bool = False
+    """This unit is routed experts, sharded over the ``efsdp`` mesh."""
 
 
 def reshard_blocks(opts: Fsdp2Options, pp: int) -> bool:
@@ -48,8 +57,27 @@ def reshard_blocks(opts: Fsdp2Options, pp: int) -> bool:
     return pp == 1
 
 
+def moe_unit(layer: int, moe: TitanMoE, numel: dict[str, int], ugrad: dict[str, float],
+             raf: bool, qk: tuple[int, ...] = ()) -> Unit:
+    """An MoE layer's unit: the attention block and the MoE module's dense parameters, with
+    the routed experts inside it, or, under expert parallelism, in their own nested unit
+    (torchtitan ``apply_fsdp``: ``fully_shard(transformer_block.moe.experts, mesh=edp_mesh)``
+    before ``fully_shard(transformer_block)``)."""
+    keys = [("attn", layer), ("moe", layer)]
+    dense, experts = moe.dense_numel, moe.expert_numel
+    partial = 2 if moe.tp > 1 else 0          # the two SequenceParallel norms
+    if not moe.split_experts:
+        n = numel["attn"] + dense + experts
+        return Unit(f"L{layer}", n, keys, raf, ugrad["attn"] + BF16 * (dense + experts),
+                    partial_grads=partial, partial_extra=qk)
+    inner = Unit(f"E{layer}", experts, [("experts", layer)], raf, BF16 * experts, expert=True)
+    return Unit(f"L{layer}", numel["attn"] + dense, keys, raf, ugrad["attn"] + BF16 * dense,
+                partial_grads=partial, partial_extra=qk, experts=inner)
+
+
 def chunk_units(chunk_layers: list[list[int]], numel: dict[str, int], ugrad: dict[str, float],
-                layer_raf: bool, tp: int) -> list[list[Unit]]:
+                layer_raf: bool, tp: int, moe: TitanMoE | None = None,
+                qk: tuple[int, ...] = ()) -> list[list[Unit]]:
     """The units of every pipeline model chunk, in forward order: the embedding on the first,
     one per layer, norm + output on the last (all on one chunk without pipelining)."""
     n_virtual = len(chunk_layers)
@@ -60,9 +88,13 @@ def chunk_units(chunk_layers: list[list[int]], numel: dict[str, int], ugrad: dic
             out.append(Unit("embed", numel["embed"], [("embed", -1)], layer_raf,
                             ugrad["embed"]))
         for layer in chunk_layers[v]:
+            if moe is not None and moe.is_moe(layer):
+                out.append(moe_unit(layer, moe, numel, ugrad, layer_raf, qk))
+                continue
             out.append(Unit(f"L{layer}", numel["attn"] + numel["mlp"],
                             [("attn", layer), ("mlp", layer)], layer_raf,
-                            ugrad["attn"] + ugrad["mlp"], partial_grads=2 if tp > 1 else 0))
+                            ugrad["attn"] + ugrad["mlp"], partial_grads=2 if tp > 1 else 0,
+                            partial_extra=qk))
         if v == n_virtual - 1:
             # torchtitan does not reshard norm + output after forward: backward needs them
             # right away.
@@ -100,6 +132,8 @@ class Job:
     host: HostSpec | None
     sac: dict[str, SacCost] | None = None
     """torchtitan's op-level selective checkpointing of each layer (``selective``)."""
+    moe: TitanMoE | None = None
+    """The MoE layers (:mod:`.moe`); None for a dense model."""
     sends: dict[tuple[str, int, int], Op] = field(default_factory=dict)
     first_compute: dict[tuple[str, int, int], Op] = field(default_factory=dict)
     """The first compute-stream op of each (F|B, virtual stage, micro-batch)."""
@@ -107,6 +141,18 @@ class Job:
     @property
     def pp(self) -> int:
         return self.mesh.pp
+
+    def shard_size(self, u: Unit) -> int:
+        """The FSDP world size of a unit: ``efsdp`` for routed experts, else dp_shard x cp."""
+        return self.mesh.efsdp if u.expert else self.n_shard
+
+    def local_params(self, st: int) -> float:
+        """Parameters of stage ``st``'s sharded state on one rank: each unit's over its FSDP
+        size (the routed experts' already split over ``ep``)."""
+        experts = sum(u.experts.numel for v in range(st, self.n_virtual, self.pp)
+                      for u in self.chunk_units[v] if u.experts is not None)
+        dense = self.stage_params[st] / self.n_shard
+        return dense + experts / self.mesh.efsdp if experts else dense
 
     def param_bytes(self, u: Unit) -> float:
         """Bytes of a unit's unsharded parameters as gathered: with FSDP2's float8 all-gather

@@ -1,5 +1,6 @@
 """FSDP2's unshard of one unit (``FSDPParamGroup.unshard`` / ``wait_for_unshard``): copy-in,
-all-gather over the FSDP mesh (dp_shard x cp), copy-out into the unsharded parameters.
+all-gather over the FSDP mesh (dp_shard x cp; ``efsdp`` for routed experts), copy-out into
+the unsharded parameters.
 
 Parameters live sharded in fp32 (1/n per rank, n = the FSDP world size); gathered in
 ``param_dtype`` (the copy-in cast is folded into the copy-in), or float8 for the blocks with
@@ -24,13 +25,14 @@ def gather(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str) -> Op:
         # stream before it is cast and gathered.
         deps = deps + [h2d_params(stage, u, deps, mb, phase)]
     nbytes = job.param_bytes(u)
-    if job.n_shard == 1:
+    if job.shard_size(u) == 1:
         return copy_in(stage, u, deps, mb, phase)
     deps = [copy_in(stage, u, deps, mb, phase)]
+    groups = stage.groups_of(u)
     return stage.add(Op(
         name=f"{AG} {u.name} ({phase}) mb{mb}", kind="collective", stream="ag",
-        phase="comm", deps=deps, collective="all_gather", group=stage.shard_groups[0],
-        groups=stage.shard_groups, nbytes=nbytes, dtype=job.gather_dtype(u),
+        phase="comm", deps=deps, collective="all_gather", group=groups[0],
+        groups=groups, nbytes=nbytes, dtype=job.gather_dtype(u),
         key=stage.key(f"ag/{u.name}/{phase}/{mb}"),
         category="all_gather", micro_batch=mb, alloc=(("buffers", nbytes),)))
 
@@ -44,10 +46,11 @@ def copy_in(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str) -> Op:
     shortcut for an FSDP world size of 1: both copies run on the whole unit and the
     one-rank all-gather moves nothing, so this op stands for the gather."""
     job, cm = stage.job, stage.job.ctx.compute
-    local = job.param_bytes(u) / job.n_shard
-    cast = cm.membound_time(FP32 * u.numel / job.n_shard + local)
+    n = job.shard_size(u)
+    local = job.param_bytes(u) / n
+    cast = cm.membound_time(FP32 * u.numel / n + local)
     alloc: tuple[tuple[str, float], ...] = (
-        (("buffers", job.param_bytes(u)),) if job.n_shard == 1 else ())
+        (("buffers", job.param_bytes(u)),) if n == 1 else ())
     return stage.add(Op(
         name=f"all-gather copy-in {u.name} ({phase}) mb{mb}", kind="compute",
         stream="ag-copy-in", phase="comm", deps=deps, category="copy", micro_batch=mb,

@@ -274,7 +274,7 @@ def test_an_inline_moe_model_counts_like_its_hand_derivation():
 
 
 # --------------------------------------------------------------------------- builders refuse
-@pytest.mark.parametrize("framework", ["ddp", "fsdp2", "deepspeed", "fairscale"])
+@pytest.mark.parametrize("framework", ["ddp", "deepspeed", "fairscale"])
 def test_every_builder_refuses_an_moe_model_naming_the_key(framework):
     from sim.frameworks import JobContext
 
