@@ -274,15 +274,20 @@ def test_an_inline_moe_model_counts_like_its_hand_derivation():
 
 
 # --------------------------------------------------------------------------- builders refuse
-@pytest.mark.parametrize("framework", ["ddp", "deepspeed", "fairscale"])
-def test_every_builder_refuses_an_moe_model_naming_the_key(framework):
+@pytest.mark.parametrize("framework, key, what", [
+    ("ddp", "experts", "mixture-of-experts layers"),
+    ("fairscale", "experts", "mixture-of-experts layers"),
+    # DeepSpeed-MoE and torchtitan take routed experts, not DeepSeek's latent attention.
+    ("deepspeed", "attention", "multi-head latent attention"),
+    ("fsdp2", "attention", "multi-head latent attention")])
+def test_every_builder_refuses_what_it_does_not_model_naming_the_key(framework, key, what):
     from sim.frameworks import JobContext
 
     data = scenario_with("deepseek-v3")
     data["framework"] = {"name": framework}
     s = scenario_from_dict(data)
-    with pytest.raises(ScenarioError, match=rf"^s\.yaml: model\.experts: {framework} does not "
-                       r"model mixture-of-experts layers yet \(issue 14\)$"):
+    with pytest.raises(ScenarioError, match=rf"^s\.yaml: model\.{key}: {framework} does not "
+                       rf"model {what} yet \(issue 14\)$"):
         JobContext.from_scenario(s, "s.yaml")
 
 
