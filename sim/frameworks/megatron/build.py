@@ -278,10 +278,14 @@ class _Step:
                 for g in grads:
                     g.deps = g.deps or [self.last_bwd[st]]
                     program.add(cls, g)
-            if s.model.tied_embeddings and s.p > 1 and st in (0, s.p - 1):
+            # Tied, or copied for the multi-token prediction modules (_allreduce_word_
+            # embedding_grads: share_embeddings_and_output_weights or mtp_num_layers).
+            if (s.model.tied_embeddings or s.mtp is not None) and s.p > 1 \
+                    and st in (0, s.p - 1):
                 pairs = s.stage_pairs(0, s.p - 1)
                 tie = program.add(cls, Op(
-                    name="tied embedding all-reduce", kind="collective", stream="dp",
+                    name=("tied" if s.model.tied_embeddings else "mtp") + " embedding all-reduce",
+                    kind="collective", stream="dp",
                     phase="comm", deps=list(deps_done), collective="all_reduce",
                     group=pairs[0], groups=pairs, nbytes=s.grad_bytes * s.vocab_local * s.h,
                     dtype=s.grad_dtype,
@@ -324,6 +328,8 @@ class _Step:
             return []
         moe = s.moe
         chunks = [[la for la in ch if moe.is_moe(la)] for ch in s.chunks]
+        if s.mtp is not None:   # the modules' layers, after the last chunk's
+            chunks[-1] += [la for la in s.mtp.layers if moe.is_moe(la)]
         out = []
         for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size):
             b.parts = [x for x in b.parts if isinstance(x, int)]

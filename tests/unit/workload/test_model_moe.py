@@ -286,17 +286,19 @@ def test_every_builder_refuses_an_moe_model_naming_the_key(framework):
         JobContext.from_scenario(s, "s.yaml")
 
 
-def test_megatron_takes_experts_and_latent_attention_but_refuses_mtp():
-    """Megatron models routed experts (sim/frameworks/megatron/moe.py) and multi-head latent
-    attention (sim/workload/megatron_mla.py) but not yet DeepSeek-V3's multi-token
-    prediction: the refusal names the next key."""
+def test_megatron_takes_deepseek_v3_with_its_mtp_module():
+    """Megatron models routed experts (sim/frameworks/megatron/moe.py), multi-head latent
+    attention (sim/workload/megatron_mla.py) and DeepSeek-V3's multi-token prediction
+    module (sim/frameworks/megatron/mtp.py): the whole of DeepSeek-V3 is accepted, and
+    ``mtp_layers`` is among what the Megatron entry declares it models."""
     from sim.frameworks import JobContext
+    from sim.frameworks.registry import framework
 
     data = scenario_with("deepseek-v3")
     data["framework"] = {"name": "megatron"}
-    with pytest.raises(ScenarioError, match=r"^s\.yaml: model\.mtp_layers: megatron does not "
-                       r"model multi-token prediction yet \(issue 14\)$"):
-        JobContext.from_scenario(scenario_from_dict(data), "s.yaml")
+    ctx = JobContext.from_scenario(scenario_from_dict(data), "s.yaml")
+    assert ctx.model.mtp_layers == 1
+    assert "mtp_layers" in framework("megatron").model_features
 
 
 @pytest.mark.parametrize("extra,key", [({"qk_norm": True}, "qk_norm"),
