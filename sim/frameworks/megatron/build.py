@@ -44,6 +44,9 @@ What the step does, as ``megatron/core`` runs it:
   ``alltoall`` dispatcher's all-to-alls over the EP groups, the grouped expert GEMMs, on the
   compute stream; the experts laid out by MoE parallel folding (etp x ep x expert-dp x pp),
   their gradients in their own buckets over the expert-data-parallel group.
+* Multi-token prediction modules (:mod:`sim.frameworks.megatron.mtp`): on the last virtual
+  stage, after its layers and before the output layer, each depth's embedding lookup,
+  projection, transformer layer and head; their parameters in the head's bucket part.
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
   gradients are fp16), the latter sharded over data-parallel ranks by the distributed
