@@ -152,6 +152,21 @@ def test_tensor_parallel_projection_exchanges() -> None:
         [full] * 2      # two micro-batches (8 sequences over dp 4)
 
 
+def test_overlapped_tensor_parallel_exchanges_gate_the_next_op() -> None:
+    # tp_comm_overlap puts the exchanges on the tp stream: the layer after the projection
+    # waits for the gathered output (a dependency, not stream order).
+    # (a dense model: MLA is refused with tp_comm_overlap)
+    dense = {"layers": 4, "hidden": H, "heads": 8, "ffn_hidden": 2048, "vocab": V,
+             "mtp_layers": 1}
+    p = _program(megatron_scenario({"tp": 2, "sequence_parallel": True}, 8, model=dense,
+                                   seq=SEQ, framework={"name": "megatron",
+                                                       "tp_comm_overlap": True}))
+    ops = [op for _, op in _ops(p)]
+    gather = next(op for op in ops if op.name == "all_gather fwd mtp proj out L4 mb0")
+    attn = next(op for op in ops if op.name.startswith("fwd attn L4 mb0"))
+    assert gather.stream == "tp" and gather in attn.deps
+
+
 def test_embedding_copy_gradient_is_all_reduced_between_first_and_last_stage() -> None:
     fw = {"name": "megatron", "distributed_optimizer": True, "overlap_grad_reduce": True,
           "overlap_param_gather": True}

@@ -108,13 +108,15 @@ def mtp_plan(m: ModelSpec, lay: MegatronLayout, micro_batch: int, seq: int, cm: 
 def _chain(unit: UnitOps, ops: list[Op]) -> None:
     """Append ``ops`` to the unit, each after the one before when they run on different
     streams (a collective on the ``tp`` stream and the compute around it), the first after
-    what the unit carries."""
+    what the unit carries; a last op off the compute stream is carried to the next."""
     ops[0].deps = list(ops[0].deps) + unit.carry
     unit.carry = []
     for prev, op in zip(ops, ops[1:], strict=False):
         if op.stream != prev.stream:
             op.deps = list(op.deps) + [prev]
     unit.ops.extend(ops)
+    if ops[-1].stream != "compute":
+        unit.carry = [ops[-1]]
 
 
 class MTPOps:
@@ -221,6 +223,3 @@ class MTPOps:
             ops.append(ub.tp_comm(self.st, s.row_reduce, 2.0 * ub.full,
                                   f"{s.row_reduce} bwd mtp proj L{layer} mb{mb}", mb, layer))
         _chain(unit, ops)
-        if ops[-1].stream != "compute":
-            # The next compute op waits for the reduced input gradient.
-            unit.carry = [ops[-1]]
