@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The key each feature beyond a dense Llama/GPT block is written under in a scenario, and
-# what it is, for the builders' refusal (no framework simulates these yet: issue 14).
+# what it is, for the refusal of a builder whose registry entry's model_features lacks it
+# (megatron models experts, MLA, qk_norm and mtp_layers: issue 14).
 BEYOND_DENSE = {
     "experts": "mixture-of-experts layers",
     "attention": "multi-head latent attention",

@@ -150,10 +150,12 @@ def test_sequence_parallel_mla_gathers_its_latents() -> None:
         m.model_flops_per_token(SEQ) * 8 * SEQ, rel=1e-12)
 
 
-def test_deepseek_v3_is_still_refused_for_its_mtp_module() -> None:
-    with pytest.raises(ScenarioError, match=r"model\.mtp_layers: megatron does not model "
-                                            r"multi-token prediction"):
-        JobContext.from_scenario(_scn({"tp": 1}, model="deepseek-v3"), "s.yaml")
+def test_deepseek_v3_builds_with_its_mtp_module() -> None:
+    # Once refused for its multi-token prediction module (model.mtp_layers), DeepSeek-V3's
+    # dimensions now build: tests/integration/test_megatron_mtp.py checks the module.
+    sh = megatron_shape(JobContext.from_scenario(
+        _scn({"tp": 1, "ep": 8}, model="deepseek-v3"), "s.yaml"))
+    assert sh.mtp is not None and sh.mtp.depths == 1
 
 
 def test_deepseek_v2_lite_nemo_layout_on_8_h100_is_physically_plausible() -> None:

@@ -44,6 +44,9 @@ What the step does, as ``megatron/core`` runs it:
   ``alltoall`` dispatcher's all-to-alls over the EP groups, the grouped expert GEMMs, on the
   compute stream; the experts laid out by MoE parallel folding (etp x ep x expert-dp x pp),
   their gradients in their own buckets over the expert-data-parallel group.
+* Multi-token prediction modules (:mod:`sim.frameworks.megatron.mtp`): on the last virtual
+  stage, after its layers and before the output layer, each depth's embedding lookup,
+  projection, transformer layer and head; their parameters in the head's bucket part.
 * Memory per parameter (``docs/.../dist_optimizer.md``): 16-bit parameters, gradient
   buffers, and the optimizer's fp32 master weights and Adam moments (12 bytes; 16 when the
   gradients are fp16), the latter sharded over data-parallel ranks by the distributed
@@ -278,10 +281,14 @@ class _Step:
                 for g in grads:
                     g.deps = g.deps or [self.last_bwd[st]]
                     program.add(cls, g)
-            if s.model.tied_embeddings and s.p > 1 and st in (0, s.p - 1):
+            # Tied, or copied for the multi-token prediction modules (_allreduce_word_
+            # embedding_grads: share_embeddings_and_output_weights or mtp_num_layers).
+            if (s.model.tied_embeddings or s.mtp is not None) and s.p > 1 \
+                    and st in (0, s.p - 1):
                 pairs = s.stage_pairs(0, s.p - 1)
                 tie = program.add(cls, Op(
-                    name="tied embedding all-reduce", kind="collective", stream="dp",
+                    name=("tied" if s.model.tied_embeddings else "mtp") + " embedding all-reduce",
+                    kind="collective", stream="dp",
                     phase="comm", deps=list(deps_done), collective="all_reduce",
                     group=pairs[0], groups=pairs, nbytes=s.grad_bytes * s.vocab_local * s.h,
                     dtype=s.grad_dtype,
@@ -324,6 +331,8 @@ class _Step:
             return []
         moe = s.moe
         chunks = [[la for la in ch if moe.is_moe(la)] for ch in s.chunks]
+        if s.mtp is not None:   # the modules' layers, after the last chunk's
+            chunks[-1] += [la for la in s.mtp.layers if moe.is_moe(la)]
         out = []
         for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size):
             b.parts = [x for x in b.parts if isinstance(x, int)]

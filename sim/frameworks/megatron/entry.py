@@ -23,5 +23,6 @@ ENTRY = FrameworkEntry(
     stage_split=megatron_stage_split,
     # Megatron-Core's MoE layers with the alltoall dispatcher (megatron/moe.py), its per-head
     # query/key norms (qk_layernorm, sim/workload/megatron_ops.py) and Multi-head Latent
-    # Attention (sim/workload/megatron_mla.py).
-    model_features=frozenset({"experts", "qk_norm", "attention"}))
+    # Attention (sim/workload/megatron_mla.py), and multi-token prediction modules
+    # (sim/frameworks/megatron/mtp.py).
+    model_features=frozenset({"experts", "qk_norm", "attention", "mtp_layers"}))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.megatron.moe import MoEOps
+from sim.frameworks.megatron.mtp import MTPOps
 from sim.frameworks.megatron.overlap import (
     TE_PIPELINE_SPLITS,
     column_linear_backward,
@@ -214,6 +215,8 @@ class UnitBuilder:
         self.moe = [MoEOps(shape.moe, st, keys, costs.cpu_call, self.tp_groups[st], shape.t)
                     for st in range(shape.p)] if shape.moe is not None else []
         """Each stage's MoE layer op makers (models with experts)."""
+        self.mtp = MTPOps(self, shape.mtp) if shape.mtp is not None else None
+        """The multi-token prediction modules' op maker (the last virtual stage's units)."""
 
     def is_moe(self, layer: int) -> bool:
         return self.s.moe is not None and self.s.moe.is_moe(layer)
@@ -425,6 +428,9 @@ class UnitBuilder:
             self.layer_forward(st, unit, mb, layer, recompute=False)
             unit.part_op[layer] = unit.ops[n_before]
         if v == s.n_virtual - 1:
+            n_before = len(unit.ops)
+            if self.mtp is not None:
+                self.mtp.forward(unit, mb)
             head = s.cost["head"]
             unit.ops.append(compute(f"fwd head+loss mb{mb}", c.fwd_s["head"], phase="fwd",
                                     micro_batch=mb, category="forward",
@@ -433,7 +439,8 @@ class UnitBuilder:
                                     transient=head.fwd_transient_bytes,
                                     transient_parts=head.fwd_transient_parts,
                                     flops=s.blocks["head"].flops_fwd))
-            unit.part_op["head"] = unit.ops[-1]
+            # The modules' parameters are the head part's (MegatronShape.head_params).
+            unit.part_op["head"] = unit.ops[n_before]
 
     def _backward(self, unit: UnitOps, st: int, v: int, mb: int) -> None:
         s, c = self.s, self.c
@@ -446,6 +453,8 @@ class UnitBuilder:
                                     transient=head.bwd_transient_bytes,
                                     transient_parts=head.bwd_transient_parts,
                                     flops=s.blocks["head"].flops_bwd))
+            if self.mtp is not None:
+                self.mtp.backward(unit, mb)
             unit.part_op["head"] = unit.ops[-1]
         for layer in reversed(s.chunks[v]):
             self.layer_backward(st, unit, mb, layer)

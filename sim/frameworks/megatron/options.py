@@ -57,6 +57,12 @@ class MegatronOptions(StrictModel):
     """The embedding counts as one layer when layers are split over pipeline chunks."""
     account_for_loss_in_pipeline_split: bool = False
     """The loss and output layer count as one layer when layers are split over chunks."""
+    decoder_first_pipeline_num_layers: int | None = Field(default=None, gt=0)
+    """Transformer layers of the first pipeline stage (``--decoder-first-pipeline-num-
+    layers``); the stages without a given count share the rest evenly."""
+    decoder_last_pipeline_num_layers: int | None = Field(default=None, gt=0)
+    """Transformer layers of the last pipeline stage (``--decoder-last-pipeline-num-
+    layers``): NeMo's DeepSeek-V3 layout gives it 1 beside the MTP module and the loss."""
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""

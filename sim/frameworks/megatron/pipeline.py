@@ -86,7 +86,8 @@ def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[Unit]:
 
 
 def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
-                 loss_counts: bool = False) -> list[list[int]]:
+                 loss_counts: bool = False, first: int | None = None,
+                 last: int | None = None) -> list[list[int]]:
     """Transformer layers of each virtual pipeline chunk ``v`` (stage ``v % p``, model chunk
     ``v // p``), in Megatron-Core's order (``get_transformer_layer_offset``).
 
@@ -102,7 +103,18 @@ def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
     >>> sizes = [len(c) for c in chunk_layers(126, 8, 8, True, True)]
     >>> sizes[:3], sizes[-2:], len(sizes)
     ([1, 2, 2], [2, 1], 64)
+
+    With ``decoder_first_pipeline_num_layers`` / ``..._last_...`` (``first`` / ``last``)
+    the first (last) stage builds that many layers, split evenly over its model chunks, and
+    the other stages share the rest evenly (``get_num_layers_to_build`` and
+    ``get_transformer_layer_offset``, megatron/core/transformer/transformer_block.py and
+    transformer_layer.py). DeepSeek-V3's 61 layers over 16 stages, 4 first and 1 last:
+
+    >>> [len(c) for c in chunk_layers(61, 16, 1, first=4, last=1)][::5]
+    [4, 4, 4, 1]
     """
+    if first is not None or last is not None:
+        return _uneven_chunks(layers, p, vp, first, last)
     n = p * vp
     effective = layers + int(embedding_counts) + int(loss_counts)
     if effective % n:
@@ -115,6 +127,33 @@ def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
         sizes[-1] -= 1
     out, start = [], 0
     for k in sizes:
+        out.append(list(range(start, start + k)))
+        start += k
+    return out
+
+
+def _uneven_chunks(layers: int, p: int, vp: int, first: int | None, last: int | None
+                   ) -> list[list[int]]:
+    """:func:`chunk_layers` with a given first and/or last stage (Megatron-Core's uneven
+    pipeline split): each stage's count is split evenly over its ``vp`` chunks."""
+    middle_stages = p - (first is not None) - (last is not None)
+    middle = layers - (first or 0) - (last or 0)
+    if middle < 0 or (middle_stages == 0 and middle) or \
+            (middle_stages and middle % middle_stages):
+        raise ValueError(f"{layers} layers do not split into {p} stages with "
+                         f"{first} first and {last} last")
+    per = middle // middle_stages if middle_stages else 0
+    stage = [per] * p
+    if first is not None:
+        stage[0] = first
+    if last is not None:
+        stage[-1] = last
+    if any(k % vp for k in stage):
+        raise ValueError(f"stage layer counts {sorted(set(stage))} do not split into "
+                         f"vp = {vp} chunks")
+    out, start = [], 0
+    for v in range(p * vp):
+        k = stage[v % p] // vp
         out.append(list(range(start, start + k)))
         start += k
     return out

@@ -89,4 +89,6 @@ def megatron_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any]
 
     return chunk_layers(layers, pp, vp,
                         bool(opts.get("account_for_embedding_in_pipeline_split")),
-                        bool(opts.get("account_for_loss_in_pipeline_split")))
+                        bool(opts.get("account_for_loss_in_pipeline_split")),
+                        opts.get("decoder_first_pipeline_num_layers"),
+                        opts.get("decoder_last_pipeline_num_layers"))

@@ -18,6 +18,7 @@ from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.buckets import data_parallel_modes
 from sim.frameworks.megatron.moe import MoEPlan, check_moe, moe_plan
+from sim.frameworks.megatron.mtp import MTPPlan, mtp_plan
 from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
 from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
@@ -93,6 +94,9 @@ class MegatronShape:
     the routed experts (:meth:`stage_expert_params`)."""
     dense_layer_params: float = 0.0
     """With experts: one dense layer's parameters (the ``first_k_dense`` layers)."""
+    mtp: MTPPlan | None = None
+    """The multi-token prediction modules on the last stage
+    (:mod:`sim.frameworks.megatron.mtp`); their parameters are in :attr:`head_params`."""
 
     @property
     def act_dtype(self) -> NcclType:
@@ -196,7 +200,9 @@ class MegatronShape:
         if self.moe is None:
             return 0.0
         moe = self.moe
-        return sum(moe.expert_params for la in self.stage_layers(st) if moe.is_moe(la))
+        mtp = self.mtp.depths * self.mtp.expert_params \
+            if self.mtp is not None and st == self.p - 1 else 0.0
+        return sum(moe.expert_params for la in self.stage_layers(st) if moe.is_moe(la)) + mtp
 
     @property
     def expert_shard(self) -> int:
@@ -229,6 +235,13 @@ class MegatronShape:
                 moe_lin = moe.expert_params + (moe.ops.shared.params if moe.ops.shared else 0)
                 mem["buffers"] = float(2 * sum(attn + (moe_lin if moe.is_moe(la) else mlp)
                                                for la in self.stage_layers(st)))
+            if self.mtp is not None and st == self.p - 1:
+                # The modules run under the global FP8 context too: eh_proj and the layer.
+                layer = self.linear_params if self.moe is None else \
+                    self.cost["attn_main"].params + self.moe.expert_params + (
+                        self.moe.ops.shared.params if self.moe.ops.shared else 0)
+                eh_proj = 2 * self.h * self.h // self.t
+                mem["buffers"] += float(2 * self.mtp.depths * (eh_proj + layer))
         return mem
 
     def recompute_flops(self) -> float:
@@ -237,6 +250,18 @@ class MegatronShape:
         blocks are priced per tensor-parallel rank, so a layer's forward is ``t`` of them."""
         if self.ac != "full":
             return 0.0
+        if self.mtp is not None:
+            # _checkpointed_forward re-runs each depth's projection and layer.
+            mlp = self.moe.flops_fwd if self.moe is not None else \
+                self.blocks["mlp_main"].flops_fwd
+            per_mb = self.mtp.depths * (self.mtp.proj_flops[0] + mlp
+                                        + self.blocks["attn_main"].flops_fwd)
+            extra_mtp = per_mb * self.mb_count * self.dp * self.cp * self.t
+        else:
+            extra_mtp = 0.0
+        return extra_mtp + self._decoder_recompute_flops()
+
+    def _decoder_recompute_flops(self) -> float:
         layer_fwd_flops = sum(self.blocks[k].flops_fwd for k in ("attn_main", "mlp_main"))
         if self.moe is not None:
             moe_layers = self.model.moe_layers
@@ -271,16 +296,36 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
     extra = int(opts.account_for_embedding_in_pipeline_split) + \
         int(opts.account_for_loss_in_pipeline_split)
-    ctx.require((m.layers + extra) % (p * vp) == 0 and (m.layers + extra) // (p * vp) > 1
-                or extra == 0 and m.layers % (p * vp) == 0, "parallelism.pp",
-                f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do not "
-                f"split into pp x vp = {p * vp} equal chunks")
+    first, last = opts.decoder_first_pipeline_num_layers, opts.decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        _check_uneven(ctx, m.layers, p, vp, extra, first, last)
+    else:
+        ctx.require((m.layers + extra) % (p * vp) == 0 and (m.layers + extra) // (p * vp) > 1
+                    or extra == 0 and m.layers % (p * vp) == 0, "parallelism.pp",
+                    f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do "
+                    f"not split into pp x vp = {p * vp} equal chunks")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
     ctx.require(not opts.tp_comm_overlap or sp, "framework.tp_comm_overlap",
                 "tensor-parallel communication/GEMM overlap needs sequence parallelism with "
                 "tp > 1 (Megatron-LM validate_args)")
     ctx.require(ctx.seq % cp == 0, "parallelism.cp",
                 f"seq_len {ctx.seq} does not split over cp={cp}")
+
+
+def _check_uneven(ctx: JobContext, layers: int, p: int, vp: int, extra: int,
+                  first: int | None, last: int | None) -> None:
+    """Megatron-Core's uneven pipeline split (TransformerConfig ``num_layers_in_first/last_
+    pipeline_stage``): pipeline stages needed, not with the embedding or loss counted as
+    layers, and every stage's count split evenly over its model chunks."""
+    key = "framework.decoder_" + ("first" if first is not None else "last") + \
+        "_pipeline_num_layers"
+    ctx.require(p > 1, key, "an uneven pipeline split needs pipeline stages (pp > 1)")
+    ctx.require(extra == 0, key, "cannot be combined with account_for_embedding/loss_in_"
+                "pipeline_split (Megatron-Core TransformerConfig)")
+    try:
+        chunk_layers(layers, p, vp, first=first, last=last)
+    except ValueError as e:
+        ctx.fail(key, str(e))
 
 
 def megatron_shape(ctx: JobContext) -> MegatronShape:
@@ -311,7 +356,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
         else precision in ("bf16", "fp8")
     chunks = chunk_layers(m.layers, p, vp, opts.account_for_embedding_in_pipeline_split,
-                          opts.account_for_loss_in_pipeline_split)
+                          opts.account_for_loss_in_pipeline_split,
+                          opts.decoder_first_pipeline_num_layers,
+                          opts.decoder_last_pipeline_num_layers)
     vocab_local = padded_vocab(m, t) // t
     local_tokens = tokens // t if sp else tokens
     dense_layer = (cost["attn_pre"].params + cost["attn_main"].params
@@ -324,6 +371,10 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         # A layer with experts: attention, the pre-MLP norm, the router and shared experts.
         layer_params = (cost["attn_pre"].params + cost["attn_main"].params
                         + cost["mlp_pre"].params + moe.dense_params)
+    emb_params = vocab_local * m.hidden + (m.max_positions * m.hidden
+                                           if m.position == "learned" else 0)
+    mtp = mtp_plan(m, lay, ctx.micro_batch, ctx.seq, ctx.compute, p, layer_params,
+                   moe.expert_params if moe is not None else 0.0, emb_params)
     return MegatronShape(
         opts=opts, model=m, t=t, p=p, cp=cp, vp=vp, dp=ctx.dp, sp=sp, precision=precision,
         ac=ac, mb_count=mb_count, align_gather=align_gather, k_inst=k_inst,
@@ -335,10 +386,11 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                            for st in range(p)],
         layer_params=layer_params,
         vocab_local=vocab_local,
-        emb_params=vocab_local * m.hidden
-        + (m.max_positions * m.hidden if m.position == "learned" else 0),
-        head_params=m.norm_params + vocab_local * m.hidden,  # output layer (tied copy if tied)
+        emb_params=emb_params,
+        # The output layer (a tied copy if tied), and the multi-token prediction modules.
+        head_params=m.norm_params + vocab_local * m.hidden
+        + (mtp.stage_params if mtp is not None else 0.0),
         opt_bytes=12 if grad_fp32 else 16,
         shard=ctx.dp * cp // k_inst if opts.distributed_optimizer else 1,
         linear_params=cost["attn_main"].params + cost["mlp_main"].params,
-        moe=moe, dense_layer_params=dense_layer)
+        moe=moe, dense_layer_params=dense_layer, mtp=mtp)
