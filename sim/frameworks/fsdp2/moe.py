@@ -52,7 +52,7 @@ expert biases.
 
 Routing: balanced, or skewed by ``training.routing``: every rank then runs the busiest EP
 rank's experts and the all-to-alls carry per-peer bytes (the same rule as Megatron's:
-:func:`sim.frameworks.megatron.imbalance.routing_pace`, :class:`MoEPlan.peer_bytes`).
+:func:`sim.frameworks.common.moe_pace.routing_pace`, :class:`MoEPlan.peer_bytes`).
 
 Tensor parallelism (``apply_moe_ep_tp`` with expert TP 1): the MoE module's input is
 all-gathered over tp and its Partial output (routed and shared experts) reduce-scattered,
@@ -73,10 +73,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.common.moe_pace import routing_pace
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.fsdp2.moe_blocks import combine_block, score_block
 from sim.frameworks.fsdp2.tp_pass import TitanPass
-from sim.frameworks.megatron.imbalance import routing_pace
 from sim.frameworks.megatron.moe import MoEPlan
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op, Phase

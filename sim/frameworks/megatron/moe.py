@@ -25,7 +25,7 @@ expert-data-parallel group (``expt_dp``), the others over the usual data-paralle
 
 Routing: balanced by default; with a skewed ``training.routing`` every rank runs the busiest
 EP rank's experts and the all-to-alls carry per-peer bytes
-(:mod:`sim.frameworks.megatron.imbalance`). The ``alltoall`` dispatcher without
+(:mod:`sim.frameworks.common.moe_pace`). The ``alltoall`` dispatcher without
 communication overlap, no shared-expert overlap.
 """
 
@@ -37,8 +37,8 @@ from functools import cached_property
 from typing import Literal
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.common.moe_pace import Pace, routing_pace
 from sim.frameworks.common.nccl_dtype import element_type
-from sim.frameworks.megatron.imbalance import Pace, routing_pace
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh

@@ -1,4 +1,5 @@
-"""Routing imbalance in Megatron-Core's MoE layers: which EP rank sets the pace.
+"""Routing imbalance in a mixture-of-experts layer: which EP rank sets the pace (Megatron-Core's
+MoE layers and torchtitan's, :mod:`sim.frameworks.fsdp2.moe`, share this rule).
 
 With skewed routing (``training.routing``, :mod:`sim.workload.routing`) the EP ranks hold
 experts with different loads, so their grouped GEMMs and expert-TP exchanges take different
