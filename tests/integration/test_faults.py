@@ -1,0 +1,187 @@
+"""Faults inside a step (``faults:``): slow GPUs, slow and failed NIC links, against closed forms.
+
+* A synchronous data-parallel step waits for its slowest rank at every gradient collective, so
+  one rank whose kernels take ``factor`` times as long lengthens the step by about
+  ``(factor - 1) x`` its compute time (less what the collectives it delays still overlap).
+* A ring all-reduce on two servers is bound by its slowest ring link (NCCL's ring moves
+  ``2 (n-1)/n x bytes`` over every ring link in lockstep: ncclTopoTuneModel's ring bandwidth is
+  the minimum over the ring), so one NIC at half rate on it about doubles the bandwidth-bound
+  time of a large all-reduce.
+* A failed NIC carries nothing and its bytes leave through the node's other NICs: the bytes
+  that leave the servers are the same.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import simpy
+
+from sim.api import simulate
+from sim.apps.nccltests import Bench
+from sim.fabric.collectives.runner import CollectiveRunner, transport_capacity
+from sim.fabric.network import FlowNetwork
+from sim.fabric.topology import LINK_KINDS, NETWORK
+from sim.fabric.topology.link_faults import apply_link_faults, nic_links
+from sim.scenario import ScenarioError, load_scenario
+
+FABRICSIM = Path(sys.executable).parent / "fabricsim"
+DDP = "llama3.2-1b-ddp-8xh100"
+FSDP2 = "llama3-8b-fsdp2-16xh100"
+
+
+def _run(name: str, *overrides: str):  # type: ignore[no-untyped-def]
+    return simulate(load_scenario(name, list(overrides)))
+
+
+@pytest.fixture(scope="module")
+def ddp_base():  # type: ignore[no-untyped-def]
+    return _run(DDP)
+
+
+@pytest.mark.parametrize("factor", [1.1, 1.3])
+def test_one_slow_rank_slows_a_ddp_step_by_its_extra_compute(ddp_base, factor: float) -> None:
+    slow = _run(DDP, f"faults.slow_gpus=[{{rank: 3, factor: {factor}}}]")
+    base_t = ddp_base.summary["step_time_s"]
+    compute = ddp_base.summary["compute_time_s"]
+    extra = slow.summary["step_time_s"] - base_t
+    # Closed form: (factor - 1) x compute; within 10% (the straggler's late gradient buckets
+    # shift the all-reduces that overlapped its backward; measured 0.99).
+    assert extra == pytest.approx((factor - 1) * compute, rel=0.1)
+    # The other seven ranks wait for it: their all-reduces start well after they were ready.
+    fast_cls = next(c for c in slow.program.classes if 3 not in c.members)
+    waited = max(r.start - r.ready for r in slow.recorder.ops
+                 if r.cls == fast_cls.id and r.op.kind == "collective")
+    assert waited > 0.5 * (factor - 1) * compute
+    # ... and the straggler itself does not wait at its last collective.
+    slow_cls = next(c for c in slow.program.classes if c.members == (3,))
+    last = max((r for r in slow.recorder.ops if r.cls == slow_cls.id
+                and r.op.kind == "collective"), key=lambda r: r.end)
+    assert last.start - last.ready < 1e-6
+
+
+def test_only_the_slow_ranks_class_splits(ddp_base) -> None:
+    slow = _run(DDP, "faults.slow_gpus=[{rank: 5, factor: 1.2}]")
+    before = [c.members for c in ddp_base.program.classes]
+    after = [c.members for c in slow.program.classes]
+    assert len(after) == len(before) + 1
+    assert (5,) in after and sorted(r for m in after for r in m) == list(range(8))
+    assert slow.summary["sim"]["ranks_simulated"] == ddp_base.summary["sim"]["ranks_simulated"] + 1
+    # Memory is still reported for every class, the straggler's equal to its peers'.
+    peaks = {m["ranks"]: m["peak_gib"] for m in slow.summary["memory_by_rank_class"]}
+    assert peaks[1] == pytest.approx(peaks[7], rel=1e-6)
+    # Same bytes moved: the split changes who waits, not what is sent.
+    assert slow.summary["bytes"] == pytest.approx(ddp_base.summary["bytes"], rel=1e-9)
+
+
+def test_slow_rank_in_fsdp2_on_two_servers() -> None:
+    base = _run(FSDP2)
+    slow = _run(FSDP2, "faults.slow_gpus=[{rank: 9, factor: 1.1}]")
+    extra = slow.summary["step_time_s"] - base.summary["step_time_s"]
+    assert extra == pytest.approx(0.1 * base.summary["compute_time_s"], rel=0.2)
+    assert len(slow.program.classes) == len(base.program.classes) + 1
+
+
+def test_empty_faults_change_nothing(ddp_base) -> None:
+    same = _run(DDP, "faults={}")
+    a, b = dict(ddp_base.summary), dict(same.summary)
+    a.pop("sim"), b.pop("sim")
+    assert a == b
+
+
+def test_deterministic() -> None:
+    keys = ("faults={slow_gpus: [{rank: 9, factor: 1.2}], failed_links: [{node: 1, nic: 2}], "
+            "slow_links: [{node: 0, nic: 5, factor: 3}], seed: 7}")
+    a, b = _run(FSDP2, keys).summary, _run(FSDP2, keys).summary
+    a.pop("sim"), b.pop("sim")
+    assert a == b
+
+
+# ----------------------------------------------------------------- links (nccl-tests style)
+def _all_reduce(slow=(), failed=(), nbytes: float = 1 << 30):  # type: ignore[no-untyped-def]
+    """A 16-GPU ring all-reduce on two DGX H100s (8 x 400 Gb/s NICs each) on an idle fabric:
+    its time and the bytes each link carried."""
+    bench = Bench.build("dgx-h100", 16, algo="ring")
+    apply_link_faults(bench.fabric, slow, failed)
+    env = simpy.Environment()
+    net = FlowNetwork(env, transport_capacity(bench.fabric, bench.arch, bench.transport),
+                      bench.fabric.kind, len(LINK_KINDS))
+    runner = CollectiveRunner(env, net, bench.fabric, bench.arch, bench.settings)
+    env.run(env.process(runner.run_collective("all_reduce", tuple(range(16)), nbytes)))
+    return env.now, net.link_bytes.copy(), bench.fabric
+
+
+def _leaving(fabric, link_bytes) -> float:  # type: ignore[no-untyped-def]
+    """Bytes on the NIC -> leaf cables: what left the servers."""
+    return float(sum(link_bytes[i] for i, (u, _) in enumerate(fabric.endpoints)
+                     if u[0] == "nic" and fabric.kind[i] == NETWORK))
+
+
+def test_half_rate_nic_doubles_a_bandwidth_bound_all_reduce() -> None:
+    # Latency-free part: the difference of two large sizes cancels the fixed terms.
+    big, small = float(1 << 31), float(1 << 29)
+    t_big, _, _ = _all_reduce(nbytes=big)
+    t_small, _, _ = _all_reduce(nbytes=small)
+    s_big, _, _ = _all_reduce(slow=[(0, 3, 2.0)], nbytes=big)
+    s_small, _, _ = _all_reduce(slow=[(0, 3, 2.0)], nbytes=small)
+    ratio = (s_big - s_small) / (t_big - t_small)
+    assert ratio == pytest.approx(2.0, rel=0.1)
+
+
+def test_slow_link_capacity_divided_both_ways() -> None:
+    bench = Bench.build("dgx-h100", 16)
+    links = nic_links(bench.fabric, 1, 4)
+    before = bench.fabric.capacity[links].copy()
+    apply_link_faults(bench.fabric, [(1, 4, 4.0)])
+    assert len(links) == 2
+    np.testing.assert_allclose(bench.fabric.capacity[links], before / 4)
+
+
+def test_failed_nic_traffic_moves_to_other_nics_bytes_conserved() -> None:
+    t0, base, fab0 = _all_reduce()
+    t1, failed, fab1 = _all_reduce(failed=[(0, 0)])
+    dead = nic_links(fab1, 0, 0)
+    assert failed[dead].sum() == 0 and base[dead].sum() > 0
+    # The same bytes leave the servers, now through seven NICs of node 0.
+    assert _leaving(fab1, failed) == pytest.approx(_leaving(fab0, base), rel=1e-9)
+    # One NIC now carries two rings' traffic: the all-reduce is slower, at most twice (the
+    # network-bound part doubles, NVLink and latency do not).
+    assert t0 < t1 <= 2.0 * t0 * 1.05
+
+
+def test_failed_link_in_a_training_step_conserves_what_leaves_the_servers() -> None:
+    base = _run(FSDP2)
+    failed = _run(FSDP2, "faults.failed_links=[{node: 0, nic: 0}]")
+    nic = [i for i, (u, _) in enumerate(failed.fabric.endpoints)
+           if u == ("nic", 0, 0) and failed.fabric.kind[i] == NETWORK]
+    assert nic and failed.fabric.route(0, 8)[2] != nic[0]
+    assert failed.summary["step_time_s"] >= base.summary["step_time_s"]
+    assert failed.summary["bytes"]["nvlink"] == pytest.approx(base.summary["bytes"]["nvlink"])
+
+
+# ----------------------------------------------------------------- bad input
+@pytest.mark.parametrize("keys, where", [
+    ("faults.slow_gpus=[{rank: 8, factor: 1.1}]", "faults.slow_gpus[0].rank"),
+    ("faults.slow_gpus=[{rank: 1, factor: 0.5}]", "faults.slow_gpus[0].factor"),
+    ("faults.slow_links=[{node: 1, nic: 0, factor: 2}]", "faults.slow_links[0].node"),
+    ("faults.failed_links=[{node: 0, nic: 8}]", "faults.failed_links[0].nic"),
+    ("faults.slow_gpu=[]", "faults.slow_gpu"),
+])
+def test_bad_keys_exit_2_with_one_line(keys: str, where: str) -> None:
+    out = subprocess.run([str(FABRICSIM), "run", DDP, "--set", keys, "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and where in lines[0], out.stderr
+
+
+def test_bad_keys_raise_scenario_error() -> None:
+    with pytest.raises(ScenarioError, match="faults.slow_gpus"):
+        _run(DDP, "faults.slow_gpus=[{rank: 2, factor: 1.1}, {rank: 2, factor: 1.2}]")
+    with pytest.raises(ScenarioError, match="every NIC of node 1"):
+        _run(FSDP2, "faults.failed_links=[" + ", ".join(
+            f"{{node: 1, nic: {k}}}" for k in range(8)) + "]")
