@@ -54,8 +54,8 @@ def split_rank(program: Program, rank: int, compute_factor: float = 1.0) -> Rank
     >>> ar = p.add(c, Op("ar", "collective", "comm", "comm", deps=[f], collective="all_reduce",
     ...                  group=(0, 1, 2, 3), nbytes=1e6, key="ar0"))
     >>> slow = split_rank(p, 2, 1.5)
-    >>> [k.members for k in p.classes], slow.compute_factor
-    ([(0, 1, 3), (2,)], 1.5)
+    >>> [k.members for k in p.classes], slow.compute_factor, slow.label
+    ([(0, 1, 3), (2,)], 1.5, 'rank 2 (slow GPU x1.5; of class 0)')
     >>> copy = slow.streams["comm"][0]
     >>> copy.key, copy.deps[0] is slow.streams["compute"][0], copy.index
     ('ar0', True, 3)
@@ -64,12 +64,15 @@ def split_rank(program: Program, rank: int, compute_factor: float = 1.0) -> Rank
     if not 0 <= rank < program.n_ranks:
         raise IndexError(f"rank {rank} out of range [0, {program.n_ranks})")
     cls = next(c for c in program.classes if rank in c.members)
+    mark = f"slow GPU x{compute_factor:g}" if compute_factor != 1 else "split"
     if len(cls.members) == 1:
         cls.compute_factor *= compute_factor
+        cls.label = f"{cls.label} ({mark})" if cls.label else f"rank {rank} ({mark})"
         return cls
+    # The label marks the straggler on the timeline (Perfetto's process name, plots).
     new = RankClass(id=max(c.id for c in program.classes) + 1, members=(rank,),
                     initial_memory=dict(cls.initial_memory),
-                    label=f"{cls.label} rank {rank}".strip() if cls.label else f"rank {rank}",
+                    label=f"rank {rank} ({mark}; of {cls.label or f'class {cls.id}'})",
                     compute_factor=cls.compute_factor * compute_factor)
     cls.members = tuple(r for r in cls.members if r != rank)
     program.classes.append(new)

@@ -86,6 +86,41 @@ def test_slow_rank_in_fsdp2_on_two_servers() -> None:
     assert len(slow.program.classes) == len(base.program.classes) + 1
 
 
+TINY = str(Path(__file__).resolve().parent / "golden" / "scenarios" / "tiny.yaml")
+LAYOUTS = {
+    "ddp": (),
+    "fsdp2": ("framework.name=fsdp2",),
+    "deepspeed-zero3": ("framework.name=deepspeed",),
+    "megatron-tp2-pp2": ("framework.name=megatron", "parallelism.tp=2", "parallelism.pp=2"),
+    "megatron-tp2-pp2-vp2-dist-opt": ("framework.name=megatron", "parallelism.tp=2",
+                                      "parallelism.pp=2", "parallelism.vp=2",
+                                      "framework.distributed_optimizer=true",
+                                      "framework.overlap_grad_reduce=true"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_split_at_full_speed_is_the_same_step(layout: str) -> None:
+    # Splitting a rank out at factor 1 must change no time and no byte (its copy does exactly
+    # what its class did, and the rendezvous joins the two), and it adds one class only.
+    base = _run(TINY, *LAYOUTS[layout])
+    split = _run(TINY, *LAYOUTS[layout], "faults.slow_gpus=[{rank: 5, factor: 1.0}]")
+    assert split.summary["step_time_s"] == pytest.approx(base.summary["step_time_s"],
+                                                         rel=1e-9)
+    assert split.summary["bytes"] == pytest.approx(base.summary["bytes"], rel=1e-9)
+    assert len(split.program.classes) == len(base.program.classes) + 1
+    alone = next(c for c in split.program.classes if c.members == (5,))
+    was = next(c for c in base.program.classes if 5 in c.members)
+    assert {n: len(o) for n, o in alone.streams.items()} == {
+        n: len(o) for n, o in was.streams.items()}
+    # Slower at 1.5: the step grows, bounded by the straggler's whole extra compute.
+    slow = _run(TINY, *LAYOUTS[layout], "faults.slow_gpus=[{rank: 5, factor: 1.5}]")
+    extra = slow.summary["step_time_s"] - base.summary["step_time_s"]
+    busy = sum(r.end - r.start for r in base.recorder.ops
+               if r.cls == was.id and r.op.kind == "compute")
+    assert 0 < extra <= 0.5 * busy * 1.05
+
+
 def test_empty_faults_change_nothing(ddp_base) -> None:
     same = _run(DDP, "faults={}")
     a, b = dict(ddp_base.summary), dict(same.summary)
