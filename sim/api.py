@@ -31,7 +31,7 @@ from sim.fabric.topology.routing import ROUTING_BY_TRANSPORT
 from sim.frameworks import JobContext, build_program, framework
 from sim.hardware.host import HostSpec
 from sim.program.ir import Program
-from sim.program.split import split_rank
+from sim.program.split import split_slow
 from sim.scenario import Scenario
 
 
@@ -85,16 +85,15 @@ def fabric_spec(s: Scenario) -> FabricSpec:
 
 
 def apply_faults(s: Scenario, program: Program, fabric: Fabric) -> None:
-    """The scenario's ``faults:`` on the built program and fabric: each slow GPU split into a
-    rank class of its own (:func:`sim.program.split.split_rank`), slow and failed NIC links on
-    the fabric (:mod:`sim.fabric.topology.link_faults`). No block, or an empty one: nothing
-    changes."""
+    """The scenario's ``faults:`` on the built program and fabric: the slow GPUs split out of
+    their rank classes, one new class per (class, factor) (:func:`sim.program.split.split_slow`),
+    slow and failed NIC links on the fabric (:mod:`sim.fabric.topology.link_faults`). No
+    block, or an empty one: nothing changes."""
     f = s.faults
     if f is None or f.empty:
         return
-    for g in f.slow_gpus:
-        split_rank(program, g.rank, g.factor)
     if f.slow_gpus:
+        split_slow(program, {g.rank: g.factor for g in f.slow_gpus})
         program.validate()
     apply_link_faults(fabric, [(x.node, x.nic, x.factor) for x in f.slow_links],
                       [(x.node, x.nic) for x in f.failed_links], f.seed)

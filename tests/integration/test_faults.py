@@ -121,6 +121,21 @@ def test_split_at_full_speed_is_the_same_step(layout: str) -> None:
     assert 0 < extra <= 0.5 * busy * 1.05
 
 
+def test_a_throttled_server_is_one_class_and_the_slowest_rank_sets_the_step() -> None:
+    # Node 1's 8 GPUs at a 10% power-capped clock: one new class, not eight (they run alike);
+    # the step is as slow as with one of them alone (a synchronous job waits for its slowest).
+    node = ", ".join(f"{{rank: {r}, factor: 1.1}}" for r in range(8, 16))
+    one = _run(FSDP2, "faults.slow_gpus=[{rank: 9, factor: 1.1}]")
+    whole = _run(FSDP2, f"faults.slow_gpus=[{node}]")
+    assert len(whole.program.classes) == len(one.program.classes)
+    assert tuple(range(8, 16)) in [c.members for c in whole.program.classes]
+    assert whole.summary["step_time_s"] == pytest.approx(one.summary["step_time_s"], rel=0.02)
+    # Two factors in one class: two new classes; the slower one sets the step.
+    two = _run(FSDP2, "faults.slow_gpus=[{rank: 2, factor: 1.05}, {rank: 9, factor: 1.1}]")
+    assert len(two.program.classes) == len(one.program.classes) + 1
+    assert two.summary["step_time_s"] == pytest.approx(one.summary["step_time_s"], rel=0.02)
+
+
 def test_empty_faults_change_nothing(ddp_base) -> None:
     same = _run(DDP, "faults={}")
     a, b = dict(ddp_base.summary), dict(same.summary)
