@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -235,3 +236,19 @@ def test_bad_keys_raise_scenario_error() -> None:
     with pytest.raises(ScenarioError, match="every NIC of node 1"):
         _run(FSDP2, "faults.failed_links=[" + ", ".join(
             f"{{node: 1, nic: {k}}}" for k in range(8)) + "]")
+
+
+def test_collective_command_takes_link_faults() -> None:
+    # `fabricsim collective` (nccl-tests on the simulated fabric) with a NIC at half rate:
+    # a 1 GiB ring all-reduce on 2 x 8 H100 is network-bound, so its time about doubles.
+    def row(*sets: str) -> dict:  # type: ignore[type-arg]
+        args = [str(FABRICSIM), "collective", "dgx-h100", "--op", "all_reduce", "--gpus", "16",
+                "--sizes", "1G", "--algo", "ring", "--json"]
+        for s in sets:
+            args += ["--set", s]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout)["rows"][0]
+
+    base = row()["time_s"]
+    slow = row("faults.slow_links=[{node: 0, nic: 3, factor: 2}]")["time_s"]
+    assert slow / base == pytest.approx(2.0, rel=0.1)
