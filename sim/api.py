@@ -92,8 +92,9 @@ def apply_faults(s: Scenario, program: Program, fabric: Fabric) -> None:
     f = s.faults
     if f is None or f.empty:
         return
-    if f.slow_gpus:
-        split_slow(program, {g.rank: g.factor for g in f.slow_gpus})
+    factors = f.gpu_factors(s.cluster.gpus_per_node)
+    if factors:
+        split_slow(program, factors)
         program.validate()
     apply_link_faults(fabric, [(x.node, x.nic, x.factor) for x in f.slow_links],
                       [(x.node, x.nic) for x in f.failed_links], f.seed)

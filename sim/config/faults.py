@@ -34,6 +34,15 @@ class SlowGpu(StrictModel):
     """Its compute kernels take ``factor`` times as long (1.1: 10% slower)."""
 
 
+class SlowNode(StrictModel):
+    """A whole server whose GPUs all run slower (power capping, a hot rack, a slow host)."""
+
+    node: int = Field(ge=0)
+    """Server index (its GPUs are ranks ``node * gpus_per_node`` onwards)."""
+    factor: float = Field(ge=1.0)
+    """Every GPU's compute kernels on it take ``factor`` times as long."""
+
+
 class SlowLink(StrictModel):
     """One NIC's network link running below its line rate (both directions)."""
 
@@ -59,8 +68,12 @@ class Faults(StrictModel):
 
     slow_gpus: list[SlowGpu] = Field(default_factory=list)
     """Straggler GPUs: ``[{rank, factor}]``; each gets a rank class of its own."""
+    slow_nodes: list[SlowNode] = Field(default_factory=list)
+    """Slow servers: ``[{node, factor}]``, every GPU of the node slowed alike (they share one
+    new rank class per class they came from). A rank also in ``slow_gpus``: factors multiply."""
     slow_links: list[SlowLink] = Field(default_factory=list)
-    """Degraded NIC links: ``[{node, nic, factor}]``."""
+    """Degraded NIC links: ``[{node, nic, factor}]``. A flapping link that is down a share
+    ``d`` of the time averages to ``factor = 1 / (1 - d)``."""
     failed_links: list[FailedLink] = Field(default_factory=list)
     """Failed NIC links: ``[{node, nic}]``; their traffic falls back to the node's other NICs."""
     seed: int = 0
@@ -72,6 +85,9 @@ class Faults(StrictModel):
         ranks = [g.rank for g in self.slow_gpus]
         if len(set(ranks)) != len(ranks):
             raise ValueError("faults.slow_gpus: a rank is listed twice")
+        nodes = [x.node for x in self.slow_nodes]
+        if len(set(nodes)) != len(nodes):
+            raise ValueError("faults.slow_nodes: a node is listed twice")
         for key, items in (("slow_links", self.slow_links), ("failed_links", self.failed_links)):
             nics = [(x.node, x.nic) for x in items]
             if len(set(nics)) != len(nics):
@@ -86,7 +102,23 @@ class Faults(StrictModel):
     @property
     def empty(self) -> bool:
         """No fault at all: the run is exactly the one without the block."""
-        return not (self.slow_gpus or self.slow_links or self.failed_links)
+        return not (self.slow_gpus or self.slow_nodes or self.slow_links or self.failed_links)
+
+    def gpu_factors(self, gpus_per_node: int) -> dict[int, float]:
+        """Each slowed rank's compute factor: ``slow_gpus`` and ``slow_nodes`` together.
+
+        Examples
+        --------
+        >>> f = Faults(slow_gpus=[{"rank": 5, "factor": 2}],
+        ...            slow_nodes=[{"node": 1, "factor": 1.5}])
+        >>> f.gpu_factors(4)
+        {5: 3.0, 4: 1.5, 6: 1.5, 7: 1.5}
+        """
+        out = {g.rank: g.factor for g in self.slow_gpus}
+        for x in self.slow_nodes:
+            for r in range(x.node * gpus_per_node, (x.node + 1) * gpus_per_node):
+                out[r] = out.get(r, 1.0) * x.factor
+        return out
 
 
 def check_faults(faults: Faults | None, nodes: int, gpus_per_node: int, nics_per_node: int,
@@ -110,6 +142,10 @@ def check_faults(faults: Faults | None, nodes: int, gpus_per_node: int, nics_per
                                 f"of the {n} GPUs")
     links: tuple[tuple[str, Sequence[SlowLink | FailedLink]], ...] = (
         ("slow_links", faults.slow_links), ("failed_links", faults.failed_links))
+    for i, sn in enumerate(faults.slow_nodes):
+        if sn.node >= nodes:
+            raise ScenarioError(f"{origin}: faults.slow_nodes[{i}].node: {sn.node} is not one of "
+                                f"the {nodes} servers")
     for key, items in links:
         for i, x in enumerate(items):
             if x.node >= nodes:

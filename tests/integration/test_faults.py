@@ -131,6 +131,11 @@ def test_a_throttled_server_is_one_class_and_the_slowest_rank_sets_the_step() ->
     assert len(whole.program.classes) == len(one.program.classes)
     assert tuple(range(8, 16)) in [c.members for c in whole.program.classes]
     assert whole.summary["step_time_s"] == pytest.approx(one.summary["step_time_s"], rel=0.02)
+    # faults.slow_nodes says the same in one entry.
+    by_node = _run(FSDP2, "faults.slow_nodes=[{node: 1, factor: 1.1}]")
+    assert by_node.summary["step_time_s"] == whole.summary["step_time_s"]
+    assert [c.members for c in by_node.program.classes] == [
+        c.members for c in whole.program.classes]
     # Two factors in one class: two new classes; the slower one sets the step.
     two = _run(FSDP2, "faults.slow_gpus=[{rank: 2, factor: 1.05}, {rank: 9, factor: 1.1}]")
     assert len(two.program.classes) == len(one.program.classes) + 1
@@ -221,6 +226,7 @@ def test_failed_link_in_a_training_step_conserves_what_leaves_the_servers() -> N
     ("faults.slow_links=[{node: 1, nic: 0, factor: 2}]", "faults.slow_links[0].node"),
     ("faults.failed_links=[{node: 0, nic: 8}]", "faults.failed_links[0].nic"),
     ("faults.slow_gpu=[]", "faults.slow_gpu"),
+    ("faults.slow_nodes=[{node: 1, factor: 1.1}]", "faults.slow_nodes[0].node"),
 ])
 def test_bad_keys_exit_2_with_one_line(keys: str, where: str) -> None:
     out = subprocess.run([str(FABRICSIM), "run", DDP, "--set", keys, "--json"],
