@@ -258,3 +258,14 @@ def test_collective_command_takes_link_faults() -> None:
     base = row()["time_s"]
     slow = row("faults.slow_links=[{node: 0, nic: 3, factor: 2}]")["time_s"]
     assert slow / base == pytest.approx(2.0, rel=0.1)
+
+
+def test_seed_picks_among_equally_near_nics_deterministically() -> None:
+    # 8 NICs on 8 PCIe switches (DGX H100): the 7 live NICs are equally near NIC 0's GPU
+    # (through the host), so the seed picks; never the failed one, the same pick every time.
+    from sim.fabric.topology.link_faults import substitute_nic
+
+    fab = Bench.build("dgx-h100", 16).fabric
+    picks = [substitute_nic(fab, 0, 0, {0}, seed) for seed in range(16)]
+    assert picks == [substitute_nic(fab, 0, 0, {0}, seed) for seed in range(16)]
+    assert 0 not in picks and len(set(picks)) > 1
