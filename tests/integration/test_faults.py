@@ -269,3 +269,15 @@ def test_seed_picks_among_equally_near_nics_deterministically() -> None:
     picks = [substitute_nic(fab, 0, 0, {0}, seed) for seed in range(16)]
     assert picks == [substitute_nic(fab, 0, 0, {0}, seed) for seed in range(16)]
     assert 0 not in picks and len(set(picks)) > 1
+
+
+def test_nccl_tuner_sees_the_slow_ring_channel() -> None:
+    # NCCL's graph search gives all ring channels the speed every one of them sustains, so its
+    # tuner prices a ring with one NIC at a quarter rate at 4x (tuning.cc busBw = nChannels x
+    # bw); the simulated choice is then no slower than the forced ring (2 x 4 H100, 4 NICs).
+    over = {"cluster.gpus_per_node": 4, "cluster.nics_per_node": 4,
+            "faults.slow_links": [{"node": 1, "nic": 2, "factor": 4}]}
+    ring = Bench.build("dgx-h100", 8, "ring", overrides=over).run("all_reduce", 1 << 30)
+    auto = Bench.build("dgx-h100", 8, "auto", overrides=over).run("all_reduce", 1 << 30)
+    assert ring["nccl_model_s"] == pytest.approx(ring["time_s"], rel=0.1)
+    assert auto["time_s"] <= ring["time_s"]
