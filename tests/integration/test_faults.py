@@ -44,6 +44,11 @@ def ddp_base():  # type: ignore[no-untyped-def]
     return _run(DDP)
 
 
+@pytest.fixture(scope="module")
+def fsdp2_base():  # type: ignore[no-untyped-def]
+    return _run(FSDP2)
+
+
 @pytest.mark.parametrize("factor", [1.1, 1.3])
 def test_one_slow_rank_slows_a_ddp_step_by_its_extra_compute(ddp_base, factor: float) -> None:
     slow = _run(DDP, f"faults.slow_gpus=[{{rank: 3, factor: {factor}}}]")
@@ -79,8 +84,8 @@ def test_only_the_slow_ranks_class_splits(ddp_base) -> None:
     assert slow.summary["bytes"] == pytest.approx(ddp_base.summary["bytes"], rel=1e-9)
 
 
-def test_slow_rank_in_fsdp2_on_two_servers() -> None:
-    base = _run(FSDP2)
+def test_slow_rank_in_fsdp2_on_two_servers(fsdp2_base) -> None:
+    base = fsdp2_base
     slow = _run(FSDP2, "faults.slow_gpus=[{rank: 9, factor: 1.1}]")
     extra = slow.summary["step_time_s"] - base.summary["step_time_s"]
     assert extra == pytest.approx(0.1 * base.summary["compute_time_s"], rel=0.2)
@@ -209,8 +214,8 @@ def test_failed_nic_traffic_moves_to_other_nics_bytes_conserved() -> None:
     assert t0 < t1 <= 2.0 * t0 * 1.05
 
 
-def test_failed_link_in_a_training_step_conserves_what_leaves_the_servers() -> None:
-    base = _run(FSDP2)
+def test_failed_link_in_a_training_step_conserves_what_leaves_the_servers(fsdp2_base) -> None:
+    base = fsdp2_base
     failed = _run(FSDP2, "faults.failed_links=[{node: 0, nic: 0}]")
     nic = [i for i, (u, _) in enumerate(failed.fabric.endpoints)
            if u == ("nic", 0, 0) and failed.fabric.kind[i] == NETWORK]
@@ -220,15 +225,26 @@ def test_failed_link_in_a_training_step_conserves_what_leaves_the_servers() -> N
 
 
 # ----------------------------------------------------------------- bad input
-@pytest.mark.parametrize("keys, where", [
+BAD = [
     ("faults.slow_gpus=[{rank: 8, factor: 1.1}]", "faults.slow_gpus[0].rank"),
     ("faults.slow_gpus=[{rank: 1, factor: 0.5}]", "faults.slow_gpus[0].factor"),
     ("faults.slow_links=[{node: 1, nic: 0, factor: 2}]", "faults.slow_links[0].node"),
     ("faults.failed_links=[{node: 0, nic: 8}]", "faults.failed_links[0].nic"),
     ("faults.slow_gpu=[]", "faults.slow_gpu"),
     ("faults.slow_nodes=[{node: 1, factor: 1.1}]", "faults.slow_nodes[0].node"),
-])
+]
+
+
+@pytest.mark.parametrize("keys, where", BAD)
+def test_bad_keys_name_themselves_in_one_line(keys: str, where: str) -> None:
+    with pytest.raises(ScenarioError) as err:
+        _run(DDP, keys)
+    assert where in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("keys, where", [BAD[0], BAD[1]])
 def test_bad_keys_exit_2_with_one_line(keys: str, where: str) -> None:
+    # One check of the cluster (sim.config.faults.check_faults), one of the schema's bounds.
     out = subprocess.run([str(FABRICSIM), "run", DDP, "--set", keys, "--json"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
