@@ -21,14 +21,17 @@ from sim.analysis.collect import JobFacts, collect_summary
 from sim.analysis.cost import resolve_pricing
 from sim.analysis.memory_overheads import overheads
 from sim.analysis.summary import Summary
+from sim.config.faults import check_faults
 from sim.engine.core import Engine, paused_gc
 from sim.engine.recorder import Recorder
 from sim.fabric.collectives.runner import NcclSettings
 from sim.fabric.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
+from sim.fabric.topology.link_faults import apply_link_faults
 from sim.fabric.topology.routing import ROUTING_BY_TRANSPORT
 from sim.frameworks import JobContext, build_program, framework
 from sim.hardware.host import HostSpec
 from sim.program.ir import Program
+from sim.program.split import split_slow
 from sim.scenario import Scenario
 
 
@@ -81,6 +84,22 @@ def fabric_spec(s: Scenario) -> FabricSpec:
     )
 
 
+def apply_faults(s: Scenario, program: Program, fabric: Fabric) -> None:
+    """The scenario's ``faults:`` on the built program and fabric: the slow GPUs split out of
+    their rank classes, one new class per (class, factor) (:func:`sim.program.split.split_slow`),
+    slow and failed NIC links on the fabric (:mod:`sim.fabric.topology.link_faults`). No
+    block, or an empty one: nothing changes."""
+    f = s.faults
+    if f is None or f.empty:
+        return
+    factors = f.gpu_factors(s.cluster.gpus_per_node)
+    if factors:
+        split_slow(program, factors)
+        program.validate()
+    apply_link_faults(fabric, [(x.node, x.nic, x.factor) for x in f.slow_links],
+                      [(x.node, x.nic) for x in f.failed_links], f.seed)
+
+
 def nccl_settings(s: Scenario) -> NcclSettings:
     n = s.nccl
     return NcclSettings(algo=n.algo, proto=n.proto, buffsize=n.buffsize, cross_nic=n.cross_nic,
@@ -99,9 +118,12 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
     with paused_gc():   # build, run and collect without the cyclic collector
         # build (prices first: a bad pricing.instance is refused before anything runs)
         resolve_pricing(scenario, origin=origin)
+        check_faults(scenario.faults, scenario.cluster.nodes, scenario.cluster.gpus_per_node,
+                     scenario.cluster.nics_per_node, origin)
         ctx = JobContext.from_scenario(scenario, origin)
         program = build_program(ctx)
         fabric = build_fabric(fabric_spec(scenario))
+        apply_faults(scenario, program, fabric)
         extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
                  for c in program.classes}
         # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's

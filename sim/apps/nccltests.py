@@ -16,9 +16,11 @@ from typing import Any
 import simpy
 
 from sim import catalog
+from sim.config.faults import check_faults
 from sim.fabric.collectives.runner import CollectiveRunner, NcclSettings, transport_capacity
 from sim.fabric.network import FlowNetwork
 from sim.fabric.topology import LINK_KINDS, Fabric, build_fabric
+from sim.fabric.topology.link_faults import apply_link_faults
 from sim.scenario import ScenarioError, scenario_from_dict
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
@@ -87,8 +89,13 @@ class Bench:
             data.setdefault(section, {})[field] = value
         s = scenario_from_dict(data, origin=f"topology {topology}")
         gpu = catalog.gpu(s.cluster.gpu)
-        return cls(build_fabric(fabric_spec(s)), gpu.arch, s.cluster.nic_transport,
-                   nccl_settings(s), gpus)
+        fabric = build_fabric(fabric_spec(s))
+        if s.faults is not None:   # slow and failed NIC links (faults.slow_gpus: no compute)
+            check_faults(s.faults, s.cluster.nodes, s.cluster.gpus_per_node,
+                         s.cluster.nics_per_node, f"topology {topology}")
+            apply_link_faults(fabric, [(x.node, x.nic, x.factor) for x in s.faults.slow_links],
+                              [(x.node, x.nic) for x in s.faults.failed_links], s.faults.seed)
+        return cls(fabric, gpu.arch, s.cluster.nic_transport, nccl_settings(s), gpus)
 
     def run(self, op: str, nbytes: float) -> dict[str, Any]:
         """One collective on an idle fabric: time, algbw, busbw, the algorithm and protocol

@@ -96,8 +96,9 @@ def collective(
                                       "collnet_direct, collnet_chain.")] = "auto",
     proto: Annotated[str, typer.Option("--proto", help="auto, ll, ll128, simple.")] = "auto",
     set_: Annotated[list[str] | None, typer.Option(
-        "--set", help="Override a cluster or nccl key: cluster.azs=2, "
-        "cluster.az_latency_ms=10, nccl.buffsize=8388608 (repeatable).")] = None,
+        "--set", help="Override a cluster, nccl or faults key: cluster.azs=2, "
+        "cluster.az_latency_ms=10, nccl.buffsize=8388608, "
+        "'faults.slow_links=[{node: 0, nic: 0, factor: 2}]' (repeatable).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """What nccl-tests would print on that fabric: time, algbw, busbw per size."""
@@ -112,10 +113,11 @@ def collective(
         _bad_input(f"--proto: {proto!r} is not auto, ll, ll128 or simple")
     try:
         overrides = dict(parse_set(a) for a in set_ or [])
-        bad = [k for k in overrides if k.split(".")[0] not in ("cluster", "nccl")
+        bad = [k for k in overrides if k.split(".")[0] not in ("cluster", "nccl", "faults")
                or k.count(".") != 1]
         if bad:
-            raise ScenarioError(f"--set {bad[0]}: collective takes cluster.KEY or nccl.KEY")
+            raise ScenarioError(f"--set {bad[0]}: collective takes cluster.KEY, nccl.KEY or "
+                                "faults.KEY")
         table = collective_table(topology, op, gpus, parse_sizes(sizes), algo, proto,
                                  overrides)
     except ScenarioError as exc:

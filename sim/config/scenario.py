@@ -18,6 +18,7 @@ from pydantic.fields import FieldInfo
 
 from sim.config.base import StrictModel
 from sim.config.cluster import Cluster
+from sim.config.faults import Faults
 from sim.config.run import Run
 from sim.config.training import (
     Allocator,
@@ -81,6 +82,8 @@ class Scenario(StrictModel):
     claims: Claims | None = None
     run: Run | None = None
     """A whole run (checkpoints, failures, restarts); needs ``training.tokens_total``."""
+    faults: Faults | None = None
+    """Faults inside a step: slow GPUs, slow and failed NIC links (:mod:`sim.config.faults`)."""
     seed: int = 0
     """Seed for every random choice (ECMP hashing); same seed, same numbers."""
 

@@ -13,7 +13,10 @@ the CPU's own work (a CPU optimizer step): they run beside the GPU streams, laun
 and take no share of the GPU.
 
 Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how long a
-compute op takes given what runs beside it).
+compute op takes given what runs beside it). A rank class's
+:attr:`~sim.program.ir.RankClass.compute_factor` (a straggler GPU, ``faults.slow_gpus``)
+multiplies its compute ops' time there; copies and host work keep theirs (a throttled GPU's
+SM clocks fall, its copy engines' and PCIe's rates do not).
 """
 
 from __future__ import annotations
@@ -150,8 +153,11 @@ class Engine:
         Override to model interference differently. A collective running on the rank class
         holds SMs (one CTA per NCCL channel) and HBM bandwidth; the op is slowed by
         :func:`sim.hardware.interference.slowdown` from its matrix share. :meth:`_run_compute`
-        re-applies this whenever a collective starts or ends during the op.
+        re-applies this whenever a collective starts or ends during the op. A straggler class
+        (``cls.compute_factor`` above 1) runs its compute kernels that many times longer.
         """
+        if op.kind == "compute":
+            return op.duration * cls.compute_factor * self._slowdown(cls, op)
         return op.duration * self._slowdown(cls, op)
 
     def _matrix_share(self, op: Op) -> float:

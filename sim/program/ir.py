@@ -132,6 +132,9 @@ class RankClass:
     initial_memory: dict[str, float] = field(default_factory=dict)
     """Bytes held before the step starts, by category (sharded parameters, optimizer states)."""
     label: str = ""
+    compute_factor: float = 1.0
+    """The class's compute kernels take this many times their ``duration`` (a straggler GPU,
+    ``faults.slow_gpus``; set by :func:`sim.program.split.split_rank`). 1: full speed."""
 
 
 @dataclass

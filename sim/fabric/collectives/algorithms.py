@@ -309,7 +309,7 @@ class PlanBuilder:
                                     for i in range(n)], steps) for ring, rail in rings)
         n_nodes = len(self._by_node(group))
         plan = self._lockstep("ring", flows, n, n_nodes, len(rings), 0.0, factor)
-        return _with_bus(plan, float(plan.bottleneck.sum()),
+        return _with_bus(plan, _ring_bus(plan.bottleneck),
                          nccl_channel_count(n_nodes, len(rings), self.g), chain)
 
     def chain_broadcast(self, group: Sequence[int], root: int) -> FlowPlan:
@@ -467,6 +467,18 @@ P2P_ROUTE = -1
 P2P_CHANNELS_PER_PEER = 2
 P2P_NET_CHUNK_BYTES = 128 * 1024
 NCCL_STEPS = 8
+
+
+def _ring_bus(bottleneck: np.ndarray) -> float:
+    """A ring's bus bandwidth as NCCL's tuner sees it: its graph search gives every channel
+    one speed, the one all of them sustain (search.cc ncclTopoCompute: ``bwIntra``/``bwInter``
+    per channel), and busBw = nChannels x that speed (tuning.cc). Equal channels: their sum
+    (bit for bit what it always was); unequal ones (a NIC link slowed by ``faults``): the
+    slowest times their count, as the lock-step flows then run."""
+    if len(bottleneck) == 0:
+        return 0.0
+    low = float(bottleneck.min())
+    return float(bottleneck.sum()) if low == float(bottleneck.max()) else low * len(bottleneck)
 
 
 def _with_bus(plan: FlowPlan, bus: float, nccl_channels: int = 0,

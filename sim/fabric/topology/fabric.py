@@ -143,6 +143,15 @@ class Fabric:
         self._down: dict[tuple[int, int, int], tuple[int, ...]] = {}
         self._to_host: dict[int, tuple[int, ...]] = {}
         self._from_host: dict[int, tuple[int, ...]] = {}
+        self._nic_sub: dict[tuple[int, int], int] = {}
+
+    def set_nic_substitutes(self, subs: dict[tuple[int, int], int]) -> None:
+        """Failed NICs: cross-node routes that would use NIC ``k`` of ``node`` use NIC
+        ``subs[(node, k)]`` instead (:mod:`sim.fabric.topology.link_faults`). Call before any
+        route is asked (routes are cached)."""
+        if self._routes:
+            raise RuntimeError("set_nic_substitutes: routes were already cached")
+        self._nic_sub = dict(subs)
 
     # --- ranks -----------------------------------------------------------------------------
     @property
@@ -302,6 +311,9 @@ class Fabric:
                 ka = kb = rail
             else:
                 raise IndexError(f"rail {rail} out of range [0, {spec.nics_per_node})")
+            if self._nic_sub:   # failed NICs (sim.fabric.topology.link_faults)
+                ka = self._nic_sub.get((a, ka), ka)
+                kb = self._nic_sub.get((b, kb), kb)
             up = self._up_down(a, ga, ka)[0]
             down = self._up_down(b, gb, kb)[1]
             net = network_nodes(spec, self._layout, src_rank, dst_rank, a, b, ka, kb)
