@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 from sim.config.cluster import Cluster
 from sim.config.training import (
@@ -78,7 +79,7 @@ class Scenario(StrictModel):
     training: Training = Training()
     pricing: Pricing = Pricing()
     claims: Claims | None = None
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=B.MAX_SEED)
     """Seed for every random choice (ECMP hashing); same seed, same numbers."""
 
     @property
@@ -92,6 +93,10 @@ class Scenario(StrictModel):
                              f"({self.cluster.nodes} nodes, 0 NICs)")
         p = self.parallelism
         n = self.gpus
+        if n > B.MAX_GPUS:
+            raise ValueError(f"cluster.nodes: {self.cluster.nodes} nodes x "
+                             f"{self.cluster.gpus_per_node} GPUs = {n} GPUs, more than "
+                             f"{B.MAX_GPUS:,} (the largest clusters built hold 100-200 thousand)")
         fixed = p.tp * p.pp * p.cp
         if p.dp is None:
             if n % fixed:
