@@ -314,9 +314,19 @@ def plan(
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write plan.json, plan.csv, pareto.png and top-K.yaml here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", help="Simulation cache folder (default: .fabricsim-cache next to --out, "
+        "or here); a plan run again simulates only what is missing.")] = None,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="Simulate every layout; read and write no cache.")] = False,
 ) -> None:
     """Search frameworks and parallel layouts that fit in memory; rank by time or cost."""
     from sim.apps.plan import plan_command
+    from sim.apps.sweep import DEFAULT_CACHE_DIRNAME
+
+    if cache is None and not no_cache:
+        cache = (out.expanduser().parent if out is not None else Path.cwd()) \
+            / DEFAULT_CACHE_DIRNAME
 
     if address and backend == "local":
         _bad_input("--address: only with --backend ray or dask")
@@ -324,8 +334,11 @@ def plan(
     try:
         if backend in ("ray", "dask"):
             be, hook = _plan_simulations(backend, address, workers)
-        plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
-                     max_simulations, time_limit, out, as_json, hook)
+        rc = plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
+                          max_simulations, time_limit, out, as_json, hook,
+                          cache=None if no_cache else cache)
+        if rc:
+            raise typer.Exit(rc)
     except ScenarioError as exc:
         _bad_input(str(exc))
     finally:

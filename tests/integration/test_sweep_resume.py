@@ -16,6 +16,7 @@ import csv
 import functools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -284,3 +285,68 @@ def test_a_killed_ray_worker_is_retried_once_then_recorded(tiny_file: str,
     finally:
         ray.shutdown()
     _check_deaths(result, tmp_path)
+
+
+# --------------------------------------------------------------------------- the planner
+# tests/integration/test_plan.py's ODD job: 8 A100s, a 6-layer model; DDP's layouts only.
+ODD = {
+    "name": "odd-plan",
+    "model": {"layers": 6, "hidden": 1536, "heads": 12, "kv_heads": 4, "ffn_hidden": 4096,
+              "vocab": 32000, "name": "odd-6l"},
+    "cluster": {"topology": "dgx-a100", "nodes": 1, "gpu": "a100-80gb"},
+    "framework": {"name": "ddp"},
+    "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 16},
+}
+
+
+def _plan(path: str, cache: Path, capsys: pytest.CaptureFixture[str], **kw: Any
+          ) -> tuple[dict[str, Any], str]:
+    from sim.apps import plan
+
+    assert plan.plan_command(path, top=2, workers=1, frameworks=["ddp"], max_simulations=3,
+                             as_json=True, cache=cache, **kw) == 0
+    captured = capsys.readouterr()
+    return json.loads(captured.out), captured.err
+
+
+def _tops(data: dict[str, Any]) -> list[Any]:
+    return [(t["scenario"], {k: v for k, v in t["summary"].items() if k != "sim"})
+            for t in data["top"]]
+
+
+def test_a_plan_run_again_reuses_its_simulations(folder: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    path = _write(folder, "odd", ODD)
+    first, err = _plan(path, tmp_path, capsys)
+    assert "reused" not in err and _entries(tmp_path)   # the layouts' and the baseline's
+    again, err = _plan(path, tmp_path, capsys)
+    assert _tops(again) == _tops(first)
+    assert first["simulated"] >= 1
+    assert f"plan: {first['simulated']} simulations reused from the cache" in err
+
+
+def test_a_plan_on_a_cluster_hook_reuses_its_simulations(folder: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    from sim.apps import plan
+
+    path = _write(folder, "odd", ODD)
+    asked: list[int] = []
+
+    def hook(base: Any, layouts: list[Any]) -> list[Any]:   # as backend_simulations does
+        asked.append(len(layouts))
+        return [plan.simulate_layout(base, x) for x in layouts]
+
+    first, _ = _plan(path, tmp_path, capsys, backend="ray", simulate_many=hook)
+    n = sum(asked)
+    assert n >= 1
+    again, err = _plan(path, tmp_path, capsys, backend="ray", simulate_many=hook)
+    # Builds run on local processes beside the hook, so which layouts reach the budget can
+    # differ between runs; those simulated before are not sent again.
+    sent = sum(asked) - n
+    reused = re.search(r"plan: (\d+) simulations reused from the cache", err)
+    assert sent < n and reused is not None
+    assert int(reused.group(1)) + sent == again["simulated"]
+    before = dict((json.dumps(k, sort_keys=True), v) for k, v in _tops(first))
+    for k, v in _tops(again):
+        assert before.get(json.dumps(k, sort_keys=True), v) == v
