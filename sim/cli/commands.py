@@ -48,15 +48,21 @@ def run(
         "in the layout Holistic Trace Analysis reads.")] = False,
     hta_all_ranks: Annotated[bool, typer.Option(
         "--hta-all-ranks", help="With --out: one HTA trace per rank (implies --hta).")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Run even when the estimate says it would take over an hour or "
+        "more memory than this machine has.")] = False,
 ) -> None:
     """Simulate a training step and print its summary."""
     from sim.api import simulate
+    from sim.apps import budget
 
     zoom = _parse_window(window) if window is not None else None
     if (hta or hta_all_ranks or window is not None) and out is None:
         _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
     try:
         sc = load_scenario(scenario, set_ or [])
+        if not force:
+            budget.check(sc, steps, scenario)
         result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
                                                 keep_link_series=out is not None),
                                 quiet=as_json, steps=steps)
