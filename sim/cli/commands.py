@@ -282,13 +282,16 @@ def sweep(
                      ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print {rows: [...]} as JSON.")
                        ] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Run variants estimated to take over an hour (else failed rows).")
+                     ] = False,
 ) -> None:
     """Every combination of the grid values, in parallel: one row per variant."""
     from sim.apps.sweep import sweep_command
 
     try:
         rc = sweep_command(scenario, grid or [], backend, address, workers, out, plot, as_json,
-                           cache=cache, use_cache=not no_cache, steps=steps)
+                           cache=cache, use_cache=not no_cache, steps=steps, force=force)
     except ScenarioError as exc:
         _bad_input(str(exc))
         return

@@ -350,3 +350,15 @@ def test_a_plan_on_a_cluster_hook_reuses_its_simulations(folder: Path, tmp_path:
     before = dict((json.dumps(k, sort_keys=True), v) for k, v in _tops(first))
     for k, v in _tops(again):
         assert before.get(json.dumps(k, sort_keys=True), v) == v
+
+
+def test_a_variant_estimated_past_an_hour_is_a_failed_row(tiny_file: str) -> None:
+    # 2 layers x 2**26 / 4 = 2**24 micro-batches x 4 ops x 50 us = 6,711 s at the least
+    # (sim/apps/budget.py); the other variant runs.
+    result = run_sweep(tiny_file, [f"training.global_batch_size=8,{2**26}"], workers=1,
+                       use_cache=False)
+    ok, refused = result.rows
+    assert ok["error"] is None and result.failed == 1 and result.simulated == 1
+    assert refused["error"].startswith("ScenarioError: training.global_batch_size: at least "
+                                       "134,217,728 ops to simulate (2 layers x 16,777,216 "
+                                       "micro-batches), 1.9 h or more")

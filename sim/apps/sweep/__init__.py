@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sim.apps import budget
 from sim.apps.executor import (  # noqa: F401 - the backend layer, importable from here as before
     BACKENDS,
     MAX_BATCH,
@@ -98,7 +99,7 @@ def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
               cache_dir: Path | None = None, use_cache: bool = True,
               progress: ProgressFn | None = None,
               before_variant: Callable[[dict[str, Any]], None] | None = None,
-              out: Path | None = None) -> SweepResult:
+              out: Path | None = None, force: bool = False) -> SweepResult:
     """Run every combination of the grid values; bad input raises ScenarioError before
     anything runs.
 
@@ -124,6 +125,9 @@ def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
         The row file (.csv or .parquet) to keep the finished rows in while the sweep runs
         (:class:`~sim.apps.sweep.checkpoint.RowCheckpoint`); the caller writes the final
         one from the result.
+    force
+        Run variants that the estimate (:mod:`sim.apps.budget`) says would take over an
+        hour or more memory than this machine has; without it they are failed rows.
 
     Raises
     ------
@@ -155,7 +159,12 @@ def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
     todo: list[Task] = []
     ckeys: dict[int, str] = {}
     n_failed = n_cached = n_sim = 0
+    memory = budget.physical_memory()
     for v, sc in zip(variants, loaded, strict=True):
+        if not isinstance(sc, str) and not force:
+            est = budget.estimate(sc, steps)
+            why = budget.refusal(est, memory) if est is not None else None
+            sc = why if why is not None else sc
         if isinstance(sc, str):
             rows[v.index] = make_row(v, None, f"ScenarioError: {sc}", False, 0.0)
             n_failed += 1

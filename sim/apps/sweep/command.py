@@ -34,7 +34,8 @@ def sweep_command(scenario: str, grid: Sequence[str], backend: str = "local",
                   address: str | None = None, workers: int | None = None,
                   out: Path | None = None, plot: Path | None = None, as_json: bool = False,
                   cache: Path | None = None, use_cache: bool = True, steps: int = 1,
-                  before_variant: Callable[[dict[str, Any]], None] | None = None) -> int:
+                  before_variant: Callable[[dict[str, Any]], None] | None = None,
+                  force: bool = False) -> int:
     """Everything ``fabricsim sweep`` does; returns the exit status (0) or raises
     ScenarioError (one line; the CLI exits 2) on bad input, before anything runs.
 
@@ -71,7 +72,8 @@ def sweep_command(scenario: str, grid: Sequence[str], backend: str = "local",
         with contextlib.redirect_stdout(sys.stderr), _sigterm_interrupts(), \
                 _ProgressBar(err, quiet=as_json or not err.is_terminal) as progress:
             result = sweep.run_sweep(scenario, grid, backend, address, workers, steps, cache,
-                                     use_cache, progress, before_variant, out=out)
+                                     use_cache, progress, before_variant, out=out,
+                                     **({"force": True} if force else {}))
     except sweep.SweepInterrupted as stop:
         print(f"fabricsim: {stop.line()}", file=sys.stderr)
         return INTERRUPTED
