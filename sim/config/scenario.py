@@ -115,6 +115,16 @@ class Scenario(StrictModel):
                              f"{expert} does not divide the {n} GPUs")
         return self
 
+    @model_validator(mode="after")
+    def _check_claims(self) -> Scenario:
+        # The run_usd claim is judged by the hours its dollars buy (sim/analysis/claims.py):
+        # at a price of nothing they buy any number.
+        if self.claims is not None and self.claims.run_usd is not None \
+                and self.pricing.gpu_hour_usd == 0:
+            raise ValueError("claims.run_usd: cannot be judged with pricing.gpu_hour_usd 0 "
+                             "(free GPUs: any run costs nothing)")
+        return self
+
     @property
     def dp(self) -> int:
         p = self.parallelism

@@ -370,8 +370,9 @@ class Claims(StrictModel):
     """Share of the step a pipeline stage sits idle."""
     run_hours: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Hours to train ``training.tokens_total`` tokens."""
-    run_usd: float | None = Field(default=None, gt=0, allow_inf_nan=False)
-    """US dollars to train ``training.tokens_total`` tokens."""
+    run_usd: float | None = Field(default=None, ge=1e-6, allow_inf_nan=False)
+    """US dollars to train ``training.tokens_total`` tokens (a millionth of a dollar at
+    least: it is judged by the hours it buys, which a denormal rounds to none)."""
     cross_az_bytes_per_day: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Bytes crossing availability-zone boundaries per day of training."""
     egress_usd_per_day: float | None = Field(default=None, gt=0, allow_inf_nan=False)

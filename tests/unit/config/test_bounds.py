@@ -128,6 +128,18 @@ def test_more_gpus_than_any_cluster_is_refused() -> None:
                               "cluster.nics_per_node=8"])
 
 
+@pytest.mark.parametrize("sets,says", [
+    (["pricing.gpu_hour_usd=0"], "claims.run_usd: cannot be judged with pricing.gpu_hour_usd 0"),
+    (["claims.run_usd=5.0e-324"], "claims.run_usd: Input should be greater than or equal to"),
+])
+def test_a_run_cost_claim_that_cannot_be_judged_is_refused(sets: list[str], says: str
+                                                           ) -> None:
+    # Found by fuzzing: both divided by zero in sim/analysis/claims.py (_run_usd).
+    with pytest.raises(ScenarioError, match=says):
+        load_scenario(SMALL, ["claims.source=a test", "claims.run_usd=100",
+                              "training.tokens_total=1000000000", *sets])
+
+
 def test_a_section_without_bounds_is_caught_beyond_64_bits_and_non_finite() -> None:
     # A framework's options (sim/frameworks/*/options.py) carry no bounds of their own.
     with pytest.raises(ScenarioError, match=r"framework.bucket_mb: inf is not a finite"):
