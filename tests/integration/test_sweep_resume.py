@@ -362,3 +362,23 @@ def test_a_variant_estimated_past_an_hour_is_a_failed_row(tiny_file: str) -> Non
     assert refused["error"].startswith("ScenarioError: training.global_batch_size: at least "
                                        "134,217,728 ops to simulate (2 layers x 16,777,216 "
                                        "micro-batches), 1.9 h or more")
+
+
+def test_an_output_that_cannot_be_written_is_one_line(tiny_file: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from sim.apps.sweep import command
+
+    def full(*args: Any, **kw: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(command, "write_rows", full)
+    out = tmp_path / "rows.csv"
+    with pytest.raises(sweep.ScenarioError) as info:
+        sweep.sweep_command(tiny_file, GRID[:1], workers=1, out=out, cache=tmp_path / "c",
+                            as_json=True)
+    assert str(info.value) == (
+        f"--out {out}: cannot write it (No space left on device); the rows are in the cache "
+        f"{tmp_path / 'c'}, run the same command again to write them")
+    assert len(_entries(tmp_path / "c")) == 3
