@@ -223,18 +223,17 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
                               f"{counts['simulate']:,} simulated")
 
         report = progress if live else None
-        cached = {"cache": cache} if cache is not None else {}
         try:
             if simulate_many is None:
                 result = search(base, objective, top, tuple(kept),
                                 workers or local, max_simulations, time_limit_s,
-                                backend=backend, progress=report, **cached)
+                                backend=backend, progress=report, cache=cache)
             else:
                 # Builds on this machine's cores, simulations ``workers`` at a time on the
                 # backend.
                 result = search(base, objective, top, tuple(kept), local,
                                 max_simulations, time_limit_s, simulate_many, backend,
-                                report, simulation_batch=workers or local, **cached)
+                                report, simulation_batch=workers or local, cache=cache)
         except KeyboardInterrupt:
             kept_in = (f"; the simulations done are in the cache {cache}, run the same "
                        "command again to go on" if cache is not None else "")

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from sim.analysis.summary import Summary
 from sim.apps.executor import Backend, Outcome, Task, attempt, simulate_in_order, type_and_message
@@ -153,7 +154,7 @@ def cached_simulation(scenario: Callable[[], Scenario], cache_dir: str | None) -
     from sim.apps.sweep.cache import SweepCache, cache_key
 
     cache = SweepCache(Path(cache_dir)) if cache_dir else None
-    hit: list[tuple[Summary, float]] = []
+    hit: list[tuple[Summary, float]] = []   # the cache's summary, as the simulation's
 
     def work() -> Summary:
         sc = scenario()
@@ -161,8 +162,8 @@ def cached_simulation(scenario: Callable[[], Scenario], cache_dir: str | None) -
         if cache is not None:
             got = cache.get(key)
             if got is not None:
-                hit.append(got)
-                return got[0]
+                hit.append((cast(Summary, got[0]), got[1]))
+                return hit[0][0]
         t0 = time.perf_counter()
         summary = simulate(sc, origin=PLAN_ORIGIN).summary
         if cache is not None:
@@ -209,7 +210,7 @@ def cached_many(simulate_many: SimulateMany, cache_dir: str) -> SimulateMany:
                 continue
             hit = cache.get(keys[i])
             if hit is not None:
-                got[i] = Simulated(hit[0], None, hit[1], cached=True)
+                got[i] = Simulated(cast(Summary, hit[0]), None, hit[1], cached=True)
         missing = [i for i, g in enumerate(got) if g is None]
         fresh = simulate_many(base, [layouts[i] for i in missing]) if missing else []
         for i, sim in zip(missing, fresh, strict=True):
