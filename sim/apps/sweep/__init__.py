@@ -209,10 +209,13 @@ def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
                 if progress is not None:
                     progress(done, n_failed, n_sim, total)
         except BaseException as exc:
-            # Interrupted (Ctrl-C, SIGTERM) or failed: what finished goes to disk first.
-            be.abort()
-            if checkpoint is not None:
-                checkpoint.update(rows, force=True)
+            # Interrupted (Ctrl-C, SIGTERM) or failed: what finished goes to disk first,
+            # then the workers are stopped.
+            try:
+                if checkpoint is not None:
+                    checkpoint.update(rows, force=True)
+            finally:
+                be.abort()
             if isinstance(exc, KeyboardInterrupt):
                 raise SweepInterrupted(done, total, n_cached, out if checkpoint else None,
                                        cache.folder if cache else None) from exc
