@@ -155,28 +155,8 @@ def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
     loaded = load_variants(scenario, axes, variants)
     cache = SweepCache(cache_dir or Path(DEFAULT_CACHE_DIRNAME)) if use_cache else None
 
-    rows: list[dict[str, Any] | None] = [None] * len(variants)
-    todo: list[Task] = []
-    ckeys: dict[int, str] = {}
-    n_failed = n_cached = n_sim = 0
-    memory = budget.physical_memory()
-    for v, sc in zip(variants, loaded, strict=True):
-        if not isinstance(sc, str) and not force:
-            est = budget.estimate(sc, steps)
-            why = budget.refusal(est, memory) if est is not None else None
-            sc = why if why is not None else sc
-        if isinstance(sc, str):
-            rows[v.index] = make_row(v, None, f"ScenarioError: {sc}", False, 0.0)
-            n_failed += 1
-            continue
-        if cache is not None:
-            ckeys[v.index] = cache_key(sc, steps)
-            hit = cache.get(ckeys[v.index])
-            if hit is not None:
-                rows[v.index] = make_row(v, hit[0], None, True, hit[1])
-                n_cached += 1
-                continue
-        todo.append(Task(v.index, sc, v.values))
+    rows, todo, ckeys, n_failed, n_cached = _served(variants, loaded, steps, cache, force)
+    n_sim = 0
     title = next((x.name for x in loaded if not isinstance(x, str)), Path(scenario).stem)
     total = len(variants)
     done = total - len(todo)
@@ -230,6 +210,38 @@ def run_sweep(scenario: str, grid: Sequence[str], backend: str = "local",
                        time.perf_counter() - wall0, n_sim, n_cached, n_failed, title, size,
                        corrupt=cache.corrupt if cache else 0,
                        cache_write_error=_write_error(cache))
+
+
+def _served(variants: list[Variant], loaded: list[Any], steps: int,
+            cache: SweepCache | None, force: bool
+            ) -> tuple[list[dict[str, Any] | None], list[Task], dict[int, str], int, int]:
+    """What needs no simulation: the rows of variants refused (by the loader, or by the
+    estimate without ``force``) and of those in the cache; the rest as tasks. Returns the
+    rows (None where still to run), the tasks, the cache keys, and the refused and cached
+    counts."""
+    rows: list[dict[str, Any] | None] = [None] * len(variants)
+    todo: list[Task] = []
+    ckeys: dict[int, str] = {}
+    n_failed = n_cached = 0
+    memory = budget.physical_memory()
+    for v, sc in zip(variants, loaded, strict=True):
+        if not isinstance(sc, str) and not force:
+            est = budget.estimate(sc, steps)
+            why = budget.refusal(est, memory) if est is not None else None
+            sc = why if why is not None else sc
+        if isinstance(sc, str):
+            rows[v.index] = make_row(v, None, f"ScenarioError: {sc}", False, 0.0)
+            n_failed += 1
+            continue
+        if cache is not None:
+            ckeys[v.index] = cache_key(sc, steps)
+            hit = cache.get(ckeys[v.index])
+            if hit is not None:
+                rows[v.index] = make_row(v, hit[0], None, True, hit[1])
+                n_cached += 1
+                continue
+        todo.append(Task(v.index, sc, v.values))
+    return rows, todo, ckeys, n_failed, n_cached
 
 
 def _write_error(cache: SweepCache | None) -> str | None:
