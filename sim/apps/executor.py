@@ -227,6 +227,10 @@ class Backend:
     def close(self) -> None:
         """Release what :meth:`run` started."""
 
+    def abort(self) -> None:
+        """Stop at once (an interrupt): what runs is abandoned; then :meth:`close`."""
+        self.close()
+
 
 class LocalBackend(Backend):
     """Processes on this machine: joblib's loky executor (``get_reusable_executor``), the
@@ -250,6 +254,7 @@ class LocalBackend(Backend):
         self.before_variant = before_variant
         self.marker_root = Path(tempfile.mkdtemp(prefix="fabricsim-sweep-"))
         self.rounds = 0
+        self.executor: Any = None
 
     def run(self, batches: list[list[Task]], isolated: bool
             ) -> Iterator[tuple[list[Task], list[Outcome] | Lost]]:
@@ -264,6 +269,7 @@ class LocalBackend(Backend):
         markers.mkdir()
         executor = get_reusable_executor(
             max_workers=1 if isolated else min(self.workers, len(batches)))
+        self.executor = executor
         futures = {executor.submit(run_batch, b, self.steps, self.origin, str(markers),
                                    self.before_variant): b for b in batches}
         lost: Lost | None = None
@@ -283,6 +289,15 @@ class LocalBackend(Backend):
 
     def close(self) -> None:
         shutil.rmtree(self.marker_root, ignore_errors=True)
+
+    def abort(self) -> None:
+        # The reusable executor outlives a sweep; on an interrupt its workers may be deep in
+        # a long variant, so they are killed rather than waited for.
+        try:
+            if self.executor is not None:
+                self.executor.shutdown(wait=False, kill_workers=True)
+        finally:
+            self.close()
 
 
 def _worker_death(exc: BaseException) -> str:
@@ -327,6 +342,7 @@ class RayBackend(Backend):
         # No automatic retry: a task whose worker died is split and retried by run_sweep,
         # which tells the variant that kills its worker from the ones beside it.
         self.remote = ray.remote(num_cpus=1, max_retries=0)(run_batch)
+        self.waiting: list[Any] = []
 
     def run(self, batches: list[list[Task]], isolated: bool
             ) -> Iterator[tuple[list[Task], list[Outcome] | Lost]]:
@@ -334,11 +350,13 @@ class RayBackend(Backend):
         refs = {self.remote.remote(b, self.steps, self.origin, None, self.before_variant): b
                 for b in batches}
         waiting = list(refs)
+        self.waiting = waiting
         while waiting:
             ready, waiting = ray.wait(waiting, num_returns=1)
             if waiting:   # and whatever else is done, without waiting again
                 more, waiting = ray.wait(waiting, num_returns=len(waiting), timeout=0)
                 ready += more
+            self.waiting = waiting
             for ref in ready:
                 try:
                     yield refs[ref], ray.get(ref)
@@ -349,6 +367,16 @@ class RayBackend(Backend):
     def close(self) -> None:
         if self.started:
             self.ray.shutdown()
+
+    def abort(self) -> None:
+        # On a cluster that outlives the sweep, what it still runs would go on for nothing.
+        try:
+            for ref in self.waiting:
+                self.ray.cancel(ref, force=True)
+        except Exception:   # noqa: BLE001 - best effort on the way out
+            pass
+        finally:
+            self.close()
 
 
 class DaskBackend(Backend):
@@ -388,6 +416,7 @@ class DaskBackend(Backend):
                                             silence_logs=logging.CRITICAL)
             self.client = Client(self.cluster)
         self.workers = workers or max(1, sum(self.client.nthreads().values()))
+        self.futures: dict[Any, list[Task]] = {}
         self.steps = steps
         self.origin = origin
         self.before_variant = before_variant
@@ -398,6 +427,7 @@ class DaskBackend(Backend):
 
         futures = {self.client.submit(run_batch, b, self.steps, self.origin, None,
                                       self.before_variant, pure=False): b for b in batches}
+        self.futures = futures
         # with_results: each result is fetched as its task finishes, before a later worker
         # death can lose it; raise_errors=False: a lost task comes back as its exception.
         for fut, result in as_completed(list(futures), with_results=True, raise_errors=False):
@@ -410,6 +440,15 @@ class DaskBackend(Backend):
             else:
                 fut.release()
                 yield batch, result
+
+    def abort(self) -> None:
+        # On a cluster that outlives the sweep, what it still runs would go on for nothing.
+        try:
+            self.client.cancel(list(self.futures), force=True)
+        except Exception:   # noqa: BLE001 - best effort on the way out
+            pass
+        finally:
+            self.close()
 
     def close(self) -> None:
         try:
@@ -477,8 +516,10 @@ def _drive(be: Backend, todo: list[Task], size: int) -> Iterator[Outcome]:
     """Run tasks to completion on ``be``, surviving dead workers.
 
     A task whose worker died is split: its variants that were running (all of them where
-    the backend cannot tell) are run again alone (``isolated``), where a death is the
-    variant's own and becomes its error; its other variants are run again as before.
+    the backend cannot tell) are run again alone (``isolated``); its other variants are run
+    again as before. A variant is retried once before a death is taken as its own: one
+    that dies again alone gets a ``WorkerDied`` error (so does one lost
+    :data:`MAX_WORKER_LOSSES` times without being shown the culprit).
     """
     queue = list(todo)
     suspects: list[Task] = []
@@ -500,7 +541,11 @@ def _drive(be: Backend, todo: list[Task], size: int) -> Iterator[Outcome]:
                     (suspects if isolated else queue).append(t)   # had not started
                     continue
                 losses[t.index] = losses.get(t.index, 0) + 1
-                if result.own or losses[t.index] >= MAX_WORKER_LOSSES:
+                # Retried once at least, alone: a node lost or a worker killed from
+                # outside costs one retry; a variant that kills its worker again is the
+                # culprit and gets its error row.
+                if (result.own and losses[t.index] >= 2) \
+                        or losses[t.index] >= MAX_WORKER_LOSSES:
                     yield Outcome(t.index, None, f"WorkerDied: {result.message} while "
                                   "simulating this variant", 0.0)
                 else:

@@ -48,15 +48,21 @@ def run(
         "in the layout Holistic Trace Analysis reads.")] = False,
     hta_all_ranks: Annotated[bool, typer.Option(
         "--hta-all-ranks", help="With --out: one HTA trace per rank (implies --hta).")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Run even when the estimate says it would take over an hour or "
+        "more memory than this machine has.")] = False,
 ) -> None:
     """Simulate a training step and print its summary."""
     from sim.api import simulate
+    from sim.apps import budget
 
     zoom = _parse_window(window) if window is not None else None
     if (hta or hta_all_ranks or window is not None) and out is None:
         _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
     try:
         sc = load_scenario(scenario, set_ or [])
+        if not force:
+            budget.check(sc, steps, scenario)
         result = _with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
                                                 keep_link_series=out is not None),
                                 quiet=as_json, steps=steps)
@@ -282,13 +288,16 @@ def sweep(
                      ] = 1,
     as_json: Annotated[bool, typer.Option("--json", help="Print {rows: [...]} as JSON.")
                        ] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Run variants estimated to take over an hour (else failed rows).")
+                     ] = False,
 ) -> None:
     """Every combination of the grid values, in parallel: one row per variant."""
     from sim.apps.sweep import sweep_command
 
     try:
         rc = sweep_command(scenario, grid or [], backend, address, workers, out, plot, as_json,
-                           cache=cache, use_cache=not no_cache, steps=steps)
+                           cache=cache, use_cache=not no_cache, steps=steps, force=force)
     except ScenarioError as exc:
         _bad_input(str(exc))
         return
@@ -320,9 +329,19 @@ def plan(
     out: Annotated[Path | None, typer.Option(
         "--out", help="Write plan.json, plan.csv, pareto.png and top-K.yaml here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    cache: Annotated[Path | None, typer.Option(
+        "--cache", help="Simulation cache folder (default: .fabricsim-cache next to --out, "
+        "or here); a plan run again simulates only what is missing.")] = None,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="Simulate every layout; read and write no cache.")] = False,
 ) -> None:
     """Search frameworks and parallel layouts that fit in memory; rank by time or cost."""
     from sim.apps.plan import plan_command
+    from sim.apps.sweep import DEFAULT_CACHE_DIRNAME
+
+    if cache is None and not no_cache:
+        cache = (out.expanduser().parent if out is not None else Path.cwd()) \
+            / DEFAULT_CACHE_DIRNAME
 
     if address and backend == "local":
         _bad_input("--address: only with --backend ray or dask")
@@ -330,8 +349,11 @@ def plan(
     try:
         if backend in ("ray", "dask"):
             be, hook = _plan_simulations(backend, address, workers)
-        plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
-                     max_simulations, time_limit, out, as_json, hook)
+        rc = plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
+                          max_simulations, time_limit, out, as_json, hook,
+                          cache=None if no_cache else cache)
+        if rc:
+            raise typer.Exit(rc)
     except ScenarioError as exc:
         _bad_input(str(exc))
     finally:

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from sim.config import resources
+from sim.config import bounds, resources
 from sim.config.base import ScenarioError
 from sim.config.cluster import Cluster
 from sim.config.scenario import Scenario, framework_names
@@ -174,6 +174,11 @@ def scenario_from_dict(data: dict[str, Any], origin: str = "<scenario>") -> Scen
         scenario = Scenario.model_validate(data)
     except ValidationError as err:
         raise ScenarioError(f"{origin}: {_first_error(err, data)}") from None
+    # Under the fields' own bounds: what a section without them (a framework's options)
+    # took, "1e400" read as inf included.
+    beyond = bounds.unrepresentable(scenario.model_dump())
+    if beyond:
+        raise ScenarioError(f"{origin}: {beyond}")
     from sim import catalog  # late import: catalogue loading is not needed for validation
 
     if isinstance(scenario.model, str) and scenario.model not in catalog.model_names():

@@ -13,25 +13,26 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 
 
 class MoEBlock(StrictModel):
     """``model.moe``: the mixture-of-experts layers (CONTRACT.md's names)."""
 
-    experts: int = Field(gt=0)
+    experts: int = Field(gt=0, le=B.MAX_EXPERTS)
     """Routed experts per MoE layer (flat key: ``model.experts``)."""
-    top_k: int = Field(gt=0)
+    top_k: int = Field(gt=0, le=B.MAX_EXPERTS)
     """Routed experts each token is sent to (``model.experts_per_token``)."""
-    shared_experts: int = Field(default=0, ge=0)
+    shared_experts: int = Field(default=0, ge=0, le=B.MAX_EXPERTS)
     """Experts every token passes through besides its top-k (``model.shared_experts``)."""
-    expert_ffn_hidden: int | None = Field(default=None, gt=0)
+    expert_ffn_hidden: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """Inner width of one expert's MLP; defaults to ``ffn_hidden`` (``model.moe_ffn_hidden``)."""
-    dense_layers: int = Field(default=0, ge=0)
+    dense_layers: int = Field(default=0, ge=0, le=B.MAX_LAYERS)
     """Leading layers with a dense MLP instead of experts (``model.first_k_dense``)."""
     router: Literal["softmax", "sigmoid"] = "softmax"
     """Gate scores: softmax, or sigmoid with a balancing bias (``model.router``)."""
-    capacity_factor: float | None = Field(default=None, gt=0)
+    capacity_factor: float | None = Field(default=None, gt=0, le=B.MAX_CAPACITY_FACTOR)
     """Tokens an expert accepts, as a multiple of its balanced share; None = dropless."""
 
     def flat(self) -> dict[str, Any]:
@@ -46,15 +47,15 @@ class MLABlock(StrictModel):
     """``model.mla``: Multi-head Latent Attention's low-rank widths (with
     ``model.attention: mla``; the same names as the flat keys)."""
 
-    q_lora_rank: int | None = Field(default=None, gt=0)
+    q_lora_rank: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """Rank of the query compression; None = queries projected directly (DeepSeek-V2-Lite)."""
-    kv_lora_rank: int = Field(gt=0)
+    kv_lora_rank: int = Field(gt=0, le=B.MAX_WIDTH)
     """Rank of the joint key/value compression."""
-    qk_nope_head_dim: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0, le=B.MAX_WIDTH)
     """Per-head query/key width without rotary positions."""
-    qk_rope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0, le=B.MAX_WIDTH)
     """Per-head query/key width carrying rotary positions."""
-    v_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0, le=B.MAX_WIDTH)
     """Per-head value width."""
 
 
@@ -106,7 +107,7 @@ class MoeRouting(StrictModel):
     """Zipf exponent (routing.s): 0 is balanced, larger is more skewed; default 1."""
     file: str | None = None
     """Text file of per-expert loads (routing.histogram), relative to the scenario's folder."""
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=B.MAX_SEED)
     """Seed of the zipf ranking's order of the experts; None = the scenario's seed."""
 
     def routing_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, Field, model_validator
 from pydantic.fields import FieldInfo
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 from sim.config.cluster import Cluster
 from sim.config.faults import Faults
@@ -84,7 +85,7 @@ class Scenario(StrictModel):
     """A whole run (checkpoints, failures, restarts); needs ``training.tokens_total``."""
     faults: Faults | None = None
     """Faults inside a step: slow GPUs, slow and failed NIC links (:mod:`sim.config.faults`)."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=B.MAX_SEED)
     """Seed for every random choice (ECMP hashing); same seed, same numbers."""
 
     @property
@@ -98,6 +99,10 @@ class Scenario(StrictModel):
                              f"({self.cluster.nodes} nodes, 0 NICs)")
         p = self.parallelism
         n = self.gpus
+        if n > B.MAX_GPUS:
+            raise ValueError(f"cluster.nodes: {self.cluster.nodes} nodes x "
+                             f"{self.cluster.gpus_per_node} GPUs = {n} GPUs, more than "
+                             f"{B.MAX_GPUS:,} (the largest clusters built hold 100-200 thousand)")
         fixed = p.tp * p.pp * p.cp
         if p.dp is None:
             if n % fixed:
@@ -116,6 +121,16 @@ class Scenario(StrictModel):
             # pp) must tile the same world as the attention's.
             raise ValueError(f"parallelism.ep: etp*ep*pp = {p.expert_tp}*{p.ep}*{p.pp} = "
                              f"{expert} does not divide the {n} GPUs")
+        return self
+
+    @model_validator(mode="after")
+    def _check_claims(self) -> Scenario:
+        # The run_usd claim is judged by the hours its dollars buy (sim/analysis/claims.py):
+        # at a price of nothing they buy any number.
+        if self.claims is not None and self.claims.run_usd is not None \
+                and self.pricing.gpu_hour_usd == 0:
+            raise ValueError("claims.run_usd: cannot be judged with pricing.gpu_hour_usd 0 "
+                             "(free GPUs: any run costs nothing)")
         return self
 
     @property

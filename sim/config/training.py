@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 from sim.config.moe_keys import MLABlock, MoEBlock, MoeRouting, flat_model_update
 
@@ -24,23 +25,23 @@ DEFAULT_TORCH_VERSION = "2.8"
 class ModelDims(StrictModel):
     """A decoder-only transformer given by its dimensions (instead of a catalogue name)."""
 
-    layers: int = Field(gt=0)
+    layers: int = Field(gt=0, le=B.MAX_LAYERS)
     """Number of transformer blocks."""
-    hidden: int = Field(gt=0)
+    hidden: int = Field(gt=0, le=B.MAX_WIDTH)
     """Model (residual stream) width."""
-    heads: int = Field(gt=0)
+    heads: int = Field(gt=0, le=B.MAX_HEADS)
     """Attention (query) heads."""
-    kv_heads: int | None = Field(default=None, gt=0)
+    kv_heads: int | None = Field(default=None, gt=0, le=B.MAX_HEADS)
     """Key/value heads (grouped-query attention); defaults to ``heads``."""
-    ffn_hidden: int = Field(gt=0)
+    ffn_hidden: int = Field(gt=0, le=B.MAX_WIDTH)
     """Inner width of the MLP (per gate/up projection for SwiGLU)."""
-    vocab: int = Field(gt=0)
+    vocab: int = Field(gt=0, le=B.MAX_VOCAB)
     """Vocabulary size (embedding rows)."""
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     """SwiGLU (Llama: gate, up, down) or GELU (GPT: up, down)."""
     tied_embeddings: bool = False
     """The LM head reuses the input embedding matrix."""
-    head_dim: int | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """Per-head width; defaults to ``hidden // heads``."""
     norm: Literal["rmsnorm", "layernorm"] | None = None
     """Normalisation; defaults to RMSNorm for SwiGLU models, LayerNorm for GELU models."""
@@ -48,52 +49,53 @@ class ModelDims(StrictModel):
     """Rotary (Llama) or learned absolute positions (GPT); default follows ``mlp``."""
     bias: bool | None = None
     """Linear and norm biases (GPT style); default follows ``mlp``."""
-    max_positions: int | None = Field(default=None, gt=0)
+    max_positions: int | None = Field(default=None, gt=0, le=B.MAX_SEQ_LEN)
     """Rows of the learned position table; defaults to the sequence length."""
     name: str | None = None
     """A label for reports."""
     # -- mixture of experts (Hugging Face config.json names in brackets)
-    experts: int | None = Field(default=None, gt=0)
+    experts: int | None = Field(default=None, gt=0, le=B.MAX_EXPERTS)
     """Routed experts per MoE layer [n_routed_experts, num_experts]; None = a dense model."""
-    experts_per_token: int | None = Field(default=None, gt=0)
+    experts_per_token: int | None = Field(default=None, gt=0, le=B.MAX_EXPERTS)
     """Routed experts each token is sent to, top-k [num_experts_per_tok]."""
-    shared_experts: int = Field(default=0, ge=0)
+    shared_experts: int = Field(default=0, ge=0, le=B.MAX_EXPERTS)
     """Experts every token passes through besides its top-k, each moe_ffn_hidden wide
     [n_shared_experts]."""
-    moe_ffn_hidden: int | None = Field(default=None, gt=0)
+    moe_ffn_hidden: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """Inner width of one expert's MLP [moe_intermediate_size]; defaults to ffn_hidden."""
-    first_k_dense: int = Field(default=0, ge=0)
+    first_k_dense: int = Field(default=0, ge=0, le=B.MAX_LAYERS)
     """Leading layers with a dense MLP ffn_hidden wide instead of experts
     [first_k_dense_replace]."""
     router: Literal["softmax", "sigmoid"] = "softmax"
     """Gate scores: softmax (Mixtral, Qwen3, GPT-OSS) or sigmoid with a learned per-expert
     balancing bias (DeepSeek-V3's auxiliary-loss-free routing)."""
-    capacity_factor: float | None = Field(default=None, gt=0)
+    capacity_factor: float | None = Field(default=None, gt=0,
+                                            le=B.MAX_CAPACITY_FACTOR)
     """Tokens an expert accepts, as a multiple of its balanced share; None = dropless."""
     # -- attention variants
     attention: Literal["mha", "gqa", "mla"] = "gqa"
     """Grouped-query attention (heads, kv_heads, head_dim; mha: kv_heads = heads) or
     DeepSeek-V2/V3 Multi-head Latent Attention (the low-rank fields below, or ``mla``)."""
-    q_lora_rank: int | None = Field(default=None, gt=0)
+    q_lora_rank: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """MLA: rank of the query compression [q_lora_rank]; None = queries projected directly."""
-    kv_lora_rank: int | None = Field(default=None, gt=0)
+    kv_lora_rank: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """MLA: rank of the joint key/value compression [kv_lora_rank]."""
-    qk_nope_head_dim: int | None = Field(default=None, gt=0)
+    qk_nope_head_dim: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """MLA: per-head query/key width without rotary positions [qk_nope_head_dim]."""
-    qk_rope_head_dim: int | None = Field(default=None, gt=0)
+    qk_rope_head_dim: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """MLA: per-head query/key width carrying rotary positions [qk_rope_head_dim]."""
-    v_head_dim: int | None = Field(default=None, gt=0)
+    v_head_dim: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)
     """MLA: per-head value width [v_head_dim]."""
     qk_norm: bool = False
     """RMSNorm on each head's query and key (Qwen3)."""
     attention_sinks: bool = False
     """A learned sink logit per head in the softmax (GPT-OSS)."""
-    sliding_window: int | None = Field(default=None, gt=0)
+    sliding_window: int | None = Field(default=None, gt=0, le=B.MAX_SEQ_LEN)
     """Keys a sliding-window layer attends to [sliding_window]; None = full context."""
-    full_attention_every: int | None = Field(default=None, gt=0)
+    full_attention_every: int | None = Field(default=None, gt=0, le=B.MAX_LAYERS)
     """With sliding_window: every n-th layer (the n-th, 2n-th, ...) attends to the full
     context (GPT-OSS: 2, alternating); None = every layer slides."""
-    mtp_layers: int = Field(default=0, ge=0)
+    mtp_layers: int = Field(default=0, ge=0, le=B.MAX_LAYERS)
     """Multi-token prediction modules trained beside the model [num_nextn_predict_layers]."""
     moe: MoEBlock | None = None
     """The experts in CONTRACT.md's nested form ({experts, top_k, shared_experts,
@@ -177,7 +179,7 @@ class Nccl(StrictModel):
     PAT (all-gather/reduce-scatter, one GPU per node), CollNet Direct/Chain (SHARP)."""
     proto: Literal["auto", "ll", "ll128", "simple"] = "auto"
     """Protocol (NCCL_PROTO): LL (low latency), LL128, or Simple (bandwidth)."""
-    buffsize: int = Field(default=4 * 2**20, gt=0)
+    buffsize: int = Field(default=4 * 2**20, gt=0, le=B.MAX_NCCL_BUFFSIZE)
     """NCCL_BUFFSIZE in bytes: the per-channel pipeline buffer (8 steps of buffsize/8)."""
     gdr: bool = True
     """GPUDirect RDMA (NCCL_NET_GDR_LEVEL): off, network traffic bounces through host memory."""
@@ -195,24 +197,24 @@ class Nccl(StrictModel):
 class Parallelism(StrictModel):
     """How the GPUs split the work; tp*pp*dp*cp must equal the GPU count."""
 
-    tp: int = Field(default=1, gt=0)
+    tp: int = Field(default=1, gt=0, le=B.MAX_PARALLEL)
     """Tensor-parallel degree (inside a node)."""
-    pp: int = Field(default=1, gt=0)
+    pp: int = Field(default=1, gt=0, le=B.MAX_PARALLEL)
     """Pipeline stages."""
-    dp: int | None = Field(default=None, gt=0)
+    dp: int | None = Field(default=None, gt=0, le=B.MAX_PARALLEL)
     """Data-parallel degree; omitted = the GPUs that remain."""
-    cp: int = Field(default=1, gt=0)
+    cp: int = Field(default=1, gt=0, le=B.MAX_PARALLEL)
     """Context-parallel degree."""
-    vp: int = Field(default=1, gt=0)
+    vp: int = Field(default=1, gt=0, le=B.MAX_VIRTUAL_STAGES)
     """Virtual pipeline chunks per stage (interleaved 1F1B)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism with tensor parallelism."""
-    ep: int = Field(default=1, gt=0)
+    ep: int = Field(default=1, gt=0, le=B.MAX_PARALLEL)
     """Expert-parallel size: ranks sharing a mixture-of-experts layer's routed experts
     (Megatron ``--expert-model-parallel-size``, default 1). With MoE parallel folding
     (Megatron-Core ``parallel_state.initialize_model_parallel``, arXiv:2504.14960) the experts
     get their own layout over the same ranks: etp x ep x expert-dp x pp = the GPUs."""
-    etp: int | None = Field(default=None, gt=0)
+    etp: int | None = Field(default=None, gt=0, le=B.MAX_PARALLEL)
     """Expert tensor-parallel size: ranks splitting each local expert's width (Megatron
     ``--expert-tensor-parallel-size``); omitted = ``tp``, as Megatron-LM's ``validate_args``
     defaults it."""
@@ -232,7 +234,7 @@ class Routing(StrictModel):
     proportional to r^-s) or histogram (measured per-expert loads)."""
     s: float = Field(default=1.0, ge=0, le=10)
     """Zipf exponent: 0 is balanced, larger is more skewed."""
-    seed: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=B.MAX_SEED)
     """Seed of the zipf ranking's random order of the experts; None = the scenario's seed."""
     histogram: list[float] | str | None = None
     """Per-expert loads (any scale, normalised), one per routed expert in expert order, or
@@ -280,17 +282,17 @@ def read_histogram(path: str) -> list[float]:
 class Training(StrictModel):
     """The step being simulated."""
 
-    seq_len: int = Field(default=4096, gt=0)
+    seq_len: int = Field(default=4096, gt=0, le=B.MAX_SEQ_LEN)
     """Tokens per sequence."""
-    micro_batch_size: int = Field(default=1, gt=0)
+    micro_batch_size: int = Field(default=1, gt=0, le=B.MAX_BATCH)
     """Sequences per GPU per forward/backward."""
-    global_batch_size: int | None = Field(default=None, gt=0)
+    global_batch_size: int | None = Field(default=None, gt=0, le=B.MAX_BATCH)
     """Sequences per optimizer step across all replicas; default = one micro-batch each."""
     precision: Literal["bf16", "fp16", "fp8", "fp32"] = "bf16"
     """Matrix-math precision; bf16/fp16 keep fp32 master weights and optimizer states."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: none, selective (attention core), full (whole block)."""
-    tokens_total: float | None = Field(default=None, gt=0)
+    tokens_total: float | None = Field(default=None, gt=0, le=B.MAX_TOKENS_TOTAL)
     """Tokens of the whole run, for run time and cost."""
     optimizer: Literal["adamw_fused", "adamw_foreach"] = "adamw_fused"
     """AdamW implementation (torch.optim.AdamW fused=True, or the default foreach kernels)."""
@@ -332,11 +334,12 @@ class Pricing(StrictModel):
     """Prices; omitted fields come from the named instance or cloud, else the GPU catalogue's
     reference price and the defaults below."""
 
-    gpu_hour_usd: float | None = Field(default=None, ge=0)
+    gpu_hour_usd: float | None = Field(default=None, ge=0, le=B.MAX_USD_PER_GPU_HOUR)
     """On-demand price per GPU-hour."""
-    egress_usd_per_gb: float = Field(default=0.01, ge=0)
+    egress_usd_per_gb: float = Field(default=0.01, ge=0, le=B.MAX_USD_PER_GB)
     """Price per GB crossing an availability-zone boundary (each direction billed)."""
-    region_egress_usd_per_gb: float = Field(default=0.02, ge=0)
+    region_egress_usd_per_gb: float = Field(default=0.02, ge=0,
+                                            le=B.MAX_USD_PER_GB)
     """Price per GB crossing a region boundary."""
     instance: str | None = None
     """A catalogue instance (aws-p5.48xlarge): its GPU-hour and cloud's transfer prices apply."""
@@ -349,29 +352,30 @@ class Claims(StrictModel):
 
     source: str
     """Where the figures come from."""
-    tokens_per_s_per_gpu: float | None = Field(default=None, gt=0)
-    tokens_per_s: float | None = Field(default=None, gt=0)
-    step_time_s: float | None = Field(default=None, gt=0)
-    peak_memory_gib: float | None = Field(default=None, gt=0)
-    peak_memory_gb: float | None = Field(default=None, gt=0)
+    tokens_per_s_per_gpu: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    tokens_per_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    step_time_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    peak_memory_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    peak_memory_gb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     peak_memory_kind: Literal["reserved", "allocated", "nvidia_smi"] = "reserved"
     """Which peak the memory claims quote: the caching allocator's reserved peak
     (``torch.cuda.max_memory_reserved``, what torchtitan and most publications report), the
     allocated peak (``max_memory_allocated``), or the whole process in ``nvidia-smi``."""
-    mfu: float | None = Field(default=None, gt=0)
-    model_state_memory_gb: float | None = Field(default=None, gt=0)
+    mfu: float | None = Field(default=None, gt=0, le=1)
+    model_state_memory_gb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Parameters, gradients and optimizer states per GPU, GB (1e9 bytes)."""
-    exposed_comm_fraction: float | None = Field(default=None, gt=0)
+    exposed_comm_fraction: float | None = Field(default=None, gt=0, le=1)
     """Share of the step spent in communication that computation does not hide."""
-    bubble_fraction: float | None = Field(default=None, gt=0)
+    bubble_fraction: float | None = Field(default=None, gt=0, le=1)
     """Share of the step a pipeline stage sits idle."""
-    run_hours: float | None = Field(default=None, gt=0)
+    run_hours: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Hours to train ``training.tokens_total`` tokens."""
-    run_usd: float | None = Field(default=None, gt=0)
-    """US dollars to train ``training.tokens_total`` tokens."""
-    cross_az_bytes_per_day: float | None = Field(default=None, gt=0)
+    run_usd: float | None = Field(default=None, ge=1e-6, allow_inf_nan=False)
+    """US dollars to train ``training.tokens_total`` tokens (a millionth of a dollar at
+    least: it is judged by the hours it buys, which a denormal rounds to none)."""
+    cross_az_bytes_per_day: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Bytes crossing availability-zone boundaries per day of training."""
-    egress_usd_per_day: float | None = Field(default=None, gt=0)
+    egress_usd_per_day: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """US dollars of cross-zone transfer per day of training."""
-    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0)
+    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """NVLink traffic per GPU per direction, GB/s, averaged over the step."""

@@ -265,11 +265,11 @@ APPS: tuple[Case, ...] = (
                                 "--grid", "training.micro_batch_size=1,2", "--workers", "1",
                                 "--no-cache", "--json")),
     Case("plan/ddp-8xh100-time", ("plan", "llama3.2-1b-ddp-8xh100", "--max-simulations", "4",
-                                  "--workers", "1", "--json")),
+                                  "--workers", "1", "--no-cache", "--json")),
     Case("plan/tiny-cost-fsdp2-megatron", ("plan", TINY, "--objective", "cost", "--framework",
                                            "fsdp2", "--framework", "megatron",
                                            "--max-simulations", "3", "--top", "3", "--workers",
-                                           "1", "--json")),
+                                           "1", "--no-cache", "--json")),
 )
 
 

@@ -53,6 +53,7 @@ See docs/planner.md for the measurements behind the bounds and the estimate.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -169,14 +170,16 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
                  max_simulations: int = DEFAULT_MAX_SIMULATIONS,
                  time_limit_s: float | None = None, out: Path | None = None,
                  as_json: bool = False, simulate_many: SimulateMany | None = None,
-                 quiet: bool = False) -> int:
+                 quiet: bool = False, cache: Path | None = None) -> int:
     """Everything ``fabricsim plan`` does; returns the exit status (0), or raises
     ScenarioError (one line; the CLI exits 2) on bad input before anything runs.
 
     Prints the top-K table (or, with ``as_json``, the CONTRACT's object) on stdout; with
     ``out``, writes plan.json, plan.csv and pareto.png there. ``backend`` ray or dask needs
     ``simulate_many`` (the CLI builds it from :mod:`sim.apps.sweep`'s backends); layouts are
-    built locally either way.
+    built locally either way. With ``cache`` (a folder), simulations go through the sweep's
+    cache, so that a plan interrupted (Ctrl-C: exit status 130) and run again simulates
+    only what is missing, and says how many it reused.
     """
     if backend not in BACKENDS:
         raise ScenarioError(f"--backend {backend}: expected one of {', '.join(BACKENDS)}")
@@ -220,16 +223,22 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
                               f"{counts['simulate']:,} simulated")
 
         report = progress if live else None
-        if simulate_many is None:
-            result = search(base, objective, top, tuple(kept),
-                            workers or local, max_simulations, time_limit_s, backend=backend,
-                            progress=report)
-        else:
-            # Builds on this machine's cores, simulations ``workers`` at a time on the
-            # backend.
-            result = search(base, objective, top, tuple(kept), local,
-                            max_simulations, time_limit_s, simulate_many, backend, report,
-                            simulation_batch=workers or local)
+        try:
+            if simulate_many is None:
+                result = search(base, objective, top, tuple(kept),
+                                workers or local, max_simulations, time_limit_s,
+                                backend=backend, progress=report, cache=cache)
+            else:
+                # Builds on this machine's cores, simulations ``workers`` at a time on the
+                # backend.
+                result = search(base, objective, top, tuple(kept), local,
+                                max_simulations, time_limit_s, simulate_many, backend,
+                                report, simulation_batch=workers or local, cache=cache)
+        except KeyboardInterrupt:
+            kept_in = (f"; the simulations done are in the cache {cache}, run the same "
+                       "command again to go on" if cache is not None else "")
+            print(f"fabricsim: plan interrupted{kept_in}", file=sys.stderr)
+            return 130
     if out is not None:
         write_outputs(result, out)
     if as_json:
@@ -238,4 +247,8 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
         print_table(result)
         if out is not None:
             print(f"wrote plan.json, plan.csv, pareto.png and top-1.yaml ... in {out}")
+    reused = sum(1 for c in result.candidates
+                 if c.simulated is not None and c.simulated.cached)
+    if cache is not None and reused and not quiet:
+        print(f"plan: {reused} simulations reused from the cache {cache}", file=sys.stderr)
     return 0

@@ -13,6 +13,8 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
 from sim.analysis.summary import Summary
 from sim.apps.executor import Backend, Outcome, Task, attempt, simulate_in_order, type_and_message
@@ -121,28 +123,57 @@ class Simulated:
     summary: Summary | None
     error: str | None
     wall_s: float
+    cached: bool = False
+    """Served from the cache (a re-run of an interrupted plan), not simulated now."""
 
 
-def simulate_layout(base: Scenario, layout: Layout) -> Simulated:
+def simulate_layout(base: Scenario, layout: Layout, cache_dir: str | None = None
+                    ) -> Simulated:
     """Simulate one training step of the layout (runs in a worker); an exception, building
-    the layout's scenario included, is the layout's error, not the plan's."""
-    from sim.api import simulate
-
-    return _simulated(attempt(
-        0, lambda: simulate(layout_scenario(base, layout), origin=PLAN_ORIGIN).summary,
-        type_and_message))
+    the layout's scenario included, is the layout's error, not the plan's. With
+    ``cache_dir``, through the sweep's cache (:func:`cached_simulation`)."""
+    return cached_simulation(lambda: layout_scenario(base, layout), cache_dir)
 
 
 def _simulated(out: Outcome) -> Simulated:
     return Simulated(out.summary, out.error, out.wall_s)
 
 
-def _simulate_base(base: Scenario) -> Simulated:
+def _simulate_base(base: Scenario, cache_dir: str | None = None) -> Simulated:
     # The scenario as given may be one its framework refuses: its error, not the plan's.
-    from sim.api import simulate
+    return cached_simulation(lambda: base, cache_dir)
 
-    return _simulated(attempt(0, lambda: simulate(base, origin=PLAN_ORIGIN).summary,
-                              type_and_message))
+
+def cached_simulation(scenario: Callable[[], Scenario], cache_dir: str | None) -> Simulated:
+    """Simulate one step of ``scenario()``; with ``cache_dir``, look it up in the sweep's
+    cache first (:class:`~sim.apps.sweep.cache.SweepCache`: checked entries, written
+    atomically, so the plan's worker processes share it safely) and store what is
+    simulated, so that a plan interrupted and run again simulates only what is missing.
+    Errors are not cached."""
+    from sim.api import simulate
+    from sim.apps.sweep.cache import SweepCache, cache_key
+
+    cache = SweepCache(Path(cache_dir)) if cache_dir else None
+    hit: list[tuple[Summary, float]] = []   # the cache's summary, as the simulation's
+
+    def work() -> Summary:
+        sc = scenario()
+        key = cache_key(sc, 1) if cache is not None else ""
+        if cache is not None:
+            got = cache.get(key)
+            if got is not None:
+                hit.append((cast(Summary, got[0]), got[1]))
+                return hit[0][0]
+        t0 = time.perf_counter()
+        summary = simulate(sc, origin=PLAN_ORIGIN).summary
+        if cache is not None:
+            cache.put(key, summary, time.perf_counter() - t0)
+        return summary
+
+    out = attempt(0, work, type_and_message)
+    if hit:
+        return Simulated(hit[0][0], None, hit[0][1], cached=True)
+    return _simulated(out)
 
 
 # --------------------------------------------------------------------------- backend hook
@@ -159,3 +190,33 @@ def backend_simulations(be: Backend) -> SimulateMany:
         return [_simulated(o) for o in simulate_in_order(be, tasks, 1)]
 
     return simulate_many
+
+
+def cached_many(simulate_many: SimulateMany, cache_dir: str) -> SimulateMany:
+    """``simulate_many`` (a Ray or Dask hook) through the sweep's cache: layouts simulated
+    before come from the cache, the rest go to the backend and their summaries are stored
+    (by this process: the cluster's workers need no shared disk)."""
+    from sim.apps.sweep.cache import SweepCache, cache_key
+
+    cache = SweepCache(Path(cache_dir))
+
+    def many(base: Scenario, layouts: list[Layout]) -> list[Simulated]:
+        got: list[Simulated | None] = [None] * len(layouts)
+        keys: dict[int, str] = {}
+        for i, x in enumerate(layouts):
+            try:
+                keys[i] = cache_key(layout_scenario(base, x), 1)
+            except Exception:   # noqa: BLE001 - the backend reports the layout's error
+                continue
+            hit = cache.get(keys[i])
+            if hit is not None:
+                got[i] = Simulated(cast(Summary, hit[0]), None, hit[1], cached=True)
+        missing = [i for i, g in enumerate(got) if g is None]
+        fresh = simulate_many(base, [layouts[i] for i in missing]) if missing else []
+        for i, sim in zip(missing, fresh, strict=True):
+            if sim.summary is not None and i in keys:
+                cache.put(keys[i], sim.summary, sim.wall_s)
+            got[i] = sim
+        return [g for g in got if g is not None]
+
+    return many

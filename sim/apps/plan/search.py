@@ -17,6 +17,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sim.analysis.summary import Summary
@@ -27,6 +28,7 @@ from sim.apps.plan.evaluate import (
     Simulated,
     SimulateMany,
     _simulate_base,
+    cached_many,
     evaluate_layout,
     simulate_layout,
 )
@@ -150,7 +152,7 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
            simulate_many: SimulateMany | None = None, backend: str = "local",
            progress: Callable[[str, int, int], None] | None = None,
            simulation_batch: int | None = None, compare_baseline: bool = True,
-           pin: Mapping[str, Any] | None = None) -> PlanResult:
+           pin: Mapping[str, Any] | None = None, cache: Path | None = None) -> PlanResult:
     """Enumerate, build, bound and simulate layouts of ``base``; see :mod:`sim.apps.plan`.
 
     ``workers`` processes (joblib's loky) build and simulate; 1 runs everything here.
@@ -161,7 +163,9 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
     ``total`` layouts). With ``compare_baseline`` the scenario as
     given is simulated too (:attr:`PlanResult.baseline`). ``pin`` keeps only the layouts
     that set these keys (:meth:`Layout.varied`, e.g. ``{"parallelism.tp": 1}``) to these
-    values. Raises ScenarioError on bad arguments.
+    values. With ``cache`` (a folder), simulations go through the sweep's cache
+    (:func:`cached_simulation`): a plan run again simulates only what is missing.
+    Raises ScenarioError on bad arguments.
     """
     _check_arguments(objective, top, max_simulations)
     t0 = time.perf_counter()
@@ -178,6 +182,9 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
     cands = _candidates(layouts, shape.global_batch)
     runner = Pool(workers)
     sim_thread: Any = None
+    cache_dir = str(cache) if cache is not None else None
+    if simulate_many is not None and cache_dir is not None:
+        simulate_many = cached_many(simulate_many, cache_dir)
     if simulate_many is not None:
         # One thread calls the hook, one batch at a time: the backend runs the batch's
         # layouts in parallel; local processes keep building meanwhile.
@@ -186,8 +193,9 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
     if progress is not None:
         progress("profiles", profiles, profiles)
     # The scenario as given, for comparison, alongside the search.
-    baseline_future = runner.submit(_simulate_base, base) if compare_baseline else None
-    pool = _Workers(runner, sim_thread, simulate_many, simulation_batch, progress)
+    baseline_future = (runner.submit(_simulate_base, base, *_also(cache_dir))
+                       if compare_baseline else None)
+    pool = _Workers(runner, sim_thread, simulate_many, simulation_batch, progress, cache_dir)
     bb = _BranchAndBound(base, cands, rates, goal, MemoryPruning(usable), pool,
                          _Limits(top, max_simulations, time_limit_s, t0))
     try:
@@ -292,6 +300,13 @@ class _Workers:
     simulate_many: SimulateMany | None
     simulation_batch: int | None
     progress: Callable[[str, int, int], None] | None
+    cache_dir: str | None = None
+    """The simulation cache's folder, or None."""
+
+
+def _also(cache_dir: str | None) -> tuple[str, ...]:
+    # The cache argument only when there is one (tests replace the tasks with their own).
+    return (cache_dir,) if cache_dir is not None else ()
 
 
 @dataclass(frozen=True)
@@ -445,7 +460,7 @@ class _BranchAndBound:
             fut = w.sim_thread.submit(w.simulate_many, self.base,
                                       [self.cands[j].layout for j in batch])
         else:
-            fut = w.runner.submit(simulate_layout, self.base, c.layout)
+            fut = w.runner.submit(simulate_layout, self.base, c.layout, *_also(w.cache_dir))
         self.in_flight[fut] = ("simulate", batch)
 
     def collect(self) -> None:

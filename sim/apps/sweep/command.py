@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,9 @@ from sim.apps.sweep.plot import is_number, value_label, write_plot
 from sim.apps.sweep.rows import ProgressFn, SweepResult, write_rows
 from sim.scenario import ScenarioError
 
+INTERRUPTED = 130
+"""Exit status of an interrupted sweep (128 + SIGINT, as a shell reports Ctrl-C)."""
+
 OUT_SUFFIXES = (".csv", ".parquet")
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -29,7 +34,8 @@ def sweep_command(scenario: str, grid: Sequence[str], backend: str = "local",
                   address: str | None = None, workers: int | None = None,
                   out: Path | None = None, plot: Path | None = None, as_json: bool = False,
                   cache: Path | None = None, use_cache: bool = True, steps: int = 1,
-                  before_variant: Callable[[dict[str, Any]], None] | None = None) -> int:
+                  before_variant: Callable[[dict[str, Any]], None] | None = None,
+                  force: bool = False) -> int:
     """Everything ``fabricsim sweep`` does; returns the exit status (0) or raises
     ScenarioError (one line; the CLI exits 2) on bad input, before anything runs.
 
@@ -62,12 +68,26 @@ def sweep_command(scenario: str, grid: Sequence[str], backend: str = "local",
     # Looked up through sim.apps.sweep, where run_sweep lives (and where tests may replace it).
     from sim.apps import sweep
 
-    with contextlib.redirect_stdout(sys.stderr), \
-            _ProgressBar(err, quiet=as_json or not err.is_terminal) as progress:
-        result = sweep.run_sweep(scenario, grid, backend, address, workers, steps, cache,
-                                 use_cache, progress, before_variant)
+    try:
+        with contextlib.redirect_stdout(sys.stderr), _sigterm_interrupts(), \
+                _ProgressBar(err, quiet=as_json or not err.is_terminal) as progress:
+            result = sweep.run_sweep(scenario, grid, backend, address, workers, steps, cache,
+                                     use_cache, progress, before_variant, out=out,
+                                     **({"force": True} if force else {}))
+    except sweep.SweepInterrupted as stop:
+        print(f"fabricsim: {stop.line()}", file=sys.stderr)
+        return INTERRUPTED
+    except KeyboardInterrupt:
+        print("fabricsim: interrupted", file=sys.stderr)
+        return INTERRUPTED
     if out is not None:
-        write_rows(out, result.rows, result.columns)
+        try:
+            write_rows(out, result.rows, result.columns)
+        except OSError as exc:   # a full disk: one line; the rows wait in the cache
+            kept = f"; the rows are in the cache {cache}, run the same command again " \
+                "to write them" if use_cache else ""
+            raise ScenarioError(f"--out {out}: cannot write it ({exc.strerror or exc})"
+                                + kept) from None
     if plot is not None:
         write_plot(plot, result.rows, result.keys, result.title)
     if as_json:
@@ -75,6 +95,24 @@ def sweep_command(scenario: str, grid: Sequence[str], backend: str = "local",
     else:
         _print_rows(result, out, plot)
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a batch scheduler's stop, ``kill PID``) stops the sweep as Ctrl-C does:
+    the finished rows are written before it exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _ProgressBar:
@@ -160,7 +198,11 @@ def _print_rows(result: SweepResult, out: Path | None, plot: Path | None) -> Non
                   markup=True, highlight=False, soft_wrap=True)
     wrote = [str(p) for p in (out, plot) if p is not None]
     sys.stdout.flush()
+    damaged = (f" ({result.corrupt} damaged cache entries recomputed)" if result.corrupt
+               else "")
     print(f"{len(result.rows)} variants: {result.simulated} simulated on {result.backend} "
-          f"({result.workers} workers, {result.batch} per task), {result.cached} from the "
-          f"cache, {result.failed} failed, in {result.wall_s:.1f} s"
+          f"({result.workers} workers, {result.batch} per task){damaged}, {result.cached} "
+          f"reused from the cache, {result.failed} failed, in {result.wall_s:.1f} s"
           + (f"; wrote {', '.join(wrote)}" if wrote else ""), file=sys.stderr)
+    if result.cache_write_error:
+        print(f"fabricsim: warning: {result.cache_write_error}", file=sys.stderr)

@@ -78,6 +78,10 @@ class SweepResult:
     failed: int
     title: str = ""
     batch: int = 1
+    corrupt: int = 0
+    """Cache entries found damaged (recomputed)."""
+    cache_write_error: str | None = None
+    """How many entries could not be written to the cache, and why (a full disk)."""
 
 
 ProgressFn = Callable[[int, int, int, int], None]

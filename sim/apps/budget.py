@@ -1,0 +1,123 @@
+"""What a simulation would cost before it runs: refuse, with the estimate and how to shrink
+it, a run that would not finish in an hour or would not fit in this machine's memory.
+
+The estimate comes from the layout alone (no program is built: building is what an absurd
+layout makes slow): a step's ops are at least :data:`OPS_PER_LAYER_MICRO_BATCH` per layer per
+micro-batch (every builder emits each layer's forward and backward for each micro-batch,
+across its rank classes: a pipeline's stages share the layers), and each op costs the engine
+at least :data:`SECONDS_PER_OP`. Both are floors of measured figures, so the estimate is a
+lower bound: what it refuses would certainly take longer; ``--force`` runs it anyway.
+
+Measured on the project's 2-core machine (docs/performance.md, and six shipped scenarios
+run again for this module, 2026-12-01): ops per layer per micro-batch 4.3 (Llama 3.2 1B, one GPU,
+DDP), 13 (FSDP2, Llama 3 70B), 14 (BLOOM 176B, DeepSpeed 3D), 16 (Megatron 1T), 21-31
+(Megatron 70B/405B, Mixtral), 102 (ZeRO-3); engine seconds per op 84 us (Megatron 70B on
+1,024 H100, quiet machine) to 590 us (FSDP2 70B on 64 H100, loaded machine).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from sim.scenario import Scenario, ScenarioError
+
+HOUR_S = 3600.0
+"""The longest run accepted without ``--force``."""
+
+OPS_PER_LAYER_MICRO_BATCH = 4
+"""Fewest ops a builder emits per layer per micro-batch (measured 4.3, module docstring)."""
+
+SECONDS_PER_OP = 50e-6
+"""Least engine wall time per op (fastest measured: 84 us; module docstring)."""
+
+BYTES_PER_OP = 500
+"""Least memory an op of a built program holds (a dataclass with its dependency list,
+stream and allocation tuples): 630 bytes (Mixtral 8x7B, Megatron, 10,888 ops) and 920 bytes
+(Llama 3 70B, FSDP2, 1,060 ops) held after ``build_program``, measured with tracemalloc."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A lower bound on a simulation's work."""
+
+    layers: int
+    micro_batches: int
+    steps: int
+    ops: int
+    """Ops over all steps (at least)."""
+    seconds: float
+    """Engine wall seconds (at least)."""
+    bytes: float
+    """Memory of the built program (at least)."""
+
+
+def estimate(scenario: Scenario, steps: int = 1) -> Estimate | None:
+    """The lower bound of ``scenario``'s simulation over ``steps`` steps, or None when the
+    layout cannot be resolved (the simulation then reports why, as it always has)."""
+    from sim.workload.model import ModelSpec
+
+    t = scenario.training
+    try:
+        layers = ModelSpec.from_ref(scenario.model, t.seq_len).layers
+    except Exception:   # noqa: BLE001 - an unknown or refused model is the build's to report
+        return None
+    per_step = t.micro_batch_size * scenario.dp
+    global_batch = t.global_batch_size or per_step
+    micro_batches = max(1, math.ceil(global_batch / max(1, per_step)))
+    ops = layers * micro_batches * OPS_PER_LAYER_MICRO_BATCH * steps
+    return Estimate(layers, micro_batches, steps, ops, ops * SECONDS_PER_OP,
+                    (ops / steps) * BYTES_PER_OP)
+
+
+def physical_memory() -> float | None:
+    """Bytes of memory in this machine, or None where the system does not say."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def refusal(est: Estimate, memory: float | None) -> str | None:
+    """Why ``est`` is too big to run without ``--force`` (one line: the key to shrink, the
+    estimate, how to shrink it), or None."""
+    what = (f"at least {est.ops:,} ops to simulate ({est.layers} layers x "
+            f"{est.micro_batches:,} micro-batches" + (f" x {est.steps} steps" if est.steps > 1
+                                                      else "") + ")")
+    # The largest factor is the one to shrink.
+    key = "training.global_batch_size" if est.micro_batches >= est.layers else "model.layers"
+    shrink = (f"shrink {key}" + (" or --steps" if est.steps > 1 else "")
+              + ", or pass --force to run it anyway")
+    if est.seconds > HOUR_S:
+        return (f"{key}: {what}, {_duration(est.seconds)} or more; {shrink}")
+    if memory is not None and est.bytes > memory:
+        return (f"{key}: {what}: the program alone needs {est.bytes / 2**30:,.1f} GiB or "
+                f"more, this machine has {memory / 2**30:,.1f} GiB; {shrink}")
+    return None
+
+
+def check(scenario: Scenario, steps: int, origin: str) -> None:
+    """Raise ScenarioError (one line naming the file and the key) when the simulation would
+    not finish in an hour or would not fit in memory (:func:`refusal`)."""
+    est = estimate(scenario, steps)
+    if est is None:
+        return
+    why = refusal(est, physical_memory())
+    if why:
+        raise ScenarioError(f"{origin}: {why}")
+
+
+def _duration(seconds: float) -> str:
+    """Hours, days or years, as a person reads them.
+
+    Examples
+    --------
+    >>> _duration(7200), _duration(3 * 86400), _duration(1e9)
+    ('2.0 h', '3.0 days', '32 years')
+    """
+    if seconds < 86400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds < 365 * 86400:
+        return f"{seconds / 86400:.1f} days"
+    return f"{seconds / (365 * 86400):,.0f} years"

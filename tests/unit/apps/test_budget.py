@@ -1,0 +1,80 @@
+"""The cost estimate before a simulation (sim/apps/budget.py; issue 16, item 1): a lower
+bound on the ops and seconds a run needs, checked against the programs the builders really
+emit, and the refusal of what would not finish in an hour or fit in memory (``fabricsim run``
+exits 2 with one line; ``--force`` skips the check)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim.apps import budget
+from sim.config import resources
+from sim.frameworks import JobContext, build_program
+from sim.scenario import ScenarioError, load_scenario
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.parametrize("name", ["llama3.2-1b-1xh200", "llama3.2-1b-ddp-8xh100",
+                                  "llama3-8b-fsdp2-8xh100-mbs4",
+                                  "qwen3-30b-a3b-megatron-tp4pp2ep4-8xh100"])
+def test_the_estimate_is_a_lower_bound_on_the_built_program(name: str) -> None:
+    sc = load_scenario(name)
+    est = budget.estimate(sc, steps=1)
+    assert est is not None
+    ctx = JobContext.from_scenario(sc, name)
+    # The closed form: layers x micro-batches x the fewest ops per layer per micro-batch.
+    assert est.ops == ctx.model.layers * ctx.micro_batches * budget.OPS_PER_LAYER_MICRO_BATCH
+    assert len(build_program(ctx).ops) >= est.ops
+
+
+def test_steps_multiply_the_work_not_the_program() -> None:
+    sc = load_scenario("llama3.2-1b-1xh200")
+    one, three = budget.estimate(sc, 1), budget.estimate(sc, 3)
+    assert one is not None and three is not None
+    assert (three.ops, three.seconds, three.bytes) == (3 * one.ops, 3 * one.seconds, one.bytes)
+
+
+def test_no_shipped_scenario_is_refused() -> None:
+    for name in resources.available("scenarios"):
+        est = budget.estimate(load_scenario(name), steps=10)
+        assert est is not None and budget.refusal(est, budget.physical_memory()) is None, name
+
+
+def test_a_run_of_more_than_an_hour_is_refused_with_the_estimate() -> None:
+    # 16 layers x 2**24 micro-batches (one sequence each on one GPU) x 4 ops = 1.07e9 ops,
+    # x 50 us = 53,687 s = 14.9 h at the least.
+    sc = load_scenario("llama3.2-1b-1xh200", ["training.micro_batch_size=1",
+                                              f"training.global_batch_size={2**24}"])
+    with pytest.raises(ScenarioError) as info:
+        budget.check(sc, 1, "s.yaml")
+    assert str(info.value) == (
+        "s.yaml: training.global_batch_size: at least 1,073,741,824 ops to simulate "
+        "(16 layers x 16,777,216 micro-batches), 14.9 h or more; shrink "
+        "training.global_batch_size, or pass --force to run it anyway")
+
+
+def test_a_program_larger_than_memory_is_refused() -> None:
+    est = budget.Estimate(layers=80, micro_batches=1000, steps=1, ops=320_000, seconds=16.0,
+                          bytes=320_000 * budget.BYTES_PER_OP)
+    assert budget.refusal(est, memory=2.0**30) is None   # 153 MiB of 1 GiB
+    why = budget.refusal(est, memory=2.0**27)             # of 128 MiB
+    assert why is not None and why.startswith("training.global_batch_size: at least 320,000")
+    assert "needs 0.1 GiB or more, this machine has 0.1 GiB" in why
+
+
+def test_run_refuses_in_one_line_and_force_is_an_option() -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = [sys.executable, "-m", "sim.cli", "run", "llama3.2-1b-1xh200", "--set",
+            f"training.global_batch_size={2**24}", "--json"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1
+    assert "pass --force to run it anyway" in proc.stderr
+    helped = subprocess.run([*args[:4], "--help"], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert "--force" in helped.stdout
