@@ -243,3 +243,15 @@ def test_plan_layer_profile_is_no_more_than_the_cheapest_layer() -> None:
     per_layer = [sum(op.duration for op in ops if op.layer == la) for la in range(4)]
     assert per_layer[0] < per_layer[1]            # the windowed layer is the cheaper one
     assert prof.refused is None and prof.layer_s < per_layer[1]
+
+
+def test_published_gpt_oss_rows_are_no_longer_skipped() -> None:
+    # The published-moe suite's GPT-OSS rows (Megatron-Bridge 25.11 on 64 B200 and 64 GB200)
+    # build now: the builder refuses neither their sinks nor their windows.
+    from sim.apps.validation import published_moe as pm
+
+    rows = [e for e in pm.entries() if e["scenario"]["model"] == "gpt-oss-120b"]
+    assert len(rows) == 2
+    for e in rows:
+        prog = program(pm.scenario_of(e))
+        assert prog.classes
