@@ -333,9 +333,10 @@ class ModelSpec:
         With ``sliding_window``, a layer attends to at most that many keys, except every
         ``full_attention_every``-th layer (:meth:`windowed`; GPT-OSS: the odd layers,
         counting from 0). Megatron-Bridge's FLOP counters count the windowed layers over
-        their window too (``training/utils/flop_utils.py``, ``window_size`` and
-        ``window_attn_skip_freq``; ``gpt_oss_flops_calculator``), so MFU credits only the
-        scores the kernels compute.
+        their window too, so MFU credits only the scores the kernels compute: its
+        ``gpt_oss_flops_calculator`` the band exactly, as here; ``training/utils/
+        flop_utils.py`` (``window_size``, ``window_attn_skip_freq``) with min(W + 1, S) / 2
+        keys a query (half the band; 0.2% of GPT-OSS-120B's model FLOPs at S = 4096).
         """
         return sum(self._attention_layer_flops(seq_len, self.window_of(la))
                    for la in range(self.layers))
