@@ -184,6 +184,24 @@ def test_context_parallelism_with_windows_or_sinks_is_refused() -> None:
         program(_scn({"tp": 1, "cp": 2}, model=no_sinks))
 
 
+def test_sinks_with_the_flash_attn_package_are_refused() -> None:
+    # A dense model with sinks under Megatron's local layers (MoE layers need TE's).
+    dense = {k: v for k, v in OSS.items() if k not in ("experts", "experts_per_token")}
+    local = {"name": "megatron", "implementation": "local"}
+    s = megatron_scenario({"tp": 1}, 8, framework=local, model=dense, seq=SEQ)
+    with pytest.raises(ScenarioError, match="framework.flash_attention"):
+        program(s)
+    assert program(megatron_scenario({"tp": 1}, 8, framework=dict(local, flash_attention=False),
+                                     model=dense, seq=SEQ)).ops
+    # Megatron's unfused path takes them (the window masks a full score matrix there).
+    unfused = megatron_scenario({"tp": 1, "ep": 2}, 8, framework={
+        "name": "megatron", "flash_attention": False}, model=OSS, seq=SEQ)
+    blocks = megatron_shape(JobContext.from_scenario(unfused, "s.yaml")).blocks
+    assert [k.flops for k in blocks[WINDOWED].forward] == \
+        [k.flops for k in blocks["attn_main"].forward]
+    assert program(unfused).ops
+
+
 @pytest.mark.parametrize("feature", ["attention_sinks", "sliding_window"])
 def test_other_builders_still_refuse_what_they_do_not_model(feature) -> None:
     dense = {"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2, "ffn_hidden": 1024,

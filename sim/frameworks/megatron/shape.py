@@ -329,6 +329,14 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                 "a2a), which the megatron builder does not model")
     ctx.require(m.sliding_window is None or m.mla is None, "model.sliding_window",
                 "sliding windows over multi-head latent attention are not modelled")
+    # Learned sinks run in TE's FusedAttention (cuDNN) or Megatron's unfused attention; the
+    # flash-attn package the local implementation calls has no softmax offset (TE's backend
+    # table: non-vanilla softmax_type is no candidate for FlashAttention 2/3).
+    ctx.require(not m.attention_sinks or opts.implementation == "transformer_engine"
+                or not opts.flash_attention, "framework.flash_attention",
+                "attention sinks need Transformer Engine's fused attention or Megatron's "
+                "unfused path (flash_attention: false); flash-attn has no learned softmax "
+                "offset")
 
 
 def _check_uneven(ctx: JobContext, layers: int, p: int, vp: int, extra: int,
