@@ -86,6 +86,63 @@ PUBLISHED_H100: dict[tuple[str, str], tuple[float, bool]] = {
 _ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
 
 
+def window_pairs(seq: int, window: int | None) -> float:
+    """(query, key) pairs one head of a causal attention over ``seq`` tokens scores when a
+    query sees at most ``window`` keys (itself and the ``window - 1`` before it): the
+    sliding-window rule, the one home of it (model FLOPs, kernel FLOPs and the kernel's tiles
+    all count through here).
+
+    With a window shorter than the sequence, query ``i`` (from 0) scores ``min(i + 1, W)``
+    keys: ``sum_i min(i + 1, W) = S W - W (W - 1) / 2`` -- the non-zeros of the band mask that
+    Megatron-Bridge's ``gpt_oss_flops_calculator`` (``attention_mask_nz_elem``) counts.
+    Without one (or one at least as long as the sequence) it is ``S^2 / 2``, half the score
+    matrix: the dense convention of Megatron-LM's ``num_floating_point_operations`` and of the
+    FlashAttention benchmarks, kept so that full-attention numbers do not move.
+
+    Examples
+    --------
+    >>> window_pairs(4096, None), window_pairs(4096, 4096)
+    (8388608.0, 8388608.0)
+    >>> window_pairs(4096, 128)           # 128 x 4096 less the first 127 queries' shortfall
+    516160.0
+    >>> window_pairs(5, 2) == sum(min(i + 1, 2) for i in range(5))
+    True
+    """
+    if window is None or window >= seq:
+        return seq * seq / 2.0
+    return float(seq * window - window * (window - 1) // 2)
+
+
+def causal_tiles(n_blocks: int, block: int, window: int | None) -> tuple[float, int]:
+    """(tiles, tiles of the longest query row) a tiled causal attention kernel computes over
+    ``n_blocks`` query blocks of ``block`` tokens (as many key blocks), each ``block x block``.
+
+    Without a window: the lower triangle, ``n (n + 1) / 2`` tiles, ``n`` in the last row.
+    With one, a query block needs only the key blocks its band reaches: query block ``q``
+    starts at key ``q * block - (W - 1)``, so it runs ``min(q + 1, k)`` tiles with
+    ``k = ceil((W - 1) / block) + 1`` -- the same sum as :func:`window_pairs` on the block
+    grid. The kernels skip the blocks left of the band as they skip those above the diagonal:
+    FlashAttention-2's ``n_block_min`` for ``Is_local`` (``csrc/flash_attn/src/
+    flash_fwd_kernel.h``, ``window_size_left``); cuDNN's fused attention (Transformer
+    Engine's FusedAttention, the kernel Megatron-Core runs GPT-OSS's sink attention with,
+    TE >= 2.8) takes the same left bound (``diagonal_band_left_bound``, cudnn-frontend
+    ``SDPA_attributes``) and is assumed to skip alike.
+
+    Examples
+    --------
+    >>> causal_tiles(64, 64, None), causal_tiles(64, 64, 4096)
+    ((2080.0, 64), (2080.0, 64))
+    >>> causal_tiles(64, 64, 128)          # k = ceil(127 / 64) + 1 = 3 tiles a row
+    (189.0, 3)
+    >>> causal_tiles(4, 64, 200)           # k = 5 > 4 blocks: the whole triangle
+    (10.0, 4)
+    """
+    k = n_blocks if window is None else -(-(window - 1) // block) + 1
+    if k >= n_blocks:
+        return n_blocks * (n_blocks + 1) / 2.0, n_blocks
+    return window_pairs(n_blocks, k), k
+
+
 def _version(v: str) -> tuple[int, int, int]:
     parts = ([int(x) for x in v.split(".")[:3]] + [0, 0, 0])[:3]
     return parts[0], parts[1], parts[2]

@@ -23,7 +23,7 @@ import numpy as np
 
 from sim import catalog
 from sim.catalog import GpuSpec
-from sim.hardware.attention_cost import MEASURED_BACKEND, matmul_share
+from sim.hardware.attention_cost import MEASURED_BACKEND, causal_tiles, matmul_share
 from sim.hardware.power import sustained_clock_ratio, sustained_matrix_flops
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
@@ -252,13 +252,17 @@ class ComputeModel:
     # ------------------------------------------------------------------ attention
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
                        pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
-                       causal: bool = True, measured_table: bool = True) -> float:
+                       causal: bool = True, measured_table: bool = True,
+                       window: int | None = None) -> float:
         """A fused (flash-style) attention kernel, forward or backward, of this model's
         ``attention_backend`` (FlashAttention-2/3, cuDNN: :mod:`sim.hardware.attention_cost`).
 
         The GPU time only: the fitted fixed term of a standalone call is dominated by CPU-side
         dispatch, which :func:`attention_cpu_s` returns separately. The measured residuals
-        apply only to the backend the calibration measured, on Hopper.
+        apply only to the backend the calibration measured, on Hopper. ``window``: a causal
+        sliding window (keys per query), whose band of tiles the kernel runs
+        (:func:`~sim.hardware.attention_cost.causal_tiles`); the residual stays the one of the
+        same launch (``seq`` queries, ``batch x heads`` groups).
         """
         att = _fit()["attention"]
         p = att[pass_]
@@ -268,8 +272,9 @@ class ComputeModel:
         nbk = math.ceil(kv_seq / blk)
         groups = batch * heads
         if causal:
-            total = groups * blk * blk * nb * (nb + 1) / 2
-            longest = blk * blk * nb
+            tiles, row = causal_tiles(nb, blk, window)
+            total = groups * blk * blk * tiles
+            longest = blk * blk * row
         else:
             total = groups * blk * blk * nb * nbk
             longest = blk * blk * nbk

@@ -127,7 +127,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
             # share of the causal triangle: half of its queries x all keys.
             return 0.5 * cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
                                            kv_seq=k.attn_kv_seq, causal=False)
-        return cm.attention_time(bsz, heads, seq, hd, p)  # type: ignore[arg-type]
+        return cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
+                                 window=k.attn_window)
     if k.klass == "tiny":
         return cm.kernel_min_s
     klass = "reduction" if k.klass == "elementwise" and is_reduction(k) else k.klass

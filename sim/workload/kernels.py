@@ -45,6 +45,9 @@ class Kernel:
     """Keys per query when they outnumber the local queries (context parallelism: each rank
     attends its seq/cp queries to the whole sequence, half of it on average under causal
     load balancing); 0 = the same sequence, causal."""
+    attn_window: int | None = None
+    """A causal sliding window: keys each query sees at most (GPT-OSS's windowed layers);
+    the kernel runs only the band's tiles (:func:`sim.hardware.attention_cost.causal_tiles`)."""
     attn_block: tuple[int, int] | None = None
     """(queries, keys) of one non-causal block (a step of torch's ring attention,
     :mod:`sim.frameworks.fsdp2.cp`); the kernel runs exactly that rectangle."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
+from sim.hardware.attention_cost import window_pairs
 from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
 from sim.workload.layer_rules import (
     FP8,
@@ -105,6 +106,8 @@ def python_ops(m: ModelSpec, legacy: bool) -> dict[str, tuple[int, int]]:
         extra = (extra[0] + n, extra[1] + n)
     f, b = ops["attn_main"]
     ops["attn_main"] = (f + extra[0], b + extra[1])
+    # A sliding-window layer makes the same module calls (the window is a kernel argument).
+    ops[WINDOWED] = ops["attn_main"]
     return ops
 
 
@@ -268,9 +271,19 @@ def _bias_dropout_add(b: _Builder, out: Tensor, resid: Tensor, tokens: float, h:
     return y
 
 
-def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
-                    ) -> tuple[Block, Block]:
-    """(pre, main) of the attention half of a layer."""
+def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
+                    window: int | None = None) -> tuple[Block, Block]:
+    """(pre, main) of the attention half of a layer; ``window``: a sliding-window layer's
+    keys per query (GPT-OSS's even layers; None: full causal attention).
+
+    A windowed flash kernel runs the band only: its FLOPs are ``4 x heads x head_dim x
+    window_pairs`` forward (:func:`~sim.hardware.attention_cost.window_pairs`) and its time
+    the band's tiles. Megatron's unfused path (``local`` attention backend) masks the full
+    score matrix (``get_sliding_window_causal_mask``, megatron/core/transformer/utils.py) and
+    costs what a full layer does. Attention sinks (``softmax_type="learnable"``,
+    TransformerConfig; TE's ``softmax_offset``): one learned logit per local head, a
+    parameter of the block whose gradient the attention backward writes; the extra softmax
+    column is one score per query and head beside the keys (negligible, not priced)."""
     t = lay.tp
     s = seq // lay.cp
     tokens = batch * s
@@ -309,21 +322,31 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     # arrive by ring exchange (the framework adds it); the scores cover seq x seq/cp.
     kv_len = s * lay.cp
     ctx = b.t("ctx", tokens * qd, BF16)
+    sink_grad: tuple[Tensor, ...] = ()
+    if m.attention_sinks:
+        # TE DotProductAttention's softmax_offset: one logit per local head (heads split over
+        # tp); its fp32 main_grad comes out of the attention backward.
+        b.block.params += heads
+        sink_grad = (b.t("sink.main_grad", heads, FP32),)
+        b.block.weight_grads.append(sink_grad[0])
     if lay.flash_attention:
         lse = b.t("lse", batch * heads * s, FP32)
         # Two matmuls (Q K^T and P V) of 2 x s x kv x d FLOPs per head each, causal: half of
-        # the score matrix (as sdpa.fwd in sim/workload/layer_builder.py counts it).
-        fl = 2.0 * batch * s * kv_len * qd
+        # the score matrix (as sdpa.fwd in sim/workload/layer_builder.py counts it); over a
+        # sliding window, 4 x d per (query, key) pair of the band.
+        fl = 2.0 * batch * s * kv_len * qd if window is None else \
+            4.0 * batch * qd * window_pairs(s, window)
         b.fwd(Kernel("flash_fwd", "attention", (q, k, v), (ctx, lse), fl,
                      attn=(batch, heads, s, m.head_dim, "fwd"),
-                     attn_kv_seq=kv_len if lay.cp > 1 else 0))
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window))
         b.save(q, k, v, ctx, lse)
         gctx = b.t("g_ctx", tokens * qd, BF16)
         gqa = b.t("g_q", tokens * qd, BF16)
         gka, gva = b.t("g_k", tokens * kvd, BF16), b.t("g_v", tokens * kvd, BF16)
-        b.bwd(Kernel("flash_bwd", "attention", (gctx, q, k, v, ctx, lse), (gqa, gka, gva),
+        b.bwd(Kernel("flash_bwd", "attention", (gctx, q, k, v, ctx, lse),
+                     (gqa, gka, gva) + sink_grad,
                      2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd"),
-                     attn_kv_seq=kv_len if lay.cp > 1 else 0))
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window))
     else:
         # baddbmm -> fused scale-mask-softmax -> dropout -> bmm (Megatron's local path).
         n_scores = batch * heads * s * kv_len
@@ -349,7 +372,7 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
                      gemm=(rows, kv_len, m.head_dim, "dgrad")),
               Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl,
                      gemm=(rows, kv_len, m.head_dim, "wgrad")))
-        b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,)))
+        b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,) + sink_grad))
         b.bwd(Kernel("qk_bmm.dgrad", "gemm", (gs, k), (gq,), fl,
                      gemm=(rows, m.head_dim, kv_len, "dgrad")),
               Kernel("qk_bmm.wgrad", "gemm", (gs, q), (gk,), fl,
@@ -480,5 +503,20 @@ def megatron_blocks(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     else:
         ap, am = attention_block(m, lay, batch, seq)
     mp, mm = mlp_block(m, lay, batch, seq)
-    return {"embed": embedding_block(m, lay, batch, seq), "attn_pre": ap, "attn_main": am,
-            "mlp_pre": mp, "mlp_main": mm, "head": head_block(m, lay, batch, seq)}
+    blocks = {"embed": embedding_block(m, lay, batch, seq), "attn_pre": ap, "attn_main": am,
+              "mlp_pre": mp, "mlp_main": mm, "head": head_block(m, lay, batch, seq)}
+    if m.sliding_window is not None and m.sliding_window < seq and m.mla is None:
+        # The sliding-window layers' attention (ModelSpec.windowed; full ones keep attn_main).
+        blocks[WINDOWED] = attention_block(m, lay, batch, seq, m.sliding_window)[1]
+    return blocks
+
+
+WINDOWED = "attn_main_window"
+"""The block key of a sliding-window layer's attention (:func:`attention_key`)."""
+
+
+def attention_key(m: ModelSpec, layer: int, blocks: dict[str, Block]) -> str:
+    """The block that prices layer ``layer``'s attention: :data:`WINDOWED` for a layer over
+    the sliding window (:meth:`ModelSpec.windowed`) when the window is shorter than the
+    sequence, ``attn_main`` otherwise."""
+    return WINDOWED if WINDOWED in blocks and m.windowed(layer) else "attn_main"

@@ -18,12 +18,12 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from sim import catalog
+from sim.hardware.attention_cost import window_pairs
 from sim.scenario import ModelDims
 from sim.workload.moe import (
     BEYOND_DENSE,
     MLASpec,
     MoESpec,
-    causal_keys,
     linear_params,
     mlp_shapes,
 )
@@ -287,36 +287,59 @@ class ModelSpec:
                     None)
 
     # ------------------------------------------------------------------ FLOPs
+    def windowed(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) attends over the sliding window: every layer of a
+        windowed model but each ``full_attention_every``-th (the n-th, 2n-th, ... counting
+        from 1), as Megatron-Core's ``is_layer_window_attention`` (megatron/core/transformer/
+        utils.py: 1-based ``layer_number % window_attn_skip_freq != 0``) and GPT-OSS's
+        ``layer_types`` (sliding, full, sliding, ...) have it.
+
+        Examples
+        --------
+        >>> m = ModelSpec.from_ref("gpt-oss-120b")
+        >>> [m.windowed(la) for la in range(4)]
+        [True, False, True, False]
+        """
+        if self.sliding_window is None:
+            return False
+        every = self.full_attention_every
+        return every is None or (layer + 1) % every != 0
+
+    def window_of(self, layer: int) -> int | None:
+        """The keys layer ``layer``'s queries see at most (None: the full causal context)."""
+        return self.sliding_window if self.windowed(layer) else None
+
     def _attention_layer_flops(self, seq_len: int, window: int | None) -> float:
         """Score and value FLOPs of one layer, forward plus backward, per token.
 
         Forward QK^T costs 2 x keys x qk_head_dim and PV 2 x keys x v_head_dim per query and
-        head; a causal query sees ``causal_keys`` keys on average (S/2); backward is twice
-        forward. Grouped-query heads are head_dim wide both ways: 6 x S x q_dim. MLA's
-        queries and keys are qk_nope + qk_rope wide, its values v_head_dim (training runs
-        the unabsorbed form).
+        head; a causal query sees S/2 keys on average, a windowed one ``window_pairs / S``
+        (:func:`~sim.hardware.attention_cost.window_pairs`, the one home of the window rule);
+        backward is twice forward. Grouped-query heads are head_dim wide both ways:
+        6 x S x q_dim. MLA's queries and keys are qk_nope + qk_rope wide, its values
+        v_head_dim (training runs the unabsorbed form).
         """
         if self.mla is not None:
             qk, v = self.mla.qk_head_dim, self.mla.v_head_dim
         else:
             qk = v = self.head_dim
-        return 6.0 * causal_keys(seq_len, window) * self.heads * (qk + v)
+        keys = window_pairs(seq_len, window) / seq_len if seq_len else 0.0
+        return 6.0 * keys * self.heads * (qk + v)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Causal attention score and value FLOPs of all layers, forward plus backward, per
         token: 6 x S x q_dim per layer for full-context grouped-query attention.
 
         With ``sliding_window``, a layer attends to at most that many keys, except every
-        ``full_attention_every``-th layer (GPT-OSS: the odd layers, counting from 0).
+        ``full_attention_every``-th layer (:meth:`windowed`; GPT-OSS: the odd layers,
+        counting from 0). Megatron-Bridge's FLOP counters count the windowed layers over
+        their window too, so MFU credits only the scores the kernels compute: its
+        ``gpt_oss_flops_calculator`` the band exactly, as here; ``training/utils/
+        flop_utils.py`` (``window_size``, ``window_attn_skip_freq``) with min(W + 1, S) / 2
+        keys a query (half the band; 0.2% of GPT-OSS-120B's model FLOPs at S = 4096).
         """
-        full = self.layers
-        if self.sliding_window is not None:
-            full = self.layers // self.full_attention_every if self.full_attention_every else 0
-        flops = full * self._attention_layer_flops(seq_len, None)
-        if full < self.layers:
-            slide = self._attention_layer_flops(seq_len, self.sliding_window)
-            flops += (self.layers - full) * slide
-        return flops
+        return sum(self._attention_layer_flops(seq_len, self.window_of(la))
+                   for la in range(self.layers))
 
     def mtp_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of the multi-token prediction modules per trained token: 6 x (the

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 # The key each feature beyond a dense Llama/GPT block is written under in a scenario, and
 # what it is, for the refusal of a builder whose registry entry's model_features lacks it
-# (megatron models experts, MLA, qk_norm and mtp_layers: issue 14).
+# (megatron models experts, MLA, qk_norm, mtp_layers, attention sinks and sliding windows:
+# issue 14).
 BEYOND_DENSE = {
     "experts": "mixture-of-experts layers",
     "attention": "multi-head latent attention",
@@ -138,18 +139,3 @@ class MLASpec:
     def norm_params(self) -> int:
         """RMSNorm scales on the latents (q_a_layernorm, kv_a_layernorm)."""
         return (self.q_lora_rank or 0) + self.kv_lora_rank
-
-
-def causal_keys(seq_len: int, window: int | None) -> float:
-    """Keys a query attends to, averaged over a causal sequence of ``seq_len`` tokens, when
-    each sees at most ``window`` keys: the integral of min(i, W) over positions divided by S,
-    W - W^2 / 2S; S/2 with no window (the convention of the dense FLOP count).
-
-    Examples
-    --------
-    >>> causal_keys(4096, None), causal_keys(4096, 4096), causal_keys(4096, 128)
-    (2048.0, 2048.0, 126.0)
-    """
-    if window is None or window >= seq_len:
-        return seq_len / 2.0
-    return window - window * window / (2.0 * seq_len)

@@ -59,6 +59,9 @@ SLOW = {
         "(tests/integration/test_deepspeed_pipe.py)",
     "llama3.1-405b-megatron-16384xh100-run":
         "104,096 ops: 16 stages x 4 chunks x 16 micro-batches on 16,384 GPUs, ~20-30 s",
+    "gpt-oss-120b-megatron-tp2pp4ep16-64xh100":
+        "56,990 ops: 4 stages x 64 micro-batches, EP16 all-to-alls over two nodes, ~21 s "
+        "(tests/integration/test_megatron_gpt_oss.py)",
 }
 # Scenarios that run out of GPU memory, and why (a result, not an error).
 EXPECTED_OOM = {

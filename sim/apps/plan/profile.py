@@ -80,6 +80,13 @@ def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
             "max_positions": m.max_positions or None, "name": f"{m.name} (profile)"}
     if m.moe is not None:
         dims.update(_moe_dims(m.moe))
+    if m.sliding_window is not None:
+        # Layer 0 of the copy is a windowed one (ModelSpec.windowed), so the minimum over its
+        # layers stays below the cheapest layer of the model.
+        dims.update(sliding_window=m.sliding_window,
+                    full_attention_every=m.full_attention_every)
+    if m.attention_sinks:
+        dims["attention_sinks"] = True
     dp = base.gpus // (layout.tp * layout.cp)
     opts = _layer_options(layout)
     probe = Layout(layout.framework, layout.tp, 1, dp, layout.cp, 1, layout.micro_batch_size,

@@ -23,6 +23,9 @@ ENTRY = FrameworkEntry(
     stage_split=megatron_stage_split,
     # Megatron-Core's MoE layers with the alltoall dispatcher (megatron/moe.py), its per-head
     # query/key norms (qk_layernorm, sim/workload/megatron_ops.py) and Multi-head Latent
-    # Attention (sim/workload/megatron_mla.py), and multi-token prediction modules
-    # (sim/frameworks/megatron/mtp.py).
-    model_features=frozenset({"experts", "qk_norm", "attention", "mtp_layers"}))
+    # Attention (sim/workload/megatron_mla.py), multi-token prediction modules
+    # (sim/frameworks/megatron/mtp.py), and GPT-OSS's learned attention sinks and alternating
+    # sliding-window layers (softmax_type="learnable", window_size, window_attn_skip_freq;
+    # sim/workload/megatron_ops.py, the window rule in sim/hardware/attention_cost.py).
+    model_features=frozenset({"experts", "qk_norm", "attention", "mtp_layers",
+                              "attention_sinks", "sliding_window"}))

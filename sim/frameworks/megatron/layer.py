@@ -29,7 +29,7 @@ from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op
 from sim.workload.layer_ops import kernel_time
 from sim.workload.megatron_mla import mla_gather_width
-from sim.workload.megatron_ops import CHECKPOINT_OPS, python_ops
+from sim.workload.megatron_ops import CHECKPOINT_OPS, WINDOWED, attention_key, python_ops
 
 UnitKey = tuple[str, int, int]
 """(F|B, virtual stage, micro-batch)."""
@@ -70,6 +70,9 @@ class LayerCosts:
     moe_saved_delta: float = 0.0
     """A layer with experts: its MoE blocks' saved bytes less the dense MLP's (which
     ``layer_saved`` counts)."""
+    core_fwd_by_block: dict[str, float] = field(default_factory=dict)
+    """GPU seconds of core attention's forward in each attention block (``attn_main`` and, for
+    a sliding-window model, :data:`~sim.workload.megatron_ops.WINDOWED`)."""
 
 
 def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> LayerCosts:
@@ -83,8 +86,10 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     core_saved = float(sum(tn.nbytes for tn in blocks["attn_main"].saved
                            if tn.name.endswith((".probs", "attn_dropout.mask",
                                                 "attn_dropout.out"))))
-    core_fwd_s = sum(kernel_time(cm, k) for k in blocks["attn_main"].forward
-                     if k.name.split(".")[0] in CORE_FWD)
+    core_fwd = {key: sum(kernel_time(cm, k) for k in blocks[key].forward
+                         if k.name.split(".")[0] in CORE_FWD)
+                for key in ("attn_main", WINDOWED) if key in blocks}
+    core_fwd_s = core_fwd["attn_main"]
     layer_saved = sum(cost[k].saved_bytes for k in ("attn_pre", "attn_main", "mlp_pre",
                                                     "mlp_main"))
     layer_hold: float
@@ -102,7 +107,7 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
                       len(fwd_ks))
     moe_delta = (s.moe.saved_bytes - cost["mlp_main"].saved_bytes) if s.moe else 0.0
     return LayerCosts(
-        moe_saved_delta=moe_delta,
+        moe_saved_delta=moe_delta, core_fwd_by_block=core_fwd,
         fwd_s={k: c.fwd_gpu_s for k, c in cost.items()},
         bwd_s={k: c.bwd_gpu_s for k, c in cost.items()},
         fwd_cpu={k: py_ops[k][0] * cpu_s_per_op for k in cost},
@@ -339,14 +344,15 @@ class UnitBuilder:
         s, c = self.s, self.c
         phase = "recompute" if recompute else "fwd"
         moe = self.is_moe(layer)
+        attn = attention_key(s.model, layer, s.blocks)
         hold = c.layer_hold + (c.moe_saved_delta if moe and s.ac != "full" else 0.0)
         self.block_ops(st, unit, BlockSpec(
-            ("norm", "attention"), c.fwd_s["attn_pre"], c.fwd_s["attn_main"],
+            ("norm", "attention"), c.fwd_s["attn_pre"], c.fwd_s[attn],
             f"{phase} attn L{layer} mb{mb}", mb, layer, phase,
             alloc=0.0 if recompute else hold,
-            flops=0.0 if recompute else s.blocks["attn_main"].flops_fwd, ring="fwd",
+            flops=0.0 if recompute else s.blocks[attn].flops_fwd, ring="fwd",
             cpu_pre=c.fwd_cpu["attn_pre"] + (c.ckpt_cpu if recompute else 0.0),
-            cpu_main=c.fwd_cpu["attn_main"]))
+            cpu_main=c.fwd_cpu[attn]))
         if moe:
             self._moe_ops(unit, self.moe[st].forward(phase, mb, layer, c.fwd_s["mlp_pre"],
                                                      c.fwd_cpu["mlp_pre"]))
@@ -375,13 +381,14 @@ class UnitBuilder:
                 f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
                 flops=s.blocks["mlp_main"].flops_bwd, cpu_pre=c.bwd_cpu["mlp_pre"],
                 cpu_main=c.bwd_cpu["mlp_main"], column="fc1"))
-        extra = c.core_fwd_s if s.ac == "selective" else 0.0
+        attn = attention_key(s.model, layer, s.blocks)
+        extra = c.core_fwd_by_block.get(attn, c.core_fwd_s) if s.ac == "selective" else 0.0
         free = c.layer_hold + delta + (c.layer_saved if s.ac == "full" else 0.0)
         self.block_ops(st, unit, BlockSpec(
-            ("attention", "norm"), c.bwd_s["attn_pre"], c.bwd_s["attn_main"] + extra,
+            ("attention", "norm"), c.bwd_s["attn_pre"], c.bwd_s[attn] + extra,
             f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
-            flops=s.blocks["attn_main"].flops_bwd, cpu_pre=c.bwd_cpu["attn_pre"],
-            cpu_main=c.bwd_cpu["attn_main"], column="qkv", ring="bwd"))
+            flops=s.blocks[attn].flops_bwd, cpu_pre=c.bwd_cpu["attn_pre"],
+            cpu_main=c.bwd_cpu[attn], column="qkv", ring="bwd"))
         unit.layer_bwd[layer] = unit.ops[-1]
         unit.part_op[layer] = unit.ops[-1]
 

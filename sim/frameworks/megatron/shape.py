@@ -24,7 +24,13 @@ from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
 from sim.workload.layer_ops import Block, BlockCost, price_block
-from sim.workload.megatron_ops import STYLE, MegatronLayout, megatron_blocks, padded_vocab
+from sim.workload.megatron_ops import (
+    STYLE,
+    MegatronLayout,
+    attention_key,
+    megatron_blocks,
+    padded_vocab,
+)
 from sim.workload.model import ModelSpec
 
 ORDER = "tp-cp-ep-dp-pp"
@@ -263,13 +269,16 @@ class MegatronShape:
 
     def _decoder_recompute_flops(self) -> float:
         layer_fwd_flops = sum(self.blocks[k].flops_fwd for k in ("attn_main", "mlp_main"))
+        # Sliding-window layers re-run their windowed attention, not a full one.
+        windowed = sum(self.blocks[attention_key(self.model, la, self.blocks)].flops_fwd
+                       - self.blocks["attn_main"].flops_fwd for la in range(self.model.layers))
         if self.moe is not None:
             moe_layers = self.model.moe_layers
             extra = moe_layers * (self.moe.flops_fwd - self.blocks["mlp_main"].flops_fwd)
-            return ((layer_fwd_flops * self.model.layers + extra)
+            return ((layer_fwd_flops * self.model.layers + extra + windowed)
                     * self.mb_count * self.dp * self.cp * self.t)
-        return (layer_fwd_flops * self.model.layers * self.mb_count * self.dp * self.cp
-                * self.t)
+        return ((layer_fwd_flops * self.model.layers + windowed) * self.mb_count * self.dp
+                * self.cp * self.t)
 
 
 def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
@@ -310,6 +319,24 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                 "tp > 1 (Megatron-LM validate_args)")
     ctx.require(ctx.seq % cp == 0, "parallelism.cp",
                 f"seq_len {ctx.seq} does not split over cp={cp}")
+    # Transformer Engine runs sliding windows and learned sinks under context parallelism only
+    # with cp_comm_type a2a (TE tests/pytorch/attention/test_attention_with_cp.py: "No support
+    # for SWA with cp_comm_type={p2p, a2a+p2p}", non-vanilla softmax only with a2a); the
+    # builder models the p2p ring.
+    ctx.require(cp == 1 or (m.sliding_window is None and not m.attention_sinks),
+                "parallelism.cp", "context parallelism with sliding-window attention or "
+                "attention sinks runs only as Transformer Engine's all-to-all (cp_comm_type "
+                "a2a), which the megatron builder does not model")
+    ctx.require(m.sliding_window is None or m.mla is None, "model.sliding_window",
+                "sliding windows over multi-head latent attention are not modelled")
+    # Learned sinks run in TE's FusedAttention (cuDNN) or Megatron's unfused attention; the
+    # flash-attn package the local implementation calls has no softmax offset (TE's backend
+    # table: non-vanilla softmax_type is no candidate for FlashAttention 2/3).
+    ctx.require(not m.attention_sinks or opts.implementation == "transformer_engine"
+                or not opts.flash_attention, "framework.flash_attention",
+                "attention sinks need Transformer Engine's fused attention or Megatron's "
+                "unfused path (flash_attention: false); flash-attn has no learned softmax "
+                "offset")
 
 
 def _check_uneven(ctx: JobContext, layers: int, p: int, vp: int, extra: int,

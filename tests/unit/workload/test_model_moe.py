@@ -214,12 +214,15 @@ def test_deepseek_v3_flops_per_token_closed_form():
 
 def test_gpt_oss_sliding_window_flops_closed_form():
     """GPT-OSS-120B alternates 128-token sliding windows (layers 0, 2, ...) with full context
-    (layers 1, 3, ...): a sliding query sees W - W^2/2S keys on average, a full one S/2;
-    heads 64 x head_dim 64 both ways."""
+    (layers 1, 3, ...): query i of a sliding layer sees min(i + 1, W) keys, so the layer
+    scores sum_i min(i + 1, W) = S W - W (W - 1) / 2 pairs (Megatron-Bridge's
+    gpt_oss_flops_calculator, attention_mask_nz_elem), a full one S^2 / 2 (the dense
+    convention); heads 64 x head_dim 64 both ways."""
     S, W = 8192, 128
     m = ModelSpec.from_ref("gpt-oss-120b")
     per_key = 6 * 64 * (64 + 64)
-    attention = 18 * per_key * S / 2 + 18 * per_key * (W - W * W / (2 * S))
+    window_keys = sum(min(i + 1, W) for i in range(S)) / S
+    attention = 18 * per_key * S / 2 + 18 * per_key * window_keys
     assert m.attention_flops_per_token(S) == pytest.approx(attention, rel=1e-12)
     assert m.model_flops_per_token(S) == pytest.approx(6 * 5_132_849_472 + attention,
                                                        rel=1e-12)
