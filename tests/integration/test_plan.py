@@ -232,6 +232,12 @@ def test_collective_lower_bound_closed_forms() -> None:
     skew = Op("skew", "collective", "c", "comm", collective="all_to_all", nbytes=s,
               group=tuple(range(8)), key="f", peer_bytes=peer)
     assert plan.collective_lower_bound(skew, rates) == pytest.approx(3 * s / 300e9)
+    # One server without NICs (node_network 0): nothing crosses a network, so the bound is
+    # the NVLink one, not a division by zero.
+    alone = plan.LinkRates(gpus_per_node=8, nvlink=300e9, node_network=0.0)
+    assert plan.collective_lower_bound(a2a, alone) == pytest.approx(7 / 8 * s / 300e9)
+    inside = Op("in", "send", "p", "comm", nbytes=s, pairs=((0, 1),), key="g")
+    assert plan.collective_lower_bound(inside, alone) == pytest.approx(s / 300e9)
 
 
 # --------------------------------------------------------------------------- pruning

@@ -117,7 +117,8 @@ class CommBounds:
                 out_count[a] += 1
                 in_count[b] += 1
         busiest = max(list(out_count.values()) + list(in_count.values()) + [0])
-        return max(worst, busiest / self.rates.node_network)
+        # A one-node cluster has no network (rate 0) and nothing crossing it.
+        return max(worst, busiest / self.rates.node_network if busiest else 0.0)
 
     def _all_to_all(self, groups: Sequence[Sequence[int]],
                     peer_bytes: Sequence[Sequence[float]], nbytes: float) -> float:
@@ -145,7 +146,7 @@ class CommBounds:
                         nic[a, "out"] += b
                         nic[c, "in"] += b
         intra = max(nvl.values(), default=0.0) / self.rates.nvlink
-        inter = max(nic.values(), default=0.0) / self.rates.node_network
+        inter = max(nic.values()) / self.rates.node_network if nic else 0.0
         return max(intra, inter)
 
     def _groups(self, groups: Sequence[Sequence[int]]) -> float:
