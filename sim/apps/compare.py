@@ -56,6 +56,7 @@ from rich.table import Table  # noqa: E402
 from sim.analysis.cost import resolve_pricing  # noqa: E402
 from sim.analysis.summary import Summary  # noqa: E402
 from sim.apps.executor import Task, simulate_task  # noqa: E402
+from sim.apps.sweep.grid import split_values  # noqa: E402
 from sim.scenario import Scenario, ScenarioError, load_scenario  # noqa: E402
 
 
@@ -66,9 +67,11 @@ class Metric:
     path: str
     name: str
     unit: str
-    """How to print it: s, tok/s, frac, GiB, bytes, usd, GB, h, count."""
+    """How to print it: s, tok/s, frac, GiB, bytes, usd, GB, h, d (days), count."""
     in_table: bool = True
     """Shown as a row of the table (every metric is in the JSON deltas)."""
+    optional: bool = False
+    """A row only when some variant has it (the ``run`` object of a ``run:`` block)."""
 
 
 METRICS: tuple[Metric, ...] = (
@@ -99,6 +102,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("cost.run_hours", "run hours", "h", in_table=False),
     Metric("cost.run_usd", "run cost", "usd"),
     Metric("gpus", "GPUs", "count", in_table=False),
+    # The whole run, only for scenarios with a `run:` block (sim.apps.runlength): what a
+    # straggler, a slow link or a checkpoint interval costs over the run, not per step.
+    Metric("run.ettr", "goodput (ETTR)", "frac", optional=True),
+    Metric("run.expected_days", "run days", "d", optional=True),
+    Metric("run.expected_usd", "run $", "usd", optional=True),
+    Metric("run.interruptions_expected", "interruptions", "count", optional=True),
+    Metric("run.optimal_checkpoint_interval_steps", "best ckpt interval", "count",
+           optional=True),
+    Metric("run.checkpoint_blocking_s", "ckpt stop", "s", in_table=False, optional=True),
+    Metric("run.days_p95", "run days p95", "d", in_table=False, optional=True),
 )
 
 
@@ -121,12 +134,16 @@ def parse_what_if(what_if: str) -> tuple[str, list[str]]:
     --------
     >>> parse_what_if("cluster.nic_gbps=100,400")
     ('cluster.nic_gbps', ['100', '400'])
+    >>> parse_what_if("faults.slow_gpus=[],[{rank: 3, factor: 1.1}]")
+    ('faults.slow_gpus', ['[]', '[{rank: 3, factor: 1.1}]'])
     """
     if "=" not in what_if:
         raise ScenarioError(f"--what-if {what_if}: expected KEY=V1,V2[,...]")
     key, raw = what_if.split("=", 1)
     key = key.strip()
-    values = [v.strip() for v in raw.split(",")]
+    # Commas inside brackets, braces or quotes belong to a value: a list-valued key such as
+    # faults.slow_gpus=[],[{rank: 3, factor: 1.1}] (split as a sweep's --grid splits).
+    values = split_values(raw)
     if not key:
         raise ScenarioError(f"--what-if {what_if}: empty key")
     if not values or any(v == "" for v in values):
@@ -301,6 +318,8 @@ def format_value(value: float, unit: str, signed: bool = False) -> str:
         return f"{value:{sign},.1f} GB"
     if unit == "h":
         return f"{value:{sign},.1f} h"
+    if unit == "d":
+        return f"{value:{sign},.2f} d"
     return f"{value:{sign},g}"
 
 
@@ -321,6 +340,10 @@ def comparison_table(result: dict[str, Any]) -> Table:
         table.add_column(header, justify="right")
     for m in METRICS:
         if not m.in_table:
+            continue
+        if m.optional and not any(v["summary"] is not None
+                                  and metric_value(v["summary"], m.path) is not None
+                                  for v in variants):
             continue
         row = [m.name]
         for v in variants:

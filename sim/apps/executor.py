@@ -116,13 +116,22 @@ def attempt(index: int, work: Callable[[], Summary],
 def simulate_task(task: Task, steps: int, origin: str, describe: ErrorText = one_line,
                   before_variant: Callable[[dict[str, Any]], None] | None = None) -> Outcome:
     """Simulate one variant with :func:`sim.api.simulate` (``origin`` names it in
-    messages); its failure, ``before_variant``'s included, becomes the outcome's error."""
+    messages), with its ``run`` object when the scenario has a ``run:`` block
+    (:func:`sim.apps.runlength.run_length`); its failure, ``before_variant``'s included,
+    becomes the outcome's error."""
     from sim.api import simulate
 
     def work() -> Summary:
         if before_variant is not None:
             before_variant(task.values)
-        return simulate(task.scenario, steps, origin=origin).summary
+        result = simulate(task.scenario, steps, origin=origin)
+        if task.scenario.run is not None:
+            # The whole run (``run:`` block), as ``fabricsim run`` adds it: compare's and a
+            # sweep's rows carry ETTR, days and dollars for a what-if over faults or checkpoints.
+            from sim.apps.runlength import run_length
+
+            result.summary["run"] = run_length(result)
+        return result.summary
 
     return attempt(task.index, work, describe)
 

@@ -20,7 +20,7 @@ from typing import Any
 from sim.apps.sweep.cache import DEFAULT_CACHE_DIRNAME
 from sim.apps.sweep.grid import parse_grid
 from sim.apps.sweep.plot import is_number, value_label, write_plot
-from sim.apps.sweep.rows import ProgressFn, SweepResult, write_rows
+from sim.apps.sweep.rows import ProgressFn, SweepResult, run_columns, write_rows
 from sim.scenario import ScenarioError
 
 INTERRUPTED = 130
@@ -161,6 +161,14 @@ def _short_heads(keys: Sequence[str]) -> list[str]:
     return [t if tails.count(t) == 1 else k for k, t in zip(keys, tails, strict=True)]
 
 
+def _run_cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    if column == "run.ettr":
+        return f"{value:.1%}"
+    return f"{value:,.4g}" if column == "run.expected_days" else f"{value:,.0f}"
+
+
 def _print_rows(result: SweepResult, out: Path | None, plot: Path | None) -> None:
     """A table of the rows on stdout (the file has every column), and what was done on
     stderr."""
@@ -170,7 +178,9 @@ def _print_rows(result: SweepResult, out: Path | None, plot: Path | None) -> Non
     t = Table(title=f"{result.title}: {len(result.rows)} variants", title_justify="left")
     for head in _short_heads(result.keys):
         t.add_column(head, justify="right", no_wrap=True, min_width=len(head))
-    for head in ("step (s)", "tokens/s/GPU", "MFU", "peak GiB", "$/M tokens"):
+    run_cols = run_columns(result.rows)   # only with a `run:` block
+    for head in ("step (s)", "tokens/s/GPU", "MFU", "peak GiB", "$/M tokens",
+                 *(h for _, h in run_cols)):
         t.add_column(head, justify="right", no_wrap=True, min_width=len(head))
     # Errors are long (file, key path, reason): the start here, in full below the table.
     t.add_column("error", no_wrap=True, overflow="ellipsis")
@@ -178,12 +188,13 @@ def _print_rows(result: SweepResult, out: Path | None, plot: Path | None) -> Non
         cells = [value_label(r[k]) for k in result.keys]
         if r.get("error"):
             short = r["error"] if len(r["error"]) <= 40 else r["error"][:39] + "…"
-            cells += ["", "", "", "", "", short]
+            cells += [""] * (5 + len(run_cols)) + [short]
         else:
             cells += [f"{r['step_time_s']:.4g}", f"{r['tokens_per_s_per_gpu']:,.0f}",
                       f"{r['mfu']:.1%}",
                       f"{r['peak_memory_gib']:.1f}" + (" OOM" if r["oom"] else ""),
-                      f"{r['cost.usd_per_million_tokens']:.4g}", ""]
+                      f"{r['cost.usd_per_million_tokens']:.4g}",
+                      *(_run_cell(c, r.get(c)) for c, _ in run_cols), ""]
         t.add_row(*cells)
     con = Console()
     if not con.is_terminal:

@@ -23,6 +23,27 @@ ROW_TAIL = ("error", "cached", "wall_s")
 WALL_CLOCK_COLUMNS = frozenset({"wall_s", "sim.wall_s", "cached"})
 """Columns that may differ between two runs of the same sweep (wall clock, cache state)."""
 
+RUN_COLUMNS = (("run.ettr", "ETTR"), ("run.expected_days", "run days"),
+               ("run.expected_usd", "run $"))
+"""The whole run's headline columns (a scenario with a ``run:`` block: the summary's ``run``
+object flattened, :func:`sim.apps.runlength.run_length`), with their short table heads."""
+
+
+def run_columns(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """:data:`RUN_COLUMNS` some row has a value for: none for a sweep without ``run:``, so
+    its table is as before.
+
+    Examples
+    --------
+    >>> run_columns([{"step_time_s": 1.0}])
+    []
+    >>> [c for c, _ in run_columns([{"run.ettr": 0.9, "run.expected_days": 3.0,
+    ...                              "run.expected_usd": 1e6}])]
+    ['run.ettr', 'run.expected_days', 'run.expected_usd']
+    """
+    rows = list(rows)
+    return [(c, head) for c, head in RUN_COLUMNS if any(r.get(c) is not None for r in rows)]
+
 
 def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested mappings become dotted keys; lists (rank classes, claims) stay whole values.
