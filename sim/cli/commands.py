@@ -442,6 +442,8 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
         plot.memory_over_time(tmp / "memory.png", rec, title, labels,
                               result.summary["gpu_memory_gib"], window=window)
         plot.links(tmp / "links.png", rec, result.fabric, title, window=window)
+        if result.summary.get("run") is not None:
+            _write_goodput(tmp / "goodput.png", result, title)
         out.mkdir(exist_ok=True)
         for f in tmp.iterdir():
             if f.is_dir() and (out / f.name).is_dir():
@@ -449,6 +451,17 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
             os.replace(f, out / f.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_goodput(path: Path, result: Any, title: str) -> None:
+    """goodput.png: the run's expected ETTR against the checkpoint interval (``run:`` block)."""
+    from sim.apps.runlength.goodput import goodput_curve
+    from sim.outputs.plot.goodput import goodput
+
+    c = goodput_curve(result)
+    goodput(path, c.interval_steps, c.ettr, optimal_steps=c.optimal_steps,
+            young_daly_steps=c.young_daly_steps, chosen_steps=c.chosen_steps, step_s=c.step_s,
+            title=title)
 
 
 def _fmt_bytes(x: float) -> str:

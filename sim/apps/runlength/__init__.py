@@ -25,7 +25,7 @@ import numpy as np
 
 from sim.analysis.summary import RunLength
 from sim.api import RunResult, fabric_spec
-from sim.apps.runlength.checkpoint import checkpoint_bytes, checkpoint_times
+from sim.apps.runlength.checkpoint import CheckpointTimes, checkpoint_bytes, checkpoint_times
 from sim.apps.runlength.montecarlo import (
     RunInputs,
     expected_segment_s,
@@ -35,7 +35,7 @@ from sim.apps.runlength.montecarlo import (
 from sim.apps.runlength.rates import SECONDS_PER_DAY, JobRates, job_rates
 from sim.scenario import ScenarioError
 
-__all__ = ["RunPlan", "play", "run_length"]
+__all__ = ["RunPlan", "optimal_interval", "play", "run_ettr", "run_length", "run_plan"]
 
 MAX_EXHAUSTIVE_INTERVALS = 2_000_000
 """Above this many candidate intervals the optimum is searched on a log grid."""
@@ -97,14 +97,28 @@ class RunOutcome:
     """Mean stop per unplanned interruption (restart plus replacement waits)."""
 
 
-def _optimal_interval(plan: RunPlan, downtime_s: float) -> int:
+def optimal_interval(plan: RunPlan, downtime_s: float) -> int:
     """The interval (steps) with the highest expected ETTR, over every interval up to the
-    whole run (:func:`expected_ettr`; planned stops cost the same at any interval)."""
+    whole run (:func:`run_ettr`; planned stops cost the same at any interval)."""
     n = plan.steps_total
     if n <= MAX_EXHAUSTIVE_INTERVALS:
         k = np.arange(1, n + 1, dtype=float)
     else:
         k = np.unique(np.round(np.geomspace(1, n, MAX_EXHAUSTIVE_INTERVALS)))
+    ettr = run_ettr(plan, k, downtime_s)
+    return int(k[int(np.argmax(ettr))])
+
+
+def run_ettr(plan: RunPlan, interval_steps: np.ndarray, downtime_s: float) -> np.ndarray:
+    """The whole run's expected ETTR at each checkpoint interval (steps), unplanned
+    interruptions only (the renewal form, :func:`expected_segment_s`, segment by segment).
+
+    ``downtime_s`` is the mean stop per unplanned interruption (restart plus replacement
+    waits: the run object's ``downtime_minutes``). Its argmax over every interval is the run
+    object's ``optimal_checkpoint_interval_steps``; :mod:`sim.apps.runlength.goodput` draws
+    it against the interval."""
+    n = plan.steps_total
+    k = np.asarray(interval_steps, dtype=float)
     # Every interval's saves: one per full segment and a last, shorter one at the end.
     saves = np.ceil(n / k * (1 - 1e-12))
     last = n - (saves - 1) * k
@@ -112,8 +126,7 @@ def _optimal_interval(plan: RunPlan, downtime_s: float) -> int:
             plan.rates.unplanned_per_day / SECONDS_PER_DAY, downtime_s)
     wall = ((saves - 1) * expected_segment_s(k * plan.step_s, plan.blocking_s(k), *args)
             + expected_segment_s(last * plan.step_s, plan.blocking_s(k), *args))
-    ettr = n * plan.step_s / wall
-    return int(k[int(np.argmax(ettr))])
+    return n * plan.step_s / wall
 
 
 def play(plan: RunPlan) -> RunOutcome:
@@ -133,14 +146,16 @@ def play(plan: RunPlan) -> RunOutcome:
         ettr_p5=float(np.percentile(per_run, 5)), ettr_p95=float(np.percentile(per_run, 95)),
         wall_s=runs.wall_s, busy_s=float((runs.wall_s - runs.down_s).mean()),
         interruptions=float(runs.interruptions.mean()),
-        optimal_interval_steps=_optimal_interval(plan, downtime), young_daly_steps=yd,
+        optimal_interval_steps=optimal_interval(plan, downtime), young_daly_steps=yd,
         mtbf_s=mtbf, downtime_s=downtime)
 
 
-def run_length(result: RunResult) -> RunLength:
-    """The summary's ``run`` object for a simulated step of a scenario with a ``run:`` block.
+def run_plan(result: RunResult) -> RunPlan:
+    """The run to play for a simulated step of a scenario with a ``run:`` block."""
+    return _planned(result)[0]
 
-    Raises ScenarioError (one line naming ``run``) when the run could never finish."""
+
+def _planned(result: RunResult) -> tuple[RunPlan, float, CheckpointTimes]:
     s = result.scenario
     r = s.run
     tokens = s.training.tokens_total
@@ -159,6 +174,19 @@ def run_length(result: RunResult) -> RunLength:
                    restart_s=r.restart_minutes * 60, replace_s=r.replace_minutes * 60,
                    repair_s=r.repair_hours * 3600, spares=r.spares, samples=r.samples,
                    seed=r.seed)
+    return plan, ck.total, times
+
+
+def run_length(result: RunResult) -> RunLength:
+    """The summary's ``run`` object for a simulated step of a scenario with a ``run:`` block.
+
+    Raises ScenarioError (one line naming ``run``) when the run could never finish."""
+    s = result.scenario
+    r = s.run
+    assert r is not None
+    summ = result.summary
+    step_s = summ["step_time_s"]
+    plan, ck_bytes, times = _planned(result)
     try:
         out = play(plan)
     except ValueError as exc:
@@ -185,7 +213,7 @@ def run_length(result: RunResult) -> RunLength:
         "steps_total": plan.steps_total,
         "mtbf_hours": None if out.mtbf_s is None else out.mtbf_s / 3600,
         "downtime_minutes": out.downtime_s / 60,
-        "checkpoint_gb": ck.total / 1e9,
+        "checkpoint_gb": ck_bytes / 1e9,
         "checkpoint_write_s": times.write_s,
         "checkpoint_blocking_s": float(plan.blocking_s(plan.interval_steps)),
         "checkpoint_write_gbytes_per_s": times.write_gbytes_per_s,
