@@ -25,7 +25,7 @@ from sim.api import simulate
 from sim.apps import compare as cmp
 from sim.apps.runlength import run_length
 from sim.apps.runlength.goodput import goodput_curve
-from sim.apps.sweep import run_sweep
+from sim.apps.sweep import run_sweep, sweep_figure, write_plot
 from sim.cli.commands import app
 from sim.outputs.plot.goodput import goodput_figure, straggler, straggler_figure
 from sim.scenario import load_scenario
@@ -95,16 +95,23 @@ def test_compare_over_the_checkpoint_interval() -> None:
     assert hundred["run"]["ettr"] > every["run"]["ettr"]
 
 
-def test_sweep_over_a_slow_link_and_the_interval(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def fault_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "rows.csv"
     result = run_sweep(DDP, ["faults.slow_gpus=[],[{rank: 0, factor: 1.5}]",
                              "run.checkpoint_interval_steps=10,1000",
                              "training.tokens_total=2e9",
                              "run.failures={bug: {rate_per_unit_per_day: 0, basis: job}}"],
-                       workers=1, use_cache=False, out=tmp_path / "rows.csv")
+                       workers=1, use_cache=False, out=out)
+    return result, out
+
+
+def test_sweep_over_a_straggler_and_the_interval(fault_sweep) -> None:
+    result, out = fault_sweep
     assert [r["error"] for r in result.rows] == [None] * 4
     for r in result.rows:
         assert 0 < r["run.ettr"] <= 1 and r["run.expected_days"] > 0
-    header = (tmp_path / "rows.csv").read_text().splitlines()[0].split(",")
+    header = out.read_text().splitlines()[0].split(",")
     assert {"run.ettr", "run.expected_days", "run.expected_usd"} <= set(header)
     # No interruptions: the run is its steps plus one save per segment and one at the end,
     # n step + ceil(n / k) C, for the healthy and the slow step alike.
@@ -112,6 +119,23 @@ def test_sweep_over_a_slow_link_and_the_interval(tmp_path) -> None:
         n, k = r["run.steps_total"], r["run.checkpoint_interval_steps"]
         wall = n * r["step_time_s"] + math.ceil(n / k) * r["run.checkpoint_write_s"]
         assert r["run.expected_days"] * 86400 == pytest.approx(wall, rel=1e-9)
+
+
+def test_sweep_plot_over_a_fault_factor_draws_the_runs_goodput(fault_sweep, tmp_path) -> None:
+    result, _ = fault_sweep
+    fig = sweep_figure(result.rows, result.keys, result.title)
+    time_ax, _, ettr_ax = fig.axes[:3]
+    assert time_ax.get_xlabel() == "faults.slow_gpus (factor)"
+    assert ettr_ax.get_ylabel() == "run goodput (ETTR)"
+    # One line per interval, through the healthy (1.0) and the slow (1.5) GPU.
+    for line in ettr_ax.get_lines():
+        assert list(line.get_xdata()) == [1.0, 1.5]
+    by_k = {k: [r["run.ettr"] for r in result.rows if r["run.checkpoint_interval_steps"] == k]
+            for k in (10, 1000)}
+    assert sorted(list(line.get_ydata()) for line in ettr_ax.get_lines()) == \
+        sorted(by_k.values())
+    write_plot(tmp_path / "sweep.png", result.rows, result.keys)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sweep_without_run_block_has_no_run_columns() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from sim.apps.sweep.cache import DEFAULT_CACHE_DIRNAME
 from sim.apps.sweep.grid import parse_grid
-from sim.apps.sweep.plot import is_number, value_label, write_plot
+from sim.apps.sweep.plot import axis_value, value_label, write_plot
 from sim.apps.sweep.rows import ProgressFn, SweepResult, run_columns, write_rows
 from sim.scenario import ScenarioError
 
@@ -53,7 +53,7 @@ def sweep_command(scenario: str, grid: Sequence[str], backend: str = "local",
         if plot.suffix not in PLOT_SUFFIXES:
             raise ScenarioError(f"--plot {plot}: expected a .png, .svg or .pdf file")
         axes = parse_grid(grid)
-        numeric = [a.key for a in axes if all(is_number(v) for v in a.values)]
+        numeric = [a.key for a in axes if all(axis_value(v) is not None for v in a.values)]
         if not numeric:
             raise ScenarioError("--plot: no grid key with only numeric values for the x axis")
     if cache is None:
