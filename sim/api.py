@@ -23,6 +23,7 @@ from sim.analysis.memory_overheads import overheads
 from sim.analysis.summary import Summary
 from sim.config.faults import check_faults
 from sim.engine.core import Engine, paused_gc
+from sim.engine.jitter import StepJitter
 from sim.engine.recorder import Recorder
 from sim.fabric.collectives.runner import NcclSettings
 from sim.fabric.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
@@ -140,6 +141,9 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
             recorder.workspace(c.id, extra[c.id].cublas_workspace)
         engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
                         scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
+        jitter = scenario.faults.jitter if scenario.faults is not None else None
+        if jitter is not None:
+            engine.jitter = StepJitter(jitter.sigma, jitter.seed)
         # run
         total = 0.0
         per_step = len(program.ops)

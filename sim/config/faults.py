@@ -19,6 +19,7 @@ True
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import Field, model_validator
 
@@ -63,6 +64,26 @@ class FailedLink(StrictModel):
     """NIC index on that server, ``0 <= nic < cluster.nics_per_node``."""
 
 
+class Jitter(StrictModel):
+    """Step-to-step variation of every GPU's compute (``faults.jitter``): each rank's compute
+    kernels in a step take ``X`` times their time, ``X`` drawn afresh per rank and step.
+
+    ``lognormal``: ``X = exp(sigma Z)``, ``Z`` standard normal: positive, right-skewed, median
+    1, mean ``exp(sigma^2 / 2)``; its coefficient of variation ``sqrt(exp(sigma^2) - 1)`` is
+    about ``sigma`` for small ``sigma``, so a measured per-GPU step-time CV of 2% is
+    ``sigma: 0.02``. The distribution is a modelling choice (multiplicative noise that cannot
+    go negative), not a fit to a published trace; give your own ``sigma``. A synchronous job
+    waits for its slowest rank: a simulated rank class runs each step at the largest of its
+    ranks' draws (:mod:`sim.engine.jitter`), so tails grow with the rank count.
+    """
+
+    distribution: Literal["lognormal"] = "lognormal"
+    sigma: float = Field(ge=0.0, le=2.0)
+    """Standard deviation of ``log X`` (0: no variation, the step as without the key)."""
+    seed: int = 0
+    """Seed of the draws: same seed, same steps."""
+
+
 class Faults(StrictModel):
     """Faults inside a step: slow GPUs, slow NIC links and failed NIC links."""
 
@@ -79,6 +100,9 @@ class Faults(StrictModel):
     seed: int = 0
     """Salt of the one random choice here: which of the equally near remaining NICs takes a
     failed NIC's traffic. Same seed, same numbers."""
+    jitter: Jitter | None = None
+    """Step-to-step variation of the GPUs' compute (:class:`Jitter`), for runs of many steps
+    (``--steps N``): stragglers that change from step to step."""
 
     @model_validator(mode="after")
     def _no_duplicates(self) -> Faults:

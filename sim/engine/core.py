@@ -16,7 +16,9 @@ Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how
 compute op takes given what runs beside it). A rank class's
 :attr:`~sim.program.ir.RankClass.compute_factor` (a straggler GPU, ``faults.slow_gpus``)
 multiplies its compute ops' time there; copies and host work keep theirs (a throttled GPU's
-SM clocks fall, its copy engines' and PCIe's rates do not).
+SM clocks fall, its copy engines' and PCIe's rates do not). :attr:`Engine.jitter`
+(``faults.jitter``, :mod:`sim.engine.jitter`) multiplies them again by a factor per class and
+step.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from sim.catalog import GpuSpec
 from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
+from sim.engine.jitter import StepJitter
 from sim.fabric.collectives import alltoall
 from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.fabric.network import FlowNetwork, NetworkObserver
@@ -145,6 +148,9 @@ class Engine:
         self._needed: dict[tuple[str, int], tuple[object, frozenset[int]]] = {}
         self._host_routes: dict[tuple[int, str | None],
                                 tuple[np.ndarray, np.ndarray, float]] = {}
+        self.jitter: StepJitter | None = None
+        """Step-to-step compute variation (``faults.jitter``); None: every step alike."""
+        self._step_factor: dict[int, float] = {}
 
     # ------------------------------------------------------------------ hooks
     def compute_duration(self, cls: RankClass, op: Op) -> float:
@@ -157,7 +163,8 @@ class Engine:
         (``cls.compute_factor`` above 1) runs its compute kernels that many times longer.
         """
         if op.kind == "compute":
-            return op.duration * cls.compute_factor * self._slowdown(cls, op)
+            return (op.duration * cls.compute_factor * self._step_factor.get(cls.id, 1.0)
+                    * self._slowdown(cls, op))
         return op.duration * self._slowdown(cls, op)
 
     def _matrix_share(self, op: Op) -> float:
@@ -284,6 +291,8 @@ class Engine:
                 self._load.pop(cls.id, None)
         class_of = program.class_of_rank()
         self._needed.clear()   # rank classes are the program's
+        self._step_factor = {} if self.jitter is None else self.jitter.factors(
+            self._step, ((c.id, len(c.members)) for c in program.classes))
         # The host issues each class's ops in program order without waiting for the GPU,
         # except where the host-clock rule (sim.engine.host_clock) makes it wait for an op to
         # finish: one host-clock process per class publishes each op's issue time.
