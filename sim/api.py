@@ -16,11 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from sim import catalog
 from sim.analysis.collect import JobFacts, collect_summary
 from sim.analysis.cost import resolve_pricing
 from sim.analysis.memory_overheads import overheads
-from sim.analysis.summary import Summary
+from sim.analysis.metrics import step_spans
+from sim.analysis.summary import StepSpread, Summary
 from sim.config.faults import check_faults
 from sim.engine.core import Engine, paused_gc
 from sim.engine.jitter import StepJitter
@@ -142,7 +145,7 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
         engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
                         scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
         jitter = scenario.faults.jitter if scenario.faults is not None else None
-        if jitter is not None:
+        if jitter is not None and jitter.sigma > 0:   # sigma 0: the run without the key
             engine.jitter = StepJitter(jitter.sigma, jitter.seed)
         # run
         total = 0.0
@@ -157,7 +160,18 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
         # collect
         summary = summarise(ctx, program, recorder, engine, total, steps,
                             time.perf_counter() - wall0)
+        if engine.jitter is not None:
+            summary["step_times"] = step_spread(recorder)
     return RunResult(scenario, summary, program, recorder, fabric, ctx)
+
+
+def step_spread(rec: Recorder) -> StepSpread:
+    """Percentiles of the recorded steps' durations (``faults.jitter``: the tail is the
+    steps a slow draw stretched)."""
+    t = np.array([b - a for a, b in step_spans(rec.ops)])
+    p = np.percentile(t, [50, 90, 99])
+    return {"steps": len(t), "min_s": float(t.min()), "p50_s": float(p[0]),
+            "p90_s": float(p[1]), "p99_s": float(p[2]), "max_s": float(t.max())}
 
 
 def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, total: float,

@@ -160,12 +160,24 @@ class RunLength(TypedDict):
     samples: int
 
 
+class StepSpread(TypedDict):
+    """``step_times``: the spread of the steps' durations, there only with ``faults.jitter``
+    (steps differ only then): percentiles over the simulated steps."""
+
+    steps: int
+    min_s: float
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    max_s: float
+
+
 class Summary(TypedDict):
     """The summary object (CONTRACT.md, "Summary object"), in the JSON's key order.
 
     The keys after ``sim`` go beyond the contract's first list (it only grows): what the
     numbers rest on. ``claims`` is there only when the scenario has a claims block, ``run``
-    only when it has a ``run:`` block.
+    only when it has a ``run:`` block, ``step_times`` only with ``faults.jitter``.
     """
 
     scenario: str
@@ -205,3 +217,4 @@ class Summary(TypedDict):
     the LM head differ), and whether that class runs out of memory."""
     claims: NotRequired[list[Claim]]
     run: NotRequired[RunLength]
+    step_times: NotRequired[StepSpread]

@@ -93,3 +93,15 @@ def test_bad_jitter_is_one_line_naming_the_key() -> None:
         load_scenario(DDP, ["faults.jitter={sigma: -1}"])
     with pytest.raises(ScenarioError, match=r"faults\.jitter\.distribution"):
         load_scenario(DDP, ["faults.jitter={sigma: 0.1, distribution: cauchy}"])
+
+
+def test_summary_reports_the_steps_spread_only_with_jitter() -> None:
+    summary, t = _steps(["faults.jitter={sigma: 0.2}"], 20)
+    spread = summary["step_times"]
+    assert spread["steps"] == 20
+    assert spread["min_s"] == t.min() and spread["max_s"] == t.max()
+    assert spread["min_s"] <= spread["p50_s"] <= spread["p90_s"] <= spread["p99_s"] <= \
+        spread["max_s"]
+    assert summary["step_time_s"] == pytest.approx(t.mean(), rel=1e-12)
+    plain, _ = _steps([], 2)
+    assert "step_times" not in plain
