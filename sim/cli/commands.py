@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,6 +49,8 @@ def run(
     force: Annotated[bool, typer.Option(
         "--force", help="Run even when the estimate says it would take over an hour or "
         "more memory than this machine has.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
     """Simulate a training step and print its summary."""
     from sim.api import simulate
@@ -59,6 +59,7 @@ def run(
     zoom = _parse_window(window) if window is not None else None
     if (hta or hta_all_ranks or window is not None) and out is None:
         _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
+    _check_out(out, overwrite)
     try:
         sc = load_scenario(scenario, set_ or [])
         if not force:
@@ -75,7 +76,7 @@ def run(
         return
     if out is not None:
         _write_outputs(out, result, zoom, "all" if hta_all_ranks else "classes" if hta
-                       else None)
+                       else None, overwrite=overwrite)
     if as_json:
         print(json.dumps(result.summary, indent=2))
     else:
@@ -213,11 +214,14 @@ def compare(
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Also write compare.json and compare.png to this folder.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
     """Variants side by side (--what-if values, or scenario files), with deltas against the
     first."""
     from sim.apps import compare as cmp
 
+    _check_out(out, overwrite)
     try:
         if what_if is not None:
             if len(scenarios) != 1:
@@ -252,7 +256,7 @@ def compare(
         _bad_input(first)
     result = cmp.compare_result(variants)
     if out is not None:
-        cmp.write_outputs(out, result)
+        cmp.write_outputs(out, result, overwrite=overwrite)
     if as_json:
         print(json.dumps(result, indent=2))
         return
@@ -334,6 +338,8 @@ def plan(
         "or here); a plan run again simulates only what is missing.")] = None,
     no_cache: Annotated[bool, typer.Option(
         "--no-cache", help="Simulate every layout; read and write no cache.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
     """Search frameworks and parallel layouts that fit in memory; rank by time or cost."""
     from sim.apps.plan import plan_command
@@ -345,13 +351,14 @@ def plan(
 
     if address and backend == "local":
         _bad_input("--address: only with --backend ray or dask")
+    _check_out(out, overwrite)
     be = hook = None
     try:
         if backend in ("ray", "dask"):
             be, hook = _plan_simulations(backend, address, workers)
         rc = plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
                           max_simulations, time_limit, out, as_json, hook,
-                          cache=None if no_cache else cache)
+                          cache=None if no_cache else cache, overwrite=overwrite)
         if rc:
             raise typer.Exit(rc)
     except ScenarioError as exc:
@@ -403,16 +410,26 @@ def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
         return fn(lambda done, total: bar.update(task, completed=done, total=total))
 
 
-def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None,
-                   hta: str | None = None) -> None:
-    """Write every output into a temporary folder first, then move it in place, so a failed
-    run leaves nothing half-written."""
-    from sim.outputs import export, plot
+def _check_out(out: Path | None, overwrite: bool) -> None:
+    """Refuse, before any simulation, an ``--out`` that holds a previous result."""
+    if out is None:
+        return
+    from sim.outputs.folder import OutputExists, check_out
 
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".fabricsim-", dir=out.parent))
     try:
+        check_out(out, overwrite)
+    except OutputExists as exc:
+        _bad_input(str(exc))
+
+
+def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None,
+                   hta: str | None = None, overwrite: bool = False) -> None:
+    """Write every output into a temporary folder, then put it in place of ``out`` with one
+    rename (:mod:`sim.outputs.folder`): a failed run leaves nothing half-written."""
+    from sim.outputs import export, plot
+    from sim.outputs.folder import staged_folder
+
+    with staged_folder(out, overwrite) as tmp:
         rec = result.recorder
         labels = {c.id: c.label or f"rank class {c.id}" for c in result.program.classes}
         export.write_summary(tmp / "summary.json", result.summary)
@@ -442,13 +459,6 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
         plot.memory_over_time(tmp / "memory.png", rec, title, labels,
                               result.summary["gpu_memory_gib"], window=window)
         plot.links(tmp / "links.png", rec, result.fabric, title, window=window)
-        out.mkdir(exist_ok=True)
-        for f in tmp.iterdir():
-            if f.is_dir() and (out / f.name).is_dir():
-                shutil.rmtree(out / f.name)   # a folder of an earlier run (hta/)
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _fmt_bytes(x: float) -> str:
