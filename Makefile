@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/fabricsim compare llama3-70b-fsdp2-64xh100 --what-if cluster.nic_gbps=100,400
 	$(BIN)/fabricsim run llama3-70b-megatron-tp8pp4-64xh100
 	$(BIN)/fabricsim run llama3-70b-deepspeed-zero3-64xh100
-	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-2az --out runs/demo-2az
+	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-2az --out runs/demo-2az --overwrite
 	$(BIN)/fabricsim run llama3.2-1b-1xh200
 	@echo "plots, trace and CSVs of the two-zone run: runs/demo-2az/"
 
