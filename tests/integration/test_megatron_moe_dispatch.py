@@ -214,3 +214,48 @@ def test_shared_expert_overlap_needs_the_alltoall_dispatcher() -> None:
     with pytest.raises(ScenarioError, match="framework.moe_shared_expert_overlap"):
         _ops(_scn({"tp": 1, "ep": 8}, model=SHARED, moe_shared_expert_overlap=True,
                   moe_token_dispatcher_type="allgather"))
+
+
+# ---------------------------------------------------------------------- dispatch buffers
+def _dispatch_peak(s) -> tuple[float, float, float]:
+    """(highest moe_dispatch bytes, what is left at the step's end, the step's peak bytes) on
+    the first rank class."""
+    r = simulate(s)
+    tr = r.recorder.memory[0]
+    return (max(cur.get("moe_dispatch", 0.0) for _, cur in tr.series),
+            tr.series[-1][1].get("moe_dispatch", 0.0), tr.peak)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_dispatch_buffers_peak_follows_the_closed_form_in_top_k(k) -> None:
+    # ep=8, one local expert: the dispatch's received tokens are the grouped fc1's saved
+    # input (already activations). The highest point is the experts' backward: the output
+    # gradient that arrived by the combine's reverse all-to-all (tokens x k x h x 2 B) beside
+    # the input gradient and probs' gradient going back and the buffers they arrive in
+    # (2 x tokens x k x (h x 2 B + 4 B)): tokens x k x (6h + 8) bytes.
+    top, left, _ = _dispatch_peak(_scn({"tp": 1, "ep": 8}, model=dict(TINY, experts_per_token=k)))
+    assert top == SEQ * k * (6 * H + 8)
+    assert left == 0.0          # every buffer is released within its layer
+
+
+def test_dispatch_buffers_peak_follows_capacity_when_padded() -> None:
+    # Padded: experts x capacity rows in every buffer whatever top-k x tokens is.
+    cap = math.ceil(SEQ * 2 / 8 * 1.25)
+    top, left, _ = _dispatch_peak(_scn({"tp": 1, "ep": 8}, model=CAP,
+                                       moe_pad_expert_input_to_capacity=True))
+    assert top == 8 * cap * (6 * H + 8) and left == 0.0
+    # And the step's peak grows with the padding (more rows saved and in flight).
+    assert _dispatch_peak(_scn({"tp": 1, "ep": 8}, model=CAP,
+                               moe_pad_expert_input_to_capacity=True))[2] > \
+        _dispatch_peak(_scn({"tp": 1, "ep": 8}, model=CAP))[2]
+
+
+def test_allgather_holds_the_gathered_tokens() -> None:
+    # The unpermuted output of every gathered token (ep x tokens x h, 16-bit and fp32).
+    top, left, _ = _dispatch_peak(_scn({"tp": 1, "ep": 8},
+                                       moe_token_dispatcher_type="allgather"))
+    assert top == 8 * SEQ * H * 6 and left == 0.0
+
+
+def test_no_dispatch_buffers_without_expert_parallelism() -> None:
+    assert _dispatch_peak(_scn({"tp": 1, "ep": 1}))[0] == 0.0

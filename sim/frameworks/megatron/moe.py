@@ -44,6 +44,7 @@ from sim.frameworks.megatron.moe_dispatch import (
     expert_capacity,
     shared_fc1_part,
 )
+from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
@@ -416,7 +417,9 @@ class MoEOps:
         if second is not None:
             unperm.deps = [second]      # get_output: the shared output is added here
         ops += [self._a2a("combine_fwd", label, mb, layer), unperm]
-        return [o for o in ops if o is not None]
+        out = [o for o in ops if o is not None]
+        attach_alltoall(pl, out, False, label)
+        return out
 
     def backward(self, mb: int, layer: int, pre_s: float, pre_cpu: float) -> list[Op]:
         """The forward reversed: unpermute's backward, combine's reverse all-to-all,
@@ -447,7 +450,9 @@ class MoEOps:
         else:
             ops += self._shared("bwd", label, mb, layer, True)
         ops.append(router)
-        return [o for o in ops if o is not None]
+        out = [o for o in ops if o is not None]
+        attach_alltoall(pl, out, True, label)
+        return out
 
     # ------------------------------------------------------------------ allgather dispatcher
     def _tp_ep(self, name: str, op: CollectiveOp, per_rank: float, elem: int,
@@ -491,7 +496,9 @@ class MoEOps:
                 self._compute(f"{label} combine", c["ag_cast"].fwd_gpu_s, phase, mb, layer,
                               c["ag_cast"].fwd_kernels,
                               0.0 if rec else c["ag_cast"].flops_fwd)]
-        return [o for o in ops if o is not None]
+        out = [o for o in ops if o is not None]
+        attach_allgather(pl, out, False, label)
+        return out
 
     def _backward_allgather(self, router: Op, label: str, mb: int, layer: int) -> list[Op]:
         """The allgather dispatcher's backward: the cast's, the reduce-scatter's gradient
@@ -515,4 +522,6 @@ class MoEOps:
                 self._tp_ep(f"{label} ag probs grad reduce_scatter", "reduce_scatter", t * e,
                             4, "f32", mb, layer),
                 *self._shared("bwd", label, mb, layer, True), router]
-        return [o for o in ops if o is not None]
+        out = [o for o in ops if o is not None]
+        attach_allgather(pl, out, True, label)
+        return out
