@@ -366,15 +366,26 @@ class MoEOps:
             op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
         return op
 
-    def _side(self, ops: list[Op | None], phase: str, label: str, mb: int, layer: int,
-              flops: bool, part: str) -> Op | None:
-        """Append the overlapped shared-expert half after the ops so far; return its last op
-        (what the next routed-expert compute waits for), or None without the overlap."""
+    def _side(self, ops: list[Op | None], a2as: list[Op | None], phase: str, label: str,
+              mb: int, layer: int, flops: bool, part: str) -> Op | None:
+        """Append the all-to-alls ``a2as`` and, with the overlap, the shared-expert half beside
+        them; return its last op (what the next routed-expert compute waits for), or None.
+
+        The side stream waits for the compute stream just before the all-to-all
+        (``wait_current_stream``); the host issues the forward's sequence-parallel gather
+        before it (``pre_forward_comm`` in ``dispatch_preprocess``) and the GEMMs after it
+        (``linear_fc1_forward_and_act`` after the tokens' all-to-all, ``linear_fc2_forward``
+        after the combine's; in backward after them too: "probs A2A -> tokens A2A -> shared
+        experts fc1")."""
         if not self.plan.shared_overlap:
+            ops += a2as
             return None
         last = next(o for o in reversed(ops) if o is not None)
         side = self._shared(phase, label, mb, layer, flops, part, last)
-        ops += side
+        n = 1 if (part == "first" and phase != "bwd" and side[0].kind == "collective") else 0
+        ops += side[:n]
+        ops += a2as
+        ops += side[n:]
         return side[-1]
 
     def forward(self, phase: str, mb: int, layer: int, pre_s: float, pre_cpu: float
@@ -402,21 +413,22 @@ class MoEOps:
             ops.append(count)
         if not pl.shared_overlap:
             ops += self._shared(phase, label, mb, layer, not rec)
-        first = self._side(ops, phase, label, mb, layer, not rec, "first")
-        ops += [self._a2a("dispatch_fwd", label, mb, layer),
-                self._a2a("dispatch_probs_fwd", label, mb, layer),
+        first = self._side(ops, [self._a2a("dispatch_fwd", label, mb, layer)], phase, label,
+                           mb, layer, not rec, "first")
+        ops += [self._a2a("dispatch_probs_fwd", label, mb, layer),
                 self._etp("all_gather", label, mb, layer)]
         experts = self._experts(label, phase, mb, layer)
         if first is not None:
             experts.deps = [first]      # the SMs: fc1 before the grouped GEMMs
         ops += [experts, self._etp("reduce_scatter", label, mb, layer)]
-        second = self._side(ops, phase, label, mb, layer, not rec, "second")
+        second = self._side(ops, [self._a2a("combine_fwd", label, mb, layer)], phase, label,
+                            mb, layer, not rec, "second")
         unperm = self._compute(f"{label} combine", c["combine"].fwd_gpu_s, phase, mb, layer,
                                c["combine"].fwd_kernels,
                                0.0 if rec else c["combine"].flops_fwd)
         if second is not None:
             unperm.deps = [second]      # get_output: the shared output is added here
-        ops += [self._a2a("combine_fwd", label, mb, layer), unperm]
+        ops.append(unperm)
         out = [o for o in ops if o is not None]
         attach_alltoall(pl, out, False, label)
         return out
@@ -435,16 +447,16 @@ class MoEOps:
         ops: list[Op | None] = [
             self._compute(f"{label} combine", c["combine"].bwd_gpu_s, "bwd", mb, layer,
                           c["combine"].bwd_kernels, c["combine"].flops_bwd)]
-        first = self._side(ops, "bwd", label, mb, layer, True, "first")
-        ops += [self._a2a("combine_bwd", label, mb, layer),
-                self._etp("all_gather", label, mb, layer)]
+        first = self._side(ops, [self._a2a("combine_bwd", label, mb, layer)], "bwd", label,
+                           mb, layer, True, "first")
+        ops.append(self._etp("all_gather", label, mb, layer))
         experts = self._experts(label, "bwd", mb, layer)
         if first is not None:
             experts.deps = [first]
         ops += [experts, self._etp("reduce_scatter", label, mb, layer)]
-        second = self._side(ops, "bwd", label, mb, layer, True, "second")
-        ops += [self._a2a("dispatch_bwd", label, mb, layer),
-                self._a2a("dispatch_probs_bwd", label, mb, layer)]
+        second = self._side(ops, [self._a2a("dispatch_bwd", label, mb, layer),
+                                  self._a2a("dispatch_probs_bwd", label, mb, layer)], "bwd",
+                            label, mb, layer, True, "second")
         if second is not None:
             router.deps = [second]
         else:
