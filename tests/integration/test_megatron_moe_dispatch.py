@@ -259,3 +259,14 @@ def test_allgather_holds_the_gathered_tokens() -> None:
 
 def test_no_dispatch_buffers_without_expert_parallelism() -> None:
     assert _dispatch_peak(_scn({"tp": 1, "ep": 1}))[0] == 0.0
+
+
+def test_trace_and_summary_show_the_dispatch_buffers() -> None:
+    from sim.outputs.export.perfetto import chrome_trace
+
+    r = simulate(_scn({"tp": 1, "ep": 8}))
+    trace = chrome_trace(r.recorder)
+    mem = [e["args"] for e in trace["traceEvents"] if e.get("name") == "memory (GiB)"]
+    assert max(a.get("moe_dispatch", 0.0) for a in mem) * 2**30 == \
+        pytest.approx(SEQ * 2 * (6 * H + 8))
+    assert "moe_dispatch" in r.summary["memory_by_rank_class"][0]["breakdown_gib"]
