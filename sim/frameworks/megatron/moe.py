@@ -26,7 +26,10 @@ expert-data-parallel group (``expt_dp``), the others over the usual data-paralle
 Routing: balanced by default; with a skewed ``training.routing`` every rank runs the busiest
 EP rank's experts and the all-to-alls carry per-peer bytes
 (:mod:`sim.frameworks.common.moe_pace`). The ``alltoall`` dispatcher without
-communication overlap, no shared-expert overlap.
+communication overlap by default; ``moe_token_dispatcher_type: allgather``,
+``moe_pad_expert_input_to_capacity`` and ``moe_shared_expert_overlap`` as
+:mod:`sim.frameworks.megatron.moe_dispatch` describes; the dispatch buffers in memory as
+:mod:`sim.frameworks.megatron.moe_memory` does.
 """
 
 from __future__ import annotations
