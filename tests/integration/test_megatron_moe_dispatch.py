@@ -270,3 +270,18 @@ def test_trace_and_summary_show_the_dispatch_buffers() -> None:
     assert max(a.get("moe_dispatch", 0.0) for a in mem) * 2**30 == \
         pytest.approx(SEQ * 2 * (6 * H + 8))
     assert "moe_dispatch" in r.summary["memory_by_rank_class"][0]["breakdown_gib"]
+
+
+def test_capacity_below_one_drops_tokens_when_padded() -> None:
+    # capacity_factor 0.5: capacity = ceil(2048 x 2 / 8 x 0.5) = 256 rows per expert and rank,
+    # half the routed copies: the all-to-alls and the expert op's FLOPs halve (the dropped
+    # copies are not computed; no padding rows to count as hardware-only FLOPs).
+    half = _ops(_scn({"tp": 1, "ep": 8}, model=dict(TINY, capacity_factor=0.5),
+                     moe_pad_expert_input_to_capacity=True))
+    full = _ops(_scn({"tp": 1, "ep": 8}))
+    def pick(ops, suffix):
+        return next(op for _, op in ops if op.name == f"fwd moe L0 mb0 {suffix}")
+    assert pick(half, "dispatch fwd").nbytes == 8 * 256 * H * 2
+    assert pick(half, "dispatch fwd").nbytes * 2 == pick(full, "dispatch fwd").nbytes
+    assert pick(half, "experts").flops * 2 == pytest.approx(pick(full, "experts").flops)
+    assert pick(half, "experts").hw_flops == 0.0

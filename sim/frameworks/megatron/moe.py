@@ -256,7 +256,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    else routing_pace(ctx, lay, local_tokens, cm),
                    dispatcher=opts.moe_token_dispatcher_type, capacity=capacity,
                    useful=1.0 if capacity is None
-                   else local_tokens * moe.top_k / (moe.experts * capacity),
+                   else min(1.0, local_tokens * moe.top_k / (moe.experts * capacity)),
                    gathered=gathered, shared_overlap=overlap,
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None)
