@@ -285,3 +285,34 @@ def test_capacity_below_one_drops_tokens_when_padded() -> None:
     assert pick(half, "dispatch fwd").nbytes * 2 == pick(full, "dispatch fwd").nbytes
     assert pick(half, "experts").flops * 2 == pytest.approx(pick(full, "experts").flops)
     assert pick(half, "experts").hw_flops == 0.0
+
+
+# ---------------------------------------------------------------------- dropping (no padding)
+def test_capacity_without_padding_drops_only_what_exceeds_it() -> None:
+    # Balanced routing at factor >= 1 drops nothing: the dropless program's all-to-alls.
+    def a2a(s):
+        return [op.nbytes for _, op in _ops(s) if op.collective == "all_to_all"]
+    assert a2a(_scn({"tp": 1, "ep": 8}, model=CAP)) == a2a(_scn({"tp": 1, "ep": 8}))
+    # Factor 0.5: half the copies (capacity 256 of 512 per expert and rank) travel.
+    half = a2a(_scn({"tp": 1, "ep": 8}, model=dict(TINY, capacity_factor=0.5)))
+    assert [x * 2 for x in half] == a2a(_scn({"tp": 1, "ep": 8}))
+    # The count all-gather's host wait stays (cuda_sync_point before_permutation_1).
+    count = [op for _, op in _ops(_scn({"tp": 1, "ep": 8}, model=CAP)) if "token count" in op.name]
+    assert count and all(op.host_sync for op in count)
+
+
+def test_capacity_bounds_the_skew() -> None:
+    # Zipf-skewed routing: the hot experts keep at most capacity x sources copies, so a
+    # capacity factor makes the skewed step faster than dropless, and a tighter one faster
+    # still; balanced routing at factor 1.25 is the dropless balanced step.
+    zipf = {"distribution": "zipf", "s": 1.2}
+    dropless = _step(_scn({"tp": 1, "ep": 8}, routing=zipf))
+    loose = _step(_scn({"tp": 1, "ep": 8}, model=dict(TINY, capacity_factor=2.0), routing=zipf))
+    tight = _step(_scn({"tp": 1, "ep": 8}, model=CAP, routing=zipf))
+    assert tight < loose < dropless
+    from sim.frameworks.megatron.shape import megatron_shape
+    sh = megatron_shape(JobContext.from_scenario(
+        _scn({"tp": 1, "ep": 8}, model=CAP, routing=zipf), "s.yaml"))
+    assert sh.moe is not None and sh.moe.pace is not None
+    cap = math.ceil(SEQ * 2 / 8 * 1.25)
+    assert max(sh.moe.pace.loads) <= cap * 8

@@ -213,8 +213,20 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     z_loss=opts.moe_z_loss_coeff is not None)
     moe = ctx.model.moe
     assert moe is not None
-    capacity = None
+    capacity = drop = None
     kw: dict[str, object] = {}
+    if moe.capacity_factor is not None and not opts.moe_pad_expert_input_to_capacity:
+        # Token dropping without padding (apply_router_token_dropping): each rank keeps at
+        # most ``capacity`` copies per expert; balanced routing loses copies only with a
+        # factor below 1 (skewed routing: :func:`routing_pace` caps the hot experts).
+        drop = expert_capacity(local_tokens, moe.top_k, moe.experts, moe.capacity_factor)
+        share = local_tokens * moe.top_k / moe.experts
+        if drop < share:
+            local = moe.experts // ep
+            kw = {"tokens_per_expert": (float(drop * ep * etp),) * local,
+                  "send_tokens": (float(drop * local),) * ep,
+                  "recv_tokens": (float(drop * local),) * ep,
+                  "permuted_rows": float(drop * moe.experts)}
     if opts.moe_pad_expert_input_to_capacity:
         ctx.require(moe.capacity_factor is not None,
                     "framework.moe_pad_expert_input_to_capacity",
@@ -253,7 +265,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    ops=ops, cost=cost, act=2, precision=ctx.scenario.training.precision,
                    # Padded inputs: every size is fixed by capacity, whatever the routing.
                    pace=None if capacity is not None
-                   else routing_pace(ctx, lay, local_tokens, cm),
+                   else routing_pace(ctx, lay, local_tokens, cm, drop),
                    dispatcher=opts.moe_token_dispatcher_type, capacity=capacity,
                    useful=1.0 if capacity is None
                    else min(1.0, local_tokens * moe.top_k / (moe.experts * capacity)),
@@ -411,8 +423,10 @@ class MoEOps:
                                pl.ops.count_gather_bytes * pl.ep * pl.etp, "i64", "ep",
                                mb, layer)
             # MoEAlltoAllTokenDispatcher: with ep or expert-TP > 1 the split sizes must be on
-            # the host before the all-to-all (cuda_sync_point "before_ep_alltoall").
-            count.host_sync = pl.ops.host_sync == "before_ep_alltoall"
+            # the host before the all-to-all (cuda_sync_point "before_ep_alltoall"); with a
+            # capacity factor (dropping) even before the permutation ("before_permutation_1",
+            # after preprocess's count all-gather all the same).
+            count.host_sync = pl.ops.host_sync in ("before_ep_alltoall", "before_permutation_1")
             ops.append(count)
         if not pl.shared_overlap:
             ops += self._shared(phase, label, mb, layer, not rec)
