@@ -72,6 +72,15 @@ class MegatronOptions(StrictModel):
     (Megatron-Core's default 0; NeMo's Mixtral config 0.01)."""
     moe_z_loss_coeff: float | None = Field(default=None, ge=0.0, le=1e6)
     """``--moe-z-loss-coeff``: set, the router adds the z-loss over its logits."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """``--moe-token-dispatcher-type``: all-to-all over EP, or all-gather / reduce-scatter of
+    every token over expert-TP x EP (Megatron-Core's own default is allgather)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """``--moe-pad-expert-input-to-capacity``: with model.capacity_factor, every expert's
+    input padded to its capacity (sizes fixed by capacity, not by routing)."""
+    moe_shared_expert_overlap: bool = False
+    """``--moe-shared-expert-overlap``: shared experts on a side stream beside the dispatch and
+    combine all-to-alls (alltoall dispatcher)."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,
