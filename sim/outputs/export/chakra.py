@@ -232,7 +232,7 @@ def _op_nodes(op: Op, rank: int, r: OpRecord | None, groups: dict[tuple[int, ...
             ("comm_size", "int64_val", comm_size(op, rank, group)),
             ("pg_name", "string_val", str(groups[group])), stream])]
     if op.kind in ("send", "recv"):
-        made = []
+        made: list[ChakraNode] = []
         for s, d in op.pairs:
             if rank not in (s, d):
                 continue
