@@ -123,6 +123,10 @@ def comm_size(op: Op, rank: int, group: Sequence[int]) -> int:
     >>> ag = Op("ag", "collective", "dp", "comm", collective="all_gather", nbytes=4096.0)
     >>> comm_size(ag, 1, (0, 1, 2, 3))
     1024
+    >>> a2a = Op("a2a", "collective", "ep", "comm", collective="all_to_all", nbytes=30.0,
+    ...          peer_bytes=((1.0, 2.0), (3.0, 24.0)))
+    >>> comm_size(a2a, 7, (6, 7))      # rank 7's row: what it sends, its own chunk included
+    27
     """
     if op.collective == "all_gather":
         return round(op.nbytes / max(1, len(group)))
