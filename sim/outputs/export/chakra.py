@@ -398,8 +398,13 @@ def write_chakra(folder: Path, rec: Recorder, program: Program, *, all_ranks: bo
         NPU); by default one per rank class
     scenario : written in each file's metadata
     writer : see :func:`write_et`
+
+    ``workload.*.et`` files already in ``folder`` are removed first: ASTRA-sim would read a
+    stale rank's file of an earlier export beside the new ones.
     """
     folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob(f"{FILE_PREFIX}.*.et"):
+        old.unlink()
     groups = comm_groups(program)
     tags = p2p_tags(program)
     records = step_records(rec, step)
