@@ -375,7 +375,8 @@ def test_cli_writes_traces_and_refuses_bad_input(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nmodel: llama3.2-1b\ncluster: {topology: dgx-h100, nodes: 0}\n")
     for args in (["export-chakra", str(bad), "--out", "x"],
-                 ["export-chakra", "no-such-scenario", "--out", "x"]):
+                 ["export-chakra", "no-such-scenario", "--out", "x"],
+                 ["export-chakra", "llama3.2-1b-ddp-8xh100"]):          # no --out
         done = _cli(*args, cwd=tmp_path)
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
