@@ -441,3 +441,13 @@ def test_host_work_and_copies_of_an_offloaded_step(tmp_path: Path) -> None:
     # The host's issue times (Op.cpu_s) are not in the trace: the dependencies alone can only
     # replay the step as fast as or faster than it ran.
     assert _makespan(nodes) <= result.summary["step_time_s"] * 1e6 + 1
+
+
+def test_same_scenario_same_bytes(megatron: tuple[Any, Path], tmp_path: Path) -> None:
+    # Determinism: a second simulation of the scenario exports byte-identical files.
+    _, folder = megatron
+    again = _run(MEGATRON_PP, tmp_path)
+    write_chakra(tmp_path / "et", again.recorder, again.program, all_ranks=True,
+                 scenario="chakra-megatron-tp2pp2")
+    for name in [p.name for p in _files(folder).values()] + ["comm_groups.json"]:
+        assert (tmp_path / "et" / name).read_bytes() == (folder / name).read_bytes(), name
