@@ -83,6 +83,35 @@ def run(
         _print_summary(result.summary)
 
 
+@app.command("export-chakra")
+def export_chakra(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the .et files and "
+                                      "comm_groups.json.")],
+    all_ranks: Annotated[bool, typer.Option(
+        "--all-ranks", help="One .et per rank (what ASTRA-sim runs); by default one per "
+        "rank class, for its first member.")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key: KEY.PATH=VALUE (repeatable).")] = None,
+) -> None:
+    """Simulate one step and write it as MLCommons Chakra execution traces (OUT/workload.<rank>.et
+    and OUT/comm_groups.json, as ASTRA-sim reads them)."""
+    from sim.api import simulate
+    from sim.apps import budget
+    from sim.outputs.export.chakra import write_chakra
+
+    try:
+        sc = load_scenario(scenario, set_ or [])
+        budget.check(sc, 1, scenario)
+        result = simulate(sc, 1, origin=scenario)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    paths = write_chakra(out.expanduser(), result.recorder, result.program,
+                         all_ranks=all_ranks, scenario=result.summary["scenario"])
+    print(f"wrote {len(paths)} .et file(s) and comm_groups.json to {out}")
+
+
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of a scenario file."""
