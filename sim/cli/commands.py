@@ -93,13 +93,17 @@ def export_chakra(
         "rank class, for its first member.")] = False,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a scenario key: KEY.PATH=VALUE (repeatable).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
     """Simulate one step and write it as MLCommons Chakra execution traces (OUT/workload.<rank>.et
     and OUT/comm_groups.json, as ASTRA-sim reads them)."""
     from sim.api import simulate
     from sim.apps import budget
     from sim.outputs.export.chakra import write_chakra
+    from sim.outputs.folder import staged_folder
 
+    _check_out(out, overwrite)
     try:
         sc = load_scenario(scenario, set_ or [])
         budget.check(sc, 1, scenario)
@@ -107,8 +111,10 @@ def export_chakra(
     except ScenarioError as exc:
         _bad_input(str(exc))
         return
-    paths = write_chakra(out.expanduser(), result.recorder, result.program,
-                         all_ranks=all_ranks, scenario=result.summary["scenario"])
+    # Whole or not at all, as every --out (sim.outputs.folder).
+    with staged_folder(out, overwrite, prefix=".fabricsim-chakra-") as tmp:
+        paths = write_chakra(tmp, result.recorder, result.program, all_ranks=all_ranks,
+                             scenario=result.summary["scenario"])
     print(f"wrote {len(paths)} .et file(s) and comm_groups.json to {out}")
 
 
