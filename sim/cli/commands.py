@@ -52,10 +52,15 @@ def run(
         "--force", help="Run even when the estimate says it would take over an hour or "
         "more memory than this machine has.")] = False,
 ) -> None:
-    """Simulate a training step and print its summary."""
+    """Simulate a training step and print its summary (a file with ``jobs:``: several jobs on
+    one fabric, each job's summary beside its step time alone)."""
     from sim.api import simulate
     from sim.apps import budget
+    from sim.config.multijob import is_multijob_file
 
+    if is_multijob_file(scenario):
+        _run_multijob(scenario, set_ or [], as_json, out, steps)
+        return
     zoom = _parse_window(window) if window is not None else None
     if (hta or hta_all_ranks or window is not None) and out is None:
         _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
@@ -80,6 +85,25 @@ def run(
         print(json.dumps(result.summary, indent=2))
     else:
         _print_summary(result.summary)
+
+
+def _run_multijob(ref: str, sets: list[str], as_json: bool, out: Path | None,
+                  steps: int) -> None:
+    """``run`` on a multi-job file (:mod:`sim.apps.multijob`); ``--out`` writes its JSON."""
+    from sim.apps.multijob import render_text, simulate_multijob
+    from sim.config.multijob import load_multijob
+
+    try:
+        if steps != 1:
+            raise ScenarioError(f"{ref}: --steps: a multi-job file runs one step of each job")
+        result = simulate_multijob(load_multijob(ref, sets))
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "multijob.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2) if as_json else render_text(result))
 
 
 @app.command()
