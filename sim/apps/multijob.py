@@ -13,7 +13,7 @@ How (ARCHITECTURE.md's layers, nothing new in the engine):
    may cross the links of the groups a fold leaves out;
 4. each job's summary is :func:`sim.analysis.collect.collect_summary` over the job's own rank
    classes and op records (times taken from its ``start_s``), its step time the end of its
-   last op less ``start_s``;
+   last op less ``start_s``, over its ``steps``;
 5. ``alone.step_time_s``: the job simulated by itself on the same cluster and nodes, the
    same way (steps 1-4 with one job).
 
@@ -65,18 +65,21 @@ def run_jobs(mj: MultiJob, jobs: tuple[PlacedJob, ...]) -> SharedRun:
     gpn = mj.cluster.gpus_per_node
     with paused_gc():
         contexts = [JobContext.from_scenario(j.scenario, j.origin) for j in jobs]
-        parts = [JobPart(j.name, build_program(ctx), j.nodes, j.start_s)
+        parts = [JobPart(j.name, build_program(ctx), j.nodes, j.start_s,
+                         [build_program(ctx) for _ in range(j.steps - 1)])
                  for j, ctx in zip(jobs, contexts, strict=True)]
         program, slices = merge(parts, mj.cluster.nodes * gpn, gpn)
-        # The shared fabric: the first job's scenario (its nccl and seed) on the whole cluster.
-        lead = jobs[0].scenario.model_copy(update={"cluster": mj.cluster})
+        # The shared fabric: the file's first job's scenario (its nccl settings, seed and
+        # allocator) on the whole cluster, for the shared run and every alone run alike.
+        first = mj.jobs[0].scenario
+        lead = first.model_copy(update={"cluster": mj.cluster})
         fabric = build_fabric(fabric_spec(lead))
         gpu = contexts[0].gpu
         extra = {c.id: overheads(sl.program, c, gpu.arch, gpn)
                  for sl in slices if sl.program is not None for c in sl.classes}
-        expandable = jobs[0].scenario.allocator.expandable_segments
+        expandable = first.allocator.expandable_segments
         if expandable is None:
-            expandable = framework(jobs[0].scenario.framework.name).expandable_segments
+            expandable = framework(first.framework.name).expandable_segments
         recorder = Recorder(keep_memory_series=False, allocator_capacity={
             k: gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()},
             expandable_segments=expandable)
@@ -114,10 +117,10 @@ def job_summaries(run: SharedRun, class_bytes: dict[str, np.ndarray]) -> dict[st
     for sl, ctx in zip(run.slices, run.contexts, strict=True):
         assert sl.program is not None
         rec = _job_recorder(run, sl)
-        step = max((r.end for r in rec.ops), default=0.0)
+        total = max((r.end for r in rec.ops), default=0.0)
         out[sl.name] = collect_summary(
             ctx.scenario, ctx.gpu, job_facts(ctx, sl.program), sl.program, rec,
-            class_bytes[sl.name], len(rec.ops), step, 1, run.wall_s)
+            class_bytes[sl.name], len(rec.ops), total, sl.steps, run.wall_s)
     return out
 
 
@@ -169,7 +172,7 @@ def simulate_multijob(mj: MultiJob) -> dict[str, Any]:
         s = summaries[j.name]
         a = alone_summaries[j.name]
         jobs.append({
-            "name": j.name, "nodes": list(j.nodes), "start_s": j.start_s,
+            "name": j.name, "nodes": list(j.nodes), "start_s": j.start_s, "steps": j.steps,
             "summary": s,
             "alone": {"step_time_s": a["step_time_s"], "exposed_comm_s": a["exposed_comm_s"],
                       "comm_time_s": a["comm_time_s"]},

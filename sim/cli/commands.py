@@ -95,7 +95,8 @@ def _run_multijob(ref: str, sets: list[str], as_json: bool, out: Path | None,
 
     try:
         if steps != 1:
-            raise ScenarioError(f"{ref}: --steps: a multi-job file runs one step of each job")
+            raise ScenarioError(f"{ref}: --steps: a multi-job file sets each job's steps: "
+                                "in jobs[i].steps")
         result = simulate_multijob(load_multijob(ref, sets))
     except ScenarioError as exc:
         _bad_input(str(exc))

@@ -57,7 +57,9 @@ class JobEntry(StrictModel):
     placement: Literal["packed", "spread"] | None = None
     """Where to place it when ``nodes`` is not given (default ``packed``)."""
     start_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
-    """Seconds after the simulation starts that this job's step starts."""
+    """Seconds after the simulation starts that this job's first step starts."""
+    steps: int = Field(default=1, ge=1, le=1000)
+    """Training steps the job runs, back to back (its summary is per step)."""
 
 
 class MultiJobFile(StrictModel):
@@ -79,6 +81,7 @@ class PlacedJob:
     start_s: float
     origin: str
     """Where its scenario came from, for messages."""
+    steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def multijob_from_dict(data: dict[str, Any], origin: str, base: Path | None = No
         sc = scenario_from_dict(d, origin=where)
         if sc.faults is not None and not sc.faults.empty:
             raise ScenarioError(f"{where}.faults: not supported in a multi-job file")
-        jobs.append(PlacedJob(j.name, sc, placed[i], j.start_s, where))
+        jobs.append(PlacedJob(j.name, sc, placed[i], j.start_s, where, j.steps))
     return MultiJob(spec.name, cluster, tuple(jobs), origin)
 
 

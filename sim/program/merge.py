@@ -14,7 +14,13 @@ What changes in each job's program (in place: build a fresh one per merge):
   issues its ops in index order, so the order inside a job is unchanged);
 * a start offset ``start_s`` > 0: a leading host op of that duration on each of the job's
   classes, first in its issue order, that the host waits for (``host_sync``): nothing of the
-  job is issued before ``start_s``. It launches no kernel and holds no GPU share.
+  job is issued before ``start_s``. It launches no kernel and holds no GPU share;
+* several steps (``JobPart.more``: the same job built again, one program per further step):
+  each step's ops join the first step's rank classes' streams, keys prefixed ``job:k:``, after
+  a barrier on each class (a host op, ``host_sync``, that depends on the last op of every
+  stream of the job's previous step): what :meth:`sim.engine.core.Engine.run_step` does
+  between steps (the next starts when the last op of the previous has ended), for this job
+  alone.
 
 GPUs no job is placed on form one idle rank class with no ops (:meth:`Program.validate` wants
 every rank covered).
@@ -29,6 +35,8 @@ from sim.program.ir import CPU_STREAM, Op, Program, RankClass
 
 START_WAIT = "job-start-wait"
 """Name of the leading op that holds a job until its ``start_s``."""
+STEP_BARRIER = "job-step-barrier"
+"""Name of the op that holds a job's next step until its previous one has ended."""
 
 
 @dataclass
@@ -40,6 +48,8 @@ class JobPart:
     nodes: tuple[int, ...]
     """Cluster nodes of the job's nodes 0, 1, ... in order."""
     start_s: float = 0.0
+    more: list[Program] = field(default_factory=list)
+    """The job built again, once per further step (same classes in the same order)."""
 
 
 @dataclass
@@ -51,12 +61,13 @@ class JobSlice:
     ops: list[Op]
     """The job's own ops in merged index order (start waits left out)."""
     waits: list[Op] = field(default_factory=list)
-    """The start-wait ops added for ``start_s``."""
+    """The start-wait and step-barrier ops the merge added (not the job's own work)."""
     ranks: tuple[int, ...] = ()
     """The cluster ranks the job runs on."""
     start_s: float = 0.0
     program: Program | None = None
     """The job's program (relabelled: it shares its classes and ops with the merged one)."""
+    steps: int = 1
 
 
 def rank_map(nodes: Sequence[int], gpus_per_node: int) -> list[int]:
@@ -129,7 +140,13 @@ def merge(parts: Sequence[JobPart], n_ranks: int, gpus_per_node: int
             c.members = move(c.members)
             c.label = f"{part.name}/{c.label}" if c.label else part.name
         waits = _start_waits(p.classes, part.start_s)
-        for op in [*waits, *p.ops]:
+        order = [*waits, *p.ops]
+        for k, q in enumerate(part.more, start=1):
+            _relabel_ops(q, move, f"{part.name}:{k}")
+            barriers = _append_step(p.classes, q)
+            waits += barriers
+            order += [*barriers, *q.ops]
+        for op in order:
             op.index = len(merged.ops)
             merged.ops.append(op)
         merged.classes.extend(p.classes)
@@ -138,8 +155,9 @@ def merge(parts: Sequence[JobPart], n_ranks: int, gpus_per_node: int
         merged.hw_flops_per_step += p.hw_flops_per_step
         merged.micro_batches = max(merged.micro_batches, p.micro_batches)
         merged.pipeline_stages = max(merged.pipeline_stages, p.pipeline_stages)
-        slices.append(JobSlice(part.name, list(p.classes), list(p.ops), waits, tuple(ranks),
-                               part.start_s, p))
+        own = [op for op in order if op.name not in (START_WAIT, STEP_BARRIER)]
+        slices.append(JobSlice(part.name, list(p.classes), own, waits, tuple(ranks),
+                               part.start_s, p, 1 + len(part.more)))
     idle = tuple(r for r in range(n_ranks) if r not in taken)
     if idle:
         merged.classes.append(RankClass(id=len(merged.classes), members=idle, label="idle"))
@@ -159,3 +177,22 @@ def _start_waits(classes: list[RankClass], start_s: float) -> list[Op]:
         c.streams[CPU_STREAM] = [op, *c.streams.get(CPU_STREAM, [])]
         waits.append(op)
     return waits
+
+
+def _append_step(classes: list[RankClass], q: Program) -> list[Op]:
+    """Append step program ``q``'s streams to ``classes`` (its classes, in the same order,
+    with the same members), each class's behind a barrier on the last op of every stream of
+    every class so far (the previous step's ends). Returns the barriers."""
+    if len(q.classes) != len(classes) or any(
+            len(c.members) != len(qc.members) for c, qc in zip(classes, q.classes, strict=True)):
+        raise ValueError("a job's steps built different rank classes")
+    ends = [ops[-1] for c in classes for ops in c.streams.values() if ops]
+    barriers = []
+    for c, qc in zip(classes, q.classes, strict=True):
+        barrier = Op(STEP_BARRIER, "host", CPU_STREAM, "comm", host_sync=True, kernels=0,
+                     category="wait", deps=list(ends))
+        c.streams.setdefault(CPU_STREAM, []).append(barrier)
+        for stream, ops in qc.streams.items():
+            c.streams.setdefault(stream, []).extend(ops)
+        barriers.append(barrier)
+    return barriers
