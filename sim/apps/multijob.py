@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from sim import catalog
 from sim.analysis.collect import collect_summary
 from sim.analysis.memory_overheads import overheads
 from sim.analysis.metrics import bytes_by_class
@@ -40,7 +41,9 @@ from sim.engine.core import Engine, paused_gc
 from sim.engine.recorder import OpRecord, Recorder
 from sim.fabric.topology import LINK_KINDS, Fabric, build_fabric
 from sim.frameworks import JobContext, build_program, framework
+from sim.program.ir import Program
 from sim.program.merge import JobPart, JobSlice, merge
+from sim.program.traffic import traffic_program
 
 TOP_LINKS = 10
 """Links listed in the output's ``links.busiest``."""
@@ -51,7 +54,8 @@ class SharedRun:
     """One simulation of some jobs on the shared fabric."""
 
     slices: list[JobSlice]
-    contexts: list[JobContext]
+    contexts: list[JobContext | None]
+    """Each job's framework context (None for background traffic)."""
     recorder: Recorder
     engine: Engine
     fabric: Fabric
@@ -59,27 +63,34 @@ class SharedRun:
     wall_s: float
 
 
+def _traffic(j: PlacedJob, gpn: int) -> Program:
+    t = j.traffic
+    assert t is not None
+    return traffic_program(len(j.nodes), gpn, t.bytes, t.period_s, t.count, t.direction)
+
+
 def run_jobs(mj: MultiJob, jobs: tuple[PlacedJob, ...]) -> SharedRun:
     """Build ``jobs`` (of ``mj``), merge them and run them once on ``mj``'s cluster."""
     wall0 = time.perf_counter()
     gpn = mj.cluster.gpus_per_node
     with paused_gc():
-        contexts = [JobContext.from_scenario(j.scenario, j.origin) for j in jobs]
+        contexts = [JobContext.from_scenario(j.scenario, j.origin)
+                    if j.scenario is not None else None for j in jobs]
         parts = [JobPart(j.name, build_program(ctx), j.nodes, j.start_s,
                          [build_program(ctx) for _ in range(j.steps - 1)])
+                 if ctx is not None else JobPart(j.name, _traffic(j, gpn), j.nodes, j.start_s)
                  for j, ctx in zip(jobs, contexts, strict=True)]
         program, slices = merge(parts, mj.cluster.nodes * gpn, gpn)
-        # The shared fabric: the file's first job's scenario (its nccl settings, seed and
-        # allocator) on the whole cluster, for the shared run and every alone run alike.
-        first = mj.jobs[0].scenario
-        lead = first.model_copy(update={"cluster": mj.cluster})
+        # The shared fabric: the file's first training job's scenario (its nccl settings,
+        # seed and allocator) on the whole cluster, for the shared run and every alone run.
+        lead = mj.lead
         fabric = build_fabric(fabric_spec(lead))
-        gpu = contexts[0].gpu
+        gpu = catalog.gpu(mj.cluster.gpu, mj.cluster.gpu_power_w)
         extra = {c.id: overheads(sl.program, c, gpu.arch, gpn)
                  for sl in slices if sl.program is not None for c in sl.classes}
-        expandable = first.allocator.expandable_segments
+        expandable = lead.allocator.expandable_segments
         if expandable is None:
-            expandable = framework(first.framework.name).expandable_segments
+            expandable = framework(lead.framework.name).expandable_segments
         recorder = Recorder(keep_memory_series=False, allocator_capacity={
             k: gpu.usable_memory_bytes - o.outside_allocator for k, o in extra.items()},
             expandable_segments=expandable)
@@ -118,10 +129,24 @@ def job_summaries(run: SharedRun, class_bytes: dict[str, np.ndarray]) -> dict[st
         assert sl.program is not None
         rec = _job_recorder(run, sl)
         total = max((r.end for r in rec.ops), default=0.0)
+        if ctx is None:
+            out[sl.name] = traffic_summary(rec, total, class_bytes[sl.name])
+            continue
         out[sl.name] = collect_summary(
             ctx.scenario, ctx.gpu, job_facts(ctx, sl.program), sl.program, rec,
             class_bytes[sl.name], len(rec.ops), total, sl.steps, run.wall_s)
     return out
+
+
+def traffic_summary(rec: Recorder, total: float, class_bytes: np.ndarray) -> dict[str, Any]:
+    """A background-traffic job's summary: its transfers' times (each from its start, all
+    peers arrived, to its last byte) and bytes. ``step_time_s``: from the job's start to its
+    last transfer's end."""
+    took = [r.end - r.start for r in rec.ops if r.op.kind == "send"]
+    return {"kind": "traffic", "step_time_s": total, "transfers": len(took),
+            "mean_transfer_s": sum(took) / len(took) if took else 0.0,
+            "max_transfer_s": max(took, default=0.0),
+            "bytes": bytes_by_class(class_bytes, 1)}
 
 
 def _link_name(fabric: Fabric, i: int) -> str:
@@ -174,15 +199,22 @@ def simulate_multijob(mj: MultiJob) -> dict[str, Any]:
         jobs.append({
             "name": j.name, "nodes": list(j.nodes), "start_s": j.start_s, "steps": j.steps,
             "summary": s,
-            "alone": {"step_time_s": a["step_time_s"], "exposed_comm_s": a["exposed_comm_s"],
-                      "comm_time_s": a["comm_time_s"]},
-            "slowdown": s["step_time_s"] / a["step_time_s"] if a["step_time_s"] > 0 else 1.0,
+            "alone": ({"step_time_s": a["step_time_s"], "exposed_comm_s": a["exposed_comm_s"],
+                       "comm_time_s": a["comm_time_s"]} if j.traffic is None else
+                      {"step_time_s": a["step_time_s"], "mean_transfer_s": a["mean_transfer_s"]}),
+            "slowdown": _slowdown(s, a),
         })
     total = bytes_by_class(shared.engine.net.class_bytes, 1)
     return {"name": mj.name, "gpus": mj.cluster.nodes * mj.cluster.gpus_per_node,
             "jobs": jobs, "links": {**links_report(shared, alone), "bytes": total},
             "sim": {"wall_s": shared.wall_s + sum(r.wall_s for r in alone.values()),
                     "events": shared.engine.events_processed + shared.engine.net.solves}}
+
+
+def _slowdown(shared: dict[str, Any], alone: dict[str, Any]) -> float:
+    """Step time shared over alone (for traffic: mean transfer time, the periods apart)."""
+    key = "mean_transfer_s" if shared.get("kind") == "traffic" else "step_time_s"
+    return shared[key] / alone[key] if alone[key] > 0 else 1.0
 
 
 def render_text(out: dict[str, Any]) -> str:
@@ -195,9 +227,11 @@ def render_text(out: dict[str, Any]) -> str:
         if len(nodes) > 15:
             nodes = nodes[:12] + "..."
         s = j["summary"]
+        exposed = (f"{s['exposed_comm_s']:>16.4f}" if "exposed_comm_s" in s
+                   else f"{'(traffic)':>16}")
         lines.append(f"{j['name']:<16}{nodes:>16}{j['start_s']:>9.3g}"
                      f"{j['alone']['step_time_s']:>14.4f}{s['step_time_s']:>11.4f}"
-                     f"{j['slowdown']:>9.3f}x{s['exposed_comm_s']:>16.4f}")
+                     f"{j['slowdown']:>9.3f}x{exposed}")
     lk = out["links"]
     lines.append(f"busiest links (mean utilisation over {lk['makespan_s']:.4f} s; "
                  f"{lk['links_shared_by_jobs']} links carry more than one job):")

@@ -15,6 +15,10 @@ Placement (one rule each, on the shared cluster's node numbers ``0 .. nodes-1``)
   group ``(n // azs) // nodes_per_leaf``), so a job crosses as many leaves, and zones, as it
   can.
 
+A job is a training scenario (``scenario:``) or background traffic (``traffic: {bytes,
+period_s, count, direction, nodes}``, :mod:`sim.program.traffic`); a file needs one training
+job at least (the shared fabric's NCCL settings and seed are the first one's).
+
 Jobs are placed in file order, explicit lists first. A job's node count is the length of its
 ``nodes`` list, else its own scenario's ``cluster.nodes``; its scenario's ``cluster`` is
 replaced by the shared one with ``nodes`` set to that count (so every job sees the same GPU,
@@ -44,12 +48,29 @@ from sim.config.load import (
 from sim.config.scenario import Scenario
 
 
-class JobEntry(StrictModel):
-    """One job of a multi-job file."""
+class Traffic(StrictModel):
+    """Background traffic between the job's nodes (:mod:`sim.program.traffic`): every
+    ``period_s``, ``count`` times, each GPU sends ``bytes`` to the same GPU of the next node."""
 
-    scenario: str | dict[str, Any]
+    bytes: float = Field(gt=0, allow_inf_nan=False)
+    """Bytes each GPU sends per transfer."""
+    period_s: float = Field(gt=0, allow_inf_nan=False)
+    """Seconds from one transfer's start to the next's (later if a transfer outlasts it)."""
+    count: int = Field(default=1, ge=1, le=100_000)
+    direction: Literal["ring", "chain"] = "ring"
+    """``ring``: node j to node j+1, the last to the first; ``chain``: no wrap around."""
+    nodes: int = Field(default=2, ge=2)
+    """Nodes to place it on when the job gives ``placement`` (not ``nodes``)."""
+
+
+class JobEntry(StrictModel):
+    """One job of a multi-job file: a training scenario, or background traffic."""
+
+    scenario: str | dict[str, Any] | None = None
     """A shipped scenario's name, a path (relative to the multi-job file first) or an inline
     scenario mapping."""
+    traffic: Traffic | None = None
+    """Instead of ``scenario``: background traffic."""
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")
     """The job's name: its rows in the output, and the prefix of its collectives' keys."""
     nodes: list[int] | None = None
@@ -73,15 +94,17 @@ class MultiJobFile(StrictModel):
 
 @dataclass(frozen=True)
 class PlacedJob:
-    """A validated job: its scenario fitted to the shared cluster and its nodes."""
+    """A validated job: its scenario fitted to the shared cluster (None for background
+    traffic, ``traffic`` set) and its nodes."""
 
     name: str
-    scenario: Scenario
+    scenario: Scenario | None
     nodes: tuple[int, ...]
     start_s: float
     origin: str
     """Where its scenario came from, for messages."""
     steps: int = 1
+    traffic: Traffic | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +115,13 @@ class MultiJob:
     cluster: Cluster
     jobs: tuple[PlacedJob, ...]
     origin: str
+
+    @property
+    def lead(self) -> Scenario:
+        """The first training job's scenario on the whole cluster: the shared fabric's
+        NCCL settings, seed and allocator come from it."""
+        first = next(j.scenario for j in self.jobs if j.scenario is not None)
+        return first.model_copy(update={"cluster": self.cluster})
 
 
 def is_multijob_data(data: dict[str, Any]) -> bool:
@@ -143,12 +173,25 @@ def multijob_from_dict(data: dict[str, Any], origin: str, base: Path | None = No
     for i, n in enumerate(names):
         if names.index(n) != i:
             raise ScenarioError(f"{origin}: jobs[{i}].name: {n!r} names two jobs")
-    raw = [_job_data(j, i, origin, base) for i, j in enumerate(spec.jobs)]
-    counts = [len(j.nodes) if j.nodes is not None else _nodes_of(d, i, origin)
+    for i, j in enumerate(spec.jobs):
+        if (j.scenario is None) == (j.traffic is None):
+            raise ScenarioError(f"{origin}: jobs[{i}]: give scenario or traffic (one of them)")
+    if all(j.scenario is None for j in spec.jobs):
+        raise ScenarioError(f"{origin}: jobs: no training job (a scenario), only traffic")
+    raw = [_job_data(j, i, origin, base) if j.traffic is None else {}
+           for i, j in enumerate(spec.jobs)]
+    counts = [len(j.nodes) if j.nodes is not None else
+              j.traffic.nodes if j.traffic is not None else _nodes_of(d, i, origin)
               for i, (j, d) in enumerate(zip(spec.jobs, raw, strict=True))]
     placed = place(spec.jobs, counts, cluster, origin)
     jobs: list[PlacedJob] = []
     for i, (j, d) in enumerate(zip(spec.jobs, raw, strict=True)):
+        if j.traffic is not None:
+            if len(placed[i]) < 2:
+                raise ScenarioError(f"{origin}: jobs[{i}].nodes: traffic needs two nodes")
+            jobs.append(PlacedJob(j.name, None, placed[i], j.start_s, f"{origin}: jobs[{i}]",
+                                  1, j.traffic))
+            continue
         where = f"{origin}: jobs[{i}].scenario"
         d = dict(d)
         d["cluster"] = {**merged, "nodes": len(placed[i])}
@@ -161,6 +204,7 @@ def multijob_from_dict(data: dict[str, Any], origin: str, base: Path | None = No
 
 def _job_data(job: JobEntry, i: int, origin: str, base: Path | None) -> dict[str, Any]:
     """The job's scenario mapping (a copy), from a name, a path or inline."""
+    assert job.scenario is not None
     if isinstance(job.scenario, dict):
         return dict(job.scenario)
     ref = job.scenario

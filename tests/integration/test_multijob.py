@@ -270,3 +270,40 @@ def test_one_job_on_its_own_cluster_is_fabricsim_run(tmp_path, job):
                 "peak_memory_gib"):
         assert out[key] == pytest.approx(ref[key], rel=1e-12), key
     assert out["bytes"] == pytest.approx(ref["bytes"], rel=1e-12)
+
+
+def test_background_traffic_shares_the_uplink_as_max_min_says(tmp_path):
+    """Two background-traffic jobs, node 0 -> node 2 and node 1 -> node 3, B = 1 GB each,
+    both across leaf 0's uplink (C = the flow network's capacity of that link, the narrowest
+    on the path alone). Alone a transfer takes L + B / C; together max-min gives each C / 2,
+    so each takes B / C longer. The periodic one repeats every period_s: its last transfer
+    ends (count - 1) x period_s + one transfer after its start (the transfer is shorter than
+    the period, so none waits for the previous)."""
+    b = 1.0e9
+    # A multi-job file needs a training job: this one sits under its own leaf (nodes 4, 5).
+    path = write(tmp_path, "jobs.yaml", {"cluster": {**OVERSUBSCRIBED, "nodes": 6}, "jobs": [
+        {"traffic": {"bytes": b, "period_s": 0.1, "direction": "chain"}, "name": "x",
+         "nodes": [0, 2]},
+        {"traffic": {"bytes": b, "period_s": 0.1, "count": 3, "direction": "chain"},
+         "name": "y", "nodes": [1, 3]},
+        {"scenario": DDP_ONE_BUCKET, "name": "train", "nodes": [4, 5]}]})
+    mj = load_multijob(str(path))
+    shared = run_jobs(mj, mj.jobs)
+    up = [i for i, (u, v) in enumerate(shared.fabric.endpoints)
+          if u == ("leaf", 0, 0) and v[0] == "spine"]
+    c = float(shared.engine.net.capacity[up[0]])
+    out = {j["name"]: j for j in simulate_multijob(mj)["jobs"]}
+    x, y = out["x"], out["y"]
+    first_y = [r.end - r.start for r in shared.recorder.ops
+               if r.op.kind == "send" and r.op.key.startswith("y:") and r.op.key.endswith("/0")]
+    assert x["summary"]["mean_transfer_s"] - x["alone"]["mean_transfer_s"] == \
+        pytest.approx(b / c, rel=1e-9)
+    assert first_y[0] - y["alone"]["mean_transfer_s"] == pytest.approx(b / c, rel=1e-9)
+    # y alone: 2 periods, then one transfer.
+    assert y["alone"]["step_time_s"] == pytest.approx(0.2 + y["alone"]["mean_transfer_s"],
+                                                      rel=1e-12)
+    assert y["summary"]["transfers"] == 3
+    assert x["summary"]["bytes"]["network"] == pytest.approx(4 * b)   # 4 network hops
+    # The training job under its own leaf is untouched.
+    assert out["train"]["summary"]["step_time_s"] == pytest.approx(
+        out["train"]["alone"]["step_time_s"], rel=1e-12)
