@@ -25,8 +25,10 @@ puts on the fabric in the shared run too (the shared run's totals equal their su
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -187,6 +189,25 @@ def links_report(shared: SharedRun, alone: dict[str, SharedRun]) -> dict[str, An
 def simulate_multijob(mj: MultiJob) -> dict[str, Any]:
     """The multi-job output object: ``{name, jobs: [{name, nodes, start_s, summary,
     alone: {step_time_s, ...}, slowdown}], links: {...}}``."""
+    return run_multijob(mj)[0]
+
+
+def write_outputs(out: Path, result: dict[str, Any], shared: SharedRun) -> None:
+    """``--out`` of a multi-job run: ``multijob.json`` (the output object), ``timeline.png``
+    (the shared run's Gantt chart, its rows labelled by job: ``a/...``) and ``trace.json``
+    (the Perfetto trace of the shared run, one process per job's rank class)."""
+    from sim.outputs import export, plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "multijob.json").write_text(json.dumps(result, indent=2))
+    labels = {c.id: c.label for sl in shared.slices for c in sl.classes}
+    plot.timeline(out / "timeline.png", shared.recorder, result["name"], labels,
+                  max_rank_classes=max(16, len(labels)))
+    export.write_trace(out / "trace.json", shared.recorder, labels, scenario=result["name"])
+
+
+def run_multijob(mj: MultiJob) -> tuple[dict[str, Any], SharedRun]:
+    """:func:`simulate_multijob`'s output and the shared run behind it."""
     alone = {j.name: run_jobs(mj, (j,)) for j in mj.jobs}
     shared = run_jobs(mj, mj.jobs)
     own_bytes = {n: r.engine.net.class_bytes.copy() for n, r in alone.items()}
@@ -208,7 +229,8 @@ def simulate_multijob(mj: MultiJob) -> dict[str, Any]:
     return {"name": mj.name, "gpus": mj.cluster.nodes * mj.cluster.gpus_per_node,
             "jobs": jobs, "links": {**links_report(shared, alone), "bytes": total},
             "sim": {"wall_s": shared.wall_s + sum(r.wall_s for r in alone.values()),
-                    "events": shared.engine.events_processed + shared.engine.net.solves}}
+                    "events": shared.engine.events_processed + shared.engine.net.solves}
+            }, shared
 
 
 def _slowdown(shared: dict[str, Any], alone: dict[str, Any]) -> float:

@@ -89,21 +89,21 @@ def run(
 
 def _run_multijob(ref: str, sets: list[str], as_json: bool, out: Path | None,
                   steps: int) -> None:
-    """``run`` on a multi-job file (:mod:`sim.apps.multijob`); ``--out`` writes its JSON."""
-    from sim.apps.multijob import render_text, simulate_multijob
+    """``run`` on a multi-job file (:mod:`sim.apps.multijob`); ``--out`` writes its JSON, a
+    timeline and a trace."""
+    from sim.apps.multijob import render_text, run_multijob, write_outputs
     from sim.config.multijob import load_multijob
 
     try:
         if steps != 1:
             raise ScenarioError(f"{ref}: --steps: a multi-job file sets each job's steps: "
                                 "in jobs[i].steps")
-        result = simulate_multijob(load_multijob(ref, sets))
+        result, shared = run_multijob(load_multijob(ref, sets))
     except ScenarioError as exc:
         _bad_input(str(exc))
         return
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "multijob.json").write_text(json.dumps(result, indent=2))
+        write_outputs(out.expanduser(), result, shared)
     print(json.dumps(result, indent=2) if as_json else render_text(result))
 
 

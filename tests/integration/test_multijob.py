@@ -185,8 +185,14 @@ def test_cli_json(tmp_path):
         assert j["alone"]["step_time_s"] > 0
         assert j["summary"]["gpus"] == 2
     assert "busiest" in out["links"]
-    text = CliRunner().invoke(app, ["run", str(path)], catch_exceptions=False)
+    text = CliRunner().invoke(app, ["run", str(path), "--out", str(tmp_path / "out")],
+                              catch_exceptions=False)
     assert text.exit_code == 0 and "slowdown" in text.stdout
+    assert json.loads((tmp_path / "out" / "multijob.json").read_text())["jobs"][1]["name"] == "b"
+    trace = json.loads((tmp_path / "out" / "trace.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert any(n.startswith("a/") for n in names) and any(n.startswith("b/") for n in names)
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("jobs, key", [
