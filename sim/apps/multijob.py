@@ -209,7 +209,8 @@ def write_outputs(out: Path, result: dict[str, Any], shared: SharedRun) -> None:
 def run_multijob(mj: MultiJob) -> tuple[dict[str, Any], SharedRun]:
     """:func:`simulate_multijob`'s output and the shared run behind it."""
     alone = {j.name: run_jobs(mj, (j,)) for j in mj.jobs}
-    shared = run_jobs(mj, mj.jobs)
+    # One job: its alone run is the shared run.
+    shared = run_jobs(mj, mj.jobs) if len(mj.jobs) > 1 else alone[mj.jobs[0].name]
     own_bytes = {n: r.engine.net.class_bytes.copy() for n, r in alone.items()}
     summaries = job_summaries(shared, own_bytes)
     alone_summaries = {n: job_summaries(r, own_bytes)[n] for n, r in alone.items()}
