@@ -13,7 +13,9 @@ Placement (one rule each, on the shared cluster's node numbers ``0 .. nodes-1``)
 * ``placement: spread``: one free node from each leaf group in turn (round robin over the
   leaf groups of :class:`sim.fabric.topology.layout.Layout`'s numbering: zone ``n % azs``,
   group ``(n // azs) // nodes_per_leaf``), so a job crosses as many leaves, and zones, as it
-  can.
+  can;
+* ``zone: z`` beside a policy: only zone ``z``'s nodes (``z, z + azs, ...``, in that order:
+  ``packed`` takes free nodes next to each other in it).
 
 A job is a training scenario (``scenario:``) or background traffic (``traffic: {bytes,
 period_s, count, direction, nodes}``, :mod:`sim.program.traffic`); a file needs one training
@@ -77,6 +79,9 @@ class JobEntry(StrictModel):
     """The shared cluster's nodes this job runs on, in the job's node order."""
     placement: Literal["packed", "spread"] | None = None
     """Where to place it when ``nodes`` is not given (default ``packed``)."""
+    zone: int | None = Field(default=None, ge=0)
+    """With ``placement``: place it only on nodes of this availability zone (node ``n`` is
+    in zone ``n % cluster.azs``)."""
     start_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     """Seconds after the simulation starts that this job's first step starts."""
     steps: int = Field(default=1, ge=1, le=1000)
@@ -252,8 +257,9 @@ def place(jobs: list[JobEntry], counts: list[int], c: Cluster, origin: str
     for i, j in enumerate(jobs):
         if j.nodes is None:
             continue
-        if j.placement is not None:
-            raise ScenarioError(f"{origin}: jobs[{i}]: give nodes or placement, not both")
+        if j.placement is not None or j.zone is not None:
+            raise ScenarioError(f"{origin}: jobs[{i}]: give nodes or placement (and zone), "
+                                "not both")
         if not j.nodes:
             raise ScenarioError(f"{origin}: jobs[{i}].nodes: empty")
         for n in j.nodes:
@@ -268,23 +274,31 @@ def place(jobs: list[JobEntry], counts: list[int], c: Cluster, origin: str
     for i, j in enumerate(jobs):
         if out[i] is not None:
             continue
-        free = [n for n in range(c.nodes) if n not in used]
-        got = (_spread(free, counts[i], c) if j.placement == "spread"
-               else _packed(free, counts[i]))
+        if j.zone is not None and j.zone >= c.azs:
+            raise ScenarioError(f"{origin}: jobs[{i}].zone: {j.zone} is not a zone of the "
+                                f"cluster (cluster.azs is {c.azs})")
+        # The nodes it may take, in the zone's order (a zone holds nodes z, z + azs, ...).
+        candidates = [n for n in range(c.nodes) if j.zone is None or n % c.azs == j.zone]
+        if j.placement == "spread":
+            got = _spread([n for n in candidates if n not in used], counts[i], c)
+            why = f"no {counts[i]} free nodes"
+        else:
+            got = _packed(candidates, used, counts[i])
+            why = f"no {counts[i]} consecutive free nodes (give nodes: [...] or spread)"
         if got is None:
-            raise ScenarioError(f"{origin}: jobs[{i}].placement: no {counts[i]} consecutive "
-                                "free nodes (give nodes: [...] or placement: spread)")
+            where = f" in zone {j.zone}" if j.zone is not None else ""
+            raise ScenarioError(f"{origin}: jobs[{i}].placement: {why}{where}")
         for n in got:
             used[n] = i
         out[i] = got
     return [o for o in out if o is not None]
 
 
-def _packed(free: list[int], k: int) -> tuple[int, ...] | None:
-    """The first run of ``k`` consecutive free node numbers."""
+def _packed(candidates: list[int], used: dict[int, int], k: int) -> tuple[int, ...] | None:
+    """The first run of ``k`` free nodes next to each other in ``candidates``."""
     run: list[int] = []
-    for n in free:
-        run = run + [n] if run and run[-1] == n - 1 else [n]
+    for n in candidates:
+        run = [*run, n] if n not in used else []
         if len(run) == k:
             return tuple(run)
     return None

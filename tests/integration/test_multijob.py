@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from sim.apps.multijob import run_jobs, simulate_multijob
 from sim.cli.commands import app
+from sim.config.base import ScenarioError
 from sim.config.multijob import load_multijob
 from sim.program.merge import rank_map
 
@@ -70,6 +71,28 @@ def test_placement_policies(tmp_path):
     # The job's scenario runs on the shared cluster, on its own node count.
     assert mj.jobs[1].scenario.cluster.nodes == 2
     assert mj.jobs[1].scenario.cluster.nodes_per_leaf == 2
+
+
+def test_placement_in_a_zone(tmp_path):
+    # 2 zones: zone 0 holds nodes 0, 2, 4, 6 and zone 1 nodes 1, 3, 5, 7; leaf groups of 2
+    # nodes per zone (zone 0: {0, 2}, {4, 6}).
+    one = dict(FSDP, cluster={"nodes": 1})
+    cluster = {"topology": "dgx-h100", "nodes": 8, "gpus_per_node": 2, "nodes_per_leaf": 2,
+               "azs": 2}
+    path = write(tmp_path, "jobs.yaml", {"cluster": cluster, "jobs": [
+        {"scenario": one, "name": "x", "nodes": [4]},
+        {"scenario": FSDP, "name": "p", "placement": "packed", "zone": 1},
+        {"scenario": FSDP, "name": "s", "placement": "spread", "zone": 0}]})
+    nodes = {j.name: j.nodes for j in load_multijob(str(path)).jobs}
+    # packed: zone 1's first two nodes; spread: one per zone-0 leaf group ({0, 2}, {6}).
+    assert nodes == {"x": (4,), "p": (1, 3), "s": (0, 6)}
+    # Zone 0's free nodes 0, 2, 6 hold no 3 next to each other (4 is taken).
+    bad = write(tmp_path, "bad.yaml", {"cluster": cluster, "jobs": [
+        {"scenario": one, "name": "x", "nodes": [4]},
+        {"scenario": dict(FSDP, cluster={"nodes": 3}), "name": "p", "placement": "packed",
+         "zone": 0}]})
+    with pytest.raises(ScenarioError, match=r"jobs\[1\]\.placement: no 3 consecutive.* in zone 0"):
+        load_multijob(str(bad))
 
 
 def test_disjoint_jobs_run_as_alone(tmp_path):
@@ -207,11 +230,14 @@ def test_cli_json(tmp_path):
     ([{"scenario": "J", "name": "a", "where": 1}], "jobs[0].where: unknown key"),
     ([{"scenario": "J", "name": "a"}, {"scenario": "J", "name": "a"}],
      "jobs[1].name: 'a' names two jobs"),
+    ([{"scenario": "J", "name": "a", "placement": "spread", "zone": 1}],
+     "jobs[0].zone: 1 is not a zone of the cluster"),
+    ([{"name": "a", "nodes": [0, 1]}], "jobs[0]: give scenario or traffic"),
 ])
 def test_bad_files_exit_2_naming_file_and_key(tmp_path, jobs, key):
     job = write(tmp_path, "ddp.yaml", DDP_ONE_BUCKET)
     for j in jobs:
-        if j["scenario"] == "J":
+        if j.get("scenario") == "J":
             j["scenario"] = job.name
     path = write(tmp_path, "jobs.yaml", {"cluster": OVERSUBSCRIBED, "jobs": jobs})
     result = CliRunner().invoke(app, ["run", str(path), "--json"])
