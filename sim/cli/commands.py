@@ -52,10 +52,15 @@ def run(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
-    """Simulate a training step and print its summary."""
+    """Simulate a training step and print its summary (a file with ``jobs:``: several jobs on
+    one fabric, each job's summary beside its step time alone)."""
     from sim.api import simulate
     from sim.apps import budget
+    from sim.config.multijob import is_multijob_file
 
+    if is_multijob_file(scenario):
+        _run_multijob(scenario, set_ or [], as_json, out, steps, overwrite)
+        return
     zoom = _parse_window(window) if window is not None else None
     if (hta or hta_all_ranks or window is not None) and out is None:
         _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
@@ -116,6 +121,29 @@ def export_chakra(
         paths = write_chakra(tmp, result.recorder, result.program, all_ranks=all_ranks,
                              scenario=result.summary["scenario"])
     print(f"wrote {len(paths)} .et file(s) and comm_groups.json to {out}")
+
+
+def _run_multijob(ref: str, sets: list[str], as_json: bool, out: Path | None,
+                  steps: int, overwrite: bool = False) -> None:
+    """``run`` on a multi-job file (:mod:`sim.apps.multijob`); ``--out`` writes its JSON, a
+    timeline and a trace (staged like every ``--out``: :mod:`sim.outputs.folder`)."""
+    from sim.apps.multijob import render_text, run_multijob, write_outputs
+    from sim.config.multijob import load_multijob
+    from sim.outputs.folder import staged_folder
+
+    _check_out(out, overwrite)
+    try:
+        if steps != 1:
+            raise ScenarioError(f"{ref}: --steps: a multi-job file sets each job's steps: "
+                                "in jobs[i].steps")
+        result, shared = run_multijob(load_multijob(ref, sets))
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if out is not None:
+        with staged_folder(out, overwrite, prefix=".fabricsim-jobs-") as tmp:
+            write_outputs(tmp, result, shared)
+    print(json.dumps(result, indent=2) if as_json else render_text(result))
 
 
 @app.command()
