@@ -13,6 +13,10 @@ $(STAMP): pyproject.toml
 	# HTA pins jupyterlab and more it does not import: take the package alone (its imports
 	# are in the test extra).
 	$(BIN)/pip install -q --no-deps HolisticTraceAnalysis==0.5.0
+	# mlc-chakra (tests/integration/test_chakra_export.py reads the export with it) requires that
+	# HTA too: the package alone, and the protobuf runtime its et_def_pb2 was generated for.
+	$(BIN)/pip install -q --no-deps mlc-chakra==1.0.0
+	$(BIN)/pip install -q 'protobuf>=6.31'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -20,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/fabricsim compare llama3-70b-fsdp2-64xh100 --what-if cluster.nic_gbps=100,400
 	$(BIN)/fabricsim run llama3-70b-megatron-tp8pp4-64xh100
 	$(BIN)/fabricsim run llama3-70b-deepspeed-zero3-64xh100
-	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-2az --out runs/demo-2az
+	$(BIN)/fabricsim run llama3-70b-fsdp2-64xh100-2az --out runs/demo-2az --overwrite
 	$(BIN)/fabricsim run llama3.2-1b-1xh200
 	@echo "plots, trace and CSVs of the two-zone run: runs/demo-2az/"
 

@@ -178,6 +178,13 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
               steps: int, wall_s: float) -> Summary:
     """The run's summary object (:func:`sim.analysis.collect.collect_summary`), with what only
     the framework layer knows gathered here."""
+    return collect_summary(ctx.scenario, ctx.gpu, job_facts(ctx, program), program, rec,
+                           engine.net.class_bytes, engine.events_processed + engine.net.solves,
+                           total, steps, wall_s)
+
+
+def job_facts(ctx: JobContext, program: Program) -> JobFacts:
+    """What the summary needs from the framework layer about the job ``program`` runs."""
     s = ctx.scenario
     states = sum(v for k, v in program.classes[0].initial_memory.items()
                  if k in ("parameters", "optimizer", "gradients"))
@@ -186,10 +193,8 @@ def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, 
     transient = framework(s.framework.name).step_gradient_bytes_per_param
     if transient and "gradients" not in program.classes[0].initial_memory:
         states += transient * ctx.model.total_params
-    job = JobFacts(attention_backend=ctx.compute.attention_backend,
-                   model_params=ctx.model.total_params,
-                   active_params=ctx.model.active_params, micro_batches=ctx.micro_batches,
-                   flops_per_token=ctx.model.model_flops_per_token(ctx.seq),
-                   model_state_bytes=states)
-    return collect_summary(s, ctx.gpu, job, program, rec, engine.net.class_bytes,
-                           engine.events_processed + engine.net.solves, total, steps, wall_s)
+    return JobFacts(attention_backend=ctx.compute.attention_backend,
+                    model_params=ctx.model.total_params,
+                    active_params=ctx.model.active_params, micro_batches=ctx.micro_batches,
+                    flops_per_token=ctx.model.model_flops_per_token(ctx.seq),
+                    model_state_bytes=states)

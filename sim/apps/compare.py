@@ -38,9 +38,6 @@ without ``training.tokens_total``) is left out of that variant's deltas.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +54,7 @@ from sim.analysis.cost import resolve_pricing  # noqa: E402
 from sim.analysis.summary import Summary  # noqa: E402
 from sim.apps.executor import Task, simulate_task  # noqa: E402
 from sim.apps.sweep.grid import split_values  # noqa: E402
+from sim.outputs.folder import staged_folder  # noqa: E402
 from sim.scenario import Scenario, ScenarioError, load_scenario  # noqa: E402
 
 
@@ -436,19 +434,12 @@ def compare_figure(result: dict[str, Any]) -> Figure:
 
 
 # --------------------------------------------------------------------------- outputs
-def write_outputs(out: Path, result: dict[str, Any]) -> None:
-    """Write ``compare.json`` and ``compare.png`` into ``out`` (created if needed); both are
-    written to a temporary folder first, so a failure leaves nothing half-written."""
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".fabricsim-compare-", dir=out.parent))
-    try:
+def write_outputs(out: Path, result: dict[str, Any], overwrite: bool = False) -> None:
+    """Write ``compare.json`` and ``compare.png`` as the folder ``out``, whole or not at all
+    (:func:`sim.outputs.folder.staged_folder`; a folder holding a previous result is
+    replaced only with ``overwrite``)."""
+    with staged_folder(out, overwrite, prefix=".fabricsim-compare-") as tmp:
         (tmp / "compare.json").write_text(json.dumps(result, indent=2))
         fig = compare_figure(result)
         fig.savefig(tmp / "compare.png", dpi=110)
         plt.close(fig)
-        out.mkdir(exist_ok=True)
-        for f in tmp.iterdir():
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -51,14 +49,22 @@ def run(
     force: Annotated[bool, typer.Option(
         "--force", help="Run even when the estimate says it would take over an hour or "
         "more memory than this machine has.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
-    """Simulate a training step and print its summary."""
+    """Simulate a training step and print its summary (a file with ``jobs:``: several jobs on
+    one fabric, each job's summary beside its step time alone)."""
     from sim.api import simulate
     from sim.apps import budget
+    from sim.config.multijob import is_multijob_file
 
+    if is_multijob_file(scenario):
+        _run_multijob(scenario, set_ or [], as_json, out, steps, overwrite)
+        return
     zoom = _parse_window(window) if window is not None else None
     if (hta or hta_all_ranks or window is not None) and out is None:
         _bad_input("--hta, --hta-all-ranks and --window need --out DIR")
+    _check_out(out, overwrite)
     try:
         sc = load_scenario(scenario, set_ or [])
         if not force:
@@ -75,11 +81,69 @@ def run(
         return
     if out is not None:
         _write_outputs(out, result, zoom, "all" if hta_all_ranks else "classes" if hta
-                       else None)
+                       else None, overwrite=overwrite)
     if as_json:
         print(json.dumps(result.summary, indent=2))
     else:
         _print_summary(result.summary)
+
+
+@app.command("export-chakra")
+def export_chakra(
+    scenario: Annotated[str, typer.Argument(help="Scenario file, or the name of a shipped one.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for the .et files and "
+                                      "comm_groups.json.")],
+    all_ranks: Annotated[bool, typer.Option(
+        "--all-ranks", help="One .et per rank (what ASTRA-sim runs); by default one per "
+        "rank class, for its first member.")] = False,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a scenario key: KEY.PATH=VALUE (repeatable).")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
+) -> None:
+    """Simulate one step and write it as MLCommons Chakra execution traces (OUT/workload.<rank>.et
+    and OUT/comm_groups.json, as ASTRA-sim reads them)."""
+    from sim.api import simulate
+    from sim.apps import budget
+    from sim.outputs.export.chakra import write_chakra
+    from sim.outputs.folder import staged_folder
+
+    _check_out(out, overwrite)
+    try:
+        sc = load_scenario(scenario, set_ or [])
+        budget.check(sc, 1, scenario)
+        result = simulate(sc, 1, origin=scenario)
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    # Whole or not at all, as every --out (sim.outputs.folder).
+    with staged_folder(out, overwrite, prefix=".fabricsim-chakra-") as tmp:
+        paths = write_chakra(tmp, result.recorder, result.program, all_ranks=all_ranks,
+                             scenario=result.summary["scenario"])
+    print(f"wrote {len(paths)} .et file(s) and comm_groups.json to {out}")
+
+
+def _run_multijob(ref: str, sets: list[str], as_json: bool, out: Path | None,
+                  steps: int, overwrite: bool = False) -> None:
+    """``run`` on a multi-job file (:mod:`sim.apps.multijob`); ``--out`` writes its JSON, a
+    timeline and a trace (staged like every ``--out``: :mod:`sim.outputs.folder`)."""
+    from sim.apps.multijob import render_text, run_multijob, write_outputs
+    from sim.config.multijob import load_multijob
+    from sim.outputs.folder import staged_folder
+
+    _check_out(out, overwrite)
+    try:
+        if steps != 1:
+            raise ScenarioError(f"{ref}: --steps: a multi-job file sets each job's steps: "
+                                "in jobs[i].steps")
+        result, shared = run_multijob(load_multijob(ref, sets))
+    except ScenarioError as exc:
+        _bad_input(str(exc))
+        return
+    if out is not None:
+        with staged_folder(out, overwrite, prefix=".fabricsim-jobs-") as tmp:
+            write_outputs(tmp, result, shared)
+    print(json.dumps(result, indent=2) if as_json else render_text(result))
 
 
 @app.command()
@@ -213,11 +277,14 @@ def compare(
     as_json: Annotated[bool, typer.Option("--json", help="Print the comparison as JSON.")] = False,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Also write compare.json and compare.png to this folder.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
     """Variants side by side (--what-if values, or scenario files), with deltas against the
     first."""
     from sim.apps import compare as cmp
 
+    _check_out(out, overwrite)
     try:
         if what_if is not None:
             if len(scenarios) != 1:
@@ -252,7 +319,7 @@ def compare(
         _bad_input(first)
     result = cmp.compare_result(variants)
     if out is not None:
-        cmp.write_outputs(out, result)
+        cmp.write_outputs(out, result, overwrite=overwrite)
     if as_json:
         print(json.dumps(result, indent=2))
         return
@@ -334,6 +401,8 @@ def plan(
         "or here); a plan run again simulates only what is missing.")] = None,
     no_cache: Annotated[bool, typer.Option(
         "--no-cache", help="Simulate every layout; read and write no cache.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
 ) -> None:
     """Search frameworks and parallel layouts that fit in memory; rank by time or cost."""
     from sim.apps.plan import plan_command
@@ -345,13 +414,14 @@ def plan(
 
     if address and backend == "local":
         _bad_input("--address: only with --backend ray or dask")
+    _check_out(out, overwrite)
     be = hook = None
     try:
         if backend in ("ray", "dask"):
             be, hook = _plan_simulations(backend, address, workers)
         rc = plan_command(scenario, set_ or [], objective, top, backend, workers, framework,
                           max_simulations, time_limit, out, as_json, hook,
-                          cache=None if no_cache else cache)
+                          cache=None if no_cache else cache, overwrite=overwrite)
         if rc:
             raise typer.Exit(rc)
     except ScenarioError as exc:
@@ -403,16 +473,26 @@ def _with_progress(fn: Any, quiet: bool, steps: int) -> Any:
         return fn(lambda done, total: bar.update(task, completed=done, total=total))
 
 
-def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None,
-                   hta: str | None = None) -> None:
-    """Write every output into a temporary folder first, then move it in place, so a failed
-    run leaves nothing half-written."""
-    from sim.outputs import export, plot
+def _check_out(out: Path | None, overwrite: bool) -> None:
+    """Refuse, before any simulation, an ``--out`` that holds a previous result."""
+    if out is None:
+        return
+    from sim.outputs.folder import OutputExists, check_out
 
-    out = out.expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".fabricsim-", dir=out.parent))
     try:
+        check_out(out, overwrite)
+    except OutputExists as exc:
+        _bad_input(str(exc))
+
+
+def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = None,
+                   hta: str | None = None, overwrite: bool = False) -> None:
+    """Write every output into a temporary folder, then put it in place of ``out`` with one
+    rename (:mod:`sim.outputs.folder`): a failed run leaves nothing half-written."""
+    from sim.outputs import export, plot
+    from sim.outputs.folder import staged_folder
+
+    with staged_folder(out, overwrite) as tmp:
         rec = result.recorder
         labels = {c.id: c.label or f"rank class {c.id}" for c in result.program.classes}
         export.write_summary(tmp / "summary.json", result.summary)
@@ -444,13 +524,6 @@ def _write_outputs(out: Path, result: Any, window: tuple[float, float] | None = 
         plot.links(tmp / "links.png", rec, result.fabric, title, window=window)
         if result.summary.get("run") is not None:
             _write_goodput(tmp / "goodput.png", result, title)
-        out.mkdir(exist_ok=True)
-        for f in tmp.iterdir():
-            if f.is_dir() and (out / f.name).is_dir():
-                shutil.rmtree(out / f.name)   # a folder of an earlier run (hta/)
-            os.replace(f, out / f.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_goodput(path: Path, result: Any, title: str) -> None:

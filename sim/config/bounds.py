@@ -93,6 +93,13 @@ MAX_CAPACITY_FACTOR = 1e6
 """An expert's capacity as a multiple of its balanced share: 1-2 in practice (GShard,
 Switch Transformer)."""
 
+# -- framework options (buckets, thresholds, partitions)
+MAX_ELEMENTS = 2**40
+"""A bucket, prefetch or persistence threshold in elements: 2^40 (1.1e12) is above every
+model's parameter count (DeepSeek-V3: 6.7e11), so any larger value means "all of them"."""
+MAX_BUCKET_MB = 2.0**20
+"""A gradient bucket in MB: 1 TB, above any model's gradients on one GPU."""
+
 # -- prices
 MAX_USD_PER_GPU_HOUR = 1e6
 """An on-demand GPU-hour: 2-12 USD on the clouds' price lists (2025)."""

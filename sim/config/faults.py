@@ -125,8 +125,10 @@ class Faults(StrictModel):
 
     @property
     def empty(self) -> bool:
-        """No fault at all: the run is exactly the one without the block."""
-        return not (self.slow_gpus or self.slow_nodes or self.slow_links or self.failed_links)
+        """No fault at all: the run is exactly the one without the block (a jitter of
+        ``sigma: 0`` included)."""
+        return not (self.slow_gpus or self.slow_nodes or self.slow_links or self.failed_links
+                    or (self.jitter is not None and self.jitter.sigma > 0))
 
     def gpu_factors(self, gpus_per_node: int) -> dict[int, float]:
         """Each slowed rank's compute factor: ``slow_gpus`` and ``slow_nodes`` together.

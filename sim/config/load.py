@@ -112,22 +112,64 @@ def parse_set(assignment: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+MAX_FILE_BYTES = 4 << 20
+"""A scenario or topology file larger than this is refused before it is read: the largest
+shipped one is a few kB (measured per-expert loads go in their own file)."""
+MAX_EXPANDED_NODES = 1_000_000
+"""Values a scenario may hold once YAML's aliases are expanded: anchors are plain data, but
+nested aliases ("billion laughs") would make validation walk ~10^9 values (a hang)."""
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
+    """A scenario or topology file as data: ``yaml.safe_load`` (no tags that construct
+    objects), at most :data:`MAX_FILE_BYTES`, at most :data:`MAX_EXPANDED_NODES` values once
+    its aliases are expanded; a top-level mapping. Anything else is one line naming the file."""
     try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ScenarioError(f"{path}: {path.stat().st_size:,} bytes, more than a scenario "
+                                f"file holds ({MAX_FILE_BYTES:,} at most)")
         text = path.read_text()
     except OSError as exc:
         raise ScenarioError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ScenarioError(f"{path}: not a text file") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise ScenarioError(f"{path}:{where} not valid YAML") from None
+    except RecursionError:
+        raise ScenarioError(f"{path}: nested too deeply") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ScenarioError(f"{path}: top level must be a mapping")
+    if _expanded_size(data, {}) > MAX_EXPANDED_NODES:
+        raise ScenarioError(f"{path}: its YAML aliases expand to more than "
+                            f"{MAX_EXPANDED_NODES:,} values")
     return data
+
+
+def _expanded_size(value: Any, seen: dict[int, int], depth: int = 0) -> int:
+    """Values in ``value`` with every shared (aliased) container counted each time it is
+    referenced, computed once per container (linear in the file, not in the expansion)."""
+    if not isinstance(value, (dict, list)):
+        return 1
+    key = id(value)
+    if key in seen:
+        return seen[key]
+    if depth > 200:
+        return MAX_EXPANDED_NODES + 1   # a self-referencing alias or absurd nesting
+    seen[key] = MAX_EXPANDED_NODES + 1   # a cycle back to here counts as too large
+    items = value.values() if isinstance(value, dict) else value
+    total = 1
+    for item in items:
+        total += _expanded_size(item, seen, depth + 1)
+        if total > MAX_EXPANDED_NODES:
+            break
+    seen[key] = total
+    return total
 
 
 TOPOLOGY_META_KEYS = ("name", "description", "sources")

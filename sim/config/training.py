@@ -361,12 +361,15 @@ class Claims(StrictModel):
     """Which peak the memory claims quote: the caching allocator's reserved peak
     (``torch.cuda.max_memory_reserved``, what torchtitan and most publications report), the
     allocated peak (``max_memory_allocated``), or the whole process in ``nvidia-smi``."""
-    mfu: float | None = Field(default=None, gt=0, le=1)
+    # A claim above 1 is not refused here: judging it ("physically impossible") is what the
+    # claims block is for; only absurd magnitudes are bad input.
+    mfu: float | None = Field(default=None, gt=0, le=1e3, allow_inf_nan=False)
     model_state_memory_gb: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Parameters, gradients and optimizer states per GPU, GB (1e9 bytes)."""
-    exposed_comm_fraction: float | None = Field(default=None, gt=0, le=1)
+    exposed_comm_fraction: float | None = Field(default=None, gt=0, le=1e3,
+                                                allow_inf_nan=False)
     """Share of the step spent in communication that computation does not hide."""
-    bubble_fraction: float | None = Field(default=None, gt=0, le=1)
+    bubble_fraction: float | None = Field(default=None, gt=0, le=1e3, allow_inf_nan=False)
     """Share of the step a pipeline stage sits idle."""
     run_hours: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     """Hours to train ``training.tokens_total`` tokens."""

@@ -247,13 +247,15 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
 
 
 def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,
-             tokens: float) -> None:
+             tokens: float, rows: float | None = None) -> None:
     """Permutation 1 (TE ``moe_permute_with_probs``): each token gathered once per chosen
     expert into expert order, with its prob; backward sums each token's ``top_k`` gradient
-    rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient."""
+    rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient.
+    ``rows``: the permuted rows (default ``tokens x top_k``; padded to capacity,
+    ``experts x capacity``)."""
     assert m.moe is not None
     h, k, e = m.hidden, m.moe.top_k, m.moe.experts
-    rows = tokens * k
+    rows = tokens * k if rows is None else rows
     src = b.t("permute.gathered_rows", rows * h, BF16)   # x read once per copy
     out = b.t("permuted", rows * h, BF16)
     pp = b.t("permuted_probs", rows, FP32)
@@ -379,13 +381,13 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     return b.finish()
 
 
-def _combine(m: ModelSpec, tokens: float, shared: bool) -> Block:
+def _combine(m: ModelSpec, tokens: float, shared: bool, rows: float | None = None) -> Block:
     """Unpermutation 1 (TE ``moe_unpermute``): each token's ``top_k`` expert outputs summed
     back into place; then the shared experts' output added. Backward gathers the output
-    gradient once per copy."""
+    gradient once per copy. ``rows`` as for :func:`_permute`."""
     assert m.moe is not None
     h, k, e = m.hidden, m.moe.top_k, m.moe.experts
-    rows = tokens * k
+    rows = tokens * k if rows is None else rows
     b = _Builder("moe_combine", STYLE)
     x = b.t("in", rows * h, BF16)
     rid = b.t("row_id_map", tokens * e, INT32)
@@ -431,8 +433,8 @@ def _shared(m: ModelSpec, lay: MoELayout, tokens: float) -> Block:
 def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
                   tokens_per_expert: Sequence[float] | None = None,
                   send_tokens: Sequence[float] | None = None,
-                  recv_tokens: Sequence[float] | None = None, ep_rank: int = 0
-                  ) -> MoELayerOps:
+                  recv_tokens: Sequence[float] | None = None, ep_rank: int = 0,
+                  permuted_rows: float | None = None) -> MoELayerOps:
     """The kernels of one MoE layer on one rank and the bytes of its all-to-alls.
 
     Parameters
@@ -454,6 +456,9 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
         spread evenly from ``tokens_per_expert``.
     ep_rank : int
         This rank's index in the EP group (its own chunk never leaves the GPU).
+    permuted_rows : float, optional
+        Rows of the permutation and unpermutation (default ``tokens x top_k``): with
+        ``moe_pad_expert_input_to_capacity``, ``experts x capacity``.
 
     Returns
     -------
@@ -486,10 +491,10 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
             raise ValueError(f"tokens_per_expert needs {local} non-negative counts")
     send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
     rb, x, probs, gprobs = _router(m, lay, tokens)
-    _permute(rb, m, x, probs, gprobs, tokens)
+    _permute(rb, m, x, probs, gprobs, tokens, permuted_rows)
     router = rb.finish()
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
-                      combine=_combine(m, tokens, moe.shared > 0),
+                      combine=_combine(m, tokens, moe.shared > 0, permuted_rows),
                       shared=_shared(m, lay, tokens) if moe.shared else None,
                       tokens_per_expert=counts)
     hb = m.hidden * BF16      # the alltoall dispatcher moves 16-bit tokens

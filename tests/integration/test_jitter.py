@@ -88,6 +88,12 @@ def test_tails_widen_with_sigma() -> None:
     assert 1 < p99[0] < p99[1]
 
 
+def test_jitter_is_a_fault_and_sigma_zero_is_none() -> None:
+    # Faults.empty decides what is refused where faults are not modelled (a multi-job file).
+    assert not load_scenario(DDP, ["faults.jitter={sigma: 0.1}"]).faults.empty
+    assert load_scenario(DDP, ["faults.jitter={sigma: 0}"]).faults.empty
+
+
 def test_bad_jitter_is_one_line_naming_the_key() -> None:
     with pytest.raises(ScenarioError, match=r"faults\.jitter\.sigma"):
         load_scenario(DDP, ["faults.jitter={sigma: -1}"])

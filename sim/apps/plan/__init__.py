@@ -170,7 +170,8 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
                  max_simulations: int = DEFAULT_MAX_SIMULATIONS,
                  time_limit_s: float | None = None, out: Path | None = None,
                  as_json: bool = False, simulate_many: SimulateMany | None = None,
-                 quiet: bool = False, cache: Path | None = None) -> int:
+                 quiet: bool = False, cache: Path | None = None,
+                 overwrite: bool = False) -> int:
     """Everything ``fabricsim plan`` does; returns the exit status (0), or raises
     ScenarioError (one line; the CLI exits 2) on bad input before anything runs.
 
@@ -240,7 +241,7 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
             print(f"fabricsim: plan interrupted{kept_in}", file=sys.stderr)
             return 130
     if out is not None:
-        write_outputs(result, out)
+        write_outputs(result, out, overwrite)
     if as_json:
         print(json.dumps(plan_json(result), indent=2, default=str))
     elif not quiet:

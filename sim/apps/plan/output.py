@@ -199,12 +199,22 @@ def plan_json(result: PlanResult, everything: bool = False) -> dict[str, Any]:
     return out
 
 
-def write_outputs(result: PlanResult, out: Path) -> list[Path]:
+def write_outputs(result: PlanResult, out: Path, overwrite: bool = False) -> list[Path]:
     """plan.json, plan.csv, pareto.png and top-1.yaml ... top-K.yaml (each a scenario file
-    ``fabricsim run`` takes) in ``out``; returns their paths."""
+    ``fabricsim run`` takes) as the folder ``out``, whole or not at all
+    (:func:`sim.outputs.folder.staged_folder`; a previous result is replaced only with
+    ``overwrite``); returns their paths."""
+    from sim.outputs.folder import staged_folder
+
+    out = out.expanduser()
+    with staged_folder(out, overwrite, prefix=".fabricsim-plan-") as tmp:
+        written = _write_plan_files(result, tmp)
+    return [out / p.name for p in written]
+
+
+def _write_plan_files(result: PlanResult, out: Path) -> list[Path]:
     import yaml
 
-    out.mkdir(parents=True, exist_ok=True)
     paths = [out / "plan.json", out / "plan.csv", out / "pareto.png"]
     for k, c in enumerate(result.ranked()[:result.top_k]):
         path = out / f"top-{k + 1}.yaml"

@@ -108,6 +108,11 @@ class CollectiveRunner:
         self._a2a: dict[tuple[int, alltoall.PeerMatrix], _A2A] = {}
         self._a2a_ids: dict[tuple[int, int], tuple[alltoall.PeerMatrix, _A2A]] = {}
         self.chosen: list[Choice] = []
+        self.fold_across_nodes = True
+        """Whether alike groups across nodes on disjoint links fold into one group's flows
+        (:meth:`_same_and_disjoint`). Off when several jobs share the fabric
+        (:mod:`sim.apps.multijob`): another job's flows may cross the links of the groups
+        left out, so every group's flows must be on the fabric."""
 
     # ------------------------------------------------------------------ planning
     @property
@@ -447,6 +452,8 @@ class CollectiveRunner:
         the same kinds and capacities, on pairwise disjoint links: then no group's flows meet
         another's, and one group's flows stand for all (the data-parallel groups of each
         tensor-parallel rank, one per rail, or context-parallel pairs across nodes)."""
+        if not self.fold_across_nodes:
+            return False
         first, est0, _ = chosen[0]
         cap, kind = self.fabric.capacity, self.fabric.kind
         seen: set[int] = set()

@@ -51,11 +51,12 @@ class Pace:
         return max(per) * len(per) / sum(per) if sum(per) else 1.0
 
 
-def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel
-                 ) -> Pace | None:
+def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
+                 capacity: int | None = None) -> Pace | None:
     """The busiest EP rank's layer ops under the scenario's ``training.routing``, or None
     when every EP rank gets the same load (balanced routing, or a skew that evens out over
-    each rank's experts): then the balanced program is exactly today's."""
+    each rank's experts): then the balanced program is exactly today's. ``capacity``: the
+    copies each source keeps per expert when the router drops tokens (None: dropless)."""
     r = ctx.scenario.training.routing
     moe = ctx.model.moe
     assert moe is not None
@@ -71,6 +72,10 @@ def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel
     shares = routing_shares(moe.experts, r.distribution, r.s, hist, seed)
     sources = lay.ep * lay.etp
     loads = expert_loads(tokens * sources, moe.top_k, shares)
+    if capacity is not None:
+        # Token dropping (Megatron's moe_expert_capacity_factor without padding): each source
+        # keeps at most ``capacity`` copies per expert (apply_router_token_dropping).
+        loads = tuple(min(x, capacity * sources) for x in loads)
     per_rank = rank_loads(loads, lay.ep)
     if len(set(per_rank)) == 1 and len(set(loads)) == 1:
         return None

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 
 
@@ -14,7 +15,7 @@ class DdpOptions(StrictModel):
     """PyTorch DistributedDataParallel (one GPU: plain PyTorch training, no communication)."""
 
     name: Literal["ddp"]
-    bucket_mb: float | None = Field(default=None, gt=0)
+    bucket_mb: float | None = Field(default=None, gt=0, le=B.MAX_BUCKET_MB)
     """Gradient bucket cap in MiB; None = torch's default (25 MiB, first bucket 1 MiB)."""
     gradient_as_bucket_view: bool = False
     """Gradients alias the bucket buffers (saves one gradient-sized buffer and two copies)."""

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 
 
@@ -21,7 +22,7 @@ class ZeroPlusPlus(StrictModel):
     hpz: bool = False
     """zero_hpz_partition_size > 1: keep a secondary copy of the weights sharded over the
     GPUs of a node, so backward all-gathers stay on NVLink, at a memory cost."""
-    hpz_partition_size: int | None = Field(default=None, gt=1)
+    hpz_partition_size: int | None = Field(default=None, gt=1, le=B.MAX_GPUS)
     """Size of the secondary partition; default the GPUs per node."""
     qgz: bool = False
     """zero_quantized_gradients: int4 hierarchical all-to-all gradient reduce-scatter (inside
@@ -59,10 +60,10 @@ class DeepSpeedMoE(StrictModel):
     arguments its constructor takes (num_experts and k come from the model, ep_size from
     ``parallelism.ep``)."""
 
-    capacity_factor: float = Field(default=1.0, gt=0.0)
+    capacity_factor: float = Field(default=1.0, gt=0.0, le=B.MAX_CAPACITY_FACTOR)
     """MoE(capacity_factor): each expert takes ceil(tokens / experts x capacity_factor x k)
     routed tokens per micro-batch (sharded_moe.py _capacity), the rest are dropped."""
-    min_capacity: int = Field(default=4, ge=0)
+    min_capacity: int = Field(default=4, ge=0, le=B.MAX_ELEMENTS)
     """MoE(min_capacity): the capacity never falls below this many tokens."""
     drop_tokens: bool = True
     """MoE(drop_tokens); false: the capacity is the busiest expert's load over the EP group
@@ -92,21 +93,22 @@ class DeepSpeedOptions(StrictModel):
     3, false otherwise (DeepSpeedZeroConfig)."""
     contiguous_gradients: bool = True
     """Copy reduced gradient shards into one contiguous buffer as they are produced."""
-    reduce_bucket_size: int = Field(default=500_000_000, gt=0)
+    reduce_bucket_size: int = Field(default=500_000_000, gt=0, le=B.MAX_ELEMENTS)
     """Elements reduced at once (ds_config zero_optimization.reduce_bucket_size)."""
-    allgather_bucket_size: int = Field(default=500_000_000, gt=0)
+    allgather_bucket_size: int = Field(default=500_000_000, gt=0, le=B.MAX_ELEMENTS)
     """Accepted as in ds_config, without effect: since all_gather_into_tensor exists,
     runtime/utils.py all_gather_dp_groups gathers each parameter group in one call."""
-    stage3_prefetch_bucket_size: int = Field(default=50_000_000, ge=0)
+    stage3_prefetch_bucket_size: int = Field(default=50_000_000, ge=0, le=B.MAX_ELEMENTS)
     """Stage 3: elements of upcoming parameters fetched ahead of use."""
-    stage3_param_persistence_threshold: int = Field(default=100_000, ge=0)
+    stage3_param_persistence_threshold: int = Field(default=100_000, ge=0,
+                                                    le=B.MAX_ELEMENTS)
     """Stage 3: parameters with fewer elements stay gathered on every rank (not partitioned)."""
-    stage3_max_live_parameters: int = Field(default=1_000_000_000, gt=0)
+    stage3_max_live_parameters: int = Field(default=1_000_000_000, gt=0, le=B.MAX_ELEMENTS)
     """Stage 3: most gathered elements held at once before releasing."""
-    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0)
+    stage3_max_reuse_distance: int = Field(default=1_000_000_000, ge=0, le=B.MAX_ELEMENTS)
     """Stage 3: a parameter used again within this many elements of upcoming modules is
     kept gathered instead of released."""
-    sub_group_size: int = Field(default=1_000_000_000, gt=0)
+    sub_group_size: int = Field(default=1_000_000_000, gt=0, le=B.MAX_ELEMENTS)
     """Stage 3: the optimizer steps the partition in sub-groups of this many elements."""
     offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
     """ZeRO-Offload: fp32 master weights and Adam states in CPU memory (or NVMe), the

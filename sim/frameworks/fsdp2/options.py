@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 
 
@@ -40,7 +41,7 @@ class Fsdp2Options(StrictModel):
     float8_all_gather: bool = False
     """With training.precision fp8: all-gather the blocks' weights in FP8 (torchtitan
     float8.enable_fsdp_float8_all_gather), half the bytes, no weight casts in the GEMMs."""
-    hsdp_shard_size: int | None = Field(default=None, gt=0)
+    hsdp_shard_size: int | None = Field(default=None, gt=0, le=B.MAX_GPUS)
     """HSDP: shard inside groups of this many ranks and all-reduce gradients across the
     dp / hsdp_shard_size replicas (torchtitan's data_parallel_shard_degree); None = plain
     FSDP over every data-parallel rank."""
@@ -51,10 +52,10 @@ class Fsdp2Options(StrictModel):
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """torch.distributed.pipelining schedule with parallelism.pp > 1 (torchtitan's
     pipeline_parallel_schedule); with parallelism.vp > 1, Interleaved1F1B."""
-    pipeline_first_stage_less_layers: int = Field(default=1, ge=0)
+    pipeline_first_stage_less_layers: int = Field(default=1, ge=0, le=B.MAX_LAYERS)
     """torchtitan's pipeline_parallel_first_stage_less_layers: the embedding counts as this
     many layers when the layers are split over pipeline stages."""
-    pipeline_last_stage_less_layers: int = Field(default=1, ge=0)
+    pipeline_last_stage_less_layers: int = Field(default=1, ge=0, le=B.MAX_LAYERS)
     """torchtitan's pipeline_parallel_last_stage_less_layers: the same for norm + output."""
     moe_score_before_experts: bool = True
     """Mixture-of-experts layers: torchtitan's ``MoEArgs.score_before_experts`` (default

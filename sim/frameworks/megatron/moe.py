@@ -26,7 +26,10 @@ expert-data-parallel group (``expt_dp``), the others over the usual data-paralle
 Routing: balanced by default; with a skewed ``training.routing`` every rank runs the busiest
 EP rank's experts and the all-to-alls carry per-peer bytes
 (:mod:`sim.frameworks.common.moe_pace`). The ``alltoall`` dispatcher without
-communication overlap, no shared-expert overlap.
+communication overlap by default; ``moe_token_dispatcher_type: allgather``,
+``moe_pad_expert_input_to_capacity`` and ``moe_shared_expert_overlap`` as
+:mod:`sim.frameworks.megatron.moe_dispatch` describes; the dispatch buffers in memory as
+:mod:`sim.frameworks.megatron.moe_memory` does.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ from typing import Literal
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.moe_pace import Pace, routing_pace
 from sim.frameworks.common.nccl_dtype import element_type
+from sim.frameworks.megatron.moe_dispatch import (
+    allgather_blocks,
+    expert_capacity,
+    shared_fc1_part,
+)
+from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
@@ -49,6 +58,8 @@ from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
 
 ORDER = "tp-cp-ep-dp-pp"
 """Megatron-Core's rank order, innermost first; the expert layout uses it too."""
+AG_NAMES = {"ag_permute": "permute", "ag_combine": "unpermute"}
+"""Op names of the allgather dispatcher's blocks around the experts."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,20 @@ class MoEPlan:
     pace: Pace | None = None
     """The busiest EP rank under skewed routing (its experts' time, expert-TP bytes and the
     all-to-alls' per-peer tokens); None when routing is balanced."""
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """``moe_token_dispatcher_type`` (:mod:`sim.frameworks.megatron.moe_dispatch`)."""
+    capacity: int | None = None
+    """With ``moe_pad_expert_input_to_capacity``: the tokens each expert takes from each
+    rank (every expert's input padded to it); None: dropless sizes."""
+    useful: float = 1.0
+    """Share of the expert GEMMs' rows that are routed tokens: below 1 when padded to
+    capacity (the padding rows are hardware FLOPs, not model FLOPs)."""
+    gathered: float = 0.0
+    """allgather dispatcher: tokens on the rank after the expert-TP x EP gather."""
+    shared_overlap: bool = False
+    """``moe_shared_expert_overlap``: the shared experts on their own stream."""
+    shared_fc1: BlockCost | None = None
+    """With the overlap: the shared experts' fc1 part (beside the dispatch); the rest is fc2."""
 
     # ------------------------------------------------------------------ layers and sizes
     def is_moe(self, layer: int) -> bool:
@@ -186,11 +211,67 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None)
-    ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens)
+    moe = ctx.model.moe
+    assert moe is not None
+    capacity = drop = None
+    kw: dict[str, object] = {}
+    if moe.capacity_factor is not None and not opts.moe_pad_expert_input_to_capacity:
+        # Token dropping without padding (apply_router_token_dropping): each rank keeps at
+        # most ``capacity`` copies per expert; balanced routing loses copies only with a
+        # factor below 1 (skewed routing: :func:`routing_pace` caps the hot experts).
+        drop = expert_capacity(local_tokens, moe.top_k, moe.experts, moe.capacity_factor)
+        share = local_tokens * moe.top_k / moe.experts
+        if drop < share:
+            local = moe.experts // ep
+            kw = {"tokens_per_expert": (float(drop * ep * etp),) * local,
+                  "send_tokens": (float(drop * local),) * ep,
+                  "recv_tokens": (float(drop * local),) * ep,
+                  "permuted_rows": float(drop * moe.experts)}
+    if opts.moe_pad_expert_input_to_capacity:
+        ctx.require(moe.capacity_factor is not None,
+                    "framework.moe_pad_expert_input_to_capacity",
+                    "padding expert inputs to capacity needs model.capacity_factor "
+                    "(Megatron-Core: moe_expert_capacity_factor must be set)")
+        assert moe.capacity_factor is not None
+        capacity = expert_capacity(local_tokens, moe.top_k, moe.experts, moe.capacity_factor)
+        local = moe.experts // ep
+        # MoEAlltoAllTokenDispatcher.preprocess (drop_and_pad): capacity x tp x ep rows per
+        # local expert, capacity x local experts to and from every EP peer.
+        kw = {"tokens_per_expert": (float(capacity * ep * etp),) * local,
+              "send_tokens": (float(capacity * local),) * ep,
+              "recv_tokens": (float(capacity * local),) * ep,
+              "permuted_rows": float(capacity * moe.experts)}
+    ctx.require(not opts.moe_shared_expert_overlap
+                or opts.moe_token_dispatcher_type == "alltoall",
+                "framework.moe_shared_expert_overlap",
+                "moe_shared_expert_overlap only works with the alltoall token dispatcher "
+                "(Megatron-Core TransformerConfig)")
+    ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens, **kw)  # type: ignore[arg-type]
+    if capacity is not None:
+        # preprocess returns before the count all-gather: no host synchronisation at all.
+        ops.count_gather_bytes = 0.0
+        ops.host_sync = "no_sync"
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
+    gathered = 0.0
+    if opts.moe_token_dispatcher_type == "allgather":
+        ag = allgather_blocks(ctx.model, lay, local_tokens, sum(ops.tokens_per_expert))
+        gathered = ag.gathered
+        del cost["combine"]
+        for name, b in (("router", ag.router), ("ag_permute", ag.permute),
+                        ("ag_combine", ag.combine), ("ag_cast", ag.cast)):
+            cost[name] = price_block(b, STYLE, cm)
+    overlap = opts.moe_shared_expert_overlap and ops.shared is not None
     return MoEPlan(model=ctx.model, ep=ep, etp=etp, edp=ctx.n_ranks // (etp * ep * pp), p=pp,
                    ops=ops, cost=cost, act=2, precision=ctx.scenario.training.precision,
-                   pace=routing_pace(ctx, lay, local_tokens, cm))
+                   # Padded inputs: every size is fixed by capacity, whatever the routing.
+                   pace=None if capacity is not None
+                   else routing_pace(ctx, lay, local_tokens, cm, drop),
+                   dispatcher=opts.moe_token_dispatcher_type, capacity=capacity,
+                   useful=1.0 if capacity is None
+                   else min(1.0, local_tokens * moe.top_k / (moe.experts * capacity)),
+                   gathered=gathered, shared_overlap=overlap,
+                   shared_fc1=shared_fc1_part(ops.shared, cm)
+                   if overlap and ops.shared is not None else None)
 
 
 @dataclass
@@ -245,8 +326,12 @@ class MoEOps:
                           pl.etp_gather_bytes * pl.etp,
                           element_type(pl.act, pl.precision), "etp", mb, layer)
 
-    def _shared(self, phase: str, label: str, mb: int, layer: int, flops: bool) -> list[Op]:
-        """The shared experts (a sequence-parallel TP MLP): gather, MLP, reduce-scatter."""
+    def _shared(self, phase: str, label: str, mb: int, layer: int, flops: bool,
+                part: str = "", after: Op | None = None) -> list[Op]:
+        """The shared experts (a sequence-parallel TP MLP): gather, MLP, reduce-scatter; with
+        ``part`` ``first`` / ``second`` only the half Megatron's overlap runs beside the
+        first / second all-to-all (forward: gather + fc1, fc2 + reduce-scatter; backward:
+        gather + fc2, fc1 + reduce-scatter), on the ``moe_shared`` stream after ``after``."""
         pl = self.plan
         c = pl.cost.get("shared")
         if c is None:
@@ -255,15 +340,68 @@ class MoEOps:
         dur = c.bwd_gpu_s if bwd else c.fwd_gpu_s
         n = c.bwd_kernels if bwd else c.fwd_kernels
         f = (c.flops_bwd if bwd else c.flops_fwd) if flops else 0.0
-        mid = self._compute(f"{label} shared experts", dur, phase, mb, layer, n, f)
-        if self.tp == 1:
-            return [mid]
-        full = pl.ops.router.inputs[0].nbytes * self.tp   # the gathered [s, b, h]
-        dt = element_type(pl.act, pl.precision)
-        return [self._coll(f"{label} shared all_gather", "all_gather", self.tp_groups, full,
-                           dt, "tp", mb, layer), mid,
-                self._coll(f"{label} shared reduce_scatter", "reduce_scatter", self.tp_groups,
-                           full, dt, "tp", mb, layer)]
+        name = "shared experts"
+        if part:
+            h = pl.shared_fc1
+            assert h is not None
+            # Forward runs fc1 first, backward fc2's gradient first.
+            fc1_first = (part == "first") != bwd
+            d1, n1 = (h.bwd_gpu_s, h.bwd_kernels) if bwd else (h.fwd_gpu_s, h.fwd_kernels)
+            f1 = (h.flops_bwd if bwd else h.flops_fwd) if flops else 0.0
+            dur, n, f = (d1, n1, f1) if fc1_first else (dur - d1, n - n1, f - f1)
+            name = f"shared experts {'fc1' if fc1_first else 'fc2'}"
+        mid = self._compute(f"{label} {name}", dur, phase, mb, layer, n, f)
+        out: list[Op] = [mid]
+        if self.tp > 1:
+            full = pl.ops.router.inputs[0].nbytes * self.tp   # the gathered [s, b, h]
+            dt = element_type(pl.act, pl.precision)
+            if part != "second":
+                out.insert(0, self._coll(f"{label} shared all_gather", "all_gather",
+                                         self.tp_groups, full, dt, "tp", mb, layer))
+            if part != "first":
+                out.append(self._coll(f"{label} shared reduce_scatter", "reduce_scatter",
+                                      self.tp_groups, full, dt, "tp", mb, layer))
+        if part:
+            for o in out:
+                o.stream = "moe_shared"
+            out[0].deps = [after] if after is not None else []
+        return out
+
+    def _experts(self, label: str, phase: str, mb: int, layer: int) -> Op:
+        """The grouped expert GEMMs (the busiest EP rank's under skewed routing); padded
+        rows count as hardware FLOPs only."""
+        pl, c = self.plan, self.plan.cost["experts"]
+        bwd = phase == "bwd"
+        f = 0.0 if phase == "recompute" else (c.flops_bwd if bwd else c.flops_fwd)
+        op = self._compute(f"{label} experts",
+                           pl.experts_cost.bwd_gpu_s if bwd else pl.experts_cost.fwd_gpu_s,
+                           phase, mb, layer, c.bwd_kernels if bwd else c.fwd_kernels,
+                           f * pl.useful)
+        if pl.useful < 1.0:
+            op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
+        return op
+
+    def _side(self, ops: list[Op | None], a2as: list[Op | None], phase: str, label: str,
+              mb: int, layer: int, flops: bool, part: str) -> Op | None:
+        """Append the all-to-alls ``a2as`` and, with the overlap, the shared-expert half beside
+        them; return its last op (what the next routed-expert compute waits for), or None.
+
+        The side stream waits for the compute stream just before the all-to-all
+        (``wait_current_stream``); the host issues the forward's sequence-parallel gather
+        before it (``pre_forward_comm`` in ``dispatch_preprocess``) and the GEMMs after it
+        (``linear_fc1_forward_and_act`` after the tokens' all-to-all, ``linear_fc2_forward``
+        after the combine's; in backward after them too: "probs A2A -> tokens A2A -> shared
+        experts fc1")."""
+        if not self.plan.shared_overlap:
+            ops += a2as
+            return None
+        last = next(o for o in reversed(ops) if o is not None)
+        side = self._shared(phase, label, mb, layer, flops, part, last)
+        n = 1 if (part == "first" and phase != "bwd" and side[0].kind == "collective") else 0
+        ops += side[:n]
+        ops += a2as
+        ops += side[n:]
+        return side[-1]
 
     def forward(self, phase: str, mb: int, layer: int, pre_s: float, pre_cpu: float
                 ) -> list[Op]:
@@ -276,49 +414,143 @@ class MoEOps:
                                layer, c["router"].fwd_kernels,
                                0.0 if rec else c["router"].flops_fwd)
         router.cpu_s += pre_cpu
+        if pl.dispatcher == "allgather":
+            return self._forward_allgather(router, phase, label, mb, layer)
         ops: list[Op | None] = [router]
-        if pl.ep * pl.etp > 1:
+        if pl.ep * pl.etp > 1 and pl.capacity is None:
             count = self._coll(f"{label} token count all_gather", "all_gather",
                                pl.tp_ep_groups(self.st),
                                pl.ops.count_gather_bytes * pl.ep * pl.etp, "i64", "ep",
                                mb, layer)
             # MoEAlltoAllTokenDispatcher: with ep or expert-TP > 1 the split sizes must be on
-            # the host before the all-to-all (cuda_sync_point "before_ep_alltoall").
-            count.host_sync = pl.ops.host_sync == "before_ep_alltoall"
+            # the host before the all-to-all (cuda_sync_point "before_ep_alltoall"); with a
+            # capacity factor (dropping) even before the permutation ("before_permutation_1",
+            # after preprocess's count all-gather all the same).
+            count.host_sync = pl.ops.host_sync in ("before_ep_alltoall", "before_permutation_1")
             ops.append(count)
-        ops += self._shared(phase, label, mb, layer, not rec)
-        ops += [self._a2a("dispatch_fwd", label, mb, layer),
-                self._a2a("dispatch_probs_fwd", label, mb, layer),
-                self._etp("all_gather", label, mb, layer),
-                self._compute(f"{label} experts", pl.experts_cost.fwd_gpu_s, phase, mb, layer,
-                              c["experts"].fwd_kernels, 0.0 if rec else c["experts"].flops_fwd),
-                self._etp("reduce_scatter", label, mb, layer),
-                self._a2a("combine_fwd", label, mb, layer),
-                self._compute(f"{label} combine", c["combine"].fwd_gpu_s, phase, mb, layer,
-                              c["combine"].fwd_kernels,
-                              0.0 if rec else c["combine"].flops_fwd)]
-        return [o for o in ops if o is not None]
+        if not pl.shared_overlap:
+            ops += self._shared(phase, label, mb, layer, not rec)
+        first = self._side(ops, [self._a2a("dispatch_fwd", label, mb, layer)], phase, label,
+                           mb, layer, not rec, "first")
+        ops += [self._a2a("dispatch_probs_fwd", label, mb, layer),
+                self._etp("all_gather", label, mb, layer)]
+        experts = self._experts(label, phase, mb, layer)
+        if first is not None:
+            experts.deps = [first]      # the SMs: fc1 before the grouped GEMMs
+        ops += [experts, self._etp("reduce_scatter", label, mb, layer)]
+        second = self._side(ops, [self._a2a("combine_fwd", label, mb, layer)], phase, label,
+                            mb, layer, not rec, "second")
+        unperm = self._compute(f"{label} combine", c["combine"].fwd_gpu_s, phase, mb, layer,
+                               c["combine"].fwd_kernels,
+                               0.0 if rec else c["combine"].flops_fwd)
+        if second is not None:
+            unperm.deps = [second]      # get_output: the shared output is added here
+        ops.append(unperm)
+        out = [o for o in ops if o is not None]
+        attach_alltoall(pl, out, False, label)
+        return out
 
     def backward(self, mb: int, layer: int, pre_s: float, pre_cpu: float) -> list[Op]:
         """The forward reversed: unpermute's backward, combine's reverse all-to-all,
         expert-TP all-gather of the gradient, experts, reduce-scatter, the dispatch's
         reverse all-to-alls, shared experts, router and permutation, norm."""
-        c = self.plan.cost
-        slow = self.plan.experts_cost
+        pl, c = self.plan, self.plan.cost
         label = f"bwd moe L{layer} mb{mb}"
-        ops: list[Op | None] = [
-            self._compute(f"{label} combine", c["combine"].bwd_gpu_s, "bwd", mb, layer,
-                          c["combine"].bwd_kernels, c["combine"].flops_bwd),
-            self._a2a("combine_bwd", label, mb, layer),
-            self._etp("all_gather", label, mb, layer),
-            self._compute(f"{label} experts", slow.bwd_gpu_s, "bwd", mb, layer,
-                          c["experts"].bwd_kernels, c["experts"].flops_bwd),
-            self._etp("reduce_scatter", label, mb, layer),
-            self._a2a("dispatch_bwd", label, mb, layer),
-            self._a2a("dispatch_probs_bwd", label, mb, layer)]
-        ops += self._shared("bwd", label, mb, layer, True)
         router = self._compute(f"{label} router", c["router"].bwd_gpu_s + pre_s, "bwd", mb,
                                layer, c["router"].bwd_kernels, c["router"].flops_bwd)
         router.cpu_s += pre_cpu
+        if pl.dispatcher == "allgather":
+            return self._backward_allgather(router, label, mb, layer)
+        ops: list[Op | None] = [
+            self._compute(f"{label} combine", c["combine"].bwd_gpu_s, "bwd", mb, layer,
+                          c["combine"].bwd_kernels, c["combine"].flops_bwd)]
+        first = self._side(ops, [self._a2a("combine_bwd", label, mb, layer)], "bwd", label,
+                           mb, layer, True, "first")
+        ops.append(self._etp("all_gather", label, mb, layer))
+        experts = self._experts(label, "bwd", mb, layer)
+        if first is not None:
+            experts.deps = [first]
+        ops += [experts, self._etp("reduce_scatter", label, mb, layer)]
+        second = self._side(ops, [self._a2a("dispatch_bwd", label, mb, layer),
+                                  self._a2a("dispatch_probs_bwd", label, mb, layer)], "bwd",
+                            label, mb, layer, True, "second")
+        if second is not None:
+            router.deps = [second]
+        else:
+            ops += self._shared("bwd", label, mb, layer, True)
         ops.append(router)
-        return [o for o in ops if o is not None]
+        out = [o for o in ops if o is not None]
+        attach_alltoall(pl, out, True, label)
+        return out
+
+    # ------------------------------------------------------------------ allgather dispatcher
+    def _tp_ep(self, name: str, op: CollectiveOp, per_rank: float, elem: int,
+               dtype: NcclType, mb: int, layer: int) -> Op | None:
+        """A collective of the allgather dispatcher over expert-TP x EP: ``per_rank``
+        elements of ``elem`` bytes from each member (all-gather output / reduce-scatter
+        input: that times the group size)."""
+        pl = self.plan
+        n = pl.ep * pl.etp
+        if n == 1:
+            return None
+        return self._coll(name, op, pl.tp_ep_groups(self.st), per_rank * elem * n, dtype,
+                          "ep", mb, layer)
+
+    def _forward_allgather(self, router: Op, phase: str, label: str, mb: int, layer: int
+                           ) -> list[Op]:
+        """``MoEAllGatherTokenDispatcher``: router, shared experts, gathers of the routing
+        map, probs and tokens (the host then waits for the local counts), permutation,
+        experts, unpermutation, the reduce-scatter in the probs' dtype, the cast back."""
+        pl, c = self.plan, self.plan.cost
+        rec = phase == "recompute"
+        t = pl.gathered / (pl.ep * pl.etp)
+        e, h = pl.model.moe.experts if pl.model.moe else 0, pl.model.hidden
+        act = element_type(pl.act, pl.precision)
+        ops: list[Op | None] = [router, *self._shared(phase, label, mb, layer, not rec),
+                                self._tp_ep(f"{label} ag routing_map all_gather",
+                                            "all_gather", t * e, 1, "u8", mb, layer),
+                                self._tp_ep(f"{label} ag probs all_gather", "all_gather",
+                                            t * e, 4, "f32", mb, layer),
+                                self._tp_ep(f"{label} ag tokens all_gather", "all_gather",
+                                            t * h, pl.act, act, mb, layer)]
+        # dispatch_postprocess: tokens_per_expert = local_map.sum(0).cpu() (blocking).
+        next(o for o in reversed(ops) if o is not None).host_sync = True
+        for name in ("ag_permute", "experts", "ag_combine"):
+            ops.append(self._experts(label, phase, mb, layer) if name == "experts" else
+                       self._compute(f"{label} {AG_NAMES[name]}",
+                                     c[name].fwd_gpu_s, phase, mb, layer,
+                                     c[name].fwd_kernels, 0.0))
+        ops += [self._tp_ep(f"{label} ag output reduce_scatter", "reduce_scatter", t * h, 4,
+                            "f32", mb, layer),
+                self._compute(f"{label} combine", c["ag_cast"].fwd_gpu_s, phase, mb, layer,
+                              c["ag_cast"].fwd_kernels,
+                              0.0 if rec else c["ag_cast"].flops_fwd)]
+        out = [o for o in ops if o is not None]
+        attach_allgather(pl, out, False, label)
+        return out
+
+    def _backward_allgather(self, router: Op, label: str, mb: int, layer: int) -> list[Op]:
+        """The allgather dispatcher's backward: the cast's, the reduce-scatter's gradient
+        all-gathered (fp32), unpermutation, experts, permutation, the tokens' and probs'
+        gradients reduce-scattered, shared experts, router."""
+        pl, c = self.plan, self.plan.cost
+        t = pl.gathered / (pl.ep * pl.etp)
+        e, h = pl.model.moe.experts if pl.model.moe else 0, pl.model.hidden
+        ops: list[Op | None] = [
+            self._compute(f"{label} combine", c["ag_cast"].bwd_gpu_s, "bwd", mb, layer,
+                          c["ag_cast"].bwd_kernels, c["ag_cast"].flops_bwd),
+            self._tp_ep(f"{label} ag output grad all_gather", "all_gather", t * h, 4, "f32",
+                        mb, layer)]
+        for name in ("ag_combine", "experts", "ag_permute"):
+            ops.append(self._experts(label, "bwd", mb, layer) if name == "experts" else
+                       self._compute(f"{label} {AG_NAMES[name]}",
+                                     c[name].bwd_gpu_s, "bwd", mb, layer,
+                                     c[name].bwd_kernels, 0.0))
+        ops += [self._tp_ep(f"{label} ag tokens grad reduce_scatter", "reduce_scatter", t * h,
+                            pl.act, element_type(pl.act, pl.precision), mb, layer),
+                self._tp_ep(f"{label} ag probs grad reduce_scatter", "reduce_scatter", t * e,
+                            4, "f32", mb, layer),
+                *self._shared("bwd", label, mb, layer, True), router]
+        out = [o for o in ops if o is not None]
+        attach_allgather(pl, out, True, label)
+        return out

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 
 
@@ -30,7 +31,7 @@ class MegatronOptions(StrictModel):
     and chunk c's at one point; default Megatron-LM's: on with vp > 1 (no effect without)."""
     overlap_param_gather_with_optimizer_step: bool = False
     """Interleaved, distributed optimizer: chunk 0's gathers start after its own optimizer step."""
-    num_distributed_optimizer_instances: int = Field(default=1, gt=0)
+    num_distributed_optimizer_instances: int = Field(default=1, gt=0, le=B.MAX_GPUS)
     """Distributed optimizer sharded within dp*cp/k ranks, gradient shards all-reduced across k."""
     overlap_p2p_comm: bool | None = None
     """Interleaved schedule: post pipeline sends/receives and wait later; default
@@ -46,7 +47,7 @@ class MegatronOptions(StrictModel):
     """Hidden and attention dropout (Megatron-DeepSpeed's default is 0.1)."""
     grad_reduce_in_fp32: bool | None = None
     """fp32 gradient buffers and all-reduce; default: true for bf16, false for fp16."""
-    bucket_size: int | None = Field(default=None, gt=0)
+    bucket_size: int | None = Field(default=None, gt=0, le=B.MAX_ELEMENTS)
     """Gradient bucket in parameters; default max(40M, 1M x dp) with overlap, else one."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved."""
@@ -57,20 +58,29 @@ class MegatronOptions(StrictModel):
     """The embedding counts as one layer when layers are split over pipeline chunks."""
     account_for_loss_in_pipeline_split: bool = False
     """The loss and output layer count as one layer when layers are split over chunks."""
-    decoder_first_pipeline_num_layers: int | None = Field(default=None, gt=0)
+    decoder_first_pipeline_num_layers: int | None = Field(default=None, gt=0, le=B.MAX_LAYERS)
     """Transformer layers of the first pipeline stage (``--decoder-first-pipeline-num-
     layers``); the stages without a given count share the rest evenly."""
-    decoder_last_pipeline_num_layers: int | None = Field(default=None, gt=0)
+    decoder_last_pipeline_num_layers: int | None = Field(default=None, gt=0, le=B.MAX_LAYERS)
     """Transformer layers of the last pipeline stage (``--decoder-last-pipeline-num-
     layers``): NeMo's DeepSeek-V3 layout gives it 1 beside the MTP module and the loss."""
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""
-    moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
+    moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0, le=1e6)
     """``--moe-aux-loss-coeff``: above 0 the router computes the load-balancing loss
     (Megatron-Core's default 0; NeMo's Mixtral config 0.01)."""
-    moe_z_loss_coeff: float | None = Field(default=None, ge=0.0)
+    moe_z_loss_coeff: float | None = Field(default=None, ge=0.0, le=1e6)
     """``--moe-z-loss-coeff``: set, the router adds the z-loss over its logits."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """``--moe-token-dispatcher-type``: all-to-all over EP, or all-gather / reduce-scatter of
+    every token over expert-TP x EP (Megatron-Core's own default is allgather)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """``--moe-pad-expert-input-to-capacity``: with model.capacity_factor, every expert's
+    input padded to its capacity (sizes fixed by capacity, not by routing)."""
+    moe_shared_expert_overlap: bool = False
+    """``--moe-shared-expert-overlap``: shared experts on a side stream beside the dispatch and
+    combine all-to-alls (alltoall dispatcher)."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,

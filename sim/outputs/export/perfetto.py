@@ -107,9 +107,12 @@ def chrome_trace(rec: Recorder, labels: dict[int, str] | None = None, *,
                                "ts": t * 1e6, "args": {"GB/s": v}})
                 last[k] = v
     for c, track in sorted(rec.memory.items()):
+        # Categories a builder adds (Megatron's moe_dispatch) follow the standard ones.
+        cats = MEMORY_CATEGORIES + tuple(sorted(
+            {k for _, cur in track.series for k in cur} - set(MEMORY_CATEGORIES)))
         for t, cur in track.series:
             events.append({"ph": "C", "name": "memory (GiB)", "pid": pid[c], "ts": t * 1e6,
-                           "args": {k: cur.get(k, 0.0) / GIB for k in MEMORY_CATEGORIES}})
+                           "args": {k: cur.get(k, 0.0) / GIB for k in cats}})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"scenario": scenario, "generator": "fabricsim",
                           "link_counters": "GB/s (1e9 bytes/s) per link class",

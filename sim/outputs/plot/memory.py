@@ -27,6 +27,7 @@ MEMORY_COLORS = {
     "optimizer": "#54A24B",
     "activations": "#E45756",
     "buffers": "#B0B0B0",
+    "moe_dispatch": "#B279A2",   # Megatron's MoE token-dispatch buffers (moe_memory.py)
 }
 
 

@@ -96,7 +96,7 @@ REFUSED = [
     ("seed", -1, "greater than or equal to 0"),
     ("seed", 2**64, f"less than or equal to {B.MAX_SEED}"),
     ("model.layers", HUGE, f"less than or equal to {B.MAX_LAYERS}"),
-    ("claims.mfu", 1.5, "less than or equal to 1"),
+    ("claims.mfu", 1e4, "less than or equal to 1000"),
     ("claims.step_time_s", math.inf, "finite number"),
 ]
 
