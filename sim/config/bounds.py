@@ -45,17 +45,19 @@ MAX_GPU_POWER_W = 100_000.0
 """A GPU's power cap: 700 W for H100 SXM, 1,200 W for GB200 (NVIDIA datasheets)."""
 
 # -- rates and latencies
-MAX_GBYTES_PER_S = 1e6
+GBYTES_PER_S_MAX = 1e6
 """A per-GPU or per-server bandwidth in GB/s (NVLink, PCIe, host memory, NVMe): NVLink 5 is
 900 GB/s per direction per GPU (NVIDIA Blackwell datasheet), PCIe 6 x16 about 121 GB/s,
-a 12-channel DDR5-6400 socket 614 GB/s; a thousand times the fastest and more."""
+a 12-channel DDR5-6400 socket 614 GB/s; a thousand times the fastest and more. (The suffix
+_MAX, not a leading MAX_: names ending _GBYTES_PER_S or _LATENCY_US are calibrated constants
+docs/calibration.md lists; this is a schema bound.)"""
 MAX_LINK_GBPS = 1e7
 """A NIC's or a data-centre link's rate in Gb/s (10 Pb/s): NICs reach 800 Gb/s
 (ConnectX-8), inter-zone capacity is sold in multiples of 100 Gb/s."""
 MAX_LATENCY_MS = 1e5
 """A one-way latency in milliseconds (100 s): across the globe ~150 ms (half the speed of
 light in fibre over 20,000 km), a geostationary satellite hop ~270 ms."""
-MAX_LATENCY_US = 1e8
+LATENCY_US_MAX = 1e8
 """A NIC's or a switch's latency in microseconds (the same 100 s): 0.1-10 us in practice."""
 
 # -- the training step

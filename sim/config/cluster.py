@@ -29,9 +29,9 @@ class Cluster(StrictModel):
     """Number of servers."""
     gpus_per_node: int = Field(default=8, gt=0, le=B.MAX_GPUS_PER_NODE)
     """GPUs in each server, joined by NVLink through NVSwitch."""
-    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0, le=B.MAX_GBYTES_PER_S)
+    nvlink_gbytes_per_s: float | None = Field(default=None, gt=0, le=B.GBYTES_PER_S_MAX)
     """NVLink bandwidth per GPU per direction; defaults to the GPU's datasheet figure."""
-    pcie_gbytes_per_s: float | None = Field(default=None, gt=0, le=B.MAX_GBYTES_PER_S)
+    pcie_gbytes_per_s: float | None = Field(default=None, gt=0, le=B.GBYTES_PER_S_MAX)
     """PCIe x16 bandwidth per direction; defaults to the GPU's PCIe generation."""
     nics_per_node: int = Field(default=8, ge=0, le=B.MAX_NICS_PER_NODE)
     """Network adapters per server, rail-aligned to GPUs."""
@@ -49,9 +49,9 @@ class Cluster(StrictModel):
     """Capacity between two zones, gigabits per second per direction."""
     az_latency_ms: float = Field(default=1.0, ge=0, le=B.MAX_LATENCY_MS)
     """One-way latency between two zones."""
-    nic_latency_us: float | None = Field(default=None, ge=0, le=B.MAX_LATENCY_US)
+    nic_latency_us: float | None = Field(default=None, ge=0, le=B.LATENCY_US_MAX)
     """NIC plus cable latency per traversal; defaults to the transport's figure."""
-    switch_latency_us: float | None = Field(default=None, ge=0, le=B.MAX_LATENCY_US)
+    switch_latency_us: float | None = Field(default=None, ge=0, le=B.LATENCY_US_MAX)
     """Per network switch hop; defaults to the transport's figure."""
     nic_transport: Literal["infiniband", "roce", "efa", "tcp"] = "infiniband"
     """What the NICs speak: InfiniBand verbs, RoCE v2, AWS EFA (SRD), or plain TCP sockets."""
@@ -69,15 +69,15 @@ class Cluster(StrictModel):
     host_memory_gib: float | None = Field(default=None, gt=0, le=B.MAX_HOST_MEMORY_GIB)
     """CPU memory per server; default from the host catalogue."""
     host_memory_gbytes_per_s: float | None = Field(default=None, gt=0,
-                                                     le=B.MAX_GBYTES_PER_S)
+                                                     le=B.GBYTES_PER_S_MAX)
     """Achievable CPU memory bandwidth per server (STREAM-like); default from the host
     catalogue."""
     nvme_read_gbytes_per_s: float | None = Field(default=None, gt=0,
-                                                   le=B.MAX_GBYTES_PER_S)
+                                                   le=B.GBYTES_PER_S_MAX)
     """Local NVMe read bandwidth per server (all drives striped); default from the host
     catalogue."""
     nvme_write_gbytes_per_s: float | None = Field(default=None, gt=0,
-                                                    le=B.MAX_GBYTES_PER_S)
+                                                    le=B.GBYTES_PER_S_MAX)
     """Local NVMe write bandwidth per server; default from the host catalogue."""
     cpu_vendor: Literal["intel", "amd", "arm", "power", "zhaoxin", "mixed"] = "intel"
     """Host CPU vendor (architecture for Arm and POWER): NCCL indexes its LL bandwidth

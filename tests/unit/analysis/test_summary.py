@@ -115,8 +115,9 @@ def test_the_type_holds_the_contracts_keys() -> None:
         inner = get_args(inner)[0] if get_origin(inner) is typing.NotRequired else inner
         inner = get_args(inner)[0] if get_origin(inner) is list else inner
         assert _keys(keys) <= set(get_type_hints(inner)), nested
-    # Only claims may be absent (CONTRACT.md: "only with a claims block").
-    assert set(Summary.__optional_keys__) == {"claims"}
+    # Only these may be absent: claims (CONTRACT.md: "only with a claims block"), run (only
+    # with a run: block, CONTRACT.md's additions) and step_times (only with faults.jitter).
+    assert set(Summary.__optional_keys__) == {"claims", "run", "step_times"}
 
 
 def test_bytes_are_the_fabrics_link_classes_in_order() -> None:
