@@ -125,14 +125,18 @@ def export_chakra(
 
 @app.command()
 def replay(
-    trace: Annotated[Path, typer.Argument(help="Chakra .et folder or file (export-chakra "
-                                          "--all-ranks).")],
+    trace: Annotated[Path, typer.Argument(help="PyTorch profiler (Kineto) JSON (.json, "
+                                          ".json.gz, or a folder of one per rank), or Chakra "
+                                          ".et files (a folder: export-chakra --all-ranks).")],
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Override a key of the fabric's scenario: KEY.PATH=VALUE (repeatable), "
         "e.g. cluster.nic_gbps=400.")] = None,
     scenario: Annotated[str | None, typer.Option(
         "--scenario", help="Scenario whose cluster runs the trace (default: the one the "
-        "trace names).")] = None,
+        "trace names; a profiler trace: the shipped server of its GPU).")] = None,
+    step: Annotated[str | None, typer.Option(
+        "--step", help="Profiler trace: the ProfilerStep#N to replay (default: the last but "
+        "one).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     out: Annotated[Path | None, typer.Option(
         "--out", help="Also write summary, events, trace and plots to this folder.")] = None,
@@ -146,7 +150,7 @@ def replay(
 
     _check_out(out, overwrite)
     try:
-        result = run_replay(trace, set_ or [], scenario)
+        result = run_replay(trace, set_ or [], scenario, step)
     except (ScenarioError, TraceError) as exc:
         _bad_input(str(exc))
         return

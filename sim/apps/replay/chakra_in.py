@@ -39,6 +39,7 @@ from sim.program.ir import (
     HOST_WAIT_STREAM,
     CollectiveOp,
     Op,
+    OpKind,
     Program,
     RankClass,
 )
@@ -198,8 +199,8 @@ def _node_op(n: Any, a: dict[str, Any], rank: int, trace: ChakraTrace,
              scale: float, where: Path) -> Op:
     name = n.name or f"node {n.id}"
     if n.type == COMM_COLL_NODE:
-        kind = COLLECTIVES.get(int(a.get("comm_type", -1)))
-        if kind is None:
+        coll = COLLECTIVES.get(int(a.get("comm_type", -1)))
+        if coll is None:
             raise TraceError(f"{where}: rank {rank} node {n.id}: comm_type "
                              f"{a.get('comm_type')} is not a collective fabricsim runs")
         pg = str(a.get("pg_name", ""))
@@ -209,11 +210,11 @@ def _node_op(n: Any, a: dict[str, Any], rank: int, trace: ChakraTrace,
                              f"{COMM_GROUPS_FILE}")
         size = float(a.get("comm_size", 0))
         # comm_size is the rank's input buffer; Op.nbytes counts the gathered output.
-        nbytes = size * len(group) if kind == "all_gather" else size
+        nbytes = size * len(group) if coll == "all_gather" else size
         key = f"coll:{pg}:{on_group[pg]}"
         on_group[pg] += 1
-        return Op(name, "collective", "", "comm", collective=kind, group=group,
-                  nbytes=nbytes, key=key, category=kind)
+        return Op(name, "collective", "", "comm", collective=coll, group=group,
+                  nbytes=nbytes, key=key, category=coll)
     if n.type in (COMM_SEND_NODE, COMM_RECV_NODE):
         tag = int(a.get("comm_tag", 0))
         return Op(name, "recv", "", "comm", pairs=pairs[tag], nbytes=float(a["comm_size"]),
@@ -222,7 +223,7 @@ def _node_op(n: Any, a: dict[str, Any], rank: int, trace: ChakraTrace,
         raise TraceError(f"{where}: rank {rank} node {n.id}: node type {n.type} is not "
                          "replayed (compute, collective, send and receive nodes are)")
     flops = float(a.get("num_ops", 0))
-    kind = "host" if a.get("is_cpu_op") else "copy" if "tensor_size" in a else "compute"
+    kind: OpKind = "host" if a.get("is_cpu_op") else "copy" if "tensor_size" in a else "compute"
     dur = n.duration_micros * 1e-6 * (1.0 if kind == "host" else scale)
     return Op(name, kind, "", "fwd", duration=dur, hw_flops=flops, flops=flops,
               nbytes=float(a.get("tensor_size", 0)),
