@@ -217,3 +217,72 @@ def test_kineto_malformed_one_line(tmp_path: Path) -> None:
     big.write_bytes(gzip.compress(b"{}") [:-4] + (2**32 - 1).to_bytes(4, "little"))
     p = _cli(str(big))
     assert p.returncode == 2 and "gzip header says" in p.stderr, p.stderr
+
+
+def _kineto_doc() -> dict[str, object]:
+    """A hand-made 8-rank profiler trace (times in us): a 10 ms kernel on stream 7, an event
+    recorded after it that the NCCL stream 20 waits on (PyTorch 2.1+'s ``wait_on_stream`` /
+    ``wait_on_cuda_event_record_corr_id`` args), a 1 GiB all-reduce, a 5 ms kernel beside
+    it, a ``cudaDeviceSynchronize`` returning at 25 ms, a last 1 ms kernel launched 0.1 ms
+    after it; the step's annotation ends at 40 ms."""
+    host, base = {"pid": 100, "tid": 1, "ph": "X"}, 10**7
+
+    def launch(ts: float, corr: int, name: str = "cudaLaunchKernel", dur: float = 0.0,
+               **args: object) -> dict[str, object]:
+        return {**host, "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur,
+                "args": {"correlation": base + corr, "External id": base + corr, **args}}
+
+    def kernel(ts: float, dur: float, corr: int, stream: int, name: str,
+               **args: object) -> dict[str, object]:
+        return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": stream, "ts": ts,
+                "dur": dur, "args": {"device": 0, "stream": stream,
+                                     "correlation": base + corr, **args}}
+
+    nccl = {"Collective name": "allreduce", "In msg nelems": 2**28, "Out msg nelems": 2**28,
+            "Group size": 8, "dtype": "Float", "Process Group Name": "0",
+            "Process Group Ranks": "[0, 1, 2, 3, 4, 5, 6, 7]"}
+    events = [
+        {**host, "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0.0, "dur": 40000.0,
+         "args": {}},
+        launch(100.0, 1), kernel(110.0, 10000.0, 1, 7, "gemm_a"),
+        launch(200.0, 2, "cudaEventRecord"),
+        launch(300.0, 3, "cudaStreamWaitEvent", wait_on_stream=7,
+               wait_on_cuda_event_record_corr_id=base + 2),
+        launch(400.0, 4), kernel(10110.0, 9000.0, 4, 20,
+                                 "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                                 **nccl),
+        launch(500.0, 5), kernel(10110.0, 5000.0, 5, 7, "gemm_b"),
+        launch(600.0, 6, "cudaDeviceSynchronize", dur=24400.0),
+        launch(25100.0, 7), kernel(25110.0, 1000.0, 7, 7, "gemm_c"),
+    ]
+    return {"schemaVersion": 1, "distributedInfo": {"rank": 0, "world_size": 8,
+                                                    "backend": "nccl"},
+            "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3",
+                                  "totalGlobalMem": 85520809984}],
+            "traceEvents": events}
+
+
+def test_kineto_waits_and_syncs(tmp_path: Path) -> None:
+    """The all-reduce waits for the kernel its event was recorded after (not for the later
+    gemm_b), runs beside gemm_b; the host's synchronize waits for both; the last kernel is
+    issued 0.1 ms after the synchronize returns (the trace's gap), and the step ends the
+    host's measured 14.9 ms after that launch. The synchronize returns when gemm_b or the
+    simulated all-reduce ends, sooner than the trace's 25 ms: the host's time is kept, its
+    waiting is simulated."""
+    import json
+
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps(_kineto_doc()))
+    r = replay(path)
+    rec = {x.op.name.split("(")[0]: x for x in r.recorder.ops}
+    assert r.summary["replay"]["trace_gpu"] == "h100-sxm"
+    ar = rec["ncclDevKernel_AllReduce_Sum_f32_RING_LL"]
+    assert ar.op.nbytes == 2**30 and ar.op.group == tuple(range(8))
+    assert ar.start == pytest.approx(rec["gemm_a"].end)
+    assert rec["gemm_b"].start == pytest.approx(rec["gemm_a"].end)
+    sync = rec["cudaDeviceSynchronize"]
+    assert sync.end == pytest.approx(max(ar.end, rec["gemm_b"].end))
+    assert rec["gemm_c"].start == pytest.approx(sync.end + 100e-6)
+    # the host's 14.9 ms after its last launch (25.1 -> 40 ms in the trace) end the step
+    assert r.summary["step_time_s"] == pytest.approx(rec["gemm_c"].start + 0.0149)
+    assert r.summary["step_time_s"] < 0.040       # the synchronize returned sooner

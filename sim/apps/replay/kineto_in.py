@@ -89,7 +89,8 @@ def read_kineto(path: Path, step: str | None = None) -> KinetoTrace:
     from hta.common.trace_parser import parse_trace_dataframe
     from hta.configs.parser_config import ParserBackend, ParserConfig
 
-    cfg = ParserConfig(args=ParserConfig.ARGS_COMPLETE + ParserConfig.ARGS_COMMUNICATION)
+    cfg = ParserConfig(args=ParserConfig.ARGS_COMPLETE + ParserConfig.ARGS_COMMUNICATION
+                       + ParserConfig.ARGS_SYNC)
     cfg.parser_backend = ParserBackend.JSON
     quiet = logging.getLogger("hta").level
     logging.getLogger("hta").setLevel(logging.ERROR)
@@ -122,7 +123,10 @@ def read_kineto(path: Path, step: str | None = None) -> KinetoTrace:
     gpu = df[df["cat"].isin(GPU_CATS) & df["correlation"].isin(host["correlation"])]
     if gpu.empty:
         raise TraceError(f"{path}: no GPU kernels launched in {label}")
-    events = {"host": host.sort_values("ts"), "gpu": gpu, "t0": t0, "t1": t1}
+    rec = df[df["name"] == "cudaEventRecord"]
+    records = dict(zip(rec["correlation"].astype(int), rec["ts"].astype(float), strict=True))
+    events = {"host": host.sort_values("ts"), "gpu": gpu, "t0": t0, "t1": t1,
+              "records": records}
     return KinetoTrace(path, int(dist.get("rank", 0)), int(dist.get("world_size", 1)),
                        _gpu_key(meta), (t1 - t0) * 1e-6, label, events)
 
@@ -172,13 +176,14 @@ def _class_ops(program: Program, cls: RankClass, t: KinetoTrace, world: int,
     ev = t.events
     by_corr = {int(r["correlation"]): r for _, r in ev["gpu"].iterrows()}
     last: dict[str, Op] = {}         # latest op launched on each stream
+    launched: dict[str, list[tuple[float, Op]]] = {}   # (launch time, op) per stream
     on_group: dict[str, int] = {}
     host_free = ev["t0"]             # when the host finished its previous call
     waits: list[Op] = []
     for _, call in ev["host"].iterrows():
         name = str(call["name"])
         if name == "cudaStreamWaitEvent":
-            waits.extend(last.values())
+            waits.extend(_waited(call, ev["records"], launched, last))
             continue
         if name in SYNCS and last:
             op = Op(name, "compute", HOST_WAIT_STREAM, "fwd", host_sync=True, kernels=0,
@@ -198,6 +203,23 @@ def _class_ops(program: Program, cls: RankClass, t: KinetoTrace, world: int,
         waits = []
         program.add(cls, op)
         last[op.stream] = op
+        launched.setdefault(op.stream, []).append((float(call["ts"]), op))
     # the host's work after its last launch, to the step's end
     program.add(cls, Op("host to step end", "host", CPU_STREAM, "fwd",
                         cpu_s=max(0.0, (ev["t1"] - host_free) * 1e-6)))
+
+
+def _waited(call: Any, records: dict[int, float], launched: dict[str, list[tuple[float, Op]]],
+            last: dict[str, Op]) -> list[Op]:
+    """The ops a ``cudaStreamWaitEvent`` makes the next launch wait for. With the args
+    PyTorch 2.1+ records (``wait_on_stream``: the stream the event was recorded on,
+    ``wait_on_cuda_event_record_corr_id``: its ``cudaEventRecord``), the last op launched on
+    that stream before the record, as HTA's critical-path analysis reads them
+    (``hta/analyzers/critical_path_analysis.py``, ``_get_cuda_event_record_df``); without
+    them, the latest op of every stream."""
+    stream = int(call.get("wait_on_stream", -1))
+    record = records.get(int(call.get("wait_on_cuda_event_record_corr_id", -1)))
+    if stream < 0 or record is None:
+        return list(last.values())
+    before = [op for ts, op in launched.get(f"stream {stream}", []) if ts <= record]
+    return before[-1:]
