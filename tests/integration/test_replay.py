@@ -102,19 +102,26 @@ def test_other_gpu_scales_compute_by_peak_ratio(ddp_trace: tuple[Path, float]) -
 @needs_chakra
 def test_pipeline_transfers_round_trip(tmp_path: Path) -> None:
     """Megatron TP2 x PP2 x DP2: pipeline sends/receives and TP/DP collectives replay. This
-    small step is bound by the host's issue times, which a Chakra trace does not carry; the
-    replay equals the original program run with its issue times (``cpu_s``) zeroed."""
+    small step is bound by the host's issue times, which a Chakra trace does not carry: run
+    with them zeroed, the original program takes 45.3 ms instead of 59.1. The replay
+    recovers them from the recorded starts (an op that started after its stream and its
+    dependencies were done waited for the host) and lands within 1% of the original step;
+    what is left is the issue time of ops that did not wait (their ``cpu_s`` is spread over
+    the next op that did) and the collectives' own (their recorded start is the last
+    member's arrival)."""
     scen = tmp_path / "mpp.yaml"
     scen.write_text(yaml.safe_dump(MEGATRON_PP))
-    _export(str(scen), tmp_path / "et")
+    step = _export(str(scen), tmp_path / "et")
     r = replay(tmp_path / "et")
     assert any(op.kind == "recv" for op in r.program.ops)
+    assert sum(op.cpu_s for op in r.program.ops) > 0
     ctx = JobContext.from_scenario(load_scenario(str(scen)))
     p = build_program(ctx)
     for op in p.ops:
         op.cpu_s = 0.0
     hostless = run_program(ctx, p).summary["step_time_s"]
-    assert abs(r.summary["step_time_s"] / hostless - 1) < 1e-3
+    assert hostless < 0.9 * step          # the host matters in this step
+    assert abs(r.summary["step_time_s"] / step - 1) < 0.01
 
 
 @needs_chakra

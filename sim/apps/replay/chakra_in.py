@@ -21,7 +21,8 @@ One ``.et`` per rank; each rank becomes one rank class of one member:
   stream is the node's ``fabricsim_stream`` attribute when the file has one; otherwise a
   node continues its ``ctrl_deps`` predecessor's stream, or opens a new one.
 
-What a trace does not hold: the host's issue times (``cpu_s``), memory (allocations), uneven
+What a trace does not hold: the host's issue times (``cpu_s``: recovered from the recorded
+starts, :class:`_HostClock`), memory (allocations), uneven
 all-to-all splits (each becomes an even all-to-all of its rank's send buffer) and the ops'
 FLOPs beyond ``num_ops``.
 """
@@ -148,22 +149,58 @@ def chakra_program(trace: ChakraTrace, compute_scale: float = 1.0) -> Program:
                 p2p.setdefault(int(a.get("comm_tag", 0)), set()).add(
                     (int(a["comm_src"]), int(a["comm_dst"])))
     pairs = {t: tuple(sorted(v)) for t, v in p2p.items()}
+    # the step's start: the earliest recorded start of any rank
+    t0 = min((n.start_time_micros for nodes in trace.ranks.values() for n in nodes),
+             default=0)
     for rank in sorted(trace.ranks):
         cls = RankClass(rank, (rank,), label=f"rank {rank}")
         program.classes.append(cls)
-        _rank_ops(program, cls, trace, rank, pairs, compute_scale)
+        _rank_ops(program, cls, trace, rank, pairs, compute_scale, t0)
     program.hw_flops_per_step = sum(op.hw_flops for op in program.ops)
     program.validate()
     return program
 
 
+class _HostClock:
+    """The host's issue times back from the nodes' recorded starts (``Op.cpu_s``).
+
+    An op that started later than its stream's previous op and its dependencies ended was
+    waiting for the host (the engine starts an op at the latest of those three): it was
+    issued at its start. Any other op was issued no later; it gets no CPU time of its own.
+    Each op's ``cpu_s`` is its issue time after the previous op's (or after the end of the
+    host wait before it), as :func:`sim.engine.host_clock.issue_time` adds them up again.
+    Collectives and transfers are left out: their recorded start is the last member's
+    arrival, not this rank's."""
+
+    def __init__(self, t0: int) -> None:
+        self.issued = self.sync_end = t0
+        self.t0 = t0
+        self.end: dict[int, int] = {}
+
+    def issue(self, op: Op, start: int, dur: int, prev: Op | None) -> None:
+        ends = [self.end.get(id(d), self.t0) for d in op.deps]
+        if prev is not None:
+            ends.append(self.end.get(id(prev), self.t0))
+        ready = max(ends, default=self.t0)
+        floor = max(self.issued, self.sync_end)
+        if op.kind not in ("collective", "recv", "send") and start > ready:
+            op.cpu_s = max(0, start - floor) * 1e-6
+            self.issued = max(floor, start)
+        else:
+            self.issued = floor
+        self.end[id(op)] = start + dur
+        if op.host_sync:
+            self.sync_end = start + dur
+
+
 def _rank_ops(program: Program, cls: RankClass, trace: ChakraTrace, rank: int,
-              pairs: dict[int, tuple[tuple[int, int], ...]], scale: float) -> None:
+              pairs: dict[int, tuple[tuple[int, int], ...]], scale: float, t0: int) -> None:
     op_of: dict[int, Op] = {}
     tail: dict[str, Op] = {}          # the last op of each stream
     on_group: Counter[str] = Counter()
     p2p_op: dict[int, Op] = {}       # this rank's op of each tag (its send and receive)
     where = trace.files[0].parent if trace.files else Path("?")
+    host = _HostClock(t0)
     for n in trace.ranks[rank]:
         a = _attrs(n.attr)
         if n.type in (COMM_SEND_NODE, COMM_RECV_NODE):
@@ -187,6 +224,7 @@ def _rank_ops(program: Program, cls: RankClass, trace: ChakraTrace, rank: int,
         op.host_sync = stream == HOST_WAIT_STREAM
         # the stream's order is kept by the stream itself; other ctrl deps are events
         op.deps = [d for d in dict.fromkeys(deps) if d is not tail.get(stream)]
+        host.issue(op, n.start_time_micros, n.duration_micros, tail.get(stream))
         program.add(cls, op)
         tail[stream] = op
         op_of[n.id] = op
