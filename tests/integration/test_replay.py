@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -293,3 +294,34 @@ def test_kineto_waits_and_syncs(tmp_path: Path) -> None:
     # the host's 14.9 ms after its last launch (25.1 -> 40 ms in the trace) end the step
     assert r.summary["step_time_s"] == pytest.approx(rec["gemm_c"].start + 0.0149)
     assert r.summary["step_time_s"] < 0.040       # the synchronize returned sooner
+
+
+def test_kineto_one_file_per_rank(tmp_path: Path) -> None:
+    """Two ranks' traces in a folder: one rank class each, the all-reduce matched across them
+    (the k-th collective of a process group on every member is one collective, NCCL's
+    order); rank 1's first kernel 2 ms longer, so the all-reduce waits for it."""
+    import json
+
+    ranks = list(range(2))
+    for r in ranks:
+        doc: dict[str, Any] = _kineto_doc()
+        doc["distributedInfo"] = {"rank": r, "world_size": 2, "backend": "nccl"}
+        for e in doc["traceEvents"]:
+            if "Process Group Ranks" in e.get("args", {}):
+                e["args"]["Process Group Ranks"] = "[0, 1]"
+            if e["name"] == "gemm_a" and r == 1:
+                e["dur"] += 2000.0
+        (tmp_path / f"rank{r}.json").write_text(json.dumps(doc))
+    res = replay(tmp_path)
+    assert [c.members for c in res.program.classes][:2] == [(0,), (1,)]
+    recs = [x for x in res.recorder.ops if x.op.kind == "collective"]
+    assert len(recs) == 2 and len({x.op.key for x in recs}) == 1
+    gemm_a1 = next(x for x in res.recorder.ops if x.op.name == "gemm_a" and x.cls == 1)
+    assert all(x.start == pytest.approx(gemm_a1.end) for x in recs)
+    # one file of a 2-rank job given twice over is refused
+    (tmp_path / "rank1.json").unlink()
+    doc = _kineto_doc()
+    doc["distributedInfo"] = {"rank": 0, "world_size": 4, "backend": "nccl"}
+    (tmp_path / "rank0b.json").write_text(json.dumps(doc))
+    with pytest.raises(TraceError, match="replay one rank"):
+        replay(tmp_path)

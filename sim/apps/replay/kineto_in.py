@@ -160,6 +160,10 @@ def _gpu_op(row: Any, world: int, on_group: dict[str, int], scale: float) -> Op:
 def kineto_program(traces: list[KinetoTrace], scale: float = 1.0) -> Program:
     """The Program of one or several ranks' traces (see the module docstring)."""
     world = max(max(t.world for t in traces), len(traces))
+    ranks = sorted(t.rank for t in traces)
+    if len(traces) > 1 and ranks != list(range(world)):
+        raise TraceError(f"{traces[0].path.parent}: traces of ranks {ranks[:8]} of a "
+                         f"{world}-rank job: replay one rank (it stands for all) or all")
     program = Program([], world, 0.0, 0.0, 0.0, meta={"replay": "kineto"})
     for i, t in enumerate(sorted(traces, key=lambda t: t.rank)):
         members = tuple(range(world)) if len(traces) == 1 else (t.rank,)
