@@ -325,3 +325,26 @@ def test_kineto_one_file_per_rank(tmp_path: Path) -> None:
     (tmp_path / "rank0b.json").write_text(json.dumps(doc))
     with pytest.raises(TraceError, match="replay one rank"):
         replay(tmp_path)
+
+
+def test_kineto_slower_fabric_grows_by_the_collective(tmp_path: Path) -> None:
+    """The hand-made trace with NVLink at 50 GB/s: the all-reduce is on the critical path
+    (the synchronize waits for it, gemm_c after), so the step grows by exactly what the
+    all-reduce grew; the kernels keep their measured times."""
+    import json
+
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps(_kineto_doc()))
+
+    def run(sets: list[str]) -> tuple[float, float, float]:
+        r = replay(path, sets)
+        ar = next(x for x in r.recorder.ops if x.op.kind == "collective")
+        gemm_b = next(x for x in r.recorder.ops if x.op.name == "gemm_b")
+        assert ar.end > gemm_b.end
+        return r.summary["step_time_s"], ar.end - ar.start, r.summary["compute_time_s"]
+
+    step, ar, compute = run([])
+    slow_step, slow_ar, slow_compute = run(["cluster.nvlink_gbytes_per_s=50"])
+    assert slow_ar > 3 * ar
+    assert slow_step - step == pytest.approx(slow_ar - ar, rel=1e-9)
+    assert slow_compute == pytest.approx(compute, rel=1e-12)
