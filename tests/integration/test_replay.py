@@ -147,6 +147,12 @@ def test_size_check_before_reading(tmp_path: Path) -> None:
     check_size(gz)                     # 5,000 bytes inflated: fine
     with pytest.raises(TraceError, match="gzip header says"):
         check_size(gz, limit=4000)
+    # past 4 GiB the trailer wraps round: a 2 MB gzip that says it inflates to 1,000 bytes
+    wrapped = tmp_path / "w.json.gz"
+    body = gzip.compress(os.urandom(2**21).hex().encode())
+    wrapped.write_bytes(body[:-4] + (1000).to_bytes(4, "little"))
+    with pytest.raises(TraceError, match="modulo 4 GiB"):
+        check_size(wrapped)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

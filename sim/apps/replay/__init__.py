@@ -15,7 +15,6 @@ fabric: that is what a replay on another fabric changes.
 
 from __future__ import annotations
 
-import gzip
 import os
 import struct
 from pathlib import Path
@@ -57,10 +56,11 @@ class ReplayEngine(Engine):
 
 
 def check_size(path: Path, limit: int = MAX_TRACE_BYTES) -> None:
-    """Refuse, before reading it, a trace file over ``limit`` bytes; a gzipped file by the
-    uncompressed size its trailer records (RFC 1952 section 2.3.1: ISIZE, the input size
-    modulo 2^32, the last four bytes little-endian; a file of over 4 GiB can read small, so
-    a compressed size over ``limit`` / 1032, DEFLATE's best ratio, is refused too)."""
+    """Refuse, before reading it, a trace file over ``limit`` bytes; a gzipped one by the
+    uncompressed size its trailer records (RFC 1952 section 2.3.1: ISIZE, the input's size
+    modulo 2^32, the last four bytes, little-endian). A file that inflated past 4 GiB wraps
+    round; when it then reads smaller than the compressed file itself (impossible for a
+    real trace over a MiB: JSON compresses several times over), it is refused too."""
     size = path.stat().st_size
     if size > limit:
         raise TraceError(f"{path}: {size / 2**30:.1f} GiB is over the {limit / 2**30:g} GiB "
@@ -71,19 +71,10 @@ def check_size(path: Path, limit: int = MAX_TRACE_BYTES) -> None:
                 raise TraceError(f"{path}: not a gzip file")
             f.seek(-4, os.SEEK_END)
             (isize,) = struct.unpack("<I", f.read(4))
-        if isize > limit or size > limit / 1032:
+        if isize > limit or (size > 2**20 and isize < size):
             raise TraceError(f"{path}: its gzip header says {isize / 2**30:.1f} GiB "
-                             f"uncompressed, over the {limit / 2**30:g} GiB a trace may be")
-
-
-def open_text(path: Path) -> str:
-    """A trace file's text, gzipped or not (after :func:`check_size`)."""
-    check_size(path)
-    raw = path.read_bytes()
-    try:
-        return (gzip.decompress(raw) if path.suffix == ".gz" else raw).decode()
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
-        raise TraceError(f"{path}: cannot be read as text ({exc})") from None
+                             f"uncompressed (modulo 4 GiB), over the {limit / 2**30:g} GiB "
+                             "a trace may be")
 
 
 def gpu_scale(trace_gpu: str, target_gpu: str, precision: str = "bf16") -> float:
