@@ -223,10 +223,12 @@ def test_kineto_slow_nvlink_hidden_behind_host() -> None:
 
 
 def test_kineto_malformed_one_line(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"traceEvents": [')
-    p = _cli(str(bad))
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    for i, text in enumerate(('{"traceEvents": [', "[]", '{"traceEvents": 5}', "{}",
+                              '{"traceEvents": [{"ph": "X"}]}')):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        p = _cli(str(bad))
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     big = tmp_path / "big.json.gz"
     big.write_bytes(gzip.compress(b"{}") [:-4] + (2**32 - 1).to_bytes(4, "little"))
     p = _cli(str(big))

@@ -96,7 +96,8 @@ def read_kineto(path: Path, step: str | None = None) -> KinetoTrace:
     logging.getLogger("hta").setLevel(logging.ERROR)
     try:
         meta, df, sym = parse_trace_dataframe(str(path), cfg)
-    except (ValueError, KeyError, OSError, EOFError, TypeError) as exc:
+    except Exception as exc:   # HTA's parser meets the malformed document first: any error
+        # it raises is the file's (JSONDecodeError, KeyError on a missing field, ...)
         raise TraceError(f"{path}: not a PyTorch profiler trace ({type(exc).__name__}: "
                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
     finally:
