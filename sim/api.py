@@ -126,6 +126,22 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
                      scenario.cluster.nics_per_node, origin)
         ctx = JobContext.from_scenario(scenario, origin)
         program = build_program(ctx)
+        return run_program(ctx, program, steps, progress=progress,
+                           keep_link_series=keep_link_series, wall0=wall0)
+
+
+def run_program(ctx: JobContext, program: Program, steps: int = 1,
+                progress: Callable[[int, int], None] | None = None,
+                keep_link_series: bool = False, wall0: float | None = None,
+                engine_class: type[Engine] = Engine) -> RunResult:
+    """Run a built ``program`` for ``steps`` steps on the fabric of ``ctx``'s scenario (its
+    cluster, NCCL settings and faults) and summarise it: the second and third phases of
+    :func:`simulate`, for programs built elsewhere too (a replayed trace,
+    :mod:`sim.apps.replay`). ``engine_class``: an :class:`Engine` subclass that overrides a
+    hook (its ``compute_duration``)."""
+    wall0 = time.perf_counter() if wall0 is None else wall0
+    scenario = ctx.scenario
+    with paused_gc():
         fabric = build_fabric(fabric_spec(scenario))
         apply_faults(scenario, program, fabric)
         extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
@@ -142,8 +158,8 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
         recorder.overheads = extra
         for c in program.classes:
             recorder.workspace(c.id, extra[c.id].cublas_workspace)
-        engine = Engine(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
-                        scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
+        engine = engine_class(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
+                              scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
         jitter = scenario.faults.jitter if scenario.faults is not None else None
         if jitter is not None and jitter.sigma > 0:   # sigma 0: the run without the key
             engine.jitter = StepJitter(jitter.sigma, jitter.seed)

@@ -123,6 +123,45 @@ def export_chakra(
     print(f"wrote {len(paths)} .et file(s) and comm_groups.json to {out}")
 
 
+@app.command()
+def replay(
+    trace: Annotated[Path, typer.Argument(help="PyTorch profiler (Kineto) JSON (.json, "
+                                          ".json.gz, or a folder of one per rank), or Chakra "
+                                          ".et files (a folder: export-chakra --all-ranks).")],
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", help="Override a key of the fabric's scenario: KEY.PATH=VALUE (repeatable), "
+        "e.g. cluster.nic_gbps=400.")] = None,
+    scenario: Annotated[str | None, typer.Option(
+        "--scenario", help="Scenario whose cluster runs the trace (default: the one the "
+        "trace names; a profiler trace: the shipped server of its GPU).")] = None,
+    step: Annotated[str | None, typer.Option(
+        "--step", help="Profiler trace: the ProfilerStep#N to replay (default: the last but "
+        "one).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", help="Also write summary, events, trace and plots to this folder.")] = None,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace an --out folder that holds a previous result.")] = False,
+) -> None:
+    """Replay a profiled step: rebuild its program from a trace (measured compute kept, NCCL
+    transfers simulated afresh) and run it on a scenario's fabric; print the summary."""
+    from sim.apps.replay import TraceError
+    from sim.apps.replay import replay as run_replay
+
+    _check_out(out, overwrite)
+    try:
+        result = run_replay(trace, set_ or [], scenario, step)
+    except (ScenarioError, TraceError) as exc:
+        _bad_input(str(exc))
+        return
+    if out is not None:
+        _write_outputs(out, result, overwrite=overwrite)
+    if as_json:
+        print(json.dumps(result.summary, indent=2))
+    else:
+        _print_summary(result.summary)
+
+
 def _run_multijob(ref: str, sets: list[str], as_json: bool, out: Path | None,
                   steps: int, overwrite: bool = False) -> None:
     """``run`` on a multi-job file (:mod:`sim.apps.multijob`); ``--out`` writes its JSON, a
