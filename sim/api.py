@@ -133,13 +133,15 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
 def run_program(ctx: JobContext, program: Program, steps: int = 1,
                 progress: Callable[[int, int], None] | None = None,
                 keep_link_series: bool = False, wall0: float | None = None,
-                engine_class: type[Engine] = Engine) -> RunResult:
+                engine_class: type[Engine] | None = None) -> RunResult:
     """Run a built ``program`` for ``steps`` steps on the fabric of ``ctx``'s scenario (its
     cluster, NCCL settings and faults) and summarise it: the second and third phases of
     :func:`simulate`, for programs built elsewhere too (a replayed trace,
     :mod:`sim.apps.replay`). ``engine_class``: an :class:`Engine` subclass that overrides a
-    hook (its ``compute_duration``)."""
+    hook (its ``compute_duration``); None: this module's ``Engine``, looked up at the call
+    (tools/profile_step.py substitutes a counting subclass there)."""
     wall0 = time.perf_counter() if wall0 is None else wall0
+    engine_class = Engine if engine_class is None else engine_class
     scenario = ctx.scenario
     with paused_gc():
         fabric = build_fabric(fabric_spec(scenario))
