@@ -90,11 +90,17 @@ def forward(stage: Stage, v: int, mb: int) -> None:
             for op in fwd_ops(k):
                 last = stage.add(op)
         assert last is not None
-        if u.reshard_after_forward:
-            last.free = last.free + (("parameters", job.param_bytes(u)),)
-            stage.gathered[u.name] = False
+        _reshard_after_forward(stage, u, last)
     assert last is not None
     send(stage, "F", v, mb, last)
+
+
+def _reshard_after_forward(stage: Stage, u: Unit, last: Op) -> None:
+    """``reshard_after_forward``: the unit's gathered parameters are freed when its last
+    forward op ends (FSDP2's post-forward reshard)."""
+    if u.reshard_after_forward:
+        last.free = last.free + (("parameters", stage.job.param_bytes(u)),)
+        stage.gathered[u.name] = False
 
 
 def _gather_unit(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str,
@@ -137,9 +143,7 @@ def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
             for op in fwd_ops(k):
                 last = stage.add(op)
         assert last is not None
-        if u.reshard_after_forward:
-            last.free = last.free + (("parameters", job.param_bytes(u)),)
-            stage.gathered[u.name] = False
+        _reshard_after_forward(stage, u, last)
     assert last is not None
     send(stage, "F", v, mb, last)
 
