@@ -398,9 +398,15 @@ def _combine(m: ModelSpec, tokens: float, shared: bool, rows: float | None = Non
     gsrc = b.t("unpermute.g_rows", rows * h, BF16)
     gx = b.t("g_in", rows * h, BF16)
     b.bwd(Kernel("unpermute.bwd", "elementwise", (gsrc, rid), (gx,)))
+    return finish_with_shared(b, out, tokens * h, shared)
+
+
+def finish_with_shared(b: _Builder, out: Tensor, elements: float, shared: bool) -> Block:
+    """End a combine block: the shared experts' output (``elements`` wide, bf16) added to
+    ``out`` when the layer has shared experts, the result the block's output."""
     if shared:
-        sh = b.t("shared_out", tokens * h, BF16)
-        y = b.t("sum", tokens * h, BF16)
+        sh = b.t("shared_out", elements, BF16)
+        y = b.t("sum", elements, BF16)
         b.fwd(Kernel("add_shared", "elementwise", (out, sh), (y,)))
         out = y
     b.block.outputs.append(out)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from sim.workload.kernels import BF16, FP32, Block, Kernel
 from sim.workload.layer_builder import _Builder
 from sim.workload.model import ModelSpec
-from sim.workload.moe_ops import STYLE
+from sim.workload.moe_ops import STYLE, finish_with_shared
 
 IDX = 8     # int64 token indices (torch.argsort)
 
@@ -96,10 +96,4 @@ def combine_block(m: ModelSpec, routed: float, tokens: float, score_before: bool
               Kernel("bmm_scores.bwd_in", "elementwise", (g32, sc), (gz32,)),
               Kernel("bmm_scores.bwd_scores", "elementwise", (g32, z32), (gsc,)),
               Kernel("to_fp32.bwd", "elementwise", (gz32,), (gz,)))
-    if m.moe.shared:
-        sh = b.t("shared_out", tokens * h, BF16)
-        y = b.t("sum", tokens * h, BF16)
-        b.fwd(Kernel("add_shared", "elementwise", (out, sh), (y,)))
-        out = y
-    b.block.outputs.append(out)
-    return b.finish()
+    return finish_with_shared(b, out, tokens * h, bool(m.moe.shared))
