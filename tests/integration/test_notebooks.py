@@ -23,7 +23,8 @@ from matplotlib.figure import Figure
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 PUBLIC_MODULES = {"sim.api", "sim.scenario", "sim.outputs.plot", "sim.apps.compare",
-                  "sim.apps.runlength", "sim.apps.runlength.goodput"}
+                  "sim.apps.runlength", "sim.apps.runlength.goodput", "sim.apps.multijob",
+                  "sim.config.multijob", "sim.apps.replay", "sim.outputs.export.chakra"}
 """What the notebooks may import from fabricsim (README, "Using it from Python")."""
 
 
@@ -37,10 +38,11 @@ def _source(cell: dict) -> str:
     return "".join(src) if isinstance(src, list) else src
 
 
-def test_the_six_notebooks_are_there() -> None:
+def test_the_seven_notebooks_are_there() -> None:
     assert [p.name for p in NOTEBOOKS] == [
         "01-quickstart.ipynb", "02-fabric-what-if.ipynb", "03-cross-az-finops.ipynb",
-        "04-pipeline-bubbles.ipynb", "05-moe-zones.ipynb", "06-goodput.ipynb"]
+        "04-pipeline-bubbles.ipynb", "05-moe-zones.ipynb", "06-goodput.ipynb",
+        "07-shared-fabric.ipynb"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
