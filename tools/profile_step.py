@@ -170,6 +170,10 @@ def _phase(stack: list[tuple[str, str, str]]) -> str:
     for i, (func, path, _) in enumerate(stack):
         rel = _in_sim(path)
         if func == "simulate" and rel is not None and "api" in rel:
+            # run_program (the run and collect half of simulate, sim/api.py) is a step in
+            # between: the phase is what it calls.
+            if i + 1 < len(stack) and stack[i + 1][0] == "run_program":
+                i += 1
             if i + 1 == len(stack):
                 return "other (simulate itself)"
             call = stack[i + 1][0]
