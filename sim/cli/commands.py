@@ -516,11 +516,11 @@ def _check_out(out: Path | None, overwrite: bool) -> None:
     """Refuse, before any simulation, an ``--out`` that holds a previous result."""
     if out is None:
         return
-    from sim.outputs.folder import OutputExists, check_out
+    from sim.outputs.folder import OutputError, check_out
 
     try:
         check_out(out, overwrite)
-    except OutputExists as exc:
+    except OutputError as exc:
         _bad_input(str(exc))
 
 
@@ -656,6 +656,11 @@ def main() -> None:
         print(f"fabricsim: {exc}", file=sys.stderr)
         sys.exit(2)
     except Exception as exc:
+        from sim.outputs.folder import OutputError
+
+        if isinstance(exc, OutputError):   # an --out that cannot be written (disk full)
+            print(f"fabricsim: {exc}", file=sys.stderr)
+            sys.exit(2)
         code = getattr(exc, "exit_code", None)
         if type(exc).__name__ == "Exit" and isinstance(code, int):
             sys.exit(code)

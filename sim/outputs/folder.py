@@ -18,9 +18,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
-class OutputExists(ValueError):
-    """``--out`` names a folder (or file) that holds a previous result; one line for the
-    user."""
+class OutputError(ValueError):
+    """``--out`` cannot be written (one line for the user: the CLI exits 2)."""
+
+
+class OutputExists(OutputError):
+    """``--out`` names a folder (or file) that holds a previous result."""
 
 
 def check_out(out: Path, overwrite: bool) -> Path:
@@ -41,12 +44,19 @@ def check_out(out: Path, overwrite: bool) -> Path:
     holds a previous result; pass --overwrite to replace it
     """
     out = out.expanduser()
-    if overwrite or not out.exists():
-        return out
-    if out.is_dir() and not any(out.iterdir()):
-        return out
-    what = "holds a previous result" if out.is_dir() else "is a file"
-    raise OutputExists(f"--out {out}: {what}; pass --overwrite to replace it")
+    if out.exists() and not overwrite and not (out.is_dir() and not any(out.iterdir())):
+        what = "holds a previous result" if out.is_dir() else "is a file"
+        raise OutputExists(f"--out {out}: {what}; pass --overwrite to replace it")
+    # The folder beside it must take the staged copy (checked before any simulation).
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"--out {out}: cannot create {parent} "
+                          f"({exc.strerror or exc})") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"--out {out}: {parent} is not writable")
+    return out
 
 
 @contextmanager
@@ -64,10 +74,17 @@ def staged_folder(out: Path, overwrite: bool = False, prefix: str = ".fabricsim-
     ['summary.json']
     """
     out = check_out(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     try:
-        yield tmp
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    except OSError as exc:
+        raise OutputError(f"--out {out}: cannot write beside it "
+                          f"({exc.strerror or exc})") from None
+    try:
+        try:
+            yield tmp
+        except OSError as exc:   # writing the outputs: a full disk, a quota
+            raise OutputError(f"--out {out}: cannot write ({exc.strerror or exc}); "
+                              "nothing was written") from exc
         # Checked again: another process may have written ``out`` meanwhile.
         check_out(out, overwrite)
         if out.exists():

@@ -19,7 +19,7 @@ from unittest import mock
 import pytest
 import yaml
 
-from sim.outputs.folder import OutputExists, check_out, staged_folder
+from sim.outputs.folder import OutputError, OutputExists, check_out, staged_folder
 
 FABRICSIM = Path(sys.executable).parent / "fabricsim"
 TINY = {  # 2 nodes x 2 H100, FSDP2: a run of well under a second
@@ -94,8 +94,9 @@ def test_the_run_writer_failing_mid_way_leaves_nothing(tmp_path: Path) -> None:
     from sim.scenario import scenario_from_dict
 
     result = simulate(scenario_from_dict(TINY))
-    with mock.patch("sim.outputs.plot.memory_over_time", side_effect=OSError("no space")), \
-            pytest.raises(OSError, match="no space"):
+    with mock.patch("sim.outputs.plot.memory_over_time",
+                    side_effect=OSError(28, "No space left on device")), \
+            pytest.raises(OutputError, match="cannot write .No space left on device"):
         commands._write_outputs(tmp_path / "res", result)
     assert list(tmp_path.iterdir()) == []
 
@@ -105,10 +106,22 @@ def test_compare_and_plan_outputs_are_staged_too(tmp_path: Path) -> None:
 
     result = {"variants": [], "baseline": None}
     with mock.patch.object(cmp, "compare_figure", side_effect=OSError("no space")), \
-            pytest.raises(OSError):
+            pytest.raises(OutputError):
         cmp.write_outputs(tmp_path / "cmp", result)
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "cmp").mkdir()
     (tmp_path / "cmp" / "compare.json").write_text("{}")
     with pytest.raises(OutputExists):
         cmp.write_outputs(tmp_path / "cmp", result)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_an_out_that_cannot_be_written_is_one_line_before_simulating(tmp_path: Path) -> None:
+    # /proc takes no new folders, even for root (who passes every permission check).
+    with pytest.raises(OutputError, match="cannot create /proc"):
+        check_out(Path("/proc/fabricsim-out/run"), overwrite=False)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(TINY))
+    for cmd in (["run", "s.yaml"], ["export-chakra", "s.yaml"]):
+        done = _cli(tmp_path, *cmd, "--out", "/proc/fabricsim-out/x")
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert "cannot create /proc" in done.stderr and "Traceback" not in done.stderr
