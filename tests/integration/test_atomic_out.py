@@ -90,14 +90,14 @@ def test_a_failure_while_writing_leaves_the_folder_as_it_was(tmp_path: Path,
 def test_the_run_writer_failing_mid_way_leaves_nothing(tmp_path: Path) -> None:
     # The CLI's writer through the same folder: a plot that raises half-way through.
     from sim.api import simulate
-    from sim.cli import commands
+    from sim.cli import render
     from sim.scenario import scenario_from_dict
 
     result = simulate(scenario_from_dict(TINY))
     with mock.patch("sim.outputs.plot.memory_over_time",
                     side_effect=OSError(28, "No space left on device")), \
             pytest.raises(OutputError, match="cannot write .No space left on device"):
-        commands._write_outputs(tmp_path / "res", result)
+        render.write_run_outputs(tmp_path / "res", result)
     assert list(tmp_path.iterdir()) == []
 
 
