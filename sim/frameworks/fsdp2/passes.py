@@ -116,6 +116,20 @@ def _gather_unit(stage: Stage, u: Unit, deps: list[Op], mb: int, phase: str,
             pending[w.name] = gather(stage, w, deps, mb, phase)
 
 
+def _unshard_and_prefetch(stage: Stage, units: list[Unit], i: int, mb: int, phase: str,
+                          pending: dict[str, Op]) -> None:
+    """Unit ``i``'s pre-forward (pre-backward) under explicit prefetching: its pending
+    all-gather copied out, then the next unit's (``units`` in the pass's order) issued after
+    that copy, with its experts when a block prefetches them (:func:`_gather_unit`)."""
+    u = units[i]
+    copied = None
+    if u.name in pending:
+        copied = copy_out(stage, u, pending.pop(u.name), mb, phase)
+        stage.gathered[u.name] = True
+    if i + 1 < len(units):
+        _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, phase, pending, by=u)
+
+
 def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
     """Forward with torchtitan's explicit prefetching under expert parallelism: once a unit
     is unsharded (its pre-forward), the next unit and its experts are all-gathered, ahead of
@@ -129,13 +143,7 @@ def _forward_explicit(stage: Stage, v: int, mb: int) -> None:
     last: Op | None = None
     for i, u in enumerate(units):
         _gather_unit(stage, u, [], mb, "fwd", pending)
-        copied = None
-        if u.name in pending:
-            copied = copy_out(stage, u, pending.pop(u.name), mb, "fwd")
-            stage.gathered[u.name] = True
-        if i + 1 < len(units):
-            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "fwd", pending,
-                         by=u)
+        _unshard_and_prefetch(stage, units, i, mb, "fwd", pending)
         for k in u.keys:
             if k[0] == "moe":
                 last = _moe_forward(stage, u, k[1], mb, pending)
@@ -185,15 +193,9 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
     _gather_unit(stage, units[0], [], mb, "bwd", pending)
     last: Op | None = None
     for i, u in enumerate(units):
-        copied = None
-        if u.name in pending:
-            copied = copy_out(stage, u, pending.pop(u.name), mb, "bwd")
-            stage.gathered[u.name] = True
-        if i + 1 < len(units):
-            # Backward prefetch: the previous unit's all-gather (with its experts' under
-            # expert parallelism) is issued as this unit's backward begins.
-            _gather_unit(stage, units[i + 1], [copied] if copied else [], mb, "bwd", pending,
-                         by=u)
+        # Backward prefetch: the previous unit's all-gather (with its experts' under expert
+        # parallelism) is issued as this unit's backward begins.
+        _unshard_and_prefetch(stage, units, i, mb, "bwd", pending)
         for k in reversed(u.keys):
             if k[0] == "moe":
                 last = _moe_backward(stage, u, k[1], mb, pending, first_of_step)
