@@ -67,6 +67,8 @@ class MegatronOptions(StrictModel):
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""
+    # Loss coefficients are 1e-4 to 1e-2 in published recipes (Mixtral 0.01, Megatron-Core's
+    # z-loss 1e-3); the bound only refuses absurd input.
     moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0, le=1e6)
     """``--moe-aux-loss-coeff``: above 0 the router computes the load-balancing loss
     (Megatron-Core's default 0; NeMo's Mixtral config 0.01)."""
