@@ -68,7 +68,8 @@ def _renumber(links: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
 
 def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
                   capacity: np.ndarray, caps: np.ndarray | None = None,
-                  scratch: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                  scratch: tuple[np.ndarray, np.ndarray] | None = None,
+                  weights: np.ndarray | None = None) -> np.ndarray:
     """Max-min fair rates by progressive filling.
 
     Parameters
@@ -80,6 +81,10 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     caps : optional per-flow rate limit (inf = none)
     scratch : optional arrays over all links for :func:`_renumber` (a False mask and an
         integer array), so that a caller solving often allocates them once
+    weights : optional whole number per incidence: the flows it stands for on that link (a
+        folded group's representative, :mod:`sim.fabric.fold`); each round counts a link's
+        users as the sum of its unfrozen incidences' weights, the count the unfolded flows
+        would give, so the filling takes the same steps
 
     Returns
     -------
@@ -108,7 +113,7 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     capacity = np.asarray(capacity, dtype=float)
     if not len(flat_links):
         return rates
-    if n_flows == 1:
+    if n_flows == 1 and weights is None:
         # One flow (most solves of an incremental run): on distinct links, the first round
         # already freezes it at min(bottleneck, cap), so skip the renumbering.
         path = np.sort(flat_links)
@@ -132,13 +137,15 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
     n_links = len(remaining)
     tol = _EPS * np.maximum(remaining, floor)
     own = np.asarray(owner, dtype=np.intp)
+    wts = None if weights is None else np.asarray(weights, dtype=float)
     # Work on the incidences of unfrozen flows only; drop them as flows freeze.
     active = np.ones(n_flows, dtype=bool)
     act_idx = np.arange(n_flows)
     act_caps = caps
     level = 0.0
     while links.size:
-        users = np.bincount(links, minlength=n_links)
+        users = (np.bincount(links, minlength=n_links) if wts is None else
+                 np.bincount(links, weights=wts, minlength=n_links))
         used = users > 0
         n_used = int(np.count_nonzero(used)) if n_links > _DENSE_LINKS else n_links
         if 2 * n_used < n_links:
@@ -172,6 +179,8 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
         active[capped] = False
         keep = active[own]
         links, own = links[keep], own[keep]
+        if wts is not None:
+            wts = wts[keep]
         live = active[act_idx]
         act_idx, act_caps = act_idx[live], act_caps[live]
     return rates

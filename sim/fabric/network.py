@@ -28,9 +28,11 @@ from collections.abc import Sequence
 import numpy as np
 import simpy
 
+from sim.fabric import network_fold as fold_ops
+from sim.fabric.fold import FoldedGroup, FoldPlan
 from sim.fabric.maxmin import _EPS, _renumber, max_min_rates
 
-__all__ = ["FlowNetwork", "NetworkObserver", "max_min_rates", "ring_bytes_per_rank"]
+__all__ = ["FlowNetwork", "NetworkObserver", "max_min_rates"]
 
 # Rows of FlowNetwork's per-flow table, before the hop counts per link class.
 _ROWS = ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count")
@@ -62,6 +64,10 @@ class NetworkObserver:
 class FlowNetwork:
     """Max-min fair flows over links with capacities.
 
+    A large group whose flows share links alike runs folded, one flow per class, while it is
+    alone on its links (:mod:`sim.fabric.fold`, :mod:`sim.fabric.network_fold`): the same
+    figures, to the last bit, for a fraction of the work.
+
     Parameters
     ----------
     env : simpy.Environment
@@ -80,6 +86,10 @@ class FlowNetwork:
     >>> env.run(); env.now
     2.0
     """
+
+    recount_every: int = 4096
+    """Every this many solves the network solves every flow afresh and sums link and class
+    rates anew (against rounding drift of the incremental sums); folded groups unfold."""
 
     def __init__(self, env: simpy.Environment, capacity: np.ndarray, kind: np.ndarray,
                  n_kinds: int, observer: NetworkObserver | None = None) -> None:
@@ -147,6 +157,15 @@ class FlowNetwork:
         # collective of a rank class repeats thousands of times on the same links, and
         # max_min_rates is a pure function of these and the (fixed) capacities.
         self._alone_rates: dict[tuple[bytes, bytes, bytes], np.ndarray] = {}
+        # Folded groups (sim.fabric.fold, sim.fabric.network_fold): by group, the flows they
+        # stand for, the one pending a folded solve, the folded group on each link (-1: none;
+        # the dead link past the last, none) and the fold plans by group and links.
+        self._folded: dict[int, FoldedGroup] = {}
+        self._live_folded = 0
+        self._fold_pending: int | None = None
+        self._fold_owner = np.full(n_links + 1, -1, dtype=np.int64)
+        self._fold_plans: dict[tuple[bytes, ...], FoldPlan | None] = {}
+        self.folded_groups = 0
 
     # ------------------------------------------------------------------ API
     @property
@@ -181,6 +200,8 @@ class FlowNetwork:
         if not gids:
             return
         self._advance()
+        if self._folded and fold_ops.scale_folded(self, gids, scale):
+            return
         flows = np.isin(self._group, np.fromiter(gids, dtype=np.int64, count=len(gids)))
         # base <= the flow's own cap, so base * scale is the tighter one; unscaled flows get
         # their own cap back exactly (no rounding moves an unthrottled run).
@@ -236,6 +257,13 @@ class FlowNetwork:
             scale = self._tag_scale.get(tag)
             if scale is not None:
                 caps = alone * scale
+        if self._folded:
+            touched = self._fold_owner[flat_links]
+            for g in np.unique(touched[touched >= 0]).tolist():
+                fold_ops.unfold(self, self._folded[g])
+        if fold_ops.try_fold(self, gid, flat_links, lengths, sizes, counts, caps, alone, caps0):
+            self._resolve()
+            return done
         base, m = self._n, self._m
         end, m_end = base + n_new, m + len(flat_links)
         if end > self._flows.shape[1] or m_end > self._inc.shape[1]:
@@ -280,22 +308,32 @@ class FlowNetwork:
             else:
                 busy = self._busy
                 self.link_bytes[busy] += self._link_rates[busy] * dt
+            for group in self._folded.values():
+                group.remaining -= group.rate * dt
         self._last = now
 
     def _resolve(self) -> None:
         # Retire finished flows, solve rates for the rest, schedule the next completion.
-        now = self.env.now
-        if self._live:
-            # Time left where a flow moves (no errstate context: it costs more than the
-            # division on the engine's hot path). A dead row has rate 0 and infinite bytes
-            # left: never finished, never the next to finish.
-            moving = self._rate > 0
-            left = np.full(len(self._rate), np.inf)
-            np.divide(self._remaining, self._rate, out=left, where=moving)
-            finished = (self._remaining <= _EPS * self._size) | (left <= 1e-12 * max(1.0, now))
+        if self._folded and fold_ops.folded_event(self):
+            self._schedule()
+            return
+        if self._n:
+            finished = self._finished_rows()
             if finished.any():
                 self._retire(finished)
         self._solve()
+        self._schedule()
+
+    def _finished_rows(self) -> np.ndarray:
+        """The rows whose flows end now: bytes left within rounding of none, or time left
+        within rounding of now. Time left where a flow moves (no errstate context: it costs
+        more than the division on the engine's hot path); a dead row has rate 0 and infinite
+        bytes left: never finished, never the next to finish."""
+        left = np.full(self._n, np.inf)
+        np.divide(self._remaining, self._rate, out=left, where=self._rate > 0)
+        return (self._remaining <= _EPS * self._size) | (left <= 1e-12 * max(1.0, self.env.now))
+
+    def _schedule(self) -> None:
         self._version += 1
         if not self._live:
             return
@@ -304,8 +342,12 @@ class FlowNetwork:
         positive = self._rate > 0
         left = np.full(self._n, np.inf)
         np.divide(self._remaining, self._rate, out=left, where=positive)
-        dt = float(left.min())
-        if dt == math.inf and not positive.any():
+        dt = float(left.min(initial=math.inf))
+        moving = bool(positive.any())
+        for group in self._folded.values():
+            dt = min(dt, float(group.left().min()))
+            moving = moving or bool((group.rate > 0).any())
+        if dt == math.inf and not moving:
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
         version = self._version
         timeout = self.env.timeout(max(dt, 0.0))
@@ -346,18 +388,21 @@ class FlowNetwork:
         elif _KEEP_DEAD * self._live < self._n:
             self._compact()
         for gid in sorted(tally):
-            k = tally[gid]
-            entry = self._groups[gid]
-            entry[1] -= k
-            if entry[1] == 0:
-                del self._groups[gid]
-                live = self._tag_groups.get(entry[3])
-                if live is not None:
-                    live.discard(gid)
-                    if not live:
-                        del self._tag_groups[entry[3]]
-                self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
-                entry[0].succeed()
+            self._end_flows(gid, tally[gid])
+
+    def _end_flows(self, gid: int, k: int) -> None:
+        """``k`` flows of group ``gid`` have ended; the last one ends the group."""
+        entry = self._groups[gid]
+        entry[1] -= k
+        if entry[1] == 0:
+            del self._groups[gid]
+            live = self._tag_groups.get(entry[3])
+            if live is not None:
+                live.discard(gid)
+                if not live:
+                    del self._tag_groups[entry[3]]
+            self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
+            entry[0].succeed()
 
     def _bind(self) -> None:
         """Point the per-flow and per-incidence names at the rows in use of the tables
@@ -393,7 +438,7 @@ class FlowNetwork:
         remap = np.cumsum(keep) - 1
         inc = self._inc[:, :self._m][:, keep[self._inc_flow]]
         inc[1] = remap[inc[1]]
-        n, m = self._live, inc.shape[1]
+        n, m = int(np.count_nonzero(keep)), inc.shape[1]
         self._inc[:, :m] = inc
         self._flows[:, :n] = self._flows[:, :self._n][:, keep]
         self._hops_t[:n] = self._hops[keep]
@@ -500,6 +545,8 @@ class FlowNetwork:
 
     def _solve(self) -> None:
         self.solves += 1
+        if self._folded and self.solves % self.recount_every == 0:
+            fold_ops.unfold_all(self)   # the recount below sums every flow as the tables hold them
         # Links to mark in the component search (any integer array will do).
         self._dirty_seen = self._dirty
         dirty = (self._dirty[0] if len(self._dirty) == 1 else
@@ -519,7 +566,7 @@ class FlowNetwork:
             if n_comp < 0:
                 comp = self._component(dirty)
                 n_comp = self._alone or int(np.count_nonzero(comp))
-            if n_comp == self._live or self.solves % 4096 == 0:
+            if n_comp == self._live or self.solves % self.recount_every == 0:
                 # A full solve, and now and then a full recount against rounding drift, on
                 # the live rows alone (the sums over flows see what they always saw).
                 if self._n > self._live:
@@ -557,17 +604,3 @@ class FlowNetwork:
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 
-
-def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:
-    """Bytes each rank sends in a ring collective (nccl-tests' bus-bandwidth factors).
-
-    ``nbytes`` is the message size as nccl-tests counts it: the buffer of an all-reduce, the
-    gathered output of an all-gather, the input of a reduce-scatter.
-    """
-    if n <= 1:
-        return 0.0
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n * nbytes
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n * nbytes
-    raise ValueError(f"not a ring collective: {op}")

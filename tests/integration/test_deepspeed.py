@@ -11,7 +11,7 @@ from conftest import SMALL_MODEL, make_scenario
 from helpers import program
 
 from sim.api import fabric_spec, simulate
-from sim.fabric.network import ring_bytes_per_rank
+from sim.fabric.collectives.chain import ring_bytes_per_rank
 from sim.fabric.topology import build_fabric
 from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.program.ir import Op, Program

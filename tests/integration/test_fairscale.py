@@ -11,7 +11,7 @@ import pytest
 from conftest import make_scenario
 
 from sim.api import simulate
-from sim.fabric.network import ring_bytes_per_rank
+from sim.fabric.collectives.chain import ring_bytes_per_rank
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.fairscale.build import (
     bucket_shard_capacity,

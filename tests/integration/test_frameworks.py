@@ -132,8 +132,8 @@ def test_whole_step_conservation_on_the_fabric() -> None:
     from sim.api import fabric_spec
     from sim.engine.core import Engine
     from sim.engine.recorder import Recorder
+    from sim.fabric.collectives.chain import ring_bytes_per_rank
     from sim.fabric.collectives.runner import transport_capacity
-    from sim.fabric.network import ring_bytes_per_rank
     from sim.fabric.topology import build_fabric
 
     s = scenario({"name": "fsdp2"}, nodes=2, gpus=8)

@@ -8,7 +8,7 @@ from conftest import SMALL_MODEL, make_scenario
 from helpers import program
 
 from sim.api import simulate
-from sim.fabric.network import ring_bytes_per_rank
+from sim.fabric.collectives.chain import ring_bytes_per_rank
 from sim.fabric.topology import NETWORK, PCIE
 from sim.frameworks.fsdp2.mesh import stage_layers
 from sim.hardware.host import HostSpec, cpu_adam_s

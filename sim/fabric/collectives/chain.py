@@ -9,7 +9,7 @@ it once on top of its bandwidth term (the pipeline fills once). NCCL's latency m
 inside one datacenter, so it already holds the ~1-3 us of an in-datacenter hop; what it
 cannot know is the propagation of a link between zones or regions. The chain latency here
 counts only those long-haul links (``cross_az`` and ``cross_region``), so nothing is counted
-twice.
+twice. Beside it, the bytes each rank of a ring sends (:func:`ring_bytes_per_rank`).
 """
 
 from __future__ import annotations
@@ -79,3 +79,18 @@ def tree_depth(parents: Sequence[int], up: Sequence[float], down: Sequence[float
         u, d = walk(i)
         best_up, best_down = max(best_up, u), max(best_down, d)
     return best_up + best_down
+
+
+def ring_bytes_per_rank(op: str, nbytes: float, n: int) -> float:
+    """Bytes each rank sends in a ring collective (nccl-tests' bus-bandwidth factors).
+
+    ``nbytes`` is the message size as nccl-tests counts it: the buffer of an all-reduce, the
+    gathered output of an all-gather, the input of a reduce-scatter.
+    """
+    if n <= 1:
+        return 0.0
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes
+    raise ValueError(f"not a ring collective: {op}")

@@ -8,7 +8,8 @@ import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.fabric.network import FlowNetwork, NetworkObserver, max_min_rates, ring_bytes_per_rank
+from sim.fabric.collectives.chain import ring_bytes_per_rank
+from sim.fabric.network import FlowNetwork, NetworkObserver, max_min_rates
 
 
 def test_two_flows_on_one_link_get_half_each() -> None:

@@ -1,0 +1,216 @@
+"""A group of flows folded onto one representative per class of flows that share alike.
+
+Issue 13, item 10 (``docs/performance.md``). NCCL's all-to-all is ``n (n - 1)`` point-to-point
+flows (:mod:`sim.fabric.collectives.alltoall`): 4,032 for DeepSeek-V3's 64-GPU expert groups,
+each crossing five or six links, and the fabric re-solves them at every start and end. Their
+sharing is regular: every GPU's NVLink port carries the same number of its group's flows,
+every rail NIC as many as every other, so max-min fairness gives whole classes of flows one
+rate. Progressive filling (:func:`sim.fabric.maxmin.max_min_rates`) keeps them equal step by
+step when the classes form an *equitable partition* of the flow-link incidence graph: flows of
+one class have the same size, count and cap and meet the same number of links of each link
+class; links of one class have the same capacity and carry the same number of incidences of
+each flow class. Then every link of a class has the same users and capacity left at every
+round, every flow of a class freezes at the same round, and the filling over one
+representative per flow class and per link class, each representative incidence weighted by
+the incidences it stands for on one link, takes the very same steps: the same rates, to the
+last bit (Godsil and Royle, "Algebraic Graph Theory", 2001, sec. 9.3, equitable partitions;
+the coarsest one is the stable colouring of one-dimensional Weisfeiler-Leman refinement,
+Weisfeiler and Leman 1968, computed here by sorting, without hashing).
+
+:class:`~sim.fabric.network.FlowNetwork` folds a group only while it is alone on its links (no
+other flow shares any of them), so the partition of the group alone is the partition of its
+component; anything that would make it share a link unfolds it first, into the rows and
+incidences the unfolded group would hold at that moment (every member of a class has the
+representative's bytes left, rate and cap). Link rates and bytes, class totals and the
+component searches it stands in for are computed from the members, in the order the
+unfolded tables keep them, so every figure is the same to the last bit (the hypothesis test in
+``tests/unit/fabric/test_network_fold.py`` compares whole runs with folding on and off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["FOLD_MIN_FLOWS", "FoldPlan", "fold_plan", "reach"]
+
+FOLD_MIN_FLOWS = 256
+"""Groups with fewer flows start unfolded: finding their classes costs more than it saves
+(a 16-rank all-to-all has 240 flows; DeepSeek-V3's 64-rank one 4,032)."""
+FOLD_MIN_RATIO = 4
+"""Fold only when the group has at least this many flows per class."""
+
+
+@dataclass(eq=False)
+class FoldPlan:
+    """The classes of a group's flows and links, and the folded incidences."""
+
+    orbit: np.ndarray
+    """Class of each flow (0 .. n_orbits - 1)."""
+    n_orbits: int
+    members: np.ndarray
+    """Flows per class."""
+    links: np.ndarray
+    """Folded incidences: one link standing for each link class a flow class meets."""
+    owner: np.ndarray
+    """Flow class of each folded incidence."""
+    weight: np.ndarray
+    """Incidences of the class's flows on one link of that link class (a whole number)."""
+    reach_cache: dict[tuple[bytes, bytes], np.ndarray | None] = field(default_factory=dict)
+    # The group's static arrays, the same at every start of the same group on the same links
+    # (set by the network on first use; see FoldedGroup).
+    statics: tuple[np.ndarray, ...] | None = None
+
+
+def _sorted_rows(entity: np.ndarray, value: np.ndarray, n: int, own: np.ndarray) -> np.ndarray:
+    """Per entity, its own colour then its incidences' values in ascending order, padded with
+    -1: two entities get equal rows exactly when colour and multiset agree."""
+    order = np.lexsort((value, entity))
+    ent, val = entity[order], value[order]
+    counts = np.bincount(ent, minlength=n)
+    width = int(counts.max(initial=0))
+    starts = np.cumsum(counts) - counts
+    pos = np.arange(len(ent)) - starts[ent]
+    rows = np.full((n, width + 1), -1, dtype=np.int64)
+    rows[:, 0] = own
+    rows[ent, pos + 1] = val
+    return rows
+
+
+def _relabel(rows: np.ndarray) -> tuple[np.ndarray, int]:
+    """Number the distinct rows 0, 1, ... in their lexicographic order (``np.unique(rows,
+    axis=0, return_inverse=True)``'s inverse, by a column sort, much faster on wide rows)."""
+    n = len(rows)
+    if not n:
+        return np.zeros(0, dtype=np.int64), 0
+    order = np.lexsort(rows.T[::-1])
+    ranked = rows[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = (ranked[1:] != ranked[:-1]).any(axis=1)
+    labels = np.empty(n, dtype=np.int64)
+    labels[order] = np.cumsum(new) - 1
+    return labels, int(new.sum())
+
+
+def fold_plan(flat_links: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
+              counts: np.ndarray, caps: np.ndarray, capacity: np.ndarray) -> FoldPlan | None:
+    """The coarsest equitable partition of a group's flows and links (module docstring), or
+    None when it would not pay (fewer than :data:`FOLD_MIN_RATIO` flows per class).
+
+    Examples
+    --------
+    Four flows, two on each of two 10 B/s links, all alike: one class, one link class, and
+    each link carries two incidences of it.
+
+    >>> p = fold_plan(np.array([0, 0, 1, 1]), np.ones(4, dtype=np.int64), np.ones(4),
+    ...               np.ones(4), np.full(4, np.inf), np.array([10.0, 10.0]))
+    >>> p.n_orbits, p.weight.tolist()
+    (1, [2.0])
+    """
+    n = len(lengths)
+    owner = np.repeat(np.arange(n), lengths)
+    ids, inv = np.unique(flat_links, return_inverse=True)
+    inv = inv.reshape(-1)
+    n_links = len(ids)
+    flow_c, n_fc = _relabel(np.column_stack([sizes, counts, caps]))
+    link_c, n_lc = _relabel(capacity[ids].reshape(-1, 1))
+    while True:
+        new_f, new_nf = _relabel(_sorted_rows(owner, link_c[inv], n, flow_c))
+        new_l, new_nl = _relabel(_sorted_rows(inv, new_f[owner], n_links, link_c))
+        stable = new_nf == n_fc and new_nl == n_lc
+        flow_c, n_fc, link_c, n_lc = new_f, new_nf, new_l, new_nl
+        if stable:
+            break
+        if FOLD_MIN_RATIO * n_fc > n:
+            return None
+    if FOLD_MIN_RATIO * n_fc > n:
+        return None
+    # Incidences of each flow class on each link class, over the links of that class.
+    pair = flow_c[owner] * n_lc + link_c[inv]
+    pairs, per_pair = np.unique(pair, return_counts=True)
+    links_per_class = np.bincount(link_c, minlength=n_lc)
+    f_of, l_of = pairs // n_lc, pairs % n_lc
+    weight = per_pair / links_per_class[l_of]
+    first_link = np.full(n_lc, -1, dtype=np.int64)
+    first_link[link_c[::-1]] = np.arange(n_links)[::-1]
+    return FoldPlan(orbit=flow_c, n_orbits=n_fc,
+                    members=np.bincount(flow_c, minlength=n_fc),
+                    links=ids[first_link[l_of]], owner=f_of, weight=weight.astype(float))
+
+
+def reach(plan: FoldPlan, flat_links: np.ndarray, owner: np.ndarray, live: np.ndarray,
+          dirty: np.ndarray, scratch: np.ndarray) -> np.ndarray | None:
+    """The flow classes whose live flows connect to the links of the ``dirty`` classes'
+    flows through shared links (what :meth:`FlowNetwork._component` would find in the group
+    alone), or None when that set is not a union of whole classes.
+
+    ``live`` and ``dirty`` are boolean masks over classes; ``scratch`` a False mask over all
+    links (left so). Remembered per plan.
+    """
+    key = (live.tobytes(), dirty.tobytes())
+    cached = plan.reach_cache.get(key, False)
+    if cached is not False:
+        return cached   # type: ignore[return-value]
+    member_class = plan.orbit[owner]
+    live_inc = live[member_class]
+    scratch[flat_links[dirty[member_class]]] = True
+    n = len(plan.orbit)
+    flows = np.zeros(n, dtype=bool)
+    while True:
+        hit = np.zeros(n, dtype=bool)
+        hit[owner[live_inc & scratch[flat_links]]] = True
+        new = hit & ~flows
+        if not new.any():
+            break
+        flows |= new
+        scratch[flat_links[new[owner]]] = True
+    scratch[flat_links] = False
+    inside = np.bincount(plan.orbit, weights=flows, minlength=plan.n_orbits)
+    result: np.ndarray | None = inside > 0
+    if not np.array_equal(inside[result], plan.members[result]):
+        result = None
+    plan.reach_cache[key] = result
+    return result
+
+
+@dataclass(eq=False)
+class FoldedGroup:
+    """A group running folded (:class:`~sim.fabric.network.FlowNetwork`): its members'
+    static rows and incidences, and one row of state per class."""
+
+    gid: int
+    plan: FoldPlan
+    flat: np.ndarray
+    """Every member's links in turn (the unfolded incidences' links, in order)."""
+    owner: np.ndarray
+    """Member of each incidence."""
+    used: np.ndarray
+    """The distinct links of the group."""
+    size: np.ndarray
+    count: np.ndarray
+    hops: np.ndarray
+    """Per member: bytes, copies and hops per link class (the unfolded rows)."""
+    # Per class: the state every member of it shares.
+    csize: np.ndarray
+    remaining: np.ndarray
+    rate: np.ndarray
+    cap: np.ndarray
+    base_cap: np.ndarray
+    cap0: np.ndarray
+    live: np.ndarray
+    """Classes whose flows have not ended."""
+
+    def live_members(self) -> np.ndarray:
+        return self.live[self.plan.orbit]
+
+    def left(self) -> np.ndarray:
+        """Time left per live, moving class (inf otherwise), as the tables compute it."""
+        left = np.full(len(self.rate), np.inf)
+        np.divide(self.remaining, self.rate, out=left, where=self.rate > 0)
+        return left
+
+    def ending(self, now: float, eps: float) -> np.ndarray:
+        """Classes whose flows end now (the tables' test, :meth:`FlowNetwork._resolve`)."""
+        return self.live & ((self.remaining <= eps * self.csize)
+                            | (self.left() <= 1e-12 * max(1.0, now)))

@@ -1,0 +1,256 @@
+"""FlowNetwork's folded groups: starting, solving, ending and unfolding them.
+
+Functions of a :class:`sim.fabric.network.FlowNetwork` (its state passed explicitly), kept in
+their own module beside the network's tables (``network.py``); :mod:`sim.fabric.fold` says
+what a folded group is and why its figures are those of the unfolded one, bit for bit. The
+rules here keep it so:
+
+* a group folds at its start only when none of its links has a user, nothing else ends at that
+  instant, and the solve is not a periodic full recount (``FlowNetwork._solve``);
+* it stays folded while every solve it takes part in is its own (its start, a cap scale of its
+  tag alone, the end of some of its classes with nothing else ending); any other start on one
+  of its links, any end at the same instant as another's, a recount, or an end whose component
+  is not a union of whole classes unfolds it first into the rows and incidences the tables
+  would hold, at the place they would hold them (groups keep their start order);
+* what it adds to link and class rates is computed from its members in the tables' order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sim.fabric.fold import FOLD_MIN_FLOWS, FoldedGroup, fold_plan, reach
+from sim.fabric.maxmin import _EPS, max_min_rates
+
+if TYPE_CHECKING:
+    from sim.fabric.network import FlowNetwork
+
+__all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "try_fold",
+           "unfold", "unfold_all"]
+
+_PLAN_CACHE = 128
+"""Fold plans remembered per network (a group repeats on the same links thousands of times)."""
+
+
+def try_fold(net: FlowNetwork, gid: int, flat_links: np.ndarray, lengths: np.ndarray,
+             sizes: np.ndarray, counts: np.ndarray, caps: np.ndarray,
+             alone: np.ndarray, caps0: np.ndarray) -> bool:
+    """Start group ``gid`` folded, when it may (module docstring); False: start it as
+    rows."""
+    if (len(lengths) < FOLD_MIN_FLOWS or net._link_users[flat_links].any()
+            or (net.solves + 1) % net.recount_every == 0 or finishing_now(net)):
+        return False
+    key = (flat_links.tobytes(), lengths.tobytes(), sizes.tobytes(), counts.tobytes(),
+           caps.tobytes())
+    if key in net._fold_plans:
+        plan = net._fold_plans[key]
+    else:
+        plan = fold_plan(flat_links, lengths, sizes, counts, caps, net.capacity)
+        if len(net._fold_plans) >= _PLAN_CACHE:
+            net._fold_plans.clear()
+        net._fold_plans[key] = plan
+    if plan is None:
+        return False
+    n = len(lengths)
+    if plan.statics is None:
+        owner = np.repeat(np.arange(n), lengths)
+        hops = np.bincount(owner * net.n_kinds + net.kind[flat_links],
+                           minlength=n * net.n_kinds).reshape(n, net.n_kinds)
+        _, rep = np.unique(plan.orbit, return_index=True)
+        used = np.unique(flat_links)
+        users = np.bincount(flat_links, minlength=len(net._link_users))
+        plan.statics = (owner, hops, rep, used, users)
+    owner, hops, rep, used, users = plan.statics
+    group = FoldedGroup(
+        gid=gid, plan=plan, flat=flat_links, owner=owner, used=used,
+        size=sizes, count=counts, hops=hops, csize=sizes[rep].copy(),
+        remaining=sizes[rep].copy(), rate=np.zeros(plan.n_orbits), cap=caps[rep].copy(),
+        base_cap=alone[rep].copy(), cap0=caps0[rep].copy(),
+        live=np.ones(plan.n_orbits, dtype=bool))
+    net._link_users += users
+    net._fold_owner[used] = gid
+    net._folded[gid] = group
+    net._live += n
+    net._live_folded += n
+    net._fold_pending = gid
+    net.folded_groups += 1
+    return True
+
+def finishing_now(net: FlowNetwork) -> bool:
+    """Would ``FlowNetwork._resolve`` end any flow now (rows or folded classes)?"""
+    if net._n and net._finished_rows().any():
+        return True
+    return any(g.ending(net.env.now, _EPS).any() for g in net._folded.values())
+
+
+def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
+    """A cap scale on a tag: done folded when its one live group is folded and nothing
+    ends now (True); else the tag's folded groups unfold (False)."""
+    folded = sorted(g for g in gids if g in net._folded)
+    if not folded:
+        return False
+    if len(gids) == 1 and (net.solves + 1) % net.recount_every and not finishing_now(net):
+        group = net._folded[folded[0]]
+        group.cap = group.cap0.copy() if scale >= 1.0 else group.base_cap * scale
+        net._fold_pending = group.gid
+        net._resolve()
+        return True
+    for g in folded:
+        unfold(net, net._folded[g])
+    return False
+
+# ------------------------------------------------------------------ events
+def folded_event(net: FlowNetwork) -> bool:
+    """Handle this resolve folded, when it is one folded group's own (True); else unfold
+    the folded groups it involves and leave it to the tables (False)."""
+    pending, net._fold_pending = net._fold_pending, None
+    if pending is not None:
+        # _try_fold and _scale_folded made sure nothing else ends now.
+        group = net._folded[pending]
+        folded_solve(net, group, group.live.copy())
+        return True
+    now = net.env.now
+    ending = {gid: fin for gid, g in net._folded.items()
+              if (fin := g.ending(now, _EPS)).any()}
+    if not ending:
+        return False
+    if (len(ending) == 1 and not net._dirty and (net.solves + 1) % net.recount_every
+            and not (net._n and net._finished_rows().any())):
+        gid, fin = ending.popitem()
+        group = net._folded[gid]
+        comp = reach(group.plan, group.flat, group.owner, group.live & ~fin, fin,
+                     net._link_mask)
+        folded_retire(net, group, fin)
+        if comp is not None:
+            folded_solve(net, group, comp)
+            return True
+        if gid in net._folded:
+            unfold(net, group)
+        return False
+    for gid in sorted(ending):
+        unfold(net, net._folded[gid])
+    return False
+
+def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None:
+    """The classes ``fin`` end: what ``FlowNetwork._retire`` does for their members."""
+    orbit = group.plan.orbit
+    ended = fin[orbit]
+    k = int(np.count_nonzero(ended))
+    gone = ended[group.owner]
+    gone_links = group.flat[gone]
+    net._dirty.append(gone_links)
+    users = net._link_users
+    users -= np.bincount(gone_links, minlength=len(users))
+    net._gone_alone = gone_links if not users[gone_links].any() else None
+    rate = group.rate[orbit]
+    net._add_link_rates(gone_links, -rate[group.owner[gone]])
+    net._class_rates -= (rate[ended] * group.count[ended]) @ group.hops[ended]
+    group.rate[fin] = 0.0
+    group.remaining[fin] = np.inf
+    group.live[fin] = False
+    net._live -= k
+    net._live_folded -= k
+    if not net._live:
+        net._n = net._m = 0
+        net._bind()
+    if not group.live.any():
+        del net._folded[group.gid]
+        net._fold_owner[group.used] = -1
+    net._end_flows(group.gid, k)
+
+def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None:
+    """What ``FlowNetwork._solve`` does when the component is the classes ``comp`` of
+    ``group`` (every flow of them, nothing else)."""
+    net.solves += 1
+    net._dirty_seen, net._dirty = net._dirty, []
+    net._seed = net._seed_inc = net._alone = 0
+    net._seed_alone, net._gone_alone = False, None
+    plan = group.plan
+    members = comp[plan.orbit]
+    n_comp = int(np.count_nonzero(members))
+    if not net._live:
+        # As the tables' solve with nothing live: every rate back to zero.
+        net._link_rates = np.zeros(len(net.capacity))
+        net._busy_mask[net._busy] = False
+        net._busy = np.zeros(0, dtype=np.int64)
+        net._class_rates = np.zeros(net.n_kinds)
+    elif n_comp:
+        cls = np.flatnonzero(comp)
+        local = np.full(plan.n_orbits, -1, dtype=np.int64)
+        local[cls] = np.arange(len(cls))
+        sel = comp[plan.owner]
+        rates = max_min_rates(plan.links[sel], local[plan.owner[sel]], len(cls),
+                              net.capacity, group.cap[cls],
+                              (net._link_mask, net._link_pos), weights=plan.weight[sel])
+        new = group.rate.copy()
+        new[cls] = rates
+        inc = members[group.owner]
+        links = group.flat[inc]
+        if n_comp == net._live:
+            # The tables' full solve: link and class rates summed afresh.
+            group.rate = new
+            rate = new[plan.orbit]
+            net._link_rates = np.zeros(len(net.capacity))
+            net._busy_mask[net._busy] = False
+            net._busy = np.zeros(0, dtype=np.int64)
+            net._add_link_rates(links, rate[group.owner[inc]])
+            net._class_rates = (rate[members] * group.count[members]) @ \
+                group.hops[members]
+        else:
+            delta = (new - group.rate)[plan.orbit]
+            group.rate = new
+            net._add_link_rates(links, delta[group.owner[inc]])
+            net._class_rates += (delta[members] * group.count[members]) @ \
+                group.hops[members]
+    net.observer.on_rates(net.env.now, net._class_rates, net._link_rates)
+
+# ------------------------------------------------------------------ unfold
+def unfold_all(net: FlowNetwork) -> None:
+    for gid in sorted(net._folded):
+        unfold(net, net._folded[gid])
+
+
+def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
+    """Put the group's live flows into the tables, where and as they would be."""
+    del net._folded[group.gid]
+    net._fold_owner[group.used] = -1
+    orbit = group.plan.orbit
+    members = group.live[orbit]
+    idx = np.flatnonzero(members)
+    r = len(idx)
+    net._live_folded -= r
+    if net._n > net._live - net._live_folded - r:
+        net._compact()
+    n, m = net._n, net._m
+    # Rows keep their groups' start order: the group goes before the first later one.
+    pos = int(np.searchsorted(net._group, group.gid))
+    inc_pos = int(np.searchsorted(net._inc_flow, pos))
+    inc = members[group.owner]
+    links = group.flat[inc]
+    local = np.cumsum(members) - 1
+    k = len(links)
+    if n + r > net._flows.shape[1] or m + k > net._inc.shape[1]:
+        net._grow(n + r, m + k)
+    flows, hops_t, group_t, inc_t = net._flows, net._hops_t, net._group_t, net._inc
+    flows[:, pos + r:n + r] = flows[:, pos:n].copy()
+    hops_t[pos + r:n + r] = hops_t[pos:n].copy()
+    group_t[pos + r:n + r] = group_t[pos:n].copy()
+    inc_t[:, inc_pos + k:m + k] = inc_t[:, inc_pos:m].copy()
+    inc_t[1, inc_pos + k:m + k] += r
+    cls = orbit[idx]
+    block = flows[:, pos:pos + r]
+    block[0] = group.size[idx]
+    block[1] = group.remaining[cls]
+    block[2] = group.rate[cls]
+    block[3] = group.cap[cls]
+    block[4] = group.base_cap[cls]
+    block[5] = group.cap0[cls]
+    block[6] = group.count[idx]
+    hops_t[pos:pos + r] = group.hops[idx]
+    group_t[pos:pos + r] = group.gid
+    inc_t[0, inc_pos:inc_pos + k] = links
+    inc_t[1, inc_pos:inc_pos + k] = local[group.owner[inc]] + pos
+    net._n, net._m = n + r, m + k
+    net._bind()

@@ -1,0 +1,166 @@
+"""Folded groups move no bit (issue 13 item 10; :mod:`sim.fabric.fold`).
+
+A group alone on its links runs as one flow per class of an equitable partition of its
+flow-link graph; whatever the group (any partition into classes is exact when it is
+equitable, so the test folds every group it can, however small and irregular), the rates,
+end times, link and class bytes and transfer ends must equal those of the same run with
+folding off, to the last bit, through starts beside it (which unfold it), cap scales, ends
+at the same instant as other flows', and the periodic full recount.
+"""
+
+from __future__ import annotations
+
+import math
+from unittest import mock
+
+import numpy as np
+import pytest
+import simpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim.fabric import fold, network, network_fold
+from sim.fabric.fold import fold_plan
+from sim.fabric.network import FlowNetwork, NetworkObserver
+
+_N_LINKS = 10
+
+
+class _Log(NetworkObserver):
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+
+    def on_rates(self, t, class_rates, link_rates) -> None:
+        self.seen.append(np.array([t, *class_rates, *link_rates]).tobytes())
+
+    def on_transfer_end(self, t, tag, nbytes) -> None:
+        self.seen.append(repr((t, tag, nbytes)).encode())
+
+
+def _alltoall(nodes: int, gpus: int, size: float) -> list[tuple[list[int], float, int, float]]:
+    """An all-to-all over ``nodes`` x ``gpus`` on a toy rail fabric: per GPU an up and a down
+    port (links 0 .. 2 n g - 1), per node and rail a NIC up and down after them; a cross-node
+    send takes the destination's rail (PXN): the sender's up port, the rail GPU's down port
+    when it is another GPU, the rail NIC up, the peer's NIC down."""
+    n = nodes * gpus
+
+    def up(a, i):
+        return 2 * (a * gpus + i)
+
+    def down(a, i):
+        return 2 * (a * gpus + i) + 1
+
+    def nic_up(a, i):
+        return 2 * n + 2 * (a * gpus + i)
+
+    def nic_down(a, i):
+        return 2 * n + 2 * (a * gpus + i) + 1
+
+    flows = []
+    for a in range(nodes):
+        for i in range(gpus):
+            for b in range(nodes):
+                for j in range(gpus):
+                    if (a, i) == (b, j):
+                        continue
+                    if a == b:
+                        path = [up(a, i), down(a, j)]
+                    elif i == j:
+                        path = [nic_up(a, i), nic_down(b, i)]
+                    else:
+                        path = [up(a, i), down(a, j), nic_up(a, j), nic_down(b, j)]
+                    flows.append((path, size, 1, math.inf))
+    return flows
+
+
+_flow = st.tuples(
+    st.lists(st.integers(0, _N_LINKS - 1), min_size=1, max_size=4, unique=True),
+    st.floats(1.0, 1e4), st.integers(1, 3), st.one_of(st.just(math.inf), st.floats(0.5, 50.0)))
+_group = st.one_of(
+    st.tuples(st.just("random"), st.lists(_flow, min_size=1, max_size=6)),
+    st.tuples(st.just("a2a"), st.tuples(st.integers(1, 3), st.integers(1, 3),
+                                        st.floats(1.0, 1e3))))
+_event = st.tuples(_group, st.floats(0.0, 3.0), st.sampled_from([None, "a", "b"]))
+_scale = st.tuples(st.floats(0.0, 4.0), st.sampled_from(["a", "b"]), st.floats(0.05, 1.0))
+
+
+def _run(events, scales, folding: bool, link_base: int = 0):
+    env = simpy.Environment()
+    log = _Log()
+    n_links = link_base + 4 * 9
+    cap = 10.0 + (np.arange(n_links) % 4) * 5.0
+    net = FlowNetwork(env, cap, np.arange(n_links) % 3, 3, log)
+
+    def specs(group):
+        kind, body = group
+        if kind == "random":
+            return [(p, size, count, c) for p, size, count, c in body]
+        nodes, gpus, size = body
+        return [([link_base + x for x in p], s, k, c) for p, s, k, c in
+                _alltoall(nodes, gpus, size)]
+
+    def starter(group, at, tag):
+        yield env.timeout(at)
+        yield net.start_flows(specs(group), tag=tag)
+
+    def scaler(at, tag, scale):
+        yield env.timeout(at)
+        net.scale_caps(tag, scale)
+
+    for group, at, tag in events:
+        env.process(starter(group, at, tag))
+    for at, tag, scale in scales:
+        env.process(scaler(at, tag, scale))
+    patches = [mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9),
+               mock.patch.object(fold, "FOLD_MIN_RATIO", 1)]
+    with patches[0], patches[1]:
+        env.run()
+    assert net.active_flows == 0
+    log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
+    return log.seen, net
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_event, min_size=1, max_size=6), st.lists(_scale, max_size=3),
+       st.integers(0, 4))
+def test_folding_moves_no_bit(events, scales, base) -> None:
+    plain, _ = _run(events, scales, folding=False, link_base=base)
+    folded, net = _run(events, scales, folding=True, link_base=base)
+    assert folded == plain
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_event, min_size=1, max_size=6), st.lists(_scale, max_size=3))
+def test_folding_moves_no_bit_through_the_recount(events, scales) -> None:
+    # A full recount every few solves (FlowNetwork._solve's every 4,096th) unfolds all.
+    with mock.patch.object(network.FlowNetwork, "recount_every", 3):
+        plain, _ = _run(events, scales, folding=False)
+        folded, _ = _run(events, scales, folding=True)
+    assert folded == plain
+
+
+def test_an_alltoall_folds_to_three_classes_and_gives_its_closed_form() -> None:
+    # 2 nodes x 4 GPUs, 1,000 B per peer, every link 100 B/s: 56 flows in three classes
+    # (inside a node; across nodes on the sender's rail; across through the rail GPU).
+    flows = _alltoall(2, 4, 1000.0)
+    flat = np.array([x for p, *_ in flows for x in p])
+    lengths = np.array([len(p) for p, *_ in flows])
+    ones = np.ones(len(flows))
+    plan = fold_plan(flat, lengths, 1000.0 * ones, ones, np.full(len(flows), math.inf),
+                     np.full(32, 100.0))
+    assert plan is not None and plan.n_orbits == 3
+    assert sorted(plan.members.tolist()) == [8, 24, 24]
+    # Progressive filling by hand: each GPU's up port carries 3 flows to its node's GPUs and
+    # 3 to the other node through a rail GPU (6), each down port as many, each rail NIC 4
+    # (one per local GPU): the ports saturate first, at 100/6 B/s per flow; a same-rail
+    # cross-node flow, on NICs only, takes what its NICs have left, 100 - 3 x 100/6 = 50
+    # B/s. So 1,000 B take 20 s on the rail and 60 s through the ports: the op ends at 60 s.
+    env = simpy.Environment()
+    net = FlowNetwork(env, np.full(32, 100.0), np.zeros(32, dtype=int), 1)
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1):
+        net.start_flows(flows)
+        env.run()
+    assert net.folded_groups == 1
+    # Bytes conservation: every flow's bytes on each of its links.
+    assert net.link_bytes.sum() == sum(1000.0 * len(p) for p, *_ in flows)
+    assert env.now == pytest.approx(60.0, rel=1e-12)
