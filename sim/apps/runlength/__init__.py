@@ -19,7 +19,7 @@ work and hot spares. Its object is the summary's ``run`` (CONTRACT.md's keys fir
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from sim.apps.runlength.montecarlo import (
     young_daly_s,
 )
 from sim.apps.runlength.rates import SECONDS_PER_DAY, JobRates, job_rates
+from sim.apps.runlength.zones import ZonePlan, ZoneRuns, simulate_zone_runs, zone_fields, zone_plan
 from sim.scenario import ScenarioError
 
 __all__ = ["RunPlan", "optimal_interval", "play", "run_ettr", "run_length", "run_plan"]
@@ -60,6 +61,8 @@ class RunPlan:
     spares: int = 0
     samples: int = 1000
     seed: int = 0
+    zones: ZonePlan | None = None
+    """Availability-zone outages (``run.zone_outage``, :mod:`.zones`)."""
 
     def blocking_s(self, interval_steps: np.ndarray | int) -> np.ndarray:
         """Training stopped per save: the whole write (sync), or the copy plus any wait for
@@ -95,6 +98,8 @@ class RunOutcome:
     """Mean time between unplanned interruptions."""
     downtime_s: float
     """Mean stop per unplanned interruption (restart plus replacement waits)."""
+    zone_runs: ZoneRuns | None = None
+    """The runs with their zone outages (``run.zone_outage``)."""
 
 
 def optimal_interval(plan: RunPlan, downtime_s: float) -> int:
@@ -132,7 +137,9 @@ def run_ettr(plan: RunPlan, interval_steps: np.ndarray, downtime_s: float) -> np
 def play(plan: RunPlan) -> RunOutcome:
     """Play the plan's runs and find the best checkpoint interval."""
     inp = plan.inputs()
-    runs = simulate_runs(inp, plan.samples, plan.seed)
+    runs = simulate_runs(inp, plan.samples, plan.seed) \
+        if plan.zones is None or plan.zones.rate_per_s == 0 \
+        else simulate_zone_runs(inp, plan.zones, plan.samples, plan.seed)
     per_run = inp.work_s / runs.wall_s
     lam_u = plan.rates.unplanned_per_day / SECONDS_PER_DAY
     downtime = plan.restart_s + (runs.waits_s / runs.unplanned if runs.unplanned else 0.0)
@@ -147,7 +154,8 @@ def play(plan: RunPlan) -> RunOutcome:
         wall_s=runs.wall_s, busy_s=float((runs.wall_s - runs.down_s).mean()),
         interruptions=float(runs.interruptions.mean()),
         optimal_interval_steps=optimal_interval(plan, downtime), young_daly_steps=yd,
-        mtbf_s=mtbf, downtime_s=downtime)
+        mtbf_s=mtbf, downtime_s=downtime,
+        zone_runs=runs if isinstance(runs, ZoneRuns) else None)
 
 
 def run_plan(result: RunResult) -> RunPlan:
@@ -174,6 +182,8 @@ def _planned(result: RunResult) -> tuple[RunPlan, float, CheckpointTimes]:
                    restart_s=r.restart_minutes * 60, replace_s=r.replace_minutes * 60,
                    repair_s=r.repair_hours * 3600, spares=r.spares, samples=r.samples,
                    seed=r.seed)
+    if r.zone_outage is not None:
+        plan = replace(plan, zones=zone_plan(result, plan, ck.total))
     return plan, ck.total, times
 
 
@@ -198,7 +208,7 @@ def run_length(result: RunResult) -> RunLength:
     usd = hours * (cost["usd_per_hour"] + spare_usd_per_hour) \
         + cost["egress_usd_per_step"] * out.busy_s / cycle_s
     days = out.wall_s / SECONDS_PER_DAY
-    return {
+    run: RunLength = {
         "ettr": out.ettr,
         "expected_days": float(days.mean()),
         "days_p5": float(np.percentile(days, 5)),
@@ -220,3 +230,6 @@ def run_length(result: RunResult) -> RunLength:
         "failures": r.failures if isinstance(r.failures, str) else "custom",
         "samples": r.samples,
     }
+    if plan.zones is not None:
+        run.update(zone_fields(plan.zones, out.zone_runs))  # type: ignore[typeddict-item]
+    return run
