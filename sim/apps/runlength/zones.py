@@ -122,7 +122,8 @@ def shrunk_scenario(s: Scenario) -> tuple[Scenario, int]:
     data = s.model_dump(mode="json", exclude_unset=True, by_alias=True)
     for key in ("claims", "faults"):
         data.pop(key, None)
-    data["run"].pop("zone_outage", None)
+    if data.get("run"):
+        data["run"].pop("zone_outage", None)
     data["cluster"].update(nodes=dp * fixed // c.gpus_per_node, azs=c.azs - 1)
     if p.dp is not None:
         data["parallelism"]["dp"] = dp
@@ -249,22 +250,27 @@ def simulate_zone_runs(inp: RunInputs, z: ZonePlan, samples: int, seed: int) -> 
         waits += float(wait[hit].sum())
         unplanned += int((hit & ~is_planned).sum())
         if outage.any():
-            _outage(inp, z, outage, gap, made, durable, w, t, down, zone_lost, active)
+            _outage(inp, z, outage, gap, durable, w, t, down, zone_lost, active)
             zone_count[outage] += 1
     return ZoneRuns(wall_s=t, interruptions=count, down_s=down, waits_s=waits,
                     unplanned=unplanned, zone_outages=zone_count, zone_lost_s=zone_lost)
 
 
-def _outage(inp: RunInputs, z: ZonePlan, hit: np.ndarray, gap: np.ndarray, made: np.ndarray,
-            durable: np.ndarray, w: np.ndarray, t: np.ndarray, down: np.ndarray,
-            lost: np.ndarray, active: np.ndarray) -> None:
+def _outage(inp: RunInputs, z: ZonePlan, hit: np.ndarray, gap: np.ndarray, durable: np.ndarray,
+            w: np.ndarray, t: np.ndarray, down: np.ndarray, lost: np.ndarray,
+            active: np.ndarray) -> None:
     """Apply a zone outage to the runs ``hit`` (in place): lose the work since the durable
     checkpoint (or all of it), then wait, or train shrunk until the zone returns."""
-    before = w[hit] + made[hit]
-    kept = np.minimum(w[hit] + durable[hit], inp.work_s) if z.checkpoint_survives \
-        else np.zeros(int(hit.sum()))
-    w[hit] = kept
-    lost[hit] += before - kept
+    # Wall time to train again: since the last durable checkpoint (its cycle's end), and,
+    # without a checkpoint to load, every cycle before it.
+    per_work = (inp.segment_s + inp.blocking_s) / inp.segment_s
+    redo = gap[hit] - durable[hit] * per_work
+    if z.checkpoint_survives:
+        w[hit] = np.minimum(w[hit] + durable[hit], inp.work_s)
+    else:
+        redo += w[hit] * per_work
+        w[hit] = 0.0
+    lost[hit] += redo
     if not z.shrinks:
         stop = z.duration_s + inp.restart_s
         t[hit] += gap[hit] + stop
