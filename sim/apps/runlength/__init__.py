@@ -33,7 +33,14 @@ from sim.apps.runlength.montecarlo import (
     young_daly_s,
 )
 from sim.apps.runlength.rates import SECONDS_PER_DAY, JobRates, job_rates
-from sim.apps.runlength.zones import ZonePlan, ZoneRuns, simulate_zone_runs, zone_fields, zone_plan
+from sim.apps.runlength.zones import (
+    ZonePlan,
+    ZoneRuns,
+    shrunk_egress_usd,
+    simulate_zone_runs,
+    zone_fields,
+    zone_plan,
+)
 from sim.scenario import ScenarioError
 
 __all__ = ["RunPlan", "optimal_interval", "play", "run_ettr", "run_length", "run_plan"]
@@ -90,7 +97,7 @@ class RunOutcome:
     ettr_p95: float
     wall_s: np.ndarray
     busy_s: float
-    """Mean time training or saving (wall less stops)."""
+    """Mean time training or saving (wall less stops), on the whole layout (not shrunk)."""
     interruptions: float
     optimal_interval_steps: int
     young_daly_steps: float | None
@@ -151,7 +158,8 @@ def play(plan: RunPlan) -> RunOutcome:
     return RunOutcome(
         ettr=inp.work_s / float(runs.wall_s.mean()),
         ettr_p5=float(np.percentile(per_run, 5)), ettr_p95=float(np.percentile(per_run, 95)),
-        wall_s=runs.wall_s, busy_s=float((runs.wall_s - runs.down_s).mean()),
+        wall_s=runs.wall_s, busy_s=float((runs.wall_s - runs.down_s).mean())
+        - (float(runs.shrunk_s.mean()) if isinstance(runs, ZoneRuns) else 0.0),
         interruptions=float(runs.interruptions.mean()),
         optimal_interval_steps=optimal_interval(plan, downtime), young_daly_steps=yd,
         mtbf_s=mtbf, downtime_s=downtime,
@@ -206,7 +214,8 @@ def run_length(result: RunResult) -> RunLength:
     spare_usd_per_hour = r.spares * s.cluster.gpus_per_node * cost["gpu_hour_usd"]
     cycle_s = step_s + float(plan.blocking_s(plan.interval_steps)) / plan.interval_steps
     usd = hours * (cost["usd_per_hour"] + spare_usd_per_hour) \
-        + cost["egress_usd_per_step"] * out.busy_s / cycle_s
+        + cost["egress_usd_per_step"] * out.busy_s / cycle_s \
+        + shrunk_egress_usd(plan.zones, out.zone_runs)
     days = out.wall_s / SECONDS_PER_DAY
     run: RunLength = {
         "ettr": out.ettr,

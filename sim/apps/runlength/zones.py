@@ -53,8 +53,8 @@ from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 if TYPE_CHECKING:
     from sim.apps.runlength import RunPlan
 
-__all__ = ["ZonePlan", "ZoneRuns", "shrunk_scenario", "simulate_zone_runs", "zone_fields",
-           "zone_plan"]
+__all__ = ["ZonePlan", "ZoneRuns", "shrunk_egress_usd", "shrunk_scenario", "simulate_zone_runs",
+           "zone_fields", "zone_plan"]
 
 SECONDS_PER_YEAR = 365.25 * SECONDS_PER_DAY
 SHRUNK_ORIGIN = "run.zone_outage"
@@ -80,6 +80,8 @@ class ZonePlan:
     shrunk_step_s: float | None = None
     shrunk_dp: int | None = None
     shrunk_nodes: int | None = None
+    shrunk_egress_usd_per_s: float = 0.0
+    """Billed transfer per second trained shrunk (its steps' egress over its save cycle)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ class ZoneRuns(Runs):
     zone_lost_s: np.ndarray
     """Per run: work lost, stops, and the shrunk layout's slower progress (whole-layout
     seconds not trained), summed over its outages."""
+    shrunk_s: np.ndarray
+    """Per run: wall time trained on the surviving zones."""
 
 
 def shrunk_scenario(s: Scenario) -> tuple[Scenario, int]:
@@ -151,7 +155,8 @@ def zone_plan(result: RunResult, plan: RunPlan, checkpoint_bytes: float) -> Zone
         return base
     small, dp = shrunk_scenario(s)
     try:
-        step_s = simulate(small, 1, origin=SHRUNK_ORIGIN).summary["step_time_s"]
+        summary = simulate(small, 1, origin=SHRUNK_ORIGIN).summary
+        step_s = summary["step_time_s"]
     except ScenarioError as exc:
         raise ScenarioError(f"{SHRUNK_ORIGIN}.policy: shrink: the surviving layout "
                             f"({dp} replicas) is refused: {exc}") from None
@@ -165,9 +170,11 @@ def zone_plan(result: RunResult, plan: RunPlan, checkpoint_bytes: float) -> Zone
     ettr = float(expected_ettr(np.asarray(k * step_s), sp.blocking_s(k),
                                times.write_s if sp.asynchronous else 0.0,
                                sp.rates.unplanned_per_day / SECONDS_PER_DAY, plan.restart_s))
+    cycle_s = step_s + float(sp.blocking_s(k)) / k
     return replace(base, shrinks=base.duration_s > plan.restart_s,
                    progress_rate=ettr * plan.step_s / step_s, regrow_s=times.write_s,
-                   shrunk_step_s=step_s, shrunk_dp=dp, shrunk_nodes=small.cluster.nodes)
+                   shrunk_step_s=step_s, shrunk_dp=dp, shrunk_nodes=small.cluster.nodes,
+                   shrunk_egress_usd_per_s=summary["cost"]["egress_usd_per_step"] / cycle_s)
 
 
 def _check_finishes(inp: RunInputs, lam: float, z: ZonePlan) -> None:
@@ -200,6 +207,7 @@ def simulate_zone_runs(inp: RunInputs, z: ZonePlan, samples: int, seed: int) -> 
     count = np.zeros(samples, dtype=np.int64)
     zone_count = np.zeros(samples, dtype=np.int64)
     zone_lost = np.zeros(samples)
+    shrunk = np.zeros(samples)
     active = np.ones(samples, dtype=bool)
     spare_free = np.zeros((samples, inp.spares))
     rows = np.arange(samples)
@@ -250,15 +258,16 @@ def simulate_zone_runs(inp: RunInputs, z: ZonePlan, samples: int, seed: int) -> 
         waits += float(wait[hit].sum())
         unplanned += int((hit & ~is_planned).sum())
         if outage.any():
-            _outage(inp, z, outage, gap, durable, w, t, down, zone_lost, active)
+            _outage(inp, z, outage, gap, durable, w, t, down, zone_lost, shrunk, active)
             zone_count[outage] += 1
     return ZoneRuns(wall_s=t, interruptions=count, down_s=down, waits_s=waits,
-                    unplanned=unplanned, zone_outages=zone_count, zone_lost_s=zone_lost)
+                    unplanned=unplanned, zone_outages=zone_count, zone_lost_s=zone_lost,
+                    shrunk_s=shrunk)
 
 
 def _outage(inp: RunInputs, z: ZonePlan, hit: np.ndarray, gap: np.ndarray, durable: np.ndarray,
             w: np.ndarray, t: np.ndarray, down: np.ndarray, lost: np.ndarray,
-            active: np.ndarray) -> None:
+            shrunk: np.ndarray, active: np.ndarray) -> None:
     """Apply a zone outage to the runs ``hit`` (in place): lose the work since the durable
     checkpoint (or all of it), then wait, or train shrunk until the zone returns."""
     # Wall time to train again: since the last durable checkpoint (its cycle's end), and,
@@ -289,6 +298,7 @@ def _outage(inp: RunInputs, z: ZonePlan, hit: np.ndarray, gap: np.ndarray, durab
     t[fin] += gap[fin] + inp.restart_s + shrunk_s
     down[fin] += inp.restart_s
     lost[fin] += inp.restart_s + shrunk_s - need[ends]
+    shrunk[fin] += shrunk_s
     w[fin] = inp.work_s
     active[fin] = False
     # Back to the whole cluster: save on the shrunk layout, restart.
@@ -297,6 +307,15 @@ def _outage(inp: RunInputs, z: ZonePlan, hit: np.ndarray, gap: np.ndarray, durab
     t[cont] += gap[cont] + z.duration_s + z.regrow_s + inp.restart_s
     down[cont] += stops
     lost[cont] += z.duration_s + z.regrow_s + inp.restart_s - gain
+    shrunk[cont] += window
+
+
+def shrunk_egress_usd(z: ZonePlan | None, runs: ZoneRuns | None) -> float:
+    """Billed transfer of the steps trained shrunk, per run on average (the whole layout's
+    is billed over its own training time, :attr:`RunOutcome.busy_s`)."""
+    if z is None or runs is None:
+        return 0.0
+    return float(runs.shrunk_s.mean()) * z.shrunk_egress_usd_per_s
 
 
 def zone_fields(z: ZonePlan, runs: ZoneRuns | None) -> dict[str, Any]:
