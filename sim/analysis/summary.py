@@ -164,7 +164,8 @@ class RunLength(TypedDict):
     zone_outages_expected: NotRequired[float]
     """Zone outages per run."""
     zone_outage_days_lost: NotRequired[float]
-    """Days the outages cost a run: work lost, stops, and the shrunk layout's slower pace."""
+    """Days the outages cost a run: work lost, stops, and the shrunk layout's slower pace
+    (negative when the surviving zones step faster than the whole cluster)."""
     zone_outage_checkpoint_survives: NotRequired[bool]
     shrunk_step_time_s: NotRequired[float | None]
     """``shrink``: the step time simulated on the surviving zones."""

@@ -13,7 +13,10 @@ work and hot spares. Its object is the summary's ``run`` (CONTRACT.md's keys fir
   price for the expected wall time, plus the billed transfer of the steps actually run;
 - ``checkpoint_interval_steps`` (the scenario's) and ``optimal_checkpoint_interval_steps``
   (the interval maximising the expected ETTR of the same model, searched over every interval);
-- ``interruptions_expected``: interruptions per run (planned ones included).
+- ``interruptions_expected``: interruptions per run (planned ones included);
+- with ``run.zone_outage`` (:mod:`.zones`): ``zone_outages_expected``,
+  ``zone_outage_days_lost`` and, for ``shrink``, the surviving layout's ``shrunk_*``; the
+  outages are in the ETTR, days and dollars above.
 """
 
 from __future__ import annotations

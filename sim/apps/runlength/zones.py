@@ -28,6 +28,16 @@ The model, on top of :mod:`.montecarlo`'s (whose component failures it keeps as 
 
 Same seed, same numbers; the draws do not depend on the policy (common random numbers), so
 ``wait`` and ``shrink`` meet the same outages at the same points of their runs.
+
+When shrinking pays: at each outage ``shrink`` spends the save before growing back
+(``regrow_s``) more than ``wait`` and gains ``progress_rate x (D - restart)`` of the whole
+layout's work, so it is never worse, run by run, when that gain is at least the save
+(tests/unit/apps/test_zone_outages.py). A shrunk step no slower than the whole layout's times
+its replica ratio (``dp / dp_shrunk``: the same batch on fewer replicas, communication no
+worse) makes ``(D - restart) x ETTR_shrunk x dp_shrunk / dp >= regrow_s`` sufficient. A
+shrunk layout may step *faster* than the whole one (a narrow link between the zones), and the
+outage's ``zone_outage_days_lost`` is then negative. The best checkpoint interval
+(``optimal_checkpoint_interval_steps``) still weighs the component failures only.
 """
 
 from __future__ import annotations
