@@ -138,7 +138,10 @@ def shrunk_scenario(s: Scenario) -> tuple[Scenario, int]:
         data.pop(key, None)
     if data.get("run"):
         data["run"].pop("zone_outage", None)
-    data["cluster"].update(nodes=dp * fixed // c.gpus_per_node, azs=c.azs - 1)
+    # The surviving zones renumbered from 0 (their servers still round robin over them, and
+    # the zones over the regions).
+    data["cluster"].update(nodes=dp * fixed // c.gpus_per_node, azs=c.azs - 1,
+                           regions=min(c.regions, c.azs - 1))
     if p.dp is not None:
         data["parallelism"]["dp"] = dp
     data.setdefault("training", {})["global_batch_size"] = sequences

@@ -160,6 +160,13 @@ def test_shrunk_layout_keeps_the_batch_on_the_surviving_zones() -> None:
     assert (dp, small.cluster.nodes, small.training.global_batch_size) == (12, 3, 72)
 
 
+def test_two_zones_in_two_regions_leave_one_region() -> None:
+    s = Scenario(model="llama3-8b", cluster={"nodes": 4, "azs": 2, "regions": 2},
+                 training={"global_batch_size": 64})
+    small, _ = shrunk_scenario(s)
+    assert (small.cluster.nodes, small.cluster.azs, small.cluster.regions) == (2, 1, 1)
+
+
 def test_a_replica_larger_than_the_survivors_is_one_line() -> None:
     s = Scenario(model="llama3-8b", cluster={"nodes": 2, "azs": 2}, parallelism={"tp": 8, "pp": 2},
                  training={"global_batch_size": 16})
