@@ -158,6 +158,19 @@ class RunLength(TypedDict):
     failures: str
     """The catalogue name, or ``custom``."""
     samples: int
+    # With ``run.zone_outage`` only (sim.apps.runlength.zones): the outages are in the ETTR
+    # and days above.
+    zone_outage_policy: NotRequired[str]
+    zone_outages_expected: NotRequired[float]
+    """Zone outages per run."""
+    zone_outage_days_lost: NotRequired[float]
+    """Days the outages cost a run: work lost, stops, and the shrunk layout's slower pace
+    (negative when the surviving zones step faster than the whole cluster)."""
+    zone_outage_checkpoint_survives: NotRequired[bool]
+    shrunk_step_time_s: NotRequired[float | None]
+    """``shrink``: the step time simulated on the surviving zones."""
+    shrunk_dp: NotRequired[int | None]
+    shrunk_nodes: NotRequired[int | None]
 
 
 class StepSpread(TypedDict):

@@ -110,6 +110,10 @@ METRICS: tuple[Metric, ...] = (
            optional=True),
     Metric("run.checkpoint_blocking_s", "ckpt stop", "s", in_table=False, optional=True),
     Metric("run.days_p95", "run days p95", "d", in_table=False, optional=True),
+    # With run.zone_outage (sim.apps.runlength.zones): what the outages cost, per policy.
+    Metric("run.zone_outages_expected", "zone outages", "count", optional=True),
+    Metric("run.zone_outage_days_lost", "zone outage days", "d", optional=True),
+    Metric("run.shrunk_step_time_s", "shrunk step", "s", in_table=False, optional=True),
 )
 
 

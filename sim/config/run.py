@@ -13,6 +13,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from sim import catalog
 from sim.config.base import StrictModel
+from sim.config.zone_outage import ZoneOutage
 
 
 class Checkpoint(StrictModel):
@@ -78,6 +79,17 @@ class Run(StrictModel):
     """Seed of the Monte Carlo (a numpy Generator): same seed, same numbers."""
     samples: int = Field(default=1000, gt=0, le=1_000_000)
     """Whole runs simulated."""
+    zone_outage: ZoneOutage | None = None
+    """Availability-zone outages (:class:`sim.config.zone_outage.ZoneOutage`); only for a
+    cluster over 2 or more zones (``cluster.azs``)."""
+
+    @model_validator(mode="after")
+    def _zone_checkpoint(self) -> Run:
+        z = self.zone_outage
+        if z is not None and z.checkpoint_survives is None and self.checkpoint.storage == "pfs":
+            raise ValueError("run.zone_outage.checkpoint_survives: needed with storage pfs "
+                             "(whether the file system outlives a zone)")
+        return self
 
     @field_validator("failures", mode="before")
     @classmethod

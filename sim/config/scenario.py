@@ -115,6 +115,9 @@ class Scenario(StrictModel):
             )
         if self.run is not None and self.training.tokens_total is None:
             raise ValueError("run: needs training.tokens_total (the tokens of the whole run)")
+        if self.run is not None and self.run.zone_outage is not None and self.cluster.azs < 2:
+            raise ValueError("run.zone_outage: needs a cluster over 2 or more zones "
+                             f"(cluster.azs is {self.cluster.azs})")
         expert = p.expert_tp * p.ep * p.pp
         if n % expert:
             # parallel_state.initialize_model_parallel: the expert layout (etp, ep, expert-dp,

@@ -13,13 +13,16 @@ work and hot spares. Its object is the summary's ``run`` (CONTRACT.md's keys fir
   price for the expected wall time, plus the billed transfer of the steps actually run;
 - ``checkpoint_interval_steps`` (the scenario's) and ``optimal_checkpoint_interval_steps``
   (the interval maximising the expected ETTR of the same model, searched over every interval);
-- ``interruptions_expected``: interruptions per run (planned ones included).
+- ``interruptions_expected``: interruptions per run (planned ones included);
+- with ``run.zone_outage`` (:mod:`.zones`): ``zone_outages_expected``,
+  ``zone_outage_days_lost`` and, for ``shrink``, the surviving layout's ``shrunk_*``; the
+  outages are in the ETTR, days and dollars above.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -33,6 +36,14 @@ from sim.apps.runlength.montecarlo import (
     young_daly_s,
 )
 from sim.apps.runlength.rates import SECONDS_PER_DAY, JobRates, job_rates
+from sim.apps.runlength.zones import (
+    ZonePlan,
+    ZoneRuns,
+    shrunk_egress_usd,
+    simulate_zone_runs,
+    zone_fields,
+    zone_plan,
+)
 from sim.scenario import ScenarioError
 
 __all__ = ["RunPlan", "optimal_interval", "play", "run_ettr", "run_length", "run_plan"]
@@ -60,6 +71,8 @@ class RunPlan:
     spares: int = 0
     samples: int = 1000
     seed: int = 0
+    zones: ZonePlan | None = None
+    """Availability-zone outages (``run.zone_outage``, :mod:`.zones`)."""
 
     def blocking_s(self, interval_steps: np.ndarray | int) -> np.ndarray:
         """Training stopped per save: the whole write (sync), or the copy plus any wait for
@@ -87,7 +100,7 @@ class RunOutcome:
     ettr_p95: float
     wall_s: np.ndarray
     busy_s: float
-    """Mean time training or saving (wall less stops)."""
+    """Mean time training or saving (wall less stops), on the whole layout (not shrunk)."""
     interruptions: float
     optimal_interval_steps: int
     young_daly_steps: float | None
@@ -95,6 +108,8 @@ class RunOutcome:
     """Mean time between unplanned interruptions."""
     downtime_s: float
     """Mean stop per unplanned interruption (restart plus replacement waits)."""
+    zone_runs: ZoneRuns | None = None
+    """The runs with their zone outages (``run.zone_outage``)."""
 
 
 def optimal_interval(plan: RunPlan, downtime_s: float) -> int:
@@ -132,7 +147,9 @@ def run_ettr(plan: RunPlan, interval_steps: np.ndarray, downtime_s: float) -> np
 def play(plan: RunPlan) -> RunOutcome:
     """Play the plan's runs and find the best checkpoint interval."""
     inp = plan.inputs()
-    runs = simulate_runs(inp, plan.samples, plan.seed)
+    runs = simulate_runs(inp, plan.samples, plan.seed) \
+        if plan.zones is None or plan.zones.rate_per_s == 0 \
+        else simulate_zone_runs(inp, plan.zones, plan.samples, plan.seed)
     per_run = inp.work_s / runs.wall_s
     lam_u = plan.rates.unplanned_per_day / SECONDS_PER_DAY
     downtime = plan.restart_s + (runs.waits_s / runs.unplanned if runs.unplanned else 0.0)
@@ -144,10 +161,12 @@ def play(plan: RunPlan) -> RunOutcome:
     return RunOutcome(
         ettr=inp.work_s / float(runs.wall_s.mean()),
         ettr_p5=float(np.percentile(per_run, 5)), ettr_p95=float(np.percentile(per_run, 95)),
-        wall_s=runs.wall_s, busy_s=float((runs.wall_s - runs.down_s).mean()),
+        wall_s=runs.wall_s, busy_s=float((runs.wall_s - runs.down_s).mean())
+        - (float(runs.shrunk_s.mean()) if isinstance(runs, ZoneRuns) else 0.0),
         interruptions=float(runs.interruptions.mean()),
         optimal_interval_steps=optimal_interval(plan, downtime), young_daly_steps=yd,
-        mtbf_s=mtbf, downtime_s=downtime)
+        mtbf_s=mtbf, downtime_s=downtime,
+        zone_runs=runs if isinstance(runs, ZoneRuns) else None)
 
 
 def run_plan(result: RunResult) -> RunPlan:
@@ -174,6 +193,8 @@ def _planned(result: RunResult) -> tuple[RunPlan, float, CheckpointTimes]:
                    restart_s=r.restart_minutes * 60, replace_s=r.replace_minutes * 60,
                    repair_s=r.repair_hours * 3600, spares=r.spares, samples=r.samples,
                    seed=r.seed)
+    if r.zone_outage is not None:
+        plan = replace(plan, zones=zone_plan(result, plan, ck.total))
     return plan, ck.total, times
 
 
@@ -196,9 +217,10 @@ def run_length(result: RunResult) -> RunLength:
     spare_usd_per_hour = r.spares * s.cluster.gpus_per_node * cost["gpu_hour_usd"]
     cycle_s = step_s + float(plan.blocking_s(plan.interval_steps)) / plan.interval_steps
     usd = hours * (cost["usd_per_hour"] + spare_usd_per_hour) \
-        + cost["egress_usd_per_step"] * out.busy_s / cycle_s
+        + cost["egress_usd_per_step"] * out.busy_s / cycle_s \
+        + shrunk_egress_usd(plan.zones, out.zone_runs)
     days = out.wall_s / SECONDS_PER_DAY
-    return {
+    run: RunLength = {
         "ettr": out.ettr,
         "expected_days": float(days.mean()),
         "days_p5": float(np.percentile(days, 5)),
@@ -220,3 +242,6 @@ def run_length(result: RunResult) -> RunLength:
         "failures": r.failures if isinstance(r.failures, str) else "custom",
         "samples": r.samples,
     }
+    if plan.zones is not None:
+        run.update(zone_fields(plan.zones, out.zone_runs))  # type: ignore[typeddict-item]
+    return run
