@@ -1,0 +1,91 @@
+"""Checkpoint saves in a simulated run (``run.checkpoint.simulate``): which steps save, the
+program that saves, and the fabric with its storage.
+
+:func:`checkpoint_setup` reads the scenario's ``run:`` block; with ``simulate: true`` it
+builds the saving program (:func:`sim.program.checkpoint_ops.with_checkpoint`, each rank's
+share of the real sharded states) and the fabric with the storage target
+(:mod:`sim.fabric.topology.storage`). :func:`sim.api.run_program` runs the saving program on
+the checkpoint steps and the plain one on the others, on one engine, so an asynchronous
+write still running shares links with the next steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.config.base import ScenarioError
+from sim.config.run import Run
+from sim.fabric.topology import CROSS_AZ, CROSS_REGION, Fabric, FabricSpec, build_graph
+from sim.fabric.topology.storage import StorageTarget, attach_storage, local_storage
+from sim.program.checkpoint_ops import Share, with_checkpoint, write_shares
+from sim.program.ir import Program
+
+__all__ = ["CheckpointSetup", "checkpoint_setup", "crossing_bytes"]
+
+
+@dataclass
+class CheckpointSetup:
+    """The saves of a simulated run."""
+
+    program: Program
+    """The step's program with a save after it."""
+    fabric: Fabric
+    storage: StorageTarget
+    interval_steps: int
+    shares: dict[int, Share]
+    """Each rank class's per-member share of one checkpoint."""
+    asynchronous: bool
+    bytes_total: float
+    """Bytes one checkpoint writes (the shares over every rank)."""
+
+    def saves_after(self, step: int) -> bool:
+        """Whether step ``step`` (0-based in the simulated window) ends with a save: the
+        window starts at a checkpoint step."""
+        return step % self.interval_steps == 0
+
+    def program_for(self, step: int, plain: Program) -> Program:
+        return self.program if self.saves_after(step) else plain
+
+
+def checkpoint_setup(r: Run | None, program: Program, params: float, replicas: int,
+                     spec: FabricSpec, origin: str = "<scenario>") -> CheckpointSetup | None:
+    """The saves of the scenario's ``run:`` block ``r`` (None without
+    ``run.checkpoint.simulate``). ``params``: the model's parameters; ``replicas``: its
+    data-parallel replicas (data x context parallel), over which a replicated state's
+    writes are spread.
+
+    Raises ScenarioError (one line naming the file and ``run.checkpoint``) when the storage
+    cannot be reached on this cluster."""
+    if r is None or not r.checkpoint.simulate:
+        return None
+    ck = r.checkpoint
+    shares = write_shares(program.classes, params, replicas)
+    graph = build_graph(spec)
+    try:
+        if ck.storage == "local_nvme":
+            storage = local_storage(graph, spec, ck.gbytes_per_s)
+        else:
+            assert ck.gbytes_per_s is not None   # the schema requires it for these
+            storage = attach_storage(graph, spec, ck.storage, ck.gbytes_per_s, ck.zone or 0)
+    except ValueError as exc:
+        raise ScenarioError(f"{origin}: {exc}") from None
+    fabric = Fabric(graph, spec)
+    storage.bind(fabric)
+    total = sum(shares[c.id].total * len(c.members) for c in program.classes)
+    return CheckpointSetup(with_checkpoint(program, shares, ck.async_), fabric, storage,
+                           r.checkpoint_interval_steps, shares, ck.async_, total)
+
+
+def crossing_bytes(setup: CheckpointSetup, program: Program) -> tuple[float, float]:
+    """Bytes one save puts on ``cross_az`` and on ``cross_region`` links (each crossing
+    counted, as the network's per-class counters and the bill count them)."""
+    kind = setup.fabric.kind
+    az = region = 0.0
+    for c in program.classes:
+        share = setup.shares[c.id]
+        for r in c.members:
+            route = setup.storage.route(r, from_gpu=False)
+            hops = kind[list(route)] if route else kind[:0]
+            az += share.total * float((hops == CROSS_AZ).sum())
+            region += share.total * float((hops == CROSS_REGION).sum())
+    return az, region
