@@ -48,7 +48,8 @@ def checkpoint_figures(rec: Recorder, saves_after: Callable[[int], bool], bytes_
     begin = min(r.start for r in first)
     write_end = max(r.end for r in first)
     stage = [r for r in first if r.op.host_transfer == "d2h"]
-    d2h = (max(r.end for r in stage) - min(r.start for r in stage)) if stage else 0.0
+    # The longest rank class's copy (pipeline stages reach the save at different times).
+    d2h = max((r.end - r.start for r in stage), default=0.0)
     # Training time the background writes took from the steps (none when synchronous).
     slowed = sum(ends.get(i, spans[i][1]) - spans[i][0] - clean for i in range(1, steps))
     write_s = write_end - begin

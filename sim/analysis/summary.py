@@ -187,7 +187,8 @@ class CheckpointFigures(TypedDict):
     """What the first save adds to its step: the whole write (synchronous) or the staging
     device-to-host copy (asynchronous)."""
     d2h_s: float
-    """The first save's device-to-host staging copy (asynchronous; 0 when synchronous)."""
+    """The first save's device-to-host staging copy, the longest of the rank classes'
+    (asynchronous; 0 when synchronous)."""
     write_s: float
     """The first save from its first byte to its last on the storage."""
     write_gbytes_per_s: float
