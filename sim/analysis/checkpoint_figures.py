@@ -52,6 +52,8 @@ def checkpoint_figures(rec: Recorder, saves_after: Callable[[int], bool], bytes_
     d2h = max((r.end - r.start for r in stage), default=0.0)
     # Training time the background writes took from the steps (none when synchronous).
     slowed = sum(ends.get(i, spans[i][1]) - spans[i][0] - clean for i in range(1, steps))
+    if abs(slowed) <= 1e-12 * steps * clean:   # rounding of equal steps, not a slowdown
+        slowed = 0.0
     write_s = write_end - begin
     return {
         "saves": saves,

@@ -183,3 +183,25 @@ def test_saves_are_deterministic_and_off_by_default() -> None:
     assert "checkpoint" not in x
     assert x["step_time_s"] == y["step_time_s"] and x["bytes"] == y["bytes"]
     assert np.isfinite(a["checkpoint"]["write_s"])
+
+
+@pytest.mark.parametrize("over", [
+    {"framework": {"name": "megatron", "distributed_optimizer": True},
+     "parallelism": {"tp": 2, "pp": 2}},
+    {"framework": {"name": "fsdp2"}},
+    {"framework": {"name": "deepspeed", "zero_stage": 3, "offload_optimizer": "cpu"}},
+])
+def test_shares_add_up_to_the_deduplicated_states(over: dict[str, Any]) -> None:
+    s = make_scenario(**{"cluster": CLUSTER, "training.global_batch_size": 16, **over})
+    ctx = JobContext.from_scenario(s)
+    program = build_program(ctx)
+    params = ctx.model.total_params
+    replicas = s.dp * s.parallelism.cp
+    shares = write_shares(program.classes, params, replicas)
+    total = checkpoint_bytes(program.classes, params, replicas).total
+    assert sum(shares[c.id].total * len(c.members) for c in program.classes) == \
+        pytest.approx(total, rel=1e-9)
+    # What is on the GPU is never more than the rank holds.
+    for c in program.classes:
+        held = c.initial_memory.get("parameters", 0.0) + c.initial_memory.get("optimizer", 0.0)
+        assert shares[c.id].gpu_bytes <= held * (1 + 1e-12)

@@ -147,7 +147,6 @@ def attach_storage(graph: nx.DiGraph, spec: FabricSpec, kind: str, gbytes_per_s:
     >>> spec = FabricSpec(nodes=2, gpus_per_node=2, nvlink_gbytes_per_s=450,
     ...                   pcie_gbytes_per_s=64, nics_per_node=2, nic_gbps=400)
     >>> g = build_graph(spec)
-    >>> fab = Fabric(g, spec)
     >>> t = attach_storage(g, spec, "pfs", 10.0)
     >>> fab = Fabric(g, spec)
     >>> t = t.bind(fab)
