@@ -147,10 +147,12 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
     scenario = ctx.scenario
     with paused_gc():
         spec = fabric_spec(scenario)
-        saves = checkpoint_setup(scenario.run, program, ctx.model.total_params,
-                                 scenario.dp * scenario.parallelism.cp, spec, ctx.origin)
+        saves = checkpoint_setup(scenario.run, spec, ctx.origin)
         fabric = build_fabric(spec) if saves is None else saves.fabric
         apply_faults(scenario, program, fabric)
+        if saves is not None:   # on the classes as they run (stragglers split out)
+            saves.prepare(program, ctx.model.total_params,
+                          scenario.dp * scenario.parallelism.cp)
         extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
                  for c in program.classes}
         # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's

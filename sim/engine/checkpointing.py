@@ -11,7 +11,7 @@ write still running shares links with the next steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sim.config.base import ScenarioError
 from sim.config.run import Run
@@ -25,18 +25,29 @@ __all__ = ["CheckpointSetup", "checkpoint_setup", "crossing_bytes"]
 
 @dataclass
 class CheckpointSetup:
-    """The saves of a simulated run."""
+    """The saves of a simulated run: the fabric with its storage (:func:`checkpoint_setup`),
+    then the saving program (:meth:`prepare`, on the program as it will run, stragglers
+    split out)."""
 
-    program: Program
-    """The step's program with a save after it."""
     fabric: Fabric
     storage: StorageTarget
     interval_steps: int
-    shares: dict[int, Share]
-    """Each rank class's per-member share of one checkpoint."""
     asynchronous: bool
-    bytes_total: float
+    program: Program | None = None
+    """The step's program with a save after it (:meth:`prepare`)."""
+    shares: dict[int, Share] = field(default_factory=dict)
+    """Each rank class's per-member share of one checkpoint."""
+    bytes_total: float = 0.0
     """Bytes one checkpoint writes (the shares over every rank)."""
+
+    def prepare(self, program: Program, params: float, replicas: int) -> None:
+        """Build the saving program from ``program``. ``params``: the model's parameters;
+        ``replicas``: its data-parallel replicas (data x context parallel), over which a
+        replicated state's writes are spread."""
+        self.shares = write_shares(program.classes, params, replicas)
+        self.bytes_total = sum(self.shares[c.id].total * len(c.members)
+                               for c in program.classes)
+        self.program = with_checkpoint(program, self.shares, self.asynchronous)
 
     def saves_after(self, step: int) -> bool:
         """Whether step ``step`` (0-based in the simulated window) ends with a save: the
@@ -44,22 +55,20 @@ class CheckpointSetup:
         return step % self.interval_steps == 0
 
     def program_for(self, step: int, plain: Program) -> Program:
+        assert self.program is not None, "CheckpointSetup.prepare first"
         return self.program if self.saves_after(step) else plain
 
 
-def checkpoint_setup(r: Run | None, program: Program, params: float, replicas: int,
-                     spec: FabricSpec, origin: str = "<scenario>") -> CheckpointSetup | None:
-    """The saves of the scenario's ``run:`` block ``r`` (None without
-    ``run.checkpoint.simulate``). ``params``: the model's parameters; ``replicas``: its
-    data-parallel replicas (data x context parallel), over which a replicated state's
-    writes are spread.
+def checkpoint_setup(r: Run | None, spec: FabricSpec, origin: str = "<scenario>"
+                     ) -> CheckpointSetup | None:
+    """The fabric and storage of the saves of the scenario's ``run:`` block ``r`` (None
+    without ``run.checkpoint.simulate``).
 
     Raises ScenarioError (one line naming the file and ``run.checkpoint``) when the storage
     cannot be reached on this cluster."""
     if r is None or not r.checkpoint.simulate:
         return None
     ck = r.checkpoint
-    shares = write_shares(program.classes, params, replicas)
     graph = build_graph(spec)
     try:
         if ck.storage == "local_nvme":
@@ -71,9 +80,7 @@ def checkpoint_setup(r: Run | None, program: Program, params: float, replicas: i
         raise ScenarioError(f"{origin}: {exc}") from None
     fabric = Fabric(graph, spec)
     storage.bind(fabric)
-    total = sum(shares[c.id].total * len(c.members) for c in program.classes)
-    return CheckpointSetup(with_checkpoint(program, shares, ck.async_), fabric, storage,
-                           r.checkpoint_interval_steps, shares, ck.async_, total)
+    return CheckpointSetup(fabric, storage, r.checkpoint_interval_steps, ck.async_)
 
 
 def crossing_bytes(setup: CheckpointSetup, program: Program) -> tuple[float, float]:

@@ -205,3 +205,15 @@ def test_shares_add_up_to_the_deduplicated_states(over: dict[str, Any]) -> None:
     for c in program.classes:
         held = c.initial_memory.get("parameters", 0.0) + c.initial_memory.get("optimizer", 0.0)
         assert shares[c.id].gpu_bytes <= held * (1 + 1e-12)
+
+
+def test_a_straggler_is_in_the_saving_step_too() -> None:
+    # faults.slow_gpus splits the slow rank into a class of its own after the program is
+    # built; the save goes on the program as it runs, so the clean step is the slowed one.
+    slow = {"faults": {"slow_gpus": [{"rank": 3, "factor": 1.5}]}}
+    saving = simulate(scenario(rate=20.0, **slow), steps=1).summary
+    alone = simulate(scenario(rate=20.0, **{**slow, "run.checkpoint.simulate": False}),
+                     steps=1).summary
+    assert saving["checkpoint"]["clean_step_s"] == pytest.approx(alone["step_time_s"],
+                                                                 rel=1e-12)
+    assert saving["sim"]["ranks_simulated"] == alone["sim"]["ranks_simulated"] == 2
