@@ -152,7 +152,8 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
         apply_faults(scenario, program, fabric)
         if saves is not None:   # on the classes as they run (stragglers split out)
             saves.prepare(program, ctx.model.total_params,
-                          scenario.dp * scenario.parallelism.cp)
+                          scenario.dp * scenario.parallelism.cp, framework(
+                              scenario.framework.name).async_checkpoint_stages_write_share)
         extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
                  for c in program.classes}
         # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's

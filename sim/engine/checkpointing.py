@@ -40,11 +40,13 @@ class CheckpointSetup:
     bytes_total: float = 0.0
     """Bytes one checkpoint writes (the shares over every rank)."""
 
-    def prepare(self, program: Program, params: float, replicas: int) -> None:
+    def prepare(self, program: Program, params: float, replicas: int,
+                stage_write_share: bool = False) -> None:
         """Build the saving program from ``program``. ``params``: the model's parameters;
         ``replicas``: its data-parallel replicas (data x context parallel), over which a
-        replicated state's writes are spread."""
-        self.shares = write_shares(program.classes, params, replicas)
+        replicated state's writes are spread; ``stage_write_share``: an asynchronous save
+        stages only the rank's share (:func:`~sim.program.checkpoint_ops.write_shares`)."""
+        self.shares = write_shares(program.classes, params, replicas, stage_write_share)
         self.bytes_total = sum(self.shares[c.id].total * len(c.members)
                                for c in program.classes)
         self.program = with_checkpoint(program, self.shares, self.asynchronous)

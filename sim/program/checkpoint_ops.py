@@ -31,10 +31,12 @@ Ops (:func:`with_checkpoint`): after a rank class's last op of the step (the opt
   the narrower of the PCIe path and the storage path. The step waits for it (the save's
   closing ``all_reduce`` of the write results returns when every rank has written).
 * asynchronous save (``torch.distributed.checkpoint.async_save``, Megatron dist-ckpt
-  ``--async-save``): the step blocks for the device-to-host copy of the rank's share into
-  pinned host memory (``d2h``); a background writer (:attr:`Program.background_streams`)
-  then writes host memory to the storage (``storage_write``) while the next steps run, on
-  the same PCIe and network links as their traffic. The next save first waits for the
+  ``--async-save``): the step blocks for the device-to-host copy into pinned host memory
+  (``d2h``: torch DCP's stager copies the rank's whole local state, Megatron's async writer
+  only its own share, :func:`write_shares`); a background writer
+  (:attr:`Program.background_streams`) then writes host memory to the storage
+  (``storage_write``) while the next steps run, on the same PCIe and network links as their
+  traffic. The next save first waits for the
   previous write (torchtitan's ``CheckpointManager`` waits on the previous ``async_save``
   future before staging again; Megatron finalises the pending async request first).
 """
@@ -135,15 +137,21 @@ class Share:
     """From GPU memory (its deduplicated share of the states it holds)."""
     host_bytes: float
     """From host memory (its even share of offloaded states)."""
+    stage_bytes: float
+    """What an asynchronous save copies from GPU to host memory first: its GPU share, or
+    its whole GPU-resident state (torch DCP's stager copies every local tensor)."""
 
     @property
     def total(self) -> float:
         return self.gpu_bytes + self.host_bytes
 
 
-def write_shares(classes: list[RankClass], params: float, replicas: int) -> dict[int, Share]:
+def write_shares(classes: list[RankClass], params: float, replicas: int,
+                 stage_write_share: bool = False) -> dict[int, Share]:
     """Each rank class's per-member share of one checkpoint (module docstring); the shares
-    over every rank add up to :func:`checkpoint_bytes`' total.
+    over every rank add up to :func:`checkpoint_bytes`' total. ``stage_write_share``: an
+    asynchronous save stages only the rank's share (Megatron dist-ckpt), not its whole
+    GPU-resident state (torch DCP).
 
     Examples
     --------
@@ -160,9 +168,12 @@ def write_shares(classes: list[RankClass], params: float, replicas: int) -> dict
     on_gpu = p_total / r_p + o_total / r_o
     n = sum(len(c.members) for c in classes)
     host_each = max(ck.total - on_gpu, 0.0) / n
-    return {c.id: Share(c.initial_memory.get("parameters", 0.0) / r_p
-                        + c.initial_memory.get("optimizer", 0.0) / r_o, host_each)
-            for c in classes}
+    out = {}
+    for c in classes:
+        p, o = c.initial_memory.get("parameters", 0.0), c.initial_memory.get("optimizer", 0.0)
+        gpu = p / r_p + o / r_o
+        out[c.id] = Share(gpu, host_each, gpu if stage_write_share else p + o)
+    return out
 
 
 def is_checkpoint_op(op: Op) -> bool:
@@ -208,7 +219,7 @@ def with_checkpoint(program: Program, shares: dict[int, Share], asynchronous: bo
         previous = out.add(c, _copy("checkpoint wait previous write", CHECKPOINT_WRITER_STREAM,
                                     "storage_write", 0.0, []))
         stage = out.add(c, _copy("checkpoint stage d2h", CHECKPOINT_STREAM, "d2h",
-                                 share.gpu_bytes, [*last, previous]))
+                                 share.stage_bytes, [*last, previous]))
         out.add(c, _copy("checkpoint write", CHECKPOINT_WRITER_STREAM, "storage_write",
                          share.total, [stage]))
     out.validate()
