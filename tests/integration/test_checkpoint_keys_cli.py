@@ -48,3 +48,18 @@ def test_simulated_save_to_nvme_on_one_gpu() -> None:
     assert s["run"]["checkpoint_simulated"]
     # Synchronous: the run model's save is the one measured on the timeline.
     assert s["run"]["checkpoint_blocking_s"] == ck["blocking_s"]
+
+
+def test_outputs_show_the_saves(tmp_path) -> None:   # type: ignore[no-untyped-def]
+    out = tmp_path / "run"
+    proc = fabricsim("run", TINY, *RUN, "--steps", "2", "--set", "run.checkpoint.simulate=true",
+                     "--set", "run.checkpoint.async=true", "--out", str(out), "--hta")
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpoint (simulated)" in proc.stdout
+    trace = json.loads((out / "trace.json").read_text())
+    threads = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"checkpoint", "checkpoint_writer"} <= threads
+    names = {e["name"] for e in trace["traceEvents"] if e.get("cat") == "checkpoint"}
+    assert names == {"checkpoint wait previous write", "checkpoint stage d2h",
+                     "checkpoint write"}
+    assert any((out / "hta").iterdir())
