@@ -234,3 +234,18 @@ def test_a_straggler_is_in_the_saving_step_too() -> None:
     assert saving["checkpoint"]["clean_step_s"] == pytest.approx(alone["step_time_s"],
                                                                  rel=1e-12)
     assert saving["sim"]["ranks_simulated"] == alone["sim"]["ranks_simulated"] == 2
+
+
+def test_the_next_async_save_waits_for_the_previous_write() -> None:
+    # A save every step to a slow file system (1 GB/s): the write outlasts the next step,
+    # so the next save's staging copy starts only when it has ended.
+    result, _ = run(scenario(rate=1.0, asynchronous=True, interval=1), 2)
+    rec = result.recorder
+    write0 = max(r.end for r in rec.background_ops
+                 if r.step == 0 and r.op.name == "checkpoint write")
+    stage1 = min(r.start for r in rec.ops if r.step == 1 and r.op.name == "checkpoint stage d2h")
+    train1 = max(r.end for r in rec.ops if r.step == 1 and r.op.category != "checkpoint")
+    assert write0 > train1              # the write outlasted the next step's training
+    assert stage1 == pytest.approx(write0, abs=1e-9)
+    ck = result.summary["checkpoint"]
+    assert ck["saves"] == 2 and ck["write_ends_in_window"]
