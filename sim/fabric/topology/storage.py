@@ -27,6 +27,7 @@ another zone or region are counted and billed as every zone crossing is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -200,14 +201,14 @@ def attach_storage(graph: nx.DiGraph, spec: FabricSpec, kind: str, gbytes_per_s:
                     link((top, z, i), gw, NETWORK, ample)
         link(("gw", zone), sw, NETWORK, ample)
         if zone not in populated:
-            _join_zone(graph, spec, zone, populated, link, add, ample)
+            _join_zone(graph, spec, zone, populated, link, ample)
     graph.add_edges_from(edges)
     cap = (gbytes_per_s * 1e9 / spec.gpus_per_node if kind == "object_store" else np.inf)
     return StorageTarget(kind, zone=zone, flow_cap=cap)
 
 
 def _join_zone(graph: nx.DiGraph, spec: FabricSpec, zone: int, populated: list[int],
-               link, add, ample: float) -> None:   # type: ignore[no-untyped-def]
+               link: Callable[..., None], ample: float) -> None:
     """Join the storage's own gateway to the job's zones: ``cross_az`` links to the zones of
     its region; through its region's gateway (``cross_region`` links to the others) when the
     cluster spans regions (:func:`sim.fabric.topology.graph._add_region_gateways`)."""
