@@ -148,7 +148,8 @@ def print_summary(s: Summary) -> None:
                      f"{ck['saves']} save(s) of {ck['gb_per_save']:,.1f} GB to "
                      f"{ck['storage']}: {ck['blocking_s']:,.3f} s blocking, write "
                      f"{ck['write_s']:,.2f} s, {ck['contention_s_per_save']:,.3f} s lost "
-                     "to contention"))
+                     "to contention" + ("" if ck["write_ends_in_window"] else
+                                        " (the write outlasts the window: --steps more)")))
     rows.append(("simulated", f"{s['sim']['ranks_simulated']} rank class(es), "
                               f"{s['sim']['events']:,} events in {s['sim']['wall_s']:.2f} s"))
     for k, v in rows:
