@@ -19,12 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim import catalog
+from sim.analysis.checkpoint_figures import checkpoint_figures
 from sim.analysis.collect import JobFacts, collect_summary
 from sim.analysis.cost import resolve_pricing
 from sim.analysis.memory_overheads import overheads
 from sim.analysis.metrics import step_spans
 from sim.analysis.summary import StepSpread, Summary
 from sim.config.faults import check_faults
+from sim.engine.checkpointing import checkpoint_setup, crossing_bytes
 from sim.engine.core import Engine, paused_gc
 from sim.engine.jitter import StepJitter
 from sim.engine.recorder import Recorder
@@ -144,8 +146,14 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
     engine_class = Engine if engine_class is None else engine_class
     scenario = ctx.scenario
     with paused_gc():
-        fabric = build_fabric(fabric_spec(scenario))
+        spec = fabric_spec(scenario)
+        saves = checkpoint_setup(scenario.run, spec, ctx.origin)
+        fabric = build_fabric(spec) if saves is None else saves.fabric
         apply_faults(scenario, program, fabric)
+        if saves is not None:   # on the classes as they run (stragglers split out)
+            saves.prepare(program, ctx.model.total_params,
+                          scenario.dp * scenario.parallelism.cp, framework(
+                              scenario.framework.name).async_checkpoint_stages_write_share)
         extra = {c.id: overheads(program, c, ctx.gpu.arch, scenario.cluster.gpus_per_node)
                  for c in program.classes}
         # The caching allocator's cudaMalloc fails when the GPU is full: the context and NCCL's
@@ -171,8 +179,13 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
         if progress is not None:
             report = progress
             engine.progress = lambda done: report(min(done, per_step * steps), per_step * steps)
-        for _ in range(steps):
-            total += engine.run_step(program)
+        if saves is not None:
+            engine.storage = saves.storage
+        for i in range(steps):
+            total += engine.run_step(program if saves is None
+                                     else saves.program_for(i, program))
+        if saves is not None:   # the last asynchronous write, to its end
+            engine.drain_background()
         if progress is not None:
             progress(per_step * steps, per_step * steps)
         # collect
@@ -180,6 +193,10 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
                             time.perf_counter() - wall0)
         if engine.jitter is not None:
             summary["step_times"] = step_spread(recorder)
+        if saves is not None:
+            summary["checkpoint"] = checkpoint_figures(
+                recorder, saves.saves_after, saves.bytes_total, saves.asynchronous,
+                saves.storage.kind, *crossing_bytes(saves, program))
     return RunResult(scenario, summary, program, recorder, fabric, ctx)
 
 

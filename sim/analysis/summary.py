@@ -171,6 +171,48 @@ class RunLength(TypedDict):
     """``shrink``: the step time simulated on the surviving zones."""
     shrunk_dp: NotRequired[int | None]
     shrunk_nodes: NotRequired[int | None]
+    checkpoint_simulated: bool
+    """The checkpoint figures above were measured on the timeline (``run.checkpoint.simulate``,
+    the summary's ``checkpoint``): write and blocking times with their contention; the step
+    time is the clean step's. False: the closed form."""
+    checkpoint_closed_form_write_s: float
+    """The closed form's write time (bytes over the storage's rate), for checks."""
+    checkpoint_closed_form_blocking_s: float
+    checkpoint_egress_usd_per_save: float
+    """Billed zone and region crossings of one save (storage in another zone or region)."""
+
+
+class CheckpointFigures(TypedDict):
+    """``checkpoint``: the saves simulated on the timeline (``run.checkpoint.simulate``),
+    measured (:mod:`sim.analysis.checkpoint_figures`); there only with that key."""
+
+    saves: int
+    """Saves in the simulated window (after steps 1, 1 + interval, ...)."""
+    window_steps: int
+    """Steps simulated."""
+    storage: str
+    asynchronous: bool
+    gb_per_save: float
+    """Bytes one save writes (each rank's share of the sharded states, summed), in GB."""
+    clean_step_s: float
+    """The first step's training work alone (nothing before it, the save after it)."""
+    blocking_s: float
+    """What the first save adds to its step: the whole write (synchronous) or the staging
+    device-to-host copy (asynchronous)."""
+    d2h_s: float
+    """The first save's device-to-host staging copy, the longest of the rank classes'
+    (asynchronous; 0 when synchronous)."""
+    write_s: float
+    """The first save from its first byte to its last on the storage."""
+    write_gbytes_per_s: float
+    contention_s_per_save: float
+    """Training time per save lost to background writes sharing links with the next steps:
+    the later steps' training spans above the clean step, per save."""
+    write_ends_in_window: bool
+    """Whether the first save's write ended before the window's last step did (if not, the
+    contention after the window is not measured)."""
+    cross_az_gb_per_save: float
+    cross_region_gb_per_save: float
 
 
 class StepSpread(TypedDict):
@@ -231,3 +273,4 @@ class Summary(TypedDict):
     claims: NotRequired[list[Claim]]
     run: NotRequired[RunLength]
     step_times: NotRequired[StepSpread]
+    checkpoint: NotRequired[CheckpointFigures]

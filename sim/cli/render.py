@@ -142,6 +142,14 @@ def print_summary(s: Summary) -> None:
                                 f"{r['checkpoint_gb']:,.0f} GB, "
                                 f"{r['checkpoint_blocking_s']:,.1f} s blocking"),
         ]
+    if "checkpoint" in s:
+        ck = s["checkpoint"]
+        rows.append(("checkpoint (simulated)",
+                     f"{ck['saves']} save(s) of {ck['gb_per_save']:,.1f} GB to "
+                     f"{ck['storage']}: {ck['blocking_s']:,.3f} s blocking, write "
+                     f"{ck['write_s']:,.2f} s, {ck['contention_s_per_save']:,.3f} s lost "
+                     "to contention" + ("" if ck["write_ends_in_window"] else
+                                        " (the write outlasts the window: --steps more)")))
     rows.append(("simulated", f"{s['sim']['ranks_simulated']} rank class(es), "
                               f"{s['sim']['events']:,} events in {s['sim']['wall_s']:.2f} s"))
     for k, v in rows:

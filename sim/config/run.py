@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from sim import catalog
+from sim.config import bounds as B
 from sim.config.base import StrictModel
 from sim.config.zone_outage import ZoneOutage
 
@@ -32,12 +33,27 @@ class Checkpoint(StrictModel):
     """Asynchronous save (torch.distributed.checkpoint.async_save, Megatron dist-ckpt
     ``--async-save``): the step blocks only for the device-to-host copy; the write runs in the
     background and the next save waits for it."""
+    simulate: bool = False
+    """Put the saves on the simulated timeline (:mod:`sim.program.checkpoint_ops`): ``fabricsim
+    run --steps N`` saves after steps 1, 1 + interval, 1 + 2 x interval, ... of the window (it
+    starts at a checkpoint step), as device-to-host copies and writes flowing over PCIe, the
+    NICs and the network to the storage, sharing links with the steps' traffic; the summary's
+    ``checkpoint`` object and the run model use the measured times. False: the closed form
+    only, nothing on the timeline."""
+    zone: int | None = Field(default=None, ge=0, lt=B.MAX_ZONES)
+    """pfs and object_store with ``simulate``: the zone of the storage endpoint (default 0, the
+    job's first zone). A zone without GPUs of the job (``zone >= cluster.azs``) is reached
+    over metered zone links (or region links, when ``zone % cluster.regions`` is another
+    region), whose bytes the summary counts and bills."""
 
     @model_validator(mode="after")
     def _rate_known(self) -> Checkpoint:
         if self.gbytes_per_s is None and self.storage != "local_nvme":
             raise ValueError(f"run.checkpoint.gbytes_per_s: needed for storage "
                              f"{self.storage} (its write rate, GB/s)")
+        if self.zone is not None and self.storage == "local_nvme":
+            raise ValueError("run.checkpoint.zone: only for pfs or object_store (local_nvme "
+                             "writes to each server's own drives)")
         return self
 
 

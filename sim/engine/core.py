@@ -42,6 +42,7 @@ from sim.fabric.collectives import alltoall
 from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.fabric.network import FlowNetwork, NetworkObserver
 from sim.fabric.topology import LINK_KINDS, Fabric
+from sim.fabric.topology.storage import StorageTarget
 from sim.hardware.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
 from sim.hardware.power import sustained_matrix_flops
 from sim.program.ir import Op, Program, RankClass
@@ -62,6 +63,11 @@ class EngineObserver(NetworkObserver):
                   op: Op | None = None) -> None:
         """``delta`` bytes of ``category`` allocated (positive) or freed (negative) by ``op``
         (None: held before the step)."""
+
+    def on_background_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+                         step: int) -> None:
+        """An op of a background stream (:attr:`Program.background_streams`) finished; ``step``
+        is the step that issued it (it may end during a later one)."""
 
     def on_collective(self, op: Op, choice: Choice | None) -> None:
         """A collective or point-to-point op (``op.key``) finished on the fabric, once for all
@@ -150,6 +156,10 @@ class Engine:
                                 tuple[np.ndarray, np.ndarray, float]] = {}
         self.jitter: StepJitter | None = None
         """Step-to-step compute variation (``faults.jitter``); None: every step alike."""
+        self.storage: StorageTarget | None = None
+        """Where ``storage_write`` copies go (:mod:`sim.fabric.topology.storage`); None: the
+        node's NVMe drives."""
+        self._background: dict[tuple[int, str], simpy.Process] = {}
         self._step_factor: dict[int, float] = {}
 
     # ------------------------------------------------------------------ hooks
@@ -301,11 +311,16 @@ class Engine:
         self._t0 = t0
         self._finished: dict[int, float] = {}
         rendezvous: dict[str, _Rendezvous] = {}
+        bg = program.background_streams
         procs = [
             env.process(self._stream(program, cls, ops, done, class_of, rendezvous))
             for cls in program.classes
-            for ops in cls.streams.values()
+            for name, ops in cls.streams.items() if name not in bg
         ]
+        for cls in program.classes:
+            for name in sorted(bg):
+                if cls.streams.get(name):
+                    self._start_background(program, cls, name, done, class_of, rendezvous)
         for cls in program.classes:
             env.process(self._host_clock(host_issues(issue_order(cls)), done))
         with paused_gc():
@@ -313,20 +328,54 @@ class Engine:
         self._step += 1
         return env.now - t0
 
+    def _start_background(self, program: Program, cls: RankClass, name: str,
+                          done: dict[int, simpy.Event], class_of: dict[int, int],
+                          rendezvous: dict[str, _Rendezvous]) -> None:
+        """Run this step's ops of background stream ``name`` of ``cls`` after the ones earlier
+        steps put there (a background thread's queue); the step does not wait for them."""
+        key = (cls.id, name)
+        previous = self._background.get(key)
+        body = self._stream(program, cls, cls.streams[name], done, class_of, rendezvous,
+                            background=(self._issue_time, self._issue_wait, self._finished,
+                                        self._step))
+
+        def queued() -> Generator[simpy.Event, object, None]:
+            if previous is not None and previous.is_alive:
+                yield previous
+            yield from body
+        self._background[key] = self.env.process(queued())
+
+    def drain_background(self) -> float:
+        """Run until every background stream has finished (the last asynchronous write of a
+        run, after its last step); returns the time they end."""
+        alive = [p for p in self._background.values() if p.is_alive]
+        if alive:
+            with paused_gc():
+                self.env.run(until=simpy.AllOf(self.env, alive))
+        return self.env.now
+
     def _stream(self, program: Program, cls: RankClass, ops: list[Op],
                 done: dict[int, simpy.Event], class_of: dict[int, int],
-                rendezvous: dict[str, _Rendezvous]) -> Generator[simpy.Event, object, None]:
+                rendezvous: dict[str, _Rendezvous],
+                background: tuple[dict[int, float], dict[int, simpy.Event], dict[int, float],
+                                  int] | None = None
+                ) -> Generator[simpy.Event, object, None]:
+        """Run one stream's ops in order. ``background``: the issuing step's tables (issue
+        times, their waits, ends) and index, for a background stream that may run on into
+        later steps (:meth:`_start_background`)."""
         env = self.env
         obs = self.observer
+        issue_times, issue_waits, finished, step = background or (
+            self._issue_time, self._issue_wait, self._finished, self._step)
         for op in ops:
             pending = [done[d.index] for d in op.deps if not done[d.index].processed]
             if pending:
                 yield simpy.AllOf(env, pending)
-            issued = self._issue_time.get(op.index)
+            issued = issue_times.get(op.index)
             if issued is None:
-                wait = self._issue_wait.setdefault(op.index, env.event())
+                wait = issue_waits.setdefault(op.index, env.event())
                 yield wait
-                issued = self._issue_time[op.index]
+                issued = issue_times[op.index]
             if issued > env.now:
                 yield env.timeout(issued - env.now)
             ready = env.now
@@ -347,11 +396,14 @@ class Engine:
                 obs.on_memory(cls, end, "buffers", -op.transient, op)
             for cat, nbytes in op.free:
                 obs.on_memory(cls, end, cat, -nbytes, op)
-            obs.on_op(cls, op, ready, start, end, self._step)
+            if background is not None:
+                obs.on_background_op(cls, op, ready, start, end, step)
+            else:
+                obs.on_op(cls, op, ready, start, end, self._step)
             self.events_processed += 1
             if self.progress is not None and self.events_processed % PROGRESS_EVERY == 0:
                 self.progress(self.events_processed)
-            self._finished[op.index] = end
+            finished[op.index] = end
             done[op.index].succeed()
 
     def _host_clock(self, issues: Iterator[HostIssue], done: dict[int, simpy.Event]
@@ -362,6 +414,7 @@ class Engine:
         t = self._t0
         finished = self._finished
         issue_wait = self._issue_wait
+        issued = self._issue_time
         for op, sync, launches in issues:
             sync_end = launch_end = -math.inf
             if sync is not None:
@@ -375,7 +428,7 @@ class Engine:
                 if end > launch_end:
                     launch_end = end
             t = issue_time(t, sync_end, op.cpu_s, launch_end)
-            self._issue_time[op.index] = t
+            issued[op.index] = t
             wait = issue_wait.pop(op.index, None)
             if wait is not None:
                 wait.succeed()
@@ -390,8 +443,15 @@ class Engine:
         fab = self.fabric
         if plan is None:
             routes: list[tuple[int, ...]] = []
+            storage = self.storage
             for r in cls.members:
-                if op.host_transfer == "h2d":
+                if op.host_transfer in ("storage_write", "gpu_storage_write") \
+                        and storage is not None:
+                    routes.append(storage.route(r, op.host_transfer == "gpu_storage_write"))
+                elif op.host_transfer == "gpu_storage_write":   # to the node's NVMe
+                    node = r // fab.spec.gpus_per_node
+                    routes.append(fab.route_to_host(r) + fab.route_nvme(node, "write"))
+                elif op.host_transfer == "h2d":
                     routes.append(fab.route_from_host(r))
                 elif op.host_transfer == "d2h":
                     routes.append(fab.route_to_host(r))
@@ -405,9 +465,11 @@ class Engine:
             plan = self._host_routes[key] = (flat, lengths, latency)
         flat, lengths, latency = plan
         n = len(lengths)
+        cap = (self.storage.flow_cap if self.storage is not None
+               and op.host_transfer in ("storage_write", "gpu_storage_write") else np.inf)
         yield self.env.timeout(latency)
         yield self.net.start_group(flat, lengths, np.full(n, float(op.nbytes)), np.ones(n),
-                                   np.full(n, np.inf), tag=op)
+                                   np.full(n, cap), tag=op)
 
     def _classes_needed(self, op: Op, class_of: dict[int, int]) -> frozenset[int]:
         """The rank classes that must reach ``op`` before it starts. Builders hand every

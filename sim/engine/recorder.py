@@ -62,6 +62,9 @@ class Recorder(EngineObserver):
                  allocator_capacity: dict[int, float] | None = None,
                  expandable_segments: bool = False) -> None:
         self.ops: list[OpRecord] = []
+        # Ops of background streams (an asynchronous checkpoint's write), kept apart: they
+        # run on past the step that issued them, so they bound no step.
+        self.background_ops: list[OpRecord] = []
         self.memory: dict[int, MemoryTrack] = {}
         self.rate_series: list[tuple[float, np.ndarray]] = []
         # Per rate change: (time, indices of links carrying traffic, their bytes/s), kept
@@ -98,6 +101,10 @@ class Recorder(EngineObserver):
     def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
               step: int) -> None:
         self.ops.append(OpRecord(cls.id, op, ready, start, end, step))
+
+    def on_background_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+                         step: int) -> None:
+        self.background_ops.append(OpRecord(cls.id, op, ready, start, end, step))
 
     def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
                   op: Op | None = None) -> None:

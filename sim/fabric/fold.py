@@ -29,11 +29,13 @@ unfolded tables keep them, so every figure is the same to the last bit (the hypo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["FOLD_MIN_FLOWS", "FoldPlan", "fold_plan", "reach"]
+__all__ = ["FOLD_MIN_FLOWS", "FoldPlan", "FoldedGroup", "GroupStatics", "Subset", "fold_plan",
+           "reach", "subset"]
 
 FOLD_MIN_FLOWS = 256
 """Groups with fewer flows start unfolded: finding their classes costs more than it saves
@@ -58,9 +60,79 @@ class FoldPlan:
     weight: np.ndarray
     """Incidences of the class's flows on one link of that link class (a whole number)."""
     reach_cache: dict[tuple[bytes, bytes], np.ndarray | None] = field(default_factory=dict)
-    # The group's static arrays, the same at every start of the same group on the same links
-    # (set by the network on first use; see FoldedGroup).
-    statics: tuple[np.ndarray, ...] | None = None
+    subsets: dict[bytes, Subset] = field(default_factory=dict)
+    """:func:`subset` by class mask."""
+    statics: GroupStatics | None = None
+    """The group the plan was made for (set by the network at its first start)."""
+
+
+@dataclass(frozen=True, eq=False)
+class Subset:
+    """The members of some classes of a plan's group and what a solve or an end of them
+    needs, in the order the unfolded tables hold them (remembered: the arrays are shared,
+    never written)."""
+
+    classes: np.ndarray
+    """The classes, ascending."""
+    members: np.ndarray
+    """Mask over the group's flows."""
+    n_members: int
+    member_class: np.ndarray
+    count: np.ndarray
+    hops: np.ndarray
+    """Class, copies and hops per link class of each member, in order."""
+    links: np.ndarray
+    """The members' incidences' links, in order."""
+    inc_class: np.ndarray
+    """Class of each of those incidences."""
+    users: np.ndarray
+    """Incidences per link (over every link of the fabric and the dead one)."""
+    used: np.ndarray
+    """The distinct links."""
+    fold_links: np.ndarray
+    fold_owner: np.ndarray
+    fold_weight: np.ndarray
+    """The folded incidences of the classes, owners numbered 0.. in ``classes``' order."""
+
+
+@dataclass(frozen=True, eq=False)
+class GroupStatics:
+    """A plan's group as the tables would hold it: the same at every start of it."""
+
+    flat: np.ndarray
+    owner: np.ndarray
+    count: np.ndarray
+    hops: np.ndarray
+    rep: np.ndarray
+    """First member of each class."""
+    users: np.ndarray
+    used: np.ndarray
+    n_links: int
+    """Links of the fabric plus the dead one."""
+
+
+def subset(plan: FoldPlan, group: GroupStatics, classes: np.ndarray) -> Subset:
+    """The members of the classes in mask ``classes`` (remembered per plan)."""
+    key = classes.tobytes()
+    got = plan.subsets.get(key)
+    if got is not None:
+        return got
+    members = classes[plan.orbit]
+    inc = members[group.owner]
+    links = group.flat[inc]
+    cls = np.flatnonzero(classes)
+    local = np.full(plan.n_orbits, -1, dtype=np.int64)
+    local[cls] = np.arange(len(cls))
+    sel = classes[plan.owner]
+    got = Subset(
+        classes=cls, members=members, n_members=int(np.count_nonzero(members)),
+        member_class=plan.orbit[members], count=group.count[members],
+        hops=group.hops[members], links=links, inc_class=plan.orbit[group.owner[inc]],
+        users=np.bincount(links, minlength=group.n_links), used=np.unique(links),
+        fold_links=plan.links[sel], fold_owner=local[plan.owner[sel]],
+        fold_weight=plan.weight[sel])
+    plan.subsets[key] = got
+    return got
 
 
 def _sorted_rows(entity: np.ndarray, value: np.ndarray, n: int, own: np.ndarray) -> np.ndarray:
@@ -176,21 +248,14 @@ def reach(plan: FoldPlan, flat_links: np.ndarray, owner: np.ndarray, live: np.nd
 
 @dataclass(eq=False)
 class FoldedGroup:
-    """A group running folded (:class:`~sim.fabric.network.FlowNetwork`): its members'
-    static rows and incidences, and one row of state per class."""
+    """A group running folded (:class:`~sim.fabric.network.FlowNetwork`): its plan, its
+    members as the tables would hold them, and one row of state per class."""
 
     gid: int
     plan: FoldPlan
-    flat: np.ndarray
-    """Every member's links in turn (the unfolded incidences' links, in order)."""
-    owner: np.ndarray
-    """Member of each incidence."""
-    used: np.ndarray
-    """The distinct links of the group."""
+    statics: GroupStatics
     size: np.ndarray
-    count: np.ndarray
-    hops: np.ndarray
-    """Per member: bytes, copies and hops per link class (the unfolded rows)."""
+    """Bytes of each member (the unfolded rows')."""
     # Per class: the state every member of it shares.
     csize: np.ndarray
     remaining: np.ndarray
@@ -201,16 +266,32 @@ class FoldedGroup:
     live: np.ndarray
     """Classes whose flows have not ended."""
 
-    def live_members(self) -> np.ndarray:
-        return self.live[self.plan.orbit]
+    def next_end(self) -> float:
+        """The least time left among moving classes (inf when none moves), the same
+        divisions as the tables'."""
+        best = math.inf
+        for r, left in zip(self.rate.tolist(), self.remaining.tolist(), strict=True):
+            if r > 0:
+                t = left / r
+                if t < best:
+                    best = t
+        return best
 
-    def left(self) -> np.ndarray:
-        """Time left per live, moving class (inf otherwise), as the tables compute it."""
-        left = np.full(len(self.rate), np.inf)
-        np.divide(self.remaining, self.rate, out=left, where=self.rate > 0)
-        return left
+    def moving(self) -> bool:
+        return bool((self.rate > 0).any())
+
+    def ends_now(self, now: float, eps: float) -> bool:
+        """Does a class end now (the tables' test, ``FlowNetwork._finished_rows``)?"""
+        limit = 1e-12 * max(1.0, now)
+        for r, left, size, live in zip(self.rate.tolist(), self.remaining.tolist(),
+                                       self.csize.tolist(), self.live.tolist(), strict=True):
+            if live and (left <= eps * size or (r > 0 and left / r <= limit)):
+                return True
+        return False
 
     def ending(self, now: float, eps: float) -> np.ndarray:
-        """Classes whose flows end now (the tables' test, :meth:`FlowNetwork._resolve`)."""
+        """Classes whose flows end now (mask)."""
+        left = np.full(len(self.rate), np.inf)
+        np.divide(self.remaining, self.rate, out=left, where=self.rate > 0)
         return self.live & ((self.remaining <= eps * self.csize)
-                            | (self.left() <= 1e-12 * max(1.0, now)))
+                            | (left <= 1e-12 * max(1.0, now)))

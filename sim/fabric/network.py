@@ -164,7 +164,7 @@ class FlowNetwork:
         self._live_folded = 0
         self._fold_pending: int | None = None
         self._fold_owner = np.full(n_links + 1, -1, dtype=np.int64)
-        self._fold_plans: dict[tuple[bytes, ...], FoldPlan | None] = {}
+        self._fold_plans: dict[tuple, list[tuple[tuple[np.ndarray, ...], FoldPlan | None]]] = {}
         self.folded_groups = 0
 
     # ------------------------------------------------------------------ API
@@ -345,8 +345,8 @@ class FlowNetwork:
         dt = float(left.min(initial=math.inf))
         moving = bool(positive.any())
         for group in self._folded.values():
-            dt = min(dt, float(group.left().min()))
-            moving = moving or bool((group.rate > 0).any())
+            dt = min(dt, group.next_end())
+            moving = moving or group.moving()
         if dt == math.inf and not moving:
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
         version = self._version

@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sim.fabric.fold import FOLD_MIN_FLOWS, FoldedGroup, fold_plan, reach
+from sim.fabric.fold import (
+    FOLD_MIN_FLOWS,
+    FoldedGroup,
+    FoldPlan,
+    GroupStatics,
+    fold_plan,
+    reach,
+    subset,
+)
 from sim.fabric.maxmin import _EPS, max_min_rates
 
 if TYPE_CHECKING:
@@ -42,47 +50,59 @@ def try_fold(net: FlowNetwork, gid: int, flat_links: np.ndarray, lengths: np.nda
     if (len(lengths) < FOLD_MIN_FLOWS or net._link_users[flat_links].any()
             or (net.solves + 1) % net.recount_every == 0 or finishing_now(net)):
         return False
-    key = (flat_links.tobytes(), lengths.tobytes(), sizes.tobytes(), counts.tobytes(),
-           caps.tobytes())
-    if key in net._fold_plans:
-        plan = net._fold_plans[key]
-    else:
-        plan = fold_plan(flat_links, lengths, sizes, counts, caps, net.capacity)
-        if len(net._fold_plans) >= _PLAN_CACHE:
-            net._fold_plans.clear()
-        net._fold_plans[key] = plan
+    plan = _plan_for(net, flat_links, lengths, sizes, counts, caps)
     if plan is None:
         return False
     n = len(lengths)
-    if plan.statics is None:
+    statics = plan.statics
+    if statics is None:
         owner = np.repeat(np.arange(n), lengths)
-        hops = np.bincount(owner * net.n_kinds + net.kind[flat_links],
-                           minlength=n * net.n_kinds).reshape(n, net.n_kinds)
         _, rep = np.unique(plan.orbit, return_index=True)
-        used = np.unique(flat_links)
-        users = np.bincount(flat_links, minlength=len(net._link_users))
-        plan.statics = (owner, hops, rep, used, users)
-    owner, hops, rep, used, users = plan.statics
-    group = FoldedGroup(
-        gid=gid, plan=plan, flat=flat_links, owner=owner, used=used,
-        size=sizes, count=counts, hops=hops, csize=sizes[rep].copy(),
-        remaining=sizes[rep].copy(), rate=np.zeros(plan.n_orbits), cap=caps[rep].copy(),
-        base_cap=alone[rep].copy(), cap0=caps0[rep].copy(),
-        live=np.ones(plan.n_orbits, dtype=bool))
-    net._link_users += users
-    net._fold_owner[used] = gid
-    net._folded[gid] = group
+        n_links = len(net._link_users)
+        statics = plan.statics = GroupStatics(
+            flat=flat_links.copy(), owner=owner, count=counts.copy(),
+            hops=np.bincount(owner * net.n_kinds + net.kind[flat_links],
+                             minlength=n * net.n_kinds).reshape(n, net.n_kinds),
+            rep=rep, users=np.bincount(flat_links, minlength=n_links),
+            used=np.unique(flat_links), n_links=n_links)
+    rep = statics.rep
+    net._folded[gid] = FoldedGroup(
+        gid=gid, plan=plan, statics=statics, size=sizes, csize=sizes[rep],
+        remaining=sizes[rep], rate=np.zeros(plan.n_orbits), cap=caps[rep], base_cap=alone[rep],
+        cap0=caps0[rep], live=np.ones(plan.n_orbits, dtype=bool))
+    net._link_users += statics.users
+    net._fold_owner[statics.used] = gid
     net._live += n
     net._live_folded += n
     net._fold_pending = gid
     net.folded_groups += 1
     return True
 
+
+def _plan_for(net: FlowNetwork, flat_links: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
+              counts: np.ndarray, caps: np.ndarray) -> FoldPlan | None:
+    """The group's fold plan, made once per group and links: looked up by a fingerprint,
+    then checked element by element (cheaper than hashing every byte at every start)."""
+    arrays = (flat_links, lengths, sizes, counts, caps)
+    key = (len(flat_links), len(lengths), flat_links[::61].tobytes(), float(sizes[0]),
+           float(sizes[-1]), float(caps[0]), float(counts[0]))
+    for seen, plan in net._fold_plans.get(key, ()):
+        if all(np.array_equal(a, b) for a, b in zip(seen, arrays, strict=True)):
+            return plan
+    plan = fold_plan(flat_links, lengths, sizes, counts, caps, net.capacity)
+    if sum(len(v) for v in net._fold_plans.values()) >= _PLAN_CACHE:
+        net._fold_plans.clear()
+    net._fold_plans.setdefault(key, []).append(
+        (tuple(a.copy() for a in arrays), plan))
+    return plan
+
+
 def finishing_now(net: FlowNetwork) -> bool:
     """Would ``FlowNetwork._resolve`` end any flow now (rows or folded classes)?"""
     if net._n and net._finished_rows().any():
         return True
-    return any(g.ending(net.env.now, _EPS).any() for g in net._folded.values())
+    now = net.env.now
+    return any(g.ends_now(now, _EPS) for g in net._folded.values())
 
 
 def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
@@ -112,16 +132,16 @@ def folded_event(net: FlowNetwork) -> bool:
         folded_solve(net, group, group.live.copy())
         return True
     now = net.env.now
-    ending = {gid: fin for gid, g in net._folded.items()
-              if (fin := g.ending(now, _EPS)).any()}
+    ending = {gid: g.ending(now, _EPS) for gid, g in net._folded.items()
+              if g.ends_now(now, _EPS)}
     if not ending:
         return False
     if (len(ending) == 1 and not net._dirty and (net.solves + 1) % net.recount_every
             and not (net._n and net._finished_rows().any())):
         gid, fin = ending.popitem()
         group = net._folded[gid]
-        comp = reach(group.plan, group.flat, group.owner, group.live & ~fin, fin,
-                     net._link_mask)
+        comp = reach(group.plan, group.statics.flat, group.statics.owner, group.live & ~fin,
+                     fin, net._link_mask)
         folded_retire(net, group, fin)
         if comp is not None:
             folded_solve(net, group, comp)
@@ -135,18 +155,15 @@ def folded_event(net: FlowNetwork) -> bool:
 
 def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None:
     """The classes ``fin`` end: what ``FlowNetwork._retire`` does for their members."""
-    orbit = group.plan.orbit
-    ended = fin[orbit]
-    k = int(np.count_nonzero(ended))
-    gone = ended[group.owner]
-    gone_links = group.flat[gone]
+    ended = subset(group.plan, group.statics, fin)
+    k = ended.n_members
+    gone_links = ended.links
     net._dirty.append(gone_links)
     users = net._link_users
-    users -= np.bincount(gone_links, minlength=len(users))
-    net._gone_alone = gone_links if not users[gone_links].any() else None
-    rate = group.rate[orbit]
-    net._add_link_rates(gone_links, -rate[group.owner[gone]])
-    net._class_rates -= (rate[ended] * group.count[ended]) @ group.hops[ended]
+    users -= ended.users
+    net._gone_alone = gone_links if not users[ended.used].any() else None
+    net._add_link_rates(gone_links, -group.rate[ended.inc_class])
+    net._class_rates -= (group.rate[ended.member_class] * ended.count) @ ended.hops
     group.rate[fin] = 0.0
     group.remaining[fin] = np.inf
     group.live[fin] = False
@@ -157,8 +174,9 @@ def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None
         net._bind()
     if not group.live.any():
         del net._folded[group.gid]
-        net._fold_owner[group.used] = -1
+        net._fold_owner[group.statics.used] = -1
     net._end_flows(group.gid, k)
+
 
 def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None:
     """What ``FlowNetwork._solve`` does when the component is the classes ``comp`` of
@@ -167,44 +185,34 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
     net._dirty_seen, net._dirty = net._dirty, []
     net._seed = net._seed_inc = net._alone = 0
     net._seed_alone, net._gone_alone = False, None
-    plan = group.plan
-    members = comp[plan.orbit]
-    n_comp = int(np.count_nonzero(members))
     if not net._live:
         # As the tables' solve with nothing live: every rate back to zero.
         net._link_rates = np.zeros(len(net.capacity))
         net._busy_mask[net._busy] = False
         net._busy = np.zeros(0, dtype=np.int64)
         net._class_rates = np.zeros(net.n_kinds)
-    elif n_comp:
-        cls = np.flatnonzero(comp)
-        local = np.full(plan.n_orbits, -1, dtype=np.int64)
-        local[cls] = np.arange(len(cls))
-        sel = comp[plan.owner]
-        rates = max_min_rates(plan.links[sel], local[plan.owner[sel]], len(cls),
-                              net.capacity, group.cap[cls],
-                              (net._link_mask, net._link_pos), weights=plan.weight[sel])
+    elif comp.any():
+        sub = subset(group.plan, group.statics, comp)
+        rates = max_min_rates(sub.fold_links, sub.fold_owner, len(sub.classes), net.capacity,
+                              group.cap[sub.classes], (net._link_mask, net._link_pos),
+                              weights=sub.fold_weight)
         new = group.rate.copy()
-        new[cls] = rates
-        inc = members[group.owner]
-        links = group.flat[inc]
-        if n_comp == net._live:
+        new[sub.classes] = rates
+        if sub.n_members == net._live:
             # The tables' full solve: link and class rates summed afresh.
             group.rate = new
-            rate = new[plan.orbit]
             net._link_rates = np.zeros(len(net.capacity))
             net._busy_mask[net._busy] = False
             net._busy = np.zeros(0, dtype=np.int64)
-            net._add_link_rates(links, rate[group.owner[inc]])
-            net._class_rates = (rate[members] * group.count[members]) @ \
-                group.hops[members]
+            net._add_link_rates(sub.links, new[sub.inc_class])
+            net._class_rates = (new[sub.member_class] * sub.count) @ sub.hops
         else:
-            delta = (new - group.rate)[plan.orbit]
+            delta = new - group.rate
             group.rate = new
-            net._add_link_rates(links, delta[group.owner[inc]])
-            net._class_rates += (delta[members] * group.count[members]) @ \
-                group.hops[members]
+            net._add_link_rates(sub.links, delta[sub.inc_class])
+            net._class_rates += (delta[sub.member_class] * sub.count) @ sub.hops
     net.observer.on_rates(net.env.now, net._class_rates, net._link_rates)
+
 
 # ------------------------------------------------------------------ unfold
 def unfold_all(net: FlowNetwork) -> None:
@@ -215,10 +223,10 @@ def unfold_all(net: FlowNetwork) -> None:
 def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
     """Put the group's live flows into the tables, where and as they would be."""
     del net._folded[group.gid]
-    net._fold_owner[group.used] = -1
-    orbit = group.plan.orbit
-    members = group.live[orbit]
-    idx = np.flatnonzero(members)
+    statics = group.statics
+    net._fold_owner[statics.used] = -1
+    live = subset(group.plan, statics, group.live)
+    idx = np.flatnonzero(live.members)
     r = len(idx)
     net._live_folded -= r
     if net._n > net._live - net._live_folded - r:
@@ -227,9 +235,7 @@ def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
     # Rows keep their groups' start order: the group goes before the first later one.
     pos = int(np.searchsorted(net._group, group.gid))
     inc_pos = int(np.searchsorted(net._inc_flow, pos))
-    inc = members[group.owner]
-    links = group.flat[inc]
-    local = np.cumsum(members) - 1
+    links = live.links
     k = len(links)
     if n + r > net._flows.shape[1] or m + k > net._inc.shape[1]:
         net._grow(n + r, m + k)
@@ -239,7 +245,7 @@ def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
     group_t[pos + r:n + r] = group_t[pos:n].copy()
     inc_t[:, inc_pos + k:m + k] = inc_t[:, inc_pos:m].copy()
     inc_t[1, inc_pos + k:m + k] += r
-    cls = orbit[idx]
+    cls = live.member_class
     block = flows[:, pos:pos + r]
     block[0] = group.size[idx]
     block[1] = group.remaining[cls]
@@ -247,10 +253,11 @@ def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
     block[3] = group.cap[cls]
     block[4] = group.base_cap[cls]
     block[5] = group.cap0[cls]
-    block[6] = group.count[idx]
-    hops_t[pos:pos + r] = group.hops[idx]
+    block[6] = live.count
+    hops_t[pos:pos + r] = live.hops
     group_t[pos:pos + r] = group.gid
     inc_t[0, inc_pos:inc_pos + k] = links
-    inc_t[1, inc_pos:inc_pos + k] = local[group.owner[inc]] + pos
+    local = np.cumsum(live.members) - 1
+    inc_t[1, inc_pos:inc_pos + k] = local[statics.owner[live.members[statics.owner]]] + pos
     net._n, net._m = n + r, m + k
     net._bind()

@@ -31,7 +31,8 @@ tensors, gradient accumulation into host memory): ``duration`` of CPU time, no k
 no share of the GPU's SMs or HBM. ``collective``, ``send``, ``recv``: NCCL transfers on the
 fabric. ``copy``: a copy engine (device, host or NVMe transfers)."""
 CollectiveOp = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all"]
-HostTransfer = Literal["h2d", "d2h", "nvme_read", "nvme_write"]
+HostTransfer = Literal["h2d", "d2h", "nvme_read", "nvme_write", "storage_write",
+                       "gpu_storage_write"]
 Phase = Literal["fwd", "bwd", "recompute", "optimizer", "comm", "loss"]
 NcclType = Literal["i8", "u8", "i32", "u32", "i64", "u64", "f16", "f32", "f64", "bf16",
                    "f8e4m3", "f8e5m2"]
@@ -105,7 +106,10 @@ class Op:
     """A ``copy`` op that moves ``nbytes`` per member rank between GPU and host memory
     (``h2d``, ``d2h``) or between host memory and the node's NVMe drives (``nvme_read``,
     ``nvme_write``): it runs as flows on the fabric's PCIe/NVMe links instead of taking
-    ``duration``."""
+    ``duration``. ``storage_write``: host memory to the checkpoint storage (the node's NVMe
+    drives, or over its NIC and the network to a storage endpoint: the engine's
+    ``storage``); ``gpu_storage_write``: GPU memory to that storage through host memory,
+    streamed (a synchronous checkpoint save, :mod:`sim.program.checkpoint_ops`)."""
     peer_bytes: tuple[tuple[float, ...], ...] = ()
     """An ``all_to_all`` with uneven splits (``ncclSend``/``ncclRecv`` per peer, as
     ``torch.distributed.all_to_all_single`` with split sizes issues it): row ``i``, column
@@ -157,6 +161,10 @@ class Program:
     """Pipeline-parallel stages; above 1 the summary and the timeline count pipeline bubbles."""
     meta: dict[str, object] = field(default_factory=dict)
     """Free-form labels, read by nobody in the simulator."""
+    background_streams: frozenset[str] = frozenset()
+    """Streams that run beside the steps (a background thread's queue, as an asynchronous
+    checkpoint's writer): a step ends without waiting for them, and each runs its ops after
+    those the previous steps put on the same stream of the same rank class."""
     _ops: list[Op] = field(default_factory=list)
 
     def add(self, cls: RankClass, op: Op) -> Op:

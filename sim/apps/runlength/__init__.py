@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from sim.analysis.summary import RunLength
+from sim.analysis.summary import RunLength, Summary
 from sim.api import RunResult, fabric_spec
 from sim.apps.runlength.checkpoint import CheckpointTimes, checkpoint_bytes, checkpoint_times
 from sim.apps.runlength.montecarlo import (
@@ -187,9 +187,17 @@ def _planned(result: RunResult) -> tuple[RunPlan, float, CheckpointTimes]:
     rate = r.checkpoint.gbytes_per_s or spec.nvme_write_gbytes_per_s
     times = checkpoint_times(ck.total, r.checkpoint.storage, rate, s.cluster.nodes, s.gpus,
                              spec.pcie_gbytes_per_s)
+    write_s, copy_s = times.write_s, times.copy_s
+    sim = summ.get("checkpoint")
+    if sim is not None:   # measured on the timeline (run.checkpoint.simulate)
+        step_s = sim["clean_step_s"]
+        # Synchronous: the step waits for the whole save. Asynchronous: the staging copy,
+        # plus the training time the background write takes from the next steps.
+        write_s = sim["blocking_s"] if not sim["asynchronous"] else sim["write_s"]
+        copy_s = sim["blocking_s"] + sim["contention_s_per_save"]
     plan = RunPlan(step_s=step_s, steps_total=math.ceil(tokens / per_step * (1 - 1e-12)),
-                   interval_steps=r.checkpoint_interval_steps, write_s=times.write_s,
-                   copy_s=times.copy_s, asynchronous=r.checkpoint.async_, rates=job_rates(s),
+                   interval_steps=r.checkpoint_interval_steps, write_s=write_s,
+                   copy_s=copy_s, asynchronous=r.checkpoint.async_, rates=job_rates(s),
                    restart_s=r.restart_minutes * 60, replace_s=r.replace_minutes * 60,
                    repair_s=r.repair_hours * 3600, spares=r.spares, samples=r.samples,
                    seed=r.seed)
@@ -206,7 +214,6 @@ def run_length(result: RunResult) -> RunLength:
     r = s.run
     assert r is not None
     summ = result.summary
-    step_s = summ["step_time_s"]
     plan, ck_bytes, times = _planned(result)
     try:
         out = play(plan)
@@ -215,9 +222,11 @@ def run_length(result: RunResult) -> RunLength:
     cost = summ["cost"]
     hours = float(out.wall_s.mean()) / 3600
     spare_usd_per_hour = r.spares * s.cluster.gpus_per_node * cost["gpu_hour_usd"]
+    step_s = plan.step_s
     cycle_s = step_s + float(plan.blocking_s(plan.interval_steps)) / plan.interval_steps
+    egress_step, save_usd = _egress(summ)
     usd = hours * (cost["usd_per_hour"] + spare_usd_per_hour) \
-        + cost["egress_usd_per_step"] * out.busy_s / cycle_s \
+        + (egress_step + save_usd / plan.interval_steps) * out.busy_s / cycle_s \
         + shrunk_egress_usd(plan.zones, out.zone_runs)
     days = out.wall_s / SECONDS_PER_DAY
     run: RunLength = {
@@ -236,12 +245,31 @@ def run_length(result: RunResult) -> RunLength:
         "mtbf_hours": None if out.mtbf_s is None else out.mtbf_s / 3600,
         "downtime_minutes": out.downtime_s / 60,
         "checkpoint_gb": ck_bytes / 1e9,
-        "checkpoint_write_s": times.write_s,
+        "checkpoint_write_s": plan.write_s,
         "checkpoint_blocking_s": float(plan.blocking_s(plan.interval_steps)),
         "checkpoint_write_gbytes_per_s": times.write_gbytes_per_s,
         "failures": r.failures if isinstance(r.failures, str) else "custom",
         "samples": r.samples,
+        "checkpoint_simulated": "checkpoint" in summ,
+        "checkpoint_closed_form_write_s": times.write_s,
+        "checkpoint_closed_form_blocking_s": times.write_s if not plan.asynchronous
+        else times.copy_s + max(times.write_s - plan.interval_steps * plan.step_s, 0.0),
+        "checkpoint_egress_usd_per_save": save_usd,
     }
     if plan.zones is not None:
         run.update(zone_fields(plan.zones, out.zone_runs))  # type: ignore[typeddict-item]
     return run
+
+
+def _egress(summ: Summary) -> tuple[float, float]:
+    """Billed transfer per training step and per save. With simulated saves the summary's
+    per-step egress spreads the window's saves over its steps: their crossings are taken out
+    and billed per save instead."""
+    cost = summ["cost"]
+    sim = summ.get("checkpoint")
+    if sim is None:
+        return cost["egress_usd_per_step"], 0.0
+    save = (sim["cross_az_gb_per_save"] * cost["egress_usd_per_gb"]
+            + sim["cross_region_gb_per_save"] * cost["region_egress_usd_per_gb"])
+    per_step = cost["egress_usd_per_step"] - save * sim["saves"] / sim["window_steps"]
+    return max(per_step, 0.0), save

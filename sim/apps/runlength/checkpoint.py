@@ -1,94 +1,25 @@
 """A checkpoint's bytes and times, from the simulated job.
 
-Bytes: what each rank holds before the step (its rank class's ``initial_memory``
-``parameters`` and ``optimizer``, the builders' real sharded states), summed over every rank,
-then deduplicated: a checkpoint writes each distinct tensor once (Megatron-Core dist-ckpt's
-fully-parallel save spreads the replicas' writes over the data-parallel ranks;
-torch.distributed.checkpoint's planner, ``dedup_save_plans``, gives each replicated item to one
-rank). Whether a state is replicated over the data-parallel ranks or sharded across them is the
-framework's choice (ZeRO stage, distributed optimizer, FSDP), so it is read off the bytes: over
-all ranks a state totals ``element bytes x parameters x R`` with R = 1 (sharded) or the
-data-parallel replica count (replicated), and an element is 2 or 4 bytes for parameters
-(16-bit model weights, or the fp32 parameter itself) and 8 or 12 for AdamW's states (two fp32
-moments, plus an fp32 master copy when the weights are 16-bit). R is the choice that gives
-the nearest element size; a 12-byte optimizer state says the weights are 16-bit, which breaks
-the one tie (2 replicas of 2 bytes or 1 of 4). Expert weights replicated over an expert-data-
-parallel group smaller than the data-parallel one are not told apart (MoE: an approximation).
-Where the optimizer lives in host memory (offload) it is not in ``initial_memory``: it is
-counted as AdamW's full state, 12 bytes per parameter with 16-bit weights, else 8.
+Bytes: :func:`sim.program.checkpoint_ops.checkpoint_bytes` (the one home of the rule: the
+rank classes' sharded states, each distinct tensor written once), re-exported here. Times:
+the closed form of :func:`checkpoint_times` (kept for checks and for runs whose saves are not
+simulated; ``run.checkpoint.simulate`` puts the save on the timeline,
+:mod:`sim.analysis.checkpoint_figures`).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sim.program.ir import RankClass
+from sim.program.checkpoint_ops import (
+    OPTIMIZER_ELEMENT_BYTES,
+    PARAM_ELEMENT_BYTES,
+    CheckpointBytes,
+    checkpoint_bytes,
+)
 
-PARAM_ELEMENT_BYTES = (2.0, 4.0)
-"""bf16/fp16 model weights, or fp32 parameters (FSDP's sharded fp32 master, DDP)."""
-OPTIMIZER_ELEMENT_BYTES = (8.0, 12.0)
-"""AdamW's exp_avg and exp_avg_sq in fp32, plus the fp32 master weights beside 16-bit ones
-(Megatron's DistributedOptimizer, DeepSpeed's ZeRO partitions)."""
-
-
-@dataclass(frozen=True)
-class CheckpointBytes:
-    total: float
-    """Bytes one checkpoint writes (each distinct tensor once)."""
-    parameters_per_param: float
-    optimizer_per_param: float
-
-
-def _per_param(total: float, params: float, replicas: int, sizes: Iterable[float],
-               prefer: float | None = None) -> float:
-    """Bytes per parameter of one distinct copy: ``total / params / R`` for the replication
-    R in {1, replicas} whose element size is nearest one of ``sizes`` (ties: nearest
-    ``prefer``)."""
-    per = total / params
-    best: tuple[float, float, float] | None = None
-    for r in sorted({1, replicas}):
-        b = per / r
-        dist = min(abs(math.log(b / s)) for s in sizes)
-        tie = abs(math.log(b / prefer)) if prefer else 0.0
-        key = (round(dist, 9), tie, b)
-        if best is None or key < best:
-            best = key
-    assert best is not None
-    return best[2]
-
-
-def checkpoint_bytes(classes: Iterable[RankClass], params: float, replicas: int
-                     ) -> CheckpointBytes:
-    """One checkpoint's bytes from the rank classes' initial memory (module docstring).
-
-    Examples
-    --------
-    >>> from sim.program.ir import RankClass
-    >>> # Megatron with the distributed optimizer over 4 replicas: bf16 weights on every
-    >>> # replica, 12 B/param of optimizer sharded 4 ways (1,000 parameters, one class).
-    >>> c = RankClass(0, (0, 1, 2, 3), initial_memory={"parameters": 2000.0,
-    ...                                                 "optimizer": 3000.0})
-    >>> checkpoint_bytes([c], 1000, 4).total      # 2 + 12 bytes per parameter
-    14000.0
-    """
-    p_total = o_total = 0.0
-    for c in classes:
-        n = len(c.members)
-        p_total += c.initial_memory.get("parameters", 0.0) * n
-        o_total += c.initial_memory.get("optimizer", 0.0) * n
-    if p_total <= 0:
-        # Everything on the host (FSDP CPU offload): 16-bit weights + AdamW's full state.
-        return CheckpointBytes(14.0 * params, 2.0, 12.0)
-    if o_total > 0:
-        opt = _per_param(o_total, params, replicas, OPTIMIZER_ELEMENT_BYTES)
-        par = _per_param(p_total, params, replicas, PARAM_ELEMENT_BYTES,
-                         prefer=2.0 if opt > 10.0 else 4.0)
-    else:
-        par = _per_param(p_total, params, replicas, PARAM_ELEMENT_BYTES, prefer=2.0)
-        opt = 12.0 if par < 3.0 else 8.0
-    return CheckpointBytes((par + opt) * params, par, opt)
+__all__ = ["OPTIMIZER_ELEMENT_BYTES", "PARAM_ELEMENT_BYTES", "CheckpointBytes",
+           "CheckpointTimes", "checkpoint_bytes", "checkpoint_times"]
 
 
 @dataclass(frozen=True)

@@ -35,9 +35,10 @@ def transport_capacity(fabric: Fabric, arch: str, nic_transport: str = "infiniba
     eff[fabric.kind == NVLINK] = nccl.NVLINK_EFFICIENCY[arch]
     eff[(fabric.kind == NETWORK) | (fabric.kind == CROSS_AZ) | (fabric.kind == CROSS_REGION)] = net
     eff[fabric.kind == PCIE] = nccl.PCIE_EFFICIENCY
-    # NVMe links carry the drives' own sequential rates (already what a transfer gets).
+    # NVMe links carry the drives' own sequential rates (already what a transfer gets), as
+    # a checkpoint storage endpoint's link its write rate (sim.fabric.topology.storage).
     for i, (a, b) in enumerate(fabric.endpoints):
-        if a[0] == "nvme" or b[0] == "nvme":
+        if a[0] in ("nvme", "storage") or b[0] in ("nvme", "storage"):
             eff[i] = 1.0
     return fabric.capacity * eff
 

@@ -78,6 +78,15 @@ class FrameworkEntry:
     step_gradient_bytes_per_param: float = 0.0
     """Gradient bytes per parameter that exist during the step but are not in the
     program's initial memory (counted in the model-state memory claims are judged on)."""
+    async_checkpoint_stages_write_share: bool = False
+    """What an asynchronous checkpoint save copies to host memory before training resumes
+    (``run.checkpoint``, :mod:`sim.program.checkpoint_ops`). False: the rank's whole local
+    state, as torch.distributed.checkpoint's ``async_save`` stages its state dict
+    (torch/distributed/checkpoint/staging.py: ``_create_cpu_state_dict`` and
+    ``_copy_state_dict`` of every tensor, replicated or not). True: only the tensors the rank
+    itself writes, as Megatron-Core dist-ckpt's async writer does (``FileSystemWriterAsync.
+    prepare_write_data`` copies its own write buckets, after the fully-parallel save has
+    spread replicated tensors over the data-parallel ranks)."""
     model_features: frozenset[str] = frozenset()
     """Model features beyond a dense block (:data:`sim.workload.moe.BEYOND_DENSE` keys) the
     builder models: :class:`~sim.frameworks.common.base.JobContext` refuses any other

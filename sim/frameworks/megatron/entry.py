@@ -21,6 +21,7 @@ ENTRY = FrameworkEntry(
                        weight_casts_per_step=True,
                        expert_layouts=megatron_expert_layouts),
     stage_split=megatron_stage_split,
+    async_checkpoint_stages_write_share=True,   # dist-ckpt's async writer (entry.py)
     # Megatron-Core's MoE layers with the alltoall dispatcher (megatron/moe.py), its per-head
     # query/key norms (qk_layernorm, sim/workload/megatron_ops.py) and Multi-head Latent
     # Attention (sim/workload/megatron_mla.py), multi-token prediction modules

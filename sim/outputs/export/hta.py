@@ -103,15 +103,17 @@ def _memcpy_name(op: Op) -> str:
         return "Memcpy HtoD (Pinned -> Device)"
     if op.host_transfer == "d2h":
         return "Memcpy DtoH (Device -> Pinned)"
+    if op.host_transfer == "gpu_storage_write":   # a synchronous checkpoint's tensor.cpu()
+        return "Memcpy DtoH (Device -> Pageable)"
     return "Memcpy DtoD (Device -> Device)"
 
 
 def _on_gpu(op: Op) -> bool:
     """Ops a GPU profiler sees as kernels: everything but the host's own work (kind ``host``:
     CPU optimizer steps), its waits on the GPU (:data:`HOST_WAIT_STREAM`: synchronize calls)
-    and host <-> NVMe transfers."""
+    and transfers from host memory to NVMe or checkpoint storage."""
     return (op.kind != "host" and op.stream != HOST_WAIT_STREAM
-            and op.host_transfer not in ("nvme_read", "nvme_write"))
+            and op.host_transfer not in ("nvme_read", "nvme_write", "storage_write"))
 
 
 def hta_kernel_span(r: OpRecord) -> tuple[int, int]:
@@ -213,8 +215,11 @@ def _hta_rank_trace(rank: int, cls: RankClass, records: list[OpRecord],
     device = rank % gpus_per_node
     # Any process id distinct from the device ids (Kineto writes the OS process id).
     host_pid = 100_000 + rank
-    gpu_streams = [s for s in stream_order(o for ops in cls.streams.values() for o in ops)
-                   if any(_on_gpu(o) for o in cls.streams[s])]
+    # The program's ops, and those only some steps ran (a checkpoint save's).
+    ops = [o for ops in cls.streams.values() for o in ops]
+    ops += [r.op for r in records if r.op.stream not in cls.streams]
+    gpu_streams = [s for s in stream_order(ops)
+                   if any(_on_gpu(o) for o in ops if o.stream == s)]
     stream_id = {s: DEFAULT_STREAM_ID if s == "compute" else SIDE_STREAM_ID0 + i
                  for i, s in enumerate(gpu_streams)}
     host_streams = sorted({r.op.stream for r in records if not _on_gpu(r.op)})

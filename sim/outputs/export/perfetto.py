@@ -80,7 +80,8 @@ def chrome_trace(rec: Recorder, labels: dict[int, str] | None = None, *,
                            "tid": i + 1, "args": {"sort_index": i}})
 
     slices: list[dict[str, Any]] = []
-    for r in rec.ops:
+    # Background ops (an asynchronous checkpoint's write) on their own thread of the class.
+    for r in (*rec.ops, *rec.background_ops):
         key = (r.cls, r.op.stream)
         if key not in tid:  # a stream the program did not list (defensive)
             tid[key] = 1 + max((t for (c, _), t in tid.items() if c == r.cls), default=0)
