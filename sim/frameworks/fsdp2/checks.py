@@ -81,6 +81,14 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(hf or not opts.checkpoint_use_reentrant, "framework.checkpoint_use_reentrant",
                 "torchtitan's checkpoint_wrapper is non-reentrant; reentrant checkpointing "
                 "is Hugging Face's option (model_code: huggingface)")
+    ctx.require(opts.compile or not opts.async_tp, "framework.async_tp",
+                "Async TP requires torch.compile (framework.compile true), as torchtitan "
+                "raises")
+    gpn = s.cluster.gpus_per_node
+    ctx.require(not opts.async_tp or t == 1 or gpn % t == 0, "framework.async_tp",
+                f"symmetric memory needs each tensor-parallel group inside one node (tp={t}, "
+                f"{gpn} GPUs per node): torch's enable_symm_mem_for_group refuses peers on "
+                "other hosts")
     ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
                 "true needs framework.compile true (torchtitan compiles the loss only when "
                 "compiling)")

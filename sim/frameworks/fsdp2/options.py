@@ -62,6 +62,11 @@ class Fsdp2Options(StrictModel):
     True: the routed tokens are scaled by their scores in fp32 before the dispatch and
     summed after the combine; Qwen3's configs set False: the combined copies are weighted by
     an fp32 ``bmm`` that keeps an fp32 copy of them for backward)."""
+    async_tp: bool = False
+    """torchtitan's ``parallelism.enable_async_tensor_parallel`` (needs ``compile``): Inductor's
+    micro-pipeline pass fuses the layers' tensor-parallel all-gathers and reduce-scatters with
+    their matmuls on symmetric memory (:mod:`sim.frameworks.fsdp2.async_tp`). No effect with
+    tp 1, as in torchtitan."""
     cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """Context parallelism: how keys and values reach every rank (torchtitan's
     context_parallel_rotate_method; torch's _cp_options default is allgather)."""

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sim.frameworks.common.steps import ordered_forward_allocs
+from sim.frameworks.fsdp2.async_tp import AsyncTp
 from sim.frameworks.fsdp2.float8 import tp_all_gather_bytes_per_element
 from sim.frameworks.fsdp2.tp import TitanBlocks
 from sim.program.ir import Op, Phase
@@ -44,9 +45,12 @@ class TitanPass:
     the rest and the tensor-parallel all-gathers (:func:`layer_sac_costs`).
     """
 
-    def __init__(self, tb: TitanBlocks, comms: Comms, recompute: bool) -> None:
+    def __init__(self, tb: TitanBlocks, comms: Comms, recompute: bool,
+                 async_tp: AsyncTp | None = None) -> None:
         self.tb = tb
         self.c = comms
+        self.atp = async_tp
+        """AsyncTP (:mod:`.async_tp`): the layers' exchanges fused with their matmuls."""
         self.sac = tb.sac
         self.recompute = recompute and tb.sac is None
         self._scoped = 0.0
@@ -152,11 +156,13 @@ class TitanPass:
         sac = self.sac if layered and phase == "fwd" else None
         ckpt = (self.recompute or sac is not None) and layered and phase == "fwd"
         ops: list[Op] = []
+        tags: dict[int, tuple[str, str]] = {}
 
         def seg(key: str, saved: bool = True) -> Op:
             lbl = f"{key}{'' if lay is None else f' L{layer}'}"
             op = self._seg(key, lbl, mb, lay, phase, backward=False,
                            alloc_saved=saved and not ckpt)
+            tags[id(op)] = ("seg", key)
             if sac is not None and sac[key].cached_bytes:
                 op.alloc = op.alloc + (("activations", sac[key].cached_bytes),)
             ops.append(op)
@@ -170,6 +176,8 @@ class TitanPass:
                 if sac is not None and kind == "reduce_scatter":
                     # The policy saves reduce-scatter outputs (the local tokens' branch).
                     op.alloc = (("activations", self._rs_out()),)
+                if layered:
+                    tags[id(op)] = ("ag" if kind == "all_gather" else "rs", what)
                 ops.append(op)
 
         if block == "embed":
@@ -217,6 +225,8 @@ class TitanPass:
             op = ops[0]
             op.alloc = tuple((k, v - c.input_saved_bytes) if k == "activations" else (k, v)
                              for k, v in op.alloc)
+        if self.atp is not None:
+            ops = self.atp.fuse(ops, tags, backward=False)
         return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
 
     def _ring_forward(self, ops: list[Op], seg: Callable[..., Op], mb: int,
@@ -287,9 +297,12 @@ class TitanPass:
         elif block == "mlp" and self.sac is not None:
             ops += self._sac_recompute(layer, mb)
 
+        tags: dict[int, tuple[str, str]] = {}
+
         def seg(key: str) -> Op:
             lbl = f"{key}{'' if lay is None else f' L{layer}'}"
             op = self._seg(key, lbl, mb, lay, "bwd", backward=True)
+            tags[id(op)] = ("seg", key)
             ops.append(op)
             return op
 
@@ -299,6 +312,8 @@ class TitanPass:
                 ops.append(self._fp8(self.c.tp(kind, nbytes, f"tp {kind} grad {what}"
                                      f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay),
                                      what))
+                if what in ("attn", "mlp"):
+                    tags[id(ops[-1])] = ("ag" if kind == "all_gather" else "rs", what)
 
         if block == "head":
             seg("head_main")
@@ -326,6 +341,8 @@ class TitanPass:
                 seg("attn_qkv")
             tp_comm("reduce_scatter", "attn")
             seg("attn_norm")
+        if self.atp is not None:
+            ops = self.atp.fuse(ops, tags, backward=True)
         return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
 
     def _ring_backward(self, ops: list[Op], seg: Callable[[str], Op], mb: int,
