@@ -321,7 +321,8 @@ class TitanPass:
             seg("head_norm")
         elif block == "embed":
             tp_comm("all_gather", "embed")
-            seg("embed")
+            # Tied embeddings: the shared leaf's two gradients summed before AccumulateGrad.
+            seg("embed").duration += self.tb.tied_sum_s
         elif block == "mlp":
             self._free_rs_out(seg("mlp_resid"))
             tp_comm("all_gather", "mlp")
