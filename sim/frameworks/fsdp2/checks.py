@@ -67,6 +67,12 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     fp8 = s.training.precision == "fp8"
     ctx.require(not opts.float8_all_gather or fp8, "framework.float8_all_gather",
                 "needs training.precision fp8 (the float8 converter)")
+    ctx.require(opts.float8_recipe == "tensorwise" or fp8, "framework.float8_recipe",
+                f"{opts.float8_recipe} needs training.precision fp8 (the float8 converter)")
+    ctx.require(not opts.float8_all_gather or opts.float8_recipe == "tensorwise",
+                "framework.float8_all_gather",
+                f"FSDP's float8 all-gather is tensorwise only: torchtitan refuses it with "
+                f"float8_recipe {opts.float8_recipe}")
     hf = opts.model_code == "huggingface"
     if hf:
         # Hugging Face LlamaForCausalLM wrapped per decoder layer: bf16 parameters from the

@@ -321,8 +321,10 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
     tokens = batch * seq_local
     local = tokens // tp
     hstyle = replace(style, compile=False) if eager_head else style
-    # torchao's float8 TP styles (tensorwise scaling: the only float8 modelled here).
-    fp8_tp = style.float8 and tp > 1 and not style.autocast
+    # torchao's float8 TP styles (tensorwise scaling only).
+    # Rowwise recipes: torchtitan applies plain TP (bf16 all-gathers, local casts).
+    fp8_tp = style.float8 and tp > 1 and not style.autocast \
+        and style.float8_recipe == "tensorwise"
     segs: dict[str, Block] = {
         "embed": _embed_seg(m, style, tokens, tp),
         "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True, fp8_tp=fp8_tp),
