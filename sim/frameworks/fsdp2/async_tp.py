@@ -16,8 +16,8 @@ requires torch.compile" without compile). Inductor's post-grad pass
   ``symm_mem.fused_matmul_reduce_scatter``: forward ``wo`` and ``w2``. The backward
   reduce-scatters (of the norm input's gradient) take the *sum* of the colwise linears'
   dgrads, not a matmul, and stay NCCL collectives, as do the embedding's and the output
-  layer's (outside the compiled blocks) and, under op-level SAC, the all-gathers re-run for
-  recomputation (kept blocking here).
+  layer's (outside the compiled blocks). Under op-level SAC the re-gathers before a layer's
+  backward are fused with the matmuls that run again (:func:`sac_spans`).
 
 How torch runs them (``torch/distributed/_symmetric_memory/__init__.py``):
 
@@ -115,6 +115,34 @@ def spans(segs: dict[str, Block], cm: ComputeModel, n: int
     return out
 
 
+def sac_spans(segs: dict[str, Block], order: list[str], cm: ComputeModel, n: int
+              ) -> dict[str, Span]:
+    """Op-level SAC re-runs every second matmul of a layer (counted in forward order over
+    its segments but the ring steps, as :func:`sim.workload.layer_ops.op_sac_costs` counts
+    them): where a re-run matmul reads a re-gathered input (``wk`` of wq/wk/wv, ``w3`` of
+    w1/w3) Inductor fuses the all-gather with it in the backward graph. The :class:`Span`
+    of those matmuls in each consumer segment's re-run kernels, by segment."""
+    out: dict[str, Span] = {}
+    mm = 0
+    for key in order:
+        if key.startswith("attn_ring"):
+            continue
+        rerun = []
+        for k in segs[key].forward:
+            if k.klass == "gemm":
+                mm += 1
+                if mm % 2 == 1:
+                    continue
+            elif k.klass == "attention":
+                continue
+            rerun.append(k)
+        fused = tuple(f"{w}.fwd" for w in AG_GEMMS.get(key, ()))
+        names = tuple(k.name for k in rerun if k.name in fused)
+        if names:
+            out[key] = span(Block(key, forward=rerun), cm, names, False, n)
+    return out
+
+
 def _cut(op: Op, seconds: float) -> float:
     """Take ``seconds`` off ``op``; return the share of its hardware FLOPs that goes too."""
     share = seconds / op.duration if op.duration > 0 else 0.0
@@ -195,13 +223,34 @@ class AsyncTp:
     ``("ag" | "rs", what)`` for a fusable layer collective (attention, dense MLP)."""
 
     def __init__(self, segs: dict[str, Block], cm: ComputeModel, tp: int, tokens: int,
-                 hidden: int, exchange: Callable[[float, Op], Op]) -> None:
+                 hidden: int, exchange: Callable[[float, Op], Op],
+                 sac_order: list[str] | None = None) -> None:
         self.n = tp
         self.cm = cm
         self.spans = spans(segs, cm, tp)
+        self.sac_spans = sac_spans(segs, sac_order, cm, tp) if sac_order else {}
+        """Under op-level SAC (``sac_order``: the layer's segments), the re-run matmuls
+        fused with the re-gathers (:func:`sac_spans`)."""
         self.out_bytes = float(tokens * hidden * BF16)
         self.exchange = exchange
         """(bytes, reduce-scatter it replaces) -> the all-to-all of the partials."""
+
+    def fuse_recompute(self, ops: list[Op], tags: dict[int, tuple[str, str]]) -> list[Op]:
+        """SAC's re-run of a layer: each re-gather ``("ag", what)`` followed by its
+        segment's re-run ``("seg", key)`` becomes a fused all-gather-matmul."""
+        out: list[Op] = []
+        i = 0
+        while i < len(ops):
+            op, nxt = ops[i], ops[i + 1] if i + 1 < len(ops) else None
+            sp = self.sac_spans.get(tags.get(id(nxt), ("", ""))[1]) if nxt is not None \
+                else None
+            if tags.get(id(op), ("", ""))[0] == "ag" and nxt is not None and sp is not None:
+                out += fuse_all_gather(op, nxt, sp, self.n, op.nbytes / self.n, self.cm)
+                i += 2
+                continue
+            out.append(op)
+            i += 1
+        return out
 
     def fuse(self, ops: list[Op], tags: dict[int, tuple[str, str]], backward: bool
              ) -> list[Op]:

@@ -50,7 +50,8 @@ class Stage:
         self.fwd_sent: list[Op] = []
         self.per_mb: dict[int, tuple[BlockOps, BlockOps]] = {}
         tb = job.titan
-        atp = AsyncTp(tb.seg, job.ctx.compute, tb.tp, tb.tokens, tb.hidden, self._partials
+        atp = AsyncTp(tb.seg, job.ctx.compute, tb.tp, tb.tokens, tb.hidden, self._partials,
+                      tb.layer_segments() if tb.sac is not None else None
                       ) if tb is not None and tb.tp > 1 and job.opts.async_tp else None
         self.titan = TitanPass(tb, Comms(self.tp_op, self.cp_gather, self.cp_shift),
                                job.ctx.recompute, atp) if tb is not None else None

@@ -123,6 +123,7 @@ class TitanPass:
         tb, sac = self.tb, self.sac
         assert sac is not None
         ops: list[Op] = []
+        tags: dict[int, tuple[str, str]] = {}
         for key in tb.layer_segments():
             if key in ("attn_main", "attn_qkv", "mlp_main") and tb.tp > 1:
                 what = "attn" if key.startswith("attn") else "mlp"
@@ -130,6 +131,7 @@ class TitanPass:
                                      f"tp all_gather {what} (recompute) L{layer} mb{mb}",
                                      mb, layer))
                 self._fp8(ops[-1], what)
+                tags[id(ops[-1])] = ("ag", what)
             c = tb.cost[key]
             regen = c.saved_bytes - sac[key].cached_bytes
             if key == "attn_norm":
@@ -143,7 +145,8 @@ class TitanPass:
                           transient=c.fwd_transient_unsaved_bytes, layer=layer,
                           micro_batch=mb, hw_flops=sac[key].recompute_flops,
                           category="recompute"))
-        return ops
+            tags[id(ops[-1])] = ("seg", key)
+        return self.atp.fuse_recompute(ops, tags) if self.atp is not None else ops
 
     # ------------------------------------------------------------------ forward
     def forward(self, block: str, layer: int, mb: int, phase: Phase = "fwd",
