@@ -77,6 +77,30 @@ def test_matmul_reduce_scatter_split_is_the_pipeline_closed_form() -> None:
     assert first.hw_flops + chunks.hw_flops + tail.hw_flops == pytest.approx(200.0)
 
 
+def test_float8_gradient_cast_runs_before_its_exchange() -> None:
+    """Float8 TP casts the rowwise linear's output gradient on the local tokens before the
+    all-gather (NoopFwToFloat8BwDynamic): with AsyncTP those kernels join the copy-in, ahead
+    of the exchange, not the chunks beside it."""
+    from sim.frameworks.fsdp2.async_tp import spans
+    from sim.frameworks.fsdp2.tp import titan_blocks
+    from sim.workload.block_pricing import kernel_time
+    from sim.workload.layer_ops import Style
+    from sim.workload.model import ModelSpec
+
+    m = ModelSpec.from_ref("llama3-8b")
+    tb = titan_blocks(m, Style("bf16", compile=True, float8=True), CM, 1, 8192, 8, 1,
+                      "allgather")
+    sp = spans(tb.seg, CM, 8)[("attn_main", "ag", True)]
+    local = [k for k in tb.seg["attn_main"].backward if k.name.endswith("_local")]
+    assert {k.name for k in local} == {"wo.amax_g_local", "wo.cast_g_local"}
+    assert sp.local_s == pytest.approx(sum(kernel_time(CM, k) for k in local))
+    main = _op("main", 10.0)
+    mv, gather, head, _ = fuse_all_gather(_coll("ag", "all_gather"), main,
+                                          Span(1.0, 4.0, 4.0, 0.0, local_s=0.5), 4, 2e6, CM)
+    assert mv.duration == pytest.approx(CM.membound_time(4e6) + 0.5)
+    assert head.duration == pytest.approx(0.5 + 3.0) and gather.deps == [mv]
+
+
 def _small(atp: bool, **kw):
     fw = {"name": "fsdp2", "compile": True, "async_tp": atp, **kw}
     return make_scenario(framework=fw, parallelism={"tp": 4},

@@ -73,6 +73,9 @@ class Span:
     whole_s: float
     chunked_s: float
     after_s: float
+    local_s: float = 0.0
+    """Of ``before_s``, kernels on this rank's shard that the exchange sends (float8 TP's
+    cast of the local output gradient, ``*_local``): they run before the copy-in."""
 
 
 def chunked_gemm_s(cm: ComputeModel, gemm: tuple[float, float, float, str], fp8: bool,
@@ -97,7 +100,8 @@ def span(block: Block, cm: ComputeModel, names: tuple[str, ...], backward: bool,
         assert g is not None
         chunked += chunked_gemm_s(cm, g, ks[i].fp8, n)
     return Span(before_s=sum(ts[:idx[0]]), whole_s=sum(ts[i] for i in idx),
-                chunked_s=chunked, after_s=sum(ts[idx[-1] + 1:]))
+                chunked_s=chunked, after_s=sum(ts[idx[-1] + 1:]),
+                local_s=sum(ts[i] for i in range(idx[0]) if ks[i].name.endswith("_local")))
 
 
 def spans(segs: dict[str, Block], cm: ComputeModel, n: int
@@ -165,12 +169,15 @@ def fuse_all_gather(gather: Op, main: Op, sp: Span, n: int, shard_bytes: float,
     that replace ``[gather, main]``: the copy of the local shard into the p2p buffer, the
     exchange on :data:`ASYNC_STREAM`, the kernels before the matmuls with the first
     ``n - 1`` chunks (beside the exchange), and ``main`` with the last chunk and the rest,
-    which waits for the exchange. ``main`` keeps its frees and its transient memory; the
-    head takes its allocation and host time."""
-    mv = _like(main, f"{main.name} (symm-mem copy-in)",
-               cm.membound_time(2.0 * shard_bytes))
+    which waits for the exchange; kernels on the local shard that the exchange sends
+    (``sp.local_s``) run with the copy-in, before it. ``main`` keeps its frees and its
+    transient memory; the head takes its allocation and host time."""
     main.duration = max(0.0, main.duration + sp.chunked_s - sp.whole_s)
-    head_s = min(main.duration, sp.before_s + sp.chunked_s * (n - 1) / n)
+    local_s = min(main.duration, sp.local_s)
+    mv = _like(main, f"{main.name} (symm-mem copy-in)",
+               cm.membound_time(2.0 * shard_bytes) + local_s)
+    mv.hw_flops = _cut(main, local_s)
+    head_s = min(main.duration, sp.before_s - local_s + sp.chunked_s * (n - 1) / n)
     head = _like(main, f"{main.name} (async-TP chunks)", head_s)
     head.hw_flops = _cut(main, head_s)
     head.alloc, main.alloc = main.alloc, ()
