@@ -83,6 +83,10 @@ class _Builder:
         """
         st = self.style
         if st.float8 and float8 and not st.autocast:
+            if st.float8_recipe != "tensorwise":
+                from sim.workload.float8_rowwise import rowwise_linear
+                return rowwise_linear(self, x, tokens, n_in, n_out, name, bias,
+                                      gw_hp=st.float8_recipe == "rowwise_with_gw_hp")
             return self.float8_linear(x, tokens, n_in, n_out, name, bias)
         self.block.params += linear_params(n_in, n_out, bias)
         x_fp32 = x.nbytes == tokens * n_in * FP32

@@ -64,11 +64,13 @@ def build_fsdp2(ctx: JobContext) -> Program:
 def _style(ctx: JobContext, opts: Fsdp2Options) -> Style:
     """Kernels: torchtitan's Llama (``bf16``) or Hugging Face's eager code (``hf_bf16``).
     training.precision fp8: torchtitan's float8 converter (torchao Float8Linear, dynamic
-    tensorwise scaling) on every linear but the output layer; parameters stay bf16."""
+    scaling by ``float8_recipe``) on every linear but the output layer; parameters stay
+    bf16."""
     fp8 = ctx.scenario.training.precision == "fp8"
     hf = opts.model_code == "huggingface"
     return Style("hf_bf16" if hf else "bf16", compile=opts.compile, float8=fp8,
-                 float8_weights=fp8 and opts.float8_all_gather)
+                 float8_weights=fp8 and opts.float8_all_gather,
+                 float8_recipe=opts.float8_recipe)
 
 
 def _block_costs(ctx: JobContext, opts: Fsdp2Options, style: Style

@@ -67,6 +67,12 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     fp8 = s.training.precision == "fp8"
     ctx.require(not opts.float8_all_gather or fp8, "framework.float8_all_gather",
                 "needs training.precision fp8 (the float8 converter)")
+    ctx.require(opts.float8_recipe == "tensorwise" or fp8, "framework.float8_recipe",
+                f"{opts.float8_recipe} needs training.precision fp8 (the float8 converter)")
+    ctx.require(not opts.float8_all_gather or opts.float8_recipe == "tensorwise",
+                "framework.float8_all_gather",
+                f"FSDP's float8 all-gather is tensorwise only: torchtitan refuses it with "
+                f"float8_recipe {opts.float8_recipe}")
     hf = opts.model_code == "huggingface"
     if hf:
         # Hugging Face LlamaForCausalLM wrapped per decoder layer: bf16 parameters from the
@@ -81,6 +87,14 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(hf or not opts.checkpoint_use_reentrant, "framework.checkpoint_use_reentrant",
                 "torchtitan's checkpoint_wrapper is non-reentrant; reentrant checkpointing "
                 "is Hugging Face's option (model_code: huggingface)")
+    ctx.require(opts.compile or not opts.async_tp, "framework.async_tp",
+                "Async TP requires torch.compile (framework.compile true), as torchtitan "
+                "raises")
+    gpn = s.cluster.gpus_per_node
+    ctx.require(not opts.async_tp or t == 1 or gpn % t == 0, "framework.async_tp",
+                f"symmetric memory needs each tensor-parallel group inside one node (tp={t}, "
+                f"{gpn} GPUs per node): torch's enable_symm_mem_for_group refuses peers on "
+                "other hosts")
     ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
                 "true needs framework.compile true (torchtitan compiles the loss only when "
                 "compiling)")

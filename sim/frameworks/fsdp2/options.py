@@ -41,6 +41,12 @@ class Fsdp2Options(StrictModel):
     float8_all_gather: bool = False
     """With training.precision fp8: all-gather the blocks' weights in FP8 (torchtitan
     float8.enable_fsdp_float8_all_gather), half the bytes, no weight casts in the GEMMs."""
+    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """With training.precision fp8: torchtitan's ``float8.recipe_name`` (torchao
+    ``Float8LinearRecipeName``): dynamic tensorwise scaling (torchtitan's default at 820504e,
+    2025-06), or per-row scales (``rowwise``; ``rowwise_with_gw_hp`` keeps the weight-gradient
+    GEMM in bf16): :mod:`sim.workload.float8_rowwise`. Rowwise recipes run plain
+    tensor parallelism and no FSDP float8 all-gather, as torchtitan does."""
     hsdp_shard_size: int | None = Field(default=None, gt=0, le=B.MAX_GPUS)
     """HSDP: shard inside groups of this many ranks and all-reduce gradients across the
     dp / hsdp_shard_size replicas (torchtitan's data_parallel_shard_degree); None = plain
@@ -62,6 +68,11 @@ class Fsdp2Options(StrictModel):
     True: the routed tokens are scaled by their scores in fp32 before the dispatch and
     summed after the combine; Qwen3's configs set False: the combined copies are weighted by
     an fp32 ``bmm`` that keeps an fp32 copy of them for backward)."""
+    async_tp: bool = False
+    """torchtitan's ``parallelism.enable_async_tensor_parallel`` (needs ``compile``): Inductor's
+    micro-pipeline pass fuses the layers' tensor-parallel all-gathers and reduce-scatters with
+    their matmuls on symmetric memory (:mod:`sim.frameworks.fsdp2.async_tp`). No effect with
+    tp 1, as in torchtitan."""
     cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """Context parallelism: how keys and values reach every rank (torchtitan's
     context_parallel_rotate_method; torch's _cp_options default is allgather)."""

@@ -10,6 +10,7 @@ one :class:`Stage`, which holds all the state they share.
 from __future__ import annotations
 
 from sim.frameworks.common.nccl_dtype import half
+from sim.frameworks.fsdp2.async_tp import AsyncTp
 from sim.frameworks.fsdp2.moe import MoEPass
 from sim.frameworks.fsdp2.tp_pass import Comms, TitanPass
 from sim.frameworks.fsdp2.units import BlockOps, Job, Unit
@@ -49,8 +50,11 @@ class Stage:
         self.fwd_sent: list[Op] = []
         self.per_mb: dict[int, tuple[BlockOps, BlockOps]] = {}
         tb = job.titan
+        atp = AsyncTp(tb.seg, job.ctx.compute, tb.tp, tb.tokens, tb.hidden, self._partials,
+                      tb.layer_segments() if tb.sac is not None else None
+                      ) if tb is not None and tb.tp > 1 and job.opts.async_tp else None
         self.titan = TitanPass(tb, Comms(self.tp_op, self.cp_gather, self.cp_shift),
-                               job.ctx.recompute) if tb is not None else None
+                               job.ctx.recompute, atp) if tb is not None else None
         moe = job.moe
         self.moe = MoEPass(moe, mesh.ep_groups(st), self.key, job.ctx.recompute,
                            job.costs["attn"], grad_bytes=BF16 * moe.dense_numel,
@@ -81,6 +85,13 @@ class Stage:
                   collective=kind, group=groups[0], groups=groups, nbytes=nbytes,  # type: ignore[arg-type]
                   dtype=dtype or self.act_dtype,
                   key=self.key("tp"), category=kind, micro_batch=mb, layer=layer)
+
+    def _partials(self, nbytes: float, scatter: Op) -> Op:
+        """AsyncTP's exchange of a matmul's unreduced partials (:mod:`.async_tp`), in place
+        of the reduce-scatter ``scatter``."""
+        return self.tp_op("all_to_all", nbytes, scatter.name.replace(
+            "reduce_scatter", "matmul-reduce-scatter"), scatter.micro_batch or 0,
+            scatter.layer)
 
     def cp_gather(self, nbytes: float, name: str, mb: int, layer: int | None) -> Op:
         """A context-parallel all-gather of keys and values."""

@@ -102,6 +102,9 @@ class TitanBlocks:
     compiled: bool = False
     """The blocks run under torch.compile: the ring's exchanges are waited for where they
     are issued (:mod:`sim.frameworks.fsdp2.cp`)."""
+    tied_sum_s: float = 0.0
+    """Tied embeddings: seconds autograd spends summing the shared weight's two local
+    gradients (:func:`tied_grad_sum_tp_s`), charged to the embedding's backward."""
 
     def layer_segments(self) -> list[str]:
         """The segments of one transformer layer, in forward order."""
@@ -194,6 +197,23 @@ def _ring_segments(ml: ModelSpec, style: Style, cm: ComputeModel, batch: int, se
 def kv_width(ml: ModelSpec, repeat_kv: bool) -> int:
     """Width of the keys (and of the values) that reach SDPA on one rank."""
     return ml.q_dim if repeat_kv else ml.kv_dim
+
+
+def tied_grad_sum_tp_s(cm: ComputeModel, m: ModelSpec, tp: int) -> float:
+    """Seconds autograd spends adding the two bf16 gradients of a tied embedding on one
+    tensor-parallel rank (0 if untied).
+
+    torchtitan ties ``tok_embeddings.weight`` to the output projection's
+    (``enable_weight_tying``, ``models/common/decoder.py``; refused only with pipeline
+    parallelism) and shards both by vocabulary rows (RowwiseParallel embedding,
+    ColwiseParallel output: the same ``Shard(0)``), so the one leaf gets a ``local_vocab x
+    hidden`` gradient from the output layer and one from the lookup, and autograd adds them
+    (``InputBuffer::add``): read two, write one, as
+    :func:`sim.frameworks.common.accounting.tied_grad_sum_s` charges it for the whole
+    table (the same with tp 1). Context parallelism does not shard the vocabulary."""
+    if not m.tied_embeddings:
+        return 0.0
+    return cm.membound_time(3 * BF16 * local_vocab(m, tp) * m.hidden)
 
 
 def _embed_seg(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
@@ -301,8 +321,10 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
     tokens = batch * seq_local
     local = tokens // tp
     hstyle = replace(style, compile=False) if eager_head else style
-    # torchao's float8 TP styles (tensorwise scaling: the only float8 modelled here).
-    fp8_tp = style.float8 and tp > 1 and not style.autocast
+    # torchao's float8 TP styles (tensorwise scaling only).
+    # Rowwise recipes: torchtitan applies plain TP (bf16 all-gathers, local casts).
+    fp8_tp = style.float8 and tp > 1 and not style.autocast \
+        and style.float8_recipe == "tensorwise"
     segs: dict[str, Block] = {
         "embed": _embed_seg(m, style, tokens, tp),
         "attn_norm": _norm_seg(m, style, "attn_norm", local, residual=True, fp8_tp=fp8_tp),
@@ -330,7 +352,8 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
     tb = TitanBlocks(segs, cost, tp, cp, rotate, tokens, local,
                      kv_bytes=2.0 * tokens * kvw * BF16,
                      attn_acc_bytes=float(tokens * (ml.q_dim + 2 * kvw) * FP32),
-                     hidden=m.hidden, params=params, fp8_tp=fp8_tp, compiled=style.compile)
+                     hidden=m.hidden, params=params, fp8_tp=fp8_tp, compiled=style.compile,
+                     tied_sum_s=tied_grad_sum_tp_s(cm, m, tp))
     if sac:
         tb.sac = layer_sac_costs(tb, style, cm)
     return tb

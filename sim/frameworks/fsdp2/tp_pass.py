@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sim.frameworks.common.steps import ordered_forward_allocs
+from sim.frameworks.fsdp2.async_tp import AsyncTp
 from sim.frameworks.fsdp2.float8 import tp_all_gather_bytes_per_element
 from sim.frameworks.fsdp2.tp import TitanBlocks
 from sim.program.ir import Op, Phase
@@ -44,9 +45,12 @@ class TitanPass:
     the rest and the tensor-parallel all-gathers (:func:`layer_sac_costs`).
     """
 
-    def __init__(self, tb: TitanBlocks, comms: Comms, recompute: bool) -> None:
+    def __init__(self, tb: TitanBlocks, comms: Comms, recompute: bool,
+                 async_tp: AsyncTp | None = None) -> None:
         self.tb = tb
         self.c = comms
+        self.atp = async_tp
+        """AsyncTP (:mod:`.async_tp`): the layers' exchanges fused with their matmuls."""
         self.sac = tb.sac
         self.recompute = recompute and tb.sac is None
         self._scoped = 0.0
@@ -119,6 +123,7 @@ class TitanPass:
         tb, sac = self.tb, self.sac
         assert sac is not None
         ops: list[Op] = []
+        tags: dict[int, tuple[str, str]] = {}
         for key in tb.layer_segments():
             if key in ("attn_main", "attn_qkv", "mlp_main") and tb.tp > 1:
                 what = "attn" if key.startswith("attn") else "mlp"
@@ -126,6 +131,7 @@ class TitanPass:
                                      f"tp all_gather {what} (recompute) L{layer} mb{mb}",
                                      mb, layer))
                 self._fp8(ops[-1], what)
+                tags[id(ops[-1])] = ("ag", what)
             c = tb.cost[key]
             regen = c.saved_bytes - sac[key].cached_bytes
             if key == "attn_norm":
@@ -139,7 +145,8 @@ class TitanPass:
                           transient=c.fwd_transient_unsaved_bytes, layer=layer,
                           micro_batch=mb, hw_flops=sac[key].recompute_flops,
                           category="recompute"))
-        return ops
+            tags[id(ops[-1])] = ("seg", key)
+        return self.atp.fuse_recompute(ops, tags) if self.atp is not None else ops
 
     # ------------------------------------------------------------------ forward
     def forward(self, block: str, layer: int, mb: int, phase: Phase = "fwd",
@@ -152,11 +159,13 @@ class TitanPass:
         sac = self.sac if layered and phase == "fwd" else None
         ckpt = (self.recompute or sac is not None) and layered and phase == "fwd"
         ops: list[Op] = []
+        tags: dict[int, tuple[str, str]] = {}
 
         def seg(key: str, saved: bool = True) -> Op:
             lbl = f"{key}{'' if lay is None else f' L{layer}'}"
             op = self._seg(key, lbl, mb, lay, phase, backward=False,
                            alloc_saved=saved and not ckpt)
+            tags[id(op)] = ("seg", key)
             if sac is not None and sac[key].cached_bytes:
                 op.alloc = op.alloc + (("activations", sac[key].cached_bytes),)
             ops.append(op)
@@ -170,6 +179,8 @@ class TitanPass:
                 if sac is not None and kind == "reduce_scatter":
                     # The policy saves reduce-scatter outputs (the local tokens' branch).
                     op.alloc = (("activations", self._rs_out()),)
+                if layered:
+                    tags[id(op)] = ("ag" if kind == "all_gather" else "rs", what)
                 ops.append(op)
 
         if block == "embed":
@@ -217,6 +228,8 @@ class TitanPass:
             op = ops[0]
             op.alloc = tuple((k, v - c.input_saved_bytes) if k == "activations" else (k, v)
                              for k, v in op.alloc)
+        if self.atp is not None:
+            ops = self.atp.fuse(ops, tags, backward=False)
         return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
 
     def _ring_forward(self, ops: list[Op], seg: Callable[..., Op], mb: int,
@@ -287,9 +300,12 @@ class TitanPass:
         elif block == "mlp" and self.sac is not None:
             ops += self._sac_recompute(layer, mb)
 
+        tags: dict[int, tuple[str, str]] = {}
+
         def seg(key: str) -> Op:
             lbl = f"{key}{'' if lay is None else f' L{layer}'}"
             op = self._seg(key, lbl, mb, lay, "bwd", backward=True)
+            tags[id(op)] = ("seg", key)
             ops.append(op)
             return op
 
@@ -299,6 +315,8 @@ class TitanPass:
                 ops.append(self._fp8(self.c.tp(kind, nbytes, f"tp {kind} grad {what}"
                                      f"{'' if lay is None else f' L{layer}'} mb{mb}", mb, lay),
                                      what))
+                if what in ("attn", "mlp"):
+                    tags[id(ops[-1])] = ("ag" if kind == "all_gather" else "rs", what)
 
         if block == "head":
             seg("head_main")
@@ -306,7 +324,8 @@ class TitanPass:
             seg("head_norm")
         elif block == "embed":
             tp_comm("all_gather", "embed")
-            seg("embed")
+            # Tied embeddings: the shared leaf's two gradients summed before AccumulateGrad.
+            seg("embed").duration += self.tb.tied_sum_s
         elif block == "mlp":
             self._free_rs_out(seg("mlp_resid"))
             tp_comm("all_gather", "mlp")
@@ -326,6 +345,8 @@ class TitanPass:
                 seg("attn_qkv")
             tp_comm("reduce_scatter", "attn")
             seg("attn_norm")
+        if self.atp is not None:
+            ops = self.atp.fuse(ops, tags, backward=True)
         return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
 
     def _ring_backward(self, ops: list[Op], seg: Callable[[str], Op], mb: int,

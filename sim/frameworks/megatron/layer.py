@@ -23,6 +23,7 @@ from sim.frameworks.megatron.overlap import (
     pipelined_scatter,
     ring_exchange_gather,
     userbuffer_gemm_spans,
+    userbuffers_gather_bytes,
 )
 from sim.frameworks.megatron.shape import MegatronShape
 from sim.hardware.compute import ComputeModel
@@ -251,6 +252,12 @@ class UnitBuilder:
                   category=op, micro_batch=mb,
                   layer=layer, cpu_s=self.c.cpu_call)
 
+    def _ub_fp8(self, gather: Op) -> None:
+        """A userbuffers all-gather under FP8 moves FP8 (:func:`userbuffers_gather_bytes`)."""
+        if self.s.precision == "fp8":
+            gather.nbytes = userbuffers_gather_bytes(gather.nbytes, self.s.act, True)
+            gather.dtype = "u8"
+
     def cp_transfer(self, st: int, mb: int, layer: int, label: str
                     ) -> Callable[[float, int], Op]:
         """The context-parallel ring's step i transfer of ``nbytes`` (to the next rank)."""
@@ -305,6 +312,7 @@ class UnitBuilder:
                        layer=b.layer, category=cat, flops=b.flops, cpu_s=b.cpu_main)
         if not self.overlap:
             return ops + [gather, main], 0.0
+        self._ub_fp8(gather)
         before_s, gemm_s = self.c.gemm_spans[b.names][:2]
         ops += ring_exchange_gather(main, before_s, gemm_s, self.s.t, gather, ops[0], make)
         return ops, ops[-2].duration
@@ -320,6 +328,8 @@ class UnitBuilder:
                                   b.layer, side=True)
             scatter = self.tp_comm(st, "reduce_scatter", full, f"reduce_scatter {b.label}",
                                    b.mb, b.layer, side=True)
+            if self.overlap:
+                self._ub_fp8(gather)
             dgrad_s, wgrad_s = self.c.col_gemm_s[b.column]
             ops[-1:] = column_linear_backward(ops[-1], dgrad_s, wgrad_s, gather, scatter, make)
             return [scatter]

@@ -98,6 +98,23 @@ def cp_ring(main: Op, before_s: float, core_s: float, cp: int, step_bytes: list[
 TE_PIPELINE_SPLITS = 4
 """Row chunks of a pipelined GEMM + reduce-scatter (``PipelineOverlapCfg.num_splits``, 4 in
 NeMo's H100 and B200 configs and in Transformer Engine's ``initialize_ub`` defaults)."""
+UB_FP8_BYTES = 1
+"""Bytes per element of an FP8 userbuffers all-gather (``torch.uint8`` buffers)."""
+
+
+def userbuffers_gather_bytes(nbytes: float, act_bytes: int, fp8: bool) -> float:
+    """Bytes a userbuffers all-gather of ``nbytes`` of 16-bit activations moves.
+
+    Transformer Engine's ``initialize_ub`` (``transformer_engine/pytorch/module/base.py``)
+    gives every all-gather buffer (``layers_all_gather_overlap``: ``qkv_fprop``, ``fc1_fprop``,
+    ``proj_dgrad``, ``fc2_dgrad`` and the bulk ``qkv_dgrad`` / ``fc1_dgrad`` input re-gathers)
+    an FP8 ``uint8`` buffer under FP8 training, and ``fill_userbuffers_buffer_for_all_gather``
+    quantizes the local shard before the exchange (the norm output with the input quantizer
+    in forward, the output gradient with the grad-output quantizer in ``grad_output_preprocess``
+    for the row-parallel dgrad): one byte per element. The reduce-scatter buffers
+    (``proj_fprop``, ``fc2_fprop``, ``qkv_wgrad``, ``fc1_wgrad``) keep the activation dtype
+    unless a user config sets ``fp8_buf`` on a pipelined one (not modelled: TE's default)."""
+    return nbytes / act_bytes * UB_FP8_BYTES if fp8 else nbytes
 
 
 def _cut(main: Op, seconds: float) -> float:
