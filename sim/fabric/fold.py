@@ -64,6 +64,9 @@ class FoldPlan:
     """:func:`subset` by class mask."""
     statics: GroupStatics | None = None
     """The group the plan was made for (set by the network at its first start)."""
+    rates_cache: dict[tuple[bytes, bytes], np.ndarray] = field(default_factory=dict)
+    """Folded max-min rates by class mask and caps: a pure function of them (the links and
+    capacities are the plan's), as ``FlowNetwork._alone_rates`` for unfolded groups."""
 
 
 @dataclass(frozen=True, eq=False)

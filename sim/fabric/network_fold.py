@@ -47,11 +47,12 @@ def try_fold(net: FlowNetwork, gid: int, flat_links: np.ndarray, lengths: np.nda
              alone: np.ndarray, caps0: np.ndarray) -> bool:
     """Start group ``gid`` folded, when it may (module docstring); False: start it as
     rows."""
-    if (len(lengths) < FOLD_MIN_FLOWS or net._link_users[flat_links].any()
-            or (net.solves + 1) % net.recount_every == 0 or finishing_now(net)):
+    if (len(lengths) < FOLD_MIN_FLOWS or (net.solves + 1) % net.recount_every == 0
+            or finishing_now(net)):
         return False
     plan = _plan_for(net, flat_links, lengths, sizes, counts, caps)
-    if plan is None:
+    if plan is None or net._link_users[
+            flat_links if plan.statics is None else plan.statics.used].any():
         return False
     n = len(lengths)
     statics = plan.statics
@@ -192,10 +193,18 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
         net._busy = np.zeros(0, dtype=np.int64)
         net._class_rates = np.zeros(net.n_kinds)
     elif comp.any():
-        sub = subset(group.plan, group.statics, comp)
-        rates = max_min_rates(sub.fold_links, sub.fold_owner, len(sub.classes), net.capacity,
-                              group.cap[sub.classes], (net._link_mask, net._link_pos),
-                              weights=sub.fold_weight)
+        plan = group.plan
+        sub = subset(plan, group.statics, comp)
+        caps = group.cap[sub.classes]
+        key = (comp.tobytes(), caps.tobytes())
+        rates = plan.rates_cache.get(key)
+        if rates is None:
+            if len(plan.rates_cache) >= 256:
+                plan.rates_cache.clear()
+            rates = max_min_rates(sub.fold_links, sub.fold_owner, len(sub.classes),
+                                  net.capacity, caps, (net._link_mask, net._link_pos),
+                                  weights=sub.fold_weight)
+            plan.rates_cache[key] = rates
         new = group.rate.copy()
         new[sub.classes] = rates
         if sub.n_members == net._live:
