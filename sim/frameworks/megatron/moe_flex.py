@@ -96,9 +96,9 @@ def token_bytes(hidden: int, topk: int, elem: float, weights: bool = True,
 
     Examples
     --------
-    >>> token_bytes(7168, 8, 2.0)                  # DeepSeek-V3, bf16: 14336 + 8 + 32 + 32
+    >>> token_bytes(7168, 8, 2.0)                  # V3, bf16: 14336 + 8 + 32 + 32, to 16
     14416.0
-    >>> token_bytes(7168, 8, dispatch_elem_bytes(True))   # FP8: 7168 + 224 scales + 72
+    >>> token_bytes(7168, 8, dispatch_elem_bytes(True))   # FP8: 7168 + 224 + 72, to 16
     7472.0
     >>> token_bytes(7168, 8, 2.0, weights=False, meta=False)
     14336.0
