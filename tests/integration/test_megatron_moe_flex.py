@@ -166,6 +166,21 @@ def test_intranode_flex_sends_once_per_rank() -> None:
     assert sum(ops[0].peer_bytes[0]) == pytest.approx(7 * SEQ * p_rank * token_bytes(H, K, 2.0))
 
 
+def test_flex_dispatch_buffers_follow_the_closed_form() -> None:
+    """One micro-batch, layers one after another: the moe_dispatch peak is the received
+    tokens' records plus the restored expert rows and the combined output, all freed by the
+    step's end."""
+    s = _scn(2, 16, moe_token_dispatcher_type="flex")
+    tr = simulate(s).recorder.memory[0]
+    series = [cur.get("moe_dispatch", 0.0) for _, cur in tr.series]
+    p_rank = 1 - math.comb(E - E // 16, K) / math.comb(E, K)
+    recv = 16 * SEQ * p_rank                      # tokens received, once each
+    fwd = recv * token_bytes(H, K, 2.0) + recv * H * 2 + SEQ * H * 2
+    bwd = recv * token_bytes(H, K, 2.0) + recv * H * 2 + SEQ * H * 2 + SEQ * K * 4
+    assert max(series) == pytest.approx(max(fwd, bwd), rel=1e-9)
+    assert series[-1] == 0.0
+
+
 # ---------------------------------------------------------------------- SMs, determinism
 def test_the_kernels_sms_slow_the_shared_experts_beside_them() -> None:
     """The shared experts' GEMMs beside the dispatch lose the SMs DeepEP holds

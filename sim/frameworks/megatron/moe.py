@@ -47,7 +47,13 @@ from sim.frameworks.megatron.moe_dispatch import (
     expert_capacity,
     shared_fc1_part,
 )
-from sim.frameworks.megatron.moe_flex import FlexPlan, check_router_groups, flex_op, flex_plan
+from sim.frameworks.megatron.moe_flex import (
+    FlexPlan,
+    attach_flex,
+    check_router_groups,
+    flex_op,
+    flex_plan,
+)
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
@@ -461,7 +467,10 @@ class MoEOps:
             unperm.deps = [second]      # get_output: the shared output is added here
         ops.append(unperm)
         out = [o for o in ops if o is not None]
-        attach_alltoall(pl, out, False, label)
+        if pl.flex is not None:
+            attach_flex(pl.flex, out, False, label)
+        else:
+            attach_alltoall(pl, out, False, label)
         return out
 
     def backward(self, mb: int, layer: int, pre_s: float, pre_cpu: float) -> list[Op]:
@@ -494,7 +503,10 @@ class MoEOps:
             ops += self._shared("bwd", label, mb, layer, True)
         ops.append(router)
         out = [o for o in ops if o is not None]
-        attach_alltoall(pl, out, True, label)
+        if pl.flex is not None:
+            attach_flex(pl.flex, out, True, label)
+        else:
+            attach_alltoall(pl, out, True, label)
         return out
 
     # ------------------------------------------------------------------ allgather dispatcher

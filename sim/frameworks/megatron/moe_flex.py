@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.moe_memory import CATEGORY
 from sim.program.ir import Op
 from sim.program.mesh import Groups
 from sim.scenario import MegatronOptions
@@ -397,3 +398,40 @@ def flex_op(coll: Callable[..., Op], plan: FlexPlan, which: str, label: str, gro
     op.peer_bytes = plan.peer_bytes(which)
     op.sm_ctas = plan.num_sms
     return op
+
+
+def attach_flex(plan: FlexPlan, ops: list[Op], backward: bool, label: str) -> None:
+    """DeepEP's per-micro-batch buffers of one layer on its ops (the ``moe_dispatch`` memory
+    category, as :mod:`sim.frameworks.megatron.moe_memory` does for ``alltoall``).
+
+    The dispatch reads the layer's input in place and returns ``recv_x`` (the tokens this
+    rank receives, once each, with their indices and weights), which the permutation reads
+    (freed after the experts); the experts' output, restored to one row per received token
+    (``get_restored_hidden_states_by_experts``), is the combine's input (freed when it
+    ends); the combined ``[tokens, hidden]`` output is the unpermutation's. Backward: the
+    same for the output gradient (dispatched again) and the input gradient (combined with
+    the probs' gradient). DeepEP's persistent NVLink and RDMA buffers (``Buffer``, sized by
+    its config hints once per process) are not counted."""
+    def add(op: Op | None, field: str, nbytes: float) -> None:
+        if op is not None and nbytes > 0:
+            setattr(op, field, (*getattr(op, field), (CATEGORY, nbytes)))
+
+    def find(name: str) -> Op | None:
+        return next((o for o in ops if o.name == label + name), None)
+
+    lay = plan.layout
+    recv = len(lay.ranks) * plan.tokens * lay.hit((0,))
+    disp = plan.record_bytes("combine_bwd" if backward else "dispatch_fwd")
+    rows = recv * plan.hidden * 2.0
+    out = plan.tokens * plan.hidden * 2.0 + (plan.tokens * plan.topk * 4.0 if backward else 0)
+    first, experts, second = (find(" combine") if backward else find(" router"),
+                              find(" experts"),
+                              find(" dispatch bwd") if backward else find(" combine fwd"))
+    last = find(" router") if backward else find(" combine")
+    if None in (first, experts, second, last):
+        return
+    add(first, "alloc", recv * disp)
+    add(experts, "free", recv * disp)
+    add(experts, "alloc", rows + out)
+    add(second, "free", rows)
+    add(last, "free", out)
