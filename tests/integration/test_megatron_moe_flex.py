@@ -160,6 +160,24 @@ def test_fp8_dispatch_shrinks_the_dispatch_not_the_combine() -> None:
     assert simulate(f8).summary["bytes"]["network"] < simulate(bf).summary["bytes"]["network"]
 
 
+def test_expert_tp_ranks_each_receive_the_tokens_of_their_experts() -> None:
+    """MoEFlexTokenDispatcher: one group over expert-TP x EP, the routing map replicated over
+    expert-TP (router_topk = tp x topk): both expert-TP ranks of an EP rank get its tokens,
+    and there is no expert-TP gather."""
+    s = megatron_scenario({"tp": 2, "ep": 8, "sequence_parallel": True}, 8, model=MOE,
+                          seq=SEQ, nodes=2, framework={"name": "megatron",
+                                                       "moe_token_dispatcher_type": "flex"})
+    ops = _ops(s)
+    op = next(o for o in ops if o.name.endswith("dispatch fwd"))
+    assert len(op.all_groups[0]) == 16
+    row = op.peer_bytes[0]
+    tokens = SEQ // 2                              # the sequence-parallel shard
+    p_slot = 1 - math.comb(E - E // 8, K) / math.comb(E, K)
+    rec = token_bytes(H, 2 * K, 2.0)               # 2 x top-k indices and weights
+    assert row[2] == row[3] == pytest.approx(2 * tokens * p_slot * rec, rel=1e-12)
+    assert not [o for o in ops if " etp " in o.name]
+
+
 def test_intranode_flex_sends_once_per_rank() -> None:
     ops = _a2a(_scn(1, 8, moe_token_dispatcher_type="flex"), "dispatch_fwd")
     p_rank = 1 - math.comb(E - E // 8, K) / math.comb(E, K)
