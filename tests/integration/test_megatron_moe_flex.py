@@ -28,6 +28,7 @@ from sim.frameworks.megatron.moe_flex import (
     FlexLayout,
     dispatch_elem_bytes,
     miss_probability,
+    persistent_buffer_bytes,
     token_bytes,
 )
 from sim.scenario import ScenarioError
@@ -197,6 +198,23 @@ def test_flex_dispatch_buffers_follow_the_closed_form() -> None:
     bwd = recv * token_bytes(H, K, 2.0) + recv * H * 2 + SEQ * H * 2 + SEQ * K * 4
     assert max(series) == pytest.approx(max(fwd, bwd), rel=1e-9)
     assert series[-1] == 0.0
+
+
+def test_deepeps_buffer_is_held_from_the_start() -> None:
+    """fused_a2a.get_buffer allocates DeepEP's NVLink and RDMA buffers once per process:
+    config.hpp's hints for a 16-rank group, 10 channels (20 SMs), hidden x 2 bytes a token:
+    NVLink 10 x 8 x (7 x 4 + 288 x (2048 + 8 + 128 x 12 + 512)), RDMA 10 x 2 x ((8 x 2 + 2)
+    x 8 + 128 x 2 x (2048 + 8 + 128 x 12 + 512 + 16)), each rounded up to 128 bytes."""
+    def up(x: int) -> int:
+        return -(-x // 128) * 128
+    want = up(10 * 8 * (7 * 4 + 288 * (2048 + 8 + 1536 + 512))) + up(
+        10 * 2 * (18 * 8 + 128 * 2 * (2048 + 8 + 1536 + 512 + 16)))
+    assert persistent_buffer_bytes(16, H, 20) == want
+    mem = [build_program(JobContext.from_scenario(s, "s.yaml")).classes[0].initial_memory
+           for s in (_scn(2, 16), _scn(2, 16, moe_token_dispatcher_type="flex"))]
+    assert mem[1].get("buffers", 0.0) - mem[0].get("buffers", 0.0) == want
+    assert "no config for a 40-rank" in (FlexLayout(tuple(range(40)), 8, 40, 4, 40, 1).check()
+                                         or "")
 
 
 # ---------------------------------------------------------------------- SMs, determinism

@@ -74,6 +74,47 @@ SOURCE_META = 8
 """``internode::SourceMeta``: the source RDMA rank and the NVLink-peer bits, two ints."""
 ALIGN = 16
 """``get_num_bytes_per_token`` rounds each token's record up to an ``int4``."""
+# Buffer.get_dispatch_config / get_combine_config (deep_ep/buffers/legacy.py): per group size,
+# (NVLink receive tokens a channel, RDMA receive tokens a channel); fused_a2a.get_buffer
+# allocates the larger of the two configs' buffers. Other group sizes are refused there
+# ("Unsupported number of EP ranks").
+DEEPEP_CONFIGS = {2: ((256, 128), (256, 128)), 4: ((256, 128), (256, 128)),
+                  8: ((256, 128), (256, 128)), 16: ((288, 128), (288, 128)),
+                  24: ((288, 128), (288, 128)), 32: ((288, 128), (288, 128)),
+                  48: ((288, 128), (288, 128)), 64: ((288, 128), (288, 128)),
+                  96: ((480, 128), (480, 128)), 128: ((560, 128), (560, 128)),
+                  144: ((720, 128), (720, 128)), 160: ((720, 128), (720, 128))}
+MAX_TOPK = MAX_SCALES = 128
+"""``Config``'s buffer hints reserve room for 128 top-k entries and 128 scales a token."""
+TOPK_IDX = 8
+"""``topk_idx_t``: 64-bit by default (``EP_NUM_TOPK_IDX_BITS``)."""
+
+
+def persistent_buffer_bytes(ranks: int, hidden: int, num_sms: int) -> float:
+    """DeepEP's ``Buffer`` (NVLink plus RDMA bytes) for a group of ``ranks`` as Megatron-Core
+    allocates it once per process (``fused_a2a.get_buffer``: hidden bytes ``hidden x 2``, the
+    larger of the dispatch and combine configs' ``get_nvl_buffer_size_hint`` /
+    ``get_rdma_buffer_size_hint``, ``csrc/legacy/config.hpp``; ``num_sms / 2`` channels).
+
+    Examples
+    --------
+    >>> round(persistent_buffer_bytes(64, 7168, 20) / 2**20)     # DeepSeek-V3, EP 64
+    681
+    """
+    hb = hidden * 2
+    channels = num_sms // 2
+    rdma_ranks = max(ranks // NVL_PEERS, 1)
+    nvl_ranks = min(ranks, NVL_PEERS)
+    per_token = hb + SOURCE_META + MAX_TOPK * (TOPK_IDX + 4) + MAX_SCALES * 4
+    nvl = rdma = 0
+    for nvl_tokens, rdma_tokens in DEEPEP_CONFIGS[ranks]:
+        n = channels * nvl_ranks * ((2 * rdma_ranks + 3) * 4 + nvl_tokens * per_token)
+        nvl = max(nvl, -(-n // 128) * 128)
+        if ranks > NVL_PEERS:
+            r = channels * rdma_ranks * ((NVL_PEERS * 2 + 2) * 2 * 4
+                                         + rdma_tokens * 2 * (per_token + 16))
+            rdma = max(rdma, -(-r // 128) * 128)
+    return float(nvl + rdma)
 
 
 def dispatch_elem_bytes(fp8: bool) -> float:
@@ -181,6 +222,9 @@ class FlexLayout:
         ranks ``8n .. 8n+7`` on node ``n`` (``internode.cu``: NVLink rank ``r % 8``)."""
         nodes = [r // self.gpus_per_node for r in self.ranks]
         n = len(self.ranks)
+        if n not in DEEPEP_CONFIGS:
+            return (f"DeepEP's normal kernels have no config for a {n}-rank expert-TP x EP "
+                    f"group (Buffer.get_dispatch_config: {sorted(DEEPEP_CONFIGS)})")
         if n <= NVL_PEERS and len(set(nodes)) == 1:
             return None
         if n % NVL_PEERS:
@@ -285,6 +329,11 @@ class FlexPlan:
     def nbytes(self, which: str) -> float:
         """The op's size: the busiest sender's row."""
         return max(sum(row) for row in self.peer_bytes(which))
+
+    @property
+    def persistent_bytes(self) -> float:
+        """DeepEP's ``Buffer`` on each rank (:func:`persistent_buffer_bytes`)."""
+        return persistent_buffer_bytes(len(self.layout.ranks), self.hidden, self.num_sms)
 
     def rdma_bytes(self, which: str = "dispatch_fwd") -> float:
         """Bytes group rank 0 puts on the network in transfer ``which`` (0 intranode)."""
@@ -411,7 +460,9 @@ def attach_flex(plan: FlexPlan, ops: list[Op], backward: bool, label: str) -> No
     ends); the combined ``[tokens, hidden]`` output is the unpermutation's. Backward: the
     same for the output gradient (dispatched again) and the input gradient (combined with
     the probs' gradient). DeepEP's persistent NVLink and RDMA buffers (``Buffer``, sized by
-    its config hints once per process) are not counted."""
+    its config hints once per process) are the stage's ``buffers`` from the start
+    (:attr:`FlexPlan.persistent_bytes`)."""
+
     def add(op: Op | None, field: str, nbytes: float) -> None:
         if op is not None and nbytes > 0:
             setattr(op, field, (*getattr(op, field), (CATEGORY, nbytes)))
