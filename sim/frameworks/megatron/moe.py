@@ -29,7 +29,8 @@ EP rank's experts and the all-to-alls carry per-peer bytes
 communication overlap by default; ``moe_token_dispatcher_type: allgather``,
 ``moe_pad_expert_input_to_capacity`` and ``moe_shared_expert_overlap`` as
 :mod:`sim.frameworks.megatron.moe_dispatch` describes; the dispatch buffers in memory as
-:mod:`sim.frameworks.megatron.moe_memory` does.
+:mod:`sim.frameworks.megatron.moe_memory` does; ``flex`` (DeepEP's fused, node-deduplicated
+dispatch and combine over expert-TP x EP) as :mod:`sim.frameworks.megatron.moe_flex` does.
 """
 
 from __future__ import annotations
