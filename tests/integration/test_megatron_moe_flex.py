@@ -154,7 +154,10 @@ def test_fp8_dispatch_shrinks_the_dispatch_not_the_combine() -> None:
     f8 = _scn(2, 16, precision="fp8", moe_token_dispatcher_type="flex",
               moe_deepep_fp8_dispatch=True)
     ratio = token_bytes(H, K, 1 + 4 / 128) / token_bytes(H, K, 2.0)
-    for which, want in (("dispatch_fwd", ratio), ("combine_bwd", ratio),
+    # The combine's backward dispatches with the cached handle: row and SourceMeta only.
+    cached = token_bytes(H, 0, 1 + 4 / 128) / token_bytes(H, 0, 2.0)
+    assert cached == math.ceil((H * (1 + 4 / 128) + 8) / 16) / math.ceil((H * 2 + 8) / 16)
+    for which, want in (("dispatch_fwd", ratio), ("combine_bwd", cached),
                         ("combine_fwd", 1.0), ("dispatch_bwd", 1.0)):
         a, b = _a2a(bf, which)[0], _a2a(f8, which)[0]
         assert b.nbytes / a.nbytes == pytest.approx(want, rel=1e-12), which
@@ -195,7 +198,7 @@ def test_flex_dispatch_buffers_follow_the_closed_form() -> None:
     p_rank = 1 - math.comb(E - E // 16, K) / math.comb(E, K)
     recv = 16 * SEQ * p_rank                      # tokens received, once each
     fwd = recv * token_bytes(H, K, 2.0) + recv * H * 2 + SEQ * H * 2
-    bwd = recv * token_bytes(H, K, 2.0) + recv * H * 2 + SEQ * H * 2 + SEQ * K * 4
+    bwd = recv * token_bytes(H, 0, 2.0) + recv * H * 2 + SEQ * H * 2 + SEQ * K * 4
     assert max(series) == pytest.approx(max(fwd, bwd), rel=1e-9)
     assert series[-1] == 0.0
 

@@ -299,8 +299,9 @@ class FlexPlan:
     of ``tokens``) and the SMs they hold.
 
     Keys as :class:`~sim.workload.moe_ops.MoELayerOps`'s all-to-alls: ``dispatch_fwd`` and
-    ``combine_bwd`` (the output gradient dispatched again, ``FusedCombine.backward``) carry
-    dispatch records, FP8 with ``fp8``; ``combine_fwd`` and ``dispatch_bwd`` (the tokens'
+    ``combine_bwd`` (the output gradient dispatched again with the cached handle,
+    ``FusedCombine.backward``: no indices nor weights) carry dispatch records, FP8 with
+    ``fp8``; ``combine_fwd`` and ``dispatch_bwd`` (the tokens'
     gradient combined, with the probs' gradient, ``FusedDispatch.backward``) the 16-bit
     combine records along the transposed matrix."""
 
@@ -317,8 +318,12 @@ class FlexPlan:
 
     def record_bytes(self, which: str) -> float:
         """Bytes per token per destination of transfer ``which``."""
-        if which in ("dispatch_fwd", "combine_bwd"):
+        if which == "dispatch_fwd":
             return token_bytes(self.hidden, self.topk, dispatch_elem_bytes(self.fp8))
+        if which == "combine_bwd":
+            # FusedCombine.backward dispatches the gradient with the cached handle: no
+            # indices nor weights, the row and SourceMeta only.
+            return token_bytes(self.hidden, 0, dispatch_elem_bytes(self.fp8), weights=False)
         return token_bytes(self.hidden, self.topk, 2.0, weights=which == "dispatch_bwd",
                            meta=False)
 
