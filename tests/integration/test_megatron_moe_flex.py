@@ -149,6 +149,17 @@ def test_node_limited_routing_caps_the_nodes_a_token_reaches() -> None:
     assert sum(lim.peer_bytes[0][8:]) < sum(free.peer_bytes[0][8:])
 
 
+def test_group_limited_routing_leaves_alltoall_bytes_alone() -> None:
+    """The alltoall dispatcher sends one copy per chosen expert wherever it is: limiting the
+    groups changes nothing there (balanced routing), but Megatron validates the options."""
+    base = [op.nbytes for op in _a2a(_scn(4, 32), "dispatch_fwd")]
+    lim = [op.nbytes for op in _a2a(_scn(4, 32, moe_router_num_groups=4,
+                                         moe_router_group_topk=2), "dispatch_fwd")]
+    assert base == lim and base
+    with pytest.raises(ScenarioError, match="framework.moe_router_group_topk"):
+        _ops(_scn(4, 32, moe_router_num_groups=4, moe_router_group_topk=5))
+
+
 def test_fp8_dispatch_shrinks_the_dispatch_not_the_combine() -> None:
     bf = _scn(2, 16, precision="fp8", moe_token_dispatcher_type="flex")
     f8 = _scn(2, 16, precision="fp8", moe_token_dispatcher_type="flex",
