@@ -43,6 +43,8 @@ MAX_HOST_MEMORY_GIB = 2.0**20
 """CPU memory per server, GiB (1 PiB): large servers hold 6-32 TiB."""
 MAX_GPU_POWER_W = 100_000.0
 """A GPU's power cap: 700 W for H100 SXM, 1,200 W for GB200 (NVIDIA datasheets)."""
+MAX_GPU_SMS = 4096
+"""Streaming multiprocessors of one GPU: 132 on H100 SXM, 148 on B200 (NVIDIA datasheets)."""
 
 # -- rates and latencies
 GBYTES_PER_S_MAX = 1e6

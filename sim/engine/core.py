@@ -263,7 +263,8 @@ class Engine:
                 hit = self._load_cache[key] = comm_load(
                     self.arch, op.collective, nbytes, nbytes * plan.volume, predicted,
                     plan.nccl_channels or plan.channels, plan.algorithm)
-            return hit
+            # A fused kernel's own SM count (Op.sm_ctas) replaces NCCL's channels.
+            return CommLoad(op.sm_ctas, hit.hbm_bytes_per_s) if op.sm_ctas else hit
         pairs = tuple(op.pairs)
         if not pairs or op.nbytes <= 0:
             return CommLoad(0, 0.0)

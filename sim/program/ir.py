@@ -116,6 +116,10 @@ class Op:
     ``j`` is the bytes the group's ``i``-th member sends to its ``j``-th (the diagonal stays on
     the GPU), the same for every group of ``groups``. Empty: ``nbytes`` split evenly over the
     ``n`` members (``nbytes / n`` to each peer, nccl-tests' all-to-all)."""
+    sm_ctas: int = 0
+    """A collective run by a fused kernel that holds a fixed number of SMs for its whole run
+    (DeepEP's dispatch and combine: ``Buffer.set_num_sms``) instead of NCCL's channels: the
+    SMs the interference model takes from compute beside it. 0: NCCL's own CTAs."""
     dtype: NcclType | None = None
     """Collectives and sends: the element type NCCL moves (``nbytes`` is whole elements of
     it). A label only (the HTA trace's kernel names): it never feeds timing. None: not

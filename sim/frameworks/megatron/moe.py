@@ -29,13 +29,14 @@ EP rank's experts and the all-to-alls carry per-peer bytes
 communication overlap by default; ``moe_token_dispatcher_type: allgather``,
 ``moe_pad_expert_input_to_capacity`` and ``moe_shared_expert_overlap`` as
 :mod:`sim.frameworks.megatron.moe_dispatch` describes; the dispatch buffers in memory as
-:mod:`sim.frameworks.megatron.moe_memory` does.
+:mod:`sim.frameworks.megatron.moe_memory` does; ``flex`` (DeepEP's fused, node-deduplicated
+dispatch and combine over expert-TP x EP) as :mod:`sim.frameworks.megatron.moe_flex` does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
 
@@ -46,6 +47,13 @@ from sim.frameworks.megatron.moe_dispatch import (
     allgather_blocks,
     expert_capacity,
     shared_fc1_part,
+)
+from sim.frameworks.megatron.moe_flex import (
+    FlexPlan,
+    attach_flex,
+    check_router_groups,
+    flex_op,
+    flex_plan,
 )
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
 from sim.hardware.compute import ComputeModel
@@ -82,8 +90,10 @@ class MoEPlan:
     pace: Pace | None = None
     """The busiest EP rank under skewed routing (its experts' time, expert-TP bytes and the
     all-to-alls' per-peer tokens); None when routing is balanced."""
-    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
     """``moe_token_dispatcher_type`` (:mod:`sim.frameworks.megatron.moe_dispatch`)."""
+    flex: FlexPlan | None = None
+    """``flex``: DeepEP's fused transfers (:mod:`sim.frameworks.megatron.moe_flex`)."""
     capacity: int | None = None
     """With ``moe_pad_expert_input_to_capacity``: the tokens each expert takes from each
     rank (every expert's input padded to it); None: dropless sizes."""
@@ -242,10 +252,14 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
               "recv_tokens": (float(capacity * local),) * ep,
               "permuted_rows": float(capacity * moe.experts)}
     ctx.require(not opts.moe_shared_expert_overlap
-                or opts.moe_token_dispatcher_type == "alltoall",
+                or opts.moe_token_dispatcher_type in ("alltoall", "flex"),
                 "framework.moe_shared_expert_overlap",
-                "moe_shared_expert_overlap only works with the alltoall token dispatcher "
-                "(Megatron-Core TransformerConfig)")
+                "moe_shared_expert_overlap only works with the alltoall or flex token "
+                "dispatcher (Megatron-Core TransformerConfig)")
+    check_router_groups(ctx)
+    ctx.require(not opts.moe_deepep_fp8_dispatch or opts.moe_token_dispatcher_type == "flex",
+                "framework.moe_deepep_fp8_dispatch",
+                "FP8 dispatch is DeepEP's: it needs moe_token_dispatcher_type flex")
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens, **kw)  # type: ignore[arg-type]
     if capacity is not None:
         # preprocess returns before the count all-gather: no host synchronisation at all.
@@ -261,7 +275,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                         ("ag_combine", ag.combine), ("ag_cast", ag.cast)):
             cost[name] = price_block(b, STYLE, cm)
     overlap = opts.moe_shared_expert_overlap and ops.shared is not None
-    return MoEPlan(model=ctx.model, ep=ep, etp=etp, edp=ctx.n_ranks // (etp * ep * pp), p=pp,
+    plan = MoEPlan(model=ctx.model, ep=ep, etp=etp, edp=ctx.n_ranks // (etp * ep * pp), p=pp,
                    ops=ops, cost=cost, act=2, precision=ctx.scenario.training.precision,
                    # Padded inputs: every size is fixed by capacity, whatever the routing.
                    pace=None if capacity is not None
@@ -272,6 +286,10 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    gathered=gathered, shared_overlap=overlap,
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None)
+    if opts.moe_token_dispatcher_type == "flex":
+        plan = replace(plan, flex=flex_plan(
+            ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens))
+    return plan
 
 
 @dataclass
@@ -306,6 +324,9 @@ class MoEOps:
         (its own chunk included, as nccl-tests counts it; every source sends the same total,
         routing only changes where); with skewed routing the per-peer matrix."""
         pl = self.plan
+        if pl.flex is not None:
+            return flex_op(self._coll, pl.flex, which, label, pl.tp_ep_groups(self.st), mb,
+                           layer)
         if pl.ep == 1:
             return None
         a = pl.ops.alltoall[which]
@@ -320,7 +341,7 @@ class MoEOps:
         """The expert-TP all-gather of the dispatched tokens or reduce-scatter of the expert
         output (gathered size: every expert-TP rank's tokens)."""
         pl = self.plan
-        if pl.etp == 1:
+        if pl.etp == 1 or pl.flex is not None:   # flex: one group over expert-TP x EP
             return None
         return self._coll(f"{label} etp {op}", op, pl.etp_groups(self.st),
                           pl.etp_gather_bytes * pl.etp,
@@ -447,7 +468,10 @@ class MoEOps:
             unperm.deps = [second]      # get_output: the shared output is added here
         ops.append(unperm)
         out = [o for o in ops if o is not None]
-        attach_alltoall(pl, out, False, label)
+        if pl.flex is not None:
+            attach_flex(pl.flex, out, False, label)
+        else:
+            attach_alltoall(pl, out, False, label)
         return out
 
     def backward(self, mb: int, layer: int, pre_s: float, pre_cpu: float) -> list[Op]:
@@ -480,7 +504,10 @@ class MoEOps:
             ops += self._shared("bwd", label, mb, layer, True)
         ops.append(router)
         out = [o for o in ops if o is not None]
-        attach_alltoall(pl, out, True, label)
+        if pl.flex is not None:
+            attach_flex(pl.flex, out, True, label)
+        else:
+            attach_alltoall(pl, out, True, label)
         return out
 
     # ------------------------------------------------------------------ allgather dispatcher

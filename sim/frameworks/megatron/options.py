@@ -74,9 +74,24 @@ class MegatronOptions(StrictModel):
     (Megatron-Core's default 0; NeMo's Mixtral config 0.01)."""
     moe_z_loss_coeff: float | None = Field(default=None, ge=0.0, le=1e6)
     """``--moe-z-loss-coeff``: set, the router adds the z-loss over its logits."""
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
-    """``--moe-token-dispatcher-type``: all-to-all over EP, or all-gather / reduce-scatter of
-    every token over expert-TP x EP (Megatron-Core's own default is allgather)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """``--moe-token-dispatcher-type``: all-to-all over EP, all-gather / reduce-scatter of
+    every token over expert-TP x EP (Megatron-Core's own default is allgather), or ``flex``:
+    DeepEP's fused dispatch and combine over expert-TP x EP (``--moe-flex-dispatcher-backend
+    deepep``; :mod:`sim.frameworks.megatron.moe_flex`)."""
+    moe_flex_dispatcher_num_sms: int | None = Field(default=None, gt=0, le=B.MAX_GPU_SMS)
+    """``--moe-flex-dispatcher-num-sms``: SMs DeepEP's kernels hold (even; default 20, as
+    Megatron-Core's DeepEP manager sets)."""
+    moe_router_num_groups: int | None = Field(default=None, gt=0, le=B.MAX_EXPERTS)
+    """``--moe-router-num-groups``: group-limited routing's expert groups (DeepSeek-V3: 8, one
+    per node of its EP 64); with ``moe_router_group_topk`` it caps the nodes a token reaches,
+    which only the flex dispatcher's bytes feel."""
+    moe_router_group_topk: int | None = Field(default=None, gt=0, le=B.MAX_EXPERTS)
+    """``--moe-router-group-topk``: groups each token may pick (DeepSeek-V3: 4)."""
+    moe_deepep_fp8_dispatch: bool = False
+    """Flex dispatcher with ``training.precision: fp8``: dispatch tokens (and the output
+    gradient) in FP8 with one fp32 scale per 128 elements, combine in bf16, as DeepSeek-V3's
+    recipe runs DeepEP (not a Megatron-Core flag: its DeepEP path sends 16-bit tokens)."""
     moe_pad_expert_input_to_capacity: bool = False
     """``--moe-pad-expert-input-to-capacity``: with model.capacity_factor, every expert's
     input padded to its capacity (sizes fixed by capacity, not by routing)."""

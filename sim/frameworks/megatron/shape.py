@@ -248,6 +248,9 @@ class MegatronShape:
                         self.moe.ops.shared.params if self.moe.ops.shared else 0)
                 eh_proj = 2 * self.h * self.h // self.t
                 mem["buffers"] += float(2 * self.mtp.depths * (eh_proj + layer))
+        if e and self.moe is not None and self.moe.flex is not None:
+            # DeepEP's Buffer, allocated once per process (fused_a2a.get_buffer).
+            mem["buffers"] = mem.get("buffers", 0.0) + self.moe.flex.persistent_bytes
         return mem
 
     def recompute_flops(self) -> float:
