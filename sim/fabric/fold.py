@@ -112,6 +112,8 @@ class GroupStatics:
     used: np.ndarray
     n_links: int
     """Links of the fabric plus the dead one."""
+    alone: np.ndarray
+    """Each flow's rate alone: its cap or its slowest link (what a tag's scale applies to)."""
 
 
 def subset(plan: FoldPlan, group: GroupStatics, classes: np.ndarray) -> Subset:

@@ -234,6 +234,9 @@ class FlowNetwork:
         ``lengths`` how many belong to each flow. ``payload``: the data bytes the group
         delivers, reported at its end (default: the bytes it puts on the links)."""
         done = self.env.event()
+        if fold_ops.start_folded(self, done, flat_links, lengths, sizes, counts, caps, tag,
+                                 payload):
+            return done
         keep = (sizes > 0) & (lengths > 0)
         if not keep.all():
             if not keep.any():
@@ -261,9 +264,6 @@ class FlowNetwork:
             touched = self._fold_owner[flat_links]
             for g in np.unique(touched[touched >= 0]).tolist():
                 fold_ops.unfold(self, self._folded[g])
-        if fold_ops.try_fold(self, gid, flat_links, lengths, sizes, counts, caps, alone, caps0):
-            self._resolve()
-            return done
         base, m = self._n, self._m
         end, m_end = base + n_new, m + len(flat_links)
         if end > self._flows.shape[1] or m_end > self._inc.shape[1]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import simpy
 
 from sim.fabric.fold import (
     FOLD_MIN_FLOWS,
@@ -35,48 +36,72 @@ from sim.fabric.maxmin import _EPS, max_min_rates
 if TYPE_CHECKING:
     from sim.fabric.network import FlowNetwork
 
-__all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "try_fold",
+__all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "start_folded",
            "unfold", "unfold_all"]
 
 _PLAN_CACHE = 128
 """Fold plans remembered per network (a group repeats on the same links thousands of times)."""
 
 
-def try_fold(net: FlowNetwork, gid: int, flat_links: np.ndarray, lengths: np.ndarray,
-             sizes: np.ndarray, counts: np.ndarray, caps: np.ndarray,
-             alone: np.ndarray, caps0: np.ndarray) -> bool:
-    """Start group ``gid`` folded, when it may (module docstring); False: start it as
-    rows."""
-    if (len(lengths) < FOLD_MIN_FLOWS or (net.solves + 1) % net.recount_every == 0
-            or finishing_now(net)):
+def start_folded(net: FlowNetwork, done: simpy.Event, flat_links: np.ndarray,
+                 lengths: np.ndarray, sizes: np.ndarray, counts: np.ndarray, caps: np.ndarray,
+                 tag: object, payload: float | None) -> bool:
+    """Start a group folded when it may (module docstring): what ``start_group`` does, with
+    its per-flow arrays taken from the plan (the same at every start of the group). False:
+    nothing done that matters, start it as rows."""
+    n = len(lengths)
+    if (n < FOLD_MIN_FLOWS or (net.solves + 1) % net.recount_every == 0
+            or not ((sizes > 0) & (lengths > 0)).all()):
         return False
     plan = _plan_for(net, flat_links, lengths, sizes, counts, caps)
-    if plan is None or net._link_users[
-            flat_links if plan.statics is None else plan.statics.used].any():
+    if plan is None:
         return False
-    n = len(lengths)
     statics = plan.statics
     if statics is None:
         owner = np.repeat(np.arange(n), lengths)
         _, rep = np.unique(plan.orbit, return_index=True)
         n_links = len(net._link_users)
+        starts = lengths.cumsum() - lengths
         statics = plan.statics = GroupStatics(
             flat=flat_links.copy(), owner=owner, count=counts.copy(),
             hops=np.bincount(owner * net.n_kinds + net.kind[flat_links],
                              minlength=n * net.n_kinds).reshape(n, net.n_kinds),
             rep=rep, users=np.bincount(flat_links, minlength=n_links),
-            used=np.unique(flat_links), n_links=n_links)
+            used=np.unique(flat_links), n_links=n_links,
+            alone=np.minimum(caps, np.minimum.reduceat(net.capacity[flat_links], starts)))
+    net._advance()
+    if finishing_now(net):
+        return False
+    if net._folded:
+        touched = net._fold_owner[statics.used]
+        for g in np.unique(touched[touched >= 0]).tolist():
+            unfold(net, net._folded[g])
+    if net._link_users[statics.used].any():
+        return False
+    # As start_group: a group number, its entry, its tag's scale on each flow's rate alone.
+    gid = net._next_group
+    net._next_group += 1
+    delivered = float((sizes * counts).sum()) if payload is None else payload
+    net._groups[gid] = [done, n, delivered, tag]
     rep = statics.rep
+    alone = statics.alone[rep]
+    cap = caps[rep]
+    if tag is not None:
+        net._tag_groups.setdefault(tag, set()).add(gid)
+        scale = net._tag_scale.get(tag)
+        if scale is not None:
+            cap = alone * scale
     net._folded[gid] = FoldedGroup(
         gid=gid, plan=plan, statics=statics, size=sizes, csize=sizes[rep],
-        remaining=sizes[rep], rate=np.zeros(plan.n_orbits), cap=caps[rep], base_cap=alone[rep],
-        cap0=caps0[rep], live=np.ones(plan.n_orbits, dtype=bool))
+        remaining=sizes[rep], rate=np.zeros(plan.n_orbits), cap=cap, base_cap=alone,
+        cap0=caps[rep], live=np.ones(plan.n_orbits, dtype=bool))
     net._link_users += statics.users
     net._fold_owner[statics.used] = gid
     net._live += n
     net._live_folded += n
     net._fold_pending = gid
     net.folded_groups += 1
+    net._resolve()
     return True
 
 
@@ -128,7 +153,7 @@ def folded_event(net: FlowNetwork) -> bool:
     the folded groups it involves and leave it to the tables (False)."""
     pending, net._fold_pending = net._fold_pending, None
     if pending is not None:
-        # _try_fold and _scale_folded made sure nothing else ends now.
+        # start_folded and scale_folded made sure nothing else ends now.
         group = net._folded[pending]
         folded_solve(net, group, group.live.copy())
         return True
