@@ -91,7 +91,9 @@ class Subset:
     users: np.ndarray
     """Incidences per link (over every link of the fabric and the dead one)."""
     used: np.ndarray
-    """The distinct links."""
+    """The distinct links, ascending."""
+    local: np.ndarray
+    """Each incidence's link as its position in ``used``."""
     fold_links: np.ndarray
     fold_owner: np.ndarray
     fold_weight: np.ndarray
@@ -129,11 +131,12 @@ def subset(plan: FoldPlan, group: GroupStatics, classes: np.ndarray) -> Subset:
     local = np.full(plan.n_orbits, -1, dtype=np.int64)
     local[cls] = np.arange(len(cls))
     sel = classes[plan.owner]
+    used, local_link = np.unique(links, return_inverse=True)
     got = Subset(
         classes=cls, members=members, n_members=int(np.count_nonzero(members)),
         member_class=plan.orbit[members], count=group.count[members],
         hops=group.hops[members], links=links, inc_class=plan.orbit[group.owner[inc]],
-        users=np.bincount(links, minlength=group.n_links), used=np.unique(links),
+        users=np.bincount(links, minlength=group.n_links), used=used, local=local_link,
         fold_links=plan.links[sel], fold_owner=local[plan.owner[sel]],
         fold_weight=plan.weight[sel])
     plan.subsets[key] = got

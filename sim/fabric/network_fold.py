@@ -27,6 +27,7 @@ from sim.fabric.fold import (
     FoldedGroup,
     FoldPlan,
     GroupStatics,
+    Subset,
     fold_plan,
     reach,
     subset,
@@ -188,7 +189,7 @@ def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None
     users = net._link_users
     users -= ended.users
     net._gone_alone = gone_links if not users[ended.used].any() else None
-    net._add_link_rates(gone_links, -group.rate[ended.inc_class])
+    _add_link_rates(net, ended, -group.rate[ended.inc_class])
     net._class_rates -= (group.rate[ended.member_class] * ended.count) @ ended.hops
     group.rate[fin] = 0.0
     group.remaining[fin] = np.inf
@@ -238,14 +239,25 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
             net._link_rates = np.zeros(len(net.capacity))
             net._busy_mask[net._busy] = False
             net._busy = np.zeros(0, dtype=np.int64)
-            net._add_link_rates(sub.links, new[sub.inc_class])
+            _add_link_rates(net, sub, new[sub.inc_class])
             net._class_rates = (new[sub.member_class] * sub.count) @ sub.hops
         else:
             delta = new - group.rate
             group.rate = new
-            net._add_link_rates(sub.links, delta[sub.inc_class])
+            _add_link_rates(net, sub, delta[sub.inc_class])
             net._class_rates += (delta[sub.member_class] * sub.count) @ sub.hops
     net.observer.on_rates(net.env.now, net._class_rates, net._link_rates)
+
+
+def _add_link_rates(net: FlowNetwork, sub: Subset, weights: np.ndarray) -> None:
+    """``FlowNetwork._add_link_rates`` of the subset's incidences: on a fabric that keeps no
+    busy set, summed on the subset's own links (each link's sum in incidence order, as a
+    ``bincount`` over every link sums it, then added to its rate: the same bits)."""
+    if net._dense:
+        net._link_rates[sub.used] += np.bincount(sub.local, weights=weights,
+                                                 minlength=len(sub.used))
+    else:
+        net._add_link_rates(sub.links, weights)
 
 
 # ------------------------------------------------------------------ unfold

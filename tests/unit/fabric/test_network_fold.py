@@ -131,6 +131,16 @@ def test_folding_moves_no_bit(events, scales, base) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(_event, min_size=1, max_size=6), st.lists(_scale, max_size=3))
+def test_folding_moves_no_bit_on_a_large_fabric(events, scales) -> None:
+    # Fabrics over network._SPARSE_LINKS links keep link rates on the busy links only.
+    with mock.patch.object(network, "_SPARSE_LINKS", 0):
+        plain, _ = _run(events, scales, folding=False)
+        folded, _ = _run(events, scales, folding=True)
+    assert folded == plain
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(_event, min_size=1, max_size=6), st.lists(_scale, max_size=3))
 def test_folding_moves_no_bit_through_the_recount(events, scales) -> None:
     # A full recount every few solves (FlowNetwork._solve's every 4,096th) unfolds all.
     with mock.patch.object(network.FlowNetwork, "recount_every", 3):
