@@ -70,7 +70,7 @@ def test_h100_layout_string_is_parsed_as_megatron_does() -> None:
     ch = layout_chunks(lay, 8, 61, 1)
     assert [len(c) for c in ch] == [1] + [2] * 30 + [0]
     # The same layout as lists, and the 4 x 4 recipe as a string.
-    assert as_layout([["E".lower().replace("e", "embedding"), "Decoder"]]) == [[E, T]]
+    assert as_layout([["Embedding", " DECODER"]]) == [[E, T]]
     assert parse_layout("Etttt|(tttt|)*14tmL") == _bridge_layout(4, 4)
 
 
