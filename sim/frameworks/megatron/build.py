@@ -88,6 +88,7 @@ from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-e
     schedule,
 )
 from sim.frameworks.megatron.shape import MegatronShape, megatron_shape
+from sim.frameworks.megatron.tp_grads import stage_replicated_params
 from sim.program.ir import Op, Program, RankClass
 
 # CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS). Fitted,
@@ -281,6 +282,8 @@ class _Step:
                 for g in grads:
                     g.deps = g.deps or [self.last_bwd[st]]
                     program.add(cls, g)
+            # _allreduce_layernorm_grads: after finish_grad_sync, before the embeddings'.
+            deps_done += self._tp_grad_all_reduce(st, cls, deps_done)
             # Tied, or copied for the multi-token prediction modules (_allreduce_word_
             # embedding_grads: share_embeddings_and_output_weights or mtp_num_layers).
             if (s.model.tied_embeddings or s.mtp is not None) and s.p > 1 \
@@ -312,6 +315,29 @@ class _Step:
             # Then the experts' buffers (DistributedDataParallel.start_param_sync walks the
             # dense bucket groups, then the expert-parallel ones).
             self._expert_gathers(st, cls, opt)
+
+    def _tp_grad_all_reduce(self, st: int, cls: RankClass, deps: list[Op]) -> list[Op]:
+        """The replicated parameters' gradients of stage ``st`` summed over its
+        tensor-parallel groups (:mod:`sim.frameworks.megatron.tp_grads`): flattened into one
+        buffer (``_flatten_dense_tensors``: a copy kernel), one all-reduce on the compute
+        stream's order, copied back (``buf.copy_(synced)``). Nothing with tp = 1."""
+        s, n = self.s, stage_replicated_params(self.s, st)
+        if not n:
+            return []
+        nbytes = s.grad_bytes * n
+        groups = s.tp_groups(st)
+        flat = self.program.add(cls, compute(
+            "flatten replicated grads", self.cm.membound_time(2 * nbytes), phase="optimizer",
+            category="copy", deps=list(deps), cpu_s=self.cpu_call))
+        ar = self.program.add(cls, Op(
+            name="tp all-reduce replicated grads", kind="collective", stream="compute",
+            phase="comm", deps=[flat], collective="all_reduce", group=groups[0], groups=groups,
+            nbytes=nbytes, dtype=s.grad_dtype, key=f"tp-grads/{st}", category="all_reduce",
+            cpu_s=self.cpu_call))
+        back = self.program.add(cls, compute(
+            "unflatten replicated grads", self.cm.membound_time(2 * nbytes), phase="optimizer",
+            category="copy", deps=[ar], cpu_s=self.cpu_call))
+        return [back]
 
     # ------------------------------------------------------------------ experts
     def _expert_groups(self, st: int) -> tuple[tuple[int, ...], ...] | None:

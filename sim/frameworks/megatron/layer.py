@@ -419,6 +419,12 @@ class UnitBuilder:
             self._forward(unit, st, v, mb)
         else:
             self._backward(unit, st, v, mb)
+        if not unit.ops:
+            # A virtual stage without layers (a custom layout's empty entry): its
+            # TransformerBlock passes the tensor on, no kernel.
+            phase = "fwd" if kind == "F" else "bwd"
+            unit.ops.append(compute(f"{phase} empty stage v{v} mb{mb}", 0.0, phase=phase,
+                                    micro_batch=mb, category=_cat(phase), kernels=0))
         if unit.carry:      # the last linear's reduce-scatter, before the send
             unit.ops.append(compute(f"wait {unit.carry[0].name}", 0.0, phase="bwd",
                                     micro_batch=mb, category="backward", deps=unit.carry,

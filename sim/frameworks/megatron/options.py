@@ -64,6 +64,13 @@ class MegatronOptions(StrictModel):
     decoder_last_pipeline_num_layers: int | None = Field(default=None, gt=0, le=B.MAX_LAYERS)
     """Transformer layers of the last pipeline stage (``--decoder-last-pipeline-num-
     layers``): NeMo's DeepSeek-V3 layout gives it 1 beside the MTP module and the loss."""
+    pipeline_model_parallel_layout: str | list[list[str]] | None = None
+    """``--pipeline-model-parallel-layout``: the layers of every virtual stage, pp x vp entries
+    in ``vpp_rank * pp + pp_rank`` order, as a string (``E`` embedding, ``t`` transformer
+    layer, ``m`` MTP module, ``L`` loss, ``|`` between stages, ``(...)*n`` repeats: Megatron-
+    Bridge's DeepSeek-V3 on pp 8 x vp 4 is ``"Et|(tt|)*30mL"``) or as lists of those names;
+    not with the first/last or embedding/loss split options
+    (:mod:`sim.frameworks.megatron.layout`)."""
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.layout import Layout, layout_chunks, layout_vp
 from sim.program.ir import HOST_WAIT_STREAM, NcclType, Op, Program, RankClass
 
 Unit = tuple[str, int, int]
@@ -87,7 +88,7 @@ def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[Unit]:
 
 def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
                  loss_counts: bool = False, first: int | None = None,
-                 last: int | None = None) -> list[list[int]]:
+                 last: int | None = None, layout: Layout | None = None) -> list[list[int]]:
     """Transformer layers of each virtual pipeline chunk ``v`` (stage ``v % p``, model chunk
     ``v // p``), in Megatron-Core's order (``get_transformer_layer_offset``).
 
@@ -112,7 +113,21 @@ def chunk_layers(layers: int, p: int, vp: int, embedding_counts: bool = False,
 
     >>> [len(c) for c in chunk_layers(61, 16, 1, first=4, last=1)][::5]
     [4, 4, 4, 1]
+
+    With a custom ``layout`` (``pipeline_model_parallel_layout``, one entry per virtual
+    stage, :mod:`sim.frameworks.megatron.layout`) each stage builds its decoder entries;
+    ``vp`` must be the layout's. Megatron-Bridge's DeepSeek-V3 layout on pp 8 x vp 4:
+
+    >>> from sim.frameworks.megatron.layout import parse_layout
+    >>> sizes = [len(c) for c in chunk_layers(61, 8, 4, layout=parse_layout("Et|(tt|)*30mL"))]
+    >>> sizes[:2], sizes[-2:], len(sizes)
+    ([1, 2], [2, 0], 32)
     """
+    if layout is not None:
+        if layout_vp(layout, p) != vp:
+            raise ValueError(f"the layout's {len(layout)} stage entries are "
+                             f"{len(layout) // p} virtual stages per rank, not vp = {vp}")
+        return layout_chunks(layout, p, layers)
     if first is not None or last is not None:
         return _uneven_chunks(layers, p, vp, first, last)
     n = p * vp

@@ -86,9 +86,12 @@ def megatron_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
 def megatron_stage_split(layers: int, pp: int, vp: int, opts: Mapping[str, Any]
                          ) -> list[list[int]]:
     from sim.frameworks.megatron.build import chunk_layers
+    from sim.frameworks.megatron.layout import as_layout
 
+    layout = opts.get("pipeline_model_parallel_layout")
     return chunk_layers(layers, pp, vp,
                         bool(opts.get("account_for_embedding_in_pipeline_split")),
                         bool(opts.get("account_for_loss_in_pipeline_split")),
                         opts.get("decoder_first_pipeline_num_layers"),
-                        opts.get("decoder_last_pipeline_num_layers"))
+                        opts.get("decoder_last_pipeline_num_layers"),
+                        as_layout(layout) if layout is not None else None)

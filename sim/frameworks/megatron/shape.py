@@ -17,6 +17,7 @@ from typing import Literal
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.buckets import data_parallel_modes
+from sim.frameworks.megatron.layout import as_layout, check_layout
 from sim.frameworks.megatron.moe import MoEPlan, check_moe, moe_plan
 from sim.frameworks.megatron.mtp import MTPPlan, mtp_plan
 from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
@@ -309,7 +310,9 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
     extra = int(opts.account_for_embedding_in_pipeline_split) + \
         int(opts.account_for_loss_in_pipeline_split)
     first, last = opts.decoder_first_pipeline_num_layers, opts.decoder_last_pipeline_num_layers
-    if first is not None or last is not None:
+    if opts.pipeline_model_parallel_layout is not None:
+        _check_layout(ctx, opts, p, vp, extra)
+    elif first is not None or last is not None:
         _check_uneven(ctx, m.layers, p, vp, extra, first, last)
     else:
         ctx.require((m.layers + extra) % (p * vp) == 0 and (m.layers + extra) // (p * vp) > 1
@@ -358,6 +361,34 @@ def _check_uneven(ctx: JobContext, layers: int, p: int, vp: int, extra: int,
         ctx.fail(key, str(e))
 
 
+def _check_layout(ctx: JobContext, opts: MegatronOptions, p: int, vp: int, extra: int
+                  ) -> None:
+    """A custom pipeline layout (:mod:`sim.frameworks.megatron.layout`): alone (Megatron-LM's
+    ``validate_args`` refuses it beside the uneven and embedding/loss split options), with
+    the scenario's vp its own, and valid for the model's layers and MTP modules."""
+    key = "framework.pipeline_model_parallel_layout"
+    ctx.require(extra == 0 and opts.decoder_first_pipeline_num_layers is None
+                and opts.decoder_last_pipeline_num_layers is None, key,
+                "cannot be combined with decoder_first/last_pipeline_num_layers or "
+                "account_for_embedding/loss_in_pipeline_split (Megatron-LM validate_args)")
+    try:
+        layout = as_layout(opts.pipeline_model_parallel_layout)  # type: ignore[arg-type]
+        chunk_layers(ctx.model.layers, p, vp, layout=layout)
+        check_layout(layout, p, ctx.model.layers, ctx.model.mtp_layers)
+    except ValueError as e:
+        ctx.fail(key, f"{e} (parallelism pp = {p}, vp = {vp})")
+
+
+def scenario_chunks(m: ModelSpec, opts: MegatronOptions, p: int, vp: int) -> list[list[int]]:
+    """Transformer layers of each virtual stage under the scenario's split options."""
+    layout = opts.pipeline_model_parallel_layout
+    return chunk_layers(m.layers, p, vp, opts.account_for_embedding_in_pipeline_split,
+                        opts.account_for_loss_in_pipeline_split,
+                        opts.decoder_first_pipeline_num_layers,
+                        opts.decoder_last_pipeline_num_layers,
+                        as_layout(layout) if layout is not None else None)
+
+
 def megatron_shape(ctx: JobContext) -> MegatronShape:
     """Check the scenario's Megatron options and derive the job's :class:`MegatronShape`."""
     s = ctx.scenario
@@ -385,10 +416,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     tokens = ctx.micro_batch * ctx.seq // cp
     grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
         else precision in ("bf16", "fp8")
-    chunks = chunk_layers(m.layers, p, vp, opts.account_for_embedding_in_pipeline_split,
-                          opts.account_for_loss_in_pipeline_split,
-                          opts.decoder_first_pipeline_num_layers,
-                          opts.decoder_last_pipeline_num_layers)
+    chunks = scenario_chunks(m, opts, p, vp)
     vocab_local = padded_vocab(m, t) // t
     local_tokens = tokens // t if sp else tokens
     dense_layer = (cost["attn_pre"].params + cost["attn_main"].params
