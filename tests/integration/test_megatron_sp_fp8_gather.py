@@ -91,3 +91,41 @@ def test_mla_rotary_key_stays_16_bit() -> None:
     latents = MLA["q_lora_rank"] + MLA["kv_lora_rank"]
     expect = SEQ * (latents * 1 + MLA["qk_rope_head_dim"] * 2)
     assert all(g.nbytes == pytest.approx(expect) for g in fwd)
+
+
+def _amax(r):
+    return [o for o in _tp_ops(r, "all_reduce") if o.name.startswith("amax")]
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_current_scaling_reduces_the_amax_before_each_quantized_gather(ac: str) -> None:
+    """tensorwise (TE's Float8CurrentScaling) under sequence parallelism: one fp32 amax
+    all-reduced over the tensor-parallel group before each quantize-then-gather (QKV's and
+    fc1's input forward, proj's and fc2's output gradient backward: 4 per layer, 6 with the
+    full recompute's forward again), blocking the compute stream; none under delayed scaling
+    (scale from the amax history), none for the re-gathers (already quantized) and none
+    without sequence parallelism."""
+    def run(recipe: str, sp: bool = True):
+        par = {"tp": TP, "pp": 1, "dp": 1, "sequence_parallel": sp}
+        return simulate(scenario(par, gbs=1, framework={"name": "megatron",
+                                                        "fp8_recipe": recipe},
+                                 gpn=TP, nvlink=450, model=SMALL, seq=SEQ, precision="fp8",
+                                 ac=ac))
+    cs = _amax(run("tensorwise"))
+    assert len(cs) == SMALL["layers"] * (6 if ac == "full" else 4)
+    assert all(o.nbytes == 4 and o.dtype == "f32" and o.stream == "compute" for o in cs)
+    assert not _amax(run("delayed"))
+    assert not _amax(run("tensorwise", sp=False))
+
+
+def test_current_scaling_amax_with_userbuffers() -> None:
+    """With tp_comm_overlap the quantizer is the same (TE sets the reduction group by
+    sequence parallelism, not by the overlap): the ring exchange leaves after the amax."""
+    par = {"tp": TP, "pp": 1, "dp": 1, "sequence_parallel": True}
+    r = simulate(scenario(par, gbs=1, framework={"name": "megatron", "fp8_recipe":
+                                                 "tensorwise", "tp_comm_overlap": True},
+                          gpn=TP, nvlink=450, model=SMALL, seq=SEQ, precision="fp8"))
+    amax = _amax(r)
+    assert len(amax) == SMALL["layers"] * 4
+    fwd = [o for o in _tp_ops(r, "all_gather") if o.name.startswith("all_gather fwd")]
+    assert fwd and all(any(d.name.startswith("amax") for d in g.deps) for g in fwd)

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from sim.frameworks.megatron.moe import MoEOps
 from sim.frameworks.megatron.mtp import MTPOps
 from sim.frameworks.megatron.overlap import (
+    TE_AMAX_BYTES,
     TE_PIPELINE_SPLITS,
+    amax_reductions,
     column_linear_backward,
     cp_ring,
     pipelined_scatter,
@@ -262,6 +264,17 @@ class UnitBuilder:
             gather.nbytes = te_sp_gather_bytes(gather.nbytes, self.s.act, True, hp)
             gather.dtype = "u8"
 
+    def _amax_ops(self, st: int, b: BlockSpec, n: int) -> list[Op]:
+        """The ``n`` amax all-reduces current scaling runs before a quantize-then-gather
+        (:func:`amax_reductions`); the cast waits for them on the compute stream."""
+        if not (self.s.precision == "fp8" and amax_reductions(self.s.opts.fp8_recipe, True)):
+            return []
+        ops = [self.tp_comm(st, "all_reduce", TE_AMAX_BYTES, f"amax all_reduce {b.label}",
+                            b.mb, b.layer) for _ in range(n)]
+        for op in ops:
+            op.stream, op.dtype = "compute", "f32"
+        return ops
+
     def cp_transfer(self, st: int, mb: int, layer: int, label: str
                     ) -> Callable[[float, int], Op]:
         """The context-parallel ring's step i transfer of ``nbytes`` (to the next rank)."""
@@ -313,12 +326,15 @@ class UnitBuilder:
         gather = self.tp_comm(st, "all_gather", self.attn_in if attn else self.full,
                               f"all_gather {b.label}", b.mb, b.layer)
         self._fp8_gather(gather, self.attn_hp if attn else 0.0)
+        # Forward: QKV's (MLA: its two up projections') or fc1's input; backward: proj's or
+        # fc2's output gradient.
+        ops += self._amax_ops(st, b, len(_column_linears(self.s, "qkv")) if attn else 1)
         main = compute(f"{b.label} {b.names[1]}", b.dur_main, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, flops=b.flops, cpu_s=b.cpu_main)
         if not self.overlap:
             return ops + [gather, main], 0.0
         before_s, gemm_s = self.c.gemm_spans[b.names][:2]
-        ops += ring_exchange_gather(main, before_s, gemm_s, self.s.t, gather, ops[0], make)
+        ops += ring_exchange_gather(main, before_s, gemm_s, self.s.t, gather, ops[-1], make)
         return ops, ops[-2].duration
 
     def _block_back(self, st: int, b: BlockSpec, ops: list[Op], make: Callable[..., Op]

@@ -145,6 +145,27 @@ def te_sp_gather_bytes(nbytes: float, act_bytes: int, fp8: bool, hp_bytes: float
     return (nbytes - hp_bytes) / act_bytes * UB_FP8_BYTES + hp_bytes
 
 
+TE_AMAX_BYTES = 4
+"""One fp32 amax, all-reduced (MAX) over the tensor-parallel group."""
+
+
+def amax_reductions(fp8: str | None, sp: bool) -> bool:
+    """Whether Transformer Engine all-reduces an amax before each quantize-then-gather.
+
+    Current scaling (``Float8CurrentScaling``, Megatron's ``--fp8-recipe tensorwise``) takes
+    each tensor's scale from its own amax; a gathered FP8 tensor carries one scale, so under
+    sequence parallelism TE makes the shards agree first: the column-parallel linears' input
+    quantizer and the row-parallel linears' grad-output quantizer get
+    ``with_amax_reduction`` over the tensor-parallel group
+    (``_customize_quantizers_float8_current_scaling`` in ``module/linear.py`` and
+    ``layernorm_linear.py``, TE 2.2 to 2.17; ``set_quantizer_amax_reduction_group`` in 2.18),
+    and the quantize all-reduces the amax before it casts (``csrc/quantizer.cpp``:
+    ``amax_reduction_group->allreduce(...)->wait()``). Delayed scaling reads the scale from
+    the amax history: no reduction in the layer. The backward input re-gather sends the
+    saved, already quantized shard: none either."""
+    return fp8 == "tensorwise" and sp
+
+
 def _cut(main: Op, seconds: float) -> float:
     """Take ``seconds`` off ``main``; return the share of its FLOPs that goes with them."""
     share = seconds / main.duration if main.duration > 0 else 0.0
