@@ -323,12 +323,12 @@ class UnitBuilder:
         ops = [compute(f"{b.label} {b.names[0]}", b.dur_pre, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, cpu_s=b.cpu_pre)]
         attn = b.names == ("norm", "attention")
-        gather = self.tp_comm(st, "all_gather", self.attn_in if attn else self.full,
-                              f"all_gather {b.label}", b.mb, b.layer)
-        self._fp8_gather(gather, self.attn_hp if attn else 0.0)
         # Forward: QKV's (MLA: its two up projections') or fc1's input; backward: proj's or
         # fc2's output gradient.
         ops += self._amax_ops(st, b, len(_column_linears(self.s, "qkv")) if attn else 1)
+        gather = self.tp_comm(st, "all_gather", self.attn_in if attn else self.full,
+                              f"all_gather {b.label}", b.mb, b.layer)
+        self._fp8_gather(gather, self.attn_hp if attn else 0.0)
         main = compute(f"{b.label} {b.names[1]}", b.dur_main, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, flops=b.flops, cpu_s=b.cpu_main)
         if not self.overlap:
