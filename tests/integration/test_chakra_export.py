@@ -48,8 +48,12 @@ MEGATRON_PP = {
                  "precision": "bf16", "activation_checkpointing": "none"}}
 # FSDP2 with PP 2: torch.distributed.pipelining's sends are posted by the sender alone and the
 # next stage's compute waits on them (kind ``send``), so the receiver's file gets receives.
+# Llama 3.2 1B's shape untied: torchtitan refuses weight tying with pipeline parallelism.
 FSDP2_PP = {
-    "name": "chakra-fsdp2-pp2", "model": "llama3.2-1b",
+    "name": "chakra-fsdp2-pp2",
+    "model": {"name": "llama3.2-1b-untied", "layers": 16, "hidden": 2048, "heads": 32,
+              "kv_heads": 8, "ffn_hidden": 8192, "vocab": 128256, "mlp": "swiglu",
+              "tied_embeddings": False},
     "cluster": {"topology": "dgx-h100", "nodes": 1},
     "framework": {"name": "fsdp2"}, "parallelism": {"pp": 2},
     "training": {"seq_len": 1024, "micro_batch_size": 1, "global_batch_size": 8,

@@ -44,6 +44,12 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 "one shard per replica is plain replication: torchtitan applies DDP then "
                 "(framework ddp)")
     ctx.require(vp == 1 or pp > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    # torchtitan's model config (update_from_config: Qwen3 since #1590, Llama 3 since #2580,
+    # now torchtitan/models/common/decoder.py) raises NotImplementedError for a tied
+    # embedding with pipeline_parallel_degree > 1.
+    ctx.require(not (m.tied_embeddings and pp > 1), "parallelism.pp",
+                f"Weight tying is not supported with Pipeline Parallel (torchtitan): "
+                f"{m.name} ties its embedding and output weights; use pp=1 or an untied model")
     mbs = ctx.micro_batches
     if pp > 1:
         if vp > 1:

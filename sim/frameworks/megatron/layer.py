@@ -17,13 +17,15 @@ from dataclasses import dataclass, field
 from sim.frameworks.megatron.moe import MoEOps
 from sim.frameworks.megatron.mtp import MTPOps
 from sim.frameworks.megatron.overlap import (
+    TE_AMAX_BYTES,
     TE_PIPELINE_SPLITS,
+    amax_reductions,
     column_linear_backward,
     cp_ring,
     pipelined_scatter,
     ring_exchange_gather,
+    te_sp_gather_bytes,
     userbuffer_gemm_spans,
-    userbuffers_gather_bytes,
 )
 from sim.frameworks.megatron.shape import MegatronShape
 from sim.hardware.compute import ComputeModel
@@ -215,6 +217,9 @@ class UnitBuilder:
             shape.act * shape.tokens * mla_gather_width(shape.model)
         """Bytes the attention's column-parallel linears gather under sequence parallelism
         (MLA: its latents and shared rotary key, :func:`mla_gather_width`)."""
+        mla = shape.model.mla
+        self.attn_hp = 0.0 if mla is None else shape.act * shape.tokens * mla.qk_rope_head_dim
+        """Of them, MLA's rotary key: Megatron's own gather, 16-bit under FP8 too."""
         self.overlap = shape.opts.tp_comm_overlap and shape.t > 1
         self.tp_groups = [shape.tp_groups(st) for st in range(shape.p)]
         """Each stage's tensor-parallel groups (built once: every collective names them)."""
@@ -252,11 +257,23 @@ class UnitBuilder:
                   category=op, micro_batch=mb,
                   layer=layer, cpu_s=self.c.cpu_call)
 
-    def _ub_fp8(self, gather: Op) -> None:
-        """A userbuffers all-gather under FP8 moves FP8 (:func:`userbuffers_gather_bytes`)."""
+    def _fp8_gather(self, gather: Op, hp: float = 0.0) -> None:
+        """Under FP8 a Transformer Engine linear's sequence-parallel all-gather moves FP8,
+        through NCCL or userbuffers alike (:func:`te_sp_gather_bytes`)."""
         if self.s.precision == "fp8":
-            gather.nbytes = userbuffers_gather_bytes(gather.nbytes, self.s.act, True)
+            gather.nbytes = te_sp_gather_bytes(gather.nbytes, self.s.act, True, hp)
             gather.dtype = "u8"
+
+    def _amax_ops(self, st: int, b: BlockSpec, n: int) -> list[Op]:
+        """The ``n`` amax all-reduces current scaling runs before a quantize-then-gather
+        (:func:`amax_reductions`); the cast waits for them on the compute stream."""
+        if not (self.s.precision == "fp8" and amax_reductions(self.s.opts.fp8_recipe, True)):
+            return []
+        ops = [self.tp_comm(st, "all_reduce", TE_AMAX_BYTES, f"amax all_reduce {b.label}",
+                            b.mb, b.layer) for _ in range(n)]
+        for op in ops:
+            op.stream, op.dtype = "compute", "f32"
+        return ops
 
     def cp_transfer(self, st: int, mb: int, layer: int, label: str
                     ) -> Callable[[float, int], Op]:
@@ -305,16 +322,19 @@ class UnitBuilder:
                             cpu_s=b.cpu_pre + b.cpu_main)], 0.0
         ops = [compute(f"{b.label} {b.names[0]}", b.dur_pre, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, cpu_s=b.cpu_pre)]
-        nbytes = self.attn_in if b.names == ("norm", "attention") else self.full
-        gather = self.tp_comm(st, "all_gather", nbytes, f"all_gather {b.label}", b.mb,
-                              b.layer)
+        attn = b.names == ("norm", "attention")
+        # Forward: QKV's (MLA: its two up projections') or fc1's input; backward: proj's or
+        # fc2's output gradient.
+        ops += self._amax_ops(st, b, len(_column_linears(self.s, "qkv")) if attn else 1)
+        gather = self.tp_comm(st, "all_gather", self.attn_in if attn else self.full,
+                              f"all_gather {b.label}", b.mb, b.layer)
+        self._fp8_gather(gather, self.attn_hp if attn else 0.0)
         main = compute(f"{b.label} {b.names[1]}", b.dur_main, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, flops=b.flops, cpu_s=b.cpu_main)
         if not self.overlap:
             return ops + [gather, main], 0.0
-        self._ub_fp8(gather)
         before_s, gemm_s = self.c.gemm_spans[b.names][:2]
-        ops += ring_exchange_gather(main, before_s, gemm_s, self.s.t, gather, ops[0], make)
+        ops += ring_exchange_gather(main, before_s, gemm_s, self.s.t, gather, ops[-1], make)
         return ops, ops[-2].duration
 
     def _block_back(self, st: int, b: BlockSpec, ops: list[Op], make: Callable[..., Op]
@@ -328,8 +348,7 @@ class UnitBuilder:
                                   b.layer, side=True)
             scatter = self.tp_comm(st, "reduce_scatter", full, f"reduce_scatter {b.label}",
                                    b.mb, b.layer, side=True)
-            if self.overlap:
-                self._ub_fp8(gather)
+            self._fp8_gather(gather, self.attn_hp if b.column == "qkv" else 0.0)
             dgrad_s, wgrad_s = self.c.col_gemm_s[b.column]
             ops[-1:] = column_linear_backward(ops[-1], dgrad_s, wgrad_s, gather, scatter, make)
             return [scatter]

@@ -117,6 +117,55 @@ def userbuffers_gather_bytes(nbytes: float, act_bytes: int, fp8: bool) -> float:
     return nbytes / act_bytes * UB_FP8_BYTES if fp8 else nbytes
 
 
+def te_sp_gather_bytes(nbytes: float, act_bytes: int, fp8: bool, hp_bytes: float = 0.0
+                       ) -> float:
+    """Bytes a sequence-parallel all-gather of ``nbytes`` of 16-bit activations moves through
+    NCCL (no userbuffers) when a Transformer Engine linear issues it; ``hp_bytes`` of them are
+    gathered by Megatron itself and keep 16 bits.
+
+    Under FP8 Transformer Engine quantizes before it gathers. TE 1.x: ``Linear`` casts its
+    input with ``cast_to_fp8`` (no fused transpose under sequence parallelism) and
+    ``LayerNormLinear`` / ``LayerNormMLP`` write the norm output as ``uint8`` before
+    ``gather_along_first_dim`` (``transformer_engine/pytorch/module/linear.py``,
+    ``layernorm_linear.py``, ``layernorm_mlp.py``, v1.13); the backward re-gathers the saved FP8
+    input for wgrad, and ``grad_output_preprocess`` (``module/base.py``) casts the row-parallel
+    linear's output gradient before gathering it ("FP8 case with gather"). TE 2.x does the same
+    through quantizers: ``gather_along_first_dim(..., quantizer=...)`` sends ``Float8Quantizer``
+    (delayed) and, from v2.2, ``Float8CurrentScalingQuantizer`` (tensorwise) inputs to
+    ``_all_gather_fp8`` (``transformer_engine/pytorch/distributed.py``), which all-gathers the
+    ``uint8`` data and keeps the one per-tensor scale (4 bytes, not counted). So the forward input
+    gathers of the column-parallel linears (QKV, fc1), their backward input re-gathers and the
+    backward output-gradient gathers of the row-parallel linears (proj, fc2) move one byte per
+    element. The reduce-scatters (the row-parallel output forward, the column-parallel dgrad
+    backward) reduce GEMM outputs in 16 bits: unchanged. Megatron's own gathers (MLA's shared
+    rotary key, ``gather_from_sequence_parallel_region`` in ``multi_latent_attention.py``) keep
+    16 bits: ``hp_bytes``."""
+    if not fp8:
+        return nbytes
+    return (nbytes - hp_bytes) / act_bytes * UB_FP8_BYTES + hp_bytes
+
+
+TE_AMAX_BYTES = 4
+"""One fp32 amax, all-reduced (MAX) over the tensor-parallel group."""
+
+
+def amax_reductions(fp8: str | None, sp: bool) -> bool:
+    """Whether Transformer Engine all-reduces an amax before each quantize-then-gather.
+
+    Current scaling (``Float8CurrentScaling``, Megatron's ``--fp8-recipe tensorwise``) takes
+    each tensor's scale from its own amax; a gathered FP8 tensor carries one scale, so under
+    sequence parallelism TE makes the shards agree first: the column-parallel linears' input
+    quantizer and the row-parallel linears' grad-output quantizer get
+    ``with_amax_reduction`` over the tensor-parallel group
+    (``_customize_quantizers_float8_current_scaling`` in ``module/linear.py`` and
+    ``layernorm_linear.py``, TE 2.2 to 2.17; ``set_quantizer_amax_reduction_group`` in 2.18),
+    and the quantize all-reduces the amax before it casts (``csrc/quantizer.cpp``:
+    ``amax_reduction_group->allreduce(...)->wait()``). Delayed scaling reads the scale from
+    the amax history: no reduction in the layer. The backward input re-gather sends the
+    saved, already quantized shard: none either."""
+    return fp8 == "tensorwise" and sp
+
+
 def _cut(main: Op, seconds: float) -> float:
     """Take ``seconds`` off ``main``; return the share of its FLOPs that goes with them."""
     share = seconds / main.duration if main.duration > 0 else 0.0
