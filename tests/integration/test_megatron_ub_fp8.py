@@ -59,6 +59,12 @@ def test_fp8_userbuffers_halve_the_gathers_on_the_wire() -> None:
     hops = 2
     received = [x.op.nbytes * (TP - 1) for x in bf.recorder.ops
                 if x.cls == 0 and x.op.collective in ("all_gather", "reduce_scatter")]
+    # The end of step's TP all-reduce of replicated gradients (norms, row-parallel biases;
+    # sim/frameworks/megatron/tp_grads.py), a ring: 2 (tp - 1) / tp of it from each rank, in
+    # NCCL's LL protocol at this size (114,688 B): 8-byte lines of 4 data and 4 flag bytes,
+    # two wire bytes per byte.
+    received += [2 * 2 * x.op.nbytes * (TP - 1) for x in bf.recorder.ops
+                 if x.cls == 0 and x.op.collective == "all_reduce" and len(x.op.group) == TP]
     nv_bf, nv_f8 = bf.summary["bytes"]["nvlink"], f8.summary["bytes"]["nvlink"]
     assert nv_bf == pytest.approx(hops * sum(received), rel=1e-6)   # the wire's closed form
     saved = SMALL["layers"] * 6 * full * (TP - 1) / TP * TP * hops
