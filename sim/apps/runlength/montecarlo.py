@@ -74,6 +74,61 @@ class Runs:
     """Unplanned interruptions summed over all samples."""
 
 
+@dataclass
+class RunState:
+    """Where each simulated run stands in the loop, and the loop's totals."""
+
+    w: np.ndarray
+    """Durable useful progress."""
+    t: np.ndarray
+    """Wall clock."""
+    down: np.ndarray
+    count: np.ndarray
+    spare_free: np.ndarray
+    """When each hot spare is free again."""
+    rows: np.ndarray
+    waits: float = 0.0
+    unplanned: int = 0
+
+    @classmethod
+    def start(cls, samples: int, spares: int) -> RunState:
+        return cls(w=np.zeros(samples), t=np.zeros(samples), down=np.zeros(samples),
+                   count=np.zeros(samples, dtype=np.int64),
+                   spare_free=np.zeros((samples, spares)), rows=np.arange(samples))
+
+
+def component_failure(inp: RunInputs, st: RunState, hit: np.ndarray, gap: np.ndarray,
+                      is_planned: np.ndarray, node: np.ndarray) -> np.ndarray:
+    """The runs in ``hit`` are interrupted ``gap`` seconds on: they keep the work of the
+    checkpoints durable by then (a planned stop saves first and keeps all of it), stop for
+    the restart (and the save), and wait for a server where ``node`` needs one and no hot
+    spare is free. Returns the durable work at ``gap`` for every run."""
+    cycle = inp.segment_s + inp.blocking_s
+    # Durable checkpoints by the interruption: saves that finished their write.
+    durable = np.floor(np.maximum(gap - inp.durable_after_s, 0.0) / cycle) * inp.segment_s
+    full = np.floor(gap / cycle)
+    kept_planned = full * inp.segment_s + np.minimum(gap - full * cycle, inp.segment_s)
+    gained = np.where(is_planned, kept_planned, durable)
+    stop = inp.restart_s + np.where(is_planned, inp.save_s, 0.0)
+    wait = np.zeros(len(gap))
+    if inp.spares > 0:
+        now = st.t + gap
+        first = np.argmin(st.spare_free, axis=1)
+        free = st.spare_free[st.rows, first] <= now
+        swap = node & free
+        st.spare_free[st.rows[swap], first[swap]] = now[swap] + inp.repair_s
+        wait[node & ~free] = inp.replace_s
+    else:
+        wait[node] = inp.replace_s
+    st.w[hit] = np.minimum(st.w[hit] + gained[hit], inp.work_s)
+    st.t[hit] += gap[hit] + stop[hit] + wait[hit]
+    st.down[hit] += stop[hit] + wait[hit]
+    st.count[hit] += 1
+    st.waits += float(wait[hit].sum())
+    st.unplanned += int((hit & ~is_planned).sum())
+    return durable
+
+
 def checkpoints_needed(remaining_s: np.ndarray, segment_s: float) -> np.ndarray:
     """Checkpoints left for ``remaining_s`` of useful work: one per full segment and one at
     the end (a final partial segment is saved too)."""
@@ -95,57 +150,27 @@ def simulate_runs(inp: RunInputs, samples: int, seed: int) -> Runs:
                          f"every {cycle / 60:.3g} min: about {expected:.2g} restarts, the run "
                          "would practically never finish (checkpoint more often)")
     rng = np.random.default_rng(seed)
-    w = np.zeros(samples)              # durable useful progress
-    t = np.zeros(samples)              # wall clock
-    down = np.zeros(samples)
-    count = np.zeros(samples, dtype=np.int64)
+    st = RunState.start(samples, inp.spares)
     active = np.ones(samples, dtype=bool)
-    spare_free = np.zeros((samples, inp.spares))
-    rows = np.arange(samples)
     cum = np.cumsum(rates) / lam if lam > 0 else rates
     needs = np.asarray(inp.needs_node, dtype=bool)
     planned = np.asarray(inp.planned, dtype=bool)
-    waits = 0.0
-    unplanned = 0
     while active.any():
-        remaining = inp.work_s - w
+        remaining = inp.work_s - st.w
         finish_s = (remaining + checkpoints_needed(remaining, inp.segment_s) * inp.blocking_s
                     + inp.durable_after_s)
         if lam == 0:
-            t[active] += finish_s[active]
+            st.t[active] += finish_s[active]
             break
         gap = rng.exponential(1.0 / lam, samples)
         comp = np.minimum(np.searchsorted(cum, rng.random(samples), side="right"),
                           len(rates) - 1)
         done = active & (gap >= finish_s)
-        t[done] += finish_s[done]
+        st.t[done] += finish_s[done]
         active &= ~done
-        hit = active
-        is_planned = planned[comp]
-        # Durable checkpoints by the interruption: saves that finished their write.
-        durable = np.floor(np.maximum(gap - inp.durable_after_s, 0.0) / cycle)
-        full = np.floor(gap / cycle)
-        kept_planned = full * inp.segment_s + np.minimum(gap - full * cycle, inp.segment_s)
-        gained = np.where(is_planned, kept_planned, durable * inp.segment_s)
-        stop = inp.restart_s + np.where(is_planned, inp.save_s, 0.0)
-        node = hit & needs[comp]
-        wait = np.zeros(samples)
-        if inp.spares > 0:
-            now = t + gap
-            first = np.argmin(spare_free, axis=1)
-            free = spare_free[rows, first] <= now
-            swap = node & free
-            spare_free[rows[swap], first[swap]] = now[swap] + inp.repair_s
-            wait[node & ~free] = inp.replace_s
-        else:
-            wait[node] = inp.replace_s
-        w[hit] = np.minimum(w[hit] + gained[hit], inp.work_s)
-        t[hit] += gap[hit] + stop[hit] + wait[hit]
-        down[hit] += stop[hit] + wait[hit]
-        count[hit] += 1
-        waits += float(wait[hit].sum())
-        unplanned += int((hit & ~is_planned).sum())
-    return Runs(wall_s=t, interruptions=count, down_s=down, waits_s=waits, unplanned=unplanned)
+        component_failure(inp, st, active, gap, planned[comp], active & needs[comp])
+    return Runs(wall_s=st.t, interruptions=st.count, down_s=st.down, waits_s=st.waits,
+                unplanned=st.unplanned)
 
 
 def expected_segment_s(segment_s: np.ndarray, blocking_s: np.ndarray, durable_after_s: float,

@@ -54,7 +54,9 @@ from sim.apps.runlength.montecarlo import (
     MAX_INTERRUPTIONS,
     RunInputs,
     Runs,
+    RunState,
     checkpoints_needed,
+    component_failure,
     expected_ettr,
 )
 from sim.apps.runlength.rates import SECONDS_PER_DAY, job_rates
@@ -216,23 +218,17 @@ def simulate_zone_runs(inp: RunInputs, z: ZonePlan, samples: int, seed: int) -> 
     lam_z = z.zones * z.rate_per_s
     _check_finishes(inp, lam, z)
     rng = np.random.default_rng(seed)
-    w, t, down = np.zeros(samples), np.zeros(samples), np.zeros(samples)
-    count = np.zeros(samples, dtype=np.int64)
+    st = RunState.start(samples, inp.spares)
     zone_count = np.zeros(samples, dtype=np.int64)
     zone_lost = np.zeros(samples)
     shrunk = np.zeros(samples)
     active = np.ones(samples, dtype=bool)
-    spare_free = np.zeros((samples, inp.spares))
-    rows = np.arange(samples)
     cum = np.cumsum(rates) / lam if lam > 0 else rates
     needs = np.asarray(inp.needs_node, dtype=bool)
     planned = np.asarray(inp.planned, dtype=bool)
-    cycle = inp.segment_s + inp.blocking_s
-    waits = 0.0
-    unplanned = 0
     never = np.full(samples, np.inf)
     while active.any():
-        remaining = inp.work_s - w
+        remaining = inp.work_s - st.w
         finish_s = (remaining + checkpoints_needed(remaining, inp.segment_s) * inp.blocking_s
                     + inp.durable_after_s)
         # Three draws per run per iteration whatever the rates and policy (common numbers).
@@ -242,39 +238,18 @@ def simulate_zone_runs(inp: RunInputs, z: ZonePlan, samples: int, seed: int) -> 
                           len(rates) - 1)
         gap = np.minimum(gap_c, gap_z)
         done = active & (gap >= finish_s)
-        t[done] += finish_s[done]
+        st.t[done] += finish_s[done]
         active &= ~done
         outage = active & (gap_z < gap_c)
         hit = active & ~outage
-        is_planned = planned[comp]
-        full = np.floor(gap / cycle)
-        made = full * inp.segment_s + np.minimum(gap - full * cycle, inp.segment_s)
-        durable = np.floor(np.maximum(gap - inp.durable_after_s, 0.0) / cycle) * inp.segment_s
         # A component failure, as simulate_runs plays it.
-        stop = inp.restart_s + np.where(is_planned, inp.save_s, 0.0)
-        node = hit & needs[comp]
-        wait = np.zeros(samples)
-        if inp.spares > 0:
-            now = t + gap
-            first = np.argmin(spare_free, axis=1)
-            free = spare_free[rows, first] <= now
-            swap = node & free
-            spare_free[rows[swap], first[swap]] = now[swap] + inp.repair_s
-            wait[node & ~free] = inp.replace_s
-        else:
-            wait[node] = inp.replace_s
-        gained = np.where(is_planned, made, durable)
-        w[hit] = np.minimum(w[hit] + gained[hit], inp.work_s)
-        t[hit] += gap[hit] + stop[hit] + wait[hit]
-        down[hit] += stop[hit] + wait[hit]
-        count[hit] += 1
-        waits += float(wait[hit].sum())
-        unplanned += int((hit & ~is_planned).sum())
+        durable = component_failure(inp, st, hit, gap, planned[comp], hit & needs[comp])
         if outage.any():
-            _outage(inp, z, outage, gap, durable, w, t, down, zone_lost, shrunk, active)
+            _outage(inp, z, outage, gap, durable, st.w, st.t, st.down, zone_lost, shrunk,
+                    active)
             zone_count[outage] += 1
-    return ZoneRuns(wall_s=t, interruptions=count, down_s=down, waits_s=waits,
-                    unplanned=unplanned, zone_outages=zone_count, zone_lost_s=zone_lost,
+    return ZoneRuns(wall_s=st.t, interruptions=st.count, down_s=st.down, waits_s=st.waits,
+                    unplanned=st.unplanned, zone_outages=zone_count, zone_lost_s=zone_lost,
                     shrunk_s=shrunk)
 
 
