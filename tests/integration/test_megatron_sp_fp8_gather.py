@@ -129,3 +129,28 @@ def test_current_scaling_amax_with_userbuffers() -> None:
     assert len(amax) == SMALL["layers"] * 4
     fwd = [o for o in _tp_ops(r, "all_gather") if o.name.startswith("all_gather fwd")]
     assert fwd and all(any(d.name.startswith("amax") for d in g.deps) for g in fwd)
+
+
+# A small MoE with one shared expert (a sequence-parallel TP MLP beside the routed experts,
+# Megatron-Core's SharedExpertMLP on TE linears).
+MOE = {"layers": 2, "hidden": 1024, "heads": 8, "ffn_hidden": 2048, "vocab": 1024,
+       "tied_embeddings": False,
+       "moe": {"experts": 4, "top_k": 2, "shared_experts": 1, "expert_ffn_hidden": 512}}
+
+
+def test_shared_expert_gathers_move_fp8_too() -> None:
+    # The shared expert's fc1 input gather (forward) and fc2 output-gradient gather
+    # (backward) go through TE's quantize-then-gather like the dense MLP's: tokens x hidden
+    # x 1 byte under FP8, x 2 in bf16; its reduce-scatters stay 16-bit.
+    def shared(r, kind):
+        return [x.op for x in r.recorder.ops if x.cls == 0 and x.op.collective == kind
+                and "shared" in x.op.name]
+
+    f8, bf = _run("fp8", model=MOE), _run("bf16", model=MOE)
+    full = SEQ * MOE["hidden"]
+    g8, g16 = shared(f8, "all_gather"), shared(bf, "all_gather")
+    assert len(g8) == len(g16) == 2 * MOE["layers"]       # forward and backward per layer
+    assert all(g.nbytes == pytest.approx(full * 1) and g.dtype == "u8" for g in g8)
+    assert all(g.nbytes == pytest.approx(full * 2) for g in g16)
+    assert [s.nbytes for s in shared(f8, "reduce_scatter")] == \
+        [s.nbytes for s in shared(bf, "reduce_scatter")]

@@ -56,6 +56,7 @@ from sim.frameworks.megatron.moe_flex import (
     flex_plan,
 )
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
+from sim.frameworks.megatron.overlap import te_sp_gather_bytes
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
@@ -377,8 +378,14 @@ class MoEOps:
             full = pl.ops.router.inputs[0].nbytes * self.tp   # the gathered [s, b, h]
             dt = element_type(pl.act, pl.precision)
             if part != "second":
-                out.insert(0, self._coll(f"{label} shared all_gather", "all_gather",
-                                         self.tp_groups, full, dt, "tp", mb, layer))
+                gather = self._coll(f"{label} shared all_gather", "all_gather",
+                                    self.tp_groups, full, dt, "tp", mb, layer)
+                if pl.precision == "fp8":
+                    # TE quantizes fc1's input (forward) and fc2's output gradient (backward)
+                    # before it gathers them, as for the dense MLP (te_sp_gather_bytes).
+                    gather.nbytes = te_sp_gather_bytes(full, pl.act, True)
+                    gather.dtype = "u8"
+                out.insert(0, gather)
             if part != "first":
                 out.append(self._coll(f"{label} shared reduce_scatter", "reduce_scatter",
                                       self.tp_groups, full, dt, "tp", mb, layer))
