@@ -154,3 +154,19 @@ def test_shared_expert_gathers_move_fp8_too() -> None:
     assert all(g.nbytes == pytest.approx(full * 2) for g in g16)
     assert [s.nbytes for s in shared(f8, "reduce_scatter")] == \
         [s.nbytes for s in shared(bf, "reduce_scatter")]
+
+
+def test_shared_expert_gathers_take_an_amax_all_reduce_under_current_scaling() -> None:
+    # tensorwise (current scaling): one 4-byte amax all-reduce over the TP group before each
+    # shared-expert quantize-then-gather, as before the dense MLP's; delayed scaling none.
+    par = {"tp": TP, "pp": 1, "dp": 1, "sequence_parallel": True}
+
+    def amaxes(recipe: str) -> list:
+        r = simulate(scenario(par, gbs=1, framework={"name": "megatron", "fp8_recipe": recipe},
+                              gpn=TP, nvlink=450, model=MOE, seq=SEQ, precision="fp8"))
+        return [x.op for x in r.recorder.ops if x.cls == 0 and "shared amax" in x.op.name]
+
+    current = amaxes("tensorwise")
+    assert len(current) == 2 * MOE["layers"]
+    assert all(op.nbytes == 4 and op.collective == "all_reduce" for op in current)
+    assert amaxes("delayed") == []

@@ -56,7 +56,7 @@ from sim.frameworks.megatron.moe_flex import (
     flex_plan,
 )
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
-from sim.frameworks.megatron.overlap import te_sp_gather_bytes
+from sim.frameworks.megatron.overlap import TE_AMAX_BYTES, amax_reductions, te_sp_gather_bytes
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
@@ -107,6 +107,9 @@ class MoEPlan:
     """``moe_shared_expert_overlap``: the shared experts on their own stream."""
     shared_fc1: BlockCost | None = None
     """With the overlap: the shared experts' fc1 part (beside the dispatch); the rest is fc2."""
+    amax_gather: bool = False
+    """FP8 current scaling: an amax all-reduce over TP before each quantize-then-gather
+    (:func:`~sim.frameworks.megatron.overlap.amax_reductions`)."""
 
     # ------------------------------------------------------------------ layers and sizes
     def is_moe(self, layer: int) -> bool:
@@ -285,6 +288,8 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    useful=1.0 if capacity is None
                    else min(1.0, local_tokens * moe.top_k / (moe.experts * capacity)),
                    gathered=gathered, shared_overlap=overlap,
+                   amax_gather=ctx.scenario.training.precision == "fp8"
+                   and amax_reductions(opts.fp8_recipe, True),
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None)
     if opts.moe_token_dispatcher_type == "flex":
@@ -386,6 +391,10 @@ class MoEOps:
                     gather.nbytes = te_sp_gather_bytes(full, pl.act, True)
                     gather.dtype = "u8"
                 out.insert(0, gather)
+                if pl.amax_gather:
+                    out.insert(0, self._coll(f"{label} shared amax all_reduce", "all_reduce",
+                                             self.tp_groups, TE_AMAX_BYTES, "f32", "tp", mb,
+                                             layer))
             if part != "first":
                 out.append(self._coll(f"{label} shared reduce_scatter", "reduce_scatter",
                                       self.tp_groups, full, dt, "tp", mb, layer))
