@@ -170,3 +170,23 @@ def test_shared_expert_gathers_take_an_amax_all_reduce_under_current_scaling() -
     assert len(current) == 2 * MOE["layers"]
     assert all(op.nbytes == 4 and op.collective == "all_reduce" for op in current)
     assert amaxes("delayed") == []
+
+
+def test_mtp_projection_input_gathers_move_fp8() -> None:
+    # The MTP module's eh_proj (a TE column-parallel linear on the [embedding, hidden] concat,
+    # 2h wide) gathers FP8 forward and re-gathers FP8 for its wgrad; the gathers around it
+    # that Megatron issues itself (its output, the sequence scatter's backward) stay 16-bit.
+    model = dict(SMALL, mtp_layers=1)
+
+    def proj(r, which: str) -> list:
+        return [x.op for x in r.recorder.ops if x.cls == 0 and x.op.collective == "all_gather"
+                and "mtp proj" in x.op.name and which in x.op.name]
+
+    f8, bf = _run("fp8", model=model), _run("bf16", model=model)
+    full = SEQ * SMALL["hidden"]
+    for which in ("all_gather fwd mtp proj L", "all_gather input bwd"):
+        (g8,), (g16,) = proj(f8, which), proj(bf, which)
+        assert (g8.nbytes, g8.dtype) == (2 * full * 1, "u8")
+        assert g16.nbytes == 2 * full * 2
+    for which in ("proj out", "proj grad"):
+        assert [g.nbytes for g in proj(f8, which)] == [g.nbytes for g in proj(bf, which)]

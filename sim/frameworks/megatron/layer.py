@@ -257,20 +257,21 @@ class UnitBuilder:
                   category=op, micro_batch=mb,
                   layer=layer, cpu_s=self.c.cpu_call)
 
-    def _fp8_gather(self, gather: Op, hp: float = 0.0) -> None:
+    def fp8_gather(self, gather: Op, hp: float = 0.0) -> None:
         """Under FP8 a Transformer Engine linear's sequence-parallel all-gather moves FP8,
         through NCCL or userbuffers alike (:func:`te_sp_gather_bytes`)."""
         if self.s.precision == "fp8":
             gather.nbytes = te_sp_gather_bytes(gather.nbytes, self.s.act, True, hp)
             gather.dtype = "u8"
 
-    def _amax_ops(self, st: int, b: BlockSpec, n: int) -> list[Op]:
+    def amax_ops(self, st: int, label: str, mb: int, layer: int | None, n: int = 1
+                 ) -> list[Op]:
         """The ``n`` amax all-reduces current scaling runs before a quantize-then-gather
         (:func:`amax_reductions`); the cast waits for them on the compute stream."""
         if not (self.s.precision == "fp8" and amax_reductions(self.s.opts.fp8_recipe, True)):
             return []
-        ops = [self.tp_comm(st, "all_reduce", TE_AMAX_BYTES, f"amax all_reduce {b.label}",
-                            b.mb, b.layer) for _ in range(n)]
+        ops = [self.tp_comm(st, "all_reduce", TE_AMAX_BYTES, f"amax all_reduce {label}",
+                            mb, layer) for _ in range(n)]
         for op in ops:
             op.stream, op.dtype = "compute", "f32"
         return ops
@@ -325,10 +326,11 @@ class UnitBuilder:
         attn = b.names == ("norm", "attention")
         # Forward: QKV's (MLA: its two up projections') or fc1's input; backward: proj's or
         # fc2's output gradient.
-        ops += self._amax_ops(st, b, len(_column_linears(self.s, "qkv")) if attn else 1)
+        ops += self.amax_ops(st, b.label, b.mb, b.layer,
+                             len(_column_linears(self.s, "qkv")) if attn else 1)
         gather = self.tp_comm(st, "all_gather", self.attn_in if attn else self.full,
                               f"all_gather {b.label}", b.mb, b.layer)
-        self._fp8_gather(gather, self.attn_hp if attn else 0.0)
+        self.fp8_gather(gather, self.attn_hp if attn else 0.0)
         main = compute(f"{b.label} {b.names[1]}", b.dur_main, phase=b.phase, micro_batch=b.mb,
                        layer=b.layer, category=cat, flops=b.flops, cpu_s=b.cpu_main)
         if not self.overlap:
@@ -348,7 +350,7 @@ class UnitBuilder:
                                   b.layer, side=True)
             scatter = self.tp_comm(st, "reduce_scatter", full, f"reduce_scatter {b.label}",
                                    b.mb, b.layer, side=True)
-            self._fp8_gather(gather, self.attn_hp if b.column == "qkv" else 0.0)
+            self.fp8_gather(gather, self.attn_hp if b.column == "qkv" else 0.0)
             dgrad_s, wgrad_s = self.c.col_gemm_s[b.column]
             ops[-1:] = column_linear_backward(ops[-1], dgrad_s, wgrad_s, gather, scatter, make)
             return [scatter]

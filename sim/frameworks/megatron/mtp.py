@@ -148,8 +148,13 @@ class MTPOps:
         rec = phase == "recompute"
         ops = []
         if self.sp:
-            ops.append(ub.tp_comm(self.st, "all_gather", 2.0 * ub.full,
-                                  f"all_gather {phase} mtp proj L{layer} mb{mb}", mb, layer))
+            # eh_proj is a TE column-parallel linear: under FP8 it quantizes its [h, h] input
+            # (after an amax all-reduce under current scaling) and gathers FP8.
+            ops += ub.amax_ops(self.st, f"{phase} mtp proj L{layer} mb{mb}", mb, layer)
+            gather = ub.tp_comm(self.st, "all_gather", 2.0 * ub.full,
+                                f"all_gather {phase} mtp proj L{layer} mb{mb}", mb, layer)
+            ub.fp8_gather(gather)
+            ops.append(gather)
         ops.append(self._compute(
             f"{phase} mtp proj L{layer} mb{mb}", pl.proj.fwd_gpu_s, phase, mb, layer,
             PROJ_OPS * ub.c.cpu_call, flops=0.0 if rec else pl.proj_flops[0],
@@ -213,8 +218,10 @@ class MTPOps:
         if self.sp:
             ops.append(ub.tp_comm(self.st, "all_gather", ub.full,
                                   f"all_gather bwd mtp proj grad L{layer} mb{mb}", mb, layer))
-            ops.append(ub.tp_comm(self.st, "all_gather", 2.0 * ub.full,
-                                  f"all_gather input bwd mtp proj L{layer} mb{mb}", mb, layer))
+            regather = ub.tp_comm(self.st, "all_gather", 2.0 * ub.full,
+                                  f"all_gather input bwd mtp proj L{layer} mb{mb}", mb, layer)
+            ub.fp8_gather(regather)   # TE re-gathers the saved FP8 input for wgrad
+            ops.append(regather)
         held = self.proj_hold + (pl.proj.saved_bytes if s.ac == "full" else 0.0)
         ops.append(self._compute(f"bwd mtp proj L{layer} mb{mb}", pl.proj.bwd_gpu_s, "bwd", mb,
                                  layer, PROJ_OPS * ub.c.cpu_call / 2, flops=pl.proj_flops[1],
