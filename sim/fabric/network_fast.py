@@ -1,0 +1,122 @@
+"""Shortcuts for :class:`sim.fabric.network.FlowNetwork`'s per-event work: the same bits
+for fewer numpy calls (issue 13).
+
+A numpy call on an array of a few elements costs 1-3 us of dispatch, more than its work,
+and the 3,072-GPU Megatron-LM 1T step makes about a million rate solves with a handful of
+live flows each. Two kinds of shortcut keep every bit:
+
+* Elementwise IEEE 754 arithmetic is the same in Python as in numpy: ``/``, ``*``, ``<=`` and
+  ``min`` on the same doubles give the same doubles (correctly rounded, no fused
+  multiply-add on either side), so a Python loop over a few rows decides which flows end and
+  when the next one ends exactly as the numpy expressions do. Sums over several terms stay
+  numpy's (their order is numpy's).
+* What depends only on a list of links (their renumbering, whether one repeats) or only on a
+  group's links and lengths (each flow's slowest link, hop counts per link class) is
+  remembered by content: the same collective of a rank class starts thousands of times on the
+  same links, and capacities and link classes are fixed for a network's life.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.fabric.maxmin import _EPS, _renumber
+
+__all__ = ["SMALL_ROWS", "GroupShapes", "LinkSets", "ended_rows", "next_end"]
+
+SMALL_ROWS = 32
+"""Tables of at most this many rows (dead ones included) take the Python loops below: a
+loop costs ~0.1 us per row against ~1 us per numpy call, and the numpy forms make 5-8 calls
+(measured crossover ~40 rows, numpy 2, one core)."""
+
+_CACHE_MAX_INCIDENCES = 4096
+"""Link lists longer than this are not remembered: hashing their bytes costs about as much
+as the work it saves, and they are few."""
+
+_CACHE_ENTRIES = 4096
+"""Entries a cache holds before it starts afresh (a bound on memory; the entries are a pure
+function of their key, so forgetting them moves no bit)."""
+
+
+def ended_rows(remaining: list[float], rate: list[float], size: list[float],
+               now: float) -> list[int]:
+    """The rows whose flows end now, as ``FlowNetwork._finished_rows`` decides it: bytes left
+    within rounding of none, or time left (moving flows only) within rounding of now."""
+    tol = 1e-12 * max(1.0, now)
+    return [i for i, (r, v, s) in enumerate(zip(remaining, rate, size, strict=True))
+            if r <= _EPS * s or (v > 0 and r / v <= tol)]
+
+
+def next_end(remaining: list[float], rate: list[float]) -> tuple[float, bool]:
+    """(least time left among moving flows, inf when none; whether any flow moves): the
+    minimum of the same divisions ``FlowNetwork._schedule`` makes (a minimum is exact)."""
+    dt = float("inf")
+    moving = False
+    for r, v in zip(remaining, rate, strict=True):
+        if v > 0:
+            moving = True
+            left = r / v
+            if left < dt:
+                dt = left
+    return dt, moving
+
+
+class LinkSets:
+    """The distinct links of a link list and each entry's number among them (``_renumber``
+    in order of first use), and whether no link repeats, remembered by the list's content."""
+
+    def __init__(self, scratch: tuple[np.ndarray, np.ndarray]) -> None:
+        self._scratch = scratch
+        self._known: dict[bytes, tuple[np.ndarray, np.ndarray, bool]] = {}
+
+    def get(self, links: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+        """(ids, inverse, distinct) with ``links == ids[inverse]``; the arrays are shared
+        between calls: read them, never write them."""
+        if len(links) > _CACHE_MAX_INCIDENCES:
+            ids, inv = _renumber(links, self._scratch, ascending=False)
+            return ids, inv, len(ids) == len(links)
+        key = links.tobytes()
+        hit = self._known.get(key)
+        if hit is None:
+            if len(self._known) >= _CACHE_ENTRIES:
+                self._known.clear()
+            ids, inv = _renumber(links, self._scratch, ascending=False)
+            hit = self._known[key] = (ids, inv, len(ids) == len(links))
+        return hit
+
+
+class GroupShapes:
+    """Per group of flows (its links and lengths): each flow's slowest link's capacity,
+    each incidence's flow, each flow's hop count per link class, and whether no link repeats
+    among the group's incidences; remembered by content for groups up to
+    ``_CACHE_MAX_INCIDENCES`` incidences."""
+
+    def __init__(self, capacity: np.ndarray, kind: np.ndarray, n_kinds: int) -> None:
+        self.capacity, self.kind, self.n_kinds = capacity, kind, n_kinds
+        self._known: dict[tuple[bytes, bytes],
+                          tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
+
+    def get(self, flat_links: np.ndarray, lengths: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """(slowest capacity per flow, owner per incidence, hops per flow and class,
+        distinct); shared arrays: read them, never write them."""
+        if len(flat_links) > _CACHE_MAX_INCIDENCES:
+            return self._shape(flat_links, lengths)
+        key = (flat_links.tobytes(), lengths.tobytes())
+        hit = self._known.get(key)
+        if hit is None:
+            if len(self._known) >= _CACHE_ENTRIES:
+                self._known.clear()
+            hit = self._known[key] = self._shape(flat_links, lengths)
+        return hit
+
+    def _shape(self, flat_links: np.ndarray, lengths: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        n = len(lengths)
+        starts = lengths.cumsum() - lengths
+        slowest = np.minimum.reduceat(self.capacity[flat_links], starts)
+        owner = np.repeat(np.arange(n), lengths)
+        hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
+                           minlength=n * self.n_kinds).reshape(n, self.n_kinds)
+        distinct = len(np.unique(flat_links)) == len(flat_links)
+        return slowest, owner, hops, distinct
