@@ -46,6 +46,8 @@ _SPARSE_LINKS = 20_000
 # start and end then writes only its own rows, and a compaction costs as much as the old
 # copy per start amortised over half as many events.
 _KEEP_DEAD = 2
+# The busy-link set may hold this many links (or twice the busy ones) before idle links leave it.
+_BUSY_SLACK = 256
 
 
 class NetworkObserver:
@@ -129,10 +131,12 @@ class FlowNetwork:
         self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
         self._link_rates = np.zeros(n_links)
-        # Links whose rate is not zero, as indices and as a mask: only they add bytes as time
-        # passes, so an event costs the busy links, not every link of a 16k-GPU fabric.
+        # Every link whose rate is not zero (and some idle ones, see _add_link_rates), as
+        # indices and as a mask: only they add bytes as time passes, so an event costs the
+        # busy links, not every link of a 16k-GPU fabric.
         self._busy = np.zeros(0, dtype=np.int64)
         self._busy_mask = np.zeros(n_links, dtype=bool)
+        self._busy_limit = _BUSY_SLACK
         # Below _SPARSE_LINKS links a pass over every link costs less than keeping that set
         # (measured on 10,560 links: the busy set's two passes per rate update against one
         # more per advance), and the busy set stays empty.
@@ -495,15 +499,20 @@ class FlowNetwork:
         if 16 * len(links) < n_links:
             ids, inv, _ = link_set or self._link_sets.get(links)
             self._link_rates[ids] += np.bincount(inv, weights=weights, minlength=len(ids))
-            now_busy = self._link_rates[ids] != 0.0
-            idle = ids[~now_busy]
-            if self._busy_mask[idle].any():
-                self._busy_mask[idle] = False
-                self._busy = self._busy[self._busy_mask[self._busy]]
-            new = ids[now_busy & ~self._busy_mask[ids]]
-            if new.size:
-                self._busy_mask[new] = True
-                self._busy = np.concatenate([self._busy, new])
+            # The busy set takes every link touched and keeps it until it doubles, then drops
+            # the idle ones: a link idle in it adds 0.0 * dt = 0.0 to its bytes (no bit
+            # moves), and a group ending and starting again on the same links, the common
+            # case, changes nothing in it.
+            mask = self._busy_mask
+            new = ids[~mask[ids]]
+            if len(new):
+                mask[new] = True
+                busy = self._busy = np.concatenate([self._busy, new])
+                if len(busy) > self._busy_limit:
+                    idle = self._link_rates[busy] == 0.0
+                    mask[busy[idle]] = False
+                    self._busy = busy[~idle]
+                    self._busy_limit = max(_BUSY_SLACK, 2 * len(self._busy))
         else:
             self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
             self._busy_mask = self._link_rates != 0.0
