@@ -46,6 +46,10 @@ _SPARSE_LINKS = 20_000
 # start and end then writes only its own rows, and a compaction costs as much as the old
 # copy per start amortised over half as many events.
 _KEEP_DEAD = 2
+# ... and hold this many more rows besides: with a few live flows (a rank class's collective
+# at a time) a compaction every other end cost more than the dead rows it drops (a Python
+# loop over a small table costs ~0.1 us per row, sim.fabric.network_fast).
+_DEAD_SLACK = 16
 # The busy-link set may hold this many links (or twice the busy ones) before idle links leave it.
 _BUSY_SLACK = 256
 
@@ -416,7 +420,7 @@ class FlowNetwork:
         if not self._live:
             self._n = self._m = 0
             self._bind()
-        elif _KEEP_DEAD * self._live < self._n:
+        elif _KEEP_DEAD * self._live + _DEAD_SLACK < self._n:
             self._compact()
         for gid in sorted(tally):
             self._end_flows(gid, tally[gid])
