@@ -34,6 +34,7 @@ import simpy
 
 from sim import catalog
 from sim.catalog import GpuSpec
+from sim.engine.event_loop import run_until
 from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
@@ -324,7 +325,7 @@ class Engine:
         for cls in program.classes:
             env.process(self._host_clock(host_issues(issue_order(cls)), done))
         with paused_gc():
-            env.run(until=simpy.AllOf(env, procs))
+            run_until(env, simpy.AllOf(env, procs))
         self._step += 1
         return env.now - t0
 
