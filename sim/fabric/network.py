@@ -367,7 +367,7 @@ class FlowNetwork:
             return
         # The next completion: the least time left among moving flows (the same divisions
         # and an exact minimum, whether or not the others stand in as inf).
-        if self._n <= fast.SMALL_ROWS:
+        if self._n <= fast.SMALL_ROWS_NEXT:
             dt, moving = fast.next_end(self._remaining.tolist(), self._rate.tolist())
         else:
             positive = self._rate > 0

@@ -22,12 +22,15 @@ import numpy as np
 
 from sim.fabric.maxmin import _EPS, _renumber
 
-__all__ = ["SMALL_ROWS", "GroupShapes", "LinkSets", "ended_rows", "next_end"]
+__all__ = ["SMALL_ROWS", "SMALL_ROWS_NEXT", "GroupShapes", "LinkSets", "ended_rows", "next_end"]
 
 SMALL_ROWS = 32
-"""Tables of at most this many rows (dead ones included) take the Python loops below: a
-loop costs ~0.1 us per row against ~1 us per numpy call, and the numpy forms make 5-8 calls
-(measured crossover ~40 rows, numpy 2, one core)."""
+"""Tables of at most this many rows (dead ones included) find the flows that end now with
+:func:`ended_rows`: a loop costs ~0.1 us per row against ~1 us per numpy call, and the numpy
+form makes 8 calls (measured crossover ~40 rows, numpy 2, one core)."""
+
+SMALL_ROWS_NEXT = 48
+"""... and the next end with :func:`next_end` (cheaper per row: crossover ~64 rows)."""
 
 _CACHE_MAX_INCIDENCES = 4096
 """Link lists longer than this are not remembered: hashing their bytes costs about as much

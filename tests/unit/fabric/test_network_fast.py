@@ -87,6 +87,7 @@ def test_small_table_loops_and_remembered_link_lists_move_no_bit(flows, scales,
                                                                  groups_of) -> None:
     fast = _run(flows, scales, groups_of)
     with mock.patch.object(network_fast, "SMALL_ROWS", -1), \
+            mock.patch.object(network_fast, "SMALL_ROWS_NEXT", -1), \
             mock.patch.object(network_fast, "_CACHE_MAX_INCIDENCES", -1), \
             mock.patch.object(network_fast.LinkSets, "get",
                               _repeats(network_fast.LinkSets.get)), \
@@ -94,7 +95,8 @@ def test_small_table_loops_and_remembered_link_lists_move_no_bit(flows, scales,
                               _repeats(network_fast.GroupShapes.get)):
         assert _run(flows, scales, groups_of) == fast
     # Every table through the Python loops, however large.
-    with mock.patch.object(network_fast, "SMALL_ROWS", 1 << 30):
+    with mock.patch.object(network_fast, "SMALL_ROWS", 1 << 30), \
+            mock.patch.object(network_fast, "SMALL_ROWS_NEXT", 1 << 30):
         assert _run(flows, scales, groups_of) == fast
 
 
