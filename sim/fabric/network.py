@@ -50,8 +50,6 @@ _KEEP_DEAD = 2
 # at a time) a compaction every other end cost more than the dead rows it drops (a Python
 # loop over a small table costs ~0.1 us per row, sim.fabric.network_fast).
 _DEAD_SLACK = 16
-# The busy-link set may hold this many links (or twice the busy ones) before idle links leave it.
-_BUSY_SLACK = 256
 
 
 class NetworkObserver:
@@ -140,7 +138,7 @@ class FlowNetwork:
         # busy links, not every link of a 16k-GPU fabric.
         self._busy = np.zeros(0, dtype=np.int64)
         self._busy_mask = np.zeros(n_links, dtype=bool)
-        self._busy_limit = _BUSY_SLACK
+        self._busy_limit = fast.BUSY_SLACK
         # Below _SPARSE_LINKS links a pass over every link costs less than keeping that set
         # (measured on 10,560 links: the busy set's two passes per rate update against one
         # more per advance), and the busy set stays empty.
@@ -490,37 +488,9 @@ class FlowNetwork:
     def _add_link_rates(self, links: np.ndarray, weights: np.ndarray,
                         link_set: tuple[np.ndarray, np.ndarray, bool] | None = None) -> None:
         """Add ``weights`` (one per incidence) to the rates of their links and keep the busy
-        set. The sums per link run in incidence order as ``np.bincount`` over all links would,
-        so every bit is the same; a link not named gains nothing (x + 0.0 is x).
-        ``link_set``: ``LinkSets.get(links)`` when the caller has it."""
-        n_links = len(self.capacity)
-        if self._dense:
-            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
-            return
-        # A pass over every link costs less below ~20,000 links (a 2,048-GPU fabric: 18 us
-        # against 26 us for 31 incidences on 10,560 links), and above ~1/16 as many incidences
-        # as links (measured crossover on 168,960 links: 10,000 incidences, ~300 us either way).
-        if 16 * len(links) < n_links:
-            ids, inv, _ = link_set or self._link_sets.get(links)
-            self._link_rates[ids] += np.bincount(inv, weights=weights, minlength=len(ids))
-            # The busy set takes every link touched and keeps it until it doubles, then drops
-            # the idle ones: a link idle in it adds 0.0 * dt = 0.0 to its bytes (no bit
-            # moves), and a group ending and starting again on the same links, the common
-            # case, changes nothing in it.
-            mask = self._busy_mask
-            new = ids[~mask[ids]]
-            if len(new):
-                mask[new] = True
-                busy = self._busy = np.concatenate([self._busy, new])
-                if len(busy) > self._busy_limit:
-                    idle = self._link_rates[busy] == 0.0
-                    mask[busy[idle]] = False
-                    self._busy = busy[~idle]
-                    self._busy_limit = max(_BUSY_SLACK, 2 * len(self._busy))
-        else:
-            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
-            self._busy_mask = self._link_rates != 0.0
-            self._busy = np.flatnonzero(self._busy_mask)
+        set (:func:`sim.fabric.network_fast.add_link_rates`; ``link_set``:
+        ``LinkSets.get(links)`` when the caller has it)."""
+        fast.add_link_rates(self, links, weights, link_set)
 
     def _component(self, links: np.ndarray) -> np.ndarray:
         """Flows connected to ``links`` through shared links (a boolean mask over flows).

@@ -18,11 +18,17 @@ live flows each. Two kinds of shortcut keep every bit:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from sim.fabric.maxmin import _EPS, _renumber
 
-__all__ = ["SMALL_ROWS", "SMALL_ROWS_NEXT", "GroupShapes", "LinkSets", "ended_rows", "next_end"]
+if TYPE_CHECKING:
+    from sim.fabric.network import FlowNetwork
+
+__all__ = ["BUSY_SLACK", "SMALL_ROWS", "SMALL_ROWS_NEXT", "GroupShapes", "LinkSets",
+           "add_link_rates", "ended_rows", "next_end"]
 
 SMALL_ROWS = 32
 """Tables of at most this many rows (dead ones included) find the flows that end now with
@@ -31,6 +37,10 @@ form makes 8 calls (measured crossover ~40 rows, numpy 2, one core)."""
 
 SMALL_ROWS_NEXT = 48
 """... and the next end with :func:`next_end` (cheaper per row: crossover ~64 rows)."""
+
+BUSY_SLACK = 256
+"""The busy-link set may hold this many links (or twice the busy ones) before its idle links
+leave it (:func:`add_link_rates`)."""
 
 _CACHE_MAX_INCIDENCES = 4096
 """Link lists longer than this are not remembered: hashing their bytes costs about as much
@@ -123,3 +133,39 @@ class GroupShapes:
                            minlength=n * self.n_kinds).reshape(n, self.n_kinds)
         distinct = len(np.unique(flat_links)) == len(flat_links)
         return slowest, owner, hops, distinct
+
+
+def add_link_rates(net: FlowNetwork, links: np.ndarray, weights: np.ndarray,
+                   link_set: tuple[np.ndarray, np.ndarray, bool] | None = None) -> None:
+    """``FlowNetwork._add_link_rates``: add ``weights`` (one per incidence) to the rates of
+    their links and keep the busy set. The sums per link run in incidence order as
+    ``np.bincount`` over all links would, so every bit is the same; a link not named gains
+    nothing (x + 0.0 is x)."""
+    n_links = len(net.capacity)
+    if net._dense:
+        net._link_rates += np.bincount(links, weights=weights, minlength=n_links)
+        return
+    # A pass over every link costs less below ~20,000 links (a 2,048-GPU fabric: 18 us
+    # against 26 us for 31 incidences on 10,560 links), and above ~1/16 as many incidences
+    # as links (measured crossover on 168,960 links: 10,000 incidences, ~300 us either way).
+    if 16 * len(links) < n_links:
+        ids, inv, _ = link_set or net._link_sets.get(links)
+        net._link_rates[ids] += np.bincount(inv, weights=weights, minlength=len(ids))
+        # The busy set takes every link touched and keeps it until it doubles, then drops
+        # the idle ones: a link idle in it adds 0.0 * dt = 0.0 to its bytes (no bit moves),
+        # and a group ending and starting again on the same links, the common case, changes
+        # nothing in it.
+        mask = net._busy_mask
+        new = ids[~mask[ids]]
+        if len(new):
+            mask[new] = True
+            busy = net._busy = np.concatenate([net._busy, new])
+            if len(busy) > net._busy_limit:
+                idle = net._link_rates[busy] == 0.0
+                mask[busy[idle]] = False
+                net._busy = busy[~idle]
+                net._busy_limit = max(BUSY_SLACK, 2 * len(net._busy))
+    else:
+        net._link_rates += np.bincount(links, weights=weights, minlength=n_links)
+        net._busy_mask = net._link_rates != 0.0
+        net._busy = np.flatnonzero(net._busy_mask)
