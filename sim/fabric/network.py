@@ -28,9 +28,10 @@ from collections.abc import Sequence
 import numpy as np
 import simpy
 
+from sim.fabric import network_fast as fast
 from sim.fabric import network_fold as fold_ops
 from sim.fabric.fold import FoldedGroup, FoldPlan
-from sim.fabric.maxmin import _EPS, _renumber, max_min_rates
+from sim.fabric.maxmin import _EPS, max_min_rates
 
 __all__ = ["FlowNetwork", "NetworkObserver", "max_min_rates"]
 
@@ -45,6 +46,10 @@ _SPARSE_LINKS = 20_000
 # start and end then writes only its own rows, and a compaction costs as much as the old
 # copy per start amortised over half as many events.
 _KEEP_DEAD = 2
+# ... and hold this many more rows besides: with a few live flows (a rank class's collective
+# at a time) a compaction every other end cost more than the dead rows it drops (a Python
+# loop over a small table costs ~0.1 us per row, sim.fabric.network_fast).
+_DEAD_SLACK = 16
 
 
 class NetworkObserver:
@@ -128,10 +133,12 @@ class FlowNetwork:
         self._next_group = 0
         self._class_rates = np.zeros(n_kinds)
         self._link_rates = np.zeros(n_links)
-        # Links whose rate is not zero, as indices and as a mask: only they add bytes as time
-        # passes, so an event costs the busy links, not every link of a 16k-GPU fabric.
+        # Every link whose rate is not zero (and some idle ones, see _add_link_rates), as
+        # indices and as a mask: only they add bytes as time passes, so an event costs the
+        # busy links, not every link of a 16k-GPU fabric.
         self._busy = np.zeros(0, dtype=np.int64)
         self._busy_mask = np.zeros(n_links, dtype=bool)
+        self._busy_limit = fast.BUSY_SLACK
         # Below _SPARSE_LINKS links a pass over every link costs less than keeping that set
         # (measured on 10,560 links: the busy set's two passes per rate update against one
         # more per advance), and the busy set stays empty.
@@ -140,6 +147,10 @@ class FlowNetwork:
         # between calls, and a scratch position per link (any values between calls).
         self._link_mask = np.zeros(n_links + 1, dtype=bool)
         self._link_pos = np.empty(n_links, dtype=np.intp)
+        # Link lists' renumbering and groups' per-flow statics, remembered by content
+        # (sim.fabric.network_fast).
+        self._link_sets = fast.LinkSets((self._link_mask, self._link_pos))
+        self._shapes = fast.GroupShapes(self.capacity, self.kind, n_kinds)
         # Links touched by flows started or ended since the last solve: only the flows
         # connected to them (through shared links) need new rates.
         self._dirty: list[np.ndarray] = []
@@ -238,7 +249,7 @@ class FlowNetwork:
                                  payload):
             return done
         keep = (sizes > 0) & (lengths > 0)
-        if not keep.all():
+        if np.count_nonzero(keep) < len(keep):
             if not keep.any():
                 done.succeed()
                 return done
@@ -252,8 +263,8 @@ class FlowNetwork:
         delivered = float((sizes * counts).sum()) if payload is None else payload
         self._groups[gid] = [done, n_new, delivered, tag]
         # Each flow's rate alone: its own cap or its slowest link, what a scale applies to.
-        starts = lengths.cumsum() - lengths
-        alone = np.minimum(caps, np.minimum.reduceat(self.capacity[flat_links], starts))
+        slowest, owner, hops, distinct = self._shapes.get(flat_links, lengths)
+        alone = np.minimum(caps, slowest)
         caps0 = caps
         if tag is not None:
             self._tag_groups.setdefault(tag, set()).add(gid)
@@ -268,9 +279,6 @@ class FlowNetwork:
         end, m_end = base + n_new, m + len(flat_links)
         if end > self._flows.shape[1] or m_end > self._inc.shape[1]:
             self._grow(end, m_end)
-        owner = np.repeat(np.arange(n_new), lengths)
-        hops = np.bincount(owner * self.n_kinds + self.kind[flat_links],
-                           minlength=n_new * self.n_kinds).reshape(n_new, self.n_kinds)
         block = self._flows[:, base:end]
         block[0] = sizes          # _size
         block[1] = sizes          # _remaining
@@ -287,8 +295,11 @@ class FlowNetwork:
         self._live += n_new
         self._bind()
         users = self._link_users
-        self._seed_alone = not users[flat_links].any()
-        np.add.at(users, flat_links, 1)
+        self._seed_alone = not np.count_nonzero(users[flat_links])
+        if distinct:
+            users[flat_links] += 1   # no link repeats: as np.add.at, one call less costly
+        else:
+            np.add.at(users, flat_links, 1)
         self._dirty.append(flat_links)
         self._seed, self._seed_inc = n_new, len(flat_links)
         self._resolve()
@@ -318,11 +329,26 @@ class FlowNetwork:
             self._schedule()
             return
         if self._n:
-            finished = self._finished_rows()
-            if finished.any():
+            finished = self._ended()
+            if finished is not None:
                 self._retire(finished)
         self._solve()
         self._schedule()
+
+    def _ended(self) -> np.ndarray | None:
+        """:meth:`_finished_rows`, None when no row ends (a Python loop on small tables,
+        :mod:`sim.fabric.network_fast`)."""
+        n = self._n
+        if n <= fast.SMALL_ROWS:
+            rows = fast.ended_rows(self._remaining.tolist(), self._rate.tolist(),
+                                   self._size.tolist(), self.env.now)
+            if not rows:
+                return None
+            finished = np.zeros(n, dtype=bool)
+            finished[rows] = True
+            return finished
+        finished = self._finished_rows()
+        return finished if np.count_nonzero(finished) else None
 
     def _finished_rows(self) -> np.ndarray:
         """The rows whose flows end now: bytes left within rounding of none, or time left
@@ -339,11 +365,14 @@ class FlowNetwork:
             return
         # The next completion: the least time left among moving flows (the same divisions
         # and an exact minimum, whether or not the others stand in as inf).
-        positive = self._rate > 0
-        left = np.full(self._n, np.inf)
-        np.divide(self._remaining, self._rate, out=left, where=positive)
-        dt = float(left.min(initial=math.inf))
-        moving = bool(positive.any())
+        if self._n <= fast.SMALL_ROWS_NEXT:
+            dt, moving = fast.next_end(self._remaining.tolist(), self._rate.tolist())
+        else:
+            positive = self._rate > 0
+            left = np.full(self._n, np.inf)
+            np.divide(self._remaining, self._rate, out=left, where=positive)
+            dt = float(left.min(initial=math.inf))
+            moving = bool(np.count_nonzero(positive))
         for group in self._folded.values():
             dt = min(dt, group.next_end())
             moving = moving or group.moving()
@@ -368,10 +397,14 @@ class FlowNetwork:
         gone_links = self._inc_link[gone]
         self._dirty.append(gone_links)
         users = self._link_users
-        np.subtract.at(users, gone_links, 1)
-        self._gone_alone = gone_links if not users[gone_links].any() else None
+        links = self._link_sets.get(gone_links)
+        if links[2]:
+            users[gone_links] -= 1   # no link repeats: as np.subtract.at
+        else:
+            np.subtract.at(users, gone_links, 1)
+        self._gone_alone = None if np.count_nonzero(users[links[0]]) else gone_links
         # Their rates leave the link and class totals (finished flows ran until now).
-        self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]])
+        self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]], links)
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
         # Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never
@@ -385,7 +418,7 @@ class FlowNetwork:
         if not self._live:
             self._n = self._m = 0
             self._bind()
-        elif _KEEP_DEAD * self._live < self._n:
+        elif _KEEP_DEAD * self._live + _DEAD_SLACK < self._n:
             self._compact()
         for gid in sorted(tally):
             self._end_flows(gid, tally[gid])
@@ -452,33 +485,12 @@ class FlowNetwork:
         self._advance()
         self._resolve()
 
-    def _add_link_rates(self, links: np.ndarray, weights: np.ndarray) -> None:
+    def _add_link_rates(self, links: np.ndarray, weights: np.ndarray,
+                        link_set: tuple[np.ndarray, np.ndarray, bool] | None = None) -> None:
         """Add ``weights`` (one per incidence) to the rates of their links and keep the busy
-        set. The sums per link run in incidence order as ``np.bincount`` over all links would,
-        so every bit is the same; a link not named gains nothing (x + 0.0 is x)."""
-        n_links = len(self.capacity)
-        if self._dense:
-            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
-            return
-        # A pass over every link costs less below ~20,000 links (a 2,048-GPU fabric: 18 us
-        # against 26 us for 31 incidences on 10,560 links), and above ~1/16 as many incidences
-        # as links (measured crossover on 168,960 links: 10,000 incidences, ~300 us either way).
-        if 16 * len(links) < n_links:
-            ids, inv = _renumber(links, (self._link_mask, self._link_pos), ascending=False)
-            self._link_rates[ids] += np.bincount(inv, weights=weights, minlength=len(ids))
-            now_busy = self._link_rates[ids] != 0.0
-            idle = ids[~now_busy]
-            if self._busy_mask[idle].any():
-                self._busy_mask[idle] = False
-                self._busy = self._busy[self._busy_mask[self._busy]]
-            new = ids[now_busy & ~self._busy_mask[ids]]
-            if new.size:
-                self._busy_mask[new] = True
-                self._busy = np.concatenate([self._busy, new])
-        else:
-            self._link_rates += np.bincount(links, weights=weights, minlength=n_links)
-            self._busy_mask = self._link_rates != 0.0
-            self._busy = np.flatnonzero(self._busy_mask)
+        set (:func:`sim.fabric.network_fast.add_link_rates`; ``link_set``:
+        ``LinkSets.get(links)`` when the caller has it)."""
+        fast.add_link_rates(self, links, weights, link_set)
 
     def _component(self, links: np.ndarray) -> np.ndarray:
         """Flows connected to ``links`` through shared links (a boolean mask over flows).
@@ -572,9 +584,15 @@ class FlowNetwork:
                 if self._n > self._live:
                     self._compact()
                 n = self._n
-                self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
-                                              self.capacity, self._cap,
-                                              (self._link_mask, self._link_pos))
+                if self._alone == self._live:
+                    # The started group alone on its links is all there is: its rows and
+                    # incidences are the tables', as the incremental shortcut below keys them.
+                    self._rate[:] = self._alone_solve(self._inc_link, self._inc_flow,
+                                                      np.arange(n))
+                else:
+                    self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
+                                                  self.capacity, self._cap,
+                                                  (self._link_mask, self._link_pos))
                 self._link_rates = np.zeros(len(self.capacity))
                 self._busy_mask[self._busy] = False
                 self._busy = np.zeros(0, dtype=np.int64)

@@ -279,9 +279,11 @@ class AsyncTp:
                 sp = self.spans.get((prev_key, "rs", False))
                 if sp is not None:
                     main = out.pop()
-                    out += fuse_reduce_scatter(
-                        main, op, sp, self.n, self.out_bytes,
-                        lambda b, rs=op: self.exchange(b, rs), self.cm)
+
+                    def exchange(nbytes: float, rs: Op = op) -> Op:
+                        return self.exchange(nbytes, rs)
+                    out += fuse_reduce_scatter(main, op, sp, self.n, self.out_bytes, exchange,
+                                               self.cm)
                     i += 1
                     continue
             out.append(op)
