@@ -13,15 +13,16 @@ from __future__ import annotations
 import gzip
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from sim.api import run_program, simulate
 from sim.apps.replay import TraceError, check_size, gpu_scale, replay
+from sim.cli import app
 from sim.frameworks import JobContext, build_program
 from sim.outputs.export.chakra import chakra_available, write_chakra
 from sim.scenario import load_scenario
@@ -156,9 +157,11 @@ def test_size_check_before_reading(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "sim.cli", "replay", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    """``fabricsim replay ARGS`` in this process (typer's runner: the same code path as the
+    command, without a Python start per call); an uncaught exception exits 1, not 2."""
+    res = CliRunner().invoke(app, ["replay", *args])
+    return subprocess.CompletedProcess(["fabricsim", "replay", *args], res.exit_code,
+                                       res.stdout, res.stderr)
 
 
 def test_cli_bad_traces_one_line(tmp_path: Path) -> None:

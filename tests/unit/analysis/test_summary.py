@@ -116,8 +116,9 @@ def test_the_type_holds_the_contracts_keys() -> None:
         inner = get_args(inner)[0] if get_origin(inner) is list else inner
         assert _keys(keys) <= set(get_type_hints(inner)), nested
     # Only these may be absent: claims (CONTRACT.md: "only with a claims block"), run (only
-    # with a run: block, CONTRACT.md's additions) and step_times (only with faults.jitter).
-    assert set(Summary.__optional_keys__) == {"claims", "run", "step_times"}
+    # with a run: block, CONTRACT.md's additions), step_times (only with faults.jitter) and
+    # checkpoint (only with run.checkpoint.simulate: the saves measured on the timeline).
+    assert set(Summary.__optional_keys__) == {"claims", "run", "step_times", "checkpoint"}
 
 
 def test_bytes_are_the_fabrics_link_classes_in_order() -> None:
