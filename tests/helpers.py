@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import simpy
 from conftest import make_scenario
 
+from sim.fabric.network import NetworkObserver
 from sim.fabric.topology import Fabric, FabricSpec, build_fabric
 from sim.frameworks import JobContext, build_program
 from sim.program.ir import Program
@@ -115,3 +117,17 @@ def megatron_pipeline(stages: int, micro_batches: int, layers: int,
         "parallelism": {"tp": 1, "pp": stages, "dp": 1},
         "training": {"seq_len": 2048, "micro_batch_size": 1,
                      "global_batch_size": micro_batches}})
+
+
+class RatesLog(NetworkObserver):
+    """Every rate solve (time, class rates, link rates) and transfer end a FlowNetwork
+    reports, as bytes: two runs that must agree to the last bit compare their ``seen``."""
+
+    def __init__(self) -> None:
+        self.seen: list[bytes] = []
+
+    def on_rates(self, t, class_rates, link_rates) -> None:
+        self.seen.append(np.array([t, *class_rates, *link_rates]).tobytes())
+
+    def on_transfer_end(self, t, tag, nbytes) -> None:
+        self.seen.append(repr((t, tag, nbytes)).encode())

@@ -16,11 +16,12 @@ from unittest import mock
 
 import numpy as np
 import simpy
+from helpers import RatesLog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fabric import network, network_fast
-from sim.fabric.network import FlowNetwork, NetworkObserver
+from sim.fabric.network import FlowNetwork
 
 _N_LINKS = 200
 
@@ -32,20 +33,9 @@ _flow = st.tuples(
 _scale = st.tuples(st.floats(0.0, 4.0), st.sampled_from(["a", "b"]), st.floats(0.05, 1.0))
 
 
-class _Log(NetworkObserver):
-    def __init__(self) -> None:
-        self.seen: list[bytes] = []
-
-    def on_rates(self, t, class_rates, link_rates) -> None:
-        self.seen.append(np.array([t, *class_rates, *link_rates]).tobytes())
-
-    def on_transfer_end(self, t, tag, nbytes) -> None:
-        self.seen.append(repr((t, tag, nbytes)).encode())
-
-
 def _run(flows, scales, groups_of: int) -> list[bytes]:
     env = simpy.Environment()
-    log = _Log()
+    log = RatesLog()
     cap = np.linspace(10.0, 45.0, _N_LINKS)
     net = FlowNetwork(env, cap, np.arange(_N_LINKS) % 3, 3, log)
 

@@ -16,25 +16,15 @@ from unittest import mock
 import numpy as np
 import pytest
 import simpy
+from helpers import RatesLog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fabric import fold, network, network_fold
 from sim.fabric.fold import fold_plan
-from sim.fabric.network import FlowNetwork, NetworkObserver
+from sim.fabric.network import FlowNetwork
 
 _N_LINKS = 10
-
-
-class _Log(NetworkObserver):
-    def __init__(self) -> None:
-        self.seen: list[bytes] = []
-
-    def on_rates(self, t, class_rates, link_rates) -> None:
-        self.seen.append(np.array([t, *class_rates, *link_rates]).tobytes())
-
-    def on_transfer_end(self, t, tag, nbytes) -> None:
-        self.seen.append(repr((t, tag, nbytes)).encode())
 
 
 def _alltoall(nodes: int, gpus: int, size: float) -> list[tuple[list[int], float, int, float]]:
@@ -86,7 +76,7 @@ _scale = st.tuples(st.floats(0.0, 4.0), st.sampled_from(["a", "b"]), st.floats(0
 
 def _run(events, scales, folding: bool, link_base: int = 0):
     env = simpy.Environment()
-    log = _Log()
+    log = RatesLog()
     n_links = link_base + 4 * 9
     cap = 10.0 + (np.arange(n_links) % 4) * 5.0
     net = FlowNetwork(env, cap, np.arange(n_links) % 3, 3, log)
