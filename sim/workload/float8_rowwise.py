@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sim.workload.kernels import BF16, Kernel, Tensor
-from sim.workload.layer_rules import FP8, bias_grad, linear_gemm, linear_params, scaled_cast
+from sim.workload.layer_rules import FP8, bias_grad, linear_gemm, scaled_cast
 
 if TYPE_CHECKING:
     from sim.workload.layer_builder import _Builder
@@ -47,16 +47,9 @@ def rowwise_linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int,
                    bias: bool, gw_hp: bool) -> Tensor:
     """``y = x W^T`` as torchao's rowwise (``gw_hp``: ``rowwise_with_gw_hp``) Float8Linear
     runs it (see the module doc). Returns the bf16 output; autograd keeps the bf16 input."""
-    b.block.params += linear_params(n_in, n_out, bias)
-    w = b.t(f"{name}.w", n_in * n_out, BF16)
-    x8 = b.t(f"{name}.in_fp8", tokens * n_in, FP8)
-    w8 = b.t(f"{name}.w_fp8", n_in * n_out, FP8)
-    y = b.t(f"{name}.out", tokens * n_out, BF16)
-    for k in scaled_cast(name, "in", x, (x8,), amax=True) + \
-            scaled_cast(name, "w", w, (w8,), amax=True):
-        b.fwd(k)
-    b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
-    b.save(x)
+    # The forward is tensorwise's (FSDP2's float8 all-gather is refused with these recipes,
+    # so the weight is always cast here).
+    w, y = b.float8_forward(x, tokens, n_in, n_out, name, bias)
     gy = b.t(f"{name}.g_out", tokens * n_out, BF16)
     g8a = b.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
     w8b = b.t(f"{name}.w_fp8_bwd", n_in * n_out, FP8)

@@ -119,16 +119,11 @@ class _Builder:
         self.bwd(*ks)
         return y
 
-    def float8_linear(self, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
-                      bias: bool = False) -> Tensor:
-        """torchao's ``Float8Linear`` with dynamic tensorwise scaling
-        (``torchao/float8/float8_linear.py``, ``matmul_with_hp_or_float8_args``): forward takes
-        the amax of the bf16 input and weight (a reduction each), casts both to E4M3 and runs
-        the GEMM on FP8 operands into bf16; autograd keeps the bf16 input (and the weight),
-        not the FP8 copies, so backward casts again: the output gradient (amax, then one
-        cast per GEMM layout), the weight for dgrad and the input for wgrad, each after its
-        amax. Under ``compile`` the amax and cast kernels fuse with their neighbours.
-        """
+    def float8_forward(self, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
+                       bias: bool) -> tuple[Tensor, Tensor]:
+        """A torchao ``Float8Linear``'s forward, every recipe alike: amax and cast of the bf16
+        input and (unless FSDP2 all-gathers float8 weights) of the weight, the GEMM on FP8
+        operands into bf16; autograd keeps the bf16 input. Returns (weight, output)."""
         self.block.params += linear_params(n_in, n_out, bias)
         w = self.t(f"{name}.w", n_in * n_out, BF16)
         x8 = self.t(f"{name}.in_fp8", tokens * n_in, FP8)
@@ -140,6 +135,20 @@ class _Builder:
             self.fwd(k)
         self.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
         self.save(x)
+        return w, y
+
+    def float8_linear(self, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
+                      bias: bool = False) -> Tensor:
+        """torchao's ``Float8Linear`` with dynamic tensorwise scaling
+        (``torchao/float8/float8_linear.py``, ``matmul_with_hp_or_float8_args``): forward takes
+        the amax of the bf16 input and weight (a reduction each), casts both to E4M3 and runs
+        the GEMM on FP8 operands into bf16; autograd keeps the bf16 input (and the weight),
+        not the FP8 copies, so backward casts again: the output gradient (amax, then one
+        cast per GEMM layout), the weight for dgrad and the input for wgrad, each after its
+        amax. Under ``compile`` the amax and cast kernels fuse with their neighbours.
+        """
+        w, y = self.float8_forward(x, tokens, n_in, n_out, name, bias)
+        cast_w = not self.style.float8_weights
         gy = self.t(f"{name}.g_out", tokens * n_out, BF16)
         g8a = self.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
         g8b = self.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8)
