@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# Test workers: CI has 2 cores. Whole files go to one worker (--dist loadfile), so a module's
+# cached simulations are made once, as in a serial run.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench pictures golden clean
 
@@ -29,8 +32,8 @@ demo: $(STAMP)
 	@echo "plots, trace and CSVs of the two-zone run: runs/demo-2az/"
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
-	$(BIN)/python -m pytest -q --nbmake notebooks
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --nbmake notebooks
 
 lint: $(STAMP)
 	$(BIN)/ruff check sim tests tools notebooks
