@@ -130,8 +130,18 @@ def test_the_busiest_expert_rank_sets_the_pace() -> None:
     per_rank = rank_loads(pl.flex.skew.expert_copies, 16)
     assert per_rank[pl.pace.rank] == max(per_rank)
     assert pl.experts_cost.fwd_gpu_s > pl.cost["experts"].fwd_gpu_s
-    ops = [o for o in _ops(s) if o.name.endswith(" experts") and o.phase == "fwd"]
-    assert ops and all(o.duration == pl.pace.experts.fwd_gpu_s for o in ops)
+    # Each EP rank its own class and GEMM time (moe_ranks); the busiest's is the pace's.
+    p = build_program(JobContext.from_scenario(s, "s.yaml"))
+    assert len(p.classes) == len(set(per_rank))
+    times = set()
+    for c in p.classes:
+        ep = {pl.mesh.coords(r)["ep"] for r in c.members}
+        assert len({per_rank[e] for e in ep}) == 1
+        ops = [o for o in c.streams["compute"] if o.name.endswith(" experts")
+               and o.phase == "fwd"]
+        assert ops and {o.duration for o in ops} == {pl.ranks[min(ep)].cost.fwd_gpu_s}
+        times.add(ops[0].duration)
+    assert max(times) == pl.pace.experts.fwd_gpu_s
 
 
 def test_group_limited_routing_bounds_nodes_per_token_under_skew() -> None:

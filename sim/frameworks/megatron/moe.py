@@ -57,6 +57,7 @@ from sim.frameworks.megatron.moe_flex import (
 )
 from sim.frameworks.megatron.moe_flex_skew import flex_pace
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
+from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
 from sim.frameworks.megatron.overlap import TE_AMAX_BYTES, amax_reductions, te_sp_gather_bytes
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
@@ -108,6 +109,8 @@ class MoEPlan:
     """``moe_shared_expert_overlap``: the shared experts on their own stream."""
     shared_fc1: BlockCost | None = None
     """With the overlap: the shared experts' fc1 part (beside the dispatch); the rest is fc2."""
+    ranks: tuple[RankExperts, ...] = ()
+    """Under skewed routing, each EP rank's load (:func:`.moe_ranks.split_expert_ranks`)."""
     amax_gather: bool = False
     """FP8 current scaling: an amax all-reduce over TP before each quantize-then-gather
     (:func:`~sim.frameworks.megatron.overlap.amax_reductions`)."""
@@ -281,7 +284,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
         fx = flex_plan(ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens)
         plan = replace(plan, flex=fx, pace=None if fx.skew is None
                        else flex_pace(ctx, lay, local_tokens, cm, fx.skew))
-    return plan
+    return replace(plan, ranks=rank_experts(ctx, lay, local_tokens, cm, plan.pace))
 
 
 @dataclass
