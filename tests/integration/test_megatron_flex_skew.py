@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_megatron_moe_flex import MOE, SEQ, E, H, K, _a2a, _ops, _scn
+from test_megatron_moe_flex import MOE, SEQ, E, H, K, _a2a, _scn
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
@@ -133,7 +133,7 @@ def test_the_busiest_expert_rank_sets_the_pace() -> None:
     # Each EP rank its own class and GEMM time (moe_ranks); the busiest's is the pace's.
     p = build_program(JobContext.from_scenario(s, "s.yaml"))
     assert len(p.classes) == len(set(per_rank))
-    times = set()
+    times, flops = set(), 0.0
     for c in p.classes:
         ep = {pl.mesh.coords(r)["ep"] for r in c.members}
         assert len({per_rank[e] for e in ep}) == 1
@@ -141,7 +141,10 @@ def test_the_busiest_expert_rank_sets_the_pace() -> None:
                and o.phase == "fwd"]
         assert ops and {o.duration for o in ops} == {pl.ranks[min(ep)].cost.fwd_gpu_s}
         times.add(ops[0].duration)
+        flops += ops[0].flops * len(c.members)
     assert max(times) == pl.pace.experts.fwd_gpu_s
+    # GEMM FLOPs are linear in rows: the ranks' own FLOPs add up to the balanced total.
+    assert flops == pytest.approx(16 * pl.cost["experts"].flops_fwd, rel=1e-9)
 
 
 def test_group_limited_routing_bounds_nodes_per_token_under_skew() -> None:

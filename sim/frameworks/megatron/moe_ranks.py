@@ -12,7 +12,8 @@ alone: each stage's class is split (:func:`sim.program.split.split_ranks`) into 
 per distinct expert load (ranks whose EP index holds the same per-expert token counts run
 identical ops), and in each class
 
-* the grouped expert GEMMs take that EP rank's priced time (:class:`RankExperts`);
+* the grouped expert GEMMs take that EP rank's priced time and FLOPs (:class:`RankExperts`;
+  over the ranks the FLOPs add up to the balanced total: GEMM FLOPs are linear in rows);
 * the expert-TP all-gather and reduce-scatter run over that class's own expert-TP groups
   (each group lies inside one EP rank: ``RankGenerator`` ``tp-ep`` with expert-TP fastest)
   with that rank's tokens, under their own key.
@@ -120,7 +121,10 @@ def _patch(cls: RankClass, load: RankExperts, etp: int, k: int) -> None:
     for ops in cls.streams.values():
         for op in ops:
             if op.kind == "compute" and _EXPERTS.match(op.name):
-                op.duration = load.cost.bwd_gpu_s if op.phase == "bwd" else load.cost.fwd_gpu_s
+                bwd = op.phase == "bwd"
+                op.duration = load.cost.bwd_gpu_s if bwd else load.cost.fwd_gpu_s
+                if op.flops:        # its own rows' FLOPs (the ranks' sum: the balanced total)
+                    op.flops = load.cost.flops_bwd if bwd else load.cost.flops_fwd
             elif op.kind == "collective" and _ETP.match(op.name):
                 _own_groups(op, mine, own)
                 op.nbytes = load.etp_gather_bytes * etp
