@@ -130,3 +130,97 @@ def peer_tokens(loads: Sequence[int], ep: int, sources: int) -> tuple[tuple[floa
     """
     per = [r / sources for r in rank_loads(loads, ep)]
     return tuple(tuple(float(x) for x in per) for _ in range(ep))
+
+
+# ---------------------------------------------------------------------- token-level routing
+CALIBRATION_TOKENS = 4096
+"""Tokens the sampler calibrates its expert biases on (the first of the sample)."""
+CALIBRATION_ROUNDS = 12
+"""Fixed-point rounds of that calibration (common random numbers: deterministic)."""
+_CHUNK = 8192
+"""Tokens routed at a time (bounds the ``[tokens, experts]`` score array in memory)."""
+_FLOOR = -1e4
+"""Log-weight of an expert with no share: chosen only when a token finds too few others."""
+
+
+def _top_k(scores: np.ndarray, k: int, groups: int, group_topk: int) -> np.ndarray:
+    """Megatron-Core's router choice on ``[tokens, experts]`` scores: ``torch.topk``, or with
+    ``groups`` > 1 ``moe_utils.group_limited_topk`` (each group scored by the sum of its best
+    ``top_k // group_topk`` experts, the ``group_topk`` best groups kept, the top-k among
+    their experts). Returns ``[tokens, k]`` expert indices."""
+    if groups > 1:
+        n, e = scores.shape
+        size = e // groups
+        # Softmax numerators (exp of the logits): the router's probabilities up to each
+        # token's normaliser, which ranks the groups as Megatron's summed probs do.
+        p = np.exp(scores - scores.max(axis=1, keepdims=True)).reshape(n, groups, size)
+        best = max(1, k // group_topk)
+        gscore = -np.sort(-p, axis=2)[:, :, :best].sum(axis=2)
+        keep = np.argpartition(-gscore, group_topk - 1, axis=1)[:, :group_topk]
+        mask = np.ones((n, groups), dtype=bool)
+        mask[np.arange(n)[:, None], keep] = False
+        scores = np.where(np.repeat(mask, size, axis=1), -np.inf, scores)
+    return np.argpartition(-scores, k - 1, axis=1)[:, :k]
+
+
+def routing_matrix(shares: Sequence[float], top_k: int, tokens: int, seed: int = 0,
+                   groups: int = 1, group_topk: int = 1) -> np.ndarray:
+    """Each token's ``top_k`` distinct experts (``[tokens, top_k]`` indices, each row
+    sorted), drawn so that expert ``e`` takes about ``shares[e]`` of the copies.
+
+    Per-token choices matter where the expert loads alone do not: DeepEP's dispatch sends a
+    token once per destination node and once per destination rank
+    (:mod:`sim.frameworks.megatron.moe_flex`), so which experts a token picks *together*
+    sets the bytes. The router is a random-utility model: a token's logit for expert ``e``
+    is ``b_e + g`` with ``g`` standard Gumbel noise (Gumbel-max: the top-``k`` of those is
+    sampling ``k`` experts without replacement in proportion to ``exp(b_e)``; Kool et al.,
+    "Stochastic Beams and Where to Find Them", ICML 2019), chosen by Megatron-Core's
+    top-k or group-limited top-k (:func:`_top_k`). The biases ``b`` are calibrated (a
+    fixed point on the first :data:`CALIBRATION_TOKENS` tokens' noise) so that each
+    expert's inclusion rate meets ``k x`` its capped share (the water-filled shares of
+    :func:`expert_loads`), as DeepSeek-V3's balancing bias steers the top-k selection
+    (arXiv:2412.19437 section 2.1.2). Seeded (``numpy`` PCG64): the same arguments give the
+    same matrix.
+
+    Examples
+    --------
+    >>> m = routing_matrix(routing_shares(8), 2, 4000, seed=1)
+    >>> m.shape, bool((m[:, 0] != m[:, 1]).all())
+    ((4000, 2), True)
+    >>> counts = np.bincount(m.ravel(), minlength=8)
+    >>> int(counts.sum()), bool(abs(counts - 1000).max() < 100)
+    (8000, True)
+    >>> g = routing_matrix(routing_shares(8, "zipf", s=1.0), 4, 500, 2, groups=4, group_topk=2)
+    >>> int(max(len(set(row // 2)) for row in g))          # at most 2 groups a token
+    2
+    """
+    e = len(shares)
+    if not 1 <= top_k <= e:
+        raise ValueError(f"top_k {top_k} must be between 1 and the {e} experts")
+    if groups > 1 and (e % groups or top_k > group_topk * (e // groups)):
+        raise ValueError(f"{e} experts in {groups} groups, {group_topk} a token, cannot "
+                         f"give top-{top_k}")
+    w = np.asarray(shares, dtype=float)
+    if not np.all(np.isfinite(w)) or (w < 0).any() or w.sum() <= 0:
+        raise ValueError("routing shares must be finite, non-negative, not all zero")
+    target = _cap(w / w.sum(), 1.0 / top_k) * top_k
+    bias = np.where(target > 0, np.log(np.maximum(target, 1e-300)), _FLOOR)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence((int(seed), 14, 4))))
+    out = np.empty((int(tokens), top_k), dtype=np.int32)
+    for start in range(0, int(tokens), _CHUNK):
+        n = min(_CHUNK, int(tokens) - start)
+        noise = rng.gumbel(size=(n, e))
+        if start == 0:
+            cal = noise[:CALIBRATION_TOKENS]
+            live = target > 0
+            for _ in range(CALIBRATION_ROUNDS):
+                got = np.bincount(_top_k(cal + bias, top_k, groups, group_topk).ravel(),
+                                  minlength=e) / len(cal)
+                # Half a logit step: inclusion saturates near 1, where a log step stalls,
+                # and the experts compete for k slots, where a full step oscillates.
+                lo = 0.5 / len(cal)
+                t, g = np.clip(target, lo, 1 - lo), np.clip(got, lo, 1 - lo)
+                step = 0.5 * (np.log(t / (1 - t)) - np.log(g / (1 - g)))
+                bias = np.where(live, np.clip(bias + step, -60.0, 60.0), _FLOOR)
+        out[start:start + n] = np.sort(_top_k(noise + bias, top_k, groups, group_topk), axis=1)
+    return out

@@ -277,9 +277,6 @@ def test_flex_refuses_layouts_deepep_cannot_run() -> None:
         _ops(_scn(1, 16, gpn=16, moe_token_dispatcher_type="flex"))
     with pytest.raises(ScenarioError, match="parallelism.ep"):    # 4-GPU nodes
         _ops(_scn(4, 16, gpn=4, moe_token_dispatcher_type="flex"))
-    with pytest.raises(ScenarioError, match="training.routing"):
-        _ops(_scn(2, 16, routing={"distribution": "zipf", "s": 1.0},
-                  moe_token_dispatcher_type="flex"))
     with pytest.raises(ScenarioError, match="framework.moe_deepep_fp8_dispatch"):
         _ops(_scn(2, 16, precision="fp8", moe_deepep_fp8_dispatch=True))
 

@@ -192,20 +192,55 @@ def test_a_file_that_is_not_numbers_names_the_key(tmp_path) -> None:
         _load({"routing": {"distribution": "histogram", "histogram": str(f)}})
 
 
-def test_expert_tp_exchanges_carry_the_busiest_ranks_tokens() -> None:
+def test_expert_tp_exchanges_carry_each_ranks_own_tokens() -> None:
     # tp = etp = 2, ep = 4 on 8 GPUs (GPU-bound WIDE experts): each expert-TP group gathers
-    # the tokens its EP rank's two experts receive; the pace is the busiest rank's.
+    # the tokens its own EP rank's two experts receive (a rank class per expert load,
+    # moe_ranks.split_expert_ranks); the pace is the busiest rank's.
     s = megatron_scenario({"tp": 2, "ep": 4, "sequence_parallel": True}, 8, model=WIDE,
                           seq=4096)
     tr = s.training.model_copy(update={"routing": Routing(distribution="zipf", s=1.0)})
     skewed = s.model_copy(update={"training": tr})
     sh = megatron_shape(JobContext.from_scenario(skewed, "s.yaml"))
     assert sh.moe is not None and sh.moe.pace is not None
-    pace = sh.moe.pace
-    busiest = max(sum(pace.loads[2 * j:2 * j + 2]) for j in range(4))
+    loads = sh.moe.pace.loads
+    per_ep = [sum(loads[2 * j:2 * j + 2]) for j in range(4)]
+    # Conservation: 4,096 / 2 tokens on each of the 8 sources, top-2.
+    assert sum(per_ep) == 8 * 2048 * 2
     p = build_program(JobContext.from_scenario(skewed, "s.yaml"))
-    gathers = [op for c in p.classes for ops in c.streams.values() for op in ops
-               if "etp all_gather" in op.name]
-    # the gathered rows of the busiest rank's experts, 16-bit, hidden 2048
-    assert gathers and {op.nbytes for op in gathers} == {busiest * 2048 * 2}
+    assert len(p.classes) == len(set(per_ep))
+    seen = set()
+    for c in p.classes:
+        ep = {sh.moe.mesh.coords(r)["ep"] for r in c.members}
+        assert len({per_ep[e] for e in ep}) == 1
+        gathers = [op for ops in c.streams.values() for op in ops
+                   if "etp all_gather" in op.name]
+        # the gathered rows of the class's own experts, 16-bit, hidden 2048, over its groups
+        assert gathers and {op.nbytes for op in gathers} == {per_ep[min(ep)] * 2048 * 2}
+        assert all(set(g) <= set(c.members) for op in gathers for g in op.all_groups)
+        seen |= ep
+        experts = [op for ops in c.streams.values() for op in ops
+                   if op.name.endswith(" experts") and op.phase == "fwd"]
+        busiest = max(per_ep[e] for e in ep) == max(per_ep)
+        assert (experts[0].duration == sh.moe.pace.experts.fwd_gpu_s) == busiest
+    assert seen == set(range(4))
     assert _summary(skewed)["step_time_s"] > _summary(s)["step_time_s"]
+
+
+def test_a_class_per_expert_load_keeps_the_pace_and_stops_overcounting(monkeypatch) -> None:
+    """The slowest EP rank sets the pace either way (every combine waits for it), so the
+    per-load classes give the one-class step exactly; only the expert-TP exchanges' NVLink
+    bytes drop (each EP rank gathers its own tokens, not the busiest rank's). Past
+    MAX_CLASSES the program keeps one class per stage."""
+    import sim.frameworks.megatron.moe_ranks as moe_ranks
+    s = megatron_scenario({"tp": 2, "ep": 4, "sequence_parallel": True}, 8, model=WIDE,
+                          seq=4096)
+    skewed = s.model_copy(update={"training": s.training.model_copy(
+        update={"routing": Routing(distribution="zipf", s=1.0)})})
+    split = simulate(skewed).summary
+    monkeypatch.setattr(moe_ranks, "MAX_CLASSES", 1)
+    p = build_program(JobContext.from_scenario(skewed, "s.yaml"))
+    assert len(p.classes) == 1 and p.meta["moe_rank_classes"].startswith("one per stage")
+    one = simulate(skewed).summary
+    assert split["step_time_s"] == one["step_time_s"]
+    assert split["bytes"]["nvlink"] < one["bytes"]["nvlink"]
+    assert split["bytes"]["network"] == one["bytes"]["network"]

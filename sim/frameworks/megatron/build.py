@@ -80,6 +80,7 @@ from sim.frameworks.megatron.layer import (
     compute,
     layer_costs,
 )
+from sim.frameworks.megatron.moe_ranks import split_expert_ranks
 from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-exported
     P2PLink,
     add_stage,
@@ -131,6 +132,8 @@ def build_megatron(ctx: JobContext) -> Program:
     step.add_buckets()
     step.add_stages(link)
     step.add_gradients_and_optimizer()
+    if s.moe is not None:        # skewed routing: a class per expert load (moe_ranks)
+        split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp)
     return program
 
 

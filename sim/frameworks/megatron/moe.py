@@ -24,9 +24,8 @@ from it (:class:`MoEPlan`). Expert parameters' gradients are reduced over the
 expert-data-parallel group (``expt_dp``), the others over the usual data-parallel group.
 
 Routing: balanced by default; with a skewed ``training.routing`` every rank runs the busiest
-EP rank's experts and the all-to-alls carry per-peer bytes
-(:mod:`sim.frameworks.common.moe_pace`). The ``alltoall`` dispatcher without
-communication overlap by default; ``moe_token_dispatcher_type: allgather``,
+EP rank's experts, the all-to-alls carry per-peer bytes (:mod:`.moe_pace`; ``flex``: per token,
+:mod:`.moe_flex_skew`). ``alltoall`` without overlap by default; ``allgather``,
 ``moe_pad_expert_input_to_capacity`` and ``moe_shared_expert_overlap`` as
 :mod:`sim.frameworks.megatron.moe_dispatch` describes; the dispatch buffers in memory as
 :mod:`sim.frameworks.megatron.moe_memory` does; ``flex`` (DeepEP's fused, node-deduplicated
@@ -48,6 +47,7 @@ from sim.frameworks.megatron.moe_dispatch import (
     expert_capacity,
     shared_fc1_part,
 )
+from sim.frameworks.megatron.moe_dispatch import check_moe as check_moe  # shape.py's
 from sim.frameworks.megatron.moe_flex import (
     FlexPlan,
     attach_flex,
@@ -55,7 +55,9 @@ from sim.frameworks.megatron.moe_flex import (
     flex_op,
     flex_plan,
 )
+from sim.frameworks.megatron.moe_flex_skew import flex_pace
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
+from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
 from sim.frameworks.megatron.overlap import TE_AMAX_BYTES, amax_reductions, te_sp_gather_bytes
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
@@ -107,6 +109,8 @@ class MoEPlan:
     """``moe_shared_expert_overlap``: the shared experts on their own stream."""
     shared_fc1: BlockCost | None = None
     """With the overlap: the shared experts' fc1 part (beside the dispatch); the rest is fc2."""
+    ranks: tuple[RankExperts, ...] = ()
+    """Under skewed routing, each EP rank's load (:func:`.moe_ranks.split_expert_ranks`)."""
     amax_gather: bool = False
     """FP8 current scaling: an amax all-reduce over TP before each quantize-then-gather
     (:func:`~sim.frameworks.megatron.overlap.amax_reductions`)."""
@@ -194,22 +198,6 @@ class MoEPlan:
         return self.mesh.groups(["dp"], over=["ep", "tp"], pp=st)
 
 
-def check_moe(ctx: JobContext, implementation: str, k_inst: int, sp: bool) -> None:
-    """Refuse what this first cut of Megatron-Core's MoE path does not model."""
-    t = ctx.scenario.parallelism.tp
-    ctx.require(implementation == "transformer_engine", "framework.implementation",
-                "mixture-of-experts layers are modelled with Transformer Engine's grouped "
-                "GEMMs (implementation: transformer_engine)")
-    # TransformerConfig.__post_init__: "When using MoE with expert parallelism and tensor
-    # parallelism, sequence parallelism must be used"; the dispatcher then sees the
-    # sequence-parallel shard.
-    ctx.require(t == 1 or sp, "parallelism.sequence_parallel",
-                "mixture-of-experts layers with tp > 1 need sequence parallelism "
-                "(Megatron-Core TransformerConfig)")
-    ctx.require(k_inst == 1, "framework.num_distributed_optimizer_instances",
-                "several distributed-optimizer instances are not modelled with experts yet")
-
-
 def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeModel,
              fp8: Literal["delayed", "tensorwise"] | None = None, weight_cast_share: float = 1.0
              ) -> MoEPlan:
@@ -292,10 +280,11 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    and amax_reductions(opts.fp8_recipe, True),
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None)
-    if opts.moe_token_dispatcher_type == "flex":
-        plan = replace(plan, flex=flex_plan(
-            ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens))
-    return plan
+    if opts.moe_token_dispatcher_type == "flex":   # skew: its own pace (moe_flex_skew)
+        fx = flex_plan(ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens)
+        plan = replace(plan, flex=fx, pace=None if fx.skew is None
+                       else flex_pace(ctx, lay, local_tokens, cm, fx.skew))
+    return replace(plan, ranks=rank_experts(ctx, lay, local_tokens, cm, plan.pace))
 
 
 @dataclass

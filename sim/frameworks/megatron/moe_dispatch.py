@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from sim.frameworks.common.base import JobContext
 from sim.hardware.compute import ComputeModel
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.kernels import BF16, FP32, Block, Kernel
@@ -157,3 +158,19 @@ def shared_fc1_part(shared: Block, cm: ComputeModel) -> BlockCost:
     part = replace(shared, forward=fwd, backward=bwd, flops_fwd=sum(k.flops for k in fwd),
                    flops_bwd=sum(k.flops for k in bwd))
     return price_block(part, STYLE, cm)
+
+
+def check_moe(ctx: JobContext, implementation: str, k_inst: int, sp: bool) -> None:
+    """Refuse what this first cut of Megatron-Core's MoE path does not model."""
+    t = ctx.scenario.parallelism.tp
+    ctx.require(implementation == "transformer_engine", "framework.implementation",
+                "mixture-of-experts layers are modelled with Transformer Engine's grouped "
+                "GEMMs (implementation: transformer_engine)")
+    # TransformerConfig.__post_init__: "When using MoE with expert parallelism and tensor
+    # parallelism, sequence parallelism must be used"; the dispatcher then sees the
+    # sequence-parallel shard.
+    ctx.require(t == 1 or sp, "parallelism.sequence_parallel",
+                "mixture-of-experts layers with tp > 1 need sequence parallelism "
+                "(Megatron-Core TransformerConfig)")
+    ctx.require(k_inst == 1, "framework.num_distributed_optimizer_instances",
+                "several distributed-optimizer instances are not modelled with experts yet")

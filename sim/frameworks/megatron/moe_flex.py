@@ -40,6 +40,8 @@ token picks ``top_k`` distinct experts uniformly; with group-limited routing
 8 groups, 4 of them per token, arXiv:2412.19437 section 2.1.2) it first picks
 ``group_topk`` of the equal expert groups, then ``top_k`` experts among theirs. Experts are
 laid out contiguously over the EP ranks (expert ``e`` on EP rank ``e // (experts / ep)``).
+Under skewed routing (``training.routing``) the same per-peer layout is counted from an
+explicit, seeded routing of every token (:mod:`sim.frameworks.megatron.moe_flex_skew`).
 
 The fused kernels hold ``moe_flex_dispatcher_num_sms`` SMs (Megatron-Core sets DeepEP's
 ``Buffer.set_num_sms`` to 20 when unset, ``_DeepepManager.__init__``) for their whole run:
@@ -55,6 +57,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.moe_flex_skew import FlexSkew, scenario_skew
 from sim.frameworks.megatron.moe_memory import CATEGORY
 from sim.program.ir import Op
 from sim.program.mesh import Groups
@@ -310,6 +313,9 @@ class FlexPlan:
     hidden: int
     fp8: bool = False
     num_sms: int = DEEPEP_NUM_SMS
+    skew: FlexSkew | None = None
+    """Skewed routing: the routed tokens' counts (:mod:`~sim.frameworks.megatron.moe_flex_skew`)
+    replace the balanced closed forms; None: balanced."""
 
     @property
     def topk(self) -> int:
@@ -356,7 +362,7 @@ def _matrix(layout: FlexLayout, tokens: float) -> tuple[tuple[float, ...], ...]:
 def _peer_bytes(plan: FlexPlan, which: str) -> tuple[tuple[float, ...], ...]:
     """One matrix object per plan and transfer: the collective runner caches its flows by the
     matrix's identity."""
-    m = _matrix(plan.layout, plan.tokens)
+    m = plan.skew.matrix() if plan.skew is not None else _matrix(plan.layout, plan.tokens)
     if which in ("combine_fwd", "dispatch_bwd"):
         m = tuple(zip(*m, strict=True))
     per = plan.record_bytes(which)
@@ -409,8 +415,9 @@ def flex_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> FlexP
     ctx.require(ctx.gpu.arch in ("ampere", "hopper", "blackwell"), key,
                 "DeepEP runs on Ampere, Hopper and Blackwell GPUs (Megatron-Bridge "
                 f"validate_deepep), not {ctx.gpu.arch}")
-    ctx.require(s.training.routing.distribution == "balanced", "training.routing",
-                "skewed routing is not modelled with the flex dispatcher yet (balanced only)")
+    ctx.require(s.training.routing.distribution == "balanced" or moe.capacity_factor is None,
+                "model.capacity_factor", "token dropping under skewed routing is not "
+                "modelled with the flex dispatcher (dropless only)")
     ctx.require(moe.capacity_factor is None or moe.capacity_factor >= 1.0,
                 "model.capacity_factor", "token dropping below the balanced share is not "
                 "modelled with the flex dispatcher")
@@ -436,7 +443,9 @@ def flex_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> FlexP
     rel = FlexLayout(tuple(range(len(first.ranks))), NVL_PEERS if first.internode
                      else len(first.ranks), moe.experts, moe.top_k, par.ep, par.expert_tp,
                      ng, m)
-    return FlexPlan(rel, float(tokens), ctx.model.hidden, opts.moe_deepep_fp8_dispatch, sms)
+    skew = scenario_skew(ctx, int(tokens), len(rel.node_blocks()[0]), ng, m)
+    return FlexPlan(rel, float(tokens), ctx.model.hidden, opts.moe_deepep_fp8_dispatch, sms,
+                    skew)
 
 
 def flex_op(coll: Callable[..., Op], plan: FlexPlan, which: str, label: str, groups: Groups,
@@ -476,7 +485,9 @@ def attach_flex(plan: FlexPlan, ops: list[Op], backward: bool, label: str) -> No
         return next((o for o in ops if o.name == label + name), None)
 
     lay = plan.layout
-    recv = len(lay.ranks) * plan.tokens * lay.hit((0,))
+    # The busiest receiver's tokens under skew (memory is the worst rank's).
+    recv = (plan.skew.received() if plan.skew is not None
+            else len(lay.ranks) * plan.tokens * lay.hit((0,)))
     disp = plan.record_bytes("combine_bwd" if backward else "dispatch_fwd")
     rows = recv * plan.hidden * 2.0
     out = plan.tokens * plan.hidden * 2.0 + (plan.tokens * plan.topk * 4.0 if backward else 0)
