@@ -104,6 +104,16 @@ def test_moe_act_frees_fc2s_input() -> None:
     assert _hold(none, 1) - _hold(act, 1) == T * K * F * 2
 
 
+def test_under_fp8_the_discarded_inputs_are_what_the_linears_saved() -> None:
+    # Current scaling: fc2 saves its 16-bit input instead of the 1-byte FP8 transpose it would
+    # have kept (set_save_original_input), and that input is discarded: T x top-k x F bytes
+    # go; the router's gate saves the norm output in 16 bits either way.
+    fw = {"fp8_recipe": "tensorwise"}
+    none, rec = (_program(_scn(m, GQA, fw=fw, precision="fp8"))
+                 for m in ([], ["layernorm", "moe_act"]))
+    assert _hold(none, 1) - _hold(rec, 1) == T * H * 2 + STATS + T * K * F
+
+
 def test_mla_up_proj_frees_the_up_projections_and_query_key_value() -> None:
     # The checkpoint keeps the latents; the up projections' inputs (the normed latents), the
     # latent norms' statistics (RMSNorm: one fp32 per row) and the query, key and value core

@@ -230,12 +230,16 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None) -> tuple[Recompute
         whole = "moe" in mods
         if "layernorm" in mods:
             # The router's gate and (unless the layer is checkpointed whole, when the
-            # checkpoint's own input is this output) the shared experts' fc1 saved it.
+            # checkpoint's own input is this output) the shared experts' fc1 saved it; under
+            # FP8 fc1 saves the 16-bit input instead of its FP8 copy
+            # (MoELayer.set_for_recompute_pre_mlp_layernorm), or the shared experts' own
+            # checkpoint does (shared_experts: its freed bytes count the FP8 copy).
+            own = "shared_experts" in mods and shared is not None
+            names = frozenset({"in"} if own else {"in", "fc1.in_fp8_t"})
             r["norm_freed_moe"] = _saved(b["mlp_pre"], frozenset({"norm.stats"})) + \
-                _saved(router, frozenset({"in"})) + \
-                (0.0 if whole else _saved(shared, frozenset({"in", "fc1.in_fp8_t"})))
+                _saved(router, frozenset({"in"})) + (0.0 if whole else _saved(shared, names))
             runs["moe_norm"] += list(b["mlp_pre"].forward)
-            if s.lay.fp8 and not whole:
+            if s.lay.fp8 and not whole and not own:
                 runs["moe_norm"] += _input_casts(shared, ("fc1",))
         if whole:
             r["moe_freed"] = sum(_saved(x) for x in blocks) - _saved(router, frozenset({"in"}))
