@@ -27,6 +27,7 @@ from sim.frameworks.megatron.overlap import (
     te_sp_gather_bytes,
     userbuffer_gemm_spans,
 )
+from sim.frameworks.megatron.recompute import Recompute, recompute_plan
 from sim.frameworks.megatron.shape import MegatronShape
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op
@@ -76,6 +77,10 @@ class LayerCosts:
     core_fwd_by_block: dict[str, float] = field(default_factory=dict)
     """GPU seconds of core attention's forward in each attention block (``attn_main`` and, for
     a sliding-window model, :data:`~sim.workload.megatron_ops.WINDOWED`)."""
+    rec: Recompute = field(default_factory=Recompute)
+    """What ``recompute_modules`` beyond ``core_attn`` drop and re-run
+    (:mod:`sim.frameworks.megatron.recompute`); ``layer_hold`` and ``moe_saved_delta`` are
+    already net of what they drop."""
 
 
 def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> LayerCosts:
@@ -98,10 +103,13 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     layer_hold: float
     if s.ac == "full":
         layer_hold = float(s.act * s.local_tokens * s.h)   # the layer input only
-    elif s.ac == "selective":
+    elif "core_attn" in s.recompute:
         layer_hold = layer_saved - core_saved
     else:
         layer_hold = layer_saved
+    rec = recompute_plan(s, cm)[0] if s.recompute - {"core_attn"} else Recompute(s.recompute)
+    if s.recompute - {"core_attn"}:
+        layer_hold -= rec.dense_freed
     # Context parallelism: Transformer Engine's ring (sim.frameworks.megatron.overlap.cp_ring)
     # passes each rank's K and V (2 x tokens x kv width) to the next rank once per step.
     kv_bytes = 2.0 * s.act * s.tokens * max(1, s.model.kv_heads // s.t) * s.model.head_dim
@@ -109,8 +117,10 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     first_core = next((i for i, k in enumerate(fwd_ks) if k.name.split(".")[0] in CORE_FWD),
                       len(fwd_ks))
     moe_delta = (s.moe.saved_bytes - cost["mlp_main"].saved_bytes) if s.moe else 0.0
+    if s.moe and s.recompute - {"core_attn"}:
+        moe_delta += rec.dense_freed - rec.moe_layer_freed
     return LayerCosts(
-        moe_saved_delta=moe_delta, core_fwd_by_block=core_fwd,
+        moe_saved_delta=moe_delta, core_fwd_by_block=core_fwd, rec=rec,
         fwd_s={k: c.fwd_gpu_s for k, c in cost.items()},
         bwd_s={k: c.bwd_gpu_s for k, c in cost.items()},
         fwd_cpu={k: py_ops[k][0] * cpu_s_per_op for k in cost},
@@ -403,25 +413,93 @@ class UnitBuilder:
             self.layer_forward(st, unit, mb, layer, recompute=True)
             # The recomputed layer's activations live until its backward ends.
             unit.ops[-1].alloc = unit.ops[-1].alloc + (("activations", c.layer_saved + delta),)
+        r = c.rec
         if moe:
-            self._moe_ops(unit, self.moe[st].backward(mb, layer, c.bwd_s["mlp_pre"],
-                                                      c.bwd_cpu["mlp_pre"]))
+            self._moe_backward(st, unit, mb, layer)
         else:
+            if "mlp" in r.modules:
+                self._mlp_recompute(st, unit, mb, layer)
             self.block_ops(st, unit, BlockSpec(
-                ("mlp", "norm"), c.bwd_s["mlp_pre"], c.bwd_s["mlp_main"],
-                f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd",
+                ("mlp", "norm"), c.bwd_s["mlp_pre"], c.bwd_s["mlp_main"] + r.norm_s_dense,
+                f"bwd mlp L{layer} mb{mb}", mb, layer, "bwd", alloc=r.norm_freed_dense,
+                free=r.norm_freed_dense + r.mlp_freed,
                 flops=s.blocks["mlp_main"].flops_bwd, cpu_pre=c.bwd_cpu["mlp_pre"],
                 cpu_main=c.bwd_cpu["mlp_main"], column="fc1"))
         attn = attention_key(s.model, layer, s.blocks)
-        extra = c.core_fwd_by_block.get(attn, c.core_fwd_s) if s.ac == "selective" else 0.0
+        extra = c.core_fwd_by_block.get(attn, c.core_fwd_s) if "core_attn" in s.recompute \
+            else 0.0
         free = c.layer_hold + delta + (c.layer_saved if s.ac == "full" else 0.0)
+        if r.attn_gather and s.sp:
+            self._mla_regather(st, unit, mb, layer)
         self.block_ops(st, unit, BlockSpec(
-            ("attention", "norm"), c.bwd_s["attn_pre"], c.bwd_s[attn] + extra,
-            f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", free=free,
+            ("attention", "norm"), c.bwd_s["attn_pre"], c.bwd_s[attn] + extra + r.attn_s,
+            f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", alloc=r.attn_freed,
+            free=free + r.attn_freed,
             flops=s.blocks[attn].flops_bwd, cpu_pre=c.bwd_cpu["attn_pre"],
             cpu_main=c.bwd_cpu[attn], column="qkv", ring="bwd"))
         unit.layer_bwd[layer] = unit.ops[-1]
         unit.part_op[layer] = unit.ops[-1]
+
+    # ------------------------------------------------------------------ module recomputation
+    def _mlp_recompute(self, st: int, unit: UnitOps, mb: int, layer: int) -> None:
+        """``mlp``: the dense MLP's forward again (``tensor_parallel.checkpoint``), its
+        collectives included; with Transformer Engine the pre-MLP norm is fused into fc1
+        and re-runs with it. What it saves lives until the MLP's backward ends."""
+        s, c = self.s, self.c
+        te = not s.legacy
+        self.block_ops(st, unit, BlockSpec(
+            ("norm", "mlp"), c.fwd_s["mlp_pre"] if te else 0.0, c.fwd_s["mlp_main"],
+            f"recompute mlp L{layer} mb{mb}", mb, layer, "recompute", alloc=c.rec.mlp_freed,
+            cpu_pre=(c.fwd_cpu["mlp_pre"] if te else 0.0) + c.ckpt_cpu,
+            cpu_main=c.fwd_cpu["mlp_main"]))
+
+    def _mla_regather(self, st: int, unit: UnitOps, mb: int, layer: int) -> None:
+        """``mla_up_proj`` under sequence parallelism: the up projections' column-parallel
+        linears gather their latent inputs again when the checkpoint re-runs them (before the
+        attention's backward here; Megatron's hook fires at core attention's)."""
+        g = self.tp_comm(st, "all_gather", self.c.rec.attn_gather,
+                         f"all_gather recompute mla up L{layer} mb{mb}", mb, layer)
+        self.fp8_gather(g)
+        g.deps = list(g.deps) + unit.carry
+        unit.carry = [g] if g.stream != "compute" else []
+        unit.ops.append(g)
+
+    def _moe_backward(self, st: int, unit: UnitOps, mb: int, layer: int) -> None:
+        """An MoE layer's backward with its modules' recomputation: ``moe`` re-runs the whole
+        layer's forward first, ``shared_experts`` the shared experts' (their collectives
+        included); the pre-MLP norm (``layernorm``) re-runs at the start of the backward and
+        its output lives until the router's backward; the activation (``moe_act``) inside
+        the experts' backward."""
+        c, r = self.c, self.c.rec
+        mo = self.moe[st]
+        held = 0.0
+        if "moe" in r.modules:
+            ops = mo.forward("recompute", mb, layer, 0.0, 0.0)
+            held = r.moe_freed
+        elif r.shared_freed:
+            ops = mo._shared("recompute", f"recompute moe L{layer} mb{mb}", mb, layer, False)
+            held = r.shared_freed
+        else:
+            ops = []
+        if ops:
+            first = next(o for o in ops if o.kind == "compute")
+            first.cpu_s += c.ckpt_cpu
+            first.alloc = (*first.alloc, ("activations", held))
+            self._moe_ops(unit, ops)
+        ops = mo.backward(mb, layer, c.bwd_s["mlp_pre"], c.bwd_cpu["mlp_pre"])
+        if r.norm_freed_moe:
+            first = next(o for o in ops if o.kind == "compute")
+            first.duration += r.norm_s_moe
+            first.alloc = (*first.alloc, ("activations", r.norm_freed_moe))
+            held += r.norm_freed_moe
+        if r.act_freed:
+            experts = next(o for o in ops if o.name == f"bwd moe L{layer} mb{mb} experts")
+            experts.duration += r.act_s
+            experts.alloc = (*experts.alloc, ("activations", r.act_freed))
+            experts.free = (*experts.free, ("activations", r.act_freed))
+        if held:
+            ops[-1].free = (*ops[-1].free, ("activations", held))
+        self._moe_ops(unit, ops)
 
     # ------------------------------------------------------------------ units
     def build_unit(self, kind: str, v: int, mb: int) -> UnitOps:

@@ -105,6 +105,13 @@ class MegatronOptions(StrictModel):
     moe_shared_expert_overlap: bool = False
     """``--moe-shared-expert-overlap``: shared experts on a side stream beside the dispatch and
     combine all-to-alls (alltoall dispatcher)."""
+    recompute_modules: list[Literal["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp",
+                                    "moe", "shared_experts"]] | None = None
+    """``--recompute-modules`` under ``training.activation_checkpointing: selective``
+    (Megatron-Core's ``recompute_granularity selective``): the submodules recomputed in
+    backward, default ``["core_attn"]``; ``moe_act``, ``layernorm`` and ``mla_up_proj`` discard
+    their outputs after forward, ``core_attn``, ``mlp``, ``moe`` and ``shared_experts`` are
+    checkpointed whole (:mod:`sim.frameworks.megatron.recompute`)."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,

@@ -21,6 +21,7 @@ from sim.frameworks.megatron.layout import as_layout, check_layout
 from sim.frameworks.megatron.moe import MoEPlan, check_moe, moe_plan
 from sim.frameworks.megatron.mtp import MTPPlan, mtp_plan
 from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
+from sim.frameworks.megatron.recompute import check_recompute, recompute_modules, recompute_plan
 from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
@@ -104,6 +105,9 @@ class MegatronShape:
     mtp: MTPPlan | None = None
     """The multi-token prediction modules on the last stage
     (:mod:`sim.frameworks.megatron.mtp`); their parameters are in :attr:`head_params`."""
+    recompute: frozenset[str] = frozenset()
+    """Modules recomputed under selective granularity (``framework.recompute_modules``,
+    default ``core_attn``; :mod:`sim.frameworks.megatron.recompute`); empty otherwise."""
 
     @property
     def act_dtype(self) -> NcclType:
@@ -257,7 +261,11 @@ class MegatronShape:
     def recompute_flops(self) -> float:
         """Hardware FLOPs beyond the model's: full recomputation re-runs every layer's
         forward once per micro-batch on every data- and context-parallel replica. The
-        blocks are priced per tensor-parallel rank, so a layer's forward is ``t`` of them."""
+        blocks are priced per tensor-parallel rank, so a layer's forward is ``t`` of them.
+        Selective recomputation re-runs its modules' forward GEMMs (core attention's are not
+        counted, as before ``recompute_modules``)."""
+        if self.ac == "selective":
+            return self._selective_recompute_flops()
         if self.ac != "full":
             return 0.0
         if self.mtp is not None:
@@ -270,6 +278,16 @@ class MegatronShape:
         else:
             extra_mtp = 0.0
         return extra_mtp + self._decoder_recompute_flops()
+
+    def _selective_recompute_flops(self) -> float:
+        """The modules' re-run forward FLOPs over every layer (and MTP depth)."""
+        if self.recompute <= {"core_attn"}:
+            return 0.0
+        per = recompute_plan(self, None)[1]
+        layers = list(range(self.model.layers)) + (list(self.mtp.layers) if self.mtp else [])
+        total = sum(per["moe"] if self.moe is not None and self.moe.is_moe(la) else per["dense"]
+                    for la in layers)
+        return total * self.mb_count * self.dp * self.cp * self.t
 
     def _decoder_recompute_flops(self) -> float:
         layer_fwd_flops = sum(self.blocks[k].flops_fwd for k in ("attn_main", "mlp_main"))
@@ -398,6 +416,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     m = ctx.model
     t, p, cp, vp = par.tp, par.pp, par.cp, par.vp
     check_options(ctx, opts)
+    check_recompute(ctx, opts)
     precision = s.training.precision
     mb_count = ctx.micro_batches
     align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
@@ -407,8 +426,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                 f"of pp={p}")
     sp = par.sequence_parallel and t > 1
     ac = s.training.activation_checkpointing
+    modules = recompute_modules(ac, opts)
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
-                         dropout=opts.dropout, selective_recompute=(ac == "selective"), cp=cp,
+                         dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
                          weight_cast_share=1.0 / ctx.micro_batches)
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
@@ -451,4 +471,4 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         opt_bytes=12 if grad_fp32 else 16,
         shard=ctx.dp * cp // k_inst if opts.distributed_optimizer else 1,
         linear_params=cost["attn_main"].params + cost["mlp_main"].params,
-        moe=moe, dense_layer_params=dense_layer, mtp=mtp)
+        moe=moe, dense_layer_params=dense_layer, mtp=mtp, recompute=modules)
