@@ -231,7 +231,7 @@ def test_a_class_per_expert_load_keeps_the_pace_and_stops_overcounting(monkeypat
     per-load classes give the one-class step exactly; only the expert-TP exchanges' NVLink
     bytes drop (each EP rank gathers its own tokens, not the busiest rank's). Past
     MAX_CLASSES the program keeps one class per stage."""
-    import sim.frameworks.megatron.moe_ranks as moe_ranks
+    import sim.frameworks.common.moe_ranks as moe_ranks
     s = megatron_scenario({"tp": 2, "ep": 4, "sequence_parallel": True}, 8, model=WIDE,
                           seq=4096)
     skewed = s.model_copy(update={"training": s.training.model_copy(

@@ -14,7 +14,8 @@ Limit of this one-class form: a collective has one size for all its groups, so w
 expert-TP > 1 every expert-TP group gathers and scatters the busiest EP rank's tokens; the
 step's pace is right, but the bytes those exchanges put on NVLink are overcounted by up to
 the imbalance factor (:attr:`Pace.imbalance`). The all-to-alls' bytes are exact. Megatron's
-builder lifts it with a class per (stage, expert load) (:mod:`sim.frameworks.megatron.moe_ranks`).
+and torchtitan's builders lift it with a class per (stage, expert load)
+(:mod:`sim.frameworks.common.moe_ranks`).
 """
 
 from __future__ import annotations

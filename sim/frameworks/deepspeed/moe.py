@@ -29,7 +29,10 @@ capacity-padded [e, c, h] buffer, ``(ep - 1) / ep`` of it over the wire, whateve
 routing; their gradients are the same all-to-alls in backward. With ``drop_tokens: false``
 the capacity is the busiest expert's load, all-reduced (MAX) over the EP group, and the host
 reads it (``one_hot(..., num_classes=capacity)``) before the dispatch; under skewed
-``training.routing`` that capacity, hence every buffer and expert GEMM, grows. ZeRO-3 refuses
+``training.routing`` that capacity, hence every buffer and expert GEMM, grows. Either way every EP
+rank runs the same padded rows whatever its experts' load, so the ranks stay one class (no
+per-load split as :mod:`sim.frameworks.common.moe_ranks` makes for Megatron and torchtitan,
+whose grouped GEMMs take each rank's own rows). ZeRO-3 refuses
 MoE (``engine.py``: "MoE not supported with Stage 3").
 """
 

@@ -19,7 +19,7 @@ from sim.frameworks.common.base import JobContext
 from sim.frameworks.fsdp2.checks import check
 from sim.frameworks.fsdp2.cp import titan_repeats_kv
 from sim.frameworks.fsdp2.mesh import Mesh, stage_layers
-from sim.frameworks.fsdp2.moe import titan_moe
+from sim.frameworks.fsdp2.moe import split_moe_ranks, titan_moe
 from sim.frameworks.fsdp2.pipeline import link_stages
 from sim.frameworks.fsdp2.stage import Stage
 from sim.frameworks.fsdp2.step import build_stage
@@ -58,6 +58,8 @@ def build_fsdp2(ctx: JobContext) -> Program:
     for st, cls in enumerate(classes):
         build_stage(Stage(job, program, cls, st))
     link_stages(job)
+    if job.moe is not None:          # skewed routing: a class per expert load
+        split_moe_ranks(program, job.moe, job.mesh.sparse)
     return program
 
 

@@ -50,9 +50,13 @@ before each optimizer step the per-layer expert token counts (fp32, one row of `
 MoE layer) are all-reduced over the loss mesh (``dp_replicate x dp_shard x cp``) to update the
 expert biases.
 
-Routing: balanced, or skewed by ``training.routing``: every rank then runs the busiest EP
-rank's experts and the all-to-alls carry per-peer bytes (the same rule as Megatron's:
-:func:`sim.frameworks.common.moe_pace.routing_pace`, :class:`MoEPlan.peer_bytes`).
+Routing: balanced, or skewed by ``training.routing``: the busiest EP rank's experts set the
+pace and the all-to-alls carry per-peer bytes (the same rule as Megatron's:
+:func:`sim.frameworks.common.moe_pace.routing_pace`, :class:`MoEPlan.peer_bytes`); after the
+build each distinct EP load gets its own rank class with its own expert GEMM time and FLOPs
+(:func:`split_moe_ranks`, :mod:`sim.frameworks.common.moe_ranks`, up to its class limit). The
+skewed experts are priced on their routed rows as Megatron's (no ``TOKEN_GROUP_ALIGN_SIZE_M``
+padding, at most 7 rows per expert).
 
 Tensor parallelism (``apply_moe_ep_tp`` with expert TP 1): the MoE module's input is
 all-gathered over tp and its Partial output (routed and shared experts) reduce-scattered,
@@ -74,13 +78,14 @@ from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.moe_pace import routing_pace
+from sim.frameworks.common.moe_ranks import patch_experts, rank_experts, split_by_load
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.fsdp2.moe_blocks import combine_block, score_block
 from sim.frameworks.fsdp2.tp_pass import TitanPass
 from sim.frameworks.megatron.moe import MoEPlan
 from sim.hardware.compute import ComputeModel
-from sim.program.ir import Op, Phase
-from sim.program.mesh import Groups
+from sim.program.ir import Op, Phase, Program
+from sim.program.mesh import Groups, RankMesh
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.kernels import Style
 from sim.workload.layer_builder import _Builder
@@ -221,14 +226,29 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
                         recv_tokens=(sum(balanced) / ep,) * ep)
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
     pre, post = _around_blocks(m, style, full)
+    pace = routing_pace(ctx, lay, tokens, cm)
     plan = MoEPlan(model=m, ep=ep, etp=1, edp=efsdp, p=1, ops=ops, cost=cost, act=BF16,
-                   precision=ctx.scenario.training.precision,
-                   pace=routing_pace(ctx, lay, tokens, cm))
+                   precision=ctx.scenario.training.precision, pace=pace,
+                   ranks=rank_experts(ctx, lay, tokens, cm, pace))
     score = price_block(score_block(m, tokens), STYLE, cm) if score_before else None
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
                     resid=price_block(post.finish(), style, cm),
                     combine=price_block(combine_block(m, tokens, full, score_before), STYLE, cm),
                     score=score, efsdp=efsdp, loss_ranks=loss_ranks, tp=tp, cp=cp)
+
+
+def split_moe_ranks(program: Program, moe: TitanMoE, sparse: RankMesh) -> bool:
+    """Under skewed routing, one rank class per stage and EP load, each with its own expert
+    GEMMs (:func:`sim.frameworks.common.moe_ranks.split_by_load`; the EP index is the rank's
+    ``ep`` coordinate on torchtitan's sparse mesh); returns whether it split. The ops' times
+    are :attr:`BlockCost.fwd_s` (GPU time bounded by the host's issue), as :class:`MoEPass`
+    prices them."""
+    ranks = moe.plan.ranks
+    if len({r.counts for r in ranks}) <= 1:
+        return False
+    ep_of = {r: sparse.coords(r)["ep"] for c in program.classes for r in c.members}
+    return split_by_load(program, ep_of, ranks,
+                         lambda cls, load, _k: patch_experts(cls, load, gpu_time=False))
 
 
 @dataclass(frozen=True)
