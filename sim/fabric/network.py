@@ -557,8 +557,11 @@ class FlowNetwork:
 
     def _solve(self) -> None:
         self.solves += 1
+        refold = None
         if self._folded and self.solves % self.recount_every == 0:
-            fold_ops.unfold_all(self)   # the recount below sums every flow as the tables hold them
+            # The recount below sums every flow as the tables hold them; the groups still
+            # alone on their links fold again after it (network_fold.refold).
+            refold = fold_ops.unfold_all(self)
         # Links to mark in the component search (any integer array will do).
         self._dirty_seen = self._dirty
         dirty = (self._dirty[0] if len(self._dirty) == 1 else
@@ -621,4 +624,5 @@ class FlowNetwork:
                 self._add_link_rates(links, delta[owner])
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
-
+        if refold:
+            fold_ops.refold(self, refold)

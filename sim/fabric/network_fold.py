@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from sim.fabric.network import FlowNetwork
 
 __all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "start_folded",
-           "unfold", "unfold_all"]
+           "refold", "unfold", "unfold_all"]
 
 _PLAN_CACHE = 128
 """Fold plans remembered per network (a group repeats on the same links thousands of times)."""
@@ -261,9 +261,55 @@ def _add_link_rates(net: FlowNetwork, sub: Subset, weights: np.ndarray) -> None:
 
 
 # ------------------------------------------------------------------ unfold
-def unfold_all(net: FlowNetwork) -> None:
-    for gid in sorted(net._folded):
-        unfold(net, net._folded[gid])
+def unfold_all(net: FlowNetwork) -> list[FoldedGroup]:
+    """Unfold every folded group (for a full recount); returns them, for :func:`refold`."""
+    groups = [net._folded[gid] for gid in sorted(net._folded)]
+    for group in groups:
+        unfold(net, group)
+    return groups
+
+
+def refold(net: FlowNetwork, groups: list[FoldedGroup]) -> None:
+    """Fold again, after the full recount's solve, the groups :func:`unfold_all` unfolded for
+    it, each that is still alone on its links with every member of a class on its
+    representative's rate, bytes left and caps (as the recount leaves them: progressive
+    filling gives members of an equitable class one rate).
+
+    Nothing ends or starts between the unfold and this, so each group's rows are its live
+    classes' members as ``unfold`` wrote them, with the recount's rates. Its rows become dead
+    rows (as ``FlowNetwork._retire`` leaves an ended flow's, which no sum reads); link and
+    class rates and link users stay as the recount made them. Later events then run as for a
+    group folded since its start (the rows it would hold are again the ones its classes stand
+    for), instead of the whole all-to-all's rows and incidences staying in every per-event
+    pass of the tables until it ends.
+    """
+    dead = np.zeros(net._n, dtype=bool)
+    for group in groups:
+        rows = np.flatnonzero(net._group == group.gid)
+        live = subset(group.plan, group.statics, group.live)
+        if not len(rows) or len(rows) != live.n_members:
+            continue
+        if not np.array_equal(net._link_users[live.used], live.users[live.used]):
+            continue   # another group's flows share its links now
+        cls = live.member_class
+        classes, first = np.unique(cls, return_index=True)
+        rate = group.rate.copy()
+        rate[classes] = net._rate[rows[first]]
+        if not (np.array_equal(net._rate[rows], rate[cls])
+                and np.array_equal(net._remaining[rows], group.remaining[cls])
+                and np.array_equal(net._cap[rows], group.cap[cls])):
+            continue
+        group.rate = rate
+        dead[rows] = True
+        net._folded[group.gid] = group
+        net._fold_owner[group.statics.used] = group.gid
+        net._live_folded += len(rows)
+    if dead.any():
+        net._rate[dead] = 0.0
+        net._remaining[dead] = np.inf
+        net._group[dead] = -1
+        net._inc_link[dead[net._inc_flow]] = net._dead_link
+        net._compact()
 
 
 def unfold(net: FlowNetwork, group: FoldedGroup) -> None:

@@ -164,3 +164,53 @@ def test_an_alltoall_folds_to_three_classes_and_gives_its_closed_form() -> None:
     # Bytes conservation: every flow's bytes on each of its links.
     assert net.link_bytes.sum() == sum(1000.0 * len(p) for p, *_ in flows)
     assert env.now == pytest.approx(60.0, rel=1e-12)
+
+
+def _repeated_alltoalls(folding: bool, recount_every: int = 4096):
+    """Three all-to-alls in a row on a 2 x 4 toy rail fabric, each beside a small flow on its
+    own link that starts and ends during it (events the folded group is not part of), with a
+    full recount every ``recount_every`` solves; (the rates log, the network)."""
+    env = simpy.Environment()
+    log = RatesLog()
+    cap = 10.0 + (np.arange(33) % 4) * 5.0
+    net = FlowNetwork(env, cap, np.arange(33) % 3, 3, log)
+
+    def run():
+        for k in range(3):
+            env.process(side(k))
+            yield net.start_flows(_alltoall(2, 4, 100.0 + k))
+
+    def side(k):
+        for j in range(3):
+            yield env.timeout(0.5 + 0.25 * j)
+            yield net.start_flow((32,), 1.0 + k + j)
+
+    env.process(run())
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9), \
+            mock.patch.object(network.FlowNetwork, "recount_every", recount_every):
+        env.run()
+    log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
+    return log.seen, net
+
+
+@pytest.mark.parametrize("every", [2, 3, 5, 4096])
+def test_a_group_folds_again_after_the_recount(every) -> None:
+    # The full recount unfolds every folded group; a group still alone on its links folds
+    # again after it (network_fold.refold) and the run keeps every bit of the plain one.
+    plain, _ = _repeated_alltoalls(False, every)
+    calls = []
+    real = network_fold.refold
+
+    def counting(net, groups):
+        before = len(net._folded)
+        real(net, groups)
+        calls.append(len(net._folded) - before)
+
+    with mock.patch.object(network_fold, "refold", counting):
+        folded, net = _repeated_alltoalls(True, every)
+    assert folded == plain
+    # A start that would be a recount's solve starts unfolded (network_fold.start_folded).
+    assert net.folded_groups >= 2
+    if every < 4096:
+        assert calls and sum(calls) > 0   # some recount met a folded group and refolded it
+    assert net._n == 0 and not net._folded
