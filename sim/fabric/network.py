@@ -415,10 +415,12 @@ class FlowNetwork:
         self._group[finished] = -1
         self._inc_link[gone] = self._dead_link
         self._live -= len(ended)
-        if not self._live:
+        # Live rows: folded groups' flows count in _live but hold no rows.
+        rows = self._live - self._live_folded
+        if not rows:
             self._n = self._m = 0
             self._bind()
-        elif _KEEP_DEAD * self._live + _DEAD_SLACK < self._n:
+        elif _KEEP_DEAD * rows + _DEAD_SLACK < self._n:
             self._compact()
         for gid in sorted(tally):
             self._end_flows(gid, tally[gid])

@@ -214,3 +214,24 @@ def test_a_group_folds_again_after_the_recount(every) -> None:
     if every < 4096:
         assert calls and sum(calls) > 0   # some recount met a folded group and refolded it
     assert net._n == 0 and not net._folded
+
+
+def test_rows_compact_while_a_folded_group_runs() -> None:
+    # A folded group's flows count as live but hold no rows: the rows' dead ones must still
+    # go when they outnumber the live rows (network._KEEP_DEAD), or every event beside a
+    # long all-to-all would pass over all the small flows that ended during it.
+    env = simpy.Environment()
+    net = FlowNetwork(env, np.full(33, 10.0), np.zeros(33, dtype=int), 1)
+    rows = []
+
+    def side():
+        for j in range(200):
+            yield net.start_flow((32,), 1.0)
+            rows.append(net._n)
+
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1):
+        net.start_flows(_alltoall(2, 4, 1e4))
+        env.process(side())
+        env.run()
+    assert net.folded_groups == 1
+    assert max(rows) <= network._DEAD_SLACK + 1
