@@ -98,6 +98,9 @@ class Subset:
     fold_owner: np.ndarray
     fold_weight: np.ndarray
     """The folded incidences of the classes, owners numbered 0.. in ``classes``' order."""
+    sums: dict[tuple[str, bytes], np.ndarray] = field(default_factory=dict)
+    """Per-link and class sums of per-class values over the members, by the values (a pure
+    function of them: :func:`sim.fabric.network_fold.link_sums`, ``class_sums``)."""
 
 
 @dataclass(frozen=True, eq=False)

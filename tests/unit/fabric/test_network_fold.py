@@ -179,11 +179,17 @@ def _repeated_alltoalls(folding: bool, recount_every: int = 4096):
         for k in range(3):
             env.process(side(k))
             yield net.start_flows(_alltoall(2, 4, 100.0 + k))
+            yield env.timeout(10.0)   # the last side flow ends before the next starts
 
     def side(k):
+        t0 = env.now
         for j in range(3):
             yield env.timeout(0.5 + 0.25 * j)
             yield net.start_flow((32,), 1.0 + k + j)
+        # ... and one across the all-to-all's end (at 60 s and a little: its ports run at
+        # 10 B/s, 6 flows each) that ends before the next starts: 80 B at 10 B/s from 55 s.
+        yield env.timeout(t0 + 55.0 - env.now)
+        yield net.start_flow((32,), 80.0)
 
     env.process(run())
     with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9), \
@@ -225,7 +231,7 @@ def test_rows_compact_while_a_folded_group_runs() -> None:
     rows = []
 
     def side():
-        for j in range(200):
+        for _ in range(200):
             yield net.start_flow((32,), 1.0)
             rows.append(net._n)
 
