@@ -176,6 +176,8 @@ class FlowNetwork:
         self._fold_pending: int | None = None
         self._fold_owner = np.full(n_links + 1, -1, dtype=np.int64)
         self._fold_plans: dict[tuple, list[tuple[tuple[np.ndarray, ...], FoldPlan | None]]] = {}
+        self._fold_plan_ids: dict[tuple[int, ...],
+                                  tuple[tuple[np.ndarray, ...], FoldPlan | None]] = {}
         self.folded_groups = 0
 
     # ------------------------------------------------------------------ API

@@ -111,6 +111,23 @@ def _plan_for(net: FlowNetwork, flat_links: np.ndarray, lengths: np.ndarray, siz
     """The group's fold plan, made once per group and links: looked up by a fingerprint,
     then checked element by element (cheaper than hashing every byte at every start)."""
     arrays = (flat_links, lengths, sizes, counts, caps)
+    # The very arrays of an earlier start, all read-only (the collective runner passes the
+    # same read-only arrays each time an op repeats): the same content, no need to compare.
+    ids = tuple(map(id, arrays))
+    known = net._fold_plan_ids.get(ids)
+    if known is not None and all(a is b and not a.flags.writeable
+                                 for a, b in zip(known[0], arrays, strict=True)):
+        return known[1]
+    plan = _plan_by_content(net, arrays)
+    if not any(a.flags.writeable for a in arrays):
+        if len(net._fold_plan_ids) >= 4 * _PLAN_CACHE:
+            net._fold_plan_ids.clear()
+        net._fold_plan_ids[ids] = (arrays, plan)   # holds them: their ids are not reused
+    return plan
+
+
+def _plan_by_content(net: FlowNetwork, arrays: tuple[np.ndarray, ...]) -> FoldPlan | None:
+    flat_links, lengths, sizes, counts, caps = arrays
     key = (len(flat_links), len(lengths), flat_links[::61].tobytes(), float(sizes[0]),
            float(sizes[-1]), float(caps[0]), float(counts[0]))
     for seen, plan in net._fold_plans.get(key, ()):

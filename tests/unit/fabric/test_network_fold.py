@@ -241,3 +241,34 @@ def test_rows_compact_while_a_folded_group_runs() -> None:
         env.run()
     assert net.folded_groups == 1
     assert max(rows) <= network._DEAD_SLACK + 1
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_repeated_groups_plan_is_known_by_its_read_only_arrays(frozen) -> None:
+    # The collective runner passes the same read-only arrays each time an op repeats: the
+    # plan is found by their identity, without comparing 25,000 links; writable arrays (which
+    # the caller could have changed since) are compared by content every time.
+    flows = _alltoall(2, 4, 100.0)
+    arrays = [np.array([x for p, *_ in flows for x in p]), np.array([len(p) for p, *_ in flows]),
+              np.full(len(flows), 100.0), np.ones(len(flows)), np.full(len(flows), math.inf)]
+    for a in arrays:
+        a.flags.writeable = not frozen
+    env = simpy.Environment()
+    net = FlowNetwork(env, np.full(32, 100.0), np.zeros(32, dtype=int), 1)
+    compared = []
+    real = network_fold._plan_by_content
+
+    def counting(net_, arrays_):
+        compared.append(1)
+        return real(net_, arrays_)
+
+    def run():
+        for _ in range(3):
+            yield net.start_group(*arrays)
+
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1), \
+            mock.patch.object(network_fold, "_plan_by_content", counting):
+        env.process(run())
+        env.run()
+    assert net.folded_groups == 3
+    assert len(compared) == (1 if frozen else 3)
