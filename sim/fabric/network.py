@@ -358,8 +358,9 @@ class FlowNetwork(FlowTables):
             dt = float(left.min(initial=math.inf))
             moving = bool(np.count_nonzero(positive))
         for group in self._folded.values():
-            dt = min(dt, group.next_end())
-            moving = moving or group.moving()
+            g_dt, g_moving = group.next_end(self._last, _EPS)
+            dt = min(dt, g_dt)
+            moving = moving or g_moving
         if dt == math.inf and not moving:
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
         version = self._version

@@ -17,6 +17,7 @@ rules here keep it so:
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -146,7 +147,7 @@ def finishing_now(net: FlowNetwork) -> bool:
     if net._n and net._finished_rows().any():
         return True
     now = net.env.now
-    return any(g.ends_now(now, _EPS) for g in net._folded.values())
+    return any(g.ends_now(now, _EPS, net._last) for g in net._folded.values())
 
 
 def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
@@ -177,7 +178,7 @@ def folded_event(net: FlowNetwork) -> bool:
         return True
     now = net.env.now
     ending = {gid: g.ending(now, _EPS) for gid, g in net._folded.items()
-              if g.ends_now(now, _EPS)}
+              if g.ends_now(now, _EPS, net._last)}
     if not ending:
         return False
     if (len(ending) == 1 and not net._dirty and (net.solves + 1) % net.recount_every
@@ -350,6 +351,7 @@ def refold(net: FlowNetwork, groups: list[FoldedGroup]) -> None:
                 and np.array_equal(net._cap[rows], group.cap[cls])):
             continue
         group.rate = rate
+        group.quiet_for = -math.inf   # its rates may have moved: the schedule notes anew
         dead[rows] = True
         net._folded[group.gid] = group
         net._fold_owner[group.statics.used] = group.gid

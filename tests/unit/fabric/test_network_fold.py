@@ -272,3 +272,34 @@ def test_a_repeated_groups_plan_is_known_by_its_read_only_arrays(frozen) -> None
         env.run()
     assert net.folded_groups == 3
     assert len(compared) == (1 if frozen else 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1e3), st.floats(1e-3, 1e9), st.floats(1e-3, 1e4),
+                          st.booleans()), min_size=1, max_size=4),
+       st.lists(st.floats(0.0, 2.0), min_size=1, max_size=8), st.floats(0.0, 1e4))
+def test_the_quiet_time_answers_as_the_full_test(classes, steps, now) -> None:
+    # FoldedGroup.ends_now's quick "no" (within the quiet time next_end notes) must be what
+    # the full test says, however the group advances; steps are fractions of the least time
+    # left, so some land on an end.
+    rate = np.array([c[0] for c in classes])
+    size = np.array([c[1] for c in classes])
+    remaining = size * np.array([c[2] for c in classes]) / 1e4
+    live = np.array([c[3] for c in classes])
+    rate[~live] = 0.0
+    k = len(classes)
+    group = fold.FoldedGroup(gid=0, plan=None, statics=None, size=size, csize=size,
+                             remaining=remaining, rate=rate, cap=np.full(k, math.inf),
+                             base_cap=np.full(k, math.inf), cap0=np.full(k, math.inf),
+                             live=live)
+    eps = network_fold._EPS
+    first, _ = group.next_end(0.0, eps)
+    last = 0.0
+    for f in steps:
+        dt = f * first if math.isfinite(first) else f
+        group.remaining = group.remaining - group.rate * dt
+        last += dt
+        full = fold.FoldedGroup.ends_now(
+            fold.FoldedGroup(**{**group.__dict__, "quiet_for": -math.inf}), now + last, eps,
+            last)
+        assert group.ends_now(now + last, eps, last) == full
