@@ -281,6 +281,21 @@ class FoldedGroup:
     quiet_for: float = -math.inf
     """From the network's clock ``quiet_from`` (its last advance when :meth:`next_end` ran),
     how long no class can end (:meth:`ends_now`'s quick answer; -inf: unknown)."""
+    best_note: float = -math.inf
+    """What :meth:`next_end` last returned, at ``quiet_from`` (-inf: unknown)."""
+
+    def changed(self) -> None:
+        """The group's rates or classes changed: forget what :meth:`next_end` noted."""
+        self.quiet_for = self.best_note = -math.inf
+
+    def ends_after(self, last: float, now: float) -> float:
+        """A time before which, advanced from ``quiet_from`` to ``last`` and nothing else
+        changed since :meth:`next_end` (else :meth:`changed` was called: -inf), no class of
+        the group ends: its noted least time left less the time since, less a margin (``1e-9``
+        of that time and of the clock, far above the rounding of the advances and of the
+        clock's differences) that keeps it a lower bound of what :meth:`next_end` would give."""
+        best = self.best_note
+        return best - (last - self.quiet_from) - 1e-9 * (best + now + 1.0)
 
     def next_end(self, last: float, eps: float) -> tuple[float, bool]:
         """(the least time left among moving classes, inf when none moves; whether any
@@ -303,7 +318,7 @@ class FoldedGroup:
                         quiet = q
             elif live and left <= eps * size:
                 quiet = -math.inf
-        self.quiet_from, self.quiet_for = last, quiet
+        self.quiet_from, self.quiet_for, self.best_note = last, quiet, best
         return best, moving
 
     def ends_now(self, now: float, eps: float, last: float) -> bool:

@@ -357,10 +357,8 @@ class FlowNetwork(FlowTables):
             np.divide(self._remaining, self._rate, out=left, where=positive)
             dt = float(left.min(initial=math.inf))
             moving = bool(np.count_nonzero(positive))
-        for group in self._folded.values():
-            g_dt, g_moving = group.next_end(self._last, _EPS)
-            dt = min(dt, g_dt)
-            moving = moving or g_moving
+        if self._folded:
+            dt, moving = fold_ops.next_end(self, dt, moving)
         if dt == math.inf and not moving:
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
         version = self._version

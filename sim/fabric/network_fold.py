@@ -167,6 +167,33 @@ def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
     return False
 
 # ------------------------------------------------------------------ events
+def next_end(net: FlowNetwork, dt: float, moving: bool) -> tuple[float, bool]:
+    """``FlowNetwork._schedule``'s least time left and whether anything moves, given the
+    rows' (``dt``, ``moving``), over the folded groups too. A group whose lower bound
+    (:meth:`FoldedGroup.ends_after`) already exceeds the least time found cannot be the
+    minimum (an exact one, whatever the order): it is skipped, its note kept (it moves when
+    that bound is finite: a group moving at its note moves until it changes). The groups are
+    taken by their bounds, least first, so the one likeliest to set the minimum goes first."""
+    last, now = net._last, net.env.now
+    groups = list(net._folded.values())
+    if len(groups) > 1:
+        bounds = [g.ends_after(last, now) for g in groups]
+        order = sorted(range(len(groups)), key=bounds.__getitem__)
+    else:
+        bounds, order = [-math.inf], [0]
+    for i in order:
+        bound = bounds[i]
+        if bound > dt:
+            if bound != math.inf:
+                moving = True
+            continue
+        g_dt, g_moving = groups[i].next_end(last, _EPS)
+        if g_dt < dt:
+            dt = g_dt
+        moving = moving or g_moving
+    return dt, moving
+
+
 def folded_event(net: FlowNetwork) -> bool:
     """Handle this resolve folded, when it is one folded group's own (True); else unfold
     the folded groups it involves and leave it to the tables (False)."""
@@ -212,6 +239,7 @@ def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None
     group.rate[fin] = 0.0
     group.remaining[fin] = np.inf
     group.live[fin] = False
+    group.changed()
     net._live -= k
     net._live_folded -= k
     if not net._live:
@@ -251,6 +279,7 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
             plan.rates_cache[key] = rates
         new = group.rate.copy()
         new[sub.classes] = rates
+        group.changed()
         if sub.n_members == net._live:
             # The tables' full solve: link and class rates summed afresh.
             group.rate = new
@@ -351,7 +380,7 @@ def refold(net: FlowNetwork, groups: list[FoldedGroup]) -> None:
                 and np.array_equal(net._cap[rows], group.cap[cls])):
             continue
         group.rate = rate
-        group.quiet_for = -math.inf   # its rates may have moved: the schedule notes anew
+        group.changed()   # its rates may have moved: the schedule notes anew
         dead[rows] = True
         net._folded[group.gid] = group
         net._fold_owner[group.statics.used] = group.gid

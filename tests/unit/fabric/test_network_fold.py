@@ -303,3 +303,43 @@ def test_the_quiet_time_answers_as_the_full_test(classes, steps, now) -> None:
             fold.FoldedGroup(**{**group.__dict__, "quiet_for": -math.inf}), now + last, eps,
             last)
         assert group.ends_now(now + last, eps, last) == full
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 50.0), st.floats(1.0, 1e3), st.integers(1, 3)),
+                min_size=2, max_size=4),
+       st.lists(st.tuples(st.floats(0.0, 80.0), st.floats(0.1, 100.0)), max_size=4))
+def test_several_folded_groups_at_once_move_no_bit(groups, side) -> None:
+    # All-to-alls on disjoint links, folded side by side: the schedule skips a group whose
+    # lower bound (FoldedGroup.ends_after) exceeds the least time left found, and must find
+    # the same next end as the plain run's.
+    def run(folding: bool):
+        env = simpy.Environment()
+        log = RatesLog()
+        n_links = 32 * len(groups) + 1
+        cap = 10.0 + (np.arange(n_links) % 4) * 5.0
+        net = FlowNetwork(env, cap, np.arange(n_links) % 3, 3, log)
+
+        def start(i, at, size, rounds):
+            yield env.timeout(at)
+            for r in range(rounds):
+                yield net.start_flows([([32 * i + x for x in p], s * (1 + r), k, c)
+                                       for p, s, k, c in _alltoall(2, 4, size)])
+
+        def other(at, size):
+            yield env.timeout(at)
+            yield net.start_flow((n_links - 1,), size)
+
+        for i, (at, size, rounds) in enumerate(groups):
+            env.process(start(i, at, size, rounds))
+        for at, size in side:
+            env.process(other(at, size))
+        with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9):
+            env.run()
+        log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
+        return log.seen, net
+
+    plain, _ = run(False)
+    folded, net = run(True)
+    assert net.folded_groups >= 2
+    assert folded == plain
