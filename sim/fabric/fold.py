@@ -98,6 +98,9 @@ class Subset:
     fold_owner: np.ndarray
     fold_weight: np.ndarray
     """The folded incidences of the classes, owners numbered 0.. in ``classes``' order."""
+    sums: dict[tuple[str, bytes], np.ndarray] = field(default_factory=dict)
+    """Per-link and class sums of per-class values over the members, by the values (a pure
+    function of them: :func:`sim.fabric.network_fold.link_sums`, ``class_sums``)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -274,22 +277,64 @@ class FoldedGroup:
     live: np.ndarray
     """Classes whose flows have not ended."""
 
-    def next_end(self) -> float:
-        """The least time left among moving classes (inf when none moves), the same
-        divisions as the tables'."""
-        best = math.inf
-        for r, left in zip(self.rate.tolist(), self.remaining.tolist(), strict=True):
+    quiet_from: float = 0.0
+    quiet_for: float = -math.inf
+    """From the network's clock ``quiet_from`` (its last advance when :meth:`next_end` ran),
+    how long no class can end (:meth:`ends_now`'s quick answer; -inf: unknown)."""
+    best_note: float = -math.inf
+    """What :meth:`next_end` last returned, at ``quiet_from`` (-inf: unknown)."""
+
+    def changed(self) -> None:
+        """The group's rates or classes changed: forget what :meth:`next_end` noted."""
+        self.quiet_for = self.best_note = -math.inf
+
+    def ends_after(self, last: float, now: float) -> float:
+        """A time before which, advanced from ``quiet_from`` to ``last`` and nothing else
+        changed since :meth:`next_end` (else :meth:`changed` was called: -inf), no class of
+        the group ends: its noted least time left less the time since, less a margin (``1e-9``
+        of that time and of the clock, far above the rounding of the advances and of the
+        clock's differences) that keeps it a lower bound of what :meth:`next_end` would give."""
+        best = self.best_note
+        return best - (last - self.quiet_from) - 1e-9 * (best + now + 1.0)
+
+    def next_end(self, last: float, eps: float) -> tuple[float, bool]:
+        """(the least time left among moving classes, inf when none moves; whether any
+        moves), the same divisions as the tables'. Also notes, from ``last`` (the network's
+        last advance), the time before which no class can end as :meth:`ends_now` decides it:
+        the least ``(left - eps size) / rate`` over moving live classes (a class that does
+        not move keeps its bytes left; one already within ``eps`` of none ends at once)."""
+        best = quiet = math.inf
+        moving = False
+        for r, left, size, live in zip(self.rate.tolist(), self.remaining.tolist(),
+                                       self.csize.tolist(), self.live.tolist(), strict=True):
             if r > 0:
+                moving = True
                 t = left / r
                 if t < best:
                     best = t
-        return best
+                if live:
+                    q = (left - eps * size) / r
+                    if q < quiet:
+                        quiet = q
+            elif live and left <= eps * size:
+                quiet = -math.inf
+        self.quiet_from, self.quiet_for, self.best_note = last, quiet, best
+        return best, moving
 
-    def moving(self) -> bool:
-        return bool((self.rate > 0).any())
+    def ends_now(self, now: float, eps: float, last: float) -> bool:
+        """Does a class end now (the tables' test, ``FlowNetwork._finished_rows``)? The
+        group's bytes left are advanced to ``last``.
 
-    def ends_now(self, now: float, eps: float) -> bool:
-        """Does a class end now (the tables' test, ``FlowNetwork._finished_rows``)?"""
+        No, at once, while ``last`` is well inside the quiet time :meth:`next_end` noted
+        (only advances have changed the group since: every change of its rates is followed
+        by a schedule): a moving class then has more than ``eps`` of its size left by at
+        least its rate times the margin, and more than ``1e-12 max(1, now)`` seconds to go.
+        The margin (``1e-9`` of the quiet time, plus twice that tolerance) is far above the
+        rounding of the advances' subtractions (``2^-53`` of the bytes left each)."""
+        quiet = self.quiet_for
+        if (quiet > 0 and last - self.quiet_from + 2e-12 * max(1.0, now) + 1e-9 * quiet
+                < quiet):
+            return False
         limit = 1e-12 * max(1.0, now)
         for r, left, size, live in zip(self.rate.tolist(), self.remaining.tolist(),
                                        self.csize.tolist(), self.live.tolist(), strict=True):

@@ -32,12 +32,9 @@ from sim.fabric import network_fast as fast
 from sim.fabric import network_fold as fold_ops
 from sim.fabric.fold import FoldedGroup, FoldPlan
 from sim.fabric.maxmin import _EPS, max_min_rates
+from sim.fabric.network_tables import FlowTables
 
 __all__ = ["FlowNetwork", "NetworkObserver", "max_min_rates"]
-
-# Rows of FlowNetwork's per-flow table, before the hop counts per link class.
-_ROWS = ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count")
-_N_ROWS = len(_ROWS)
 
 # Fabrics with more links than this update link rates on the touched links only (measured
 # crossover of a per-link pass against renumbering the touched links, numpy 2, one core).
@@ -66,7 +63,7 @@ class NetworkObserver:
         """A group of flows has delivered all its ``nbytes`` (copies counted)."""
 
 
-class FlowNetwork:
+class FlowNetwork(FlowTables):
     """Max-min fair flows over links with capacities.
 
     A large group whose flows share links alike runs folded, one flow per class, while it is
@@ -109,22 +106,7 @@ class FlowNetwork:
         self.solves = 0
         self._last = env.now
         self._version = 0
-        # Per flow, one row each of one float table (see _ROWS), its hop counts per link
-        # class (C-ordered, so the class totals' matrix products sum as they always did) and
-        # its group; per flow-link incidence, row 0 the link and row 1 the flow. The tables
-        # are preallocated and grow by doubling: a start writes its rows after the last, an
-        # end marks its flows dead (see _retire) and the dead rows go when they outnumber the
-        # live ones (_compact), so live rows stay in the order they started.
-        self._flows = np.zeros((_N_ROWS, 8))
-        self._hops_t = np.zeros((8, n_kinds))
-        self._group_t = np.full(8, -1, dtype=np.int64)
-        self._inc = np.zeros((2, 32), dtype=np.int64)
-        self._n = 0      # rows in use, dead or alive
-        self._m = 0      # incidences in use
-        self._live = 0   # live flows
-        # A dead flow's incidences point at this link past the last, which nothing marks.
-        self._dead_link = n_links
-        self._bind()
+        self._init_tables(n_links, n_kinds)
         # Per group: [event, flows pending, bytes, tag].
         self._groups: dict[int, list] = {}
         # Rate-cap scales set by tag (:meth:`scale_caps`) and the live groups of each tag.
@@ -176,6 +158,8 @@ class FlowNetwork:
         self._fold_pending: int | None = None
         self._fold_owner = np.full(n_links + 1, -1, dtype=np.int64)
         self._fold_plans: dict[tuple, list[tuple[tuple[np.ndarray, ...], FoldPlan | None]]] = {}
+        self._fold_plan_ids: dict[tuple[int, ...],
+                                  tuple[tuple[np.ndarray, ...], FoldPlan | None]] = {}
         self.folded_groups = 0
 
     # ------------------------------------------------------------------ API
@@ -373,9 +357,8 @@ class FlowNetwork:
             np.divide(self._remaining, self._rate, out=left, where=positive)
             dt = float(left.min(initial=math.inf))
             moving = bool(np.count_nonzero(positive))
-        for group in self._folded.values():
-            dt = min(dt, group.next_end())
-            moving = moving or group.moving()
+        if self._folded:
+            dt, moving = fold_ops.next_end(self, dt, moving)
         if dt == math.inf and not moving:
             raise RuntimeError("flows are active but none can progress (zero capacity?)")
         version = self._version
@@ -415,10 +398,12 @@ class FlowNetwork:
         self._group[finished] = -1
         self._inc_link[gone] = self._dead_link
         self._live -= len(ended)
-        if not self._live:
+        # Live rows: folded groups' flows count in _live but hold no rows.
+        rows = self._live - self._live_folded
+        if not rows:
             self._n = self._m = 0
             self._bind()
-        elif _KEEP_DEAD * self._live + _DEAD_SLACK < self._n:
+        elif _KEEP_DEAD * rows + _DEAD_SLACK < self._n:
             self._compact()
         for gid in sorted(tally):
             self._end_flows(gid, tally[gid])
@@ -437,48 +422,6 @@ class FlowNetwork:
             self.observer.on_transfer_end(self.env.now, entry[3], entry[2])
             entry[0].succeed()
 
-    def _bind(self) -> None:
-        """Point the per-flow and per-incidence names at the rows in use of the tables
-        (views: writing into them writes the table)."""
-        f = self._flows[:, :self._n]
-        self._size, self._remaining, self._rate, self._cap = f[0], f[1], f[2], f[3]
-        self._base_cap, self._cap0, self._count = f[4], f[5], f[6]
-        self._hops = self._hops_t[:self._n]
-        self._group = self._group_t[:self._n]
-        self._inc_link = self._inc[0, :self._m]
-        self._inc_flow = self._inc[1, :self._m]
-
-    def _grow(self, n: int, m: int) -> None:
-        """Room for ``n`` flows and ``m`` incidences, doubling what is short."""
-        if n > self._flows.shape[1]:
-            size = max(n, 2 * self._flows.shape[1])
-            flows = np.zeros((_N_ROWS, size))
-            flows[:, :self._n] = self._flows[:, :self._n]
-            hops = np.zeros((size, self.n_kinds))
-            hops[:self._n] = self._hops_t[:self._n]
-            group = np.full(size, -1, dtype=np.int64)
-            group[:self._n] = self._group_t[:self._n]
-            self._flows, self._hops_t, self._group_t = flows, hops, group
-        if m > self._inc.shape[1]:
-            inc = np.zeros((2, max(m, 2 * self._inc.shape[1])), dtype=np.int64)
-            inc[:, :self._m] = self._inc[:, :self._m]
-            self._inc = inc
-        self._bind()
-
-    def _compact(self) -> None:
-        """Drop the dead rows and incidences, the live ones keeping their order."""
-        keep = self._group >= 0
-        remap = np.cumsum(keep) - 1
-        inc = self._inc[:, :self._m][:, keep[self._inc_flow]]
-        inc[1] = remap[inc[1]]
-        n, m = int(np.count_nonzero(keep)), inc.shape[1]
-        self._inc[:, :m] = inc
-        self._flows[:, :n] = self._flows[:, :self._n][:, keep]
-        self._hops_t[:n] = self._hops[keep]
-        self._group_t[:n] = self._group[keep]
-        self._n, self._m = n, m
-        self._bind()
-
     def _wake(self, version: int) -> None:
         if version != self._version:
             return  # a later start/finish already re-solved and rescheduled
@@ -491,55 +434,6 @@ class FlowNetwork:
         set (:func:`sim.fabric.network_fast.add_link_rates`; ``link_set``:
         ``LinkSets.get(links)`` when the caller has it)."""
         fast.add_link_rates(self, links, weights, link_set)
-
-    def _component(self, links: np.ndarray) -> np.ndarray:
-        """Flows connected to ``links`` through shared links (a boolean mask over flows).
-
-        The flows of a group just started (the last ``_seed`` rows) are in it from the start:
-        all their links are among ``links``, so the first pass would find them (and the flows
-        sharing those links, which the next pass finds all the same). Starting from them
-        saves a pass, and the search ends after one when nothing else shares their links (a
-        collective alone on its links, the common case).
-        """
-        n = self._n
-        link_mask = self._link_mask
-        link_mask[links] = True
-        flows = np.zeros(n, dtype=bool)
-        seed, self._seed = self._seed, 0
-        if seed:
-            flows[n - seed:] = True
-        while True:
-            hit = np.zeros(n, dtype=bool)
-            hit[self._inc_flow[link_mask[self._inc_link]]] = True
-            new = hit & ~flows
-            if not new.any():
-                # Leave the scratch mask clear: only these links can have been set.
-                link_mask[links] = False
-                link_mask[self._inc_link] = False
-                self._alone = seed
-                return flows
-            seed = 0
-            flows |= new
-            link_mask[self._inc_link[new[self._inc_flow]]] = True
-
-    def _known_component(self) -> int:
-        """How many flows the component search would find when it is known without it
-        (-1 when not): the started group alone when none of its links had users (it is then
-        the last rows, what ``_component`` returns from its seed), none when the links of the
-        flows just ended have no users left. Consumes the marks either way."""
-        seed, dirty = self._seed, self._dirty_seen
-        seed_alone, gone = self._seed_alone, self._gone_alone
-        self._seed_alone, self._gone_alone = False, None
-        self._alone = 0
-        if len(dirty) != 1:
-            return -1
-        if seed and seed_alone and gone is None:
-            self._seed = 0
-            self._alone = seed
-            return seed
-        if not seed and gone is not None and dirty[0] is gone:
-            return 0
-        return -1
 
     def _alone_solve(self, links: np.ndarray, owner: np.ndarray, idx: np.ndarray) -> np.ndarray:
         """:func:`max_min_rates` of a group alone on its links, remembered (see
@@ -557,8 +451,11 @@ class FlowNetwork:
 
     def _solve(self) -> None:
         self.solves += 1
+        refold = None
         if self._folded and self.solves % self.recount_every == 0:
-            fold_ops.unfold_all(self)   # the recount below sums every flow as the tables hold them
+            # The recount below sums every flow as the tables hold them; the groups still
+            # alone on their links fold again after it (network_fold.refold).
+            refold = fold_ops.unfold_all(self)
         # Links to mark in the component search (any integer array will do).
         self._dirty_seen = self._dirty
         dirty = (self._dirty[0] if len(self._dirty) == 1 else
@@ -621,4 +518,5 @@ class FlowNetwork:
                 self._add_link_rates(links, delta[owner])
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
-
+        if refold:
+            fold_ops.refold(self, refold)

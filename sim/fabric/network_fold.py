@@ -17,6 +17,7 @@ rules here keep it so:
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from sim.fabric.network import FlowNetwork
 
 __all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "start_folded",
-           "unfold", "unfold_all"]
+           "refold", "unfold", "unfold_all"]
 
 _PLAN_CACHE = 128
 """Fold plans remembered per network (a group repeats on the same links thousands of times)."""
@@ -111,6 +112,23 @@ def _plan_for(net: FlowNetwork, flat_links: np.ndarray, lengths: np.ndarray, siz
     """The group's fold plan, made once per group and links: looked up by a fingerprint,
     then checked element by element (cheaper than hashing every byte at every start)."""
     arrays = (flat_links, lengths, sizes, counts, caps)
+    # The very arrays of an earlier start, all read-only (the collective runner passes the
+    # same read-only arrays each time an op repeats): the same content, no need to compare.
+    ids = tuple(map(id, arrays))
+    known = net._fold_plan_ids.get(ids)
+    if known is not None and all(a is b and not a.flags.writeable
+                                 for a, b in zip(known[0], arrays, strict=True)):
+        return known[1]
+    plan = _plan_by_content(net, arrays)
+    if not any(a.flags.writeable for a in arrays):
+        if len(net._fold_plan_ids) >= 4 * _PLAN_CACHE:
+            net._fold_plan_ids.clear()
+        net._fold_plan_ids[ids] = (arrays, plan)   # holds them: their ids are not reused
+    return plan
+
+
+def _plan_by_content(net: FlowNetwork, arrays: tuple[np.ndarray, ...]) -> FoldPlan | None:
+    flat_links, lengths, sizes, counts, caps = arrays
     key = (len(flat_links), len(lengths), flat_links[::61].tobytes(), float(sizes[0]),
            float(sizes[-1]), float(caps[0]), float(counts[0]))
     for seen, plan in net._fold_plans.get(key, ()):
@@ -129,7 +147,7 @@ def finishing_now(net: FlowNetwork) -> bool:
     if net._n and net._finished_rows().any():
         return True
     now = net.env.now
-    return any(g.ends_now(now, _EPS) for g in net._folded.values())
+    return any(g.ends_now(now, _EPS, net._last) for g in net._folded.values())
 
 
 def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
@@ -149,6 +167,33 @@ def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
     return False
 
 # ------------------------------------------------------------------ events
+def next_end(net: FlowNetwork, dt: float, moving: bool) -> tuple[float, bool]:
+    """``FlowNetwork._schedule``'s least time left and whether anything moves, given the
+    rows' (``dt``, ``moving``), over the folded groups too. A group whose lower bound
+    (:meth:`FoldedGroup.ends_after`) already exceeds the least time found cannot be the
+    minimum (an exact one, whatever the order): it is skipped, its note kept (it moves when
+    that bound is finite: a group moving at its note moves until it changes). The groups are
+    taken by their bounds, least first, so the one likeliest to set the minimum goes first."""
+    last, now = net._last, net.env.now
+    groups = list(net._folded.values())
+    if len(groups) > 1:
+        bounds = [g.ends_after(last, now) for g in groups]
+        order = sorted(range(len(groups)), key=bounds.__getitem__)
+    else:
+        bounds, order = [-math.inf], [0]
+    for i in order:
+        bound = bounds[i]
+        if bound > dt:
+            if bound != math.inf:
+                moving = True
+            continue
+        g_dt, g_moving = groups[i].next_end(last, _EPS)
+        if g_dt < dt:
+            dt = g_dt
+        moving = moving or g_moving
+    return dt, moving
+
+
 def folded_event(net: FlowNetwork) -> bool:
     """Handle this resolve folded, when it is one folded group's own (True); else unfold
     the folded groups it involves and leave it to the tables (False)."""
@@ -160,7 +205,7 @@ def folded_event(net: FlowNetwork) -> bool:
         return True
     now = net.env.now
     ending = {gid: g.ending(now, _EPS) for gid, g in net._folded.items()
-              if g.ends_now(now, _EPS)}
+              if g.ends_now(now, _EPS, net._last)}
     if not ending:
         return False
     if (len(ending) == 1 and not net._dirty and (net.solves + 1) % net.recount_every
@@ -189,11 +234,12 @@ def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None
     users = net._link_users
     users -= ended.users
     net._gone_alone = gone_links if not users[ended.used].any() else None
-    _add_link_rates(net, ended, -group.rate[ended.inc_class])
-    net._class_rates -= (group.rate[ended.member_class] * ended.count) @ ended.hops
+    _add_link_rates(net, ended, -group.rate)
+    net._class_rates -= class_sums(ended, group.rate)
     group.rate[fin] = 0.0
     group.remaining[fin] = np.inf
     group.live[fin] = False
+    group.changed()
     net._live -= k
     net._live_folded -= k
     if not net._live:
@@ -233,37 +279,118 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
             plan.rates_cache[key] = rates
         new = group.rate.copy()
         new[sub.classes] = rates
+        group.changed()
         if sub.n_members == net._live:
             # The tables' full solve: link and class rates summed afresh.
             group.rate = new
             net._link_rates = np.zeros(len(net.capacity))
             net._busy_mask[net._busy] = False
             net._busy = np.zeros(0, dtype=np.int64)
-            _add_link_rates(net, sub, new[sub.inc_class])
-            net._class_rates = (new[sub.member_class] * sub.count) @ sub.hops
+            _add_link_rates(net, sub, new)
+            net._class_rates = class_sums(sub, new).copy()
         else:
             delta = new - group.rate
             group.rate = new
-            _add_link_rates(net, sub, delta[sub.inc_class])
-            net._class_rates += (delta[sub.member_class] * sub.count) @ sub.hops
+            _add_link_rates(net, sub, delta)
+            net._class_rates += class_sums(sub, delta)
     net.observer.on_rates(net.env.now, net._class_rates, net._link_rates)
 
 
-def _add_link_rates(net: FlowNetwork, sub: Subset, weights: np.ndarray) -> None:
-    """``FlowNetwork._add_link_rates`` of the subset's incidences: on a fabric that keeps no
-    busy set, summed on the subset's own links (each link's sum in incidence order, as a
-    ``bincount`` over every link sums it, then added to its rate: the same bits)."""
+def _add_link_rates(net: FlowNetwork, sub: Subset, values: np.ndarray) -> None:
+    """``FlowNetwork._add_link_rates`` of the subset's incidences, each weighted by its
+    class's entry of ``values`` (one per class of the plan): on a fabric that keeps no busy
+    set, summed on the subset's own links (each link's sum in incidence order, as a
+    ``bincount`` over every link sums it, then added to its rate: the same bits), the sums
+    remembered by the values (:func:`link_sums`)."""
     if net._dense:
-        net._link_rates[sub.used] += np.bincount(sub.local, weights=weights,
-                                                 minlength=len(sub.used))
+        net._link_rates[sub.used] += link_sums(sub, values)
     else:
-        net._add_link_rates(sub.links, weights)
+        net._add_link_rates(sub.links, values[sub.inc_class])
+
+
+_SUMS_CACHE = 64
+"""Sums a subset remembers (:func:`link_sums`, :func:`class_sums`) before it starts afresh."""
+
+
+def link_sums(sub: Subset, values: np.ndarray) -> np.ndarray:
+    """Per link of ``sub.used``, the sum of ``values[class]`` over the subset's incidences on
+    it, in incidence order (``np.bincount``'s). A pure function of the subset and the values
+    of its classes: an all-to-all repeats every layer and micro-batch with the same rates, so
+    its 25,000 incidences are summed once per distinct rates, not at every event."""
+    key = ("l", values[sub.classes].tobytes())
+    got = sub.sums.get(key)
+    if got is None:
+        if len(sub.sums) >= _SUMS_CACHE:
+            sub.sums.clear()
+        got = sub.sums[key] = np.bincount(sub.local, weights=values[sub.inc_class],
+                                          minlength=len(sub.used))
+    return got
+
+
+def class_sums(sub: Subset, values: np.ndarray) -> np.ndarray:
+    """Bytes/s per link class of the subset's members at ``values[class]`` each (counted
+    ``count`` times on each of their hops), the product the tables make over the same rows in
+    the same order; remembered by the values as :func:`link_sums`."""
+    key = ("c", values[sub.classes].tobytes())
+    got = sub.sums.get(key)
+    if got is None:
+        if len(sub.sums) >= _SUMS_CACHE:
+            sub.sums.clear()
+        got = sub.sums[key] = (values[sub.member_class] * sub.count) @ sub.hops
+    return got
 
 
 # ------------------------------------------------------------------ unfold
-def unfold_all(net: FlowNetwork) -> None:
-    for gid in sorted(net._folded):
-        unfold(net, net._folded[gid])
+def unfold_all(net: FlowNetwork) -> list[FoldedGroup]:
+    """Unfold every folded group (for a full recount); returns them, for :func:`refold`."""
+    groups = [net._folded[gid] for gid in sorted(net._folded)]
+    for group in groups:
+        unfold(net, group)
+    return groups
+
+
+def refold(net: FlowNetwork, groups: list[FoldedGroup]) -> None:
+    """Fold again, after the full recount's solve, the groups :func:`unfold_all` unfolded for
+    it, each that is still alone on its links with every member of a class on its
+    representative's rate, bytes left and caps (as the recount leaves them: progressive
+    filling gives members of an equitable class one rate).
+
+    Nothing ends or starts between the unfold and this, so each group's rows are its live
+    classes' members as ``unfold`` wrote them, with the recount's rates. Its rows become dead
+    rows (as ``FlowNetwork._retire`` leaves an ended flow's, which no sum reads); link and
+    class rates and link users stay as the recount made them. Later events then run as for a
+    group folded since its start (the rows it would hold are again the ones its classes stand
+    for), instead of the whole all-to-all's rows and incidences staying in every per-event
+    pass of the tables until it ends.
+    """
+    dead = np.zeros(net._n, dtype=bool)
+    for group in groups:
+        rows = np.flatnonzero(net._group == group.gid)
+        live = subset(group.plan, group.statics, group.live)
+        if not len(rows) or len(rows) != live.n_members:
+            continue
+        if not np.array_equal(net._link_users[live.used], live.users[live.used]):
+            continue   # another group's flows share its links now
+        cls = live.member_class
+        classes, first = np.unique(cls, return_index=True)
+        rate = group.rate.copy()
+        rate[classes] = net._rate[rows[first]]
+        if not (np.array_equal(net._rate[rows], rate[cls])
+                and np.array_equal(net._remaining[rows], group.remaining[cls])
+                and np.array_equal(net._cap[rows], group.cap[cls])):
+            continue
+        group.rate = rate
+        group.changed()   # its rates may have moved: the schedule notes anew
+        dead[rows] = True
+        net._folded[group.gid] = group
+        net._fold_owner[group.statics.used] = group.gid
+        net._live_folded += len(rows)
+    if dead.any():
+        net._rate[dead] = 0.0
+        net._remaining[dead] = np.inf
+        net._group[dead] = -1
+        net._inc_link[dead[net._inc_flow]] = net._dead_link
+        net._compact()
 
 
 def unfold(net: FlowNetwork, group: FoldedGroup) -> None:

@@ -522,8 +522,14 @@ class CollectiveRunner:
                               / np.maximum(rtt, 1e-15), np.inf)
             caps = self._caps[ckey] = np.minimum(caps, window)
         n = plan.n_flows
-        flows = (plan.flat, plan.lengths, plan.share * nbytes / wire, np.full(n, float(count)),
-                 caps, plan.delivered * nbytes * count)
+        # Read-only (views of the plan's): the network may then know them again by identity
+        # (sim.fabric.network_fold._plan_for).
+        arrays = [plan.flat.view(), plan.lengths.view(), plan.share * nbytes / wire,
+                  np.full(n, float(count)), caps.view()]
+        for a in arrays:
+            a.flags.writeable = False
+        flows = (arrays[0], arrays[1], arrays[2], arrays[3], arrays[4],
+                 plan.delivered * nbytes * count)
         if len(self._flow_arrays) >= 4096:
             self._flow_arrays.clear()
         self._flow_arrays[fkey] = (plan, flows)

@@ -164,3 +164,182 @@ def test_an_alltoall_folds_to_three_classes_and_gives_its_closed_form() -> None:
     # Bytes conservation: every flow's bytes on each of its links.
     assert net.link_bytes.sum() == sum(1000.0 * len(p) for p, *_ in flows)
     assert env.now == pytest.approx(60.0, rel=1e-12)
+
+
+def _repeated_alltoalls(folding: bool, recount_every: int = 4096):
+    """Three all-to-alls in a row on a 2 x 4 toy rail fabric, each beside a small flow on its
+    own link that starts and ends during it (events the folded group is not part of), with a
+    full recount every ``recount_every`` solves; (the rates log, the network)."""
+    env = simpy.Environment()
+    log = RatesLog()
+    cap = 10.0 + (np.arange(33) % 4) * 5.0
+    net = FlowNetwork(env, cap, np.arange(33) % 3, 3, log)
+
+    def run():
+        for k in range(3):
+            env.process(side(k))
+            yield net.start_flows(_alltoall(2, 4, 100.0 + k))
+            yield env.timeout(10.0)   # the last side flow ends before the next starts
+
+    def side(k):
+        t0 = env.now
+        for j in range(3):
+            yield env.timeout(0.5 + 0.25 * j)
+            yield net.start_flow((32,), 1.0 + k + j)
+        # ... and one across the all-to-all's end (at 60 s and a little: its ports run at
+        # 10 B/s, 6 flows each) that ends before the next starts: 80 B at 10 B/s from 55 s.
+        yield env.timeout(t0 + 55.0 - env.now)
+        yield net.start_flow((32,), 80.0)
+
+    env.process(run())
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9), \
+            mock.patch.object(network.FlowNetwork, "recount_every", recount_every):
+        env.run()
+    log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
+    return log.seen, net
+
+
+@pytest.mark.parametrize("every", [2, 3, 5, 4096])
+def test_a_group_folds_again_after_the_recount(every) -> None:
+    # The full recount unfolds every folded group; a group still alone on its links folds
+    # again after it (network_fold.refold) and the run keeps every bit of the plain one.
+    plain, _ = _repeated_alltoalls(False, every)
+    calls = []
+    real = network_fold.refold
+
+    def counting(net, groups):
+        before = len(net._folded)
+        real(net, groups)
+        calls.append(len(net._folded) - before)
+
+    with mock.patch.object(network_fold, "refold", counting):
+        folded, net = _repeated_alltoalls(True, every)
+    assert folded == plain
+    # A start that would be a recount's solve starts unfolded (network_fold.start_folded).
+    assert net.folded_groups >= 2
+    if every < 4096:
+        assert calls and sum(calls) > 0   # some recount met a folded group and refolded it
+    assert net._n == 0 and not net._folded
+
+
+def test_rows_compact_while_a_folded_group_runs() -> None:
+    # A folded group's flows count as live but hold no rows: the rows' dead ones must still
+    # go when they outnumber the live rows (network._KEEP_DEAD), or every event beside a
+    # long all-to-all would pass over all the small flows that ended during it.
+    env = simpy.Environment()
+    net = FlowNetwork(env, np.full(33, 10.0), np.zeros(33, dtype=int), 1)
+    rows = []
+
+    def side():
+        for _ in range(200):
+            yield net.start_flow((32,), 1.0)
+            rows.append(net._n)
+
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1):
+        net.start_flows(_alltoall(2, 4, 1e4))
+        env.process(side())
+        env.run()
+    assert net.folded_groups == 1
+    assert max(rows) <= network._DEAD_SLACK + 1
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_repeated_groups_plan_is_known_by_its_read_only_arrays(frozen) -> None:
+    # The collective runner passes the same read-only arrays each time an op repeats: the
+    # plan is found by their identity, without comparing 25,000 links; writable arrays (which
+    # the caller could have changed since) are compared by content every time.
+    flows = _alltoall(2, 4, 100.0)
+    arrays = [np.array([x for p, *_ in flows for x in p]), np.array([len(p) for p, *_ in flows]),
+              np.full(len(flows), 100.0), np.ones(len(flows)), np.full(len(flows), math.inf)]
+    for a in arrays:
+        a.flags.writeable = not frozen
+    env = simpy.Environment()
+    net = FlowNetwork(env, np.full(32, 100.0), np.zeros(32, dtype=int), 1)
+    compared = []
+    real = network_fold._plan_by_content
+
+    def counting(net_, arrays_):
+        compared.append(1)
+        return real(net_, arrays_)
+
+    def run():
+        for _ in range(3):
+            yield net.start_group(*arrays)
+
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1), \
+            mock.patch.object(network_fold, "_plan_by_content", counting):
+        env.process(run())
+        env.run()
+    assert net.folded_groups == 3
+    assert len(compared) == (1 if frozen else 3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 1e3), st.floats(1e-3, 1e9), st.floats(1e-3, 1e4),
+                          st.booleans()), min_size=1, max_size=4),
+       st.lists(st.floats(0.0, 2.0), min_size=1, max_size=8), st.floats(0.0, 1e4))
+def test_the_quiet_time_answers_as_the_full_test(classes, steps, now) -> None:
+    # FoldedGroup.ends_now's quick "no" (within the quiet time next_end notes) must be what
+    # the full test says, however the group advances; steps are fractions of the least time
+    # left, so some land on an end.
+    rate = np.array([c[0] for c in classes])
+    size = np.array([c[1] for c in classes])
+    remaining = size * np.array([c[2] for c in classes]) / 1e4
+    live = np.array([c[3] for c in classes])
+    rate[~live] = 0.0
+    k = len(classes)
+    group = fold.FoldedGroup(gid=0, plan=None, statics=None, size=size, csize=size,
+                             remaining=remaining, rate=rate, cap=np.full(k, math.inf),
+                             base_cap=np.full(k, math.inf), cap0=np.full(k, math.inf),
+                             live=live)
+    eps = network_fold._EPS
+    first, _ = group.next_end(0.0, eps)
+    last = 0.0
+    for f in steps:
+        dt = f * first if math.isfinite(first) else f
+        group.remaining = group.remaining - group.rate * dt
+        last += dt
+        full = fold.FoldedGroup.ends_now(
+            fold.FoldedGroup(**{**group.__dict__, "quiet_for": -math.inf}), now + last, eps,
+            last)
+        assert group.ends_now(now + last, eps, last) == full
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 50.0), st.floats(1.0, 1e3), st.integers(1, 3)),
+                min_size=2, max_size=4),
+       st.lists(st.tuples(st.floats(0.0, 80.0), st.floats(0.1, 100.0)), max_size=4))
+def test_several_folded_groups_at_once_move_no_bit(groups, side) -> None:
+    # All-to-alls on disjoint links, folded side by side: the schedule skips a group whose
+    # lower bound (FoldedGroup.ends_after) exceeds the least time left found, and must find
+    # the same next end as the plain run's.
+    def run(folding: bool):
+        env = simpy.Environment()
+        log = RatesLog()
+        n_links = 32 * len(groups) + 1
+        cap = 10.0 + (np.arange(n_links) % 4) * 5.0
+        net = FlowNetwork(env, cap, np.arange(n_links) % 3, 3, log)
+
+        def start(i, at, size, rounds):
+            yield env.timeout(at)
+            for r in range(rounds):
+                yield net.start_flows([([32 * i + x for x in p], s * (1 + r), k, c)
+                                       for p, s, k, c in _alltoall(2, 4, size)])
+
+        def other(at, size):
+            yield env.timeout(at)
+            yield net.start_flow((n_links - 1,), size)
+
+        for i, (at, size, rounds) in enumerate(groups):
+            env.process(start(i, at, size, rounds))
+        for at, size in side:
+            env.process(other(at, size))
+        with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9):
+            env.run()
+        log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
+        return log.seen, net
+
+    plain, _ = run(False)
+    folded, net = run(True)
+    assert net.folded_groups >= 2
+    assert folded == plain
