@@ -277,6 +277,11 @@ class _Step:
                   last_on_stream: dict[str, Op]) -> tuple[Op | None, Op | None]:
         """Add one unit's ops, with the bucket ops hooked before and after them."""
         kind, chunk, mb = u
+        if self.s.opts.moe_a2a_overlap:
+            # Lone units go through the combined schedule's plan too (the warm-up forwards
+            # and cool-down backwards: forward_backward_helper_wrapper with one of them).
+            return self._run_pair(u if kind == "F" else None, u if kind == "B" else None,
+                                  st, cls, last_on_stream)
         unit = self.units[(kind, chunk * self.s.p + st, mb)]
         for op in unit.ops:
             self._emit(op, cls, last_on_stream)
@@ -290,17 +295,19 @@ class _Step:
             self.program.add(cls, o)
             last_on_stream[o.stream] = o
 
-    def _run_pair(self, f: tuple[str, int, int], b: tuple[str, int, int], st: int,
-                  cls: RankClass, last_on_stream: dict[str, Op]
+    def _run_pair(self, f: tuple[str, int, int] | None, b: tuple[str, int, int] | None,
+                  st: int, cls: RankClass, last_on_stream: dict[str, Op]
                   ) -> tuple[Op | None, Op | None]:
-        """A forward and a backward unit issued together, layer by layer
+        """A forward and a backward unit (or one of them) issued together, layer by layer
         (:func:`sim.frameworks.megatron.a2a_overlap.issue_pair`)."""
         p = self.s.p
-        fu = self.units[(f[0], f[1] * p + st, f[2])]
-        bu = self.units[(b[0], b[1] * p + st, b[2])]
-        first, last = issue_pair(fu.ops, bu.ops, lambda op: self._emit(op, cls, last_on_stream),
-                                 f"F{f[1] * p + st}.{f[2]} B{b[1] * p + st}.{b[2]}")
-        self.last_bwd[st] = last
+        fu = self.units[(f[0], f[1] * p + st, f[2])].ops if f else []
+        bu = self.units[(b[0], b[1] * p + st, b[2])].ops if b else []
+        label = " ".join(f"{u[0]}{u[1] * p + st}.{u[2]}" for u in (f, b) if u)
+        first, last = issue_pair(fu, bu, lambda op: self._emit(op, cls, last_on_stream),
+                                 label)
+        if b is not None:
+            self.last_bwd[st] = last
         return first, last
 
     # ------------------------------------------------------------------ gradients, optimizer
