@@ -34,8 +34,11 @@ all-to-alls run on a communication stream while the other's compute runs
 
 What this does not model: ``delay_wgrad_compute`` (the recipes' weight-gradient split; the
 layer's backward here includes its weight gradients), the high-priority communication stream
-(``high_priority_a2a_comm_stream``), and ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron-LM only
-warns; streams here never serialise through one hardware queue).
+(``high_priority_a2a_comm_stream``), ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron-LM only
+warns; streams here never serialise through one hardware queue), and the forward's pipeline
+send starting at the forward's last node (here it waits for the whole pair, a little late).
+The unpermutation on the communication stream runs beside the compute stream's kernels
+without sharing SMs with them (the engine slows compute only for collectives).
 """
 
 from __future__ import annotations
