@@ -63,6 +63,12 @@ this module assembles them into the step.
 from __future__ import annotations
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.a2a_overlap import (
+    check_a2a_overlap,
+    combined_warmup,
+    issue_pair,
+    pair_steps,
+)
 from sim.frameworks.megatron.buckets import (
     Bucket,
     BucketComms,
@@ -113,6 +119,8 @@ def build_megatron(ctx: JobContext) -> Program:
     build every unit's ops, hook the data-parallel buckets into them, lay each stage's
     units out in its pipeline schedule, then reduce gradients and step the optimizer."""
     s = megatron_shape(ctx)
+    if s.opts.moe_a2a_overlap:
+        check_a2a_overlap(ctx, s)
     classes = []
     for st in range(s.p):
         classes.append(RankClass(st, s.members(st), label=f"pipeline stage {st}"))
@@ -252,23 +260,58 @@ class _Step:
                     "optimizer step chunks 1+ (previous step)",
                     self.optimizer_s(st) * (1.0 - self.chunk0_share(st)), phase="optimizer",
                     category="optimizer"))
+            # The combined 1F1B schedule (moe_a2a_overlap): one more warm-up forward, then
+            # each steady forward and backward issued together (a2a_overlap).
+            extra = int(s.opts.moe_a2a_overlap)
             steps = pipeline_steps(kind_sched, s.p, st, s.mb_count, s.vp,
-                                   overlap=s.overlap_p2p, sync=s.batch_p2p)
-            add_stage(self.program, cls, st, steps, run_unit, link, last_on_stream)
+                                   overlap=s.overlap_p2p, sync=s.batch_p2p, extra_warmup=extra)
+            if extra:
+                steps = pair_steps(steps, schedule(kind_sched, s.p, st, s.mb_count, s.vp, extra),
+                                   combined_warmup(s.p, st, s.mb_count, s.vp))
+
+            def run_pair(f: tuple[str, int, int], b: tuple[str, int, int], st: int = st,
+                         cls: RankClass = cls, last_on_stream: dict[str, Op] = last_on_stream
+                         ) -> tuple[Op | None, Op | None]:
+                return self._run_pair(f, b, st, cls, last_on_stream)
+
+            add_stage(self.program, cls, st, steps, run_unit, link, last_on_stream, run_pair)
 
     def _run_unit(self, u: tuple[str, int, int], st: int, cls: RankClass,
                   last_on_stream: dict[str, Op]) -> tuple[Op | None, Op | None]:
         """Add one unit's ops, with the bucket ops hooked before and after them."""
         kind, chunk, mb = u
+        if self.s.opts.moe_a2a_overlap:
+            # Lone units go through the combined schedule's plan too (the warm-up forwards
+            # and cool-down backwards: forward_backward_helper_wrapper with one of them).
+            return self._run_pair(u if kind == "F" else None, u if kind == "B" else None,
+                                  st, cls, last_on_stream)
         unit = self.units[(kind, chunk * self.s.p + st, mb)]
         for op in unit.ops:
-            for o in (*self.insert_before.get(id(op), []), op,
-                      *self.launch_after.get(id(op), [])):
-                self.program.add(cls, o)
-                last_on_stream[o.stream] = o
+            self._emit(op, cls, last_on_stream)
         if kind == "B":
             self.last_bwd[st] = unit.last  # type: ignore[assignment]
         return unit.first, unit.last
+
+    def _emit(self, op: Op, cls: RankClass, last_on_stream: dict[str, Op]) -> None:
+        """Add one op with the bucket ops hooked before and after it."""
+        for o in (*self.insert_before.get(id(op), []), op, *self.launch_after.get(id(op), [])):
+            self.program.add(cls, o)
+            last_on_stream[o.stream] = o
+
+    def _run_pair(self, f: tuple[str, int, int] | None, b: tuple[str, int, int] | None,
+                  st: int, cls: RankClass, last_on_stream: dict[str, Op]
+                  ) -> tuple[Op | None, Op | None]:
+        """A forward and a backward unit (or one of them) issued together, layer by layer
+        (:func:`sim.frameworks.megatron.a2a_overlap.issue_pair`)."""
+        p = self.s.p
+        fu = self.units[(f[0], f[1] * p + st, f[2])].ops if f else []
+        bu = self.units[(b[0], b[1] * p + st, b[2])].ops if b else []
+        label = " ".join(f"{u[0]}{u[1] * p + st}.{u[2]}" for u in (f, b) if u)
+        first, last = issue_pair(fu, bu, lambda op: self._emit(op, cls, last_on_stream),
+                                 label)
+        if b is not None:
+            self.last_bwd[st] = last
+        return first, last
 
     # ------------------------------------------------------------------ gradients, optimizer
     def add_gradients_and_optimizer(self) -> None:

@@ -112,6 +112,11 @@ class MegatronOptions(StrictModel):
     backward, default ``["core_attn"]``; ``moe_act``, ``layernorm`` and ``mla_up_proj`` discard
     their outputs after forward, ``core_attn``, ``mlp``, ``moe`` and ``shared_experts`` are
     checkpointed whole (:mod:`sim.frameworks.megatron.recompute`)."""
+    moe_a2a_overlap: bool = False
+    """``--overlap-moe-expert-parallel-comm`` (Megatron-Bridge ``moe_a2a_overlap``): the
+    combined 1F1B schedule, in which one micro-batch's forward and another's backward run
+    layer by layer together, each one's expert all-to-alls on a communication stream beside
+    the other's compute (:mod:`sim.frameworks.megatron.a2a_overlap`)."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,

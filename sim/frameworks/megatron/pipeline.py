@@ -43,12 +43,15 @@ Transfer = tuple[str, int, int]
 """(F|B, sending virtual stage, micro-batch): what ``pp/{kind}/{v}/{mb}`` carries."""
 
 
-def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[Unit]:
+def schedule(kind: str, p: int, s: int, m: int, vp: int, extra_warmup: int = 0
+             ) -> list[Unit]:
     """Stage ``s``'s order of (F|B, model chunk, micro-batch) units.
 
     1F1B with min(p - s - 1, m) warm-up forwards on stage s, interleaved 1F1B with ``vp``
     model chunks per stage ((p - s - 1) * 2 + (vp - 1) * p warm-up units,
     ``get_pp_rank_microbatches``), or GPipe (all forwards, then all backwards).
+    ``extra_warmup``: more warm-up forwards (the combined 1F1B schedule's one,
+    :mod:`sim.frameworks.megatron.a2a_overlap`).
 
     Examples
     --------
@@ -63,9 +66,9 @@ def schedule(kind: str, p: int, s: int, m: int, vp: int) -> list[Unit]:
         return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
     total = m * vp
     if vp == 1:
-        warmup = min(p - s - 1, m)
+        warmup = min(p - s - 1 + extra_warmup, m)
     else:
-        warmup = min((p - s - 1) * 2 + (vp - 1) * p, total)
+        warmup = min((p - s - 1) * 2 + (vp - 1) * p + extra_warmup, total)
 
     def chunk(k: int, forward: bool) -> int:
         c = (k % (p * vp)) // p
@@ -185,16 +188,19 @@ class Step:
     """(``send``|``recv``, transfer) posted or waited for."""
     sync: bool = False
     """A wait that ends with ``torch.cuda.synchronize()`` (the host waits for the GPU)."""
+    paired: Unit | None = None
+    """A unit step's backward issued together with its forward ``unit`` (the combined 1F1B
+    schedule, :mod:`sim.frameworks.megatron.a2a_overlap`)."""
 
 
 def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int, overlap: bool = True,
-                   sync: bool = True) -> list[Step]:
+                   sync: bool = True, extra_warmup: int = 0) -> list[Step]:
     """Stage ``s``'s units with the point-to-point calls Megatron-Core issues between them.
 
     ``overlap``: the interleaved schedule's ``overlap_p2p_comm`` (posts and later waits);
     without it every call blocks. ``sync``: a blocking call ends with
     ``torch.cuda.synchronize()`` (``batch_p2p_comm`` with ``batch_p2p_sync``,
-    ``p2p_communication.py`` ``_communicate``).
+    ``p2p_communication.py`` ``_communicate``). ``extra_warmup``: as :func:`schedule`'s.
 
     Examples
     --------
@@ -231,7 +237,7 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int, overlap: bool = T
     if vp == 1:
         F = [("F", 0, i) for i in range(m)]
         B = [("B", 0, i) for i in range(m)]
-        warm = m if kind == "gpipe" else min(p - s - 1, m)
+        warm = m if kind == "gpipe" else min(p - s - 1 + extra_warmup, m)
         for i in range(warm):
             call(peer(F[i], "recv"))
             steps.append(Step("unit", F[i]))
@@ -250,9 +256,9 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int, overlap: bool = T
             call(peer(B[i], "send"))
         return steps
 
-    order = schedule("1f1b", p, s, m, vp)
+    order = schedule("1f1b", p, s, m, vp, extra_warmup)
     if not overlap:
-        _interleaved_blocking(order, p, s, m, vp, peer, call, steps)
+        _interleaved_blocking(order, p, s, m, vp, peer, call, steps, extra_warmup)
         return steps
     # Interleaved with overlap_p2p_comm: posts after units, waits before the next unit of the
     # same direction.
@@ -260,7 +266,7 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int, overlap: bool = T
     prev_same: dict[str, int] = {}
     last_send: dict[str, tuple[str, Transfer]] = {}
     # The first backward's receive is posted in the last warm-up iteration.
-    warmup = min((p - s - 1) * 2 + (vp - 1) * p, m * vp)
+    warmup = min((p - s - 1) * 2 + (vp - 1) * p + extra_warmup, m * vp)
     for i, u in enumerate(order):
         r = peer(u, "recv")
         if r is not None:
@@ -287,7 +293,8 @@ def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int, overlap: bool = T
 
 def _interleaved_blocking(order: list[Unit], p: int, s: int, m: int, vp: int,
                           peer: Callable[[Unit, str], tuple[str, Transfer] | None],
-                          call: Callable[..., None], steps: list[Step]) -> None:
+                          call: Callable[..., None], steps: list[Step], extra_warmup: int = 0
+                          ) -> None:
     """The interleaved schedule without ``overlap_p2p_comm`` (``schedules.py``, the
     ``not config.overlap_p2p_comm`` branches): a blocking ``recv_forward`` first; after each
     warm-up forward ``send_forward_recv_forward`` (the last one also receives the first
@@ -297,7 +304,7 @@ def _interleaved_blocking(order: list[Unit], p: int, s: int, m: int, vp: int,
     F = [u for u in order if u[0] == "F"]
     B = [u for u in order if u[0] == "B"]
     total = m * vp
-    warm = min((p - s - 1) * 2 + (vp - 1) * p, total)
+    warm = min((p - s - 1) * 2 + (vp - 1) * p + extra_warmup, total)
     rest = total - warm
 
     def nxt(units: list[Unit], i: int) -> tuple[str, Transfer] | None:
@@ -355,12 +362,15 @@ class P2PLink:
 
 def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
               run_unit: Callable[[Unit], tuple[Op | None, Op | None]], link: P2PLink,
-              last_on_stream: dict[str, Op]) -> None:
+              last_on_stream: dict[str, Op],
+              run_pair: Callable[[Unit, Unit], tuple[Op | None, Op | None]] | None = None
+              ) -> None:
     """Add stage ``st``'s program: units (``run_unit`` adds their ops and returns the first
-    and last), and each transfer as a rendezvous op on a stream per direction and role (the
-    streams of the two stages carry their transfers in the same order, as NCCL's matching
-    sends and receives must be). A unit waits for its transfers; a synchronizing wait also
-    for the last op on every stream of the stage (``torch.cuda.synchronize``)."""
+    and last; ``run_pair`` a paired step's two units), and each transfer as a rendezvous op
+    on a stream per direction and role (the streams of the two stages carry their transfers
+    in the same order, as NCCL's matching sends and receives must be). A unit waits for its
+    transfers; a synchronizing wait also for the last op on every stream of the stage
+    (``torch.cuda.synchronize``)."""
     posted: dict[Transfer, Op] = {}
     pending: list[Op] = []     # waits whose op must gate the next unit
     last: Op | None = None
@@ -373,7 +383,11 @@ def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
     for step in steps:
         if step.what == "unit":
             assert step.unit is not None
-            first, end = run_unit(step.unit)
+            if step.paired is not None:
+                assert run_pair is not None
+                first, end = run_pair(step.unit, step.paired)
+            else:
+                first, end = run_unit(step.unit)
             if first is not None and pending:
                 first.deps = list(first.deps) + pending
             pending = []

@@ -1,0 +1,273 @@
+"""Megatron-Core's ``--overlap-moe-expert-parallel-comm``: the combined 1F1B schedule.
+
+Megatron-Bridge's ``moe_a2a_overlap`` sets it. In the steady phase one micro-batch's forward
+and another's backward are issued together, layer by layer, so that each one's expert
+all-to-alls run on a communication stream while the other's compute runs
+(NVIDIA/Megatron-LM @ d98e8a6, 2026-08):
+
+* ``models/gpt/fine_grained_callables.py`` (``build_transformer_layer_callables``) cuts a
+  layer into nodes: ``pre_dispatch_computation`` (attention, pre-MLP norm, shared experts,
+  router, dispatch preprocess: the permutation and the token-count all-gather),
+  ``moe_dispatch`` (the token and probs all-to-alls), ``mlp`` (dispatch postprocess with the
+  expert-TP gather, the grouped experts, the combine preprocess with the expert-TP
+  reduce-scatter), ``moe_combine`` (the combine all-to-all, the unpermutation and the residual
+  add) and, for an MTP layer, ``mtp_post_process`` (its head and loss). Dense layers have
+  only the first and the third.
+* ``models/common/model_chunk_schedule_plan.py``: ``TransformerLayerSchedulePlan`` puts the
+  dispatch and combine nodes on the communication stream (``get_comm_stream``), the others on
+  the compute stream. Every node of one micro-batch's chunk waits for the chunk's one CUDA
+  event and records it when done (``ScheduleNode.stream_acquire_context``,
+  ``pipeline_parallel/utils.py``), so a micro-batch's nodes run one after another across the
+  two streams while the other micro-batch's nodes fill the gaps. ``run`` issues, for forward
+  layer ``i`` and backward layer ``L - 1 - i``: b mtp_post_process, b combine (comm), f
+  pre_dispatch (comp), b mlp (comp), f dispatch (comm), b dispatch (comm), f mlp (comp),
+  f combine (comm), b pre_dispatch (comp), f mtp_post_process; the host issues in that order.
+* ``TransformerModelChunkSchedulePlan.run``: after the pipeline waits, the forward's
+  embedding and the backward's output layer, then the overlapped layers, the backward's and
+  then the forward's remaining layers alone, the point-to-point sends, the forward's output
+  layer, the backward's embedding, and the compute stream waits for both chunks' events.
+* ``pipeline_parallel/combined_1f1b.py`` and ``schedules.py``: without pipelining the first
+  forward runs alone, then (forward i + 1, backward i) pairs, then the last backward; the
+  interleaved schedule runs one more warm-up forward (``get_pp_rank_microbatches``: "to
+  ensure the forward and backward computations are independent in all 1f1b steps") and
+  waits for both the forward's and the backward's receive before a pair.
+
+What this does not model: ``delay_wgrad_compute`` (the recipes' weight-gradient split; the
+layer's backward here includes its weight gradients), the high-priority communication stream
+(``high_priority_a2a_comm_stream``), ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron-LM only
+warns; streams here never serialise through one hardware queue), and the forward's pipeline
+send starting at the forward's last node (here it waits for the whole pair, a little late).
+The unpermutation on the communication stream runs beside the compute stream's kernels
+without sharing SMs with them (the engine slows compute only for collectives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.pipeline import Step, Unit
+from sim.frameworks.megatron.shape import MegatronShape
+from sim.program.ir import Op
+
+COMM_STREAM = "moe_a2a"
+"""The combined schedule's communication stream (``set_streams``' ``_COMM_STREAM``)."""
+KEY = "framework.moe_a2a_overlap"
+
+
+def check_a2a_overlap(ctx: JobContext, s: MegatronShape) -> None:
+    """Refuse what Megatron-Core refuses with ``overlap_moe_expert_parallel_comm``
+    (``TransformerConfig.__post_init__``, transformer_config.py), with one line naming the
+    key."""
+    o, par = s.opts, ctx.scenario.parallelism
+    ctx.require(ctx.model.moe is not None and par.ep > 1, KEY,
+                "overlap_moe_expert_parallel_comm is only supported with expert model "
+                "parallelism (a mixture-of-experts model and parallelism.ep > 1)")
+    ctx.require(o.moe_token_dispatcher_type in ("alltoall", "flex"), KEY,
+                "overlap_moe_expert_parallel_comm is supported with the alltoall or flex "
+                "token dispatcher, not allgather")
+    ctx.require(s.p == 1 or s.vp > 1, KEY,
+                "with pipeline parallelism the combined 1F1B schedule needs virtual stages "
+                "(parallelism.vp > 1: virtual_pipeline_model_parallel_size must be specified "
+                "when pipeline_model_parallel_size > 1)")
+    ctx.require(o.pipeline_schedule == "1f1b", KEY,
+                "the combined schedule replaces 1F1B (pipeline_schedule: 1f1b)")
+    ctx.require(s.ac != "full", KEY,
+                "disable full recomputation (activation_checkpointing: full) with "
+                "overlap_moe_expert_parallel_comm")
+    ctx.require(not o.moe_shared_expert_overlap, KEY,
+                "disable moe_shared_expert_overlap when enabling "
+                "overlap_moe_expert_parallel_comm")
+    ctx.require(ctx.model.mtp_layers <= 1, KEY,
+                "MTP supports at most one layer with overlap_moe_expert_parallel_comm")
+
+
+# ---------------------------------------------------------------------- one unit's nodes
+@dataclass
+class LayerNodes:
+    """One layer's ops in one unit, cut into Megatron's schedule nodes (issue order of that
+    pass); ``dispatch`` and ``combine`` are empty in a dense layer."""
+
+    pre: list[Op] = field(default_factory=list)
+    dispatch: list[Op] = field(default_factory=list)
+    mlp: list[Op] = field(default_factory=list)
+    combine: list[Op] = field(default_factory=list)
+    post: list[Op] = field(default_factory=list)
+    """``mtp_post_process`` (an MTP layer's head and loss), or ops before the combine."""
+
+
+def _a2a(op: Op, which: str) -> bool:
+    return op.collective == "all_to_all" and which in op.name
+
+
+def _index(ops: list[Op], pred: Callable[[Op], bool], start: int = 0) -> int:
+    return next((i for i in range(start, len(ops)) if pred(ops[i])), len(ops))
+
+
+def _run_end(ops: list[Op], i: int, which: str) -> int:
+    while i < len(ops) and _a2a(ops[i], which):
+        i += 1
+    return i
+
+
+def _unpermute(op: Op) -> bool:
+    return op.kind == "compute" and op.name.endswith(" combine")
+
+
+def forward_nodes(ops: list[Op]) -> LayerNodes:
+    """A layer's forward ops as nodes: pre_dispatch up to the dispatch all-to-alls, mlp up to
+    the combine all-to-all, combine with the unpermutation, then the MTP head."""
+    d = _index(ops, lambda o: _a2a(o, "dispatch"))
+    if d == len(ops):       # dense: attention, then the MLP block
+        m = _index(ops, lambda o: " mlp L" in o.name)
+        return LayerNodes(pre=ops[:m], mlp=ops[m:])
+    de = _run_end(ops, d, "dispatch")
+    c = _index(ops, lambda o: _a2a(o, "combine"), de)
+    ce = c + 1
+    while ce < len(ops) and _unpermute(ops[ce]):
+        ce += 1
+    return LayerNodes(pre=ops[:d], dispatch=ops[d:de], mlp=ops[de:c], combine=ops[c:ce],
+                      post=ops[ce:])
+
+
+def backward_nodes(ops: list[Op]) -> LayerNodes:
+    """A layer's backward ops as nodes: the MTP head's backward, combine (the unpermutation's
+    backward and the combine's reverse all-to-all), mlp, the dispatch's reverse all-to-alls,
+    then pre_dispatch (shared experts, router, attention)."""
+    c = _index(ops, lambda o: _a2a(o, "combine"))
+    if c == len(ops):       # dense: the MLP block, then attention
+        a = _index(ops, lambda o: " attn L" in o.name)
+        return LayerNodes(mlp=ops[:a], pre=ops[a:])
+    cs = c - 1 if c > 0 and _unpermute(ops[c - 1]) else c
+    d = _index(ops, lambda o: _a2a(o, "dispatch"), c + 1)
+    de = _run_end(ops, d, "dispatch")
+    return LayerNodes(post=ops[:cs], combine=ops[cs:c + 1], mlp=ops[c + 1:d],
+                      dispatch=ops[d:de], pre=ops[de:])
+
+
+def split_unit(ops: list[Op], forward: bool) -> tuple[list[Op], list[LayerNodes], list[Op]]:
+    """A unit's ops as (ops before its first layer, each layer's nodes in the unit's order,
+    ops after its last layer). Ops without a layer between two layers' stay with the one
+    before."""
+    first = _index(ops, lambda o: o.layer is not None)
+    last = max((i for i, o in enumerate(ops) if o.layer is not None), default=-1)
+    runs: list[list[Op]] = []
+    prev: int | None = None
+    for op in ops[first:last + 1]:
+        if op.layer is not None and op.layer != prev:
+            runs.append([])
+            prev = op.layer
+        runs[-1].append(op)
+    cut = forward_nodes if forward else backward_nodes
+    return ops[:first], [cut(r) for r in runs], ops[last + 1:]
+
+
+# ---------------------------------------------------------------------- issue one pair
+def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
+               label: str) -> tuple[Op, Op]:
+    """Issue a forward unit's and a backward unit's ops as Megatron-Core's combined step does
+    (see the module docstring) through ``emit`` (which adds an op to the stage's program);
+    return the (first, last) ops the pipeline's waits and sends attach to: a start marker
+    after the waits that both micro-batches' first nodes wait for, and an end marker at which
+    the compute stream waits for both (``wait_current_stream``)."""
+    f_head, f_layers, f_tail = split_unit(f_ops, True)
+    b_head, b_layers, b_tail = split_unit(b_ops, False)
+    start = Op(name=f"combined 1f1b {label} start", kind="compute", stream="compute",
+               phase="comm", kernels=0, category="sync")
+    emit(start)
+    prev: dict[str, Op] = {"f": start, "b": start}
+
+    def node(chain: str, ops: list[Op], comm: bool = False) -> None:
+        """Issue one node: on the communication stream when ``comm``; its first op waits for
+        the chain's previous node (the chunk's event)."""
+        if not ops:
+            return
+        if ops[0] is not prev[chain] and prev[chain] not in ops[0].deps:
+            ops[0].deps = [*ops[0].deps, prev[chain]]
+        for op in ops:
+            if comm and op.stream == "compute":
+                op.stream = COMM_STREAM
+            emit(op)
+        prev[chain] = ops[-1]
+
+    def alone_b(n: LayerNodes) -> None:
+        node("b", n.post)
+        node("b", n.combine, True)
+        node("b", n.mlp)
+        node("b", n.dispatch, True)
+        node("b", n.pre)
+
+    def alone_f(n: LayerNodes) -> None:
+        node("f", n.pre)
+        node("f", n.dispatch, True)
+        node("f", n.mlp)
+        node("f", n.combine, True)
+        node("f", n.post)
+
+    node("f", f_head)
+    node("b", b_head)
+    both = min(len(f_layers), len(b_layers))
+    for fn, bn in zip(f_layers[:both], b_layers[:both], strict=True):
+        node("b", bn.post)
+        node("b", bn.combine, True)
+        node("f", fn.pre)
+        node("b", bn.mlp)
+        node("f", fn.dispatch, True)
+        node("b", bn.dispatch, True)
+        node("f", fn.mlp)
+        node("f", fn.combine, True)
+        node("b", bn.pre)
+        node("f", fn.post)
+    for bn in b_layers[both:]:
+        alone_b(bn)
+    for fn in f_layers[both:]:
+        alone_f(fn)
+    node("f", f_tail)
+    node("b", b_tail)
+    end = Op(name=f"combined 1f1b {label} end", kind="compute", stream="compute",
+             phase="comm", kernels=0, category="sync", deps=[prev["f"], prev["b"]])
+    emit(end)
+    return start, end
+
+
+# ---------------------------------------------------------------------- the schedule
+def combined_warmup(p: int, s: int, m: int, vp: int) -> int:
+    """Warm-up forwards of stage ``s`` in the combined schedule: plain 1F1B's plus one
+    (``get_pp_rank_microbatches`` with ``overlap_moe_expert_parallel_comm``; without
+    pipelining the first forward runs alone, ``combined_1f1b_schedule_for_no_pipelining``).
+
+    >>> combined_warmup(1, 0, 8, 1), combined_warmup(4, 0, 8, 2), combined_warmup(4, 3, 8, 2)
+    (1, 11, 5)
+    """
+    if vp == 1:
+        return min(p - s - 1 + 1, m)
+    return min((p - s - 1) * 2 + (vp - 1) * p + 1, m * vp)
+
+
+def pair_steps(steps: list[Step], order: list[Unit], warmup: int) -> list[Step]:
+    """Merge each steady (forward, backward) pair of a stage's ``steps`` into one step (its
+    ``unit`` the forward, ``paired`` the backward), ``order`` being the stage's unit order
+    with ``warmup`` warm-up forwards (one more than plain 1F1B's with virtual stages). The
+    waits between the two units move before the pair and the posts after it, as
+    ``pp_pre_forward`` and ``pp_pre_backward`` wait before the combined step and
+    ``pp_post_forward`` / ``pp_post_backward`` post after it (schedules.py)."""
+    pairs = {order[i]: order[i + 1] for i in range(warmup, len(order) - 1, 2)
+             if order[i][0] == "F" and order[i + 1][0] == "B"}
+    out: list[Step] = []
+    i = 0
+    while i < len(steps):
+        st = steps[i]
+        if st.what != "unit" or st.unit not in pairs:
+            out.append(st)
+            i += 1
+            continue
+        b = pairs[st.unit]
+        j = next(k for k in range(i + 1, len(steps))
+                 if steps[k].what == "unit" and steps[k].unit == b)
+        between = steps[i + 1:j]
+        out += [x for x in between if x.what == "wait"]
+        out.append(Step("unit", st.unit, paired=b))
+        out += [x for x in between if x.what == "post"]
+        i = j + 1
+    return out
