@@ -27,7 +27,6 @@ from typing import Literal
 
 from sim.hardware.attention_cost import window_pairs
 from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
-from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.layer_rules import (
     FP8,
     bias_grad,
@@ -37,6 +36,7 @@ from sim.workload.layer_rules import (
     linear_params,
     scaled_cast,
 )
+from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
 
 MASK = 1  # dropout masks are bytes
