@@ -36,6 +36,7 @@ from sim.workload.layer_rules import (
     linear_params,
     scaled_cast,
 )
+from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
 
 MASK = 1  # dropout masks are bytes
@@ -60,6 +61,8 @@ class MegatronLayout:
     weight_cast_share: float = 1.0
     """Share of a weight's FP8 cast each micro-batch pays: Transformer Engine casts weights on
     the first micro-batch of a step only (``is_first_microbatch``), 1 / micro-batches."""
+    cross_entropy: LossImpl = "unfused"
+    """The loss's implementation (:mod:`sim.workload.megatron_loss`)."""
 
 
 STYLE = Style("bf16")
@@ -188,7 +191,8 @@ def _row_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, width: int,
 
 def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
             bias: bool, bias_in_epilogue: bool = False,
-            lay: MegatronLayout | None = None) -> Tensor:
+            lay: MegatronLayout | None = None, g_out: Tensor | None = None,
+            grad_in_output: bool = False) -> Tensor:
     """A tensor-parallel linear on the local shard; weight gradient accumulated straight into
     the fp32 main_grad by the wgrad GEMM (gradient_accumulation_fusion).
 
@@ -202,11 +206,16 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     scaling) first reduces each tensor's amax in its own pass; ``delayed`` scaling takes the
     scale from the amax history and records the new amax inside the cast. Where TE fuses the
     cast into the preceding norm or activation kernel we still count it as its own pass.
+
+    ``g_out``: the output gradient when the caller's backward produces it as a tensor of its
+    own (the fused losses' gradient of the logits); ``grad_in_output``: it arrives in the
+    output's own storage (Transformer Engine's cross-entropy); a new tensor otherwise.
     """
     b.block.params += linear_params(n_in, n_out, bias)
     fp8 = lay.fp8 if lay is not None else None
     y = b.t(f"{name}.out", tokens * n_out, BF16)
-    gy = b.t(f"{name}.g_out", tokens * n_out, BF16)
+    gy = y if grad_in_output else g_out if g_out is not None else \
+        b.t(f"{name}.g_out", tokens * n_out, BF16)
     gx = b.t(f"{name}.g_in", tokens * n_in, BF16)
     gw = b.t(f"{name}.main_grad", n_in * n_out, FP32)
     if fp8 is None:
@@ -460,9 +469,8 @@ def embedding_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> 
 
 
 def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block:
-    """Final norm, vocab-parallel output layer and vocab-parallel cross-entropy in fp32
-    (``tensor_parallel/cross_entropy.py``: max, subtract, exp, sum, divide in place; the
-    all-reduces of the row max and sums are tiny and folded in)."""
+    """Final norm, vocab-parallel output layer and vocab-parallel cross-entropy as
+    ``lay.cross_entropy`` selects (:func:`sim.workload.megatron_loss.vocab_parallel_loss`)."""
     b = _Builder("head", STYLE)
     tokens = batch * (seq // lay.cp)
     local = tokens / lay.tp if lay.sequence_parallel else tokens
@@ -472,23 +480,15 @@ def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block
     b.block.inputs.append(x)
     y = _norm(b, m, x, local, "norm")
     yin = b.t("out_in", tokens * h, BF16) if lay.sequence_parallel else y
-    logits = _linear(b, yin, tokens, h, vocab, "output", False)
+    impl = lay.cross_entropy
+    # The fused losses' gradient is the tensor the output layer's backward reads (native: the
+    # bf16 tensor it returns; te: the logits themselves, overwritten in place).
+    g = b.t("output.g_out", tokens * vocab, BF16) if impl == "native" else None
+    logits = _linear(b, yin, tokens, h, vocab, "output", False, g_out=g,
+                     grad_in_output=impl == "te")
+    vocab_parallel_loss(b, logits, tokens, vocab, impl, g)
     if m.tied_embeddings:
         b.block.params -= vocab * h
-    n = tokens * vocab
-    lf = b.t("logits_fp32", n, FP32)
-    b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
-    b.fwd(Kernel("row_max", "elementwise", (lf,), ()))
-    b.fwd(Kernel("sub_max", "elementwise", (lf,), (lf,)))
-    b.fwd(Kernel("exp", "elementwise", (lf,), (lf,)))
-    b.fwd(Kernel("row_sum", "elementwise", (lf,), ()))
-    b.fwd(Kernel("div_sum", "elementwise", (lf,), (lf,)))
-    b.save(lf)
-    g = b.t("g_logits", n, FP32)
-    gl = b.t("output.g_out", n, BF16)
-    b.bwd(Kernel("softmax_minus_onehot", "elementwise", (lf,), (lf,)),
-          Kernel("scale_by_grad", "elementwise", (lf,), (g,)),
-          Kernel("g_logits_half", "elementwise", (g,), (gl,)))
     return b.finish()
 
 

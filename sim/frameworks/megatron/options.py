@@ -71,6 +71,14 @@ class MegatronOptions(StrictModel):
     Bridge's DeepSeek-V3 on pp 8 x vp 4 is ``"Et|(tt|)*30mL"``) or as lists of those names;
     not with the first/last or embedding/loss split options
     (:mod:`sim.frameworks.megatron.layout`)."""
+    cross_entropy_loss_fusion: bool = False
+    """``--cross-entropy-loss-fusion``: the fused vocab-parallel cross-entropy (Megatron-Core's
+    TransformerConfig default off; Megatron-Bridge's GPTModelProvider turns it on), saving no
+    fp32 logits with ``cross_entropy_fusion_impl: te`` (:mod:`sim.workload.megatron_loss`)."""
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """``--cross-entropy-fusion-impl``: Megatron-Core's ``torch.compile``-fused loss (still an
+    fp32 softmax saved) or Transformer Engine's Triton ``parallel_cross_entropy`` (the bf16
+    gradient written into the logits in forward); only with ``cross_entropy_loss_fusion``."""
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""

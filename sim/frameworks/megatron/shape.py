@@ -26,6 +26,7 @@ from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
 from sim.workload.layer_ops import Block, BlockCost, price_block
+from sim.workload.megatron_loss import loss_impl
 from sim.workload.megatron_ops import (
     STYLE,
     MegatronLayout,
@@ -430,7 +431,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
-                         weight_cast_share=1.0 / ctx.micro_batches)
+                         weight_cast_share=1.0 / ctx.micro_batches,
+                         cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
+                                                 opts.cross_entropy_fusion_impl))
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
     cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
     tokens = ctx.micro_batch * ctx.seq // cp
