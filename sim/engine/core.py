@@ -23,10 +23,8 @@ step.
 
 from __future__ import annotations
 
-import gc
 import math
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +33,7 @@ import simpy
 from sim import catalog
 from sim.catalog import GpuSpec
 from sim.engine.event_loop import run_until
+from sim.engine.gc_pause import paused_gc as paused_gc  # re-exported (sim.api)
 from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
@@ -98,25 +97,6 @@ class _Rendezvous:
     arrived: set[int] = field(default_factory=set)
     start: float = 0.0
     reported: bool = False
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector off inside, as it was after.
-
-    While a program is built and run, millions of objects that live to the end (ops, events,
-    processes, flows) are created and the collector traverses them again and again while
-    nothing cyclic dies: a fifth of a 1,024-GPU step's wall time, and 20 s of building and
-    running a 3,072-GPU one (docs/performance.md). Objects still die by reference count
-    inside; cycles wait for the next collection after. No simulated number depends on it.
-    """
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 class Engine:
