@@ -38,6 +38,7 @@ from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
 from sim.engine.jitter import StepJitter
+from sim.engine.waits import AllDone, FirstOf
 from sim.fabric.collectives import alltoall
 from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.fabric.network import FlowNetwork, NetworkObserver
@@ -208,9 +209,8 @@ class Engine:
             assert changed is not None
             t0 = env.now
             done = env.timeout(work * f)
-            fired = yield done | changed
-            assert isinstance(fired, simpy.events.ConditionValue)
-            if done in fired:
+            yield FirstOf(env, done, changed)
+            if done.callbacks is None:   # processed: the op ran to its end
                 return
             work -= (env.now - t0) / f
             if work <= 1e-15:
@@ -358,9 +358,10 @@ class Engine:
         issue_times, issue_waits, finished, step = background or (
             self._issue_time, self._issue_wait, self._finished, self._step)
         for op in ops:
-            pending = [done[d.index] for d in op.deps if not done[d.index].processed]
+            pending = [ev for ev in (done[d.index] for d in op.deps)
+                       if ev.callbacks is not None]   # not processed yet
             if pending:
-                yield simpy.AllOf(env, pending)
+                yield AllDone(env, pending)
             issued = issue_times.get(op.index)
             if issued is None:
                 wait = issue_waits.setdefault(op.index, env.event())
