@@ -443,7 +443,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gc", choices=("on", "off", "freeze"), default="on",
                     help="the cyclic garbage collector around the step: on (as shipped: "
                     "simulate itself pauses it while it builds, runs and collects, "
-                    "sim.engine.core.paused_gc, so only the collection after remains), off "
+                    "sim.engine.gc_pause.paused_gc; after a large run it hands the run's objects "
+                    "to the oldest generation, so no young pass over them remains), off "
                     "(disabled throughout), freeze (gc.freeze() once the program and fabric "
                     "are built); the simulated numbers do not depend on it")
     args = ap.parse_args(argv)
