@@ -443,7 +443,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gc", choices=("on", "off", "freeze"), default="on",
                     help="the cyclic garbage collector around the step: on (as shipped: "
                     "simulate itself pauses it while it builds, runs and collects, "
-                    "sim.engine.core.paused_gc, so only the collection after remains), off "
+                    "sim.engine.gc_pause.paused_gc; after a large run it hands the run's objects "
+                    "to the oldest generation, so no young pass over them remains), off "
                     "(disabled throughout), freeze (gc.freeze() once the program and fabric "
                     "are built); the simulated numbers do not depend on it")
     args = ap.parse_args(argv)
@@ -476,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     gc.callbacks.append(gc_timer)
     if args.gc == "off":
         gc.disable()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     result = sim.api.simulate(scenario)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     gc.enable()
     if profiler is not None:
         profiler.stop()
@@ -495,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         "scenario": args.scenario, "base": base, "overrides": [*overrides, *args.sets],
         "gpus": scenario.gpus, "rank_classes": len(result.program.classes),
         "program_ops": len(result.program.ops), "links": len(eng.net.capacity),
-        "wall_s": round(wall, 2), "load_s": round(t_load, 2), "profiled": profiler is not None,
+        "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "load_s": round(t_load, 2),
+        "profiled": profiler is not None,
         "gc": args.gc,
         "ops_finished": ops, "rate_solves": solves, "flow_groups": eng.net._next_group,
         "simpy_events": simpy_events,
@@ -512,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     figures["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     print(f"{args.scenario}: {scenario.gpus:,} GPUs, {figures['rank_classes']} rank classes, "
           f"{figures['program_ops']:,} ops, {figures['links']:,} links")
-    print(f"wall {wall:.2f} s{' (profiled)' if profiler else ''}; {ops:,} ops finished, "
+    print(f"wall {wall:.2f} s{' (profiled)' if profiler else ''}, CPU {cpu:.2f} s (this "
+          f"process: steadier on a shared machine); {ops:,} ops finished, "
           f"{solves:,} rate solves, {figures['flow_groups']:,} flow groups, "
           f"{simpy_events:,} simpy events; {figures['events_per_s']:,} events/s "
           f"(ops + solves), step {figures['step_time_s']:.3f} s simulated")

@@ -23,10 +23,8 @@ step.
 
 from __future__ import annotations
 
-import gc
 import math
 from collections.abc import Callable, Generator, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,10 +33,12 @@ import simpy
 from sim import catalog
 from sim.catalog import GpuSpec
 from sim.engine.event_loop import run_until
+from sim.engine.gc_pause import paused_gc as paused_gc  # re-exported (sim.api)
 from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
 from sim.engine.jitter import StepJitter
+from sim.engine.waits import AllDone, FirstOf
 from sim.fabric.collectives import alltoall
 from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
 from sim.fabric.network import FlowNetwork, NetworkObserver
@@ -98,25 +98,6 @@ class _Rendezvous:
     arrived: set[int] = field(default_factory=set)
     start: float = 0.0
     reported: bool = False
-
-
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector off inside, as it was after.
-
-    While a program is built and run, millions of objects that live to the end (ops, events,
-    processes, flows) are created and the collector traverses them again and again while
-    nothing cyclic dies: a fifth of a 1,024-GPU step's wall time, and 20 s of building and
-    running a 3,072-GPU one (docs/performance.md). Objects still die by reference count
-    inside; cycles wait for the next collection after. No simulated number depends on it.
-    """
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 class Engine:
@@ -228,9 +209,8 @@ class Engine:
             assert changed is not None
             t0 = env.now
             done = env.timeout(work * f)
-            fired = yield done | changed
-            assert isinstance(fired, simpy.events.ConditionValue)
-            if done in fired:
+            yield FirstOf(env, done, changed)
+            if done.callbacks is None:   # processed: the op ran to its end
                 return
             work -= (env.now - t0) / f
             if work <= 1e-15:
@@ -378,9 +358,10 @@ class Engine:
         issue_times, issue_waits, finished, step = background or (
             self._issue_time, self._issue_wait, self._finished, self._step)
         for op in ops:
-            pending = [done[d.index] for d in op.deps if not done[d.index].processed]
+            pending = [ev for ev in (done[d.index] for d in op.deps)
+                       if ev.callbacks is not None]   # not processed yet
             if pending:
-                yield simpy.AllOf(env, pending)
+                yield AllDone(env, pending)
             issued = issue_times.get(op.index)
             if issued is None:
                 wait = issue_waits.setdefault(op.index, env.event())
