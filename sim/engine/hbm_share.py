@@ -47,7 +47,10 @@ class HbmShare:
         self._load = load
         self._memory: dict[int, float] = {}
         self._class_scale: dict[int, float] = {}
-        self._keys: dict[int, set[str]] = {}
+        # A class's live collectives, in the order they started: a dict, not a set, because a
+        # set of strings iterates in an order that changes with each process's hash seed, and
+        # _update rescales them in that order (same scenario, same numbers).
+        self._keys: dict[int, dict[str, None]] = {}
         self._coll: dict[str, _Collective] = {}
         self.changes = 0
         """Times a collective's cap moved (each one a partial rate solve)."""
@@ -79,7 +82,7 @@ class HbmShare:
         coll = _Collective(tag, tuple(sorted(classes)))
         self._coll[key] = coll
         for c in coll.classes:
-            self._keys.setdefault(c, set()).add(key)
+            self._keys.setdefault(c, {})[key] = None
         coll.scale = min((self._class_scale.get(c, 1.0) for c in coll.classes), default=1.0)
         if coll.scale < 1.0:
             self.changes += 1
@@ -92,7 +95,7 @@ class HbmShare:
         for c in coll.classes:
             keys = self._keys.get(c)
             if keys is not None:
-                keys.discard(key)
+                keys.pop(key, None)
                 if not keys:
                     del self._keys[c]
                     self._class_scale.pop(c, None)
