@@ -52,12 +52,10 @@ class Pace:
         return max(per) * len(per) / sum(per) if sum(per) else 1.0
 
 
-def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
-                 capacity: int | None = None) -> Pace | None:
-    """The busiest EP rank's layer ops under the scenario's ``training.routing``, or None
-    when every EP rank gets the same load (balanced routing, or a skew that evens out over
-    each rank's experts): then the balanced program is exactly today's. ``capacity``: the
-    copies each source keeps per expert when the router drops tokens (None: dropless)."""
+def scenario_shares(ctx: JobContext) -> tuple[tuple[float, ...], int] | None:
+    """Each routed expert's share of the token copies under the scenario's
+    ``training.routing``, and the routing seed; None when balanced. A measured histogram must
+    have one load per routed expert (one line naming the key otherwise)."""
     r = ctx.scenario.training.routing
     moe = ctx.model.moe
     assert moe is not None
@@ -70,7 +68,21 @@ def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
                     f"{len(hist)} per-expert loads for the model's {moe.experts} "
                     "routed experts")
     seed = r.seed if r.seed is not None else ctx.scenario.seed
-    shares = routing_shares(moe.experts, r.distribution, r.s, hist, seed)
+    return routing_shares(moe.experts, r.distribution, r.s, hist, seed), seed
+
+
+def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
+                 capacity: int | None = None) -> Pace | None:
+    """The busiest EP rank's layer ops under the scenario's ``training.routing``, or None
+    when every EP rank gets the same load (balanced routing, or a skew that evens out over
+    each rank's experts): then the balanced program is exactly today's. ``capacity``: the
+    copies each source keeps per expert when the router drops tokens (None: dropless)."""
+    routed = scenario_shares(ctx)
+    if routed is None:
+        return None
+    shares, _ = routed
+    moe = ctx.model.moe
+    assert moe is not None
     sources = lay.ep * lay.etp
     loads = expert_loads(tokens * sources, moe.top_k, shares)
     if capacity is not None:

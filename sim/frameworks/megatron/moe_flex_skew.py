@@ -32,11 +32,11 @@ from functools import lru_cache
 import numpy as np
 
 from sim.frameworks.common.base import JobContext
-from sim.frameworks.common.moe_pace import Pace
+from sim.frameworks.common.moe_pace import Pace, scenario_shares
 from sim.hardware.compute import ComputeModel
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
-from sim.workload.routing import routing_matrix, routing_shares
+from sim.workload.routing import routing_matrix
 
 Matrix = tuple[tuple[float, ...], ...]
 
@@ -127,19 +127,12 @@ def scenario_skew(ctx: JobContext, tokens: int, width: int, groups: int, group_t
                   ) -> FlexSkew | None:
     """The scenario's ``training.routing`` over one expert-TP x EP group with ``tokens`` per
     rank, or None when balanced (the closed forms of :class:`FlexLayout` then hold)."""
-    r = ctx.scenario.training.routing
+    routed = scenario_shares(ctx)
+    if routed is None:
+        return None
+    shares, seed = routed
     moe = ctx.model.moe
     assert moe is not None
-    if r.distribution == "balanced":
-        return None
-    hist = r.histogram
-    assert not isinstance(hist, str)        # the scenario's validator read the file
-    if hist is not None:
-        ctx.require(len(hist) == moe.experts, "training.routing.histogram",
-                    f"{len(hist)} per-expert loads for the model's {moe.experts} "
-                    "routed experts")
-    seed = r.seed if r.seed is not None else ctx.scenario.seed
-    shares = routing_shares(moe.experts, r.distribution, r.s, hist, seed)
     if len(set(shares)) == 1:
         return None                         # zipf with s = 0: balanced
     par = ctx.scenario.parallelism
