@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from sim.frameworks.common.base import JobContext
-from sim.frameworks.megatron.moe_flex_skew import FlexSkew, scenario_skew
+from sim.frameworks.megatron.moe_flex_skew import FlexSkew, deepep_matrix, scenario_skew
 from sim.frameworks.megatron.moe_memory import CATEGORY
 from sim.program.ir import Op
 from sim.program.mesh import Groups
@@ -271,29 +271,13 @@ class FlexLayout:
         (once per node), NVLink peers in the node what the forwarder relays (the tokens of
         every node's same-rail rank, its own included, routed to that peer); the diagonal is
         a local copy."""
-        n = len(self.ranks)
         blocks = self.node_blocks()
         nodes = len(blocks)
-        width = len(blocks[0])
         node_hit = [self.hit(b) for b in blocks]
-        rank_hit = [self.hit((r,)) for r in range(n)]
-        rows = []
-        for i in range(n):
-            bi, li = divmod(i, width)
-            row = []
-            for j in range(n):
-                bj, lj = divmod(j, width)
-                if i == j:
-                    v = 0.0
-                elif bi == bj:
-                    v = nodes * tokens * rank_hit[j]
-                elif li == lj:
-                    v = tokens * node_hit[bj]
-                else:
-                    v = 0.0
-                row.append(v)
-            rows.append(tuple(row))
-        return tuple(rows)
+        rank_hit = [self.hit((r,)) for r in range(len(self.ranks))]
+        return deepep_matrix(len(self.ranks), len(blocks[0]),
+                             forward=lambda i, j: nodes * tokens * rank_hit[j],
+                             rdma=lambda i, node: tokens * node_hit[node])
 
 
 @dataclass(frozen=True)

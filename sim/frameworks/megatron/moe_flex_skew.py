@@ -26,6 +26,7 @@ data, as :mod:`sim.workload.routing` says).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -39,6 +40,31 @@ from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
 from sim.workload.routing import routing_matrix
 
 Matrix = tuple[tuple[float, ...], ...]
+
+
+def deepep_matrix(n: int, width: int, forward: Callable[[int, int], float],
+                  rdma: Callable[[int, int], float]) -> tuple[tuple[float, ...], ...]:
+    """DeepEP's dispatch as a sender-by-receiver matrix over ``n`` group ranks, ``width`` to a
+    node: rank ``i`` sends ``forward(i, j)`` to rank ``j`` of its own node (NVLink forwarding)
+    and ``rdma(i, node)`` to the same-rail rank of every other node (the RDMA leg); nothing to
+    any other rank, nor to itself (a local copy)."""
+    rows = []
+    for i in range(n):
+        bi, li = divmod(i, width)
+        row = []
+        for j in range(n):
+            bj, lj = divmod(j, width)
+            if i == j:
+                v = 0.0
+            elif bi == bj:
+                v = forward(i, j)
+            elif li == lj:
+                v = rdma(i, bj)
+            else:
+                v = 0.0
+            row.append(v)
+        rows.append(tuple(row))
+    return tuple(rows)
 
 
 @dataclass(frozen=True)
@@ -63,24 +89,12 @@ class FlexSkew:
         another node's same-rail rank its node's deduplicated tokens (the RDMA leg); a rank
         of its own node what it forwards there, the tokens of every same-rail source (its
         own included) bound for that rank; nothing to itself (a local copy)."""
-        n, w = self.n, self.width
-        rows = []
-        for i in range(n):
-            bi, li = divmod(i, w)
-            row = []
-            for j in range(n):
-                bj, lj = divmod(j, w)
-                if i == j:
-                    v = 0.0
-                elif bi == bj:
-                    v = float(sum(self.rank_tokens[s][j] for s in range(li, n, w)))
-                elif li == lj:
-                    v = float(self.node_tokens[i][bj])
-                else:
-                    v = 0.0
-                row.append(v)
-            rows.append(tuple(row))
-        return tuple(rows)
+        w = self.width
+        return deepep_matrix(
+            self.n, w,
+            forward=lambda i, j: float(sum(self.rank_tokens[s][j]
+                                           for s in range(i % w, self.n, w))),
+            rdma=lambda i, node: float(self.node_tokens[i][node]))
 
     def received(self) -> float:
         """Tokens the busiest rank receives in one dispatch (once each)."""
