@@ -20,6 +20,7 @@ and torchtitan's builders lift it with a class per (stage, expert load)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
@@ -71,6 +72,34 @@ def scenario_shares(ctx: JobContext) -> tuple[tuple[float, ...], int] | None:
     return routing_shares(moe.experts, r.distribution, r.s, hist, seed), seed
 
 
+def priced_ranks(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
+                 loads: Sequence[int], peers: Sequence[Sequence[float]] = ()
+                 ) -> tuple[tuple[MoELayerOps, BlockCost], ...]:
+    """Every EP rank's layer ops and priced expert block under per-expert ``loads`` (rank
+    ``j`` holds the ``j``-th run of ``len(loads) / ep`` experts); ``peers``, when given, the
+    copies from EP rank to EP rank (row: sender). Ranks with the same counts share one
+    pricing, the first such rank's."""
+    local = len(loads) // lay.ep
+    priced: dict[tuple[int, ...], tuple[MoELayerOps, BlockCost]] = {}
+    out = []
+    for j in range(lay.ep):
+        counts = tuple(loads[j * local:(j + 1) * local])
+        if counts not in priced:
+            ops = moe_layer_ops(ctx.model, lay, tokens, tokens_per_expert=counts,
+                                send_tokens=peers[j] if peers else None,
+                                recv_tokens=[row[j] for row in peers] if peers else None,
+                                ep_rank=j)
+            priced[counts] = (ops, price_block(ops.experts, STYLE, cm))
+        out.append(priced[counts])
+    return tuple(out)
+
+
+def busiest(priced: Sequence[tuple[MoELayerOps, BlockCost]]) -> int:
+    """The EP rank whose experts take longest (forward + backward; the first on a tie)."""
+    return max(range(len(priced)),
+               key=lambda j: priced[j][1].fwd_gpu_s + priced[j][1].bwd_gpu_s)
+
+
 def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
                  capacity: int | None = None) -> Pace | None:
     """The busiest EP rank's layer ops under the scenario's ``training.routing``, or None
@@ -92,20 +121,8 @@ def routing_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
     per_rank = rank_loads(loads, lay.ep)
     if len(set(per_rank)) == 1 and len(set(loads)) == 1:
         return None
-    local = moe.experts // lay.ep
     peers = peer_tokens(loads, lay.ep, sources)
-    best: tuple[float, int, MoELayerOps, BlockCost] | None = None
-    priced: dict[tuple[int, ...], tuple[MoELayerOps, BlockCost]] = {}
-    for j in range(lay.ep):
-        counts = loads[j * local:(j + 1) * local]
-        if counts not in priced:
-            ops = moe_layer_ops(ctx.model, lay, tokens, tokens_per_expert=counts,
-                                send_tokens=peers[j], recv_tokens=[row[j] for row in peers],
-                                ep_rank=j)
-            priced[counts] = (ops, price_block(ops.experts, STYLE, cm))
-        ops, cost = priced[counts]
-        t = cost.fwd_gpu_s + cost.bwd_gpu_s
-        if best is None or t > best[0]:
-            best = (t, j, ops, cost)
-    assert best is not None
-    return Pace(loads=loads, rank=best[1], ops=best[2], experts=best[3], peer_tokens=peers)
+    priced = priced_ranks(ctx, lay, tokens, cm, loads, peers)
+    j = busiest(priced)
+    ops, cost = priced[j]
+    return Pace(loads=loads, rank=j, ops=ops, experts=cost, peer_tokens=peers)

@@ -33,12 +33,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
-from sim.frameworks.common.moe_pace import Pace
+from sim.frameworks.common.moe_pace import Pace, priced_ranks
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op, Program, RankClass
 from sim.program.split import split_ranks
-from sim.workload.block_pricing import BlockCost, price_block
-from sim.workload.moe_ops import STYLE, MoELayout, moe_layer_ops
+from sim.workload.block_pricing import BlockCost
+from sim.workload.moe_ops import MoELayout
 
 MAX_CLASSES = 16
 """Most rank classes the split may leave in the program. Engine time grows about linearly with
@@ -67,20 +67,10 @@ def rank_experts(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
     if pace is None:
         return ()
     local = len(pace.loads) // lay.ep
-    peers = pace.peer_tokens
-    out: list[RankExperts] = []
-    seen: dict[tuple[int, ...], RankExperts] = {}
-    for j in range(lay.ep):
-        counts = tuple(pace.loads[j * local:(j + 1) * local])
-        if counts not in seen:
-            ops = moe_layer_ops(ctx.model, lay, tokens, tokens_per_expert=counts,
-                                send_tokens=peers[j] if peers else None,
-                                recv_tokens=[row[j] for row in peers] if peers else None,
-                                ep_rank=j)
-            seen[counts] = RankExperts(counts, price_block(ops.experts, STYLE, cm),
-                                       ops.etp_gather_bytes)
-        out.append(seen[counts])
-    return tuple(out)
+    priced = priced_ranks(ctx, lay, tokens, cm, pace.loads, pace.peer_tokens)
+    return tuple(RankExperts(tuple(pace.loads[j * local:(j + 1) * local]), cost,
+                             ops.etp_gather_bytes)
+                 for j, (ops, cost) in enumerate(priced))
 
 
 def experts_op_name(phase: str, layer: int, mb: int) -> str:

@@ -33,10 +33,9 @@ from functools import lru_cache
 import numpy as np
 
 from sim.frameworks.common.base import JobContext
-from sim.frameworks.common.moe_pace import Pace, scenario_shares
+from sim.frameworks.common.moe_pace import Pace, busiest, priced_ranks, scenario_shares
 from sim.hardware.compute import ComputeModel
-from sim.workload.block_pricing import BlockCost, price_block
-from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
+from sim.workload.moe_ops import MoELayout
 from sim.workload.routing import routing_matrix
 
 Matrix = tuple[tuple[float, ...], ...]
@@ -161,20 +160,11 @@ def flex_pace(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
     expert block; ``peer_tokens`` the copies from EP rank to EP rank (its sources summed)."""
     local = len(skew.expert_copies) // lay.ep
     loads = skew.expert_copies
-    best: tuple[float, int, MoELayerOps, BlockCost] | None = None
-    priced: dict[tuple[int, ...], tuple[MoELayerOps, BlockCost]] = {}
-    for j in range(lay.ep):
-        counts = loads[j * local:(j + 1) * local]
-        if counts not in priced:
-            ops = moe_layer_ops(ctx.model, lay, tokens, tokens_per_expert=counts, ep_rank=j)
-            priced[counts] = (ops, price_block(ops.experts, STYLE, cm))
-        ops, cost = priced[counts]
-        t = cost.fwd_gpu_s + cost.bwd_gpu_s
-        if best is None or t > best[0]:
-            best = (t, j, ops, cost)
-    assert best is not None
+    priced = priced_ranks(ctx, lay, tokens, cm, loads)
+    j = busiest(priced)
+    ops, cost = priced[j]
     per_rank = [float(sum(loads[j * local:(j + 1) * local])) for j in range(lay.ep)]
     total = sum(per_rank)
     # Sources send in proportion to the receivers' loads (token origin uniform).
     peers = tuple(tuple(x / lay.ep for x in per_rank) for _ in range(lay.ep)) if total else ()
-    return Pace(loads=loads, rank=best[1], ops=best[2], experts=best[3], peer_tokens=peers)
+    return Pace(loads=loads, rank=j, ops=ops, experts=cost, peer_tokens=peers)
