@@ -37,7 +37,11 @@ def _run(flows, scales, groups_of: int) -> list[bytes]:
     env = simpy.Environment()
     log = RatesLog()
     cap = np.linspace(10.0, 45.0, _N_LINKS)
-    net = FlowNetwork(env, cap, np.arange(_N_LINKS) % 3, 3, log)
+    # The busy-link bookkeeping of large fabrics (chosen when the network is made: the patch
+    # must cover the construction, not only the run).
+    with mock.patch.object(network, "_SPARSE_LINKS", 0):
+        net = FlowNetwork(env, cap, np.arange(_N_LINKS) % 3, 3, log)
+    assert not net._dense
 
     def starter(batch, at):
         yield env.timeout(at)
@@ -56,8 +60,7 @@ def _run(flows, scales, groups_of: int) -> list[bytes]:
         env.process(starter(batch, batch[0][3]))
     for at, tag, scale in scales:
         env.process(scaler(at, tag, scale))
-    with mock.patch.object(network, "_SPARSE_LINKS", 0):
-        env.run()
+    env.run()
     assert net.active_flows == 0
     log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
     return log.seen
