@@ -76,17 +76,15 @@ CORE_BMM = frozenset({"qk_bmm", "pv_bmm"})
 def check_delay_wgrad(ctx: JobContext, s: MegatronShape) -> None:
     """Refuse what Megatron-Core and Transformer Engine refuse with ``delay_wgrad_compute``,
     one line naming the key: ``TransformerConfig.__post_init__`` ("overlap_moe_expert_
-    parallel_comm must be enabled when enabling delay_wgrad_compute"), ``validate_args``
-    (``transformer_impl`` must be ``transformer_engine``) and TE's ``WeightGradStore``
-    ("ub_bulk_wgrad is not supported when enabling delay_wgrad_compute": Megatron passes
-    ``tp_comm_bulk_wgrad``, default on, whenever ``tp_comm_overlap`` is set)."""
+    parallel_comm must be enabled when enabling delay_wgrad_compute") and TE's
+    ``WeightGradStore`` ("ub_bulk_wgrad is not supported when enabling delay_wgrad_compute":
+    Megatron passes ``tp_comm_bulk_wgrad``, default on, whenever ``tp_comm_overlap`` is set).
+    ``validate_args``' "only supported with transformer_engine implementation" is already
+    the MoE layers' own refusal of ``implementation: local``."""
     o = s.opts
     ctx.require(o.moe_a2a_overlap, KEY,
                 "overlap_moe_expert_parallel_comm must be enabled when enabling "
                 "delay_wgrad_compute (framework.moe_a2a_overlap: true)")
-    ctx.require(o.implementation == "transformer_engine", KEY,
-                "delaying wgrad compute is only supported with the transformer_engine "
-                "implementation")
     ctx.require(not (o.tp_comm_overlap and s.t > 1), KEY,
                 "Transformer Engine's userbuffers bulk wgrad overlap (tp_comm_overlap) is not "
                 "supported when enabling delay_wgrad_compute")
