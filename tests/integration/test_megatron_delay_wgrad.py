@@ -18,6 +18,7 @@ from helpers import megatron_scenario
 
 from sim.analysis.metrics import busy_intervals, merge_intervals
 from sim.api import simulate
+from sim.config.training import Routing
 from sim.frameworks import JobContext, build_program
 from sim.frameworks.megatron.shape import megatron_shape
 from sim.scenario import ScenarioError
@@ -79,6 +80,34 @@ def test_delaying_moves_gemms_without_changing_time_or_flops(par) -> None:
     assert moved["moe"] == pytest.approx([experts] * n_layers)
     assert moved["moe/shared"] == pytest.approx([shared] * n_layers)
     assert moved["attn"] == pytest.approx([attn] * n_layers)
+
+
+def test_skewed_routing_classes_keep_their_own_expert_time_and_flops() -> None:
+    """Under Zipf routing every EP rank is its own class with its own experts' load
+    (moe_ranks): each class's experts (dgrad + delayed wgrad) keep that load's backward, and
+    the delayed share is its own rows' wgrad, 2 x rows x (h x 2f + f x h) FLOPs."""
+    def skew(s):
+        return s.model_copy(update={"training": s.training.model_copy(
+            update={"routing": Routing(distribution="zipf", s=1.0)})})
+
+    off = _program(skew(_scn({"tp": 1, "ep": 8}, moe_a2a_overlap=True)))
+    on = _program(skew(_scn({"tp": 1, "ep": 8}, moe_a2a_overlap=True,
+                            delay_wgrad_compute=True)))
+    assert len(on.classes) == len(off.classes) > 1
+    f = MOE["moe_ffn_hidden"]
+    shares = set()
+    for c_off, c_on in zip(off.classes, on.classes, strict=True):
+        assert c_on.members == c_off.members
+        a = {op.name: op for op in c_off.streams["compute"]}
+        b = {op.name: op for op in c_on.streams["compute"]}
+        main, dw = b["bwd moe L1 mb0 experts"], b["bwd moe L1 mb0 experts delayed wgrad"]
+        assert main.duration + dw.duration == pytest.approx(a["bwd moe L1 mb0 experts"].duration)
+        assert main.flops + dw.flops == pytest.approx(a["bwd moe L1 mb0 experts"].flops)
+        # The experts' backward FLOPs are dgrad + wgrad of fc1 and fc2 (the same GEMM size).
+        assert dw.flops == pytest.approx(a["bwd moe L1 mb0 experts"].flops / 2)
+        shares.add(round(dw.flops / (2 * (H * 2 * f + f * H))))
+    assert len(shares) > 1      # the classes' rows differ
+    assert _totals(on) == pytest.approx(_totals(off), rel=1e-12)
 
 
 # ---------------------------------------------------------------------- (b) issue order

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from sim.frameworks.common.base import JobContext
-from sim.frameworks.common.moe_ranks import experts_op_name
+from sim.frameworks.common.moe_ranks import experts_op_name, is_expert_gemm
 from sim.frameworks.megatron.a2a_overlap import LayerNodes, split_unit
 from sim.frameworks.megatron.shape import MegatronShape
 from sim.hardware.compute import ComputeModel
@@ -169,7 +169,10 @@ class WgradSplit:
         if pl is not None:
             ops = pl.pace.ops if pl.pace is not None else pl.ops
             self.shared = price(pl.ops.shared, cm)
-            self.experts = price(ops.experts, cm)
+            # The busiest EP rank's time and held bytes (every rank waits for it), the
+            # balanced rows' FLOPs (the ranks' mean, as the experts' op counts them).
+            self.experts = replace(price(ops.experts, cm),
+                                   flops=price(pl.ops.experts, cm).flops)
             self.expert_kernels = delayed_kernels(ops.experts)
             self.useful = pl.useful
 
@@ -289,10 +292,10 @@ def resplit_expert_classes(program: Program, s: MegatronShape, cm: ComputeModel,
         p = grouped_price(split.expert_kernels, pl.ranks[ep].counts, cm)
         ops = {o.name: o for o in cls.streams.get("compute", [])}
         for name, dw in ops.items():
-            if not name.endswith(" experts delayed wgrad"):
+            main = ops.get(name.removesuffix(" delayed wgrad"))
+            if main is None or main is dw or not is_expert_gemm(main):
                 continue
             # patch_experts gave the experts' op its load's whole backward (time, FLOPs).
-            main = ops[name.removesuffix(" delayed wgrad")]
             dw.duration = min(p.seconds, main.duration)
             main.duration -= dw.duration
             dw.flops = min(p.flops * split.useful, main.flops) if main.flops else 0.0
