@@ -82,6 +82,24 @@ def test_delaying_moves_gemms_without_changing_time_or_flops(par) -> None:
     assert moved["attn"] == pytest.approx([attn] * n_layers)
 
 
+@pytest.mark.parametrize("par", [{"tp": 2, "ep": 4}, {"tp": 1, "pp": 2, "vp": 2, "ep": 4}])
+def test_dense_first_layer_and_mtp_layer_conserve_too(par) -> None:
+    """DeepSeek's shape: a leading dense layer (its MLP's fc2 and fc1 are the mlp node's
+    backward_dw, MLP.backward_dw) and an MTP layer (scheduled like a decoder layer); under
+    sequence parallelism the column-parallel wgrad ops split off by the backward too."""
+    m = dict(MOE, first_k_dense=1, mtp_layers=1)
+    off = _program(_scn(par, model=m, moe_a2a_overlap=True))
+    on = _program(_scn(par, model=m, moe_a2a_overlap=True, delay_wgrad_compute=True))
+    assert _totals(on) == pytest.approx(_totals(off), rel=1e-12)
+    names = {op.name for c in range(len(on.classes)) for op in _ops(on, c)}
+    assert "bwd mlp L0 mb0 delayed wgrad" in names
+    assert "bwd moe L4 mb0 experts delayed wgrad" in names    # the MTP layer (layers + 0)
+    mlp = next(op for op in _ops(on) if op.name == "bwd mlp L0 mb0 delayed wgrad")
+    # fc1 (h -> 2 x 4096, SwiGLU) and fc2 (4096 -> h) over the sequence, split over tp.
+    ffn = MOE["ffn_hidden"]
+    assert mlp.flops == pytest.approx(2 * SEQ * (H * 2 * ffn + ffn * H) / par["tp"])
+
+
 def test_skewed_routing_classes_keep_their_own_expert_time_and_flops() -> None:
     """Under Zipf routing every EP rank is its own class with its own experts' load
     (moe_ranks): each class's experts (dgrad + delayed wgrad) keep that load's backward, and
