@@ -85,7 +85,8 @@ def test_delaying_moves_gemms_without_changing_time_or_flops(par) -> None:
 @pytest.mark.parametrize("par", [{"tp": 2, "ep": 4}, {"tp": 1, "pp": 2, "vp": 2, "ep": 4}])
 def test_dense_first_layer_and_mtp_layer_conserve_too(par) -> None:
     """DeepSeek's shape: a leading dense layer (its MLP's fc2 and fc1 are the mlp node's
-    backward_dw, MLP.backward_dw) and an MTP layer (scheduled like a decoder layer); under
+    backward_dw, MLP.backward_dw) and an MTP layer (scheduled like a decoder layer, its
+    eh_proj after the attention: build_mtp_layer_callables); under
     sequence parallelism the column-parallel wgrad ops split off by the backward too."""
     m = dict(MOE, first_k_dense=1, mtp_layers=1)
     off = _program(_scn(par, model=m, moe_a2a_overlap=True))
@@ -94,6 +95,10 @@ def test_dense_first_layer_and_mtp_layer_conserve_too(par) -> None:
     names = {op.name for c in range(len(on.classes)) for op in _ops(on, c)}
     assert "bwd mlp L0 mb0 delayed wgrad" in names
     assert "bwd moe L4 mb0 experts delayed wgrad" in names    # the MTP layer (layers + 0)
+    # Its eh_proj (2h -> h, column-parallel) joins the pre_dispatch node's backward_dw.
+    proj = next(op for c in range(len(on.classes)) for op in _ops(on, c)
+                if op.name == "bwd mtp proj L4 mb0 delayed wgrad")
+    assert proj.flops == pytest.approx(2 * SEQ * 2 * H * H / par["tp"])
     mlp = next(op for op in _ops(on) if op.name == "bwd mlp L0 mb0 delayed wgrad")
     # fc1 (h -> 2 x 4096, SwiGLU) and fc2 (4096 -> h) over the sequence, split over tp.
     ffn = MOE["ffn_hidden"]

@@ -144,7 +144,7 @@ def build_megatron(ctx: JobContext) -> Program:
     units = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys).build_units()
     # delay_wgrad_compute: the weight gradients leave the backward units before the buckets
     # hook into them (a layer's gradients are ready at its last delayed op).
-    split = WgradSplit(s, ctx.compute, cpu_call) if s.opts.delay_wgrad_compute else None
+    split = WgradSplit(ctx, s, cpu_call) if s.opts.delay_wgrad_compute else None
     wgrad = split.units(units) if split is not None else {}
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
                    cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)

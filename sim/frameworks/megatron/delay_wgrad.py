@@ -45,9 +45,8 @@ delayed op; the saved inputs of the attention and shared experts, freed with the
 activations otherwise, are freed by the delayed op. The layer's data-parallel gradient hooks
 move to it too (its gradients are ready then).
 
-Not modelled: the MTP projection's ``eh_proj`` wgrad stays in its backward (a few percent of
-an MTP layer's); the experts' gradient hooks fire with the layer's, after the attention's
-delayed wgrad, not right after theirs.
+Not modelled: the experts' gradient hooks fire with the layer's, after the attention's delayed
+wgrad, not right after theirs; ``ep_overlap_early_attn_memory_release``; CUDA-graphed scopes.
 """
 
 from __future__ import annotations
@@ -63,6 +62,7 @@ from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op, Program
 from sim.workload.block_pricing import kernel_time
 from sim.workload.kernels import Block, Kernel
+from sim.workload.megatron_mtp import mtp_proj_block
 from sim.workload.megatron_ops import attention_key
 
 if TYPE_CHECKING:
@@ -158,9 +158,14 @@ def _named(ops: list[Op], prefix: str) -> list[Op]:
 class WgradSplit:
     """Takes the delayed GEMMs out of a job's backward units (see the module docstring)."""
 
-    def __init__(self, s: MegatronShape, cm: ComputeModel, cpu_call: float) -> None:
+    def __init__(self, ctx: JobContext, s: MegatronShape, cpu_call: float) -> None:
+        cm = ctx.compute
         self.s, self.cpu_call = s, cpu_call
         self.attn = {k: price(b, cm) for k, b in s.blocks.items()}
+        self.proj = price(mtp_proj_block(s.model, s.lay, ctx.micro_batch, ctx.seq), cm) \
+            if s.mtp is not None else WgradPrice()
+        """An MTP layer's ``eh_proj`` (``build_mtp_layer_callables`` adds it to the
+        pre_dispatch node's ``backward_dw``, after the attention's)."""
         pl = s.moe
         self.mlp = price(s.blocks.get("mlp_main"), cm)
         self.shared = self.experts = WgradPrice()
@@ -208,8 +213,16 @@ class WgradSplit:
             w.pre += self._take([o for o in n.pre if o.name == name], self.shared, name)
         label = f"bwd attn L{layer} mb{mb}"
         attn = self.attn[attention_key(s.model, layer, s.blocks)]
-        w.pre += self._take(_named(n.pre, label), attn, label)
-        self._move_saved(n.pre, w.pre, attn.saved + (self.shared.saved if moe else 0.0))
+        src = _named(n.pre, label)
+        w.pre += self._take(src, attn, label)
+        # Their saved inputs are freed with the layer's activations, by the attention's
+        # last op: that much now waits for the delayed GEMMs.
+        _move_saved(src, w.pre, attn.saved + (self.shared.saved if moe else 0.0))
+        if s.mtp is not None and layer in s.mtp.layers:
+            label = f"bwd mtp proj L{layer} mb{mb}"
+            src = [o for o in n.pre if o.name == label]
+            w.pre += self._take(src, self.proj, label)
+            _move_saved(src, w.pre, self.proj.saved)
         return w
 
     def _take(self, src: list[Op], p: WgradPrice, label: str, useful: float = 1.0
@@ -244,19 +257,21 @@ class WgradSplit:
             op.free = (("activations", p.held),)
         return [op]
 
-    def _move_saved(self, pre: list[Op], dw: list[Op], nbytes: float) -> None:
-        """The attention's and shared experts' saved inputs stay until their delayed GEMMs:
-        move that much of the layer's activation free (on its last op that frees enough)."""
-        if not dw or nbytes <= 0:
+
+
+def _move_saved(src: list[Op], dw: list[Op], nbytes: float) -> None:
+    """Move ``nbytes`` of the activation free on the last of the ops ``src`` that frees that
+    much to the last delayed op ``dw`` (the saved inputs its GEMMs read)."""
+    if not dw or nbytes <= 0:
+        return
+    for o in reversed(src):
+        acts = [a for c, a in o.free if c == "activations"]
+        if acts and acts[0] >= nbytes:
+            rest = [(c, a) for c, a in o.free if c != "activations"]
+            o.free = (*rest, ("activations", acts[0] - nbytes),
+                      *[("activations", a) for a in acts[1:]])
+            dw[-1].free = (*dw[-1].free, ("activations", nbytes))
             return
-        for o in reversed(pre):
-            acts = [a for c, a in o.free if c == "activations"]
-            if acts and acts[0] >= nbytes:
-                rest = [(c, a) for c, a in o.free if c != "activations"]
-                o.free = (*rest, ("activations", acts[0] - nbytes), *[
-                    ("activations", a) for a in acts[1:]])
-                dw[-1].free = (*dw[-1].free, ("activations", nbytes))
-                return
 
 
 def _drain(src: list[Op], attr: str, amount: float) -> float:
