@@ -46,7 +46,9 @@ activations otherwise, are freed by the delayed op. The layer's data-parallel gr
 move to it too (its gradients are ready then).
 
 Not modelled: the experts' gradient hooks fire with the layer's, after the attention's delayed
-wgrad, not right after theirs; ``ep_overlap_early_attn_memory_release``; CUDA-graphed scopes.
+wgrad, not right after theirs; the backward's pipeline send, which Megatron posts before the
+chunk's first layer's delayed GEMMs, waits for them here (it waits for the whole pair, as
+without the option); ``ep_overlap_early_attn_memory_release``; CUDA-graphed scopes.
 """
 
 from __future__ import annotations
