@@ -32,8 +32,12 @@ all-to-alls run on a communication stream while the other's compute runs
   ensure the forward and backward computations are independent in all 1f1b steps") and
   waits for both the forward's and the backward's receive before a pair.
 
-What this does not model: ``delay_wgrad_compute`` (the recipes' weight-gradient split; the
-layer's backward here includes its weight gradients), the high-priority communication stream
+With ``delay_wgrad_compute`` each backward layer's two ``backward_dw`` calls issue the weight
+gradients split out of it (:mod:`sim.frameworks.megatron.delay_wgrad`): the mlp node's after
+the forward's dispatch, before the backward's; the pre_dispatch node's after the forward's
+mtp_post_process, the chunk's first layer's after every layer.
+
+What this does not model: the high-priority communication stream
 (``high_priority_a2a_comm_stream``), ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron-LM only
 warns; streams here never serialise through one hardware queue), and the forward's pipeline
 send starting at the forward's last node (here it waits for the whole pair, a little late).
@@ -43,13 +47,17 @@ without sharing SMs with them (the engine slows compute only for collectives).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.pipeline import Step, Unit
 from sim.frameworks.megatron.shape import MegatronShape
 from sim.program.ir import Op
+
+if TYPE_CHECKING:
+    from sim.frameworks.megatron.delay_wgrad import LayerWgrad
 
 COMM_STREAM = "moe_a2a"
 """The combined schedule's communication stream (``set_streams``' ``_COMM_STREAM``)."""
@@ -111,6 +119,12 @@ def _run_end(ops: list[Op], i: int, which: str) -> int:
     return i
 
 
+def _layer(n: LayerNodes) -> int:
+    """The layer number of a layer's nodes."""
+    return next((o.layer for o in (*n.pre, *n.mlp, *n.combine, *n.post) if o.layer is not None),
+                -1)
+
+
 def _unpermute(op: Op) -> bool:
     return op.kind == "compute" and op.name.endswith(" combine")
 
@@ -165,12 +179,14 @@ def split_unit(ops: list[Op], forward: bool) -> tuple[list[Op], list[LayerNodes]
 
 # ---------------------------------------------------------------------- issue one pair
 def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
-               label: str) -> tuple[Op, Op]:
+               label: str, wgrad: Mapping[int, LayerWgrad] | None = None) -> tuple[Op, Op]:
     """Issue a forward unit's and a backward unit's ops as Megatron-Core's combined step does
     (see the module docstring) through ``emit`` (which adds an op to the stage's program);
     return the (first, last) ops the pipeline's waits and sends attach to: a start marker
     after the waits that both micro-batches' first nodes wait for, and an end marker at which
-    the compute stream waits for both (``wait_current_stream``)."""
+    the compute stream waits for both (``wait_current_stream``). ``wgrad``: the backward
+    layers' delayed weight gradients by layer (``delay_wgrad_compute``), issued on the
+    compute stream outside the backward's chain of nodes."""
     f_head, f_layers, f_tail = split_unit(f_ops, True)
     b_head, b_layers, b_tail = split_unit(b_ops, False)
     start = Op(name=f"combined 1f1b {label} start", kind="compute", stream="compute",
@@ -191,12 +207,26 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
             emit(op)
         prev[chain] = ops[-1]
 
+    last_b = b_layers[-1] if b_layers else None
+
+    def dw(n: LayerNodes, which: str) -> None:
+        """``backward_dw`` of node ``which`` of backward layer ``n``: no event, so the
+        backward's next node does not wait for it; the chunk's first layer's pre_dispatch
+        one waits until after every layer."""
+        if wgrad is None or (which == "pre" and n is last_b):
+            return
+        w = wgrad.get(_layer(n))
+        for op in (w.mlp if which == "mlp" else w.pre) if w is not None else ():
+            emit(op)
+
     def alone_b(n: LayerNodes) -> None:
         node("b", n.post)
         node("b", n.combine, True)
         node("b", n.mlp)
+        dw(n, "mlp")
         node("b", n.dispatch, True)
         node("b", n.pre)
+        dw(n, "pre")
 
     def alone_f(n: LayerNodes) -> None:
         node("f", n.pre)
@@ -214,15 +244,21 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
         node("f", fn.pre)
         node("b", bn.mlp)
         node("f", fn.dispatch, True)
+        dw(bn, "mlp")
         node("b", bn.dispatch, True)
         node("f", fn.mlp)
         node("f", fn.combine, True)
         node("b", bn.pre)
         node("f", fn.post)
+        dw(bn, "pre")
     for bn in b_layers[both:]:
         alone_b(bn)
     for fn in f_layers[both:]:
         alone_f(fn)
+    if wgrad is not None and last_b is not None:
+        w = wgrad.get(_layer(last_b))
+        for op in w.pre if w is not None else ():
+            emit(op)
     node("f", f_tail)
     node("b", b_tail)
     end = Op(name=f"combined 1f1b {label} end", kind="compute", stream="compute",

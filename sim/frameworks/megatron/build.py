@@ -78,6 +78,12 @@ from sim.frameworks.megatron.buckets import (
     bucket_size,
     instance_groups,
 )
+from sim.frameworks.megatron.delay_wgrad import (
+    LayerWgrad,
+    WgradSplit,
+    check_delay_wgrad,
+    resplit_expert_classes,
+)
 from sim.frameworks.megatron.layer import (
     KeySeq,
     UnitBuilder,
@@ -121,6 +127,8 @@ def build_megatron(ctx: JobContext) -> Program:
     s = megatron_shape(ctx)
     if s.opts.moe_a2a_overlap:
         check_a2a_overlap(ctx, s)
+    if s.opts.delay_wgrad_compute:
+        check_delay_wgrad(ctx, s)
     classes = []
     for st in range(s.p):
         classes.append(RankClass(st, s.members(st), label=f"pipeline stage {st}"))
@@ -134,14 +142,20 @@ def build_megatron(ctx: JobContext) -> Program:
     cpu_call = MEGATRON_CPU_S_PER_OP
     keys = KeySeq()
     units = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys).build_units()
+    # delay_wgrad_compute: the weight gradients leave the backward units before the buckets
+    # hook into them (a layer's gradients are ready at its last delayed op).
+    split = WgradSplit(ctx, s, cpu_call) if s.opts.delay_wgrad_compute else None
+    wgrad = split.units(units) if split is not None else {}
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
                    cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)
     step = _Step(ctx, s, program, classes, units, keys, cpu_call)
+    step.wgrad = wgrad
     step.add_buckets()
     step.add_stages(link)
     step.add_gradients_and_optimizer()
     if s.moe is not None:        # skewed routing: a class per expert load (moe_ranks)
-        split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp)
+        if split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp) and split:
+            resplit_expert_classes(program, s, ctx.compute, split)
     return program
 
 
@@ -174,6 +188,8 @@ class _Step:
         self.stage_buckets = {st: empty for st in range(s.p)}
         self.expert_stage_buckets = {st: empty for st in range(s.p)}
         self.last_bwd: dict[int, Op] = {}
+        self.wgrad: dict[UnitKey, dict[int, LayerWgrad]] = {}
+        """``delay_wgrad_compute``: each backward unit's delayed weight gradients by layer."""
 
     # ------------------------------------------------------------------ buckets
     def add_buckets(self) -> None:
@@ -308,7 +324,8 @@ class _Step:
         bu = self.units[(b[0], b[1] * p + st, b[2])].ops if b else []
         label = " ".join(f"{u[0]}{u[1] * p + st}.{u[2]}" for u in (f, b) if u)
         first, last = issue_pair(fu, bu, lambda op: self._emit(op, cls, last_on_stream),
-                                 label)
+                                 label, self.wgrad.get((b[0], b[1] * p + st, b[2]))
+                                 if b and self.s.opts.delay_wgrad_compute else None)
         if b is not None:
             self.last_bwd[st] = last
         return first, last

@@ -125,6 +125,13 @@ class MegatronOptions(StrictModel):
     combined 1F1B schedule, in which one micro-batch's forward and another's backward run
     layer by layer together, each one's expert all-to-alls on a communication stream beside
     the other's compute (:mod:`sim.frameworks.megatron.a2a_overlap`)."""
+    delay_wgrad_compute: bool = False
+    """``--delay-wgrad-compute`` (Megatron-Bridge sets it with ``moe_a2a_overlap``): in the
+    combined 1F1B schedule the Transformer Engine linears' weight-gradient GEMMs leave the
+    backward and run later on the compute stream (the experts' before the dispatch's
+    backward all-to-all, the attention's and shared experts' after the layer), so the
+    backward all-to-alls no longer wait for them; needs ``moe_a2a_overlap``
+    (:mod:`sim.frameworks.megatron.delay_wgrad`)."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,
