@@ -86,6 +86,7 @@ from sim.frameworks.megatron.layer import (
     compute,
     layer_costs,
 )
+from sim.frameworks.megatron.moe_rank_memory import own_memory
 from sim.frameworks.megatron.moe_ranks import split_expert_ranks
 from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-exported
     P2PLink,
@@ -134,6 +135,7 @@ def build_megatron(ctx: JobContext) -> Program:
     cpu_call = MEGATRON_CPU_S_PER_OP
     keys = KeySeq()
     units = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys).build_units()
+    built = list(classes)
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
                    cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)
     step = _Step(ctx, s, program, classes, units, keys, cpu_call)
@@ -141,7 +143,8 @@ def build_megatron(ctx: JobContext) -> Program:
     step.add_stages(link)
     step.add_gradients_and_optimizer()
     if s.moe is not None:        # skewed routing: a class per expert load (moe_ranks)
-        split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp)
+        if split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp):
+            own_memory(program, s, ctx.compute, cpu_call, units, built)
     return program
 
 
