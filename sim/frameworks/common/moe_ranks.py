@@ -130,11 +130,15 @@ def split_by_load(program: Program, ep_of: Mapping[int, int],
 
 
 def patch_experts(cls: RankClass, load: RankExperts, gpu_time: bool,
-                  is_experts: Callable[[Op], bool] = is_expert_gemm) -> None:
+                  is_experts: Callable[[Op], bool] = is_expert_gemm,
+                  busiest: BlockCost | None = None) -> None:
     """Give ``cls``'s expert GEMMs its own load's time and FLOPs (model FLOPs where the op
     counts them, hardware FLOPs likewise: a recomputation keeps none of the first).
     ``gpu_time``: the kernels' GPU time alone (Megatron, whose ops carry the host's issue
-    time apart) or bounded by the host's issue time too (:attr:`BlockCost.fwd_s`)."""
+    time apart) or bounded by the host's issue time too (:attr:`BlockCost.fwd_s`).
+    ``busiest``: the expert block the ops were priced at; what the builder added to an op
+    beyond it (Megatron's ``moe_act`` recomputation inside the experts' backward) is kept,
+    and a class at that block's load keeps its ops' time as built."""
     c = load.cost
     for ops in cls.streams.values():
         for op in ops:
@@ -142,9 +146,18 @@ def patch_experts(cls: RankClass, load: RankExperts, gpu_time: bool,
                 continue
             bwd = op.phase == "bwd"
             if gpu_time:
-                op.duration = c.bwd_gpu_s if bwd else c.fwd_gpu_s
+                own = c.bwd_gpu_s if bwd else c.fwd_gpu_s
+                was = None if busiest is None else \
+                    (busiest.bwd_gpu_s if bwd else busiest.fwd_gpu_s)
             else:
-                op.duration = c.bwd_s if bwd else c.fwd_s
+                own = c.bwd_s if bwd else c.fwd_s
+                was = None if busiest is None else (busiest.bwd_s if bwd else busiest.fwd_s)
+            if was is None or op.duration == was:
+                op.duration = own
+            elif own != was:
+                # The recomputed activation's time stays the busiest rank's (an elementwise
+                # kernel over its rows: at most that much over a light rank's).
+                op.duration = own + (op.duration - was)
             if op.flops:        # its own rows' FLOPs (the ranks' sum: the balanced total)
                 op.flops = c.flops_bwd if bwd else c.flops_fwd
             if op.hw_flops:

@@ -143,7 +143,8 @@ def build_megatron(ctx: JobContext) -> Program:
     step.add_stages(link)
     step.add_gradients_and_optimizer()
     if s.moe is not None:        # skewed routing: a class per expert load (moe_ranks)
-        if split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp):
+        if split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp,
+                              busiest=s.moe.experts_cost):
             own_memory(program, s, ctx.compute, cpu_call, units, built)
     return program
 

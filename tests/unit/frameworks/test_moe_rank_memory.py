@@ -209,3 +209,30 @@ def test_torchtitan_experts_save_their_own_rows() -> None:
     for j in range(8):
         assert saved[j] / saved[b] == pytest.approx(rows[j] / rows[b], rel=1e-12)
         assert work[j] <= work[b]
+
+
+def test_moe_act_recomputation_time_survives_the_split(monkeypatch) -> None:
+    # recompute_modules moe_act re-runs the activation inside the experts' backward (its
+    # time added to that op): the busiest class keeps exactly the one-class op, a light one
+    # its own GEMMs plus that recomputation (the busiest's rows: an upper bound).
+    s = _mega(4, 2, ac="selective",
+              framework={"name": "megatron", "recompute_modules": ["core_attn", "moe_act"]})
+    sh = megatron_shape(JobContext.from_scenario(s))
+    assert sh.moe is not None and sh.moe.pace is not None
+    rows = _rows(s, 4)
+
+    def bwd(p: Program) -> dict[str, float]:
+        return {c.label: o.duration for c in p.classes for o in _ops(c)
+                if o.name == "bwd moe L0 mb0 experts"}
+    split = bwd(program(s))
+    monkeypatch.setattr(moe_ranks, "MAX_CLASSES", 1)
+    (one,) = bwd(program(s)).values()
+    act = one - sh.moe.pace.experts.bwd_gpu_s
+    assert act > 0
+    for label, d in split.items():
+        j = int(re.search(r"EP rank (\d+)", label)[1])
+        if rows[j] == max(rows):
+            assert d == one
+        else:
+            own = sh.moe.ranks[j].cost.bwd_gpu_s
+            assert d == pytest.approx(own + act, rel=1e-12) and d < one
