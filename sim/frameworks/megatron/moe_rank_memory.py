@@ -11,16 +11,21 @@ holds that follows the tokens a rank receives is, in Megatron-Core:
 * the ``alltoall`` dispatcher's receive buffers (``MoEAlltoAllTokenDispatcher``: the
   dispatch all-to-all's output of ``sum(output_splits)`` rows, the counts it gathered in
   ``preprocess``; the combine's send buffer of the same rows; their gradients), see
-  :mod:`.moe_memory`. With ``moe_pad_expert_input_to_capacity`` every size is the padded
-  capacity whatever the routing: there is no skew to follow and no split.
+  :mod:`.moe_memory`; the ``flex`` dispatcher's ``recv_x`` and the experts' restored output
+  (DeepEP's dispatch returns the tokens this rank receives, :func:`.moe_flex.attach_flex`).
+
+With ``moe_pad_expert_input_to_capacity`` every size is the padded capacity whatever the
+routing: there is no skew to follow and no split.
 
 Rather than patch each of those numbers where :class:`~.layer.UnitBuilder` put them, the
 stage's units (one micro-batch's) are laid out again on a shape whose MoE plan carries the
-class's own load (:func:`own_load_shape`), and each unit op's memory fields (``alloc``, ``free``,
-``transient`` and their parts) are copied onto the class's op at the same place: the same
+class's own load (:func:`own_load_shape`), and each unit op's memory fields (``alloc``,
+``free``, ``transient`` and their parts) are copied onto the class's op at the same place
+where they differ from the busiest's: the same
 code sizes every class, so a light class holds exactly what a job whose every EP rank had
 its load would. Times, FLOPs and collectives stay as the split set them. The classes at the
-busiest load are left as built, so the job's peak does not move.
+busiest load are left as built, so the job's peak does not move (with ``flex`` they keep the
+busiest receiver's buffers, as before: an upper bound where that is another EP rank).
 
 Cost: one micro-batch's units of a stage laid out again per class (at most
 :data:`~sim.frameworks.common.moe_ranks.MAX_CLASSES`), and one pass over the classes' ops.
@@ -43,13 +48,18 @@ MEMORY_FIELDS = ("alloc", "free", "transient", "transient_parts", "alloc_parts")
 _MB0 = re.compile(r"\bmb0\b")
 
 
-def own_load_shape(s: MegatronShape, load: RankExperts) -> MegatronShape:
-    """``s`` with the MoE plan's pace-setting experts replaced by ``load``'s (its expert
-    block and its layer ops: saved tensors, receive sizes); the per-peer matrix stays."""
+def own_load_shape(s: MegatronShape, load: RankExperts, ep_rank: int) -> MegatronShape:
+    """``s`` with the MoE plan's pace-setting experts replaced by ``load``'s, EP rank
+    ``ep_rank``'s (its expert block and its layer ops: saved tensors, receive sizes; with
+    the ``flex`` dispatcher the tokens its first expert-TP rank receives, the same on each
+    of them); the per-peer matrix stays."""
     pl = s.moe
     assert pl is not None and pl.pace is not None and load.ops is not None
     pace = replace(pl.pace, ops=load.ops, experts=load.cost)
-    return replace(s, moe=replace(pl, pace=pace))
+    flex = pl.flex
+    if flex is not None and flex.skew is not None:
+        flex = replace(flex, receiver=ep_rank * pl.etp)
+    return replace(s, moe=replace(pl, pace=pace, flex=flex))
 
 
 def stage_units(s: MegatronShape, cm: ComputeModel, cpu_call: float, st: int
@@ -80,20 +90,21 @@ def own_memory(program: Program, s: MegatronShape, cm: ComputeModel, cpu_call: f
     ref = {(kind, v): [_memory(op) for op in u.ops] for (kind, v, mb), u in units.items()
            if mb == 0}
     places: dict[int, list[tuple[str, int, UnitKey, int]]] = {}
-    relaid: dict[tuple[tuple[int, ...], int], dict[tuple[str, int], dict[int, Op]]] = {}
+    relaid: dict[tuple[int, int], dict[tuple[str, int], dict[int, Op]]] = {}
     changed = 0
     for cls in program.classes:
-        load = ranks[ep_of[cls.members[0]]]
+        j = ep_of[cls.members[0]]
+        load = ranks[j]
         if load.counts == busiest or load.ops is None:
             continue
         st = stage_of[cls.members[0]]
         if st not in places:
             places[st] = _unit_places(built[st], units, st, s.p)
-        mine = relaid.get((load.counts, st))
+        mine = relaid.get((j, st))
         if mine is None:
-            laid = stage_units(own_load_shape(s, load), cm, cpu_call, st)
-            mine = relaid[(load.counts, st)] = {key: _differing(u.ops, ref[key])
-                                                for key, u in laid.items()}
+            laid = stage_units(own_load_shape(s, load, j), cm, cpu_call, st)
+            mine = relaid[(j, st)] = {key: _differing(u.ops, ref[key])
+                                      for key, u in laid.items()}
         for stream, i, (kind, v, mb), j in places[st]:
             src = mine[(kind, v)].get(j)
             if src is not None:

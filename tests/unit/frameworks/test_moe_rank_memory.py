@@ -30,7 +30,7 @@ from sim.frameworks.megatron.moe_rank_memory import MEMORY_FIELDS, own_memory
 from sim.frameworks.megatron.shape import megatron_shape
 from sim.program.ir import Op, Program, RankClass
 from sim.scenario import Scenario
-from sim.workload.routing import expert_loads, routing_shares
+from sim.workload.routing import expert_loads, routing_matrix, routing_shares
 
 # test_megatron_moe_routing.py's small model: 4 layers, 8 experts of width 1024, top-2.
 TINY = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 2048,
@@ -236,3 +236,29 @@ def test_moe_act_recomputation_time_survives_the_split(monkeypatch) -> None:
         else:
             own = sh.moe.ranks[j].cost.bwd_gpu_s
             assert d == pytest.approx(own + act, rel=1e-12) and d < one
+
+
+def test_flex_receive_buffer_follows_the_class_tokens() -> None:
+    # DeepEP's dispatch returns each token once per rank holding one of its experts
+    # (recv_x), so a rank's buffer is the tokens with an expert among its own, recounted
+    # here from the routing matrix itself (every source's tokens drawn in one matrix, as
+    # flex_skew draws them): the router's allocation is those tokens x the dispatch record.
+    ep = 4
+    s = _mega(ep, 2, framework={"name": "megatron", "moe_token_dispatcher_type": "flex"})
+    shares = routing_shares(8, "zipf", 1.0, None, s.seed)
+    idx = routing_matrix(shares, 2, SEQ * ep, s.seed)
+    local = 8 // ep
+    got = [int((idx // local == j).any(axis=1).sum()) for j in range(ep)]
+    p = program(s)
+    sh = megatron_shape(JobContext.from_scenario(s))
+    assert sh.moe is not None and sh.moe.flex is not None and sh.moe.pace is not None
+    record = sh.moe.flex.record_bytes("dispatch_fwd")
+    pace = sh.moe.pace.rank
+    for st, classes in _stages(p, 2).items():
+        layer = 2 * st
+        for c in classes:
+            j = _ep(c, ep)
+            alloc = _entry(c, f"fwd moe L{layer} mb0 router", "alloc", "moe_dispatch")
+            # The pace-setting class keeps the one-class buffer: the busiest receiver's.
+            want = max(got) if j == pace else got[j]
+            assert alloc == pytest.approx(want * record, rel=1e-12)
