@@ -46,6 +46,9 @@ from sim.program.mesh import RankMesh
 MEMORY_FIELDS = ("alloc", "free", "transient", "transient_parts", "alloc_parts")
 """The :class:`~sim.program.ir.Op` fields the engine's memory accounting reads."""
 _MB0 = re.compile(r"\bmb0\b")
+Places = dict[tuple[str, int, int], list[tuple[str, int, int]]]
+"""(pass, virtual stage, position in the unit) -> each micro-batch's (stream, position,
+micro-batch) in a class."""
 
 
 def own_load_shape(s: MegatronShape, load: RankExperts, ep_rank: int) -> MegatronShape:
@@ -89,26 +92,26 @@ def own_memory(program: Program, s: MegatronShape, cm: ComputeModel, cpu_call: f
     # changes: the built classes' ops are the units' own.
     ref = {(kind, v): [_memory(op) for op in u.ops] for (kind, v, mb), u in units.items()
            if mb == 0}
-    places: dict[int, list[tuple[str, int, UnitKey, int]]] = {}
+    places: dict[int, Places] = {}
     relaid: dict[tuple[int, int], dict[tuple[str, int], dict[int, Op]]] = {}
     changed = 0
     for cls in program.classes:
-        j = ep_of[cls.members[0]]
-        load = ranks[j]
+        ep_rank = ep_of[cls.members[0]]
+        load = ranks[ep_rank]
         if load.counts == busiest or load.ops is None:
             continue
         st = stage_of[cls.members[0]]
         if st not in places:
             places[st] = _unit_places(built[st], units, st, s.p)
-        mine = relaid.get((j, st))
+        mine = relaid.get((ep_rank, st))
         if mine is None:
-            laid = stage_units(own_load_shape(s, load, j), cm, cpu_call, st)
-            mine = relaid[(j, st)] = {key: _differing(u.ops, ref[key])
-                                      for key, u in laid.items()}
-        for stream, i, (kind, v, mb), j in places[st]:
-            src = mine[(kind, v)].get(j)
-            if src is not None:
-                _copy_memory(src, cls.streams[stream][i], mb)
+            laid = stage_units(own_load_shape(s, load, ep_rank), cm, cpu_call, st)
+            mine = relaid[(ep_rank, st)] = {key: _differing(u.ops, ref[key])
+                                            for key, u in laid.items()}
+        for (kind, v), ops in mine.items():
+            for j, src in ops.items():
+                for stream, i, mb in places[st].get((kind, v, j), ()):
+                    _copy_memory(src, cls.streams[stream][i], mb)
         changed += 1
     return changed
 
@@ -128,15 +131,20 @@ def _ep_index(mesh: RankMesh, program: Program) -> dict[int, int]:
     return {r: mesh.coords(r).get("ep", 0) for c in program.classes for r in c.members}
 
 
-def _unit_places(cls: RankClass, units: dict[UnitKey, UnitOps], st: int, p: int
-                 ) -> list[tuple[str, int, UnitKey, int]]:
-    """Where each of stage ``st``'s unit ops sits in ``cls``'s streams: (stream, position,
-    unit, position in the unit). A class split from ``cls`` has its ops at the same places
-    (:func:`sim.program.split.split_ranks` copies the streams in order)."""
-    at = {id(op): (key, j) for key, u in units.items() if key[1] % p == st
+def _unit_places(cls: RankClass, units: dict[UnitKey, UnitOps], st: int, p: int) -> Places:
+    """Where stage ``st``'s unit ops sit in ``cls``'s streams: by (pass, virtual stage,
+    position in the unit), each micro-batch's (stream, position, micro-batch). A class split
+    from ``cls`` has its ops at the same places (:func:`sim.program.split.split_ranks` copies
+    the streams in order)."""
+    at = {id(op): (kind, v, j, mb) for (kind, v, mb), u in units.items() if v % p == st
           for j, op in enumerate(u.ops)}
-    return [(stream, i, *at[id(op)]) for stream, ops in cls.streams.items()
-            for i, op in enumerate(ops) if id(op) in at]
+    out: Places = {}
+    for stream, ops in cls.streams.items():
+        for i, op in enumerate(ops):
+            hit = at.get(id(op))
+            if hit is not None:
+                out.setdefault(hit[:3], []).append((stream, i, hit[3]))
+    return out
 
 
 def _copy_memory(src: Op, dst: Op, mb: int) -> None:
