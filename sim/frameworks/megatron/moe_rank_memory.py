@@ -149,8 +149,8 @@ def _unit_places(cls: RankClass, units: dict[UnitKey, UnitOps], st: int, p: int)
 
 def _copy_memory(src: Op, dst: Op, mb: int) -> None:
     """``src`` (micro-batch 0's op) sized ``dst`` (the same op of micro-batch ``mb``)."""
-    if (src.kind, src.phase, src.layer, src.stream) != (dst.kind, dst.phase, dst.layer,
-                                                        dst.stream) \
+    # (Not the stream: the combined 1F1B schedule moves some onto its own, a2a_overlap.)
+    if (src.kind, src.phase, src.layer) != (dst.kind, dst.phase, dst.layer) \
             or _MB0.sub(f"mb{mb}", src.name) != dst.name:
         # The same code laid both out: a mismatch is a bug here, not bad input.
         raise AssertionError(f"moe_rank_memory: {dst.name!r} relaid as {src.name!r}")

@@ -118,15 +118,24 @@ def test_a_light_class_holds_its_own_rows(ep: int, pp: int) -> None:
             assert router[b] - router[j] == pytest.approx(recv, rel=1e-12, abs=1e-6)
 
 
-@pytest.mark.parametrize(("ac", "framework"), [
-    ("none", None), ("full", None),
-    ("selective", {"name": "megatron", "recompute_modules": ["core_attn", "moe_act"]}),
-    ("selective", {"name": "megatron", "recompute_modules": ["moe"]}),
-    ("none", {"name": "megatron", "moe_token_dispatcher_type": "allgather"}),
+MEGA = {"name": "megatron"}
+
+
+@pytest.mark.parametrize(("ac", "framework", "par"), [
+    ("none", None, {}), ("full", None, {}),
+    ("selective", dict(MEGA, recompute_modules=["core_attn", "moe_act"]), {}),
+    ("selective", dict(MEGA, recompute_modules=["moe"]), {}),
+    ("none", dict(MEGA, moe_token_dispatcher_type="allgather"), {}),
+    ("none", dict(MEGA, moe_a2a_overlap=True), {"pp": 1, "ep": 8}),
+    ("none", None, {"tp": 2, "sequence_parallel": True, "pp": 1}),
+    ("none", None, {"vp": 2}),
 ])
-def test_every_class_frees_what_it_allocates(ac: str, framework: dict | None) -> None:
-    p = program(_mega(4, 2, ac=ac, framework=framework))
-    assert len(p.classes) == 8
+def test_every_class_frees_what_it_allocates(ac: str, framework: dict | None,
+                                             par: dict) -> None:
+    s = _with(megatron_scenario({"tp": 1, "ep": 4, "pp": 2, **par}, 16, model=TINY, seq=SEQ,
+                                ac=ac, framework=framework), ZIPF)
+    p = program(s)
+    assert len(p.classes) == p.pipeline_stages * par.get("ep", 4)   # a class per load
     held = set()
     for c in p.classes:
         for cat in ("activations", "moe_dispatch"):
@@ -134,7 +143,7 @@ def test_every_class_frees_what_it_allocates(ac: str, framework: dict | None) ->
             f = sum(b for op in _ops(c) for k, b in op.free if k == cat)
             assert a == pytest.approx(f, rel=1e-12)
         held.add(sum(b for op in _ops(c) for k, b in op.alloc if k == "activations"))
-    assert len(held) == 8                        # and each class its own
+    assert len(held) == len(p.classes)          # and each class its own
 
 
 def _peaks(s: Scenario) -> tuple[dict, dict[str, float]]:
