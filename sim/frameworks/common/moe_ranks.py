@@ -23,8 +23,15 @@ same rows on every EP rank whatever the routing (:mod:`sim.frameworks.deepspeed.
 Cost: a class per distinct load per stage. Up to :data:`MAX_CLASSES` classes in all the
 split is made; beyond it (EP 64 over 16 stages would be 1,024 classes, each simulated) the
 program keeps one class per stage priced at the busiest EP rank (``program.meta
-["moe_rank_classes"]`` says which). The saved activations stay the busiest rank's on every
-rank: the peak is right, a light rank's memory is over-counted.
+["moe_rank_classes"]`` says which), memory included.
+
+Memory: what a rank's experts save for backward and the buffers that hold the tokens it
+receives follow its own load in each class, as they do on the GPU (Megatron-Core's
+``MoEAlltoAllTokenDispatcher`` sizes the received tokens by the counts it gathered; the
+grouped GEMMs save their inputs and fc1 outputs at those rows). :func:`patch_expert_memory`
+does it where the expert GEMMs' op carries them (torchtitan); Megatron re-lays its units'
+memory per load (:mod:`sim.frameworks.megatron.moe_rank_memory`). The busiest class keeps
+the one-class program's memory, so the peak of the job does not move.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op, Program, RankClass
 from sim.program.split import split_ranks
 from sim.workload.block_pricing import BlockCost
-from sim.workload.moe_ops import MoELayout
+from sim.workload.moe_ops import MoELayerOps, MoELayout
 
 MAX_CLASSES = 16
 """Most rank classes the split may leave in the program. Engine time grows about linearly with
@@ -57,6 +64,8 @@ class RankExperts:
     """Its grouped expert GEMMs, priced."""
     etp_gather_bytes: float
     """Bytes it adds to the expert-TP all-gather (its tokens, one expert-TP shard)."""
+    ops: MoELayerOps | None = None
+    """Its MoE layer ops (its expert block's saved tensors, its all-to-alls' receive sizes)."""
 
 
 def rank_experts(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
@@ -69,7 +78,7 @@ def rank_experts(ctx: JobContext, lay: MoELayout, tokens: int, cm: ComputeModel,
     local = len(pace.loads) // lay.ep
     priced = priced_ranks(ctx, lay, tokens, cm, pace.loads, pace.peer_tokens)
     return tuple(RankExperts(tuple(pace.loads[j * local:(j + 1) * local]), cost,
-                             ops.etp_gather_bytes)
+                             ops.etp_gather_bytes, ops)
                  for j, (ops, cost) in enumerate(priced))
 
 
@@ -121,11 +130,15 @@ def split_by_load(program: Program, ep_of: Mapping[int, int],
 
 
 def patch_experts(cls: RankClass, load: RankExperts, gpu_time: bool,
-                  is_experts: Callable[[Op], bool] = is_expert_gemm) -> None:
+                  is_experts: Callable[[Op], bool] = is_expert_gemm,
+                  busiest: BlockCost | None = None) -> None:
     """Give ``cls``'s expert GEMMs its own load's time and FLOPs (model FLOPs where the op
     counts them, hardware FLOPs likewise: a recomputation keeps none of the first).
     ``gpu_time``: the kernels' GPU time alone (Megatron, whose ops carry the host's issue
-    time apart) or bounded by the host's issue time too (:attr:`BlockCost.fwd_s`)."""
+    time apart) or bounded by the host's issue time too (:attr:`BlockCost.fwd_s`).
+    ``busiest``: the expert block the ops were priced at; what the builder added to an op
+    beyond it (Megatron's ``moe_act`` recomputation inside the experts' backward) is kept,
+    and a class at that block's load keeps its ops' time as built."""
     c = load.cost
     for ops in cls.streams.values():
         for op in ops:
@@ -133,10 +146,45 @@ def patch_experts(cls: RankClass, load: RankExperts, gpu_time: bool,
                 continue
             bwd = op.phase == "bwd"
             if gpu_time:
-                op.duration = c.bwd_gpu_s if bwd else c.fwd_gpu_s
+                own = c.bwd_gpu_s if bwd else c.fwd_gpu_s
+                was = None if busiest is None else \
+                    (busiest.bwd_gpu_s if bwd else busiest.fwd_gpu_s)
             else:
-                op.duration = c.bwd_s if bwd else c.fwd_s
+                own = c.bwd_s if bwd else c.fwd_s
+                was = None if busiest is None else (busiest.bwd_s if bwd else busiest.fwd_s)
+            if was is None or op.duration == was:
+                op.duration = own
+            elif own != was:
+                # The recomputed activation's time stays the busiest rank's (an elementwise
+                # kernel over its rows: at most that much over a light rank's).
+                op.duration = own + (op.duration - was)
             if op.flops:        # its own rows' FLOPs (the ranks' sum: the balanced total)
                 op.flops = c.flops_bwd if bwd else c.flops_fwd
             if op.hw_flops:
                 op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
+
+
+def patch_expert_memory(cls: RankClass, load: RankExperts, busiest: BlockCost,
+                        is_experts: Callable[[Op], bool] = is_expert_gemm) -> None:
+    """Give ``cls``'s expert GEMMs its own load's memory where the op carries the expert
+    block's (torchtitan: the forward allocates what the block saves, the backward frees it,
+    each holds its working set while it runs): each ``activations`` entry of ``busiest``'s
+    saved bytes becomes the load's, the transient working set likewise. Other entries (the
+    expert gradients) do not follow the load."""
+    own = load.cost
+    for ops in cls.streams.values():
+        for op in ops:
+            if not is_experts(op):
+                continue
+            op.alloc = _swap(op.alloc, busiest.saved_bytes, own.saved_bytes)
+            op.free = _swap(op.free, busiest.saved_bytes, own.saved_bytes)
+            bwd = op.phase == "bwd"
+            was = busiest.bwd_transient_bytes if bwd else busiest.fwd_transient_bytes
+            if op.transient and op.transient == was:
+                op.transient = own.bwd_transient_bytes if bwd else own.fwd_transient_bytes
+
+
+def _swap(entries: tuple[tuple[str, float], ...], was: float, now: float
+          ) -> tuple[tuple[str, float], ...]:
+    return tuple((cat, now if cat == "activations" and b == was else b)
+                 for cat, b in entries)

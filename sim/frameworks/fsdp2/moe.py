@@ -53,8 +53,9 @@ expert biases.
 Routing: balanced, or skewed by ``training.routing``: the busiest EP rank's experts set the
 pace and the all-to-alls carry per-peer bytes (the same rule as Megatron's:
 :func:`sim.frameworks.common.moe_pace.routing_pace`, :class:`MoEPlan.peer_bytes`); after the
-build each distinct EP load gets its own rank class with its own expert GEMM time and FLOPs
-(:func:`split_moe_ranks`, :mod:`sim.frameworks.common.moe_ranks`, up to its class limit). The
+build each distinct EP load gets its own rank class with its own expert GEMM time, FLOPs and
+saved activations (:func:`split_moe_ranks`, :mod:`sim.frameworks.common.moe_ranks`, up to
+its class limit). The
 skewed experts are priced on their routed rows as Megatron's (no ``TOKEN_GROUP_ALIGN_SIZE_M``
 padding, at most 7 rows per expert).
 
@@ -78,13 +79,19 @@ from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.moe_pace import routing_pace
-from sim.frameworks.common.moe_ranks import patch_experts, rank_experts, split_by_load
+from sim.frameworks.common.moe_ranks import (
+    RankExperts,
+    patch_expert_memory,
+    patch_experts,
+    rank_experts,
+    split_by_load,
+)
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.fsdp2.moe_blocks import combine_block, score_block
 from sim.frameworks.fsdp2.tp_pass import TitanPass
 from sim.frameworks.megatron.moe import MoEPlan
 from sim.hardware.compute import ComputeModel
-from sim.program.ir import Op, Phase, Program
+from sim.program.ir import Op, Phase, Program, RankClass
 from sim.program.mesh import Groups, RankMesh
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.kernels import Style
@@ -247,8 +254,14 @@ def split_moe_ranks(program: Program, moe: TitanMoE, sparse: RankMesh) -> bool:
     if len({r.counts for r in ranks}) <= 1:
         return False
     ep_of = {r: sparse.coords(r)["ep"] for c in program.classes for r in c.members}
-    return split_by_load(program, ep_of, ranks,
-                         lambda cls, load, _k: patch_experts(cls, load, gpu_time=False))
+    busiest = moe.plan.experts_cost
+
+    def patch(cls: RankClass, load: RankExperts, _k: int) -> None:
+        patch_experts(cls, load, gpu_time=False)
+        # Its experts' saved tensors and working set at its own rows (the busiest's stay).
+        patch_expert_memory(cls, load, busiest)
+
+    return split_by_load(program, ep_of, ranks, patch)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ from sim.frameworks.megatron.layer import (
     compute,
     layer_costs,
 )
+from sim.frameworks.megatron.moe_rank_memory import own_memory
 from sim.frameworks.megatron.moe_ranks import split_expert_ranks
 from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-exported
     P2PLink,
@@ -146,6 +147,7 @@ def build_megatron(ctx: JobContext) -> Program:
     # hook into them (a layer's gradients are ready at its last delayed op).
     split = WgradSplit(ctx, s, cpu_call) if s.opts.delay_wgrad_compute else None
     wgrad = split.units(units) if split is not None else {}
+    built = list(classes)
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
                    cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)
     step = _Step(ctx, s, program, classes, units, keys, cpu_call)
@@ -154,8 +156,14 @@ def build_megatron(ctx: JobContext) -> Program:
     step.add_stages(link)
     step.add_gradients_and_optimizer()
     if s.moe is not None:        # skewed routing: a class per expert load (moe_ranks)
-        if split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp) and split:
-            resplit_expert_classes(program, s, ctx.compute, split)
+        if split_expert_ranks(program, s.moe.mesh, s.moe.ranks, s.moe.etp,
+                              busiest=s.moe.experts_cost):
+            if split is not None:
+                # Light classes keep the busiest rank's memory here (an upper bound):
+                # own_memory lays units out again without the delayed weight gradients.
+                resplit_expert_classes(program, s, ctx.compute, split)
+            else:
+                own_memory(program, s, ctx.compute, cpu_call, units, built)
     return program
 
 

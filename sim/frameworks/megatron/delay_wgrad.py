@@ -312,7 +312,10 @@ def resplit_expert_classes(program: Program, s: MegatronShape, cm: ComputeModel,
             main = ops.get(name.removesuffix(" delayed wgrad"))
             if main is None or main is dw or not is_expert_gemm(main):
                 continue
-            # patch_experts gave the experts' op its load's whole backward (time, FLOPs).
+            # patch_experts gave the experts' op its load's whole backward FLOPs, and its
+            # load's time less what the build had delayed (the busiest's share, still on
+            # ``dw``): give that back, then take the load's own share out.
+            main.duration += dw.duration
             dw.duration = min(p.seconds, main.duration)
             main.duration -= dw.duration
             dw.flops = min(p.flops * split.useful, main.flops) if main.flops else 0.0

@@ -300,6 +300,10 @@ class FlexPlan:
     skew: FlexSkew | None = None
     """Skewed routing: the routed tokens' counts (:mod:`~sim.frameworks.megatron.moe_flex_skew`)
     replace the balanced closed forms; None: balanced."""
+    receiver: int | None = None
+    """Skewed routing: the group rank whose received tokens size the per-micro-batch
+    buffers (a rank class's own, :mod:`~sim.frameworks.megatron.moe_rank_memory`); None:
+    the busiest receiver's."""
 
     @property
     def topk(self) -> int:
@@ -469,8 +473,8 @@ def attach_flex(plan: FlexPlan, ops: list[Op], backward: bool, label: str) -> No
         return next((o for o in ops if o.name == label + name), None)
 
     lay = plan.layout
-    # The busiest receiver's tokens under skew (memory is the worst rank's).
-    recv = (plan.skew.received() if plan.skew is not None
+    # Under skew the busiest receiver's tokens (memory is the worst rank's), or the class's.
+    recv = (plan.skew.received(plan.receiver) if plan.skew is not None
             else len(lay.ranks) * plan.tokens * lay.hit((0,)))
     disp = plan.record_bytes("combine_bwd" if backward else "dispatch_fwd")
     rows = recv * plan.hidden * 2.0

@@ -95,8 +95,11 @@ class FlexSkew:
                                            for s in range(i % w, self.n, w))),
             rdma=lambda i, node: float(self.node_tokens[i][node]))
 
-    def received(self) -> float:
-        """Tokens the busiest rank receives in one dispatch (once each)."""
+    def received(self, rank: int | None = None) -> float:
+        """Tokens group rank ``rank`` receives in one dispatch (once each); None: the
+        busiest receiver's."""
+        if rank is not None:
+            return float(sum(row[rank] for row in self.rank_tokens))
         return float(max(sum(row[j] for row in self.rank_tokens) for j in range(self.n)))
 
     def rdma_tokens(self) -> float:

@@ -5,7 +5,8 @@ What the layer's blocks save for backward (the router's map and row ids, each ex
 input, fc1 output and probs: :mod:`sim.workload.moe_ops`) is already in the layer's
 ``activations``, held from its forward to its backward. The dispatcher's communication
 buffers are not saved and live only around their collectives; per micro-batch and layer, on
-the busiest EP rank under skew (``alltoall`` dispatcher, ``token_dispatcher.py``):
+the busiest EP rank under skew (each rank class of a split at its own load:
+:mod:`.moe_rank_memory`) (``alltoall`` dispatcher, ``token_dispatcher.py``):
 
 * dispatch: the permuted tokens and probs (``permute``'s output, the all-to-all's send
   buffer), allocated by the permutation and released when their all-to-all ends; the received

@@ -25,6 +25,7 @@ from sim.frameworks.common.moe_ranks import (
 )
 from sim.program.ir import Op, Program, RankClass
 from sim.program.mesh import RankMesh
+from sim.workload.block_pricing import BlockCost
 
 __all__ = ["MAX_CLASSES", "RankExperts", "rank_experts", "split_expert_ranks"]
 
@@ -32,19 +33,24 @@ _ETP = re.compile(r"^(fwd|bwd|recompute) moe L\d+ mb\d+ etp (all_gather|reduce_s
 
 
 def split_expert_ranks(program: Program, mesh: RankMesh, ranks: tuple[RankExperts, ...],
-                       etp: int, limit: int | None = None) -> bool:
+                       etp: int, limit: int | None = None,
+                       busiest: BlockCost | None = None) -> bool:
     """Split every stage's class by its members' expert load (see the module docstring);
     returns whether it did (False: balanced, one load, or more than ``limit`` classes,
-    default :data:`~sim.frameworks.common.moe_ranks.MAX_CLASSES`)."""
+    default :data:`~sim.frameworks.common.moe_ranks.MAX_CLASSES`). ``busiest``: the expert
+    block the program was priced at (the pace's), whose op time beyond the block
+    (``moe_act``'s recomputation) each class keeps."""
     if len({r.counts for r in ranks}) <= 1:
         return False
     ep_of = {r: mesh.coords(r).get("ep", 0) for c in program.classes for r in c.members}
-    return split_by_load(program, ep_of, ranks, partial(_patch, etp=etp), limit)
+    return split_by_load(program, ep_of, ranks, partial(_patch, etp=etp, busiest=busiest),
+                         limit)
 
 
-def _patch(cls: RankClass, load: RankExperts, k: int, etp: int) -> None:
+def _patch(cls: RankClass, load: RankExperts, k: int, etp: int,
+           busiest: BlockCost | None = None) -> None:
     """Give ``cls``'s expert GEMMs and expert-TP exchanges its own load."""
-    patch_experts(cls, load, gpu_time=True)
+    patch_experts(cls, load, gpu_time=True, busiest=busiest)
     mine = set(cls.members)
     own: dict[int, tuple[tuple[int, ...], ...]] = {}
     for ops in cls.streams.values():
