@@ -16,6 +16,7 @@ figures, so the gap is recorded and a fix that closes it has to remove the mark.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,10 @@ import yaml
 
 from sim import catalog
 from sim.hardware.compute import ComputeModel
+from sim.workload.block_pricing import kernel_time
 from sim.workload.grouped_gemm import grouped_gemm_time
+from sim.workload.model import ModelSpec
+from sim.workload.moe_ops import MoELayout, moe_layer_ops
 
 DATA = yaml.safe_load((Path(catalog.__file__).parent / "reference" / "moe_components.yaml")
                       .read_text())
@@ -109,3 +113,39 @@ def test_large_experts_match_deepgemm_within_ten_percent() -> None:
             continue
         ratio = grouped_tflops(groups, m, n, k) / tflops
         assert 0.9 < ratio <= 1.0, (groups, m, n, k, ratio)
+
+
+# Token permutation (moe_permute): the simulated kernel of Megatron's router block against
+# TileOPs' and vLLM's measured gathers on H200 (moe_components.yaml permute_h200), band
+# [TileOPs, vLLM Triton] widened by 15%. DeepSeek-V3's hidden 7168 and top-8; experts do not
+# change the bytes moved.
+PERMUTE_CM = ComputeModel(catalog.gpu(DATA["permute_gpu"]))
+_PERMUTE_GAPS = {
+    32: "simulated 3.7 us vs 9.1 us (TileOPs) and 22.6 us (vLLM): a few rows per expert are "
+        "launch- and routing-table-bound, priced at the HBM rate with a 2 us kernel floor",
+    128: "simulated 9.0 us vs 13.5 us (TileOPs) and 28.6 us (vLLM), as for 32 tokens",
+}
+
+
+def permute_seconds(tokens: int, top_k: int, hidden: int) -> float:
+    m = ModelSpec.from_ref("deepseek-v3")
+    assert m.moe is not None
+    m = replace(m, hidden=hidden, moe=replace(m.moe, top_k=top_k))
+    ops = moe_layer_ops(m, MoELayout(ep=1), tokens)
+    (k,) = [k for k in ops.router.forward if k.name == "permute"]
+    return kernel_time(PERMUTE_CM, k)
+
+
+def _permute_params():
+    for row in DATA["permute_h200"]:
+        marks = ([pytest.mark.xfail(strict=True, reason=_PERMUTE_GAPS[row[0]])]
+                 if row[0] in _PERMUTE_GAPS else [])
+        yield pytest.param(*row, marks=marks, id=f"tokens{row[0]}")
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,hidden,tileops_ms,vllm_ms",
+                         list(_permute_params()))
+def test_permute_within_the_measured_kernels_band(tokens, top_k, experts, hidden, tileops_ms,
+                                                  vllm_ms) -> None:
+    t = permute_seconds(tokens, top_k, hidden) * 1e3
+    assert (1 - TOL) * tileops_ms <= t <= (1 + TOL) * vllm_ms
