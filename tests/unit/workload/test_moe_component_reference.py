@@ -49,15 +49,13 @@ def dense_tflops(m: int, n: int, k: int) -> float:
     return 2.0 * m * n * k / CM.gemm_time(m, k, n, "fwd", fp8=True) / 1e12
 
 
-# Shapes outside the band today (simulated / measured DeepGEMM TFLOPS). Few hundred rows per
-# expert: each expert's GEMM is priced at nearly the GPU's full rate (the fitted wave model,
-# gemm.wave_alpha = 0.04, spreads a partial wave over all SMs), and grouped_gemm_time then
-# credits its four streams with running such GEMMs side by side on the SMs its tiles leave
-# idle: the same idle SMs counted twice.
+# Shapes outside the band today (simulated / measured DeepGEMM TFLOPS). Four experts of 256 rows
+# with a short reduction (k 2048): each GEMM is mostly the fitted per-call constant (gemm.fixed_us,
+# 9.5 of its 15.7 us), which TE's four streams pay one after another in SM-time; DeepGEMM's one
+# persistent kernel pays it once. Slower than the CUTLASS baseline, not optimistic.
 _GROUPED_GAPS = {
-    ("masked", 2, 512, 4096, 7168): "simulated 1,589 TFLOP/s vs DeepGEMM 1,040 (+53%)",
-    ("masked", 4, 256, 4096, 7168): "simulated 1,285 TFLOP/s vs DeepGEMM 932 (+38%)",
-    ("masked", 4, 256, 7168, 2048): "simulated 1,097 TFLOP/s vs DeepGEMM 815 (+35%)",
+    ("masked", 4, 256, 7168, 2048): "simulated 505 TFLOP/s vs DeepGEMM 815, CUTLASS 3.6 "
+                                    "baseline 679 (-26% below the baseline)",
 }
 _DENSE_GAPS = {
     (4096, 2112, 7168): "simulated 1,212 TFLOP/s vs DeepGEMM 1,009 (+20%): a 2112-wide "
@@ -94,8 +92,6 @@ def test_dense_fp8_gemm_within_the_measured_kernels_band(m, n, k, tflops, speedu
     assert lo <= dense_tflops(m, n, k) <= hi
 
 
-@pytest.mark.xfail(strict=True, reason="simulated 1,116 / 1,589 / 1,285 TFLOP/s for 1x1024 / "
-                   "2x512 / 4x256 rows (n 4096, k 7168); DeepGEMM measures 1,233 / 1,040 / 932")
 def test_splitting_the_same_rows_over_more_experts_never_raises_throughput() -> None:
     # Physics, and DeepGEMM's masked rows at n=4096, k=7168 (1,233 > 1,040 > 932 TFLOP/s):
     # the same 1,024 rows over more experts read more weights in fewer rows per tile, so the
