@@ -204,6 +204,17 @@ class ComputeModel:
         tile = _fit()["gemm"]["tile"]
         return math.ceil(rows / tile[0]) * math.ceil(cols / tile[1])
 
+    def gemm_occupancy(self, m: float, k: float, n: float, pass_: GemmPass = "fwd") -> float:
+        """Share of the SMs one pass keeps busy over its time under the fitted wave model:
+        ``(tiles / sms) / waves``, the factor :meth:`gemm_time` divides the math rate by.
+        With the fitted ``wave_alpha`` near 0 a GEMM of fewer tiles than SMs is priced as if
+        spread over nearly all of them (cuBLAS picks smaller tiles or split-K), so this is near
+        1, not ``tiles / sms``: what another stream's GEMM can still use beside it."""
+        g = _fit()["gemm"]
+        frac = self.gemm_tiles(m, k, n, pass_) / self.gpu.sm_count
+        waves = g["wave_alpha"] * math.ceil(frac) + (1 - g["wave_alpha"]) * frac
+        return frac / waves
+
     @cached_property
     def _cache(self) -> dict[tuple[float, float, float, str, bool, bool], float]:
         return {}

@@ -16,9 +16,14 @@ side by side, which pays off when each fills only part of the GPU: the group tak
 of the busiest stream's serial sum and the SM-time of all GEMMs (each GEMM's time weighted by
 the share of the SMs it occupies, at most 1) and the time to stream every expert's operands
 through HBM once (side by side they share the bandwidth). A GEMM occupies at least the share
-of SMs its output tiles need, and at least the share its math needs at the GPU's sustained
-peak: cuBLAS runs a few-row GEMM with a deep K split-K over more SMs than it has tiles. An
-expert with no tokens launches nothing that costs GPU time.
+of SMs its output tiles need, at least the share its math needs at the GPU's sustained peak
+(cuBLAS runs a few-row GEMM with a deep K split-K over more SMs than it has tiles), and at
+least the occupancy :meth:`~sim.hardware.compute.ComputeModel.gemm_occupancy` its own time
+was priced at: the fitted wave model spreads a partial wave over nearly every SM, so the SMs
+its nominal tiles leave idle are already spent and cannot be lent to another stream. (Without
+that, 2-4 experts of 256-512 rows came out 35-53% faster than DeepGEMM's measured FP8 grouped
+kernel on H800 and faster than one GEMM over all their rows; sim/catalog/reference/
+moe_components.yaml.) An expert with no tokens launches nothing that costs GPU time.
 """
 
 from __future__ import annotations
@@ -80,7 +85,10 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
             continue
         t = cm.gemm_time(m, k, n, pass_, fp8=fp8)
         times.append(t)
-        share = max(cm.gemm_tiles(m, k, n, pass_) / sms, 2.0 * m * k * n / (peak * t))
+        # Its SM-time: at the share of the SMs gemm_time priced it on (its wave model's
+        # occupancy, near 1 even for few tiles), not the share its nominal tiles would leave.
+        tiles = cm.gemm_tiles(m, k, n, pass_) / sms
+        share = max(tiles, cm.gemm_occupancy(m, k, n, pass_), 2.0 * m * k * n / (peak * t))
         busy += t * min(1.0, share)
         # Operands in, 16-bit output out, as the GEMM's own roofline floor counts them.
         r, c, red = gemm_dims(m, k, n, pass_)
