@@ -32,7 +32,14 @@ class Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Kernel:
-    """One GPU kernel: what it reads and writes, and how it is priced."""
+    """One GPU kernel: what it reads and writes, and how it is priced.
+
+    A write into a tensor that already exists is in place (the output aliases it) and
+    allocates nothing: a tensor the kernel sequence read before (the same kernel's reads
+    count: ``Kernel("mul_", ..., (s,), (s,))``), a saved tensor in the backward, or one held
+    elsewhere (:func:`sim.workload.block_pricing.in_place_targets`). A kernel that makes a
+    new tensor writes a new :class:`Tensor` object.
+    """
 
     name: str
     klass: KernelClass
