@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Literal
 
 from sim.hardware.attention_cost import window_pairs
+from sim.workload.kernels import accumulating
 from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
 from sim.workload.layer_rules import (
     FP8,
@@ -250,7 +251,8 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     if bias:
         gb = b.t(f"{name}.g_b", n_out, FP32)
         ks.append(bias_grad(name, gy, gb))
-    b.bwd(*ks)
+    # gradient_accumulation_fusion: the wgrad GEMM adds into the persistent main_grad.
+    b.bwd(*(accumulating(k, gw) if k.name == f"{name}.wgrad" else k for k in ks))
     b.block.weight_grads.append(gw)
     return out
 

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor
+from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor, accumulating
 from sim.workload.layer_builder import _Builder
 from sim.workload.layer_rules import FP8, linear_params, scaled_cast
 from sim.workload.megatron_ops import MegatronLayout, _linear
@@ -320,7 +320,8 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
     if bias:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)
         ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
-    b.bwd(*ks)
+    # TE GroupedLinear's fuse_wgrad_accumulation: each expert's wgrad adds into its main_grad.
+    b.bwd(*(accumulating(k, gw) if k.name == f"{name}.wgrad" else k for k in ks))
     b.block.weight_grads.append(gw)
     return y
 

@@ -132,3 +132,25 @@ def test_router_logit_gradient_is_allocated_once_with_the_aux_loss() -> None:
         assert glog and {t.nbytes for t in glog} == {tokens * e * FP32}
         c = price_block(router, STYLE, H200)
         assert c.bwd_transient_bytes >= tokens * e * FP32
+
+
+@pytest.mark.parametrize("fp8", [None, "delayed"])
+def test_megatron_wgrads_accumulate_into_main_grad(fp8) -> None:
+    # gradient_accumulation_fusion (Megatron-Core tensor_parallel/layers.py,
+    # wgrad_gemm_accum_fp32; TE fuse_wgrad_accumulation, GroupedLinear too): every wgrad GEMM
+    # adds into the persistent fp32 main_grad, which the framework counts as "gradients"; the
+    # block's backward allocates none of it. GPT-OSS-120B's head with TE's loss on the B200
+    # row: nothing of vocabulary size is new in backward, only the bf16 gradient of the
+    # hidden states (tokens x hidden); the output layer's main_grad (vocab x hidden x 4,
+    # 2.2 GiB) counted before.
+    m = ModelSpec.from_ref("gpt-oss-120b", 4096)
+    lay = MegatronLayout(tp=1, cross_entropy="te", fp8=fp8)
+    blocks = [head_block(m, lay, 4, 4096)]
+    blocks.append(moe_layer_ops(m, MoELayout(ep=8, fp8=fp8), 4 * 4096).experts)
+    for blk in blocks:
+        wgrads = [k for k in blk.backward if k.name.endswith(".wgrad")]
+        assert wgrads
+        for k in wgrads:
+            assert k.writes[0] in blk.weight_grads and any(t is k.writes[0] for t in k.reads)
+    c = price_block(blocks[0], STYLE, ComputeModel(catalog.gpu("b200")))
+    assert c.bwd_transient_bytes == 4 * 4096 * m.hidden * BF16
