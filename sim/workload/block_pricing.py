@@ -153,6 +153,32 @@ def _stream_time(cm: ComputeModel, kernels: list[Kernel], cpu_per_op: float, att
     return max(_gpu_time(cm, kernels), _cpu_time(kernels, cpu_per_op, attn_cpu))
 
 
+def in_place_targets(kernels: Sequence[Kernel], held: set[int]) -> set[int]:
+    """Ids of the tensors that exist before a kernel sequence creates them, so that a kernel
+    writing one writes it in place and allocates nothing (:class:`~sim.workload.kernels.Kernel`
+    describes the convention): ``held``, the tensors accounted elsewhere (in a backward, the
+    block's saved tensors until autograd frees them: Megatron-Core's cross-entropy turns its
+    saved softmax into the gradient in place, ``tensor_parallel/cross_entropy.py``
+    ``calculate_gradients``; Transformer Engine's ``element_mul_kernel`` scales the saved
+    logits in place), and every tensor the sequence reads before its first write (it was made
+    outside the sequence: an accumulator the framework holds, an incoming gradient).
+
+    Examples
+    --------
+    >>> from sim.workload.kernels import Tensor
+    >>> s, g = Tensor("softmax", 4e6), Tensor("g_bf16", 2e6)
+    >>> ks = [Kernel("mul_", "elementwise", (s,), (s,)), Kernel("cast", "elementwise", (s,), (g,))]
+    >>> in_place_targets(ks, set()) == {id(s)}
+    True
+    """
+    out = set(held)
+    written: set[int] = set()
+    for k in kernels:
+        out.update(id(t) for t in k.reads if id(t) not in written)
+        written.update(id(t) for t in k.writes)
+    return out
+
+
 def _transient_parts(kernels: list[Kernel], persistent: set[int],
                      releasable: dict[int, float]) -> tuple[float, ...]:
     """The tensors alive at the peak of bytes alive during a kernel sequence, over those held
@@ -163,18 +189,22 @@ def _transient_parts(kernels: list[Kernel], persistent: set[int],
     ``persistent``: tensors accounted elsewhere (saved, parameters, block inputs).
     ``releasable``: saved tensors that autograd frees after their last backward read; their
     release lowers the running total.
+
+    Only a write into a tensor that does not exist yet allocates (:func:`in_place_targets`
+    says which exist: a kernel writing one of those writes in place).
     """
     last_use: dict[int, int] = {}
     for i, k in enumerate(kernels):
         for t in k.reads + k.writes:
             last_use[id(t)] = i
+    existing = in_place_targets(kernels, persistent | releasable.keys())
     live: dict[int, float] = {}
     released = 0.0
     peak = 0.0
     at_peak: list[float] = []
     for i, k in enumerate(kernels):
         for t in k.writes:
-            if id(t) not in persistent:
+            if id(t) not in existing:
                 live[id(t)] = t.nbytes
         if sum(live.values()) - released > peak:
             peak = sum(live.values()) - released

@@ -94,12 +94,13 @@ def hf_rope_bf16(b: _Builder, q: Tensor, tokens: float, width: int, name: str) -
     b.fwd(Kernel(f"{name}.mul_sin", "elementwise", (rot,), (s,)))
     b.fwd(Kernel(f"{name}.add", "elementwise", (a, s), (out,)))
     g = {k: b.t(f"{name}.g_{k}", n, BF16) for k in ("out", "a", "rot", "za", "zb", "s1", "in")}
-    gh = {k: b.t(f"{name}.gh_{k}", n / 2, BF16) for k in ("neg",)}
+    # gh_x2: CatBackward's narrow view of g_rot (no copy); NegBackward writes a new tensor.
+    gh = {k: b.t(f"{name}.gh_{k}", n / 2, BF16) for k in ("neg", "x2")}
     b.bwd(
         Kernel(f"{name}.g_mul_cos", "elementwise", (g["out"],), (g["a"],)),
         Kernel(f"{name}.g_mul_sin", "elementwise", (g["out"],), (g["rot"],)),
         # CatBackward gives narrow views; NegBackward negates the x2 half.
-        Kernel(f"{name}.g_neg", "elementwise", (gh["neg"],), (gh["neg"],)),
+        Kernel(f"{name}.g_neg", "elementwise", (gh["x2"],), (gh["neg"],)),
         # SliceBackward of x1 and of x2: zero-filled full-size gradient, then the half.
         Kernel(f"{name}.g_slice_a_zero", "elementwise", (), (g["za"],)),
         Kernel(f"{name}.g_slice_a_copy", "elementwise", (gh["neg"],), (gh["neg"],)),

@@ -12,7 +12,7 @@ Megatron-LM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 FP32 = 4
@@ -32,7 +32,14 @@ class Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Kernel:
-    """One GPU kernel: what it reads and writes, and how it is priced."""
+    """One GPU kernel: what it reads and writes, and how it is priced.
+
+    A write into a tensor that already exists is in place (the output aliases it) and
+    allocates nothing: a tensor the kernel sequence read before (the same kernel's reads
+    count: ``Kernel("mul_", ..., (s,), (s,))``), a saved tensor in the backward, or one held
+    elsewhere (:func:`sim.workload.block_pricing.in_place_targets`). A kernel that makes a
+    new tensor writes a new :class:`Tensor` object.
+    """
 
     name: str
     klass: KernelClass
@@ -127,6 +134,25 @@ class Block:
     flops_fwd: float = 0.0
     flops_bwd: float = 0.0
 
+
+
+def accumulating(k: Kernel, into: Tensor) -> Kernel:
+    """``k`` adding its result into ``into`` in place (a GEMM with beta = 1): it reads the
+    tensor it writes, so the tensor must exist already and nothing new is allocated.
+    Megatron-Core's weight gradients (``gradient_accumulation_fusion``): the wgrad GEMM
+    accumulates into the parameter's persistent fp32 ``main_grad``
+    (``tensor_parallel/layers.py``, ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``;
+    Transformer Engine's ``fuse_wgrad_accumulation``).
+
+    Examples
+    --------
+    >>> g = Tensor("main_grad", 4e6)
+    >>> k = accumulating(Kernel("wgrad", "gemm", (Tensor("x", 1e6),), (g,)), g)
+    >>> k.reads[-1] is g and k.writes == (g,)
+    True
+    """
+    assert any(t is into for t in k.writes), f"{k.name} does not write {into.name}"
+    return replace(k, reads=k.reads + (into,))
 
 
 def is_reduction(k: Kernel) -> bool:

@@ -297,12 +297,15 @@ class _Builder:
             g = {k: self.t(f"{name}.g_{k}", n, FP32) for k in ("out", "a", "b")}
             gb = {k: self.t(f"{name}.gb_{k}", n, BF16) for k in ("a", "b", "sa", "sb", "in")}
             gneg = self.t(f"{name}.g_neg", n / 2, BF16)
+            # CatBackward's narrow view of the rotated half's gradient (no copy); NegBackward
+            # writes a new tensor from it.
+            gview = self.t(f"{name}.g_x2", n / 2, BF16)
             self.bwd(
                 Kernel(f"{name}.g_mul_cos", "elementwise", (g["out"],), (g["a"],)),
                 Kernel(f"{name}.g_cast_a", "elementwise", (g["a"],), (gb["a"],)),
                 Kernel(f"{name}.g_mul_sin", "elementwise", (g["out"],), (g["b"],)),
                 Kernel(f"{name}.g_cast_b", "elementwise", (g["b"],), (gb["b"],)),
-                Kernel(f"{name}.g_neg", "elementwise", (gneg,), (gneg,)),
+                Kernel(f"{name}.g_neg", "elementwise", (gview,), (gneg,)),
                 Kernel(f"{name}.g_slice_a", "elementwise", (gneg,), (gb["sa"],)),
                 Kernel(f"{name}.g_slice_b", "elementwise", (gneg,), (gb["sb"],)),
                 Kernel(f"{name}.g_sum_slices", "elementwise", (gb["sa"], gb["sb"]), (gb["in"],)),

@@ -10,10 +10,11 @@ Which code runs is ``TransformerConfig.cross_entropy_loss_fusion`` (default off)
 ``unfused``
     ``tensor_parallel.vocab_parallel_cross_entropy`` (``tensor_parallel/cross_entropy.py``),
     eager: ``.float()`` copy, row max, subtract in place, exp in place, row sum, divide in
-    place; the fp32 softmax is saved. Backward subtracts one at the targets, scales by the
-    loss gradient and autograd's ``.float()`` node casts back to bf16. The kernels are the ones
-    fabricsim has always priced here (kept unchanged; two of them overstate the real work:
-    the one-hot subtraction is a scatter of one value per token, and ``mul_`` is in place).
+    place; the fp32 softmax is saved. Backward (``calculate_gradients``) works in the saved
+    softmax itself (``grad_input = softmax``): subtracts one at the targets (an indexed
+    update, one element per token), scales by the loss gradient in place (``mul_``), and
+    autograd's ``.float()`` node casts the result to a new bf16 gradient. Beyond what was
+    saved, the backward holds only that bf16 gradient.
 ``native``
     ``fused_vocab_parallel_cross_entropy`` (``megatron/core/fusions/fused_cross_entropy.py``):
     the same arithmetic in four functions under ``jit_fuser`` (``torch.compile`` from PyTorch
@@ -69,20 +70,18 @@ def vocab_parallel_loss(b: _Builder, logits: Tensor, tokens: float, vocab: int,
     """Add the cross-entropy of ``logits`` (``tokens`` x ``vocab`` local columns, bf16) to the
     builder: its forward and backward kernels and what it saves.
 
-    ``grad``: the bf16 gradient tensor the ``native`` path writes (the one the output layer's
-    backward reads); a new one if None. Returns the gradient of the logits the loss leaves
-    (``te``: the logits themselves; ``unfused``: its historical tensor, which the output
-    layer's backward does not share).
+    ``grad``: the bf16 gradient tensor the ``unfused`` and ``native`` paths write (the one the
+    output layer's backward reads); a new one if None. Returns the gradient of the logits the
+    loss leaves (``te``: the logits themselves).
     """
     n = tokens * vocab
-    if impl == "unfused":
-        return _unfused(b, logits, n)
-    if impl == "native":
-        return _native(b, logits, n, grad if grad is not None else b.t("output.g_out", n, BF16))
-    return _te(b, logits, tokens)
+    if impl == "te":
+        return _te(b, logits, tokens)
+    gl = grad if grad is not None else b.t("output.g_out", n, BF16)
+    return _unfused(b, logits, n, gl) if impl == "unfused" else _native(b, logits, n, gl)
 
 
-def _unfused(b: _Builder, logits: Tensor, n: float) -> Tensor:
+def _unfused(b: _Builder, logits: Tensor, n: float, gl: Tensor) -> Tensor:
     lf = b.t("logits_fp32", n, FP32)
     b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
     b.fwd(Kernel("row_max", "elementwise", (lf,), ()))
@@ -91,11 +90,11 @@ def _unfused(b: _Builder, logits: Tensor, n: float) -> Tensor:
     b.fwd(Kernel("row_sum", "elementwise", (lf,), ()))
     b.fwd(Kernel("div_sum", "elementwise", (lf,), (lf,)))
     b.save(lf)
-    g = b.t("g_logits", n, FP32)
-    gl = b.t("output.g_out", n, BF16)
-    b.bwd(Kernel("softmax_minus_onehot", "elementwise", (lf,), (lf,)),
-          Kernel("scale_by_grad", "elementwise", (lf,), (g,)),
-          Kernel("g_logits_half", "elementwise", (g,), (gl,)))
+    # grad_2d[arange, masked_target] -= softmax_update: one element per token (as native's
+    # scatter); grad_input.mul_(grad_output): in place in the saved softmax; then the cast.
+    b.bwd(Kernel("softmax_minus_onehot", "tiny"),
+          Kernel("scale_by_grad", "elementwise", (lf,), (lf,)),
+          Kernel("g_logits_half", "elementwise", (lf,), (gl,)))
     return gl
 
 

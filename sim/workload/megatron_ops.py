@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Literal
 
 from sim.hardware.attention_cost import window_pairs
+from sim.workload.kernels import accumulating
 from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
 from sim.workload.layer_rules import (
     FP8,
@@ -127,18 +128,20 @@ def _local(m: ModelSpec, lay: MegatronLayout) -> tuple[int, int, int, int, int]:
     return heads * m.head_dim, kv_heads * m.head_dim, heads, kv_heads, m.ffn_hidden // t
 
 
-def _dropout(b: _Builder, x: Tensor, numel: float, name: str, p: float) -> Tensor:
-    """Dropout as its own kernel (attention probabilities): output and a 1-byte mask saved."""
+def _dropout(b: _Builder, x: Tensor, numel: float, name: str, p: float, g_in: Tensor
+             ) -> tuple[Tensor, Tensor]:
+    """Dropout as its own kernel (attention probabilities): output and a 1-byte mask saved.
+    ``g_in``: the gradient of ``x`` its backward writes. Returns the output and the gradient
+    of the output that its backward reads (``x`` and ``g_in`` when ``p`` is 0)."""
     if p <= 0:
-        return x
+        return x, g_in
     out = b.t(f"{name}.out", numel, BF16)
     mask = b.t(f"{name}.mask", numel, MASK)
     b.fwd(Kernel(f"{name}", "elementwise", (x,), (out, mask)))
     b.save(mask)
     g = b.t(f"{name}.g_out", numel, BF16)
-    gi = b.t(f"{name}.g_in", numel, BF16)
-    b.bwd(Kernel(f"{name}.bwd", "elementwise", (g, mask), (gi,)))
-    return out
+    b.bwd(Kernel(f"{name}.bwd", "elementwise", (g, mask), (g_in,)))
+    return out, g
 
 
 def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Tensor:
@@ -248,7 +251,8 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     if bias:
         gb = b.t(f"{name}.g_b", n_out, FP32)
         ks.append(bias_grad(name, gy, gb))
-    b.bwd(*ks)
+    # gradient_accumulation_fusion: the wgrad GEMM adds into the persistent main_grad.
+    b.bwd(*(accumulating(k, gw) if k.name == f"{name}.wgrad" else k for k in ks))
     b.block.weight_grads.append(gw)
     return out
 
@@ -362,30 +366,32 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
         scores = b.t("scores", n_scores, BF16)
         fl = 2.0 * batch * heads * s * kv_len * m.head_dim
         rows = batch * heads * s
-        b.fwd(Kernel("qk_bmm", "gemm", (q, k), (scores,), fl,
-                     gemm=(rows, m.head_dim, kv_len, "fwd")))
-        b.save(q, k)
-        probs = b.t("probs", n_scores, BF16)
-        b.fwd(Kernel("softmax", "elementwise", (scores,), (probs,)))
-        b.save(probs)
-        dropped = _dropout(b, probs, n_scores, "attn_dropout", lay.dropout)
-        b.fwd(Kernel("pv_bmm", "gemm", (dropped, v), (ctx,), fl,
-                     gemm=(rows, kv_len, m.head_dim, "fwd")))
-        b.save(dropped, v)
         gs = b.t("g_scores", n_scores, BF16)
         gp = b.t("g_probs", n_scores, BF16)
         gctx = b.t("g_ctx", tokens * qd, BF16)
         gq, gk, gv = (b.t(f"g_{n}", tokens * w, BF16) for n, w in (("q", qd), ("k", kvd),
                                                                     ("v", kvd)))
-        b.bwd(Kernel("pv_bmm.dgrad", "gemm", (gctx, v), (gp,), fl,
-                     gemm=(rows, kv_len, m.head_dim, "dgrad")),
-              Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl,
-                     gemm=(rows, kv_len, m.head_dim, "wgrad")))
-        b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,) + sink_grad))
+        # Each op's backward is added right after its forward (the builder runs them in
+        # reverse): P V's, dropout's, the softmax's, then Q K^T's.
+        b.fwd(Kernel("qk_bmm", "gemm", (q, k), (scores,), fl,
+                     gemm=(rows, m.head_dim, kv_len, "fwd")))
+        b.save(q, k)
         b.bwd(Kernel("qk_bmm.dgrad", "gemm", (gs, k), (gq,), fl,
                      gemm=(rows, m.head_dim, kv_len, "dgrad")),
               Kernel("qk_bmm.wgrad", "gemm", (gs, q), (gk,), fl,
                      gemm=(rows, m.head_dim, kv_len, "wgrad")))
+        probs = b.t("probs", n_scores, BF16)
+        b.fwd(Kernel("softmax", "elementwise", (scores,), (probs,)))
+        b.save(probs)
+        b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,) + sink_grad))
+        dropped, gd = _dropout(b, probs, n_scores, "attn_dropout", lay.dropout, gp)
+        b.fwd(Kernel("pv_bmm", "gemm", (dropped, v), (ctx,), fl,
+                     gemm=(rows, kv_len, m.head_dim, "fwd")))
+        b.save(dropped, v)
+        b.bwd(Kernel("pv_bmm.dgrad", "gemm", (gctx, v), (gd,), fl,
+                     gemm=(rows, kv_len, m.head_dim, "dgrad")),
+              Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl,
+                     gemm=(rows, kv_len, m.head_dim, "wgrad")))
     out = _linear(b, ctx, tokens, qd, h, "proj", m.bias, bias_in_epilogue=True, lay=lay)
     # The row-parallel output is reduced across the tensor-parallel group (the framework's
     # all-reduce or reduce-scatter) before the fused bias-dropout-add on `local` tokens.
@@ -481,9 +487,9 @@ def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block
     y = _norm(b, m, x, local, "norm")
     yin = b.t("out_in", tokens * h, BF16) if lay.sequence_parallel else y
     impl = lay.cross_entropy
-    # The fused losses' gradient is the tensor the output layer's backward reads (native: the
-    # bf16 tensor it returns; te: the logits themselves, overwritten in place).
-    g = b.t("output.g_out", tokens * vocab, BF16) if impl == "native" else None
+    # The loss's gradient is the tensor the output layer's backward reads (unfused and native:
+    # the bf16 tensor it returns; te: the logits themselves, overwritten in place).
+    g = b.t("output.g_out", tokens * vocab, BF16) if impl != "te" else None
     logits = _linear(b, yin, tokens, h, vocab, "output", False, g_out=g,
                      grad_in_output=impl == "te")
     vocab_parallel_loss(b, logits, tokens, vocab, impl, g)

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor
+from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor, accumulating
 from sim.workload.layer_builder import _Builder
 from sim.workload.layer_rules import FP8, linear_params, scaled_cast
 from sim.workload.megatron_ops import MegatronLayout, _linear
@@ -206,12 +206,16 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
     probs = b.t("probs", tokens * e, FP32)
     rmap = b.t("routing_map", tokens * e, MASK)
     gprobs = b.t("g_probs", tokens * e, FP32)
+    # With the aux loss, autograd runs its branch first (its nodes were made last) and the
+    # routing branch's gradient is then accumulated into the logits' gradient it made: read
+    # and written in place (torch/csrc/autograd/input_buffer.cpp, accumulate).
+    acc = (glog,) if lay.aux_loss else ()
     if lay.router_fusion:
         # TE fused_topk_with_score_function: scores, top-k, (sigmoid: bias, normalise),
         # scatter into dense probs and map; saves what its backward reads.
         b.fwd(Kernel("topk_fused", "elementwise", (logits,), (probs, rmap)))
         b.save(probs, rmap)
-        b.bwd(Kernel("topk_fused.bwd", "elementwise", (gprobs, probs, rmap), (glog,)))
+        b.bwd(Kernel("topk_fused.bwd", "elementwise", (gprobs, probs, rmap) + acc, (glog,)))
     else:
         scores = b.t("scores", tokens * e, FP32)
         idx = b.t("topk_idx", tokens * k, 8)
@@ -225,7 +229,7 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
         gsc = b.t("g_scores", tokens * e, FP32)
         b.bwd(Kernel("scatter_probs.bwd", "elementwise", (gprobs, idx), (gval,)),
               Kernel("topk.bwd", "elementwise", (gval, idx), (gsc,)),
-              Kernel("score_fn.bwd", "elementwise", (gsc, scores), (glog,)))
+              Kernel("score_fn.bwd", "elementwise", (gsc, scores) + acc, (glog,)))
     if lay.aux_loss:
         # compute_routing_scores_for_aux_loss (scores of every expert, its own top-k map),
         # then switch_load_balancing_loss_func: the scores summed over tokens, times the
@@ -239,7 +243,7 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
         b.save(sc)
         gsc2 = b.t("aux.g_scores", tokens * e, FP32)
         b.bwd(Kernel("aux.loss.bwd", "elementwise", (), (gsc2,)),
-              Kernel("aux.scores.bwd", "elementwise", (gsc2, sc, glog), (glog,)))
+              Kernel("aux.scores.bwd", "elementwise", (gsc2, sc), (glog,)))
     # preprocess: tokens per expert, the map summed over tokens.
     counts = b.t("tokens_per_expert", e, 8)
     b.fwd(Kernel("count_tokens", "elementwise", (rmap,), (counts,)))
@@ -316,7 +320,8 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
     if bias:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)
         ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
-    b.bwd(*ks)
+    # TE GroupedLinear's fuse_wgrad_accumulation: each expert's wgrad adds into its main_grad.
+    b.bwd(*(accumulating(k, gw) if k.name == f"{name}.wgrad" else k for k in ks))
     b.block.weight_grads.append(gw)
     return y
 

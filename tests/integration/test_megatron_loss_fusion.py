@@ -9,10 +9,11 @@ logits it overwrote with the gradient, ``tokens x vocab/tp x 2``, nothing fp32 o
 Bytes per logit moved by the passes over the ``N = tokens x vocab/tp`` logits, forward:
 unfused ``.float()`` 2+4, max 4, subtract 4+4, exp 4+4, sum 4, divide 4+4 = 38; native (one
 inductor kernel per compiled function) cast+max 2+4, subtract+exp+sum 4+4, divide 4+4 = 22; te
-online softmax 2, cross-entropy kernel 2+2 = 6. Backward: native reads the fp32 softmax and
-writes it back (the mutated input) and the bf16 gradient, 4+4+2 = 10; te scales in place, 2+2 =
-4. Megatron-LM's default is the unfused loss (TransformerConfig ``cross_entropy_loss_fusion``
-False).
+online softmax 2, cross-entropy kernel 2+2 = 6. Backward: unfused scales the saved fp32 softmax
+in place (``mul_``, 4+4) and autograd casts it to bf16 (4+2), 14 (its one-hot update touches one
+element per token); native reads the fp32 softmax and writes it back (the mutated input) and the
+bf16 gradient, 4+4+2 = 10; te scales in place, 2+2 = 4. Megatron-LM's default is the unfused
+loss (TransformerConfig ``cross_entropy_loss_fusion`` False).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ SEQ, MB = 2048, 2
 LOSS_FWD = {"unfused": ("logits_float", "row_max", "sub_max", "exp", "row_sum", "div_sum"),
             "native": ("ce_cast_max", "ce_sub_exp_sum", "ce_div"),
             "te": ("te_online_softmax", "te_cross_entropy")}
-LOSS_BWD = {"native": ("ce_onehot_scatter", "ce_grad"), "te": ("te_element_mul",)}
+LOSS_BWD = {"unfused": ("softmax_minus_onehot", "scale_by_grad", "g_logits_half"),
+            "native": ("ce_onehot_scatter", "ce_grad"), "te": ("te_element_mul",)}
 
 
 def _m() -> ModelSpec:
@@ -74,14 +76,13 @@ def test_kernel_bytes_per_logit(impl: str) -> None:
     # te's online softmax also writes 3 fp32 statistics per token, read back by the second.
     stats = 2 * 3 * 4 * MB * SEQ if impl == "te" else 0
     assert sum(k.nbytes for k in fwd) == per_logit * n + stats
-    if impl in LOSS_BWD:
-        bwd = [k for k in b.backward if k.name in LOSS_BWD[impl]]
-        assert sum(k.nbytes for k in bwd) == {"native": 10, "te": 4}[impl] * n
-        # The loss's gradient is what the output layer's dgrad and wgrad read.
-        g = bwd[-1].writes[-1]
-        assert g.nbytes == 2 * n
-        readers = {k.name for k in b.backward if any(t is g for t in k.reads)}
-        assert {"output.dgrad", "output.wgrad"} <= readers
+    bwd = [k for k in b.backward if k.name in LOSS_BWD[impl]]
+    assert sum(k.nbytes for k in bwd) == {"unfused": 14, "native": 10, "te": 4}[impl] * n
+    # The loss's gradient is what the output layer's dgrad and wgrad read.
+    g = bwd[-1].writes[-1]
+    assert g.nbytes == 2 * n
+    readers = {k.name for k in b.backward if any(t is g for t in k.reads)}
+    assert {"output.dgrad", "output.wgrad"} <= readers
 
 
 def test_fused_paths_are_faster_and_te_holds_least() -> None:

@@ -119,7 +119,9 @@ def price(block: Block | None, cm: ComputeModel) -> WgradPrice:
         return WgradPrice()
     ks = delayed_kernels(block)
     saved = {id(t) for t in block.saved}
-    reads = {id(t): t for k in ks for t in k.reads}
+    # What a GEMM reads and also writes is the gradient it accumulates into (main_grad,
+    # kernels.accumulating): persistent, not an operand the store holds.
+    reads = {id(t): t for k in ks for t in k.reads if not any(t is w for w in k.writes)}
     return WgradPrice(seconds=sum(kernel_time(cm, k) for k in ks),
                       flops=sum(k.flops for k in ks), kernels=len(ks),
                       held=sum(t.nbytes for i, t in reads.items() if i not in saved),
