@@ -33,8 +33,9 @@ from sim.apps.plan.evaluate import (
     simulate_layout,
 )
 from sim.apps.plan.layouts import Layout, _Shape, _shape, _space, enumerate_layouts
-from sim.apps.plan.memory import RECOMPUTE_RANK, MemoryPruning
+from sim.apps.plan.memory import MemoryPruning
 from sim.apps.plan.profile import _profile_key, _profiles_task, profile_bound
+from sim.apps.plan.recompute import LighterFits, weight
 from sim.frameworks.registry import SearchSpace
 from sim.scenario import Scenario, ScenarioError
 
@@ -320,10 +321,10 @@ class _Limits:
     """``time.perf_counter()`` when the search began."""
 
 
-def _lightness(c: Candidate) -> tuple[int, int, int]:
+def _lightness(c: Candidate) -> tuple[int, int, int, int]:
     """Order of a family's layouts by the memory they need, least first."""
-    return (c.layout.micro_batch_size,
-            -RECOMPUTE_RANK[c.layout.activation_checkpointing], c.index)
+    rank, modules = weight(c.layout)
+    return (c.layout.micro_batch_size, -rank, -modules, c.index)
 
 
 class _FamilyProbes:
@@ -385,6 +386,7 @@ class _BranchAndBound:
         self.stop = "exhausted"
         self.capacity = workers.runner.workers + 1
         self.probes = _FamilyProbes(cands)
+        self.lighter = LighterFits()
 
     def threshold(self) -> float:
         """The K-th best simulated objective: a bound at or above it cannot enter the top."""
@@ -407,10 +409,22 @@ class _BranchAndBound:
                 self.stop = stop
                 break
             _, i, stage = heapq.heappop(self.heap)
+            if self._slower(self.cands[i], stage):
+                continue
             if stage == 0:
                 self._start_build(self.cands[i])
             else:
                 self._start_simulation(self.cands[i])
+
+    def _slower(self, c: Candidate, stage: int) -> bool:
+        """Drop ``c`` (status ``bound``) if less recomputation of its layout fits
+        (:class:`LighterFits`): before its build, or before its simulation."""
+        if stage == 0 and c.status != "pending":
+            return False            # built already, as its family's probe
+        why = self.lighter.slower(c.family, c.layout)
+        if why is not None:
+            c.status, c.reason = "bound", why
+        return why is not None
 
     def _stop_reason(self) -> str | None:
         """Why no more work starts now (``budget``, ``bound``, ``time``), or None."""
@@ -454,6 +468,8 @@ class _BranchAndBound:
                    and heap[0][0] < self.threshold()
                    and self.sims_started < self.limits.max_simulations):
                 j = heapq.heappop(heap)[1]
+                if self._slower(self.cands[j], 1):
+                    continue
                 self.cands[j].status = "simulating"
                 self.sims_started += 1
                 batch.append(j)
@@ -494,6 +510,7 @@ class _BranchAndBound:
         if reason is not None:
             c.status, c.reason = "memory", reason
         else:
+            self.lighter.fits(c.family, c.layout)
             heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), c.index, 1))
 
     def _settle_simulation(self, c: Candidate, sim: Simulated) -> None:
