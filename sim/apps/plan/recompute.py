@@ -78,23 +78,36 @@ class LighterFits:
     so once a layout fits in memory, the same layout (same family and micro-batch size)
     recomputing everything it does and more is never faster and is not built or simulated
     (each layout is tried with the least recomputation first, by its lower bound, and the
-    rest only while none fits). Dense layouts are not ruled out so (their plans as before
-    the light recomputation sets)."""
+    rest only while none fits). A layout that fitted by its estimate but whose simulation
+    ran out of memory no longer counts (:meth:`retract`): what it ruled out is tried again.
+    Dense layouts are not ruled out so (their plans as before the light recomputation
+    sets)."""
 
     def __init__(self) -> None:
-        self.fitted: dict[tuple[Any, ...], list[frozenset[str]]] = defaultdict(list)
+        self.fitted: dict[tuple[Any, ...], dict[int, frozenset[str]]] = defaultdict(dict)
+        """Per (family, micro-batch size): each fitting candidate's index and what it
+        recomputes."""
+        self.ruled_out: dict[int, list[int]] = defaultdict(list)
+        """The candidates each fitting one ruled out."""
 
-    def fits(self, family: tuple[Any, ...], layout: Layout) -> None:
-        """Record that ``layout`` fits by its memory estimate."""
+    def fits(self, family: tuple[Any, ...], layout: Layout, index: int) -> None:
+        """Record that candidate ``index`` (``layout``) fits by its memory estimate."""
         if layout.moe:
-            self.fitted[family + (layout.micro_batch_size,)].append(recomputed(layout))
+            self.fitted[family + (layout.micro_batch_size,)][index] = recomputed(layout)
 
-    def slower(self, family: tuple[Any, ...], layout: Layout) -> str | None:
-        """Why the layout is no faster than one that fits, or None."""
+    def slower(self, family: tuple[Any, ...], layout: Layout, index: int) -> str | None:
+        """Why candidate ``index`` is no faster than one that fits (remembered), or None."""
         if not layout.moe:
             return None
         mine = recomputed(layout)
-        for other in self.fitted.get(family + (layout.micro_batch_size,), ()):
-            if other != mine and covers(mine, other):
+        for other, theirs in self.fitted.get(family + (layout.micro_batch_size,), {}).items():
+            if theirs != mine and covers(mine, theirs):
+                self.ruled_out[other].append(index)
                 return "slower (less recomputation of the same layout fits)"
         return None
+
+    def retract(self, family: tuple[Any, ...], layout: Layout, index: int) -> list[int]:
+        """Candidate ``index`` does not fit after all (its simulation ran out of memory):
+        forget it, and return the candidates it ruled out."""
+        self.fitted.get(family + (layout.micro_batch_size,), {}).pop(index, None)
+        return self.ruled_out.pop(index, [])

@@ -421,7 +421,7 @@ class _BranchAndBound:
         (:class:`LighterFits`): before its build, or before its simulation."""
         if stage == 0 and c.status != "pending":
             return False            # built already, as its family's probe
-        why = self.lighter.slower(c.family, c.layout)
+        why = self.lighter.slower(c.family, c.layout, c.index)
         if why is not None:
             c.status, c.reason = "bound", why
         return why is not None
@@ -510,7 +510,7 @@ class _BranchAndBound:
         if reason is not None:
             c.status, c.reason = "memory", reason
         else:
-            self.lighter.fits(c.family, c.layout)
+            self.lighter.fits(c.family, c.layout, c.index)
             heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), c.index, 1))
 
     def _settle_simulation(self, c: Candidate, sim: Simulated) -> None:
@@ -520,9 +520,22 @@ class _BranchAndBound:
             c.status, c.reason = "error", sim.error or ""
         elif sim.summary["oom"]:
             c.status, c.reason = "oom", "simulated peak above usable memory"
+            self._requeue(self.lighter.retract(c.family, c.layout, c.index))
         else:
             c.status = "simulated"
             self.best.append(objective_value(sim.summary, self.goal.name))
+
+    def _requeue(self, indices: list[int]) -> None:
+        """Put candidates ruled out by a layout that turned out not to fit back in the
+        queue: to be simulated if they were built, else built."""
+        for j in indices:
+            c = self.cands[j]
+            if c.evaluation is not None:
+                c.status, c.reason = "building", ""
+                heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), j, 1))
+            else:
+                c.status, c.reason = "pending", ""
+                heapq.heappush(self.heap, (self.goal.of_seconds(c.bound0_s), j, 0))
 
     def close(self) -> None:
         """Give what is left its status: never needed (its bound reaches the K-th best
