@@ -409,6 +409,8 @@ class _BranchAndBound:
                 self.stop = stop
                 break
             _, i, stage = heapq.heappop(self.heap)
+            if stage == 1 and self.cands[i].status != "building":
+                continue            # settled already (queued again, then simulated)
             if self._slower(self.cands[i], stage):
                 continue
             if stage == 0:
@@ -468,7 +470,7 @@ class _BranchAndBound:
                    and heap[0][0] < self.threshold()
                    and self.sims_started < self.limits.max_simulations):
                 j = heapq.heappop(heap)[1]
-                if self._slower(self.cands[j], 1):
+                if self.cands[j].status != "building" or self._slower(self.cands[j], 1):
                     continue
                 self.cands[j].status = "simulating"
                 self.sims_started += 1
@@ -530,6 +532,8 @@ class _BranchAndBound:
         queue: to be simulated if they were built, else built."""
         for j in indices:
             c = self.cands[j]
+            if c.status != "bound":
+                continue            # queued again already
             if c.evaluation is not None:
                 c.status, c.reason = "building", ""
                 heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), j, 1))
