@@ -164,3 +164,20 @@ def test_dense_plans_search_the_same_points() -> None:
     assert not any("moe_a2a_overlap" in dict(x.options) for x in layouts)
     assert {x.activation_checkpointing for x in layouts if x.framework == "megatron"} == \
         {"none", "selective", "full"}
+
+
+def test_moe_layouts_are_judged_with_what_nvidia_smi_adds() -> None:
+    # The simulation runs out of memory when the allocator's reserve plus the CUDA context
+    # and NCCL's buffers pass the usable memory; the planner adds the same context and
+    # buffers (the engine's own function) to its estimate for MoE layouts.
+    base = _dsv2("training.seq_len=4608")
+    x = next(x for x in plan.enumerate_layouts(base, ["megatron"])
+             if (x.tp, x.pp, x.cp, x.ep, x.micro_batch_size) == (1, 1, 1, 8, 2)
+             and x.recompute == ("moe_act",) and not dict(x.options)["moe_a2a_overlap"])
+    ev = plan.evaluate_layout(base, x, plan.LinkRates.of(base), math.inf, 1)
+    summary = simulate(plan.layout_scenario(base, x)).summary
+    gib = 2.0**30
+    outside = summary["peak_nvidia_smi_gib"] - summary["peak_reserved_gib"]
+    assert outside > 0.5         # a CUDA context alone is ~0.5 GiB
+    assert (ev.smi_bytes - ev.memory_bytes) / gib == pytest.approx(outside, rel=1e-6)
+    assert ev.memory_bytes / gib == pytest.approx(summary["peak_memory_gib"], rel=0.02)
