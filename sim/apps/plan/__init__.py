@@ -143,6 +143,12 @@ from sim.apps.plan.profile import (  # noqa: F401
     profile_bound,
     stage_layer_split,
 )
+from sim.apps.plan.recompute import (  # noqa: F401
+    FULL,
+    LighterFits,
+    covers,
+    recomputed,
+)
 from sim.apps.plan.search import (  # noqa: F401
     DEFAULT_MAX_SIMULATIONS,
     DEFAULT_TOP,

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 from sim.analysis.summary import Summary
 from sim.apps.executor import Backend, Outcome, Task, attempt, simulate_in_order, type_and_message
@@ -40,6 +40,10 @@ class Evaluation:
     (the layout does not fit)."""
     ops: int
     wall_s: float
+    smi_bytes: float = 0.0
+    """The largest estimate plus what ``nvidia-smi`` adds beside PyTorch's allocator on that
+    GPU (the CUDA context and NCCL's buffers, :func:`sim.analysis.memory_overheads.overheads`,
+    the same the simulation judges running out of memory by); 0 if refused."""
 
 
 def _short_step(layout: Layout) -> bool:
@@ -106,14 +110,27 @@ def evaluate_layout(base: Scenario, layout: Layout, rates: LinkRates, usable_byt
     order = memory_program_order(program)
     if max(order.values()) > usable_bytes:
         return Evaluation(None, None, max(order.values()), states, math.inf,
-                          len(program.ops), time.perf_counter() - t0)
+                          len(program.ops), time.perf_counter() - t0,
+                          _with_overheads(scenario, program, order))
     sched = _earliest_schedule(program, rates)
     memory = memory_estimate(program, sched)
     bound = sched.makespan if sched is not None else 0.0
     if micro_batches > built:
         bound += (micro_batches - built) * per_micro_batch_bound(program, rates, built)
     return Evaluation(None, None, max(memory.values()), states, bound, len(program.ops),
-                      time.perf_counter() - t0)
+                      time.perf_counter() - t0, _with_overheads(scenario, program, memory))
+
+
+def _with_overheads(scenario: Scenario, program: Any, memory: dict[int, float]) -> float:
+    """The largest of each rank class's ``memory`` plus its GPU's CUDA context and NCCL
+    buffers (:func:`sim.analysis.memory_overheads.overheads`, as the simulation adds them)."""
+    from sim import catalog
+    from sim.analysis.memory_overheads import overheads
+
+    arch = catalog.gpu(scenario.cluster.gpu).arch
+    per_node = scenario.cluster.gpus_per_node
+    return max(memory[c.id] + overheads(program, c, arch, per_node).outside_allocator
+               for c in program.classes)
 
 
 @dataclass(frozen=True)

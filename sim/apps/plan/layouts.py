@@ -49,6 +49,9 @@ class Layout:
     etp: int = 0
     """Expert tensor-parallel size (``parallelism.etp``); 0 for a dense model's layouts,
     which set neither key (their scenarios and outputs stay as before MoE)."""
+    recompute: tuple[str, ...] = ()
+    """The modules recomputed under ``selective`` (``framework.recompute_modules``: Megatron's
+    light sets for mixture-of-experts models); () leaves the framework's own selection."""
 
     @property
     def moe(self) -> bool:
@@ -74,6 +77,8 @@ class Layout:
         """
         out: dict[str, Any] = {"framework.name": self.framework}
         out.update({f"framework.{k}": v for k, v in self.options})
+        if self.recompute:
+            out["framework.recompute_modules"] = list(self.recompute)
         out.update({f"parallelism.{k}": v for k, v in self.parallelism().items()})
         out.update({"training.micro_batch_size": self.micro_batch_size,
                     "training.activation_checkpointing": self.activation_checkpointing})
@@ -116,8 +121,11 @@ class Layout:
         if opts.get("account_for_embedding_in_pipeline_split") or \
                 opts.get("account_for_loss_in_pipeline_split"):
             parts.append("emb/loss-split")
+        if opts.get("moe_a2a_overlap"):
+            parts.append("a2a-overlap")
         parts.append(f"mbs{self.micro_batch_size}")
-        parts.append(self.activation_checkpointing)
+        parts.append(self.activation_checkpointing + (f"({','.join(self.recompute)})"
+                                                      if self.recompute else ""))
         return " ".join(parts)
 
 
@@ -145,15 +153,25 @@ class _Shape:
     """Routed experts per MoE layer; 0 for a dense model."""
     expert_width: int = 0
     """Inner width of one expert (what expert tensor parallelism splits)."""
+    mla: bool = False
+    shared_experts: int = 0
+    mtp_layers: int = 0
+
+    def point(self, tp: int, pp: int, vp: int, dp: int, cp: int, ep: int) -> SearchPoint:
+        """The search point of one parallel layout of this model."""
+        return SearchPoint(tp, pp, vp, dp, cp, self.layers, self.experts, self.expert_width,
+                           ep, self.mla, self.shared_experts, self.mtp_layers)
 
 
 def _shape(base: Scenario) -> _Shape:
     from sim.workload.model import ModelSpec
 
     m = ModelSpec.from_ref(base.model, base.training.seq_len)
-    experts, width = (m.moe.experts, m.moe.ffn_hidden) if m.moe is not None else (0, 0)
+    experts, width, shared = ((m.moe.experts, m.moe.ffn_hidden, m.moe.shared)
+                              if m.moe is not None else (0, 0, 0))
     return _Shape(base.gpus, base.cluster.gpus_per_node, m.layers, step_sequences(base),
-                  base.training.seq_len, experts, width)
+                  base.training.seq_len, experts, width, m.mla is not None, shared,
+                  m.mtp_layers)
 
 
 def step_sequences(base: Scenario) -> int:
@@ -263,7 +281,6 @@ def _framework_layouts(fw: str, shape: _Shape, base: Scenario) -> Iterable[Layou
     tps = [1] if data_parallel_only else _divisors(shape.gpus_per_node)
     cps = [1] if data_parallel_only else [c for c in (1, 2, 4, 8, 16, 32)
                                           if c <= CP_MAX]
-    recompute = ["none", "full"] if data_parallel_only else ["none", "selective", "full"]
     for tp in tps:
         for cp in cps:
             if n % (tp * cp):
@@ -274,16 +291,27 @@ def _framework_layouts(fw: str, shape: _Shape, base: Scenario) -> Iterable[Layou
                 dp = n // (tp * cp * pp)
                 for vp in _vp_values(shape.layers, pp, space) if not data_parallel_only \
                         else [1]:
-                    point = SearchPoint(tp, pp, vp, dp, cp, shape.layers, shape.experts,
-                                        shape.expert_width)
-                    experts = list(space.expert_layouts(point)) if shape.experts else [(1, 0)]
-                    for varied in space.options(point):
-                        options = tuple(sorted(space.recipe + varied))
-                        for mbs in _micro_batch_sizes(shape, dp):
-                            for ac in recompute:
-                                for ep, etp in experts:
-                                    yield Layout(fw, tp, pp, dp, cp, vp, mbs, ac, options,
-                                                 ep, etp)
+                    yield from _point_layouts(fw, space, shape, tp, pp, vp, dp, cp)
+
+
+def _point_layouts(fw: str, space: SearchSpace, shape: _Shape, tp: int, pp: int, vp: int,
+                   dp: int, cp: int) -> Iterable[Layout]:
+    """The layouts of one parallel point: each expert layout (a mixture-of-experts model),
+    each option set of the search space at it, micro-batch size and recomputation."""
+    point = shape.point(tp, pp, vp, dp, cp, 1)
+    experts = list(space.expert_layouts(point)) if shape.experts else [(1, 0)]
+    for ep, etp in experts:
+        at = shape.point(tp, pp, vp, dp, cp, ep) if shape.experts else point
+        for varied in space.options(at):
+            options = tuple(sorted(space.recipe + varied))
+            if space.data_parallel_only:
+                # Modelled without selective recomputation.
+                recompute: list[tuple[str, tuple[str, ...]]] = [("none", ()), ("full", ())]
+            else:
+                recompute = list(space.recomputation(at, options))
+            for mbs in _micro_batch_sizes(shape, dp):
+                for ac, mods in recompute:
+                    yield Layout(fw, tp, pp, dp, cp, vp, mbs, ac, options, ep, etp, mods)
 
 
 def layout_scenario(base: Scenario, layout: Layout, global_batch: int | None = None,
@@ -302,6 +330,11 @@ def layout_scenario(base: Scenario, layout: Layout, global_batch: int | None = N
     if base.framework.name == layout.framework:
         fw.update(base.framework.model_dump(mode="json", exclude_unset=True))
     fw.update(dict(layout.options))
+    if layout.recompute:
+        fw["recompute_modules"] = list(layout.recompute)
+    elif layout.activation_checkpointing != "selective":
+        # A scenario's own recompute_modules hold only under selective recomputation.
+        fw.pop("recompute_modules", None)
     data["framework"] = fw
     data["parallelism"] = layout.parallelism()
     training = dict(data.get("training", {}))

@@ -13,11 +13,10 @@ from typing import Any
 
 from sim.apps.plan.bound import _Schedule
 from sim.apps.plan.layouts import Layout
+from sim.apps.plan.recompute import RECOMPUTE_RANK, covers, recomputed
 
-RECOMPUTE_RANK = {"none": 0, "selective": 1, "full": 2}
-"""Activation checkpointing from the most memory to the least (none keeps every activation,
-selective drops the attention core's or the ops torchtitan's policy re-runs, full keeps
-only each layer's input)."""
+__all__ = ["RECOMPUTE_RANK", "MemoryPruning", "memory_estimate", "memory_on_schedule",
+           "memory_program_order"]
 
 
 def memory_program_order(program: Any) -> dict[int, float]:
@@ -98,7 +97,11 @@ class MemoryPruning:
     every micro-batch size and recomputation) exceed the GPU's usable memory fits with no
     layout; a layout whose estimate exceeds it means every layout of its family with at
     least its micro-batch size and at most its recomputation does not fit either
-    (activations only grow with the micro-batch and shrink with recomputation).
+    (activations only grow with the micro-batch and shrink with recomputation). "At most"
+    is :func:`~sim.apps.plan.recompute.covers`: a setting recomputing only some of what the
+    one that did not fit recomputes (none < selective < full; Megatron's ``[moe_act]`` <
+    ``[layernorm, moe_act]``); a selection that recomputes something else (``[moe_act]``
+    beside the ``core_attn`` default) is not ruled out by it.
 
     For a mixture-of-experts model the expert layout ``(ep, etp)`` ends the family key; a
     family whose model states do not fit rules out the same layout with no more expert
@@ -112,9 +115,10 @@ class MemoryPruning:
         self.usable = usable_bytes
         self.states_oom: set[tuple[Any, ...]] = set()
         """Families whose model states alone do not fit."""
-        self.oom_points: dict[tuple[Any, ...], list[tuple[int, int]]] = defaultdict(list)
-        """(micro-batch size, :data:`RECOMPUTE_RANK`) of each family's layouts that did not
-        fit by their estimate."""
+        self.oom_points: dict[tuple[Any, ...], list[tuple[int, frozenset[str]]]] = \
+            defaultdict(list)
+        """(micro-batch size, what it recomputes: :func:`~sim.apps.plan.recompute.
+        recomputed`) of each family's layouts that did not fit by their estimate."""
 
     def dominated(self, family: tuple[Any, ...], layout: Layout) -> str | None:
         """Why the layout cannot fit, by what its family taught so far; None if it may."""
@@ -123,9 +127,9 @@ class MemoryPruning:
         if layout.moe and any(f[:-1] == family[:-1] and layout.ep <= f[-1][0]
                               and layout.etp <= f[-1][1] for f in self.states_oom):
             return "model states (more expert parallelism does not fit)"
-        rank = RECOMPUTE_RANK[layout.activation_checkpointing]
+        mine = recomputed(layout)
         for mbs, r in self.oom_points.get(family, ()):
-            if layout.micro_batch_size >= mbs and rank <= r:
+            if layout.micro_batch_size >= mbs and covers(r, mine):
                 return "implied (a smaller micro-batch or more recomputation does not fit)"
         return None
 
@@ -137,7 +141,6 @@ class MemoryPruning:
             self.states_oom.add(family)
             return "model states"
         if memory_bytes > self.usable:
-            self.oom_points[family].append((layout.micro_batch_size,
-                                            RECOMPUTE_RANK[layout.activation_checkpointing]))
+            self.oom_points[family].append((layout.micro_batch_size, recomputed(layout)))
             return "estimate"
         return None

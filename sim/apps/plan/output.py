@@ -138,6 +138,8 @@ def layout_row(c: Candidate) -> dict[str, Any]:
         **({"ep": x.ep, "etp": x.etp} if x.moe else {}),
         "micro_batch_size": x.micro_batch_size,
         "activation_checkpointing": x.activation_checkpointing,
+        # Megatron's recompute_modules the planner set (mixture-of-experts rows only).
+        **({"recompute_modules": ";".join(x.recompute)} if x.moe else {}),
         "options": ";".join(f"{k}={v}" for k, v in x.options),
         "micro_batches": c.micro_batches, "status": c.status, "reason": c.reason,
         "profile_bound_s": _finite(c.bound0_s) if c.bound0_s else None,

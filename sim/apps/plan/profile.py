@@ -57,8 +57,11 @@ def _profile_key(layout: Layout) -> tuple[Any, ...]:
     key: tuple[Any, ...] = (layout.framework, layout.tp, layout.cp, layout.micro_batch_size,
                             layout.activation_checkpointing, opts)
     # A mixture-of-experts layer's ops on one rank depend on its expert layout too (local
-    # experts, tokens received, expert-TP exchanges); dense layouts keep their key.
-    return key + (layout.ep, layout.etp) if layout.moe else key
+    # experts, tokens received, expert-TP exchanges), and on the modules recomputed; dense
+    # layouts keep their key.
+    if layout.moe:
+        key += (layout.ep, layout.etp)
+    return key + (layout.recompute,) if layout.recompute else key
 
 
 def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
@@ -87,10 +90,20 @@ def layer_profile(base: Scenario, layout: Layout, rates: LinkRates) -> Profile:
                     full_attention_every=m.full_attention_every)
     if m.attention_sinks:
         dims["attention_sinks"] = True
+    if m.mla is not None:
+        # Multi-head Latent Attention (DeepSeek-V2/V3): the copy's layers are the model's
+        # (and Megatron's mla_up_proj recomputation applies to them).
+        mla = m.mla
+        for key in ("kv_heads", "head_dim"):
+            dims.pop(key)       # MLA's widths are its own
+        dims.update(attention="mla", q_lora_rank=mla.q_lora_rank,
+                    kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+                    qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
     dp = base.gpus // (layout.tp * layout.cp)
     opts = _layer_options(layout)
     probe = Layout(layout.framework, layout.tp, 1, dp, layout.cp, 1, layout.micro_batch_size,
-                   layout.activation_checkpointing, opts, layout.ep, layout.etp)
+                   layout.activation_checkpointing, opts, layout.ep, layout.etp,
+                   layout.recompute)
     try:
         scenario = layout_scenario(base, probe, global_batch=layout.micro_batch_size * dp,
                                    model=dims)

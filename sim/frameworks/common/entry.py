@@ -12,10 +12,17 @@ from typing import Any
 from pydantic import BaseModel
 
 from sim.frameworks.common.base import Builder
-from sim.frameworks.common.search import Options, SearchPoint, no_expert_layouts
+from sim.frameworks.common.search import (
+    Options,
+    Recomputation,
+    SearchPoint,
+    default_recomputation,
+    no_expert_layouts,
+)
 from sim.workload.model import ModelSpec
 
-__all__ = ["FrameworkEntry", "Options", "SearchPoint", "SearchSpace", "StageSplit"]
+__all__ = ["FrameworkEntry", "Options", "Recomputation", "SearchPoint", "SearchSpace",
+           "StageSplit"]
 
 StageSplit = Callable[[int, int, int, Mapping[str, Any]], list[list[int]]]
 """``(layers, pp, vp, options) -> layers of each of the pp x vp chunks`` (chunk v on stage
@@ -53,6 +60,11 @@ class SearchSpace:
     expert_layouts: Callable[[SearchPoint], Iterable[tuple[int, int]]] = no_expert_layouts
     """``(ep, etp)`` pairs to try at one parallel layout of a mixture-of-experts model (never
     called for a dense one)."""
+    recomputation: Callable[[SearchPoint, Options], Iterable[Recomputation]] = \
+        default_recomputation
+    """The recomputation settings to try at one parallel layout with these options (the
+    recipe's merged in), least recomputation first; not called for a
+    :attr:`data_parallel_only` space (none and full only)."""
     weight_casts_per_step: bool = False
     """With fp8, weight casts are shared by the micro-batches of a step, so a
     one-micro-batch profile is no lower bound (the profile then only refuses)."""

@@ -11,6 +11,10 @@ from typing import Any
 
 Options = tuple[tuple[str, Any], ...]
 """Framework options as sorted ``(key, value)`` pairs (``framework.<key>``)."""
+Recomputation = tuple[str, tuple[str, ...]]
+"""``(training.activation_checkpointing, modules)``: the modules are what the framework
+recomputes under ``selective`` (Megatron's ``recompute_modules``); ``()`` leaves the
+framework's own selection."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,15 @@ class SearchPoint:
     """Routed experts per mixture-of-experts layer; 0 for a dense model."""
     expert_width: int = 0
     """Inner width of one expert (``moe_ffn_hidden``); 0 for a dense model."""
+    ep: int = 1
+    """The expert-parallel size of the layout the options are asked for (1 for a dense
+    model; each of :attr:`SearchSpace.expert_layouts`' for a mixture-of-experts one)."""
+    mla: bool = False
+    """The model has Multi-head Latent Attention (DeepSeek-V2/V3)."""
+    shared_experts: int = 0
+    """Shared experts per MoE layer."""
+    mtp_layers: int = 0
+    """Multi-token prediction modules."""
 
     @property
     def world(self) -> int:
@@ -41,6 +54,12 @@ def divisors(n: int) -> list[int]:
 def no_options(pt: SearchPoint) -> Iterable[Options]:
     """One layout per parallel point, with the recipe options only."""
     yield ()
+
+
+def default_recomputation(pt: SearchPoint, options: Options) -> Iterable[Recomputation]:
+    """No recomputation, the framework's selective recomputation, full recomputation."""
+    for ac in ("none", "selective", "full"):
+        yield ac, ()
 
 
 def no_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:

@@ -10,6 +10,7 @@ from sim.frameworks.megatron.search import (
     megatron_chunks_split,
     megatron_expert_layouts,
     megatron_options,
+    megatron_recomputation,
     megatron_stage_split,
 )
 
@@ -17,8 +18,10 @@ ENTRY = FrameworkEntry(
     "megatron", MegatronOptions, build_megatron,
     search=SearchSpace(megatron_options, recipe=MEGATRON_BEST_PRACTICE,
                        chunks_split=megatron_chunks_split, sequence_parallel=True,
-                       layer_profile=True, layer_options=("tp_comm_overlap",),
-                       weight_casts_per_step=True,
+                       layer_profile=True,
+                       layer_options=("tp_comm_overlap", "moe_a2a_overlap",
+                                      "moe_shared_expert_overlap"),
+                       weight_casts_per_step=True, recomputation=megatron_recomputation,
                        expert_layouts=megatron_expert_layouts),
     stage_split=megatron_stage_split,
     async_checkpoint_stages_write_share=True,   # dist-ckpt's async writer (entry.py)

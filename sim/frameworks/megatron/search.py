@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sim.frameworks.common.search import Options, SearchPoint, divisors
+from sim.frameworks.common.search import (
+    Options,
+    Recomputation,
+    SearchPoint,
+    default_recomputation,
+    divisors,
+)
 
 MEGATRON_BEST_PRACTICE: Options = (
     # Shard fp32 master weights and Adam states over data-parallel ranks: 12 bytes/param
@@ -51,9 +57,94 @@ def megatron_chunks_split(layers: int, pp: int, vp: int) -> bool:
 
 
 def megatron_options(pt: SearchPoint) -> Iterable[Options]:
+    """The option sets of one layout: the pipeline split and ``tp_comm_overlap`` (tp > 1);
+    for a mixture-of-experts model each without and, where Megatron-Core allows it
+    (:func:`a2a_overlap_allowed`), with ``moe_a2a_overlap`` (the combined 1F1B schedule;
+    Megatron-Bridge's MoE recipes run both: Qwen3-235B-A22B on H100 with it, Qwen3-30B-A3B on
+    H100 without, scripts/performance/configs/qwen/qwen3_workload_base_configs.py).
+
+    Examples
+    --------
+    >>> pt = SearchPoint(1, 1, 1, 16, 1, 48, experts=128, expert_width=768, ep=8)
+    >>> [dict(o).get("moe_a2a_overlap") for o in megatron_options(pt)]
+    [False, True]
+    >>> pp2 = SearchPoint(1, 2, 1, 8, 1, 48, experts=128, expert_width=768, ep=8)
+    >>> [dict(o).get("moe_a2a_overlap") for o in megatron_options(pp2)]   # pp 2 needs vp
+    [False]
+    """
     split = megatron_split(pt.layers, pt.pp, pt.vp) or ()
     extra: Options = (("tp_comm_overlap", True),) if pt.tp > 1 else ()
-    yield extra + split
+    if not pt.experts:
+        yield extra + split
+        return
+    # Without the overlap explicitly, so that a scenario that sets it still gets layouts
+    # without it (and those Megatron refuses it for).
+    yield extra + split + (("moe_a2a_overlap", False),)
+    if a2a_overlap_allowed(pt):
+        # Megatron-Core refuses moe_shared_expert_overlap with the combined schedule (the
+        # shared experts run in the pre-dispatch node beside the other micro-batch's
+        # all-to-alls instead).
+        shared: Options = (("moe_shared_expert_overlap", False),) if pt.shared_experts else ()
+        yield extra + split + (("moe_a2a_overlap", True),) + shared
+
+
+def a2a_overlap_allowed(pt: SearchPoint) -> bool:
+    """Whether Megatron-Core runs ``overlap_moe_expert_parallel_comm`` at this layout, by the
+    rules of :func:`sim.frameworks.megatron.a2a_overlap.check_a2a_overlap` that the layout
+    decides (``TransformerConfig.__post_init__``): expert parallelism (ep > 1), virtual
+    stages with pipeline parallelism, at most one MTP layer. The dispatcher (not
+    ``allgather``) and the schedule (1F1B) are the scenario's: its builder refuses those."""
+    return pt.experts > 0 and pt.ep > 1 and (pt.pp == 1 or pt.vp > 1) and pt.mtp_layers <= 1
+
+
+MOE_RECOMPUTE: tuple[tuple[str, ...], ...] = (
+    # Megatron-Bridge DeepSeek-V3 GB300 BF16 (scripts/performance/configs/deepseek/
+    # deepseek_workload_base_configs.py); Megatron-Bridge's activation-recomputation guide:
+    # "grouped MoE often starts with moe_act or layernorm plus moe_act".
+    ("moe_act",),
+    # Qwen3-235B-A22B on H100 and GB200 EP32 (Megatron-Bridge scripts/moe_model_zoo/examples/
+    # qwen3/launch_qwen235b.sh; Megatron-MoE-ModelZoo best-practice/qwen3/run_235b.sh).
+    ("layernorm", "moe_act"),
+    # MLA models: DeepSeek-V3 B200 NVFP4 (deepseek_workload_base_configs.py); the guide:
+    # "MLA often benefits from mla_up_proj". Only for a model with MLA (Megatron refuses it).
+    ("mla_up_proj", "layernorm", "moe_act"),
+    # The whole MoE layer: Qwen3-235B-A22B GB200 EP64 (run_235b.sh: --recompute-modules moe),
+    # with the lighter sets' other modules kept so that each set recomputes all the previous
+    # one does (moe contains moe_act's activation).
+    ("mla_up_proj", "layernorm", "moe"),
+)
+"""Megatron's ``recompute_modules`` sets the planner tries for a mixture-of-experts model,
+least recomputation first (each recomputes what the one before does, and more); without MLA
+``mla_up_proj`` is left out of each (and the set then equal to the one before it is)."""
+
+
+def megatron_recomputation(pt: SearchPoint, options: Options) -> Iterable[Recomputation]:
+    """No recomputation; for a mixture-of-experts model the light ``recompute_modules`` sets
+    of NVIDIA's MoE recipes (:data:`MOE_RECOMPUTE`, least first); Megatron-Core's selective
+    default (``core_attn``); full recomputation, except with ``moe_a2a_overlap`` (Megatron-
+    Core refuses the combined schedule with it). A dense model's are the default three.
+
+    Examples
+    --------
+    >>> pt = SearchPoint(1, 1, 1, 16, 1, 48, experts=128, expert_width=768, ep=8)
+    >>> [(ac, ",".join(m)) for ac, m in megatron_recomputation(pt, ())]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('none', ''), ('selective', 'moe_act'), ('selective', 'layernorm,moe_act'),
+     ('selective', 'layernorm,moe'), ('selective', ''), ('full', '')]
+    """
+    if not pt.experts:
+        yield from default_recomputation(pt, options)
+        return
+    yield "none", ()
+    seen: set[tuple[str, ...]] = set()
+    for mods in MOE_RECOMPUTE:
+        kept = tuple(m for m in mods if pt.mla or m != "mla_up_proj")
+        if kept not in seen:
+            seen.add(kept)
+            yield "selective", kept
+    yield "selective", ()
+    if not dict(options).get("moe_a2a_overlap"):
+        yield "full", ()
 
 
 def megatron_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
