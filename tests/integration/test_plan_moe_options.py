@@ -30,15 +30,14 @@ def _dsv2(*overrides: str) -> Any:
 
 
 # --------------------------------------------------------------------------- recomputation
-# Micro-batch 2 on ep 8: at 4,608 tokens no recomputation needs 81.2 GiB (estimate) of the
-# H100's 79.2, and Megatron-Core's default selective recomputation (core_attn) frees nothing
-# of it (flash attention keeps only its output and statistics); [moe_act] drops the experts'
-# fc2 input (77.4 GiB). At 5,120 tokens [moe_act] (81.6) and [layernorm, moe_act] (78.5 GiB
-# allocated, but 79.5 with the allocator's cache and the CUDA context: out of memory when
-# simulated) do not fit; [mla_up_proj, layernorm, moe_act] does (74.0).
+# Micro-batch 2 on ep 8 (reserved peaks as simulated, of the H100's 79.2 GiB): at 5,120
+# tokens no recomputation needs 80.0 GiB, and Megatron-Core's default selective recomputation
+# (core_attn) frees nothing of it (flash attention keeps only its output and statistics);
+# [moe_act] drops the experts' fc2 input (76.7 GiB). At 6,144 tokens [moe_act] (83.1) and
+# [layernorm, moe_act] (79.4 GiB) do not fit; [mla_up_proj, layernorm, moe_act] does (75.1).
 @pytest.mark.parametrize("seq_len, lightest, lighter", [
-    (4608, ("moe_act",), ["none", "selective"]),
-    (5120, ("mla_up_proj", "layernorm", "moe_act"),
+    (5120, ("moe_act",), ["none", "selective"]),
+    (6144, ("mla_up_proj", "layernorm", "moe_act"),
      ["none", "selective(moe_act)", "selective(layernorm,moe_act)", "selective"]),
 ])
 def test_plan_picks_the_lightest_recompute_set_that_fits(
