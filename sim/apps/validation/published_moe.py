@@ -36,8 +36,19 @@ def entries() -> list[dict[str, Any]]:
 
 
 def scenario_of(entry: Mapping[str, Any]) -> Scenario:
-    """The validated scenario of one entry (a schema error raises :class:`ScenarioError`)."""
-    return scenario_from_dict({"name": entry["id"], **entry["scenario"]},
+    """The validated scenario of one entry (a schema error raises :class:`ScenarioError`).
+
+    An entry's ``model_overrides`` (e.g. ``{capacity_factor: 1.0}`` for the scripts' token
+    drop, Megatron-Bridge's ``apply_moe_token_drop``) are laid over its catalogue model's
+    dimensions, written into the scenario as an inline model."""
+    scenario = dict(entry["scenario"])
+    overrides = entry.get("model_overrides")
+    if overrides:
+        from sim import catalog
+        dims = {k: v for k, v in catalog.model_entry(scenario["model"]).items()
+                if k != "source"}
+        scenario["model"] = {**dims, **overrides}
+    return scenario_from_dict({"name": entry["id"], **scenario},
                               origin=f"published-moe {entry['id']}")
 
 
@@ -62,7 +73,7 @@ def published_moe_cases(ci_only: bool = False,
         if progress is not None:
             progress(done, len(todo))
         sc = scenario_of(e)
-        key = yaml.safe_dump(e["scenario"], sort_keys=True)
+        key = yaml.safe_dump([e["scenario"], e.get("model_overrides")], sort_keys=True)
         if key not in seen:
             try:
                 seen[key] = simulate(sc, origin=f"published-moe {e['id']}").summary
