@@ -497,9 +497,11 @@ class Engine:
             rv.start = env.now
             if op.kind == "collective":
                 assert op.collective is not None
-                body = self.collectives.run_collective_groups(op.collective, op.all_groups,
-                                                              op.nbytes, tag=op,
-                                                              peer_bytes=op.peer_bytes)
+                # A fused kernel (Op.sm_ctas) copies with its own SMs, not NCCL's
+                # channels (sim.fabric.collectives.fused_kernel).
+                body = self.collectives.run_collective_groups(
+                    op.collective, op.all_groups, op.nbytes, tag=op, peer_bytes=op.peer_bytes,
+                    fused_sms=op.sm_ctas)
             else:
                 body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
             self.hbm_share.collective_started(op.key, op, rv.needed)

@@ -44,6 +44,7 @@ from sim.fabric.collectives.algorithms import (
     PlanBuilder,
     nccl_channel_count,
 )
+from sim.fabric.topology import NVLINK
 
 # Peers one p2p work batch of a channel holds (src/include/device.h).
 MAX_P2P_PER_BATCH = 8
@@ -59,7 +60,8 @@ def even_matrix(n: int, nbytes: float) -> PeerMatrix:
 
 
 def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: PeerMatrix,
-              coflow: bool = True) -> FlowPlan | None:
+              coflow: bool = True, nvlink_send_rate: float = math.inf,
+              nvlink_share: float = 1.0) -> FlowPlan | None:
     """One flow per (source, destination) with bytes to move, in every group, each carrying
     ``matrix[i][j]`` bytes (the plan's message size is 1 byte: ``share`` is in bytes).
 
@@ -70,6 +72,12 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
     matrix : ``n x n`` bytes, row = sender's position in the group, column = receiver's
     coflow : pace the sends as one coflow (below); False leaves each at its route's rate, for
         the even split, whose sends end at a few distinct times anyway
+    nvlink_send_rate : the most bytes/s one rank sends to the peers of its own node in all,
+        when a fused kernel's SMs copy them
+        (:func:`~sim.fabric.collectives.fused_kernel.nvlink_send_rate`); ``inf``: the links
+        alone bound them
+    nvlink_share : the share of each NVLink link's capacity (NCCL's rate) the sends reach
+        (:func:`~sim.fabric.collectives.fused_kernel.nvlink_share`)
 
     Returns
     -------
@@ -100,15 +108,27 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
     # time, so volume / bus_bw predicts the op alone (the nccl-tests column, the SMs' hold).
     load = np.bincount(plan.flat, weights=np.repeat(plan.share, plan.lengths),
                        minlength=len(builder.capacity))
-    per_byte = float((load / builder.capacity).max())
+    capacity = builder.capacity
+    if nvlink_share < 1.0:
+        capacity = np.where(builder.fabric.kind == NVLINK, capacity * nvlink_share, capacity)
+    per_byte = float((load / capacity).max())
+    if nvlink_send_rate < math.inf:
+        # The SMs that copy a rank's NVLink sends bound them as a port would: the op takes at
+        # least the busiest sender's bytes to its own node over that rate.
+        local: dict[int, float] = {}
+        for s, d, b, _ in edges:
+            if builder.node_of[s] == builder.node_of[d]:
+                local[s] = local.get(s, 0.0) + b
+        per_byte = max(per_byte, max(local.values(), default=0.0) / nvlink_send_rate)
     # Paced as one coflow: each send capped at its bytes over the op's time alone, so alone
     # on the fabric every send ends together at that bound, the time max-min sharing also
-    # reaches when the busiest port is the only bottleneck (the tests' closed forms), with
-    # one completion instead of one per distinct size (thousands for an uneven 64-rank op).
+    # reaches when the busiest port (or sender's SMs) is the only bottleneck (the tests'
+    # closed forms), with one completion instead of one per distinct size (thousands for an
+    # uneven 64-rank op). A fused kernel's bounds are kept this way even without ``coflow``.
     # Under contention the caps keep each send to its share of the op: a send cannot take
     # what another op frees before the others end, which max-min would allow (slower by at
     # most that; the even split, ``coflow=False``, keeps max-min).
-    if coflow and per_byte > 0:
+    if (coflow or nvlink_send_rate < math.inf or nvlink_share < 1.0) and per_byte > 0:
         plan = replace(plan, bottleneck=np.minimum(plan.bottleneck, plan.share / per_byte))
     return replace(plan, bus_bw=volume / per_byte if per_byte > 0 else math.inf,
                    chain_latency_s=chain, flow_channels=float(per_peer),

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import simpy
 
-from sim.fabric.collectives import alltoall, nccl, nccl_plans
+from sim.fabric.collectives import alltoall, fused_kernel, nccl, nccl_plans
 from sim.fabric.collectives.algorithms import FlowPlan, PlanBuilder
 from sim.fabric.network import FlowNetwork
 from sim.fabric.topology import CROSS_AZ, CROSS_REGION, NETWORK, NVLINK, PCIE, Fabric
@@ -109,8 +109,8 @@ class CollectiveRunner:
         self._flow_arrays: dict[tuple[int, str, str, float, float, int], tuple[
             FlowPlan, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                             float]]] = {}
-        self._a2a: dict[tuple[int, alltoall.PeerMatrix], _A2A] = {}
-        self._a2a_ids: dict[tuple[int, int], tuple[alltoall.PeerMatrix, _A2A]] = {}
+        self._a2a: dict[tuple[int, alltoall.PeerMatrix, int], _A2A] = {}
+        self._a2a_ids: dict[tuple[int, int, int], tuple[alltoall.PeerMatrix, _A2A]] = {}
         self.chosen: list[Choice] = []
         self.fold_across_nodes = True
         """Whether alike groups across nodes on disjoint links fold into one group's flows
@@ -305,13 +305,15 @@ class CollectiveRunner:
         return choice
 
     def run_collective_groups(self, op: str, groups: Sequence[Sequence[int]], nbytes: float,
-                              tag: object = None, peer_bytes: alltoall.PeerMatrix = ()
+                              tag: object = None, peer_bytes: alltoall.PeerMatrix = (),
+                              fused_sms: int = 0
                               ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: the same collective in several disjoint groups at once; its value is
         what NCCL ran in the first group (None when there was nothing to move).
 
         ``peer_bytes`` (an ``all_to_all``'s group-size matrix of bytes, ``Op.peer_bytes``)
-        runs it as per-peer sends of those sizes in every group (:meth:`run_all_to_all_v`).
+        runs it as per-peer sends of those sizes in every group (:meth:`run_all_to_all_v`),
+        by a fused kernel of ``fused_sms`` SMs when not 0 (``Op.sm_ctas``).
 
         Groups that each sit inside one node, all of one size, use disjoint NVLink ports of
         their nodes: one group's flows stand for all of them (``count`` = number of groups),
@@ -320,7 +322,8 @@ class CollectiveRunner:
         group's flows run.
         """
         if peer_bytes and op == "all_to_all":
-            return (yield from self.run_all_to_all_v(groups, peer_bytes, nbytes, tag))
+            return (yield from self.run_all_to_all_v(groups, peer_bytes, nbytes, tag,
+                                                     fused_sms))
         if nbytes <= 0:
             return None
         if len(groups) == 1:
@@ -364,7 +367,8 @@ class CollectiveRunner:
         return choice
 
     def run_all_to_all_v(self, groups: Sequence[Sequence[int]], matrix: alltoall.PeerMatrix,
-                         nbytes: float = 0.0, tag: object = None
+                         nbytes: float = 0.0, tag: object = None,
+                         fused_sms: int = 0
                          ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: an all-to-all with ``matrix[i][j]`` bytes from each group's ``i``-th
         member to its ``j``-th, in every group at once, as NCCL runs it: grouped
@@ -372,18 +376,21 @@ class CollectiveRunner:
         send/recv latency (as :meth:`run_p2p`: NCCL sizes its p2p channels so every peer fits
         one round, :func:`~sim.fabric.collectives.alltoall.channels_per_peer`), then every
         transfer as its own flow on its PXN route. Its value
-        reports ``nbytes`` (the op's size) and the predicted time of the busiest rank alone."""
+        reports ``nbytes`` (the op's size) and the predicted time of the busiest rank alone.
+        ``fused_sms``: run by a fused kernel of that many SMs (DeepEP's normal kernels) instead
+        of NCCL: its SMs and its share of NVLink bound each rank's NVLink sends
+        (:mod:`sim.fabric.collectives.fused_kernel`)."""
         tgroups, kid, local = self._group_set(groups)
         if not tgroups:
             return None
         # By the matrix's identity (an op's peer_bytes, passed on every call; the entry keeps
         # it alive so its id is not reused), then by content: hashing a 64 x 64 matrix on
         # every call would cost more than the call.
-        by_id = self._a2a_ids.get((kid, id(matrix)))
+        by_id = self._a2a_ids.get((kid, id(matrix), fused_sms))
         hit = by_id[1] if by_id is not None and by_id[0] is matrix else None
         if hit is None:
-            hit = self._a2a_plan(kid, tgroups, local, matrix)
-            self._a2a_ids[(kid, id(matrix))] = (matrix, hit)
+            hit = self._a2a_plan(kid, tgroups, local, matrix, fused_sms)
+            self._a2a_ids[(kid, id(matrix), fused_sms)] = (matrix, hit)
         plan, est, predicted, count = hit
         if plan is None or est is None:
             return None
@@ -394,11 +401,10 @@ class CollectiveRunner:
         return choice
 
     def _a2a_plan(self, kid: int, tgroups: list[tuple[int, ...]], local: bool,
-                  matrix: alltoall.PeerMatrix
-                  ) -> _A2A:
+                  matrix: alltoall.PeerMatrix, fused_sms: int = 0) -> _A2A:
         """(plan, estimate, predicted time, count) of :meth:`run_all_to_all_v`, cached by the
         groups and the matrix's content."""
-        key = (kid, matrix)
+        key = (kid, matrix, fused_sms)
         hit = self._a2a.get(key)
         if hit is None:
             # Groups inside one node each, of one size, never share a link (see _group_set),
@@ -406,14 +412,21 @@ class CollectiveRunner:
             # (_same_and_disjoint: expert-parallel groups of distinct nodes): one group's
             # flows stand for all of them. Otherwise every group's flows run.
             b = self.builder
-            plan = alltoall.peer_plan(b, tgroups[:1], matrix)
+            rate = fused_kernel.nvlink_send_rate(fused_sms)
+            share = fused_kernel.nvlink_share(fused_sms, self.arch)
+
+            def planned(gs: list[tuple[int, ...]]) -> FlowPlan | None:
+                return alltoall.peer_plan(b, gs, matrix, nvlink_send_rate=rate,
+                                          nvlink_share=share)
+
+            plan = planned(tgroups[:1])
             count = len(tgroups)
             if not local and count > 1 and plan is not None:
-                each = [alltoall.peer_plan(b, [g], matrix) for g in tgroups]
+                each = [planned([g]) for g in tgroups]
                 est0 = nccl.Estimate("p2p", "simple", 0.0, 0.0, 1.0)
                 if not self._same_and_disjoint([(q, est0, 0.0) for q in each
                                                 if q is not None]):
-                    plan, count = alltoall.peer_plan(b, tgroups, matrix), 1
+                    plan, count = planned(tgroups), 1
             if plan is None:
                 hit = self._a2a[key] = (None, None, 0.0, count)
             else:

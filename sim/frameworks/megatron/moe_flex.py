@@ -46,7 +46,9 @@ explicit, seeded routing of every token (:mod:`sim.frameworks.megatron.moe_flex_
 The fused kernels hold ``moe_flex_dispatcher_num_sms`` SMs (Megatron-Core sets DeepEP's
 ``Buffer.set_num_sms`` to 20 when unset, ``_DeepepManager.__init__``) for their whole run:
 the engine's interference model (:mod:`sim.hardware.interference`) takes them from any
-compute beside the dispatch (``Op.sm_ctas``).
+compute beside the dispatch (``Op.sm_ctas``), and they copy the data themselves: their count
+and DeepEP's share of NVLink bound each GPU's NVLink sends
+(:mod:`sim.fabric.collectives.fused_kernel`).
 """
 
 from __future__ import annotations
