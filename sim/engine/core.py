@@ -45,7 +45,13 @@ from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings
 from sim.fabric.network import FlowNetwork, NetworkObserver
 from sim.fabric.topology import LINK_KINDS, Fabric
 from sim.fabric.topology.storage import StorageTarget
-from sim.hardware.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
+from sim.hardware.interference import (
+    NCCL_CHANNELS,
+    CommLoad,
+    alltoall_ctas,
+    comm_load,
+    slowdown,
+)
 from sim.hardware.power import sustained_matrix_flops
 from sim.program.ir import Op, Program, RankClass
 
@@ -254,9 +260,15 @@ class Engine:
             hit = self._load_cache.get(key)
             if hit is None:
                 plan, _, predicted = self.collectives.select(op.collective, group, nbytes)
-                hit = self._load_cache[key] = comm_load(
-                    self.arch, op.collective, nbytes, nbytes * plan.volume, predicted,
-                    plan.nccl_channels or plan.channels, plan.algorithm)
+                hit = comm_load(self.arch, op.collective, nbytes, nbytes * plan.volume,
+                                predicted, plan.nccl_channels or plan.channels, plan.algorithm)
+                if op.collective == "all_to_all":
+                    # Grouped sends: the rounds' point-to-point channels, not a ring's.
+                    gpn = self.fabric.spec.gpus_per_node
+                    hit = CommLoad(alltoall_ctas(self.arch, [
+                        (nbytes / len(group), r // gpn == group[0] // gpn)
+                        for r in group[1:]]), hit.hbm_bytes_per_s)
+                self._load_cache[key] = hit
             # A fused kernel's own SM count (Op.sm_ctas) replaces NCCL's channels.
             return CommLoad(op.sm_ctas, hit.hbm_bytes_per_s) if op.sm_ctas else hit
         pairs = tuple(op.pairs)
