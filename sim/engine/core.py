@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import simpy
+from simpy.resources.resource import Request
 
 from sim import catalog
 from sim.catalog import GpuSpec
@@ -44,7 +45,13 @@ from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings
 from sim.fabric.network import FlowNetwork, NetworkObserver
 from sim.fabric.topology import LINK_KINDS, Fabric
 from sim.fabric.topology.storage import StorageTarget
-from sim.hardware.interference import NCCL_CHANNELS, CommLoad, comm_load, slowdown
+from sim.hardware.interference import (
+    NCCL_CHANNELS,
+    CommLoad,
+    alltoall_ctas,
+    comm_load,
+    slowdown,
+)
 from sim.hardware.power import sustained_matrix_flops
 from sim.program.ir import Op, Program, RankClass
 
@@ -128,6 +135,9 @@ class Engine:
         self.hbm_bytes_per_s = spec.hbm_bytes_per_s
         self.matrix_flops = sustained_matrix_flops(spec)
         self._load: dict[int, _GpuLoad] = {}
+        self._sm_turn: dict[int, simpy.Resource] = {}
+        """Rank classes with side-stream kernels: the one turn on the SMs their compute ops
+        take in order (:meth:`_take_sms`)."""
         # Collectives slowed by the memory-bound compute beside them (sim.engine.hbm_share).
         self.hbm_share = HbmShare(self.net, self.sm_count, self.hbm_bytes_per_s,
                                   self._held)
@@ -177,6 +187,14 @@ class Engine:
             return 1.0
         return slowdown(self.sm_count, self.hbm_bytes_per_s, self._matrix_share(op),
                         load.ctas, load.hbm_bytes_per_s)
+
+    def _take_sms(self, cls: RankClass, op: Op) -> Request | None:
+        """The request for the SMs a compute op of a class with side-stream kernels runs on
+        (:attr:`sim.program.ir.Op.side_kernel`); None when it needs no turn."""
+        turns = self._sm_turn.get(cls.id)
+        if turns is None or op.kind != "compute" or op.duration <= 0:
+            return None
+        return turns.request()
 
     def _held(self, cls_id: int) -> tuple[int, float]:
         load = self._load.get(cls_id)
@@ -242,9 +260,15 @@ class Engine:
             hit = self._load_cache.get(key)
             if hit is None:
                 plan, _, predicted = self.collectives.select(op.collective, group, nbytes)
-                hit = self._load_cache[key] = comm_load(
-                    self.arch, op.collective, nbytes, nbytes * plan.volume, predicted,
-                    plan.nccl_channels or plan.channels, plan.algorithm)
+                hit = comm_load(self.arch, op.collective, nbytes, nbytes * plan.volume,
+                                predicted, plan.nccl_channels or plan.channels, plan.algorithm)
+                if op.collective == "all_to_all":
+                    # Grouped sends: the rounds' point-to-point channels, not a ring's.
+                    gpn = self.fabric.spec.gpus_per_node
+                    hit = CommLoad(alltoall_ctas(self.arch, [
+                        (nbytes / len(group), r // gpn == group[0] // gpn)
+                        for r in group[1:]]), hit.hbm_bytes_per_s)
+                self._load_cache[key] = hit
             # A fused kernel's own SM count (Op.sm_ctas) replaces NCCL's channels.
             return CommLoad(op.sm_ctas, hit.hbm_bytes_per_s) if op.sm_ctas else hit
         pairs = tuple(op.pairs)
@@ -289,6 +313,10 @@ class Engine:
                 self._load[cls.id] = _GpuLoad(changed=env.event())
             else:
                 self._load.pop(cls.id, None)
+        # Classes with side-stream kernels (Op.side_kernel) run their compute ops one at a
+        # time: one SM turn each, granted in the order the ops become ready.
+        self._sm_turn = {cls.id: simpy.Resource(env, capacity=1) for cls in program.classes
+                         if any(o.side_kernel for ops in cls.streams.values() for o in ops)}
         class_of = program.class_of_rank()
         self._needed.clear()   # rank classes are the program's
         self._step_factor = {} if self.jitter is None else self.jitter.factors(
@@ -373,6 +401,9 @@ class Engine:
             if op.kind in ("collective", "send", "recv"):
                 start = yield from self._collective(cls, op, class_of, rendezvous)
             else:
+                turn = self._take_sms(cls, op)
+                if turn is not None:
+                    yield turn
                 start = env.now
                 for cat, nbytes in op.alloc:
                     obs.on_memory(cls, start, cat, nbytes, op)
@@ -382,6 +413,8 @@ class Engine:
                     yield from self._host_transfer(cls, op)
                 else:
                     yield from self._run_compute(cls, op)
+                if turn is not None:
+                    self._sm_turn[cls.id].release(turn)
             end = env.now
             if op.transient and op.kind in ("compute", "copy"):
                 obs.on_memory(cls, end, "buffers", -op.transient, op)

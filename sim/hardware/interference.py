@@ -149,6 +149,28 @@ def p2p_ctas(arch: str, nbytes: float, per_peer: int | None = None) -> int:
     return n
 
 
+def alltoall_ctas(arch: str, peers: list[tuple[float, bool]]) -> int:
+    """CTAs NCCL's all-to-all launches: ``peers`` holds, for every other member, the bytes
+    sent to it and whether it is an NVLink peer (same node).
+
+    NCCL runs an all-to-all as grouped ``ncclSend``/``ncclRecv`` (PyTorch's
+    ``all_to_all_single``), one round per peer; each peer's send runs on its own point-to-point
+    channels (:func:`p2p_ctas`: 2 to a network peer, up to the communicator's channels to an
+    NVLink peer) starting at a base that moves with the round (``ncclP2pChannelBaseForRound``,
+    ``src/include/p2p.h``), so one kernel runs on the union of the rounds' channels: their sum,
+    at most the communicator's point-to-point channels (``p2pnChannels``: 32 on H100, the
+    ``NCCL_DEBUG=INFO`` line "32 p2p channels").
+
+    >>> alltoall_ctas("hopper", [(4 << 20, False)] * 31)   # EP 32 over 4 nodes
+    32
+    >>> alltoall_ctas("hopper", [(128 << 10, True)] * 7)   # a small one in a node
+    14
+    """
+    full = NCCL_CHANNELS.get(arch, 32)
+    n = sum(p2p_ctas(arch, b, full if nvlink else None) for b, nvlink in peers if b > 0)
+    return max(1, min(full, n))
+
+
 def comm_load(arch: str, op: str, nbytes: float, wire_bytes: float, seconds: float,
               channels: int | None = None, algorithm: str = "ring") -> CommLoad:
     """The SMs and HBM bandwidth a collective holds on each GPU while it runs.

@@ -120,6 +120,15 @@ class Op:
     """A collective run by a fused kernel that holds a fixed number of SMs for its whole run
     (DeepEP's dispatch and combine: ``Buffer.set_num_sms``) instead of NCCL's channels: the
     SMs the interference model takes from compute beside it. 0: NCCL's own CTAs."""
+    side_kernel: bool = False
+    """A compute op on a side stream whose kernels take the GPU's SMs in turn with the
+    compute stream's rather than beside them (the elementwise kernels Megatron-Core's combined
+    1F1B runs on its communication stream): the engine runs it and the rank class's other
+    compute ops one at a time. A Hopper GEMM's CTAs fill an SM's register file (three warp
+    groups of 384 threads at 168 registers: 64,512 of 65,536), so a kernel launched beside a
+    running GEMM gets no SM until the GEMM's CTAs retire (CUDA C++ Programming Guide,
+    "Hardware Multithreading": blocks are resident only while registers and shared memory
+    allow)."""
     dtype: NcclType | None = None
     """Collectives and sends: the element type NCCL moves (``nbytes`` is whole elements of
     it). A label only (the HTA trace's kernel names): it never feeds timing. None: not

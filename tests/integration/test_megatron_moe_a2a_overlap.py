@@ -163,3 +163,55 @@ def test_interleaved_steps_run_one_more_warmup_forward_then_pairs() -> None:
         for i, st in enumerate(steps):
             if st.what == "unit" and st.paired is not None:
                 assert steps[i + 1].what != "wait"
+
+
+# ---------------------------------------------------------------------- (e) the nodes' GPU
+def test_communication_stream_kernels_take_the_sms_in_turn_with_compute() -> None:
+    """The combine node's unpermutation and residual add run on the communication stream
+    (``submodule_combine_forward``: ``mlp.combine``, ``mlp.postprocess``, ``mlp_bda``; their
+    backward in ``moe_combine.backward``), as elementwise kernels that get SMs only between
+    the compute stream's (a Hopper GEMM's CTAs fill the register file): never at the same
+    time as a compute-stream kernel."""
+    res = simulate(_scn({"tp": 1, "ep": 8}, moe_a2a_overlap=True))
+    mine = [r for r in res.recorder.ops if r.cls == 0 and r.op.kind == "compute"
+            and r.end > r.start]
+    side = [r for r in mine if r.op.stream == COMM_STREAM]
+    comp = [r for r in mine if r.op.stream == "compute"]
+    assert side and all(r.op.side_kernel for r in side)
+    assert {r.op.name.split(" L")[0] for r in side} == {"fwd moe", "bwd moe"}
+    for s in side:
+        for c in comp:
+            assert min(s.end, c.end) - max(s.start, c.start) <= 1e-12, (s.op.name, c.op.name)
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])
+def test_host_waits_for_the_counts_in_the_dispatch_node(dispatcher) -> None:
+    """The host blocks for the token counts inside the forward's moe_dispatch node
+    (``token_dispatch``: ``_maybe_dtoh_and_synchronize("before_ep_alltoall")``; DeepEP's
+    ``Buffer.dispatch`` spins on its notify kernel's counts), so it has already issued the
+    backward's mlp node (``TransformerLayerSchedulePlan.run``: ``b_layer.mlp.backward``
+    before ``f_layer.moe_dispatch.forward``). The alltoall's wait follows the count
+    all-gather (the copy's side stream waits for the compute stream); DeepEP's is on the
+    communication stream, behind the backward's combine there."""
+    par = {"tp": 1, "ep": 8}
+    prog = _program(_scn(par, moe_a2a_overlap=True, moe_token_dispatcher_type=dispatcher))
+    ops = sorted((op for ops in prog.classes[0].streams.values() for op in ops),
+                 key=lambda o: o.index)
+    by_name = {op.name: op for op in ops}
+    assert not any(op.host_sync for op in ops if "token count all_gather" in op.name)
+    comm = prog.classes[0].streams[COMM_STREAM]
+    for i in range(4):
+        f, b = f"fwd moe L{i} mb1", f"bwd moe L{3 - i} mb0"
+        disp = by_name[f"{f} dispatch fwd"]
+        wait = ops[ops.index(disp) - 1]
+        assert wait.host_sync and wait.name.endswith(f"{f} token count wait")
+        assert by_name[f"{b} experts"].index < wait.index
+        if dispatcher == "alltoall":
+            assert by_name[f"{f} token count all_gather"] in wait.deps
+        else:
+            assert wait.stream == COMM_STREAM
+            assert comm.index(by_name[f"{b} combine bwd"]) < comm.index(wait)
+    # Without the combined schedule the host still waits at the count all-gather.
+    off = _program(_scn(par, moe_token_dispatcher_type=dispatcher))
+    assert all(op.host_sync for ops in off.classes[0].streams.values() for op in ops
+               if "token count all_gather" in op.name)

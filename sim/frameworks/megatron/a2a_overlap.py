@@ -41,8 +41,14 @@ What this does not model: the high-priority communication stream
 (``high_priority_a2a_comm_stream``), ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron-LM only
 warns; streams here never serialise through one hardware queue), and the forward's pipeline
 send starting at the forward's last node (here it waits for the whole pair, a little late).
-The unpermutation on the communication stream runs beside the compute stream's kernels
-without sharing SMs with them (the engine slows compute only for collectives).
+
+What runs on the communication stream besides the all-to-alls, so that it waits for them and
+they for it: the combine node's unpermutation (``combine_postprocess``), the shared experts'
+add and the residual add (``mlp_bda``), and their backward. Their kernels take the GPU's SMs
+in turn with the compute stream's (``Op.side_kernel``), not beside them. The host's wait for
+the token counts is in the dispatch node (:func:`dispatch_wait`), after the host has issued
+the backward's mlp node. The all-to-alls' own SMs (NCCL's channels, DeepEP's
+``Op.sm_ctas``) slow the compute beside them through the engine's interference model.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from typing import TYPE_CHECKING
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.pipeline import Step, Unit
 from sim.frameworks.megatron.shape import MegatronShape
-from sim.program.ir import Op
+from sim.program.ir import HOST_WAIT_STREAM, Op
 
 if TYPE_CHECKING:
     from sim.frameworks.megatron.delay_wgrad import LayerWgrad
@@ -177,6 +183,36 @@ def split_unit(ops: list[Op], forward: bool) -> tuple[list[Op], list[LayerNodes]
     return ops[:first], [cut(r) for r in runs], ops[last + 1:]
 
 
+# ---------------------------------------------------------------------- the host's wait
+def dispatch_wait(n: LayerNodes, label: str) -> Op | None:
+    """Move the host's wait for a forward MoE layer's token counts from the pre_dispatch node
+    to the start of its dispatch node, as Megatron-Core's dispatchers wait there: the host has
+    issued the other micro-batch's node between them before it blocks. Returns the new wait
+    (None in a dense layer or without a wait).
+
+    * ``alltoall`` (``MoEAlltoAllTokenDispatcher``): ``dispatch_preprocess`` (in
+      pre_dispatch) starts the counts' copy to the host on a side stream that waits for the
+      compute stream (``cuda_dtoh_point`` "before_permutation_1"); ``token_dispatch`` (in
+      moe_dispatch) waits for it (``cuda_sync_point`` "before_ep_alltoall",
+      ``d2h_event.synchronize``): the wait follows the count all-gather.
+    * ``flex`` with DeepEP (``fused_dispatch``, ``fused_a2a.py``: "the CPU will wait for
+      GPU's signal to arrive"): ``Buffer.dispatch`` spins on the received counts its notify
+      kernel writes, and that kernel waits for the communication stream's event at the
+      node's start (``previous_event``), so the wait is the first op of the node on the
+      communication stream: after the chunk's previous node and the other micro-batch's
+      earlier communication on that stream.
+    """
+    sync = next((o for o in n.pre if o.host_sync), None)
+    if sync is None or not n.dispatch:
+        return None
+    sync.host_sync = False
+    deepep = any(o.sm_ctas for o in n.dispatch)
+    return Op(name=f"{label} {sync.name.split(' token count')[0]} token count wait",
+              kind="compute", stream=COMM_STREAM if deepep else HOST_WAIT_STREAM, phase="comm",
+              kernels=0, category="sync", host_sync=True,
+              deps=[] if deepep else [sync], layer=sync.layer, micro_batch=sync.micro_batch)
+
+
 # ---------------------------------------------------------------------- issue one pair
 def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
                label: str, wgrad: Mapping[int, LayerWgrad] | None = None) -> tuple[Op, Op]:
@@ -204,8 +240,18 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
         for op in ops:
             if comm and op.stream == "compute":
                 op.stream = COMM_STREAM
+                # Its elementwise kernels take the SMs in turn with the compute stream's.
+                op.side_kernel = op.kind == "compute" and op.duration > 0
             emit(op)
         prev[chain] = ops[-1]
+
+    def dispatch(n: LayerNodes) -> None:
+        """The forward's dispatch node, the host waiting in it for the token counts."""
+        wait = dispatch_wait(n, f"combined 1f1b {label}")
+        if wait is not None and wait.stream == HOST_WAIT_STREAM:
+            emit(wait)      # the counts' copy, not the chunk's event
+            wait = None
+        node("f", [wait, *n.dispatch] if wait is not None else n.dispatch, True)
 
     last_b = b_layers[-1] if b_layers else None
 
@@ -230,7 +276,7 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
 
     def alone_f(n: LayerNodes) -> None:
         node("f", n.pre)
-        node("f", n.dispatch, True)
+        dispatch(n)
         node("f", n.mlp)
         node("f", n.combine, True)
         node("f", n.post)
@@ -243,7 +289,7 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
         node("b", bn.combine, True)
         node("f", fn.pre)
         node("b", bn.mlp)
-        node("f", fn.dispatch, True)
+        dispatch(fn)
         dw(bn, "mlp")
         node("b", bn.dispatch, True)
         node("f", fn.mlp)
