@@ -63,7 +63,7 @@ from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
-from sim.workload.block_pricing import BlockCost, price_block
+from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, BlockCost, price_block
 from sim.workload.model import ModelSpec
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
 
@@ -212,7 +212,9 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
                     router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
-                    z_loss=opts.moe_z_loss_coeff is not None)
+                    z_loss=opts.moe_z_loss_coeff is not None,
+                    # TEGroupedMLP (experts.py): TE GroupedLinear, one cuBLASLt call an expert.
+                    gemm_per_expert=True)
     moe = ctx.model.moe
     assert moe is not None
     capacity = drop = None
@@ -403,6 +405,11 @@ class MoEOps:
                            pl.experts_cost.bwd_gpu_s if bwd else pl.experts_cost.fwd_gpu_s,
                            phase, mb, layer, c.bwd_kernels if bwd else c.fwd_kernels,
                            f * pl.useful)
+        # TE GroupedLinear issues one cuBLASLt GEMM per local expert from C++
+        # (multi_stream_cublas_gemm): launches beyond the block's Python-level ops.
+        extra = c.bwd_extra_launches if bwd else c.fwd_extra_launches
+        op.kernels += extra
+        op.cpu_s += extra * CPP_LAUNCH_CPU_S
         if pl.useful < 1.0:
             op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
         return op
