@@ -85,3 +85,24 @@ def test_megatron_issues_a_gemm_per_expert():
     c = plan.cost["experts"]
     assert c.fwd_extra_launches == 2 * (local - 1)
     assert CPP_LAUNCH_CPU_S == pytest.approx(5e-6)     # compute.EAGER_BWD_OP_CPU_S
+
+
+@pytest.mark.parametrize("coeff,expect", [(0.001, True), (0.0, False)])
+def test_aux_loss_counts_are_all_reduced_over_tp(coeff, expect):
+    # TopKRouter._apply_aux_loss -> get_tokens_per_expert_and_token_count (moe_utils.py):
+    # routing_map.sum(dim=0), [experts] int64, all-reduced over tp_cp_group every forward.
+    from sim.config.load import load_scenario
+    from sim.frameworks import JobContext, build_program
+
+    s = load_scenario("qwen3-30b-a3b-megatron-tp4pp2ep4-8xh100",
+                      [f"framework.moe_aux_loss_coeff={coeff}"])
+    ctx = JobContext.from_scenario(s, "s.yaml")
+    prog = build_program(ctx)
+    ops = [o for o in prog.classes[0].streams["compute"] if "aux-loss count" in o.name]
+    assert bool(ops) == expect
+    if expect:
+        # One per MoE layer forward, as the dispatcher's own count all-gather.
+        counts = [o for o in prog.classes[0].streams["compute"] if "token count" in o.name]
+        assert len(ops) == len(counts) > 0
+        assert all(o.collective == "all_reduce" and o.nbytes == 8 * 128 for o in ops)
+        assert all(len(o.groups[0]) == 4 for o in ops)    # the TP group (tp = 4)
