@@ -122,8 +122,17 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
         assert k.gemm is not None
         m_, kk, n, p = k.gemm
         if k.group:
-            return grouped_gemm_time(cm, k.group, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
-        return cm.gemm_time(m_, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
+            t = grouped_gemm_time(cm, k.group, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
+        else:
+            t = cm.gemm_time(m_, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
+        if any(r is w for w in k.writes for r in k.reads):
+            # Accumulating (beta = 1, :func:`~sim.workload.kernels.accumulating`): the
+            # epilogue reads and writes its output, an fp32 main_grad under Megatron's
+            # gradient-accumulation fusion (8 bytes an element, where the GEMM's own floor
+            # counts a 16-bit write). Its HBM floor counts the kernel's own tensors; it binds
+            # for a wgrad over few tokens (a local expert's few hundred rows).
+            t = max(t, cm.membound_time(k.nbytes))
+        return t
     if k.klass == "attention":
         assert k.attn is not None
         bsz, heads, seq, hd, p = k.attn

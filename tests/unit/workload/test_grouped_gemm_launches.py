@@ -106,3 +106,32 @@ def test_aux_loss_counts_are_all_reduced_over_tp(coeff, expect):
         assert len(ops) == len(counts) > 0
         assert all(o.collective == "all_reduce" and o.nbytes == 8 * 128 for o in ops)
         assert all(len(o.groups[0]) == 4 for o in ops)    # the TP group (tp = 4)
+
+
+def test_accumulating_wgrad_pays_its_fp32_main_grad_traffic():
+    # Megatron's wgrad adds into fp32 main_grad (beta = 1): the epilogue reads and writes 4
+    # bytes an element. 16 local experts of 512 rows (Qwen3-235B, TP 4, EP 8): fc1's wgrad
+    # moves 16 x 4096 x 3072 x 8 bytes of main_grad alone, more than its MACs take at the
+    # fitted rate, so the roofline floor binds; its non-accumulating twin is faster.
+    from dataclasses import replace as dc_replace
+
+    from sim.workload.block_pricing import kernel_time
+
+    m = ModelSpec.from_ref("qwen3-235b-a22b")
+    ops = moe_layer_ops(m, MoELayout(ep=8, gemm_per_expert=True), 1024,
+                        tokens_per_expert=(512.0,) * 16)
+    w = next(k for k in ops.experts.backward if k.name == "fc1.wgrad")
+    main_grad = 16 * 4096 * 3072 * 4
+    assert any(t.nbytes == main_grad for t in w.reads)          # read ...
+    assert any(t.nbytes == main_grad for t in w.writes)         # ... and written
+    t = kernel_time(CM, w)
+    assert t >= CM.membound_time(2 * main_grad)
+    plain = dc_replace(w, reads=tuple(r for r in w.reads if r.nbytes != main_grad))
+    assert kernel_time(CM, plain) < t
+    # 4 experts of 4096 rows (EP 32): the MACs dominate, the floor does not bind.
+    big = moe_layer_ops(m, MoELayout(ep=32, gemm_per_expert=True), 2048,
+                        tokens_per_expert=(4096.0,) * 4)
+    w32 = next(k for k in big.experts.backward if k.name == "fc1.wgrad")
+    plain32 = dc_replace(w32, reads=tuple(r for r in w32.reads
+                                          if r.nbytes != 4 * 4096 * 3072 * 4))
+    assert kernel_time(CM, w32) == pytest.approx(kernel_time(CM, plain32))
