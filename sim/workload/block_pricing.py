@@ -24,6 +24,11 @@ from sim.hardware.compute import (
 from sim.workload.grouped_gemm import grouped_gemm_time
 from sim.workload.kernels import Block, Kernel, Style, is_reduction
 
+CPP_LAUNCH_CPU_S = EAGER_BWD_OP_CPU_S
+"""Host seconds per extra launch issued from C++ with no Python between launches (TE's
+``multi_stream_cublas_gemm`` loop of cuBLASLt calls): the per-kernel cost of PyTorch's C++
+autograd engine (:data:`sim.hardware.compute.EAGER_BWD_OP_CPU_S`), not a Python op's."""
+
 
 @dataclass(frozen=True)
 class BlockCost:
@@ -56,6 +61,10 @@ class BlockCost:
     fwd_gpu_s: float = 0.0
     """GPU time of the forward kernels alone (fwd_s also bounds it by CPU issue time)."""
     bwd_gpu_s: float = 0.0
+    fwd_extra_launches: int = 0
+    """Launches beyond one per forward kernel (:func:`extra_launches`): host time of
+    :data:`CPP_LAUNCH_CPU_S` each, on top of the framework's per-op cost."""
+    bwd_extra_launches: int = 0
     fwd_transient_parts: tuple[float, ...] = ()
     """The tensors making up ``fwd_transient_bytes`` (they add up to it), largest first."""
     fwd_transient_unsaved_parts: tuple[float, ...] = ()
@@ -113,8 +122,17 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
         assert k.gemm is not None
         m_, kk, n, p = k.gemm
         if k.group:
-            return grouped_gemm_time(cm, k.group, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
-        return cm.gemm_time(m_, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
+            t = grouped_gemm_time(cm, k.group, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
+        else:
+            t = cm.gemm_time(m_, kk, n, p, fp8=k.fp8)  # type: ignore[arg-type]
+        if any(r is w for w in k.writes for r in k.reads):
+            # Accumulating (beta = 1, :func:`~sim.workload.kernels.accumulating`): the
+            # epilogue reads and writes its output, an fp32 main_grad under Megatron's
+            # gradient-accumulation fusion (8 bytes an element, where the GEMM's own floor
+            # counts a 16-bit write). Its HBM floor counts the kernel's own tensors; it binds
+            # for a wgrad over few tokens (a local expert's few hundred rows).
+            t = max(t, cm.membound_time(k.nbytes))
+        return t
     if k.klass == "attention":
         assert k.attn is not None
         bsz, heads, seq, hd, p = k.attn
@@ -143,7 +161,22 @@ def _gpu_time(cm: ComputeModel, kernels: list[Kernel]) -> float:
 
 
 def _cpu_time(kernels: list[Kernel], cpu_per_op: float, attn_cpu: float) -> float:
-    return sum(attn_cpu if k.klass == "attention" else cpu_per_op for k in kernels)
+    return (sum(attn_cpu if k.klass == "attention" else cpu_per_op for k in kernels)
+            + extra_launches(kernels) * CPP_LAUNCH_CPU_S)
+
+
+def extra_launches(kernels: Sequence[Kernel]) -> int:
+    """Launches the host issues for ``kernels`` beyond one per kernel: a grouped GEMM of
+    Transformer Engine's multi-stream cuBLAS path is one cuBLASLt call per expert
+    (:attr:`Kernel.launches`), issued from C++ in one Python call.
+
+    Examples
+    --------
+    >>> g = Kernel("fc1.fwd", "gemm", (), (), group=(512.0,) * 16, launches=16)
+    >>> extra_launches([Kernel("act", "elementwise", (), ()), g])
+    15
+    """
+    return sum(k.launches - 1 for k in kernels)
 
 
 def _stream_time(cm: ComputeModel, kernels: list[Kernel], cpu_per_op: float, attn_cpu: float
@@ -283,6 +316,8 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
         weight_grad_bytes=sum(t.nbytes for t in block.weight_grads),
         params=block.params,
         early_stop_fwd_s=early,
+        fwd_extra_launches=extra_launches(fwd),
+        bwd_extra_launches=extra_launches(bwd),
         fwd_gpu_s=_gpu_time(cm, fwd),
         bwd_gpu_s=_gpu_time(cm, bwd),
         fwd_transient_parts=fwd_parts,

@@ -68,6 +68,11 @@ class Kernel:
     """A grouped GEMM (Transformer Engine ``GroupedLinear`` over the local experts): the rows
     of each of its GEMMs, which ``gemm``'s m adds up; priced by
     :func:`sim.workload.grouped_gemm.grouped_gemm_time`. Empty for one GEMM."""
+    launches: int = 1
+    """Kernel launches the host issues for it: Transformer Engine's default grouped GEMM
+    (``multi_stream_cublas_gemm``, ``transformer_engine/common/gemm/cublaslt_gemm.cu``) calls
+    cuBLASLt once per expert, so a grouped GEMM over ``n`` local experts is ``n`` launches
+    (``torch._grouped_mm`` is one)."""
 
     @property
     def nbytes(self) -> float:

@@ -83,6 +83,11 @@ class MoELayout:
     """``moe_aux_loss_coeff > 0`` (DeepSeek-V3 keeps a small sequence-wise one)."""
     z_loss: bool = False
     """``moe_z_loss_coeff`` set."""
+    gemm_per_expert: bool = False
+    """The grouped GEMMs run as Transformer Engine's ``GroupedLinear`` does by default on
+    Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
+    the host issues one cuBLASLt GEMM per local expert with rows (:attr:`Kernel.launches`);
+    else one grouped kernel (``torch._grouped_mm``)."""
 
 
 @dataclass(frozen=True)
@@ -293,7 +298,10 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
 
     def gemm(pass_: str, reads: tuple[Tensor, ...], out: Tensor, fp8: bool) -> Kernel:
         return Kernel(f"{name}.{pass_}", "gemm", reads, (out,), fl,
-                      gemm=(rows, n_in, n_out, pass_), fp8=fp8, group=counts)
+                      gemm=(rows, n_in, n_out, pass_), fp8=fp8, group=counts,
+                      launches=n_launch)
+
+    n_launch = sum(1 for c in counts if c > 0) if lay.gemm_per_expert else 1
 
     if lay.fp8 is None:
         w = b.t(f"{name}.w", experts * n_in * n_out, BF16)

@@ -63,7 +63,7 @@ from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
-from sim.workload.block_pricing import BlockCost, price_block
+from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, BlockCost, price_block
 from sim.workload.model import ModelSpec
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
 
@@ -114,6 +114,10 @@ class MoEPlan:
     amax_gather: bool = False
     """FP8 current scaling: an amax all-reduce over TP before each quantize-then-gather
     (:func:`~sim.frameworks.megatron.overlap.amax_reductions`)."""
+    aux_reduce: bool = False
+    """``TopKRouter._apply_aux_loss`` all-reduces ``routing_map.sum(dim=0)`` ([experts] int64)
+    over ``tp_cp_group`` every forward (``moe_utils.get_tokens_per_expert_and_token_count``);
+    laid out for tp > 1 with cp = 1, where that group is the TP group."""
 
     # ------------------------------------------------------------------ layers and sizes
     def is_moe(self, layer: int) -> bool:
@@ -212,7 +216,10 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
                     router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
-                    z_loss=opts.moe_z_loss_coeff is not None)
+                    z_loss=opts.moe_z_loss_coeff is not None,
+                    # TEGroupedMLP (experts.py): TE GroupedLinear, one cuBLASLt call an expert.
+                    gemm_per_expert=True)
+    aux_reduce = lay.aux_loss and tp > 1 and par.cp == 1
     moe = ctx.model.moe
     assert moe is not None
     capacity = drop = None
@@ -277,7 +284,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    else min(1.0, local_tokens * moe.top_k / (moe.experts * capacity)),
                    gathered=gathered, shared_overlap=overlap,
                    amax_gather=ctx.scenario.training.precision == "fp8"
-                   and amax_reductions(opts.fp8_recipe, True),
+                   and amax_reductions(opts.fp8_recipe, True), aux_reduce=aux_reduce,
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None)
     if opts.moe_token_dispatcher_type == "flex":   # skew: its own pace (moe_flex_skew)
@@ -403,6 +410,10 @@ class MoEOps:
                            pl.experts_cost.bwd_gpu_s if bwd else pl.experts_cost.fwd_gpu_s,
                            phase, mb, layer, c.bwd_kernels if bwd else c.fwd_kernels,
                            f * pl.useful)
+        # TE GroupedLinear: one cuBLASLt GEMM an expert from C++ (multi_stream_cublas_gemm).
+        extra = c.bwd_extra_launches if bwd else c.fwd_extra_launches
+        op.kernels += extra
+        op.cpu_s += extra * CPP_LAUNCH_CPU_S
         if pl.useful < 1.0:
             op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
         return op
@@ -440,9 +451,15 @@ class MoEOps:
                                layer, c["router"].fwd_kernels,
                                0.0 if rec else c["router"].flops_fwd)
         router.cpu_s += pre_cpu
+        aux = None
+        if pl.aux_reduce:   # on the default stream, before the dispatcher's preprocess
+            experts = pl.model.moe.experts if pl.model.moe else 0
+            aux = self._coll(f"{label} aux-loss count all_reduce", "all_reduce",
+                             self.tp_groups, 8.0 * experts, "i64", "tp", mb, layer)
         if pl.dispatcher == "allgather":
-            return self._forward_allgather(router, phase, label, mb, layer)
-        ops: list[Op | None] = [router]
+            out = self._forward_allgather(router, phase, label, mb, layer)
+            return out[:1] + [aux] + out[1:] if aux is not None else out
+        ops: list[Op | None] = [router, aux]
         if pl.ep * pl.etp > 1 and pl.capacity is None:
             count = self._coll(f"{label} token count all_gather", "all_gather",
                                pl.tp_ep_groups(self.st),
