@@ -453,9 +453,9 @@ class MoEOps:
         router.cpu_s += pre_cpu
         aux = None
         if pl.aux_reduce:   # on the default stream, before the dispatcher's preprocess
-            experts = pl.model.moe.experts if pl.model.moe else 0
+            n_experts = pl.model.moe.experts if pl.model.moe else 0
             aux = self._coll(f"{label} aux-loss count all_reduce", "all_reduce",
-                             self.tp_groups, 8.0 * experts, "i64", "tp", mb, layer)
+                             self.tp_groups, 8.0 * n_experts, "i64", "tp", mb, layer)
         if pl.dispatcher == "allgather":
             out = self._forward_allgather(router, phase, label, mb, layer)
             return out[:1] + [aux] + out[1:] if aux is not None else out
