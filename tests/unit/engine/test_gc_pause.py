@@ -72,7 +72,9 @@ def test_someone_elses_frozen_objects_stay_frozen(monkeypatch: pytest.MonkeyPatc
     frozen = gc.get_freeze_count()
     with paused_gc():
         _ = [[i] for i in range(1_000)]
-    assert gc.get_freeze_count() == frozen
+    # Not thawed (gc.unfreeze would empty the permanent generation); a frozen object may
+    # still die by reference count meanwhile (in a long test process one sometimes does).
+    assert frozen - 100 <= gc.get_freeze_count() <= frozen
     assert gc_pause._state["moved"] == 0
 
 
