@@ -60,6 +60,19 @@ def test_delaying_moves_gemms_without_changing_time_or_flops(par) -> None:
     off = _program(_scn(par, moe_a2a_overlap=True))
     on = _program(_scn(par, moe_a2a_overlap=True, delay_wgrad_compute=True))
     assert _totals(on) == pytest.approx(_totals(off), rel=1e-12)
+    # The host's share moves with them: the wgrads' Python calls and the grouped linears'
+    # per-expert cuBLASLt launches (one a local expert, issued from C++).
+    host = [sum(op.cpu_s * len(c.members) for c in p.classes for s in c.streams.values()
+                for op in s) for p in (on, off)]
+    launches = [sum(op.kernels * len(c.members) for c in p.classes
+                    for s in c.streams.values() for op in s) for p in (on, off)]
+    assert host[0] == pytest.approx(host[1], rel=1e-12)
+    # Launches move too; a delayed op whose source op stood for one kernel counts one more.
+    assert launches[0] >= launches[1]
+    local = MOE["experts"] // par["ep"]
+    for op in _ops(on):
+        if op.name.endswith("experts delayed wgrad") and "shared" not in op.name:
+            assert op.kernels == 2 * local      # fc1 and fc2 wgrad, one launch an expert
     # What moved is each layer's TE wgrad GEMMs: per MoE layer and micro-batch, the experts'
     # grouped fc1 (h -> 2 f, SwiGLU) and fc2 (f -> h), the shared expert's and the
     # attention's QKV (h -> 3h) and output projection, 2 x rows x n_in x n_out FLOPs each,
