@@ -31,6 +31,7 @@ stack.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -203,3 +204,77 @@ def expert_output_bias(b: _Builder, out: Tensor, probs: Tensor, counts: Sequence
           Kernel("apply_bias.split.bwd", "elementwise", tuple(g_rows),
                  (b.t("g_fc2_out_bias", rows * h, BF16),)))
     return y
+
+
+def yarn_concentration(factor: float) -> float:
+    """YaRN's concentration factor ("mscale") that Megatron-Core multiplies into the rotary
+    cos and sin when ``yarn_mscale`` and ``yarn_mscale_all_dim`` are unset, as GPT-OSS's
+    provider leaves them: ``0.1 ln(factor) + 1`` (``yarn_rotary_pos_embedding.py``
+    ``_yarn_get_concentration_factor`` / ``_yarn_get_mscale``).
+
+    Examples
+    --------
+    >>> round(yarn_concentration(32.0), 4)       # GPT-OSS: rope_scaling factor 32
+    1.3466
+    """
+    return 0.1 * math.log(factor) + 1.0
+
+
+def unfused_rope(b: _Builder, x: Tensor, n: float, table: float, name: str) -> Tensor:
+    """Megatron-Core's unfused rotary embedding of one ``bshd`` tensor of ``n`` bf16 elements
+    (``rope_utils.py`` ``_apply_rotary_pos_emb_bshd``), which ``apply_rotary_pos_emb`` runs
+    instead of TE's fused kernel whenever ``mscale != 1`` ("mscale ... is not supported by
+    TE's fused RoPE. Using unfused implementation"), as YaRN's concentration factor makes it
+    for GPT-OSS (:func:`yarn_concentration`) even under ``apply_rope_fusion``.
+
+    ``table``: elements of the ``[s, 1, 1, d]`` fp32 frequency table. Forward: ``cos``,
+    ``* mscale``, ``.to(bf16)`` and the same for ``sin`` on the table; on the tensor
+    ``t * cos``, ``_rotate_half`` (``-x2`` over half, ``torch.cat``), ``* sin``, the add and
+    ``torch.cat((t, t_pass))`` with the empty pass-through part (a copy): 24 bytes an element.
+    Backward: the two products' gradients (4 + 4), the negation's (2), the ``chunk``'s
+    concatenation (4), the sum of ``t``'s two gradients (6), and the two slices'
+    (``SliceBackward``: zeros of the full size and a copy into them for ``t[..., :d]``, zeros
+    for the empty ``t[..., d:]``, then their sum: 6 + 2 + 6): 34 bytes an element.
+
+    Examples
+    --------
+    >>> from sim.workload.megatron_ops import STYLE
+    >>> b = _Builder("a", STYLE)
+    >>> y = unfused_rope(b, Tensor("a.q", 200.0), 100, 0, "q")
+    >>> sum(k.nbytes for k in b.block.forward), sum(k.nbytes for k in b.finish().backward)
+    (2400.0, 3400.0)
+    """
+    t16 = b.t(f"{name}_rope.table16", table, BF16)
+    for fn in ("cos", "sin"):
+        f32 = b.t(f"{name}_rope.freqs", table, FP32)
+        raw, scaled = b.t(f"{name}_rope.{fn}", table, FP32), b.t(f"{name}_rope.{fn}_m", table, FP32)
+        b.fwd(Kernel(f"{name}_rope.{fn}", "elementwise", (f32,), (raw,)))
+        b.fwd(Kernel(f"{name}_rope.{fn}_mscale", "elementwise", (raw,), (scaled,)))
+        b.fwd(Kernel(f"{name}_rope.{fn}_bf16", "elementwise", (scaled,),
+                     (b.t(f"{name}_rope.{fn}16", table, BF16),)))
+
+    def new(tag: str, numel: float = n) -> Tensor:
+        return b.t(f"{name}_rope.{tag}", numel, BF16)
+
+    tc, neg, rot, rs, add, out = new("t_cos"), new("neg", n / 2), new("rot"), new("rot_sin"), \
+        new("sum"), new("out")
+    b.fwd(Kernel(f"{name}_rope.mul_cos", "elementwise", (x, t16), (tc,)))
+    b.fwd(Kernel(f"{name}_rope.neg", "elementwise", (new("x2", n / 2),), (neg,)))
+    b.fwd(Kernel(f"{name}_rope.rotate_cat", "elementwise", (neg, new("x1", n / 2)), (rot,)))
+    b.fwd(Kernel(f"{name}_rope.mul_sin", "elementwise", (rot, t16), (rs,)))
+    b.fwd(Kernel(f"{name}_rope.add", "elementwise", (tc, rs), (add,)))
+    b.fwd(Kernel(f"{name}_rope.cat_pass", "elementwise", (add,), (out,)))
+    g = new("g_out")
+    g_cos, g_sin, g_neg, g_rot, g_t = new("g_t_cos"), new("g_rot"), new("g_x2", n / 2), \
+        new("g_chunk"), new("g_t")
+    zeros, zeros_pass, g_in = new("g_slice"), new("g_slice_pass"), new("g_in")
+    b.bwd(Kernel(f"{name}_rope.mul_sin.bwd", "elementwise", (g, t16), (g_sin,)),
+          Kernel(f"{name}_rope.neg.bwd", "elementwise", (new("g_neg", n / 2),), (g_neg,)),
+          Kernel(f"{name}_rope.chunk.bwd", "elementwise", (new("g_x1", n / 2), g_neg), (g_rot,)),
+          Kernel(f"{name}_rope.mul_cos.bwd", "elementwise", (g, t16), (g_cos,)),
+          Kernel(f"{name}_rope.grad_sum", "elementwise", (g_cos, g_rot), (g_t,)),
+          Kernel(f"{name}_rope.slice.zeros", "elementwise", (), (zeros,)),
+          Kernel(f"{name}_rope.slice.copy", "elementwise", (g_t,), (zeros,)),
+          Kernel(f"{name}_rope.slice_pass.zeros", "elementwise", (), (zeros_pass,)),
+          Kernel(f"{name}_rope.slice.sum", "elementwise", (zeros, zeros_pass), (g_in,)))
+    return out

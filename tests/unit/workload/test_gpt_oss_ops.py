@@ -140,3 +140,37 @@ def test_sinks_under_context_parallelism_need_a2a_and_fused_attention() -> None:
         sink_attention_backend((2, 9), (9, 12, 0), 90, cp=2, cp_comm_type="a2a")
     with pytest.raises(ValueError, match="FP8"):
         sink_attention_backend((2, 9), (9, 13, 1), 90, fp8_dpa=True)
+
+
+# --------------------------------------------------------------------------- YaRN RoPE
+def _attn(m, tp=1):
+    from sim.workload.megatron_ops import MegatronLayout, attention_block
+    return attention_block(m, MegatronLayout(tp=tp), 2, 4096)[1]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_yarn_runs_megatrons_unfused_rope_on_query_and_key(tp) -> None:
+    # GPT-OSS: YaRN factor 32, concentration 0.1 ln 32 + 1 != 1: rope_utils.py falls back to
+    # _apply_rotary_pos_emb_bshd for the query and the key (24 bytes an element forward, 34
+    # backward, bf16), plus cos/sin of the [s, d] fp32 table (fp32 cos, x mscale, to bf16).
+    blk = _attn(OSS, tp)
+    tokens, d = 2 * 4096, OSS.head_dim
+    q_n = tokens * OSS.heads // tp * d
+    k_n = tokens * OSS.kv_heads // tp * d
+    table = 4096 * d
+    for name, n in (("q", q_n), ("k", k_n)):
+        fwd = _kernels(blk, f"{name}_rope.")
+        big = [k for k in fwd if not k.name.split(".")[1].startswith(("cos", "sin"))]
+        assert _bytes(big) == pytest.approx(24 * n + 2 * 2 * table, rel=1e-12)
+        tab = [k for k in fwd if k not in big]
+        assert _bytes(tab) == pytest.approx(2 * (8 + 8 + 6) * table, rel=1e-12)
+        bwd = _kernels(blk, f"{name}_rope.", "bwd")
+        assert _bytes(bwd) == pytest.approx(34 * n + 2 * 2 * table, rel=1e-12)
+    assert not [k for k in blk.forward if k.name == "rope"]
+
+
+def test_plain_rope_stays_fused() -> None:
+    blk = _attn(ModelSpec.from_ref("qwen3-30b-a3b"))
+    assert [k.name for k in blk.forward if "rope" in k.name] == ["rope"]
+    no_yarn = ModelSpec(**{**OSS.__dict__, "yarn_factor": None})
+    assert [k.name for k in _attn(no_yarn).forward if "rope" in k.name] == ["rope"]
