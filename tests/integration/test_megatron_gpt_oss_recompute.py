@@ -59,3 +59,15 @@ def test_moe_act_reruns_the_clamp_with_the_activation() -> None:
     name = "bwd moe L1 mb0 experts"
     assert act[name].duration - none[name].duration == pytest.approx(
         sum(kernel_time(ctx.compute, k) for k in rerun), rel=1e-12)
+
+
+def test_biased_experts_need_expert_tp_one() -> None:
+    # TE GroupedLinear.__init__ (v2.9, v2.12): "GroupedLinear doesn't support bias when TP > 1".
+    from sim.scenario import ScenarioError
+    s = megatron_scenario({"tp": 2, "etp": 2, "sequence_parallel": True}, 2, model=OSS, seq=SEQ,
+                          gpn=2)
+    with pytest.raises(ScenarioError, match="parallelism.etp"):
+        build_program(JobContext.from_scenario(s, "s.yaml"))
+    ok = megatron_scenario({"tp": 2, "etp": 1, "sequence_parallel": True}, 2, model=OSS, seq=SEQ,
+                           gpn=2)
+    assert build_program(JobContext.from_scenario(ok, "s.yaml")).classes
