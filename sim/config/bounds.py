@@ -96,6 +96,10 @@ MAX_EXPERTS = 2**20
 MAX_CAPACITY_FACTOR = 1e6
 """An expert's capacity as a multiple of its balanced share: 1-2 in practice (GShard,
 Switch Transformer)."""
+MAX_ACTIVATION_CLAMP = 1e6
+"""Ceiling of a gated activation's clamp (GPT-OSS: 7; bf16 overflows near 3.4e38)."""
+MAX_ROPE_SCALING = 1e6
+"""Ceiling of a rotary scaling factor (GPT-OSS's YaRN: 32, DeepSeek-V3's: 40)."""
 
 # -- framework options (buckets, thresholds, partitions)
 MAX_ELEMENTS = 2**40

@@ -97,6 +97,14 @@ class ModelDims(StrictModel):
     context (GPT-OSS: 2, alternating); None = every layer slides."""
     mtp_layers: int = Field(default=0, ge=0, le=B.MAX_LAYERS)
     """Multi-token prediction modules trained beside the model [num_nextn_predict_layers]."""
+    yarn_factor: float | None = Field(default=None, gt=1, le=B.MAX_ROPE_SCALING)
+    """YaRN rotary scaling [rope_scaling.factor] with Megatron-Core's default concentration
+    factor ``0.1 ln(factor) + 1`` on cos and sin (``yarn_mscale`` unset; GPT-OSS: 32), which
+    keeps Megatron off Transformer Engine's fused RoPE; None = plain RoPE."""
+    activation_clamp: float | None = Field(default=None, gt=0, le=B.MAX_ACTIVATION_CLAMP)
+    """The gated activation's inputs clamped to this value [swiglu_limit] (GPT-OSS: 7;
+    Megatron-Core ``activation_func_clamp_value``, clamped eagerly before the fused
+    activation); None = no clamp."""
     moe: MoEBlock | None = None
     """The experts in CONTRACT.md's nested form ({experts, top_k, shared_experts,
     expert_ffn_hidden, dense_layers, router, capacity_factor}), instead of the flat keys."""

@@ -26,6 +26,7 @@ from functools import lru_cache
 from typing import Literal
 
 from sim.hardware.attention_cost import window_pairs
+from sim.workload.gpt_oss_ops import unfused_rope, yarn_concentration
 from sim.workload.kernels import accumulating
 from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
 from sim.workload.layer_rules import (
@@ -324,7 +325,12 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
         # ModelSpec.attention_params: 2 x head_dim weights per layer.
         q = _row_norm(b, m, q, tokens * heads, m.head_dim, "q_norm")
         k = _row_norm(b, m, k, tokens * kvd // m.head_dim, m.head_dim, "k_norm")
-    if m.position == "rope":
+    if m.position == "rope" and m.yarn_factor is not None \
+            and yarn_concentration(m.yarn_factor) != 1.0:
+        # YaRN's mscale keeps Megatron-Core off TE's fused RoPE (GPT-OSS; gpt_oss_ops).
+        q = unfused_rope(b, q, tokens * qd, s * m.head_dim, "q")
+        k = unfused_rope(b, k, tokens * kvd, s * m.head_dim, "k")
+    elif m.position == "rope":
         qr, kr = b.t("q_rope", tokens * qd, BF16), b.t("k_rope", tokens * kvd, BF16)
         b.fwd(Kernel("rope", "elementwise", (q, k), (qr, kr)))
         gq_, gk_ = b.t("g_q_rope", tokens * qd, BF16), b.t("g_k_rope", tokens * kvd, BF16)

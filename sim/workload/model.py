@@ -77,6 +77,10 @@ class ModelSpec:
     """With a window: every n-th layer attends to the full context."""
     mtp_layers: int = 0
     """Multi-token prediction modules (DeepSeek-V3: 1)."""
+    yarn_factor: float | None = None
+    """YaRN rotary scaling with the default concentration factor (GPT-OSS: 32)."""
+    activation_clamp: float | None = None
+    """The gated activation's inputs clamped (GPT-OSS: 7; :mod:`sim.workload.gpt_oss_ops`)."""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -105,6 +109,8 @@ class ModelSpec:
             sliding_window=dims.sliding_window,
             full_attention_every=dims.full_attention_every,
             mtp_layers=dims.mtp_layers,
+            activation_clamp=dims.activation_clamp,
+            yarn_factor=dims.yarn_factor,
         )
 
     @classmethod

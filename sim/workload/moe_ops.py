@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sim.workload.gpt_oss_ops import clamped_glu_input, expert_output_bias
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor, accumulating
 from sim.workload.layer_builder import _Builder
 from sim.workload.layer_rules import FP8, linear_params, scaled_cast
@@ -280,7 +281,8 @@ def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor
 
 
 def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int, n_out: int,
-                    name: str, lay: MoELayout, bias: bool) -> Tensor:
+                    name: str, lay: MoELayout, bias: bool, bias_grad_kernel: bool = True
+                    ) -> Tensor:
     """TE ``GroupedLinear`` over the local experts (``TEColumnParallelGroupedLinear`` /
     ``TERowParallelGroupedLinear``): one forward, dgrad and wgrad grouped GEMM, each priced
     as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`); the weight
@@ -325,7 +327,7 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
         g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8)
         ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
               gemm("dgrad", (g8, w8), gx, True), gemm("wgrad", (g8t, x8t), gw, True)]
-    if bias:
+    if bias and bias_grad_kernel:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)
         ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
     # TE GroupedLinear's fuse_wgrad_accumulation: each expert's wgrad adds into its main_grad.
@@ -367,23 +369,29 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     prow = sum(gemm_counts)
     swiglu = m.mlp == "swiglu"
     width = 2 * f if swiglu else f
-    fc1 = _grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias)
+    # bf16: TE takes fc1's bias gradient from its wgrad GEMM (no kernel of its own).
+    fc1 = _grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias,
+                          bias_grad_kernel=lay.fp8 is not None)
+    act_in = fc1 if m.activation_clamp is None else clamped_glu_input(b, fc1, prow, f)
     act = b.t("act", prow * f, BF16)
     # weighted_bias_swiglu_impl (or the GELU equivalent): bias, activation and the routing
     # prob in one kernel; input and probs saved; backward gives both gradients.
-    b.fwd(Kernel("weighted_act", "elementwise", (fc1, probs), (act,)))
-    b.save(fc1, probs)
+    b.fwd(Kernel("weighted_act", "elementwise", (act_in, probs), (act,)))
+    b.save(act_in, probs)
     ga = b.t("g_act", prow * f, BF16)
     gfc1 = b.t("g_fc1", prow * width, BF16)
     gp = b.t("g_probs", prow, FP32)
-    b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, fc1, probs), (gfc1, gp)))
-    out = _grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias)
+    b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, act_in, probs), (gfc1, gp)))
+    # fc2 skips its bias (skip_bias_add: TEGroupedMLP._apply_bias adds it after the unpad).
+    out = _grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias, bias_grad_kernel=False)
     if lay.fp8 is not None:
         up = b.t("unpadded", rows * h, BF16)
         b.fwd(Kernel("fp8_unpad", "elementwise", (out,), (up,)))
         gup, gout = b.t("g_unpadded", rows * h, BF16), b.t("g_fc2_out", prow * h, BF16)
         b.bwd(Kernel("fp8_unpad.bwd", "elementwise", (gup,), (gout,)))
         out = up
+    if m.bias:
+        out = expert_output_bias(b, out, probs, counts, h)
     if len(counts) > 1:
         back = b.t("unsorted", rows * h, BF16)
         b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,)))

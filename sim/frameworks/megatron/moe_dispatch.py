@@ -172,5 +172,10 @@ def check_moe(ctx: JobContext, implementation: str, k_inst: int, sp: bool) -> No
     ctx.require(t == 1 or sp, "parallelism.sequence_parallel",
                 "mixture-of-experts layers with tp > 1 need sequence parallelism "
                 "(Megatron-Core TransformerConfig)")
+    # Transformer Engine GroupedLinear.__init__: "GroupedLinear doesn't support bias when
+    # TP > 1" (v2.9 to v2.12): biased experts (GPT-OSS) need expert TP 1.
+    ctx.require(not ctx.model.bias or ctx.scenario.parallelism.expert_tp == 1,
+                "parallelism.etp", "experts with biases need etp 1 (Transformer Engine's "
+                "GroupedLinear does not support bias when TP > 1)")
     ctx.require(k_inst == 1, "framework.num_distributed_optimizer_instances",
                 "several distributed-optimizer instances are not modelled with experts yet")

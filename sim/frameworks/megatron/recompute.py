@@ -247,8 +247,12 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None) -> tuple[Recompute
         else:
             if "moe_act" in mods:
                 experts = blocks[0]
-                r["act_freed"] = _saved(experts, frozenset({"act", "fc2.in_fp8_t"}))
-                runs["act"] += _kernels(experts, lambda k: k.name == "weighted_act")
+                # GPT-OSS's clamp and cat run inside the checkpointed function too
+                # (sim.workload.gpt_oss_ops): their output is not kept either.
+                r["act_freed"] = _saved(experts, frozenset({"act", "fc2.in_fp8_t",
+                                                            "glu_clamped"}))
+                runs["act"] += _kernels(experts, lambda k: k.name == "weighted_act"
+                                        or k.name.startswith("weighted_act."))
                 if s.lay.fp8:
                     runs["act"] += _input_casts(experts, ("fc2",))
             if "shared_experts" in mods and shared is not None:
