@@ -64,6 +64,8 @@ class MegatronLayout:
     the first micro-batch of a step only (``is_first_microbatch``), 1 / micro-batches."""
     cross_entropy: LossImpl = "unfused"
     """The loss's implementation (:mod:`sim.workload.megatron_loss`)."""
+    rope_fusion: bool = False
+    """``apply_rope_fusion``: MLA's fused rotary kernels (:mod:`sim.workload.megatron_mla`)."""
 
 
 STYLE = Style("bf16")
