@@ -101,3 +101,15 @@ def test_fusion_saves_the_same_activations_and_moves_fewer_bytes(tp) -> None:
     assert sum(k.nbytes for k in plain.forward if k.name in fwd_names) == unfused_fwd
     assert sum(k.nbytes for k in fused.forward if k.name in fwd_names) == fused_fwd
     assert moved(plain) - moved(fused) > 0
+
+
+def test_fused_rope_issues_five_fewer_python_calls_each_way() -> None:
+    # Unfused: two splits, two rotary applications, expand, two concatenations (7 calls,
+    # qkv_up_proj_and_rope_apply); fused: fused_apply_mla_rope_for_q and _for_kv (2).
+    from sim.workload.megatron_ops import python_ops
+    m = ModelSpec.from_ref("deepseek-v3")
+    plain, fused = python_ops(m, False), python_ops(m, False, rope_fusion=True)
+    assert (plain["attn_main"][0] - fused["attn_main"][0],
+            plain["attn_main"][1] - fused["attn_main"][1]) == (5, 5)
+    gqa = ModelSpec.from_ref("qwen3-30b-a3b")
+    assert python_ops(gqa, False, rope_fusion=True) == python_ops(gqa, False)
