@@ -20,8 +20,12 @@ replaces the fused QKV projection of :func:`sim.workload.megatron_ops.attention_
 * core attention: Transformer Engine's ``DotProductAttention`` with query/key head dim
   nope + rope and value head dim v_head_dim (192 / 128 for DeepSeek-V3: core_v0.14.0 passes
   the value unpadded; later releases pad it to 192 only for packed THD sequences,
-  ``_prepare_mla_core_attention_value``, not these [s, b, h, d] inputs), priced by
-  :func:`attention_head_dims`;
+  ``_prepare_mla_core_attention_value``, not these [s, b, h, d] inputs). Transformer
+  Engine runs it as cuDNN's fused attention: ``get_attention_backend`` (TE v2.7
+  ``dot_product_attention/utils.py``) disables FlashAttention 2 and 3 whenever
+  head_dim_qk != head_dim_v and keeps FusedAttention for separate q, k, v layouts
+  (``hd_hd_hd``), the scenario's ``cudnn`` backend on Hopper and Blackwell; priced at the
+  widths of :func:`attention_head_dims`;
 * ``linear_proj`` (heads x v_head_dim -> hidden, row-parallel).
 
 With tensor parallelism the heads split over the ranks (the column-parallel up projections
