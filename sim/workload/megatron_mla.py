@@ -15,7 +15,17 @@ replaces the fused QKV projection of :func:`sim.workload.megatron_ops.attention_
 * rotary embedding on the query's rope part and the shared key, then the query
   ``cat(q_nope, q_rope)`` and the key ``cat(k_nope, k_rope expanded to every head)``, made
   contiguous for Transformer Engine's attention (queries and keys nope + rope wide, values
-  v_head_dim wide);
+  v_head_dim wide); with ``apply_rope_fusion`` (Megatron-Bridge's performance scripts) two
+  fused Triton kernels instead, the query rotated in place (:func:`_fused_rope`);
+* core attention: Transformer Engine's ``DotProductAttention`` with query/key head dim
+  nope + rope and value head dim v_head_dim (192 / 128 for DeepSeek-V3: core_v0.14.0 passes
+  the value unpadded; later releases pad it to 192 only for packed THD sequences,
+  ``_prepare_mla_core_attention_value``, not these [s, b, h, d] inputs). Transformer
+  Engine runs it as cuDNN's fused attention: ``get_attention_backend`` (TE v2.7
+  ``dot_product_attention/utils.py``) disables FlashAttention 2 and 3 whenever
+  head_dim_qk != head_dim_v and keeps FusedAttention for separate q, k, v layouts
+  (``hd_hd_hd``), the scenario's ``cudnn`` backend on Hopper and Blackwell; priced at the
+  widths of :func:`attention_head_dims`;
 * ``linear_proj`` (heads x v_head_dim -> hidden, row-parallel).
 
 With tensor parallelism the heads split over the ranks (the column-parallel up projections
@@ -44,6 +54,7 @@ from sim.workload.megatron_ops import (
     _row_norm,
 )
 from sim.workload.model import ModelSpec
+from sim.workload.moe import MLASpec
 
 
 def mla_gather_width(m: ModelSpec) -> int:
@@ -94,42 +105,23 @@ def mla_attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     latent = _row_norm(b, m, latent, local, mla.kv_lora_rank, "kv_latent_norm")
     kv = _sharded_input_linear(b, latent, tokens, local, mla.kv_lora_rank, heads * (nope + vd),
                                "kv_up", m, lay, act)
-    # Rotary embedding on the query's rope part and the shared rotary key (views of q and
-    # kv_combined), then the contiguous query and key TE's attention takes.
-    q_rope = b.t("q_rope", tokens * heads * rope, BF16)
-    k_rope = b.t("k_rope", tokens * rope, BF16)
-    b.fwd(Kernel("rope", "elementwise", (q, k_pos), (q_rope, k_rope)))
-    b.bwd(Kernel("rope.bwd", "elementwise", (b.t("g_q_rope", tokens * heads * rope, BF16),
-                                             b.t("g_k_rope", tokens * rope, BF16)),
-                 (b.t("g_q_pos", tokens * heads * rope, BF16),
-                  b.t("g_k_pos", tokens * rope, BF16))))
-    query = b.t("query", tokens * heads * qk, BF16)
-    key = b.t("key", tokens * heads * qk, BF16)
-    value = b.t("value", tokens * heads * vd, BF16)
-    b.fwd(Kernel("cat_query", "elementwise", (q, q_rope), (query,)))
-    b.fwd(Kernel("cat_key", "elementwise", (kv, k_rope), (key,)))
-    b.fwd(Kernel("value_contiguous", "elementwise", (kv,), (value,)))
-    # Backward of the concatenations: the gradients sliced back into q and kv, and the shared
-    # rotary key's gradient summed over the heads.
-    gq, gk, gv = (b.t(f"g_{n}", tokens * heads * w, BF16)
-                  for n, w in (("query", qk), ("key", qk), ("value", vd)))
-    b.bwd(Kernel("cat.bwd", "elementwise", (gq, gk, gv),
-                 (b.t("g_q", tokens * heads * qk, BF16),
-                  b.t("g_kv", tokens * heads * (nope + vd), BF16),
-                  b.t("g_k_rope_sum", tokens * rope, BF16))))
+    assemble = _fused_rope if lay.rope_fusion else _unfused_rope
+    query, key, value, gq, gk, gv = assemble(b, q, kv, k_pos, tokens, heads, mla)
     ctx = b.t("ctx", tokens * heads * vd, BF16)
     lse = b.t("lse", batch * heads * seq, FP32)
     # Causal: each query sees seq/2 keys on average; QK^T is 2 x qk and PV 2 x v FLOPs per
     # key and head (the FLOPs of ModelSpec._attention_layer_flops). The time model takes
-    # one head width: the mean of the two, which gives the same FLOPs.
+    # one head width per pass (4 x width FLOPs a score forward, 10 x width backward):
+    # :func:`attention_head_dims` gives the widths whose matmul FLOPs are the kernels' own.
     fl = 2.0 * batch * seq * (seq / 2) * heads * (qk + vd)
-    hd = (qk + vd) // 2
+    # (The kernel record takes a whole width: 166.4 rounds to 166, 0.2% of the backward.)
+    hd_fwd, hd_bwd = (round(w) for w in attention_head_dims(qk, vd))
     b.fwd(Kernel("flash_fwd", "attention", (query, key, value), (ctx, lse), fl,
-                 attn=(batch, heads, seq, hd, "fwd")))
+                 attn=(batch, heads, seq, hd_fwd, "fwd")))
     b.save(query, key, value, ctx, lse)
     gctx = b.t("g_ctx", tokens * heads * vd, BF16)
     b.bwd(Kernel("flash_bwd", "attention", (gctx, query, key, value, ctx, lse), (gq, gk, gv),
-                 2.5 * fl, attn=(batch, heads, seq, hd, "bwd")))
+                 2.5 * fl * hd_bwd / hd_fwd, attn=(batch, heads, seq, hd_bwd, "bwd")))
     out = _linear(b, ctx, tokens, heads * vd, h, "proj", m.bias, bias_in_epilogue=True,
                   lay=lay)
     # Reduced over the tensor-parallel group (all-reduce or reduce-scatter) before the
@@ -152,3 +144,88 @@ def _sharded_input_linear(b: _Builder, x: Tensor, tokens: float, local: float, n
         del b.block.saved[kept:]
         b.save(b.t(f"{name}.in_shard", local * n_in, act))
     return y
+
+
+def attention_head_dims(qk: int, v: int) -> tuple[float, float]:
+    """(forward, backward) head widths at which the attention time model's per-score matmul
+    FLOPs (4 x width forward, 10 x width backward) equal a fused kernel's with query/key
+    head dim ``qk`` and value head dim ``v``.
+
+    Forward: S = Q K^T (2 qk a score) and O = P V (2 v): 2 (qk + v) = 4 x (qk + v) / 2.
+    Backward (FlashAttention-2's algorithm, Dao 2023 arXiv 2307.08691 Algorithm 2, which
+    cuDNN's and FlashAttention-3's kernels follow): S = Q K^T recomputed, dP = dO V^T,
+    dV = P^T dO, dQ = dS K, dK = dS^T Q: three products over qk and two over v,
+    2 (3 qk + 2 v) = 10 x (3 qk + 2 v) / 5. With qk = v both are the head dim and backward is
+    2.5 x forward; DeepSeek-V3's 192 / 128 gives 160 and 166.4 (2.6 x).
+
+    Examples
+    --------
+    >>> attention_head_dims(128, 128)
+    (128.0, 128.0)
+    >>> attention_head_dims(192, 128)
+    (160.0, 166.4)
+    """
+    return (qk + v) / 2, (3 * qk + 2 * v) / 5
+
+
+def _unfused_rope(b: _Builder, q: Tensor, kv: Tensor, k_pos: Tensor, tokens: float,
+                  heads: int, mla: MLASpec) -> tuple[Tensor, ...]:
+    """``apply_rope_fusion`` off (``qkv_up_proj_and_rope_apply``): ``apply_rotary_pos_emb``
+    on the query's rope part and the shared rotary key (views of q and kv_combined), the
+    query ``cat(q_nope, q_rope)``, the key ``cat(k_nope, k_rope expanded to every head)`` and
+    the value made contiguous for Transformer Engine's attention. Returns (query, key, value)
+    and the attention's (dq, dk, dv)."""
+    qk, rope, nope, vd = mla.qk_head_dim, mla.qk_rope_head_dim, mla.qk_nope_head_dim, \
+        mla.v_head_dim
+    q_rope = b.t("q_rope", tokens * heads * rope, BF16)
+    k_rope = b.t("k_rope", tokens * rope, BF16)
+    b.fwd(Kernel("rope", "elementwise", (q, k_pos), (q_rope, k_rope)))
+    b.bwd(Kernel("rope.bwd", "elementwise", (b.t("g_q_rope", tokens * heads * rope, BF16),
+                                             b.t("g_k_rope", tokens * rope, BF16)),
+                 (b.t("g_q_pos", tokens * heads * rope, BF16),
+                  b.t("g_k_pos", tokens * rope, BF16))))
+    query = b.t("query", tokens * heads * qk, BF16)
+    key = b.t("key", tokens * heads * qk, BF16)
+    value = b.t("value", tokens * heads * vd, BF16)
+    b.fwd(Kernel("cat_query", "elementwise", (q, q_rope), (query,)))
+    b.fwd(Kernel("cat_key", "elementwise", (kv, k_rope), (key,)))
+    b.fwd(Kernel("value_contiguous", "elementwise", (kv,), (value,)))
+    # Backward of the concatenations: the gradients sliced back into q and kv, and the shared
+    # rotary key's gradient summed over the heads.
+    gq, gk, gv = (b.t(f"g_{n}", tokens * heads * w, BF16)
+                  for n, w in (("query", qk), ("key", qk), ("value", vd)))
+    b.bwd(Kernel("cat.bwd", "elementwise", (gq, gk, gv),
+                 (b.t("g_q", tokens * heads * qk, BF16),
+                  b.t("g_kv", tokens * heads * (nope + vd), BF16),
+                  b.t("g_k_rope_sum", tokens * rope, BF16))))
+    return query, key, value, gq, gk, gv
+
+
+def _fused_rope(b: _Builder, q: Tensor, kv: Tensor, k_pos: Tensor, tokens: float,
+                heads: int, mla: MLASpec) -> tuple[Tensor, ...]:
+    """``apply_rope_fusion`` on: Megatron-Core's Triton kernels
+    (megatron/core/fusions/fused_mla_yarn_rope_apply.py). ``fused_apply_mla_rope_for_q``
+    rotates the rope part of q in place (``rotary_fwd_q_kernel`` loads and stores only those
+    ``qk_rope_head_dim`` columns of each head), so the query is q itself; its backward rotates
+    the same columns of dq in place. ``fused_apply_mla_rope_for_kv`` reads kv and the shared
+    rotary key and writes the key (nope columns copied, rope columns rotated per head) and
+    the value as new tensors; its backward copies dk's nope columns and dv into one dkv and
+    sums dk's rope columns over the heads into the rotary key's gradient. Returns (query,
+    key, value) and the attention's (dq, dk, dv)."""
+    qk, rope, nope, vd = mla.qk_head_dim, mla.qk_rope_head_dim, mla.qk_nope_head_dim, \
+        mla.v_head_dim
+    # In place: the kernel reads the columns before it writes them (a tensor read before
+    # its first write exists already, so nothing is allocated).
+    q_pe = b.t("q_pe", tokens * heads * rope, BF16)
+    b.fwd(Kernel("rope.q", "elementwise", (q_pe,), (q_pe,)))
+    key = b.t("key", tokens * heads * qk, BF16)
+    value = b.t("value", tokens * heads * vd, BF16)
+    b.fwd(Kernel("rope.kv", "elementwise", (kv, k_pos), (key, value)))
+    gq, gk, gv = (b.t(f"g_{n}", tokens * heads * w, BF16)
+                  for n, w in (("query", qk), ("key", qk), ("value", vd)))
+    g_pe = b.t("g_q_pe", tokens * heads * rope, BF16)
+    b.bwd(Kernel("rope.q.bwd", "elementwise", (g_pe,), (g_pe,)))
+    b.bwd(Kernel("rope.kv.bwd", "elementwise", (gk, gv),
+                 (b.t("g_kv", tokens * heads * (nope + vd), BF16),
+                  b.t("g_k_pos", tokens * rope, BF16))))
+    return q, key, value, gq, gk, gv

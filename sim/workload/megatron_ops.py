@@ -65,6 +65,8 @@ class MegatronLayout:
     the first micro-batch of a step only (``is_first_microbatch``), 1 / micro-batches."""
     cross_entropy: LossImpl = "unfused"
     """The loss's implementation (:mod:`sim.workload.megatron_loss`)."""
+    rope_fusion: bool = False
+    """``apply_rope_fusion``: MLA's fused rotary kernels (:mod:`sim.workload.megatron_mla`)."""
 
 
 STYLE = Style("bf16")
@@ -98,16 +100,22 @@ QK_NORM_OPS = (2, 2)
 # and norm. As many autograd nodes in backward.
 MLA_OPS = 13
 MLA_Q_LATENT_OPS = 2
+# With apply_rope_fusion the two splits, two rotary applications, the expand and the two
+# concatenations (7 calls) are fused_apply_mla_rope_for_q and _for_kv (2 calls).
+MLA_ROPE_FUSION_SAVED_OPS = 5
 
 
-def python_ops(m: ModelSpec, legacy: bool) -> dict[str, tuple[int, int]]:
+def python_ops(m: ModelSpec, legacy: bool, rope_fusion: bool = False
+               ) -> dict[str, tuple[int, int]]:
     """Python-level (forward, backward) ops per block: :data:`PYTHON_OPS` for Megatron's
     local layers (``legacy``), :data:`PYTHON_OPS_TE` for Transformer Engine's, plus the
-    query/key norms' or latent attention's calls when the model has them."""
+    query/key norms' or latent attention's calls when the model has them (fewer with MLA's
+    fused rotary kernels, ``rope_fusion``)."""
     ops = dict(PYTHON_OPS if legacy else PYTHON_OPS_TE)
     extra = (QK_NORM_OPS[0], QK_NORM_OPS[1]) if m.qk_norm else (0, 0)
     if m.mla is not None:
-        n = MLA_OPS + (MLA_Q_LATENT_OPS if m.mla.q_lora_rank else 0)
+        n = MLA_OPS + (MLA_Q_LATENT_OPS if m.mla.q_lora_rank else 0) \
+            - (MLA_ROPE_FUSION_SAVED_OPS if rope_fusion else 0)
         extra = (extra[0] + n, extra[1] + n)
     f, b = ops["attn_main"]
     ops["attn_main"] = (f + extra[0], b + extra[1])

@@ -88,7 +88,7 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     Python needs to issue them (PYTHON_OPS x ``cpu_s_per_op``; backward autograd nodes cost
     half): the engine starts an op only once the host has issued it."""
     cost, blocks = s.cost, s.blocks
-    py_ops = python_ops(s.model, s.legacy)
+    py_ops = python_ops(s.model, s.legacy, s.lay.rope_fusion)
     # Selective recomputation drops what core attention saves beyond its inputs: the
     # softmax output and the dropout mask and output (the 5as^2b term; Korthikanti et al.).
     core_saved = float(sum(tn.nbytes for tn in blocks["attn_main"].saved

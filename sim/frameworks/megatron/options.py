@@ -79,6 +79,12 @@ class MegatronOptions(StrictModel):
     """``--cross-entropy-fusion-impl``: Megatron-Core's ``torch.compile``-fused loss (still an
     fp32 softmax saved) or Transformer Engine's Triton ``parallel_cross_entropy`` (the bf16
     gradient written into the logits in forward); only with ``cross_entropy_loss_fusion``."""
+    apply_rope_fusion: bool = False
+    """``--apply-rope-fusion`` (Megatron-Core's TransformerConfig default off; Megatron-Bridge's
+    performance scripts turn it on for every model): with multi-head latent attention, the
+    rotary embedding and the query / key / value assembly as two fused Triton kernels
+    (:mod:`sim.workload.megatron_mla`); a standard attention's rotary embedding is one kernel
+    either way."""
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""

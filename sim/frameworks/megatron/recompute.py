@@ -65,8 +65,9 @@ MLA_UP_KERNELS = frozenset({"q_latent_norm", "q_up", "q_proj", "kv_latent_norm",
 MLA_UP_SAVED = frozenset({"q_latent_norm.stats", "kv_latent_norm.stats", "q_latent_norm.out",
                           "kv_latent_norm.out", "q_up.in_shard", "kv_up.in_shard",
                           "q_up.in_fp8_t", "kv_up.in_fp8_t", "q_proj.in_fp8_t", "query",
-                          "key", "value"})
-"""What the up projections save inside the checkpoint and the outputs core attention saves;
+                          "key", "value", "q_up.out", "q_proj.out"})
+"""What the up projections save inside the checkpoint and the outputs core attention saves
+(with ``apply_rope_fusion`` the query is the q projection's output, rotated in place);
 the checkpoint's inputs (the latents before their norms) stay."""
 ATTN_NORM_OUT = frozenset({"qkv_in", "qkv_in_shard", "qkv.in_fp8_t", "q_down.in_fp8_t",
                            "kv_down.in_fp8_t", "q_proj.in_fp8_t"})

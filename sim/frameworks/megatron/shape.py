@@ -433,7 +433,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
                          weight_cast_share=1.0 / ctx.micro_batches,
                          cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
-                                                 opts.cross_entropy_fusion_impl))
+                                                 opts.cross_entropy_fusion_impl),
+                         rope_fusion=opts.apply_rope_fusion)
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
     cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
     tokens = ctx.micro_batch * ctx.seq // cp
