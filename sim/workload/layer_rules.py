@@ -34,6 +34,7 @@ fusion) and the norms' backward kernels (see :meth:`~sim.workload.layer_builder.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from sim.workload.kernels import Kernel, Tensor
@@ -84,6 +85,40 @@ def scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax
     ks = [Kernel(f"{name}.amax_{tag}", "elementwise", (src,), ())] if amax else []
     ks.append(Kernel(f"{name}.cast_{tag}", "elementwise", (src,), dsts))
     return ks
+
+
+def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax: bool,
+                   pieces: int = 1) -> list[Kernel]:
+    """Transformer Engine's quantization of ``src`` to FP8 (``dsts``: the layouts its cast
+    writes), as :func:`scaled_cast` names the kernels, with the launches TE makes.
+
+    Current scaling (``amax``, ``Float8CurrentScalingQuantizer::quantize_impl`` in
+    ``transformer_engine/pytorch/csrc/quantizer.cpp``, TE 2.7) runs four GPU operations per
+    tensor: ``nvte_compute_amax`` (``common/recipe/current_scaling.cu``: a
+    ``cudaMemsetAsync`` of the amax, then the amax kernel), ``nvte_compute_scale_from_amax``
+    (a one-thread kernel) and the cast (``nvte_quantize_v2``). They are two kernels here,
+    ``{name}.amax_{tag}`` and ``{name}.cast_{tag}``, each standing for two launches per
+    piece (:attr:`Kernel.launches`: every launch pays the GPU's fixed kernel time and the
+    host's C++ launch cost; the bytes stream once). ``pieces``: tensors quantized one by one,
+    each with its own scale: ``GroupedLinear`` quantizes each local expert's rows with its own
+    quantizer (``tex.split_quantize``, ``pytorch/csrc/extensions/cast.cpp``, which has a
+    fused multi-tensor kernel only for the delayed recipe's ``Float8Quantizer``; a current-
+    scaling quantizer is run per split). Delayed scaling casts in one launch and records the
+    amax inside the cast kernel.
+
+    Examples
+    --------
+    >>> from sim.workload.kernels import Tensor
+    >>> x, y = Tensor("x", 2048.0), Tensor("y", 1024.0)
+    >>> [(k.name, k.launches) for k in te_scaled_cast("fc1", "in", x, (y,), True, pieces=16)]
+    [('fc1.amax_in', 32), ('fc1.cast_in', 32)]
+    >>> [(k.name, k.launches) for k in te_scaled_cast("fc1", "in", x, (y,), False, pieces=16)]
+    [('fc1.cast_in', 1)]
+    """
+    ks = scaled_cast(name, tag, src, dsts, amax)
+    if not amax:
+        return ks
+    return [replace(k, launches=2 * max(1, pieces)) for k in ks]
 
 
 def bias_grad(name: str, gy: Tensor, gb: Tensor) -> Kernel:

@@ -36,6 +36,7 @@ from sim.workload.layer_rules import (
     linear_gemm,
     linear_params,
     scaled_cast,
+    te_scaled_cast,
 )
 from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
@@ -234,14 +235,16 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
         x8 = b.t(f"{name}.in_fp8", tokens * n_in, FP8)
         x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, FP8)
         # TE's cast_transpose writes both GEMM layouts in one kernel (torchao: one cast each).
+        # The weight's cast runs on the first micro-batch only (its share); the input's and
+        # the output gradient's every micro-batch, with current scaling's four launches each.
         for k in (scaled_cast(name, "w", w16, (w8s,), amax)
-                  + scaled_cast(name, "in", x, (x8, x8t), amax)):
+                  + te_scaled_cast(name, "in", x, (x8, x8t), amax)):
             b.fwd(k)
         b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
         b.save(x8t)
         g8 = b.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
         g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8)
-        ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
+        ks = [*te_scaled_cast(name, "g", gy, (g8, g8t), amax),
               linear_gemm(name, "dgrad", (g8, w8), gx, tokens, n_in, n_out, fp8=True),
               linear_gemm(name, "wgrad", (g8t, x8t), gw, tokens, n_in, n_out, fp8=True)]
     out = y

@@ -46,7 +46,7 @@ from typing import Literal
 
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor, accumulating
 from sim.workload.layer_builder import _Builder
-from sim.workload.layer_rules import FP8, linear_params, scaled_cast
+from sim.workload.layer_rules import FP8, linear_params, scaled_cast, te_scaled_cast
 from sim.workload.megatron_ops import MegatronLayout, _linear
 from sim.workload.model import ModelSpec
 
@@ -316,14 +316,17 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
         w8 = b.t(f"{name}.w_fp8", numel_w, FP8)
         x8 = b.t(f"{name}.in_fp8", rows * n_in, FP8)
         x8t = b.t(f"{name}.in_fp8_t", rows * n_in, FP8)
+        # tex.split_quantize: each non-empty expert's rows quantized on their own
+        # (te_scaled_cast); the weights' casts run on the first micro-batch only.
+        pieces = sum(1 for c in counts if c > 0)
         for k in (scaled_cast(name, "w", w16, (w8s,), amax)
-                  + scaled_cast(name, "in", x, (x8, x8t), amax)):
+                  + te_scaled_cast(name, "in", x, (x8, x8t), amax, pieces)):
             b.fwd(k)
         b.fwd(gemm("fwd", (x8, w8), y, True))
         b.save(x8t)
         g8 = b.t(f"{name}.g_out_fp8", rows * n_out, FP8)
         g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8)
-        ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
+        ks = [*te_scaled_cast(name, "g", gy, (g8, g8t), amax, pieces),
               gemm("dgrad", (g8, w8), gx, True), gemm("wgrad", (g8t, x8t), gw, True)]
     if bias:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)
@@ -355,9 +358,14 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         x, probs = xs, ps
     gemm_counts = counts
     if lay.fp8 is not None:
-        # quantization_padding (TE Fp8Padding): each expert's rows padded to the FP8 GEMM
-        # alignment, a copy of the tokens; Fp8Unpadding after fc2 copies them back.
         gemm_counts = tuple(-(-c // FP8_ALIGN) * FP8_ALIGN if c > 0 else 0.0 for c in counts)
+    padded = gemm_counts != counts
+    if padded:
+        # TEGroupedMLP.forward's fp8_padding (TE Fp8Padding): each expert's rows padded to the
+        # FP8 GEMM alignment, a copy of the tokens and another of the probs; Fp8Unpadding after
+        # fc2 copies them back. TE returns the input itself when every expert's rows are
+        # already aligned (transformer_engine/pytorch/module/fp8_padding.py, "no padding
+        # needed"; capacity padding and balanced routing give multiples of 16): no kernel.
         xp = b.t("padded", sum(gemm_counts) * h, BF16)
         pp = b.t("padded_probs", sum(gemm_counts), FP32)
         b.fwd(Kernel("fp8_pad", "elementwise", (x, probs), (xp, pp)))
@@ -378,7 +386,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     gp = b.t("g_probs", prow, FP32)
     b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, fc1, probs), (gfc1, gp)))
     out = _grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias)
-    if lay.fp8 is not None:
+    if padded:
         up = b.t("unpadded", rows * h, BF16)
         b.fwd(Kernel("fp8_unpad", "elementwise", (out,), (up,)))
         gup, gout = b.t("g_unpadded", rows * h, BF16), b.t("g_fc2_out", prow * h, BF16)
