@@ -83,6 +83,11 @@ class MoELayout:
     """``moe_aux_loss_coeff > 0`` (DeepSeek-V3 keeps a small sequence-wise one)."""
     z_loss: bool = False
     """``moe_z_loss_coeff`` set."""
+    token_drop: Literal["drop", "pad"] | None = None
+    """Megatron's ``apply_router_token_dropping`` (``moe_utils.py``), run by ``TopKRouter.routing``
+    whenever ``moe_expert_capacity_factor`` is set: ``drop`` keeps at most ``capacity`` tokens
+    an expert, ``pad`` (``moe_pad_expert_input_to_capacity``) exactly ``capacity``; None for
+    routers without it (torchtitan's, DeepSpeed's)."""
     gemm_per_expert: bool = False
     """The grouped GEMMs run as Transformer Engine's ``GroupedLinear`` does by default on
     Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
@@ -235,6 +240,8 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
         b.bwd(Kernel("scatter_probs.bwd", "elementwise", (gprobs, idx), (gval,)),
               Kernel("topk.bwd", "elementwise", (gval, idx), (gsc,)),
               Kernel("score_fn.bwd", "elementwise", (gsc, scores) + acc, (glog,)))
+    if lay.token_drop is not None:
+        probs, rmap, gprobs = _token_drop(b, m, lay, tokens, probs, rmap, gprobs)
     if lay.aux_loss:
         # compute_routing_scores_for_aux_loss (scores of every expert, its own top-k map),
         # then switch_load_balancing_loss_func: the scores summed over tokens, times the
@@ -249,10 +256,47 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
         gsc2 = b.t("aux.g_scores", tokens * e, FP32)
         b.bwd(Kernel("aux.loss.bwd", "elementwise", (), (gsc2,)),
               Kernel("aux.scores.bwd", "elementwise", (gsc2, sc), (glog,)))
-    # preprocess: tokens per expert, the map summed over tokens.
-    counts = b.t("tokens_per_expert", e, 8)
-    b.fwd(Kernel("count_tokens", "elementwise", (rmap,), (counts,)))
+    if lay.token_drop != "pad":
+        # preprocess: tokens per expert, the map summed over tokens (drop_and_pad returns
+        # before it: every expert holds the capacity).
+        counts = b.t("tokens_per_expert", e, 8)
+        b.fwd(Kernel("count_tokens", "elementwise", (rmap,), (counts,)))
     return b, x, probs, gprobs
+
+
+def _token_drop(b: _Builder, m: ModelSpec, lay: MoELayout, tokens: float, probs: Tensor,
+                rmap: Tensor, gprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``apply_router_token_dropping`` (Megatron-Core 0.14 ``moe_utils.py``, drop policy
+    ``probs``): ``torch.topk`` of the dense probs over the tokens (``dim=0``, ``k`` = the
+    capacity, unsorted), ``zeros_like(probs).scatter(0, indices, 1).bool()`` for the capacity
+    mask, with padding that mask as the map (else ``logical_and`` with the top-k map), and the
+    probs masked by a multiply, whose backward is the one kernel it adds there. Returns the
+    masked probs, their map and the gradient of the masked probs (what the permutation's
+    backward writes); the unmasked probs' gradient is the caller's ``gprobs``."""
+    assert m.moe is not None and m.moe.capacity_factor is not None
+    e, k = m.moe.experts, m.moe.top_k
+    # get_capacity: ceil(tokens x top_k / experts x capacity_factor).
+    cap = -(-tokens * k * m.moe.capacity_factor // e)
+    vals = b.t("drop.topk_values", cap * e, FP32)
+    idx = b.t("drop.topk_indices", cap * e, 8)
+    zeros = b.t("drop.zeros", tokens * e, FP32)
+    mask = b.t("drop.capacity_mask", tokens * e, MASK)
+    b.fwd(Kernel("drop.topk", "elementwise", (probs,), (vals, idx)))
+    b.fwd(Kernel("drop.zeros", "elementwise", (), (zeros,)))
+    # scatter of ones into the zeros: one element written per kept index, in place.
+    kept = b.t("drop.kept", cap * e, FP32)
+    b.fwd(Kernel("drop.scatter", "elementwise", (idx,), (kept,)))
+    b.fwd(Kernel("drop.to_bool", "elementwise", (zeros,), (mask,)))
+    fmap = mask
+    if lay.token_drop == "drop":
+        fmap = b.t("drop.map", tokens * e, MASK)
+        b.fwd(Kernel("drop.logical_and", "elementwise", (rmap, mask), (fmap,)))
+    fprobs = b.t("drop.probs", tokens * e, FP32)
+    b.fwd(Kernel("drop.mask_probs", "elementwise", (probs, fmap), (fprobs,)))
+    b.save(fmap)
+    gf = b.t("drop.g_probs", tokens * e, FP32)
+    b.bwd(Kernel("drop.mask_probs.bwd", "elementwise", (gf, fmap), (gprobs,)))
+    return fprobs, fmap, gf
 
 
 def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,

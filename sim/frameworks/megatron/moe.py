@@ -217,6 +217,8 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None,
+                    token_drop=None if ctx.model.moe is None or ctx.model.moe.capacity_factor
+                    is None else "pad" if opts.moe_pad_expert_input_to_capacity else "drop",
                     # TEGroupedMLP (experts.py): TE GroupedLinear, one cuBLASLt call an expert.
                     gemm_per_expert=True)
     aux_reduce = lay.aux_loss and tp > 1 and par.cp == 1
