@@ -88,7 +88,7 @@ def scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax
 
 
 def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax: bool,
-                   pieces: int = 1) -> list[Kernel]:
+                   pieces: int = 1, amax_in_norm: bool = False) -> list[Kernel]:
     """Transformer Engine's quantization of ``src`` to FP8 (``dsts``: the layouts its cast
     writes), as :func:`scaled_cast` names the kernels, with the launches TE makes.
 
@@ -106,6 +106,12 @@ def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], a
     scaling quantizer is run per split). Delayed scaling casts in one launch and records the
     amax inside the cast kernel.
 
+    ``amax_in_norm``: the tensor is a fused norm's output (``LayerNormLinear``'s
+    ``with_quantized_norm``): TE runs the norm into a 16-bit tensor whose amax the norm kernel
+    records (``create_hp_tensor_with_amax``: ``amax.zero_()`` first), then
+    ``quantize_with_amax`` (scale and cast, no amax pass; ``pytorch/csrc/extensions/
+    normalization.cpp``): ``{name}.amax_{tag}`` is then the zero fill, reading nothing.
+
     Examples
     --------
     >>> from sim.workload.kernels import Tensor
@@ -118,6 +124,8 @@ def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], a
     ks = scaled_cast(name, tag, src, dsts, amax)
     if not amax:
         return ks
+    if amax_in_norm:
+        return [Kernel(f"{name}.amax_{tag}", "tiny"), replace(ks[-1], launches=2)]
     return [replace(k, launches=2 * max(1, pieces)) for k in ks]
 
 

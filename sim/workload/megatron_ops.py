@@ -196,7 +196,7 @@ def _row_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, width: int,
 def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
             bias: bool, bias_in_epilogue: bool = False,
             lay: MegatronLayout | None = None, g_out: Tensor | None = None,
-            grad_in_output: bool = False) -> Tensor:
+            grad_in_output: bool = False, after_norm: bool = False) -> Tensor:
     """A tensor-parallel linear on the local shard; weight gradient accumulated straight into
     the fp32 main_grad by the wgrad GEMM (gradient_accumulation_fusion).
 
@@ -214,6 +214,9 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     ``g_out``: the output gradient when the caller's backward produces it as a tensor of its
     own (the fused losses' gradient of the logits); ``grad_in_output``: it arrives in the
     output's own storage (Transformer Engine's cross-entropy); a new tensor otherwise.
+    ``after_norm``: the input is the preceding norm's output on this rank's whole sequence
+    (``LayerNormLinear`` without sequence parallelism), whose amax the norm kernel records
+    under current scaling (:func:`~sim.workload.layer_rules.te_scaled_cast`).
     """
     b.block.params += linear_params(n_in, n_out, bias)
     fp8 = lay.fp8 if lay is not None else None
@@ -238,7 +241,8 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
         # The weight's cast runs on the first micro-batch only (its share); the input's and
         # the output gradient's every micro-batch, with current scaling's four launches each.
         for k in (scaled_cast(name, "w", w16, (w8s,), amax)
-                  + te_scaled_cast(name, "in", x, (x8, x8t), amax)):
+                  + te_scaled_cast(name, "in", x, (x8, x8t), amax,
+                                   amax_in_norm=after_norm and not lay.sequence_parallel)):
             b.fwd(k)
         b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
         b.save(x8t)
@@ -317,7 +321,7 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
     yin = b.t("qkv_in", tokens * h, BF16)
     b.block.inputs.append(yin)
     kept = len(b.block.saved)
-    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay)
+    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay, after_norm=True)
     _keep_input_shard(b, kept, "qkv_in_shard", local * h, lay)
     q = b.t("q", tokens * qd, BF16)
     k = b.t("k", tokens * kvd, BF16)
@@ -423,7 +427,7 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
     width = 2 * f if m.mlp == "swiglu" else f
     kept = len(b.block.saved)
     fc1 = _linear(b, yin, tokens, h, width, "fc1", m.bias, bias_in_epilogue=True,
-                  lay=lay)
+                  lay=lay, after_norm=True)
     _keep_input_shard(b, kept, "fc1_in_shard", local * h, lay)
     act = b.t("act", tokens * f, BF16)
     # Jit-fused bias-GeLU (or bias-SwiGLU), a vectorised memory-bound kernel (not eager

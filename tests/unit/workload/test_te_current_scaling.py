@@ -59,8 +59,21 @@ def test_dense_linear_quantizes_input_and_gradient_with_four_launches() -> None:
     bwd = _casts(main.backward, "g")
     assert fwd and bwd
     for name in ("fc1", "fc2"):
-        assert sum(k.launches for k in fwd if k.name.startswith(name)) == LAUNCHES_PER_TENSOR
         assert sum(k.launches for k in bwd if k.name.startswith(name)) == LAUNCHES_PER_TENSOR
+    # fc2's input comes from Megatron's own fused SwiGLU: a full quantize.
+    assert sum(k.launches for k in fwd if k.name.startswith("fc2")) == LAUNCHES_PER_TENSOR
+    # fc1 is LayerNormLinear's: the norm kernel records the amax (normalization.cpp,
+    # create_hp_tensor_with_amax), so amax.zero_(), compute-scale and cast, no amax pass.
+    fc1 = [k for k in fwd if k.name.startswith("fc1")]
+    assert sum(k.launches for k in fc1) == LAUNCHES_PER_TENSOR - 1
+    src = next(k for k in fc1 if k.name == "fc1.cast_in").reads[0]
+    assert not any(src in k.reads for k in fc1 if k.name == "fc1.amax_in")
+    # With sequence parallelism the norm runs on the local shard before the gather: the
+    # gathered input keeps its own quantize here.
+    _, sp = mlp_block(m, MegatronLayout(tp=2, sequence_parallel=True, fp8="tensorwise"), 1,
+                      4096)
+    assert sum(k.launches for k in _casts(sp.forward, "in") if k.name.startswith("fc1")) \
+        == LAUNCHES_PER_TENSOR
     # The weight's cast (first micro-batch only, see MegatronLayout.weight_cast_share) is not
     # charged per launch.
     assert all(k.launches == 1 for k in _casts(main.forward, "w"))
