@@ -88,7 +88,8 @@ def scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax
 
 
 def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax: bool,
-                   pieces: int = 1, amax_in_norm: bool = False) -> list[Kernel]:
+                   pieces: int = 1, amax_in_norm: bool = False, fused_multi: bool = True
+                   ) -> list[Kernel]:
     """Transformer Engine's quantization of ``src`` to FP8 (``dsts``: the layouts its cast
     writes), as :func:`scaled_cast` names the kernels, with the launches TE makes.
 
@@ -104,7 +105,9 @@ def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], a
     quantizer (``tex.split_quantize``, ``pytorch/csrc/extensions/cast.cpp``, which has a
     fused multi-tensor kernel only for the delayed recipe's ``Float8Quantizer``; a current-
     scaling quantizer is run per split). Delayed scaling casts in one launch and records the
-    amax inside the cast kernel.
+    amax inside the cast kernel; its multi-tensor kernel (``nvte_multi_cast_transpose``) needs
+    every split's row-wise and column-wise outputs, so without the transposed copy
+    (Blackwell, ``fused_multi`` False) the splits are cast one launch each.
 
     ``amax_in_norm``: the tensor is a fused norm's output (``LayerNormLinear``'s
     ``with_quantized_norm``): TE runs the norm into a 16-bit tensor whose amax the norm kernel
@@ -123,7 +126,7 @@ def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], a
     """
     ks = scaled_cast(name, tag, src, dsts, amax)
     if not amax:
-        return ks
+        return ks if fused_multi or pieces <= 1 else [replace(ks[-1], launches=pieces)]
     if amax_in_norm:
         return [Kernel(f"{name}.amax_{tag}", "tiny"), replace(ks[-1], launches=2)]
     return [replace(k, launches=2 * max(1, pieces)) for k in ks]

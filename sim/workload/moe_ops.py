@@ -76,6 +76,9 @@ class MoELayout:
     ``alltoall`` dispatcher (only the NCCL-EP/HybridEP paths quantise it)."""
     weight_cast_share: float = 1.0
     """Share of a weight's FP8 cast each micro-batch pays (1 / micro-batches)."""
+    fp8_transpose: bool = True
+    """FP8 casts write the transposed copy too (Hopper); not on Blackwell
+    (:attr:`sim.workload.megatron_ops.MegatronLayout.fp8_transpose`)."""
     router_fusion: bool = True
     """``moe_router_fusion``: top-k with score function and the aux-loss scores as single TE
     kernels (else the PyTorch ops of ``topk_routing_with_score_function``)."""
@@ -354,23 +357,30 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
         ks = [gemm("dgrad", (gy, w), gx, False), gemm("wgrad", (gy, x), gw, False)]
     else:
         amax = lay.fp8 == "tensorwise"
+        tr = lay.fp8_transpose
         numel_w = experts * n_in * n_out
         w16 = b.t(f"{name}.w_bf16_share", numel_w * lay.weight_cast_share, BF16)
-        w8s = b.t(f"{name}.w_fp8_share", 2 * numel_w * lay.weight_cast_share, FP8)
+        w8s = b.t(f"{name}.w_fp8_share", (2 if tr else 1) * numel_w * lay.weight_cast_share,
+                  FP8)
         w8 = b.t(f"{name}.w_fp8", numel_w, FP8)
-        x8 = b.t(f"{name}.in_fp8", rows * n_in, FP8)
-        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, FP8)
+        # The saved copy keeps its name (in_fp8_t, which recomputation looks up) when the
+        # one row-wise copy serves both GEMMs.
+        x8 = b.t(f"{name}.in_fp8" if tr else f"{name}.in_fp8_t", rows * n_in, FP8)
+        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, FP8) if tr else x8
         # tex.split_quantize: each non-empty expert's rows quantized on their own
-        # (te_scaled_cast); the weights' casts run on the first micro-batch only.
+        # (te_scaled_cast); the weights' casts run on the first micro-batch only. Its fused
+        # multi-tensor cast (delayed scaling) needs both layouts: per expert on Blackwell.
         pieces = sum(1 for c in counts if c > 0)
         for k in (scaled_cast(name, "w", w16, (w8s,), amax)
-                  + te_scaled_cast(name, "in", x, (x8, x8t), amax, pieces)):
+                  + te_scaled_cast(name, "in", x, (x8, x8t) if tr else (x8,), amax, pieces,
+                                   fused_multi=tr)):
             b.fwd(k)
         b.fwd(gemm("fwd", (x8, w8), y, True))
         b.save(x8t)
         g8 = b.t(f"{name}.g_out_fp8", rows * n_out, FP8)
-        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8)
-        ks = [*te_scaled_cast(name, "g", gy, (g8, g8t), amax, pieces),
+        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8) if tr else g8
+        ks = [*te_scaled_cast(name, "g", gy, (g8, g8t) if tr else (g8,), amax, pieces,
+                              fused_multi=tr),
               gemm("dgrad", (g8, w8), gx, True), gemm("wgrad", (g8t, x8t), gw, True)]
     if bias:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)
@@ -485,7 +495,8 @@ def _shared(m: ModelSpec, lay: MoELayout, tokens: float) -> Block:
     h = m.hidden
     f = m.moe.shared * m.moe.ffn_hidden // lay.tp
     full = tokens * lay.tp
-    mlay = MegatronLayout(tp=lay.tp, fp8=lay.fp8, weight_cast_share=lay.weight_cast_share)
+    mlay = MegatronLayout(tp=lay.tp, fp8=lay.fp8, weight_cast_share=lay.weight_cast_share,
+                          fp8_transpose=lay.fp8_transpose)
     b = _Builder("moe_shared", STYLE)
     x = b.t("in", full * h, BF16)
     b.block.inputs.append(x)

@@ -214,6 +214,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     assert isinstance(opts, MegatronOptions)
     ep, etp = par.ep, par.expert_tp
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
+                    fp8_transpose=cm.gpu.arch != "blackwell",
                     router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None,

@@ -109,3 +109,32 @@ def test_fp8_padding_only_when_an_expert_is_unaligned() -> None:
     # Without FP8 nothing is padded, aligned or not.
     bf16 = moe_layer_ops(m, MoELayout(ep=8), 4096, tokens_per_expert=skew)
     assert "fp8_pad" not in {k.name for k in bf16.experts.forward}
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_blackwell_casts_write_one_layout(recipe: str) -> None:
+    # nvte_is_non_tn_fp8_gemm_supported (TE 2.7 common/transformer_engine.cpp): compute
+    # capability 10.x; the quantizers then allocate no _transpose (quantizer.cpp create_tensor).
+    m = ModelSpec.from_ref("llama3-8b")
+    tokens, h = 4096, m.hidden
+    hop = mlp_block(m, MegatronLayout(fp8=recipe), 1, tokens)[1]
+    bw = mlp_block(m, MegatronLayout(fp8=recipe, fp8_transpose=False), 1, tokens)[1]
+
+    def written(block, name):
+        k = next(k for k in block.forward + block.backward if k.name == name)
+        return sum(t.nbytes for t in k.writes)
+    # fc1's input: [tokens, hidden] in FP8, once on Blackwell, with its transpose on Hopper.
+    assert written(hop, "fc1.cast_in") == 2 * tokens * h
+    assert written(bw, "fc1.cast_in") == tokens * h
+    # What the wgrad reads is what the forward saved: the same bytes either way.
+    assert sum(t.nbytes for t in hop.saved) == sum(t.nbytes for t in bw.saved)
+    assert "mlp_main.fc1.in_fp8_t" in {t.name for t in bw.saved}   # what recompute looks up
+    # The grouped linears: the delayed recipe's fused multi-tensor cast needs both layouts,
+    # so on Blackwell each expert is its own launch.
+    q = ModelSpec.from_ref("qwen3-30b-a3b")
+    ops = moe_layer_ops(q, MoELayout(ep=8, fp8=recipe, fp8_transpose=False), 4096)
+    cast = next(k for k in ops.experts.forward if k.name == "fc1.cast_in")
+    assert cast.launches == (2 if recipe == "tensorwise" else 1) * 16
+    hops = moe_layer_ops(q, MoELayout(ep=8, fp8=recipe), 4096)
+    assert next(k for k in hops.experts.forward if k.name == "fc1.cast_in").launches == \
+        (2 * 16 if recipe == "tensorwise" else 1)
