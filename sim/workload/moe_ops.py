@@ -413,13 +413,15 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     gemm_counts = counts
     if lay.fp8 is not None:
         gemm_counts = tuple(-(-c // FP8_ALIGN) * FP8_ALIGN if c > 0 else 0.0 for c in counts)
-    padded = gemm_counts != counts
+    # TEGroupedMLP.forward's fp8_padding (TE Fp8Padding): each expert's rows padded to the
+    # FP8 GEMM alignment, a copy of the tokens and another of the probs; Fp8Unpadding after
+    # fc2 copies them back. TE returns the input itself when every expert's rows are already
+    # aligned (transformer_engine/pytorch/module/fp8_padding.py, "no padding needed"), which
+    # only padding to capacity guarantees (capacity x ep x etp rows each, fixed): routed
+    # counts are data-dependent and essentially never all multiples of 16, even where the
+    # balanced idealisation here makes them so.
+    padded = lay.fp8 is not None and (gemm_counts != counts or lay.token_drop != "pad")
     if padded:
-        # TEGroupedMLP.forward's fp8_padding (TE Fp8Padding): each expert's rows padded to the
-        # FP8 GEMM alignment, a copy of the tokens and another of the probs; Fp8Unpadding after
-        # fc2 copies them back. TE returns the input itself when every expert's rows are
-        # already aligned (transformer_engine/pytorch/module/fp8_padding.py, "no padding
-        # needed"; capacity padding and balanced routing give multiples of 16): no kernel.
         xp = b.t("padded", sum(gemm_counts) * h, BF16)
         pp = b.t("padded_probs", sum(gemm_counts), FP32)
         b.fwd(Kernel("fp8_pad", "elementwise", (x, probs), (xp, pp)))
@@ -564,6 +566,8 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
         raise ValueError(f"experts ({moe.experts}) not divisible by ep ({lay.ep})")
     if moe.ffn_hidden % lay.etp:
         raise ValueError(f"expert width ({moe.ffn_hidden}) not divisible by etp ({lay.etp})")
+    if lay.token_drop is not None and moe.capacity_factor is None:
+        raise ValueError("token dropping needs the model's capacity_factor")
     local = moe.experts // lay.ep
     if tokens_per_expert is None:
         counts = balanced_tokens_per_expert(tokens, moe.top_k, moe.experts, lay.ep, lay.etp)

@@ -15,6 +15,8 @@ Truths used (the source, not the simulator):
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from sim import catalog
@@ -96,11 +98,18 @@ def test_grouped_linear_quantizes_each_expert() -> None:
 
 def test_fp8_padding_only_when_an_expert_is_unaligned() -> None:
     m = ModelSpec.from_ref("qwen3-30b-a3b")
+    pads = {"fp8_pad", "fp8_unpad", "fp8_pad.bwd", "fp8_unpad.bwd"}
+    # Padded to capacity: 2,048 rows each, fixed, multiples of 16: TE pads nothing.
+    assert m.moe is not None
+    capped = dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=1.0))
+    fixed = moe_layer_ops(capped, MoELayout(ep=8, fp8="tensorwise", token_drop="pad"), 4096)
+    assert all(c % 16 == 0 for c in fixed.tokens_per_expert)
+    assert not pads & {k.name for k in fixed.experts.forward + fixed.experts.backward}
+    # Dropless: the balanced counts are aligned only by the idealisation; a real routing's
+    # are not, so the copies run (with the rows unchanged).
     lay = MoELayout(ep=8, fp8="tensorwise")
-    aligned = moe_layer_ops(m, lay, 4096)              # 2,048 rows each: multiples of 16
-    assert all(c % 16 == 0 for c in aligned.tokens_per_expert)
-    names = {k.name for k in aligned.experts.forward + aligned.experts.backward}
-    assert not {"fp8_pad", "fp8_unpad", "fp8_pad.bwd", "fp8_unpad.bwd"} & names
+    aligned = moe_layer_ops(m, lay, 4096)
+    assert pads <= {k.name for k in aligned.experts.forward + aligned.experts.backward}
     skew = (2047.0, 2049.0) + (2048.0,) * 14           # the same rows, two experts unaligned
     ragged = moe_layer_ops(m, lay, 4096, tokens_per_expert=skew)
     fwd = {k.name: k for k in ragged.experts.forward}
