@@ -91,6 +91,12 @@ class MoELayout:
     whenever ``moe_expert_capacity_factor`` is set: ``drop`` keeps at most ``capacity`` tokens
     an expert, ``pad`` (``moe_pad_expert_input_to_capacity``) exactly ``capacity``; None for
     routers without it (torchtitan's, DeepSpeed's)."""
+    te_permute: bool = False
+    """Megatron's fused permutations (``moe_permute_fusion``, which the Bridge model providers
+    set): TE 2.7's Triton ``moe_permute_with_probs`` builds its row-id map in three passes
+    before the permute kernel, and ``moe_sort_chunks_by_index`` its chunk map before the sort
+    (``transformer_engine/pytorch/triton/permutation.py``); else one kernel each, as
+    torchtitan's permutation is priced."""
     gemm_per_expert: bool = False
     """The grouped GEMMs run as Transformer Engine's ``GroupedLinear`` does by default on
     Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
@@ -302,8 +308,24 @@ def _token_drop(b: _Builder, m: ModelSpec, lay: MoELayout, tokens: float, probs:
     return fprobs, fmap, gf
 
 
+def _row_id_map(b: _Builder, tokens: float, e: int) -> Tensor:
+    """TE 2.7 ``make_row_id_map`` (``pytorch/triton/permutation.py``): ``[tokens, 2 e + 1]``
+    int32, made by three Triton kernels over a ``(experts, tokens / 1024)`` grid: pass 1 a
+    cumulative sum of the routing map per 1,024-token block, pass 2 the global sum into
+    destination rows, pass 3 each token's destinations compacted after them."""
+    rmap = b.t("permute.routing_map", tokens * e, MASK)
+    ws = b.t("row_id_map.workspace", e * -(-tokens // 1024), INT32)
+    part = b.t("row_id_map.block_cumsum", tokens * e, INT32)
+    dst = b.t("row_id_map.rows", tokens * e, INT32)
+    rid = b.t("row_id_map", tokens * (2 * e + 1), INT32)
+    b.fwd(Kernel("row_id_map.pass_1", "elementwise", (rmap,), (part, ws)))
+    b.fwd(Kernel("row_id_map.pass_2", "elementwise", (part, ws), (dst,)))
+    b.fwd(Kernel("row_id_map.pass_3", "elementwise", (dst,), (rid,)))
+    return rid
+
+
 def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,
-             tokens: float, rows: float | None = None) -> None:
+             tokens: float, rows: float | None = None, te: bool = False) -> None:
     """Permutation 1 (TE ``moe_permute_with_probs``): each token gathered once per chosen
     expert into expert order, with its prob; backward sums each token's ``top_k`` gradient
     rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient.
@@ -315,8 +337,12 @@ def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor
     src = b.t("permute.gathered_rows", rows * h, BF16)   # x read once per copy
     out = b.t("permuted", rows * h, BF16)
     pp = b.t("permuted_probs", rows, FP32)
-    rid = b.t("row_id_map", tokens * e, INT32)
-    b.fwd(Kernel("permute", "elementwise", (src, probs), (out, pp, rid)))
+    if te:
+        rid = _row_id_map(b, tokens, e)
+        b.fwd(Kernel("permute", "elementwise", (src, probs, rid), (out, pp)))
+    else:
+        rid = b.t("row_id_map", tokens * e, INT32)
+        b.fwd(Kernel("permute", "elementwise", (src, probs), (out, pp, rid)))
     b.save(rid)
     g = b.t("g_permuted", rows * h, BF16)
     gx = b.t("permute.g_in", tokens * h, BF16)
@@ -406,7 +432,22 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         # source-rank order into local-expert order; backward sorts the gradient back.
         xs = b.t("sorted", rows * h, BF16)
         ps = b.t("sorted_probs", rows, FP32)
-        b.fwd(Kernel("sort_chunks", "elementwise", (x, probs), (xs, ps)))
+        if lay.token_drop == "pad":
+            # dispatch_postprocess with drop_and_pad: view, transpose(0, 1).contiguous() of
+            # the tokens, then of the probs: two copies (Megatron-Core 0.14
+            # token_dispatcher.py).
+            b.fwd(Kernel("sort_chunks", "elementwise", (x,), (xs,)))
+            b.fwd(Kernel("sort_chunks.probs", "elementwise", (probs,), (ps,)))
+        else:
+            reads: tuple[Tensor, ...] = (x, probs)
+            if lay.te_permute:
+                # make_chunk_sort_map: one int32 destination row a token, its own kernel,
+                # kept for the backward's sort.
+                sort_map = b.t("chunk_sort_map", rows, INT32)
+                b.fwd(Kernel("sort_chunks.map", "elementwise", (), (sort_map,)))
+                b.save(sort_map)
+                reads += (sort_map,)
+            b.fwd(Kernel("sort_chunks", "elementwise", reads, (xs, ps)))
         gxs, gx = b.t("g_sorted", rows * h, BF16), b.t("g_in", rows * h, BF16)
         b.bwd(Kernel("sort_chunks.bwd", "elementwise", (gxs,), (gx,)))
         x, probs = xs, ps
@@ -450,6 +491,10 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         out = up
     if len(counts) > 1:
         back = b.t("unsorted", rows * h, BF16)
+        if lay.te_permute and lay.token_drop != "pad":
+            # combine_preprocess: sort_chunks_by_idxs back, with a chunk map of its own.
+            b.fwd(Kernel("unsort_chunks.map", "elementwise", (),
+                         (b.t("chunk_unsort_map", rows, INT32),)))
         b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,)))
         gb, gbs = b.t("g_out", rows * h, BF16), b.t("g_unsorted", rows * h, BF16)
         b.bwd(Kernel("unsort_chunks.bwd", "elementwise", (gb,), (gbs,)))
@@ -577,7 +622,7 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
             raise ValueError(f"tokens_per_expert needs {local} non-negative counts")
     send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
     rb, x, probs, gprobs = _router(m, lay, tokens)
-    _permute(rb, m, x, probs, gprobs, tokens, permuted_rows)
+    _permute(rb, m, x, probs, gprobs, tokens, permuted_rows, te=lay.te_permute)
     router = rb.finish()
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
                       combine=_combine(m, tokens, moe.shared > 0, permuted_rows),

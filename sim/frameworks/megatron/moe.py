@@ -215,6 +215,9 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     ep, etp = par.ep, par.expert_tp
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
                     fp8_transpose=cm.gpu.arch != "blackwell",
+                    # moe_permute_fusion: set by the Bridge/NeMo model providers (Qwen3,
+                    # DeepSeek, GLM); the fused permutation is what this builder prices.
+                    te_permute=True,
                     router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None,

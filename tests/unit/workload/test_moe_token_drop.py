@@ -49,3 +49,27 @@ def test_no_token_drop_without_the_option() -> None:
     for cf in (None, 1.0):
         ops = moe_layer_ops(_model(cf), MoELayout(ep=8), 4096)
         assert not any(k.name.startswith("drop.") for k in ops.router.forward)
+
+
+def test_te_fused_permutation_kernels() -> None:
+    # TE 2.7 pytorch/triton/permutation.py: make_row_id_map's three passes before the permute
+    # kernel, its map [tokens, 2 x experts + 1] int32 kept for backward; the chunk sort builds
+    # its map first (make_chunk_sort_map); with drop_and_pad the dispatcher copies the tokens
+    # and then the probs (transpose(0, 1).contiguous(), two kernels) instead.
+    m = _model(1.0)
+    ops = moe_layer_ops(m, MoELayout(ep=8, te_permute=True), 4096)
+    names = [k.name for k in ops.router.forward]
+    assert names[-4:] == ["row_id_map.pass_1", "row_id_map.pass_2", "row_id_map.pass_3",
+                          "permute"]
+    rid = next(t for t in ops.router.saved if t.name.endswith("row_id_map"))
+    assert rid.nbytes == 4096 * (2 * 128 + 1) * 4
+    ex = [k.name for k in ops.experts.forward]
+    assert ex[:2] == ["sort_chunks.map", "sort_chunks"]
+    assert "unsort_chunks.map" in ex
+    pad = moe_layer_ops(m, MoELayout(ep=8, te_permute=True, token_drop="pad"), 4096)
+    ex = [k.name for k in pad.experts.forward]
+    assert ex[:2] == ["sort_chunks", "sort_chunks.probs"]
+    assert "unsort_chunks.map" not in ex
+    # Without the fusion (torchtitan's pricing) the permutation stays one kernel.
+    plain = [k.name for k in moe_layer_ops(m, MoELayout(ep=8), 4096).router.forward]
+    assert not any(n.startswith("row_id_map") for n in plain)
