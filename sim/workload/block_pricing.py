@@ -147,13 +147,17 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
                                            kv_seq=k.attn_kv_seq, causal=False)
         return cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
                                  window=k.attn_window)
+    # A memory-bound kernel launched once per piece (Transformer Engine's per-expert
+    # quantization, :func:`sim.workload.layer_rules.te_scaled_cast`) pays the fixed cost of
+    # each launch; its bytes stream once.
+    fixed = (k.launches - 1) * cm.kernel_min_s
     if k.klass == "tiny":
-        return cm.kernel_min_s
+        return cm.kernel_min_s + fixed
     klass = "reduction" if k.klass == "elementwise" and is_reduction(k) else k.klass
     t = cm.membound_time(k.nbytes, klass)  # type: ignore[arg-type]
     if k.activation_elements:
         t = max(t, cm.kernel_min_s + cm.activation_time(k.activation_elements))
-    return t
+    return t + fixed
 
 
 def _gpu_time(cm: ComputeModel, kernels: list[Kernel]) -> float:

@@ -34,6 +34,7 @@ fusion) and the norms' backward kernels (see :meth:`~sim.workload.layer_builder.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from sim.workload.kernels import Kernel, Tensor
@@ -84,6 +85,51 @@ def scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax
     ks = [Kernel(f"{name}.amax_{tag}", "elementwise", (src,), ())] if amax else []
     ks.append(Kernel(f"{name}.cast_{tag}", "elementwise", (src,), dsts))
     return ks
+
+
+def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax: bool,
+                   pieces: int = 1, amax_in_norm: bool = False, fused_multi: bool = True
+                   ) -> list[Kernel]:
+    """Transformer Engine's quantization of ``src`` to FP8 (``dsts``: the layouts its cast
+    writes), as :func:`scaled_cast` names the kernels, with the launches TE makes.
+
+    Current scaling (``amax``, ``Float8CurrentScalingQuantizer::quantize_impl`` in
+    ``transformer_engine/pytorch/csrc/quantizer.cpp``, TE 2.7) runs four GPU operations per
+    tensor: ``nvte_compute_amax`` (``common/recipe/current_scaling.cu``: a
+    ``cudaMemsetAsync`` of the amax, then the amax kernel), ``nvte_compute_scale_from_amax``
+    (a one-thread kernel) and the cast (``nvte_quantize_v2``). They are two kernels here,
+    ``{name}.amax_{tag}`` and ``{name}.cast_{tag}``, each standing for two launches per
+    piece (:attr:`Kernel.launches`: every launch pays the GPU's fixed kernel time and the
+    host's C++ launch cost; the bytes stream once). ``pieces``: tensors quantized one by one,
+    each with its own scale: ``GroupedLinear`` quantizes each local expert's rows with its own
+    quantizer (``tex.split_quantize``, ``pytorch/csrc/extensions/cast.cpp``, which has a
+    fused multi-tensor kernel only for the delayed recipe's ``Float8Quantizer``; a current-
+    scaling quantizer is run per split). Delayed scaling casts in one launch and records the
+    amax inside the cast kernel; its multi-tensor kernel (``nvte_multi_cast_transpose``) needs
+    every split's row-wise and column-wise outputs, so without the transposed copy
+    (Blackwell, ``fused_multi`` False) the splits are cast one launch each.
+
+    ``amax_in_norm``: the tensor is a fused norm's output (``LayerNormLinear``'s
+    ``with_quantized_norm``): TE runs the norm into a 16-bit tensor whose amax the norm kernel
+    records (``create_hp_tensor_with_amax``: ``amax.zero_()`` first), then
+    ``quantize_with_amax`` (scale and cast, no amax pass; ``pytorch/csrc/extensions/
+    normalization.cpp``): ``{name}.amax_{tag}`` is then the zero fill, reading nothing.
+
+    Examples
+    --------
+    >>> from sim.workload.kernels import Tensor
+    >>> x, y = Tensor("x", 2048.0), Tensor("y", 1024.0)
+    >>> [(k.name, k.launches) for k in te_scaled_cast("fc1", "in", x, (y,), True, pieces=16)]
+    [('fc1.amax_in', 32), ('fc1.cast_in', 32)]
+    >>> [(k.name, k.launches) for k in te_scaled_cast("fc1", "in", x, (y,), False, pieces=16)]
+    [('fc1.cast_in', 1)]
+    """
+    ks = scaled_cast(name, tag, src, dsts, amax)
+    if not amax:
+        return ks if fused_multi or pieces <= 1 else [replace(ks[-1], launches=pieces)]
+    if amax_in_norm:
+        return [Kernel(f"{name}.amax_{tag}", "tiny"), replace(ks[-1], launches=2)]
+    return [replace(k, launches=2 * max(1, pieces)) for k in ks]
 
 
 def bias_grad(name: str, gy: Tensor, gb: Tensor) -> Kernel:

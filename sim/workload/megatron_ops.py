@@ -37,6 +37,7 @@ from sim.workload.layer_rules import (
     linear_gemm,
     linear_params,
     scaled_cast,
+    te_scaled_cast,
 )
 from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
@@ -63,6 +64,13 @@ class MegatronLayout:
     weight_cast_share: float = 1.0
     """Share of a weight's FP8 cast each micro-batch pays: Transformer Engine casts weights on
     the first micro-batch of a step only (``is_first_microbatch``), 1 / micro-batches."""
+    fp8_transpose: bool = True
+    """FP8 casts also write the transposed (column-wise) copy the backward GEMMs read:
+    Hopper's FP8 GEMMs take only the TN layout. Blackwell's do not
+    (``nvte_is_non_tn_fp8_gemm_supported``, TE 2.7 ``common/transformer_engine.cpp``: compute
+    capability 10.x and 13.x): TE's quantizers then write row-wise data only
+    (``Float8CurrentScalingQuantizer`` / ``Float8Quantizer`` ``create_tensor``,
+    ``pytorch/csrc/quantizer.cpp``) and the dgrad and wgrad GEMMs read it transposed."""
     cross_entropy: LossImpl = "unfused"
     """The loss's implementation (:mod:`sim.workload.megatron_loss`)."""
     rope_fusion: bool = False
@@ -204,7 +212,7 @@ def _row_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, width: int,
 def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
             bias: bool, bias_in_epilogue: bool = False,
             lay: MegatronLayout | None = None, g_out: Tensor | None = None,
-            grad_in_output: bool = False) -> Tensor:
+            grad_in_output: bool = False, after_norm: bool = False) -> Tensor:
     """A tensor-parallel linear on the local shard; weight gradient accumulated straight into
     the fp32 main_grad by the wgrad GEMM (gradient_accumulation_fusion).
 
@@ -222,6 +230,9 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     ``g_out``: the output gradient when the caller's backward produces it as a tensor of its
     own (the fused losses' gradient of the logits); ``grad_in_output``: it arrives in the
     output's own storage (Transformer Engine's cross-entropy); a new tensor otherwise.
+    ``after_norm``: the input is the preceding norm's output on this rank's whole sequence
+    (``LayerNormLinear`` without sequence parallelism), whose amax the norm kernel records
+    under current scaling (:func:`~sim.workload.layer_rules.te_scaled_cast`).
     """
     b.block.params += linear_params(n_in, n_out, bias)
     fp8 = lay.fp8 if lay is not None else None
@@ -236,21 +247,31 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     else:
         assert lay is not None
         share = lay.weight_cast_share
+        layouts = 2 if lay.fp8_transpose else 1
         w16 = b.t(f"{name}.w_bf16_share", n_in * n_out * share, BF16)
-        w8s = b.t(f"{name}.w_fp8_share", 2 * n_in * n_out * share, FP8)
+        w8s = b.t(f"{name}.w_fp8_share", layouts * n_in * n_out * share, FP8)
         w8 = b.t(f"{name}.w_fp8", n_in * n_out, FP8)
         amax = fp8 == "tensorwise"
-        x8 = b.t(f"{name}.in_fp8", tokens * n_in, FP8)
-        x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, FP8)
-        # TE's cast_transpose writes both GEMM layouts in one kernel (torchao: one cast each).
+        # Named as what the backward reads (``in_fp8_t``, which recomputation looks up)
+        # when the one row-wise copy serves both.
+        x8 = b.t(f"{name}.in_fp8" if lay.fp8_transpose else f"{name}.in_fp8_t",
+                 tokens * n_in, FP8)
+        # TE's cast_transpose writes both GEMM layouts in one kernel on Hopper (torchao: one
+        # cast each); on Blackwell the row-wise data serves every GEMM (fp8_transpose).
+        x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, FP8) if lay.fp8_transpose else x8
+        xs = (x8, x8t) if lay.fp8_transpose else (x8,)
+        # The weight's cast runs on the first micro-batch only (its share); the input's and
+        # the output gradient's every micro-batch, with current scaling's four launches each.
         for k in (scaled_cast(name, "w", w16, (w8s,), amax)
-                  + scaled_cast(name, "in", x, (x8, x8t), amax)):
+                  + te_scaled_cast(name, "in", x, xs, amax,
+                                   amax_in_norm=after_norm and not lay.sequence_parallel)):
             b.fwd(k)
         b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
         b.save(x8t)
         g8 = b.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
-        g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8)
-        ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
+        g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8) if lay.fp8_transpose else g8
+        gs = (g8, g8t) if lay.fp8_transpose else (g8,)
+        ks = [*te_scaled_cast(name, "g", gy, gs, amax),
               linear_gemm(name, "dgrad", (g8, w8), gx, tokens, n_in, n_out, fp8=True),
               linear_gemm(name, "wgrad", (g8t, x8t), gw, tokens, n_in, n_out, fp8=True)]
     out = y
@@ -323,7 +344,7 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
     yin = b.t("qkv_in", tokens * h, BF16)
     b.block.inputs.append(yin)
     kept = len(b.block.saved)
-    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay)
+    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay, after_norm=True)
     _keep_input_shard(b, kept, "qkv_in_shard", local * h, lay)
     q = b.t("q", tokens * qd, BF16)
     k = b.t("k", tokens * kvd, BF16)
@@ -434,7 +455,7 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
     width = 2 * f if m.mlp == "swiglu" else f
     kept = len(b.block.saved)
     fc1 = _linear(b, yin, tokens, h, width, "fc1", m.bias, bias_in_epilogue=True,
-                  lay=lay)
+                  lay=lay, after_norm=True)
     _keep_input_shard(b, kept, "fc1_in_shard", local * h, lay)
     act = b.t("act", tokens * f, BF16)
     # Jit-fused bias-GeLU (or bias-SwiGLU), a vectorised memory-bound kernel (not eager

@@ -47,7 +47,7 @@ from typing import Literal
 from sim.workload.gpt_oss_ops import clamped_glu_input, expert_output_bias
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor, accumulating
 from sim.workload.layer_builder import _Builder
-from sim.workload.layer_rules import FP8, linear_params, scaled_cast
+from sim.workload.layer_rules import FP8, linear_params, scaled_cast, te_scaled_cast
 from sim.workload.megatron_ops import MegatronLayout, _linear
 from sim.workload.model import ModelSpec
 
@@ -77,6 +77,9 @@ class MoELayout:
     ``alltoall`` dispatcher (only the NCCL-EP/HybridEP paths quantise it)."""
     weight_cast_share: float = 1.0
     """Share of a weight's FP8 cast each micro-batch pays (1 / micro-batches)."""
+    fp8_transpose: bool = True
+    """FP8 casts write the transposed copy too (Hopper); not on Blackwell
+    (:attr:`sim.workload.megatron_ops.MegatronLayout.fp8_transpose`)."""
     router_fusion: bool = True
     """``moe_router_fusion``: top-k with score function and the aux-loss scores as single TE
     kernels (else the PyTorch ops of ``topk_routing_with_score_function``)."""
@@ -84,6 +87,17 @@ class MoELayout:
     """``moe_aux_loss_coeff > 0`` (DeepSeek-V3 keeps a small sequence-wise one)."""
     z_loss: bool = False
     """``moe_z_loss_coeff`` set."""
+    token_drop: Literal["drop", "pad"] | None = None
+    """Megatron's ``apply_router_token_dropping`` (``moe_utils.py``), run by ``TopKRouter.routing``
+    whenever ``moe_expert_capacity_factor`` is set: ``drop`` keeps at most ``capacity`` tokens
+    an expert, ``pad`` (``moe_pad_expert_input_to_capacity``) exactly ``capacity``; None for
+    routers without it (torchtitan's, DeepSpeed's)."""
+    te_permute: bool = False
+    """Megatron's fused permutations (``moe_permute_fusion``, which the Bridge model providers
+    set): TE 2.7's Triton ``moe_permute_with_probs`` builds its row-id map in three passes
+    before the permute kernel, and ``moe_sort_chunks_by_index`` its chunk map before the sort
+    (``transformer_engine/pytorch/triton/permutation.py``); else one kernel each, as
+    torchtitan's permutation is priced."""
     gemm_per_expert: bool = False
     """The grouped GEMMs run as Transformer Engine's ``GroupedLinear`` does by default on
     Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
@@ -236,6 +250,8 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
         b.bwd(Kernel("scatter_probs.bwd", "elementwise", (gprobs, idx), (gval,)),
               Kernel("topk.bwd", "elementwise", (gval, idx), (gsc,)),
               Kernel("score_fn.bwd", "elementwise", (gsc, scores) + acc, (glog,)))
+    if lay.token_drop is not None:
+        probs, rmap, gprobs = _token_drop(b, m, lay, tokens, probs, rmap, gprobs)
     if lay.aux_loss:
         # compute_routing_scores_for_aux_loss (scores of every expert, its own top-k map),
         # then switch_load_balancing_loss_func: the scores summed over tokens, times the
@@ -250,14 +266,67 @@ def _router(m: ModelSpec, lay: MoELayout, tokens: float
         gsc2 = b.t("aux.g_scores", tokens * e, FP32)
         b.bwd(Kernel("aux.loss.bwd", "elementwise", (), (gsc2,)),
               Kernel("aux.scores.bwd", "elementwise", (gsc2, sc), (glog,)))
-    # preprocess: tokens per expert, the map summed over tokens.
-    counts = b.t("tokens_per_expert", e, 8)
-    b.fwd(Kernel("count_tokens", "elementwise", (rmap,), (counts,)))
+    if lay.token_drop != "pad":
+        # preprocess: tokens per expert, the map summed over tokens (drop_and_pad returns
+        # before it: every expert holds the capacity).
+        counts = b.t("tokens_per_expert", e, 8)
+        b.fwd(Kernel("count_tokens", "elementwise", (rmap,), (counts,)))
     return b, x, probs, gprobs
 
 
+def _token_drop(b: _Builder, m: ModelSpec, lay: MoELayout, tokens: float, probs: Tensor,
+                rmap: Tensor, gprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``apply_router_token_dropping`` (Megatron-Core 0.14 ``moe_utils.py``, drop policy
+    ``probs``): ``torch.topk`` of the dense probs over the tokens (``dim=0``, ``k`` = the
+    capacity, unsorted), ``zeros_like(probs).scatter(0, indices, 1).bool()`` for the capacity
+    mask, with padding that mask as the map (else ``logical_and`` with the top-k map), and the
+    probs masked by a multiply, whose backward is the one kernel it adds there. Returns the
+    masked probs, their map and the gradient of the masked probs (what the permutation's
+    backward writes); the unmasked probs' gradient is the caller's ``gprobs``."""
+    assert m.moe is not None and m.moe.capacity_factor is not None
+    e, k = m.moe.experts, m.moe.top_k
+    # get_capacity: ceil(tokens x top_k / experts x capacity_factor).
+    cap = -(-tokens * k * m.moe.capacity_factor // e)
+    vals = b.t("drop.topk_values", cap * e, FP32)
+    idx = b.t("drop.topk_indices", cap * e, 8)
+    zeros = b.t("drop.zeros", tokens * e, FP32)
+    mask = b.t("drop.capacity_mask", tokens * e, MASK)
+    b.fwd(Kernel("drop.topk", "elementwise", (probs,), (vals, idx)))
+    b.fwd(Kernel("drop.zeros", "elementwise", (), (zeros,)))
+    # scatter of ones into the zeros: one element written per kept index, in place.
+    kept = b.t("drop.kept", cap * e, FP32)
+    b.fwd(Kernel("drop.scatter", "elementwise", (idx,), (kept,)))
+    b.fwd(Kernel("drop.to_bool", "elementwise", (zeros,), (mask,)))
+    fmap = mask
+    if lay.token_drop == "drop":
+        fmap = b.t("drop.map", tokens * e, MASK)
+        b.fwd(Kernel("drop.logical_and", "elementwise", (rmap, mask), (fmap,)))
+    fprobs = b.t("drop.probs", tokens * e, FP32)
+    b.fwd(Kernel("drop.mask_probs", "elementwise", (probs, fmap), (fprobs,)))
+    b.save(fmap)
+    gf = b.t("drop.g_probs", tokens * e, FP32)
+    b.bwd(Kernel("drop.mask_probs.bwd", "elementwise", (gf, fmap), (gprobs,)))
+    return fprobs, fmap, gf
+
+
+def _row_id_map(b: _Builder, tokens: float, e: int) -> Tensor:
+    """TE 2.7 ``make_row_id_map`` (``pytorch/triton/permutation.py``): ``[tokens, 2 e + 1]``
+    int32, made by three Triton kernels over a ``(experts, tokens / 1024)`` grid: pass 1 a
+    cumulative sum of the routing map per 1,024-token block, pass 2 the global sum into
+    destination rows, pass 3 each token's destinations compacted after them."""
+    rmap = b.t("permute.routing_map", tokens * e, MASK)
+    ws = b.t("row_id_map.workspace", e * -(-tokens // 1024), INT32)
+    part = b.t("row_id_map.block_cumsum", tokens * e, INT32)
+    dst = b.t("row_id_map.rows", tokens * e, INT32)
+    rid = b.t("row_id_map", tokens * (2 * e + 1), INT32)
+    b.fwd(Kernel("row_id_map.pass_1", "elementwise", (rmap,), (part, ws)))
+    b.fwd(Kernel("row_id_map.pass_2", "elementwise", (part, ws), (dst,)))
+    b.fwd(Kernel("row_id_map.pass_3", "elementwise", (dst,), (rid,)))
+    return rid
+
+
 def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,
-             tokens: float, rows: float | None = None) -> None:
+             tokens: float, rows: float | None = None, te: bool = False) -> None:
     """Permutation 1 (TE ``moe_permute_with_probs``): each token gathered once per chosen
     expert into expert order, with its prob; backward sums each token's ``top_k`` gradient
     rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient.
@@ -269,8 +338,12 @@ def _permute(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor
     src = b.t("permute.gathered_rows", rows * h, BF16)   # x read once per copy
     out = b.t("permuted", rows * h, BF16)
     pp = b.t("permuted_probs", rows, FP32)
-    rid = b.t("row_id_map", tokens * e, INT32)
-    b.fwd(Kernel("permute", "elementwise", (src, probs), (out, pp, rid)))
+    if te:
+        rid = _row_id_map(b, tokens, e)
+        b.fwd(Kernel("permute", "elementwise", (src, probs, rid), (out, pp)))
+    else:
+        rid = b.t("row_id_map", tokens * e, INT32)
+        b.fwd(Kernel("permute", "elementwise", (src, probs), (out, pp, rid)))
     b.save(rid)
     g = b.t("g_permuted", rows * h, BF16)
     gx = b.t("permute.g_in", tokens * h, BF16)
@@ -312,20 +385,30 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
         ks = [gemm("dgrad", (gy, w), gx, False), gemm("wgrad", (gy, x), gw, False)]
     else:
         amax = lay.fp8 == "tensorwise"
+        tr = lay.fp8_transpose
         numel_w = experts * n_in * n_out
         w16 = b.t(f"{name}.w_bf16_share", numel_w * lay.weight_cast_share, BF16)
-        w8s = b.t(f"{name}.w_fp8_share", 2 * numel_w * lay.weight_cast_share, FP8)
+        w8s = b.t(f"{name}.w_fp8_share", (2 if tr else 1) * numel_w * lay.weight_cast_share,
+                  FP8)
         w8 = b.t(f"{name}.w_fp8", numel_w, FP8)
-        x8 = b.t(f"{name}.in_fp8", rows * n_in, FP8)
-        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, FP8)
+        # The saved copy keeps its name (in_fp8_t, which recomputation looks up) when the
+        # one row-wise copy serves both GEMMs.
+        x8 = b.t(f"{name}.in_fp8" if tr else f"{name}.in_fp8_t", rows * n_in, FP8)
+        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, FP8) if tr else x8
+        # tex.split_quantize: each non-empty expert's rows quantized on their own
+        # (te_scaled_cast); the weights' casts run on the first micro-batch only. Its fused
+        # multi-tensor cast (delayed scaling) needs both layouts: per expert on Blackwell.
+        pieces = sum(1 for c in counts if c > 0)
         for k in (scaled_cast(name, "w", w16, (w8s,), amax)
-                  + scaled_cast(name, "in", x, (x8, x8t), amax)):
+                  + te_scaled_cast(name, "in", x, (x8, x8t) if tr else (x8,), amax, pieces,
+                                   fused_multi=tr)):
             b.fwd(k)
         b.fwd(gemm("fwd", (x8, w8), y, True))
         b.save(x8t)
         g8 = b.t(f"{name}.g_out_fp8", rows * n_out, FP8)
-        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8)
-        ks = [*scaled_cast(name, "g", gy, (g8, g8t), amax),
+        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8) if tr else g8
+        ks = [*te_scaled_cast(name, "g", gy, (g8, g8t) if tr else (g8,), amax, pieces,
+                              fused_multi=tr),
               gemm("dgrad", (g8, w8), gx, True), gemm("wgrad", (g8t, x8t), gw, True)]
     if bias and bias_grad_kernel:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)
@@ -351,15 +434,37 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         # source-rank order into local-expert order; backward sorts the gradient back.
         xs = b.t("sorted", rows * h, BF16)
         ps = b.t("sorted_probs", rows, FP32)
-        b.fwd(Kernel("sort_chunks", "elementwise", (x, probs), (xs, ps)))
+        if lay.token_drop == "pad":
+            # dispatch_postprocess with drop_and_pad: view, transpose(0, 1).contiguous() of
+            # the tokens, then of the probs: two copies (Megatron-Core 0.14
+            # token_dispatcher.py).
+            b.fwd(Kernel("sort_chunks", "elementwise", (x,), (xs,)))
+            b.fwd(Kernel("sort_chunks.probs", "elementwise", (probs,), (ps,)))
+        else:
+            reads: tuple[Tensor, ...] = (x, probs)
+            if lay.te_permute:
+                # make_chunk_sort_map: one int32 destination row a token, its own kernel,
+                # kept for the backward's sort.
+                sort_map = b.t("chunk_sort_map", rows, INT32)
+                b.fwd(Kernel("sort_chunks.map", "elementwise", (), (sort_map,)))
+                b.save(sort_map)
+                reads += (sort_map,)
+            b.fwd(Kernel("sort_chunks", "elementwise", reads, (xs, ps)))
         gxs, gx = b.t("g_sorted", rows * h, BF16), b.t("g_in", rows * h, BF16)
         b.bwd(Kernel("sort_chunks.bwd", "elementwise", (gxs,), (gx,)))
         x, probs = xs, ps
     gemm_counts = counts
     if lay.fp8 is not None:
-        # quantization_padding (TE Fp8Padding): each expert's rows padded to the FP8 GEMM
-        # alignment, a copy of the tokens; Fp8Unpadding after fc2 copies them back.
         gemm_counts = tuple(-(-c // FP8_ALIGN) * FP8_ALIGN if c > 0 else 0.0 for c in counts)
+    # TEGroupedMLP.forward's fp8_padding (TE Fp8Padding): each expert's rows padded to the
+    # FP8 GEMM alignment, a copy of the tokens and another of the probs; Fp8Unpadding after
+    # fc2 copies them back. TE returns the input itself when every expert's rows are already
+    # aligned (transformer_engine/pytorch/module/fp8_padding.py, "no padding needed"), which
+    # only padding to capacity guarantees (capacity x ep x etp rows each, fixed): routed
+    # counts are data-dependent and essentially never all multiples of 16, even where the
+    # balanced idealisation here makes them so.
+    padded = lay.fp8 is not None and (gemm_counts != counts or lay.token_drop != "pad")
+    if padded:
         xp = b.t("padded", sum(gemm_counts) * h, BF16)
         pp = b.t("padded_probs", sum(gemm_counts), FP32)
         b.fwd(Kernel("fp8_pad", "elementwise", (x, probs), (xp, pp)))
@@ -384,7 +489,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, act_in, probs), (gfc1, gp)))
     # fc2 skips its bias (skip_bias_add: TEGroupedMLP._apply_bias adds it after the unpad).
     out = _grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias, bias_grad_kernel=False)
-    if lay.fp8 is not None:
+    if padded:
         up = b.t("unpadded", rows * h, BF16)
         b.fwd(Kernel("fp8_unpad", "elementwise", (out,), (up,)))
         gup, gout = b.t("g_unpadded", rows * h, BF16), b.t("g_fc2_out", prow * h, BF16)
@@ -394,6 +499,10 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         out = expert_output_bias(b, out, probs, counts, h)
     if len(counts) > 1:
         back = b.t("unsorted", rows * h, BF16)
+        if lay.te_permute and lay.token_drop != "pad":
+            # combine_preprocess: sort_chunks_by_idxs back, with a chunk map of its own.
+            b.fwd(Kernel("unsort_chunks.map", "elementwise", (),
+                         (b.t("chunk_unsort_map", rows, INT32),)))
         b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,)))
         gb, gbs = b.t("g_out", rows * h, BF16), b.t("g_unsorted", rows * h, BF16)
         b.bwd(Kernel("unsort_chunks.bwd", "elementwise", (gb,), (gbs,)))
@@ -441,7 +550,8 @@ def _shared(m: ModelSpec, lay: MoELayout, tokens: float) -> Block:
     h = m.hidden
     f = m.moe.shared * m.moe.ffn_hidden // lay.tp
     full = tokens * lay.tp
-    mlay = MegatronLayout(tp=lay.tp, fp8=lay.fp8, weight_cast_share=lay.weight_cast_share)
+    mlay = MegatronLayout(tp=lay.tp, fp8=lay.fp8, weight_cast_share=lay.weight_cast_share,
+                          fp8_transpose=lay.fp8_transpose)
     b = _Builder("moe_shared", STYLE)
     x = b.t("in", full * h, BF16)
     b.block.inputs.append(x)
@@ -509,6 +619,8 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
         raise ValueError(f"experts ({moe.experts}) not divisible by ep ({lay.ep})")
     if moe.ffn_hidden % lay.etp:
         raise ValueError(f"expert width ({moe.ffn_hidden}) not divisible by etp ({lay.etp})")
+    if lay.token_drop is not None and moe.capacity_factor is None:
+        raise ValueError("token dropping needs the model's capacity_factor")
     local = moe.experts // lay.ep
     if tokens_per_expert is None:
         counts = balanced_tokens_per_expert(tokens, moe.top_k, moe.experts, lay.ep, lay.etp)
@@ -518,7 +630,7 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
             raise ValueError(f"tokens_per_expert needs {local} non-negative counts")
     send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
     rb, x, probs, gprobs = _router(m, lay, tokens)
-    _permute(rb, m, x, probs, gprobs, tokens, permuted_rows)
+    _permute(rb, m, x, probs, gprobs, tokens, permuted_rows, te=lay.te_permute)
     router = rb.finish()
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
                       combine=_combine(m, tokens, moe.shared > 0, permuted_rows),

@@ -303,14 +303,22 @@ def test_capacity_without_padding_drops_only_what_exceeds_it() -> None:
 
 def test_capacity_bounds_the_skew() -> None:
     # Zipf-skewed routing: the hot experts keep at most capacity x sources copies, so a
-    # capacity factor makes the skewed step faster than dropless, and a tighter one faster
-    # still; balanced routing at factor 1.25 is the dropless balanced step.
-    zipf = {"distribution": "zipf", "s": 1.2}
-    dropless = _step(_scn({"tp": 1, "ep": 8}, routing=zipf))
-    loose = _step(_scn({"tp": 1, "ep": 8}, model=dict(TINY, capacity_factor=2.0), routing=zipf))
-    tight = _step(_scn({"tp": 1, "ep": 8}, model=CAP, routing=zipf))
-    assert tight < loose < dropless
+    # capacity factor lightens the busiest rank's experts, and a tighter one more; balanced
+    # routing at factor 1.25 is the dropless balanced step. The step also pays the router's
+    # dropping kernels (apply_router_token_dropping), which on this tiny model cost more than
+    # a loose factor saves: the tighter factor's step is the faster, not every factor's.
     from sim.frameworks.megatron.shape import megatron_shape
+    zipf = {"distribution": "zipf", "s": 1.2}
+    scns = [_scn({"tp": 1, "ep": 8}, routing=zipf),
+            _scn({"tp": 1, "ep": 8}, model=dict(TINY, capacity_factor=2.0), routing=zipf),
+            _scn({"tp": 1, "ep": 8}, model=CAP, routing=zipf)]
+    busiest = []
+    for s in scns:
+        moe = megatron_shape(JobContext.from_scenario(s, "s.yaml")).moe
+        assert moe is not None and moe.pace is not None
+        busiest.append(max(moe.pace.loads))
+    assert busiest[2] < busiest[1] < busiest[0]
+    assert _step(scns[2]) < _step(scns[1])
     sh = megatron_shape(JobContext.from_scenario(
         _scn({"tp": 1, "ep": 8}, model=CAP, routing=zipf), "s.yaml"))
     assert sh.moe is not None and sh.moe.pace is not None

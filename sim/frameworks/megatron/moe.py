@@ -214,9 +214,15 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     assert isinstance(opts, MegatronOptions)
     ep, etp = par.ep, par.expert_tp
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
+                    fp8_transpose=cm.gpu.arch != "blackwell",
+                    # moe_permute_fusion: set by the Bridge/NeMo model providers (Qwen3,
+                    # DeepSeek, GLM); the fused permutation is what this builder prices.
+                    te_permute=True,
                     router_fusion=opts.moe_router_fusion,
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None,
+                    token_drop=None if ctx.model.moe is None or ctx.model.moe.capacity_factor
+                    is None else "pad" if opts.moe_pad_expert_input_to_capacity else "drop",
                     # TEGroupedMLP (experts.py): TE GroupedLinear, one cuBLASLt call an expert.
                     gemm_per_expert=True)
     aux_reduce = lay.aux_loss and tp > 1 and par.cp == 1

@@ -432,6 +432,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
                          weight_cast_share=1.0 / ctx.micro_batches,
+                         fp8_transpose=ctx.compute.gpu.arch != "blackwell",
                          cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
                                                  opts.cross_entropy_fusion_impl),
                          rope_fusion=opts.apply_rope_fusion)
