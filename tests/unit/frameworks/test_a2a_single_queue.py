@@ -74,17 +74,18 @@ def test_host_waits_take_no_queue_slot() -> None:
     assert wait.deps == []
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])
+@pytest.mark.parametrize(("dispatcher", "wgrad"),
+                         [("alltoall", False), ("flex", False), ("alltoall", True)])
 def test_one_queue_keeps_the_step_between_the_overlapped_and_the_plain_schedule(
-        dispatcher) -> None:
+        dispatcher, wgrad) -> None:
     from test_megatron_moe_a2a_overlap import _exposed_a2a, _scn
 
     from sim.api import simulate
     par = {"tp": 1, "ep": 8}
+    ov = {"moe_a2a_overlap": True, "delay_wgrad_compute": wgrad}
     runs = {k: simulate(_scn(par, moe_token_dispatcher_type=dispatcher, **kw))
-            for k, kw in (("off", {}), ("many", {"moe_a2a_overlap": True}),
-                          ("one", {"moe_a2a_overlap": True,
-                                   "cuda_device_max_connections": 1}))}
+            for k, kw in (("off", {}), ("many", ov),
+                          ("one", {**ov, "cuda_device_max_connections": 1}))}
     step = {k: r.summary["step_time_s"] for k, r in runs.items()}
     exposed = {k: _exposed_a2a(r.recorder.ops) for k, r in runs.items()}
     assert step["many"] < step["one"] < step["off"]
