@@ -38,9 +38,10 @@ the forward's dispatch, before the backward's; the pre_dispatch node's after the
 mtp_post_process, the chunk's first layer's after every layer.
 
 What this does not model: the high-priority communication stream
-(``high_priority_a2a_comm_stream``), ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron-LM only
-warns; streams here never serialise through one hardware queue), and the forward's pipeline
-send starting at the forward's last node (here it waits for the whole pair, a little late).
+(``high_priority_a2a_comm_stream``) and the forward's pipeline send starting at the forward's
+last node (here it waits for the whole pair, a little late). ``CUDA_DEVICE_MAX_CONNECTIONS``
+(Megatron-LM only warns) is modelled when it is 1 (:func:`single_queue_emit`): every stream's
+work then goes through one hardware queue in the host's issue order.
 
 What runs on the communication stream besides the all-to-alls, so that it waits for them and
 they for it: the combine node's unpermutation (``combine_postprocess``), the shared experts'
@@ -213,16 +214,62 @@ def dispatch_wait(n: LayerNodes, label: str) -> Op | None:
               deps=[] if deepep else [sync], layer=sync.layer, micro_batch=sync.micro_batch)
 
 
+# ---------------------------------------------------------------------- one hardware queue
+def single_queue_emit(emit: Callable[[Op], None]) -> Callable[[Op], None]:
+    """``emit`` as the GPU sees the pair's ops when ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one
+    hardware work queue (one "connection") holds every stream's kernels and event waits in
+    the host's issue order, and an operation is dispatched from it only when the preceding
+    calls in its stream have completed and the preceding calls in the queue have been
+    dispatched (NVIDIA, "CUDA C/C++ Streams and Concurrency", S. Rennich, 2011, "Stream
+    Scheduling"; NVIDIA/cuda-samples ``simpleHyperQ``: without Hyper-Q's separate queues two
+    streams' kernels overlap only at the boundary between one's last and the other's first
+    kernel, the false dependencies Hyper-Q removes). So an op launches no earlier
+    than the op issued before it: beside a single-kernel op (an all-to-all, a marker) as soon
+    as that one could launch, but after a multi-kernel op only once that op's last kernel has
+    launched, taken here as its end (the last kernel is a small part of a block's work).
+
+    Consequence in the combined schedule: a communication node issued after the other
+    micro-batch's compute node (the forward's dispatch after the backward's mlp) and a compute
+    node queued behind a communication node whose stream is still busy (the forward's mlp
+    behind the backward's dispatch) no longer overlap; the nodes issued just before the other
+    chain's compute (the backward's combine before the forward's pre_dispatch, the forward's
+    combine before the backward's pre_dispatch) still do. Host-side waits take no queue slot.
+    """
+    gate: list[Op] = []       # what the op issued next must wait to finish before launching
+    last: dict[str, Op] = {}  # the previous op on each stream, within the pair
+
+    def put(op: Op) -> None:
+        nonlocal gate
+        if op.stream == HOST_WAIT_STREAM:
+            emit(op)
+            return
+        extra = [g for g in gate if g is not op and g not in op.deps]
+        if extra:
+            op.deps = [*op.deps, *extra]
+        if op.kernels > 1:
+            gate = [op]
+        else:
+            prev = last.get(op.stream)
+            gate = list(dict.fromkeys([*op.deps, *([prev] if prev is not None else [])]))
+        last[op.stream] = op
+        emit(op)
+    return put
+
+
 # ---------------------------------------------------------------------- issue one pair
 def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
-               label: str, wgrad: Mapping[int, LayerWgrad] | None = None) -> tuple[Op, Op]:
+               label: str, wgrad: Mapping[int, LayerWgrad] | None = None,
+               single_queue: bool = False) -> tuple[Op, Op]:
     """Issue a forward unit's and a backward unit's ops as Megatron-Core's combined step does
     (see the module docstring) through ``emit`` (which adds an op to the stage's program);
     return the (first, last) ops the pipeline's waits and sends attach to: a start marker
     after the waits that both micro-batches' first nodes wait for, and an end marker at which
     the compute stream waits for both (``wait_current_stream``). ``wgrad``: the backward
     layers' delayed weight gradients by layer (``delay_wgrad_compute``), issued on the
-    compute stream outside the backward's chain of nodes."""
+    compute stream outside the backward's chain of nodes. ``single_queue``:
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`single_queue_emit`)."""
+    if single_queue:
+        emit = single_queue_emit(emit)
     f_head, f_layers, f_tail = split_unit(f_ops, True)
     b_head, b_layers, b_tail = split_unit(b_ops, False)
     start = Op(name=f"combined 1f1b {label} start", kind="compute", stream="compute",

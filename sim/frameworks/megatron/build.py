@@ -333,7 +333,8 @@ class _Step:
         label = " ".join(f"{u[0]}{u[1] * p + st}.{u[2]}" for u in (f, b) if u)
         first, last = issue_pair(fu, bu, lambda op: self._emit(op, cls, last_on_stream),
                                  label, self.wgrad.get((b[0], b[1] * p + st, b[2]))
-                                 if b and self.s.opts.delay_wgrad_compute else None)
+                                 if b and self.s.opts.delay_wgrad_compute else None,
+                                 single_queue=self.s.opts.cuda_device_max_connections == 1)
         if b is not None:
             self.last_bwd[st] = last
         return first, last

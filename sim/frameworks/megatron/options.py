@@ -138,6 +138,16 @@ class MegatronOptions(StrictModel):
     backward all-to-all, the attention's and shared experts' after the layer), so the
     backward all-to-alls no longer wait for them; needs ``moe_a2a_overlap``
     (:mod:`sim.frameworks.megatron.delay_wgrad`)."""
+    cuda_device_max_connections: int = Field(default=8, ge=1, le=32)
+    """The ``CUDA_DEVICE_MAX_CONNECTIONS`` environment variable: hardware work queues the
+    streams share (CUDA's default 8; Megatron-Core's tensor-parallel overlap asks for 1, its
+    combined 1F1B for more: the model zoo's ``A2A_OVERLAP=1`` sets 32, Megatron-Bridge's
+    ``perf_plugins.py`` @ da98070 (``_set_num_cuda_device_max_connections``) 1 on Hopper with
+    tp or cp > 1 and no ``moe_a2a_overlap`` ("to enforce kernel queuing order from host to
+    execution order on GPU"), otherwise 8, or 32 with DeepEP/HybridEP). Only 1 changes
+    the simulation, and only under ``moe_a2a_overlap``: the combined schedule's two streams
+    then launch in issue order through one queue
+    (:func:`sim.frameworks.megatron.a2a_overlap.single_queue_emit`)."""
     scatter_gather_tensors_in_pipeline: bool | None = None
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,
