@@ -110,3 +110,18 @@ def test_hybridep_refuses_what_megatron_refuses(kw, key) -> None:
 def test_bad_backend_is_refused() -> None:
     with pytest.raises(Exception, match="moe_flex_dispatcher_backend"):
         _scn(2, 16, moe_flex_dispatcher_backend="nccl")
+
+
+def test_metadata_preprocess_gathers_the_routing_map() -> None:
+    # Hybrid-EP's metadata_preprocess all-gathers each rank's [tokens, experts] bool routing
+    # map over the group (Hybrid-EP_Implementation.md: "Allgather + metadata kernel"); the
+    # alltoall dispatcher gathers one int64 count per expert.
+    def gather(s):
+        p = build_program(JobContext.from_scenario(s, "s.yaml"))
+        return [op for c in p.classes for ops in c.streams.values() for op in ops
+                if op.name.endswith("token count all_gather")]
+    hyb, a2a = gather(_scn(2, 16)), gather(_scn(2, 16, moe_token_dispatcher_type="alltoall"))
+    assert hyb and a2a
+    assert {op.nbytes for op in hyb} == {SEQ * E * 16}
+    assert {op.nbytes for op in a2a} == {E * 8 * 16}
+    assert all(op.host_sync for op in hyb)

@@ -464,10 +464,13 @@ class MoEOps:
             return out[:1] + [aux] + out[1:] if aux is not None else out
         ops: list[Op | None] = [router, aux]
         if pl.ep * pl.etp > 1 and pl.capacity is None:
+            # HybridEP's metadata_preprocess all-gathers the routing map itself (its token
+            # counts come from it): moe_hybridep.HybridEPPlan.routing_map_bytes.
+            hyb = isinstance(pl.flex, HybridEPPlan)
+            per = pl.flex.routing_map_bytes if hyb else pl.ops.count_gather_bytes
             count = self._coll(f"{label} token count all_gather", "all_gather",
-                               pl.tp_ep_groups(self.st),
-                               pl.ops.count_gather_bytes * pl.ep * pl.etp, "i64", "ep",
-                               mb, layer)
+                               pl.tp_ep_groups(self.st), per * pl.ep * pl.etp,
+                               "u8" if hyb else "i64", "ep", mb, layer)
             # MoEAlltoAllTokenDispatcher: with ep or expert-TP > 1 the split sizes must be on
             # the host before the all-to-all (cuda_sync_point "before_ep_alltoall"); with a
             # capacity factor (dropping) even before the permutation ("before_permutation_1",

@@ -39,10 +39,13 @@ per-peer layout this module reuses):
   staging across domains, each RDMA buffer capped at 1 GB, shared by dispatch and combine
   (section 4.2-4.3; :func:`persistent_buffer_bytes`).
 
-Not modelled: the metadata-scan preprocessing kernel (``num_sms_preprocessing_api``), and
-HybridEP with token drop and padding (refused). The dispatch sizes its output with a
-device-to-host synchronisation unless the permuted count is known (``non_blocking``), as
-DeepEP's dispatch waits for its counts: the combined 1F1B treats both alike.
+Before each dispatch ``metadata_preprocess`` all-gathers every rank's routing map over the
+group (:attr:`HybridEPPlan.routing_map_bytes`, the op Megatron's other dispatchers use for
+their token counts) and the dispatch sizes its output with a device-to-host synchronisation
+unless the permuted count is known (``non_blocking``), as DeepEP's dispatch waits for its
+counts: the combined 1F1B treats both alike. Not modelled: the metadata-scan kernel's time
+(``num_sms_preprocessing_api``), the multi-domain copy into the RDMA buffer, and HybridEP
+with token drop and padding (refused).
 """
 
 from __future__ import annotations
@@ -161,6 +164,15 @@ class HybridEPPlan(FlexPlan):
     def domain(self) -> int:
         lay = self.layout
         return lay.domain if isinstance(lay, HybridEPLayout) else len(lay.node_blocks()[0])
+
+    @property
+    def routing_map_bytes(self) -> float:
+        """Bytes of this rank's routing map (``[tokens, experts x expert-TP]`` bool) that
+        Hybrid-EP's ``metadata_preprocess`` all-gathers over the group before each dispatch
+        (``Hybrid-EP_Implementation.md`` section 5: "Allgather + metadata kernel + permute
+        preprocessing"; an NCCL all-gather unless ``enable_custom_allgather``); the dispatch
+        then waits for the scan on the host unless the permuted count is known."""
+        return self.tokens * self.layout.experts * self.layout.etp
 
     def record_bytes(self, which: str, rdma: bool = False) -> float:
         """Bytes per token per destination of transfer ``which``: the 16-bit row, with the
