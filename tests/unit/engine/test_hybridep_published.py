@@ -7,6 +7,8 @@
   ``tests/test_hybrid_ep.py`` ``nvl_recv_bytes``) over the kernel's time. The 8-rank row is
   what :mod:`~sim.fabric.collectives.hybridep_kernel` is fitted on; 16 to 36 ranks in one
   NVL72 domain are checked, not fitted.
+* The same table on H100 (EP 16 to 64 over 400 Gb/s NICs): EP 32 and 64 checked, EP 16
+  marked (the simulation is 20-37% faster there).
 * The Megatron Core MoE report (arXiv 2603.07685, Table 7): on H100 at EP 32 (four nodes,
   hidden 7168) HybridEP's dispatch took 3,064 us against the alltoall dispatcher's 8,059.
   The table's token count and routing are not restated here; assumed: Hybrid-EP's own
@@ -87,13 +89,13 @@ def alltoall_dispatch_time(ranks: int) -> float:
     nbytes = TOKENS * TOPK * HIDDEN * 2.0
     op = Op(name="a2a", kind="collective", stream="comm", phase="comm",
             collective="all_to_all", group=tuple(range(ranks)), nbytes=nbytes, key="a2a")
-    return _run([op], ranks, ranks // 8, 8, 200, "hopper", nics=8)
+    return _run([op], ranks, ranks // 8, 8, 450, "hopper", nics=8)
 
 
 def test_report_table7_ep32_h100_dispatch() -> None:
     # arXiv 2603.07685 Table 7: HybridEP 3,064 us, alltoall 8,059 us (EP 32, H100, hidden
     # 7168); 256 experts (8 a rank), 8 SMs (Hybrid-EP's multi-node default).
-    t_hyb, plan = hybridep_time(32, 8, "dispatch_fwd", 8, 200, "hopper", experts=256)
+    t_hyb, plan = hybridep_time(32, 8, "dispatch_fwd", 8, 450, "hopper", experts=256)
     t_a2a = alltoall_dispatch_time(32)
     assert plan.rdma_bytes() > 0
     assert t_hyb == pytest.approx(3064e-6, rel=0.15)
@@ -102,3 +104,29 @@ def test_report_table7_ep32_h100_dispatch() -> None:
     # deduplication (a token once per destination node, 2.7 node copies against the
     # alltoall's 6 cross-node copies) carrying it.
     assert 2.0 < t_a2a / t_hyb < 8059 / 3064
+
+
+# H100, one 400 Gb/s NIC and NVLink 4 (450 GB/s raw) a GPU, 8 local experts, 8 SMs (the
+# multi-domain default), kernel time; GB/s = tokens x distinct destination nodes (own node
+# included, tests/utils.py count_rdma_send_from_routing_map) x hidden x 2 over the time.
+H100_8SM = {16: (76.80, 68.00), 32: (54.50, 56.40), 64: (50.55, 51.03)}
+
+
+def h100_gbps(ranks: int, which: str, sms: int = 8) -> float:
+    t, plan = hybridep_time(ranks, 8, which, sms, 450, "hopper")
+    return plan.layout.expected_nodes() * TOKENS * HIDDEN * 2.0 / t / 1e9
+
+
+@pytest.mark.parametrize("ranks", [32, 64])
+@pytest.mark.parametrize("i, which", [(0, "dispatch_fwd"), (1, "combine_fwd")])
+def test_h100_network_bound_rows_within_15_percent(ranks, i, which) -> None:
+    # Not fitted: the network bounds them (simulated 61.8 / 62.9 and 53.1 / 54.1).
+    assert h100_gbps(ranks, which) == pytest.approx(H100_8SM[ranks][i], rel=0.15)
+
+
+@pytest.mark.xfail(strict=True, reason="simulated 92 / 93 GB/s against 77 / 68 measured: "
+                   "at EP 16 (two nodes) the forwarding leg moved less than the NIC and "
+                   "Hybrid-EP's NVLink share allow; not explained")
+def test_h100_ep16_within_15_percent() -> None:
+    for i, which in enumerate(("dispatch_fwd", "combine_fwd")):
+        assert h100_gbps(16, which) == pytest.approx(H100_8SM[16][i], rel=0.15)
