@@ -534,7 +534,7 @@ class Engine:
                 # channels (sim.fabric.collectives.fused_kernel).
                 body = self.collectives.run_collective_groups(
                     op.collective, op.all_groups, op.nbytes, tag=op, peer_bytes=op.peer_bytes,
-                    fused_sms=op.sm_ctas)
+                    fused_sms=op.sm_ctas, fused_kernel=op.fused_kernel)
             else:
                 body = self.collectives.run_p2p(op.pairs, op.nbytes, tag=op)
             self.hbm_share.collective_started(op.key, op, rv.needed)

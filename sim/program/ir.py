@@ -120,6 +120,10 @@ class Op:
     """A collective run by a fused kernel that holds a fixed number of SMs for its whole run
     (DeepEP's dispatch and combine: ``Buffer.set_num_sms``) instead of NCCL's channels: the
     SMs the interference model takes from compute beside it. 0: NCCL's own CTAs."""
+    fused_kernel: str = ""
+    """Which fused kernel runs a collective with ``sm_ctas`` SMs: ``""`` DeepEP's normal
+    kernels (:mod:`sim.fabric.collectives.fused_kernel`), ``"hybridep"`` Hybrid-EP's TMA
+    kernels (:mod:`sim.fabric.collectives.hybridep_kernel`)."""
     side_kernel: bool = False
     """A compute op on a side stream whose kernels take the GPU's SMs in turn with the
     compute stream's rather than beside them (the elementwise kernels Megatron-Core's combined

@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import simpy
 
-from sim.fabric.collectives import alltoall, fused_kernel, nccl, nccl_plans
+from sim.fabric.collectives import alltoall, hybridep_kernel, nccl, nccl_plans
+from sim.fabric.collectives import fused_kernel as fused_kernel_model
 from sim.fabric.collectives.algorithms import FlowPlan, PlanBuilder
 from sim.fabric.network import FlowNetwork
 from sim.fabric.topology import CROSS_AZ, CROSS_REGION, NETWORK, NVLINK, PCIE, Fabric
@@ -306,14 +307,15 @@ class CollectiveRunner:
 
     def run_collective_groups(self, op: str, groups: Sequence[Sequence[int]], nbytes: float,
                               tag: object = None, peer_bytes: alltoall.PeerMatrix = (),
-                              fused_sms: int = 0
+                              fused_sms: int = 0, fused_kernel: str = ""
                               ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: the same collective in several disjoint groups at once; its value is
         what NCCL ran in the first group (None when there was nothing to move).
 
         ``peer_bytes`` (an ``all_to_all``'s group-size matrix of bytes, ``Op.peer_bytes``)
         runs it as per-peer sends of those sizes in every group (:meth:`run_all_to_all_v`),
-        by a fused kernel of ``fused_sms`` SMs when not 0 (``Op.sm_ctas``).
+        by a fused kernel of ``fused_sms`` SMs when not 0 (``Op.sm_ctas``; ``fused_kernel``:
+        which, ``Op.fused_kernel``).
 
         Groups that each sit inside one node, all of one size, use disjoint NVLink ports of
         their nodes: one group's flows stand for all of them (``count`` = number of groups),
@@ -323,7 +325,7 @@ class CollectiveRunner:
         """
         if peer_bytes and op == "all_to_all":
             return (yield from self.run_all_to_all_v(groups, peer_bytes, nbytes, tag,
-                                                     fused_sms))
+                                                     fused_sms, fused_kernel))
         if nbytes <= 0:
             return None
         if len(groups) == 1:
@@ -368,7 +370,7 @@ class CollectiveRunner:
 
     def run_all_to_all_v(self, groups: Sequence[Sequence[int]], matrix: alltoall.PeerMatrix,
                          nbytes: float = 0.0, tag: object = None,
-                         fused_sms: int = 0
+                         fused_sms: int = 0, fused_kernel: str = ""
                          ) -> Generator[simpy.Event, object, Choice | None]:
         """Process: an all-to-all with ``matrix[i][j]`` bytes from each group's ``i``-th
         member to its ``j``-th, in every group at once, as NCCL runs it: grouped
@@ -379,18 +381,20 @@ class CollectiveRunner:
         reports ``nbytes`` (the op's size) and the predicted time of the busiest rank alone.
         ``fused_sms``: run by a fused kernel of that many SMs (DeepEP's normal kernels) instead
         of NCCL: its SMs and its share of NVLink bound each rank's NVLink sends
-        (:mod:`sim.fabric.collectives.fused_kernel`)."""
+        (:mod:`sim.fabric.collectives.fused_kernel`; ``fused_kernel == "hybridep"``:
+        Hybrid-EP's, :mod:`sim.fabric.collectives.hybridep_kernel`)."""
         tgroups, kid, local = self._group_set(groups)
         if not tgroups:
             return None
         # By the matrix's identity (an op's peer_bytes, passed on every call; the entry keeps
         # it alive so its id is not reused), then by content: hashing a 64 x 64 matrix on
         # every call would cost more than the call.
-        by_id = self._a2a_ids.get((kid, id(matrix), fused_sms))
+        fused = (fused_sms, fused_kernel)
+        by_id = self._a2a_ids.get((kid, id(matrix), fused))
         hit = by_id[1] if by_id is not None and by_id[0] is matrix else None
         if hit is None:
-            hit = self._a2a_plan(kid, tgroups, local, matrix, fused_sms)
-            self._a2a_ids[(kid, id(matrix), fused_sms)] = (matrix, hit)
+            hit = self._a2a_plan(kid, tgroups, local, matrix, fused_sms, fused_kernel)
+            self._a2a_ids[(kid, id(matrix), fused)] = (matrix, hit)
         plan, est, predicted, count = hit
         if plan is None or est is None:
             return None
@@ -401,10 +405,11 @@ class CollectiveRunner:
         return choice
 
     def _a2a_plan(self, kid: int, tgroups: list[tuple[int, ...]], local: bool,
-                  matrix: alltoall.PeerMatrix, fused_sms: int = 0) -> _A2A:
+                  matrix: alltoall.PeerMatrix, fused_sms: int = 0,
+                  fused_kernel: str = "") -> _A2A:
         """(plan, estimate, predicted time, count) of :meth:`run_all_to_all_v`, cached by the
         groups and the matrix's content."""
-        key = (kid, matrix, fused_sms)
+        key = (kid, matrix, fused_sms, fused_kernel)
         hit = self._a2a.get(key)
         if hit is None:
             # Groups inside one node each, of one size, never share a link (see _group_set),
@@ -412,8 +417,9 @@ class CollectiveRunner:
             # (_same_and_disjoint: expert-parallel groups of distinct nodes): one group's
             # flows stand for all of them. Otherwise every group's flows run.
             b = self.builder
-            rate = fused_kernel.nvlink_send_rate(fused_sms)
-            share = fused_kernel.nvlink_share(fused_sms, self.arch)
+            kernel = hybridep_kernel if fused_kernel == "hybridep" else fused_kernel_model
+            rate = kernel.nvlink_send_rate(fused_sms)
+            share = kernel.nvlink_share(fused_sms, self.arch)
 
             def planned(gs: list[tuple[int, ...]]) -> FlowPlan | None:
                 return alltoall.peer_plan(b, gs, matrix, nvlink_send_rate=rate,

@@ -56,6 +56,7 @@ from sim.frameworks.megatron.moe_flex import (
     flex_plan,
 )
 from sim.frameworks.megatron.moe_flex_skew import flex_pace
+from sim.frameworks.megatron.moe_hybridep import HybridEPPlan, hybridep_op, hybridep_plan
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
 from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
 from sim.frameworks.megatron.overlap import TE_AMAX_BYTES, amax_reductions, te_sp_gather_bytes
@@ -294,7 +295,8 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None)
     if opts.moe_token_dispatcher_type == "flex":   # skew: its own pace (moe_flex_skew)
-        fx = flex_plan(ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens)
+        make = hybridep_plan if opts.moe_flex_dispatcher_backend == "hybridep" else flex_plan
+        fx = make(ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens)
         plan = replace(plan, flex=fx, pace=None if fx.skew is None
                        else flex_pace(ctx, lay, local_tokens, cm, fx.skew))
     return replace(plan, ranks=rank_experts(ctx, lay, local_tokens, cm, plan.pace))
@@ -333,8 +335,9 @@ class MoEOps:
         routing only changes where); with skewed routing the per-peer matrix."""
         pl = self.plan
         if pl.flex is not None:
-            return flex_op(self._coll, pl.flex, which, label, pl.tp_ep_groups(self.st), mb,
-                           layer)
+            make = hybridep_op if isinstance(pl.flex, HybridEPPlan) else flex_op
+            return make(self._coll, pl.flex, which, label, pl.tp_ep_groups(self.st), mb,
+                        layer)
         if pl.ep == 1:
             return None
         a = pl.ops.alltoall[which]
@@ -467,10 +470,13 @@ class MoEOps:
             return out[:1] + [aux] + out[1:] if aux is not None else out
         ops: list[Op | None] = [router, aux]
         if pl.ep * pl.etp > 1 and pl.capacity is None:
+            # HybridEP's metadata_preprocess all-gathers the routing map itself (its token
+            # counts come from it): moe_hybridep.HybridEPPlan.routing_map_bytes.
+            hyb = isinstance(pl.flex, HybridEPPlan)
+            per = pl.flex.routing_map_bytes if hyb else pl.ops.count_gather_bytes
             count = self._coll(f"{label} token count all_gather", "all_gather",
-                               pl.tp_ep_groups(self.st),
-                               pl.ops.count_gather_bytes * pl.ep * pl.etp, "i64", "ep",
-                               mb, layer)
+                               pl.tp_ep_groups(self.st), per * pl.ep * pl.etp,
+                               "u8" if hyb else "i64", "ep", mb, layer)
             # MoEAlltoAllTokenDispatcher: with ep or expert-TP > 1 the split sizes must be on
             # the host before the all-to-all (cuda_sync_point "before_ep_alltoall"); with a
             # capacity factor (dropping) even before the permutation ("before_permutation_1",

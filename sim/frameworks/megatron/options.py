@@ -100,6 +100,12 @@ class MegatronOptions(StrictModel):
     every token over expert-TP x EP (Megatron-Core's own default is allgather), or ``flex``:
     DeepEP's fused dispatch and combine over expert-TP x EP (``--moe-flex-dispatcher-backend
     deepep``; :mod:`sim.frameworks.megatron.moe_flex`)."""
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] = "deepep"
+    """``--moe-flex-dispatcher-backend`` with ``moe_token_dispatcher_type: flex``: DeepEP's
+    normal kernels, or NVIDIA's Hybrid-EP (DeepEP's ``hybrid-ep`` branch: a token crosses
+    the network once per destination NVLink domain, NVLink domains up to a GB200 NVL72
+    rack, TMA copies with few SMs, 16-bit dispatch;
+    :mod:`sim.frameworks.megatron.moe_hybridep`)."""
     moe_flex_dispatcher_num_sms: int | None = Field(default=None, gt=0, le=B.MAX_GPU_SMS)
     """``--moe-flex-dispatcher-num-sms``: SMs DeepEP's kernels hold (even; default 20, as
     Megatron-Core's DeepEP manager sets)."""
