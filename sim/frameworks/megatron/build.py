@@ -230,7 +230,7 @@ class _Step:
         return bucket_ops(
             st, s.p, s.vp, s.mb_count, buckets, forwards, BucketComms(
                 groups=intra, reduce_op=reduce_op, inter_groups=inter,
-                grad_bytes=s.grad_bytes, param_bytes=s.act,
+                grad_bytes=s.grad_bytes, param_bytes=s.gather_bytes(st, prefix == "edp"),
                 grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
                 overlap_grad_reduce=s.opts.overlap_grad_reduce,
                 overlap_param_gather=(s.opts.distributed_optimizer
@@ -401,7 +401,8 @@ class _Step:
                         name=f"param all_gather bucket v{b.v} {b.parts[-1]}",
                         kind="collective", stream="dp", phase="comm", deps=[opt],
                         collective="all_gather", group=groups[0], groups=groups,
-                        nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
+                        nbytes=s.gather_bytes(st, False) * b.params, dtype=s.act_dtype,
+                        key=self.keys(f"dp/{st}"),
                         category="all_gather"))
             # Then the experts' buffers (DistributedDataParallel.start_param_sync walks the
             # dense bucket groups, then the expert-parallel ones).
@@ -470,5 +471,5 @@ class _Step:
                 name=f"expert param all_gather bucket v{b.v} {b.parts[-1]}",
                 kind="collective", stream="dp", phase="comm", deps=[opt],
                 collective="all_gather", group=groups[0], groups=groups,
-                nbytes=s.act * b.params, dtype=s.act_dtype,
+                nbytes=s.gather_bytes(st, True) * b.params, dtype=s.act_dtype,
                 key=self.keys(f"edp/{st}"), category="all_gather"))

@@ -263,6 +263,20 @@ class MegatronShape:
             n += float(self.mtp.depths * (eh_proj + layer))
         return n
 
+    def gather_bytes(self, st: int, expert: bool) -> float:
+        """Bytes per element of stage ``st``'s distributed-optimizer parameter all-gathers
+        (the dense buffers, or the experts' with ``expert``): 16-bit, or with
+        ``fp8_param_gather`` 1 byte for the FP8 linear weights (Megatron-Core's DDP keeps them
+        in their own uint8 buffers; the routed experts are all FP8 linears), averaged over
+        the stage's dense parameters."""
+        if not (self.lay.fp8 and self.opts.fp8_param_gather):
+            return float(self.act)
+        if expert:
+            return 1.0
+        n = self.stage_params(st)
+        fp8 = self.stage_fp8_params(st) - self.stage_expert_params(st)
+        return self.act - (self.act - 1.0) * fp8 / n if n else float(self.act)
+
     def initial_memory(self, st: int) -> dict[str, float]:
         """Memory per rank of stage ``st`` before the step (``docs/.../dist_optimizer.md``):
         16-bit parameters, gradient buffers, the optimizer state's GPU share
@@ -460,10 +474,14 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     sp = par.sequence_parallel and t > 1
     ac = s.training.activation_checkpointing
     modules = recompute_modules(ac, opts)
+    blackwell = ctx.compute.gpu.arch == "blackwell"
+    # FP8 primary weights are quantized by the optimizer step (its parameter copy), so the
+    # forward casts nothing; on Hopper it still builds each weight's transpose once a step.
+    cast = 0.0 if opts.fp8_param_gather and blackwell else 1.0 / ctx.micro_batches
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
-                         weight_cast_share=1.0 / ctx.micro_batches,
+                         weight_cast_share=cast,
                          cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
                                                  opts.cross_entropy_fusion_impl))
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
@@ -506,7 +524,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         head_params=m.norm_params + vocab_local * m.hidden
         + (mtp.stage_params if mtp is not None else 0.0),
         opt_bytes=optim.gpu_bytes * (1.0 - optim.offload), optim=optim,
-        blackwell=ctx.compute.gpu.arch == "blackwell",
+        blackwell=blackwell,
         shard=ctx.dp * cp // k_inst if opts.distributed_optimizer else 1,
         linear_params=cost["attn_main"].params + cost["mlp_main"].params,
         moe=moe, dense_layer_params=dense_layer, mtp=mtp, recompute=modules)
