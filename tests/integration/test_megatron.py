@@ -85,7 +85,9 @@ def test_tensor_parallel_exchanges_per_layer() -> None:
     (False, True, 18), (True, True, None), (False, False, 20)])
 def test_bytes_per_parameter_follow_megatron(distributed, grad_fp32, per_param) -> None:
     # docs/user-guide/features/dist_optimizer.md: bf16 params with fp32 grads 18 bytes per
-    # parameter (6 + 12/d distributed); fp16 with fp16 grads 20 (4 + 16/d).
+    # parameter (6 + 12/d distributed); fp16 with fp16 grads 20 (4 + 16/d), of which the
+    # fp32 gradient copies (4, copy_group_grads' .float()) exist only from the optimizer step:
+    # held through the step, 4 at the step itself.
     d = 4
     s = scenario({"tp": 1, "pp": 1, "dp": d}, gbs=d, gpn=d,
                  framework={"name": "megatron", "distributed_optimizer": distributed,
@@ -93,8 +95,10 @@ def test_bytes_per_parameter_follow_megatron(distributed, grad_fp32, per_param) 
     p = build_program(JobContext.from_scenario(s))
     mem = p.classes[0].initial_memory
     n = mem["parameters"] / 2
-    total = sum(mem.values()) / n
+    step = next(op for op in p.ops if op.name == "optimizer step")
+    total = (sum(mem.values()) + step.transient) / n
     assert total == pytest.approx(per_param if per_param else 6 + 12 / d)
+    assert step.transient / n == (0 if grad_fp32 else 4 / (d if distributed else 1))
 
 
 def test_data_parallel_gradients_and_tied_embeddings() -> None:

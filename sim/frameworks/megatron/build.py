@@ -94,6 +94,7 @@ from sim.frameworks.megatron.layer import (
 )
 from sim.frameworks.megatron.moe_rank_memory import own_memory
 from sim.frameworks.megatron.moe_ranks import split_expert_ranks
+from sim.frameworks.megatron.optimizer_precision import gpu_step_s, offload_ops
 from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-exported
     P2PLink,
     add_stage,
@@ -103,6 +104,7 @@ from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-e
 )
 from sim.frameworks.megatron.shape import MegatronShape, megatron_shape
 from sim.frameworks.megatron.tp_grads import stage_replicated_params
+from sim.hardware.host import HostSpec
 from sim.program.ir import Op, Program, RankClass
 
 # CPU seconds per Python-level torch op in Megatron's eager layers (see PYTHON_OPS). Fitted,
@@ -182,6 +184,7 @@ class _Step:
         self.units = units
         self.keys = keys
         self.cpu_call = cpu_call
+        self.host = HostSpec.from_scenario(ctx.scenario) if s.optimizer.offload > 0 else None
         # overlap_param_gather_with_optimizer_step: chunk 0's optimizer step closes the step
         # and the other chunks' steps open the next (see add_stages).
         self.rotated = s.opts.overlap_param_gather_with_optimizer_step and s.dp * s.cp > 1
@@ -227,7 +230,7 @@ class _Step:
         return bucket_ops(
             st, s.p, s.vp, s.mb_count, buckets, forwards, BucketComms(
                 groups=intra, reduce_op=reduce_op, inter_groups=inter,
-                grad_bytes=s.grad_bytes, param_bytes=s.act,
+                grad_bytes=s.grad_bytes, param_bytes=s.gather_bytes(st, prefix == "edp"),
                 grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
                 overlap_grad_reduce=s.opts.overlap_grad_reduce,
                 overlap_param_gather=(s.opts.distributed_optimizer
@@ -241,19 +244,30 @@ class _Step:
                 insert_before=self.insert_before))
 
     def optimizer_s(self, st: int) -> float:
-        """GPU seconds of stage ``st``'s optimizer step: grad unscale/norm (read 4 B), Adam
-        over the fp32 shard (28 B), copy the updated shard into 16-bit parameters (6 B), zero
-        the gradient buffers."""
-        s, cm = self.s, self.cm
+        """GPU seconds of stage ``st``'s optimizer step over its shard (dense over the
+        data-parallel group, the local experts over the expert-data-parallel group):
+        :func:`~sim.frameworks.megatron.optimizer_precision.gpu_step_s`."""
+        s = self.s
         n = s.stage_params(st)
-        local = n / s.shard
+        local = self.local_params(st)
+        n += s.stage_expert_params(st)
+        return gpu_step_s(self.cm, s.optimizer, local, n, s.grad_bytes,
+                          8 * s.stage_layer_count[st] + 4)
+
+    def local_params(self, st: int) -> float:
+        """Parameters of stage ``st``'s optimizer shard on one rank."""
+        s = self.s
+        local = s.stage_params(st) / s.shard
         e = s.stage_expert_params(st)
         if e:   # the local experts' shard over the expert-data-parallel group
             local += e / s.expert_shard
-            n += e
-        return (cm.adamw_time(local, True, 8 * s.stage_layer_count[st] + 4)
-                + cm.membound_time(4 * local) + cm.membound_time(6 * local)
-                + cm.membound_time(s.grad_bytes * n))
+        return local
+
+    def _step_bytes(self, st: int) -> float:
+        """GPU bytes the optimizer allocates at the step: fp32 copies of 16-bit gradients
+        (Megatron-Core's ``copy_group_grads``), held until the next step's ``zero_grad``."""
+        plan = self.s.optimizer
+        return plan.step_bytes * (1.0 - plan.offload) * self.local_params(st)
 
     def chunk0_share(self, st: int) -> float:
         """Share of stage ``st``'s parameters in its first model chunk."""
@@ -373,7 +387,13 @@ class _Step:
             if self.rotated:
                 dur *= self.chunk0_share(st)   # the other chunks' steps open the step
             opt = program.add(cls, compute("optimizer step", dur, phase="optimizer",
-                                           category="optimizer", deps=deps_done))
+                                           category="optimizer", deps=deps_done,
+                                           transient=self._step_bytes(st)))
+            if self.host is not None:   # optimizer_cpu_offload: the CPU share's step
+                for o in offload_ops(s.optimizer, self.host, self.local_params(st), opt,
+                                     deps_done):
+                    program.add(cls, o)
+                opt = o
             if s.opts.distributed_optimizer and s.dp * s.cp > 1 \
                     and not self.stage_buckets[st].gathers:
                 # Without overlap_param_gather the optimizer gathers every bucket right away.
@@ -382,7 +402,8 @@ class _Step:
                         name=f"param all_gather bucket v{b.v} {b.parts[-1]}",
                         kind="collective", stream="dp", phase="comm", deps=[opt],
                         collective="all_gather", group=groups[0], groups=groups,
-                        nbytes=s.act * b.params, dtype=s.act_dtype, key=self.keys(f"dp/{st}"),
+                        nbytes=s.gather_bytes(st, False) * b.params, dtype=s.act_dtype,
+                        key=self.keys(f"dp/{st}"),
                         category="all_gather"))
             # Then the experts' buffers (DistributedDataParallel.start_param_sync walks the
             # dense bucket groups, then the expert-parallel ones).
@@ -451,5 +472,5 @@ class _Step:
                 name=f"expert param all_gather bucket v{b.v} {b.parts[-1]}",
                 kind="collective", stream="dp", phase="comm", deps=[opt],
                 collective="all_gather", group=groups[0], groups=groups,
-                nbytes=s.act * b.params, dtype=s.act_dtype,
+                nbytes=s.gather_bytes(st, True) * b.params, dtype=s.act_dtype,
                 key=self.keys(f"edp/{st}"), category="all_gather"))

@@ -158,3 +158,38 @@ class MegatronOptions(StrictModel):
     """Without sequence parallelism, each tensor-parallel rank sends 1/tp of the activation
     to the next stage, which all-gathers it; default: on for ``local`` (older Megatron,
     Megatron-DeepSpeed), off for ``transformer_engine`` (Megatron-Core dropped it)."""
+    # Optimizer precision, FP8 primary weights and CPU offload
+    # (:mod:`sim.frameworks.megatron.optimizer_precision`; Megatron-Core OptimizerConfig).
+    use_precision_aware_optimizer: bool = False
+    """``--use-precision-aware-optimizer``: Transformer Engine's FusedAdam keeps the moments in
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` and (unless an FP8 recipe other than delayed runs
+    with fp32 main params) the master weights itself, reading the gradient buffer in place."""
+    exp_avg_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """``--exp-avg-dtype``: Adam's first moment in memory (precision-aware optimizer only)."""
+    exp_avg_sq_dtype: Literal["fp32", "fp16", "bf16", "fp8"] = "fp32"
+    """``--exp-avg-sq-dtype``: Adam's second moment in memory (precision-aware only)."""
+    main_params_dtype: Literal["fp32", "fp16"] = "fp32"
+    """``--main-params-dtype``: the master weights (precision-aware only)."""
+    main_grads_dtype: Literal["fp32", "bf16"] | None = None
+    """``--main-grads-dtype``: the gradient buffers' dtype under the precision-aware optimizer;
+    bf16 is ``grad_reduce_in_fp32: false`` (Megatron-LM sets accumulate_allreduce_grads_in_fp32
+    from it); unset: ``grad_reduce_in_fp32`` decides."""
+    store_param_remainders: bool = True
+    """``store_param_remainders`` (OptimizerConfig default on): with fp32 master weights held by
+    TE over bf16 parameters, store only the 16 bits the bf16 parameter lacks (2 bytes)."""
+    fp8_param_gather: bool = False
+    """``--fp8-param-gather`` (FP8 primary weights; Megatron-Bridge's FP8 current-scaling
+    precision recipe sets it): linear weights are TE FP8 tensors (1 byte, no 16-bit copy),
+    gathered in FP8 by the distributed optimizer. Needs training.precision fp8 and the
+    distributed optimizer."""
+    optimizer_cpu_offload: bool = False
+    """``--optimizer-cpu-offload``: Megatron-Core's HybridDeviceOptimizer steps
+    ``optimizer_offload_fraction`` of each rank's shard with torch's fused AdamW on the CPU
+    (fp32 states in pinned host memory, gradients copied down and parameters up each step).
+    Needs ``use_precision_aware_optimizer`` (Megatron-LM validate_args)."""
+    optimizer_offload_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    """``--optimizer-offload-fraction`` (Megatron-LM's argument default 1.0): the share of the
+    shard's elements, in parameter order, stepped on the CPU."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """``--overlap-cpu-optimizer-d2h-h2d``: one CPU optimizer per parameter, the gradient and
+    parameter copies on their own streams, so copies and CPU steps pipeline."""

@@ -20,6 +20,12 @@ from sim.frameworks.megatron.buckets import data_parallel_modes
 from sim.frameworks.megatron.layout import as_layout, check_layout
 from sim.frameworks.megatron.moe import MoEPlan, check_moe, moe_plan
 from sim.frameworks.megatron.mtp import MTPPlan, mtp_plan
+from sim.frameworks.megatron.optimizer_precision import (
+    OptimizerPlan,
+    check_optimizer,
+    fp8_weight_bytes,
+    optimizer_plan,
+)
 from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
 from sim.frameworks.megatron.recompute import check_recompute, recompute_modules, recompute_plan
 from sim.program.ir import NcclType
@@ -91,8 +97,9 @@ class MegatronShape:
     vocab_local: int
     emb_params: float
     head_params: float
-    opt_bytes: int
-    """Optimizer bytes per parameter: fp32 master and Adam moments (+ fp32 grads for fp16)."""
+    opt_bytes: float
+    """Optimizer bytes per parameter held on the GPU through the step: master weights and
+    Adam moments, the CPU-offloaded share excluded (:attr:`optim`)."""
     shard: int
     """Ranks the optimizer state is sharded over (1 without the distributed optimizer)."""
     linear_params: float
@@ -109,6 +116,18 @@ class MegatronShape:
     recompute: frozenset[str] = frozenset()
     """Modules recomputed under selective granularity (``framework.recompute_modules``,
     default ``core_attn``; :mod:`sim.frameworks.megatron.recompute`); empty otherwise."""
+    optim: OptimizerPlan | None = None
+    """What the optimizer keeps and moves per parameter
+    (:mod:`sim.frameworks.megatron.optimizer_precision`); None: the default fp32 Adam."""
+    blackwell: bool = False
+    """The GPU runs non-TN FP8 GEMMs (compute capability 10.x): TE keeps no FP8 transpose."""
+
+    @property
+    def optimizer(self) -> OptimizerPlan:
+        """:attr:`optim`, or the default fp32 Adam's plan."""
+        if self.optim is not None:
+            return self.optim
+        return optimizer_plan(self.opts, self.precision, self.grad_bytes)
 
     @property
     def act_dtype(self) -> NcclType:
@@ -223,11 +242,48 @@ class MegatronShape:
         the expert parameters' buffers uses ``expt_dp``), else 1."""
         return self.moe.edp if self.moe is not None and self.opts.distributed_optimizer else 1
 
+    def stage_fp8_params(self, st: int) -> float:
+        """Parameters of stage ``st`` in FP8 linears under FP8 training: every layer's linear
+        weights; an MoE layer's attention linears, local experts and shared experts (the
+        router's GEMM stays 16-bit); the MTP modules' eh_proj and layer (they run under the
+        global FP8 context too)."""
+        if self.moe is None:
+            n = float(self.stage_layer_count[st] * self.linear_params)
+        else:
+            moe, attn = self.moe, self.cost["attn_main"].params
+            mlp = self.linear_params - attn
+            moe_lin = moe.expert_params + (moe.ops.shared.params if moe.ops.shared else 0)
+            n = float(sum(attn + (moe_lin if moe.is_moe(la) else mlp)
+                          for la in self.stage_layers(st)))
+        if self.mtp is not None and st == self.p - 1:
+            layer = self.linear_params if self.moe is None else \
+                self.cost["attn_main"].params + self.moe.expert_params + (
+                    self.moe.ops.shared.params if self.moe.ops.shared else 0)
+            eh_proj = 2 * self.h * self.h // self.t
+            n += float(self.mtp.depths * (eh_proj + layer))
+        return n
+
+    def gather_bytes(self, st: int, expert: bool) -> float:
+        """Bytes per element of stage ``st``'s distributed-optimizer parameter all-gathers
+        (the dense buffers, or the experts' with ``expert``): 16-bit, or with
+        ``fp8_param_gather`` 1 byte for the FP8 linear weights (Megatron-Core's DDP keeps them
+        in their own uint8 buffers; the routed experts are all FP8 linears), averaged over
+        the stage's dense parameters."""
+        if not (self.lay.fp8 and self.opts.fp8_param_gather):
+            return float(self.act)
+        if expert:
+            return 1.0
+        n = self.stage_params(st)
+        fp8 = self.stage_fp8_params(st) - self.stage_expert_params(st)
+        return self.act - (self.act - 1.0) * fp8 / n if n else float(self.act)
+
     def initial_memory(self, st: int) -> dict[str, float]:
         """Memory per rank of stage ``st`` before the step (``docs/.../dist_optimizer.md``):
-        16-bit parameters, gradient buffers, optimizer state sharded by the distributed
-        optimizer; under FP8, Transformer Engine keeps each linear weight's E4M3 copy and its
-        transpose between micro-batches (cast once per step): 2 bytes per linear parameter."""
+        16-bit parameters, gradient buffers, the optimizer state's GPU share
+        (:attr:`opt_bytes`) sharded by the distributed optimizer; under FP8, Transformer
+        Engine keeps each linear weight's E4M3 copy between micro-batches (cast once per step)
+        and, on Hopper, its transpose; FP8 primary weights are the parameter itself
+        (:func:`~sim.frameworks.megatron.optimizer_precision.fp8_weight_bytes`)."""
         n = self.stage_params(st)
         mem = {"parameters": self.act * n, "gradients": self.grad_bytes * n,
                "optimizer": self.opt_bytes * n / self.shard}
@@ -237,23 +293,12 @@ class MegatronShape:
             mem["gradients"] += self.grad_bytes * e
             mem["optimizer"] += self.opt_bytes * e / self.expert_shard
         if self.lay.fp8:
-            if self.moe is None:
-                mem["buffers"] = float(2 * self.stage_layer_count[st] * self.linear_params)
-            else:
-                # An MoE layer's FP8 weights: attention's linears, the local experts' grouped
-                # weights and the shared experts (the router's GEMM stays 16-bit).
-                moe, attn = self.moe, self.cost["attn_main"].params
-                mlp = self.linear_params - attn
-                moe_lin = moe.expert_params + (moe.ops.shared.params if moe.ops.shared else 0)
-                mem["buffers"] = float(2 * sum(attn + (moe_lin if moe.is_moe(la) else mlp)
-                                               for la in self.stage_layers(st)))
-            if self.mtp is not None and st == self.p - 1:
-                # The modules run under the global FP8 context too: eh_proj and the layer.
-                layer = self.linear_params if self.moe is None else \
-                    self.cost["attn_main"].params + self.moe.expert_params + (
-                        self.moe.ops.shared.params if self.moe.ops.shared else 0)
-                eh_proj = 2 * self.h * self.h // self.t
-                mem["buffers"] += float(2 * self.mtp.depths * (eh_proj + layer))
+            # Per FP8 linear parameter: the parameter itself (1 byte as a primary weight) and
+            # TE's cached FP8 copy / transpose (optimizer_precision.fp8_weight_bytes).
+            pbytes, bbytes = fp8_weight_bytes(self.opts.fp8_param_gather, self.blackwell)
+            lin = self.stage_fp8_params(st)
+            mem["buffers"] = bbytes * lin
+            mem["parameters"] -= (self.act - pbytes) * lin
         if e and self.moe is not None and self.moe.flex is not None:
             # DeepEP's Buffer, allocated once per process (fused_a2a.get_buffer).
             mem["buffers"] = mem.get("buffers", 0.0) + self.moe.flex.persistent_bytes
@@ -418,6 +463,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     t, p, cp, vp = par.tp, par.pp, par.cp, par.vp
     check_options(ctx, opts)
     check_recompute(ctx, opts)
+    check_optimizer(ctx, opts)
     precision = s.training.precision
     mb_count = ctx.micro_batches
     align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
@@ -428,10 +474,14 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     sp = par.sequence_parallel and t > 1
     ac = s.training.activation_checkpointing
     modules = recompute_modules(ac, opts)
+    blackwell = ctx.compute.gpu.arch == "blackwell"
+    # FP8 primary weights are quantized by the optimizer step (its parameter copy), so the
+    # forward casts nothing; on Hopper it still builds each weight's transpose once a step.
+    cast = 0.0 if opts.fp8_param_gather and blackwell else 1.0 / ctx.micro_batches
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
-                         weight_cast_share=1.0 / ctx.micro_batches,
+                         weight_cast_share=cast,
                          fp8_transpose=ctx.compute.gpu.arch != "blackwell",
                          cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
                                                  opts.cross_entropy_fusion_impl),
@@ -440,7 +490,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
     tokens = ctx.micro_batch * ctx.seq // cp
     grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
+        else opts.main_grads_dtype == "fp32" if opts.main_grads_dtype is not None \
         else precision in ("bf16", "fp8")
+    optim = optimizer_plan(opts, precision, 4 if grad_fp32 else 2)
     chunks = scenario_chunks(m, opts, p, vp)
     vocab_local = padded_vocab(m, t) // t
     local_tokens = tokens // t if sp else tokens
@@ -473,7 +525,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         # The output layer (a tied copy if tied), and the multi-token prediction modules.
         head_params=m.norm_params + vocab_local * m.hidden
         + (mtp.stage_params if mtp is not None else 0.0),
-        opt_bytes=12 if grad_fp32 else 16,
+        opt_bytes=optim.gpu_bytes * (1.0 - optim.offload), optim=optim,
+        blackwell=blackwell,
         shard=ctx.dp * cp // k_inst if opts.distributed_optimizer else 1,
         linear_params=cost["attn_main"].params + cost["mlp_main"].params,
         moe=moe, dense_layer_params=dense_layer, mtp=mtp, recompute=modules)
