@@ -167,7 +167,7 @@ def build_megatron(ctx: JobContext) -> Program:
             else:
                 own_memory(program, s, ctx.compute, cpu_call, units, built)
     if graphs is not None:       # captured regions: one replay's host time each
-        apply_cuda_graphs(program, graphs, cpu_call)
+        apply_cuda_graphs(program, graphs, cpu_call, s.act * s.local_tokens * s.h, s.vp)
     return program
 
 

@@ -139,11 +139,15 @@ def _region(plan: GraphPlan, block: str, rest: str) -> str | None:
     return None
 
 
-def apply_cuda_graphs(program: Program, plan: GraphPlan, cpu_call: float) -> int:
+def apply_cuda_graphs(program: Program, plan: GraphPlan, cpu_call: float,
+                      hidden_bytes: float, vp: int) -> int:
     """Set the host seconds of every captured op: the first op of each region (rank class,
     pass, layer, micro-batch, region) pays one replay, :func:`replay_cpu_s`, the others
-    nothing (their kernels and NCCL calls are in the graph). Returns the regions."""
+    nothing (their kernels and NCCL calls are in the graph); add each class's graph memory
+    (:func:`graph_memory`, ``hidden_bytes``: one micro-batch's hidden states on a rank).
+    Returns the regions."""
     first: dict[tuple[object, ...], Op] = {}
+    captured: dict[int, list[Op]] = {}
     cls_of = {id(op): c.id for c in program.classes for ops in c.streams.values()
               for op in ops}
     for op in program.ops:
@@ -168,7 +172,52 @@ def apply_cuda_graphs(program: Program, plan: GraphPlan, cpu_call: float) -> int
             op.cpu_s = replay_cpu_s(cpu_call, key[1] is True)
         else:
             op.cpu_s = 0.0
+        captured.setdefault(cls_of.get(id(op), -1), []).append(op)
+    for c in program.classes:
+        ops = captured.get(c.id, [])
+        if ops:
+            c.initial_memory["cuda_graphs"] = graph_memory(ops, plan, hidden_bytes, vp)
     return len(first)
+
+
+def graph_memory(ops: list[Op], plan: GraphPlan, hidden_bytes: float, vp: int) -> float:
+    """Bytes one rank's graphs hold beyond eager execution, as Megatron-Core lays them out.
+
+    A graph's temporaries live in its private memory pool and are not returned to the
+    caching allocator. ``local`` (``CudaGraphManager`` in reuse mode) gives each virtual
+    stage one forward pool per micro-batch in flight (``fwd_mempools[vpp_rank][runner]``)
+    and every backward graph one shared pool (``bwd_mempool``); Transformer Engine's
+    ``make_graphed_callables`` captures all callables into one shared pool. Each pool holds
+    the largest transient peak of the captured ops it runs. Static buffers: consecutive
+    layers share their hidden-state input/output buffers
+    (``optimize_transformer_layer_graph_buffers``), so a runner adds one static input, and the
+    backward graphs one static output gradient, of ``hidden_bytes`` each."""
+    fwd = [o for o in ops if o.phase == "fwd"]
+    bwd = [o for o in ops if o.phase in ("bwd", "recompute")]
+    pools = 1.0
+    if plan.impl == "local" and not plan.iteration:
+        pools = vp * _mean_in_flight(ops)
+    peak_f = max((o.transient for o in fwd), default=0.0)
+    peak_b = max((o.transient for o in bwd), default=0.0)
+    return pools * (peak_f + hidden_bytes) + peak_b + hidden_bytes
+
+
+def _mean_in_flight(ops: list[Op]) -> float:
+    """Micro-batches whose forward of a layer has run and whose backward has not, at most,
+    averaged over the captured layers (a virtual stage's layers share one count): the
+    runners ``CudaGraphManager`` keeps per layer."""
+    live: dict[int, set[int]] = {}
+    most: dict[int, int] = {}
+    for o in ops:
+        if o.layer is None or o.micro_batch is None:
+            continue
+        cur = live.setdefault(o.layer, set())
+        if o.phase == "fwd":
+            cur.add(o.micro_batch)
+        elif o.phase == "bwd":
+            cur.discard(o.micro_batch)
+        most[o.layer] = max(most.get(o.layer, 0), len(cur))
+    return sum(most.values()) / len(most) if most else 1.0
 
 
 def replay_cpu_s(cpu_call: float, backward: bool) -> float:
