@@ -176,7 +176,9 @@ def apply_cuda_graphs(program: Program, plan: GraphPlan, cpu_call: float,
     for c in program.classes:
         ops = captured.get(c.id, [])
         if ops:
-            c.initial_memory["cuda_graphs"] = graph_memory(ops, plan, hidden_bytes, vp)
+            # Held from graph capture on: buffers before the step starts.
+            c.initial_memory["buffers"] = (c.initial_memory.get("buffers", 0.0)
+                                           + graph_memory(ops, plan, hidden_bytes, vp))
     return len(first)
 
 
