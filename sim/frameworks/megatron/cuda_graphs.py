@@ -3,9 +3,10 @@ a layer are captured, what the host then pays to issue them, and which combinati
 refuses.
 
 What Megatron-Core captures (``megatron/core/transformer/cuda_graphs.py`` and
-``transformer_config.py`` ``__post_init__``, core_v0.16.0; the 0.14 / 0.15 releases that the
-25.09 / 25.11 containers ship know only the scopes ``full`` and ``attn`` and the deprecated
-``--enable-cuda-graph`` (= ``local``) / ``--external-cuda-graph`` (= ``transformer_engine``)):
+``transformer_config.py`` ``__post_init__``, core_v0.16.0; core_v0.14 / v0.15 know only the
+scopes ``full`` and ``attn``, and the deprecated ``--enable-cuda-graph`` (= ``local``) /
+``--external-cuda-graph`` (= ``transformer_engine``) that Megatron-Bridge's 25.09 scripts set;
+its 25.11 scripts already pass scope lists):
 
 * ``local``: ``CudaGraphManager`` records each ``TransformerLayer`` call (forward graph, and
   a backward graph replayed by its autograd node), one ``_CudaGraphRunner`` per layer and
@@ -19,9 +20,11 @@ What Megatron-Core captures (``megatron/core/transformer/cuda_graphs.py`` and
   ``attn`` the attention block (``_forward_attention``), ``mlp`` a dense layer's MLP,
   ``moe`` the whole MoE block (drop-and-pad only: its sizes are fixed by capacity),
   ``moe_router`` the pre-MLP norm and router, ``moe_preprocess`` also the dispatcher's
-  preprocess (the permutation). A dropless MoE reads the tokens per expert on the host
-  (``cuda_sync_point``), which no graph can hold: only its router and preprocess can be
-  captured.
+  preprocess (the permutation; the builder prices router and permutation as one op, so
+  ``moe_router`` alone under ``transformer_engine`` graphs the permutation too, as every
+  Megatron-Bridge script that sets it also sets ``moe_preprocess``). A dropless MoE reads
+  the tokens per expert on the host (``cuda_sync_point``), which no graph can hold: only its
+  router and preprocess can be captured.
 
 The host cost: one captured region replays as one call into the graphed callable (a Python
 autograd function that copies the fresh input into the graph's static input buffer, then

@@ -161,3 +161,13 @@ def test_full_iteration_needs_local() -> None:
     # one launch for the forward-backward of each rank class; the optimizer stays eager
     paid = [o for o in p.ops if o.cpu_s > 0 and o.phase != "optimizer"]
     assert len(paid) == len(p.classes)
+
+
+def test_local_takes_moe_preprocess_as_router_and_preprocess() -> None:
+    # core_v0.16.0: "local impl doesn't currently distinguish between moe_preprocess or
+    # moe_router so just set both" -- so moe_preprocess alone is not refused under local.
+    alone = program(_mega(TINY, {"cuda_graph_impl": "local",
+                                 "cuda_graph_scope": ["moe_preprocess"]}))
+    both = program(_mega(TINY, {"cuda_graph_impl": "transformer_engine",
+                                "cuda_graph_scope": ["moe_router", "moe_preprocess"]}))
+    assert [o.cpu_s for o in alone.ops] == [o.cpu_s for o in both.ops]
