@@ -78,6 +78,7 @@ from sim.frameworks.megatron.buckets import (
     bucket_size,
     instance_groups,
 )
+from sim.frameworks.megatron.cuda_graphs import apply_cuda_graphs, check_cuda_graphs
 from sim.frameworks.megatron.delay_wgrad import (
     LayerWgrad,
     WgradSplit,
@@ -128,6 +129,7 @@ def build_megatron(ctx: JobContext) -> Program:
     build every unit's ops, hook the data-parallel buckets into them, lay each stage's
     units out in its pipeline schedule, then reduce gradients and step the optimizer."""
     s = megatron_shape(ctx)
+    graphs = check_cuda_graphs(ctx, s.opts)
     if s.opts.moe_a2a_overlap:
         check_a2a_overlap(ctx, s)
     if s.opts.delay_wgrad_compute:
@@ -166,6 +168,8 @@ def build_megatron(ctx: JobContext) -> Program:
                 resplit_expert_classes(program, s, ctx.compute, split)
             else:
                 own_memory(program, s, ctx.compute, cpu_call, units, built)
+    if graphs is not None:       # captured regions: one replay's host time each
+        apply_cuda_graphs(program, graphs, cpu_call, s.act * s.local_tokens * s.h, s.vp)
     return program
 
 

@@ -193,3 +193,15 @@ class MegatronOptions(StrictModel):
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """``--overlap-cpu-optimizer-d2h-h2d``: one CPU optimizer per parameter, the gradient and
     parameter copies on their own streams, so copies and CPU steps pipeline."""
+    cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
+    """``--cuda-graph-impl`` (``--enable-cuda-graph`` was ``local``, ``--external-cuda-graph``
+    ``transformer_engine``, as Megatron-Bridge's 25.09 ``cuda_graphs: true`` set the former):
+    Megatron-Core's own ``CudaGraphManager`` or Transformer Engine's ``make_graphed_callables``
+    capture parts of each layer, replayed with one host call instead of one a kernel
+    (:mod:`sim.frameworks.megatron.cuda_graphs`)."""
+    cuda_graph_scope: list[Literal["full", "full_iteration", "attn", "mlp", "moe", "moe_router",
+                                   "moe_preprocess"]] | None = None
+    """``--cuda-graph-scope``: what is captured; unset, ``[]`` or ``[full]``: the whole
+    layer; ``attn``, ``mlp`` (dense layers), ``moe`` (drop-and-pad only), ``moe_router``
+    (+ ``moe_preprocess``); ``full_iteration`` (``local`` only) the whole forward-backward.
+    Combinations Megatron-Core refuses are refused."""
