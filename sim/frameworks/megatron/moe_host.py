@@ -1,0 +1,46 @@
+"""Megatron's MoE layer host time from its Python-level calls
+(:mod:`sim.workload.moe_host_ops`), set on the ops :class:`.moe.MoEOps` lays out.
+
+Each op keeps its host time in ``Op.cpu_s`` (a per-op attribute: whatever removes launches,
+as a captured CUDA graph does, can zero it there)."""
+
+from __future__ import annotations
+
+from sim.frameworks.common.base import JobContext
+from sim.program.ir import Op
+from sim.scenario import MegatronOptions
+from sim.workload.block_pricing import CPP_LAUNCH_CPU_S
+from sim.workload.moe_host_ops import HostCalls, MoEHostConfig, moe_host_calls
+from sim.workload.moe_ops import MoELayout
+
+
+def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls] | None:
+    """The host calls of one MoE layer's components under the scenario's options; None for
+    the ``allgather`` dispatcher (still priced by its kernels)."""
+    opts = ctx.scenario.framework
+    assert isinstance(opts, MegatronOptions)
+    moe = ctx.model.moe
+    if moe is None or opts.moe_token_dispatcher_type == "allgather":
+        return None
+    return moe_host_calls(MoEHostConfig(
+        local_experts=max(1, moe.experts // lay.ep),
+        dispatcher=opts.moe_token_dispatcher_type,
+        fp8=lay.fp8 is not None, router=moe.router, router_fusion=lay.router_fusion,
+        group_limited=getattr(opts, "moe_router_num_groups", None) is not None,
+        aux_loss=lay.aux_loss, z_loss=lay.z_loss, token_drop=lay.token_drop,
+        permute_fusion=lay.te_permute, bias=ctx.model.bias, shared=moe.shared > 0))
+
+
+def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: str,
+             cpu_call: float) -> None:
+    """Price ``op``'s host time by its component's calls: ``cpu_call`` a Python-level call
+    (half for an autograd node in backward), at least the kernels it already pays for, plus
+    the per-expert C++ objects at :data:`CPP_LAUNCH_CPU_S`. Call right after the op is
+    created (its ``cpu_s`` then holds only its kernels' cost)."""
+    h = calls.get(component) if calls is not None else None
+    if h is None:
+        return
+    bwd = phase == "bwd"
+    per_call = cpu_call / 2 if bwd else cpu_call
+    op.cpu_s = max(op.cpu_s, (h.bwd if bwd else h.fwd) * per_call) \
+        + (h.cpp_bwd if bwd else h.cpp_fwd) * CPP_LAUNCH_CPU_S
