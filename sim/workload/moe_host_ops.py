@@ -162,9 +162,13 @@ EXPERTS: dict[str, tuple[int, int]] = {
     # FP8: fp8_padding for tokens and probs, fp8_unpadding (module calls with their split /
     # cat); the quantizers' set_usage pass per GroupedLinear.
     "fp8": (8, 4),
-    # bias (GPT-OSS): the per-expert bias add is a torch.cat of a list of adds over
-    # torch.split (split, cat + one add per expert: PER_EXPERT "bias").
-    "bias": (2, 1),
+    # bias (GPT-OSS, 0d8e0714 experts.py): fc2's per-expert bias is applied in a Python loop
+    # over the experts' chunks (split, then cat and cast back); per expert PER_EXPERT_PY.
+    "bias": (3, 1),
+    # GPT-OSS's clamped gated activation (fused_bias_geglu.py's unfused path): clamp of the
+    # gate and of the linear half, cat, the weighted activation instead of one fused
+    # swiglu; nodes: the activation, two clamps, the chunk.
+    "clamped_act": (2, 3),
     # moe_act recompute: CheckpointWithoutOutput (checkpoint,
     # discard_output_and_register_recompute, the recompute hook).
     "act_recompute": (4, 2),
@@ -176,16 +180,20 @@ EXPERTS: dict[str, tuple[int, int]] = {
 # of input and weight; FP8 adds update_usage of both. Backward: main_grad_funcs' call, the
 # grad's split view (or quantized tensor), handle_custom_ddp_from_mcore's torch.empty dummy
 # wgrad, Megatron DDP's per-parameter grad hook (param_and_grad_buffer), restore_from_saved
-# of the two saved tensors; FP8 adds update_usage. A bias adds its add / grad and its hook.
+# of the two saved tensors; FP8 adds update_usage.
 PER_EXPERT: dict[str, tuple[int, int]] = {
     "bf16": (3, 6),
     "fp8": (5, 7),
-    "bias": (1, 2),
 }
+# Per local expert, Python-level calls of the bias loop (GPT-OSS): forward the probs' mul and
+# the bias add; backward the add's, the two muls' (bias, probs) nodes, the two sums, the bias
+# grad's cast and its accumulation.
+PER_EXPERT_PY: dict[str, tuple[int, int]] = {"bias": (2, 7)}
 
-# SharedExpertMLP: a TE MLP (fc1, activation, fc2, bias-dropout-add as PYTHON_OPS_TE's
-# mlp_main) plus, with a gate (Qwen2-style), its linear, sigmoid and mul.
-SHARED = (5, 4)
+# SharedExpertMLP: a TE MLP, forward as PYTHON_OPS_TE's mlp_main (fc1, activation, fc2,
+# bias-dropout-add, the module call); backward: each _Linear body calls general_gemm for its
+# dgrad and its wgrad (2 calls each), the activation's node, the add's node.
+SHARED = (5, 6)
 
 
 @dataclass(frozen=True)
@@ -214,6 +222,7 @@ class MoEHostConfig:
     token_drop: Literal["drop", "pad"] | None = None
     permute_fusion: bool = True
     bias: bool = False
+    clamp: bool = False
     act_recompute: bool = False
     shared: bool = False
 
@@ -274,12 +283,14 @@ def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
         parts.append(EXPERTS["fp8"])
     if c.bias:
         parts.append(EXPERTS["bias"])
+        b = PER_EXPERT_PY["bias"]
+        parts.append((b[0] * c.local_experts, b[1] * c.local_experts))
+    if c.clamp:
+        parts.append(EXPERTS["clamped_act"])
     if c.act_recompute:
         parts.append(EXPERTS["act_recompute"])
     e = _add(*parts)
     per = PER_EXPERT["fp8" if c.fp8 else "bf16"]
-    if c.bias:
-        per = _add(per, PER_EXPERT["bias"])
     n = 2 * c.local_experts        # fc1 and fc2
     out = {"router": HostCalls(*r),
            "experts": HostCalls(e[0], e[1], per[0] * n, per[1] * n),

@@ -28,7 +28,8 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
         fp8=lay.fp8 is not None, router=moe.router, router_fusion=lay.router_fusion,
         group_limited=getattr(opts, "moe_router_num_groups", None) is not None,
         aux_loss=lay.aux_loss, z_loss=lay.z_loss, token_drop=lay.token_drop,
-        permute_fusion=lay.te_permute, bias=ctx.model.bias, shared=moe.shared > 0))
+        permute_fusion=lay.te_permute, bias=ctx.model.bias,
+        clamp=ctx.model.activation_clamp is not None, shared=moe.shared > 0))
 
 
 def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: str,
