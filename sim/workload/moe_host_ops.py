@@ -27,12 +27,16 @@ Python ``backward`` body calls). Each count is checked against the kernels the c
 issues (:mod:`sim.workload.moe_ops`) in ``tests/unit/workload/test_moe_host_ops.py``: a kernel
 launched from Python is one call or more.
 
-Per-call cost: no published per-call figure separates a TE module call from a plain torch
-op on the rows' hosts (TE issue #2053 measures a whole ``te.Linear`` forward at 2.7x a
-``torch.nn.Linear`` one on GB200/GH200, 99.7 vs 37.1 us, but not its parts), so a call
-costs what a dense call costs, ``MEGATRON_CPU_S_PER_OP`` (half in backward, as
-:class:`sim.frameworks.megatron.moe.MoEOps` already prices the autograd engine). The per-
-expert objects are created in C++ (``torch.split``'s views, ``tex.split_quantize``'s
+Per-call cost: a module call (the router, ``TEGroupedMLP``, each ``GroupedLinear``, the
+shared experts' MLP: :data:`MODULES`) costs what a dense TE layer's call costs,
+``MEGATRON_CPU_S_PER_OP`` (half in backward), since the dense counts hold a TE module call as
+one and that fit absorbs its inside. A plain torch call (a view, ``sum``, ``.to``, an
+autograd ``apply``) costs an eager PyTorch op, :data:`sim.hardware.compute.EAGER_FWD_OP_CPU_S`
+(backward :data:`~sim.hardware.compute.EAGER_BWD_OP_CPU_S`; published orders of magnitude);
+TE issue #2053 measures a whole ``te.Linear`` forward at 2.7x a ``torch.nn.Linear`` one
+(99.7 vs 37.1 us on GB200, 90.5 vs 33.2 us on GH200), the same order as 34 against 10-13 us.
+No priced op gets cheaper than its kernels at ``MEGATRON_CPU_S_PER_OP`` each, as before. The
+per-expert objects are created in C++ (``torch.split``'s views, ``tex.split_quantize``'s
 quantized tensors, ``torch.empty``; TE issue #1499: "the CPU overheads of PyTorch ops, such as
 ``torch.split()`` and ``torch.empty()`` (2x ``num_gemms`` calls)") and cost a C++ call each
 (:data:`sim.workload.block_pricing.CPP_LAUNCH_CPU_S`).
@@ -196,15 +200,28 @@ PER_EXPERT_PY: dict[str, tuple[int, int]] = {"bias": (2, 7)}
 SHARED = (5, 6)
 
 
+# Module calls among the counts above, priced as a dense TE layer's calls are (the router
+# module; TEGroupedMLP and its two GroupedLinear modules, whose backward is two _GroupedLinear
+# bodies; the shared experts' MLP, counted as PYTHON_OPS_TE counts a dense MLP).
+MODULES: dict[str, tuple[int, int]] = {"router": (1, 0), "experts": (3, 2), "shared": SHARED}
+
+
 @dataclass(frozen=True)
 class HostCalls:
-    """Python-level calls (forward, backward) of one component, and the per-expert C++ objects
-    (forward, backward) it builds, all local experts together."""
+    """Calls (forward, backward) of one component: plain torch-level calls, the module calls
+    among them, and the per-expert C++ objects it builds (all local experts together)."""
 
     fwd: int
     bwd: int
     cpp_fwd: int = 0
     cpp_bwd: int = 0
+    mod_fwd: int = 0
+    mod_bwd: int = 0
+
+    @property
+    def total(self) -> tuple[int, int]:
+        """Python-level calls, module calls included (forward, backward)."""
+        return self.fwd + self.mod_fwd, self.bwd + self.mod_bwd
 
 
 @dataclass(frozen=True)
@@ -292,9 +309,10 @@ def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
     e = _add(*parts)
     per = PER_EXPERT["fp8" if c.fp8 else "bf16"]
     n = 2 * c.local_experts        # fc1 and fc2
-    out = {"router": HostCalls(*r),
-           "experts": HostCalls(e[0], e[1], per[0] * n, per[1] * n),
+    mr, me = MODULES["router"], MODULES["experts"]
+    out = {"router": HostCalls(r[0] - mr[0], r[1] - mr[1], 0, 0, *mr),
+           "experts": HostCalls(e[0] - me[0], e[1] - me[1], per[0] * n, per[1] * n, *me),
            "combine": HostCalls(*d["combine"])}
     if c.shared:
-        out["shared"] = HostCalls(*SHARED)
+        out["shared"] = HostCalls(0, 0, 0, 0, *MODULES["shared"])
     return out

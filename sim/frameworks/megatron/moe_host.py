@@ -7,6 +7,7 @@ as a captured CUDA graph does, can zero it there)."""
 from __future__ import annotations
 
 from sim.frameworks.common.base import JobContext
+from sim.hardware.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S
 from sim.program.ir import Op
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import CPP_LAUNCH_CPU_S
@@ -34,14 +35,17 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
 
 def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: str,
              cpu_call: float) -> None:
-    """Price ``op``'s host time by its component's calls: ``cpu_call`` a Python-level call
-    (half for an autograd node in backward), at least the kernels it already pays for, plus
-    the per-expert C++ objects at :data:`CPP_LAUNCH_CPU_S`. Call right after the op is
-    created (its ``cpu_s`` then holds only its kernels' cost)."""
+    """Price ``op``'s host time by its component's calls: ``cpu_call`` a module call (half
+    in backward), an eager op's cost a plain torch call, at least the kernels it already pays
+    for, plus the per-expert C++ objects at :data:`CPP_LAUNCH_CPU_S`. Call right after the op
+    is created (its ``cpu_s`` then holds only its kernels' cost)."""
     h = calls.get(component) if calls is not None else None
     if h is None:
         return
-    bwd = phase == "bwd"
-    per_call = cpu_call / 2 if bwd else cpu_call
-    op.cpu_s = max(op.cpu_s, (h.bwd if bwd else h.fwd) * per_call) \
-        + (h.cpp_bwd if bwd else h.cpp_fwd) * CPP_LAUNCH_CPU_S
+    if phase == "bwd":
+        py = h.bwd * EAGER_BWD_OP_CPU_S + h.mod_bwd * cpu_call / 2
+        cpp = h.cpp_bwd
+    else:
+        py = h.fwd * EAGER_FWD_OP_CPU_S + h.mod_fwd * cpu_call
+        cpp = h.cpp_fwd
+    op.cpu_s = max(op.cpu_s, py) + cpp * CPP_LAUNCH_CPU_S

@@ -62,9 +62,9 @@ def test_calls_cover_the_kernels_they_launch(name, lay, tokens, dispatcher) -> N
         if block is None:
             assert comp not in calls
             continue
-        c = calls[comp]
-        assert c.fwd >= len(block.forward), (comp, c.fwd, [k.name for k in block.forward])
-        assert c.bwd >= len(block.backward), (comp, c.bwd, [k.name for k in block.backward])
+        f, b = calls[comp].total
+        assert f >= len(block.forward), (comp, f, [k.name for k in block.forward])
+        assert b >= len(block.backward), (comp, b, [k.name for k in block.backward])
 
 
 def test_totals_written_out_from_the_source() -> None:
@@ -73,15 +73,17 @@ def test_totals_written_out_from_the_source() -> None:
     c = moe_host_calls(MoEHostConfig(local_experts=16))
     # gate 6 + fused top-k 3 + fused aux loss 12; preprocess 15, dispatch_preprocess 17,
     # fused permute 8, two all-to-all wrappers 4.
-    assert (c["router"].fwd, c["router"].bwd) == (6 + 3 + 12 + 15 + 17 + 8 + 4,
-                                                  10 + 2 + 6 + 0 + 1 + 3 + 4)
-    # TEGroupedMLP 20, fused chunk sort 6 and unsort 5; bf16: 3 objects an expert and linear.
-    assert (c["experts"].fwd, c["experts"].cpp_fwd) == (20 + 6 + 5, 3 * 2 * 16)
+    assert c["router"].total == (6 + 3 + 12 + 15 + 17 + 8 + 4, 10 + 2 + 6 + 0 + 1 + 3 + 4)
+    assert c["router"].mod_fwd == 1            # the router module itself
+    # TEGroupedMLP 20 (3 of them module calls), fused chunk sort 6 and unsort 5; bf16: 3
+    # objects an expert and linear.
+    assert c["experts"].total[0] == 20 + 6 + 5 and c["experts"].mod_fwd == 3
+    assert c["experts"].cpp_fwd == 3 * 2 * 16
     assert c["experts"].cpp_bwd == 6 * 2 * 16
     assert "shared" not in c
     # The padded (token drop) path skips the count gather and the host's copies.
     p = moe_host_calls(MoEHostConfig(local_experts=16, token_drop="pad"))
-    assert c["router"].fwd - p["router"].fwd == (
+    assert c["router"].total[0] - p["router"].total[0] == (
         ALLTOALL["preprocess"][0] + ALLTOALL["dispatch_preprocess"][0]
         - ALLTOALL["preprocess_pad"][0] - 1 - ROUTER["pad"][0])
 
@@ -90,11 +92,11 @@ def test_only_the_experts_scale_with_local_experts() -> None:
     a = moe_host_calls(MoEHostConfig(local_experts=4, fp8=True))
     b = moe_host_calls(MoEHostConfig(local_experts=16, fp8=True))
     assert a["router"] == b["router"] and a["combine"] == b["combine"]
-    assert a["experts"].fwd == b["experts"].fwd
+    assert a["experts"].total == b["experts"].total
     assert b["experts"].cpp_fwd - a["experts"].cpp_fwd == 2 * 12 * PER_EXPERT["fp8"][0]
     assert b["experts"].cpp_bwd - a["experts"].cpp_bwd == 2 * 12 * PER_EXPERT["fp8"][1]
     bf = moe_host_calls(MoEHostConfig(local_experts=16))
-    assert b["experts"].fwd - bf["experts"].fwd == EXPERTS["fp8"][0]
+    assert b["experts"].total[0] - bf["experts"].total[0] == EXPERTS["fp8"][0]
 
 
 # The small MoE model of test_megatron_moe_dispatch.py: 4 layers, 8 experts of width 1024.
