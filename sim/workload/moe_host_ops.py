@@ -41,8 +41,12 @@ quantized tensors, ``torch.empty``; TE issue #1499: "the CPU overheads of PyTorc
 ``torch.split()`` and ``torch.empty()`` (2x ``num_gemms`` calls)") and cost a C++ call each
 (:data:`sim.workload.block_pricing.CPP_LAUNCH_CPU_S`).
 
-The 25.11 container's Megatron-Core (``0d8e0714``) runs the same functions for these paths;
-its counts are taken as 0.14's (not recounted line by line: :data:`VERSIONS`).
+The 25.11 container's Megatron-Core (``0d8e0714``) is taken to make 0.14's calls
+(:data:`VERSIONS`): its ``token_dispatcher.py`` differs on the ``alltoall`` and ``flex``
+paths only in process-group names, CUDA-graph attribute lists and the new HybridEP manager,
+its ``router.py`` by an optional gate bias (inside the gating Function) and a global aux loss
+these rows leave off (``git diff core_v0.14.0 0d8e0714``); ``experts.py`` (GPT-OSS's bias
+loop) is counted at 0d8e0714.
 """
 
 from __future__ import annotations
