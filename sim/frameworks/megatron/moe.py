@@ -423,11 +423,11 @@ class MoEOps:
                            pl.experts_cost.bwd_gpu_s if bwd else pl.experts_cost.fwd_gpu_s,
                            phase, mb, layer, c.bwd_kernels if bwd else c.fwd_kernels,
                            f * pl.useful)
-        set_host(op, pl.host, "experts", phase, self.cpu_call)
         # TE GroupedLinear: one cuBLASLt GEMM an expert from C++ (multi_stream_cublas_gemm).
         extra = c.bwd_extra_launches if bwd else c.fwd_extra_launches
         op.kernels += extra
         op.cpu_s += extra * CPP_LAUNCH_CPU_S
+        set_host(op, pl.host, "experts", phase, self.cpu_call, extra)
         if pl.useful < 1.0:
             op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
         return op

@@ -34,11 +34,13 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
 
 
 def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: str,
-             cpu_call: float) -> None:
+             cpu_call: float, launched: int = 0) -> None:
     """Price ``op``'s host time by its component's calls: ``cpu_call`` a module call (half
-    in backward), an eager op's cost a plain torch call, at least the kernels it already pays
-    for, plus the per-expert C++ objects at :data:`CPP_LAUNCH_CPU_S`. Call right after the op
-    is created (its ``cpu_s`` then holds only its kernels' cost)."""
+    in backward), an eager op's cost a plain torch call; at least the kernels it already pays
+    for. Its ``cpu_s`` holds its kernels' cost, ``launched`` of them C++ launches at
+    :data:`CPP_LAUNCH_CPU_S` (TE's per-expert GEMMs and quantizations); the per-expert C++
+    objects are built by those same calls (``split_quantize`` builds an expert's quantized
+    tensor and launches its quantization), so the larger of the two per-expert counts."""
     h = calls.get(component) if calls is not None else None
     if h is None:
         return
@@ -48,4 +50,7 @@ def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: 
     else:
         py = h.fwd * EAGER_FWD_OP_CPU_S + h.mod_fwd * cpu_call
         cpp = h.cpp_fwd
-    op.cpu_s = max(op.cpu_s, py) + cpp * CPP_LAUNCH_CPU_S
+    # The kernels' per-op charge and the calls price the same host work: the larger of the
+    # two, not their sum (Python side and per-expert C++ side each).
+    floor = op.cpu_s - launched * CPP_LAUNCH_CPU_S
+    op.cpu_s = max(floor, py) + max(launched, cpp) * CPP_LAUNCH_CPU_S
