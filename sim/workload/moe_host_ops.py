@@ -19,7 +19,8 @@ component, at Megatron-Core ``core_v0.14.0`` (NeMo / Megatron-Bridge 25.09) and 
   activation), ``combine_preprocess`` (the chunk unsort); plus, per local expert, the objects
   ``GroupedLinear``'s forward and backward build one an expert (:data:`PER_EXPERT`);
 * ``combine``: ``token_combine`` and ``combine_postprocess`` (``unpermute``, the view, the
-  shared experts' output added) and ``MoELayer.forward``'s own calls;
+  shared experts' output added); with the ``allgather`` dispatcher (:data:`ALLGATHER`) its
+  permutation and unpermutation are components of their own (``ag_permute``, ``ag_combine``);
 * ``shared``: ``SharedExpertMLP`` is a TE MLP (``PYTHON_OPS_TE["mlp_main"]``) plus its gate.
 
 Backward counts are autograd nodes (each native op's node, each custom ``Function``'s
@@ -159,6 +160,22 @@ FLEX: dict[str, tuple[int, int]] = {
     "combine": (4, 4),
 }
 
+# ---------------------------------- allgather dispatcher (MoEAllGatherTokenDispatcher)
+ALLGATHER: dict[str, tuple[int, int]] = {
+    # dispatch_preprocess: three gather_from_sequence_parallel_region calls (routing map,
+    # probs, tokens: apply + output allocation each; the gathers are their own ops); nodes:
+    # the probs' and tokens' reduce-scatter bodies.
+    "dispatch_preprocess": (6, 4),
+    # dispatch_postprocess: slice + contiguous of the local map and probs, sum, long, .cpu()
+    # (the host waits), tokens_per_expert.sum(), the probs' T, contiguous, map T, contiguous,
+    # masked_select; nodes: the probs' slice, contiguous, masked_select, T, contiguous. Plus
+    # the permutation (ALLTOALL's permute entries).
+    "dispatch_postprocess": (13, 5),
+    # token_combine: .to(probs dtype), the reduce-scatter's apply and allocation, .to back;
+    # combine_postprocess: view. Nodes: the two casts, the gather body's two calls.
+    "combine": (5, 4),
+}
+
 # ------------------------------------------------ TEGroupedMLP
 EXPERTS: dict[str, tuple[int, int]] = {
     # TEGroupedMLP.forward: module call, tokens_per_expert.tolist(), probs unsqueeze, the two
@@ -276,6 +293,12 @@ def dispatch_calls(c: MoEHostConfig) -> dict[str, tuple[int, int]]:
     """The dispatcher's calls on the router side (preprocess, permute, dispatch), the experts
     side (chunk sort and unsort) and the combine side."""
     pad = c.token_drop == "pad"
+    if c.dispatcher == "allgather":
+        perm = ALLTOALL["permute_fused" if c.permute_fusion else "permute"]
+        unperm = (3, 2) if c.permute_fusion else (5, 3)   # unpermute without probs
+        return {"router": ALLGATHER["dispatch_preprocess"],
+                "ag_permute": _add(ALLGATHER["dispatch_postprocess"], perm),
+                "experts": (0, 0), "ag_combine": unperm, "combine": ALLGATHER["combine"]}
     if c.dispatcher == "flex":
         return {"router": _add(FLEX["dispatch_preprocess"], FLEX["token_dispatch"]),
                 "experts": FLEX["postprocess"], "combine": FLEX["combine"]}
@@ -317,6 +340,9 @@ def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
     out = {"router": HostCalls(r[0] - mr[0], r[1] - mr[1], 0, 0, *mr),
            "experts": HostCalls(e[0] - me[0], e[1] - me[1], per[0] * n, per[1] * n, *me),
            "combine": HostCalls(*d["combine"])}
+    for k in ("ag_permute", "ag_combine"):
+        if k in d:
+            out[k] = HostCalls(*d[k])
     if c.shared:
         out["shared"] = HostCalls(0, 0, 0, 0, *MODULES["shared"])
     return out

@@ -56,7 +56,11 @@ from sim.frameworks.megatron.moe_flex import (
     flex_plan,
 )
 from sim.frameworks.megatron.moe_flex_skew import flex_pace
-from sim.frameworks.megatron.moe_host import megatron_host_calls, set_host
+from sim.frameworks.megatron.moe_host import (
+    megatron_host_calls,
+    set_host,
+    set_host_allgather,
+)
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
 from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
 from sim.frameworks.megatron.overlap import TE_AMAX_BYTES, amax_reductions, te_sp_gather_bytes
@@ -593,6 +597,7 @@ class MoEOps:
                               c["ag_cast"].fwd_kernels,
                               0.0 if rec else c["ag_cast"].flops_fwd)]
         out = [o for o in ops if o is not None]
+        set_host_allgather(out[1:], pl.host, phase, self.cpu_call)
         attach_allgather(pl, out, False, label)
         return out
 
@@ -619,5 +624,6 @@ class MoEOps:
                             4, "f32", mb, layer),
                 *self._shared("bwd", label, mb, layer, True), router]
         out = [o for o in ops if o is not None]
+        set_host_allgather(out[:-1], pl.host, "bwd", self.cpu_call)
         attach_allgather(pl, out, True, label)
         return out

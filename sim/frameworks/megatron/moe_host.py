@@ -16,12 +16,11 @@ from sim.workload.moe_ops import MoELayout
 
 
 def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls] | None:
-    """The host calls of one MoE layer's components under the scenario's options; None for
-    the ``allgather`` dispatcher (still priced by its kernels)."""
+    """The host calls of one MoE layer's components under the scenario's options."""
     opts = ctx.scenario.framework
     assert isinstance(opts, MegatronOptions)
     moe = ctx.model.moe
-    if moe is None or opts.moe_token_dispatcher_type == "allgather":
+    if moe is None:
         return None
     return moe_host_calls(MoEHostConfig(
         local_experts=max(1, moe.experts // lay.ep),
@@ -54,3 +53,18 @@ def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: 
     # two, not their sum (Python side and per-expert C++ side each).
     floor = op.cpu_s - launched * CPP_LAUNCH_CPU_S
     op.cpu_s = max(floor, py) + max(launched, cpp) * CPP_LAUNCH_CPU_S
+
+
+AG_COMPONENTS = {"permute": "ag_permute", "unpermute": "ag_combine", "combine": "combine"}
+"""The allgather dispatcher's compute ops (by the last word of their name) and their
+components; its experts and router are priced where they are created."""
+
+
+def set_host_allgather(ops: list[Op], calls: dict[str, HostCalls] | None, phase: str,
+                       cpu_call: float) -> None:
+    """:func:`set_host` on the ``allgather`` dispatcher's permutation, unpermutation and cast
+    ops (just laid out: their ``cpu_s`` still their kernels' cost)."""
+    for op in ops:
+        comp = AG_COMPONENTS.get(op.name.rsplit(" ", 1)[-1])
+        if comp is not None and op.kind == "compute":
+            set_host(op, calls, comp, phase, cpu_call)
