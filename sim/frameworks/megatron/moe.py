@@ -56,6 +56,11 @@ from sim.frameworks.megatron.moe_flex import (
     flex_plan,
 )
 from sim.frameworks.megatron.moe_flex_skew import flex_pace
+from sim.frameworks.megatron.moe_host import (
+    megatron_host_calls,
+    set_host,
+    set_host_allgather,
+)
 from sim.frameworks.megatron.moe_hybridep import HybridEPPlan, hybridep_op, hybridep_plan
 from sim.frameworks.megatron.moe_memory import attach_allgather, attach_alltoall
 from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
@@ -66,6 +71,7 @@ from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, BlockCost, price_block
 from sim.workload.model import ModelSpec
+from sim.workload.moe_host_ops import HostCalls
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
 
 ORDER = "tp-cp-ep-dp-pp"
@@ -119,6 +125,8 @@ class MoEPlan:
     """``TopKRouter._apply_aux_loss`` all-reduces ``routing_map.sum(dim=0)`` ([experts] int64)
     over ``tp_cp_group`` every forward (``moe_utils.get_tokens_per_expert_and_token_count``);
     laid out for tp > 1 with cp = 1, where that group is the TP group."""
+    host: dict[str, HostCalls] | None = None
+    """Python-level host calls per component (:mod:`.moe_host`); None: kernels x per-op."""
 
     # ------------------------------------------------------------------ layers and sizes
     def is_moe(self, layer: int) -> bool:
@@ -292,6 +300,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    gathered=gathered, shared_overlap=overlap,
                    amax_gather=ctx.scenario.training.precision == "fp8"
                    and amax_reductions(opts.fp8_recipe, True), aux_reduce=aux_reduce,
+                   host=megatron_host_calls(ctx, lay),
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None)
     if opts.moe_token_dispatcher_type == "flex":   # skew: its own pace (moe_flex_skew)
@@ -383,6 +392,8 @@ class MoEOps:
             dur, n, f = (d1, n1, f1) if fc1_first else (dur - d1, n - n1, f - f1)
             name = f"shared experts {'fc1' if fc1_first else 'fc2'}"
         mid = self._compute(f"{label} {name}", dur, phase, mb, layer, n, f)
+        if not part:    # the overlap's halves keep their kernels' cost
+            set_host(mid, pl.host, "shared", phase, self.cpu_call)
         out: list[Op] = [mid]
         if self.tp > 1:
             full = pl.ops.router.inputs[0].nbytes * self.tp   # the gathered [s, b, h]
@@ -423,6 +434,7 @@ class MoEOps:
         extra = c.bwd_extra_launches if bwd else c.fwd_extra_launches
         op.kernels += extra
         op.cpu_s += extra * CPP_LAUNCH_CPU_S
+        set_host(op, pl.host, "experts", phase, self.cpu_call, extra)
         if pl.useful < 1.0:
             op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
         return op
@@ -459,6 +471,7 @@ class MoEOps:
         router = self._compute(f"{label} router", pre_s + c["router"].fwd_gpu_s, phase, mb,
                                layer, c["router"].fwd_kernels,
                                0.0 if rec else c["router"].flops_fwd)
+        set_host(router, pl.host, "router", phase, self.cpu_call)
         router.cpu_s += pre_cpu
         aux = None
         if pl.aux_reduce:   # on the default stream, before the dispatcher's preprocess
@@ -498,6 +511,7 @@ class MoEOps:
         unperm = self._compute(f"{label} combine", c["combine"].fwd_gpu_s, phase, mb, layer,
                                c["combine"].fwd_kernels,
                                0.0 if rec else c["combine"].flops_fwd)
+        set_host(unperm, pl.host, "combine", phase, self.cpu_call)
         if second is not None:
             unperm.deps = [second]      # get_output: the shared output is added here
         ops.append(unperm)
@@ -516,12 +530,14 @@ class MoEOps:
         label = f"bwd moe L{layer} mb{mb}"
         router = self._compute(f"{label} router", c["router"].bwd_gpu_s + pre_s, "bwd", mb,
                                layer, c["router"].bwd_kernels, c["router"].flops_bwd)
+        set_host(router, pl.host, "router", "bwd", self.cpu_call)
         router.cpu_s += pre_cpu
         if pl.dispatcher == "allgather":
             return self._backward_allgather(router, label, mb, layer)
         ops: list[Op | None] = [
             self._compute(f"{label} combine", c["combine"].bwd_gpu_s, "bwd", mb, layer,
                           c["combine"].bwd_kernels, c["combine"].flops_bwd)]
+        set_host(ops[0], pl.host, "combine", "bwd", self.cpu_call)  # type: ignore[arg-type]
         first = self._side(ops, [self._a2a("combine_bwd", label, mb, layer)], "bwd", label,
                            mb, layer, True, "first")
         ops.append(self._etp("all_gather", label, mb, layer))
@@ -587,6 +603,7 @@ class MoEOps:
                               c["ag_cast"].fwd_kernels,
                               0.0 if rec else c["ag_cast"].flops_fwd)]
         out = [o for o in ops if o is not None]
+        set_host_allgather(out[1:], pl.host, phase, self.cpu_call)
         attach_allgather(pl, out, False, label)
         return out
 
@@ -613,5 +630,6 @@ class MoEOps:
                             4, "f32", mb, layer),
                 *self._shared("bwd", label, mb, layer, True), router]
         out = [o for o in ops if o is not None]
+        set_host_allgather(out[:-1], pl.host, "bwd", self.cpu_call)
         attach_allgather(pl, out, True, label)
         return out
