@@ -289,3 +289,17 @@ def test_bad_flex_option_is_one_line_exit_2() -> None:
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and "moe_flex_dispatcher_num_sms" in proc.stderr
+
+
+def test_node_limited_miss_probability_when_more_groups_are_touched_than_chosen() -> None:
+    # A rank set whose experts span more groups than a token chooses (HybridEP's NVL72 domain
+    # under DeepSeek-V3's 4-of-8 group limit) raised in math.comb; brute force over a small
+    # instance (4 groups of 2 experts, 2 groups then 2 experts chosen uniformly) is the truth.
+    from sim.frameworks.megatron.moe_flex import miss_probability
+
+    members = (0, 1, 2, 3, 4, 5)        # three groups touched, two chosen
+    picks = [es for gs in itertools.combinations(range(4), 2)
+             for es in itertools.combinations([e for g in gs for e in (2 * g, 2 * g + 1)], 2)]
+    truth = sum(not set(es) & set(members) for es in picks) / len(picks)
+    assert miss_probability(8, 2, members, 4, 2) == pytest.approx(truth)
+    assert miss_probability(8, 2, tuple(range(8)), 4, 2) == 0.0

@@ -175,6 +175,8 @@ def miss_probability(experts: int, top_k: int, members: tuple[int, ...], groups:
     0.5464
     >>> miss_probability(8, 2, (0,))                 # Mixtral: 1 - 2/8
     0.75
+    >>> round(miss_probability(256, 8, tuple(range(160)), 8, 4), 5)  # 5 of 8 groups touched
+    0.00795
     """
     if groups <= 1:
         groups, group_topk = 1, 1
@@ -196,6 +198,8 @@ def miss_probability(experts: int, top_k: int, members: tuple[int, ...], groups:
     denom = math.comb(pool, top_k)
     p = 0.0
     for i, row in enumerate(ways):
+        if i > group_topk:   # a token's groups hold at most group_topk touched ones
+            break
         pick = math.comb(groups - touched, group_topk - i)
         if pick == 0:
             continue
