@@ -344,9 +344,10 @@ class MoEOps:
         routing only changes where); with skewed routing the per-peer matrix."""
         pl = self.plan
         if pl.flex is not None:
-            make = hybridep_op if isinstance(pl.flex, HybridEPPlan) else flex_op
-            return make(self._coll, pl.flex, which, label, pl.tp_ep_groups(self.st), mb,
-                        layer)
+            groups = pl.tp_ep_groups(self.st)
+            if isinstance(pl.flex, HybridEPPlan):
+                return hybridep_op(self._coll, pl.flex, which, label, groups, mb, layer)
+            return flex_op(self._coll, pl.flex, which, label, groups, mb, layer)
         if pl.ep == 1:
             return None
         a = pl.ops.alltoall[which]
@@ -485,11 +486,13 @@ class MoEOps:
         if pl.ep * pl.etp > 1 and pl.capacity is None:
             # HybridEP's metadata_preprocess all-gathers the routing map itself (its token
             # counts come from it): moe_hybridep.HybridEPPlan.routing_map_bytes.
-            hyb = isinstance(pl.flex, HybridEPPlan)
-            per = pl.flex.routing_map_bytes if hyb else pl.ops.count_gather_bytes
+            dtype: NcclType = "i64"
+            per = pl.ops.count_gather_bytes
+            if isinstance(pl.flex, HybridEPPlan):
+                per, dtype = pl.flex.routing_map_bytes, "u8"
             count = self._coll(f"{label} token count all_gather", "all_gather",
                                pl.tp_ep_groups(self.st), per * pl.ep * pl.etp,
-                               "u8" if hyb else "i64", "ep", mb, layer)
+                               dtype, "ep", mb, layer)
             # MoEAlltoAllTokenDispatcher: with ep or expert-TP > 1 the split sizes must be on
             # the host before the all-to-all (cuda_sync_point "before_ep_alltoall"); with a
             # capacity factor (dropping) even before the permutation ("before_permutation_1",

@@ -42,7 +42,8 @@ from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.kernels import BF16, FP32, Block, Kernel
 from sim.workload.layer_builder import _Builder
 from sim.workload.model import ModelSpec
-from sim.workload.moe_ops import INT32, MASK, STYLE, MoELayout, _router
+from sim.workload.moe_ops import STYLE, MoELayout
+from sim.workload.moe_router_ops import INT32, MASK, router_kernels
 
 
 def expert_capacity(tokens: float, top_k: int, experts: int, factor: float) -> int:
@@ -85,7 +86,7 @@ def allgather_blocks(m: ModelSpec, lay: MoELayout, tokens: float, rows: float
     h, e = m.hidden, m.moe.experts
     local = e // lay.ep
     g = float(tokens) * lay.etp * lay.ep
-    rb = _router(m, lay, tokens)[0]
+    rb = router_kernels(m, lay, tokens)[0]
     router = rb.finish()
 
     pb = _Builder("moe_ag_permute", STYLE)
