@@ -89,7 +89,7 @@ from sim.frameworks.common.moe_ranks import (
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.fsdp2.moe_blocks import combine_block, score_block
 from sim.frameworks.fsdp2.tp_pass import TitanPass
-from sim.frameworks.megatron.moe import MoEPlan
+from sim.frameworks.megatron.moe_plan import MoEPlan
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op, Phase, Program, RankClass
 from sim.program.mesh import Groups, RankMesh

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from sim.program.ir import Op
 
 if TYPE_CHECKING:
-    from sim.frameworks.megatron.moe import MoEPlan
+    from sim.frameworks.megatron.moe_plan import MoEPlan
 
 CATEGORY = "moe_dispatch"
 

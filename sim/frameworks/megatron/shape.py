@@ -18,7 +18,8 @@ from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.buckets import data_parallel_modes
 from sim.frameworks.megatron.layout import as_layout, check_layout
-from sim.frameworks.megatron.moe import MoEPlan, check_moe, moe_plan
+from sim.frameworks.megatron.moe_dispatch import check_moe
+from sim.frameworks.megatron.moe_plan import MoEPlan, moe_plan
 from sim.frameworks.megatron.mtp import MTPPlan, mtp_plan
 from sim.frameworks.megatron.optimizer_precision import (
     OptimizerPlan,

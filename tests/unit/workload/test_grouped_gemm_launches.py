@@ -72,7 +72,7 @@ def test_megatron_issues_a_gemm_per_expert():
     # Megatron's builder runs Megatron-Core's TEGroupedMLP (TE GroupedLinear).
     from sim.config.load import load_scenario
     from sim.frameworks import JobContext
-    from sim.frameworks.megatron.moe import moe_plan
+    from sim.frameworks.megatron.moe_plan import moe_plan
 
     s = load_scenario("qwen3-30b-a3b-megatron-tp4pp2ep4-8xh100")
     ctx = JobContext.from_scenario(s, "s.yaml")

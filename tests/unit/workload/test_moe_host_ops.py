@@ -16,7 +16,7 @@ import pytest
 from helpers import megatron_scenario
 
 from sim.api import simulate
-from sim.frameworks.megatron import moe as megatron_moe
+from sim.frameworks.megatron import moe_plan as megatron_moe_plan
 from sim.workload.model import ModelSpec
 from sim.workload.moe_host_ops import (
     ALLTOALL,
@@ -106,7 +106,7 @@ TINY = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 20
 
 def _step(seq: int, monkeypatch: pytest.MonkeyPatch | None = None) -> float:
     if monkeypatch is not None:   # the kernel-count pricing this module replaced
-        monkeypatch.setattr(megatron_moe, "megatron_host_calls", lambda ctx, lay: None)
+        monkeypatch.setattr(megatron_moe_plan, "megatron_host_calls", lambda ctx, lay: None)
     s = megatron_scenario({"tp": 1, "ep": 8}, 8, model=TINY, seq=seq,
                           framework={"name": "megatron"})
     return simulate(s).summary["step_time_s"]
