@@ -85,6 +85,8 @@ def fabric_spec(s: Scenario) -> FabricSpec:
         nvme_read_gbytes_per_s=host.nvme_read_gbytes_per_s,
         nvme_write_gbytes_per_s=host.nvme_write_gbytes_per_s,
         cpu_vendor=c.cpu_vendor,
+        c2c_gbytes_per_s=host.c2c_gbytes_per_s,
+        gpus_per_host=host.gpus_per_host,
         sharp=c.sharp,
         routing=c.routing or ROUTING_BY_TRANSPORT[c.nic_transport],
     )
