@@ -43,6 +43,13 @@ GRACE_LPDDR5X_GBYTES_PER_S = 512.0
 # DDR: NVIDIA's Grace performance tuning guide ("Basic System Health Checks", STREAM) expects
 # TRIAD of 410 GB/s and up on a 512 GB/s superchip, 0.80 of peak, near the 0.75 used here.
 NVLINK_C2C_GBYTES_PER_S = 450.0
+# CPU seconds a Grace spends per framework op against the x86 hosts the frameworks' issue
+# costs come from (compute.EAGER_*, megatron.build.MEGATRON_CPU_S_PER_OP): the same script
+# timed torch.nn.Linear's forward (bf16, hidden 2048, 8,192 tokens) at 37.08 us of CPU on
+# GB200 against 13.48 us on a DGX H100 (Xeon Platinum 8480C) (NVIDIA/TransformerEngine issue
+# #2053, 2025-08; GH200 33.17 us). One op, one measurement: PyTorch's dispatch, cuBLAS's
+# launch path and the Python interpreter on Neoverse V2 against Sapphire Rapids.
+GRACE_CPU_OP_FACTOR = 37.08 / 13.48
 
 # One core's sustained DRAM bandwidth. Little's law: ~48 outstanding L2 misses of 64 B over a
 # ~110 ns DRAM latency bound a Golden Cove / Zen 2 core near 28 GB/s; single-thread STREAM
@@ -96,6 +103,9 @@ class HostSpec:
     c2c_gbytes_per_s: float = 0.0
     """NVLink-C2C bandwidth per direction between one host CPU and its GPUs; 0: the host is
     reached over PCIe (the fabric's PCIe tree)."""
+    cpu_op_factor: float = 1.0
+    """The host CPU's seconds per framework op relative to the x86 servers the frameworks'
+    issue costs were set on (1.0 for the DGX hosts; :data:`GRACE_CPU_OP_FACTOR`)."""
 
     @property
     def ranks_per_host(self) -> int:
@@ -116,6 +126,7 @@ class HostSpec:
             gpus_per_node=c.gpus_per_node,
             gpus_per_host=min(d.gpus_per_host, c.gpus_per_node) if d.gpus_per_host else 0,
             c2c_gbytes_per_s=d.c2c_gbytes_per_s,
+            cpu_op_factor=d.cpu_op_factor,
         )
 
 
@@ -129,6 +140,7 @@ class _Dgx:
     source: str
     gpus_per_host: int = 0
     c2c_gbytes_per_s: float = 0.0
+    cpu_op_factor: float = 1.0
 
 
 def _dgx(cores: int, mem_gib: float, channels: int, mt_s: int, drives: int,
@@ -161,7 +173,8 @@ DGX_HOSTS: dict[str, _Dgx] = {
         "Blackwell GPUs, a GB200 superchip = 1 Grace + 2 GPUs, up to 480 GB LPDDR5X at up to "
         "512 GB/s per Grace, NVLink-C2C 900 GB/s bidirectional; NVMe figures kept from the x86 "
         "DGX entries (no per-rack figure used)",
-        gpus_per_host=GB200_GPUS_PER_GRACE, c2c_gbytes_per_s=NVLINK_C2C_GBYTES_PER_S),
+        gpus_per_host=GB200_GPUS_PER_GRACE, c2c_gbytes_per_s=NVLINK_C2C_GBYTES_PER_S,
+        cpu_op_factor=GRACE_CPU_OP_FACTOR),
 }
 
 

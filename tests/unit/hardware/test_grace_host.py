@@ -98,3 +98,32 @@ def test_c2c_copy_time_closed_form(kind: str) -> None:
     t1 = Engine(build_fabric(_c2c_fabric(1)), "blackwell", Recorder()).run_step(
         _copy_program(1, 1e9, kind))
     assert t1 == pytest.approx(1e9 / (450e9 * C2C_EFFICIENCY), rel=1e-3)
+
+
+def _host_bound_program(ops: int, cpu_s: float) -> Program:
+    cls = RankClass(0, (0, 1))
+    p = Program([cls], 2, 0, 0, 0)
+    for i in range(ops):
+        p.add(cls, Op(name=f"k{i}", kind="compute", stream="compute", phase="fwd",
+                      duration=1e-7, cpu_s=cpu_s))
+    return p
+
+
+def test_grace_issues_ops_at_the_measured_cpu_ratio() -> None:
+    # TE issue #2053: torch.nn.Linear forward, 37.08 us of CPU on GB200, 13.48 us on a DGX
+    # H100's Xeon 8480C, same script and shape.
+    grace = HostSpec.from_scenario(_scenario("gb200", 72, "gb200-nvl72"))
+    assert grace.cpu_op_factor == pytest.approx(37.08 / 13.48)
+    for gpu in ("h100-sxm", "b200", "a100-80gb"):
+        assert HostSpec.from_scenario(_scenario(gpu)).cpu_op_factor == 1.0
+    spec = FabricSpec(nodes=1, gpus_per_node=2, nvlink_gbytes_per_s=900, pcie_gbytes_per_s=64,
+                      nics_per_node=0, nic_gbps=400)
+    x86 = Engine(build_fabric(spec), "blackwell", Recorder()).run_step(
+        _host_bound_program(100, 13.48e-6))
+    eng = Engine(build_fabric(spec), "blackwell", Recorder())
+    eng.host_cpu_factor = grace.cpu_op_factor
+    arm = eng.run_step(_host_bound_program(100, 13.48e-6))
+    # A host-bound step: 100 issues of 13.48 us on x86, of 37.08 us on Grace (+ the last
+    # kernel's 0.1 us).
+    assert x86 == pytest.approx(100 * 13.48e-6 + 1e-7, rel=1e-6)
+    assert arm == pytest.approx(100 * 37.08e-6 + 1e-7, rel=1e-6)
