@@ -85,6 +85,8 @@ def fabric_spec(s: Scenario) -> FabricSpec:
         nvme_read_gbytes_per_s=host.nvme_read_gbytes_per_s,
         nvme_write_gbytes_per_s=host.nvme_write_gbytes_per_s,
         cpu_vendor=c.cpu_vendor,
+        c2c_gbytes_per_s=host.c2c_gbytes_per_s,
+        gpus_per_host=host.gpus_per_host,
         sharp=c.sharp,
         routing=c.routing or ROUTING_BY_TRANSPORT[c.nic_transport],
     )
@@ -170,6 +172,7 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
             recorder.workspace(c.id, extra[c.id].cublas_workspace)
         engine = engine_class(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
                               scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
+        engine.host_cpu_factor = HostSpec.from_scenario(scenario).cpu_op_factor
         jitter = scenario.faults.jitter if scenario.faults is not None else None
         if jitter is not None and jitter.sigma > 0:   # sigma 0: the run without the key
             engine.jitter = StepJitter(jitter.sigma, jitter.seed)

@@ -43,6 +43,7 @@ from sim.engine.core import Engine, paused_gc
 from sim.engine.recorder import OpRecord, Recorder
 from sim.fabric.topology import LINK_KINDS, Fabric, build_fabric
 from sim.frameworks import JobContext, build_program, framework
+from sim.hardware.host import HostSpec
 from sim.program.ir import Program
 from sim.program.merge import JobPart, JobSlice, merge
 from sim.program.traffic import traffic_program
@@ -102,6 +103,7 @@ def run_jobs(mj: MultiJob, jobs: tuple[PlacedJob, ...]) -> SharedRun:
         engine = Engine(fabric, gpu.arch, recorder, nccl_settings(lead),
                         mj.cluster.nic_transport, gpu.sm_count, gpu=gpu)
         engine.collectives.fold_across_nodes = False
+        engine.host_cpu_factor = HostSpec.from_scenario(lead).cpu_op_factor   # Grace: 2.75
         makespan = engine.run_step(program)
     return SharedRun(slices, contexts, recorder, engine, fabric, makespan,
                      time.perf_counter() - wall0)

@@ -149,6 +149,9 @@ class Engine:
                                 tuple[np.ndarray, np.ndarray, float]] = {}
         self.jitter: StepJitter | None = None
         """Step-to-step compute variation (``faults.jitter``); None: every step alike."""
+        self.host_cpu_factor = 1.0
+        """Host CPU seconds per x86 second: every op's ``cpu_s`` (the frameworks' x86-era issue
+        costs) times this (:attr:`sim.hardware.host.HostSpec.cpu_op_factor`; Grace 2.75)."""
         self.storage: StorageTarget | None = None
         """Where ``storage_write`` copies go (:mod:`sim.fabric.topology.storage`); None: the
         node's NVMe drives."""
@@ -439,6 +442,7 @@ class Engine:
         finished = self._finished
         issue_wait = self._issue_wait
         issued = self._issue_time
+        factor = self.host_cpu_factor
         for op, sync, launches in issues:
             sync_end = launch_end = -math.inf
             if sync is not None:
@@ -451,7 +455,7 @@ class Engine:
                 end = finished[head.index]
                 if end > launch_end:
                     launch_end = end
-            t = issue_time(t, sync_end, op.cpu_s, launch_end)
+            t = issue_time(t, sync_end, op.cpu_s * factor, launch_end)
             issued[op.index] = t
             wait = issue_wait.pop(op.index, None)
             if wait is not None:

@@ -6,7 +6,11 @@ themselves run as flows on the fabric's PCIe and NVMe links (:mod:`sim.engine.co
 gives the host figures those links and the CPU step need.
 
 Defaults follow the NVIDIA DGX server that carries each GPU generation (the datasheets name
-the CPUs, the memory and the drives); a scenario's ``cluster`` fields override them.
+the CPUs, the memory and the drives); a scenario's ``cluster`` fields override them. Grace
+superchips (GB200, GH200) are hosted differently: one Grace CPU with its own LPDDR5X per two
+GPUs (per GPU on GH200), reached over NVLink-C2C instead of PCIe; :class:`HostSpec` then
+describes one Grace and the GPUs it hosts (``gpus_per_host``), and the fabric gives each Grace
+its C2C link (``c2c_gbytes_per_s``).
 
 The CPU optimizer step is memory-bound: AdamW does about a dozen flops per parameter, far
 below what AVX-512 cores deliver, while it streams every optimizer tensor through DRAM. Its
@@ -25,6 +29,27 @@ from sim.scenario import Scenario
 # 70-80% of the channels' peak (e.g. ~330 of 410 GB/s on 2x EPYC 7742, ~470 of 614 GB/s on
 # 2x Xeon 8480; vendors' published STREAM results); we take 0.75.
 STREAM_FRACTION = 0.75
+
+# --- Grace hosts (GB200 superchip) -----------------------------------------------------------
+# NVIDIA GB200 NVL72 datasheet (2024), GB200 Grace Blackwell Superchip column: one Grace CPU
+# and two Blackwell GPUs; 72 Arm Neoverse V2 cores, up to 480 GB LPDDR5X at up to 512 GB/s;
+# NVLink-C2C 900 GB/s bidirectional (the rack: 36 Graces, 2,592 cores, 17 TB at 18.4 TB/s).
+GB200_GPUS_PER_GRACE = 2
+GRACE_CORES = 72
+GRACE_MEMORY_GB = 480.0
+GRACE_LPDDR5X_GBYTES_PER_S = 512.0
+# The Grace's C2C port per direction: 900 GB/s bidirectional / 2, shared by its two GPUs (the
+# datasheet gives one C2C figure per superchip). STREAM_FRACTION applies to the LPDDR5X as to
+# DDR: NVIDIA's Grace performance tuning guide ("Basic System Health Checks", STREAM) expects
+# TRIAD of 410 GB/s and up on a 512 GB/s superchip, 0.80 of peak, near the 0.75 used here.
+NVLINK_C2C_GBYTES_PER_S = 450.0
+# CPU seconds a Grace spends per framework op against the x86 hosts the frameworks' issue
+# costs come from (compute.EAGER_*, megatron.build.MEGATRON_CPU_S_PER_OP): the same script
+# timed torch.nn.Linear's forward (bf16, hidden 2048, 8,192 tokens) at 37.08 us of CPU on
+# GB200 against 13.48 us on a DGX H100 (Xeon Platinum 8480C) (NVIDIA/TransformerEngine issue
+# #2053, 2025-08; GH200 33.17 us). One op, one measurement: PyTorch's dispatch, cuBLAS's
+# launch path and the Python interpreter on Neoverse V2 against Sapphire Rapids.
+GRACE_CPU_OP_FACTOR = 37.08 / 13.48
 
 # One core's sustained DRAM bandwidth. Little's law: ~48 outstanding L2 misses of 64 B over a
 # ~110 ns DRAM latency bound a Golden Cove / Zen 2 core near 28 GB/s; single-thread STREAM
@@ -73,6 +98,19 @@ class HostSpec:
     nvme_read_gbytes_per_s: float
     nvme_write_gbytes_per_s: float
     gpus_per_node: int
+    gpus_per_host: int = 0
+    """GPUs sharing one host's cores and memory (the fields above); 0: the whole server."""
+    c2c_gbytes_per_s: float = 0.0
+    """NVLink-C2C bandwidth per direction between one host CPU and its GPUs; 0: the host is
+    reached over PCIe (the fabric's PCIe tree)."""
+    cpu_op_factor: float = 1.0
+    """The host CPU's seconds per framework op relative to the x86 servers the frameworks'
+    issue costs were set on (1.0 for the DGX hosts; :data:`GRACE_CPU_OP_FACTOR`)."""
+
+    @property
+    def ranks_per_host(self) -> int:
+        """GPU ranks sharing one host's memory bandwidth and cores."""
+        return self.gpus_per_host or self.gpus_per_node
 
     @classmethod
     def from_scenario(cls, s: Scenario) -> HostSpec:
@@ -86,6 +124,9 @@ class HostSpec:
             nvme_read_gbytes_per_s=c.nvme_read_gbytes_per_s or d.nvme_read_gbytes_per_s,
             nvme_write_gbytes_per_s=c.nvme_write_gbytes_per_s or d.nvme_write_gbytes_per_s,
             gpus_per_node=c.gpus_per_node,
+            gpus_per_host=min(d.gpus_per_host, c.gpus_per_node) if d.gpus_per_host else 0,
+            c2c_gbytes_per_s=d.c2c_gbytes_per_s,
+            cpu_op_factor=d.cpu_op_factor,
         )
 
 
@@ -97,6 +138,9 @@ class _Dgx:
     nvme_read_gbytes_per_s: float
     nvme_write_gbytes_per_s: float
     source: str
+    gpus_per_host: int = 0
+    c2c_gbytes_per_s: float = 0.0
+    cpu_op_factor: float = 1.0
 
 
 def _dgx(cores: int, mem_gib: float, channels: int, mt_s: int, drives: int,
@@ -122,10 +166,21 @@ DGX_HOSTS: dict[str, _Dgx] = {
     "blackwell": _dgx(112, 2048, 16, 5600, 8, 6.9, 4.0,
                       "DGX B200 datasheet (2024): 2x Xeon Platinum 8570 (56 cores), 2 TB "
                       "DDR5-5600 (8 channels per socket), 8x 3.84 TB NVMe U.2"),
+    "grace-blackwell": _Dgx(
+        GRACE_CORES, GRACE_MEMORY_GB, GRACE_LPDDR5X_GBYTES_PER_S * STREAM_FRACTION,
+        8 * 6.9, 8 * 4.0,
+        "GB200 NVL72 datasheet (2024): 36 Grace CPUs (72 Arm Neoverse V2 cores each) with 72 "
+        "Blackwell GPUs, a GB200 superchip = 1 Grace + 2 GPUs, up to 480 GB LPDDR5X at up to "
+        "512 GB/s per Grace, NVLink-C2C 900 GB/s bidirectional; NVMe figures kept from the x86 "
+        "DGX entries (no per-rack figure used)",
+        gpus_per_host=GB200_GPUS_PER_GRACE, c2c_gbytes_per_s=NVLINK_C2C_GBYTES_PER_S,
+        cpu_op_factor=GRACE_CPU_OP_FACTOR),
 }
 
 
 def _generation(gpu: str) -> str:
+    if gpu.startswith("gb"):
+        return "grace-blackwell"
     if gpu.startswith("v100"):
         return "volta"
     if gpu.startswith("a100"):
@@ -168,9 +223,10 @@ def cpu_adam_s(host: HostSpec, params_per_rank: float,
 
 def cpu_pass_s(host: HostSpec, nbytes: float, implementation: AdamImplementation) -> float:
     """Seconds for one rank's CPU work to stream ``nbytes`` through DRAM while every rank of
-    the node does the same: the node's bandwidth shared by its ranks, or what the rank's
+    the host does the same: the host's bandwidth shared by its ranks, or what the rank's
     threads pull (``deepspeed``: its share of the cores; ``torch``: one thread, or every core
-    when the rank is alone on its node), whichever is lower.
+    when the rank is alone on its host), whichever is lower. The host is the server (x86
+    DGX) or one Grace CPU (GB200: two GPUs each).
 
     Examples
     --------
@@ -178,7 +234,7 @@ def cpu_pass_s(host: HostSpec, nbytes: float, implementation: AdamImplementation
     >>> round(cpu_pass_s(h, 15e9, "torch"), 3)       # one thread at 15 GB/s
     1.0
     """
-    ranks = max(1, host.gpus_per_node)
+    ranks = max(1, host.ranks_per_host)
     share = host.memory_gbytes_per_s / ranks
     threads = (max(1, host.cpu_cores // ranks) if implementation == "deepspeed" or ranks == 1
                else TORCH_THREADS_PER_RANK)

@@ -147,6 +147,10 @@ NETWORK_EFFICIENCY_BY_TRANSPORT = {"infiniband": (47.0 / 50.0 + 24.0 / 25.0) / 2
 NETWORK_EFFICIENCY = NETWORK_EFFICIENCY_BY_TRANSPORT["infiniband"]
 # Share of PCIe link rate a DMA copy achieves: 55.0 of 63.0 GB/s measured on the H200.
 PCIE_EFFICIENCY = 55.0 / 63.0
+# Share of NVLink-C2C's per-direction rate a copy-engine host<->GPU copy achieves: 346 GB/s
+# host-to-device of 450 GB/s (900 bidirectional) measured by nvbandwidth on a GH200
+# (NVIDIA/nvbandwidth issue #23, 2024-08; no GB200 figure found).
+C2C_EFFICIENCY = 346.0 / 450.0
 
 
 @dataclass(frozen=True)

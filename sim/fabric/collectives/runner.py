@@ -41,6 +41,8 @@ def transport_capacity(fabric: Fabric, arch: str, nic_transport: str = "infiniba
     for i, (a, b) in enumerate(fabric.endpoints):
         if a[0] in ("nvme", "storage") or b[0] in ("nvme", "storage"):
             eff[i] = 1.0
+        elif a[0] == "cpu" or b[0] == "cpu":   # a Grace's NVLink-C2C (host class, not PCIe)
+            eff[i] = nccl.C2C_EFFICIENCY
     return fabric.capacity * eff
 
 

@@ -106,8 +106,26 @@ def _add_servers(b: _Links) -> None:
             b.link(("nic", n, k), ("pcie", n, spec.pcie_switch_of_nic(k)), PCIE, pcie_cap)
         for s in range(S):
             b.link(("pcie", n, s), host, PCIE, pcie_cap)
+        _add_c2c(b, n, at)
         if spec.nvme_read_gbytes_per_s > 0 and spec.nvme_write_gbytes_per_s > 0:
             _add_nvme(b, n, at)
+
+
+def _add_c2c(b: _Links, n: int, at: dict[str, int]) -> None:
+    """Node ``n``'s host CPUs on NVLink-C2C (GB200: a Grace per two GPUs), when it has them:
+    each GPU's C2C link to its CPU and the CPU's port to the node's host memory, both at the
+    CPU's C2C bandwidth, so the CPU's GPUs share it (GB200 NVL72 datasheet: 900 GB/s
+    bidirectional per superchip). Links of the host class (``pcie``), added after the PCIe
+    tree so that other topologies keep their link indices."""
+    spec = b.spec
+    if not spec.host_cpus:
+        return
+    cap = spec.c2c_gbytes_per_s * 1e9
+    for c in range(spec.host_cpus):
+        b.graph.add_node(("cpu", n, c), **at)
+        b.link(("cpu", n, c), ("host", n), PCIE, cap)
+    for k in range(spec.gpus_per_node):
+        b.link(("gpu", n, k), ("cpu", n, spec.host_cpu_of_gpu(k)), PCIE, cap)
 
 
 def _add_nvme(b: _Links, n: int, at: dict[str, int]) -> None:

@@ -2,6 +2,7 @@
 
 A device (graph node) is a tuple naming its type and position: ``("gpu", node, local)``,
 ``("nvswitch", node)``, ``("pcie", node, k)``, ``("host", node)``, ``("nvme", node)``,
+``("cpu", node, c)`` (a host CPU on NVLink-C2C, GB200's Grace),
 ``("nic", node, k)``, ``("leaf", zone, i)``, ``("spine", zone, i)``, ``("gw", zone)``,
 ``("rgw", region)``. A link's class is one of :data:`LINK_KINDS`.
 
@@ -127,8 +128,9 @@ def device_latency(spec: FabricSpec, node: Node) -> float:
         return 0.0
     if t == "nvswitch":
         return spec.nvlink_latency_us * 1e-6
-    if t in ("pcie", "host"):
-        # The host's root complex is treated like one more PCIe switch hop.
+    if t in ("pcie", "host", "cpu"):
+        # The host's root complex is treated like one more PCIe switch hop; so is a Grace's
+        # NVLink-C2C port (assumed: NVIDIA publishes no C2C hop latency).
         return spec.pcie_latency_us * 1e-6
     if t == "nvme":
         return NVME_LATENCY_US * 1e-6

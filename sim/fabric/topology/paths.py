@@ -57,7 +57,19 @@ def gpu_nic_nodes(spec: FabricSpec, node: int, local: int, k: int) -> list[Node]
 
 
 def gpu_host_nodes(spec: FabricSpec, node: int, local: int) -> list[Node]:
-    """GPU -> its PCIe switch -> its node's host memory."""
+    """GPU -> its PCIe switch -> its node's host memory; on NVLink-C2C hosts (GB200) GPU ->
+    its Grace -> host memory instead.
+
+    Examples
+    --------
+    >>> spec = FabricSpec(nodes=1, gpus_per_node=4, nvlink_gbytes_per_s=900,
+    ...                   pcie_gbytes_per_s=64, nics_per_node=4, nic_gbps=400,
+    ...                   c2c_gbytes_per_s=450, gpus_per_host=2)
+    >>> gpu_host_nodes(spec, 0, 3)
+    [('gpu', 0, 3), ('cpu', 0, 1), ('host', 0)]
+    """
+    if spec.host_cpus:
+        return [("gpu", node, local), ("cpu", node, spec.host_cpu_of_gpu(local)), ("host", node)]
     return [("gpu", node, local), ("pcie", node, spec.pcie_switch_of_gpu(local)), ("host", node)]
 
 

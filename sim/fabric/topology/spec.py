@@ -126,6 +126,12 @@ class FabricSpec:
     cpu_vendor: str = "intel"
     """Host CPU vendor (intel, amd, arm, power, zhaoxin, mixed): NCCL's tuning indexes its
     multi-node LL bandwidth limit and network overhead by it; Intel where unknown."""
+    c2c_gbytes_per_s: float = 0.0
+    """NVLink-C2C bandwidth per direction of one host CPU (Grace) to its GPUs; 0 = the host is
+    reached over the PCIe tree. When set, GPU <-> host traffic (offload, checkpoint copies)
+    takes GPU -> ``("cpu", node, c)`` -> host over C2C links; NIC traffic keeps the PCIe tree."""
+    gpus_per_host: int = 0
+    """GPUs per host CPU on C2C hosts (GB200: 2 per Grace); 0 = all the node's GPUs."""
     sharp: bool = False
     """Network switches with in-network reduction (InfiniBand SHARP) for NCCL's CollNet."""
     routing: str = "ecmp"
@@ -153,6 +159,9 @@ class FabricSpec:
         need(self.spines_per_zone >= 0, "spines_per_zone must be >= 0")
         need(self.routing in ROUTINGS, f"routing must be one of {ROUTINGS}, got {self.routing!r}")
         need(self.pcie_switches_per_node >= 0, "pcie_switches_per_node must be >= 0")
+        need(self.gpus_per_host >= 0, "gpus_per_host must be >= 0")
+        need(math.isfinite(self.c2c_gbytes_per_s) and self.c2c_gbytes_per_s >= 0,
+             f"c2c_gbytes_per_s must be >= 0, got {self.c2c_gbytes_per_s}")
         for name in ("nvlink_gbytes_per_s", "pcie_gbytes_per_s", "nic_gbps", "az_link_gbps",
                      "region_link_gbps", "oversubscription"):
             value = getattr(self, name)
@@ -185,6 +194,18 @@ class FabricSpec:
     def pcie_switch_of_gpu(self, local: int) -> int:
         """PCIe switch of local GPU ``local``."""
         return local * self.pcie_switches // self.gpus_per_node
+
+    @property
+    def host_cpus(self) -> int:
+        """Host CPUs per node with their own C2C link (0 when the host is behind PCIe)."""
+        if not self.c2c_gbytes_per_s:
+            return 0
+        per = self.gpus_per_host or self.gpus_per_node
+        return -(-self.gpus_per_node // per)
+
+    def host_cpu_of_gpu(self, local: int) -> int:
+        """The host CPU (Grace) that local GPU ``local`` hangs off over C2C."""
+        return local // (self.gpus_per_host or self.gpus_per_node)
 
     def pcie_switch_of_nic(self, k: int) -> int:
         """PCIe switch of NIC ``k``."""
