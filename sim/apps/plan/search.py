@@ -33,6 +33,7 @@ from sim.apps.plan.evaluate import (
     simulate_layout,
 )
 from sim.apps.plan.layouts import Layout, _Shape, _shape, _space, enumerate_layouts
+from sim.apps.plan.levers import Levers
 from sim.apps.plan.memory import MemoryPruning
 from sim.apps.plan.profile import _profile_key, _profiles_task, profile_bound
 from sim.apps.plan.recompute import LighterFits, weight
@@ -387,6 +388,8 @@ class _BranchAndBound:
         self.capacity = workers.runner.workers + 1
         self.probes = _FamilyProbes(cands)
         self.lighter = LighterFits()
+        self.levers = Levers(cands, Candidate)
+        self.force_host = False     # nothing in flight: host twins wait no longer
 
     def threshold(self) -> float:
         """The K-th best simulated objective: a bound at or above it cannot enter the top."""
@@ -397,8 +400,13 @@ class _BranchAndBound:
         """Start work and settle it until nothing is in flight and nothing can start."""
         while True:
             self.launch()
+            self.force_host = False
             if not self.in_flight:
-                break
+                if not self.levers.waiting:
+                    break
+                self.force_host = True
+                self._release_host_twins()
+                continue
             self.collect()
 
     def launch(self) -> None:
@@ -411,7 +419,7 @@ class _BranchAndBound:
             _, i, stage = heapq.heappop(self.heap)
             if stage == 1 and self.cands[i].status != "building":
                 continue            # settled already (queued again, then simulated)
-            if self._slower(self.cands[i], stage):
+            if self._slower(self.cands[i], stage) or self._host_skip(i, stage):
                 continue
             if stage == 0:
                 self._start_build(self.cands[i])
@@ -427,6 +435,33 @@ class _BranchAndBound:
         if why is not None:
             c.status, c.reason = "bound", why
         return why is not None
+
+    def _host_skip(self, i: int, stage: int) -> bool:
+        """Hold back a host twin (:class:`~sim.apps.plan.levers.Levers`) whose eager twin is
+        unsettled, or drop it where it cannot fit or is no faster."""
+        c = self.cands[i]
+        if stage == 0 and c.status != "pending":
+            return False            # built already, as its family's probe
+        why = self.levers.host_verdict(c, stage, self.force_host)
+        if why is not None and why[0] == "wait":
+            self.levers.waiting.append((i, stage))
+        elif why is not None:
+            c.status, c.reason = why
+        return why is not None
+
+    def _release_host_twins(self) -> None:
+        for j, stage in self.levers.waiting:
+            c = self.cands[j]
+            heapq.heappush(self.heap, (self.goal.of_seconds(
+                c.lower_bound_s if stage else c.bound0_s), j, stage))
+        self.levers.waiting.clear()
+
+    def _lever(self, c: Candidate) -> None:
+        """Queue the memory-lever twin of ``c``, which does not fit (:class:`Levers`)."""
+        twin = self.levers.spawn(c)
+        if twin is not None:
+            self.probes.families[twin.family].append(twin.index)
+            heapq.heappush(self.heap, (self.goal.of_seconds(twin.bound0_s), twin.index, 0))
 
     def _stop_reason(self) -> str | None:
         """Why no more work starts now (``budget``, ``bound``, ``time``), or None."""
@@ -447,6 +482,7 @@ class _BranchAndBound:
         why = self.memory.dominated(c.family, c.layout)
         if why is not None:
             c.status, c.reason = "memory", why
+            self._lever(c)
             return
         todo = self.probes.to_build(c)
         if todo is None:
@@ -470,7 +506,8 @@ class _BranchAndBound:
                    and heap[0][0] < self.threshold()
                    and self.sims_started < self.limits.max_simulations):
                 j = heapq.heappop(heap)[1]
-                if self.cands[j].status != "building" or self._slower(self.cands[j], 1):
+                if self.cands[j].status != "building" or self._slower(self.cands[j], 1) \
+                        or self._host_skip(j, 1):
                     continue
                 self.cands[j].status = "simulating"
                 self.sims_started += 1
@@ -499,6 +536,7 @@ class _BranchAndBound:
                 for j, sim in zip(indices, _batch_results(fut, indices), strict=True):
                     self._settle_simulation(self.cands[j], sim)
             self.completed[kind] += len(indices)
+            self._release_host_twins()
             if self.workers.progress is not None:
                 self.workers.progress(kind, self.completed[kind], len(self.cands))
 
@@ -517,6 +555,7 @@ class _BranchAndBound:
         reason = self.memory.verdict(c.family, c.layout, ev.states_bytes, need)
         if reason is not None:
             c.status, c.reason = "memory", reason
+            self._lever(c)
         else:
             self.lighter.fits(c.family, c.layout, c.index)
             heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), c.index, 1))
@@ -529,6 +568,7 @@ class _BranchAndBound:
         elif sim.summary["oom"]:
             c.status, c.reason = "oom", "simulated peak above usable memory"
             self._requeue(self.lighter.retract(c.family, c.layout, c.index))
+            self._lever(c)
         else:
             c.status = "simulated"
             self.best.append(objective_value(sim.summary, self.goal.name))
