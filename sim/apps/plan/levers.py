@@ -27,6 +27,7 @@ from sim.apps.plan.layouts import Layout, _space
 
 if TYPE_CHECKING:
     from sim.apps.plan.search import Candidate
+    from sim.scenario import Scenario
 
 HOST_GAIN = 0.01
 """Share of the step by which a host twin's lower bound must beat its eager twin's to be
@@ -39,8 +40,11 @@ class Levers:
     """Memory-lever twins spawned during the search, and host twins waiting for their eager
     twin's build."""
 
-    def __init__(self, cands: list[Candidate], make: Callable[..., Candidate]) -> None:
+    def __init__(self, cands: list[Candidate], make: Callable[..., Candidate],
+                 base: Scenario | None = None) -> None:
         self.cands = cands
+        self.kept = base.framework if base is not None else None
+        """The scenario's framework options (its layouts of that framework keep them)."""
         self.make = make
         """``Candidate``'s constructor (passed in: this module is imported by its own)."""
         self.index_of: dict[Layout, int] = {c.layout: c.index for c in cands}
@@ -55,6 +59,9 @@ class Levers:
         space = _space(x.framework)
         if not x.moe or space is None or c.index in self.spawned:
             return None
+        if self.kept is not None and self.kept.name == x.framework and \
+                getattr(self.kept, "use_precision_aware_optimizer", False):
+            return None         # the scenario's own precision-aware optimizer holds
         options = space.memory_lever(x.options)
         if options is None:
             return None

@@ -388,7 +388,7 @@ class _BranchAndBound:
         self.capacity = workers.runner.workers + 1
         self.probes = _FamilyProbes(cands)
         self.lighter = LighterFits()
-        self.levers = Levers(cands, Candidate)
+        self.levers = Levers(cands, Candidate, base)
         self.force_host = False     # nothing in flight: host twins wait no longer
 
     def threshold(self) -> float:

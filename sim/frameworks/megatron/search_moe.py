@@ -105,7 +105,8 @@ def graph_options(pt: SearchPoint, flex: bool) -> list[Options]:
                        ("cuda_graph_scope", graph_scope(pt, flex)))
     if not pt.arch:
         return [()]             # a point without its GPU (doctests): eager only
-    return [graphs] if pt.arch == "blackwell" else [(), graphs]
+    # The eager twin says so (``none``): a scenario's own graphs would otherwise hold.
+    return [graphs] if pt.arch == "blackwell" else [(("cuda_graph_impl", "none"),), graphs]
 
 
 def moe_option_sets(pt: SearchPoint) -> Iterable[Options]:
@@ -116,7 +117,7 @@ def moe_option_sets(pt: SearchPoint) -> Iterable[Options]:
     --------
     >>> pt = SearchPoint(1, 1, 1, 8, 1, 48, 128, 768, ep=8, gpus_per_domain=8, arch="hopper")
     >>> [dict(o).get("cuda_graph_impl") for o in moe_option_sets(pt)]
-    [None, 'transformer_engine']
+    ['none', 'transformer_engine']
     """
     fp8: Options = (("fp8_param_gather", True),) if pt.fp8 else ()
     for disp in dispatchers(pt):
@@ -170,6 +171,6 @@ def graph_twin(options: Options) -> Options | None:
     o = dict(options)
     if o.get("cuda_graph_impl", "none") == "none":
         return None
-    o.pop("cuda_graph_impl")
+    o["cuda_graph_impl"] = "none"
     o.pop("cuda_graph_scope", None)
     return tuple(sorted(o.items()))
