@@ -92,7 +92,7 @@ class Levers:
         if t is None:
             return None
         ev = t.evaluation
-        if t.status in ("pending", "building") and (ev is None or stage == 0):
+        if t.status in ("pending", "building") and ev is None:
             return None if force else ("wait", "")
         if t.status in ("memory", "oom"):
             return ("memory", "implied (the same layout without CUDA graphs does not fit)")
