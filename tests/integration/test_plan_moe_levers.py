@@ -165,7 +165,10 @@ def test_graph_twin_is_simulated_only_where_its_bound_is_shorter() -> None:
     assert levers.host_verdict(graphs, 0) == ("wait", "")
     assert levers.host_verdict(graphs, 0, force=True) is None
     built(eager, 1.0)
-    assert levers.host_verdict(graphs, 0) is None           # build it
+    verdict = levers.host_verdict(graphs, 0)                  # the host issues for 0 s
+    assert verdict is not None and verdict[0] == "bound"
+    eager.evaluation = Evaluation(None, None, 1.0, 1.0, 1.0, 1, 0.0, host_s=0.2)
+    assert levers.host_verdict(graphs, 0) is None           # 20% of the step: build it
     built(graphs, 1.0 - HOST_GAIN / 2)                        # launch latency only
     verdict = levers.host_verdict(graphs, 1)
     assert verdict is not None and verdict[0] == "bound"

@@ -10,10 +10,13 @@ eager twin. Part of ``fabricsim plan`` (:mod:`sim.apps.plan`; docs/planner.md).
   never gets one: the lever trades nothing for memory it does not need, and the search stays
   as long as before wherever everything fits.
 * **Host twins**: a layout whose options only save host time
-  (:attr:`~sim.frameworks.common.entry.SearchSpace.host_twin`) is simulated only if its
-  built lower bound (which runs the host clock, :func:`sim.apps.plan.bound.
-  _earliest_schedule`) is shorter than its eager twin's; with the same bound the host does
-  not bind and the twin, simulated already or soon, stands for both.
+  (:attr:`~sim.frameworks.common.entry.SearchSpace.host_twin`) is built only once its eager
+  twin is, and only where that fits and its host issues for at least :data:`HOST_GAIN` of
+  its bound (graphs take at most the host's time off any path of the schedule, so off the
+  bound); it is simulated only if its own built lower bound (which runs the host clock,
+  :func:`sim.apps.plan.bound._earliest_schedule`) beats the eager twin's by that share;
+  otherwise the host does not bind and the twin, simulated already or soon, stands for
+  both.
 """
 
 from __future__ import annotations
@@ -96,7 +99,13 @@ class Levers:
             return None if force else ("wait", "")
         if t.status in ("memory", "oom"):
             return ("memory", "implied (the same layout without CUDA graphs does not fit)")
-        if stage == 0 or ev is None or ev.refused is not None or t.status == "refused":
+        if ev is None or ev.refused is not None or t.status == "refused":
+            return None
+        if stage == 0:
+            # Graphs take at most the host's issue time off any path of the schedule.
+            if math.isfinite(t.lower_bound_s) and ev.host_s < HOST_GAIN * t.lower_bound_s:
+                return ("bound", "CUDA graphs cannot gain (the host issues for under "
+                        f"{HOST_GAIN:.0%} of the step)")
             return None
         mine, theirs = c.lower_bound_s, t.lower_bound_s
         if math.isfinite(theirs) and mine >= theirs * (1.0 - HOST_GAIN):
