@@ -10,9 +10,12 @@ Each is tried only where Megatron allows it and where it can change the answer:
   kernels save is the network crossings (one per destination domain, DeepEP's and Hybrid-EP's
   design; :mod:`sim.frameworks.megatron.moe_flex`, :mod:`sim.frameworks.megatron.moe_hybridep`).
   Dropless only (neither backend pads to capacity; token dropping is not modelled with them),
-  on Hopper or Blackwell (both backends' GPUs). Megatron-Bridge's MoE configs run HybridEP on
-  GB200/B200 and DeepEP on H100 (``scripts/performance/configs/qwen/
-  qwen3_workload_base_configs.py`` at c8327cfc2~1, ``moe_flex_dispatcher_backend``).
+  on Hopper or Blackwell (both backends' GPUs). HybridEP always: Megatron-Bridge's MoE configs
+  run it on H100, B200, GB200 and GB300 alike (``scripts/performance/configs/{qwen,deepseek,
+  gpt_oss}/*_workload_base_configs.py`` at c8327cfc2~1, ``moe_flex_dispatcher_backend``);
+  DeepEP only with FP8 training, where those configs use it (DeepSeek-V3 B200 FP8-MX and
+  NVFP4 V2) and where it differs from HybridEP (FP8 dispatch, which HybridEP refuses). Each
+  backend is one more layer profile per crossing layout, so the planner tries no more.
 * **CUDA graphs**: on Blackwell always, as Megatron-Bridge's MoE configs do there
   (``cuda_graph_impl="transformer_engine"``, ``cuda_graph_scope=["attn", "moe_router",
   "moe_preprocess"]``, same file); elsewhere as a twin of the eager layout, which the planner
@@ -67,18 +70,19 @@ def crosses_domains(pt: SearchPoint) -> bool:
 
 def dispatchers(pt: SearchPoint) -> list[Options]:
     """The dispatcher option sets of a layout: the alltoall dispatcher (the scenario's or
-    the default, no key set), and DeepEP and HybridEP where the group crosses domains.
+    the default, no key set), and where the group crosses domains HybridEP, and DeepEP with
+    FP8.
 
     Examples
     --------
     >>> pt = SearchPoint(1, 1, 1, 16, 1, 48, 128, 768, ep=16, gpus_per_domain=8,
     ...                  arch="hopper")
     >>> [dict(o).get("moe_flex_dispatcher_backend") for o in dispatchers(pt)]
-    [None, 'deepep', 'hybridep']
+    [None, 'hybridep']
     """
     out: list[Options] = [()]
     if crosses_domains(pt) and pt.dropless and pt.arch in FLEX_ARCHS:
-        for backend in ("deepep", "hybridep"):
+        for backend in ("hybridep", "deepep") if pt.fp8 else ("hybridep",):
             out.append((("moe_flex_dispatcher_backend", backend),
                         ("moe_token_dispatcher_type", "flex")))
     return out
