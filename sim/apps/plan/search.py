@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -35,8 +35,9 @@ from sim.apps.plan.evaluate import (
 from sim.apps.plan.layouts import Layout, _Shape, _shape, _space, enumerate_layouts
 from sim.apps.plan.levers import Levers
 from sim.apps.plan.memory import MemoryPruning
+from sim.apps.plan.probes import _FamilyProbes
 from sim.apps.plan.profile import _profile_key, _profiles_task, profile_bound
-from sim.apps.plan.recompute import LighterFits, weight
+from sim.apps.plan.recompute import LighterFits
 from sim.frameworks.registry import SearchSpace
 from sim.scenario import Scenario, ScenarioError
 
@@ -320,51 +321,6 @@ class _Limits:
     time_limit_s: float | None
     t0: float
     """``time.perf_counter()`` when the search began."""
-
-
-def _lightness(c: Candidate) -> tuple[int, int, int, int]:
-    """Order of a family's layouts by the memory they need, least first."""
-    rank, modules = weight(c.layout)
-    return (c.layout.micro_batch_size, -rank, -modules, c.index)
-
-
-class _FamilyProbes:
-    """Each family's lightest pending layout is built first (its probe): if even that does
-    not fit, no layout of the family does. The family's other layouts wait for it."""
-
-    def __init__(self, cands: list[Candidate]) -> None:
-        self.cands = cands
-        self.families: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-        for c in cands:
-            if c.status == "pending":
-                self.families[c.family].append(c.index)
-        self.probed: set[tuple[Any, ...]] = set()
-        self.probing: set[tuple[Any, ...]] = set()
-        self.waiting: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-
-    def to_build(self, c: Candidate) -> Candidate | None:
-        """The candidate to build when ``c`` is next: ``c``, its family's probe, or None
-        (``c`` waits for the probe being built)."""
-        fam = c.family
-        if fam in self.probing:
-            self.waiting[fam].append(c.index)
-            return None
-        if fam not in self.probed:
-            probe = min((x for x in self.families[fam] if self.cands[x].status == "pending"),
-                        key=lambda x: _lightness(self.cands[x]))
-            self.probed.add(fam)
-            if probe != c.index:
-                self.probing.add(fam)
-                self.waiting[fam].append(c.index)
-                return self.cands[probe]
-        return c
-
-    def release(self, family: tuple[Any, ...]) -> list[int]:
-        """The candidates that waited for the family's probe, now built."""
-        if family not in self.probing:
-            return []
-        self.probing.discard(family)
-        return self.waiting.pop(family, [])
 
 
 class _BranchAndBound:
