@@ -22,7 +22,16 @@ from sim.scenario import load_scenario
 
 DSV2 = "deepseek-v2-lite-megatron-ep8-8xh100"
 FAMILY = {"parallelism.tp": 1, "parallelism.pp": 1, "parallelism.cp": 1,
-          "parallelism.ep": 8}
+          "parallelism.ep": 8, "framework.cuda_graph_impl": "none"}
+
+
+@pytest.fixture
+def no_levers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recomputation and overlap tests study those alone: no bf16-moment twins
+    (tests/integration/test_plan_moe_levers.py tests those)."""
+    from sim.apps.plan import levers
+
+    monkeypatch.setattr(levers.Levers, "spawn", lambda self, c: None)
 
 
 def _dsv2(*overrides: str) -> Any:
@@ -35,6 +44,7 @@ def _dsv2(*overrides: str) -> Any:
 # (core_attn) frees nothing of it (flash attention keeps only its output and statistics);
 # [moe_act] drops the experts' fc2 input (76.7 GiB). At 6,144 tokens [moe_act] (83.1) and
 # [layernorm, moe_act] (79.4 GiB) do not fit; [mla_up_proj, layernorm, moe_act] does (75.1).
+@pytest.mark.usefixtures("no_levers")
 @pytest.mark.parametrize("seq_len, lightest, lighter", [
     (5120, ("moe_act",), ["none", "selective"]),
     (6144, ("mla_up_proj", "layernorm", "moe_act"),
@@ -97,6 +107,7 @@ def test_memory_pruning_compares_what_is_recomputed() -> None:
 
 
 # --------------------------------------------------------------------------- a2a overlap
+@pytest.mark.usefixtures("no_levers")
 def test_plan_keeps_the_faster_of_with_and_without_a2a_overlap() -> None:
     # ep 8, micro-batch 1, 4 micro-batches: the combined 1F1B schedule hides each
     # micro-batch's dispatch and combine all-to-alls under the other's compute.

@@ -44,6 +44,10 @@ class Evaluation:
     """The largest estimate plus what ``nvidia-smi`` adds beside PyTorch's allocator on that
     GPU (the CUDA context and NCCL's buffers, :func:`sim.analysis.memory_overheads.overheads`,
     the same the simulation judges running out of memory by); 0 if refused."""
+    host_s: float = 0.0
+    """The largest rank class's host seconds issuing the step's ops (``Op.cpu_s``, scaled to
+    the layout's micro-batches); what options that only save host time can take off the
+    bound at most (:mod:`sim.apps.plan.levers`); 0 if not scheduled."""
 
 
 def _short_step(layout: Layout) -> bool:
@@ -117,8 +121,11 @@ def evaluate_layout(base: Scenario, layout: Layout, rates: LinkRates, usable_byt
     bound = sched.makespan if sched is not None else 0.0
     if micro_batches > built:
         bound += (micro_batches - built) * per_micro_batch_bound(program, rates, built)
+    host = max(sum(op.cpu_s for ops in c.streams.values() for op in ops)
+               for c in program.classes) * max(micro_batches / max(built, 1), 1.0)
     return Evaluation(None, None, max(memory.values()), states, bound, len(program.ops),
-                      time.perf_counter() - t0, _with_overheads(scenario, program, memory))
+                      time.perf_counter() - t0, _with_overheads(scenario, program, memory),
+                      host)
 
 
 def _with_overheads(scenario: Scenario, program: Any, memory: dict[int, float]) -> float:

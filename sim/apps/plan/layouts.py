@@ -123,6 +123,14 @@ class Layout:
             parts.append("emb/loss-split")
         if opts.get("moe_a2a_overlap"):
             parts.append("a2a-overlap")
+        if opts.get("moe_token_dispatcher_type") == "flex":
+            parts.append(str(opts.get("moe_flex_dispatcher_backend", "deepep")))
+        if opts.get("cuda_graph_impl", "none") != "none":
+            parts.append("cuda-graphs")
+        if opts.get("fp8_param_gather"):
+            parts.append("fp8-params")
+        if opts.get("use_precision_aware_optimizer"):
+            parts.append("bf16-moments")
         parts.append(f"mbs{self.micro_batch_size}")
         parts.append(self.activation_checkpointing + (f"({','.join(self.recompute)})"
                                                       if self.recompute else ""))
@@ -156,22 +164,32 @@ class _Shape:
     mla: bool = False
     shared_experts: int = 0
     mtp_layers: int = 0
+    arch: str = ""
+    """The GPU's architecture (what the Megatron MoE options depend on)."""
+    fp8: bool = False
+    dropless: bool = True
 
-    def point(self, tp: int, pp: int, vp: int, dp: int, cp: int, ep: int) -> SearchPoint:
-        """The search point of one parallel layout of this model."""
+    def point(self, tp: int, pp: int, vp: int, dp: int, cp: int, ep: int,
+              etp: int = 1) -> SearchPoint:
+        """The search point of one parallel layout of this model (the NVLink domain: a
+        node of the cluster, as the fabric builds it)."""
         return SearchPoint(tp, pp, vp, dp, cp, self.layers, self.experts, self.expert_width,
-                           ep, self.mla, self.shared_experts, self.mtp_layers)
+                           ep, self.mla, self.shared_experts, self.mtp_layers, etp,
+                           self.gpus_per_node, self.arch, self.fp8, self.dropless)
 
 
 def _shape(base: Scenario) -> _Shape:
+    from sim import catalog
     from sim.workload.model import ModelSpec
 
     m = ModelSpec.from_ref(base.model, base.training.seq_len)
     experts, width, shared = ((m.moe.experts, m.moe.ffn_hidden, m.moe.shared)
                               if m.moe is not None else (0, 0, 0))
+    dropless = m.moe is None or m.moe.capacity_factor is None
     return _Shape(base.gpus, base.cluster.gpus_per_node, m.layers, step_sequences(base),
                   base.training.seq_len, experts, width, m.mla is not None, shared,
-                  m.mtp_layers)
+                  m.mtp_layers, catalog.gpu(base.cluster.gpu).arch,
+                  base.training.precision == "fp8", dropless)
 
 
 def step_sequences(base: Scenario) -> int:
@@ -301,7 +319,7 @@ def _point_layouts(fw: str, space: SearchSpace, shape: _Shape, tp: int, pp: int,
     point = shape.point(tp, pp, vp, dp, cp, 1)
     experts = list(space.expert_layouts(point)) if shape.experts else [(1, 0)]
     for ep, etp in experts:
-        at = shape.point(tp, pp, vp, dp, cp, ep) if shape.experts else point
+        at = shape.point(tp, pp, vp, dp, cp, ep, etp) if shape.experts else point
         for varied in space.options(at):
             options = tuple(sorted(space.recipe + varied))
             if space.data_parallel_only:

@@ -153,7 +153,38 @@ def layout_row(c: Candidate) -> dict[str, Any]:
                 "exposed_comm_s", "bubble_fraction"):
         row[key] = s.get(key) if s else None
     row["usd_per_million_tokens"] = s["cost"]["usd_per_million_tokens"] if s else None
+    if x.moe:
+        row.update(moe_option_columns(x))
     return row
+
+
+def moe_option_columns(x: Layout) -> dict[str, Any]:
+    """The Megatron MoE options a mixture-of-experts row was tried with, as columns (after
+    the others: dense rows as before): the token dispatcher (``flex-deepep``,
+    ``flex-hybridep``), the CUDA graphs (``impl:scope;scope``), Adam's moments' dtypes
+    (``bf16`` under the precision-aware optimizer) and FP8 primary weights, each blank where
+    the planner did not set it (the scenario's own value holds: the alltoall dispatcher, no
+    graphs, fp32 moments unless the scenario sets them).
+
+    Examples
+    --------
+    >>> x = Layout("megatron", 1, 1, 8, 1, 1, 1, "none", (("cuda_graph_impl",
+    ...     "transformer_engine"), ("cuda_graph_scope", ("attn", "moe_router"))), 8, 1)
+    >>> moe_option_columns(x)["cuda_graphs"]
+    'transformer_engine:attn;moe_router'
+    """
+    o = dict(x.options)
+    disp = str(o.get("moe_token_dispatcher_type", ""))
+    if disp == "flex":
+        disp += "-" + str(o.get("moe_flex_dispatcher_backend", "deepep"))
+    impl = o.get("cuda_graph_impl")
+    graphs = "" if impl is None else \
+        f"{impl}:{';'.join(o.get('cuda_graph_scope') or ())}" if impl != "none" else "none"
+    aware = o.get("use_precision_aware_optimizer")
+    return {"token_dispatcher": disp, "cuda_graphs": graphs,
+            "exp_avg_dtype": o.get("exp_avg_dtype", "fp32") if aware else "",
+            "exp_avg_sq_dtype": o.get("exp_avg_sq_dtype", "fp32") if aware else "",
+            "fp8_param_gather": o.get("fp8_param_gather", "")}
 
 
 def scenario_mapping(base: Scenario, layout: Layout) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -33,9 +33,11 @@ from sim.apps.plan.evaluate import (
     simulate_layout,
 )
 from sim.apps.plan.layouts import Layout, _Shape, _shape, _space, enumerate_layouts
+from sim.apps.plan.levers import Levers
 from sim.apps.plan.memory import MemoryPruning
+from sim.apps.plan.probes import _FamilyProbes
 from sim.apps.plan.profile import _profile_key, _profiles_task, profile_bound
-from sim.apps.plan.recompute import LighterFits, weight
+from sim.apps.plan.recompute import LighterFits
 from sim.frameworks.registry import SearchSpace
 from sim.scenario import Scenario, ScenarioError
 
@@ -321,51 +323,6 @@ class _Limits:
     """``time.perf_counter()`` when the search began."""
 
 
-def _lightness(c: Candidate) -> tuple[int, int, int, int]:
-    """Order of a family's layouts by the memory they need, least first."""
-    rank, modules = weight(c.layout)
-    return (c.layout.micro_batch_size, -rank, -modules, c.index)
-
-
-class _FamilyProbes:
-    """Each family's lightest pending layout is built first (its probe): if even that does
-    not fit, no layout of the family does. The family's other layouts wait for it."""
-
-    def __init__(self, cands: list[Candidate]) -> None:
-        self.cands = cands
-        self.families: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-        for c in cands:
-            if c.status == "pending":
-                self.families[c.family].append(c.index)
-        self.probed: set[tuple[Any, ...]] = set()
-        self.probing: set[tuple[Any, ...]] = set()
-        self.waiting: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-
-    def to_build(self, c: Candidate) -> Candidate | None:
-        """The candidate to build when ``c`` is next: ``c``, its family's probe, or None
-        (``c`` waits for the probe being built)."""
-        fam = c.family
-        if fam in self.probing:
-            self.waiting[fam].append(c.index)
-            return None
-        if fam not in self.probed:
-            probe = min((x for x in self.families[fam] if self.cands[x].status == "pending"),
-                        key=lambda x: _lightness(self.cands[x]))
-            self.probed.add(fam)
-            if probe != c.index:
-                self.probing.add(fam)
-                self.waiting[fam].append(c.index)
-                return self.cands[probe]
-        return c
-
-    def release(self, family: tuple[Any, ...]) -> list[int]:
-        """The candidates that waited for the family's probe, now built."""
-        if family not in self.probing:
-            return []
-        self.probing.discard(family)
-        return self.waiting.pop(family, [])
-
-
 class _BranchAndBound:
     """Phase 2: best first over (bound, stage): stage 0 builds a layout, stage 1 simulates
     it, until the next bound cannot enter the top K, the simulation budget or the time limit
@@ -387,6 +344,8 @@ class _BranchAndBound:
         self.capacity = workers.runner.workers + 1
         self.probes = _FamilyProbes(cands)
         self.lighter = LighterFits()
+        self.levers = Levers(cands, Candidate, base)
+        self.force_host = False     # nothing in flight: host twins wait no longer
 
     def threshold(self) -> float:
         """The K-th best simulated objective: a bound at or above it cannot enter the top."""
@@ -397,8 +356,13 @@ class _BranchAndBound:
         """Start work and settle it until nothing is in flight and nothing can start."""
         while True:
             self.launch()
+            self.force_host = False
             if not self.in_flight:
-                break
+                if not self.levers.waiting:
+                    break
+                self.force_host = True
+                self._release_host_twins()
+                continue
             self.collect()
 
     def launch(self) -> None:
@@ -411,7 +375,7 @@ class _BranchAndBound:
             _, i, stage = heapq.heappop(self.heap)
             if stage == 1 and self.cands[i].status != "building":
                 continue            # settled already (queued again, then simulated)
-            if self._slower(self.cands[i], stage):
+            if self._slower(self.cands[i], stage) or self._host_skip(i, stage):
                 continue
             if stage == 0:
                 self._start_build(self.cands[i])
@@ -427,6 +391,33 @@ class _BranchAndBound:
         if why is not None:
             c.status, c.reason = "bound", why
         return why is not None
+
+    def _host_skip(self, i: int, stage: int) -> bool:
+        """Hold back a host twin (:class:`~sim.apps.plan.levers.Levers`) whose eager twin is
+        unsettled, or drop it where it cannot fit or is no faster."""
+        c = self.cands[i]
+        if stage == 0 and c.status != "pending":
+            return False            # built already, as its family's probe
+        why = self.levers.host_verdict(c, stage, self.force_host)
+        if why is not None and why[0] == "wait":
+            self.levers.waiting.append((i, stage))
+        elif why is not None:
+            c.status, c.reason = why
+        return why is not None
+
+    def _release_host_twins(self) -> None:
+        for j, stage in self.levers.waiting:
+            c = self.cands[j]
+            heapq.heappush(self.heap, (self.goal.of_seconds(
+                c.lower_bound_s if stage else c.bound0_s), j, stage))
+        self.levers.waiting.clear()
+
+    def _lever(self, c: Candidate) -> None:
+        """Queue the memory-lever twin of ``c``, which does not fit (:class:`Levers`)."""
+        twin = self.levers.spawn(c)
+        if twin is not None:
+            self.probes.families[twin.family].append(twin.index)
+            heapq.heappush(self.heap, (self.goal.of_seconds(twin.bound0_s), twin.index, 0))
 
     def _stop_reason(self) -> str | None:
         """Why no more work starts now (``budget``, ``bound``, ``time``), or None."""
@@ -447,6 +438,7 @@ class _BranchAndBound:
         why = self.memory.dominated(c.family, c.layout)
         if why is not None:
             c.status, c.reason = "memory", why
+            self._lever(c)
             return
         todo = self.probes.to_build(c)
         if todo is None:
@@ -470,7 +462,8 @@ class _BranchAndBound:
                    and heap[0][0] < self.threshold()
                    and self.sims_started < self.limits.max_simulations):
                 j = heapq.heappop(heap)[1]
-                if self.cands[j].status != "building" or self._slower(self.cands[j], 1):
+                if self.cands[j].status != "building" or self._slower(self.cands[j], 1) \
+                        or self._host_skip(j, 1):
                     continue
                 self.cands[j].status = "simulating"
                 self.sims_started += 1
@@ -499,6 +492,7 @@ class _BranchAndBound:
                 for j, sim in zip(indices, _batch_results(fut, indices), strict=True):
                     self._settle_simulation(self.cands[j], sim)
             self.completed[kind] += len(indices)
+            self._release_host_twins()
             if self.workers.progress is not None:
                 self.workers.progress(kind, self.completed[kind], len(self.cands))
 
@@ -517,6 +511,7 @@ class _BranchAndBound:
         reason = self.memory.verdict(c.family, c.layout, ev.states_bytes, need)
         if reason is not None:
             c.status, c.reason = "memory", reason
+            self._lever(c)
         else:
             self.lighter.fits(c.family, c.layout, c.index)
             heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), c.index, 1))
@@ -529,6 +524,7 @@ class _BranchAndBound:
         elif sim.summary["oom"]:
             c.status, c.reason = "oom", "simulated peak above usable memory"
             self._requeue(self.lighter.retract(c.family, c.layout, c.index))
+            self._lever(c)
         else:
             c.status = "simulated"
             self.best.append(objective_value(sim.summary, self.goal.name))

@@ -18,6 +18,8 @@ from sim.frameworks.common.search import (
     SearchPoint,
     default_recomputation,
     no_expert_layouts,
+    no_host_twin,
+    no_memory_lever,
 )
 from sim.workload.model import ModelSpec
 
@@ -68,6 +70,13 @@ class SearchSpace:
     weight_casts_per_step: bool = False
     """With fp8, weight casts are shared by the micro-batches of a step, so a
     one-micro-batch profile is no lower bound (the profile then only refuses)."""
+    memory_lever: Callable[[Options], Options | None] = no_memory_lever
+    """The options of the same mixture-of-experts layout that keep less state (Megatron's
+    bf16 Adam moments), tried only where the layout does not fit; None: none."""
+    host_twin: Callable[[Options], Options | None] = no_host_twin
+    """For options that only save host time (Megatron's CUDA graphs): the options of the
+    eager twin also enumerated, so that the planner simulates them only where their lower
+    bound beats the twin's; None: not such options."""
 
 
 @dataclass(frozen=True)

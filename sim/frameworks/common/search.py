@@ -41,6 +41,16 @@ class SearchPoint:
     """Shared experts per MoE layer."""
     mtp_layers: int = 0
     """Multi-token prediction modules."""
+    etp: int = 1
+    """The expert tensor-parallel size of that expert layout."""
+    gpus_per_domain: int = 0
+    """GPUs of one NVLink domain (a node, or an NVL72 rack); 0: not known."""
+    arch: str = ""
+    """The GPU's architecture (``hopper``, ``blackwell``, ...); "" not known."""
+    fp8: bool = False
+    """The scenario trains in FP8 (``training.precision: fp8``)."""
+    dropless: bool = True
+    """The MoE layers drop no token (no ``capacity_factor``)."""
 
     @property
     def world(self) -> int:
@@ -65,3 +75,13 @@ def default_recomputation(pt: SearchPoint, options: Options) -> Iterable[Recompu
 def no_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     """No expert parallelism: a framework that does not search it."""
     yield (1, 0)
+
+
+def no_memory_lever(options: Options) -> Options | None:
+    """No memory lever: a framework whose planner search has none."""
+    return None
+
+
+def no_host_twin(options: Options) -> Options | None:
+    """No options that only save host time."""
+    return None

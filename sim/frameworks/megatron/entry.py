@@ -13,6 +13,7 @@ from sim.frameworks.megatron.search import (
     megatron_recomputation,
     megatron_stage_split,
 )
+from sim.frameworks.megatron.search_moe import graph_twin, memory_lever
 
 ENTRY = FrameworkEntry(
     "megatron", MegatronOptions, build_megatron,
@@ -20,7 +21,10 @@ ENTRY = FrameworkEntry(
                        chunks_split=megatron_chunks_split, sequence_parallel=True,
                        layer_profile=True,
                        layer_options=("tp_comm_overlap", "moe_a2a_overlap",
-                                      "moe_shared_expert_overlap"),
+                                      "moe_shared_expert_overlap",
+                                      "moe_token_dispatcher_type",
+                                      "moe_flex_dispatcher_backend"),
+                       memory_lever=memory_lever, host_twin=graph_twin,
                        weight_casts_per_step=True, recomputation=megatron_recomputation,
                        expert_layouts=megatron_expert_layouts),
     stage_split=megatron_stage_split,

@@ -13,6 +13,7 @@ from sim.frameworks.common.search import (
     default_recomputation,
     divisors,
 )
+from sim.frameworks.megatron.search_moe import allows_recomputation, moe_option_sets
 
 MEGATRON_BEST_PRACTICE: Options = (
     # Shard fp32 master weights and Adam states over data-parallel ranks: 12 bytes/param
@@ -77,15 +78,19 @@ def megatron_options(pt: SearchPoint) -> Iterable[Options]:
     if not pt.experts:
         yield extra + split
         return
-    # Without the overlap explicitly, so that a scenario that sets it still gets layouts
-    # without it (and those Megatron refuses it for).
-    yield extra + split + (("moe_a2a_overlap", False),)
-    if a2a_overlap_allowed(pt):
-        # Megatron-Core refuses moe_shared_expert_overlap with the combined schedule (the
-        # shared experts run in the pre-dispatch node beside the other micro-batch's
-        # all-to-alls instead).
-        shared: Options = (("moe_shared_expert_overlap", False),) if pt.shared_experts else ()
-        yield extra + split + (("moe_a2a_overlap", True),) + shared
+    # Each with the dispatcher backends, CUDA graphs and FP8 primary weights Megatron
+    # allows here (sim/frameworks/megatron/search_moe.py).
+    for moe in moe_option_sets(pt):
+        # Without the overlap explicitly, so that a scenario that sets it still gets layouts
+        # without it (and those Megatron refuses it for).
+        yield extra + split + (("moe_a2a_overlap", False),) + moe
+        if a2a_overlap_allowed(pt):
+            # Megatron-Core refuses moe_shared_expert_overlap with the combined schedule (the
+            # shared experts run in the pre-dispatch node beside the other micro-batch's
+            # all-to-alls instead).
+            shared: Options = ((("moe_shared_expert_overlap", False),) if pt.shared_experts
+                               else ())
+            yield extra + split + (("moe_a2a_overlap", True),) + shared + moe
 
 
 def a2a_overlap_allowed(pt: SearchPoint) -> bool:
@@ -139,11 +144,11 @@ def megatron_recomputation(pt: SearchPoint, options: Options) -> Iterable[Recomp
     seen: set[tuple[str, ...]] = set()
     for mods in MOE_RECOMPUTE:
         kept = tuple(m for m in mods if pt.mla or m != "mla_up_proj")
-        if kept not in seen:
+        if kept not in seen and allows_recomputation(options, "selective", kept):
             seen.add(kept)
             yield "selective", kept
     yield "selective", ()
-    if not dict(options).get("moe_a2a_overlap"):
+    if not dict(options).get("moe_a2a_overlap") and allows_recomputation(options, "full", ()):
         yield "full", ()
 
 
