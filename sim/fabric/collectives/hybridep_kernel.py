@@ -29,8 +29,9 @@ kernel time only; its bandwidth is the bytes a rank receives, its own share incl
 Checked, not fitted, in ``tests/unit/engine/test_hybridep_published.py``: the GB200 rows
 of 16 to 36 ranks in one NVLink domain (within 11%), the H100 rows at EP 32 and 64 where
 the network bounds them (+5% to +13%; EP 16 is 20-37% fast, marked), and the Megatron Core
-MoE report's EP32 H100 dispatch against NCCL's all-to-all (arXiv 2603.07685 Table 7). No Hopper NVLink-bound
-figure is published for Hybrid-EP: the same TMA store efficiency is taken there.
+MoE report's EP32 H100 dispatch against NCCL's all-to-all (arXiv 2603.07685 Table 7). No
+Hopper NVLink-bound figure is published for Hybrid-EP: the same TMA store efficiency is taken
+there.
 """
 
 from __future__ import annotations

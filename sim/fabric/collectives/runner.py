@@ -112,8 +112,9 @@ class CollectiveRunner:
         self._flow_arrays: dict[tuple[int, str, str, float, float, int], tuple[
             FlowPlan, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
                             float]]] = {}
-        self._a2a: dict[tuple[int, alltoall.PeerMatrix, int], _A2A] = {}
-        self._a2a_ids: dict[tuple[int, int, int], tuple[alltoall.PeerMatrix, _A2A]] = {}
+        self._a2a: dict[tuple[int, alltoall.PeerMatrix, int, str], _A2A] = {}
+        self._a2a_ids: dict[tuple[int, int, tuple[int, str]],
+                            tuple[alltoall.PeerMatrix, _A2A]] = {}
         self.chosen: list[Choice] = []
         self.fold_across_nodes = True
         """Whether alike groups across nodes on disjoint links fold into one group's flows
