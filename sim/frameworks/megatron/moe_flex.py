@@ -57,6 +57,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TypeVar
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.moe_flex_skew import FlexSkew, deepep_matrix, scenario_skew
@@ -388,6 +389,24 @@ def check_router_groups(ctx: JobContext) -> tuple[int, int]:
     return g, m
 
 
+L = TypeVar("L", bound=FlexLayout)
+
+
+def checked_layouts(ctx: JobContext, groups: Sequence[Groups],
+                    make: Callable[[tuple[int, ...]], L]) -> L:
+    """The layout ``make`` gives every expert-TP x EP group of every pipeline stage, each
+    refused (``parallelism.ep``) where its kernels cannot run it; the first one."""
+    first: L | None = None
+    for stage in groups:
+        for g in stage:
+            lay = make(tuple(g))
+            why = lay.check()
+            ctx.require(why is None, "parallelism.ep", why or "")
+            first = first or lay
+    assert first is not None
+    return first
+
+
 def flex_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> FlexPlan:
     """The DeepEP layout of a Megatron job whose expert-TP x EP groups (every pipeline
     stage's) are ``groups``, ``tokens`` per rank entering each MoE layer; refuses what
@@ -424,15 +443,8 @@ def flex_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> FlexP
                 "framework.moe_deepep_fp8_dispatch",
                 "FP8 dispatch feeds FP8 expert GEMMs: it needs training.precision fp8")
     ng, m = check_router_groups(ctx)
-    first: FlexLayout | None = None
-    for stage in groups:
-        for g in stage:
-            lay = FlexLayout(tuple(g), s.cluster.gpus_per_node, moe.experts, moe.top_k,
-                             par.ep, par.expert_tp, ng, m)
-            why = lay.check()
-            ctx.require(why is None, "parallelism.ep", why or "")
-            first = first or lay
-    assert first is not None
+    first = checked_layouts(ctx, groups, lambda g: FlexLayout(
+        g, s.cluster.gpus_per_node, moe.experts, moe.top_k, par.ep, par.expert_tp, ng, m))
     # Every group has the same shape (check): one layout, on relative ranks.
     rel = FlexLayout(tuple(range(len(first.ranks))), NVL_PEERS if first.internode
                      else len(first.ranks), moe.experts, moe.top_k, par.ep, par.expert_tp,

@@ -26,7 +26,7 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
         local_experts=max(1, moe.experts // lay.ep),
         dispatcher=opts.moe_token_dispatcher_type,
         fp8=lay.fp8 is not None, router=moe.router, router_fusion=lay.router_fusion,
-        group_limited=getattr(opts, "moe_router_num_groups", None) is not None,
+        group_limited=opts.moe_router_num_groups is not None,
         aux_loss=lay.aux_loss, z_loss=lay.z_loss, token_drop=lay.token_drop,
         permute_fusion=lay.te_permute, bias=ctx.model.bias,
         clamp=ctx.model.activation_clamp is not None, shared=moe.shared > 0))

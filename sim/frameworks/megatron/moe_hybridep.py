@@ -60,6 +60,7 @@ from sim.frameworks.megatron.moe_flex import (
     FlexLayout,
     FlexPlan,
     check_router_groups,
+    checked_layouts,
     flex_op,
 )
 from sim.frameworks.megatron.moe_flex_skew import scenario_skew
@@ -245,15 +246,9 @@ def hybridep_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> H
     ng, m = check_router_groups(ctx)
     n = par.ep * par.expert_tp
     domain = min(n, s.cluster.gpus_per_node)
-    first: HybridEPLayout | None = None
-    for stage in groups:
-        for g in stage:
-            lay = HybridEPLayout(tuple(g), s.cluster.gpus_per_node, moe.experts, moe.top_k,
-                                 par.ep, par.expert_tp, ng, m, domain)
-            why = lay.check()
-            ctx.require(why is None, "parallelism.ep", why or "")
-            first = first or lay
-    assert first is not None
+    checked_layouts(ctx, groups, lambda g: HybridEPLayout(
+        g, s.cluster.gpus_per_node, moe.experts, moe.top_k, par.ep, par.expert_tp, ng, m,
+        domain))
     sms = opts.moe_flex_dispatcher_num_sms or default_num_sms(n // domain)
     ctx.require(sms < ctx.gpu.sm_count, "framework.moe_flex_dispatcher_num_sms",
                 f"HybridEP's blocks must fit the GPU's {ctx.gpu.sm_count} SMs")
