@@ -64,6 +64,10 @@ class Kernel:
     """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
     reduction: bool = False
     """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
+    streams: bool = False
+    """A reduction to one value whose kernel streams its input like an elementwise loop
+    (grid-stride vector loads, one atomic per block: Transformer Engine's amax,
+    :func:`sim.workload.layer_rules.te_scaled_cast`): not a row reduction."""
     group: tuple[float, ...] = ()
     """A grouped GEMM (Transformer Engine ``GroupedLinear`` over the local experts): the rows
     of each of its GEMMs, which ``gemm``'s m adds up; priced by
@@ -179,6 +183,8 @@ def is_reduction(k: Kernel) -> bool:
         return False
     if k.reduction:
         return True
+    if k.streams:
+        return False
     ids = [id(t) for t in k.reads]
     read = sum(t.nbytes for t in k.reads)
     written = sum(t.nbytes for t in k.writes)

@@ -77,12 +77,15 @@ def linear16_gemms(b: _Builder, name: str, x: Tensor, w: Tensor, y: Tensor, gy: 
             linear_gemm(name, "wgrad", (gy, x), gw, tokens, n_in, n_out)]
 
 
-def scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax: bool
-                ) -> list[Kernel]:
+def scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], amax: bool,
+                te: bool = False) -> list[Kernel]:
     """Cast ``src`` to FP8 (``dsts``: one or more layouts written by the one kernel): with
     ``amax`` (current scaling) a reduction ``{name}.amax_{tag}`` first, then the cast
-    ``{name}.cast_{tag}``."""
-    ks = [Kernel(f"{name}.amax_{tag}", "elementwise", (src,), ())] if amax else []
+    ``{name}.cast_{tag}``. ``te``: Transformer Engine's amax kernel (``amax_kernel``,
+    ``common/recipe/current_scaling.cu``: 512-thread blocks over 32-byte vector loads in a
+    grid-stride loop, each block's maximum folded in by one ``atomicMax``), which streams its
+    input as an elementwise loop does (:attr:`Kernel.streams`), not a row per block."""
+    ks = [Kernel(f"{name}.amax_{tag}", "elementwise", (src,), (), streams=te)] if amax else []
     ks.append(Kernel(f"{name}.cast_{tag}", "elementwise", (src,), dsts))
     return ks
 
@@ -124,7 +127,7 @@ def te_scaled_cast(name: str, tag: str, src: Tensor, dsts: tuple[Tensor, ...], a
     >>> [(k.name, k.launches) for k in te_scaled_cast("fc1", "in", x, (y,), False, pieces=16)]
     [('fc1.cast_in', 1)]
     """
-    ks = scaled_cast(name, tag, src, dsts, amax)
+    ks = scaled_cast(name, tag, src, dsts, amax, te=True)
     if not amax:
         return ks if fused_multi or pieces <= 1 else [replace(ks[-1], launches=pieces)]
     if amax_in_norm:

@@ -262,7 +262,7 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
         xs = (x8, x8t) if lay.fp8_transpose else (x8,)
         # The weight's cast runs on the first micro-batch only (its share); the input's and
         # the output gradient's every micro-batch, with current scaling's four launches each.
-        for k in (scaled_cast(name, "w", w16, (w8s,), amax)
+        for k in (scaled_cast(name, "w", w16, (w8s,), amax, te=True)
                   + te_scaled_cast(name, "in", x, xs, amax,
                                    amax_in_norm=after_norm and not lay.sequence_parallel)):
             b.fwd(k)

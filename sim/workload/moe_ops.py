@@ -236,7 +236,7 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
         # (te_scaled_cast); the weights' casts run on the first micro-batch only. Its fused
         # multi-tensor cast (delayed scaling) needs both layouts: per expert on Blackwell.
         pieces = sum(1 for c in counts if c > 0)
-        for k in (scaled_cast(name, "w", w16, (w8s,), amax)
+        for k in (scaled_cast(name, "w", w16, (w8s,), amax, te=True)
                   + te_scaled_cast(name, "in", x, (x8, x8t) if tr else (x8,), amax, pieces,
                                    fused_multi=tr)):
             b.fwd(k)

@@ -43,7 +43,7 @@ def test_current_scaling_launches_and_fixed_cost(pieces: int) -> None:
     assert sum(k.launches for k in te) == LAUNCHES_PER_TENSOR * pieces
     # The bytes stream once; every launch beyond the two kernels pays the fixed kernel time.
     cm = ComputeModel(catalog.gpu("b200"), precision="fp8")
-    base = sum(kernel_time(cm, k) for k in scaled_cast("fc1", "in", x, (y,), True))
+    base = sum(kernel_time(cm, k) for k in scaled_cast("fc1", "in", x, (y,), True, te=True))
     extra = sum(kernel_time(cm, k) for k in te) - base
     assert extra == pytest.approx((LAUNCHES_PER_TENSOR * pieces - 2) * cm.kernel_min_s)
 
