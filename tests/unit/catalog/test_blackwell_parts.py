@@ -50,3 +50,15 @@ def test_gb200_gemm_rate_over_b200_is_sms_times_max_clock() -> None:
     expected = (152 * GB200_MAX_SM_MHZ) / (148 * B200_MAX_SM_MHZ)
     assert ratio == pytest.approx(expected, rel=1e-3)
     assert ratio < gb200.peak_flops("bf16") / b200.peak_flops("bf16")
+
+
+# PyTorch's torch.cuda.mem_get_info total on a B200 (driver 580.82.07): 182,631 MiB, beside
+# nvidia-smi's 183,359 MiB FB total (environment notes of a torchtitan run on 8 B200; qx-b200.xml
+# gives the same total with 728 MiB reserved).
+B200_CUDA_TOTAL_MIB = 182_631
+
+
+def test_b200_memory_is_what_cuda_reports_on_a_real_part() -> None:
+    gib = B200_CUDA_TOTAL_MIB * MIB / 2**30
+    assert catalog.gpu("b200").usable_memory_gib == pytest.approx(gib, abs=0.01)
+    assert catalog.gpu("b200").usable_memory_gib > 180e9 / 2**30
