@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from sim.hardware.power import sustained_matrix_flops
+from sim.hardware.power import sustained_clock_ratio, sustained_matrix_flops
 
 if TYPE_CHECKING:
     from sim.catalog import GpuSpec
@@ -172,6 +172,31 @@ def sustained_cycles_per_s(gpu: GpuSpec) -> float:
     of the peak a GEMM sustains (``matmul_efficiency``, power cap included)."""
     share = sustained_matrix_flops(gpu, "bf16") / gpu.peak_flops("bf16")
     return sm_clock_hz(gpu) * share
+
+
+def sm80_kernel_scale(gpu: GpuSpec) -> float:
+    """How much faster than on the calibration H200 a kernel built for sm80 runs on a
+    Blackwell GPU: the ratio of SMs x clock (power cap included), not of matrix throughput.
+
+    FlashAttention-2 issues warp-level ``mma.sync``, not ``tcgen05.mma``, so it does not reach
+    the doubled tensor cores; nor do its exponentials or its shared-memory traffic, which run
+    at Hopper's per-SM rates. Per SM and clock it is the Hopper kernel. Measured: FA-2 2.7.4 on
+    a B200 ran head-dim-64 non-causal at 379 TFLOP/s forward at 16k, 381 at 2k, 302 backward at
+    2k (Dao-AILab/flash-attention issue #1589), against 324, 318 and 264 on an H100 (FA-3 paper
+    fig. 5 and the backward figure): 1.14-1.20x, where SMs x clock give 1.14 and the matrix
+    throughput 2.1.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> round(sm80_kernel_scale(catalog.gpu("b200")), 3)   # 148 x 1.856 / (132 x 1.830)
+    1.137
+    """
+    from sim import catalog
+
+    h200 = catalog.gpu("h200")
+    ratio = (gpu.sm_count * sm_clock_hz(gpu)) / (h200.sm_count * sm_clock_hz(h200))
+    return ratio * sustained_clock_ratio(gpu)
 
 
 def score_seconds(gpu: GpuSpec, backend: str, pass_: Pass, head_dim: int) -> float:

@@ -302,7 +302,10 @@ class ComputeModel:
             # exponential.
             share = matmul_share(self.attention_backend, self.gpu.arch, pass_)
             per_score = (4 if pass_ == "fwd" else 10) * head_dim / share + exp_cost_flops()
-            rate = p["peak_tflops"] * 1e12 * self._flops_scale / sms
+            # FlashAttention-2's sm80 kernels on Blackwell run at Hopper's per-SM rates.
+            scale = (blackwell_attention.sm80_kernel_scale(self.gpu)
+                     if self.gpu.arch == "blackwell" else self._flops_scale)
+            rate = p["peak_tflops"] * 1e12 * scale / sms
             t = max(total / sms, longest) * per_score / rate
         measured = measured_table and self.gpu.arch == "hopper" and (
             self.attention_backend == MEASURED_BACKEND)
