@@ -16,6 +16,11 @@ published figure each at one anchor shape (causal or not as the figure says, hea
 16k tokens, 16 heads, batch 1 -- the benchmark shape of both FlashAttention papers); the
 shape of the curve (sequence length, head dim, causal tile skipping, waves over the SMs)
 stays the physical form's. Only the measured backend keeps the H200's measured residuals.
+
+On Blackwell, cuDNN (and FlashAttention-4, priced but chosen by no framework here) leave this
+form: their tensor cores doubled while the exponential unit and shared memory did not, so
+each unit is priced at its own rate (:mod:`sim.hardware.blackwell_attention`).
+FlashAttention-2's sm80 kernels there keep the form at their Hopper share.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import numpy as np
 
 from sim import catalog
 from sim.catalog import GpuSpec
+from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import MEASURED_BACKEND, causal_tiles, matmul_share
 from sim.hardware.power import sustained_clock_ratio, sustained_matrix_flops
 
@@ -289,12 +290,23 @@ class ComputeModel:
         else:
             total = groups * blk * blk * nb * nbk
             longest = blk * blk * nbk
-        # Matmul FLOPs per score at the kernel's own tensor-core speed, plus the exponential.
-        share = matmul_share(self.attention_backend, self.gpu.arch, pass_)
-        per_score = (4 if pass_ == "fwd" else 10) * head_dim / share + exp_cost_flops()
         sms = self.gpu.sm_count
-        rate = p["peak_tflops"] * 1e12 * self._flops_scale / sms
-        t = max(total / sms, longest) * per_score / rate
+        if self.gpu.arch == "blackwell" and (
+                self.attention_backend in blackwell_attention.BACKENDS):
+            # Blackwell's tensor cores outgrew its exponential unit and shared memory: each
+            # unit priced at its own rate (sim/hardware/blackwell_attention.py).
+            t = max(total / sms, longest) * blackwell_attention.score_seconds(
+                self.gpu, self.attention_backend, pass_, head_dim)
+        else:
+            # Matmul FLOPs per score at the kernel's own tensor-core speed, plus the
+            # exponential.
+            share = matmul_share(self.attention_backend, self.gpu.arch, pass_)
+            per_score = (4 if pass_ == "fwd" else 10) * head_dim / share + exp_cost_flops()
+            # FlashAttention-2's sm80 kernels on Blackwell run at Hopper's per-SM rates.
+            scale = (blackwell_attention.sm80_kernel_scale(self.gpu)
+                     if self.gpu.arch == "blackwell" else self._flops_scale)
+            rate = p["peak_tflops"] * 1e12 * scale / sms
+            t = max(total / sms, longest) * per_score / rate
         measured = measured_table and self.gpu.arch == "hopper" and (
             self.attention_backend == MEASURED_BACKEND)
         corr = _residual(self._attn_table[pass_], np.log([seq, groups]),

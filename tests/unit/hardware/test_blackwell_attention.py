@@ -1,0 +1,168 @@
+"""Fused attention on Blackwell priced from its units (sim/hardware/blackwell_attention.py) against
+FlashAttention-4's published roofline and measured B200 figures
+(sim/catalog/reference/blackwell_attention.yaml, sources there).
+
+The per-SM rates and the roofline cycle counts come from the FA-4 paper; the measured figures
+(Dao-AILab/flash-attention PR #2280) set nothing in the model and check it. Tolerances are
+stated per test; causal shapes are checked more loosely because the model prices the causal
+triangle's tiles only, not the masking work on the diagonal (a known optimism, stated in
+docs/calibration.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from sim import catalog
+from sim.catalog import CATALOG_DIR
+from sim.hardware import blackwell_attention as bw
+from sim.hardware.compute import ComputeModel, exp_cost_flops
+
+B200 = catalog.gpu("b200")
+GB200 = catalog.gpu("gb200")
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    with open(CATALOG_DIR / "reference" / "blackwell_attention.yaml") as fh:
+        return yaml.safe_load(fh)
+
+
+def _tflops(gpu, backend: str, batch: int, heads: int, seq: int, hd: int, pass_: str,
+            causal: bool) -> float:
+    cm = ComputeModel(gpu, attention_backend=backend)
+    flops = 4.0 * batch * heads * seq * seq * hd * (0.5 if causal else 1.0)
+    flops *= 2.5 if pass_ == "bwd" else 1.0
+    return flops / cm.attention_time(batch, heads, seq, hd, pass_, causal=causal) / 1e12
+
+
+def test_units_are_the_papers(ref: dict) -> None:
+    u = ref["units_per_sm_per_clock"]
+    assert bw.MMA_FLOPS_PER_CLOCK_SM == u["mma_bf16_flops"]
+    assert (bw.MUFU_EXP_PER_CLOCK_SM, bw.SMEM_BYTES_PER_CLOCK_SM) == (u["mufu_exp"],
+                                                                      u["smem_bytes"])
+
+
+def test_tile_cycles_reproduce_the_papers_roofline(ref: dict) -> None:
+    # FA-4 sec. 3 at head_dim 128: forward co-bound by MMA and exponentials, backward bound by
+    # shared memory (3,328 cycles against 2,560 of MMA).
+    r = ref["roofline_cycles_hdim128_tile128"]
+    f, b = bw.tile_cycles("fwd", 128), bw.tile_cycles("bwd", 128)
+    assert (f.mma, f.exp) == (r["fwd"]["mma"], r["fwd"]["exp"])
+    assert (b.mma, b.smem) == (r["bwd"]["mma"], r["bwd"]["smem"])
+    assert f.smem < f.bound and b.bound == b.smem
+
+
+def test_hopper_fit_exponential_cost_is_the_same_units_ratio() -> None:
+    # The H200 fit prices one exponential as exp_cost_flops matmul FLOPs (989 / 3.9, FA-3
+    # sec. 3); the per-SM units give Hopper's MMA/MUFU ratio 4096 / 16 = 256, within 1.5%.
+    # On Blackwell the same ratio is 512: why scaling the Hopper form by matrix throughput alone
+    # ran the exponentials twice as fast as the silicon.
+    hopper = bw.MMA_FLOPS_PER_CLOCK_SM["hopper"] / bw.MUFU_EXP_PER_CLOCK_SM
+    assert exp_cost_flops() == pytest.approx(hopper, rel=0.015)
+    assert bw.MMA_FLOPS_PER_CLOCK_SM["blackwell"] / bw.MUFU_EXP_PER_CLOCK_SM == 2 * hopper
+
+
+@pytest.mark.parametrize("causal,pass_,tol", [
+    (False, "fwd", 0.10), (False, "bwd", 0.05), (True, "fwd", 0.20), (True, "bwd", 0.15)])
+def test_fa4_against_its_measured_b200_figures(ref: dict, causal: bool, pass_: str,
+                                               tol: float) -> None:
+    # PR #2280: batch 4, 16 heads, 8k, head_dim 128; backward with one SM per tile (the
+    # model's; the 2-CTA kernel's +9% is not modelled). Measured 1,535 / 1,248 non-causal,
+    # 1,418 / 1,118 causal; the model gives 1,647 / 1,267 and 1,634 / 1,257.
+    row = next(r for r in ref["fa4_b200_pr2280"] if r["causal"] == causal
+               and r["pass"] == pass_ and r.get("cta", 1) == 1 and not r.get("deterministic"))
+    got = _tflops(B200, "flash4", 4, 16, 8192, 128, pass_, causal)
+    assert got == pytest.approx(row["tflops"], rel=tol)
+    assert got >= row["tflops"]        # units bound it: the kernel never beats them
+
+
+def test_fa4_best_is_the_papers_headline(ref: dict) -> None:
+    # "up to 1613 TFLOP/s (71% utilization)" on B200: the model's best over sequence lengths
+    # (non-causal forward, head_dim 128) within 5%.
+    best = max(_tflops(B200, "flash4", max(1, 32768 // s), 16, s, 128, "fwd", False)
+               for s in (4096, 8192, 16384, 32768))
+    assert best == pytest.approx(ref["headline_b200"]["fa4_best_tflops"], rel=0.05)
+
+
+@pytest.mark.parametrize("hd", [64, 128, 192])
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_cudnn_913_gap_to_fa4_within_the_published_bound(ref: dict, hd: int, pass_: str) -> None:
+    # FA-4 is "up to 1.3x" faster than cuDNN 9.13 and faster everywhere the paper shows.
+    fa4 = _tflops(B200, "flash4", 2, 16, 8192, hd, pass_, True)
+    cudnn = _tflops(B200, "cudnn", 2, 16, 8192, hd, pass_, True)
+    assert 1.0 < fa4 / cudnn <= ref["headline_b200"]["fa4_over_cudnn_913_max"]
+    lo, hi = ref["headline_b200"]["fa4_over_cudnn_913_fwd"]
+    if pass_ == "fwd":
+        assert lo <= fa4 / cudnn <= hi
+    else:
+        assert fa4 / cudnn == pytest.approx(ref["fa4_bwd_over_cudnn_pr1945"], rel=0.02)
+
+
+def test_forward_exponential_bound_below_head_dim_128() -> None:
+    # Tensor-core cycles scale with head_dim, exponentials do not: at 64 the forward is bound
+    # by MUFU (less FA-4's software share), so it runs below half its head-dim-128 throughput
+    # per score ... but above the MUFU-only bound.
+    t64 = bw.tile_cycles("fwd", 64, emulated_exp=bw.FA4_EMULATED_EXP_SHARE)
+    assert t64.bound == t64.exp > t64.mma
+    mufu_only = bw.tile_cycles("fwd", 64).bound
+    assert t64.bound == pytest.approx(mufu_only * (1 - bw.FA4_EMULATED_EXP_SHARE))
+
+
+@pytest.mark.parametrize("gpu", [B200, GB200])
+def test_clock_and_rates_from_the_gpus_own_sms(gpu) -> None:
+    # The clock follows from the dense peak over gpu.sm_count (read, not assumed), so a GPU
+    # with more SMs at the same peak gets a lower clock and the same per-GPU unit rates.
+    f = bw.sm_clock_hz(gpu)
+    assert f == pytest.approx(gpu.peak_flops("bf16") / (8192 * gpu.sm_count))
+    assert 1.5e9 < f < 2.2e9
+    mufu = bw.MUFU_EXP_PER_CLOCK_SM * gpu.sm_count * f
+    assert mufu == pytest.approx(gpu.peak_flops("bf16") / 512)
+
+
+def test_gb200_follows_from_its_units() -> None:
+    # Same die, higher sustained clock (2,500 against 2,250 TFLOP/s dense): every unit scales
+    # with the clock, so a long non-causal call runs faster by the peak ratio (waves over the
+    # SMs aside: 64 groups x 128 row blocks keep both fully busy).
+    b = _tflops(B200, "cudnn", 4, 16, 8192, 128, "bwd", False)
+    g = _tflops(GB200, "cudnn", 4, 16, 8192, 128, "bwd", False)
+    ratio = GB200.peak_flops("bf16") / B200.peak_flops("bf16")
+    assert g / b == pytest.approx(ratio, rel=0.01)
+
+
+def test_blackwell_no_longer_runs_exponentials_at_matrix_speed() -> None:
+    # The old pricing scaled the whole Hopper form by matrix throughput, making B200
+    # attention ~2x the H100's at every head dim. With the exponential on its own unit the
+    # head-dim-64 forward gains much less over Hopper than the head-dim-128 one.
+    h100 = catalog.gpu("h100-sxm")
+    gain = {hd: _tflops(B200, "cudnn", 2, 2048 // hd, 8192, hd, "fwd", True)
+            / _tflops(h100, "cudnn", 2, 2048 // hd, 8192, hd, "fwd", True) for hd in (64, 128)}
+    assert gain[64] < 0.85 * gain[128]
+
+
+def test_hopper_never_reaches_the_blackwell_pricing(monkeypatch) -> None:
+    # Hopper keeps its fitted form bit for bit: the unit pricing is not consulted.
+    def boom(*a, **k):
+        raise AssertionError("blackwell pricing used on Hopper")
+    monkeypatch.setattr(bw, "score_seconds", boom)
+    for key in ("h100-sxm", "h200", "h800"):
+        t = ComputeModel(catalog.gpu(key)).attention_time(1, 16, 16384, 128, "bwd")
+        assert math.isfinite(t) and t > 0
+
+
+@pytest.mark.parametrize("seq,pass_", [(2048, "fwd"), (8192, "fwd"), (16384, "fwd"),
+                                       (1024, "bwd"), (2048, "bwd")])
+def test_flash2_on_blackwell_runs_at_hoppers_per_sm_rate(ref: dict, seq: int, pass_: str) -> None:
+    # FA-2's mma.sync kernels do not reach the tcgen05 tensor cores: measured B200 over
+    # published H100 throughput is 1.06-1.20x (issue #1589; FA-3 paper figures), the ratio of
+    # SMs x clock (1.14), not of matrix throughput (2.1). The model's ratio within 10% of each.
+    b200 = next(r for r in ref["fa2_b200_issue1589_hdim64_noncausal"] if r["seqlen"] == seq)
+    measured = b200[pass_] / ref["fa2_h100_hdim64_noncausal"][pass_][seq]
+    h100 = catalog.gpu("h100-sxm")
+    batch, heads = 16384 // seq, 32
+    model = (_tflops(B200, "flash2", batch, heads, seq, 64, pass_, False)
+             / _tflops(h100, "flash2", batch, heads, seq, 64, pass_, False))
+    assert model == pytest.approx(measured, rel=0.10)
