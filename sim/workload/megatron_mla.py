@@ -37,7 +37,10 @@ sequence shard, and the column-parallel linears gather what they consume: the hi
 :func:`mla_gather_width` is that width per token; the unit builder gathers it (and
 reduce-scatters its gradient) where it gathers a dense layer's hidden state. The duplicated
 weights' gradients are all-reduced over the tensor-parallel group once per step
-(``finalize_model_grads``, like the sequence-parallel norms'), not modelled. Context
+(``finalize_model_grads``, like the sequence-parallel norms': :mod:`sim.frameworks.megatron.
+tp_grads`). With ``recompute_modules`` ``mla_up_proj`` the up projections run inside a
+``CheckpointWithoutOutput`` whose own costs are :func:`mla_up_checkpoint_calls` and
+:func:`mla_up_restore` (end of this module). Context
 parallelism is not modelled with MLA.
 """
 
