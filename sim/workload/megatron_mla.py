@@ -37,7 +37,10 @@ sequence shard, and the column-parallel linears gather what they consume: the hi
 :func:`mla_gather_width` is that width per token; the unit builder gathers it (and
 reduce-scatters its gradient) where it gathers a dense layer's hidden state. The duplicated
 weights' gradients are all-reduced over the tensor-parallel group once per step
-(``finalize_model_grads``, like the sequence-parallel norms'), not modelled. Context
+(``finalize_model_grads``, like the sequence-parallel norms': :mod:`sim.frameworks.megatron.
+tp_grads`). With ``recompute_modules`` ``mla_up_proj`` the up projections run inside a
+``CheckpointWithoutOutput`` whose own costs are :func:`mla_up_checkpoint_calls` and
+:func:`mla_up_restore` (end of this module). Context
 parallelism is not modelled with MLA.
 """
 
@@ -46,6 +49,7 @@ from __future__ import annotations
 from sim.workload.layer_ops import BF16, FP32, Block, Kernel, Tensor, _Builder
 from sim.workload.layer_rules import FP8
 from sim.workload.megatron_ops import (
+    MLA_ROPE_FUSION_SAVED_OPS,
     STYLE,
     MegatronLayout,
     _bias_dropout_add,
@@ -229,3 +233,73 @@ def _fused_rope(b: _Builder, q: Tensor, kv: Tensor, k_pos: Tensor, tokens: float
                  (b.t("g_kv", tokens * heads * (nope + vd), BF16),
                   b.t("g_k_pos", tokens * rope, BF16))))
     return q, key, value, gq, gk, gv
+
+
+# ------------------------------------------------ recompute_modules: mla_up_proj
+# Megatron-Core core_v0.14.0 wraps ``qkv_up_proj_and_rope_apply`` in a
+# ``tensor_parallel.CheckpointWithoutOutput`` (multi_latent_attention.py L781-785; the
+# class in tensor_parallel/random.py L483-615) and, once core attention has run, frees the
+# query, key and value storages (``discard_output_and_register_recompute``, L313-316). What
+# that costs beyond the up projections' kernels (which the recompute plan re-runs), counted
+# from the source as the layer's other Python-level calls are
+# (:data:`sim.workload.megatron_ops.PYTHON_OPS_TE`), each a plain torch call:
+#
+# forward: the checkpoint object, ``_get_all_rng_states`` (CPU and CUDA generator states and
+# the RNG tracker's: 3), ``CheckpointWithoutOutputFunction.apply``, ``no_grad``,
+# ``detach_variable`` of its four inputs, ``save_for_backward``, three ``resize_(0)`` and
+# ``register_hook``: 15; under FP8 ``is_fp8_enabled``, ``get_fp8_recipe`` and TE's
+# ``activation_recompute_forward`` context: +3.
+#
+# backward, in the hook on core attention's output gradient (``_recompute``):
+# ``_is_checkpoint_valid``, ``_fork_rng`` (the three states read and set back: 6),
+# ``_set_all_rng_states`` (3), ``enable_grad``; the function again: the two identity latent
+# norms (the norms are fused into the up projections' TE modules), two views, ``unsqueeze``,
+# the context-parallel rank and size, the two fused rotary applications and three
+# ``contiguous`` (12; unfused rotary embedding: the five more calls
+# :data:`sim.workload.megatron_ops.MLA_ROPE_FUSION_SAVED_OPS` counts) plus the two up
+# projections' TE module calls; the outputs restored into the freed storages (per output
+# the storage size, ``resize_``, ``copy_``: 9); then ``CheckpointWithoutOutputFunction``'s
+# backward body (``saved_tensors``, the nested ``torch.autograd.backward``, the four inputs'
+# ``.grad``: 6; the nodes it walks are the attention's own, counted with them): 38; under
+# FP8 ``activation_recompute_forward`` and ``fp8_autocast``: +2.
+MLA_UP_CKPT_FWD_CALLS = 15
+MLA_UP_CKPT_BWD_CALLS = 38
+MLA_UP_CKPT_FP8_CALLS = (3, 2)
+MLA_UP_CKPT_MODULES = 2
+"""The up projections' TE module calls the backward re-runs (forward calls, full price)."""
+MLA_UP_OUTPUTS = ("query", "key", "value", "q_up.out", "q_proj.out")
+"""Names (block prefix dropped) of the checkpoint's outputs among what the attention block
+saves: the query, key and value core attention reads (with ``apply_rope_fusion`` the query
+is the q projection's output, rotated in place)."""
+
+
+def mla_up_restore(main: Block) -> Kernel:
+    """The recompute's copy of each recomputed output into the storage the forward freed
+    (``output.untyped_storage().copy_(recomputation_output.untyped_storage())``): a device
+    copy of the query, key and value. The recomputed tensors stay referenced
+    (``ctx.outputs``) until the checkpoint's backward, after core attention's: both copies
+    are live through the attention's backward."""
+    outs = tuple(t for t in main.saved
+                 if t.name.split(".", 1)[-1] in MLA_UP_OUTPUTS)
+    fresh = tuple(Tensor(f"{t.name}.recomputed", t.nbytes) for t in outs)
+    return Kernel("up_proj.restore", "elementwise", fresh, outs)
+
+
+def mla_up_checkpoint_calls(fp8: bool, rope_fusion: bool) -> tuple[int, int]:
+    """(forward, backward) plain torch calls of the ``mla_up_proj`` checkpoint beyond the
+    function's own forward calls (the backward's include its re-run, less its two module
+    calls: :data:`MLA_UP_CKPT_MODULES`).
+
+    Examples
+    --------
+    >>> mla_up_checkpoint_calls(fp8=False, rope_fusion=True)
+    (15, 38)
+    >>> mla_up_checkpoint_calls(fp8=True, rope_fusion=False)
+    (18, 45)
+    """
+    f, b = MLA_UP_CKPT_FWD_CALLS, MLA_UP_CKPT_BWD_CALLS
+    if fp8:
+        f, b = f + MLA_UP_CKPT_FP8_CALLS[0], b + MLA_UP_CKPT_FP8_CALLS[1]
+    if not rope_fusion:
+        b += MLA_ROPE_FUSION_SAVED_OPS
+    return f, b

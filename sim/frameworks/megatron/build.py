@@ -96,6 +96,11 @@ from sim.frameworks.megatron.layer import (
 from sim.frameworks.megatron.moe_rank_memory import own_memory
 from sim.frameworks.megatron.moe_ranks import split_expert_ranks
 from sim.frameworks.megatron.optimizer_precision import gpu_step_s, offload_ops
+from sim.frameworks.megatron.optimizer_state_offload import (
+    add_state_offloads,
+    add_state_reload,
+    check_state_offload,
+)
 from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-exported
     P2PLink,
     add_stage,
@@ -134,6 +139,7 @@ def build_megatron(ctx: JobContext) -> Program:
         check_a2a_overlap(ctx, s)
     if s.opts.delay_wgrad_compute:
         check_delay_wgrad(ctx, s)
+    check_state_offload(ctx, s)
     classes = []
     for st in range(s.p):
         classes.append(RankClass(st, s.members(st), label=f"pipeline stage {st}"))
@@ -154,6 +160,7 @@ def build_megatron(ctx: JobContext) -> Program:
     built = list(classes)
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
                    cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)
+    add_state_offloads(s, program, classes)
     step = _Step(ctx, s, program, classes, units, keys, cpu_call)
     step.wgrad = wgrad
     step.add_buckets()
@@ -387,6 +394,7 @@ class _Step:
                     dtype=s.grad_dtype,
                     key="embedding-group", category="all_reduce"))
                 deps_done.append(tie)
+            deps_done += add_state_reload(s, program, cls, st, [self.last_bwd[st]])
             dur = self.optimizer_s(st)
             if self.rotated:
                 dur *= self.chunk0_share(st)   # the other chunks' steps open the step

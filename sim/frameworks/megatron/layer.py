@@ -107,7 +107,8 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
         layer_hold = layer_saved - core_saved
     else:
         layer_hold = layer_saved
-    rec = recompute_plan(s, cm)[0] if s.recompute - {"core_attn"} else Recompute(s.recompute)
+    rec = recompute_plan(s, cm, cpu_s_per_op)[0] if s.recompute - {"core_attn"} \
+        else Recompute(s.recompute)
     if s.recompute - {"core_attn"}:
         layer_hold -= rec.dense_freed
     # Context parallelism: Transformer Engine's ring (sim.frameworks.megatron.overlap.cp_ring)
@@ -393,7 +394,7 @@ class UnitBuilder:
             alloc=0.0 if recompute else hold,
             flops=0.0 if recompute else s.blocks[attn].flops_fwd, ring="fwd",
             cpu_pre=c.fwd_cpu["attn_pre"] + (c.ckpt_cpu if recompute else 0.0),
-            cpu_main=c.fwd_cpu[attn]))
+            cpu_main=c.fwd_cpu[attn] + c.rec.attn_cpu_fwd))
         if moe:
             self._moe_ops(unit, self.moe[st].forward(phase, mb, layer, c.fwd_s["mlp_pre"],
                                                      c.fwd_cpu["mlp_pre"]))
@@ -433,10 +434,10 @@ class UnitBuilder:
             self._mla_regather(st, unit, mb, layer)
         self.block_ops(st, unit, BlockSpec(
             ("attention", "norm"), c.bwd_s["attn_pre"], c.bwd_s[attn] + extra + r.attn_s,
-            f"bwd attn L{layer} mb{mb}", mb, layer, "bwd", alloc=r.attn_freed,
-            free=free + r.attn_freed,
+            f"bwd attn L{layer} mb{mb}", mb, layer, "bwd",
+            alloc=r.attn_freed + r.attn_transient, free=free + r.attn_freed + r.attn_transient,
             flops=s.blocks[attn].flops_bwd, cpu_pre=c.bwd_cpu["attn_pre"],
-            cpu_main=c.bwd_cpu[attn], column="qkv", ring="bwd"))
+            cpu_main=c.bwd_cpu[attn] + r.attn_cpu_bwd, column="qkv", ring="bwd"))
         unit.layer_bwd[layer] = unit.ops[-1]
         unit.part_op[layer] = unit.ops[-1]
 

@@ -193,6 +193,12 @@ class MegatronOptions(StrictModel):
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """``--overlap-cpu-optimizer-d2h-h2d``: one CPU optimizer per parameter, the gradient and
     parameter copies on their own streams, so copies and CPU steps pipeline."""
+    offload_optimizer_states: bool = False
+    """``--offload-optimizer-states`` (Megatron-Core's dev branch, core_dev_r0.16.0
+    ``OptimizerConfig``): the distributed optimizer's moments and fp32 master weights go to
+    host memory at each step's start and come back beside the gradient reduction; the step
+    stays on the GPU (:mod:`sim.frameworks.megatron.optimizer_state_offload`). Needs the
+    distributed optimizer."""
     cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
     """``--cuda-graph-impl`` (``--enable-cuda-graph`` was ``local``, ``--external-cuda-graph``
     ``transformer_engine``, as Megatron-Bridge's 25.09 ``cuda_graphs: true`` set the former):

@@ -45,9 +45,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from sim.frameworks.common.base import JobContext
-from sim.hardware.compute import ComputeModel
+from sim.hardware.compute import EAGER_FWD_OP_CPU_S, ComputeModel
 from sim.workload.kernels import Block, Kernel
 from sim.workload.layer_ops import kernel_time
+from sim.workload.megatron_mla import (
+    MLA_UP_CKPT_MODULES,
+    mla_up_checkpoint_calls,
+    mla_up_restore,
+)
 
 if TYPE_CHECKING:
     from sim.frameworks.megatron.shape import MegatronShape
@@ -120,6 +125,15 @@ class Recompute:
     """GPU seconds re-run at the attention's backward."""
     attn_gather: float = 0.0
     """Bytes of the MLA latents gathered again (sequence parallelism)."""
+    attn_cpu_fwd: float = 0.0
+    """Host seconds of the ``mla_up_proj`` checkpoint's bookkeeping in forward."""
+    attn_cpu_bwd: float = 0.0
+    """Host seconds of its recompute in backward (the re-run's calls, the RNG states, the
+    outputs restored: :func:`sim.workload.megatron_mla.mla_up_checkpoint_calls`)."""
+    attn_transient: float = 0.0
+    """Bytes live only through the attention's backward: the recomputed query, key and value
+    beside the storages they were copied into
+    (:func:`~sim.workload.megatron_mla.mla_up_restore`)."""
     norm_freed_dense: float = 0.0
     """A dense layer's pre-MLP norm (its own module: local spec only)."""
     norm_s_dense: float = 0.0
@@ -189,9 +203,12 @@ def _moe_blocks(s: MegatronShape) -> tuple[Block, Block | None, list[Block]]:
         b for b in s.moe.ops.blocks if b.name != "moe_experts")]
 
 
-def recompute_plan(s: MegatronShape, cm: ComputeModel | None) -> tuple[Recompute, dict[str, float]]:
+def recompute_plan(s: MegatronShape, cm: ComputeModel | None, cpu_call: float = 0.0
+                   ) -> tuple[Recompute, dict[str, float]]:
     """The per-layer :class:`Recompute` of the job (GPU seconds only with ``cm``) and the
-    hardware FLOPs re-run per layer: ``{"dense": ..., "moe": ...}``."""
+    hardware FLOPs re-run per layer: ``{"dense": ..., "moe": ...}``. ``cpu_call``: host
+    seconds of a module call (``MEGATRON_CPU_S_PER_OP``), for the host time of the
+    ``mla_up_proj`` checkpoint's re-run."""
     mods, b = s.recompute, s.blocks
     te = not s.legacy
     runs: dict[str, list[Kernel]] = {"attn": [], "dense": [], "moe_norm": [], "act": []}
@@ -209,6 +226,12 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None) -> tuple[Recompute
     if "mla_up_proj" in mods and s.model.mla is not None:
         attn_names |= MLA_UP_SAVED
         runs["attn"] += _kernels(attn, _mla_up)
+        restore = mla_up_restore(attn)
+        runs["attn"].append(restore)
+        r["attn_transient"] = float(sum(t.nbytes for t in restore.reads))
+        f, bw = mla_up_checkpoint_calls(s.lay.fp8 is not None, s.lay.rope_fusion)
+        r["attn_cpu_fwd"] = f * EAGER_FWD_OP_CPU_S
+        r["attn_cpu_bwd"] = bw * EAGER_FWD_OP_CPU_S + MLA_UP_CKPT_MODULES * cpu_call
         if s.sp:
             mla = s.model.mla
             r["attn_gather"] = float(s.act * s.tokens * ((mla.q_lora_rank or s.h)
