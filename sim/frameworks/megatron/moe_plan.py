@@ -44,6 +44,7 @@ from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.model import ModelSpec
 from sim.workload.moe_host_ops import HostCalls
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
+from sim.workload.moe_router_ops import router_dtype_bytes
 
 ORDER = "tp-cp-ep-dp-pp"
 """Megatron-Core's rank order, innermost first; the expert layout uses it too."""
@@ -197,6 +198,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     # DeepSeek, GLM); the fused permutation is what this builder prices.
                     te_permute=True,
                     router_fusion=opts.moe_router_fusion,
+                    router_bytes=router_dtype_bytes(opts.moe_router_dtype),
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None,
                     token_drop=None if ctx.model.moe is None or ctx.model.moe.capacity_factor
