@@ -66,10 +66,12 @@ def router_kernels(m: ModelSpec, lay: MoELayout, tokens: float
     gx = b.t("gate.g_in", tokens * h, BF16)
     gw = b.t("gate.main_grad", e * h, FP32)
     wr = w
+    cast: list[Kernel] = []
     if r != BF16:
         wr = b.t("gate.w_fp32", e * h, r)
-        b.bwd(Kernel("gate.w_to_fp32", "elementwise", (w,), (wr,)))
-    b.bwd(Kernel("gate.dgrad", "gemm", (glog, wr), (gx,), fl, gemm=(tokens, h, e, "dgrad")),
+        cast.append(Kernel("gate.w_to_fp32", "elementwise", (w,), (wr,)))
+    b.bwd(*cast,
+          Kernel("gate.dgrad", "gemm", (glog, wr), (gx,), fl, gemm=(tokens, h, e, "dgrad")),
           Kernel("gate.wgrad", "gemm", (glog, x), (gw,), fl, gemm=(tokens, h, e, "wgrad")))
     b.block.weight_grads.append(gw)
     if lay.z_loss:
