@@ -34,7 +34,7 @@ from sim.frameworks.megatron.moe_flex_skew import flex_pace
 from sim.frameworks.megatron.moe_host import (
     megatron_host_calls,
 )
-from sim.frameworks.megatron.moe_hybridep import hybridep_plan
+from sim.frameworks.megatron.moe_hybridep import drop_fused_kernels, hybridep_plan
 from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
 from sim.frameworks.megatron.overlap import amax_reductions
 from sim.hardware.compute import ComputeModel
@@ -246,6 +246,8 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                 "framework.moe_deepep_fp8_dispatch",
                 "FP8 dispatch is DeepEP's: it needs moe_token_dispatcher_type flex")
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens, **kw)  # type: ignore[arg-type]
+    if opts.moe_token_dispatcher_type == "flex" and opts.moe_flex_dispatcher_backend == "hybridep":
+        drop_fused_kernels(ops)   # its dispatch and combine permute themselves
     if capacity is not None:
         # preprocess returns before the count all-gather: no host synchronisation at all.
         ops.count_gather_bytes = 0.0
