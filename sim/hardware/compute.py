@@ -161,6 +161,12 @@ class ComputeModel:
     def harness_overhead_s(self) -> float:
         return float(_fit()["harness_overhead_s"])
 
+    @property
+    def gemm_fixed_s(self) -> float:
+        """The fitted per-GEMM constant of :meth:`gemm_time` (``gemm.fixed_us``): time a
+        GEMM takes whatever its size, beyond the harness and its math."""
+        return float(_fit()["gemm"]["fixed_us"]) * 1e-6
+
     @cached_property
     def _gemm_table(self) -> dict[str, list[tuple[np.ndarray, float]]]:
         table: dict[str, list[tuple[np.ndarray, float]]] = {"fwd": [], "dgrad": [], "wgrad": []}

@@ -24,6 +24,17 @@ its nominal tiles leave idle are already spent and cannot be lent to another str
 that, 2-4 experts of 256-512 rows came out 35-53% faster than DeepGEMM's measured FP8 grouped
 kernel on H800 and faster than one GEMM over all their rows; sim/catalog/reference/
 moe_components.yaml.) An expert with no tokens launches nothing that costs GPU time.
+
+What counts as SM-time is a GEMM's work, not its fixed part: ``gemm_time`` holds a per-call
+constant (:attr:`~sim.hardware.compute.ComputeModel.gemm_fixed_s`, 9.5 us in the H200 fit),
+of which every kernel keeps :attr:`~sim.hardware.compute.ComputeModel.kernel_min_s` (an
+empty kernel's launch-to-complete, what the simulator charges each launch); the rest is a
+single GEMM's ramp and drain, when another stream's GEMM takes the SMs it leaves, so only the
+group's first GEMM pays it in the open. Charging it as SM-time for each of 16 experts priced
+Transformer Engine 2.7's own multi-stream measurement (TE pull request 2045, H100 bf16,
+``general_grouped_gemm`` 16 x 2,048 and 8 x 4,096 rows of 2,048 x 768) 60% and 40% too
+slow; with it the group is 4% and 9% slower than measured
+(``sim/catalog/reference/te_grouped_gemm.yaml``).
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
     times: list[float] = []
     busy = 0.0
     hbm = 0.0
+    latency = 0.0
     sms = cm.gpu.sm_count
     peak = sustained_matrix_flops(cm.gpu, "bf16")
     if fp8:
@@ -85,11 +97,18 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
             continue
         t = cm.gemm_time(m, k, n, pass_, fp8=fp8)
         times.append(t)
+        # The GEMM's fixed part beyond an empty kernel's (gemm_fixed_s - kernel_min_s: its
+        # ramp and drain) holds no SMs another stream's GEMM could not use: only the rest
+        # counts as SM-time.
+        fixed = min(cm.gemm_fixed_s - cm.kernel_min_s, t)
+        latency = latency or fixed
+        work = t - fixed
         # Its SM-time: at the share of the SMs gemm_time priced it on (its wave model's
         # occupancy, near 1 even for few tiles), not the share its nominal tiles would leave.
         tiles = cm.gemm_tiles(m, k, n, pass_) / sms
-        share = max(tiles, cm.gemm_occupancy(m, k, n, pass_), 2.0 * m * k * n / (peak * t))
-        busy += t * min(1.0, share)
+        share = max(tiles, cm.gemm_occupancy(m, k, n, pass_),
+                    2.0 * m * k * n / (peak * work) if work > 0 else 1.0)
+        busy += work * min(1.0, share)
         # Operands in, 16-bit output out, as the GEMM's own roofline floor counts them.
         r, c, red = gemm_dims(m, k, n, pass_)
         hbm += operand * (r * red + c * red) + 2.0 * r * c
@@ -98,4 +117,5 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
     streams = [0.0] * min(TE_COMPUTE_STREAMS, len(times))
     for i, t in enumerate(times):
         streams[i % len(streams)] += t
-    return max(max(streams), busy, cm.membound_time(hbm))
+    # The first GEMM's fixed part has nothing beside it yet: it stays in the open.
+    return max(max(streams), latency + busy, cm.membound_time(hbm))

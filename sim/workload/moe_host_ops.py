@@ -18,6 +18,10 @@ component, at Megatron-Core ``core_v0.14.0`` (NeMo / Megatron-Bridge 25.09) and 
   (``experts.py``: ``tolist``, FP8 padding, the two ``GroupedLinear`` module calls, the
   activation), ``combine_preprocess`` (the chunk unsort); plus, per local expert, the objects
   ``GroupedLinear``'s forward and backward build one an expert (:data:`PER_EXPERT`);
+* the ``flex`` dispatcher's calls per backend: DeepEP's ``_DeepepManager`` (:data:`FLEX`) and
+  NVIDIA's HybridEP (``_HybridEPManager``, :data:`HYBRIDEP`, counted at the 26.04 container's
+  Megatron-Core 23265d2d and DeepEP's hybrid-ep branch), whose dispatch already permutes for
+  the experts, so the experts side adds none;
 * ``combine``: ``token_combine`` and ``combine_postprocess`` (``unpermute``, the view, the
   shared experts' output added); with the ``allgather`` dispatcher (:data:`ALLGATHER`) its
   permutation and unpermutation are components of their own (``ag_permute``, ``ag_combine``);
@@ -160,6 +164,39 @@ FLEX: dict[str, tuple[int, int]] = {
     "combine": (4, 4),
 }
 
+# ------------------------- flex dispatcher with the HybridEP backend (_HybridEPManager)
+# Megatron-Core 23265d2d (Megatron-Bridge 74695a06d's submodule, the 26.04 rows)
+# token_dispatcher.py MoEFlexTokenDispatcher + _HybridEPManager, fused_a2a.py
+# HybridEPDispatch / HybridEPCombine, and deepseek-ai/DeepEP branch hybrid-ep a0d27f1
+# deep_ep/hybrid_ep_buffer.py (dispatch_with_permute, combine_with_unpermute,
+# update_template_config). The C++ runtime's calls count as one call each; the nine handle
+# fields read and written through pybind per call are left out (attribute accesses).
+HYBRIDEP: dict[str, tuple[int, int]] = {
+    # dispatch_preprocess: view; _initialize_metadata: reshape, expand, reshape, contiguous
+    # for the map and the probs; setup_metadata: the map's and the probs' reshape (dropless).
+    # Nodes: the probs' view, expand, reshape copy and view.
+    "dispatch_preprocess": (11, 4),
+    # _HybridEPManager.dispatch: HybridEPDispatch.apply, dispatch_with_permute with its nvtx
+    # range (push, pop), update_template_config (get_default_config, adjust_template,
+    # is_valid, runtime.update_buffer), runtime.metadata_preprocessing (the routing-map
+    # all-gather and its scan), runtime.dispatch_with_permute (its host wait when the permuted
+    # count is unknown, the dispatch and permute launches), tokens_per_expert.sum(). Backward:
+    # the Function body, combine_with_unpermute (its nvtx range, HandleImpl(), the runtime's
+    # combine_with_unpermute).
+    "token_dispatch": (11, 5),
+    # "HybridEP only supports float32 probs": with bf16 probs (moe_router_dtype unset) the
+    # manager logs a warning on every dispatch and casts them (.float()); node: the cast.
+    "probs_cast": (2, 1),
+    # dispatch_postprocess / combine_preprocess: the manager returns the dispatched tokens
+    # and probs as they are (no multihot conversion, no permute): no calls.
+    "postprocess": (0, 0),
+    # token_combine: HybridEPCombine.apply, combine_with_unpermute (nvtx push, pop,
+    # HandleImpl(), the runtime's combine); combine_postprocess: view. Backward: the
+    # Function body's dispatch_with_permute with the cached handle (the same five) and the
+    # view's node.
+    "combine": (7, 6),
+}
+
 # ---------------------------------- allgather dispatcher (MoEAllGatherTokenDispatcher)
 ALLGATHER: dict[str, tuple[int, int]] = {
     # dispatch_preprocess: three gather_from_sequence_parallel_region calls (routing map,
@@ -251,6 +288,9 @@ class MoEHostConfig:
 
     local_experts: int
     dispatcher: Literal["alltoall", "flex", "allgather"] = "alltoall"
+    flex_backend: Literal["deepep", "hybridep"] = "deepep"
+    router_fp32: bool = True
+    """``moe_router_dtype: fp32``: the probs are fp32 already (HybridEP casts bf16 ones)."""
     fp8: bool = False
     router: str = "softmax"
     router_fusion: bool = True
@@ -299,6 +339,11 @@ def dispatch_calls(c: MoEHostConfig) -> dict[str, tuple[int, int]]:
         return {"router": ALLGATHER["dispatch_preprocess"],
                 "ag_permute": _add(ALLGATHER["dispatch_postprocess"], perm),
                 "experts": (0, 0), "ag_combine": unperm, "combine": ALLGATHER["combine"]}
+    if c.dispatcher == "flex" and c.flex_backend == "hybridep":
+        h = HYBRIDEP
+        return {"router": _add(h["dispatch_preprocess"], h["token_dispatch"],
+                               (0, 0) if c.router_fp32 else h["probs_cast"]),
+                "experts": h["postprocess"], "combine": h["combine"]}
     if c.dispatcher == "flex":
         return {"router": _add(FLEX["dispatch_preprocess"], FLEX["token_dispatch"]),
                 "experts": FLEX["postprocess"], "combine": FLEX["combine"]}

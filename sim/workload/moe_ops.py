@@ -6,7 +6,7 @@ shared experts. Per forward, on the ``tokens`` this rank holds (its sequence sha
 
 1. **router** (``router.py``, ``TopKRouter``): ``gating`` runs ``router_gating_linear``
    (``moe_utils.py``, ``RouterGatingLinearFunction``): bf16 input and weight, logits in
-   ``moe_router_dtype`` (fp32 here); ``routing``: optional z-loss, then
+   ``moe_router_dtype`` (fp32, or bf16 when unset); ``routing``: optional z-loss, then
    ``topk_routing_with_score_function`` (softmax, or sigmoid plus the expert bias and
    normalisation of the top-k), one fused TE kernel with ``moe_router_fusion``; the aux loss
    (``switch_load_balancing_loss_func``) over scores recomputed by
@@ -101,6 +101,9 @@ class MoELayout:
     Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
     the host issues one cuBLASLt GEMM per local expert with rows (:attr:`Kernel.launches`);
     else one grouped kernel (``torch._grouped_mm``)."""
+    router_bytes: int = FP32
+    """Bytes of a routing element (logits, scores, probs), ``moe_router_dtype``
+    (:func:`sim.workload.moe_router_ops.router_dtype_bytes`): 4 for fp32, 2 when unset."""
 
 
 @dataclass(frozen=True)
@@ -264,13 +267,13 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     b = _Builder("moe_experts", STYLE)
     rows = sum(counts)
     x = b.t("in", rows * h, BF16)
-    probs = b.t("probs", rows, FP32)
+    probs = b.t("probs", rows, lay.router_bytes)
     b.block.inputs += [x, probs]
     if len(counts) > 1:
         # sort_chunks_by_idxs (fused: TE moe_sort_chunks_by_index): tokens and probs from
         # source-rank order into local-expert order; backward sorts the gradient back.
         xs = b.t("sorted", rows * h, BF16)
-        ps = b.t("sorted_probs", rows, FP32)
+        ps = b.t("sorted_probs", rows, lay.router_bytes)
         if lay.token_drop == "pad":
             # dispatch_postprocess with drop_and_pad: view, transpose(0, 1).contiguous() of
             # the tokens, then of the probs: two copies (Megatron-Core 0.14
@@ -303,7 +306,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     padded = lay.fp8 is not None and (gemm_counts != counts or lay.token_drop != "pad")
     if padded:
         xp = b.t("padded", sum(gemm_counts) * h, BF16)
-        pp = b.t("padded_probs", sum(gemm_counts), FP32)
+        pp = b.t("padded_probs", sum(gemm_counts), lay.router_bytes)
         b.fwd(Kernel("fp8_pad", "elementwise", (x, probs), (xp, pp)))
         gxp, gx2 = b.t("g_padded", sum(gemm_counts) * h, BF16), b.t("g_unpad", rows * h, BF16)
         b.bwd(Kernel("fp8_pad.bwd", "elementwise", (gxp,), (gx2,)))
@@ -322,7 +325,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     b.save(act_in, probs)
     ga = b.t("g_act", prow * f, BF16)
     gfc1 = b.t("g_fc1", prow * width, BF16)
-    gp = b.t("g_probs", prow, FP32)
+    gp = b.t("g_probs", prow, lay.router_bytes)
     b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, act_in, probs), (gfc1, gp)))
     # fc2 skips its bias (skip_bias_add: TEGroupedMLP._apply_bias adds it after the unpad).
     out = _grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias, bias_grad_kernel=False)
@@ -467,7 +470,8 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
             raise ValueError(f"tokens_per_expert needs {local} non-negative counts")
     send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
     rb, x, probs, gprobs = router_kernels(m, lay, tokens)
-    permute_kernels(rb, m, x, probs, gprobs, tokens, permuted_rows, te=lay.te_permute)
+    permute_kernels(rb, m, x, probs, gprobs, tokens, permuted_rows, te=lay.te_permute,
+                    router_bytes=lay.router_bytes)
     router = rb.finish()
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
                       combine=_combine(m, tokens, moe.shared > 0, permuted_rows),
@@ -476,8 +480,8 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
     hb = m.hidden * BF16      # the alltoall dispatcher moves 16-bit tokens
     s_b = tuple(t * hb for t in send)
     r_b = tuple(t * hb for t in recv)
-    s_p = tuple(t * FP32 for t in send)      # probs in moe_router_dtype (fp32)
-    r_p = tuple(t * FP32 for t in recv)
+    s_p = tuple(t * lay.router_bytes for t in send)      # probs in moe_router_dtype
+    r_p = tuple(t * lay.router_bytes for t in recv)
     a = {"dispatch_fwd": AllToAll("dispatch_fwd", s_b, r_b, ep_rank),
          "dispatch_probs_fwd": AllToAll("dispatch_probs_fwd", s_p, r_p, ep_rank),
          "combine_fwd": AllToAll("combine_fwd", r_b, s_b, ep_rank),

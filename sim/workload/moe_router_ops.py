@@ -23,40 +23,64 @@ INT32 = 4   # TE's row_id_map of the fused permutation
 MASK = 1    # the boolean routing map
 
 
+def router_dtype_bytes(router_dtype: str | None) -> int:
+    """Bytes of one routing element under ``moe_router_dtype``: Megatron-Core's
+    ``TopKRouter.gating`` (core_v0.14.0 ``router.py``) runs the gate as
+    ``router_gating_linear(input, weight, router_dtype)`` with ``router_dtype = input.dtype``
+    unless ``moe_router_dtype`` is ``fp32`` (or ``fp64``); the logits come out in that dtype
+    (``te_general_gemm(weight, inp, router_dtype)``) and everything the router makes of them
+    keeps it: TE's fused top-k and aux-loss scores allocate their outputs in the logits' dtype
+    (TE 2.7 ``pytorch/csrc/extensions/router.cpp``), the unfused ``topk_softmax`` casts its
+    fp32 softmax back with ``type_as(logits)``, and ``moe_permute_with_probs`` writes the
+    permuted probs in the probs' dtype (``pytorch/triton/permutation.py``).
+
+    >>> router_dtype_bytes("fp32"), router_dtype_bytes(None)
+    (4, 2)
+    """
+    return FP32 if router_dtype == "fp32" else BF16
+
+
 def router_kernels(m: ModelSpec, lay: MoELayout, tokens: float
             ) -> tuple[_Builder, Tensor, Tensor, Tensor]:
     """Gate GEMM, routing, aux losses, count of tokens per expert: the builder, the layer's
-    input, the dense probs and their gradient (for :func:`permute_kernels`)."""
+    input, the dense probs and their gradient (for :func:`permute_kernels`). Routing tensors
+    are ``lay.router_bytes`` an element (:func:`router_dtype_bytes`)."""
     assert m.moe is not None
     e, h, k = m.moe.experts, m.hidden, m.moe.top_k
+    r = lay.router_bytes
     b = _Builder("moe_router", STYLE)
     x = b.t("in", tokens * h, BF16)
     b.block.inputs.append(x)
     b.block.params += m.moe.router_params(h, m.bias) - (e if m.moe.router == "sigmoid" else 0)
     w = b.t("gate.w", e * h, BF16)
-    logits = b.t("logits", tokens * e, FP32)
-    # RouterGatingLinearFunction.forward: te_general_gemm(weight, inp, fp32): bf16 operands,
-    # fp32 output. Its backward casts the weight to fp32 and runs both GEMMs in fp32 (TF32 on
-    # Hopper: TE cublaslt_gemm.cu "Use TF32 only for pure FP32 GEMM"); priced here at the
-    # 16-bit rate (ComputeModel has no TF32 GEMM; E x h is a small GEMM).
+    logits = b.t("logits", tokens * e, r)
+    # RouterGatingLinearFunction.forward: te_general_gemm(weight, inp, router_dtype): bf16
+    # operands, output in the router dtype. With fp32 its backward casts the weight to fp32
+    # and runs both GEMMs in fp32 (TF32 on Hopper: TE cublaslt_gemm.cu "Use TF32 only for pure
+    # FP32 GEMM"); priced here at the 16-bit rate (ComputeModel has no TF32 GEMM; E x h is a
+    # small GEMM). With bf16 the weight's .to(router_dtype) is a no-op: no cast kernel.
     fl = 2.0 * tokens * h * e
     b.fwd(Kernel("gate.fwd", "gemm", (x, w), (logits,), fl, gemm=(tokens, h, e, "fwd")))
     b.save(x)
-    glog = b.t("g_logits", tokens * e, FP32)
+    glog = b.t("g_logits", tokens * e, r)
     gx = b.t("gate.g_in", tokens * h, BF16)
     gw = b.t("gate.main_grad", e * h, FP32)
-    w32 = b.t("gate.w_fp32", e * h, FP32)
-    b.bwd(Kernel("gate.w_to_fp32", "elementwise", (w,), (w32,)),
-          Kernel("gate.dgrad", "gemm", (glog, w32), (gx,), fl, gemm=(tokens, h, e, "dgrad")),
+    wr = w
+    cast: list[Kernel] = []
+    if r != BF16:
+        wr = b.t("gate.w_fp32", e * h, r)
+        cast.append(Kernel("gate.w_to_fp32", "elementwise", (w,), (wr,)))
+    b.bwd(*cast,
+          Kernel("gate.dgrad", "gemm", (glog, wr), (gx,), fl, gemm=(tokens, h, e, "dgrad")),
           Kernel("gate.wgrad", "gemm", (glog, x), (gw,), fl, gemm=(tokens, h, e, "wgrad")))
     b.block.weight_grads.append(gw)
     if lay.z_loss:
         # z_loss_func: mean of logsumexp(logits)^2, a row reduction; its gradient is dense.
         b.fwd(Kernel("z_loss", "elementwise", (logits, logits), ()))
         b.bwd(Kernel("z_loss.bwd", "elementwise", (logits,), (glog,)))
-    probs = b.t("probs", tokens * e, FP32)
+    probs = b.t("probs", tokens * e, r)
     rmap = b.t("routing_map", tokens * e, MASK)
-    gprobs = b.t("g_probs", tokens * e, FP32)
+    gprobs = b.t("g_probs", tokens * e, r)
     # With the aux loss, autograd runs its branch first (its nodes were made last) and the
     # routing branch's gradient is then accumulated into the logits' gradient it made: read
     # and written in place (torch/csrc/autograd/input_buffer.cpp, accumulate).
@@ -68,16 +92,16 @@ def router_kernels(m: ModelSpec, lay: MoELayout, tokens: float
         b.save(probs, rmap)
         b.bwd(Kernel("topk_fused.bwd", "elementwise", (gprobs, probs, rmap) + acc, (glog,)))
     else:
-        scores = b.t("scores", tokens * e, FP32)
+        scores = b.t("scores", tokens * e, r)
         idx = b.t("topk_idx", tokens * k, 8)
-        val = b.t("topk_val", tokens * k, FP32)
+        val = b.t("topk_val", tokens * k, r)
         b.fwd(Kernel("score_fn", "elementwise", (logits,), (scores,)))
         b.fwd(Kernel("topk", "elementwise", (scores, scores), (idx, val)))
         b.fwd(Kernel("scatter_probs", "elementwise", (idx, val), (probs,)))
         b.fwd(Kernel("scatter_map", "elementwise", (idx,), (rmap,)))
         b.save(scores, idx)
-        gval = b.t("g_topk_val", tokens * k, FP32)
-        gsc = b.t("g_scores", tokens * e, FP32)
+        gval = b.t("g_topk_val", tokens * k, r)
+        gsc = b.t("g_scores", tokens * e, r)
         b.bwd(Kernel("scatter_probs.bwd", "elementwise", (gprobs, idx), (gval,)),
               Kernel("topk.bwd", "elementwise", (gval, idx), (gsc,)),
               Kernel("score_fn.bwd", "elementwise", (gsc, scores) + acc, (glog,)))
@@ -89,12 +113,12 @@ def router_kernels(m: ModelSpec, lay: MoELayout, tokens: float
         # per-expert token counts (an all-reduce of E numbers, folded in). Backward: the
         # loss gradient spread over every score (MoEAuxLossAutoScaler), then the score
         # function's backward into the logits' gradient.
-        sc = b.t("aux.scores", tokens * e, FP32)
+        sc = b.t("aux.scores", tokens * e, r)
         amap = b.t("aux.map", tokens * e, MASK)
         b.fwd(Kernel("aux.scores", "elementwise", (logits,), (sc, amap)))
         b.fwd(Kernel("aux.loss", "elementwise", (sc, amap), ()))
         b.save(sc)
-        gsc2 = b.t("aux.g_scores", tokens * e, FP32)
+        gsc2 = b.t("aux.g_scores", tokens * e, r)
         b.bwd(Kernel("aux.loss.bwd", "elementwise", (), (gsc2,)),
               Kernel("aux.scores.bwd", "elementwise", (gsc2, sc), (glog,)))
     if lay.token_drop != "pad":
@@ -118,24 +142,24 @@ def token_drop_kernels(b: _Builder, m: ModelSpec, lay: MoELayout, tokens: float,
     e, k = m.moe.experts, m.moe.top_k
     # get_capacity: ceil(tokens x top_k / experts x capacity_factor).
     cap = -(-tokens * k * m.moe.capacity_factor // e)
-    vals = b.t("drop.topk_values", cap * e, FP32)
+    vals = b.t("drop.topk_values", cap * e, lay.router_bytes)
     idx = b.t("drop.topk_indices", cap * e, 8)
-    zeros = b.t("drop.zeros", tokens * e, FP32)
+    zeros = b.t("drop.zeros", tokens * e, lay.router_bytes)
     mask = b.t("drop.capacity_mask", tokens * e, MASK)
     b.fwd(Kernel("drop.topk", "elementwise", (probs,), (vals, idx)))
     b.fwd(Kernel("drop.zeros", "elementwise", (), (zeros,)))
     # scatter of ones into the zeros: one element written per kept index, in place.
-    kept = b.t("drop.kept", cap * e, FP32)
+    kept = b.t("drop.kept", cap * e, lay.router_bytes)
     b.fwd(Kernel("drop.scatter", "elementwise", (idx,), (kept,)))
     b.fwd(Kernel("drop.to_bool", "elementwise", (zeros,), (mask,)))
     fmap = mask
     if lay.token_drop == "drop":
         fmap = b.t("drop.map", tokens * e, MASK)
         b.fwd(Kernel("drop.logical_and", "elementwise", (rmap, mask), (fmap,)))
-    fprobs = b.t("drop.probs", tokens * e, FP32)
+    fprobs = b.t("drop.probs", tokens * e, lay.router_bytes)
     b.fwd(Kernel("drop.mask_probs", "elementwise", (probs, fmap), (fprobs,)))
     b.save(fmap)
-    gf = b.t("drop.g_probs", tokens * e, FP32)
+    gf = b.t("drop.g_probs", tokens * e, lay.router_bytes)
     b.bwd(Kernel("drop.mask_probs.bwd", "elementwise", (gf, fmap), (gprobs,)))
     return fprobs, fmap, gf
 
@@ -157,18 +181,19 @@ def row_id_map(b: _Builder, tokens: float, e: int) -> Tensor:
 
 
 def permute_kernels(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,
-             tokens: float, rows: float | None = None, te: bool = False) -> None:
+             tokens: float, rows: float | None = None, te: bool = False,
+             router_bytes: int = FP32) -> None:
     """Permutation 1 (TE ``moe_permute_with_probs``): each token gathered once per chosen
     expert into expert order, with its prob; backward sums each token's ``top_k`` gradient
     rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient.
     ``rows``: the permuted rows (default ``tokens x top_k``; padded to capacity,
-    ``experts x capacity``)."""
+    ``experts x capacity``); the permuted probs keep the probs' dtype (``router_bytes``)."""
     assert m.moe is not None
     h, k, e = m.hidden, m.moe.top_k, m.moe.experts
     rows = tokens * k if rows is None else rows
     src = b.t("permute.gathered_rows", rows * h, BF16)   # x read once per copy
     out = b.t("permuted", rows * h, BF16)
-    pp = b.t("permuted_probs", rows, FP32)
+    pp = b.t("permuted_probs", rows, router_bytes)
     if te:
         rid = row_id_map(b, tokens, e)
         b.fwd(Kernel("permute", "elementwise", (src, probs, rid), (out, pp)))
@@ -178,7 +203,7 @@ def permute_kernels(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs:
     b.save(rid)
     g = b.t("g_permuted", rows * h, BF16)
     gx = b.t("permute.g_in", tokens * h, BF16)
-    gpp = b.t("g_permuted_probs", rows, FP32)
+    gpp = b.t("g_permuted_probs", rows, router_bytes)
     b.bwd(Kernel("permute.bwd", "elementwise", (g, rid), (gx,)),
           Kernel("permute.probs_bwd", "elementwise", (gpp, rid), (gprobs,)))
     b.block.outputs += [out, pp]

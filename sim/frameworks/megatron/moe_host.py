@@ -25,6 +25,8 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
     return moe_host_calls(MoEHostConfig(
         local_experts=max(1, moe.experts // lay.ep),
         dispatcher=opts.moe_token_dispatcher_type,
+        flex_backend=opts.moe_flex_dispatcher_backend,
+        router_fp32=opts.moe_router_dtype == "fp32",
         fp8=lay.fp8 is not None, router=moe.router, router_fusion=lay.router_fusion,
         group_limited=opts.moe_router_num_groups is not None,
         aux_loss=lay.aux_loss, z_loss=lay.z_loss, token_drop=lay.token_drop,

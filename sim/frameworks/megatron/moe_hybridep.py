@@ -67,6 +67,7 @@ from sim.frameworks.megatron.moe_flex_skew import scenario_skew
 from sim.program.ir import Op
 from sim.program.mesh import Groups
 from sim.scenario import MegatronOptions
+from sim.workload.moe_ops import MoELayerOps
 
 SMS_ONE_DOMAIN = 24
 """Hybrid-EP's dispatch / combine blocks in one NVLink domain when unset
@@ -266,3 +267,33 @@ def hybridep_op(coll: Callable[..., Op], plan: HybridEPPlan, which: str, label: 
     if op is not None:
         op.fused_kernel = "hybridep"
     return op
+
+
+FUSED_KERNELS = {
+    "router": frozenset({"row_id_map.pass_1", "row_id_map.pass_2", "row_id_map.pass_3",
+                         "permute", "permute.bwd", "permute.probs_bwd"}),
+    "combine": frozenset({"unpermute", "unpermute.bwd"}),
+}
+"""The ``alltoall`` dispatcher's permutation kernels Hybrid-EP does not run
+(:func:`drop_fused_kernels`)."""
+
+
+def drop_fused_kernels(ops: MoELayerOps) -> None:
+    """Remove from one layer's blocks the permutations Hybrid-EP does inside its dispatch and
+    combine. ``MoEFlexTokenDispatcher.dispatch_preprocess`` only reshapes (Megatron-Core
+    23265d2d): no TE ``moe_permute_with_probs`` before the dispatch; ``HybridEPBuffer::
+    dispatch_with_permute`` reads the layer's tokens with the routing map and its
+    ``dispatch_postprocess`` permutes the received tokens into local-expert order, and
+    ``combine_with_unpermute`` unpermutes them locally before its combine sums every copy
+    back into the token's row (DeepEP hybrid-ep a0d27f1 ``csrc/hybrid_ep/hybrid_ep.cu``): no
+    TE ``moe_unpermute`` after it. Those local permute / unpermute passes are the experts
+    block's chunk sort and unsort (one copy of the permuted rows each way), which stay; the
+    router's permutation with its row-id map and the combine's unpermutation go, with the
+    saved tensors only they read. Their backward passes (the dispatch's is a combine, the
+    combine's a dispatch) likewise."""
+    for name, drop in FUSED_KERNELS.items():
+        b = getattr(ops, name)
+        b.forward = [k for k in b.forward if k.name not in drop]
+        b.backward = [k for k in b.backward if k.name not in drop]
+        used = {id(t) for k in b.forward + b.backward for t in k.reads + k.writes}
+        b.saved = [t for t in b.saved if id(t) in used]

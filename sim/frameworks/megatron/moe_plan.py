@@ -34,7 +34,7 @@ from sim.frameworks.megatron.moe_flex_skew import flex_pace
 from sim.frameworks.megatron.moe_host import (
     megatron_host_calls,
 )
-from sim.frameworks.megatron.moe_hybridep import hybridep_plan
+from sim.frameworks.megatron.moe_hybridep import drop_fused_kernels, hybridep_plan
 from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
 from sim.frameworks.megatron.overlap import amax_reductions
 from sim.hardware.compute import ComputeModel
@@ -44,6 +44,7 @@ from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.model import ModelSpec
 from sim.workload.moe_host_ops import HostCalls
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
+from sim.workload.moe_router_ops import router_dtype_bytes
 
 ORDER = "tp-cp-ep-dp-pp"
 """Megatron-Core's rank order, innermost first; the expert layout uses it too."""
@@ -197,6 +198,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     # DeepSeek, GLM); the fused permutation is what this builder prices.
                     te_permute=True,
                     router_fusion=opts.moe_router_fusion,
+                    router_bytes=router_dtype_bytes(opts.moe_router_dtype),
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None,
                     token_drop=None if ctx.model.moe is None or ctx.model.moe.capacity_factor
@@ -244,6 +246,8 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                 "framework.moe_deepep_fp8_dispatch",
                 "FP8 dispatch is DeepEP's: it needs moe_token_dispatcher_type flex")
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens, **kw)  # type: ignore[arg-type]
+    if opts.moe_token_dispatcher_type == "flex" and opts.moe_flex_dispatcher_backend == "hybridep":
+        drop_fused_kernels(ops)   # its dispatch and combine permute themselves
     if capacity is not None:
         # preprocess returns before the count all-gather: no host synchronisation at all.
         ops.count_gather_bytes = 0.0

@@ -88,6 +88,13 @@ class MegatronOptions(StrictModel):
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""
+    moe_router_dtype: Literal["fp32"] | None = "fp32"
+    """``--moe-router-dtype``: the dtype of the gate GEMM's output and of every routing
+    tensor after it (logits, scores, probs, the permuted probs and their all-to-all). ``fp32``
+    (this simulator's default, as DeepSeek's and GLM's Megatron-Bridge providers set it);
+    null is Megatron-Core's own default (``TransformerConfig.moe_router_dtype = None``: the
+    input's dtype, bf16), which Megatron-Bridge's Qwen3-MoE and GPT-OSS providers leave
+    (:func:`sim.workload.moe_router_ops.router_dtype_bytes`)."""
     # Loss coefficients are 1e-4 to 1e-2 in published recipes (Mixtral 0.01, Megatron-Core's
     # z-loss 1e-3); the bound only refuses absurd input.
     moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0, le=1e6)
