@@ -65,6 +65,7 @@ from sim.frameworks.megatron.moe_memory import CATEGORY
 from sim.program.ir import Op
 from sim.program.mesh import Groups
 from sim.scenario import MegatronOptions
+from sim.workload.moe_ops import MoELayerOps
 
 DEEPEP_NUM_SMS = 20
 """SMs of DeepEP's normal kernels when ``moe_flex_dispatcher_num_sms`` is unset: Megatron-Core's
@@ -346,6 +347,45 @@ class FlexPlan:
         if not self.layout.internode:
             return 0.0
         return sum(self.peer_bytes(which)[0][NVL_PEERS:])
+
+
+CHUNK_SORT_KERNELS = frozenset({"sort_chunks", "sort_chunks.map", "sort_chunks.probs",
+                                "sort_chunks.bwd", "unsort_chunks", "unsort_chunks.map",
+                                "unsort_chunks.bwd"})
+"""The ``alltoall`` dispatcher's chunk sort and unsort, which DeepEP's path never runs
+(:func:`drop_chunk_sorts`)."""
+
+
+def drop_chunk_sorts(ops: MoELayerOps) -> None:
+    """Remove the ``alltoall`` dispatcher's chunk sort and unsort from one layer's experts
+    block: with DeepEP, ``MoEFlexTokenDispatcher.dispatch_postprocess`` permutes the received
+    tokens straight into local-expert order (``_DeepepManager.
+    get_permuted_hidden_states_by_experts``: one TE ``moe_permute`` with its row-id map) and
+    ``combine_preprocess`` unpermutes them once (``get_restored_hidden_states_by_experts``)
+    before DeepEP's combine (Megatron-Core core_v0.14.0 ``token_dispatcher.py``,
+    ``MoEFlexTokenDispatcher`` and ``_DeepepManager``). Those two copies are what the layer's
+    ``router`` permutation and ``combine`` unpermutation already price (the same rows under
+    balanced routing: a token's copies to its local experts); the source-rank to
+    local-expert ``sort_chunks_by_idxs`` pair of the ``alltoall`` dispatcher has no
+    counterpart, so it goes, with the saved maps only it reads.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> from sim.workload.model import ModelSpec
+    >>> from sim.workload.moe_ops import MoELayout, moe_layer_ops
+    >>> ops = moe_layer_ops(ModelSpec.from_ref("qwen3-30b-a3b"), MoELayout(ep=8), 4096.0)
+    >>> any(k.name in CHUNK_SORT_KERNELS for k in ops.experts.forward)
+    True
+    >>> drop_chunk_sorts(ops)
+    >>> any(k.name in CHUNK_SORT_KERNELS for k in ops.experts.forward + ops.experts.backward)
+    False
+    """
+    b = ops.experts
+    b.forward = [k for k in b.forward if k.name not in CHUNK_SORT_KERNELS]
+    b.backward = [k for k in b.backward if k.name not in CHUNK_SORT_KERNELS]
+    used = {id(t) for k in b.forward + b.backward for t in k.reads + k.writes}
+    b.saved = [t for t in b.saved if id(t) in used]
 
 
 @lru_cache(maxsize=256)

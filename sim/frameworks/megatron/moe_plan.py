@@ -28,6 +28,7 @@ from sim.frameworks.megatron.moe_dispatch import check_moe as check_moe  # shape
 from sim.frameworks.megatron.moe_flex import (
     FlexPlan,
     check_router_groups,
+    drop_chunk_sorts,
     flex_plan,
 )
 from sim.frameworks.megatron.moe_flex_skew import flex_pace
@@ -248,6 +249,8 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens, **kw)  # type: ignore[arg-type]
     if opts.moe_token_dispatcher_type == "flex" and opts.moe_flex_dispatcher_backend == "hybridep":
         drop_fused_kernels(ops)   # its dispatch and combine permute themselves
+    elif opts.moe_token_dispatcher_type == "flex" and capacity is None:
+        drop_chunk_sorts(ops)     # DeepEP: one permute after the dispatch, none by source rank
     if capacity is not None:
         # preprocess returns before the count all-gather: no host synchronisation at all.
         ops.count_gather_bytes = 0.0
