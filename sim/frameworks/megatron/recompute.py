@@ -37,6 +37,12 @@ megatron/core/transformer/transformer_config.py). Two mechanisms, as the source 
 
 With ``moe`` the layer's ``moe_act`` and ``shared_experts`` checkpoints would nest inside the
 re-run; they are not counted again (the MoE layer's saved activations are dropped whole).
+
+Each output-discarding checkpoint also pays its own host calls, the copy of its recomputed
+outputs into the freed storages and both copies through its consumer's backward
+(:mod:`sim.workload.checkpoint_without_output`, one rule for ``layernorm``, ``moe_act`` and
+``mla_up_proj``). Not yet charged: a dense layer's own pre-MLP norm checkpoint (local spec
+only) beyond its kernels.
 """
 
 from __future__ import annotations
