@@ -46,6 +46,7 @@ parallelism is not modelled with MLA.
 
 from __future__ import annotations
 
+from sim.workload.checkpoint_without_output import checkpoint_calls, restore_copy
 from sim.workload.layer_ops import BF16, FP32, Block, Kernel, Tensor, _Builder
 from sim.workload.layer_rules import FP8
 from sim.workload.megatron_ops import (
@@ -237,34 +238,20 @@ def _fused_rope(b: _Builder, q: Tensor, kv: Tensor, k_pos: Tensor, tokens: float
 
 # ------------------------------------------------ recompute_modules: mla_up_proj
 # Megatron-Core core_v0.14.0 wraps ``qkv_up_proj_and_rope_apply`` in a
-# ``tensor_parallel.CheckpointWithoutOutput`` (multi_latent_attention.py L781-785; the
-# class in tensor_parallel/random.py L483-615) and, once core attention has run, frees the
-# query, key and value storages (``discard_output_and_register_recompute``, L313-316). What
-# that costs beyond the up projections' kernels (which the recompute plan re-runs), counted
-# from the source as the layer's other Python-level calls are
-# (:data:`sim.workload.megatron_ops.PYTHON_OPS_TE`), each a plain torch call:
-#
-# forward: the checkpoint object, ``_get_all_rng_states`` (CPU and CUDA generator states and
-# the RNG tracker's: 3), ``CheckpointWithoutOutputFunction.apply``, ``no_grad``,
-# ``detach_variable`` of its four inputs, ``save_for_backward``, three ``resize_(0)`` and
-# ``register_hook``: 15; under FP8 ``is_fp8_enabled``, ``get_fp8_recipe`` and TE's
-# ``activation_recompute_forward`` context: +3.
-#
-# backward, in the hook on core attention's output gradient (``_recompute``):
-# ``_is_checkpoint_valid``, ``_fork_rng`` (the three states read and set back: 6),
-# ``_set_all_rng_states`` (3), ``enable_grad``; the function again: the two identity latent
-# norms (the norms are fused into the up projections' TE modules), two views, ``unsqueeze``,
-# the context-parallel rank and size, the two fused rotary applications and three
-# ``contiguous`` (12; unfused rotary embedding: the five more calls
-# :data:`sim.workload.megatron_ops.MLA_ROPE_FUSION_SAVED_OPS` counts) plus the two up
-# projections' TE module calls; the outputs restored into the freed storages (per output
-# the storage size, ``resize_``, ``copy_``: 9); then ``CheckpointWithoutOutputFunction``'s
-# backward body (``saved_tensors``, the nested ``torch.autograd.backward``, the four inputs'
-# ``.grad``: 6; the nodes it walks are the attention's own, counted with them): 38; under
-# FP8 ``activation_recompute_forward`` and ``fp8_autocast``: +2.
-MLA_UP_CKPT_FWD_CALLS = 15
-MLA_UP_CKPT_BWD_CALLS = 38
-MLA_UP_CKPT_FP8_CALLS = (3, 2)
+# ``tensor_parallel.CheckpointWithoutOutput`` (multi_latent_attention.py L781-785) and, once
+# core attention has run, frees the query, key and value storages
+# (``discard_output_and_register_recompute``, L313-316). What any such checkpoint costs beyond
+# the kernels it re-runs is :mod:`sim.workload.checkpoint_without_output`'s rule; MLA's
+# function has four tensor inputs and three outputs, is built with ``fp8=config.fp8`` (TE's
+# recompute contexts under FP8 only), and its re-run makes, besides its two TE module calls,
+# the two identity latent norms (the norms are fused into the up projections' TE modules),
+# two views, ``unsqueeze``, the context-parallel rank and size, the two fused rotary
+# applications and three ``contiguous`` (12; unfused rotary embedding: the five more calls
+# :data:`sim.workload.megatron_ops.MLA_ROPE_FUSION_SAVED_OPS` counts).
+MLA_UP_CKPT_IO = (4, 3)
+"""Tensor inputs and outputs of ``qkv_up_proj_and_rope_apply``."""
+MLA_UP_CKPT_RERUN = 12
+"""Plain calls of its re-run with fused rotary embedding."""
 MLA_UP_CKPT_MODULES = 2
 """The up projections' TE module calls the backward re-runs (forward calls, full price)."""
 MLA_UP_OUTPUTS = ("query", "key", "value", "q_up.out", "q_proj.out")
@@ -274,15 +261,11 @@ is the q projection's output, rotated in place)."""
 
 
 def mla_up_restore(main: Block) -> Kernel:
-    """The recompute's copy of each recomputed output into the storage the forward freed
-    (``output.untyped_storage().copy_(recomputation_output.untyped_storage())``): a device
-    copy of the query, key and value. The recomputed tensors stay referenced
-    (``ctx.outputs``) until the checkpoint's backward, after core attention's: both copies
-    are live through the attention's backward."""
-    outs = tuple(t for t in main.saved
-                 if t.name.split(".", 1)[-1] in MLA_UP_OUTPUTS)
-    fresh = tuple(Tensor(f"{t.name}.recomputed", t.nbytes) for t in outs)
-    return Kernel("up_proj.restore", "elementwise", fresh, outs)
+    """The recompute's copy of the recomputed query, key and value into the storages the
+    forward freed (:func:`~sim.workload.checkpoint_without_output.restore_copy`): both
+    copies are live through the attention's backward."""
+    return restore_copy("up_proj.restore", [t for t in main.saved
+                                            if t.name.split(".", 1)[-1] in MLA_UP_OUTPUTS])
 
 
 def mla_up_checkpoint_calls(fp8: bool, rope_fusion: bool) -> tuple[int, int]:
@@ -297,9 +280,5 @@ def mla_up_checkpoint_calls(fp8: bool, rope_fusion: bool) -> tuple[int, int]:
     >>> mla_up_checkpoint_calls(fp8=True, rope_fusion=False)
     (18, 45)
     """
-    f, b = MLA_UP_CKPT_FWD_CALLS, MLA_UP_CKPT_BWD_CALLS
-    if fp8:
-        f, b = f + MLA_UP_CKPT_FP8_CALLS[0], b + MLA_UP_CKPT_FP8_CALLS[1]
-    if not rope_fusion:
-        b += MLA_ROPE_FUSION_SAVED_OPS
-    return f, b
+    rerun = MLA_UP_CKPT_RERUN + (0 if rope_fusion else MLA_ROPE_FUSION_SAVED_OPS)
+    return checkpoint_calls(*MLA_UP_CKPT_IO, rerun, te_contexts=fp8)

@@ -396,8 +396,14 @@ class UnitBuilder:
             cpu_pre=c.fwd_cpu["attn_pre"] + (c.ckpt_cpu if recompute else 0.0),
             cpu_main=c.fwd_cpu[attn] + c.rec.attn_cpu_fwd))
         if moe:
-            self._moe_ops(unit, self.moe[st].forward(phase, mb, layer, c.fwd_s["mlp_pre"],
-                                                     c.fwd_cpu["mlp_pre"]))
+            ops = self.moe[st].forward(phase, mb, layer, c.fwd_s["mlp_pre"],
+                                       c.fwd_cpu["mlp_pre"] + c.rec.norm_cpu_fwd)
+            experts = next((o for o in ops if o.name == f"{phase} moe L{layer} mb{mb} experts"),
+                           None)
+            if experts is not None:
+                # moe_act's checkpoint bookkeeping (sim.workload.checkpoint_without_output).
+                experts.cpu_s += c.rec.act_cpu_fwd
+            self._moe_ops(unit, ops)
             return
         self.block_ops(st, unit, BlockSpec(
             ("norm", "mlp"), c.fwd_s["mlp_pre"], c.fwd_s["mlp_main"],
@@ -489,15 +495,20 @@ class UnitBuilder:
             self._moe_ops(unit, ops)
         ops = mo.backward(mb, layer, c.bwd_s["mlp_pre"], c.bwd_cpu["mlp_pre"])
         if r.norm_freed_moe:
+            # The recomputed norm output (norm_transient) is held with the restored one until
+            # the checkpoint's backward, after the router's: to the layer's end.
             first = next(o for o in ops if o.kind == "compute")
             first.duration += r.norm_s_moe
-            first.alloc = (*first.alloc, ("activations", r.norm_freed_moe))
-            held += r.norm_freed_moe
+            first.cpu_s += r.norm_cpu_bwd
+            first.alloc = (*first.alloc, ("activations", r.norm_freed_moe + r.norm_transient))
+            held += r.norm_freed_moe + r.norm_transient
         if r.act_freed:
             experts = next(o for o in ops if o.name == f"bwd moe L{layer} mb{mb} experts")
             experts.duration += r.act_s
-            experts.alloc = (*experts.alloc, ("activations", r.act_freed))
-            experts.free = (*experts.free, ("activations", r.act_freed))
+            experts.cpu_s += r.act_cpu_bwd
+            act = r.act_freed + r.act_transient
+            experts.alloc = (*experts.alloc, ("activations", act))
+            experts.free = (*experts.free, ("activations", act))
         if held:
             ops[-1].free = (*ops[-1].free, ("activations", held))
         self._moe_ops(unit, ops)

@@ -37,6 +37,12 @@ megatron/core/transformer/transformer_config.py). Two mechanisms, as the source 
 
 With ``moe`` the layer's ``moe_act`` and ``shared_experts`` checkpoints would nest inside the
 re-run; they are not counted again (the MoE layer's saved activations are dropped whole).
+
+Each output-discarding checkpoint also pays its own host calls, the copy of its recomputed
+outputs into the freed storages and both copies through its consumer's backward
+(:mod:`sim.workload.checkpoint_without_output`, one rule for ``layernorm``, ``moe_act`` and
+``mla_up_proj``). Not yet charged: a dense layer's own pre-MLP norm checkpoint (local spec
+only) beyond its kernels.
 """
 
 from __future__ import annotations
@@ -46,7 +52,15 @@ from typing import TYPE_CHECKING, Literal
 
 from sim.frameworks.common.base import JobContext
 from sim.hardware.compute import EAGER_FWD_OP_CPU_S, ComputeModel
-from sim.workload.kernels import Block, Kernel
+from sim.workload.checkpoint_without_output import (
+    LAYERNORM_IO,
+    LAYERNORM_MODULES,
+    MOE_ACT_IO,
+    MOE_ACT_RERUN,
+    checkpoint_calls,
+    restore_copy,
+)
+from sim.workload.kernels import Block, Kernel, Tensor
 from sim.workload.layer_ops import kernel_time
 from sim.workload.megatron_mla import (
     MLA_UP_CKPT_MODULES,
@@ -142,9 +156,24 @@ class Recompute:
     norm_freed_moe: float = 0.0
     """An MoE layer's pre-MLP norm output and statistics as its consumers saved them."""
     norm_s_moe: float = 0.0
+    norm_cpu_fwd: float = 0.0
+    """Host seconds of the pre-MLP norm's checkpoint in forward
+    (:func:`sim.workload.checkpoint_without_output.checkpoint_calls`)."""
+    norm_cpu_bwd: float = 0.0
+    """Host seconds of its recompute hook and backward (the norm module called again)."""
+    norm_transient: float = 0.0
+    """Bytes of the recomputed norm output, live beside the restored one through the MoE
+    layer's backward."""
     act_freed: float = 0.0
     """``moe_act``: fc2's saved input on the pace-setting rank."""
     act_s: float = 0.0
+    act_cpu_fwd: float = 0.0
+    """Host seconds of the activation's checkpoint in forward."""
+    act_cpu_bwd: float = 0.0
+    """Host seconds of its recompute hook (the activation's Python again) and backward."""
+    act_transient: float = 0.0
+    """Bytes of the recomputed activation, live beside the restored one through fc2's
+    backward."""
     shared_freed: float = 0.0
     """``shared_experts``: what the shared experts save beyond their input."""
     moe_freed: float = 0.0
@@ -203,12 +232,35 @@ def _moe_blocks(s: MegatronShape) -> tuple[Block, Block | None, list[Block]]:
         b for b in s.moe.ops.blocks if b.name != "moe_experts")]
 
 
+def _outputs(block: Block | None, pick: object) -> list[Tensor]:
+    """The tensors the forward kernels ``pick(kernel)`` selects write first (a norm's output,
+    not its statistics; the activation's output)."""
+    return [k.writes[0] for k in _kernels(block, pick) if k.writes]
+
+
+def _checkpoint_cost(r: dict[str, float], key: str, io: tuple[int, int], rerun: int,
+                     modules: int, te_contexts: bool, cpu_call: float,
+                     restore: Kernel) -> None:
+    """Add one ``CheckpointWithoutOutput``'s host seconds (``{key}_cpu_fwd``, ``_cpu_bwd``:
+    plain calls at an eager op's cost, the re-run's module calls at ``cpu_call``) and the
+    recomputed outputs' bytes (``{key}_transient``) to ``r``."""
+    f, b = checkpoint_calls(*io, rerun, te_contexts)
+    for name, v in ((f"{key}_cpu_fwd", f * EAGER_FWD_OP_CPU_S),
+                    (f"{key}_cpu_bwd", b * EAGER_FWD_OP_CPU_S + modules * cpu_call),
+                    (f"{key}_transient", float(sum(t.nbytes for t in restore.reads)))):
+        r[name] = r.get(name, 0.0) + v
+
+
+def _is_norm(k: Kernel) -> bool:
+    return k.name.startswith("norm")
+
+
 def recompute_plan(s: MegatronShape, cm: ComputeModel | None, cpu_call: float = 0.0
                    ) -> tuple[Recompute, dict[str, float]]:
     """The per-layer :class:`Recompute` of the job (GPU seconds only with ``cm``) and the
     hardware FLOPs re-run per layer: ``{"dense": ..., "moe": ...}``. ``cpu_call``: host
     seconds of a module call (``MEGATRON_CPU_S_PER_OP``), for the host time of the
-    ``mla_up_proj`` checkpoint's re-run."""
+    output-discarding checkpoints' re-runs (``mla_up_proj``, ``layernorm``, ``moe_act``)."""
     mods, b = s.recompute, s.blocks
     te = not s.legacy
     runs: dict[str, list[Kernel]] = {"attn": [], "dense": [], "moe_norm": [], "act": []}
@@ -221,6 +273,11 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None, cpu_call: float = 
         r["attn_freed"] = _saved(b["attn_pre"], frozenset({"norm.stats"}))
         attn_names |= ATTN_NORM_OUT
         runs["attn"] += list(b["attn_pre"].forward)
+        restore = restore_copy("input_norm.restore", _outputs(b["attn_pre"], _is_norm))
+        runs["attn"].append(restore)
+        # CheckpointWithoutOutput() with no argument: TE's recompute contexts always.
+        _checkpoint_cost(r, "attn", LAYERNORM_IO, 0, LAYERNORM_MODULES, True, cpu_call,
+                         restore)
         if s.lay.fp8:
             runs["attn"] += _input_casts(attn, FIRST_LINEARS)
     if "mla_up_proj" in mods and s.model.mla is not None:
@@ -228,10 +285,12 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None, cpu_call: float = 
         runs["attn"] += _kernels(attn, _mla_up)
         restore = mla_up_restore(attn)
         runs["attn"].append(restore)
-        r["attn_transient"] = float(sum(t.nbytes for t in restore.reads))
+        r["attn_transient"] = r.get("attn_transient", 0.0) + \
+            float(sum(t.nbytes for t in restore.reads))
         f, bw = mla_up_checkpoint_calls(s.lay.fp8 is not None, s.lay.rope_fusion)
-        r["attn_cpu_fwd"] = f * EAGER_FWD_OP_CPU_S
-        r["attn_cpu_bwd"] = bw * EAGER_FWD_OP_CPU_S + MLA_UP_CKPT_MODULES * cpu_call
+        r["attn_cpu_fwd"] = r.get("attn_cpu_fwd", 0.0) + f * EAGER_FWD_OP_CPU_S
+        r["attn_cpu_bwd"] = r.get("attn_cpu_bwd", 0.0) + bw * EAGER_FWD_OP_CPU_S + \
+            MLA_UP_CKPT_MODULES * cpu_call
         if s.sp:
             mla = s.model.mla
             r["attn_gather"] = float(s.act * s.tokens * ((mla.q_lora_rank or s.h)
@@ -265,6 +324,10 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None, cpu_call: float = 
             runs["moe_norm"] += list(b["mlp_pre"].forward)
             if s.lay.fp8 and not whole and not own:
                 runs["moe_norm"] += _input_casts(shared, ("fc1",))
+            restore = restore_copy("pre_mlp_norm.restore", _outputs(b["mlp_pre"], _is_norm))
+            runs["moe_norm"].append(restore)
+            _checkpoint_cost(r, "norm", LAYERNORM_IO, 0, LAYERNORM_MODULES, True, cpu_call,
+                             restore)
         if whole:
             r["moe_freed"] = sum(_saved(x) for x in blocks) - _saved(router, frozenset({"in"}))
             extra["moe"] += s.moe.flops_fwd
@@ -279,6 +342,13 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None, cpu_call: float = 
                                         or k.name.startswith("weighted_act."))
                 if s.lay.fp8:
                     runs["act"] += _input_casts(experts, ("fc2",))
+                restore = restore_copy("moe_act.restore", _outputs(
+                    experts, lambda k: k.name == "weighted_act"))
+                runs["act"].append(restore)
+                clamp = s.model.activation_clamp is not None
+                _checkpoint_cost(r, "act", MOE_ACT_IO,
+                                 MOE_ACT_RERUN["clamped_geglu" if clamp else "swiglu"], 0,
+                                 True, cpu_call, restore)
             if "shared_experts" in mods and shared is not None:
                 r["shared_freed"] = _saved(shared, exclude=frozenset({"in"}))
                 extra["moe"] += shared.flops_fwd
