@@ -231,10 +231,9 @@ EXPERTS: dict[str, tuple[int, int]] = {
     # gate and of the linear half, cat, the weighted activation instead of one fused
     # swiglu; nodes: the activation, two clamps, the chunk.
     "clamped_act": (2, 3),
-    # moe_act recompute: CheckpointWithoutOutput (checkpoint,
-    # discard_output_and_register_recompute, the recompute hook).
-    "act_recompute": (4, 2),
 }
+# The moe_act recompute's CheckpointWithoutOutput calls are counted in one place,
+# sim/workload/checkpoint_without_output.py (charged by the recompute builder).
 
 # Per local expert, per GroupedLinear (fc1 and fc2), C++ objects and calls TE 2.7 makes
 # (module/grouped_linear.py _GroupedLinear): forward: the input's split view (bf16) or
@@ -301,7 +300,6 @@ class MoEHostConfig:
     permute_fusion: bool = True
     bias: bool = False
     clamp: bool = False
-    act_recompute: bool = False
     shared: bool = False
 
 
@@ -376,8 +374,6 @@ def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
         parts.append((b[0] * c.local_experts, b[1] * c.local_experts))
     if c.clamp:
         parts.append(EXPERTS["clamped_act"])
-    if c.act_recompute:
-        parts.append(EXPERTS["act_recompute"])
     e = _add(*parts)
     per = PER_EXPERT["fp8" if c.fp8 else "bf16"]
     n = 2 * c.local_experts        # fc1 and fc2
