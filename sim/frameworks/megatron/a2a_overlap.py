@@ -43,6 +43,21 @@ last node (here it waits for the whole pair, a little late). ``CUDA_DEVICE_MAX_C
 (Megatron-LM only warns) is modelled when it is 1 (:func:`single_queue_emit`): every stream's
 work then goes through one hardware queue in the host's issue order.
 
+Not modelled either, and the likeliest reason the Hopper rows with more than one connection
+simulate too fast (the 25.11 Qwen3-235B H100 row: 2,157 simulated, 1,575 measured; 1,511
+with one connection): a communication kernel launched while a persistent GEMM holds every SM
+starts only when that GEMM ends. Megatron-Bridge's own launch script says so for Hopper
+(``perf_plugins.py`` @ da98070, ``_set_num_cuda_device_max_connections``: with more than one
+connection "communication kernel will be pushed to the end of the GEMM kernel, failing to
+overlap"), yet sets 8 (32 with DeepEP) under ``moe_a2a_overlap``; stream priority
+(``TORCH_NCCL_HIGH_PRIORITY=1`` in its ``executors.py``, DeepEP's high-priority pool stream)
+orders pending blocks, it does not evict resident ones. Modelling it needs the engine to know
+the running kernel's end when a collective becomes ready (an op covers many kernels).
+
+Each schedule node's own wrapper (event wait and record, stream switch, detach, a separate
+``run_backward`` per backward node) costs host time (:mod:`sim.frameworks.megatron.
+schedule_nodes`); at core_v0.14.0 a MoE layer's attention and ``post_attn`` are two nodes.
+
 What runs on the communication stream besides the all-to-alls, so that it waits for them and
 they for it: the combine node's unpermutation (``combine_postprocess``), the shared experts'
 add and the residual add (``mlp_bda``), and their backward. Their kernels take the GPU's SMs
