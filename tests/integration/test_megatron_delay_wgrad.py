@@ -219,9 +219,13 @@ def test_backward_all_to_alls_start_earlier_and_hide_more(par) -> None:
     t0_off = min(r.start for r in off.recorder.ops)
     t0_on = min(r.start for r in on.recorder.ops)
     # Relative to the step's start, every backward dispatch all-to-all starts no later (it
-    # waits for the experts' dgrad alone), most strictly earlier.
+    # waits for the experts' dgrad alone), most strictly earlier; where the host is the
+    # bound it is issued later by at most the host time of the experts' delayed wgrad,
+    # which the plan issues just before it (backward_dw, then moe_dispatch.backward).
+    host = max(op.cpu_s for cls in on.program.classes for ops in cls.streams.values()
+               for op in ops if op.name.endswith("experts delayed wgrad"))
     d = [(s_on[k] - t0_on) - (s_off[k] - t0_off) for k in s_off if " dispatch bwd" in k]
-    assert max(d) <= 1e-9 and sum(x < -1e-6 for x in d) >= len(d) // 2
+    assert max(d) <= host + 1e-9 and sum(x < -1e-6 for x in d) >= len(d) // 2
     assert exposed(on) <= exposed(off) * (1 + 1e-9)
     assert on.summary["step_time_s"] <= off.summary["step_time_s"] * (1 + 1e-9)
     # Lower bound: the compute stream's kernels at full speed, one after another.

@@ -43,6 +43,24 @@ last node (here it waits for the whole pair, a little late). ``CUDA_DEVICE_MAX_C
 (Megatron-LM only warns) is modelled when it is 1 (:func:`single_queue_emit`): every stream's
 work then goes through one hardware queue in the host's issue order.
 
+Not modelled either, and the likeliest reason the Hopper rows with more than one connection
+simulate too fast (the 25.11 Qwen3-235B H100 row: 2,157 simulated, 1,575 measured; 1,511
+with one connection): a communication kernel launched while a persistent GEMM holds every SM
+starts only when that GEMM ends. Megatron-Bridge's own launch script says so for Hopper
+(``perf_plugins.py`` @ da98070, ``_set_num_cuda_device_max_connections``: with more than one
+connection "communication kernel will be pushed to the end of the GEMM kernel, failing to
+overlap"), yet sets 8 (32 with DeepEP) under ``moe_a2a_overlap``; stream priority
+(``TORCH_NCCL_HIGH_PRIORITY=1`` in its ``executors.py``, DeepEP's high-priority pool stream)
+orders pending blocks, it does not evict resident ones. Modelling it needs the engine to know
+the running kernel's end when a collective becomes ready (an op covers many kernels). Its
+size, bounded at op granularity (every all-to-all also waiting for the compute op issued
+before it, a trial not kept): that Qwen3-235B row 2,157 -> 1,926; the 25.09 DeepSeek-V3 1,024
+H100 row (DeepEP) 1,651 -> 1,699, not slower, so it is not what over-credits that row.
+
+Each schedule node's own wrapper (event wait and record, stream switch, detach, a separate
+``run_backward`` per backward node) costs host time (:mod:`sim.frameworks.megatron.
+schedule_nodes`); at core_v0.14.0 a MoE layer's attention and ``post_attn`` are two nodes.
+
 What runs on the communication stream besides the all-to-alls, so that it waits for them and
 they for it: the combine node's unpermutation (``combine_postprocess``), the shared experts'
 add and the residual add (``mlp_bda``), and their backward. Their kernels take the GPU's SMs
@@ -60,6 +78,7 @@ from typing import TYPE_CHECKING
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.pipeline import Step, Unit
+from sim.frameworks.megatron.schedule_nodes import NodeHost
 from sim.frameworks.megatron.shape import MegatronShape
 from sim.program.ir import HOST_WAIT_STREAM, Op
 
@@ -256,10 +275,19 @@ def single_queue_emit(emit: Callable[[Op], None]) -> Callable[[Op], None]:
     return put
 
 
+def pre_nodes(n: LayerNodes) -> int:
+    """Schedule nodes in a layer's ``pre`` ops at core_v0.14.0: ``attn`` and, in a MoE
+    layer, ``post_attn`` (``TransformerLayerSchedulePlan._build_callable_nodes``; a dense
+    layer's ``post_attn`` is a ``NoopScheduleNode``). Later cores merge them into one
+    ``pre_dispatch_computation`` node."""
+    return 2 if n.dispatch else 1
+
+
 # ---------------------------------------------------------------------- issue one pair
 def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
                label: str, wgrad: Mapping[int, LayerWgrad] | None = None,
-               single_queue: bool = False) -> tuple[Op, Op]:
+               single_queue: bool = False,
+               node_cpu: NodeHost | None = None) -> tuple[Op, Op]:
     """Issue a forward unit's and a backward unit's ops as Megatron-Core's combined step does
     (see the module docstring) through ``emit`` (which adds an op to the stage's program);
     return the (first, last) ops the pipeline's waits and sends attach to: a start marker
@@ -267,7 +295,10 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
     the compute stream waits for both (``wait_current_stream``). ``wgrad``: the backward
     layers' delayed weight gradients by layer (``delay_wgrad_compute``), issued on the
     compute stream outside the backward's chain of nodes. ``single_queue``:
-    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`single_queue_emit`)."""
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`single_queue_emit`). ``node_cpu``: the host
+    seconds of each schedule node's own machinery (:func:`sim.frameworks.megatron.
+    schedule_nodes.node_host`), spent before the node's first op."""
+    host = node_cpu if node_cpu is not None else NodeHost(0.0, 0.0)
     if single_queue:
         emit = single_queue_emit(emit)
     f_head, f_layers, f_tail = split_unit(f_ops, True)
@@ -277,11 +308,14 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
     emit(start)
     prev: dict[str, Op] = {"f": start, "b": start}
 
-    def node(chain: str, ops: list[Op], comm: bool = False) -> None:
+    def node(chain: str, ops: list[Op], comm: bool = False, nodes: int = 1) -> None:
         """Issue one node: on the communication stream when ``comm``; its first op waits for
         the chain's previous node (the chunk's event)."""
         if not ops:
             return
+        # The node's own host calls (event wait and record, stream switch, detach, its own
+        # autograd call in backward) before its first op is issued.
+        ops[0].cpu_s += nodes * host.node_s(chain == "f")
         if ops[0] is not prev[chain] and prev[chain] not in ops[0].deps:
             ops[0].deps = [*ops[0].deps, prev[chain]]
         for op in ops:
@@ -318,11 +352,11 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
         node("b", n.mlp)
         dw(n, "mlp")
         node("b", n.dispatch, True)
-        node("b", n.pre)
+        node("b", n.pre, nodes=pre_nodes(n))
         dw(n, "pre")
 
     def alone_f(n: LayerNodes) -> None:
-        node("f", n.pre)
+        node("f", n.pre, nodes=pre_nodes(n))
         dispatch(n)
         node("f", n.mlp)
         node("f", n.combine, True)
@@ -334,14 +368,14 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
     for fn, bn in zip(f_layers[:both], b_layers[:both], strict=True):
         node("b", bn.post)
         node("b", bn.combine, True)
-        node("f", fn.pre)
+        node("f", fn.pre, nodes=pre_nodes(fn))
         node("b", bn.mlp)
         dispatch(fn)
         dw(bn, "mlp")
         node("b", bn.dispatch, True)
         node("f", fn.mlp)
         node("f", fn.combine, True)
-        node("b", bn.pre)
+        node("b", bn.pre, nodes=pre_nodes(bn))
         node("f", fn.post)
         dw(bn, "pre")
     for bn in b_layers[both:]:
