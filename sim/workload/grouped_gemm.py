@@ -117,5 +117,7 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
     streams = [0.0] * min(TE_COMPUTE_STREAMS, len(times))
     for i, t in enumerate(times):
         streams[i % len(streams)] += t
-    # The first GEMM's fixed part has nothing beside it yet: it stays in the open.
-    return max(max(streams), latency + busy, cm.membound_time(hbm))
+    # The first GEMM's fixed part has nothing beside it yet: it stays in the open. One GEMM
+    # alone is its own time exactly (latency + busy could exceed it by a rounding).
+    shared = latency + busy if len(times) > 1 else 0.0
+    return max(max(streams), shared, cm.membound_time(hbm))
