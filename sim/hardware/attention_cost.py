@@ -85,8 +85,10 @@ PUBLISHED_H100: dict[tuple[str, str], tuple[float, bool]] = {
 # 189 TFLOP/s, Dao 2023, arXiv 2307.08691, fig. 4(d); Dao-AILab/flash-attention
 # assets/flash2_a100_fwd_bwd_benchmark.png): FA2 runs at share 1 there, and so does cuDNN
 # (no published A100 figure found; Transformer Engine prefers flash-attn on Ampere anyway).
-# FlashAttention-2 on Blackwell runs its sm80 ``mma.sync`` kernels: assumed the same share of
-# the dense peak as on Hopper (no published figure found). Volta has no flash kernel; its
+# FlashAttention-2 on Blackwell runs its sm80 ``mma.sync`` kernels: the same share of the
+# cuDNN kernel as on Hopper, at Hopper's per-SM rate (SMs x clock, not the doubled tensor
+# cores: :func:`sim.hardware.blackwell_attention.sm80_kernel_scale`, checked against measured
+# B200 FA-2 figures). Volta has no flash kernel; its
 # ``mem_efficient`` kernel keeps the scaled form (share 1), as before.
 _ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
 

@@ -145,6 +145,26 @@ class Block:
 
 
 
+
+def drop_kernels(b: Block, names: frozenset[str]) -> None:
+    """Remove the kernels named ``names`` from a block's forward and backward, with the saved
+    tensors only they read: what a framework path never runs (Hybrid-EP's fused permutes,
+    DeepEP's missing chunk sort).
+
+    Examples
+    --------
+    >>> x, y = Tensor("x", 1.0), Tensor("y", 1.0)
+    >>> b = Block("b", forward=[Kernel("keep", "elementwise", (x,), ()),
+    ...                         Kernel("gone", "elementwise", (y,), ())], saved=[x, y])
+    >>> drop_kernels(b, frozenset({"gone"}))
+    >>> [k.name for k in b.forward], [t.name for t in b.saved]
+    (['keep'], ['x'])
+    """
+    b.forward = [k for k in b.forward if k.name not in names]
+    b.backward = [k for k in b.backward if k.name not in names]
+    used = {id(t) for k in b.forward + b.backward for t in k.reads + k.writes}
+    b.saved = [t for t in b.saved if id(t) in used]
+
 def accumulating(k: Kernel, into: Tensor) -> Kernel:
     """``k`` adding its result into ``into`` in place (a GEMM with beta = 1): it reads the
     tensor it writes, so the tensor must exist already and nothing new is allocated.

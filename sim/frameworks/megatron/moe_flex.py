@@ -65,6 +65,7 @@ from sim.frameworks.megatron.moe_memory import CATEGORY
 from sim.program.ir import Op
 from sim.program.mesh import Groups
 from sim.scenario import MegatronOptions
+from sim.workload.kernels import drop_kernels
 from sim.workload.moe_ops import MoELayerOps
 
 DEEPEP_NUM_SMS = 20
@@ -381,11 +382,7 @@ def drop_chunk_sorts(ops: MoELayerOps) -> None:
     >>> any(k.name in CHUNK_SORT_KERNELS for k in ops.experts.forward + ops.experts.backward)
     False
     """
-    b = ops.experts
-    b.forward = [k for k in b.forward if k.name not in CHUNK_SORT_KERNELS]
-    b.backward = [k for k in b.backward if k.name not in CHUNK_SORT_KERNELS]
-    used = {id(t) for k in b.forward + b.backward for t in k.reads + k.writes}
-    b.saved = [t for t in b.saved if id(t) in used]
+    drop_kernels(ops.experts, CHUNK_SORT_KERNELS)
 
 
 @lru_cache(maxsize=256)

@@ -67,6 +67,7 @@ from sim.frameworks.megatron.moe_flex_skew import scenario_skew
 from sim.program.ir import Op
 from sim.program.mesh import Groups
 from sim.scenario import MegatronOptions
+from sim.workload.kernels import drop_kernels
 from sim.workload.moe_ops import MoELayerOps
 
 SMS_ONE_DOMAIN = 24
@@ -292,8 +293,4 @@ def drop_fused_kernels(ops: MoELayerOps) -> None:
     saved tensors only they read. Their backward passes (the dispatch's is a combine, the
     combine's a dispatch) likewise."""
     for name, drop in FUSED_KERNELS.items():
-        b = getattr(ops, name)
-        b.forward = [k for k in b.forward if k.name not in drop]
-        b.backward = [k for k in b.backward if k.name not in drop]
-        used = {id(t) for k in b.forward + b.backward for t in k.reads + k.writes}
-        b.saved = [t for t in b.saved if id(t) in used]
+        drop_kernels(getattr(ops, name), drop)
