@@ -1,4 +1,4 @@
-"""What a GPU power cap (``cluster.gpu_power_w``) does to the compute rates.
+"""What the power limit, and a cap below it (``cluster.gpu_power_w``), do to the compute rates.
 
 A power cap is enforced by the GPU's firmware as a clock limit: the power management unit
 lowers the SM (graphics) clock until the board's draw fits under the cap; the HBM clock is
@@ -15,15 +15,30 @@ Dynamic CMOS power is ``a C V^2 f``; over the DVFS range the voltage rises about
 proportion to the clock, so the dynamic part grows as ``f^3`` (Weste & Harris, "CMOS VLSI
 Design", 4th ed., sec. 5.2 on dynamic power and 5.3 on DVFS). ``P_static`` (leakage, HBM
 and I/O) does not follow the SM clock; the catalogue's ``static_w`` is the board's draw at
-idle. Dense BF16 GEMMs on the 700 W Hopper parts run at the power limit (the catalogue's
-matmul rates are sustained ones, measured at TDP), so the cap's clock ratio is the GEMM rate
-ratio. The same behaviour -- DGEMM throughput and SM frequency falling with the cap while the
-memory-bound Schoenauer triad barely moves -- is what "Architectural and Power-Capping
-Trade-offs in NVIDIA H100 and H200 GPUs" (arXiv 2604.11391) measured on H100 and H200 under
-caps from 200 W to 700 W.
+idle.
+
+The clock at TDP is itself below the boost clock short benchmarks run at: a GEMM held back to
+back draws the board to its limit and the firmware settles the clock lower. S. Bekman's
+``mamf-finder.py`` measures both regimes on the same node with the same protocol, the best
+burst (MAMF) and the best rate held at the limit (MSMF), every GPU of the node busy
+(stas00/ml-engineering, compute/accelerator/benchmarks/README.md, "What was measured: alone vs
+all-8 concurrent", torch 2.14 + CUDA 13.0, 40 runs each): H200 MSMF 755.5 / MAMF 852.1 TFLOP/s
+at 1,850-1,938 MHz sustained (boost 1,980); B200 1,437.5 / 1,746.7 at 1,368-1,527 MHz (boost
+1,965). The 1,000 W Blackwell part gives up far more of its clock than the 700 W Hopper one.
+The compute model is fitted on H200 GEMMs that ran in the saturated regime (the calibration's
+fat training GEMMs, 32,768 x 4,096 x 28,672 for 10.5 ms each, reached 729 TFLOP/s, near the
+H200's MSMF), while the factors that carry it to other parts (``matmul_efficiency``: MAMF and
+OpenXLA's autotuner table; FlashAttention-4's and TE's Blackwell figures) are burst figures. So
+each part carries ``saturated_rate_factor``, its MSMF/MAMF over the H200's: 1 on Hopper,
+(1,437.5 / 1,746.7) / (755.5 / 852.1) = 0.928 on the B200. The same behaviour -- DGEMM
+throughput and SM frequency falling with the cap while the memory-bound Schoenauer triad
+barely moves -- is what "Architectural and Power-Capping Trade-offs in NVIDIA H100 and H200
+GPUs" (arXiv 2604.11391) measured on H100 and H200 under caps from 200 W to 700 W.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from sim.catalog import GpuSpec
 
@@ -33,7 +48,9 @@ class PowerCapError(ValueError):
 
 
 def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
-    """SM clock under the cap over the clock at TDP (1.0 at or above TDP).
+    """SM clock held in training over the clock the kernel references imply: the part's
+    ``saturated_rate_factor`` (1 on Hopper, below 1 where the power limit binds harder than on
+    the calibration H200), times what a cap below TDP takes off the clock at TDP.
 
     ``cap_w`` defaults to the spec's own cap (:attr:`GpuSpec.power_cap_w`).
 
@@ -45,19 +62,23 @@ def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
     1.0
     >>> round(sustained_clock_ratio(h100, 500.0), 3)   # ((500 - 70) / (700 - 70)) ** (1/3)
     0.88
+    >>> round(sustained_clock_ratio(catalog.gpu("b200")), 3)   # MSMF/MAMF over the H200's
+    0.928
     """
+    saturated = gpu.saturated_rate_factor
     cap = gpu.power_cap_w if cap_w is None else cap_w
     if cap is None or cap >= gpu.tdp_w:
-        return 1.0
+        return saturated
     problem = gpu.power_cap_problem(cap)
     if problem:
         raise PowerCapError(problem)
-    return float(((cap - gpu.static_w) / (gpu.tdp_w - gpu.static_w)) ** (1.0 / 3.0))
+    return saturated * float(((cap - gpu.static_w) / (gpu.tdp_w - gpu.static_w)) ** (1.0 / 3.0))
 
 
 def sustained_matrix_flops(gpu: GpuSpec, precision: str = "bf16") -> float:
-    """FLOP/s a large GEMM sustains: the dense peak of ``precision`` times the share of it the
-    part reaches (catalogue ``matmul_efficiency``), at the clock its power cap allows.
+    """FLOP/s a large GEMM sustains in training: the dense peak of ``precision`` times the share
+    of it the part reaches in a burst (catalogue ``matmul_efficiency``), at the clock its power
+    limit and cap allow (:func:`sustained_clock_ratio`).
 
     Examples
     --------
@@ -67,3 +88,17 @@ def sustained_matrix_flops(gpu: GpuSpec, precision: str = "bf16") -> float:
     """
     return gpu.peak_flops(precision) * gpu.matmul_efficiency * sustained_clock_ratio(gpu)
 
+
+
+def burst_spec(gpu: GpuSpec) -> GpuSpec:
+    """The same part at the burst clock a short benchmark runs it at (``saturated_rate_factor``
+    1): what kernel microbenchmarks (OpenXLA's table, FlashAttention-4's and TE's figures)
+    measure, for checking the model against them.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> burst_spec(catalog.gpu("b200")).saturated_rate_factor
+    1.0
+    """
+    return dataclasses.replace(gpu, saturated_rate_factor=1.0)
