@@ -43,9 +43,9 @@ class GpuSpec:
     """The power cap in force (``cluster.gpu_power_w``); None = the TDP."""
     saturated_rate_factor: float = 1.0
     """Matrix throughput the part holds once its power limit binds (back-to-back GEMMs, as in
-    training), over its burst throughput, relative to the same ratio on the calibration H200
-    (whose fitted GEMMs ran in the saturated regime): 1 on Hopper. The burst figures
-    (``matmul_efficiency``, the kernel reference tables) are what short benchmarks measure."""
+    training), over its burst throughput, relative to the same ratio on the H200 the compute
+    model is fitted and checked on: 1 on Hopper. The burst figures (``matmul_efficiency``, the
+    kernel reference tables) are what short benchmarks measure."""
 
     def power_cap_problem(self, cap_w: float) -> str | None:
         """Why the part cannot be capped at ``cap_w`` watts (below its minimum power limit,

@@ -25,11 +25,12 @@ burst (MAMF) and the best rate held at the limit (MSMF), every GPU of the node b
 all-8 concurrent", torch 2.14 + CUDA 13.0, 40 runs each): H200 MSMF 755.5 / MAMF 852.1 TFLOP/s
 at 1,850-1,938 MHz sustained (boost 1,980); B200 1,437.5 / 1,746.7 at 1,368-1,527 MHz (boost
 1,965). The 1,000 W Blackwell part gives up far more of its clock than the 700 W Hopper one.
-The compute model is fitted on H200 GEMMs that ran in the saturated regime (the calibration's
-fat training GEMMs, 32,768 x 4,096 x 28,672 for 10.5 ms each, reached 729 TFLOP/s, near the
-H200's MSMF), while the factors that carry it to other parts (``matmul_efficiency``: MAMF and
-OpenXLA's autotuner table; FlashAttention-4's and TE's Blackwell figures) are burst figures. So
-each part carries ``saturated_rate_factor``, its MSMF/MAMF over the H200's: 1 on Hopper,
+Hopper's rates are anchored on Hopper training steps (the H200 fit,
+checked against measured H100 and H200 runs), so what a Hopper step loses to its power limit
+is already in them; the factors that carry them to Blackwell (``matmul_efficiency``: MAMF and
+OpenXLA's autotuner table; FlashAttention-4's and TE's Blackwell figures) are burst figures, so
+they carry the burst ratio, where a training step runs at the sustained one. Each part
+therefore carries ``saturated_rate_factor``, its MSMF/MAMF over the H200's: 1 on Hopper,
 (1,437.5 / 1,746.7) / (755.5 / 852.1) = 0.928 on the B200. The same behaviour -- DGEMM
 throughput and SM frequency falling with the cap while the memory-bound Schoenauer triad
 barely moves -- is what "Architectural and Power-Capping Trade-offs in NVIDIA H100 and H200
