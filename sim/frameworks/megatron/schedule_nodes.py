@@ -25,10 +25,15 @@ NVTX ranges (``range_push``/``range_pop``) are left out: without a profiler atta
 return at once. A node with no ops (``NoopScheduleNode``: a dense layer's dispatch, combine
 and ``post_attn``, a layer without MTP's ``mtp_post_process``) has none of this.
 
-Each call is priced at Megatron's per Python-level torch op host time (``cpu_call``,
-:data:`sim.frameworks.megatron.build.MEGATRON_CPU_S_PER_OP`), the unit the layers' own host
-time is counted in; these calls are Python in both passes, so the backward ones are not the
-C++ autograd engine's half price.
+Each call is a plain torch-level call (an event, a stream switch, a view, a ``.grad`` read,
+one autograd-engine entry) and is priced as :mod:`sim.workload.moe_host_ops` prices one, at
+an eager PyTorch op's host time (:data:`sim.hardware.compute.EAGER_FWD_OP_CPU_S`), in both
+passes since the backward wrapper is Python too (not the C++ autograd engine's lower rate).
+Not at ``MEGATRON_CPU_S_PER_OP`` (34 us): that unit is a whole layer op with its module
+wrappers, fitted on vTrain. Priced at it, an ``event.record`` cost 34 us and a MoE layer's
+forward-backward pair (5 + 5 nodes, 70 calls in bf16) 2.4 ms of host time, 6.5 ms on Grace
+(x 2.75, ``GRACE_CPU_OP_FACTOR``): the MoE report's Qwen3-235B on 256 GB200 went host-bound,
+its step 21.3 -> 28.3 s. At the eager rate: 0.7 ms, 1.9 ms on Grace.
 """
 
 from __future__ import annotations
@@ -59,11 +64,11 @@ class NodeHost:
 def node_host(cpu_call: float, fp8: bool) -> NodeHost:
     """The wrapper's host seconds per node at ``cpu_call`` seconds a torch call.
 
-    >>> h = node_host(34e-6, fp8=True)
+    >>> h = node_host(10e-6, fp8=True)      # EAGER_FWD_OP_CPU_S
     >>> round(h.fwd_s * 1e6), round(h.bwd_s * 1e6)
-    (272, 272)
-    >>> round(node_host(34e-6, fp8=False).fwd_s * 1e6)
-    204
+    (80, 80)
+    >>> round(node_host(10e-6, fp8=False).fwd_s * 1e6)
+    60
     """
     fwd = FWD_NODE_CALLS + (FP8_CONTEXT_CALLS if fp8 else 0)
     return NodeHost(fwd * cpu_call, BWD_NODE_CALLS * cpu_call)

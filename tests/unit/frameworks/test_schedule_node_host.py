@@ -23,7 +23,7 @@ from sim.frameworks.megatron.schedule_nodes import (
 )
 from sim.program.ir import Op
 
-CALL = 34e-6    # MEGATRON_CPU_S_PER_OP (sim/frameworks/megatron/build.py)
+CALL = 10e-6    # EAGER_FWD_OP_CPU_S: a plain torch call (sim/hardware/compute.py)
 
 
 def _c(name: str, mb: int, layer: int) -> Op:
@@ -98,3 +98,28 @@ def test_lone_forward_pays_only_forward_nodes() -> None:
     issue_pair(f, [], out.append, "t", node_cpu=h)
     assert abs(sum(o.cpu_s for o in out) - (5 * 1e-5 + 5 * h.fwd_s)) < 1e-12
     assert sum(o.duration for o in out) == gpu
+
+
+def test_the_builder_prices_wrapper_calls_as_plain_torch_calls(monkeypatch) -> None:
+    # The wrappers' calls are events, stream switches and views: an eager torch call each
+    # (EAGER_FWD_OP_CPU_S, as sim/workload/moe_host_ops.py prices one), not a whole layer op
+    # with its module wrappers (MEGATRON_CPU_S_PER_OP, 34 us).
+    from helpers import megatron_scenario
+
+    import sim.frameworks.megatron.build as build
+    from sim.frameworks import JobContext, build_program
+    from sim.hardware.compute import EAGER_FWD_OP_CPU_S
+
+    seen: list[float] = []
+
+    def spy(call_s: float, fp8: bool) -> NodeHost:
+        seen.append(call_s)
+        return node_host(call_s, fp8)
+
+    monkeypatch.setattr(build, "node_host", spy)
+    model = {"layers": 2, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 2048,
+             "vocab": 32000, "experts": 8, "experts_per_token": 2, "moe_ffn_hidden": 1024}
+    s = megatron_scenario({"tp": 1, "ep": 8}, 8, model=model, seq=1024,
+                          framework={"name": "megatron", "moe_a2a_overlap": True})
+    build_program(JobContext.from_scenario(s, "s.yaml"))
+    assert seen and set(seen) == {EAGER_FWD_OP_CPU_S}
