@@ -88,7 +88,10 @@ def run_jobs(mj: MultiJob, jobs: tuple[PlacedJob, ...]) -> SharedRun:
         # seed and allocator) on the whole cluster, for the shared run and every alone run.
         lead = mj.lead
         fabric = build_fabric(fabric_spec(lead))
-        gpu = catalog.gpu(mj.cluster.gpu, mj.cluster.gpu_power_w)
+        # The engine's one spec (its interference uses the matrix rate) is the part in a job the
+        # size of the cluster: each job's own compute model paces it by its own slowest chip
+        # (sim/hardware/power.py), so a job filling the cluster is priced as `fabricsim run`.
+        gpu = catalog.gpu(mj.cluster.gpu, mj.cluster.gpu_power_w, mj.cluster.nodes * gpn)
         extra = {c.id: overheads(sl.program, c, gpu.arch, gpn)
                  for sl in slices if sl.program is not None for c in sl.classes}
         expandable = lead.allocator.expandable_segments

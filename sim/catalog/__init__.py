@@ -46,6 +46,12 @@ class GpuSpec:
     training), over its burst throughput, relative to the same ratio on the H200 the compute
     model is fitted and checked on: 1 on Hopper. The burst figures (``matmul_efficiency``, the
     kernel reference tables) are what short benchmarks measure."""
+    chip_rate_sigma: float = 0.0
+    """Spread of that sustained rate between chips of the part, as a relative standard
+    deviation (each die holds its own clock at the power limit); 0 where unmeasured."""
+    lockstep_gpus: int = 1
+    """GPUs of the job that wait on each other every step (the job's size): a synchronous
+    step runs at its slowest chip's pace (:mod:`sim.hardware.power`)."""
 
     def power_cap_problem(self, cap_w: float) -> str | None:
         """Why the part cannot be capped at ``cap_w`` watts (below its minimum power limit,
@@ -86,9 +92,10 @@ def _load(name: str) -> dict[str, Any]:
     return data
 
 
-def gpu(key: str, power_w: float | None = None) -> GpuSpec:
+def gpu(key: str, power_w: float | None = None, lockstep_gpus: int = 1) -> GpuSpec:
     """The catalogue entry of a GPU, optionally under a power cap of ``power_w`` watts
-    (``cluster.gpu_power_w``; :mod:`sim.hardware.power` turns it into sustained clocks).
+    (``cluster.gpu_power_w``; :mod:`sim.hardware.power` turns it into sustained clocks), in a
+    job of ``lockstep_gpus`` GPUs that wait on each other.
 
     Examples
     --------
@@ -100,7 +107,7 @@ def gpu(key: str, power_w: float | None = None) -> GpuSpec:
     entry = dict(_load("gpus.yaml")[key])
     entry["sources"] = tuple(entry.get("sources", ()))
     cap = None if power_w is None else float(power_w)
-    return GpuSpec(key=key, power_cap_w=cap, **entry)
+    return GpuSpec(key=key, power_cap_w=cap, lockstep_gpus=int(lockstep_gpus), **entry)
 
 
 def gpu_names() -> list[str]:

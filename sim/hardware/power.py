@@ -40,6 +40,11 @@ GPUs" (arXiv 2604.11391) measured on H100 and H200 under caps from 200 W to 700 
 from __future__ import annotations
 
 import dataclasses
+import math
+from functools import cache
+from statistics import NormalDist
+
+import numpy as np
 
 from sim.catalog import GpuSpec
 
@@ -48,10 +53,61 @@ class PowerCapError(ValueError):
     """A power cap the part cannot be set to."""
 
 
+@cache
+def expected_max_standard_normal(n: int) -> float:
+    """Expected largest of ``n`` independent standard normal draws, the integral of
+    ``x n phi(x) Phi(x)^(n-1)`` (the first moment of the largest order statistic; H. A. David &
+    H. N. Nagaraja, "Order Statistics", 3rd ed., sec. 2.1), by the trapezoid rule over
+    [-9, 9]; 0 for one draw.
+
+    Examples
+    --------
+    >>> expected_max_standard_normal(1)
+    0.0
+    >>> round(expected_max_standard_normal(2), 4)   # 1 / sqrt(pi)
+    0.5642
+    >>> round(expected_max_standard_normal(8), 4)   # tabulated: 1.4236
+    1.4236
+    """
+    if n <= 1:
+        return 0.0
+    x = np.linspace(-9.0, 9.0, 36001)
+    nd = NormalDist()
+    cdf = np.array([nd.cdf(v) for v in x])
+    pdf = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    return float(np.trapezoid(x * n * pdf * cdf ** (n - 1), x))
+
+
+def slowest_chip_ratio(gpu: GpuSpec) -> float:
+    """Sustained rate of the slowest of the job's ``lockstep_gpus`` chips over the part's
+    mean: ``1 - chip_rate_sigma x E[max of n standard normals]``.
+
+    Chips of one part hold different clocks at the same power limit (each die's own
+    voltage-frequency curve), and a synchronous step waits at every collective for its
+    slowest member, so the job runs at the slowest chip's pace. Measured (S. Bekman,
+    ml-engineering compute/accelerator/benchmarks/README.md, every GPU of a node busy, five
+    rounds): the slowest of 8 H200 chips held 743.4 TFLOP/s against a node mean of 755.5
+    (1.60% below), the slowest of 8 B200 1,417.2 against 1,437.5 (1.41%); over
+    E[max of 8] = 1.4236 standard deviations that is ``chip_rate_sigma`` 0.0113 and 0.0099.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> slowest_chip_ratio(catalog.gpu("h200"))                   # one GPU: its own pace
+    1.0
+    >>> round(slowest_chip_ratio(catalog.gpu("h200", lockstep_gpus=8)), 3)   # 743.4 / 755.5
+    0.984
+    >>> round(slowest_chip_ratio(catalog.gpu("h100-sxm", lockstep_gpus=1024)), 3)
+    0.963
+    """
+    return 1.0 - gpu.chip_rate_sigma * expected_max_standard_normal(gpu.lockstep_gpus)
+
+
 def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
     """SM clock held in training over the clock the kernel references imply: the part's
     ``saturated_rate_factor`` (1 on Hopper, below 1 where the power limit binds harder than on
-    the calibration H200), times what a cap below TDP takes off the clock at TDP.
+    the calibration H200) at the pace of the job's slowest chip (:func:`slowest_chip_ratio`),
+    times what a cap below TDP takes off the clock at TDP.
 
     ``cap_w`` defaults to the spec's own cap (:attr:`GpuSpec.power_cap_w`).
 
@@ -66,7 +122,7 @@ def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
     >>> round(sustained_clock_ratio(catalog.gpu("b200")), 3)   # MSMF/MAMF over the H200's
     0.928
     """
-    saturated = gpu.saturated_rate_factor
+    saturated = gpu.saturated_rate_factor * slowest_chip_ratio(gpu)
     cap = gpu.power_cap_w if cap_w is None else cap_w
     if cap is None or cap >= gpu.tdp_w:
         return saturated

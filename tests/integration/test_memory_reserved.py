@@ -263,7 +263,7 @@ def test_allocator_retries_reported_at_the_edge_of_memory(monkeypatch: pytest.Mo
     cap = base["peak_memory_gib"] + outside + 1.0
     assert cap < base["peak_nvidia_smi_gib"]
     small = dataclasses.replace(catalog.gpu("h200"), usable_memory_gib=cap)
-    monkeypatch.setattr(catalog, "gpu", lambda key, power_w=None: small)
+    monkeypatch.setattr(catalog, "gpu", lambda key, power_w=None, lockstep_gpus=1: small)
     tight = simulate(s).summary
     row = tight["memory_by_rank_class"][0]
     assert row["allocator_retries"] > 0

@@ -40,7 +40,7 @@ class JobContext:
         _require_dense(model, s.framework.name, origin)
         _check_experts(s, model, origin)
         _check_latent_attention(s, model, origin)
-        gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w)
+        gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w, s.gpus)
         try:
             backend = attention_cost.resolve(s, gpu)
         except ValueError as e:
