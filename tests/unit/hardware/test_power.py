@@ -75,3 +75,32 @@ def test_h800_and_gb200_are_in_the_catalogue() -> None:
     sc = make_scenario({"name": "x", "model": "llama3-8b",
                         "cluster": {"gpu": "h800", "gpu_power_w": 600}})
     assert sc.cluster.gpu == "h800" and sc.cluster.gpu_power_w == 600
+
+
+@pytest.mark.parametrize("n,tabulated", [(2, 0.5642), (3, 0.8463), (4, 1.0294), (5, 1.1630),
+                                         (10, 1.5388), (100, 2.5076)])
+def test_expected_largest_normal_matches_the_tables(n: int, tabulated: float) -> None:
+    # Expected values of the largest of n standard normals as tabulated (Harter, "Expected
+    # values of normal order statistics", Biometrika 48, 1961; n = 2 is 1/sqrt(pi)).
+    from sim.hardware.power import expected_max_standard_normal
+    assert expected_max_standard_normal(n) == pytest.approx(tabulated, abs=1e-4)
+
+
+def test_the_slowest_of_eight_chips_is_the_measured_one() -> None:
+    # The constant's own source: on a busy 8-GPU node the slowest H200 held 743.4 of a 755.5
+    # mean, the slowest B200 1,417.2 of 1,437.5 (Bekman, ml-engineering benchmarks README).
+    from sim.hardware.power import slowest_chip_ratio
+    assert slowest_chip_ratio(catalog.gpu("h200", lockstep_gpus=8)) == pytest.approx(
+        743.4 / 755.5, abs=5e-4)
+    assert slowest_chip_ratio(catalog.gpu("b200", lockstep_gpus=8)) == pytest.approx(
+        1417.2 / 1437.5, abs=5e-4)
+
+
+def test_a_larger_job_waits_on_a_slower_chip_and_one_gpu_on_none() -> None:
+    from sim.hardware.power import slowest_chip_ratio
+    ratios = [slowest_chip_ratio(catalog.gpu("h100-sxm", lockstep_gpus=n))
+              for n in (1, 8, 64, 1024, 16384)]
+    assert ratios[0] == 1.0
+    assert all(a > b for a, b in zip(ratios[:-1], ratios[1:], strict=True))
+    # Unmeasured parts (A100) carry no spread: vTrain's A100 rows are priced as before.
+    assert slowest_chip_ratio(catalog.gpu("a100-80gb", lockstep_gpus=512)) == 1.0
