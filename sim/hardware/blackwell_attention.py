@@ -189,8 +189,11 @@ def sm80_kernel_scale(gpu: GpuSpec) -> float:
     Examples
     --------
     >>> from sim import catalog
-    >>> round(sm80_kernel_scale(catalog.gpu("b200")), 3)   # 148 x 1.856 / (132 x 1.830)
+    >>> from sim.hardware.power import burst_spec
+    >>> round(sm80_kernel_scale(burst_spec(catalog.gpu("b200"))), 3)   # 148 x 1.856 / (132 x 1.830)
     1.137
+    >>> round(sm80_kernel_scale(catalog.gpu("b200")), 3)   # held at the power limit (x 0.928)
+    1.055
     """
     from sim import catalog
 
@@ -205,7 +208,8 @@ def score_seconds(gpu: GpuSpec, backend: str, pass_: Pass, head_dim: int) -> flo
     Examples
     --------
     >>> from sim import catalog
-    >>> b200 = catalog.gpu("b200")
+    >>> from sim.hardware.power import burst_spec
+    >>> b200 = burst_spec(catalog.gpu("b200"))     # at the boost clock FA-4's benchmarks ran
     >>> tflops = lambda b, p, d=128: ((4 if p == "fwd" else 10) * d * b200.sm_count
     ...     / score_seconds(b200, b, p, d) / 1e12)
     >>> round(tflops("flash4", "fwd")), round(tflops("cudnn", "fwd"))
