@@ -25,7 +25,7 @@ from sim import catalog
 from sim.catalog import GpuSpec
 from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import MEASURED_BACKEND, causal_tiles, matmul_share
-from sim.hardware.power import sustained_clock_ratio, sustained_matrix_flops
+from sim.hardware.power import sustained_matrix_flops
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
 MemClass = Literal["elementwise", "norm_fused", "reduction"]
@@ -118,11 +118,6 @@ class ComputeModel:
         h200 = catalog.gpu("h200")
         return sustained_matrix_flops(self.gpu, base) / (
             _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
-
-    @cached_property
-    def clock_ratio(self) -> float:
-        """Sustained SM clock under the GPU's power cap over the clock at TDP."""
-        return sustained_clock_ratio(self.gpu)
 
     @cached_property
     def _fp8_speedup(self) -> float:

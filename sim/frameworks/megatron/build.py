@@ -111,7 +111,6 @@ from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-e
 from sim.frameworks.megatron.schedule_nodes import node_host
 from sim.frameworks.megatron.shape import MegatronShape, megatron_shape
 from sim.frameworks.megatron.tp_grads import stage_replicated_params
-from sim.hardware.compute import EAGER_FWD_OP_CPU_S
 from sim.hardware.host import HostSpec
 from sim.program.ir import Op, Program, RankClass
 
@@ -362,7 +361,7 @@ class _Step:
                                  label, self.wgrad.get((b[0], b[1] * p + st, b[2]))
                                  if b and self.s.opts.delay_wgrad_compute else None,
                                  single_queue=self.s.opts.cuda_device_max_connections == 1,
-                                 node_cpu=node_host(EAGER_FWD_OP_CPU_S, bool(self.s.lay.fp8)))
+                                 node_cpu=node_host(bool(self.s.lay.fp8)))
         if b is not None:
             self.last_bwd[st] = last
         return first, last

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sim.hardware.compute import EAGER_FWD_OP_CPU_S
+
 FWD_NODE_CALLS = 6
 """Torch calls of one forward node's wrapper (``ScheduleNode._forward``, core_v0.14.0)."""
 BWD_NODE_CALLS = 8
@@ -61,14 +63,15 @@ class NodeHost:
         return self.fwd_s if forward else self.bwd_s
 
 
-def node_host(cpu_call: float, fp8: bool) -> NodeHost:
-    """The wrapper's host seconds per node at ``cpu_call`` seconds a torch call.
+def node_host(fp8: bool) -> NodeHost:
+    """The wrapper's host seconds per node, each call at an eager torch call's host time
+    (:data:`~sim.hardware.compute.EAGER_FWD_OP_CPU_S`).
 
-    >>> h = node_host(10e-6, fp8=True)      # EAGER_FWD_OP_CPU_S
+    >>> h = node_host(fp8=True)
     >>> round(h.fwd_s * 1e6), round(h.bwd_s * 1e6)
     (80, 80)
-    >>> round(node_host(10e-6, fp8=False).fwd_s * 1e6)
+    >>> round(node_host(fp8=False).fwd_s * 1e6)
     60
     """
     fwd = FWD_NODE_CALLS + (FP8_CONTEXT_CALLS if fp8 else 0)
-    return NodeHost(fwd * cpu_call, BWD_NODE_CALLS * cpu_call)
+    return NodeHost(fwd * EAGER_FWD_OP_CPU_S, BWD_NODE_CALLS * EAGER_FWD_OP_CPU_S)
