@@ -7,7 +7,18 @@ a validated scenario cannot change under the builders.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
+
+Fp8Recipe = Literal["delayed", "tensorwise", "mxfp8", "blockwise"]
+"""Transformer Engine's FP8 scaling recipes as Megatron-LM names them (``--fp8-recipe``):
+``delayed`` (``DelayedScaling``: one scale a tensor, from its amax history), ``tensorwise``
+(``Float8CurrentScaling``: one scale a tensor, from its own amax; NeMo's FP8-CS), ``mxfp8``
+(``MXFP8BlockScaling``: an E8M0 scale per 32 consecutive elements, which Blackwell's tensor
+cores apply; NeMo's MXFP8 / FP8-MX) and ``blockwise`` (``Float8BlockScaling``: an fp32 scale per
+1x128 block of activations and gradients and per 128x128 block of weights, DeepSeek-V3's
+recipe). A schema type: the framework options and the workload's kernel rules share it."""
 
 
 class ScenarioError(Exception):

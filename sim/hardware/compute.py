@@ -50,6 +50,13 @@ COMPILED_OP_CPU_S = 8e-6
 # speedup on H100 (pytorch/ao issue 2377, 2025-06); the midpoint. A published measurement,
 # not fitted to any validation row (docs/calibration.md).
 FP8_SPLIT_ACCUMULATION_SLOWDOWN = 1.15
+# Most a block-scaled FP8 GEMM gains over BF16 on Hopper (cuBLAS 12.9's 1x128 / 128x128 scaling,
+# Transformer Engine's Float8BlockScaling, Megatron's --fp8-recipe blockwise): "a 1.75x speedup
+# for large matmuls and at least a 1.25x speedup for most other cases compared to the BF16
+# baseline" (NVIDIA technical blog, "Boosting Matrix Multiplication Speed and Flexibility with
+# NVIDIA cuBLAS 12.9", 2025): the scales are applied in the main loop (Hopper's tensor cores
+# have no block scaling), where a per-tensor FP8 GEMM reaches about 2x. Published, not fitted.
+HOPPER_BLOCK_SCALED_FP8_MAX_SPEEDUP = 1.75
 # The AdamW calibration split its parameters in 16 tensors (h200-kernels.json meta).
 ADAMW_CALIBRATION_TENSORS = 16
 

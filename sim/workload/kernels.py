@@ -62,6 +62,10 @@ class Kernel:
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
     fp8: bool = False
     """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
+    fp8_block: bool = False
+    """An FP8 GEMM with block scales (MXFP8, or 1x128 / 128x128 blocks): on Hopper, whose
+    tensor cores have no block scaling, it gains at most
+    :data:`sim.hardware.compute.HOPPER_BLOCK_SCALED_FP8_MAX_SPEEDUP` over BF16."""
     reduction: bool = False
     """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
     streams: bool = False

@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from sim.config.base import Fp8Recipe
 from sim.workload.kernels import Kernel, Tensor
 
 if TYPE_CHECKING:
@@ -44,6 +45,48 @@ if TYPE_CHECKING:
 
 FP8 = 1
 """Bytes per FP8 element (E4M3 or E5M2)."""
+
+BLOCK_SCALED: frozenset[str] = frozenset({"mxfp8", "blockwise"})
+"""The recipes (:data:`sim.config.base.Fp8Recipe`) whose scales belong to blocks along a
+GEMM's reduction dimension."""
+
+BLOCK_SCALE_BYTES = 1.0 / 32.0
+"""Scale bytes per element of each block-scaled layout: one E8M0 byte per 32 elements
+(MXFP8, OCP Microscaling Formats spec v1.0) or one fp32 per 128 (``Float8BlockScaling``'s
+1x128 blocks): 1/32 either way (the weights' 128x128 blocks keep far less)."""
+
+
+def fp8_element_bytes(recipe: Fp8Recipe | None) -> float:
+    """Bytes an FP8 tensor of ``recipe`` takes per element, its block scales included.
+
+    Examples
+    --------
+    >>> fp8_element_bytes("tensorwise"), fp8_element_bytes("mxfp8")
+    (1, 1.03125)
+    """
+    return FP8 + BLOCK_SCALE_BYTES if recipe in BLOCK_SCALED else FP8
+
+
+def fp8_both_layouts(arch: str, recipe: Fp8Recipe | None) -> bool:
+    """Whether Transformer Engine's FP8 quantization writes a column-wise copy beside the
+    row-wise data for the backward GEMMs (``fp8_transpose`` of the layouts).
+
+    Hopper's FP8 GEMMs take only the TN layout, so every recipe there needs the transposed
+    copy. Blackwell's take any layout (``nvte_is_non_tn_fp8_gemm_supported``), so per-tensor
+    scales let the row-wise data serve all three GEMMs; block scales run along the reduction
+    dimension, which the weight-gradient GEMM (and the input-gradient one, for the weight)
+    reduces the other way, so the block recipes quantize both directions on every GPU
+    (``MXFP8Quantizer`` / ``Float8BlockQuantizer`` with ``columnwise_usage``, TE
+    ``pytorch/csrc/quantizer.cpp``).
+
+    Examples
+    --------
+    >>> fp8_both_layouts("blackwell", "tensorwise"), fp8_both_layouts("blackwell", "mxfp8")
+    (False, True)
+    >>> fp8_both_layouts("hopper", "delayed")
+    True
+    """
+    return arch != "blackwell" or recipe in BLOCK_SCALED
 
 
 def linear_params(n_in: int, n_out: int, bias: bool) -> int:
@@ -58,11 +101,13 @@ def linear_params(n_in: int, n_out: int, bias: bool) -> int:
 
 
 def linear_gemm(name: str, pass_: str, reads: tuple[Tensor, ...], out: Tensor,
-                tokens: float, n_in: int, n_out: int, fp8: bool = False) -> Kernel:
+                tokens: float, n_in: int, n_out: int, fp8: bool = False,
+                fp8_block: bool = False) -> Kernel:
     """One of a linear layer's three GEMMs (``pass_``: ``fwd``, ``dgrad`` or ``wgrad``), named
-    ``{name}.{pass_}``: ``2 * tokens * n_in * n_out`` FLOPs, on FP8 operands if ``fp8``."""
+    ``{name}.{pass_}``: ``2 * tokens * n_in * n_out`` FLOPs, on FP8 operands if ``fp8``
+    (with block scales if ``fp8_block``)."""
     return Kernel(f"{name}.{pass_}", "gemm", reads, (out,), 2.0 * tokens * n_in * n_out,
-                  gemm=(tokens, n_in, n_out, pass_), fp8=fp8)
+                  gemm=(tokens, n_in, n_out, pass_), fp8=fp8, fp8_block=fp8 and fp8_block)
 
 
 def linear16_gemms(b: _Builder, name: str, x: Tensor, w: Tensor, y: Tensor, gy: Tensor,

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
 
+from sim.config.base import Fp8Recipe
 from sim.hardware.attention_cost import window_pairs
 from sim.workload.gpt_oss_ops import unfused_rope, yarn_concentration
 from sim.workload.kernels import accumulating
 from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
 from sim.workload.layer_rules import (
-    FP8,
+    BLOCK_SCALED,
     bias_grad,
+    fp8_element_bytes,
     fused_norm_forward,
     linear16_gemms,
     linear_gemm,
@@ -58,9 +59,9 @@ class MegatronLayout:
     """Recompute core attention in backward (Megatron's --recompute-granularity selective)."""
     cp: int = 1
     """Context parallelism: each rank holds seq/cp tokens of every sequence."""
-    fp8: Literal["delayed", "tensorwise"] | None = None
+    fp8: Fp8Recipe | None = None
     """FP8 linear layers (Transformer Engine, ``--fp8-format``) with this scaling recipe
-    (``--fp8-recipe``); None = 16-bit."""
+    (``--fp8-recipe``, :data:`~sim.workload.layer_rules.Fp8Recipe`); None = 16-bit."""
     weight_cast_share: float = 1.0
     """Share of a weight's FP8 cast each micro-batch pays: Transformer Engine casts weights on
     the first micro-batch of a step only (``is_first_microbatch``), 1 / micro-batches."""
@@ -248,17 +249,20 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
         assert lay is not None
         share = lay.weight_cast_share
         layouts = 2 if lay.fp8_transpose else 1
+        # Block scales travel with their data (1/32 byte an element, layer_rules).
+        e8 = fp8_element_bytes(fp8)
+        blocks = fp8 in BLOCK_SCALED
         w16 = b.t(f"{name}.w_bf16_share", n_in * n_out * share, BF16)
-        w8s = b.t(f"{name}.w_fp8_share", layouts * n_in * n_out * share, FP8)
-        w8 = b.t(f"{name}.w_fp8", n_in * n_out, FP8)
+        w8s = b.t(f"{name}.w_fp8_share", layouts * n_in * n_out * share, e8)
+        w8 = b.t(f"{name}.w_fp8", n_in * n_out, e8)
         amax = fp8 == "tensorwise"
         # Named as what the backward reads (``in_fp8_t``, which recomputation looks up)
         # when the one row-wise copy serves both.
         x8 = b.t(f"{name}.in_fp8" if lay.fp8_transpose else f"{name}.in_fp8_t",
-                 tokens * n_in, FP8)
+                 tokens * n_in, e8)
         # TE's cast_transpose writes both GEMM layouts in one kernel on Hopper (torchao: one
         # cast each); on Blackwell the row-wise data serves every GEMM (fp8_transpose).
-        x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, FP8) if lay.fp8_transpose else x8
+        x8t = b.t(f"{name}.in_fp8_t", tokens * n_in, e8) if lay.fp8_transpose else x8
         xs = (x8, x8t) if lay.fp8_transpose else (x8,)
         # The weight's cast runs on the first micro-batch only (its share); the input's and
         # the output gradient's every micro-batch, with current scaling's four launches each.
@@ -266,14 +270,17 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
                   + te_scaled_cast(name, "in", x, xs, amax,
                                    amax_in_norm=after_norm and not lay.sequence_parallel)):
             b.fwd(k)
-        b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True))
+        b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True,
+                          fp8_block=blocks))
         b.save(x8t)
-        g8 = b.t(f"{name}.g_out_fp8", tokens * n_out, FP8)
-        g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, FP8) if lay.fp8_transpose else g8
+        g8 = b.t(f"{name}.g_out_fp8", tokens * n_out, e8)
+        g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, e8) if lay.fp8_transpose else g8
         gs = (g8, g8t) if lay.fp8_transpose else (g8,)
         ks = [*te_scaled_cast(name, "g", gy, gs, amax),
-              linear_gemm(name, "dgrad", (g8, w8), gx, tokens, n_in, n_out, fp8=True),
-              linear_gemm(name, "wgrad", (g8t, x8t), gw, tokens, n_in, n_out, fp8=True)]
+              linear_gemm(name, "dgrad", (g8, w8), gx, tokens, n_in, n_out, fp8=True,
+                          fp8_block=blocks),
+              linear_gemm(name, "wgrad", (g8t, x8t), gw, tokens, n_in, n_out, fp8=True,
+                          fp8_block=blocks)]
     out = y
     if bias and not bias_in_epilogue:
         out = b.t(f"{name}.biased", tokens * n_out, BF16)
@@ -294,7 +301,7 @@ def _keep_input_shard(b: _Builder, kept: int, name: str, numel: float,
     :func:`_linear` saved for its input (everything saved after index ``kept``)."""
     if lay.sequence_parallel:
         del b.block.saved[kept:]
-        b.save(b.t(name, numel, FP8 if lay.fp8 else BF16))
+        b.save(b.t(name, numel, fp8_element_bytes(lay.fp8) if lay.fp8 else BF16))
 
 
 def _bias_dropout_add(b: _Builder, out: Tensor, resid: Tensor, tokens: float, h: int,

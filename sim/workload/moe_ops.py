@@ -44,17 +44,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sim.config.base import Fp8Recipe
 from sim.workload.gpt_oss_ops import clamped_glu_input, expert_output_bias
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Tensor, accumulating
 from sim.workload.layer_builder import _Builder
-from sim.workload.layer_rules import FP8, linear_params, scaled_cast, te_scaled_cast
+from sim.workload.layer_rules import (
+    BLOCK_SCALED,
+    fp8_element_bytes,
+    linear_params,
+    scaled_cast,
+    te_scaled_cast,
+)
 from sim.workload.megatron_ops import MegatronLayout, _linear
 from sim.workload.model import ModelSpec
 from sim.workload.moe_router_ops import INT32, STYLE, permute_kernels, router_kernels
 
 # Rows per expert an FP8 grouped GEMM needs (megatron/core/fp8_utils.py get_fp8_align_size:
-# 16 for the per-tensor recipes, 32 for MXFP8 block scaling).
+# 16 for every recipe but MXFP8, 32 for MXFP8's 32-element scale blocks).
 FP8_ALIGN = 16
+MXFP8_ALIGN = 32
 
 
 @dataclass(frozen=True)
@@ -70,14 +78,15 @@ class MoELayout:
     ep: int = 1
     etp: int = 1
     tp: int = 1
-    fp8: Literal["delayed", "tensorwise"] | None = None
-    """FP8 expert GEMMs (TE ``fp8_autocast``); the dispatch itself stays 16-bit with the
+    fp8: Fp8Recipe | None = None
+    """FP8 expert GEMMs (TE ``fp8_autocast``) with this recipe
+    (:data:`~sim.workload.layer_rules.Fp8Recipe`); the dispatch itself stays 16-bit with the
     ``alltoall`` dispatcher (only the NCCL-EP/HybridEP paths quantise it)."""
     weight_cast_share: float = 1.0
     """Share of a weight's FP8 cast each micro-batch pays (1 / micro-batches)."""
     fp8_transpose: bool = True
-    """FP8 casts write the transposed copy too (Hopper); not on Blackwell
-    (:attr:`sim.workload.megatron_ops.MegatronLayout.fp8_transpose`)."""
+    """FP8 casts write the transposed copy too (Hopper, and the block recipes everywhere); not
+    per-tensor scales on Blackwell (:func:`sim.workload.layer_rules.fp8_both_layouts`)."""
     router_fusion: bool = True
     """``moe_router_fusion``: top-k with score function and the aux-loss scores as single TE
     kernels (else the PyTorch ops of ``topk_routing_with_score_function``)."""
@@ -214,7 +223,7 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
     def gemm(pass_: str, reads: tuple[Tensor, ...], out: Tensor, fp8: bool) -> Kernel:
         return Kernel(f"{name}.{pass_}", "gemm", reads, (out,), fl,
                       gemm=(rows, n_in, n_out, pass_), fp8=fp8, group=counts,
-                      launches=n_launch)
+                      launches=n_launch, fp8_block=fp8 and lay.fp8 in BLOCK_SCALED)
 
     n_launch = sum(1 for c in counts if c > 0) if lay.gemm_per_expert else 1
 
@@ -226,29 +235,33 @@ def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int
     else:
         amax = lay.fp8 == "tensorwise"
         tr = lay.fp8_transpose
+        e8 = fp8_element_bytes(lay.fp8)
         numel_w = experts * n_in * n_out
         w16 = b.t(f"{name}.w_bf16_share", numel_w * lay.weight_cast_share, BF16)
         w8s = b.t(f"{name}.w_fp8_share", (2 if tr else 1) * numel_w * lay.weight_cast_share,
-                  FP8)
-        w8 = b.t(f"{name}.w_fp8", numel_w, FP8)
+                  e8)
+        w8 = b.t(f"{name}.w_fp8", numel_w, e8)
         # The saved copy keeps its name (in_fp8_t, which recomputation looks up) when the
         # one row-wise copy serves both GEMMs.
-        x8 = b.t(f"{name}.in_fp8" if tr else f"{name}.in_fp8_t", rows * n_in, FP8)
-        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, FP8) if tr else x8
+        x8 = b.t(f"{name}.in_fp8" if tr else f"{name}.in_fp8_t", rows * n_in, e8)
+        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, e8) if tr else x8
         # tex.split_quantize: each non-empty expert's rows quantized on their own
         # (te_scaled_cast); the weights' casts run on the first micro-batch only. Its fused
-        # multi-tensor cast (delayed scaling) needs both layouts: per expert on Blackwell.
+        # multi-tensor cast is delayed scaling's and needs both layouts (per expert on
+        # Blackwell); the block recipes quantize each split in a launch of its own
+        # (multi_tensor_quantize_impl, TE pytorch/csrc/extensions/cast.cpp).
         pieces = sum(1 for c in counts if c > 0)
+        fused = tr and lay.fp8 == "delayed"
         for k in (scaled_cast(name, "w", w16, (w8s,), amax, te=True)
                   + te_scaled_cast(name, "in", x, (x8, x8t) if tr else (x8,), amax, pieces,
-                                   fused_multi=tr)):
+                                   fused_multi=fused)):
             b.fwd(k)
         b.fwd(gemm("fwd", (x8, w8), y, True))
         b.save(x8t)
-        g8 = b.t(f"{name}.g_out_fp8", rows * n_out, FP8)
-        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, FP8) if tr else g8
+        g8 = b.t(f"{name}.g_out_fp8", rows * n_out, e8)
+        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, e8) if tr else g8
         ks = [*te_scaled_cast(name, "g", gy, (g8, g8t) if tr else (g8,), amax, pieces,
-                              fused_multi=tr),
+                              fused_multi=fused),
               gemm("dgrad", (g8, w8), gx, True), gemm("wgrad", (g8t, x8t), gw, True)]
     if bias and bias_grad_kernel:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)
@@ -295,7 +308,8 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         x, probs = xs, ps
     gemm_counts = counts
     if lay.fp8 is not None:
-        gemm_counts = tuple(-(-c // FP8_ALIGN) * FP8_ALIGN if c > 0 else 0.0 for c in counts)
+        align = MXFP8_ALIGN if lay.fp8 == "mxfp8" else FP8_ALIGN
+        gemm_counts = tuple(-(-c // align) * align if c > 0 else 0.0 for c in counts)
     # TEGroupedMLP.forward's fp8_padding (TE Fp8Padding): each expert's rows padded to the
     # FP8 GEMM alignment, a copy of the tokens and another of the probs; Fp8Unpadding after
     # fc2 copies them back. TE returns the input itself when every expert's rows are already

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
 
+from sim.config.base import Fp8Recipe
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.moe_pace import Pace, routing_pace
 from sim.frameworks.megatron.moe_dispatch import (
@@ -42,6 +43,7 @@ from sim.hardware.compute import ComputeModel
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import BlockCost, price_block
+from sim.workload.layer_rules import fp8_both_layouts
 from sim.workload.model import ModelSpec
 from sim.workload.moe_host_ops import HostCalls
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
@@ -183,7 +185,7 @@ class MoEPlan:
 
 
 def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeModel,
-             fp8: Literal["delayed", "tensorwise"] | None = None, weight_cast_share: float = 1.0
+             fp8: Fp8Recipe | None = None, weight_cast_share: float = 1.0
              ) -> MoEPlan:
     """The expert layout and one MoE layer's priced ops on one rank, whose ``local_tokens``
     (micro-batch x sequence / (cp x tp) with sequence parallelism) enter the router. With
@@ -194,7 +196,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     assert isinstance(opts, MegatronOptions)
     ep, etp = par.ep, par.expert_tp
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
-                    fp8_transpose=cm.gpu.arch != "blackwell",
+                    fp8_transpose=fp8_both_layouts(cm.gpu.arch, fp8),
                     # moe_permute_fusion: set by the Bridge/NeMo model providers (Qwen3,
                     # DeepSeek, GLM); the fused permutation is what this builder prices.
                     te_permute=True,

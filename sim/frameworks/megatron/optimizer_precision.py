@@ -49,11 +49,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sim.config.base import Fp8Recipe
 from sim.frameworks.common.base import JobContext
 from sim.hardware.compute import ComputeModel
 from sim.hardware.host import HostSpec, cpu_pass_s
 from sim.program.ir import CPU_STREAM, Op
 from sim.scenario import MegatronOptions
+from sim.workload.layer_rules import fp8_element_bytes
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 """Bytes of the dtypes Megatron-LM's ``--exp-avg-dtype`` / ``--main-params-dtype`` accept."""
@@ -151,20 +153,31 @@ def _adam_bytes(main: int, m1: int, m2: int, g: float, master_in_kernel: bool
     return 2.0 * (main + m1 + m2) + 4, (0.0 if g == 4 else g + 4), 6.0
 
 
-def fp8_weight_bytes(primary: bool, blackwell: bool) -> tuple[float, float]:
+def fp8_weight_bytes(primary: bool, both_layouts: bool, recipe: Fp8Recipe | None = None
+                     ) -> tuple[float, float]:
     """Bytes per FP8 linear weight parameter: (the parameter itself, TE's extra buffers).
 
-    FP8 primary weights hold the E4M3 data as the parameter (1 byte) and, where the GPU needs
-    TN-only FP8 GEMMs (Hopper), its transpose; otherwise the 16-bit parameter (2 bytes) plus
-    TE's cached FP8 weight (1) and, on Hopper, its transpose (1).
+    FP8 primary weights hold the E4M3 data as the parameter (1 byte) and, where the GEMMs
+    need a column-wise copy (Hopper, or block scales: :func:`~sim.workload.layer_rules.
+    fp8_both_layouts`), that copy; otherwise the 16-bit parameter (2 bytes) plus TE's cached
+    FP8 weight in each layout it needs. Block scales add their share to each FP8 byte
+    (:func:`~sim.workload.layer_rules.fp8_element_bytes`). An MXFP8 primary weight is an
+    ``MXFP8Tensor`` holding both layouts, and its 16-bit values are all-gathered into the
+    reused gradient buffer (``reuse_grad_buf_for_mxfp8_param_ag``, which Megatron-Bridge's
+    ``bf16_with_mxfp8_mixed`` sets with ``fp8_param_gather``), not kept beside it.
 
-    >>> fp8_weight_bytes(False, False), fp8_weight_bytes(True, True)
+    >>> fp8_weight_bytes(False, True), fp8_weight_bytes(True, False)
     ((2.0, 2.0), (1.0, 0.0))
+    >>> fp8_weight_bytes(True, True, "mxfp8")
+    (2.0625, 0.0)
     """
-    transpose = 0.0 if blackwell else 1.0
+    e = fp8_element_bytes(recipe)
+    layouts = 2 if both_layouts else 1
+    if primary and recipe == "mxfp8":
+        return layouts * e, 0.0
     if primary:
-        return 1.0, transpose
-    return 2.0, 1.0 + transpose
+        return float(e), (layouts - 1) * e
+    return 2.0, layouts * e
 
 
 def check_optimizer(ctx: JobContext, opts: MegatronOptions) -> None:
@@ -248,3 +261,21 @@ def offload_ops(plan: OptimizerPlan, host: HostSpec, local: float, gpu_step: Op,
         ops += [d2h, step, h2d]
         prev_cpu = [step]
     return ops
+
+
+def check_fp8_recipe(ctx: JobContext, recipe: Fp8Recipe, precision: str) -> None:
+    """Refuse an FP8 recipe the GPU cannot run, as Transformer Engine does when the recipe is
+    set up (``check_recipe_support``, ``transformer_engine/pytorch/quantization.py``): MXFP8
+    needs compute capability 10.0 (Blackwell; ``check_mxfp8_support``), block scaling 9.0
+    (Hopper) with CUDA 12.9's block-scaled cuBLASLt GEMMs (``check_fp8_block_scaling_support``).
+    Per-tensor FP8 needs Hopper or Ada, which ``training.precision`` already checks."""
+    if precision != "fp8":
+        return
+    gpu = ctx.compute.gpu
+    ctx.require(recipe != "mxfp8" or gpu.arch == "blackwell", "framework.fp8_recipe",
+                f"mxfp8 needs a Blackwell GPU (compute capability 10.0, Transformer Engine "
+                f"check_mxfp8_support); {gpu.name} is {gpu.arch}: use tensorwise or blockwise")
+    ctx.require(recipe != "blockwise" or gpu.arch in ("hopper", "blackwell"),
+                "framework.fp8_recipe",
+                f"blockwise needs compute capability 9.0 or later (Transformer Engine "
+                f"check_fp8_block_scaling_support); {gpu.name} is {gpu.arch}")

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from sim.config import bounds as B
-from sim.config.base import StrictModel
+from sim.config.base import Fp8Recipe, StrictModel
 
 
 class MegatronOptions(StrictModel):
@@ -51,9 +51,11 @@ class MegatronOptions(StrictModel):
     """Gradient bucket in parameters; default max(40M, 1M x dp) with overlap, else one."""
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved."""
-    fp8_recipe: Literal["delayed", "tensorwise"] = "delayed"
+    fp8_recipe: Fp8Recipe = "delayed"
     """With training.precision fp8: Transformer Engine's scaling (--fp8-recipe): delayed
-    (amax history) or tensorwise (current scaling, NeMo's FP8-CS)."""
+    (amax history), tensorwise (current scaling, NeMo's FP8-CS), mxfp8 (a scale per 32
+    elements; Blackwell only, NeMo's MXFP8) or blockwise (1x128 / 128x128 blocks, DeepSeek-V3's
+    recipe; Hopper or later)."""
     account_for_embedding_in_pipeline_split: bool = False
     """The embedding counts as one layer when layers are split over pipeline chunks."""
     account_for_loss_in_pipeline_split: bool = False

@@ -23,6 +23,7 @@ from sim.frameworks.megatron.moe_plan import MoEPlan, moe_plan
 from sim.frameworks.megatron.mtp import MTPPlan, mtp_plan
 from sim.frameworks.megatron.optimizer_precision import (
     OptimizerPlan,
+    check_fp8_recipe,
     check_optimizer,
     fp8_weight_bytes,
     optimizer_plan,
@@ -33,6 +34,7 @@ from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
 from sim.workload.layer_ops import Block, BlockCost, price_block
+from sim.workload.layer_rules import fp8_both_layouts
 from sim.workload.megatron_loss import loss_impl
 from sim.workload.megatron_ops import (
     STYLE,
@@ -269,8 +271,10 @@ class MegatronShape:
         (the dense buffers, or the experts' with ``expert``): 16-bit, or with
         ``fp8_param_gather`` 1 byte for the FP8 linear weights (Megatron-Core's DDP keeps them
         in their own uint8 buffers; the routed experts are all FP8 linears), averaged over
-        the stage's dense parameters."""
-        if not (self.lay.fp8 and self.opts.fp8_param_gather):
+        the stage's dense parameters. MXFP8 primary weights are gathered in 16 bits into the
+        reused gradient buffer and cast as they are copied out
+        (``reuse_grad_buf_for_mxfp8_param_ag``, Megatron-Core ``param_and_grad_buffer.py``)."""
+        if not (self.lay.fp8 and self.opts.fp8_param_gather) or self.lay.fp8 == "mxfp8":
             return float(self.act)
         if expert:
             return 1.0
@@ -296,7 +300,8 @@ class MegatronShape:
         if self.lay.fp8:
             # Per FP8 linear parameter: the parameter itself (1 byte as a primary weight) and
             # TE's cached FP8 copy / transpose (optimizer_precision.fp8_weight_bytes).
-            pbytes, bbytes = fp8_weight_bytes(self.opts.fp8_param_gather, self.blackwell)
+            pbytes, bbytes = fp8_weight_bytes(self.opts.fp8_param_gather,
+                                              self.lay.fp8_transpose, self.lay.fp8)
             lin = self.stage_fp8_params(st)
             mem["buffers"] = bbytes * lin
             mem["parameters"] -= (self.act - pbytes) * lin
@@ -366,6 +371,7 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                 "framework.implementation",
                 "FP8 training needs Transformer Engine layers (implementation: "
                 "transformer_engine)")
+    check_fp8_recipe(ctx, opts.fp8_recipe, precision)
     ctx.require(m.heads % t == 0, "parallelism.tp",
                 f"{m.heads} attention heads do not split over tp={t}")
     ctx.require(m.kv_heads % t == 0 or t % m.kv_heads == 0, "parallelism.tp",
@@ -478,12 +484,14 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     blackwell = ctx.compute.gpu.arch == "blackwell"
     # FP8 primary weights are quantized by the optimizer step (its parameter copy), so the
     # forward casts nothing; on Hopper it still builds each weight's transpose once a step.
-    cast = 0.0 if opts.fp8_param_gather and blackwell else 1.0 / ctx.micro_batches
+    # MXFP8 ones arrive in 16 bits and are cast once a step (gather_bytes).
+    cast = 0.0 if opts.fp8_param_gather and blackwell and opts.fp8_recipe != "mxfp8" \
+        else 1.0 / ctx.micro_batches
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
                          weight_cast_share=cast,
-                         fp8_transpose=ctx.compute.gpu.arch != "blackwell",
+                         fp8_transpose=fp8_both_layouts(ctx.compute.gpu.arch, opts.fp8_recipe),
                          cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
                                                  opts.cross_entropy_fusion_impl),
                          rope_fusion=opts.apply_rope_fusion)
