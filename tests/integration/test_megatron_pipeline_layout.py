@@ -129,6 +129,25 @@ def test_an_empty_virtual_stage_passes_the_tensor_on() -> None:
     assert r.summary["step_time_s"] > 0
 
 
+def test_one_layer_a_chunk_with_embedding_and_loss_counted_matches_its_layout() -> None:
+    # 6 layers + embedding + loss over pp 2 x vp 4 (Megatron-Bridge's Llama 3.1 405B GB200
+    # MXFP8 config is this shape: 126 + 2 over 16 x 8): the first chunk holds only the
+    # embedding and the last only the loss, the layout "E|t|t|t|t|t|t|L" written out.
+    par = {"tp": 1, "pp": 2, "vp": 4, "dp": 4}
+    fw = {"account_for_embedding_in_pipeline_split": True,
+          "account_for_loss_in_pipeline_split": True}
+
+    def tiny(layout: str | None, opts: dict):
+        s = _tiny(layout, par, opts)
+        return s.model_copy(update={"model": s.model.model_copy(update={"layers": 6})})
+
+    counted = tiny(None, fw)
+    assert [len(c) for c in chunk_layers(6, 2, 4, True, True)] == [0, 1, 1, 1, 1, 1, 1, 0]
+    a = simulate(counted).summary
+    b = simulate(tiny("E|t|t|t|t|t|t|L", {})).summary
+    assert a["step_time_s"] == b["step_time_s"]
+
+
 @pytest.mark.parametrize("layout,fw,match", [
     ("Ett|tt|tt|tt", {}, r"one embedding \(E\) and one loss"),
     ("Ett|tt|tt|tL", {}, r"7 decoder layers"),

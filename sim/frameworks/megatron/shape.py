@@ -386,7 +386,10 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
     elif first is not None or last is not None:
         _check_uneven(ctx, m.layers, p, vp, extra, first, last)
     else:
-        ctx.require((m.layers + extra) % (p * vp) == 0 and (m.layers + extra) // (p * vp) > 1
+        # One layer a chunk is allowed with the embedding and loss counted: the first and last
+        # chunks then hold only those (Megatron-Bridge's Llama 3.1 405B GB200 MXFP8 and NVFP4
+        # configs run 126 layers + 2 over PP 16 x VP 8, llama31_workload_base_configs.py).
+        ctx.require((m.layers + extra) % (p * vp) == 0
                     or extra == 0 and m.layers % (p * vp) == 0, "parallelism.pp",
                     f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do "
                     f"not split into pp x vp = {p * vp} equal chunks")
