@@ -50,13 +50,14 @@ COMPILED_OP_CPU_S = 8e-6
 # speedup on H100 (pytorch/ao issue 2377, 2025-06); the midpoint. A published measurement,
 # not fitted to any validation row (docs/calibration.md).
 FP8_SPLIT_ACCUMULATION_SLOWDOWN = 1.15
-# Most a block-scaled FP8 GEMM gains over BF16 on Hopper (cuBLAS 12.9's 1x128 / 128x128 scaling,
-# Transformer Engine's Float8BlockScaling, Megatron's --fp8-recipe blockwise): "a 1.75x speedup
-# for large matmuls and at least a 1.25x speedup for most other cases compared to the BF16
-# baseline" (NVIDIA technical blog, "Boosting Matrix Multiplication Speed and Flexibility with
-# NVIDIA cuBLAS 12.9", 2025): the scales are applied in the main loop (Hopper's tensor cores
-# have no block scaling), where a per-tensor FP8 GEMM reaches about 2x. Published, not fitted.
-HOPPER_BLOCK_SCALED_FP8_MAX_SPEEDUP = 1.75
+# Reduction elements between two promotions of a block-scaled FP8 GEMM's partial sums on
+# Hopper: its tensor cores apply no block scales, so every N_C = 128 elements of the reduction
+# (one 1x128 scaling block) the WGMMA partial sums are copied to FP32 registers and added on
+# the CUDA cores, scaled (DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.3.2,
+# "Increasing Accumulation Precision"; cuBLAS 12.9's and Transformer Engine's
+# Float8BlockScaling GEMMs). Transcribed, not fitted: what it costs follows from the
+# datasheet's FP8 tensor and FP32 CUDA-core rates (ComputeModel._accumulation).
+BLOCK_SCALED_PROMOTION_K = 128
 # The AdamW calibration split its parameters in 16 tensors (h200-kernels.json meta).
 ADAMW_CALIBRATION_TENSORS = 16
 
@@ -136,6 +137,29 @@ class ComputeModel:
         # matmul_efficiency). So FP8 GEMMs run at the ratio of the peaks; 1 without FP8 units.
         return self.gpu.peak_flops("fp8") / self.gpu.peak_flops("bf16")
 
+    def _accumulation(self, pass_: GemmPass, block_scaled: bool) -> float:
+        """Factor on an FP8 GEMM's tensor-core term for how it accumulates (1: none).
+
+        Block scales on Hopper: one FP32 multiply-add per output element on the CUDA cores for
+        every :data:`BLOCK_SCALED_PROMOTION_K` reduction elements the tensor cores multiply
+        (256 FP8 FLOPs), serialised with them: ``1 + fp8 peak / (128 x fp32 peak)``, 1.23 on
+        H100 and H200 (1,979 / (128 x 66.9)), in every pass (the promotion is the split
+        accumulation). Blackwell's tensor cores apply MX scales and accumulate in FP32: 1.
+
+        Examples
+        --------
+        >>> from sim import catalog
+        >>> round(ComputeModel(catalog.gpu("h100-sxm"))._accumulation("fwd", True), 3)
+        1.231
+        >>> ComputeModel(catalog.gpu("b200"))._accumulation("wgrad", True)
+        1.0
+        """
+        # The CUDA cores' FP32 rate (the datasheet's FP32 column), not TF32's tensor rate.
+        fp8, fp32 = self.gpu.peak_tflops.get("fp8"), self.gpu.peak_tflops.get("fp32")
+        if block_scaled and self.gpu.arch == "hopper" and fp8 and fp32:
+            return 1.0 + fp8 / (BLOCK_SCALED_PROMOTION_K * fp32)
+        return self._split_accumulation(pass_)
+
     def _split_accumulation(self, pass_: GemmPass) -> float:
         # Hopper's FP8 tensor cores accumulate with limited precision; without cuBLASLt's
         # fast-accumulation mode the kernel promotes partial sums to FP32 registers every
@@ -187,22 +211,26 @@ class ComputeModel:
 
     # ------------------------------------------------------------------ GEMM
     def gemm_time(self, m: float, k: float, n: float, pass_: GemmPass = "fwd",
-                  measured_table: bool = True, fp8: bool = False) -> float:
+                  measured_table: bool = True, fp8: bool = False,
+                  block_scaled: bool = False) -> float:
         """One pass of a linear layer ``Y[m,n] = X[m,k] W[n,k]^T`` (fwd, dgrad or wgrad).
 
         ``measured_table=False`` gives the physical form alone, without the interpolated
         residuals of the measured shapes (to check how much the form explains). ``fp8``: the
-        GEMM runs on FP8 operands (Transformer Engine, torchao float8) at the FP8 rate.
+        GEMM runs on FP8 operands (Transformer Engine, torchao float8) at the FP8 rate;
+        ``block_scaled``: with block scales (MXFP8, 1x128 blocks; :meth:`_accumulation`).
         """
         # The residual table records the H200's bf16 cuBLAS kernel choices shape by shape; it
         # applies to Hopper (same SMs and tensor cores), not to other generations nor to FP8.
         measured_table = measured_table and self.gpu.arch == "hopper" and not fp8
-        key = (float(m), float(k), float(n), pass_, measured_table, fp8)
+        block_scaled = block_scaled and fp8
+        key = (float(m), float(k), float(n), pass_, measured_table, fp8, block_scaled)
         cache = self._cache
         if key not in cache:
             cache[key] = self._gemm_time(float(m), float(k), float(n), pass_, measured_table,
                                          self._fp8_speedup if fp8 else 1.0,
-                                         self._split_accumulation(pass_) if fp8 else 1.0)
+                                         self._accumulation(pass_, block_scaled) if fp8
+                                         else 1.0)
         return cache[key]
 
     def gemm_tiles(self, m: float, k: float, n: float, pass_: GemmPass = "fwd") -> int:
@@ -225,7 +253,7 @@ class ComputeModel:
         return frac / waves
 
     @cached_property
-    def _cache(self) -> dict[tuple[float, float, float, str, bool, bool], float]:
+    def _cache(self) -> dict[tuple[float, float, float, str, bool, bool, bool], float]:
         return {}
 
     def _gemm_time(self, m: float, k: float, n: float, pass_: GemmPass, table: bool,

@@ -19,7 +19,6 @@ from sim.hardware.compute import (
     COMPILED_OP_CPU_S,
     EAGER_BWD_OP_CPU_S,
     EAGER_FWD_OP_CPU_S,
-    HOPPER_BLOCK_SCALED_FP8_MAX_SPEEDUP,
     ComputeModel,
 )
 from sim.workload.grouped_gemm import grouped_gemm_time
@@ -122,15 +121,12 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     if k.klass == "gemm":
         assert k.gemm is not None
         m_, kk, n, p = k.gemm
-
-        def gemm_s(fp8: bool) -> float:
-            if k.group:
-                return grouped_gemm_time(cm, k.group, kk, n, p, fp8=fp8)  # type: ignore[arg-type]
-            return cm.gemm_time(m_, kk, n, p, fp8=fp8)  # type: ignore[arg-type]
-        t = gemm_s(k.fp8)
-        if k.fp8 and k.fp8_block and cm.gpu.arch == "hopper":
-            # Block scales applied in Hopper's main loop: at most this gain over BF16.
-            t = max(t, gemm_s(False) / HOPPER_BLOCK_SCALED_FP8_MAX_SPEEDUP)
+        if k.group:
+            t = grouped_gemm_time(cm, k.group, kk, n, p, fp8=k.fp8,  # type: ignore[arg-type]
+                                  block_scaled=k.fp8_block)
+        else:
+            t = cm.gemm_time(m_, kk, n, p, fp8=k.fp8,  # type: ignore[arg-type]
+                             block_scaled=k.fp8_block)
         if any(r is w for w in k.writes for r in k.reads):
             # Accumulating (beta = 1, :func:`~sim.workload.kernels.accumulating`): the
             # epilogue reads and writes its output, an fp32 main_grad under Megatron's

@@ -50,7 +50,8 @@ TE_COMPUTE_STREAMS = 4
 
 
 def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: float,
-                      pass_: GemmPass = "fwd", fp8: bool = False) -> float:
+                      pass_: GemmPass = "fwd", fp8: bool = False, block_scaled: bool = False
+                      ) -> float:
     """GPU time of one grouped GEMM pass: GEMM ``i`` is ``[rows[i], k] x [k, n]``.
 
     Parameters
@@ -65,6 +66,8 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
         Which of the linear's three GEMMs.
     fp8 : bool
         FP8 operands (Transformer Engine under ``fp8_autocast``).
+    block_scaled : bool
+        With block scales (:meth:`~sim.hardware.compute.ComputeModel.gemm_time`).
 
     Returns
     -------
@@ -95,7 +98,7 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
     for m in rows:
         if m <= 0:
             continue
-        t = cm.gemm_time(m, k, n, pass_, fp8=fp8)
+        t = cm.gemm_time(m, k, n, pass_, fp8=fp8, block_scaled=block_scaled)
         times.append(t)
         # The GEMM's fixed part beyond an empty kernel's (gemm_fixed_s - kernel_min_s: its
         # ramp and drain) holds no SMs another stream's GEMM could not use: only the rest

@@ -64,8 +64,8 @@ class Kernel:
     """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
     fp8_block: bool = False
     """An FP8 GEMM with block scales (MXFP8, or 1x128 / 128x128 blocks): on Hopper, whose
-    tensor cores have no block scaling, it gains at most
-    :data:`sim.hardware.compute.HOPPER_BLOCK_SCALED_FP8_MAX_SPEEDUP` over BF16."""
+    tensor cores apply none, it promotes its partial sums on the CUDA cores
+    (:meth:`sim.hardware.compute.ComputeModel.gemm_time`, ``block_scaled``)."""
     reduction: bool = False
     """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
     streams: bool = False

@@ -36,10 +36,13 @@ from sim import catalog
 from sim.hardware.compute import ComputeModel
 from sim.workload.block_pricing import kernel_time
 from sim.workload.kernels import BF16, Kernel, Tensor
-from sim.workload.layer_rules import linear_gemm, te_scaled_cast
+from sim.workload.layer_rules import fp8_element_bytes, linear_gemm, te_scaled_cast
 
 FP8 = 1
-Recipe = Literal["BF16", "FP8Current", "FP8Delayed"]
+Recipe = Literal["BF16", "FP8Current", "FP8Delayed", "MXFP8", "FP8Block"]
+BLOCK_RECIPES: dict[str, str] = {"MXFP8": "mxfp8", "FP8Block": "blockwise"}
+"""The tables' block-scaled recipes (``MXFP8BlockScaling``, ``Float8BlockScaling``) and
+Megatron's names for them (:data:`sim.config.base.Fp8Recipe`)."""
 Pass = Literal["fprop", "dgrad", "wgrad"]
 PASSES: tuple[Pass, ...] = ("fprop", "dgrad", "wgrad")
 
@@ -67,19 +70,24 @@ def call_kernels(m: int, k: int, n: int, recipe: Recipe, transpose: bool,
     quantization (with the transposed copy when ``transpose``: Hopper), the weight's
     (row-wise), then the FP8 GEMM; ``prequantized``: the GEMM alone (``tex.generic_gemm`` on
     tensors quantized before the loop). Every GEMM is a forward GEMM (the fprop recipe's fast
-    accumulation, ``use_split_accumulator`` False, in both modes).
+    accumulation, ``use_split_accumulator`` False, in both modes). ``MXFP8`` / ``FP8Block``:
+    the same call under a block-scaled recipe: no amax pass, the input quantized into both
+    layouts on every GPU (its scales run along the reduction dimension), block scales with
+    every FP8 tensor (:func:`~sim.workload.layer_rules.fp8_element_bytes`), a block-scaled GEMM.
     """
     x = Tensor("x", m * k * BF16)
     y = Tensor("y", m * n * BF16)
     if recipe == "BF16":
         return [linear_gemm("mm", "fwd", (x, Tensor("w", k * n * BF16)), y, m, k, n)]
-    x8 = Tensor("x8", m * k * FP8)
-    w8 = Tensor("w8", k * n * FP8)
-    gemm = linear_gemm("mm", "fwd", (x8, w8), y, m, k, n, fp8=True)
+    block = recipe in BLOCK_RECIPES
+    e8 = fp8_element_bytes(BLOCK_RECIPES.get(recipe))  # type: ignore[arg-type]
+    x8 = Tensor("x8", m * k * e8)
+    w8 = Tensor("w8", k * n * e8)
+    gemm = linear_gemm("mm", "fwd", (x8, w8), y, m, k, n, fp8=True, fp8_block=block)
     if prequantized:
         return [gemm]
     amax = recipe == "FP8Current"
-    xs = (x8, Tensor("x8t", m * k * FP8)) if transpose else (x8,)
+    xs = (x8, Tensor("x8t", m * k * e8)) if transpose or block else (x8,)
     return [*te_scaled_cast("mm", "in", x, xs, amax),
             *te_scaled_cast("mm", "w", Tensor("w", k * n * BF16), (w8,), amax),
             gemm]

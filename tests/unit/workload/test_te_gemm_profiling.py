@@ -3,9 +3,10 @@
 Truth: TE's GEMM profiling tutorial (``sim/catalog/reference/te_gemm_profiling.yaml``:
 ``docs/examples/gemm_profiling/gemm_profiling.rst`` at TE 1609c890e, Apache-2.0), per-layer
 GEMM times of a hidden-4,096, intermediate-16,384 layer at 15,872 tokens on an H200 NVL and a
-B300, BF16 and FP8 (current and delayed scaling), with quantization (autocast) and without
-(pre-quantized). :mod:`sim.workload.te_gemm_benchmark` builds each benchmark call from the
-kernels a training step emits. The H200 NVL is the catalogue's H200 capped at its 600 W TDP
+B300, BF16 and FP8 (current and delayed scaling; MXFP8 on the B300, 1x128 block scaling on the
+H200 NVL), with quantization (autocast) and without (pre-quantized).
+:mod:`sim.workload.te_gemm_benchmark` builds each benchmark call from the kernels a training
+step emits. The H200 NVL is the catalogue's H200 capped at its 600 W TDP
 (the part's datasheet; ``sim/hardware/power.py``). The B300 is not in the catalogue: its dense
 BF16 / FP8 peaks and its 8 TB/s HBM are the B200's, so the checks there are on ratios and on
 the quantization's milliseconds (HBM-bound), on the ``b200``.
@@ -144,6 +145,47 @@ def test_current_scaling_overhead_on_blackwell() -> None:
     per = REF["b300"]
     meas = (per["autocast"]["per_layer"]["total"]["FP8Current"]
             - per["prequantized"]["per_layer"]["total"]["FP8Current"])
+    assert sim == pytest.approx(meas, rel=0.10)
+
+
+def test_blockwise_on_the_h200_nvl() -> None:
+    # Float8BlockScaling (1x128 activations, 128x128 weights) against current scaling, both
+    # autocast, the whole layer: measured 22.882 / 20.285 = 1.128; simulated 1.115 from the
+    # datasheet alone (no amax pass, 1/32 byte of scales, and the CUDA cores' promotion of the
+    # partial sums every 128 reduction elements: 1 + 1,979 / (128 x 66.9) on the tensor-core
+    # term, ComputeModel._accumulation). Nothing here was fitted to this table. 3% (the
+    # reference's H200 spread is 0.6%); without the promotion the ratio is 0.96 and fails.
+    cm = _h200_nvl()
+    per = REF["h200_nvl"]["autocast"]["per_layer"]
+    for p in PASSES:
+        sim = tb.layer_ms(cm, "FP8Block")[p] / tb.layer_ms(cm, "FP8Current")[p]
+        assert sim == pytest.approx(per[p]["FP8Block"] / per[p]["FP8Current"], rel=0.03)
+
+
+def test_mxfp8_gemm_on_blackwell() -> None:
+    # MXFP8 GEMMs alone (pre-quantized) against BF16's on the B300: measured 0.547 of the
+    # BF16 time per layer (7.161 / 13.102 ms), simulated 0.509 (MX scales applied by the
+    # tensor cores at the FP8 rate). The measured MXFP8 GEMMs run 5% slower than the
+    # per-tensor ones (7.161 / 6.812 ms; the reference's B300 spread is 4.1%), which the
+    # simulator does not price: 8% bounds it.
+    cm = _b200()
+    m = REF["b300"]["prequantized"]["per_layer"]["total"]
+    sim = (tb.layer_ms(cm, "MXFP8", prequantized=True)["total"]
+           / tb.layer_ms(cm, "BF16")["total"])
+    assert sim == pytest.approx(m["MXFP8"] / m["BF16"], rel=0.08)
+
+
+@pytest.mark.xfail(strict=True, reason="B300 MXFP8 quantization costs 1.823 ms a layer "
+                   "(autocast minus pre-quantized), simulated 1.326 (-27%): the same shortfall "
+                   "as current scaling's on the B300 (test_current_scaling_overhead_on_"
+                   "blackwell), while the H200 NVL's quantization matches; cause not "
+                   "established")
+def test_mxfp8_quantization_on_blackwell() -> None:
+    cm = _b200()
+    sim = tb.layer_ms(cm, "MXFP8")["total"] - tb.layer_ms(cm, "MXFP8", prequantized=True)["total"]
+    per = REF["b300"]
+    meas = (per["autocast"]["per_layer"]["total"]["MXFP8"]
+            - per["prequantized"]["per_layer"]["total"]["MXFP8"])
     assert sim == pytest.approx(meas, rel=0.10)
 
 
