@@ -104,9 +104,9 @@ class Style:
     float8_weights: bool = False
     """The weights arrive in FP8 (FSDP2's float8 all-gather casts the shards before the
     gather): the linears cast no weights."""
-    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] = "tensorwise"
     """With ``float8``: torchao's scaling recipe; the rowwise ones are
-    :mod:`sim.workload.float8_rowwise`."""
+    :mod:`sim.workload.float8_rowwise`, MXFP8 :mod:`sim.workload.float8_mx`."""
 
     @property
     def autocast(self) -> bool:

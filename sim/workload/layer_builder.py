@@ -83,6 +83,9 @@ class _Builder:
         """
         st = self.style
         if st.float8 and float8 and not st.autocast:
+            if st.float8_recipe == "mxfp8":
+                from sim.workload.float8_mx import mx_linear
+                return mx_linear(self, x, tokens, n_in, n_out, name, bias)
             if st.float8_recipe != "tensorwise":
                 from sim.workload.float8_rowwise import rowwise_linear
                 return rowwise_linear(self, x, tokens, n_in, n_out, name, bias,

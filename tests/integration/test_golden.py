@@ -170,6 +170,8 @@ SYNTHETIC: tuple[Case, ...] = (
     _run("fsdp2-cp2-allgather-tied", FSDP2, "parallelism.cp=2", "model.tied_embeddings=true"),
     _run("fsdp2-float8-tp2", FSDP2, "training.precision=fp8", "framework.float8_all_gather=true",
          "parallelism.tp=2"),
+    _run("fsdp2-mxfp8-b200-compile", FSDP2, "cluster.topology=dgx-b200", "cluster.gpu=b200",
+         "training.precision=fp8", "framework.float8_recipe=mxfp8", "framework.compile=true"),
     _run("fsdp2-compile-eager-loss", FSDP2, "framework.compile=true",
          "framework.compile_loss=false", "training.activation_checkpointing=selective"),
     _run("fsdp2-compile", FSDP2, "framework.compile=true"),

@@ -75,6 +75,10 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
                 "needs training.precision fp8 (the float8 converter)")
     ctx.require(opts.float8_recipe == "tensorwise" or fp8, "framework.float8_recipe",
                 f"{opts.float8_recipe} needs training.precision fp8 (the float8 converter)")
+    ctx.require(opts.float8_recipe != "mxfp8" or not fp8 or ctx.compute.gpu.arch == "blackwell",
+                "framework.float8_recipe",
+                f"mxfp8 needs a Blackwell GPU (torchao's MX GEMMs need compute capability 10.0); "
+                f"{ctx.compute.gpu.name} is {ctx.compute.gpu.arch}")
     ctx.require(not opts.float8_all_gather or opts.float8_recipe == "tensorwise",
                 "framework.float8_all_gather",
                 f"FSDP's float8 all-gather is tensorwise only: torchtitan refuses it with "

@@ -41,12 +41,14 @@ class Fsdp2Options(StrictModel):
     float8_all_gather: bool = False
     """With training.precision fp8: all-gather the blocks' weights in FP8 (torchtitan
     float8.enable_fsdp_float8_all_gather), half the bytes, no weight casts in the GEMMs."""
-    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] = "tensorwise"
     """With training.precision fp8: torchtitan's ``float8.recipe_name`` (torchao
     ``Float8LinearRecipeName``): dynamic tensorwise scaling (torchtitan's default at 820504e,
     2025-06), or per-row scales (``rowwise``; ``rowwise_with_gw_hp`` keeps the weight-gradient
-    GEMM in bf16): :mod:`sim.workload.float8_rowwise`. Rowwise recipes run plain
-    tensor parallelism and no FSDP float8 all-gather, as torchtitan does."""
+    GEMM in bf16): :mod:`sim.workload.float8_rowwise`; or ``mxfp8``, torchtitan's ``mx``
+    converter (``mx.recipe_name: mxfp8_cublas``, torchao ``MXLinear``, Blackwell only):
+    :mod:`sim.workload.float8_mx`. Rowwise and MX recipes run plain tensor parallelism and no
+    FSDP float8 all-gather, as torchtitan does."""
     hsdp_shard_size: int | None = Field(default=None, gt=0, le=B.MAX_GPUS)
     """HSDP: shard inside groups of this many ranks and all-reduce gradients across the
     dp / hsdp_shard_size replicas (torchtitan's data_parallel_shard_degree); None = plain
