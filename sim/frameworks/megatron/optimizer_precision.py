@@ -171,12 +171,12 @@ def fp8_weight_bytes(primary: bool, both_layouts: bool, recipe: Fp8Recipe | None
     >>> fp8_weight_bytes(True, True, "mxfp8")
     (2.0625, 0.0)
     """
-    e = fp8_element_bytes(recipe)
-    layouts = 2 if both_layouts else 1
+    e = float(fp8_element_bytes(recipe))
+    layouts = 2.0 if both_layouts else 1.0
     if primary and recipe == "mxfp8":
         return layouts * e, 0.0
     if primary:
-        return float(e), (layouts - 1) * e
+        return e, (layouts - 1.0) * e
     return 2.0, layouts * e
 
 
