@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sim.workload.kernels import BF16, Kernel, Tensor
-from sim.workload.layer_rules import bias_grad, fp8_element_bytes, linear_gemm, linear_params
+from sim.workload.layer_rules import fp8_element_bytes, linear_gemm, linear_params
 
 if TYPE_CHECKING:
     from sim.workload.layer_builder import _Builder
@@ -65,9 +65,5 @@ def mx_linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name
           kg1, kx1,
           linear_gemm(name, "wgrad", (g1, x1), gw, tokens, n_in, n_out, fp8=True,
                       fp8_block=True)]
-    if bias:
-        gb = b.t(f"{name}.g_b", n_out, BF16)
-        ks.append(bias_grad(name, gy, gb))
-    b.bwd(*ks)
-    b.block.weight_grads.append(gw)
+    b.low_precision_backward(ks, name, gy, gw, n_out, bias)
     return y

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sim.workload.kernels import BF16, Kernel, Tensor
-from sim.workload.layer_rules import FP8, bias_grad, linear_gemm, scaled_cast
+from sim.workload.layer_rules import FP8, linear_gemm, scaled_cast
 
 if TYPE_CHECKING:
     from sim.workload.layer_builder import _Builder
@@ -68,9 +68,5 @@ def rowwise_linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int,
         ks += [*scaled_cast(name, "g_t", gy, (g8b,), amax=True),
                *scaled_cast(name, "in_bwd", x, (x8b,), amax=True),
                wgrad, rescale(wgrad.name, gw)]
-    if bias:
-        gb = b.t(f"{name}.g_b", n_out, BF16)
-        ks.append(bias_grad(name, gy, gb))
-    b.bwd(*ks)
-    b.block.weight_grads.append(gw)
+    b.low_precision_backward(ks, name, gy, gw, n_out, bias)
     return y

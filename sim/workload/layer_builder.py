@@ -167,12 +167,19 @@ class _Builder:
               linear_gemm(name, "dgrad", (g8a, w8b), gx, tokens, n_in, n_out, fp8=True),
               *scaled_cast(name, "in_bwd", x, (x8b,), amax=True),
               linear_gemm(name, "wgrad", (g8b, x8b), gw, tokens, n_in, n_out, fp8=True)]
+        self.low_precision_backward(ks, name, gy, gw, n_out, bias)
+        return y
+
+    def low_precision_backward(self, ks: list[Kernel], name: str, gy: Tensor, gw: Tensor,
+                               n_out: int, bias: bool) -> None:
+        """Register a torchao low-precision linear's backward kernels ``ks`` (float8 or MX),
+        the bias gradient after them (bf16, from the bf16 output gradient ``gy``), and its
+        bf16 weight gradient ``gw``."""
         if bias:
             gb = self.t(f"{name}.g_b", n_out, BF16)
             ks.append(bias_grad(name, gy, gb))
         self.bwd(*ks)
         self.block.weight_grads.append(gw)
-        return y
 
     def rmsnorm(self, x: Tensor, tokens: float, h: int, name: str) -> Tensor:
         st = self.style
