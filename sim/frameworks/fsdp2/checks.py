@@ -79,6 +79,11 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
                 "framework.float8_recipe",
                 f"mxfp8 needs a Blackwell GPU (torchao's MX GEMMs need compute capability 10.0); "
                 f"{ctx.compute.gpu.name} is {ctx.compute.gpu.arch}")
+    ctx.require(opts.float8_recipe != "mxfp8" or not fp8 or t == 1 or not opts.compile,
+                "framework.float8_recipe",
+                "mxfp8 with tensor parallelism under torch.compile is refused by torchtitan's mx "
+                "converter (\"TP not yet supported with torch.compile for mxfp8\", "
+                "components/quantization/mx.py)")
     ctx.require(not opts.float8_all_gather or opts.float8_recipe == "tensorwise",
                 "framework.float8_all_gather",
                 f"FSDP's float8 all-gather is tensorwise only: torchtitan refuses it with "
