@@ -36,7 +36,12 @@ from sim import catalog
 from sim.hardware.compute import ComputeModel
 from sim.workload.block_pricing import kernel_time
 from sim.workload.kernels import BF16, Kernel, Tensor
-from sim.workload.layer_rules import fp8_element_bytes, linear_gemm, te_scaled_cast
+from sim.workload.layer_rules import (
+    fp8_both_layouts,
+    fp8_element_bytes,
+    linear_gemm,
+    te_scaled_cast,
+)
 
 FP8 = 1
 Recipe = Literal["BF16", "FP8Current", "FP8Delayed", "MXFP8", "FP8Block"]
@@ -67,13 +72,14 @@ def call_kernels(m: int, k: int, n: int, recipe: Recipe, transpose: bool,
 
     ``BF16``: ``torch.matmul``, one 16-bit GEMM. ``FP8Current`` / ``FP8Delayed``: a
     ``te.Linear(k, n)`` forward under autocast (current or delayed scaling): the input's
-    quantization (with the transposed copy when ``transpose``: Hopper), the weight's
-    (row-wise), then the FP8 GEMM; ``prequantized``: the GEMM alone (``tex.generic_gemm`` on
-    tensors quantized before the loop). Every GEMM is a forward GEMM (the fprop recipe's fast
-    accumulation, ``use_split_accumulator`` False, in both modes). ``MXFP8`` / ``FP8Block``:
-    the same call under a block-scaled recipe: no amax pass, the input quantized into both
-    layouts on every GPU (its scales run along the reduction dimension), block scales with
-    every FP8 tensor (:func:`~sim.workload.layer_rules.fp8_element_bytes`), a block-scaled GEMM.
+    quantization (with the column-wise copy when ``transpose``: Hopper, or a block recipe), the
+    weight's (row-wise), then the FP8 GEMM; ``prequantized``: the GEMM alone
+    (``tex.generic_gemm`` on tensors quantized before the loop). Every GEMM is a forward GEMM
+    (the fprop recipe's fast accumulation, ``use_split_accumulator`` False, in both modes).
+    ``MXFP8`` / ``FP8Block``: the same call under a block-scaled recipe: no amax pass, the input
+    quantized into both layouts on every GPU (its scales run along the reduction dimension),
+    block scales with every FP8 tensor (:func:`~sim.workload.layer_rules.fp8_element_bytes`), a
+    block-scaled GEMM.
     """
     x = Tensor("x", m * k * BF16)
     y = Tensor("y", m * n * BF16)
@@ -87,7 +93,7 @@ def call_kernels(m: int, k: int, n: int, recipe: Recipe, transpose: bool,
     if prequantized:
         return [gemm]
     amax = recipe == "FP8Current"
-    xs = (x8, Tensor("x8t", m * k * e8)) if transpose or block else (x8,)
+    xs = (x8, Tensor("x8t", m * k * e8)) if transpose else (x8,)
     return [*te_scaled_cast("mm", "in", x, xs, amax),
             *te_scaled_cast("mm", "w", Tensor("w", k * n * BF16), (w8,), amax),
             gemm]
@@ -98,7 +104,8 @@ def layer_ms(cm: ComputeModel, recipe: Recipe, prequantized: bool = False,
              ) -> dict[str, float]:
     """Simulated per-layer milliseconds of each pass (the sum of its four calls) and their
     ``total``, as the benchmark prints them; the defaults are the tutorial's model."""
-    transpose = cm.gpu.arch != "blackwell"
+    # The input's column-wise copy: Hopper's TN-only GEMMs, or block scales anywhere.
+    transpose = fp8_both_layouts(cm.gpu.arch, BLOCK_RECIPES.get(recipe))  # type: ignore[arg-type]
     out: dict[str, float] = {p: 1e3 * sum(kernel_time(cm, kk) for m, k, n in shapes
                                         for kk in call_kernels(m, k, n, recipe, transpose,
                                                                prequantized))

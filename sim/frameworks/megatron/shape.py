@@ -122,8 +122,6 @@ class MegatronShape:
     optim: OptimizerPlan | None = None
     """What the optimizer keeps and moves per parameter
     (:mod:`sim.frameworks.megatron.optimizer_precision`); None: the default fp32 Adam."""
-    blackwell: bool = False
-    """The GPU runs non-TN FP8 GEMMs (compute capability 10.x): TE keeps no FP8 transpose."""
 
     @property
     def optimizer(self) -> OptimizerPlan:
@@ -538,7 +536,6 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         head_params=m.norm_params + vocab_local * m.hidden
         + (mtp.stage_params if mtp is not None else 0.0),
         opt_bytes=optim.gpu_bytes * (1.0 - optim.offload), optim=optim,
-        blackwell=blackwell,
         shard=ctx.dp * cp // k_inst if opts.distributed_optimizer else 1,
         linear_params=cost["attn_main"].params + cost["mlp_main"].params,
         moe=moe, dense_layer_params=dense_layer, mtp=mtp, recompute=modules)
