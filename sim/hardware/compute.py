@@ -60,6 +60,20 @@ FP8_SPLIT_ACCUMULATION_SLOWDOWN = 1.15
 BLOCK_SCALED_PROMOTION_K = 128
 # The AdamW calibration split its parameters in 16 tensors (h200-kernels.json meta).
 ADAMW_CALIBRATION_TENSORS = 16
+# Bytes a second one SM keeps streaming between HBM and its registers (Little's law: the
+# loads one SM holds in flight over the loaded memory latency). A memory-bound kernel runs at
+# the lesser of its HBM-scaled rate and this times the SM count: it binds where a GPU's
+# bandwidth per SM outgrows what a kernel tuned on Hopper keeps in flight, i.e. on Blackwell
+# (B200 7,672 GB/s over 148 SMs, 51.8 GB/s an SM, against the H200's 36.4). Measured, not
+# fitted to a validation row: torchao's MXFP8 cast kernels on a B200 move 72.4% of its HBM
+# peak, its block-scaled FP8 casts on an H100 84.3% of its (pytorch/ao READMEs,
+# sim/catalog/reference/torchao_cast_kernels.yaml); the H200's in-place add (88.7% of 4.8
+# TB/s, the elementwise rate) scaled by that ratio, 0.859, is 5.85 TB/s on the B200, 39.5
+# GB/s an SM. Hopper's and Ampere's streaming (at most 32.3 GB/s an SM) stays under it.
+# Checked on other data: TE's B300 quantization table (tests/unit/workload/
+# test_te_gemm_profiling.py); derivation re-done in tests/unit/hardware/
+# test_blackwell_streaming.py.
+STREAM_BYTES_PER_SM_S = 39.5e9
 
 
 @lru_cache(maxsize=1)
@@ -294,7 +308,7 @@ class ComputeModel:
         # H100's 3.35 TB/s than on the H200's 4.8.
         operand = 1.0 if speedup > 1.0 else 2.0     # FP8 operands, bf16 output
         nbytes = operand * (rows * red + cols * red) + 2.0 * rows * cols
-        floor = self.kernel_min_s + nbytes / (self._membound_bw["elementwise"] * self._bw_scale)
+        floor = self.kernel_min_s + nbytes / self.stream_bytes_per_s("elementwise")
         return max(floor, with_harness - self.harness_overhead_s)
 
     # ------------------------------------------------------------------ attention
@@ -372,8 +386,25 @@ class ComputeModel:
         a tenth at 1 MB. Little's law puts the knee there: sustaining 4.8 TB/s through
         ~700 ns of loaded HBM latency needs ~3.4 MB in flight, so a kernel only a few times
         that size spends much of its life filling and draining the memory pipeline.
+        ``B`` is :meth:`stream_bytes_per_s`.
         """
-        return self.kernel_min_s + nbytes / (self._membound_bw[klass] * self._bw_scale)
+        return self.kernel_min_s + nbytes / self.stream_bytes_per_s(klass)
+
+    def stream_bytes_per_s(self, klass: MemClass = "elementwise") -> float:
+        """Rate a memory-bound kernel of ``klass`` streams at on this GPU: the H200's measured
+        rate scaled with HBM bandwidth, at most :data:`STREAM_BYTES_PER_SM_S` an SM (the
+        bytes each SM keeps in flight bound it where bandwidth per SM is Blackwell's).
+
+        Examples
+        --------
+        >>> from sim import catalog
+        >>> round(ComputeModel(catalog.gpu("h200")).stream_bytes_per_s() / 1e12, 2)
+        4.26
+        >>> round(ComputeModel(catalog.gpu("b200")).stream_bytes_per_s() / 1e12, 2)
+        5.85
+        """
+        return min(self._membound_bw[klass] * self._bw_scale,
+                   STREAM_BYTES_PER_SM_S * self.gpu.sm_count)
 
     @cached_property
     def _membound_bw(self) -> dict[str, float]:
@@ -407,7 +438,9 @@ class ComputeModel:
         """
         a = _fit()["adamw"]["fused" if fused else "foreach"]
         per_tensor = a["fixed_s"] / ADAMW_CALIBRATION_TENSORS
-        return per_tensor * tensors + params * 28 / (a["bytes_per_s"] * self._bw_scale)
+        # A multi-tensor streaming kernel: capped per SM like any other (stream_bytes_per_s).
+        rate = min(a["bytes_per_s"] * self._bw_scale, STREAM_BYTES_PER_SM_S * self.gpu.sm_count)
+        return per_tensor * tensors + params * 28 / rate
 
     def pcie_bytes_per_s(self) -> float:
         """Achieved pinned-memory copy rate: the H200 measurement's share of its link rate,
