@@ -1,0 +1,80 @@
+"""torchtitan's expert GEMMs (``torch._grouped_mm``, bf16) on a B200 against torchao's timing.
+
+Truth: ``sim/catalog/reference/torchao_grouped_mm.yaml`` (pytorch/ao README at ff163084e,
+BSD-3-Clause): forward plus backward of one ``torch._grouped_mm`` over 128,000 rows in 1-8
+groups, Llama 4 Scout's and DeepSeek-V3's expert shapes, torch 2.10 nightly, compiled. The
+simulator prices torchtitan's grouped GEMM with :func:`sim.workload.grouped_gemm.grouped_gemm_time`
+(one launch); the benchmark's loss and gradient accumulation are priced as the memory-bound
+kernels they are. The measured kernel ran at 0.71-0.86 PFLOP/s, a third of the B200's bf16 peak
+even with one group (one plain GEMM that cuBLAS runs at about twice that): the gap is recorded,
+not fitted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sim import catalog
+from sim.hardware.compute import ComputeModel
+from sim.hardware.power import burst_spec
+from sim.workload.grouped_gemm import grouped_gemm_time
+
+REF = yaml.safe_load((Path(catalog.__file__).parent / "reference"
+                      / "torchao_grouped_mm.yaml").read_text())
+BF16 = 2
+
+
+def _b200() -> ComputeModel:
+    # A kernel benchmark: the part at its burst clock (sim/hardware/power.py, burst_spec).
+    return ComputeModel(burst_spec(catalog.gpu("b200")), precision="bf16")
+
+
+def _simulated_us(cm: ComputeModel, m: int, n: int, k: int, g: int) -> float:
+    rows = [m / g] * g
+    gemms = sum(grouped_gemm_time(cm, rows, k, n, p) for p in ("fwd", "dgrad", "wgrad"))
+    out = m * n * BF16
+    # mse_loss forward (a reduction over out and labels), its backward (reads both, writes
+    # grad_out), and A.grad += dA, B.grad += dB (read, read, write).
+    loss = cm.membound_time(2 * out, "reduction") + cm.membound_time(3 * out)
+    accumulate = cm.membound_time(3 * m * k * BF16) + cm.membound_time(3 * g * n * k * BF16)
+    return (gemms + loss + accumulate) * 1e6
+
+
+def _cases():
+    for model, rows in REF["shapes"].items():
+        for r in rows:
+            yield pytest.param(r["n"], r["k"], r["g"], r["us"], id=f"{model}-g{r['g']}")
+
+
+def test_measured_rate_is_a_third_of_peak() -> None:
+    # The reference itself: 3 GEMMs of 2 x M x N x K FLOPs in the measured time.
+    m = REF["total_m"]
+    rates = [3 * 2 * m * r["n"] * r["k"] / (r["us"] * 1e-6)
+             for rows in REF["shapes"].values() for r in rows]
+    peak = catalog.gpu("b200").peak_flops("bf16")
+    assert 0.30 < min(rates) / peak and max(rates) / peak < 0.40
+
+
+@pytest.mark.xfail(strict=True, reason="torch._grouped_mm bf16 on a B200 (torch 2.10 nightly) "
+                   "runs forward + backward 1.36-1.68x as long as the simulator prices it "
+                   "(its GEMMs priced at cuBLAS's efficiency, 1.4 PFLOP/s; measured 0.71-0.86 "
+                   "over the whole call); torchtitan MoE steps on Blackwell are optimistic by "
+                   "that share. Not modelled: which torch releases carry the slow sm100 "
+                   "kernel is not known")
+@pytest.mark.parametrize("n,k,g,measured_us", list(_cases()))
+def test_grouped_mm_forward_backward(n: int, k: int, g: int, measured_us: float) -> None:
+    assert _simulated_us(_b200(), REF["total_m"], n, k, g) == pytest.approx(measured_us,
+                                                                            rel=0.15)
+
+
+def test_simulated_gemms_dominate_the_benchmark() -> None:
+    # The loss and gradient accumulation the benchmark also times are a few percent of it in
+    # the simulation too, so the gap above is the GEMMs'.
+    cm = _b200()
+    m, n, k, g = REF["total_m"], 8192, 5120, 4
+    gemms = sum(grouped_gemm_time(cm, [m / g] * g, k, n, p)
+                for p in ("fwd", "dgrad", "wgrad")) * 1e6
+    assert gemms / _simulated_us(cm, m, n, k, g) > 0.85
