@@ -403,8 +403,11 @@ class ComputeModel:
         >>> round(ComputeModel(catalog.gpu("b200")).stream_bytes_per_s() / 1e12, 2)
         5.85
         """
-        return min(self._membound_bw[klass] * self._bw_scale,
-                   STREAM_BYTES_PER_SM_S * self.gpu.sm_count)
+        return self._stream_rate(self._membound_bw[klass])
+
+    def _stream_rate(self, h200_bytes_per_s: float) -> float:
+        """A rate measured on the H200 on this GPU: scaled with HBM, capped per SM."""
+        return min(h200_bytes_per_s * self._bw_scale, STREAM_BYTES_PER_SM_S * self.gpu.sm_count)
 
     @cached_property
     def _membound_bw(self) -> dict[str, float]:
@@ -439,8 +442,7 @@ class ComputeModel:
         a = _fit()["adamw"]["fused" if fused else "foreach"]
         per_tensor = a["fixed_s"] / ADAMW_CALIBRATION_TENSORS
         # A multi-tensor streaming kernel: capped per SM like any other (stream_bytes_per_s).
-        rate = min(a["bytes_per_s"] * self._bw_scale, STREAM_BYTES_PER_SM_S * self.gpu.sm_count)
-        return per_tensor * tensors + params * 28 / rate
+        return per_tensor * tensors + params * 28 / self._stream_rate(a["bytes_per_s"])
 
     def pcie_bytes_per_s(self) -> float:
         """Achieved pinned-memory copy rate: the H200 measurement's share of its link rate,
