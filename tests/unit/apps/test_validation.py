@@ -30,6 +30,19 @@ def test_suite_summary_is_consistent() -> None:
     assert s["max_abs_error"] == pytest.approx(max(errors))
 
 
+def test_vtrain_single_node_mape_within_10_percent() -> None:
+    # vTrain's measured Megatron iterations on 2-8 A100s, VALIDATE half only (720 of 1,440
+    # rows; MEGATRON_CPU_S_PER_OP is fitted on the other half, docs/calibration.md), every
+    # 4th of it, spread over all layouts: the bar is a MAPE within 10%.
+    from sim.apps.validation.vtrain import half_of, vtrain_cases
+
+    cases = vtrain_cases("single", every=4)
+    mape = sum(abs(c["error"]) for c in cases) / len(cases)
+    assert len(cases) == 180
+    assert all(half_of("single", int(c["id"].split(":")[0][3:])) == "validate" for c in cases)
+    assert mape <= 0.10, mape
+
+
 def test_fit_suites_run_only_when_named() -> None:
     # The fit halves are registered (`--suite vtrain-single-fit`) but are not validation:
     # the default run leaves them out.

@@ -1,7 +1,7 @@
 """vTrain's multi-node Megatron iterations, VALIDATE half (docs/calibration.md).
 
-In a file of its own so that pytest-xdist's ``--dist loadfile`` can run it beside the other
-long validation test on the second worker.
+In a file of its own so that pytest-xdist's ``--dist loadfile`` can run it beside the
+single-node check (``test_validation.py``) on the second worker.
 """
 
 from __future__ import annotations
