@@ -54,6 +54,8 @@ SLOW = {
         "97,520 ops: 8 stages x 32 micro-batches, ~15 s",
     "deepseek-v3-megatron-tp2pp16ep64-1024xh100":
         "250,922 ops: 16 stages x 128 micro-batches, 64-GPU all-to-alls, ~36 s CPU",
+    "deepseek-v3-megatron-pp16ep64-2048xh800":
+        "2,048 GPUs: 16 stages x 120 micro-batches, 64-GPU all-to-alls, ~30-50 s",
     "bloom-176b-deepspeed-3d-384xa100":
         "128,378 ops: 12 stages x 128 micro-batches, ~15 s CPU "
         "(tests/integration/test_deepspeed_pipe.py)",
@@ -234,6 +236,7 @@ def setup_text(s: Scenario) -> str:
     """Model, framework and cluster in a few words."""
     model = s.model if isinstance(s.model, str) else (s.model.name or "model")
     model = re.sub(r"llama(\d(?:\.\d)?)-(\d+)b", r"Llama \1 \2B", model)
+    model = {"deepseek-v3": "DeepSeek-V3"}.get(model, model)
     f = s.framework
     if f.name == "deepspeed":
         fw = f"DeepSpeed ZeRO-{f.zero_stage}"
@@ -255,8 +258,10 @@ def setup_text(s: Scenario) -> str:
     p = s.parallelism
     if p.tp > 1 or p.pp > 1:
         fw += f" TP{p.tp} x PP{p.pp} x DP{s.dp}"
+        fw += f" x EP{p.ep}" if p.ep > 1 else ""
     c = s.cluster
-    gpu = {"h100-sxm": "H100", "a100-80gb": "A100 80GB", "h200": "H200"}.get(c.gpu, c.gpu)
+    gpu = {"h100-sxm": "H100", "a100-80gb": "A100 80GB", "h200": "H200",
+           "h800": "H800"}.get(c.gpu, c.gpu)
     net = f", {c.nics_per_node} x {c.nic_gbps:g} Gb/s per node" if c.nodes > 1 else ""
     if c.nodes > 1 and c.nic_transport != "infiniband":
         net += {"roce": " RoCE", "efa": " EFA", "tcp": " TCP"}[c.nic_transport]
