@@ -39,6 +39,7 @@ from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
 from sim.engine.jitter import StepJitter
+from sim.engine.time_grid import GridEnvironment
 from sim.engine.waits import AllDone, FirstOf
 from sim.fabric.collectives import alltoall
 from sim.fabric.collectives.runner import Choice, CollectiveRunner, NcclSettings, transport_capacity
@@ -118,7 +119,7 @@ class Engine:
     def __init__(self, fabric: Fabric, arch: str, observer: EngineObserver | None = None,
                  nccl: NcclSettings | None = None, nic_transport: str = "infiniband",
                  sm_count: int = 132, gpu: GpuSpec | None = None) -> None:
-        self.env = simpy.Environment()
+        self.env = GridEnvironment()
         self.fabric = fabric
         self.observer = observer or EngineObserver()
         self.net = FlowNetwork(self.env, transport_capacity(fabric, arch, nic_transport),

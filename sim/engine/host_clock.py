@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+from sim.engine.time_grid import on_grid
 from sim.program.ir import Op, RankClass
 
 # Pending kernel launches a CUDA stream queues before a launch blocks the host thread: about
@@ -97,5 +98,5 @@ def issue_time(host_free: float, sync_end: float, cpu_s: float, launch_end: floa
         The latest end of the op's ``launches`` (:data:`HostIssue`; ``-inf`` if none).
     """
     t = host_free if host_free >= sync_end else sync_end
-    t += cpu_s
+    t += on_grid(cpu_s)
     return t if t >= launch_end else launch_end

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from sim.fabric.maxmin import END_TOLERANCE_S
+
 __all__ = ["FOLD_MIN_FLOWS", "FoldPlan", "FoldedGroup", "GroupStatics", "Subset", "fold_plan",
            "reach", "subset"]
 
@@ -328,14 +330,14 @@ class FoldedGroup:
         No, at once, while ``last`` is well inside the quiet time :meth:`next_end` noted
         (only advances have changed the group since: every change of its rates is followed
         by a schedule): a moving class then has more than ``eps`` of its size left by at
-        least its rate times the margin, and more than ``1e-12 max(1, now)`` seconds to go.
+        least its rate times the margin, and more than ``END_TOLERANCE_S`` seconds to go.
         The margin (``1e-9`` of the quiet time, plus twice that tolerance) is far above the
         rounding of the advances' subtractions (``2^-53`` of the bytes left each)."""
         quiet = self.quiet_for
-        if (quiet > 0 and last - self.quiet_from + 2e-12 * max(1.0, now) + 1e-9 * quiet
+        if (quiet > 0 and last - self.quiet_from + 2 * END_TOLERANCE_S + 1e-9 * quiet
                 < quiet):
             return False
-        limit = 1e-12 * max(1.0, now)
+        limit = END_TOLERANCE_S
         for r, left, size, live in zip(self.rate.tolist(), self.remaining.tolist(),
                                        self.csize.tolist(), self.live.tolist(), strict=True):
             if live and (left <= eps * size or (r > 0 and left / r <= limit)):
@@ -347,4 +349,4 @@ class FoldedGroup:
         left = np.full(len(self.rate), np.inf)
         np.divide(self.remaining, self.rate, out=left, where=self.rate > 0)
         return self.live & ((self.remaining <= eps * self.csize)
-                            | (left <= 1e-12 * max(1.0, now)))
+                            | (left <= END_TOLERANCE_S))

@@ -15,6 +15,11 @@ import numpy as np
 # Relative tolerance for "this link is saturated" and "this flow is done".
 _EPS = 1e-9
 
+END_TOLERANCE_S = 1e-12
+"""A flow with less time than this left ends now. A constant, not a share of the clock: the
+same flow ends at the same event wherever in the run it falls (the engine's time grid,
+:mod:`sim.engine.time_grid`, keeps intervals exact so that periods repeat to the bit)."""
+
 # max_min_rates renumbers the used links on fabrics with more links than this (below, a
 # numpy pass over every link costs less than renumbering).
 _DENSE_LINKS = 2048

@@ -31,7 +31,7 @@ import simpy
 from sim.fabric import network_fast as fast
 from sim.fabric import network_fold as fold_ops
 from sim.fabric.fold import FoldedGroup, FoldPlan
-from sim.fabric.maxmin import _EPS, max_min_rates
+from sim.fabric.maxmin import _EPS, END_TOLERANCE_S, max_min_rates
 from sim.fabric.network_tables import FlowTables
 
 __all__ = ["FlowNetwork", "NetworkObserver", "max_min_rates"]
@@ -341,7 +341,7 @@ class FlowNetwork(FlowTables):
         bytes left: never finished, never the next to finish."""
         left = np.full(self._n, np.inf)
         np.divide(self._remaining, self._rate, out=left, where=self._rate > 0)
-        return (self._remaining <= _EPS * self._size) | (left <= 1e-12 * max(1.0, self.env.now))
+        return (self._remaining <= _EPS * self._size) | (left <= END_TOLERANCE_S)
 
     def _schedule(self) -> None:
         self._version += 1
@@ -388,6 +388,9 @@ class FlowNetwork(FlowTables):
         self._gone_alone = None if np.count_nonzero(users[links[0]]) else gone_links
         # Their rates leave the link and class totals (finished flows ran until now).
         self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]], links)
+        self._credit_residue(self._remaining[finished], self._count[finished],
+                             self._hops[finished], gone_links,
+                             self._remaining[self._inc_flow[gone]], links[2])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
         # Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never
@@ -407,6 +410,20 @@ class FlowNetwork(FlowTables):
             self._compact()
         for gid in sorted(tally):
             self._end_flows(gid, tally[gid])
+
+    def _credit_residue(self, left: np.ndarray, count: np.ndarray, hops: np.ndarray,
+                        links: np.ndarray, left_per_link: np.ndarray, distinct: bool) -> None:
+        """Count ending flows as delivering exactly their size: the bytes ``left`` each (one
+        per flow; negative where it ran past its last byte) go onto the class totals
+        (``count`` times on each of its ``hops``) and ``left_per_link`` (one per incidence)
+        onto ``links``. A flow ends at an event on the engine's time grid
+        (:mod:`sim.engine.time_grid`), up to a quantum after its last byte, or within rounding
+        before it."""
+        self.class_bytes += (left * count) @ hops
+        if distinct:
+            self.link_bytes[links] += left_per_link
+        else:
+            np.add.at(self.link_bytes, links, left_per_link)
 
     def _end_flows(self, gid: int, k: int) -> None:
         """``k`` flows of group ``gid`` have ended; the last one ends the group."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sim.fabric.maxmin import _EPS, _renumber
+from sim.fabric.maxmin import _EPS, END_TOLERANCE_S, _renumber
 
 if TYPE_CHECKING:
     from sim.fabric.network import FlowNetwork
@@ -55,7 +55,7 @@ def ended_rows(remaining: list[float], rate: list[float], size: list[float],
                now: float) -> list[int]:
     """The rows whose flows end now, as ``FlowNetwork._finished_rows`` decides it: bytes left
     within rounding of none, or time left (moving flows only) within rounding of now."""
-    tol = 1e-12 * max(1.0, now)
+    tol = END_TOLERANCE_S
     return [i for i, (r, v, s) in enumerate(zip(remaining, rate, size, strict=True))
             if r <= _EPS * s or (v > 0 and r / v <= tol)]
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import simpy
 from helpers import RatesLog
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from sim.fabric import fold, network, network_fold
@@ -341,5 +341,8 @@ def test_several_folded_groups_at_once_move_no_bit(groups, side) -> None:
 
     plain, _ = run(False)
     folded, net = run(True)
-    assert net.folded_groups >= 2
+    # A group that starts as another ends starts unfolded (start_folded makes sure nothing
+    # else ends at its start): such a draw has nothing to say here (hypothesis found
+    # groups=[(0.0, 1.0, 1), (0.24, 1.0, 1)]).
+    assume(net.folded_groups >= 2)
     assert folded == plain
