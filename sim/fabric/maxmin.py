@@ -20,6 +20,42 @@ END_TOLERANCE_S = 1e-12
 same flow ends at the same event wherever in the run it falls (the engine's time grid,
 :mod:`sim.engine.time_grid`, keeps intervals exact so that periods repeat to the bit)."""
 
+RATE_GRID_BITS = 40
+"""Every rate :func:`max_min_rates` returns is rounded down (no link goes above its capacity)
+to a whole multiple of a power of two, ``2^-RATE_GRID_BITS`` of the fabric's largest capacity
+(:func:`rate_quantum`: 0.5 B/s beside a 900 GB/s NVLink, 2e-12 of it). Sums of such rates
+are exact while below ``2^(53 - RATE_GRID_BITS)`` = 8,192 times that capacity: a link's total
+always (it is at most its capacity), a link class's total on fabrics of up to a few thousand
+busy links. Exact totals, kept by adding and taking away each change, do not drift: they are
+back at their exact value when the same flows run again and at exactly zero when all have
+ended, which a period of a steady pipeline needs to repeat to the bit (issue 13 item 3)."""
+
+
+def rate_quantum(capacity: np.ndarray) -> float:
+    """The rate grid's spacing for a fabric with these link capacities (a power of two).
+
+    >>> rate_quantum(np.array([100.0, 30.0])) == 2.0 ** (7 - RATE_GRID_BITS)
+    True
+    """
+    top = float(capacity.max(initial=1.0))
+    if not (top > 0 and math.isfinite(top)):
+        top = 1.0
+    return math.ldexp(1.0, math.frexp(top)[1] - RATE_GRID_BITS)
+
+
+def on_rate_grid(rates: np.ndarray, quantum: float) -> np.ndarray:
+    """``rates`` rounded down to whole multiples of ``quantum`` (a power of two; in place and
+    returned). A rate below one quantum keeps its value: rounding it to zero would stall its
+    flow.
+
+    >>> on_rate_grid(np.array([100.0, 31.9, 5.5, 0.0]), 16.0).tolist()
+    [96.0, 16.0, 5.5, 0.0]
+    """
+    grid = np.floor(rates * (1.0 / quantum)) * quantum
+    np.copyto(rates, grid, where=grid > 0)
+    return rates
+
+
 # max_min_rates renumbers the used links on fabrics with more links than this (below, a
 # numpy pass over every link costs less than renumbering).
 _DENSE_LINKS = 2048
@@ -127,7 +163,7 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
             if not math.isfinite(step):
                 raise ValueError("a flow has no finite bottleneck")
             rates[0] = 0.0 + max(step, 0.0)
-            return rates
+            return on_rate_grid(rates, rate_quantum(capacity))
     floor = float(capacity.max(initial=1.0)) * 1e-6
     if len(capacity) > _DENSE_LINKS:
         if scratch is None:
@@ -188,4 +224,4 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
             wts = wts[keep]
         live = active[act_idx]
         act_idx, act_caps = act_idx[live], act_caps[live]
-    return rates
+    return on_rate_grid(rates, rate_quantum(capacity))

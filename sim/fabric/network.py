@@ -91,7 +91,9 @@ class FlowNetwork(FlowTables):
 
     recount_every: int = 4096
     """Every this many solves the network solves every flow afresh and sums link and class
-    rates anew (against rounding drift of the incremental sums); folded groups unfold."""
+    rates anew; folded groups unfold, and those still alone on their links fold again. (The
+    sums no longer drift between recounts: rates lie on a grid, :data:`sim.fabric.maxmin.
+    RATE_GRID_BITS`, on which they are exact.)"""
 
     def __init__(self, env: simpy.Environment, capacity: np.ndarray, kind: np.ndarray,
                  n_kinds: int, observer: NetworkObserver | None = None) -> None:

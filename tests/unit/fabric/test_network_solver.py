@@ -56,7 +56,10 @@ def reference_rates(paths: list[list[int]], capacity: list[float],
             if frozen[f]:
                 rates[f] = level
                 active[f] = False
-    return rates
+    # The rate grid (sim.fabric.maxmin.RATE_GRID_BITS): down to a multiple of 2^-40 of the
+    # power of two above the largest capacity, a rate under one step left alone.
+    step_q = 2.0 ** (math.frexp(cmax)[1] - 40)
+    return [math.floor(r / step_q) * step_q if r >= step_q else r for r in rates]
 
 
 def live_tables(net: FlowNetwork) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -240,6 +243,8 @@ def test_tolerance_floor_comes_from_the_whole_fabric() -> None:
         with mock.patch.object(maxmin, "_DENSE_LINKS", dense):
             rates = max_min_rates(flat, owner, 2, np.array([1.0, 1e11]), caps)
             alone = max_min_rates(flat, owner, 2, np.array([1.0]), caps)
-        assert rates.tolist() == [0.49999, 0.49999]
-        assert alone.tolist() == pytest.approx([0.49999, 0.50001], rel=1e-12)
-    assert reference_rates([[0], [0]], [1.0, 1e11], caps.tolist()) == [0.49999, 0.49999]
+        # Both at 0.49999, on the rate grid of a 1e11 fabric (steps of 2^37 / 2^40 = 1/8):
+        # 0.375, where 0.50001 would be 0.5.
+        assert rates.tolist() == [0.375, 0.375]
+        assert alone.tolist() == pytest.approx([0.49999, 0.50001], rel=1e-12, abs=2.0 ** -39)
+    assert reference_rates([[0], [0]], [1.0, 1e11], caps.tolist()) == [0.375, 0.375]
