@@ -89,11 +89,6 @@ class FlowNetwork(FlowTables):
     2.0
     """
 
-    recount_every: int = 4096
-    """Every this many solves the network solves every flow afresh and sums link and class
-    rates anew; folded groups unfold, and those still alone on their links fold again. (The
-    sums no longer drift between recounts: rates lie on a grid, :data:`sim.fabric.maxmin.
-    RATE_GRID_BITS`, on which they are exact.)"""
 
     def __init__(self, env: simpy.Environment, capacity: np.ndarray, kind: np.ndarray,
                  n_kinds: int, observer: NetworkObserver | None = None) -> None:
@@ -470,11 +465,6 @@ class FlowNetwork(FlowTables):
 
     def _solve(self) -> None:
         self.solves += 1
-        refold = None
-        if self._folded and self.solves % self.recount_every == 0:
-            # The recount below sums every flow as the tables hold them; the groups still
-            # alone on their links fold again after it (network_fold.refold).
-            refold = fold_ops.unfold_all(self)
         # Links to mark in the component search (any integer array will do).
         self._dirty_seen = self._dirty
         dirty = (self._dirty[0] if len(self._dirty) == 1 else
@@ -494,9 +484,11 @@ class FlowNetwork(FlowTables):
             if n_comp < 0:
                 comp = self._component(dirty)
                 n_comp = self._alone or int(np.count_nonzero(comp))
-            if n_comp == self._live or self.solves % self.recount_every == 0:
-                # A full solve, and now and then a full recount against rounding drift, on
-                # the live rows alone (the sums over flows see what they always saw).
+            if n_comp == self._live:
+                # A full solve, on the live rows alone (the sums over flows see what they
+                # always saw). No periodic recount: the running totals are exact sums (rates
+                # on the grid of sim.fabric.maxmin.RATE_GRID_BITS) and cannot drift, and what
+                # the network does stays a function of its state, not of a solve count.
                 if self._n > self._live:
                     self._compact()
                 n = self._n
@@ -537,5 +529,3 @@ class FlowNetwork(FlowTables):
                 self._add_link_rates(links, delta[owner])
                 self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
-        if refold:
-            fold_ops.refold(self, refold)

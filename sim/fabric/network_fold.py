@@ -5,11 +5,11 @@ their own module beside the network's tables (``network.py``); :mod:`sim.fabric.
 what a folded group is and why its figures are those of the unfolded one, bit for bit. The
 rules here keep it so:
 
-* a group folds at its start only when none of its links has a user, nothing else ends at that
-  instant, and the solve is not a periodic full recount (``FlowNetwork._solve``);
+* a group folds at its start only when none of its links has a user and nothing else ends at
+  that instant;
 * it stays folded while every solve it takes part in is its own (its start, a cap scale of its
   tag alone, the end of some of its classes with nothing else ending); any other start on one
-  of its links, any end at the same instant as another's, a recount, or an end whose component
+  of its links, any end at the same instant as another's, or an end whose component
   is not a union of whole classes unfolds it first into the rows and incidences the tables
   would hold, at the place they would hold them (groups keep their start order);
 * what it adds to link and class rates is computed from its members in the tables' order.
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from sim.fabric.network import FlowNetwork
 
 __all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "start_folded",
-           "refold", "unfold", "unfold_all"]
+           "unfold"]
 
 _PLAN_CACHE = 128
 """Fold plans remembered per network (a group repeats on the same links thousands of times)."""
@@ -52,7 +52,7 @@ def start_folded(net: FlowNetwork, done: simpy.Event, flat_links: np.ndarray,
     its per-flow arrays taken from the plan (the same at every start of the group). False:
     nothing done that matters, start it as rows."""
     n = len(lengths)
-    if (n < FOLD_MIN_FLOWS or (net.solves + 1) % net.recount_every == 0
+    if (n < FOLD_MIN_FLOWS
             or not ((sizes > 0) & (lengths > 0)).all()):
         return False
     plan = _plan_for(net, flat_links, lengths, sizes, counts, caps)
@@ -156,7 +156,7 @@ def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
     folded = sorted(g for g in gids if g in net._folded)
     if not folded:
         return False
-    if len(gids) == 1 and (net.solves + 1) % net.recount_every and not finishing_now(net):
+    if len(gids) == 1 and not finishing_now(net):
         group = net._folded[folded[0]]
         group.cap = group.cap0.copy() if scale >= 1.0 else group.base_cap * scale
         net._fold_pending = group.gid
@@ -208,7 +208,7 @@ def folded_event(net: FlowNetwork) -> bool:
               if g.ends_now(now, _EPS, net._last)}
     if not ending:
         return False
-    if (len(ending) == 1 and not net._dirty and (net.solves + 1) % net.recount_every
+    if (len(ending) == 1 and not net._dirty
             and not (net._n and net._finished_rows().any())):
         gid, fin = ending.popitem()
         group = net._folded[gid]
@@ -344,58 +344,6 @@ def class_sums(sub: Subset, values: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------------------ unfold
-def unfold_all(net: FlowNetwork) -> list[FoldedGroup]:
-    """Unfold every folded group (for a full recount); returns them, for :func:`refold`."""
-    groups = [net._folded[gid] for gid in sorted(net._folded)]
-    for group in groups:
-        unfold(net, group)
-    return groups
-
-
-def refold(net: FlowNetwork, groups: list[FoldedGroup]) -> None:
-    """Fold again, after the full recount's solve, the groups :func:`unfold_all` unfolded for
-    it, each that is still alone on its links with every member of a class on its
-    representative's rate, bytes left and caps (as the recount leaves them: progressive
-    filling gives members of an equitable class one rate).
-
-    Nothing ends or starts between the unfold and this, so each group's rows are its live
-    classes' members as ``unfold`` wrote them, with the recount's rates. Its rows become dead
-    rows (as ``FlowNetwork._retire`` leaves an ended flow's, which no sum reads); link and
-    class rates and link users stay as the recount made them. Later events then run as for a
-    group folded since its start (the rows it would hold are again the ones its classes stand
-    for), instead of the whole all-to-all's rows and incidences staying in every per-event
-    pass of the tables until it ends.
-    """
-    dead = np.zeros(net._n, dtype=bool)
-    for group in groups:
-        rows = np.flatnonzero(net._group == group.gid)
-        live = subset(group.plan, group.statics, group.live)
-        if not len(rows) or len(rows) != live.n_members:
-            continue
-        if not np.array_equal(net._link_users[live.used], live.users[live.used]):
-            continue   # another group's flows share its links now
-        cls = live.member_class
-        classes, first = np.unique(cls, return_index=True)
-        rate = group.rate.copy()
-        rate[classes] = net._rate[rows[first]]
-        if not (np.array_equal(net._rate[rows], rate[cls])
-                and np.array_equal(net._remaining[rows], group.remaining[cls])
-                and np.array_equal(net._cap[rows], group.cap[cls])):
-            continue
-        group.rate = rate
-        group.changed()   # its rates may have moved: the schedule notes anew
-        dead[rows] = True
-        net._folded[group.gid] = group
-        net._fold_owner[group.statics.used] = group.gid
-        net._live_folded += len(rows)
-    if dead.any():
-        net._rate[dead] = 0.0
-        net._remaining[dead] = np.inf
-        net._group[dead] = -1
-        net._inc_link[dead[net._inc_flow]] = net._dead_link
-        net._compact()
-
-
 def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
     """Put the group's live flows into the tables, where and as they would be."""
     del net._folded[group.gid]

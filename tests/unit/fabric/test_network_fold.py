@@ -4,8 +4,8 @@ A group alone on its links runs as one flow per class of an equitable partition 
 flow-link graph; whatever the group (any partition into classes is exact when it is
 equitable, so the test folds every group it can, however small and irregular), the rates,
 end times, link and class bytes and transfer ends must equal those of the same run with
-folding off, to the last bit, through starts beside it (which unfold it), cap scales, ends
-at the same instant as other flows', and the periodic full recount.
+folding off, to the last bit, through starts beside it (which unfold it), cap scales and ends
+at the same instant as other flows'.
 """
 
 from __future__ import annotations
@@ -129,16 +129,6 @@ def test_folding_moves_no_bit_on_a_large_fabric(events, scales) -> None:
     assert folded == plain
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(_event, min_size=1, max_size=6), st.lists(_scale, max_size=3))
-def test_folding_moves_no_bit_through_the_recount(events, scales) -> None:
-    # A full recount every few solves (FlowNetwork._solve's every 4,096th) unfolds all.
-    with mock.patch.object(network.FlowNetwork, "recount_every", 3):
-        plain, _ = _run(events, scales, folding=False)
-        folded, _ = _run(events, scales, folding=True)
-    assert folded == plain
-
-
 def test_an_alltoall_folds_to_three_classes_and_gives_its_closed_form() -> None:
     # 2 nodes x 4 GPUs, 1,000 B per peer, every link 100 B/s: 56 flows in three classes
     # (inside a node; across nodes on the sender's rail; across through the rail GPU).
@@ -168,10 +158,10 @@ def test_an_alltoall_folds_to_three_classes_and_gives_its_closed_form() -> None:
     assert 60.0 * (1 - 1e-12) <= env.now <= 1000.0 / (100.0 / 6 - 2.0 ** -33) * (1 + 1e-12)
 
 
-def _repeated_alltoalls(folding: bool, recount_every: int = 4096):
+def _repeated_alltoalls(folding: bool):
     """Three all-to-alls in a row on a 2 x 4 toy rail fabric, each beside a small flow on its
-    own link that starts and ends during it (events the folded group is not part of), with a
-    full recount every ``recount_every`` solves; (the rates log, the network)."""
+    own link that starts and ends during it (events the folded group is not part of); (the
+    rates log, the network)."""
     env = simpy.Environment()
     log = RatesLog()
     cap = 10.0 + (np.arange(33) % 4) * 5.0
@@ -194,33 +184,19 @@ def _repeated_alltoalls(folding: bool, recount_every: int = 4096):
         yield net.start_flow((32,), 80.0)
 
     env.process(run())
-    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9), \
-            mock.patch.object(network.FlowNetwork, "recount_every", recount_every):
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 1 if folding else 10**9):
         env.run()
     log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
     return log.seen, net
 
 
-@pytest.mark.parametrize("every", [2, 3, 5, 4096])
-def test_a_group_folds_again_after_the_recount(every) -> None:
-    # The full recount unfolds every folded group; a group still alone on its links folds
-    # again after it (network_fold.refold) and the run keeps every bit of the plain one.
-    plain, _ = _repeated_alltoalls(False, every)
-    calls = []
-    real = network_fold.refold
-
-    def counting(net, groups):
-        before = len(net._folded)
-        real(net, groups)
-        calls.append(len(net._folded) - before)
-
-    with mock.patch.object(network_fold, "refold", counting):
-        folded, net = _repeated_alltoalls(True, every)
+def test_repeated_alltoalls_fold_each_time_and_move_no_bit() -> None:
+    # Each all-to-all folds at its start (its links are free), runs beside the side flows on
+    # a link of its own, and the run keeps every bit of the plain one.
+    plain, _ = _repeated_alltoalls(False)
+    folded, net = _repeated_alltoalls(True)
     assert folded == plain
-    # A start that would be a recount's solve starts unfolded (network_fold.start_folded).
-    assert net.folded_groups >= 2
-    if every < 4096:
-        assert calls and sum(calls) > 0   # some recount met a folded group and refolded it
+    assert net.folded_groups == 3
     assert net._n == 0 and not net._folded
 
 
