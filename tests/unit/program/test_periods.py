@@ -15,7 +15,7 @@ from pathlib import Path
 from sim.config.load import load_scenario
 from sim.frameworks import JobContext, build_program
 from sim.program.ir import Program
-from sim.program.periods import class_order, steady_period
+from sim.program.periods import SteadyPeriod, class_order, steady_period
 
 TINY = Path(__file__).resolve().parents[2] / "integration" / "golden" / "scenarios" / "tiny.yaml"
 ONE_F_ONE_B = ["framework.name=megatron", "parallelism.pp=4", "parallelism.tp=2",
@@ -30,21 +30,26 @@ def _base(name: str) -> str:
     return re.sub(r"mb\d+", "mb", name)
 
 
-def test_1f1b_repeats_one_micro_batch_on_over_its_steady_phase() -> None:
-    program = _program(ONE_F_ONE_B)
-    period = steady_period(program)
-    assert period is not None and period.micro_batches == 1
+def _assert_maps_to_next(program: Program, period: SteadyPeriod) -> None:
+    """Each op of every stretch maps onto the same op (by name, which the search never reads)
+    ``period.micro_batches`` micro-batches later, or onto an op of no micro-batch of the same
+    name (a wait)."""
     for cls in program.classes:
         cp = period.classes[cls.id]
         order = class_order(cls)
-        # Each op maps onto the same op of the next micro-batch (by name, which the search
-        # never reads), or onto an op of no micro-batch of the same name (a wait).
         for k in range(cp.start, cp.start + cp.periods * cp.length):
             a, b = order[k], order[k + cp.length]
             assert _base(a.name) == _base(b.name)
             assert (a.micro_batch is None) == (b.micro_batch is None)
             if a.micro_batch is not None:
-                assert b.micro_batch == a.micro_batch + 1
+                assert b.micro_batch == a.micro_batch + period.micro_batches
+
+
+def test_1f1b_repeats_one_micro_batch_on_over_its_steady_phase() -> None:
+    program = _program(ONE_F_ONE_B)
+    period = steady_period(program)
+    assert period is not None and period.micro_batches == 1
+    _assert_maps_to_next(program, period)
     # The steady phase holds 64 - (pp - s - 1) pairs on stage s; the stretch lies inside the
     # shortest (61, stage 0) with a few micro-batches at each end where peers are unsteady.
     assert 50 <= period.periods <= 61
@@ -57,15 +62,8 @@ def test_the_interleaved_schedule_repeats_every_pp_micro_batches_and_not_every_o
     program = _program(sets)
     assert steady_period(program, 1) is None
     period = steady_period(program, 2)
-    assert period is not None and period.periods >= 20
-    for cls in program.classes:
-        cp = period.classes[cls.id]
-        order = class_order(cls)
-        for k in range(cp.start, cp.start + cp.periods * cp.length):
-            a, b = order[k], order[k + cp.length]
-            assert _base(a.name) == _base(b.name)
-            if a.micro_batch is not None:
-                assert b.micro_batch == a.micro_batch + 2
+    assert period is not None and period.periods >= 20 and period.micro_batches == 2
+    _assert_maps_to_next(program, period)
 
 
 def test_gradient_accumulation_repeats_too() -> None:
