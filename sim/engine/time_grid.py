@@ -9,9 +9,8 @@ schedule whose state repeats repeats to the last bit. Off the grid ``t + p + p``
 The quantum, ``2**-36`` s (15 ps), is far below anything the simulator prices (an NVLink
 hop's latency is about 100 ns, a kernel launch some microseconds): rounding every delay up
 to it moves a step by 15 ns at most per thousand dependent events, and a flow that ends up to
-a quantum after its last byte is counted as carrying its rate times that overrun more, under
-a byte at 50 GB/s. (Crediting the overrun back, flow by flow, cost a fifth of DeepSeek-V3's
-simulation, whose folded all-to-all classes end 22,000 times a step.)
+a quantum after its last byte carries under a byte more at 50 GB/s (the network counts each
+flow's bytes as exactly its size all the same, ``FlowNetwork._credit_residue``).
 """
 
 from __future__ import annotations

@@ -385,6 +385,9 @@ class FlowNetwork(FlowTables):
         self._gone_alone = None if np.count_nonzero(users[links[0]]) else gone_links
         # Their rates leave the link and class totals (finished flows ran until now).
         self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]], links)
+        self._credit_residue(self._remaining[finished], self._count[finished],
+                             self._hops[finished], gone_links,
+                             self._remaining[self._inc_flow[gone]], links[2])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
         # Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never
@@ -404,6 +407,20 @@ class FlowNetwork(FlowTables):
             self._compact()
         for gid in sorted(tally):
             self._end_flows(gid, tally[gid])
+
+    def _credit_residue(self, left: np.ndarray, count: np.ndarray, hops: np.ndarray,
+                        links: np.ndarray, left_per_link: np.ndarray, distinct: bool) -> None:
+        """Count ending flows as delivering exactly their size: the bytes ``left`` each (one
+        per flow; negative where it ran past its last byte) go onto the class totals
+        (``count`` times on each of its ``hops``) and ``left_per_link`` (one per incidence)
+        onto ``links``. A flow ends at an event on the engine's time grid
+        (:mod:`sim.engine.time_grid`), up to a quantum after its last byte, or within rounding
+        before it."""
+        self.class_bytes += (left * count) @ hops
+        if distinct:
+            self.link_bytes[links] += left_per_link
+        else:
+            np.add.at(self.link_bytes, links, left_per_link)
 
     def _end_flows(self, gid: int, k: int) -> None:
         """``k`` flows of group ``gid`` have ended; the last one ends the group."""

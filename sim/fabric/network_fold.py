@@ -236,6 +236,9 @@ def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None
     net._gone_alone = gone_links if not users[ended.used].any() else None
     _add_link_rates(net, ended, -group.rate)
     net._class_rates -= class_sums(ended, group.rate)
+    left = group.remaining[ended.member_class]
+    net._credit_residue(left, ended.count, ended.hops, ended.links,
+                        group.remaining[ended.inc_class], False)
     group.rate[fin] = 0.0
     group.remaining[fin] = np.inf
     group.live[fin] = False
