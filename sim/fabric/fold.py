@@ -323,7 +323,7 @@ class FoldedGroup:
         self.quiet_from, self.quiet_for, self.best_note = last, quiet, best
         return best, moving
 
-    def ends_now(self, now: float, eps: float, last: float) -> bool:
+    def ends_now(self, eps: float, last: float) -> bool:
         """Does a class end now (the tables' test, ``FlowNetwork._finished_rows``)? The
         group's bytes left are advanced to ``last``.
 
@@ -344,7 +344,7 @@ class FoldedGroup:
                 return True
         return False
 
-    def ending(self, now: float, eps: float) -> np.ndarray:
+    def ending(self, eps: float) -> np.ndarray:
         """Classes whose flows end now (mask)."""
         left = np.full(len(self.rate), np.inf)
         np.divide(self.remaining, self.rate, out=left, where=self.rate > 0)

@@ -110,7 +110,8 @@ def _renumber(links: np.ndarray, scratch: tuple[np.ndarray, np.ndarray],
 def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
                   capacity: np.ndarray, caps: np.ndarray | None = None,
                   scratch: tuple[np.ndarray, np.ndarray] | None = None,
-                  weights: np.ndarray | None = None) -> np.ndarray:
+                  weights: np.ndarray | None = None,
+                  quantum: float | None = None) -> np.ndarray:
     """Max-min fair rates by progressive filling.
 
     Parameters
@@ -126,6 +127,8 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
         folded group's representative, :mod:`sim.fabric.fold`); each round counts a link's
         users as the sum of its unfrozen incidences' weights, the count the unfolded flows
         would give, so the filling takes the same steps
+    quantum : optional step of the rate grid (:func:`rate_quantum` of ``capacity``, which a
+        caller solving often finds once); None: found here
 
     Returns
     -------
@@ -163,7 +166,7 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
             if not math.isfinite(step):
                 raise ValueError("a flow has no finite bottleneck")
             rates[0] = 0.0 + max(step, 0.0)
-            return on_rate_grid(rates, rate_quantum(capacity))
+            return on_rate_grid(rates, quantum or rate_quantum(capacity))
     floor = float(capacity.max(initial=1.0)) * 1e-6
     if len(capacity) > _DENSE_LINKS:
         if scratch is None:
@@ -224,4 +227,4 @@ def max_min_rates(flat_links: np.ndarray, owner: np.ndarray, n_flows: int,
             wts = wts[keep]
         live = active[act_idx]
         act_idx, act_caps = act_idx[live], act_caps[live]
-    return on_rate_grid(rates, rate_quantum(capacity))
+    return on_rate_grid(rates, quantum or rate_quantum(capacity))

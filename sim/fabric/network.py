@@ -31,7 +31,7 @@ import simpy
 from sim.fabric import network_fast as fast
 from sim.fabric import network_fold as fold_ops
 from sim.fabric.fold import FoldedGroup, FoldPlan
-from sim.fabric.maxmin import _EPS, END_TOLERANCE_S, max_min_rates
+from sim.fabric.maxmin import _EPS, END_TOLERANCE_S, max_min_rates, rate_quantum
 from sim.fabric.network_tables import FlowTables
 
 __all__ = ["FlowNetwork", "NetworkObserver", "max_min_rates"]
@@ -89,11 +89,13 @@ class FlowNetwork(FlowTables):
     2.0
     """
 
-
     def __init__(self, env: simpy.Environment, capacity: np.ndarray, kind: np.ndarray,
                  n_kinds: int, observer: NetworkObserver | None = None) -> None:
         self.env = env
         self.capacity = np.asarray(capacity, dtype=float)
+        # The rate grid's step for these capacities, found once (not a pass over every link
+        # at every solve).
+        self.rate_quantum = rate_quantum(self.capacity)
         self.kind = np.asarray(kind, dtype=np.int64)
         self.n_kinds = n_kinds
         self.observer = observer or NetworkObserver()
@@ -322,7 +324,7 @@ class FlowNetwork(FlowTables):
         n = self._n
         if n <= fast.SMALL_ROWS:
             rows = fast.ended_rows(self._remaining.tolist(), self._rate.tolist(),
-                                   self._size.tolist(), self.env.now)
+                                   self._size.tolist())
             if not rows:
                 return None
             finished = np.zeros(n, dtype=bool)
@@ -459,7 +461,8 @@ class FlowNetwork(FlowTables):
             if len(self._alone_rates) >= 4096:
                 self._alone_rates.clear()
             rates = max_min_rates(links, owner, len(idx), self.capacity, caps,
-                                  (self._link_mask, self._link_pos))
+                                  (self._link_mask, self._link_pos),
+                                  quantum=self.rate_quantum)
             self._alone_rates[key] = rates
         return rates.copy()
 
@@ -500,7 +503,8 @@ class FlowNetwork(FlowTables):
                 else:
                     self._rate[:] = max_min_rates(self._inc_link, self._inc_flow, n,
                                                   self.capacity, self._cap,
-                                                  (self._link_mask, self._link_pos))
+                                                  (self._link_mask, self._link_pos),
+                                                  quantum=self.rate_quantum)
                 self._link_rates = np.zeros(len(self.capacity))
                 self._busy_mask[self._busy] = False
                 self._busy = np.zeros(0, dtype=np.int64)
@@ -523,7 +527,7 @@ class FlowNetwork(FlowTables):
                     links = self._inc_link[sel]
                 rates = self._alone_solve(links, owner, idx) if self._alone else \
                     max_min_rates(links, owner, len(idx), self.capacity, self._cap[idx],
-                                  (self._link_mask, self._link_pos))
+                                  (self._link_mask, self._link_pos), quantum=self.rate_quantum)
                 delta = rates - self._rate[idx]
                 self._rate[idx] = rates
                 self._add_link_rates(links, delta[owner])

@@ -51,8 +51,7 @@ _CACHE_ENTRIES = 4096
 function of their key, so forgetting them moves no bit)."""
 
 
-def ended_rows(remaining: list[float], rate: list[float], size: list[float],
-               now: float) -> list[int]:
+def ended_rows(remaining: list[float], rate: list[float], size: list[float]) -> list[int]:
     """The rows whose flows end now, as ``FlowNetwork._finished_rows`` decides it: bytes left
     within rounding of none, or time left (moving flows only) within rounding of now."""
     tol = END_TOLERANCE_S

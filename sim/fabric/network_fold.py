@@ -146,8 +146,7 @@ def finishing_now(net: FlowNetwork) -> bool:
     """Would ``FlowNetwork._resolve`` end any flow now (rows or folded classes)?"""
     if net._n and net._finished_rows().any():
         return True
-    now = net.env.now
-    return any(g.ends_now(now, _EPS, net._last) for g in net._folded.values())
+    return any(g.ends_now(_EPS, net._last) for g in net._folded.values())
 
 
 def scale_folded(net: FlowNetwork, gids: set[int], scale: float) -> bool:
@@ -203,9 +202,8 @@ def folded_event(net: FlowNetwork) -> bool:
         group = net._folded[pending]
         folded_solve(net, group, group.live.copy())
         return True
-    now = net.env.now
-    ending = {gid: g.ending(now, _EPS) for gid, g in net._folded.items()
-              if g.ends_now(now, _EPS, net._last)}
+    ending = {gid: g.ending(_EPS) for gid, g in net._folded.items()
+              if g.ends_now(_EPS, net._last)}
     if not ending:
         return False
     if (len(ending) == 1 and not net._dirty
@@ -278,7 +276,7 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
                 plan.rates_cache.clear()
             rates = max_min_rates(sub.fold_links, sub.fold_owner, len(sub.classes),
                                   net.capacity, caps, (net._link_mask, net._link_pos),
-                                  weights=sub.fold_weight)
+                                  weights=sub.fold_weight, quantum=net.rate_quantum)
             plan.rates_cache[key] = rates
         new = group.rate.copy()
         new[sub.classes] = rates

@@ -90,9 +90,9 @@ def class_order(cls: RankClass) -> list[Op]:
     return sorted((o for ops in cls.streams.values() for o in ops), key=lambda o: o.index)
 
 
-def _period_length(order: list[Op], micro_batches: int) -> int | None:
-    """Ops between the first op of a middle micro-batch and the first of the one
-    ``micro_batches`` later, None where the class has no such pair."""
+def _period_length(order: list[Op], micro_batches: int) -> tuple[int, int] | None:
+    """(position of the first op of a middle micro-batch, ops between it and the first op of
+    the micro-batch ``micro_batches`` later), None where the class has no such pair."""
     first: dict[int, int] = {}
     for i, op in enumerate(order):
         if op.micro_batch is not None and op.micro_batch not in first:
@@ -104,7 +104,7 @@ def _period_length(order: list[Op], micro_batches: int) -> int | None:
     later = mid + micro_batches
     if later not in first or first[later] <= first[mid]:
         return None
-    return first[later] - first[mid]
+    return first[mid], first[later] - first[mid]
 
 
 def _stretch(order: list[Op], length: int, sigs: list[tuple[Hashable, ...]],
@@ -165,13 +165,12 @@ from sim.program.ir import Op, Program, RankClass
     regions: dict[int, tuple[list[Op], ClassPeriod]] = {}
     for cls in program.classes:
         order = class_order(cls)
-        length = _period_length(order, micro_batches)
-        if length is None:
+        measured = _period_length(order, micro_batches)
+        if measured is None:
             return None
+        anchor, length = measured
         sigs = [op_signature(op) for op in order]
         pos = {id(op): i for i, op in enumerate(order)}
-        middle = _middle(order, micro_batches)
-        anchor = next(i for i, op in enumerate(order) if op.micro_batch == middle)
         start, end = _stretch(order, length, sigs, pos, anchor)
         # A dependency both ops share (Megatron's wait on the first forward's parameter
         # all-gather) must lie before the stretch: start after the last such one.
@@ -247,8 +246,3 @@ def _cut(cp: ClassPeriod, bad_at: list[int]) -> ClassPeriod:
             run_at = p + 1
     return ClassPeriod(cp.start + best_at * cp.length, cp.length, best)
 
-
-def _middle(order: list[Op], micro_batches: int) -> int:
-    """The micro-batch :func:`_period_length` measures from."""
-    mbs = sorted({op.micro_batch for op in order if op.micro_batch is not None})
-    return mbs[len(mbs) // 2 - micro_batches // 2]

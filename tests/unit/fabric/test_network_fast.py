@@ -100,6 +100,6 @@ def test_loops_decide_as_the_numpy_forms() -> None:
     remaining = [2e-15, 1e-10, 6.0, math.inf, 5.0]
     rate = [2.0, 1.0, 2.0, 0.0, 0.0]
     size = [10.0, 1000.0, 10.0, 10.0, 5.0]
-    assert network_fast.ended_rows(remaining, rate, size, 2.0) == [0, 1]
+    assert network_fast.ended_rows(remaining, rate, size) == [0, 1]
     assert network_fast.next_end(remaining, rate) == (1e-15, True)
     assert network_fast.next_end([math.inf, 5.0], [0.0, 0.0]) == (math.inf, False)
