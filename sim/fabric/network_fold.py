@@ -234,9 +234,10 @@ def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None
     net._gone_alone = gone_links if not users[ended.used].any() else None
     _add_link_rates(net, ended, -group.rate)
     net._class_rates -= class_sums(ended, group.rate)
-    left = group.remaining[ended.member_class]
-    net._credit_residue(left, ended.count, ended.hops, ended.links,
-                        group.remaining[ended.inc_class], False)
+    # The plain rows' credit (FlowNetwork._credit_residue) summed the same way, remembered by
+    # the bytes left: a steady all-to-all ends each time with the same few bytes over.
+    net.class_bytes += class_sums(ended, group.remaining)
+    net.link_bytes[ended.used] += link_sums(ended, group.remaining)
     group.rate[fin] = 0.0
     group.remaining[fin] = np.inf
     group.live[fin] = False
