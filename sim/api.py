@@ -27,9 +27,10 @@ from sim.analysis.metrics import step_spans
 from sim.analysis.summary import StepSpread, Summary
 from sim.config.faults import check_faults
 from sim.engine.checkpointing import checkpoint_setup, crossing_bytes
-from sim.engine.core import Engine, paused_gc
+from sim.engine.core import Engine, EngineObserver, paused_gc
 from sim.engine.jitter import StepJitter
 from sim.engine.recorder import Recorder
+from sim.engine.splice import run_spliced
 from sim.fabric.collectives.runner import NcclSettings
 from sim.fabric.topology import TRANSPORT_LATENCY_US, Fabric, FabricSpec, build_fabric
 from sim.fabric.topology.link_faults import apply_link_faults
@@ -131,19 +132,39 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
         ctx = JobContext.from_scenario(scenario, origin)
         program = build_program(ctx)
         return run_program(ctx, program, steps, progress=progress,
-                           keep_link_series=keep_link_series, wall0=wall0)
+                           keep_link_series=keep_link_series, wall0=wall0,
+                           shorter=lambda m: _with_micro_batches(ctx, m, origin))
+
+
+def _with_micro_batches(ctx: JobContext, micro_batches: int, origin: str) -> Program | None:
+    """The program of ``ctx``'s job with ``micro_batches`` micro-batches a step (its global
+    batch made that much smaller), for the exact advance of :mod:`sim.engine.splice`; None
+    where the scenario's batch is not set by a global batch size."""
+    s = ctx.scenario
+    t = s.training
+    if micro_batches <= 0:
+        return None
+    batch = ctx.global_batch // ctx.micro_batches * micro_batches
+    short = s.model_copy(update={"training": t.model_copy(
+        update={"global_batch_size": batch})})
+    return build_program(JobContext.from_scenario(short, origin))
 
 
 def run_program(ctx: JobContext, program: Program, steps: int = 1,
                 progress: Callable[[int, int], None] | None = None,
                 keep_link_series: bool = False, wall0: float | None = None,
-                engine_class: type[Engine] | None = None) -> RunResult:
+                engine_class: type[Engine] | None = None,
+                shorter: Callable[[int], Program | None] | None = None,
+                steady_splice: bool = True) -> RunResult:
     """Run a built ``program`` for ``steps`` steps on the fabric of ``ctx``'s scenario (its
     cluster, NCCL settings and faults) and summarise it: the second and third phases of
     :func:`simulate`, for programs built elsewhere too (a replayed trace,
     :mod:`sim.apps.replay`). ``engine_class``: an :class:`Engine` subclass that overrides a
     hook (its ``compute_duration``); None: this module's ``Engine``, looked up at the call
-    (tools/profile_step.py substitutes a counting subclass there)."""
+    (tools/profile_step.py substitutes a counting subclass there). ``shorter``: builds the
+    same job with a given number of micro-batches; with it (and ``steady_splice``) one step
+    without faults, jitter or checkpoints runs as a shorter one with its steady period played
+    again, to the same bits (:func:`sim.engine.splice.run_spliced`)."""
     wall0 = time.perf_counter() if wall0 is None else wall0
     engine_class = Engine if engine_class is None else engine_class
     scenario = ctx.scenario
@@ -170,9 +191,16 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
         recorder.overheads = extra
         for c in program.classes:
             recorder.workspace(c.id, extra[c.id].cublas_workspace)
-        engine = engine_class(fabric, ctx.gpu.arch, recorder, nccl_settings(scenario),
-                              scenario.cluster.nic_transport, ctx.gpu.sm_count, gpu=ctx.gpu)
-        engine.host_cpu_factor = HostSpec.from_scenario(scenario).cpu_op_factor
+        host_factor = HostSpec.from_scenario(scenario).cpu_op_factor
+
+        def make_engine(observer: EngineObserver) -> Engine:
+            engine = engine_class(fabric, ctx.gpu.arch, observer, nccl_settings(scenario),
+                                  scenario.cluster.nic_transport, ctx.gpu.sm_count,
+                                  gpu=ctx.gpu)
+            engine.host_cpu_factor = host_factor
+            return engine
+
+        engine = make_engine(recorder)
         jitter = scenario.faults.jitter if scenario.faults is not None else None
         if jitter is not None and jitter.sigma > 0:   # sigma 0: the run without the key
             engine.jitter = StepJitter(jitter.sigma, jitter.seed)
@@ -184,15 +212,25 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
             engine.progress = lambda done: report(min(done, per_step * steps), per_step * steps)
         if saves is not None:
             engine.storage = saves.storage
-        for i in range(steps):
-            total += engine.run_step(program if saves is None
-                                     else saves.program_for(i, program))
-        if saves is not None:   # the last asynchronous write, to its end
-            engine.drain_background()
+        spliced = None
+        if (shorter is not None and steady_splice and steps == 1 and saves is None
+                and (scenario.faults is None or scenario.faults.empty)):
+            spliced = run_spliced(program, shorter, make_engine, recorder, keep_link_series)
+        if spliced is not None:
+            total = spliced.duration_s
+            class_bytes, events = spliced.class_bytes, spliced.ops + spliced.solves
+        else:
+            for i in range(steps):
+                total += engine.run_step(program if saves is None
+                                         else saves.program_for(i, program))
+            if saves is not None:   # the last asynchronous write, to its end
+                engine.drain_background()
+            class_bytes = engine.net.class_bytes
+            events = engine.events_processed + engine.net.solves
         if progress is not None:
             progress(per_step * steps, per_step * steps)
         # collect
-        summary = summarise(ctx, program, recorder, engine, total, steps,
+        summary = summarise(ctx, program, recorder, class_bytes, events, total, steps,
                             time.perf_counter() - wall0)
         if engine.jitter is not None:
             summary["step_times"] = step_spread(recorder)
@@ -212,13 +250,13 @@ def step_spread(rec: Recorder) -> StepSpread:
             "p90_s": float(p[1]), "p99_s": float(p[2]), "max_s": float(t.max())}
 
 
-def summarise(ctx: JobContext, program: Program, rec: Recorder, engine: Engine, total: float,
-              steps: int, wall_s: float) -> Summary:
+def summarise(ctx: JobContext, program: Program, rec: Recorder, class_bytes: np.ndarray,
+              events: int, total: float, steps: int, wall_s: float) -> Summary:
     """The run's summary object (:func:`sim.analysis.collect.collect_summary`), with what only
-    the framework layer knows gathered here."""
+    the framework layer knows gathered here: ``class_bytes`` the network's bytes per link
+    class, ``events`` its ops finished and rate solves."""
     return collect_summary(ctx.scenario, ctx.gpu, job_facts(ctx, program), program, rec,
-                           engine.net.class_bytes, engine.events_processed + engine.net.solves,
-                           total, steps, wall_s)
+                           class_bytes, events, total, steps, wall_s)
 
 
 def job_facts(ctx: JobContext, program: Program) -> JobFacts:

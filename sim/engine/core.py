@@ -300,6 +300,20 @@ class Engine:
                                                    op.nbytes / rate[0], rate[1] or None)
         return load
 
+    # ------------------------------------------------------------------ state read back
+    def issued_at(self, op: Op) -> float:
+        """When the host issued ``op`` in the step running now (:mod:`sim.engine.host_clock`)."""
+        return self._issue_time[op.index]
+
+    def accumulators(self, cls_id: int) -> tuple[float, ...]:
+        """The engine's running sums for rank class ``cls_id`` (the CTAs and HBM traffic its
+        collectives hold, the memory-bound share of its compute, its collectives' rate share):
+        floats added and taken away over the step, so an exact replay
+        (:mod:`sim.engine.splice`) compares them rather than assume they come back alike."""
+        load = self._load.get(cls_id)
+        return ((load.ctas, load.hbm_bytes_per_s) if load is not None else (0, 0.0)) \
+            + self.hbm_share.class_state(cls_id)
+
     # ------------------------------------------------------------------ running
     def run_step(self, program: Program) -> float:
         """Run one step of ``program``; returns its duration (all streams of all classes)."""

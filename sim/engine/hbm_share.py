@@ -102,6 +102,11 @@ class HbmShare:
         if coll.scale < 1.0:
             self.net.scale_caps(coll.tag, 1.0)
 
+    def class_state(self, cls_id: int) -> tuple[float, float]:
+        """The class's running memory-bound compute share and its collectives' rate share
+        (1.0: not capped), for :meth:`sim.engine.core.Engine.accumulators`."""
+        return self._memory.get(cls_id, 0.0), self._class_scale.get(cls_id, 1.0)
+
     # ------------------------------------------------------------------ internals
     def share(self, cls_id: int) -> float:
         """The share of their rate the class's collectives keep now."""

@@ -62,6 +62,11 @@ class NetworkObserver:
     def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
         """A group of flows has delivered all its ``nbytes`` (copies counted)."""
 
+    def on_class_bytes(self, t: float, added: np.ndarray) -> None:
+        """``added`` (bytes per link class; read it, never write it) has just been added to
+        :attr:`FlowNetwork.class_bytes`: every change of the totals, in order, so that a
+        replay (:mod:`sim.engine.splice`) can sum them again to the same bits."""
+
 
 class FlowNetwork(FlowTables):
     """Max-min fair flows over links with capacities.
@@ -295,7 +300,9 @@ class FlowNetwork(FlowTables):
         dt = now - self._last
         if dt > 0 and self._live:
             self._remaining -= self._rate * dt
-            self.class_bytes += self._class_rates * dt
+            added = self._class_rates * dt
+            self.class_bytes += added
+            self.observer.on_class_bytes(now, added)
             # Idle links add 0 * dt = 0.0, so adding them or leaving them out moves no bit.
             if self._dense:
                 self.link_bytes += self._link_rates * dt
@@ -421,7 +428,9 @@ class FlowNetwork(FlowTables):
         folded group's (the same bits). A flow ends at an event on the engine's time grid
         (:mod:`sim.engine.time_grid`), up to a quantum after its last byte, or within rounding
         before it."""
-        self.class_bytes += (left * count) @ hops
+        added = (left * count) @ hops
+        self.class_bytes += added
+        self.observer.on_class_bytes(self.env.now, added)
         ids, inv, distinct = link_set
         if distinct:
             self.link_bytes[ids[inv]] += left_per_link

@@ -236,7 +236,9 @@ def folded_retire(net: FlowNetwork, group: FoldedGroup, fin: np.ndarray) -> None
     net._class_rates -= class_sums(ended, group.rate)
     # The plain rows' credit (FlowNetwork._credit_residue) summed the same way, remembered by
     # the bytes left: a steady all-to-all ends each time with the same few bytes over.
-    net.class_bytes += class_sums(ended, group.remaining)
+    added = class_sums(ended, group.remaining)
+    net.class_bytes += added
+    net.observer.on_class_bytes(net.env.now, added)
     net.link_bytes[ended.used] += link_sums(ended, group.remaining)
     group.rate[fin] = 0.0
     group.remaining[fin] = np.inf

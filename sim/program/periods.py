@@ -185,10 +185,13 @@ from sim.program.ir import Op, Program, RankClass
 
 def _whole_keys(program: Program, micro_batches: int,
                 regions: dict[int, tuple[list[Op], ClassPeriod]]) -> SteadyPeriod | None:
-    """Cut the stretches until keys map one to one and whole: every op carrying a key the
-    period maps (and every op carrying its image) lies inside its class's stretch, so that
-    peers meeting at ``k`` in one period meet at ``k'`` in the next. A cut in one pipeline
-    stage moves its peers' at the next pass; keys are numbered once and each pass is numpy."""
+    """Cut the stretches where keys do not map one to one and whole: every op carrying a key
+    the period maps (and every op carrying its image) lies inside its class's stretch of alike
+    ops, so that peers meeting at ``k`` in one period meet at ``k'`` in the next. One pass over
+    the stretches as found, not a pass per cut: an op a cut leaves out is still alike the op a
+    period on, so its key still maps where it did (cutting again at its peers would shave an
+    interleaved pipeline's ring of stages, whose last stage feeds the first one's next model
+    chunk, one period per trip round it, down to nothing). Keys are numbered once; numpy."""
     ids: dict[str, int] = {}
     every = Counter(ids.setdefault(op.key, len(ids)) for cls in program.classes
                     for ops in cls.streams.values() for op in ops if op.key)
@@ -203,30 +206,23 @@ def _whole_keys(program: Program, micro_batches: int,
                 if order[k].key or order[k + cp.length].key]
         arr = np.array(rows, dtype=np.int64).reshape(-1, 3)
         keyed[cid] = (arr[:, 0], arr[:, 1], arr[:, 2])
-    while True:
-        live = {cid: (pos >= cp.start) & (pos < cp.start + cp.periods * cp.length)
-                for cid, (_, cp) in regions.items() for pos in (keyed[cid][0],)}
-        src = np.concatenate([keyed[c][1][m] for c, m in live.items()])
-        dst = np.concatenate([keyed[c][2][m] for c, m in live.items()])
-        whole = (src >= 0) & (dst >= 0)
-        pairs = np.unique(src[whole] * n + dst[whole])
-        bad = np.zeros(n, dtype=bool)
-        bad[np.flatnonzero(np.bincount(pairs // n, minlength=n) > 1)] = True   # k -> k', k''
-        bad[np.flatnonzero(np.bincount(pairs % n, minlength=n) > 1)] = True    # k, k'' -> k'
-        mapped = np.bincount(src[whole], minlength=n)
-        bad |= (mapped > 0) & (mapped != total)                               # not all of k
-        images = np.bincount(dst[whole], minlength=n)
-        bad |= (images > 0) & (images != total)                               # nor of k'
-        changed = False
-        for cid, (order, cp) in regions.items():
-            pos, a, b = keyed[cid]
-            hit = live[cid] & ((a < 0) | (b < 0) | bad[np.maximum(a, 0)] | bad[np.maximum(b, 0)])
-            cut = _cut(cp, pos[hit].tolist())
-            if cut != cp:
-                regions[cid] = (order, cut)
-                changed = True
-        if not changed:
-            break
+    live = {cid: (pos >= cp.start) & (pos < cp.start + cp.periods * cp.length)
+            for cid, (_, cp) in regions.items() for pos in (keyed[cid][0],)}
+    src = np.concatenate([keyed[c][1][m] for c, m in live.items()])
+    dst = np.concatenate([keyed[c][2][m] for c, m in live.items()])
+    whole = (src >= 0) & (dst >= 0)
+    pairs = np.unique(src[whole] * n + dst[whole])
+    bad = np.zeros(n, dtype=bool)
+    bad[np.flatnonzero(np.bincount(pairs // n, minlength=n) > 1)] = True   # k -> k', k''
+    bad[np.flatnonzero(np.bincount(pairs % n, minlength=n) > 1)] = True    # k, k'' -> k'
+    mapped = np.bincount(src[whole], minlength=n)
+    bad |= (mapped > 0) & (mapped != total)                               # not all of k
+    images = np.bincount(dst[whole], minlength=n)
+    bad |= (images > 0) & (images != total)                               # nor of k'
+    for cid, (order, cp) in regions.items():
+        pos, a, b = keyed[cid]
+        hit = live[cid] & ((a < 0) | (b < 0) | bad[np.maximum(a, 0)] | bad[np.maximum(b, 0)])
+        regions[cid] = (order, _cut(cp, pos[hit].tolist()))
     if any(cp.periods < 1 for _, cp in regions.values()):
         return None
     return SteadyPeriod(micro_batches, {cid: cp for cid, (_, cp) in regions.items()})

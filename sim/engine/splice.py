@@ -1,0 +1,490 @@
+"""The exact advance of a steady phase: a shorter run with its period played again (issue 13,
+item 3; ``docs/performance.md`` item 11).
+
+A pipeline's steady phase, or gradient accumulation, repeats the same ops micro-batch after
+micro-batch (:func:`sim.program.periods.steady_period`), and on the engine's time grid
+(:mod:`sim.engine.time_grid`) the simulation of it repeats to the bit. So the run of a step of
+``N`` micro-batches is the run of the same job with ``K`` periods fewer (the *short* program,
+which its builder makes with fewer micro-batches) with one period of it played ``K`` more
+times. No generator has to jump: the short run is simulated whole, with a :class:`LogTap`
+keeping every report the engine and the network make (ops, memory, collectives, rates,
+transfers, each change of the byte totals) in order; :func:`find_cut` finds two cuts one
+period apart where the run is the same, relative to the cut; :func:`splice` replays the
+reports into the real recorder in the order the long run would make them: the short run up to
+the second cut, the period ``K`` more times (times ``+ j P``, each op the one ``j`` periods on in
+the long program), then the rest of the short run shifted by ``K`` periods.
+
+Why the cuts are exact, not a fit. The engine is deterministic, so if its whole state at two
+cuts is the same up to the shift (times ``+ P``, each op the one a period on), every event after
+the second cut repeats the events after the first, as long as the program ahead repeats (it
+does, inside the steady stretch). The state is not copied but witnessed: each part of it is a
+value some report carries, or a function of reports since a known time. :func:`find_cut`
+accepts a cut only where every report from the start of the window ``lo`` to past the end of
+the ops in flight matches the report one period on, and
+
+- every op in flight at the cut that has started started after ``lo`` (a compute op's work
+  left and a flow's bytes left are functions of the events since it started, every one
+  reported: ops, rate changes and each byte-total change, with its time);
+- each op's issue time, ready and start are in its report, and with it the running sums of
+  its class (:meth:`Engine.accumulators`), floats that need not come back alike;
+- the host clock's last issue and the ends it will wait for before its next issues
+  (:func:`sim.engine.host_clock.host_issues`) are reports inside the window.
+
+Rates (:data:`sim.fabric.maxmin.RATE_GRID_BITS`) and times are on exact grids, so the shifted
+sums are the same bits. The byte totals are summed again in the long run's order from the
+same increments, so they match to the last bit too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from sim.engine.core import EngineObserver
+from sim.engine.host_clock import host_issues, issue_order
+from sim.fabric.collectives.runner import Choice
+from sim.program.ir import Op, Program, RankClass
+from sim.program.periods import op_signature, steady_period
+
+if TYPE_CHECKING:
+    from sim.engine.core import Engine
+
+# Report kinds (the first field of an entry).
+OP, MEM, COLL, RATES, XFER, BYTES = range(6)
+
+Entry = tuple[int, float, int, Op | None, tuple[Any, ...], int]
+"""(kind, time, rank class or -1, op or None, what else the report says, rate solves so far)."""
+
+
+class LogTap(EngineObserver):
+    """Keeps every report of a run, in order, for :func:`find_cut` and :func:`splice`.
+
+    ``keep_link_rates``: keep each rate change's per-link rates (the recorder's
+    ``keep_link_series``); otherwise only the per-class ones.
+    """
+
+    def __init__(self, keep_link_rates: bool = False) -> None:
+        self.entries: list[Entry] = []
+        self.background = False
+        """A background stream's op was reported: such a run is not spliced."""
+        self._keep_links = keep_link_rates
+        self._engine: Engine | None = None
+
+    def attach(self, engine: Engine) -> None:
+        """The engine whose issue times, sums, clock and solve count the reports carry."""
+        self._engine = engine
+
+    def _solves(self) -> int:
+        assert self._engine is not None
+        return self._engine.net.solves
+
+    def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+              step: int) -> None:
+        engine = self._engine
+        assert engine is not None
+        self.entries.append((OP, end, cls.id, op, (ready, start, engine.issued_at(op), step,
+                                                     engine.accumulators(cls.id)),
+                             engine.net.solves))
+
+    def on_background_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
+                         step: int) -> None:
+        self.background = True
+
+    def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
+                  op: Op | None = None) -> None:
+        self.entries.append((MEM, t, cls.id, op, (category, delta), self._solves()))
+
+    def on_collective(self, op: Op, choice: Choice | None) -> None:
+        assert self._engine is not None
+        self.entries.append((COLL, self._engine.env.now, -1, op, (choice,), self._solves()))
+
+    def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
+        links = link_rates.copy() if self._keep_links else None
+        self.entries.append((RATES, t, -1, None, (class_rates.copy(), links), self._solves()))
+
+    def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
+        op = tag if isinstance(tag, Op) else None
+        self.entries.append((XFER, t, -1, op, (nbytes,), self._solves()))
+
+    def on_class_bytes(self, t: float, added: np.ndarray) -> None:
+        self.entries.append((BYTES, t, -1, None, (added,), self._solves()))
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Two cuts one period apart in a run's reports (:func:`find_cut`)."""
+
+    first: int
+    """Index of the first report of the period (the first cut)."""
+    entries: int
+    """Reports per period (the second cut is ``first + entries``)."""
+    period_s: float
+    """Simulated seconds per period."""
+    solves: int
+    """Rate solves per period."""
+
+
+class ShortRun:
+    """The short program's ops by position: per rank class its issue order, and for each op
+    its (class, position)."""
+
+    def __init__(self, program: Program) -> None:
+        self.order: dict[int, list[Op]] = {c.id: issue_order(c) for c in program.classes}
+        self.where: dict[int, tuple[int, int]] = {
+            id(op): (cid, i) for cid, ops in self.order.items() for i, op in enumerate(ops)}
+        # The ops whose ends the host reads before issuing each op (sync and launch heads).
+        self.heads: dict[int, tuple[Op, ...]] = {}
+        for cls in program.classes:
+            for op, sync, launches in host_issues(self.order[cls.id]):
+                self.heads[id(op)] = launches + ((sync,) if sync is not None else ())
+        self._sigs: dict[int, tuple[Hashable, ...]] = {}
+
+    def signature(self, op: Op) -> tuple[Hashable, ...]:
+        got = self._sigs.get(id(op))
+        if got is None:
+            got = self._sigs[id(op)] = op_signature(op)
+        return got
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                and np.array_equal(a, b))
+    return bool(a == b)
+
+
+def _alike(a: Entry, b: Entry, period_s: float, short: ShortRun,
+           lengths: dict[int, int]) -> bool:
+    """Whether report ``b`` is report ``a`` one period on."""
+    if a[0] != b[0] or a[2] != b[2] or b[1] != a[1] + period_s:
+        return False
+    oa, ob = a[3], b[3]
+    if oa is None or ob is None:
+        if oa is not ob:
+            return False
+    else:
+        wa, wb = short.where.get(id(oa)), short.where.get(id(ob))
+        if (wa is None or wb is None or wa[0] != wb[0] or wb[1] != wa[1] + lengths[wa[0]]
+                or short.signature(oa) != short.signature(ob)):
+            return False
+    pa, pb = a[4], b[4]
+    if a[0] == OP:
+        return (pb[0] == pa[0] + period_s and pb[1] == pa[1] + period_s
+                and (pb[2] == pa[2] + period_s or _host_ahead(pa, pb))
+                and pb[3] == pa[3] and pb[4] == pa[4])
+    return len(pa) == len(pb) and all(_same(x, y) for x, y in zip(pa, pb, strict=True))
+
+
+def _host_ahead(pa: tuple[Any, ...], pb: tuple[Any, ...]) -> bool:
+    """Whether an op and its twin a period on were both issued before they were ready (their
+    dependencies, not the host, set when they start) with the host as far ahead or further
+    the second time: a host that gains on the GPU each period (its CPU seconds a period below
+    the period) issues at other times every period, yet no GPU time depends on them."""
+    return pa[2] < pa[0] and pb[2] < pb[0] and pb[0] - pb[2] >= pa[0] - pa[2]
+
+
+def find_cut(entries: list[Entry], short: ShortRun, lengths: dict[int, int],
+             anchor: tuple[int, int]) -> Cut | None:
+    """Two cuts one period apart where the run's state is the same up to the shift, as the
+    module docstring says; None if the reports show none.
+
+    Parameters
+    ----------
+    entries
+        A run's reports (:attr:`LogTap.entries`).
+    short
+        Its program's ops by position.
+    lengths
+        Ops per period of each rank class.
+    anchor
+        (rank class, position) of an op inside the steady stretch with the op a period on
+        inside it too: the period's length in reports and seconds is measured there.
+    """
+    ends = {id(e[3]): i for i, e in enumerate(entries) if e[0] == OP}
+    cls0, q0 = anchor
+    order = short.order[cls0]
+    if q0 + lengths[cls0] >= len(order):
+        return None
+    i0, i1 = ends[id(order[q0])], ends[id(order[q0 + lengths[cls0]])]
+    span = i1 - i0
+    if span <= 0:
+        return None
+    period_s = entries[i1][1] - entries[i0][1]
+    solves = entries[i1][5] - entries[i0][5]
+    n = len(entries)
+
+    def match(i: int) -> bool:
+        a, b = entries[i], entries[i + span]
+        return b[5] - a[5] == solves and _alike(a, b, period_s, short, lengths)
+
+    if period_s <= 0 or not match(i0):
+        return None
+    lo = i0
+    while lo > 0 and match(lo - 1):
+        lo -= 1
+    hi = i0 + 1
+    while hi + span < n and match(hi):
+        hi += 1
+    # Every report in [lo, hi + span) now pairs with the one a period before or after it.
+    witness = _Witness(entries, short, ends)
+    # A host running ahead by more each period (_host_ahead): its issue times are not a
+    # state that repeats, but one that only moves further ahead. Nothing after the cut may
+    # then wait for the host: the long run's host, K periods further ahead, would issue it
+    # earlier. Otherwise the host's state is witnessed like the rest.
+    drift = witness.drifting(lo, hi, span, period_s)
+    for first in range(lo + 1, hi + 1, max(1, span // 16)):
+        if drift.any() and not witness.host_never_waited(first, drift):
+            continue
+        if witness.holds(first, first + span, lo, hi, drift):
+            return Cut(first, span, period_s, solves)
+    return None
+
+
+class _Witness:
+    """The short run's ops as arrays, to check that the reports witness the state at a cut."""
+
+    def __init__(self, entries: list[Entry], short: ShortRun, ends: dict[int, int]) -> None:
+        self.times = np.array([e[1] for e in entries])
+        self.op_at = np.array([i for i, e in enumerate(entries) if e[0] == OP],
+                              dtype=np.int64)
+        self.issue = np.array([entries[i][4][2] for i in self.op_at])
+        self.ready = np.array([entries[i][4][0] for i in self.op_at])
+        self.start = np.array([entries[i][4][1] for i in self.op_at])
+        self.cls = np.array([entries[i][2] for i in self.op_at], dtype=np.int64)
+        self.where = np.full(len(entries), -1, dtype=np.int64)
+        self.where[self.op_at] = np.arange(len(self.op_at))
+        self.short, self.ends = short, ends
+        # Per class, its ops' issue times in issue order (never decreasing: the host issues
+        # in that order) and their reports' indices.
+        self.class_issue: dict[int, np.ndarray] = {}
+        self.class_end: dict[int, np.ndarray] = {}
+        for cid, order in short.order.items():
+            at = np.array([ends[id(op)] for op in order], dtype=np.int64)
+            self.class_end[cid] = at
+            self.class_issue[cid] = np.array([entries[i][4][2] for i in at])
+
+    def drifting(self, lo: int, hi: int, span: int, period_s: float) -> np.ndarray:
+        """A mask over rank class ids: the classes whose host issues some op of the window
+        [lo, hi) other than a period before its twin (:func:`_host_ahead`)."""
+        at = self.op_at[(self.op_at >= lo) & (self.op_at < hi)]
+        j = self.where[at]
+        off = self.issue[self.where[at + span]] - self.issue[j] != period_s
+        mask = np.zeros(int(self.cls.max()) + 1 if len(self.cls) else 0, dtype=bool)
+        mask[self.cls[j[off]]] = True
+        return mask
+
+    def host_never_waited(self, first: int, drift: np.ndarray) -> bool:
+        """Whether every op of the ``drift`` classes reported from ``first`` on was issued
+        before it was ready."""
+        k = int(np.searchsorted(self.op_at, first))
+        mine = drift[self.cls[k:]]
+        return bool(np.all(self.issue[k:][mine] < self.ready[k:][mine]))
+
+    def holds(self, first: int, second: int, lo: int, hi: int, drift: np.ndarray) -> bool:
+        """Whether the reports [lo, hi + period) witness the state at report ``first``
+        (``drift``: the classes whose host runs ahead with nothing waiting for it, whose host
+        state is not needed)."""
+        t_cut, t_lo = self.times[first], self.times[lo]
+        k = int(np.searchsorted(self.op_at, first))
+        # Ops issued by the cut and not finished: those that have started are reported
+        # inside the window and started after its beginning; those waiting are reported
+        # inside it too, unless the host is ahead and they wait for their dependencies only.
+        live = np.flatnonzero(self.issue[k:] <= t_cut) + k
+        held = (self.start[live] <= t_cut) | ~drift[self.cls[live]]
+        if np.any(held) and (self.op_at[live[held]].max() >= hi or np.any(
+                (self.start[live[held]] <= t_cut) & (self.start[live[held]] <= t_lo))):
+            return False
+        t_second = self.times[min(second, len(self.times) - 1)]
+        for cid, issued in self.class_issue.items():
+            if cid < len(drift) and drift[cid]:
+                continue
+            # The host clock's last issue before the cut is a report in the window ...
+            last = int(np.searchsorted(issued, t_cut, side="right")) - 1
+            if last >= 0 and self.class_end[cid][last] < lo:
+                return False
+            # ... and so are the ends it reads before each issue of the period.
+            upto = int(np.searchsorted(issued, t_second, side="right"))
+            order = self.short.order[cid]
+            for pos in range(last + 1, upto):
+                for head in self.short.heads.get(id(order[pos]), ()):
+                    if self.ends[id(head)] < lo:
+                        return False
+        return True
+
+
+def _deps_map(op: Op, target: Op, shift: int,
+              mapped: Callable[[Op | None, int], Op | None]) -> bool:
+    """Whether each dependency of ``target`` is the counterpart of ``op``'s, ``shift``
+    periods on or (a dependency both share, before the steady stretch) the same one."""
+    if len(op.deps) != len(target.deps):
+        return False
+    for d, t in zip(op.deps, target.deps, strict=True):
+        if t is not mapped(d, shift) and t is not mapped(d, 0):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Spliced:
+    """What the long run's engine and network would hold at its end."""
+
+    class_bytes: np.ndarray
+    ops: int
+    solves: int
+    duration_s: float
+
+
+def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
+           lengths: dict[int, int], long_order: dict[int, list[Op]],
+           classes: dict[int, RankClass], observer: EngineObserver, duration_s: float,
+           solves: int, n_kinds: int) -> Spliced | None:
+    """Replay the short run's reports into ``observer`` as the long run (``extra`` periods
+    more) would make them; None, with nothing replayed, if some report's op has no
+    counterpart alike in the long program or the long program's ops are not each reported
+    once.
+
+    Parameters
+    ----------
+    entries, cut
+        The short run's reports and its cuts (:func:`find_cut`).
+    extra
+        Periods the long program has beyond the short one.
+    short, lengths
+        The short program's ops by position; ops per period of each class.
+    long_order
+        The long program's ops by class, in issue order.
+    classes
+        The long program's rank classes by id.
+    observer
+        Where the reports go (the run's recorder).
+    duration_s, solves
+        The short run's step duration and rate solves.
+    n_kinds
+        Link classes of the byte totals.
+    """
+    a, b = cut.first, cut.first + cut.entries
+    segments = [(0, b, 0)] + [(a, b, j) for j in range(1, extra + 1)] + \
+        [(b, len(entries), extra)]
+
+    def counterpart(op: Op | None, j: int) -> Op | None:
+        if op is None:
+            return None
+        cid, pos = short.where[id(op)]
+        target = pos + j * lengths[cid]
+        ops = long_order[cid]
+        if target >= len(ops):
+            raise LookupError
+        return ops[target]
+
+    mapped: Callable[[Op | None, int], Op | None] = counterpart
+    # Check every op first: nothing reaches the observer unless all of it can.
+    seen: set[int] = set()
+    try:
+        for lo, hi, j in segments:
+            for i in range(lo, hi):
+                e = entries[i]
+                if e[3] is None:
+                    continue
+                target = mapped(e[3], j)
+                assert target is not None
+                if short.signature(e[3]) != op_signature(target) or not _deps_map(
+                        e[3], target, j, mapped):
+                    return None
+                if e[0] == OP:
+                    if id(target) in seen:
+                        return None
+                    seen.add(id(target))
+    except LookupError:
+        return None
+    if len(seen) != sum(len(ops) for ops in long_order.values()):
+        return None
+    sums = np.zeros(n_kinds)
+    for lo, hi, j in segments:
+        shift = j * cut.period_s
+        for i in range(lo, hi):
+            kind, t, cid, op, what, _ = entries[i]
+            target = mapped(op, j)
+            if kind == OP:
+                ready, start, _, step, _ = what
+                assert target is not None
+                observer.on_op(classes[cid], target, ready + shift, start + shift, t + shift,
+                               step)
+            elif kind == MEM:
+                observer.on_memory(classes[cid], t + shift, what[0], what[1], target)
+            elif kind == COLL:
+                assert target is not None
+                observer.on_collective(target, what[0])
+            elif kind == RATES:
+                links = what[1] if what[1] is not None else np.zeros(0)
+                observer.on_rates(t + shift, what[0], links)
+            elif kind == XFER:
+                observer.on_transfer_end(t + shift, target, what[0])
+            else:   # the byte totals, summed again in the long run's order
+                sums += what[0]
+    return Spliced(class_bytes=sums, ops=len(seen), solves=solves + extra * cut.solves,
+                   duration_s=duration_s + extra * cut.period_s)
+
+
+SHORT_PERIODS = 10
+"""Steady periods the short program keeps: room for the window of reports that witnesses the
+cut (the host clock runs up to its launch queue ahead: a few periods) and the period itself."""
+MIN_EXTRA_PERIODS = 6
+"""Below this many periods more in the long program, simulating it whole costs about as much."""
+
+
+def run_spliced(program: Program, shorter: Callable[[int], Program | None],
+                make_engine: Callable[[EngineObserver], Engine], observer: EngineObserver,
+                keep_link_rates: bool = False) -> Spliced | None:
+    """Run one step of ``program`` as a shorter one with its steady period played again
+    (module docstring), reporting to ``observer`` exactly what running it would; None, with
+    nothing reported, where the program has no steady stretch long enough or the short run
+    shows no cut it can witness (the caller then runs it whole).
+
+    Parameters
+    ----------
+    program
+        The long program (one step).
+    shorter
+        Builds the same job with the given number of micro-batches (None: it cannot).
+    make_engine
+        A fresh engine on the run's fabric, reporting to the given observer.
+    observer
+        The run's recorder.
+    keep_link_rates
+        Whether the observer keeps per-link rates.
+    """
+    if program.background_streams:
+        return None
+    period = steady_period(program, 1)
+    if period is None and program.pipeline_stages > 1:
+        period = steady_period(program, program.pipeline_stages)
+    if period is None:
+        return None
+    extra = period.periods - SHORT_PERIODS
+    if extra < MIN_EXTRA_PERIODS:
+        return None
+    short_program = shorter(program.micro_batches - extra * period.micro_batches)
+    if short_program is None or [(c.id, c.members) for c in short_program.classes] != [
+            (c.id, c.members) for c in program.classes]:
+        return None
+    tap = LogTap(keep_link_rates)
+    engine = make_engine(tap)
+    tap.attach(engine)
+    duration = engine.run_step(short_program)
+    if tap.background:
+        return None
+    short = ShortRun(short_program)
+    lengths = {cid: cp.length for cid, cp in period.classes.items()}
+    first = program.classes[0].id
+    cp = period.classes[first]
+    cut = find_cut(tap.entries, short, lengths,
+                   (first, cp.start + (SHORT_PERIODS // 2) * cp.length))
+    if cut is None:
+        return None
+    return splice(tap.entries, cut, extra, short, lengths,
+                  {c.id: issue_order(c) for c in program.classes},
+                  {c.id: c for c in program.classes}, observer, duration, engine.net.solves,
+                  len(engine.net.class_bytes))
