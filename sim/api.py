@@ -193,11 +193,17 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
             recorder.workspace(c.id, extra[c.id].cublas_workspace)
         host_factor = HostSpec.from_scenario(scenario).cpu_op_factor
 
+        per_step = len(program.ops)
+
         def make_engine(observer: EngineObserver) -> Engine:
             engine = engine_class(fabric, ctx.gpu.arch, observer, nccl_settings(scenario),
                                   scenario.cluster.nic_transport, ctx.gpu.sm_count,
                                   gpu=ctx.gpu)
             engine.host_cpu_factor = host_factor
+            if progress is not None:   # a spliced run's shorter one counts towards it too
+                report = progress
+                engine.progress = lambda done: report(min(done, per_step * steps),
+                                                      per_step * steps)
             return engine
 
         engine = make_engine(recorder)
@@ -206,10 +212,6 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
             engine.jitter = StepJitter(jitter.sigma, jitter.seed)
         # run
         total = 0.0
-        per_step = len(program.ops)
-        if progress is not None:
-            report = progress
-            engine.progress = lambda done: report(min(done, per_step * steps), per_step * steps)
         if saves is not None:
             engine.storage = saves.storage
         spliced = None

@@ -47,7 +47,7 @@ from sim.engine.core import EngineObserver
 from sim.engine.host_clock import host_issues, issue_order
 from sim.fabric.collectives.runner import Choice
 from sim.program.ir import Op, Program, RankClass
-from sim.program.periods import op_signature, steady_period
+from sim.program.periods import SteadyPeriod, op_signature, steady_period
 
 if TYPE_CHECKING:
     from sim.engine.core import Engine
@@ -315,14 +315,25 @@ class _Witness:
         return True
 
 
-def _deps_map(op: Op, target: Op, shift: int,
-              mapped: Callable[[Op | None, int], Op | None]) -> bool:
+def _alike_op(op: Op, target: Op, shift: int, short: ShortRun,
+              long_order: dict[int, list[Op]], period: SteadyPeriod) -> bool:
+    """Whether ``target`` is alike ``op`` ``shift`` periods on: signature and dependencies."""
+    return short.signature(op) == op_signature(target) and _deps_map(
+        op, target, shift, short, long_order, period)
+
+
+def _deps_map(op: Op, target: Op, shift: int, short: ShortRun,
+              long_order: dict[int, list[Op]], period: SteadyPeriod) -> bool:
     """Whether each dependency of ``target`` is the counterpart of ``op``'s, ``shift``
-    periods on or (a dependency both share, before the steady stretch) the same one."""
+    periods on, or (a dependency both share, before the steady stretch) the same one."""
     if len(op.deps) != len(target.deps):
         return False
     for d, t in zip(op.deps, target.deps, strict=True):
-        if t is not mapped(d, shift) and t is not mapped(d, 0):
+        cid, pos = short.where[id(d)]
+        order = long_order[cid]
+        length = period.classes[cid].length
+        on = pos + shift * length
+        if not ((on < len(order) and t is order[on]) or (pos < len(order) and t is order[pos])):
             return False
     return True
 
@@ -338,7 +349,7 @@ class Spliced:
 
 
 def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
-           lengths: dict[int, int], long_order: dict[int, list[Op]],
+           period: SteadyPeriod, long_order: dict[int, list[Op]],
            classes: dict[int, RankClass], observer: EngineObserver, duration_s: float,
            solves: int, n_kinds: int) -> Spliced | None:
     """Replay the short run's reports into ``observer`` as the long run (``extra`` periods
@@ -352,8 +363,10 @@ def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
         The short run's reports and its cuts (:func:`find_cut`).
     extra
         Periods the long program has beyond the short one.
-    short, lengths
-        The short program's ops by position; ops per period of each class.
+    short
+        The short program's ops by position.
+    period
+        The long program's steady period (:func:`sim.program.periods.steady_period`).
     long_order
         The long program's ops by class, in issue order.
     classes
@@ -368,52 +381,33 @@ def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
     a, b = cut.first, cut.first + cut.entries
     segments = [(0, b, 0)] + [(a, b, j) for j in range(1, extra + 1)] + \
         [(b, len(entries), extra)]
-
-    def counterpart(op: Op | None, j: int) -> Op | None:
+    lengths = {cid: cp.length for cid, cp in period.classes.items()}
+    # Each report once, resolved: (kind, time, class, its ops in the long program, position,
+    # ops per period, what else); the op j periods on is order[pos + j * length].
+    none: list[Op] = []
+    resolved = []
+    for kind, t, cid, op, what, _ in entries:
         if op is None:
-            return None
-        cid, pos = short.where[id(op)]
-        target = pos + j * lengths[cid]
-        ops = long_order[cid]
-        if target >= len(ops):
-            raise LookupError
-        return ops[target]
-
-    mapped: Callable[[Op | None, int], Op | None] = counterpart
-    # Check every op first: nothing reaches the observer unless all of it can.
-    seen: set[int] = set()
-    try:
-        for lo, hi, j in segments:
-            for i in range(lo, hi):
-                e = entries[i]
-                if e[3] is None:
-                    continue
-                target = mapped(e[3], j)
-                assert target is not None
-                if short.signature(e[3]) != op_signature(target) or not _deps_map(
-                        e[3], target, j, mapped):
-                    return None
-                if e[0] == OP:
-                    if id(target) in seen:
-                        return None
-                    seen.add(id(target))
-    except LookupError:
-        return None
-    if len(seen) != sum(len(ops) for ops in long_order.values()):
+            resolved.append((kind, t, classes.get(cid), none, 0, 0, what))
+        else:
+            oc, pos = short.where[id(op)]
+            resolved.append((kind, t, classes.get(cid), long_order[oc], pos, lengths[oc], what))
+    if not _counterparts_alike(entries, resolved, segments, short, period, long_order):
         return None
     sums = np.zeros(n_kinds)
+    ops = 0
     for lo, hi, j in segments:
         shift = j * cut.period_s
-        for i in range(lo, hi):
-            kind, t, cid, op, what, _ = entries[i]
-            target = mapped(op, j)
+        for kind, t, cls, order, pos, length, what in resolved[lo:hi]:
+            target = order[pos + j * length] if order else None
             if kind == OP:
                 ready, start, _, step, _ = what
-                assert target is not None
-                observer.on_op(classes[cid], target, ready + shift, start + shift, t + shift,
-                               step)
+                assert cls is not None and target is not None
+                observer.on_op(cls, target, ready + shift, start + shift, t + shift, step)
+                ops += 1
             elif kind == MEM:
-                observer.on_memory(classes[cid], t + shift, what[0], what[1], target)
+                assert cls is not None
+                observer.on_memory(cls, t + shift, what[0], what[1], target)
             elif kind == COLL:
                 assert target is not None
                 observer.on_collective(target, what[0])
@@ -424,13 +418,79 @@ def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
                 observer.on_transfer_end(t + shift, target, what[0])
             else:   # the byte totals, summed again in the long run's order
                 sums += what[0]
-    return Spliced(class_bytes=sums, ops=len(seen), solves=solves + extra * cut.solves,
+    return Spliced(class_bytes=sums, ops=ops, solves=solves + extra * cut.solves,
                    duration_s=duration_s + extra * cut.period_s)
 
 
-SHORT_PERIODS = 10
-"""Steady periods the short program keeps: room for the window of reports that witnesses the
-cut (the host clock runs up to its launch queue ahead: a few periods) and the period itself."""
+def _counterparts_alike(entries: list[Entry], resolved: list[tuple[Any, ...]],
+                        segments: list[tuple[int, int, int]], short: ShortRun,
+                        period: SteadyPeriod, long_order: dict[int, list[Op]]) -> bool:
+    """Whether every report's op has a counterpart alike (signature and dependencies) in the
+    long program, and the long program's every op is reported once. Checked per op and
+    segment kind, not per report: the copies' counterparts ``j = 1..K`` are checked at ``j =
+    1`` and lie in the long program's stretch, whose ops are alike the op a period on."""
+    extra = segments[-1][2]
+    stretch = {cid: (cp.start, cp.start + cp.periods * cp.length)
+               for cid, cp in period.classes.items()}
+    checked: set[tuple[int, int]] = set()
+    copies = segments[1][:2] if extra else None
+    for lo, hi, j in segments[:2] + segments[-1:]:
+        for i in range(lo, hi):
+            op = entries[i][3]
+            if op is None or (id(op), j) in checked:
+                continue
+            checked.add((id(op), j))
+            order, pos, length = resolved[i][3], resolved[i][4], resolved[i][5]
+            if pos + (extra if j else 0) * length >= len(order):
+                return False
+            if (lo, hi) != copies:
+                if not _alike_op(op, order[pos + j * length], j, short, long_order, period):
+                    return False
+                continue
+            # A copy: each counterpart up to the long program's stretch checked, the rest
+            # alike those by the stretch (each op alike the op a period on).
+            first, end = stretch[short.where[id(op)][0]]
+            on = 1
+            while True:
+                if not _alike_op(op, order[pos + on * length], on, short, long_order, period):
+                    return False
+                if pos + on * length >= first or on == extra:
+                    break
+                on += 1
+            if pos + (extra - 1) * length >= end and on < extra:
+                return False
+    # Each op of the long program reported once: the counterparts' indices all differ.
+    offset: dict[int, int] = {}
+    flat: list[int] = []
+    for cid, order in long_order.items():
+        offset[cid] = len(flat)
+        flat.extend(op.index for op in order)
+    index = np.array(flat, dtype=np.int64)
+
+    def positions(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """The op reports' places in ``index`` (before any shift) and their periods' length."""
+        at = [i for i in range(lo, hi) if entries[i][0] == OP]
+        base = [offset[short.where[id(entries[i][3])][0]] + resolved[i][4] for i in at]
+        return (np.array(base, dtype=np.int64),
+                np.array([resolved[i][5] for i in at], dtype=np.int64))
+
+    targets = []
+    for lo, hi, j in (segments[0], segments[-1]):
+        base, step = positions(lo, hi)
+        targets.append(index[base + j * step])
+    if extra:
+        base, step = positions(*segments[1][:2])
+        targets.extend(index[base + j * step] for j in range(1, extra + 1))
+    got = np.concatenate(targets) if targets else np.zeros(0, dtype=np.int64)
+    return len(got) == len(index) and len(np.unique(got)) == len(got)
+
+
+SHORT_MICRO_BATCHES = 10
+"""Steady micro-batches the short program keeps, in whole periods (at least
+:data:`MIN_SHORT_PERIODS`): room for the window of reports that witnesses the cut (the host
+clock runs up to its launch queue ahead, a few micro-batches) and the period itself. Where
+no cut shows, the short program is tried once more with twice as many."""
+MIN_SHORT_PERIODS = 4
 MIN_EXTRA_PERIODS = 6
 """Below this many periods more in the long program, simulating it whole costs about as much."""
 
@@ -463,28 +523,38 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
         period = steady_period(program, program.pipeline_stages)
     if period is None:
         return None
-    extra = period.periods - SHORT_PERIODS
-    if extra < MIN_EXTRA_PERIODS:
-        return None
-    short_program = shorter(program.micro_batches - extra * period.micro_batches)
+    keep = max(MIN_SHORT_PERIODS, -(-SHORT_MICRO_BATCHES // period.micro_batches))
+    while period.periods - keep >= MIN_EXTRA_PERIODS:
+        extra = period.periods - keep
+        got = _short_run(program, shorter(program.micro_batches - extra * period.micro_batches),
+                         period, keep, make_engine, keep_link_rates)
+        if got is not None:
+            tap, short, cut, engine = got
+            return splice(tap.entries, cut, extra, short, period,
+                          {c.id: issue_order(c) for c in program.classes},
+                          {c.id: c for c in program.classes}, observer,
+                          engine.env.now, engine.net.solves, len(engine.net.class_bytes))
+        keep *= 2
+    return None
+
+
+def _short_run(program: Program, short_program: Program | None, period: SteadyPeriod,
+               keep: int, make_engine: Callable[[EngineObserver], Engine],
+               keep_link_rates: bool) -> tuple[LogTap, ShortRun, Cut, Engine] | None:
+    """Run the short program keeping ``keep`` steady periods; its reports and their cut, or
+    None where it cannot stand for the long one or shows no cut."""
     if short_program is None or [(c.id, c.members) for c in short_program.classes] != [
             (c.id, c.members) for c in program.classes]:
         return None
     tap = LogTap(keep_link_rates)
     engine = make_engine(tap)
     tap.attach(engine)
-    duration = engine.run_step(short_program)
+    engine.run_step(short_program)
     if tap.background:
         return None
     short = ShortRun(short_program)
     lengths = {cid: cp.length for cid, cp in period.classes.items()}
     first = program.classes[0].id
     cp = period.classes[first]
-    cut = find_cut(tap.entries, short, lengths,
-                   (first, cp.start + (SHORT_PERIODS // 2) * cp.length))
-    if cut is None:
-        return None
-    return splice(tap.entries, cut, extra, short, lengths,
-                  {c.id: issue_order(c) for c in program.classes},
-                  {c.id: c for c in program.classes}, observer, duration, engine.net.solves,
-                  len(engine.net.class_bytes))
+    cut = find_cut(tap.entries, short, lengths, (first, cp.start + (keep // 2) * cp.length))
+    return None if cut is None else (tap, short, cut, engine)

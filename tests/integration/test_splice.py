@@ -108,9 +108,9 @@ def test_the_short_run_simulates_fewer_micro_batches(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(api, "_with_micro_batches", shorter)
     simulate(scenario)
-    # 64 micro-batches; the short program keeps SHORT_PERIODS steady ones and the pipeline's
+    # 64 micro-batches; the short program keeps SHORT_MICRO_BATCHES steady ones and the pipeline's
     # warm-up and cool-down (pp - 1 = 3 each side at most).
-    assert asked and asked[0] <= splice_module.SHORT_PERIODS + 2 * 3 + 2 < 64
+    assert asked and asked[0] <= splice_module.SHORT_MICRO_BATCHES + 2 * 3 + 2 < 64
 
 
 def test_a_cut_is_refused_where_the_run_does_not_repeat() -> None:

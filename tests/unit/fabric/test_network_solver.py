@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fabric import maxmin, network
-from sim.fabric.network import FlowNetwork, max_min_rates
+from sim.fabric.network import FlowNetwork, NetworkObserver, max_min_rates
 
 _EPS = 1e-9
 
@@ -155,7 +155,7 @@ def test_network_rates_are_max_min_after_every_event(inst, sizes, starts) -> Non
     net = FlowNetwork(env, cap, np.zeros(len(capacity), dtype=np.int64), 1)
     checks = []
 
-    class Check:
+    class Check(NetworkObserver):
         def on_rates(self, t, class_rates, link_rates):
             if not net.active_flows:
                 return
@@ -209,7 +209,7 @@ def _run_on_idle_fabric(flows) -> None:
     expected = np.zeros(400)
     worst = [0.0]
 
-    class Check:
+    class Check(NetworkObserver):
         def on_rates(self, t, class_rates, link_rates):
             links, owner, _, rates = live_tables(net)
             fresh = np.bincount(links, weights=rates[owner], minlength=400)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim.fabric.maxmin import RATE_GRID_BITS, max_min_rates, rate_quantum
-from sim.fabric.network import FlowNetwork
+from sim.fabric.network import FlowNetwork, NetworkObserver
 
 _capacity = st.one_of(st.sampled_from([12.5e9, 50e9, 450e9, 3.3e9]),
                       st.floats(1e8, 1e12, allow_nan=False, allow_infinity=False))
@@ -47,7 +47,7 @@ def test_running_totals_equal_sums_afresh_and_return_to_zero(t) -> None:
     net = FlowNetwork(env, cap, kinds, 3)
     checks: list[bool] = []
 
-    class Check:
+    class Check(NetworkObserver):
         def on_rates(self, now, class_rates, link_rates):
             live = net._group >= 0
             rates, count, hops = net._rate[live], net._count[live], net._hops[live]
