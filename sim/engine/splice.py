@@ -141,12 +141,32 @@ class ShortRun:
             for op, sync, launches in host_issues(self.order[cls.id]):
                 self.heads[id(op)] = launches + ((sync,) if sync is not None else ())
         self._sigs: dict[int, tuple[Hashable, ...]] = {}
+        # (id, id) -> (the two tuples, kept so that the ids stay theirs; equal)
+        self._tuples: dict[tuple[int, int], tuple[Any, Any, bool]] = {}
 
     def signature(self, op: Op) -> tuple[Hashable, ...]:
+        """``op_signature`` of one of the short program's ops (remembered)."""
         got = self._sigs.get(id(op))
         if got is None:
             got = self._sigs[id(op)] = op_signature(op)
         return got
+
+    def alike(self, op: Op, other: Op) -> bool:
+        """Whether ``other``, an op of another program, reads as ``op`` does: their
+        signatures by value, a pair of rank tuples compared once (builders share them)."""
+        for x, y in zip(op_signature(op, True), op_signature(other, True), strict=True):
+            if x is y:
+                continue
+            if isinstance(x, tuple) and isinstance(y, tuple):
+                key = (id(x), id(y))
+                same = self._tuples.get(key)
+                if same is None:
+                    same = self._tuples[key] = (x, y, x == y)
+                if not same[2]:
+                    return False
+            elif x != y:
+                return False
+        return True
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -317,9 +337,9 @@ class _Witness:
 
 def _alike_op(op: Op, target: Op, shift: int, short: ShortRun,
               long_order: dict[int, list[Op]], period: SteadyPeriod) -> bool:
-    """Whether ``target`` is alike ``op`` ``shift`` periods on: signature and dependencies."""
-    return short.signature(op) == op_signature(target) and _deps_map(
-        op, target, shift, short, long_order, period)
+    """Whether ``target`` (of the long program) is alike ``op`` (of the short one) ``shift``
+    periods on: signature and dependencies."""
+    return short.alike(op, target) and _deps_map(op, target, shift, short, long_order, period)
 
 
 def _deps_map(op: Op, target: Op, shift: int, short: ShortRun,

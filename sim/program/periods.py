@@ -74,13 +74,16 @@ def _part(x: object) -> Hashable:
     return x  # type: ignore[return-value]
 
 
-def op_signature(op: Op) -> tuple[Hashable, ...]:
+def op_signature(op: Op, by_value: bool = False) -> tuple[Hashable, ...]:
     """Everything about ``op`` that the simulation reads, but its name, micro-batch, index,
-    key and dependencies (:func:`steady_period` maps those separately)."""
+    key and dependencies (:func:`steady_period` maps those separately). A rank tuple longer
+    than ``_BY_IDENTITY`` stands by its identity (within one program), or as itself with
+    ``by_value`` (to compare ops of two programs)."""
+    part = (lambda x: x) if by_value else _part
     return (op.kind, op.stream, op.phase, op.duration, op.cpu_s, op.kernels, op.host_sync,
-            op.collective, _part(op.group), _part(op.groups), _part(op.pairs), op.nbytes,
+            op.collective, part(op.group), part(op.groups), part(op.pairs), op.nbytes,
             op.alloc, op.free, op.transient, op.transient_parts, op.alloc_parts, op.layer,
-            op.flops, op.hw_flops, op.category, op.host_transfer, _part(op.peer_bytes),
+            op.flops, op.hw_flops, op.category, op.host_transfer, part(op.peer_bytes),
             op.sm_ctas, op.fused_kernel, op.side_kernel, op.dtype, len(op.deps))
 
 

@@ -35,6 +35,9 @@ CASES = {
     # Gradient accumulation, no pipeline: DDP and FSDP2 with 32 micro-batches a replica.
     "ddp-accumulation": ["training.global_batch_size=256"],
     "fsdp2-accumulation": ["framework.name=fsdp2", "training.global_batch_size=256"],
+    # 128 GPUs: groups of more than 64 ranks, which a program's signatures hold by identity
+    # (the long and the short program must still be found alike, by value).
+    "ddp-accumulation-128-gpus": ["cluster.nodes=32", "training.global_batch_size=4096"],
     # Experts: all-to-alls on the fabric beside a pp 2 pipeline.
     "megatron-moe-ep4-pp2": [*MOE, "parallelism.pp=2", "parallelism.ep=4",
                              "training.global_batch_size=128"],
