@@ -509,7 +509,8 @@ SHORT_MICRO_BATCHES = 10
 """Steady micro-batches the short program keeps, in whole periods (at least
 :data:`MIN_SHORT_PERIODS`): room for the window of reports that witnesses the cut (the host
 clock runs up to its launch queue ahead, a few micro-batches) and the period itself. Where
-no cut shows, the short program is tried once more with twice as many."""
+no cut shows, the short program is tried once more with twice as many, if it then has at
+most half the long one's micro-batches."""
 MIN_SHORT_PERIODS = 4
 MIN_EXTRA_PERIODS = 6
 """Below this many periods more in the long program, simulating it whole costs about as much."""
@@ -544,8 +545,12 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
     if period is None:
         return None
     keep = max(MIN_SHORT_PERIODS, -(-SHORT_MICRO_BATCHES // period.micro_batches))
+    first_try = True
     while period.periods - keep >= MIN_EXTRA_PERIODS:
         extra = period.periods - keep
+        if not first_try and 2 * extra * period.micro_batches < program.micro_batches:
+            break   # a second short run of more than half the long one would cost more
+        first_try = False
         got = _short_run(program, shorter(program.micro_batches - extra * period.micro_batches),
                          period, keep, make_engine, keep_link_rates)
         if got is not None:
