@@ -39,7 +39,7 @@ from sim.frameworks import JobContext, build_program, framework
 from sim.hardware.host import HostSpec
 from sim.program.ir import Program
 from sim.program.split import split_slow
-from sim.scenario import Scenario
+from sim.scenario import Scenario, ScenarioError
 
 
 @dataclass
@@ -139,15 +139,18 @@ def simulate(scenario: Scenario, steps: int = 1, origin: str = "<scenario>",
 def _with_micro_batches(ctx: JobContext, micro_batches: int, origin: str) -> Program | None:
     """The program of ``ctx``'s job with ``micro_batches`` micro-batches a step (its global
     batch made that much smaller), for the exact advance of :mod:`sim.engine.splice`; None
-    where the scenario's batch is not set by a global batch size."""
+    where there is no such job (no micro-batch left, or its builder refuses it: the run is
+    then simulated whole, never failed for it)."""
     s = ctx.scenario
-    t = s.training
     if micro_batches <= 0:
         return None
     batch = ctx.global_batch // ctx.micro_batches * micro_batches
-    short = s.model_copy(update={"training": t.model_copy(
+    short = s.model_copy(update={"training": s.training.model_copy(
         update={"global_batch_size": batch})})
-    return build_program(JobContext.from_scenario(short, origin))
+    try:
+        return build_program(JobContext.from_scenario(short, origin))
+    except ScenarioError:
+        return None
 
 
 def run_program(ctx: JobContext, program: Program, steps: int = 1,

@@ -363,9 +363,13 @@ class Spliced:
     """What the long run's engine and network would hold at its end."""
 
     class_bytes: np.ndarray
+    """Bytes per link class (``FlowNetwork.class_bytes``)."""
     ops: int
+    """Ops finished (``Engine.events_processed``)."""
     solves: int
+    """Rate solves (``FlowNetwork.solves``)."""
     duration_s: float
+    """The step's duration."""
 
 
 def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
@@ -505,6 +509,9 @@ def _counterparts_alike(entries: list[Entry], resolved: list[tuple[Any, ...]],
     return len(got) == len(index) and len(np.unique(got)) == len(got)
 
 
+# These three are choices of cost, not physics: none changes a simulated number (a run
+# that cannot be spliced with them is simulated whole). Chosen on the cases of
+# docs/performance.md item 11, where 4 periods of 4 and 10 of 1 micro-batch showed a cut.
 SHORT_MICRO_BATCHES = 10
 """Steady micro-batches the short program keeps, in whole periods (at least
 :data:`MIN_SHORT_PERIODS`): room for the window of reports that witnesses the cut (the host
@@ -512,8 +519,10 @@ clock runs up to its launch queue ahead, a few micro-batches) and the period its
 no cut shows, the short program is tried once more with twice as many, if it then has at
 most half the long one's micro-batches."""
 MIN_SHORT_PERIODS = 4
+"""Fewest steady periods the short program keeps (the window, the period, room after it)."""
 MIN_EXTRA_PERIODS = 6
-"""Below this many periods more in the long program, simulating it whole costs about as much."""
+"""Fewest periods the long program must have beyond the short one's for a splice to be
+tried: below it the short run and the replay cost about what the whole run does."""
 
 
 def run_spliced(program: Program, shorter: Callable[[int], Program | None],
@@ -539,18 +548,22 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
     """
     if program.background_streams:
         return None
-    period = steady_period(program, 1)
-    if period is None and program.pipeline_stages > 1:
-        period = steady_period(program, program.pipeline_stages)
+    period = None
+    for per in (1, program.pipeline_stages):
+        # Too few micro-batches for the periods a splice needs: no search (the planner runs
+        # thousands of small steps).
+        if program.micro_batches >= (MIN_SHORT_PERIODS + MIN_EXTRA_PERIODS) * per:
+            period = steady_period(program, per)
+        if period is not None or program.pipeline_stages == 1:
+            break
     if period is None:
         return None
-    keep = max(MIN_SHORT_PERIODS, -(-SHORT_MICRO_BATCHES // period.micro_batches))
-    first_try = True
-    while period.periods - keep >= MIN_EXTRA_PERIODS:
+    first_keep = max(MIN_SHORT_PERIODS, -(-SHORT_MICRO_BATCHES // period.micro_batches))
+    for keep in (first_keep, 2 * first_keep):
         extra = period.periods - keep
-        if not first_try and 2 * extra * period.micro_batches < program.micro_batches:
-            break   # a second short run of more than half the long one would cost more
-        first_try = False
+        if extra < MIN_EXTRA_PERIODS or (
+                keep > first_keep and 2 * extra * period.micro_batches < program.micro_batches):
+            break   # too little to gain, or a second short run of more than half the long one
         got = _short_run(program, shorter(program.micro_batches - extra * period.micro_batches),
                          period, keep, make_engine, keep_link_rates)
         if got is not None:
@@ -559,7 +572,6 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
                           {c.id: issue_order(c) for c in program.classes},
                           {c.id: c for c in program.classes}, observer,
                           engine.env.now, engine.net.solves, len(engine.net.class_bytes))
-        keep *= 2
     return None
 
 

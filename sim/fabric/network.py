@@ -395,7 +395,7 @@ class FlowNetwork(FlowTables):
         # Their rates leave the link and class totals (finished flows ran until now).
         self._add_link_rates(gone_links, -self._rate[self._inc_flow[gone]], links)
         self._credit_residue(self._remaining[finished], self._count[finished],
-                             self._hops[finished], links,
+                             self._hops[finished], gone_links, links,
                              self._remaining[self._inc_flow[gone]])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
@@ -418,12 +418,12 @@ class FlowNetwork(FlowTables):
             self._end_flows(gid, tally[gid])
 
     def _credit_residue(self, left: np.ndarray, count: np.ndarray, hops: np.ndarray,
-                        link_set: tuple[np.ndarray, np.ndarray, bool],
+                        links: np.ndarray, link_set: tuple[np.ndarray, np.ndarray, bool],
                         left_per_link: np.ndarray) -> None:
         """Count ending flows as delivering exactly their size: the bytes ``left`` each (one
         per flow; negative where it ran past its last byte) go onto the class totals
         (``count`` times on each of its ``hops``) and ``left_per_link`` (one per incidence)
-        onto its link (``link_set``: ``LinkSets.get`` of the incidences' links), each link's
+        onto its link of ``links`` (``link_set``: ``LinkSets.get`` of them), each link's
         sum in incidence order before it is added, as ``network_fold.folded_retire`` sums a
         folded group's (the same bits). A flow ends at an event on the engine's time grid
         (:mod:`sim.engine.time_grid`), up to a quantum after its last byte, or within rounding
@@ -433,7 +433,7 @@ class FlowNetwork(FlowTables):
         self.observer.on_class_bytes(self.env.now, added)
         ids, inv, distinct = link_set
         if distinct:
-            self.link_bytes[ids[inv]] += left_per_link
+            self.link_bytes[links] += left_per_link
         else:
             self.link_bytes[ids] += np.bincount(inv, weights=left_per_link, minlength=len(ids))
 
