@@ -89,6 +89,8 @@ class _GpuLoad:
 
     ctas: int = 0
     hbm_bytes_per_s: float = 0.0
+    holders: int = 0
+    """Collectives holding the GPU now (from their kernel's launch to their end)."""
     changed: simpy.Event | None = None
     """Succeeds (and is replaced) whenever ``ctas`` or the HBM traffic changes."""
 
@@ -238,10 +240,14 @@ class Engine:
             if work <= 1e-15:
                 return
 
-    def _change_load(self, cls_id: int, ctas: int, hbm: float) -> None:
+    def _change_load(self, cls_id: int, ctas: int, hbm: float, holders: int = 0) -> None:
         load = self._load[cls_id]
         load.ctas += ctas
-        load.hbm_bytes_per_s = max(0.0, load.hbm_bytes_per_s + hbm)
+        load.holders += holders
+        # With no collective left the sum is exactly zero: adding and taking away GB/s-sized
+        # floats leaves a residue (hundredths of a byte/s) that grew period by period, so a
+        # steady phase never repeated bit for bit (sim.engine.splice).
+        load.hbm_bytes_per_s = max(0.0, load.hbm_bytes_per_s + hbm) if load.holders else 0.0
         old = load.changed
         assert old is not None
         # Wake the compute ops draining under the old load; with none waiting (no callbacks)
@@ -561,12 +567,12 @@ class Engine:
         # The NCCL kernel holds its SMs from its launch on this GPU, waiting for the peers
         # included; it moves data (HBM traffic) once every member has arrived.
         need = self._comm_load(op)
-        self._change_load(cls.id, need.ctas, 0.0)
+        self._change_load(cls.id, need.ctas, 0.0, holders=1)
         proc = yield rv.launched
         assert isinstance(proc, simpy.Process)
         self._change_load(cls.id, 0, need.hbm_bytes_per_s)
         yield proc
-        self._change_load(cls.id, -need.ctas, -need.hbm_bytes_per_s)
+        self._change_load(cls.id, -need.ctas, -need.hbm_bytes_per_s, holders=-1)
         if not rv.reported:
             rv.reported = True
             self.hbm_share.collective_ended(op.key)
