@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.analysis.summary import Summary
+from sim.apps.cluster_watch import ClusterWatch
 from sim.scenario import Scenario, ScenarioError
 
 BACKENDS = ("local", "ray", "dask")
@@ -425,6 +426,8 @@ class DaskBackend(Backend):
                                             silence_logs=logging.CRITICAL)
             self.client = Client(self.cluster)
         self.workers = workers or max(1, sum(self.client.nthreads().values()))
+        self.watch = None if self.cluster is None else ClusterWatch(self.client, self.cluster,
+                                                                    self.workers)
         self.futures: dict[Any, list[Task]] = {}
         self.steps = steps
         self.origin = origin
@@ -461,6 +464,8 @@ class DaskBackend(Backend):
 
     def close(self) -> None:
         try:
+            if self.watch is not None:
+                self.watch.stop()
             self.client.close()
             if self.cluster is not None:
                 self.cluster.close()

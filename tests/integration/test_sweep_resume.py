@@ -302,6 +302,48 @@ def test_a_killed_ray_worker_is_retried_once_then_recorded(tiny_file: str,
     _check_deaths(result, tmp_path)
 
 
+def _kill_once(log: Path, values: dict[str, Any]) -> None:
+    """In the worker: SIGKILL it on variant nic 100, mbs 1's first attempt only."""
+    name = f"{values['cluster.nic_gbps']}-{values['training.micro_batch_size']}"
+    with open(log / name, "a") as fh:
+        fh.write("x")
+    if name == "100-1" and (log / name).stat().st_size == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_dask_cluster_whose_worker_restart_fails_gets_new_workers(
+        tiny_file: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The nanny's restart of a killed worker fails, as on a loaded machine (distributed logs
+    # it and keeps no worker): without the cluster watch the sweep waited forever.
+    pytest.importorskip("distributed", reason="the [dask] extra is not installed")
+    import threading
+
+    from distributed.nanny import Nanny
+
+    from sim.apps import cluster_watch
+
+    real = Nanny.instantiate
+
+    async def first_start_only(self: Any) -> Any:
+        if getattr(self, "_fabricsim_started", False):
+            raise OSError("worker failed to start (the test's stand-in)")
+        self._fabricsim_started = True
+        return await real(self)
+
+    monkeypatch.setattr(Nanny, "instantiate", first_start_only)
+    monkeypatch.setattr(cluster_watch, "REVIVE_AFTER_S", 2.0)
+    got: list[sweep.SweepResult] = []
+    runner = threading.Thread(target=lambda: got.append(run_sweep(
+        tiny_file, GRID, "dask", workers=1, use_cache=False,
+        before_variant=functools.partial(_kill_once, tmp_path))), daemon=True)
+    runner.start()
+    runner.join(timeout=240)
+    assert got, "the sweep did not finish: its cluster was left without a worker"
+    rows = got[0].rows
+    assert len(rows) == N_TINY and all(r["error"] is None for r in rows)
+    assert (tmp_path / "100-1").stat().st_size == 2   # killed once, then simulated
+
+
 # --------------------------------------------------------------------------- the planner
 # tests/integration/test_plan.py's ODD job: 8 A100s, a 6-layer model; DDP's layouts only.
 ODD = {
