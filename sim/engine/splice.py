@@ -37,6 +37,7 @@ same increments, so they match to the last bit too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -570,14 +571,20 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
             break
     if period is None:
         return None
-    first_keep = max(MIN_SHORT_PERIODS, -(-SHORT_MICRO_BATCHES // period.micro_batches))
-    for keep in (first_keep, 2 * first_keep):
+    keep = max(MIN_SHORT_PERIODS, -(-SHORT_MICRO_BATCHES // period.micro_batches))
+    for attempt in range(2):
         extra = period.periods - keep
         if extra < MIN_EXTRA_PERIODS or (
-                keep > first_keep and 2 * extra * period.micro_batches < program.micro_batches):
+                attempt and 2 * extra * period.micro_batches < program.micro_batches):
             break   # too little to gain, or a second short run of more than half the long one
         got = _short_run(program, shorter(program.micro_batches - extra * period.micro_batches),
                          period, keep, make_engine, keep_link_rates)
+        if isinstance(got, float):
+            # No cut: once more with twice the periods, or with room for the host's lead
+            # where the hosts ran further ahead than that (a slow GPU: ops issued by a cut
+            # wait beyond a window shorter than the lead).
+            keep = max(2 * keep, keep + math.ceil(got) + 2)
+            continue
         if got is not None:
             tap, short, cut, engine = got
             return splice(tap.entries, cut, extra, short, period,
@@ -589,9 +596,10 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
 
 def _short_run(program: Program, short_program: Program | None, period: SteadyPeriod,
                keep: int, make_engine: Callable[[EngineObserver], Engine],
-               keep_link_rates: bool) -> tuple[LogTap, ShortRun, Cut, Engine] | None:
-    """Run the short program keeping ``keep`` steady periods; its reports and their cut, or
-    None where it cannot stand for the long one or shows no cut."""
+               keep_link_rates: bool) -> tuple[LogTap, ShortRun, Cut, Engine] | float | None:
+    """Run the short program keeping ``keep`` steady periods; its reports and their cut;
+    where it shows no cut, how many periods the hosts issued ahead of the GPU at most (a
+    float); None where it cannot stand for the long one."""
     if short_program is None or [(c.id, c.members) for c in short_program.classes] != [
             (c.id, c.members) for c in program.classes]:
         return None
@@ -613,4 +621,8 @@ def _short_run(program: Program, short_program: Program | None, period: SteadyPe
         cut = find_cut(tap.entries, short, lengths, (first, cp.start + k * cp.length), ends)
         if cut is not None:
             return tap, short, cut, engine
-    return None
+    order = short.order[first]
+    at = cp.start + (keep // 2) * cp.length
+    period_s = tap.entries[ends[id(order[at + cp.length])]][1] - tap.entries[ends[id(order[at])]][1]
+    lead = max((e[4][0] - e[4][2] for e in tap.entries if e[0] == OP), default=0.0)
+    return lead / period_s if period_s > 0 else 0.0
