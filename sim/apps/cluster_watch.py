@@ -42,8 +42,6 @@ class ClusterWatch:
                  revive_after_s: float | None = None) -> None:
         self.client, self.cluster, self.workers = client, cluster, workers
         self.revive_after_s = REVIVE_AFTER_S if revive_after_s is None else revive_after_s
-        self.revived = 0
-        """Times the workers were replaced."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="fabricsim-cluster-watch",
                                         daemon=True)
@@ -68,7 +66,6 @@ class ClusterWatch:
             elif now - empty_since >= self.revive_after_s and not self._stop.is_set():
                 self.cluster.scale(0)
                 self.cluster.scale(self.workers)
-                self.revived += 1
                 empty_since = None
 
     def stop(self) -> None:

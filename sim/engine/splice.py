@@ -46,72 +46,12 @@ import numpy as np
 
 from sim.engine.core import EngineObserver
 from sim.engine.host_clock import host_issues, issue_order
-from sim.fabric.collectives.runner import Choice
+from sim.engine.report_log import COLL, MEM, OP, RATES, XFER, Entry, LogTap
 from sim.program.ir import Op, Program, RankClass
 from sim.program.periods import SteadyPeriod, op_signature, steady_period
 
 if TYPE_CHECKING:
     from sim.engine.core import Engine
-
-# Report kinds (the first field of an entry).
-OP, MEM, COLL, RATES, XFER, BYTES = range(6)
-
-Entry = tuple[int, float, int, Op | None, tuple[Any, ...], int]
-"""(kind, time, rank class or -1, op or None, what else the report says, rate solves so far)."""
-
-
-class LogTap(EngineObserver):
-    """Keeps every report of a run, in order, for :func:`find_cut` and :func:`splice`.
-
-    ``keep_link_rates``: keep each rate change's per-link rates (the recorder's
-    ``keep_link_series``); otherwise only the per-class ones.
-    """
-
-    def __init__(self, keep_link_rates: bool = False) -> None:
-        self.entries: list[Entry] = []
-        self.background = False
-        """A background stream's op was reported: such a run is not spliced."""
-        self._keep_links = keep_link_rates
-        self._engine: Engine | None = None
-
-    def attach(self, engine: Engine) -> None:
-        """The engine whose issue times, sums, clock and solve count the reports carry."""
-        self._engine = engine
-
-    def _solves(self) -> int:
-        assert self._engine is not None
-        return self._engine.net.solves
-
-    def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-              step: int) -> None:
-        engine = self._engine
-        assert engine is not None
-        self.entries.append((OP, end, cls.id, op, (ready, start, engine.issued_at(op), step,
-                                                     engine.accumulators(cls.id)),
-                             engine.net.solves))
-
-    def on_background_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-                         step: int) -> None:
-        self.background = True
-
-    def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
-                  op: Op | None = None) -> None:
-        self.entries.append((MEM, t, cls.id, op, (category, delta), self._solves()))
-
-    def on_collective(self, op: Op, choice: Choice | None) -> None:
-        assert self._engine is not None
-        self.entries.append((COLL, self._engine.env.now, -1, op, (choice,), self._solves()))
-
-    def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
-        links = link_rates.copy() if self._keep_links else None
-        self.entries.append((RATES, t, -1, None, (class_rates.copy(), links), self._solves()))
-
-    def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
-        op = tag if isinstance(tag, Op) else None
-        self.entries.append((XFER, t, -1, op, (nbytes,), self._solves()))
-
-    def on_class_bytes(self, t: float, added: np.ndarray) -> None:
-        self.entries.append((BYTES, t, -1, None, (added,), self._solves()))
 
 
 @dataclass(frozen=True)
@@ -529,8 +469,9 @@ SHORT_MICRO_BATCHES = 10
 """Steady micro-batches the short program keeps, in whole periods (at least
 :data:`MIN_SHORT_PERIODS`): room for the window of reports that witnesses the cut (the host
 clock runs up to its launch queue ahead, a few micro-batches) and the period itself. Where
-no cut shows, the short program is tried once more with twice as many, if it then has at
-most half the long one's micro-batches."""
+no cut shows, the short program is tried once more with twice as many periods, or with the
+hosts' largest lead over the GPU (in periods) and two more where that is larger, if it then
+has at most half the long one's micro-batches."""
 MIN_SHORT_PERIODS = 4
 """Fewest steady periods the short program keeps (the window, the period, room after it)."""
 MIN_EXTRA_PERIODS = 6
@@ -579,18 +520,17 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
             break   # too little to gain, or a second short run of more than half the long one
         got = _short_run(program, shorter(program.micro_batches - extra * period.micro_batches),
                          period, keep, make_engine, keep_link_rates)
-        if isinstance(got, float):
-            # No cut: once more with twice the periods, or with room for the host's lead
-            # where the hosts ran further ahead than that (a slow GPU: ops issued by a cut
-            # wait beyond a window shorter than the lead).
-            keep = max(2 * keep, keep + math.ceil(got) + 2)
-            continue
-        if got is not None:
+        if isinstance(got, tuple):
             tap, short, cut, engine = got
             return splice(tap.entries, cut, extra, short, period,
                           {c.id: issue_order(c) for c in program.classes},
                           {c.id: c for c in program.classes}, observer,
                           engine.env.now, engine.net.solves, len(engine.net.class_bytes))
+        # No cut: once more with twice the periods, or with room for the hosts' lead where
+        # they ran further ahead than that (a slow GPU: ops issued by a cut wait beyond a
+        # window shorter than the lead).
+        lead = got if got is not None else 0.0
+        keep = max(2 * keep, keep + math.ceil(lead) + 2)
     return None
 
 
