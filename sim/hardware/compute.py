@@ -74,6 +74,18 @@ ADAMW_CALIBRATION_TENSORS = 16
 # test_te_gemm_profiling.py); derivation re-done in tests/unit/hardware/
 # test_blackwell_streaming.py.
 STREAM_BYTES_PER_SM_S = 39.5e9
+# Threads one SM holds resident: 2,048 on compute capabilities 8.0, 9.0 and 10.0 (A100,
+# H100/H200, B200/GB200; CUDA C++ Programming Guide, "Compute Capabilities", table
+# "Technical Specifications per Compute Capability").
+RESIDENT_THREADS_PER_SM = 2048
+# Loaded HBM latency seen by a copy that keeps one load in flight a thread. Measured
+# elsewhere, not fitted: MLX's general (strided) copy on a B200, one element a thread
+# (ml-explore/mlx PR 2873, "[CUDA] Faster general copy", the "Pre" column: 50 x 20 copies of
+# an (8, 2048, 32, 128) swapaxes(1, 2) view in 140.5 ms in bf16 and 135.7 ms in fp32, 1.91
+# and 3.96 TB/s read plus written): by Little's law 148 SMs x 2,048 threads x 2 B in flight
+# over 0.955 TB/s of reads is 635 ns, and x 4 B over 1.98 TB/s is 613 ns. That both element
+# sizes give the same latency is the check that such a copy is latency-bound.
+STRIDED_LOAD_LATENCY_S = 624e-9
 
 
 @lru_cache(maxsize=1)
@@ -389,6 +401,30 @@ class ComputeModel:
         ``B`` is :meth:`stream_bytes_per_s`.
         """
         return self.kernel_min_s + nbytes / self.stream_bytes_per_s(klass)
+
+    def strided_copy_time(self, nbytes: float, element_bytes: float) -> float:
+        """A copy through PyTorch's non-vectorised elementwise loop (``.contiguous()`` of a
+        transposed or permuted view: TensorIterator's ``launch_legacy_kernel``, reached when
+        an operand is not contiguous), moving ``nbytes`` (read plus written) of
+        ``element_bytes`` elements.
+
+        Each thread loads one element, stores it, then loads the next (the loop's stores may
+        alias its loads, so the compiler keeps them in order): an SM holds
+        :data:`RESIDENT_THREADS_PER_SM` loads of ``element_bytes`` in flight, and by Little's
+        law reads ``threads x element_bytes / STRIDED_LOAD_LATENCY_S`` a second, writing as
+        much. Never faster than the vectorised loop (:meth:`stream_bytes_per_s`).
+
+        Examples
+        --------
+        >>> from sim import catalog
+        >>> cm = ComputeModel(catalog.gpu("b200"))
+        >>> round(cm.strided_copy_time(268e6, 2) / cm.membound_time(268e6), 1)   # bf16
+        2.9
+        """
+        latency_bound = (2.0 * self.gpu.sm_count * RESIDENT_THREADS_PER_SM * element_bytes
+                         / STRIDED_LOAD_LATENCY_S)
+        rate = min(self.stream_bytes_per_s("elementwise"), latency_bound)
+        return self.kernel_min_s + nbytes / rate
 
     def stream_bytes_per_s(self, klass: MemClass = "elementwise") -> float:
         """Rate a memory-bound kernel of ``klass`` streams at on this GPU: the H200's measured

@@ -289,10 +289,11 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         ps = b.t("sorted_probs", rows, lay.router_bytes)
         if lay.token_drop == "pad":
             # dispatch_postprocess with drop_and_pad: view, transpose(0, 1).contiguous() of
-            # the tokens, then of the probs: two copies (Megatron-Core 0.14
-            # token_dispatcher.py).
-            b.fwd(Kernel("sort_chunks", "elementwise", (x,), (xs,)))
-            b.fwd(Kernel("sort_chunks.probs", "elementwise", (probs,), (ps,)))
+            # the tokens, then of the probs: two copies of a transposed view, PyTorch's
+            # strided loop (Megatron-Core 0.14 token_dispatcher.py).
+            b.fwd(Kernel("sort_chunks", "elementwise", (x,), (xs,), strided=BF16))
+            b.fwd(Kernel("sort_chunks.probs", "elementwise", (probs,), (ps,),
+                         strided=lay.router_bytes))
         else:
             reads: tuple[Tensor, ...] = (x, probs)
             if lay.te_permute:
@@ -304,7 +305,10 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
                 reads += (sort_map,)
             b.fwd(Kernel("sort_chunks", "elementwise", reads, (xs, ps)))
         gxs, gx = b.t("g_sorted", rows * h, BF16), b.t("g_in", rows * h, BF16)
-        b.bwd(Kernel("sort_chunks.bwd", "elementwise", (gxs,), (gx,)))
+        # With drop_and_pad the gradient comes back as the transposed view, which the
+        # view's backward reshapes: the same strided copy.
+        b.bwd(Kernel("sort_chunks.bwd", "elementwise", (gxs,), (gx,),
+                     strided=BF16 if lay.token_drop == "pad" else 0))
         x, probs = xs, ps
     gemm_counts = counts
     if lay.fp8 is not None:
@@ -357,9 +361,12 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
             # combine_preprocess: sort_chunks_by_idxs back, with a chunk map of its own.
             b.fwd(Kernel("unsort_chunks.map", "elementwise", (),
                          (b.t("chunk_unsort_map", rows, INT32),)))
-        b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,)))
+        # combine_preprocess with drop_and_pad: transpose(0, 1).contiguous() back, and its
+        # gradient's reshape: strided copies as above.
+        strided = BF16 if lay.token_drop == "pad" else 0
+        b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,), strided=strided))
         gb, gbs = b.t("g_out", rows * h, BF16), b.t("g_unsorted", rows * h, BF16)
-        b.bwd(Kernel("unsort_chunks.bwd", "elementwise", (gb,), (gbs,)))
+        b.bwd(Kernel("unsort_chunks.bwd", "elementwise", (gb,), (gbs,), strided=strided))
         out = back
     b.block.outputs.append(out)
     return b.finish()
