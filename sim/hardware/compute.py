@@ -402,29 +402,30 @@ class ComputeModel:
         """
         return self.kernel_min_s + nbytes / self.stream_bytes_per_s(klass)
 
-    def strided_copy_time(self, nbytes: float, element_bytes: float) -> float:
-        """A copy through PyTorch's non-vectorised elementwise loop (``.contiguous()`` of a
-        transposed or permuted view: TensorIterator's ``launch_legacy_kernel``, reached when
-        an operand is not contiguous), moving ``nbytes`` (read plus written) of
-        ``element_bytes`` elements.
+    def legacy_loop_time(self, elements: float, nbytes: float) -> float:
+        """A kernel of PyTorch's non-vectorised elementwise loop over ``elements`` outputs,
+        moving ``nbytes`` (read plus written): TensorIterator's ``launch_legacy_kernel``
+        (``gpu_kernel_impl_nocast``), which every elementwise op and copy takes when an operand
+        is not contiguous (a transposed, sliced or broadcast view; ``.contiguous()`` of one).
 
-        Each thread loads one element, stores it, then loads the next (the loop's stores may
-        alias its loads, so the compiler keeps them in order): an SM holds
-        :data:`RESIDENT_THREADS_PER_SM` loads of ``element_bytes`` in flight, and by Little's
-        law reads ``threads x element_bytes / STRIDED_LOAD_LATENCY_S`` a second, writing as
-        much. Never faster than the vectorised loop (:meth:`stream_bytes_per_s`).
+        Each thread loads its element's operands, stores the result, then does the next (the
+        stores may alias the loads, so the compiler keeps them in order): an SM has one
+        element a resident thread (:data:`RESIDENT_THREADS_PER_SM`) in flight, and by Little's
+        law finishes ``threads / STRIDED_LOAD_LATENCY_S`` elements a second. Never faster than
+        the vectorised loop moving the same bytes (:meth:`stream_bytes_per_s`).
 
         Examples
         --------
         >>> from sim import catalog
         >>> cm = ComputeModel(catalog.gpu("b200"))
-        >>> round(cm.strided_copy_time(268e6, 2) / cm.membound_time(268e6), 1)   # bf16
+        >>> n = 67e6                      # a bf16 copy of 67 M elements: 268 MB moved
+        >>> round(cm.legacy_loop_time(n, 4 * n) / cm.membound_time(4 * n), 1)
         2.9
         """
-        latency_bound = (2.0 * self.gpu.sm_count * RESIDENT_THREADS_PER_SM * element_bytes
-                         / STRIDED_LOAD_LATENCY_S)
-        rate = min(self.stream_bytes_per_s("elementwise"), latency_bound)
-        return self.kernel_min_s + nbytes / rate
+        latency_bound = elements * STRIDED_LOAD_LATENCY_S / (
+            self.gpu.sm_count * RESIDENT_THREADS_PER_SM)
+        return self.kernel_min_s + max(latency_bound,
+                                       nbytes / self.stream_bytes_per_s("elementwise"))
 
     def stream_bytes_per_s(self, klass: MemClass = "elementwise") -> float:
         """Rate a memory-bound kernel of ``klass`` streams at on this GPU: the H200's measured

@@ -155,8 +155,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     fixed = (k.launches - 1) * cm.kernel_min_s
     if k.klass == "tiny":
         return cm.kernel_min_s + fixed
-    if k.strided:
-        return cm.strided_copy_time(k.nbytes, k.strided) + fixed
+    if k.legacy_elements:
+        return cm.legacy_loop_time(k.legacy_elements, k.nbytes) + fixed
     klass = "reduction" if k.klass == "elementwise" and is_reduction(k) else k.klass
     t = cm.membound_time(k.nbytes, klass)  # type: ignore[arg-type]
     if k.activation_elements:

@@ -38,6 +38,9 @@ from typing import Literal
 from sim.workload.kernels import BF16, FP32, Kernel, Tensor
 from sim.workload.layer_builder import _Builder
 
+# torch.bool, one byte an element.
+BOOL = 1
+
 SinkBackend = Literal["cudnn", "te_unfused", "mcore_local"]
 
 SINK_MIN_TE = (2, 8)
@@ -107,12 +110,17 @@ def clamped_glu_input(b: _Builder, fc1: Tensor, rows: float, f: int) -> Tensor:
     ``rows x 2f`` bf16 tensor the activation reads (and saves).
 
     Forward, three kernels: ``clamp`` of the gate half and of the linear half (each reads
-    and writes ``rows x f``; the halves are strided views of fc1's output) and ``torch.cat``
-    (reads ``2 rows f``, writes ``2 rows f``): ``16 rows f`` bytes in all. Backward: each
-    clamp's gradient is ``where(inside, g, 0)`` (reads the half's gradient and input, writes
-    its gradient: ``12 rows f`` bytes for both), the ``cat`` backward is views, and the
-    ``chunk``'s (``SplitBackward``) concatenates the two halves' gradients (``8 rows f``).
-    The clamps save fc1's output (their input).
+    and writes ``rows x f``) and ``torch.cat`` (reads ``2 rows f``, writes ``2 rows f``):
+    ``16 rows f`` bytes in all. The halves are ``chunk`` views of fc1's output, not
+    contiguous, so both clamps run PyTorch's non-vectorised loop (``legacy_elements``,
+    :meth:`sim.hardware.compute.ComputeModel.legacy_loop_time`). Backward: PyTorch's
+    ``clamp_backward`` is ``where(mask, g, 0)`` with the mask from comparisons of the saved
+    input: ``self <= max`` for the gate half, ``self >= min``, ``self <= max`` and a
+    ``logical_and_`` for the linear half; every comparison reads a half of fc1's output and
+    every ``where`` a slice of the ``cat``'s gradient, so five of the six kernels take the
+    non-vectorised loop (the ``logical_and_`` of two contiguous masks does not); then the
+    ``chunk``'s backward (``SplitBackward``) concatenates the two halves' gradients
+    (``8 rows f``). The clamps save fc1's output (their input).
 
     Examples
     --------
@@ -121,22 +129,37 @@ def clamped_glu_input(b: _Builder, fc1: Tensor, rows: float, f: int) -> Tensor:
     >>> x = clamped_glu_input(b, Tensor("e.fc1", 2 * 10 * 4 * 2), 10, 4)
     >>> [k.name for k in b.block.forward], sum(k.nbytes for k in b.block.forward)
     (['weighted_act.clamp_gate', 'weighted_act.clamp_linear', 'weighted_act.cat'], 640.0)
-    >>> blk = b.finish(); [k.name for k in blk.backward], sum(k.nbytes for k in blk.backward)
-    (['weighted_act.clamp.bwd', 'weighted_act.clamp.bwd', 'weighted_act.chunk.bwd'], 800.0)
+    >>> blk = b.finish(); [k.name for k in blk.backward][:2], len(blk.backward)
+    (['weighted_act.clamp_gate.le', 'weighted_act.clamp_gate.bwd'], 7)
+    >>> sum(k.legacy_elements for k in blk.forward + blk.backward) / (10 * 4)
+    7.0
     """
     half = rows * f
     gate, lin = b.t("fc1.gate_half", half, BF16), b.t("fc1.linear_half", half, BF16)
     gc, lc = b.t("glu_gate_clamped", half, BF16), b.t("glu_linear_clamped", half, BF16)
     out = b.t("glu_clamped", 2 * half, BF16)
-    b.fwd(Kernel("weighted_act.clamp_gate", "elementwise", (gate,), (gc,)))
-    b.fwd(Kernel("weighted_act.clamp_linear", "elementwise", (lin,), (lc,)))
+    b.fwd(Kernel("weighted_act.clamp_gate", "elementwise", (gate,), (gc,),
+                 legacy_elements=half))
+    b.fwd(Kernel("weighted_act.clamp_linear", "elementwise", (lin,), (lc,),
+                 legacy_elements=half))
     b.save(fc1)
     b.fwd(Kernel("weighted_act.cat", "elementwise", (gc, lc), (out,)))
     g = [b.t(f"g_clamped_{n}", half, BF16) for n in ("gate", "linear")]
     gi = [b.t(f"g_fc1_{n}", half, BF16) for n in ("gate", "linear")]
     gfc1 = b.t("g_fc1_clamp", 2 * half, BF16)
-    b.bwd(*(Kernel("weighted_act.clamp.bwd", "elementwise", (g[i], x), (gi[i],))
-            for i, x in enumerate((gate, lin))),
+    mask = [b.t(f"clamp_{n}_mask", half, BOOL) for n in ("gate", "ge", "le")]
+    b.bwd(Kernel("weighted_act.clamp_gate.le", "elementwise", (gate,), (mask[0],),
+                 legacy_elements=half),
+          Kernel("weighted_act.clamp_gate.bwd", "elementwise", (mask[0], g[0]), (gi[0],),
+                 legacy_elements=half),
+          Kernel("weighted_act.clamp_linear.ge", "elementwise", (lin,), (mask[1],),
+                 legacy_elements=half),
+          Kernel("weighted_act.clamp_linear.le", "elementwise", (lin,), (mask[2],),
+                 legacy_elements=half),
+          Kernel("weighted_act.clamp_linear.and", "elementwise", (mask[1], mask[2]),
+                 (mask[1],)),
+          Kernel("weighted_act.clamp_linear.bwd", "elementwise", (mask[1], g[1]), (gi[1],),
+                 legacy_elements=half),
           Kernel("weighted_act.chunk.bwd", "elementwise", tuple(gi), (gfc1,)))
     return out
 
@@ -178,7 +201,9 @@ def expert_output_bias(b: _Builder, out: Tensor, probs: Tensor, counts: Sequence
         rows_i = b.t(f"fc2_rows_{i}", c * h, BF16)
         bp = b.t(f"bias_x_prob_{i}", c * h, FP32)
         s = b.t(f"biased_{i}", c * h, FP32)
-        b.fwd(Kernel("apply_bias.mul", "elementwise", (p, bias), (bp,)))
+        # Both multiplies broadcast an operand (the bias over rows, the prob over h): PyTorch's
+        # non-vectorised loop, forward and backward.
+        b.fwd(Kernel("apply_bias.mul", "elementwise", (p, bias), (bp,), legacy_elements=c * h))
         b.fwd(Kernel("apply_bias.add", "elementwise", (rows_i, bp), (s,)))
         pieces.append(s)
         g = b.t(f"g_biased_{i}", c * h, FP32)
@@ -186,9 +211,11 @@ def expert_output_bias(b: _Builder, out: Tensor, probs: Tensor, counts: Sequence
         gb32, gb16 = b.t(f"g_bias_{i}", h, FP32), b.t(f"g_bias16_{i}", h, BF16)
         grads += [Kernel("apply_bias.add.bwd", "elementwise", (g,),
                          (b.t(f"g_rows_{i}", c * h, BF16),)),
-                  Kernel("apply_bias.mul.bwd_bias", "elementwise", (g, p), (gb_full,)),
+                  Kernel("apply_bias.mul.bwd_bias", "elementwise", (g, p), (gb_full,),
+                         legacy_elements=c * h),
                   Kernel("apply_bias.sum_bias", "elementwise", (gb_full,), (gb32,)),
-                  Kernel("apply_bias.mul.bwd_prob", "elementwise", (g, bias), (gp_full,)),
+                  Kernel("apply_bias.mul.bwd_prob", "elementwise", (g, bias), (gp_full,),
+                         legacy_elements=c * h),
                   Kernel("apply_bias.sum_prob", "elementwise", (gp_full,),
                          (b.t(f"g_probs_{i}", c, FP32),)),
                   Kernel("apply_bias.cast_bias_grad", "tiny", (gb32,), (gb16,)),

@@ -76,10 +76,11 @@ class Kernel:
     """A grouped GEMM (Transformer Engine ``GroupedLinear`` over the local experts): the rows
     of each of its GEMMs, which ``gemm``'s m adds up; priced by
     :func:`sim.workload.grouped_gemm.grouped_gemm_time`. Empty for one GEMM."""
-    strided: int = 0
-    """A copy of a non-contiguous view (``.contiguous()`` of a transposed tensor, the reshape
-    of its gradient) through PyTorch's non-vectorised elementwise loop: the element size in
-    bytes (:meth:`sim.hardware.compute.ComputeModel.strided_copy_time`); 0 for any other."""
+    legacy_elements: float = 0.0
+    """Elements it runs over in PyTorch's non-vectorised elementwise loop, taken when an
+    operand is not contiguous (``.contiguous()`` of a transposed view, an op on a slice or a
+    broadcast operand): latency-bound
+    (:meth:`sim.hardware.compute.ComputeModel.legacy_loop_time`); 0 for any other kernel."""
     launches: int = 1
     """Kernel launches the host issues for it: Transformer Engine's default grouped GEMM
     (``multi_stream_cublas_gemm``, ``transformer_engine/common/gemm/cublaslt_gemm.cu``) calls

@@ -291,9 +291,9 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
             # dispatch_postprocess with drop_and_pad: view, transpose(0, 1).contiguous() of
             # the tokens, then of the probs: two copies of a transposed view, PyTorch's
             # strided loop (Megatron-Core 0.14 token_dispatcher.py).
-            b.fwd(Kernel("sort_chunks", "elementwise", (x,), (xs,), strided=BF16))
+            b.fwd(Kernel("sort_chunks", "elementwise", (x,), (xs,), legacy_elements=rows * h))
             b.fwd(Kernel("sort_chunks.probs", "elementwise", (probs,), (ps,),
-                         strided=lay.router_bytes))
+                         legacy_elements=rows))
         else:
             reads: tuple[Tensor, ...] = (x, probs)
             if lay.te_permute:
@@ -308,7 +308,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         # With drop_and_pad the gradient comes back as the transposed view, which the
         # view's backward reshapes: the same strided copy.
         b.bwd(Kernel("sort_chunks.bwd", "elementwise", (gxs,), (gx,),
-                     strided=BF16 if lay.token_drop == "pad" else 0))
+                     legacy_elements=rows * h if lay.token_drop == "pad" else 0.0))
         x, probs = xs, ps
     gemm_counts = counts
     if lay.fp8 is not None:
@@ -363,10 +363,11 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
                          (b.t("chunk_unsort_map", rows, INT32),)))
         # combine_preprocess with drop_and_pad: transpose(0, 1).contiguous() back, and its
         # gradient's reshape: strided copies as above.
-        strided = BF16 if lay.token_drop == "pad" else 0
-        b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,), strided=strided))
+        strided = rows * h if lay.token_drop == "pad" else 0.0
+        b.fwd(Kernel("unsort_chunks", "elementwise", (out,), (back,), legacy_elements=strided))
         gb, gbs = b.t("g_out", rows * h, BF16), b.t("g_unsorted", rows * h, BF16)
-        b.bwd(Kernel("unsort_chunks.bwd", "elementwise", (gb,), (gbs,), strided=strided))
+        b.bwd(Kernel("unsort_chunks.bwd", "elementwise", (gb,), (gbs,),
+                     legacy_elements=strided))
         out = back
     b.block.outputs.append(out)
     return b.finish()

@@ -1,6 +1,6 @@
-"""Copies of transposed views through PyTorch's non-vectorised elementwise loop
-(:meth:`sim.hardware.compute.ComputeModel.strided_copy_time`): latency-bound, one load in
-flight a thread, so their rate grows with the element size.
+"""Copies of transposed views (and other ops on non-contiguous operands) through PyTorch's
+non-vectorised elementwise loop (:meth:`sim.hardware.compute.ComputeModel.legacy_loop_time`):
+latency-bound, one element in flight a thread, so a copy's rate grows with the element size.
 
 The latency is measured elsewhere (MLX's general copy on a B200, ml-explore/mlx PR 2873);
 the derivation is re-done here, then checked against figures it was not taken from."""
@@ -31,24 +31,29 @@ MLX_B200_S = {2: 140.536e-3, 4: 135.735e-3}      # bf16, fp32
 def test_the_latency_reproduces_mlx_s_b200_copies(element_bytes: int) -> None:
     cm = ComputeModel(catalog.gpu("b200"))
     moved = 2 * MLX_ELEMENTS * element_bytes          # read plus written, one copy
-    t = cm.strided_copy_time(moved, element_bytes) - cm.kernel_min_s
+    t = cm.legacy_loop_time(MLX_ELEMENTS, moved) - cm.kernel_min_s
     # The two element sizes imply 635 and 613 ns; one latency (624 ns) serves both within 2%.
     assert t * MLX_COPIES == pytest.approx(MLX_B200_S[element_bytes], rel=0.02)
     in_flight = cm.gpu.sm_count * RESIDENT_THREADS_PER_SM * element_bytes
     assert moved / t == pytest.approx(2 * in_flight / STRIDED_LOAD_LATENCY_S)
 
 
+def _copy(cm: ComputeModel, nbytes: float, element_bytes: int) -> float:
+    """A copy of ``nbytes`` moved (read plus written) of ``element_bytes`` elements."""
+    return cm.legacy_loop_time(nbytes / (2 * element_bytes), nbytes)
+
+
 def test_never_faster_than_the_vectorised_loop_and_slower_where_bandwidth_per_sm_is_high() -> None:
     n = 268e6
     for gpu in ("a100-80gb", "h100-sxm", "h200", "b200"):
         cm = ComputeModel(catalog.gpu(gpu))
-        assert cm.strided_copy_time(n, 2) > cm.membound_time(n)
-        assert cm.strided_copy_time(n, 4) < cm.strided_copy_time(n, 2)
+        assert _copy(cm, n, 2) > cm.membound_time(n)
+        assert _copy(cm, n, 4) < _copy(cm, n, 2)
         # 8-byte elements keep enough in flight on these GPUs: the vectorised rate.
-        assert cm.strided_copy_time(n, 8) <= cm.strided_copy_time(n, 4)
-        assert cm.strided_copy_time(n, 16) == pytest.approx(cm.membound_time(n))
+        assert _copy(cm, n, 8) <= _copy(cm, n, 4)
+        assert _copy(cm, n, 16) == pytest.approx(cm.membound_time(n))
     # bf16: the penalty grows with bandwidth per SM (A100 1.3x, H100 1.7x, B200 2.9x).
-    ratio = {g: ComputeModel(catalog.gpu(g)).strided_copy_time(n, 2)
+    ratio = {g: _copy(ComputeModel(catalog.gpu(g)), n, 2)
              / ComputeModel(catalog.gpu(g)).membound_time(n)
              for g in ("a100-80gb", "h100-sxm", "b200")}
     assert 1.1 < ratio["a100-80gb"] < ratio["h100-sxm"] < ratio["b200"] < 3.5
@@ -63,7 +68,7 @@ def test_pytorch_s_own_transposes_on_gh200_are_no_faster() -> None:
     cm = ComputeModel(catalog.gpu("h200"))       # 132 SMs, as the GH200's H100 die
     n = 1e9
     for element_bytes, measured in ((2, 692e9), (4, 1183e9)):
-        model = n / (cm.strided_copy_time(n, element_bytes) - cm.kernel_min_s)
+        model = n / (_copy(cm, n, element_bytes) - cm.kernel_min_s)
         assert measured <= model
         assert measured > model / 3
     assert 1183 / 692 == pytest.approx(2, rel=0.2)
@@ -79,8 +84,12 @@ def test_drop_and_pad_transposes_are_strided_copies_and_dropless_sorts_are_not()
     m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=1.0))
     pad = moe_layer_ops(m, MoELayout(ep=8, te_permute=True, token_drop="pad"), 4096)
     kernels = pad.experts.forward + pad.experts.backward
-    strided = {k.name: k.strided for k in kernels if k.strided}
-    assert strided == {"sort_chunks": 2, "sort_chunks.probs": 4, "unsort_chunks": 2,
-                       "sort_chunks.bwd": 2, "unsort_chunks.bwd": 2}
+    # Qwen3-30B on EP 8 at capacity 1: 4,096 tokens x top 8 rows a rank, hidden 2,048.
+    rows = 4096 * 8
+    strided = {k.name: k.legacy_elements for k in kernels if k.legacy_elements}
+    assert strided == {"sort_chunks": rows * 2048, "sort_chunks.probs": rows,
+                       "unsort_chunks": rows * 2048, "sort_chunks.bwd": rows * 2048,
+                       "unsort_chunks.bwd": rows * 2048}
     dropless = moe_layer_ops(m, MoELayout(ep=8, te_permute=True), 4096)
-    assert not any(k.strided for k in dropless.experts.forward + dropless.experts.backward)
+    assert not any(k.legacy_elements for k in dropless.experts.forward
+                   + dropless.experts.backward)

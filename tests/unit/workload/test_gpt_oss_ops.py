@@ -48,7 +48,7 @@ def test_a_non_positive_clamp_is_refused() -> None:
 
 
 @pytest.mark.parametrize("ep", [8, 64])
-def test_the_clamp_moves_sixteen_then_twenty_bytes_per_gate_element(ep) -> None:
+def test_the_clamp_moves_sixteen_then_thirty_bytes_per_gate_element(ep) -> None:
     ops = moe_layer_ops(OSS, MoELayout(ep=ep), TOKENS)
     rows = TOKENS * OSS.moe.top_k        # balanced: every rank receives tokens x top-k rows
     f = OSS.moe.ffn_hidden
@@ -57,11 +57,23 @@ def test_the_clamp_moves_sixteen_then_twenty_bytes_per_gate_element(ep) -> None:
     # Two clamps read and write rows x f each, the cat reads and writes rows x 2f: 8 rows f
     # bf16 elements.
     assert _bytes(fwd) == pytest.approx(16 * rows * f, rel=1e-12)
-    # Backward: two clamp gradients (read g and x, write g: 3 rows f each) and the chunk's
-    # concatenation (2 rows f in, 2 rows f out): 10 rows f elements.
+    # Backward, PyTorch's clamp_backward: where(mask, g, 0) on each half, the mask from
+    # self <= max (gate) and self >= min, self <= max, logical_and_ (linear). A comparison
+    # reads a bf16 half and writes a bool (3 bytes an element), a where reads the bool and
+    # the bf16 gradient and writes bf16 (5), the and reads two bools and writes one (3), the
+    # chunk's concatenation reads and writes 2 rows f bf16 (8 per rows f): 30 bytes in all.
     bwd = [k for k in ops.experts.backward if k.name.startswith(("weighted_act.clamp",
                                                                  "weighted_act.chunk"))]
-    assert _bytes(bwd) == pytest.approx(20 * rows * f, rel=1e-12)
+    assert _bytes(bwd) == pytest.approx(30 * rows * f, rel=1e-12)
+    # The halves are chunk views and the gradients slices of the cat's: every kernel with a
+    # half or its gradient as an operand takes PyTorch's non-vectorised loop (two forward,
+    # five backward); the and of two contiguous masks and the cats do not.
+    legacy = [k.name for k in fwd + bwd if k.legacy_elements]
+    assert legacy == ["weighted_act.clamp_gate", "weighted_act.clamp_linear",
+                      "weighted_act.clamp_gate.le", "weighted_act.clamp_gate.bwd",
+                      "weighted_act.clamp_linear.ge", "weighted_act.clamp_linear.le",
+                      "weighted_act.clamp_linear.bwd"]
+    assert all(k.legacy_elements == rows * f for k in fwd + bwd if k.legacy_elements)
     # The fused activation reads the clamped concatenation, not fc1's output.
     act = _kernels(ops.experts, "weighted_act")[-1]
     assert act.name == "weighted_act" and act.reads[0].name.endswith("glu_clamped")
@@ -78,6 +90,12 @@ def test_fc2s_bias_is_added_per_local_expert_in_fp32(ep) -> None:
     # 28 bytes an output element (mul: 4 out; add: 2 + 4 in, 4 out; cat: 4 + 4; cast: 4 + 2)
     # plus each expert's probs (4 bytes a row) and bias (2 bytes a column).
     assert _bytes(fwd) == pytest.approx(28 * rows * h + 4 * rows + 2 * h * local, rel=1e-12)
+    # b * p broadcasts both operands (the bias over rows, the prob over h), and so do the
+    # backward's g * p and g * b: PyTorch's non-vectorised loop, one element an output.
+    muls = [k for k in fwd + _kernels(ops.experts, "apply_bias", "bwd")
+            if ".mul" in k.name]
+    assert len(muls) == 3 * local
+    assert sum(k.legacy_elements for k in muls) == pytest.approx(3 * rows * h, rel=1e-12)
     bwd = _kernels(ops.experts, "apply_bias", "bwd")
     # cast 6, add 6, the bias gradient's mul 8 + sum 4, the prob's mul 8 + sum 4, split 4:
     # 40 bytes an element; the probs read and their gradient written (8 a row), the bias read
