@@ -261,7 +261,10 @@ def unfused_rope(b: _Builder, x: Tensor, n: float, table: float, name: str) -> T
     Backward: the two products' gradients (4 + 4), the negation's (2), the ``chunk``'s
     concatenation (4), the sum of ``t``'s two gradients (6), and the two slices'
     (``SliceBackward``: zeros of the full size and a copy into them for ``t[..., :d]``, zeros
-    for the empty ``t[..., d:]``, then their sum: 6 + 2 + 6): 34 bytes an element.
+    for the empty ``t[..., d:]``, then their sum: 6 + 2 + 6): 34 bytes an element. The
+    kernels with a broadcast or sliced operand (both products, the negation and the rotate
+    ``cat``, and their gradients) run PyTorch's non-vectorised loop: 3.5 ``n`` elements each
+    way (``legacy_elements``).
 
     Examples
     --------
@@ -285,20 +288,31 @@ def unfused_rope(b: _Builder, x: Tensor, n: float, table: float, name: str) -> T
 
     tc, neg, rot, rs, add, out = new("t_cos"), new("neg", n / 2), new("rot"), new("rot_sin"), \
         new("sum"), new("out")
-    b.fwd(Kernel(f"{name}_rope.mul_cos", "elementwise", (x, t16), (tc,)))
-    b.fwd(Kernel(f"{name}_rope.neg", "elementwise", (new("x2", n / 2),), (neg,)))
-    b.fwd(Kernel(f"{name}_rope.rotate_cat", "elementwise", (neg, new("x1", n / 2)), (rot,)))
-    b.fwd(Kernel(f"{name}_rope.mul_sin", "elementwise", (rot, t16), (rs,)))
+    # Non-contiguous operands take PyTorch's non-vectorised loop (legacy_elements): the
+    # products broadcast the [s, 1, 1, d] table, the negation reads a chunk view, the cat
+    # copies a chunk view; the add and the pass-through cat of contiguous tensors do not.
+    b.fwd(Kernel(f"{name}_rope.mul_cos", "elementwise", (x, t16), (tc,), legacy_elements=n))
+    b.fwd(Kernel(f"{name}_rope.neg", "elementwise", (new("x2", n / 2),), (neg,),
+                 legacy_elements=n / 2))
+    b.fwd(Kernel(f"{name}_rope.rotate_cat", "elementwise", (neg, new("x1", n / 2)), (rot,),
+                 legacy_elements=n))
+    b.fwd(Kernel(f"{name}_rope.mul_sin", "elementwise", (rot, t16), (rs,), legacy_elements=n))
     b.fwd(Kernel(f"{name}_rope.add", "elementwise", (tc, rs), (add,)))
     b.fwd(Kernel(f"{name}_rope.cat_pass", "elementwise", (add,), (out,)))
     g = new("g_out")
     g_cos, g_sin, g_neg, g_rot, g_t = new("g_t_cos"), new("g_rot"), new("g_x2", n / 2), \
         new("g_chunk"), new("g_t")
     zeros, zeros_pass, g_in = new("g_slice"), new("g_slice_pass"), new("g_in")
-    b.bwd(Kernel(f"{name}_rope.mul_sin.bwd", "elementwise", (g, t16), (g_sin,)),
-          Kernel(f"{name}_rope.neg.bwd", "elementwise", (new("g_neg", n / 2),), (g_neg,)),
-          Kernel(f"{name}_rope.chunk.bwd", "elementwise", (new("g_x1", n / 2), g_neg), (g_rot,)),
-          Kernel(f"{name}_rope.mul_cos.bwd", "elementwise", (g, t16), (g_cos,)),
+    # Backward likewise: the products' gradients broadcast the table, the negation's reads a
+    # slice of the rotate cat's gradient, and the chunk's cat copies one.
+    b.bwd(Kernel(f"{name}_rope.mul_sin.bwd", "elementwise", (g, t16), (g_sin,),
+                 legacy_elements=n),
+          Kernel(f"{name}_rope.neg.bwd", "elementwise", (new("g_neg", n / 2),), (g_neg,),
+                 legacy_elements=n / 2),
+          Kernel(f"{name}_rope.chunk.bwd", "elementwise", (new("g_x1", n / 2), g_neg), (g_rot,),
+                 legacy_elements=n),
+          Kernel(f"{name}_rope.mul_cos.bwd", "elementwise", (g, t16), (g_cos,),
+                 legacy_elements=n),
           Kernel(f"{name}_rope.grad_sum", "elementwise", (g_cos, g_rot), (g_t,)),
           Kernel(f"{name}_rope.slice.zeros", "elementwise", (), (zeros,)),
           Kernel(f"{name}_rope.slice.copy", "elementwise", (g_t,), (zeros,)),

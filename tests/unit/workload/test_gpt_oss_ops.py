@@ -184,6 +184,10 @@ def test_yarn_runs_megatrons_unfused_rope_on_query_and_key(tp) -> None:
         assert _bytes(tab) == pytest.approx(2 * (8 + 8 + 6) * table, rel=1e-12)
         bwd = _kernels(blk, f"{name}_rope.", "bwd")
         assert _bytes(bwd) == pytest.approx(34 * n + 2 * 2 * table, rel=1e-12)
+        # Broadcast or sliced operands: the products (n each), the negation (n / 2) and the
+        # rotate cat (n) forward, their gradients backward, in the non-vectorised loop.
+        assert sum(k.legacy_elements for k in fwd) == pytest.approx(3.5 * n, rel=1e-12)
+        assert sum(k.legacy_elements for k in bwd) == pytest.approx(3.5 * n, rel=1e-12)
     assert not [k for k in blk.forward if k.name == "rope"]
 
 
