@@ -470,8 +470,9 @@ SHORT_MICRO_BATCHES = 10
 :data:`MIN_SHORT_PERIODS`): room for the window of reports that witnesses the cut (the host
 clock runs up to its launch queue ahead, a few micro-batches) and the period itself. Where
 no cut shows, the short program is tried once more with twice as many periods, or with the
-hosts' largest lead over the GPU (in periods) and two more where that is larger, if it then
-has at most half the long one's micro-batches."""
+longest wait of an op between its issue and its start (in periods: the host's lead, and at a
+deep pipeline the fill's waits) and two more where that is larger, if it then has at most
+half the long one's micro-batches."""
 MIN_SHORT_PERIODS = 4
 """Fewest steady periods the short program keeps (the window, the period, room after it)."""
 MIN_EXTRA_PERIODS = 6
@@ -526,9 +527,10 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
                           {c.id: issue_order(c) for c in program.classes},
                           {c.id: c for c in program.classes}, observer,
                           engine.env.now, engine.net.solves, len(engine.net.class_bytes))
-        # No cut: once more with twice the periods, or with room for the hosts' lead where
-        # they ran further ahead than that (a slow GPU: ops issued by a cut wait beyond a
-        # window shorter than the lead).
+        # No cut: once more with twice the periods, or with room for the longest wait between
+        # an op's issue and its start where that is longer (ops issued by a cut wait beyond
+        # a window shorter than it: a host far ahead of a slow GPU, or at a deep pipeline
+        # (PP 64) the fill's waits, which that measure also holds).
         lead = got if got is not None else 0.0
         keep = max(2 * keep, keep + math.ceil(lead) + 2)
     return None
@@ -538,8 +540,8 @@ def _short_run(program: Program, short_program: Program | None, period: SteadyPe
                keep: int, make_engine: Callable[[EngineObserver], Engine],
                keep_link_rates: bool) -> tuple[LogTap, ShortRun, Cut, Engine] | float | None:
     """Run the short program keeping ``keep`` steady periods; its reports and their cut;
-    where it shows no cut, how many periods the hosts issued ahead of the GPU at most (a
-    float); None where it cannot stand for the long one."""
+    where it shows no cut, the longest an op waited between its issue and becoming ready, in
+    periods (a float); None where it cannot stand for the long one."""
     if short_program is None or [(c.id, c.members) for c in short_program.classes] != [
             (c.id, c.members) for c in program.classes]:
         return None
