@@ -35,11 +35,8 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from sim.workload.kernels import BF16, FP32, Kernel, Tensor
+from sim.workload.kernels import BF16, BOOL, FP32, Kernel, Tensor
 from sim.workload.layer_builder import _Builder
-
-# torch.bool, one byte an element.
-BOOL = 1
 
 SinkBackend = Literal["cudnn", "te_unfused", "mcore_local"]
 

@@ -17,6 +17,7 @@ from typing import Literal
 
 FP32 = 4
 BF16 = 2
+BOOL = 1  # torch.bool: a mask
 IDX = 8  # int64 token ids
 
 KernelClass = Literal["gemm", "attention", "elementwise", "norm_fused", "tiny"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sim.workload.kernels import BF16, FP32, Kernel, Style, Tensor
+from sim.workload.kernels import BF16, BOOL, FP32, Kernel, Style, Tensor
 from sim.workload.layer_builder import _Builder
 from sim.workload.model import ModelSpec
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 STYLE = Style("bf16")
 """How the MoE layer's kernels are priced (bf16 activations; FP8 GEMMs say so per kernel)."""
 INT32 = 4   # TE's row_id_map of the fused permutation
-MASK = 1    # the boolean routing map
+MASK = BOOL    # the boolean routing map
 
 
 def router_dtype_bytes(router_dtype: str | None) -> int:

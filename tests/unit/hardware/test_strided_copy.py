@@ -63,15 +63,14 @@ def test_pytorch_s_own_transposes_on_gh200_are_no_faster() -> None:
     # Checked, not fitted: PyTorch's TensorIterator copy of a 2-D transpose on a GH200 (132
     # SMs; pytorch/pytorch PR 194310, 2026-09-03 comment) moves 692 GB/s in fp16 and 1,183 in
     # fp32, read plus written. Its reads are uncoalesced, a harder case than the coalesced
-    # copies priced here, so they must come out no faster than the model's rate; their ratio
-    # (1.71) is close to the 2 that loads in flight alone would give.
+    # copies priced here, so they must come out no faster than the model's rate, and not
+    # far below it (their ratio, 1.71, is close to the 2 that loads in flight alone give).
     cm = ComputeModel(catalog.gpu("h200"))       # 132 SMs, as the GH200's H100 die
     n = 1e9
     for element_bytes, measured in ((2, 692e9), (4, 1183e9)):
         model = n / (_copy(cm, n, element_bytes) - cm.kernel_min_s)
         assert measured <= model
         assert measured > model / 3
-    assert 1183 / 692 == pytest.approx(2, rel=0.2)
 
 
 def test_drop_and_pad_transposes_are_strided_copies_and_dropless_sorts_are_not() -> None:
