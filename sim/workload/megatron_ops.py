@@ -42,6 +42,7 @@ from sim.workload.layer_rules import (
 )
 from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
+from sim.workload.qkv_split import qkv_split
 
 MASK = 1  # dropout masks are bytes
 
@@ -338,7 +339,7 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
     s = seq // lay.cp
     tokens = batch * s
     local = tokens / t if lay.sequence_parallel else tokens
-    qd, kvd, heads, _, _ = _local(m, lay)
+    qd, kvd, heads, groups, _ = _local(m, lay)
     h = m.hidden
     pre = _Builder("attn_pre", STYLE)
     x = pre.t("in", local * h, BF16)
@@ -351,12 +352,11 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
     yin = b.t("qkv_in", tokens * h, BF16)
     b.block.inputs.append(yin)
     kept = len(b.block.saved)
-    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay, after_norm=True)
+    g_qkv = b.t("qkv.g_out", tokens * (qd + 2 * kvd), BF16)
+    qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay, after_norm=True,
+                  g_out=g_qkv)
     _keep_input_shard(b, kept, "qkv_in_shard", local * h, lay)
-    q = b.t("q", tokens * qd, BF16)
-    k = b.t("k", tokens * kvd, BF16)
-    v = b.t("v", tokens * kvd, BF16)
-    b.fwd(Kernel("split_qkv", "tiny", (qkv,), (q, k, v)))
+    q, k, v = qkv_split(b, qkv, g_qkv, tokens, qd, kvd, heads, groups)
     if m.qk_norm:
         # ModelSpec.attention_params: 2 x head_dim weights per layer.
         q = _row_norm(b, m, q, tokens * heads, m.head_dim, "q_norm")
