@@ -27,7 +27,7 @@ from functools import lru_cache
 from sim.config.base import Fp8Recipe
 from sim.hardware.attention_cost import window_pairs
 from sim.workload.gpt_oss_ops import unfused_rope, yarn_concentration
-from sim.workload.kernels import accumulating
+from sim.workload.kernels import BOOL, accumulating
 from sim.workload.layer_ops import BF16, FP32, IDX, Block, Kernel, Style, Tensor, _Builder
 from sim.workload.layer_rules import (
     BLOCK_SCALED,
@@ -44,7 +44,7 @@ from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
 from sim.workload.qkv_split import qkv_split
 
-MASK = 1  # dropout masks are bytes
+MASK = BOOL  # dropout masks are bytes
 
 
 @dataclass(frozen=True)

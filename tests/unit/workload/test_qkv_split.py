@@ -17,8 +17,10 @@ import pytest
 from sim import catalog
 from sim.hardware.compute import RESIDENT_THREADS_PER_SM, STRIDED_LOAD_LATENCY_S, ComputeModel
 from sim.workload.block_pricing import kernel_time
+from sim.workload.layer_ops import BF16, Style, _Builder
 from sim.workload.megatron_ops import MegatronLayout, attention_block
 from sim.workload.model import ModelSpec
+from sim.workload.qkv_split import qkv_split
 
 SEQ = 4096
 
@@ -44,8 +46,15 @@ def _reshape_is_a_view(groups: int, heads_per_group: int, head_dim: int = 4) -> 
 
 @pytest.mark.parametrize("groups,per_group", [(4, 8), (2, 16), (1, 8), (8, 1), (4, 1)])
 def test_the_copy_is_priced_exactly_when_the_reshape_cannot_be_a_view(groups, per_group):
-    copies = not _reshape_is_a_view(groups, per_group)
-    assert copies == (groups > 1 and per_group > 1)
+    # The builder's decision against the strided-array truth, layout by layout.
+    b = _Builder("attn_main", Style("bf16"))
+    tokens, hd = 16, 128
+    qd, kvd = groups * per_group * hd, groups * hd
+    qkv = b.t("qkv.out", tokens * (qd + 2 * kvd), BF16)
+    g = b.t("qkv.g_out", tokens * (qd + 2 * kvd), BF16)
+    qkv_split(b, qkv, g, tokens, qd, kvd, heads=groups * per_group, groups=groups)
+    priced = any(k.name == "q_reshape_copy" for k in b.block.forward)
+    assert priced == (not _reshape_is_a_view(groups, per_group))
 
 
 @pytest.mark.parametrize("model,tp,copies", [
