@@ -43,6 +43,7 @@ from typing import Any
 
 from sim.analysis.summary import Summary
 from sim.apps.cluster_watch import ClusterWatch
+from sim.apps.dask_completion import completed
 from sim.scenario import Scenario, ScenarioError
 
 BACKENDS = ("local", "ray", "dask")
@@ -435,23 +436,19 @@ class DaskBackend(Backend):
 
     def run(self, batches: list[list[Task]], isolated: bool
             ) -> Iterator[tuple[list[Task], list[Outcome] | Lost]]:
-        from distributed import as_completed
-
         futures = {self.client.submit(run_batch, b, self.steps, self.origin, None,
                                       self.before_variant, pure=False): b for b in batches}
         self.futures = futures
-        # with_results: each result is fetched as its task finishes, before a later worker
-        # death can lose it; raise_errors=False: a lost task comes back as its exception.
-        for fut, result in as_completed(list(futures), with_results=True, raise_errors=False):
+        # Each result is fetched as its task finishes, before a later worker death can lose
+        # it; a lost task comes back as its exception (KilledWorker).
+        for fut, ok, value in completed(self.client, list(futures)):
             batch = futures.pop(fut)
-            if fut.status == "error":   # KilledWorker; `result` is then sys.exc_info()
-                lost = Lost(f"the worker process died ({_first_sentence(fut.exception())})",
-                            own=len(batch) == 1)
-                fut.release()
-                yield batch, lost
+            fut.release()
+            if ok:
+                yield batch, value
             else:
-                fut.release()
-                yield batch, result
+                yield batch, Lost(f"the worker process died ({_first_sentence(value)})",
+                                  own=len(batch) == 1)
 
     def abort(self) -> None:
         # On a cluster that outlives the sweep, what it still runs would go on for nothing.
