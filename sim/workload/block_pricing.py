@@ -29,6 +29,16 @@ CPP_LAUNCH_CPU_S = EAGER_BWD_OP_CPU_S
 ``multi_stream_cublas_gemm`` loop of cuBLASLt calls): the per-kernel cost of PyTorch's C++
 autograd engine (:data:`sim.hardware.compute.EAGER_BWD_OP_CPU_S`), not a Python op's."""
 
+CUBLASLT_CALL_CPU_S = 10e-6
+"""Host seconds of one cuBLASLt GEMM call as Transformer Engine makes it, once per expert in
+its grouped GEMM loop (``nvte_multi_stream_cublas_gemm`` -> ``cublas_gemm``,
+``transformer_engine/common/gemm/cublaslt_gemm.cu``, v2.7 to today's main): every call
+creates the operation descriptor, the matrix layouts and the preference, sets their
+attributes, queries ``cublasLtMatmulAlgoGetHeuristic``, launches, and destroys them; nothing
+is memoized. NVIDIA/raft PR 1736 (2023) measured exactly that unmemoized cuBLASLt path at
+about 10 us from entering the wrapper to the kernel's launch, and about 5 us once the
+heuristics, layouts and descriptor are memoized. Not fitted: no measured MoE row sets it."""
+
 
 @dataclass(frozen=True)
 class BlockCost:
@@ -63,8 +73,13 @@ class BlockCost:
     bwd_gpu_s: float = 0.0
     fwd_extra_launches: int = 0
     """Launches beyond one per forward kernel (:func:`extra_launches`): host time of
-    :data:`CPP_LAUNCH_CPU_S` each, on top of the framework's per-op cost."""
+    :data:`CPP_LAUNCH_CPU_S` each (:data:`CUBLASLT_CALL_CPU_S` a GEMM), on top of the
+    framework's per-op cost."""
     bwd_extra_launches: int = 0
+    fwd_extra_gemm_launches: int = 0
+    """Of ``fwd_extra_launches``, the per-expert cuBLASLt GEMM calls
+    (:func:`extra_gemm_launches`)."""
+    bwd_extra_gemm_launches: int = 0
     fwd_transient_parts: tuple[float, ...] = ()
     """The tensors making up ``fwd_transient_bytes`` (they add up to it), largest first."""
     fwd_transient_unsaved_parts: tuple[float, ...] = ()
@@ -170,7 +185,7 @@ def _gpu_time(cm: ComputeModel, kernels: list[Kernel]) -> float:
 
 def _cpu_time(kernels: list[Kernel], cpu_per_op: float, attn_cpu: float) -> float:
     return (sum(attn_cpu if k.klass == "attention" else cpu_per_op for k in kernels)
-            + extra_launches(kernels) * CPP_LAUNCH_CPU_S)
+            + extra_launch_cpu_s(kernels))
 
 
 def extra_launches(kernels: Sequence[Kernel]) -> int:
@@ -185,6 +200,40 @@ def extra_launches(kernels: Sequence[Kernel]) -> int:
     15
     """
     return sum(k.launches - 1 for k in kernels)
+
+
+def extra_gemm_launches(kernels: Sequence[Kernel]) -> int:
+    """Of :func:`extra_launches`, those of GEMMs: cuBLASLt calls, each paying
+    :data:`CUBLASLT_CALL_CPU_S` (a per-piece quantization launch pays
+    :data:`CPP_LAUNCH_CPU_S`).
+
+    Examples
+    --------
+    >>> g = Kernel("fc1.fwd", "gemm", (), (), group=(512.0,) * 16, launches=16)
+    >>> q = Kernel("fc1.cast_in", "elementwise", (), (), launches=16)
+    >>> extra_launches([g, q]), extra_gemm_launches([g, q])
+    (30, 15)
+    """
+    return sum(k.launches - 1 for k in kernels if k.klass == "gemm")
+
+
+def launch_cpu_s(extra: int, gemm: int) -> float:
+    """Host seconds of ``extra`` launches issued from C++, ``gemm`` of them cuBLASLt GEMM
+    calls (:data:`CUBLASLT_CALL_CPU_S`), the rest kernel launches
+    (:data:`CPP_LAUNCH_CPU_S`).
+
+    Examples
+    --------
+    >>> round(launch_cpu_s(30, 15) * 1e6, 6)
+    225.0
+    """
+    return gemm * CUBLASLT_CALL_CPU_S + (extra - gemm) * CPP_LAUNCH_CPU_S
+
+
+def extra_launch_cpu_s(kernels: Sequence[Kernel]) -> float:
+    """Host seconds of the launches of ``kernels`` beyond one per kernel
+    (:func:`launch_cpu_s` of :func:`extra_launches` and :func:`extra_gemm_launches`)."""
+    return launch_cpu_s(extra_launches(kernels), extra_gemm_launches(kernels))
 
 
 def _stream_time(cm: ComputeModel, kernels: list[Kernel], cpu_per_op: float, attn_cpu: float
@@ -326,6 +375,8 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
         early_stop_fwd_s=early,
         fwd_extra_launches=extra_launches(fwd),
         bwd_extra_launches=extra_launches(bwd),
+        fwd_extra_gemm_launches=extra_gemm_launches(fwd),
+        bwd_extra_gemm_launches=extra_gemm_launches(bwd),
         fwd_gpu_s=_gpu_time(cm, fwd),
         bwd_gpu_s=_gpu_time(cm, bwd),
         fwd_transient_parts=fwd_parts,

@@ -44,7 +44,9 @@ No priced op gets cheaper than its kernels at ``MEGATRON_CPU_S_PER_OP`` each, as
 per-expert objects are created in C++ (``torch.split``'s views, ``tex.split_quantize``'s
 quantized tensors, ``torch.empty``; TE issue #1499: "the CPU overheads of PyTorch ops, such as
 ``torch.split()`` and ``torch.empty()`` (2x ``num_gemms`` calls)") and cost a C++ call each
-(:data:`sim.workload.block_pricing.CPP_LAUNCH_CPU_S`).
+(:data:`sim.workload.block_pricing.CPP_LAUNCH_CPU_S`); the cuBLASLt GEMM call TE makes for
+each expert (descriptors and heuristic query every call, nothing memoized) costs
+:data:`sim.workload.block_pricing.CUBLASLT_CALL_CPU_S` on top.
 
 The 25.11 container's Megatron-Core (``0d8e0714``) is taken to make 0.14's calls
 (:data:`VERSIONS`): its ``token_dispatcher.py`` differs on the ``alltoall`` and ``flex``

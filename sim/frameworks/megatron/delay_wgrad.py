@@ -62,7 +62,12 @@ from sim.frameworks.megatron.a2a_overlap import LayerNodes, split_unit
 from sim.frameworks.megatron.shape import MegatronShape
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op, Program
-from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, extra_launches, kernel_time
+from sim.workload.block_pricing import (
+    extra_gemm_launches,
+    extra_launches,
+    kernel_time,
+    launch_cpu_s,
+)
 from sim.workload.kernels import Block, Kernel
 from sim.workload.megatron_mtp import mtp_proj_block
 from sim.workload.megatron_ops import attention_key
@@ -103,6 +108,9 @@ class WgradPrice:
     launches: int = 0
     """Launches beyond one per kernel (TE's grouped GEMM: one cuBLASLt GEMM per local expert,
     issued from C++: :func:`sim.workload.block_pricing.extra_launches`)."""
+    gemm_launches: int = 0
+    """Of ``launches``, the cuBLASLt GEMM calls
+    (:func:`sim.workload.block_pricing.extra_gemm_launches`)."""
     held: float = 0.0
     """Bytes the store keeps from the dgrad to the delayed GEMMs that the backward would have
     dropped: output gradients and inputs that are not saved activations."""
@@ -127,7 +135,7 @@ def price(block: Block | None, cm: ComputeModel) -> WgradPrice:
     reads = {id(t): t for k in ks for t in k.reads if not any(t is w for w in k.writes)}
     return WgradPrice(seconds=sum(kernel_time(cm, k) for k in ks),
                       flops=sum(k.flops for k in ks), kernels=len(ks),
-                      launches=extra_launches(ks),
+                      launches=extra_launches(ks), gemm_launches=extra_gemm_launches(ks),
                       held=sum(t.nbytes for i, t in reads.items() if i not in saved),
                       saved=sum(t.nbytes for i, t in reads.items() if i in saved))
 
@@ -253,7 +261,7 @@ class WgradSplit:
         hw = _drain(src, "hw_flops", p.flops)
         # The wgrads' Python calls and, for grouped linears, their per-expert launches.
         host = _drain(src, "cpu_s", p.kernels * self.cpu_call / 2
-                      + p.launches * CPP_LAUNCH_CPU_S)
+                      + launch_cpu_s(p.launches, p.gemm_launches))
         big = max(src, key=lambda o: o.kernels)
         n = min(p.kernels + p.launches, big.kernels - 1)
         big.kernels -= n

@@ -53,7 +53,7 @@ from sim.frameworks.megatron.moe_plan import MoEPlan
 from sim.frameworks.megatron.overlap import TE_AMAX_BYTES, te_sp_gather_bytes
 from sim.program.ir import CollectiveOp, NcclType, Op
 from sim.program.mesh import Groups
-from sim.workload.block_pricing import CPP_LAUNCH_CPU_S
+from sim.workload.block_pricing import launch_cpu_s
 
 AG_NAMES = {"ag_permute": "permute", "ag_combine": "unpermute"}
 """Op names of the allgather dispatcher's blocks around the experts."""
@@ -181,9 +181,10 @@ class MoEOps:
                            f * pl.useful)
         # TE GroupedLinear: one cuBLASLt GEMM an expert from C++ (multi_stream_cublas_gemm).
         extra = c.bwd_extra_launches if bwd else c.fwd_extra_launches
+        gemm = c.bwd_extra_gemm_launches if bwd else c.fwd_extra_gemm_launches
         op.kernels += extra
-        op.cpu_s += extra * CPP_LAUNCH_CPU_S
-        set_host(op, pl.host, "experts", phase, self.cpu_call, extra)
+        op.cpu_s += launch_cpu_s(extra, gemm)
+        set_host(op, pl.host, "experts", phase, self.cpu_call, extra - gemm, gemm)
         if pl.useful < 1.0:
             op.hw_flops = c.flops_bwd if bwd else c.flops_fwd
         return op

@@ -10,7 +10,7 @@ from sim.frameworks.common.base import JobContext
 from sim.hardware.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S
 from sim.program.ir import Op
 from sim.scenario import MegatronOptions
-from sim.workload.block_pricing import CPP_LAUNCH_CPU_S
+from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, CUBLASLT_CALL_CPU_S
 from sim.workload.moe_host_ops import HostCalls, MoEHostConfig, moe_host_calls
 from sim.workload.moe_ops import MoELayout
 
@@ -35,13 +35,16 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
 
 
 def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: str,
-             cpu_call: float, launched: int = 0) -> None:
+             cpu_call: float, launched: int = 0, gemms: int = 0) -> None:
     """Price ``op``'s host time by its component's calls: ``cpu_call`` a module call (half
     in backward), an eager op's cost a plain torch call; at least the kernels it already pays
     for. Its ``cpu_s`` holds its kernels' cost, ``launched`` of them C++ launches at
-    :data:`CPP_LAUNCH_CPU_S` (TE's per-expert GEMMs and quantizations); the per-expert C++
-    objects are built by those same calls (``split_quantize`` builds an expert's quantized
-    tensor and launches its quantization), so the larger of the two per-expert counts."""
+    :data:`CPP_LAUNCH_CPU_S` (TE's per-expert quantizations) and ``gemms`` per-expert
+    cuBLASLt GEMM calls at :data:`CUBLASLT_CALL_CPU_S`. The per-expert C++ objects are built
+    by the same calls as the quantizations (``split_quantize`` builds an expert's quantized
+    tensor and launches its quantization), so the larger of those two counts; a GEMM call
+    builds none of them (the split views, weight casts and saved tensors are made before it)
+    and adds."""
     h = calls.get(component) if calls is not None else None
     if h is None:
         return
@@ -53,8 +56,9 @@ def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: 
         cpp = h.cpp_fwd
     # The kernels' per-op charge and the calls price the same host work: the larger of the
     # two, not their sum (Python side and per-expert C++ side each).
-    floor = op.cpu_s - launched * CPP_LAUNCH_CPU_S
-    op.cpu_s = max(floor, py) + max(launched, cpp) * CPP_LAUNCH_CPU_S
+    gemm_s = gemms * CUBLASLT_CALL_CPU_S
+    floor = op.cpu_s - launched * CPP_LAUNCH_CPU_S - gemm_s
+    op.cpu_s = max(floor, py) + max(launched, cpp) * CPP_LAUNCH_CPU_S + gemm_s
 
 
 AG_COMPONENTS = {"permute": "ag_permute", "unpermute": "ag_combine", "combine": "combine"}

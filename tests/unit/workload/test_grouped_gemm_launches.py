@@ -81,10 +81,39 @@ def test_megatron_issues_a_gemm_per_expert():
     local = ctx.model.moe.experts // 4                   # EP 4
     assert [k.launches for k in g] == [local, local]
     # The experts op the builder lays out carries them: kernels and host time.
-    from sim.workload.block_pricing import CPP_LAUNCH_CPU_S
+    from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, CUBLASLT_CALL_CPU_S
     c = plan.cost["experts"]
     assert c.fwd_extra_launches == 2 * (local - 1)
+    # bf16: every extra launch is a cuBLASLt call (no per-expert quantization).
+    assert c.fwd_extra_gemm_launches == c.fwd_extra_launches
+    assert c.bwd_extra_gemm_launches == 4 * (local - 1)
     assert CPP_LAUNCH_CPU_S == pytest.approx(5e-6)     # compute.EAGER_BWD_OP_CPU_S
+    # NVIDIA/raft PR 1736: an unmemoized cuBLASLt call, ~10 us wrapper entry to launch.
+    assert CUBLASLT_CALL_CPU_S == pytest.approx(10e-6)
+
+
+def test_each_experts_gemm_call_adds_to_the_per_expert_objects():
+    # TE's GroupedLinear builds its per-expert split views, weight casts and saved tensors,
+    # then calls cuBLASLt once per expert (cublaslt_gemm.cu: descriptors and heuristic query
+    # every call). A GEMM call is host work of its own: the experts op's host time grows by
+    # CUBLASLT_CALL_CPU_S per call however many objects there are (the old rule took the
+    # larger of launches and objects, hiding every GEMM call behind the objects).
+    from sim.frameworks.megatron.moe_host import set_host
+    from sim.program.ir import Op
+    from sim.workload.block_pricing import CUBLASLT_CALL_CPU_S
+    from sim.workload.moe_host_ops import MoEHostConfig, moe_host_calls
+
+    calls = moe_host_calls(MoEHostConfig(local_experts=16))
+    assert calls["experts"].cpp_fwd > 2 * 15          # more objects than extra GEMM calls
+
+    def host(gemms: int, phase: str) -> float:
+        op = Op(name="experts", kind="compute", stream="compute", phase=phase, duration=1e-3,
+                cpu_s=1e-4 + gemms * CUBLASLT_CALL_CPU_S)
+        set_host(op, calls, "experts", phase, 34e-6, 0, gemms)
+        return op.cpu_s
+
+    for phase, gemms in (("fwd", 2 * 15), ("bwd", 4 * 15)):
+        assert host(gemms, phase) - host(0, phase) == pytest.approx(gemms * CUBLASLT_CALL_CPU_S)
 
 
 @pytest.mark.parametrize("coeff,expect", [(0.001, True), (0.0, False)])
