@@ -18,6 +18,7 @@ from unittest import mock
 
 import pytest
 import yaml
+from helpers import fabricsim_in_process
 
 from sim.outputs.folder import OutputError, OutputExists, check_out, staged_folder
 
@@ -45,17 +46,22 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def test_run_out_is_refused_when_full_and_replaced_with_overwrite(tmp_path: Path) -> None:
+    # In-process through the command's entry point (tests/helpers.py); the subprocess runs
+    # of `run --out` are test_an_out_that_cannot_be_written_is_one_line_before_simulating's
+    # here and test_cli.py's.
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(TINY))
-    first = _cli(tmp_path, "run", "s.yaml", "--json", "--out", "res")
+    first = fabricsim_in_process("run", "s.yaml", "--json", "--out", "res", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     before = _snapshot(tmp_path / "res")
     assert "summary.json" in before and "timeline.png" in before
-    again = _cli(tmp_path, "run", "s.yaml", "--set", "training.seq_len=2048", "--out", "res")
+    again = fabricsim_in_process("run", "s.yaml", "--set", "training.seq_len=2048", "--out",
+                                 "res", cwd=tmp_path)
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr.strip().count("\n") == 0 and "--overwrite" in again.stderr
     assert _snapshot(tmp_path / "res") == before
-    replaced = _cli(tmp_path, "run", "s.yaml", "--json", "--set", "training.seq_len=2048",
-                    "--out", "res", "--overwrite")
+    replaced = fabricsim_in_process("run", "s.yaml", "--json", "--set",
+                                    "training.seq_len=2048", "--out", "res", "--overwrite",
+                                    cwd=tmp_path)
     assert replaced.returncode == 0, replaced.stderr
     summary = json.loads((tmp_path / "res" / "summary.json").read_text())
     assert summary["tokens_per_step"] == 2 * json.loads(before["summary.json"])[

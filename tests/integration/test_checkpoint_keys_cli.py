@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import fabricsim_in_process
 
 TINY = "llama3.2-1b-1xh200"   # one GPU, no NICs
 RUN = ["--set", "run.checkpoint_interval_steps=200", "--set", "training.tokens_total=1e9",
@@ -15,6 +16,9 @@ RUN = ["--set", "run.checkpoint_interval_steps=200", "--set", "training.tokens_t
 
 
 def fabricsim(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command as a subprocess (test_outputs_show_the_saves); the other checks run it
+    in-process through its entry point (tests/helpers.py), as test_cli.py's subprocess runs
+    already cover the start-up and the exit status of bad input."""
     return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True,
                           text=True, timeout=300, check=False)
 
@@ -31,7 +35,7 @@ def fabricsim(*args: str) -> subprocess.CompletedProcess[str]:
 ])
 def test_bad_checkpoint_keys_exit_2_with_one_line(sets: list[str], message: str) -> None:
     args = [x for kv in sets for x in ("--set", kv)]
-    proc = fabricsim("run", TINY, "--json", *RUN, *args)
+    proc = fabricsim_in_process("run", TINY, "--json", *RUN, *args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -40,7 +44,8 @@ def test_bad_checkpoint_keys_exit_2_with_one_line(sets: list[str], message: str)
 
 
 def test_simulated_save_to_nvme_on_one_gpu() -> None:
-    proc = fabricsim("run", TINY, "--json", *RUN, "--set", "run.checkpoint.simulate=true")
+    proc = fabricsim_in_process("run", TINY, "--json", *RUN, "--set",
+                                "run.checkpoint.simulate=true")
     assert proc.returncode == 0, proc.stderr
     s = json.loads(proc.stdout)
     ck = s["checkpoint"]

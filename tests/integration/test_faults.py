@@ -14,13 +14,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import simpy
+from helpers import fabricsim_in_process
 
 from sim.api import simulate
 from sim.apps.nccltests import Bench
@@ -30,7 +29,6 @@ from sim.fabric.topology import LINK_KINDS, NETWORK
 from sim.fabric.topology.link_faults import apply_link_faults, nic_links
 from sim.scenario import ScenarioError, load_scenario
 
-FABRICSIM = Path(sys.executable).parent / "fabricsim"
 DDP = "llama3.2-1b-ddp-8xh100"
 FSDP2 = "llama3-8b-fsdp2-16xh100"
 
@@ -245,8 +243,9 @@ def test_bad_keys_name_themselves_in_one_line(keys: str, where: str) -> None:
 @pytest.mark.parametrize("keys, where", [BAD[0], BAD[1]])
 def test_bad_keys_exit_2_with_one_line(keys: str, where: str) -> None:
     # One check of the cluster (sim.config.faults.check_faults), one of the schema's bounds.
-    out = subprocess.run([str(FABRICSIM), "run", DDP, "--set", keys, "--json"],
-                         capture_output=True, text=True, timeout=300)
+    # In-process through the command's entry point, main() (tests/helpers.py); test_cli.py
+    # runs bad input to `fabricsim run` as a true subprocess.
+    out = fabricsim_in_process("run", DDP, "--set", keys, "--json")
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and where in lines[0], out.stderr
@@ -263,12 +262,14 @@ def test_bad_keys_raise_scenario_error() -> None:
 def test_collective_command_takes_link_faults() -> None:
     # `fabricsim collective` (nccl-tests on the simulated fabric) with a NIC at half rate:
     # a 1 GiB ring all-reduce on 2 x 8 H100 is network-bound, so its time about doubles.
+    # In-process (tests/helpers.py); test_nccltests.py runs the command as a subprocess.
     def row(*sets: str) -> dict:  # type: ignore[type-arg]
-        args = [str(FABRICSIM), "collective", "dgx-h100", "--op", "all_reduce", "--gpus", "16",
+        args = ["collective", "dgx-h100", "--op", "all_reduce", "--gpus", "16",
                 "--sizes", "1G", "--algo", "ring", "--json"]
         for s in sets:
             args += ["--set", s]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+        out = fabricsim_in_process(*args)
+        assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["rows"][0]
 
     base = row()["time_s"]

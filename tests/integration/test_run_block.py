@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from conftest import make_scenario
+from helpers import fabricsim_in_process
 
 from sim.api import simulate
 from sim.apps.runlength import run_length
@@ -22,6 +23,7 @@ CONTRACT_KEYS = ["ettr", "expected_days", "days_p5", "days_p95", "expected_usd",
 
 
 def fabricsim(*args: str) -> subprocess.CompletedProcess[str]:
+    """The command as a subprocess: its start-up and its own streams."""
     return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True,
                           text=True, timeout=300, check=False)
 
@@ -41,14 +43,14 @@ def test_run_json_adds_the_run_object() -> None:
     # The whole wall time at the summary's price per hour of the job's one GPU (no egress).
     assert r["expected_usd"] == pytest.approx(
         r["expected_days"] * 24 * s["cost"]["usd_per_hour"])
-    plain = json.loads(fabricsim("run", TINY, "--json").stdout)
+    plain = json.loads(fabricsim_in_process("run", TINY, "--json").stdout)
     assert "run" not in plain
     assert {k: v for k, v in s.items() if k not in ("run", "sim", "cost")} == \
         {k: v for k, v in plain.items() if k not in ("sim", "cost")}
 
 
 def test_human_output_prints_the_run() -> None:
-    out = fabricsim("run", TINY, *RUN)
+    out = fabricsim_in_process("run", TINY, *RUN)
     assert out.returncode == 0, out.stderr
     assert "run: ETTR" in out.stdout and "run: checkpoint" in out.stdout
 
@@ -67,7 +69,9 @@ def test_human_output_prints_the_run() -> None:
 ])
 def test_bad_run_keys_exit_2_with_one_line(sets: list[str], message: str) -> None:
     args = [x for kv in sets for x in ("--set", kv)]
-    proc = fabricsim("run", TINY, "--json", *RUN, *args)
+    # In-process through the command's entry point; the run block's one subprocess run is
+    # test_run_json_adds_the_run_object's, and test_cli.py's bad input exits 2 as one.
+    proc = fabricsim_in_process("run", TINY, "--json", *RUN, *args)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -75,7 +79,7 @@ def test_bad_run_keys_exit_2_with_one_line(sets: list[str], message: str) -> Non
 
 
 def test_run_needs_tokens_total() -> None:
-    proc = fabricsim("run", TINY, "--set", "run.checkpoint_interval_steps=10")
+    proc = fabricsim_in_process("run", TINY, "--set", "run.checkpoint_interval_steps=10")
     assert proc.returncode == 2
     assert "run: needs training.tokens_total" in proc.stderr
 

@@ -7,18 +7,16 @@ one line naming the file and the key, exit 2, nothing on stdout."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from helpers import fabricsim_in_process
 
 SCENARIO = "llama3.2-1b-ddp-8xh100"     # Llama 3.2 1B ties its embedding (catalog, HF config)
 FSDP2 = ["--set", "framework.name=fsdp2", "--set", "training.seq_len=512"]
 
 
-def fabricsim(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sim.cli", *args], capture_output=True,
-                          text=True, timeout=300, check=False)
+# In-process through the command's entry point (tests/helpers.py): the exit status and the
+# one line are main()'s, which tests/integration/test_cli.py runs as a true subprocess.
+fabricsim = fabricsim_in_process
 
 
 def test_tied_embedding_with_pp_exits_2_with_one_line() -> None:
