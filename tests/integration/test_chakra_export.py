@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import fabricsim_in_process
 
 from sim.api import simulate
 from sim.outputs.export.chakra import (
@@ -372,16 +373,18 @@ def test_cli_writes_traces_and_refuses_bad_input(tmp_path: Path) -> None:
         "comm_groups.json", "workload.0.et"]
     _, nodes = READ(tmp_path / "et" / "workload.0.et")
     assert any(n["type"] == COMM_COLL_NODE for n in nodes)
-    done = _cli("export-chakra", "llama3.2-1b-ddp-8xh100", "--out", "all", "--all-ranks",
-                cwd=tmp_path)
+    # The first run and the first refusal as subprocesses (the command's start-up, exit status
+    # and streams); the rest in-process through the same entry point (tests/helpers.py).
+    done = fabricsim_in_process("export-chakra", "llama3.2-1b-ddp-8xh100", "--out", "all",
+                                "--all-ranks", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert len(list((tmp_path / "all").glob("workload.*.et"))) == 8
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nmodel: llama3.2-1b\ncluster: {topology: dgx-h100, nodes: 0}\n")
-    for args in (["export-chakra", str(bad), "--out", "x"],
-                 ["export-chakra", "no-such-scenario", "--out", "x"],
-                 ["export-chakra", "llama3.2-1b-ddp-8xh100"]):          # no --out
-        done = _cli(*args, cwd=tmp_path)
+    for i, args in enumerate((["export-chakra", str(bad), "--out", "x"],
+                              ["export-chakra", "no-such-scenario", "--out", "x"],
+                              ["export-chakra", "llama3.2-1b-ddp-8xh100"])):   # no --out
+        done = _cli(*args, cwd=tmp_path) if i == 0 else fabricsim_in_process(*args, cwd=tmp_path)
         assert done.returncode == 2, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "x").exists()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import fabricsim_in_process
 
 from sim.apps.nccltests import bus_factor, collective_table, parse_sizes
 from sim.scenario import ScenarioError
@@ -92,16 +93,17 @@ def test_cli_collective_set_puts_the_fabric_across_zones() -> None:
     # Issue 11's bar from the command line: an 8-byte all-reduce over two nodes in two zones
     # takes at least twice the one-way zone latency (the data goes there and comes back), and
     # 1 ms -> 10 ms makes it about 10x slower (NCCL's microseconds vanish beside it).
+    # In-process through the command's entry point (tests/helpers.py); the subprocess runs
+    # of `collective` and `validate` are test_cli_collective_and_validate's.
     times = {}
     for ms in (1, 10):
-        out = subprocess.run([str(FABRICSIM), "collective", "dgx-h100", "--gpus", "16",
-                              "--sizes", "8", "--set", "cluster.azs=2",
-                              "--set", f"cluster.az_latency_ms={ms}", "--json"],
-                             capture_output=True, text=True, check=True)
+        out = fabricsim_in_process("collective", "dgx-h100", "--gpus", "16", "--sizes", "8",
+                                   "--set", "cluster.azs=2",
+                                   "--set", f"cluster.az_latency_ms={ms}", "--json")
+        assert out.returncode == 0, out.stderr
         times[ms] = json.loads(out.stdout)["rows"][0]["time_s"]
         assert times[ms] >= 2 * ms * 1e-3
     assert times[10] / times[1] == pytest.approx(10.0, rel=0.05)
-    bad = subprocess.run([str(FABRICSIM), "collective", "dgx-h100", "--set",
-                          "training.seq_len=8"], capture_output=True, text=True)
+    bad = fabricsim_in_process("collective", "dgx-h100", "--set", "training.seq_len=8")
     assert bad.returncode == 2 and "--set training.seq_len" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1

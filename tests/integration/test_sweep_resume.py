@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
+from helpers import fabricsim_in_process
 
 from sim.apps import sweep
 from sim.apps.sweep import SweepCache, run_sweep, without_wall_clock
@@ -165,9 +166,11 @@ def test_the_rerun_says_how_many_were_reused(tiny_file: str, tmp_path: Path) -> 
     cache = tmp_path / "cache"
     first = run_sweep(tiny_file, GRID[:1], workers=1, cache_dir=cache)
     assert (first.simulated, first.cached) == (3, 0)
-    proc = _cli(["sweep", tiny_file, "--grid", GRID[0], "--grid", GRID[1], "--workers", "1",
-                 "--cache", str(cache)], tmp_path)
-    _, err = proc.communicate(timeout=300)
+    # In-process through the command's entry point (tests/helpers.py): the killed and the
+    # shared-cache sweeps here run the command as subprocesses.
+    proc = fabricsim_in_process("sweep", tiny_file, "--grid", GRID[0], "--grid", GRID[1],
+                                "--workers", "1", "--cache", str(cache), cwd=tmp_path)
+    err = proc.stderr
     assert proc.returncode == 0, err
     # The first grid's 3 variants are the micro-batch 1 ones of the second (the scenario's).
     assert "6 variants: 3 simulated on local" in err and "3 reused from the cache" in err
