@@ -74,16 +74,30 @@ def test_contracts_hold():
         assert f"{name} KEPT" in run.stdout
 
 
-@pytest.mark.parametrize("contract", sorted(VIOLATIONS))
-def test_a_deliberate_violation_fails(tmp_path, contract):
-    root = _copy(tmp_path)
-    # The untouched copy passes: what fails below is the added import, not the copying.
-    clean = _lint(root, "--contract", contract)
+@pytest.fixture(scope="module")
+def clean_copy(tmp_path_factory):
+    """One copy of the package for the module's violations, linted once against every
+    contract: the untouched copy passes them all, so what fails below is the added import,
+    not the copying. Each test puts back the file it changed."""
+    root = _copy(tmp_path_factory.mktemp("layers"))
+    clean = _lint(root)
     assert clean.returncode == 0, clean.stdout + clean.stderr
+    for name in CONTRACTS.values():
+        assert f"{name} KEPT" in clean.stdout
+    return root
+
+
+@pytest.mark.parametrize("contract", sorted(VIOLATIONS))
+def test_a_deliberate_violation_fails(clean_copy, contract):
+    root = clean_copy
     path, line = VIOLATIONS[contract]
-    with open(root / path, "a") as f:
-        f.write(f"\n{line}  # deliberate layer violation\n")
-    run = _lint(root, "--contract", contract)
+    untouched = (root / path).read_bytes()
+    try:
+        with open(root / path, "a") as f:
+            f.write(f"\n{line}  # deliberate layer violation\n")
+        run = _lint(root, "--contract", contract)
+    finally:
+        (root / path).write_bytes(untouched)   # the next contract's copy is clean again
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"{CONTRACTS[contract]} BROKEN" in run.stdout
     importer = path.removesuffix(".py").replace("/", ".")
