@@ -9,6 +9,7 @@ that expectation by quadrature (``n = 1``: ``exp(sigma^2 / 2)``, the log-normal 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,6 +27,15 @@ STEPS = 60
 def _steps(overrides: list[str], steps: int = STEPS) -> tuple[dict, np.ndarray]:
     r = simulate(load_scenario(DDP, overrides), steps)
     return r.summary, np.array([b - a for a, b in step_spans(r.recorder.ops)])
+
+
+@functools.cache
+def _jittered(sigma: float) -> np.ndarray:
+    """The STEPS step times at ``sigma`` (default seed): simulated once for the module, as
+    the mean and the tails tests read the same runs (read-only)."""
+    _, t = _steps([f"faults.jitter={{sigma: {sigma}}}"])
+    t.flags.writeable = False
+    return t
 
 
 def _without_wall(summary: dict) -> dict:
@@ -73,7 +83,7 @@ def test_factors_are_one_per_class_and_step() -> None:
 @pytest.mark.parametrize("sigma", [0.05, 0.2])
 def test_mean_step_grows_as_the_slowest_ranks_factor(sigma: float) -> None:
     base, _ = _steps([], 1)
-    _, t = _steps([f"faults.jitter={{sigma: {sigma}}}"])
+    t = _jittered(sigma)
     expected = base["step_time_s"] + base["compute_time_s"] * (
         expected_max_factor(sigma, 8) - 1)
     se = t.std(ddof=1) / math.sqrt(len(t))
@@ -82,8 +92,7 @@ def test_mean_step_grows_as_the_slowest_ranks_factor(sigma: float) -> None:
 
 
 def test_tails_widen_with_sigma() -> None:
-    _, low = _steps(["faults.jitter={sigma: 0.05}"])
-    _, high = _steps(["faults.jitter={sigma: 0.2}"])
+    low, high = _jittered(0.05), _jittered(0.2)
     p99 = [np.percentile(x, 99) / np.median(x) for x in (low, high)]
     assert 1 < p99[0] < p99[1]
 
