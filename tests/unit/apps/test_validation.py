@@ -61,14 +61,32 @@ def test_fit_suites_run_only_when_named() -> None:
     assert sorted(seen) == sorted(set(saved) - validation.FIT_SUITES) == sorted(out["suites"])
 
 
-def test_published_runs_within_the_issue_bar() -> None:
+@pytest.fixture(scope="module")
+def published_ci() -> tuple[dict, list[tuple[str, int, int]]]:
+    """The published suite's CI entries simulated once for the module, through run_suites
+    with a progress callback: its result and the reports it made. The two tests below read
+    the same runs (7 simulations, ~3 s on 2 cores)."""
+    import sim.apps.validation as validation
+
+    seen: list[tuple[str, int, int]] = []
+    original = validation.SUITES["published"]
+    validation.SUITES["published"] = lambda progress: \
+        validation.published_cases(ci_only=True, progress=progress)
+    try:
+        result = run_suites(["published"], lambda s, d, t: seen.append((s, d, t)))
+    finally:
+        validation.SUITES["published"] = original
+    return result, seen
+
+
+def test_published_runs_within_the_issue_bar(published_ci) -> None:
     # Throughput published by torchtitan and NVIDIA (Megatron-Bridge performance summary)
     # for named setups, simulated from the setup alone: the mean absolute error within 15%
     # (issue 4's bar for published runs), no case beyond 20%. The large setups (1,024 H100,
     # 128 B200) run with `fabricsim validate --suite published`.
-    from sim.apps.validation.published import entries, published_cases
+    from sim.apps.validation.published import entries
 
-    cases = published_cases(ci_only=True)
+    cases = published_ci[0]["cases"]   # published_cases(ci_only=True), every one scored
     assert len(cases) == sum(1 for e in entries() if e.get("ci"))
     errors = [abs(c["error"]) for c in cases]
     assert sum(errors) / len(errors) < 0.15
@@ -77,21 +95,11 @@ def test_published_runs_within_the_issue_bar() -> None:
     assert max(errors) < 0.20
 
 
-def test_run_suites_reports_progress_per_case_up_to_the_total() -> None:
+def test_run_suites_reports_progress_per_case_up_to_the_total(published_ci) -> None:
     # The published suite's CI runs, one report before each and one at the end.
-    from sim.apps.validation import run_suites
     from sim.apps.validation.published import entries
 
-    seen: list[tuple[str, int, int]] = []
-    import sim.apps.validation as validation
-
-    original = validation.SUITES["published"]
-    validation.SUITES["published"] = lambda progress: \
-        validation.published_cases(ci_only=True, progress=progress)
-    try:
-        result = run_suites(["published"], lambda s, d, t: seen.append((s, d, t)))
-    finally:
-        validation.SUITES["published"] = original
+    result, seen = published_ci
     n = sum(1 for e in entries() if e.get("ci"))
     assert result["suites"]["published"]["cases"] == n
     assert [d for _, d, _ in seen] == list(range(n + 1))
