@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import itertools
 import math
-import subprocess
-import sys
 
 import pytest
-from helpers import megatron_scenario
+from helpers import fabricsim_in_process, megatron_scenario
 
 from sim.api import simulate
 from sim.config.training import Routing
@@ -282,11 +280,12 @@ def test_flex_refuses_layouts_deepep_cannot_run() -> None:
 
 
 def test_bad_flex_option_is_one_line_exit_2() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sim.cli", "run", "gpt-oss-120b-megatron-tp2pp4ep16-64xh100",
-         "--set", "framework.moe_token_dispatcher_type=flex",
-         "--set", "framework.moe_flex_dispatcher_num_sms=7"],
-        capture_output=True, text=True, timeout=300)
+    # In-process through the command's entry point (tests/helpers.py); test_cli.py runs
+    # `fabricsim run`'s bad input as a true subprocess.
+    proc = fabricsim_in_process(
+        "run", "gpt-oss-120b-megatron-tp2pp4ep16-64xh100",
+        "--set", "framework.moe_token_dispatcher_type=flex",
+        "--set", "framework.moe_flex_dispatcher_num_sms=7")
     assert proc.returncode == 2
     assert len(proc.stderr.splitlines()) == 1 and "moe_flex_dispatcher_num_sms" in proc.stderr
 

@@ -8,12 +8,11 @@ writing both is one clear error naming the key.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from helpers import fabricsim_in_process
 
 from sim.catalog import model_entry
 from sim.scenario import ModelDims, ScenarioError, Training, load_scenario, scenario_from_dict
@@ -120,8 +119,9 @@ def test_cli_refuses_both_forms_with_exit_2(tmp_path: Path) -> None:
         "framework": {"name": "megatron"}, "parallelism": {"ep": 8},
         "model": {"layers": 2, "hidden": 512, "heads": 8, "ffn_hidden": 1024, "vocab": 1000,
                   "experts": 8, "moe": {"experts": 8, "top_k": 2}}}))
-    out = subprocess.run([sys.executable, "-m", "sim.cli", "run", str(bad), "--json"],
-                         capture_output=True, text=True)
+    # In-process through the command's entry point (tests/helpers.py); test_cli.py runs
+    # `fabricsim run`'s bad input as a true subprocess.
+    out = fabricsim_in_process("run", str(bad), "--json")
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "model.moe" in out.stderr
     assert "Traceback" not in out.stderr
