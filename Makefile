@@ -31,6 +31,10 @@ demo: $(STAMP)
 	$(BIN)/fabricsim run llama3.2-1b-1xh200
 	@echo "plots, trace and CSVs of the two-zone run: runs/demo-2az/"
 
+# A machine that sets PYTHONDONTWRITEBYTECODE (as this project's CI machine does) recompiles
+# sim/ in every process the tests start (CLI subprocesses, loky, Ray and Dask workers): an
+# empty value lets the first compile be kept (Python ignores it when empty).
+test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --nbmake notebooks
