@@ -66,10 +66,12 @@ def completed(client: Any, futures: list[Any], resync_s: float = RESYNC_S
 
     Examples
     --------
-    >>> from distributed import Client  # doctest: +SKIP
-    >>> client = Client(processes=False)  # doctest: +SKIP
-    >>> [(ok, v) for _, ok, v in completed(client, [client.submit(abs, -2)])]  # doctest: +SKIP
-    [(True, 2)]
+    With a cluster at hand (not run as a doctest: it starts one)::
+
+        from distributed import Client
+        client = Client(processes=False)
+        [(ok, v) for _, ok, v in completed(client, [client.submit(abs, -2)])]
+        # [(True, 2)]
     """
     from distributed import as_completed
 
