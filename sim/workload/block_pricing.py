@@ -25,9 +25,11 @@ from sim.workload.grouped_gemm import grouped_gemm_time
 from sim.workload.kernels import Block, Kernel, Style, is_reduction
 
 CPP_LAUNCH_CPU_S = EAGER_BWD_OP_CPU_S
-"""Host seconds per extra launch issued from C++ with no Python between launches (TE's
-``multi_stream_cublas_gemm`` loop of cuBLASLt calls): the per-kernel cost of PyTorch's C++
-autograd engine (:data:`sim.hardware.compute.EAGER_BWD_OP_CPU_S`), not a Python op's."""
+"""Host seconds per extra kernel launch issued from C++ with no Python between launches
+(TE's per-expert quantizations, and each per-expert C++ object of ``GroupedLinear``): the
+per-kernel cost of PyTorch's C++ autograd engine
+(:data:`sim.hardware.compute.EAGER_BWD_OP_CPU_S`), not a Python op's. A per-expert GEMM
+is a cuBLASLt call and costs :data:`CUBLASLT_CALL_CPU_S` instead."""
 
 CUBLASLT_CALL_CPU_S = 10e-6
 """Host seconds of one cuBLASLt GEMM call as Transformer Engine makes it, once per expert in
