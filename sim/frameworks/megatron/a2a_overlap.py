@@ -324,7 +324,9 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
                 # Its elementwise kernels take the SMs in turn with the compute stream's.
                 op.side_kernel = op.kind == "compute" and op.duration > 0
             emit(op)
-        prev[chain] = ops[-1]
+        # The chunk's event is recorded on the node's stream: a host copy beside it
+        # (activation offloading's D2H and H2D streams) is not part of the chain.
+        prev[chain] = next((o for o in reversed(ops) if o.host_transfer is None), ops[-1])
 
     def dispatch(n: LayerNodes) -> None:
         """The forward's dispatch node, the host waiting in it for the token counts."""

@@ -69,6 +69,7 @@ from sim.frameworks.megatron.a2a_overlap import (
     issue_pair,
     pair_steps,
 )
+from sim.frameworks.megatron.activation_offload import check_activation_offload
 from sim.frameworks.megatron.buckets import (
     Bucket,
     BucketComms,
@@ -141,6 +142,7 @@ def build_megatron(ctx: JobContext) -> Program:
     if s.opts.delay_wgrad_compute:
         check_delay_wgrad(ctx, s)
     check_state_offload(ctx, s)
+    check_activation_offload(ctx, s)
     classes = []
     for st in range(s.p):
         classes.append(RankClass(st, s.members(st), label=f"pipeline stage {st}"))
@@ -153,11 +155,14 @@ def build_megatron(ctx: JobContext) -> Program:
     program.hw_flops_per_step = ctx.model_flops_per_step() + s.recompute_flops()
     cpu_call = MEGATRON_CPU_S_PER_OP
     keys = KeySeq()
-    units = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys).build_units()
+    builder = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys, ctx.compute)
+    units = builder.build_units()
     # delay_wgrad_compute: the weight gradients leave the backward units before the buckets
     # hook into them (a layer's gradients are ready at its last delayed op).
     split = WgradSplit(ctx, s, cpu_call) if s.opts.delay_wgrad_compute else None
     wgrad = split.units(units) if split is not None else {}
+    if builder.offload is not None:   # activation offloading's reloads, once the units are final
+        builder.offload.finish({k: u.ops for k, u in units.items()})
     built = list(classes)
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
                    cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)

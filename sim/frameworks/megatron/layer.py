@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sim.frameworks.megatron.activation_offload import OffloadPlan
 from sim.frameworks.megatron.moe import MoEOps
 from sim.frameworks.megatron.mtp import MTPOps
 from sim.frameworks.megatron.overlap import (
@@ -168,6 +169,8 @@ class UnitOps:
     forward pre-hook runs); backward: the last op of each part (its gradients are ready)."""
     carry: list[Op] = field(default_factory=list)
     """Ops the unit's next compute op waits for (an overlapped reduce-scatter's handle)."""
+    key: UnitKey | None = None
+    """(F|B, virtual stage, micro-batch)."""
 
 
 class KeySeq:
@@ -218,7 +221,8 @@ def _cat(phase: str) -> str:
 class UnitBuilder:
     """Lays out the ops of Megatron's units for one job, keyed by :class:`KeySeq`."""
 
-    def __init__(self, shape: MegatronShape, costs: LayerCosts, keys: KeySeq) -> None:
+    def __init__(self, shape: MegatronShape, costs: LayerCosts, keys: KeySeq,
+                 cm: ComputeModel | None = None) -> None:
         self.s = shape
         self.c = costs
         self.keys = keys
@@ -239,6 +243,10 @@ class UnitBuilder:
         """Each stage's MoE layer op makers (models with experts)."""
         self.mtp = MTPOps(self, shape.mtp) if shape.mtp is not None else None
         """The multi-token prediction modules' op maker (the last virtual stage's units)."""
+        self.offload = OffloadPlan(shape, cm) if (
+            cm is not None and shape.moe is not None
+            and shape.opts.fine_grained_activation_offloading) else None
+        """Fine-grained activation offloading of the experts' groups, or None."""
 
     def is_moe(self, layer: int) -> bool:
         return self.s.moe is not None and self.s.moe.is_moe(layer)
@@ -388,6 +396,7 @@ class UnitBuilder:
         moe = self.is_moe(layer)
         attn = attention_key(s.model, layer, s.blocks)
         hold = c.layer_hold + (c.moe_saved_delta if moe and s.ac != "full" else 0.0)
+        carrier = len(unit.ops)       # the attention block's first op allocates ``hold``
         self.block_ops(st, unit, BlockSpec(
             ("norm", "attention"), c.fwd_s["attn_pre"], c.fwd_s[attn],
             f"{phase} attn L{layer} mb{mb}", mb, layer, phase,
@@ -403,6 +412,11 @@ class UnitBuilder:
             if experts is not None:
                 # moe_act's checkpoint bookkeeping (sim.workload.checkpoint_without_output).
                 experts.cpu_s += c.rec.act_cpu_fwd
+                if self.offload is not None and not recompute and unit.key is not None:
+                    d2h = self.offload.forward_copy(unit.key[1], mb, layer, experts,
+                                                    unit.ops[carrier])
+                    if d2h is not None:
+                        ops.insert(ops.index(experts) + 1, d2h)
             self._moe_ops(unit, ops)
             return
         self.block_ops(st, unit, BlockSpec(
@@ -444,6 +458,8 @@ class UnitBuilder:
             alloc=r.attn_freed + r.attn_transient, free=free + r.attn_freed + r.attn_transient,
             flops=s.blocks[attn].flops_bwd, cpu_pre=c.bwd_cpu["attn_pre"],
             cpu_main=c.bwd_cpu[attn] + r.attn_cpu_bwd, column="qkv", ring="bwd"))
+        if self.offload is not None and unit.key is not None:
+            self.offload.backward_frees(unit.key[1], mb, layer, unit.ops[-1])
         unit.layer_bwd[layer] = unit.ops[-1]
         unit.part_op[layer] = unit.ops[-1]
 
@@ -518,7 +534,7 @@ class UnitBuilder:
         """The forward (``F``) or backward (``B``) of virtual stage ``v``, micro-batch mb."""
         s = self.s
         st = v % s.p
-        unit = UnitOps()
+        unit = UnitOps(key=(kind, v, mb))
         receives = (v > 0) if kind == "F" else (v < s.n_virtual - 1)
         if receives and s.p2p_split > 1:
             # The received 1/tp slices are all-gathered in the tensor-parallel group

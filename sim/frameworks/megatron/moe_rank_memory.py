@@ -71,7 +71,7 @@ def stage_units(s: MegatronShape, cm: ComputeModel, cpu_call: float, st: int
     0, laid out on ``s`` (collective keys of their own: only the memory fields are read).
     Every micro-batch's units hold the same memory at the same places (the sizes are per
     micro-batch; what differs by unit is the virtual stage: embedding, head, receives)."""
-    ub = UnitBuilder(s, layer_costs(s, cm, cpu_call), KeySeq())
+    ub = UnitBuilder(s, layer_costs(s, cm, cpu_call), KeySeq(), cm)
     return {(kind, v): ub.build_unit(kind, v, 0)
             for v in range(st, s.n_virtual, s.p) for kind in ("F", "B")}
 

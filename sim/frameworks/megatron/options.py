@@ -141,6 +141,17 @@ class MegatronOptions(StrictModel):
     backward, default ``["core_attn"]``; ``moe_act``, ``layernorm`` and ``mla_up_proj`` discard
     their outputs after forward, ``core_attn``, ``mlp``, ``moe`` and ``shared_experts`` are
     checkpointed whole (:mod:`sim.frameworks.megatron.recompute`)."""
+    fine_grained_activation_offloading: bool = False
+    """``--fine-grained-activation-offloading``: the saved activations of the modules in
+    ``offload_modules`` go to pinned host memory after their forward and come back one group
+    ahead in backward, on their own copy streams
+    (:mod:`sim.frameworks.megatron.activation_offload`)."""
+    offload_modules: list[Literal["expert_fc1", "moe_act"]] | None = None
+    """``--offload-modules``: ``expert_fc1`` (the grouped fc1's saved input) and ``moe_act``
+    (the expert activation's saved input); Megatron-Core's attention, norm and
+    ``fused_group_mlp`` groups are not modelled yet."""
+    min_offloaded_tensor_size: int = Field(default=1048576, ge=0, le=B.MAX_ELEMENTS)
+    """``--min-offloaded-tensor-size``: tensors of fewer elements stay on the GPU."""
     moe_a2a_overlap: bool = False
     """``--overlap-moe-expert-parallel-comm`` (Megatron-Bridge ``moe_a2a_overlap``): the
     combined 1F1B schedule, in which one micro-batch's forward and another's backward run
