@@ -157,3 +157,33 @@ def test_what_megatron_refuses_or_is_not_modelled_names_the_key(kw, why) -> None
 def test_off_by_default_nothing_moves() -> None:
     p = _program(_scn(PIPE, False))
     assert not [o for c in p.classes for o in _ops(c) if o.host_transfer]
+
+
+def test_the_offload_fraction_keeps_each_chunks_later_groups() -> None:
+    # One stage, 8 MoE layers: each forward keeps its last layer (its backward runs next);
+    # of the 14 other groups, activation_offload_fraction 0.5 offloads the first 7 in
+    # forward order (layers 0-2 whole, layer 3's fc1 input) and keeps the rest.
+    p = _program(_scn({"tp": 1, "ep": 8}, gbs=32, activation_offload_fraction=0.5))
+    ops = _ops(p.classes[0])
+    fc1_in = SEQ * K * H * 2
+    for mb in range(4):
+        moved = {int(o.name.split()[2][1:]): o.nbytes for o in ops
+                 if o.stream == D2H_STREAM and o.name.endswith(f" mb{mb}")}
+        assert sorted(moved) == [0, 1, 2, 3]
+        assert moved[3] == fc1_in and moved[0] == moved[1] == moved[2] > fc1_in
+
+
+def test_higher_pipeline_ranks_keep_their_delta_of_bytes() -> None:
+    # delta_offload_bytes_across_pp_ranks: rank r keeps r x delta bytes of groups on the GPU,
+    # whole groups, so what rank 1 moves falls by at least delta and less than delta plus
+    # the largest group; rank 0 moves as before.
+    act_in = SEQ * K * 2 * FFN * 2
+    delta = 3 * act_in
+
+    def moved(p):
+        return [sum(o.nbytes for o in _ops(c) if o.stream == D2H_STREAM) for c in p.classes]
+
+    base, kept = moved(_program(_scn(PIPE))), moved(_program(_scn(
+        PIPE, delta_offload_bytes_across_pp_ranks=delta)))
+    assert kept[0] == base[0]
+    assert delta <= base[1] - kept[1] < delta + act_in

@@ -26,7 +26,10 @@ What Megatron-Core does (NVIDIA/Megatron-LM @ d98e8a6,
   backward chunk, the last group of each module name (the "offload margin", so that every
   later reload is issued a group of each name ahead of its use); and, when the chunk whose
   forward just ended is also the next one to run backward (the last stage of 1F1B), its last
-  group of each name.
+  group of each name; then, on pipeline rank r, the first r x
+  ``delta_offload_bytes_across_pp_ranks`` bytes of groups in backward-chunk order; then, in
+  each chunk, the groups past ``activation_offload_fraction`` of its eligible ones (the later
+  forward groups).
 
 Here a group's bytes are the experts block's saved tensors that the group's backward kernel
 reads (``fc1.wgrad``; ``weighted_act.bwd``) on the pace-setting rank; a backward chunk is a
@@ -38,10 +41,9 @@ forward op ends rather than after fc1, and ``moe_act``'s reload is waited for be
 backward rather than before the activation's recompute.
 
 Not modelled (refused): skewed routing, the attention and norm modules, ``fused_group_mlp``,
-``activation_offload_fraction`` and ``delta_offload_bytes_across_pp_ranks`` (their defaults
-apply), ``expert_fc1`` under per-tensor or blockwise FP8 (fc1 then saves its 16-bit input,
-``set_save_original_input``), and the combination with full recomputation, with ``moe``
-recomputation and with ``delay_wgrad_compute``.
+``expert_fc1`` under per-tensor or blockwise FP8 (fc1 then saves its 16-bit input,
+``set_save_original_input``), and the combination with full recomputation and with ``moe``
+recomputation.
 """
 
 from __future__ import annotations
@@ -193,25 +195,54 @@ class OffloadPlan:
                                    int(opts.moe_a2a_overlap))
                       for st in range(n_stages)}
         self.d2h: dict[tuple[int, int, int], Op] = {}
+        self.offloaded: dict[tuple[int, int, int], tuple[str, ...]] = {}
+        """(virtual stage, micro-batch, layer) -> the modules whose groups its copy moves."""
         self.backward: dict[tuple[int, int], BackwardGroups] = {}
-        self.kept: set[tuple[int, int, int]] = set()
-        """(virtual stage, micro-batch, layer) whose groups stay on the GPU."""
+        self.kept: set[tuple[int, int, int, str]] = set()
+        """(virtual stage, micro-batch, layer, module) groups that stay on the GPU."""
         moe_layers = {v: [x for x in s.chunks[v] if s.moe.is_moe(x)]
                       for v in range(s.n_virtual)}
         for st, order in self.order.items():
             units = [(k, c * n_stages + st, mb) for k, c, mb in order]
-            # The offload margin: the first backward unit's last MoE layer.
-            first_b = next((u for u in units if u[0] == "B" and moe_layers[u[1]]), None)
-            if first_b is not None:
-                self.kept.add((first_b[1], first_b[2], moe_layers[first_b[1]][-1]))
-            # A forward whose backward runs next keeps its last MoE layer.
-            for i, u in enumerate(units):
-                if u[0] != "F" or not moe_layers[u[1]]:
-                    continue
-                nxt = next((w for w in units[i + 1:] if w[0] == "B" and moe_layers[w[1]]),
-                           None)
-                if nxt is not None and nxt[1:] == u[1:]:
-                    self.kept.add((u[1], u[2], moe_layers[u[1]][-1]))
+            self._keep_rules(units, moe_layers, st * opts.delta_offload_bytes_across_pp_ranks,
+                             opts.activation_offload_fraction)
+
+    def _keep_rules(self, units: list[tuple[str, int, int]], moe_layers: dict[int, list[int]],
+                    keep_bytes: float, fraction: float) -> None:
+        """One stage's groups that stay (``post_warmup_callback``, ``should_bulk_offload``),
+        in the manager's order: the offload margin, the forward whose backward runs next, the
+        bytes kept on higher pipeline ranks, then the fraction."""
+        def groups(v: int, mb: int) -> list[tuple[int, int, int, str]]:
+            return [(v, mb, la, m) for la in moe_layers[v] for m in self.modules
+                    if self.bytes[m] > 0]
+
+        # The offload margin: the first backward chunk's last group of each name.
+        first_b = next((u for u in units if u[0] == "B" and moe_layers[u[1]]), None)
+        if first_b is not None:
+            _, v, mb = first_b
+            self.kept.update((v, mb, moe_layers[v][-1], m) for m in self.modules)
+        # A forward whose chunk is the next to run backward keeps its last group of each name.
+        for i, u in enumerate(units):
+            if u[0] != "F" or not moe_layers[u[1]]:
+                continue
+            nxt = next((w for w in units[i + 1:] if w[0] == "B" and moe_layers[w[1]]), None)
+            if nxt is not None and nxt[1:] == u[1:]:
+                self.kept.update((u[1], u[2], moe_layers[u[1]][-1], m) for m in self.modules)
+        backward = [u[1:] for u in units if u[0] == "B"]
+        # delta_offload_bytes_across_pp_ranks: pp_rank x delta bytes stay, the backward
+        # chunks' groups in order.
+        for v, mb in backward:
+            for g in groups(v, mb):
+                if keep_bytes <= 0:
+                    break
+                if g not in self.kept:
+                    keep_bytes -= self.bytes[g[3]]
+                    self.kept.add(g)
+        # activation_offload_fraction: each chunk keeps its later groups past the fraction.
+        for v, mb in backward:
+            eligible = [g for g in groups(v, mb) if g not in self.kept]
+            n_off = int(len(eligible) * (1.0 - fraction))
+            self.kept.update(eligible[len(eligible) - n_off:] if n_off else [])
 
     # ------------------------------------------------------------------ forward
     def forward_copy(self, v: int, mb: int, layer: int, experts: Op, carrier: Op
@@ -221,19 +252,20 @@ class OffloadPlan:
         that allocates the layer's saved activations: the groups become allocations of their
         own there (the allocator then releases exactly them when the copy ends)."""
         experts.cpu_s += len(self.modules) * MARKER_CALLS * EAGER_FWD_OP_CPU_S
-        parts = tuple(self.bytes[m] for m in self.modules if self.bytes[m] > 0)
+        mods = tuple(m for m in self.modules
+                     if self.bytes[m] > 0 and (v, mb, layer, m) not in self.kept)
+        parts = tuple(self.bytes[m] for m in mods)
         held = [b for cat, b in carrier.alloc if cat == "activations"]
-        if (v, mb, layer) in self.kept or not parts or len(held) != 1 \
-                or held[0] < sum(parts):
+        if not parts or len(held) != 1 or held[0] < sum(parts):
             return None
         carrier.alloc_parts = (held[0] - sum(parts), *parts)
         op = Op(name=f"offload moe L{layer} mb{mb}", kind="copy", stream=D2H_STREAM,
                 phase="fwd", deps=[experts], host_transfer="d2h", nbytes=sum(parts),
                 category="copy", micro_batch=mb, layer=layer, kernels=0,
-                cpu_s=(len(self.modules) * GROUP_CALLS + len(parts) * TENSOR_CALLS_D2H)
-                * EAGER_FWD_OP_CPU_S,
+                cpu_s=len(parts) * (GROUP_CALLS + TENSOR_CALLS_D2H) * EAGER_FWD_OP_CPU_S,
                 free=tuple(("activations", b) for b in parts))
         self.d2h[(v, mb, layer)] = op
+        self.offloaded[(v, mb, layer)] = mods
         return op
 
     def backward_frees(self, v: int, mb: int, layer: int, op: Op) -> None:
@@ -285,11 +317,13 @@ class OffloadPlan:
         marker = len(self.modules) * MARKER_CALLS * EAGER_FWD_OP_CPU_S
         experts.cpu_s += marker
         d2h = self.d2h.get((v, mb, layer))
+        moved = self.offloaded.get((v, mb, layer), ())
         unit = self.backward.setdefault((v, mb), BackwardGroups())
         for module, first in (("moe_act", experts), ("expert_fc1", tail)):
             if module in self.modules:
-                unit.groups.append(Group(module, layer, first, first, d2h,
-                                         self.bytes[module] if d2h is not None else 0.0))
+                unit.groups.append(Group(module, layer, first, first,
+                                         d2h if module in moved else None,
+                                         self.bytes[module] if module in moved else 0.0))
         return [experts, tail]
 
     def _reload(self, g: Group, mb: int, after: list[Op]) -> Op:

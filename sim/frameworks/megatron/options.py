@@ -152,6 +152,12 @@ class MegatronOptions(StrictModel):
     ``fused_group_mlp`` groups are not modelled yet."""
     min_offloaded_tensor_size: int = Field(default=1048576, ge=0, le=B.MAX_ELEMENTS)
     """``--min-offloaded-tensor-size``: tensors of fewer elements stay on the GPU."""
+    activation_offload_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
+    """``--activation-offload-fraction``: of each chunk's eligible groups (forward order),
+    the first this share are offloaded, the later ones stay."""
+    delta_offload_bytes_across_pp_ranks: int = Field(default=0, ge=0, le=B.MAX_ELEMENTS)
+    """``--delta-offload-bytes-across-pp-ranks``: pipeline rank r keeps r x this many bytes
+    of groups on the GPU (the first backward chunks' first)."""
     moe_a2a_overlap: bool = False
     """``--overlap-moe-expert-parallel-comm`` (Megatron-Bridge ``moe_a2a_overlap``): the
     combined 1F1B schedule, in which one micro-batch's forward and another's backward run
