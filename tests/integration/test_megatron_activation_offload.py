@@ -55,30 +55,50 @@ def _ops(cls):
 PIPE = {"tp": 1, "pp": 2, "ep": 4}
 
 
-@pytest.mark.parametrize("fw", [{}, {"moe_a2a_overlap": True, "delay_wgrad_compute": True}],
-                         ids=["1f1b", "combined-1f1b"])
-def test_the_groups_are_the_closed_form_bytes_and_each_comes_back_once(fw) -> None:
-    p = _program(_scn(dict(PIPE, vp=2) if fw else PIPE, **fw))
+USER = {"attn_proj": "bwd attn {l} {mb} proj", "core_attn": "bwd attn {l} {mb} core",
+        "qkv_linear": "bwd attn {l} {mb}", "mlp_norm": "bwd moe {l} {mb} router",
+        "moe_act": "bwd moe {l} {mb} experts", "expert_fc1": "bwd moe {l} {mb} experts fc1"}
+"""The op each module's backward starts with: it waits for the group's reload."""
+ALL = ["qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"]
+
+
+@pytest.mark.parametrize(("fw", "mods"), [
+    ({}, ["expert_fc1", "moe_act"]),
+    ({"moe_a2a_overlap": True, "delay_wgrad_compute": True}, ["expert_fc1", "moe_act"]),
+    ({}, ALL),
+    ({"moe_a2a_overlap": True, "delay_wgrad_compute": True}, ALL),
+], ids=["experts-1f1b", "experts-combined-1f1b", "all-1f1b", "all-combined-1f1b"])
+def test_the_groups_are_the_closed_form_bytes_and_each_comes_back_once(fw, mods) -> None:
+    p = _program(_scn(dict(PIPE, vp=2) if fw else PIPE, offload_modules=mods, **fw))
     tokens = SEQ * K                       # rows the rank's experts take a micro-batch
-    fc1_in, act_in = tokens * H * 2, tokens * 2 * FFN * 2
+    # Per layer and micro-batch, 16-bit: the QKV linear's input and its fused norm's input;
+    # query, key, value and output (the log-sum-exp is under the size floor); the
+    # projection's input is that output, counted once; the pre-MLP norm's input; fc1's
+    # input; the activation's input (fc1's output, SwiGLU's two halves).
+    size = {"qkv_linear": 2 * SEQ * H * 2, "core_attn": 4 * SEQ * H * 2, "attn_proj": 0,
+            "mlp_norm": SEQ * H * 2, "expert_fc1": tokens * H * 2,
+            "moe_act": tokens * 2 * FFN * 2}
+    attn = sum(size[m] for m in mods if m in USER and m.startswith(("qkv", "core", "attn")))
+    moe = sum(size[m] for m in mods if m in ("mlp_norm", "expert_fc1", "moe_act"))
     for cls in p.classes:
         ops = _ops(cls)
         d2h = {o.name.removeprefix("offload "): o for o in ops if o.stream == D2H_STREAM}
         h2d = [o for o in ops if o.stream == H2D_STREAM]
         assert d2h and h2d
-        for o in d2h.values():
-            assert o.host_transfer == "d2h" and o.nbytes == fc1_in + act_in
-            assert o.free == (("activations", fc1_in), ("activations", act_in))
-        # Every offloaded group is reloaded exactly once, after its copy left.
-        back: dict[str, float] = {}
+        for name, o in d2h.items():
+            assert o.host_transfer == "d2h"
+            assert o.nbytes == (moe if name.startswith("moe") else attn)
+            assert sum(b for _, b in o.free) == o.nbytes
+        # Every offloaded group is reloaded exactly once, after its copy left, and its
+        # backward waits for it.
+        back = {k: 0.0 for k in d2h}
         for o in h2d:
             module, layer, mb = o.name.split()[1:]
             assert o.host_transfer == "h2d" and o.alloc == (("activations", o.nbytes),)
-            assert o.nbytes == (fc1_in if module == "expert_fc1" else act_in)
-            assert d2h[f"moe {layer} {mb}"] in o.deps
-            back[f"moe {layer} {mb}"] = back.get(f"moe {layer} {mb}", 0.0) + o.nbytes
-            # Its backward waits for it: the activation's (the experts' op) or fc1's.
-            user = f"bwd moe {layer} {mb} experts" + (" fc1" if module == "expert_fc1" else "")
+            assert o.nbytes == size[module]
+            src = next(d for d in o.deps if d.stream == D2H_STREAM)
+            back[src.name.removeprefix("offload ")] += o.nbytes
+            user = USER[module].format(l=layer, mb=mb)
             assert o in next(u for u in ops if u.name == user).deps
         assert back == {k: v.nbytes for k, v in d2h.items()}
 
@@ -119,6 +139,14 @@ def test_on_grace_the_peak_drops_and_the_saved_activations_balance() -> None:
     assert off.summary["bytes"]["pcie"] == 0.0
 
 
+def test_offloading_the_attention_too_lowers_the_peak_further() -> None:
+    experts = simulate(_scn(PIPE, gb200=True)).summary["memory_by_rank_class"]
+    every = simulate(_scn(PIPE, gb200=True, offload_modules=ALL)).summary[
+        "memory_by_rank_class"]
+    for a, b in zip(every, experts, strict=True):
+        assert a["peak_gib"] < b["peak_gib"]
+
+
 def test_over_pcie_the_step_pays_for_copies_it_cannot_hide() -> None:
     # DGX H100: eight GPUs share their hosts' PCIe; a micro-batch's 192 MiB a layer take
     # longer to move than the layer takes to compute, so the step slows, by at most the
@@ -140,10 +168,17 @@ def test_over_pcie_the_step_pays_for_copies_it_cannot_hide() -> None:
     ({"precision": "fp8", "fp8_recipe": "tensorwise"}, "16-bit input"),
     ({"cuda_graph_impl": "local", "cuda_graph_scope": ["attn", "moe_router"]},
      "transformer_engine"),
+    ({"offload_modules": ["attn_proj"]}, "without core_attn"),
+    ({"offload_modules": ["core_attn"], "par": {"tp": 2, "ep": 4, "sequence_parallel": True}},
+     "tp 1 and cp 1"),
+    ({"offload_modules": ["core_attn"], "ac": "selective"}, "beside its recomputation"),
+    ({"implementation": "local", "offload_modules": ["core_attn"], "model": {
+        k: v for k, v in MOE.items()
+        if k not in ("experts", "experts_per_token", "moe_ffn_hidden")}}, "local layer spec"),
 ])
 def test_what_megatron_refuses_or_is_not_modelled_names_the_key(kw, why) -> None:
-    par = dict(PIPE) if "model" not in kw else {"tp": 1, "pp": 2}
-    fw = {k: v for k, v in kw.items() if k not in ("model", "ac", "precision")}
+    par = kw.get("par", dict(PIPE) if "model" not in kw else {"tp": 1, "pp": 2})
+    fw = {k: v for k, v in kw.items() if k not in ("model", "ac", "precision", "par")}
     extra = {k: kw[k] for k in ("model", "ac", "precision") if k in kw}
     if "offload_modules" in fw and fw["offload_modules"] is None:
         s = megatron_scenario(par, 64, model=MOE, seq=SEQ, framework={
@@ -152,6 +187,23 @@ def test_what_megatron_refuses_or_is_not_modelled_names_the_key(kw, why) -> None
         s = _scn(par, **extra, **fw)
     with pytest.raises(ScenarioError, match=rf"framework\.offload_modules.*{why}"):
         _program(s)
+
+
+def test_a_dense_model_offloads_its_attention() -> None:
+    dense = {k: v for k, v in MOE.items()
+             if k not in ("experts", "experts_per_token", "moe_ffn_hidden")}
+    par = {"tp": 1, "pp": 2}
+    on = simulate(_scn(par, gb200=True, model=dense, offload_modules=["qkv_linear",
+                                                                      "core_attn"]))
+    off = simulate(_scn(par, False, gb200=True, model=dense))
+    moved = [sum(o.nbytes for o in _ops(c) if o.stream == D2H_STREAM)
+             for c in on.program.classes]
+    back = [sum(o.nbytes for o in _ops(c) if o.stream == H2D_STREAM)
+            for c in on.program.classes]
+    assert all(moved) and moved == back
+    for a, b in zip(on.summary["memory_by_rank_class"], off.summary["memory_by_rank_class"],
+                    strict=True):
+        assert a["peak_gib"] < b["peak_gib"]
 
 
 def test_off_by_default_nothing_moves() -> None:

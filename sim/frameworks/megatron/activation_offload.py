@@ -1,15 +1,23 @@
 """Megatron-Core's fine-grained activation offloading (``--fine-grained-activation-offloading``
-with ``--offload-modules``), for the routed experts' modules ``expert_fc1`` and ``moe_act``.
+with ``--offload-modules``): the attention's ``qkv_linear``, ``core_attn`` and ``attn_proj``,
+an MoE layer's ``mlp_norm`` and the routed experts' ``expert_fc1`` and ``moe_act``.
 
 What Megatron-Core does (NVIDIA/Megatron-LM @ d98e8a6,
-``megatron/core/pipeline_parallel/fine_grained_activation_offload.py`` and
+``megatron/core/pipeline_parallel/fine_grained_activation_offload.py``,
+``transformer/attention.py``, ``transformer/transformer_layer.py``,
 ``transformer/moe/experts.py``; docs/user-guide/features/fine_grained_activation_offloading.md):
 
 * Each offload module is a **group** per layer and micro-batch: the tensors autograd saves
-  inside it. ``expert_fc1`` is the grouped fc1's saved input (its MXFP8 copy, or the 16-bit
-  sorted tokens in bf16), ``moe_act`` the activation's saved input, fc1's output (also what
-  ``moe_act`` recomputation keeps). Tensors under ``min_offloaded_tensor_size`` elements
-  stay (the routing probabilities).
+  inside it. ``qkv_linear`` is Transformer Engine's LayerNormLinear, so its input norm's
+  saved input and statistics go with the QKV linear's saved input; ``core_attn`` the fused
+  attention's saved query, key, value, output and log-sum-exp; ``attn_proj`` the output
+  projection's saved input (its FP8 copy; in 16 bits it is core attention's output, counted
+  once, with ``core_attn``); ``mlp_norm`` an MoE layer's pre-MLP norm (its own module: a dense
+  layer's is fused into fc1, an ``IdentityOp``, as ``attn_norm`` is under Transformer Engine,
+  which then offloads nothing); ``expert_fc1`` the grouped fc1's saved input (its MXFP8 copy,
+  or the 16-bit sorted tokens in bf16); ``moe_act`` the activation's saved input, fc1's output
+  (also what ``moe_act`` recomputation keeps). Tensors under ``min_offloaded_tensor_size``
+  elements stay (the routing probabilities).
 * **Forward**: when a group's forward ends (``group_offload``; ``moe_act``'s after fc2) the
   D2H stream waits for the compute stream and copies the group's tensors into pinned host
   memory; their GPU storage is released once the copy is done (``record_stream`` on the D2H
@@ -31,24 +39,27 @@ What Megatron-Core does (NVIDIA/Megatron-LM @ d98e8a6,
   each chunk, the groups past ``activation_offload_fraction`` of its eligible ones (the later
   forward groups).
 
-Here a group's bytes are the experts block's saved tensors that the group's backward kernel
-reads (``fc1.wgrad``; ``weighted_act.bwd``) on the pace-setting rank; a backward chunk is a
-backward unit in the stage's schedule order. The experts' backward op is cut in two where
-fc1's backward begins (``{...} experts`` then ``{...} experts fc1``, the time split by the
-kernels' own prices), so a reload issued when ``moe_act``'s backward ends can stall fc1's.
-Approximations, both slightly pessimistic: ``expert_fc1``'s copy starts when the experts'
-forward op ends rather than after fc1, and ``moe_act``'s reload is waited for before fc2's
-backward rather than before the activation's recompute.
+Here a group's bytes are the saved tensors that the group's backward kernels read, on the
+pace-setting rank; a backward chunk is a backward unit in the stage's schedule order. The
+attention's backward op is cut into three where core attention's and the QKV linear's
+backward begin (``{...} proj``, ``{...} core``, then the op itself), the experts' in two
+where fc1's begins (``{...} experts`` then ``{...} experts fc1``), the time split by the
+kernels' own prices, so a reload issued when one group's backward ends can stall the next.
+Approximations, slightly pessimistic: a layer's attention groups leave when its attention's
+forward op ends and its MoE groups when its experts' forward op ends (not each after its own
+module), and ``moe_act``'s reload is waited for before fc2's backward rather than before the
+activation's recompute.
 
-Not modelled (refused): skewed routing, the attention and norm modules, ``fused_group_mlp``,
-``expert_fc1`` under per-tensor or blockwise FP8 (fc1 then saves its 16-bit input,
-``set_save_original_input``), and the combination with full recomputation and with ``moe``
-recomputation.
+Not modelled (refused): skewed routing, the local (non Transformer Engine) layer spec,
+``fused_group_mlp``, the attention modules under tensor or context parallelism or with
+multi-latent attention, ``core_attn`` beside its own recomputation, ``expert_fc1`` under
+per-tensor or blockwise FP8 (fc1 then saves its 16-bit input, ``set_save_original_input``),
+and the combination with full recomputation and with ``moe`` recomputation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -59,7 +70,8 @@ from sim.frameworks.megatron.pipeline import schedule
 from sim.hardware.compute import EAGER_FWD_OP_CPU_S, ComputeModel
 from sim.program.ir import Op
 from sim.workload.block_pricing import kernel_time
-from sim.workload.kernels import Block
+from sim.workload.kernels import Block, Kernel
+from sim.workload.megatron_ops import attention_key
 
 if TYPE_CHECKING:
     from sim.frameworks.megatron.shape import MegatronShape
@@ -68,11 +80,10 @@ KEY = "framework.offload_modules"
 D2H_STREAM = "act_d2h"
 """The offload manager's own D2H stream (``PipelineOffloadManager.d2h_stream``)."""
 H2D_STREAM = "act_h2d"
-GROUP_KERNEL = {"expert_fc1": "fc1.wgrad", "moe_act": "weighted_act.bwd"}
-"""The backward kernel whose saved inputs are each module's group."""
-FC1_BACKWARD = ("fc1.",)
-"""Kernel-name prefixes of the experts' backward from fc1's on (with the padding and chunk
-sort backwards after it): the part cut off as ``experts fc1``."""
+ATTENTION = ("qkv_linear", "core_attn", "attn_proj")
+MOE = ("mlp_norm", "expert_fc1", "moe_act")
+ORDER = ("attn_norm", *ATTENTION, *MOE)
+"""The modules in a layer's forward order."""
 # Host calls, Python-level torch calls at an eager op's cost: per group the two marker
 # autograd functions (start, commit); per offloaded group the stream wait and event record,
 # and per tensor the pinned pool's allocation, copy_, record_stream and the push (forward),
@@ -89,11 +100,22 @@ def check_activation_offload(ctx: JobContext, shape: MegatronShape) -> None:
     opts = shape.opts
     if not opts.fine_grained_activation_offloading:
         return
-    mods = opts.offload_modules or []
-    ctx.require(bool(mods), KEY, "fine_grained_activation_offloading needs offload_modules "
-                "(expert_fc1, moe_act)")
-    ctx.require(ctx.model.moe is not None, KEY,
-                "expert_fc1 and moe_act are modules of the routed experts: the model has none")
+    mods = set(opts.offload_modules or [])
+    ctx.require(bool(mods), KEY, "fine_grained_activation_offloading needs offload_modules")
+    ctx.require(not shape.legacy, KEY,
+                "offloading under the local layer spec is not modelled yet (Transformer "
+                "Engine's only)")
+    ctx.require(not (mods & set(MOE)) or ctx.model.moe is not None, KEY,
+                "mlp_norm, expert_fc1 and moe_act are modules of an MoE layer: the model "
+                "has none")
+    ctx.require("attn_proj" not in mods or "core_attn" in mods, KEY,
+                "attn_proj cannot be offloaded without core_attn (Megatron-Core)")
+    if mods & set(ATTENTION):
+        ctx.require(shape.t == 1 and shape.cp == 1 and ctx.model.mla is None, KEY,
+                    "offloading the attention's modules is modelled at tp 1 and cp 1 "
+                    "without multi-latent attention only")
+        ctx.require("core_attn" not in mods or "core_attn" not in shape.recompute, KEY,
+                    "offloading core_attn beside its recomputation is not modelled")
     ctx.require(s.training.activation_checkpointing != "full", KEY,
                 "offloading beside full recomputation is not modelled")
     ctx.require("moe" not in (opts.recompute_modules or []), KEY,
@@ -107,9 +129,11 @@ def check_activation_offload(ctx: JobContext, shape: MegatronShape) -> None:
     if opts.cuda_graph_impl != "none":
         scope = set(opts.cuda_graph_scope or [])
         ctx.require(opts.cuda_graph_impl == "transformer_engine"
-                    and {"attn", "moe_router"} <= scope, KEY,
+                    and {"attn", "moe_router"} <= scope
+                    and not mods & {"attn_norm", "mlp_norm"}, KEY,
                     "with CUDA graphs Megatron-Core offloads only under cuda_graph_impl "
-                    "transformer_engine with attn and moe_router in cuda_graph_scope")
+                    "transformer_engine with attn and moe_router in cuda_graph_scope, and "
+                    "not attn_norm or mlp_norm")
 
 
 def _elements(name: str, nbytes: float) -> float:
@@ -117,42 +141,73 @@ def _elements(name: str, nbytes: float) -> float:
     return nbytes / (1.0 if "fp8" in name else 2.0)
 
 
-def group_bytes(experts: Block, modules: Iterable[str], min_elements: int
-                ) -> dict[str, float]:
-    """Bytes of each module's group per layer and micro-batch: the saved tensors the group's
-    backward kernel reads, of at least ``min_elements`` elements, each counted in one group
-    (``expert_fc1`` first)."""
-    saved = {id(t): t for t in experts.saved}
+def _is_core(k: Kernel) -> bool:
+    return k.klass == "attention"
+
+
+# The backward kernels whose saved inputs are each module's group, by block: (block role,
+# kernel selector). "attn" is the layer's attention block, "attn_pre" its fused input norm.
+_READERS: dict[str, tuple[tuple[str, Callable[[Kernel], bool]], ...]] = {
+    "qkv_linear": (("attn_pre", lambda k: True),
+                   ("attn", lambda k: k.name.startswith("qkv."))),
+    "core_attn": (("attn", _is_core),),
+    "attn_proj": (("attn", lambda k: k.name.startswith("proj.")),),
+    "mlp_norm": (("mlp_pre", lambda k: True),),
+    "expert_fc1": (("experts", lambda k: k.name == "fc1.wgrad"),),
+    "moe_act": (("experts", lambda k: k.name == "weighted_act.bwd"),),
+}
+
+
+def group_bytes(blocks: dict[str, Block], modules: Iterable[str], min_elements: int,
+                exclude: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Bytes of each module's group per layer and micro-batch: the saved tensors its
+    backward kernels read (``blocks`` by role: attn, attn_pre, mlp_pre, experts), of at least
+    ``min_elements`` elements, each counted once, in the first group in forward order;
+    ``exclude``: saved tensors (full names) a recomputation already drops."""
     taken: set[int] = set()
     out: dict[str, float] = {}
-    for mod in ("expert_fc1", "moe_act"):
+    for mod in ORDER:
         if mod not in modules:
             continue
         total = 0.0
-        for k in experts.backward:
-            if k.name != GROUP_KERNEL[mod]:
+        for role, pick in _READERS.get(mod, ()):
+            block = blocks.get(role)
+            if block is None:
                 continue
-            for t in k.reads:
-                if id(t) in saved and id(t) not in taken \
-                        and _elements(t.name, t.nbytes) >= min_elements:
-                    taken.add(id(t))
-                    total += t.nbytes
+            saved = {id(t) for t in block.saved if t.name not in exclude}
+            for k in block.backward:
+                if not pick(k):
+                    continue
+                for t in k.reads:
+                    if id(t) in saved and id(t) not in taken \
+                            and _elements(t.name, t.nbytes) >= min_elements:
+                        taken.add(id(t))
+                        total += t.nbytes
         out[mod] = total
     return out
 
 
-def fc1_backward_share(experts: Block, cm: ComputeModel, delayed: bool = False
-                       ) -> tuple[float, float]:
-    """(GPU-time share, kernel share) of the experts' backward op from fc1's backward on;
-    ``delayed``: without the weight-gradient GEMMs ``delay_wgrad_compute`` moves out."""
-    wgrad = {id(k) for k in delayed_kernels(experts)} if delayed else set()
-    times = [(k, kernel_time(cm, k)) for k in experts.backward if id(k) not in wgrad]
-    total = sum(t for _, t in times)
-    start = next((i for i, (k, _) in enumerate(times) if k.name.startswith(FC1_BACKWARD)),
-                 len(times))
-    tail = sum(t for _, t in times[start:])
-    n = len(times)
-    return (tail / total if total > 0 else 0.0), ((n - start) / n if n else 0.0)
+def _shares(kernels: list[Kernel], cm: ComputeModel, starts: list[Callable[[Kernel], bool]]
+            ) -> list[tuple[float, float]]:
+    """(GPU-time share, kernel share) of each segment of ``kernels``, cut before the first
+    kernel each of ``starts`` selects."""
+    times = [kernel_time(cm, k) for k in kernels]
+    total = sum(times) or 1.0
+    cuts = [0]
+    for pick in starts:
+        cuts.append(next((i for i in range(cuts[-1], len(kernels)) if pick(kernels[i])),
+                         len(kernels)))
+    cuts.append(len(kernels))
+    n = len(kernels) or 1
+    return [(sum(times[a:b]) / total, (b - a) / n)
+            for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _backward_kernels(block: Block | None, delayed: bool) -> list[Kernel]:
+    if block is None:
+        return []
+    wgrad = {id(k) for k in delayed_kernels(block)} if delayed else set()
+    return [k for k in block.backward if id(k) not in wgrad]
 
 
 @dataclass
@@ -162,9 +217,7 @@ class Group:
     module: str
     layer: int
     first: Op
-    """The op that waits for the group's reload."""
-    end: Op
-    """The op at whose end the group's backward ends (the reload hook)."""
+    """The op that waits for the group's reload (and at whose end its backward ends)."""
     d2h: Op | None = None
     """The group's offload copy; None when the group stays on the GPU."""
     nbytes: float = 0.0
@@ -177,103 +230,177 @@ class BackwardGroups:
     groups: list[Group] = field(default_factory=list)
 
 
+def _cut(op: Op, shares: list[tuple[float, float]], names: list[str], keep_last: bool
+         ) -> list[Op]:
+    """``op`` cut into consecutive ops of the given (time, kernel) shares, its duration,
+    kernels, host time and FLOPs divided among them (the totals kept). ``keep_last``: ``op``
+    itself becomes the last piece (what waits on it and the hooks keyed on it stay at its
+    end, with its frees; its allocations move to the first piece), else the first (its memory
+    events stay with it)."""
+    d, k, cpu, fl, hw = op.duration, op.kernels, op.cpu_s, op.flops, op.hw_flops
+    own = len(shares) - 1 if keep_last else 0
+    pieces: list[Op] = []
+    for i, ((ts, ks), name) in enumerate(zip(shares, names, strict=True)):
+        if i == own:
+            pieces.append(op)
+            continue
+        piece = replace(op, name=name, deps=[], alloc=(), free=(), transient=0.0,
+                        transient_parts=(), alloc_parts=(), duration=d * ts,
+                        kernels=round(k * ks), cpu_s=cpu * ks, flops=fl * ts,
+                        hw_flops=hw * ts)
+        pieces.append(piece)
+    others = [p for i, p in enumerate(pieces) if i != own]
+    op.duration = d - sum(p.duration for p in others)
+    op.kernels = k - sum(p.kernels for p in others)
+    op.cpu_s = cpu - sum(p.cpu_s for p in others)
+    op.flops = fl - sum(p.flops for p in others)
+    op.hw_flops = hw - sum(p.hw_flops for p in others)
+    if keep_last and len(pieces) > 1:
+        first = pieces[0]
+        first.deps, op.deps = list(op.deps), []
+        first.alloc, op.alloc = op.alloc, ()
+        first.alloc_parts, op.alloc_parts = op.alloc_parts, ()
+        first.transient, first.transient_parts = op.transient, op.transient_parts
+        op.transient, op.transient_parts = 0.0, ()
+    for a, b in zip(pieces, pieces[1:], strict=False):
+        b.deps = [*b.deps, a]
+    return pieces
+
+
 class OffloadPlan:
     """Which groups are offloaded, the forward copies, and the reload ops of every unit."""
 
     def __init__(self, s: MegatronShape, cm: ComputeModel) -> None:
         opts = s.opts
-        assert s.moe is not None
-        experts = s.moe.pace.ops.experts if s.moe.pace is not None else s.moe.ops.experts
-        self.modules = tuple(m for m in ("expert_fc1", "moe_act")
-                             if m in (opts.offload_modules or []))
-        self.bytes = group_bytes(experts, self.modules, opts.min_offloaded_tensor_size)
-        self.time_share, self.kernel_share = fc1_backward_share(
-            experts, cm, opts.delay_wgrad_compute)
+        delayed = opts.delay_wgrad_compute
+        self.modules = tuple(m for m in ORDER if m in (opts.offload_modules or [])
+                             and m != "attn_norm")   # an IdentityOp under Transformer Engine
+        self.attn_modules = tuple(m for m in self.modules if m in ATTENTION)
+        self.moe_modules = tuple(m for m in self.modules if m in MOE)
+        self.min_elements = opts.min_offloaded_tensor_size
+        self.s = s
+        # The pre-MLP norm's statistics are dropped when layernorm is recomputed.
+        self.exclude = frozenset({"mlp_pre.norm.stats"}) if "layernorm" in s.recompute \
+            else frozenset()
+        self.bytes: dict[tuple[str, str], float] = {}
+        """(attention key, module) -> bytes; MoE modules under the key ``"moe"``."""
+        self.attn_shares: dict[str, list[tuple[float, float]]] = {}
+        for key in {attention_key(s.model, la, s.blocks) for la in range(s.model.layers)}:
+            blocks = {"attn": s.blocks[key], "attn_pre": s.blocks["attn_pre"]}
+            for m, b in group_bytes(blocks, self.attn_modules, self.min_elements).items():
+                self.bytes[(key, m)] = b
+            kernels = _backward_kernels(s.blocks[key], delayed) + \
+                _backward_kernels(s.blocks["attn_pre"], delayed)
+            self.attn_shares[key] = _shares(kernels, cm, [_is_core,
+                                                          lambda k: k.name.startswith("qkv.")])
+        self.fc1_share = [(1.0, 1.0), (0.0, 0.0)]
+        if s.moe is not None:
+            experts = s.moe.pace.ops.experts if s.moe.pace is not None else s.moe.ops.experts
+            blocks = {"experts": experts, "mlp_pre": s.blocks["mlp_pre"]}
+            for m, b in group_bytes(blocks, self.moe_modules, self.min_elements,
+                                    self.exclude).items():
+                self.bytes[("moe", m)] = b
+            self.fc1_share = _shares(_backward_kernels(experts, delayed), cm,
+                                     [lambda k: k.name.startswith("fc1.")])
         self.p = n_stages = s.p
         kind = "1f1b" if s.vp > 1 else opts.pipeline_schedule
         self.order = {st: schedule(kind, n_stages, st, s.mb_count, s.vp,
                                    int(opts.moe_a2a_overlap))
                       for st in range(n_stages)}
-        self.d2h: dict[tuple[int, int, int], Op] = {}
-        self.offloaded: dict[tuple[int, int, int], tuple[str, ...]] = {}
-        """(virtual stage, micro-batch, layer) -> the modules whose groups its copy moves."""
+        self.d2h: dict[tuple[int, int, int, str], Op] = {}
+        """(virtual stage, micro-batch, layer, module) -> the copy that moves the group."""
+        self.parts: dict[tuple[int, int, int], list[float]] = {}
+        """(virtual stage, micro-batch, layer) -> the bytes of its offloaded groups."""
         self.backward: dict[tuple[int, int], BackwardGroups] = {}
         self.kept: set[tuple[int, int, int, str]] = set()
         """(virtual stage, micro-batch, layer, module) groups that stay on the GPU."""
-        moe_layers = {v: [x for x in s.chunks[v] if s.moe.is_moe(x)]
-                      for v in range(s.n_virtual)}
         for st, order in self.order.items():
             units = [(k, c * n_stages + st, mb) for k, c, mb in order]
-            self._keep_rules(units, moe_layers, st * opts.delta_offload_bytes_across_pp_ranks,
+            self._keep_rules(units, st * opts.delta_offload_bytes_across_pp_ranks,
                              opts.activation_offload_fraction)
 
-    def _keep_rules(self, units: list[tuple[str, int, int]], moe_layers: dict[int, list[int]],
-                    keep_bytes: float, fraction: float) -> None:
+    def group_size(self, layer: int, module: str) -> float:
+        """Bytes of ``module``'s group in ``layer`` (0 where the layer has no such group)."""
+        s = self.s
+        if module in MOE:
+            return self.bytes.get(("moe", module), 0.0) \
+                if s.moe is not None and s.moe.is_moe(layer) else 0.0
+        return self.bytes.get((attention_key(s.model, layer, s.blocks), module), 0.0)
+
+    def _groups(self, v: int, mb: int) -> list[tuple[int, int, int, str]]:
+        """The chunk's groups that could be offloaded, in forward order."""
+        return [(v, mb, la, m) for la in self.s.chunks[v] for m in self.modules
+                if self.group_size(la, m) > 0]
+
+    def _keep_rules(self, units: list[tuple[str, int, int]], keep_bytes: float,
+                    fraction: float) -> None:
         """One stage's groups that stay (``post_warmup_callback``, ``should_bulk_offload``),
         in the manager's order: the offload margin, the forward whose backward runs next, the
         bytes kept on higher pipeline ranks, then the fraction."""
-        def groups(v: int, mb: int) -> list[tuple[int, int, int, str]]:
-            return [(v, mb, la, m) for la in moe_layers[v] for m in self.modules
-                    if self.bytes[m] > 0]
+        def last_of_each_name(v: int, mb: int) -> set[tuple[int, int, int, str]]:
+            last: dict[str, tuple[int, int, int, str]] = {}
+            for g in self._groups(v, mb):
+                last[g[3]] = g
+            return set(last.values())
 
-        # The offload margin: the first backward chunk's last group of each name.
-        first_b = next((u for u in units if u[0] == "B" and moe_layers[u[1]]), None)
+        chunks = {u[1:]: self._groups(*u[1:]) for u in units}
+        first_b = next((u for u in units if u[0] == "B" and chunks[u[1:]]), None)
         if first_b is not None:
-            _, v, mb = first_b
-            self.kept.update((v, mb, moe_layers[v][-1], m) for m in self.modules)
-        # A forward whose chunk is the next to run backward keeps its last group of each name.
+            self.kept |= last_of_each_name(*first_b[1:])
         for i, u in enumerate(units):
-            if u[0] != "F" or not moe_layers[u[1]]:
+            if u[0] != "F" or not chunks[u[1:]]:
                 continue
-            nxt = next((w for w in units[i + 1:] if w[0] == "B" and moe_layers[w[1]]), None)
+            nxt = next((w for w in units[i + 1:] if w[0] == "B" and chunks[w[1:]]), None)
             if nxt is not None and nxt[1:] == u[1:]:
-                self.kept.update((u[1], u[2], moe_layers[u[1]][-1], m) for m in self.modules)
+                self.kept |= last_of_each_name(*u[1:])
         backward = [u[1:] for u in units if u[0] == "B"]
-        # delta_offload_bytes_across_pp_ranks: pp_rank x delta bytes stay, the backward
-        # chunks' groups in order.
         for v, mb in backward:
-            for g in groups(v, mb):
+            for g in chunks[(v, mb)]:
                 if keep_bytes <= 0:
                     break
                 if g not in self.kept:
-                    keep_bytes -= self.bytes[g[3]]
+                    keep_bytes -= self.group_size(g[2], g[3])
                     self.kept.add(g)
-        # activation_offload_fraction: each chunk keeps its later groups past the fraction.
         for v, mb in backward:
-            eligible = [g for g in groups(v, mb) if g not in self.kept]
+            eligible = [g for g in chunks[(v, mb)] if g not in self.kept]
             n_off = int(len(eligible) * (1.0 - fraction))
             self.kept.update(eligible[len(eligible) - n_off:] if n_off else [])
 
     # ------------------------------------------------------------------ forward
-    def forward_copy(self, v: int, mb: int, layer: int, experts: Op, carrier: Op
-                     ) -> Op | None:
-        """The D2H copy of a forward MoE layer's groups after its experts op (None when they
-        stay); the marker functions' host calls go on the experts op. ``carrier`` is the op
-        that allocates the layer's saved activations: the groups become allocations of their
-        own there (the allocator then releases exactly them when the copy ends)."""
-        experts.cpu_s += len(self.modules) * MARKER_CALLS * EAGER_FWD_OP_CPU_S
-        mods = tuple(m for m in self.modules
-                     if self.bytes[m] > 0 and (v, mb, layer, m) not in self.kept)
-        parts = tuple(self.bytes[m] for m in mods)
+    def forward_copy(self, v: int, mb: int, layer: int, after: Op, carrier: Op,
+                     moe: bool) -> Op | None:
+        """The D2H copy of a forward layer's attention groups (``moe`` False: after its
+        attention op) or MoE groups (after its experts op), None when they all stay; the
+        marker functions' host calls go on ``after``. ``carrier`` is the op that allocates
+        the layer's saved activations: the groups become allocations of their own there (the
+        allocator then releases exactly them when the copy ends)."""
+        mods = self.moe_modules if moe else self.attn_modules
+        after.cpu_s += len(mods) * MARKER_CALLS * EAGER_FWD_OP_CPU_S
+        moved = tuple(m for m in mods if self.group_size(layer, m) > 0
+                      and (v, mb, layer, m) not in self.kept)
+        parts = [self.group_size(layer, m) for m in moved]
+        done = self.parts.get((v, mb, layer), [])
         held = [b for cat, b in carrier.alloc if cat == "activations"]
-        if not parts or len(held) != 1 or held[0] < sum(parts):
+        if not parts or len(held) != 1 or held[0] < sum(done) + sum(parts):
             return None
-        carrier.alloc_parts = (held[0] - sum(parts), *parts)
-        op = Op(name=f"offload moe L{layer} mb{mb}", kind="copy", stream=D2H_STREAM,
-                phase="fwd", deps=[experts], host_transfer="d2h", nbytes=sum(parts),
-                category="copy", micro_batch=mb, layer=layer, kernels=0,
+        allp = [*done, *parts]
+        self.parts[(v, mb, layer)] = allp
+        carrier.alloc_parts = (held[0] - sum(allp), *allp)
+        op = Op(name=f"offload {'moe' if moe else 'attn'} L{layer} mb{mb}", kind="copy",
+                stream=D2H_STREAM, phase="fwd", deps=[after], host_transfer="d2h",
+                nbytes=sum(parts), category="copy", micro_batch=mb, layer=layer, kernels=0,
                 cpu_s=len(parts) * (GROUP_CALLS + TENSOR_CALLS_D2H) * EAGER_FWD_OP_CPU_S,
                 free=tuple(("activations", b) for b in parts))
-        self.d2h[(v, mb, layer)] = op
-        self.offloaded[(v, mb, layer)] = mods
+        for m in moved:
+            self.d2h[(v, mb, layer, m)] = op
         return op
 
     def backward_frees(self, v: int, mb: int, layer: int, op: Op) -> None:
         """The op that frees the layer's saved activations (the attention's backward) frees
         the reloaded groups as the allocations they came back as."""
-        if (v, mb, layer) not in self.d2h:
+        parts = self.parts.get((v, mb, layer))
+        if not parts:
             return
-        parts = tuple(b for cat, b in self.d2h[(v, mb, layer)].free if cat == "activations")
         frees = list(op.free)
         i = next(i for i, (cat, b) in enumerate(frees) if cat == "activations"
                  and b >= sum(parts) - 1.0)
@@ -282,49 +409,54 @@ class OffloadPlan:
 
     # ------------------------------------------------------------------ backward
     def finish(self, units: dict[tuple[str, int, int], list[Op]]) -> None:
-        """After the units are built (and their weight gradients split out): cut every
-        backward MoE layer's experts op where fc1's backward begins, then add the reloads
-        (:meth:`link_reloads`)."""
+        """After the units are built (and their weight gradients split out): cut each
+        backward layer's attention and experts ops at its groups' boundaries, record the
+        groups, then add the reloads (:meth:`link_reloads`)."""
         for (kind, v, mb), ops in units.items():
             if kind != "B":
                 continue
+            unit = self.backward.setdefault((v, mb), BackwardGroups())
             for i in range(len(ops) - 1, -1, -1):
                 o = ops[i]
-                if o.layer is not None and o.name == experts_op_name("bwd", o.layer, mb):
-                    ops[i:i + 1] = self._split_experts(v, mb, o.layer, o)
-            # Groups in backward order: the unit's ops run later layers first.
-            unit = self.backward.get((v, mb))
-            if unit is not None:
-                unit.groups.sort(key=lambda g: ops.index(g.first))
+                la = o.layer
+                if la is None:
+                    continue
+                if self.moe_modules and o.name == experts_op_name("bwd", la, mb):
+                    ops[i:i + 1] = self._split(unit, v, mb, la, o, "moe")
+                elif self.moe_modules and o.name == f"bwd moe L{la} mb{mb} router":
+                    self._record(unit, v, mb, la, "mlp_norm", o)
+                elif self.attn_modules and o.name == f"bwd attn L{la} mb{mb}":
+                    ops[i:i + 1] = self._split(unit, v, mb, la, o, "attn")
+            unit.groups.sort(key=lambda g: ops.index(g.first))
         self.link_reloads(units)
 
-    def _split_experts(self, v: int, mb: int, layer: int, experts: Op) -> list[Op]:
-        """The experts' backward op cut where fc1's backward begins: ``[experts, experts
-        fc1]``; the unit's groups recorded for :meth:`link_reloads`."""
-        d = experts.duration
-        tail = replace(experts, name=f"{experts.name} fc1", deps=[experts],
-                       duration=d * self.time_share,
-                       kernels=round(experts.kernels * self.kernel_share),
-                       cpu_s=experts.cpu_s * self.kernel_share,
-                       flops=experts.flops * self.time_share,
-                       hw_flops=experts.hw_flops * self.time_share,
-                       alloc=(), free=(), transient=0.0, transient_parts=())
-        experts.duration = d - tail.duration
-        experts.kernels -= tail.kernels
-        experts.cpu_s -= tail.cpu_s
-        experts.flops -= tail.flops
-        experts.hw_flops -= tail.hw_flops
-        marker = len(self.modules) * MARKER_CALLS * EAGER_FWD_OP_CPU_S
-        experts.cpu_s += marker
-        d2h = self.d2h.get((v, mb, layer))
-        moved = self.offloaded.get((v, mb, layer), ())
-        unit = self.backward.setdefault((v, mb), BackwardGroups())
-        for module, first in (("moe_act", experts), ("expert_fc1", tail)):
-            if module in self.modules:
-                unit.groups.append(Group(module, layer, first, first,
-                                         d2h if module in moved else None,
-                                         self.bytes[module] if module in moved else 0.0))
-        return [experts, tail]
+    def _record(self, unit: BackwardGroups, v: int, mb: int, layer: int, module: str,
+                first: Op) -> None:
+        if module not in self.modules or self.group_size(layer, module) <= 0:
+            return
+        d2h = self.d2h.get((v, mb, layer, module))
+        unit.groups.append(Group(module, layer, first, d2h,
+                                 self.group_size(layer, module) if d2h is not None else 0.0))
+
+    def _split(self, unit: BackwardGroups, v: int, mb: int, layer: int, op: Op, what: str
+               ) -> list[Op]:
+        """The experts' backward op cut where fc1's begins (``experts``, ``experts fc1``) or
+        the attention's where core attention's and the QKV linear's begin (``proj``,
+        ``core``, then the op itself, which keeps its memory frees and hooks)."""
+        marker = len(self.moe_modules if what == "moe" else self.attn_modules) \
+            * MARKER_CALLS * EAGER_FWD_OP_CPU_S
+        if what == "moe":
+            pieces = _cut(op, self.fc1_share, [op.name, f"{op.name} fc1"], keep_last=False)
+            mods: tuple[str, ...] = ("moe_act", "expert_fc1")
+        else:
+            key = attention_key(self.s.model, layer, self.s.blocks)
+            pieces = _cut(op, self.attn_shares[key],
+                          [f"{op.name} proj", f"{op.name} core", op.name], keep_last=True)
+            mods = ("attn_proj", "core_attn", "qkv_linear")
+        pieces[0].cpu_s += marker
+        for m, piece in zip(mods, pieces, strict=True):
+            self._record(unit, v, mb, layer, m, piece)
+        return pieces
 
     def _reload(self, g: Group, mb: int, after: list[Op]) -> Op:
         """The H2D copy of group ``g``, issued after ``after``; ``g.first`` waits for it."""
@@ -374,8 +506,8 @@ class OffloadPlan:
                     if stack:
                         x = stack.pop(0)
                         if id(x) not in ready:
-                            ops.insert(ops.index(g.end) + 1, self._reload(x, mb, [g.end]))
+                            ops.insert(ops.index(g.first) + 1, self._reload(x, mb, [g.first]))
                             ready.add(id(x))
                     else:
-                        spare.append(g.end)
+                        spare.append(g.first)
                 prev_b = u

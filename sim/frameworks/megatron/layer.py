@@ -244,9 +244,8 @@ class UnitBuilder:
         self.mtp = MTPOps(self, shape.mtp) if shape.mtp is not None else None
         """The multi-token prediction modules' op maker (the last virtual stage's units)."""
         self.offload = OffloadPlan(shape, cm) if (
-            cm is not None and shape.moe is not None
-            and shape.opts.fine_grained_activation_offloading) else None
-        """Fine-grained activation offloading of the experts' groups, or None."""
+            cm is not None and shape.opts.fine_grained_activation_offloading) else None
+        """Fine-grained activation offloading's groups and copies, or None."""
 
     def is_moe(self, layer: int) -> bool:
         return self.s.moe is not None and self.s.moe.is_moe(layer)
@@ -404,6 +403,13 @@ class UnitBuilder:
             flops=0.0 if recompute else s.blocks[attn].flops_fwd, ring="fwd",
             cpu_pre=c.fwd_cpu["attn_pre"] + (c.ckpt_cpu if recompute else 0.0),
             cpu_main=c.fwd_cpu[attn] + c.rec.attn_cpu_fwd))
+        off = self.offload if not recompute else None
+        v = unit.key[1] if unit.key is not None else 0
+        if off is not None and off.attn_modules:    # tp 1: the attention is one op
+            d2h = off.forward_copy(v, mb, layer, unit.ops[carrier], unit.ops[carrier],
+                                   moe=False)
+            if d2h is not None:
+                unit.ops.append(d2h)
         if moe:
             ops = self.moe[st].forward(phase, mb, layer, c.fwd_s["mlp_pre"],
                                        c.fwd_cpu["mlp_pre"] + c.rec.norm_cpu_fwd)
@@ -412,9 +418,9 @@ class UnitBuilder:
             if experts is not None:
                 # moe_act's checkpoint bookkeeping (sim.workload.checkpoint_without_output).
                 experts.cpu_s += c.rec.act_cpu_fwd
-                if self.offload is not None and not recompute and unit.key is not None:
-                    d2h = self.offload.forward_copy(unit.key[1], mb, layer, experts,
-                                                    unit.ops[carrier])
+                if off is not None and off.moe_modules:
+                    d2h = off.forward_copy(v, mb, layer, experts, unit.ops[carrier],
+                                           moe=True)
                     if d2h is not None:
                         ops.insert(ops.index(experts) + 1, d2h)
             self._moe_ops(unit, ops)

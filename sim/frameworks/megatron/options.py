@@ -146,10 +146,12 @@ class MegatronOptions(StrictModel):
     ``offload_modules`` go to pinned host memory after their forward and come back one group
     ahead in backward, on their own copy streams
     (:mod:`sim.frameworks.megatron.activation_offload`)."""
-    offload_modules: list[Literal["expert_fc1", "moe_act"]] | None = None
-    """``--offload-modules``: ``expert_fc1`` (the grouped fc1's saved input) and ``moe_act``
-    (the expert activation's saved input); Megatron-Core's attention, norm and
-    ``fused_group_mlp`` groups are not modelled yet."""
+    offload_modules: list[Literal["attn_norm", "qkv_linear", "core_attn", "attn_proj",
+                                  "mlp_norm", "expert_fc1", "moe_act"]] | None = None
+    """``--offload-modules``: whose saved inputs leave (``qkv_linear`` with its fused input
+    norm, ``core_attn``, ``attn_proj`` (with ``core_attn``), an MoE layer's ``mlp_norm``, the
+    grouped ``expert_fc1``, ``moe_act``; ``attn_norm`` is an IdentityOp under Transformer
+    Engine); ``fused_group_mlp`` is not modelled."""
     min_offloaded_tensor_size: int = Field(default=1048576, ge=0, le=B.MAX_ELEMENTS)
     """``--min-offloaded-tensor-size``: tensors of fewer elements stay on the GPU."""
     activation_offload_fraction: float = Field(default=1.0, ge=0.0, le=1.0)
