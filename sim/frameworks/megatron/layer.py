@@ -30,13 +30,14 @@ from sim.frameworks.megatron.overlap import (
 )
 from sim.frameworks.megatron.recompute import Recompute, recompute_plan
 from sim.frameworks.megatron.shape import MegatronShape
+from sim.frameworks.megatron.unit_ops import BlockSpec, KeySeq, UnitKey, UnitOps, compute
+from sim.frameworks.megatron.unit_ops import op_category as _cat
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op
 from sim.workload.layer_ops import kernel_time
 from sim.workload.megatron_mla import mla_gather_width
 from sim.workload.megatron_ops import CHECKPOINT_OPS, WINDOWED, attention_key, python_ops
 
-UnitKey = tuple[str, int, int]
 """(F|B, virtual stage, micro-batch)."""
 
 CORE_FWD = frozenset({"qk_bmm", "softmax", "attn_dropout", "pv_bmm", "flash_fwd"})
@@ -154,68 +155,6 @@ def _column_linears(s: MegatronShape, lin: str) -> tuple[str, ...]:
     if lin == "qkv" and mla is not None:
         return ("q_up" if mla.q_lora_rank else "q_proj", "kv_up")
     return (lin,)
-
-
-@dataclass
-class UnitOps:
-    """The compute and communication ops of one (virtual stage, micro-batch, pass)."""
-
-    ops: list[Op] = field(default_factory=list)
-    first: Op | None = None
-    last: Op | None = None
-    layer_bwd: dict[int, Op] = field(default_factory=dict)
-    part_op: dict[int | str, Op] = field(default_factory=dict)
-    """Forward: the first op of each part (layer number, ``embed``, ``head``: where its
-    forward pre-hook runs); backward: the last op of each part (its gradients are ready)."""
-    carry: list[Op] = field(default_factory=list)
-    """Ops the unit's next compute op waits for (an overlapped reduce-scatter's handle)."""
-    key: UnitKey | None = None
-    """(F|B, virtual stage, micro-batch)."""
-
-
-class KeySeq:
-    """Collective keys, numbered in the order the builder creates the ops (the same order on
-    every stage's rank class, so matching collectives get the same key)."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, prefix: str) -> str:
-        self.n += 1
-        return f"{prefix}#{self.n}"
-
-
-@dataclass(frozen=True)
-class BlockSpec:
-    """One block (attention or MLP) of a layer's forward, recompute or backward."""
-
-    names: tuple[str, str]
-    """(pre, main) op names in execution order: ("norm", "attention") forward."""
-    dur_pre: float
-    dur_main: float
-    label: str
-    mb: int
-    layer: int
-    phase: str
-    alloc: float = 0.0
-    free: float = 0.0
-    flops: float = 0.0
-    cpu_pre: float = 0.0
-    cpu_main: float = 0.0
-    column: str | None = None
-    """A backward ending with this column-parallel linear, whose input re-gather and
-    gradient reduce-scatter overlap its GEMMs under sequence parallelism."""
-    ring: str | None = None
-    """``fwd`` / ``bwd``: core attention, run as the context-parallel ring."""
-
-
-def compute(name: str, dur: float, **kw: object) -> Op:
-    """A compute-stream op."""
-    return Op(name=name, kind="compute", stream="compute", duration=dur, **kw)  # type: ignore[arg-type]
-
-
-def _cat(phase: str) -> str:
-    return {"fwd": "forward", "bwd": "backward", "recompute": "recompute"}.get(phase, phase)
 
 
 class UnitBuilder:
