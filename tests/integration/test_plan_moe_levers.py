@@ -188,3 +188,25 @@ def test_graph_twin_is_simulated_only_where_its_bound_is_shorter() -> None:
     assert levers.host_verdict(graphs, 0) == (
         "memory", "implied (the same layout without CUDA graphs does not fit)")
     assert levers.host_verdict(eager, 1) is None              # no twin of its own
+
+
+def test_activation_offloading_is_the_next_lever_where_bf16_moments_do_not_fit() -> None:
+    # pp 2 x vp 2, ep 4, micro-batch 4: out of memory with fp32 moments and with bf16 ones
+    # (the activations of the micro-batches in flight), so the bf16 twin gets a twin of its
+    # own with the experts' activations offloaded to host memory, which fits and is the one
+    # the planner keeps. The simulator agrees on both verdicts.
+    base = load_scenario(DSV2, ["training.global_batch_size=128"])
+    result = plan.search(base, "time", top=1, workers=1, max_simulations=3,
+                         compare_baseline=False,
+                         pin=dict(_pin(4, 4), **{"parallelism.pp": 2, "parallelism.vp": 2}))
+    fp32, bf16, offload = result.candidates
+    assert fp32.status == bf16.status == "memory"
+    assert _opts(bf16.layout)["use_precision_aware_optimizer"] is True
+    opts = _opts(offload.layout)
+    assert opts["fine_grained_activation_offloading"] is True
+    assert tuple(opts["offload_modules"]) == ("expert_fc1", "moe_act")
+    assert "offload(expert_fc1,moe_act)" in offload.layout.label()
+    assert plan.layout_row(offload)["offload_modules"] == "expert_fc1;moe_act"
+    assert result.ranked() == [offload]
+    assert simulate(plan.layout_scenario(base, bf16.layout)).summary["oom"]
+    assert not simulate(plan.layout_scenario(base, offload.layout)).summary["oom"]

@@ -131,6 +131,8 @@ class Layout:
             parts.append("fp8-params")
         if opts.get("use_precision_aware_optimizer"):
             parts.append("bf16-moments")
+        if opts.get("fine_grained_activation_offloading"):
+            parts.append("offload(" + ",".join(opts.get("offload_modules") or ()) + ")")
         parts.append(f"mbs{self.micro_batch_size}")
         parts.append(self.activation_checkpointing + (f"({','.join(self.recompute)})"
                                                       if self.recompute else ""))

@@ -1,5 +1,6 @@
-"""Options the planner tries only where they can change the answer: a memory lever (Megatron's
-bf16 Adam moments) for a mixture-of-experts layout that does not fit, and options that only
+"""Options the planner tries only where they can change the answer: memory levers (Megatron's
+bf16 Adam moments, then its activation offloading) for a mixture-of-experts layout that does
+not fit, and options that only
 save host time (Megatron's CUDA graphs) where they shorten the lower bound of the layout's
 eager twin. Part of ``fabricsim plan`` (:mod:`sim.apps.plan`; docs/planner.md).
 
@@ -57,15 +58,21 @@ class Levers:
 
     def spawn(self, c: Candidate) -> Candidate | None:
         """The memory-lever twin of ``c``, which does not fit (once; None where there is
-        none: a dense layout, a framework without a lever, a layout with the lever)."""
+        none: a dense layout, a framework without a lever, a layout with every lever). A twin
+        that does not fit either gets the next lever's twin in turn."""
         x = c.layout
         space = _space(x.framework)
         if not x.moe or space is None or c.index in self.spawned:
             return None
-        if self.kept is not None and self.kept.name == x.framework and \
-                getattr(self.kept, "use_precision_aware_optimizer", False):
-            return None         # the scenario's own precision-aware optimizer holds
-        options = space.memory_lever(x.options)
+        opts = x.options
+        if self.kept is not None and self.kept.name == x.framework:
+            # The scenario's own options hold: a lever it already pulls is not pulled again.
+            own = {k: True for k in ("use_precision_aware_optimizer",
+                                     "fine_grained_activation_offloading")
+                   if getattr(self.kept, k, False) and k not in dict(opts)}
+            if own:
+                opts = tuple(sorted({**dict(opts), **own}.items()))
+        options = space.memory_lever(opts)
         if options is None:
             return None
         self.spawned.add(c.index)

@@ -184,7 +184,9 @@ def moe_option_columns(x: Layout) -> dict[str, Any]:
     return {"token_dispatcher": disp, "cuda_graphs": graphs,
             "exp_avg_dtype": o.get("exp_avg_dtype", "fp32") if aware else "",
             "exp_avg_sq_dtype": o.get("exp_avg_sq_dtype", "fp32") if aware else "",
-            "fp8_param_gather": o.get("fp8_param_gather", "")}
+            "fp8_param_gather": o.get("fp8_param_gather", ""),
+            "offload_modules": ";".join(o.get("offload_modules") or ())
+            if o.get("fine_grained_activation_offloading") else ""}
 
 
 def scenario_mapping(base: Scenario, layout: Layout) -> dict[str, Any]:

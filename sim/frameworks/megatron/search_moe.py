@@ -53,6 +53,12 @@ BF16_MOMENTS: Options = (("exp_avg_dtype", "bf16"), ("exp_avg_sq_dtype", "bf16")
 """The memory lever's options (Megatron-Bridge's DeepSeek-V3 and Qwen3 large-scale configs
 set ``use_precision_aware_optimizer`` with bf16 ``exp_avg_dtype`` / ``exp_avg_sq_dtype``)."""
 
+OFFLOAD_EXPERTS: Options = (("fine_grained_activation_offloading", True),
+                            ("offload_modules", ("expert_fc1", "moe_act")))
+"""The second memory lever: the routed experts' saved activations to host memory (the
+Megatron Core MoE model zoo's GB200 MXFP8 Qwen3-235B script,
+:mod:`sim.frameworks.megatron.activation_offload`)."""
+
 
 def crosses_domains(pt: SearchPoint) -> bool:
     """Whether the expert-TP x EP group (``etp x ep`` consecutive ranks, Megatron-Core's
@@ -154,19 +160,26 @@ def allows_recomputation(options: Options, ac: str, modules: tuple[str, ...]) ->
 
 
 def memory_lever(options: Options) -> Options | None:
-    """The options of the same layout with bf16 moments, or None where it has them already
-    (the planner tries them only for a mixture-of-experts layout that does not fit).
+    """The options of the same layout with the next memory lever: bf16 moments, then (where
+    it has them and still does not fit) the experts' activations offloaded to host memory
+    (:data:`OFFLOAD_EXPERTS`); None where it has both (the planner tries them only for a
+    mixture-of-experts layout that does not fit).
 
     Examples
     --------
     >>> dict(memory_lever((("distributed_optimizer", True),)))["exp_avg_dtype"]
     'bf16'
-    >>> memory_lever(BF16_MOMENTS) is None
+    >>> dict(memory_lever(BF16_MOMENTS))["offload_modules"]
+    ('expert_fc1', 'moe_act')
+    >>> memory_lever(BF16_MOMENTS + OFFLOAD_EXPERTS) is None
     True
     """
-    if dict(options).get("use_precision_aware_optimizer"):
+    o = dict(options)
+    if not o.get("use_precision_aware_optimizer"):
+        return tuple(sorted(dict(options + BF16_MOMENTS).items()))
+    if o.get("fine_grained_activation_offloading"):
         return None
-    return tuple(sorted(dict(options + BF16_MOMENTS).items()))
+    return tuple(sorted(dict(options + OFFLOAD_EXPERTS).items()))
 
 
 def graph_twin(options: Options) -> Options | None:
