@@ -106,7 +106,7 @@ def test_the_groups_are_the_closed_form_bytes_and_each_comes_back_once(fw, mods)
 def test_the_first_backward_keeps_its_last_layer_and_later_reloads_run_two_groups_ahead(
         ) -> None:
     # One stage: 1F1B runs each micro-batch's backward right after its forward, so every
-    # forward keeps its last MoE layer (should_bulk_offload), the first one by the margin too;
+    # forward keeps its last MoE layer (should_bulk_offload, the first one's also the margin);
     # the manager's stack then reloads each group when the group two ahead of it in backward
     # order ends.
     p = _program(_scn({"tp": 1, "ep": 8}, gbs=32))
@@ -239,3 +239,16 @@ def test_higher_pipeline_ranks_keep_their_delta_of_bytes() -> None:
         PIPE, delta_offload_bytes_across_pp_ranks=delta)))
     assert kept[0] == base[0]
     assert delta <= base[1] - kept[1] < delta + act_in
+
+
+def test_only_the_first_backward_chunk_keeps_its_last_layer_on_an_early_stage() -> None:
+    # Stage 0 of 1F1B on two stages runs F0 F1 B0 F2 B1 ...: when F0 ends the next backward
+    # chunk is its own (front_backward_chunk; also post_warmup_callback's margin), so mb0
+    # keeps its last MoE layer on the GPU; every later forward is followed by an earlier
+    # micro-batch's backward, so it offloads that layer.
+    p = _program(_scn(PIPE))
+    names = {o.name for o in _ops(p.classes[0])}
+    last = MOE["layers"] // 2 - 1
+    assert f"offload moe L{last} mb0" not in names
+    assert all(f"offload moe L{last} mb{mb}" in names for mb in range(1, 8))
+    assert all(f"offload moe L{la} mb0" in names for la in range(last))

@@ -132,7 +132,8 @@ class Layout:
         if opts.get("use_precision_aware_optimizer"):
             parts.append("bf16-moments")
         if opts.get("fine_grained_activation_offloading"):
-            parts.append("offload(" + ",".join(opts.get("offload_modules") or ()) + ")")
+            mods = opts.get("offload_modules")   # unset: the scenario's own modules
+            parts.append("offload" + (f"({','.join(mods)})" if mods else ""))
         parts.append(f"mbs{self.micro_batch_size}")
         parts.append(self.activation_checkpointing + (f"({','.join(self.recompute)})"
                                                       if self.recompute else ""))

@@ -30,14 +30,15 @@ What Megatron-Core does (NVIDIA/Megatron-LM @ d98e8a6,
   A group's backward starts by waiting for its reload (``on_group_commit_backward``); one
   never reloaded is copied back in place on the compute stream when its tensor is used
   (``tensor_pop``).
-* **Which groups stay** (``post_warmup_callback``, ``should_bulk_offload``): of the first
-  backward chunk, the last group of each module name (the "offload margin", so that every
-  later reload is issued a group of each name ahead of its use); and, when the chunk whose
-  forward just ended is also the next one to run backward (the last stage of 1F1B), its last
-  group of each name; then, on pipeline rank r, the first r x
-  ``delta_offload_bytes_across_pp_ranks`` bytes of groups in backward-chunk order; then, in
-  each chunk, the groups past ``activation_offload_fraction`` of its eligible ones (the later
-  forward groups).
+* **Which groups stay** (``post_warmup_callback``, ``should_bulk_offload``): when the chunk
+  whose forward just ended is also the next one to run backward (``front_backward_chunk``:
+  the last stage of 1F1B, and on every stage the first backward chunk, since no backward has
+  run before it), its last group of each name. That covers the "offload margin" too (of the
+  first backward chunk, the last group of each name), so every later reload is issued a
+  group of each name ahead of its use; the margin is not applied a second time. Then, on
+  pipeline rank r, the first r x ``delta_offload_bytes_across_pp_ranks`` bytes of groups in
+  backward-chunk order; then, in each chunk, the groups past ``activation_offload_fraction``
+  of its eligible ones (the later forward groups).
 
 Here a group's bytes are the saved tensors that the group's backward kernels read, on the
 pace-setting rank; a backward chunk is a backward unit in the stage's schedule order. The
@@ -60,7 +61,7 @@ and the combination with full recomputation and with ``moe`` recomputation.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from sim.frameworks.common.base import JobContext
@@ -223,13 +224,6 @@ class Group:
     nbytes: float = 0.0
 
 
-@dataclass
-class BackwardGroups:
-    """A backward unit's groups in backward order."""
-
-    groups: list[Group] = field(default_factory=list)
-
-
 def _cut(op: Op, shares: list[tuple[float, float]], names: list[str], keep_last: bool
          ) -> list[Op]:
     """``op`` cut into consecutive ops of the given (time, kernel) shares, its duration,
@@ -303,15 +297,15 @@ class OffloadPlan:
             self.fc1_share = _shares(_backward_kernels(experts, delayed), cm,
                                      [lambda k: k.name.startswith("fc1.")])
         self.p = n_stages = s.p
-        kind = "1f1b" if s.vp > 1 else opts.pipeline_schedule
-        self.order = {st: schedule(kind, n_stages, st, s.mb_count, s.vp,
+        self.order = {st: schedule(s.schedule_kind, n_stages, st, s.mb_count, s.vp,
                                    int(opts.moe_a2a_overlap))
                       for st in range(n_stages)}
         self.d2h: dict[tuple[int, int, int, str], Op] = {}
         """(virtual stage, micro-batch, layer, module) -> the copy that moves the group."""
         self.parts: dict[tuple[int, int, int], list[float]] = {}
         """(virtual stage, micro-batch, layer) -> the bytes of its offloaded groups."""
-        self.backward: dict[tuple[int, int], BackwardGroups] = {}
+        self.backward: dict[tuple[int, int], list[Group]] = {}
+        """(virtual stage, micro-batch) -> the backward unit's groups in backward order."""
         self.kept: set[tuple[int, int, int, str]] = set()
         """(virtual stage, micro-batch, layer, module) groups that stay on the GPU."""
         for st, order in self.order.items():
@@ -335,18 +329,14 @@ class OffloadPlan:
     def _keep_rules(self, units: list[tuple[str, int, int]], keep_bytes: float,
                     fraction: float) -> None:
         """One stage's groups that stay (``post_warmup_callback``, ``should_bulk_offload``),
-        in the manager's order: the offload margin, the forward whose backward runs next, the
-        bytes kept on higher pipeline ranks, then the fraction."""
-        def last_of_each_name(v: int, mb: int) -> set[tuple[int, int, int, str]]:
-            last: dict[str, tuple[int, int, int, str]] = {}
-            for g in self._groups(v, mb):
-                last[g[3]] = g
-            return set(last.values())
-
+        in the manager's order: the forward whose backward runs next (which also covers the
+        offload margin, see the module docstring), the bytes kept on higher pipeline ranks,
+        then the fraction."""
         chunks = {u[1:]: self._groups(*u[1:]) for u in units}
-        first_b = next((u for u in units if u[0] == "B" and chunks[u[1:]]), None)
-        if first_b is not None:
-            self.kept |= last_of_each_name(*first_b[1:])
+
+        def last_of_each_name(v: int, mb: int) -> set[tuple[int, int, int, str]]:
+            return set({g[3]: g for g in chunks[(v, mb)]}.values())
+
         for i, u in enumerate(units):
             if u[0] != "F" or not chunks[u[1:]]:
                 continue
@@ -415,7 +405,7 @@ class OffloadPlan:
         for (kind, v, mb), ops in units.items():
             if kind != "B":
                 continue
-            unit = self.backward.setdefault((v, mb), BackwardGroups())
+            unit = self.backward.setdefault((v, mb), [])
             for i in range(len(ops) - 1, -1, -1):
                 o = ops[i]
                 la = o.layer
@@ -427,18 +417,18 @@ class OffloadPlan:
                     self._record(unit, v, mb, la, "mlp_norm", o)
                 elif self.attn_modules and o.name == f"bwd attn L{la} mb{mb}":
                     ops[i:i + 1] = self._split(unit, v, mb, la, o, "attn")
-            unit.groups.sort(key=lambda g: ops.index(g.first))
+            unit.sort(key=lambda g: ops.index(g.first))
         self.link_reloads(units)
 
-    def _record(self, unit: BackwardGroups, v: int, mb: int, layer: int, module: str,
+    def _record(self, unit: list[Group], v: int, mb: int, layer: int, module: str,
                 first: Op) -> None:
         if module not in self.modules or self.group_size(layer, module) <= 0:
             return
         d2h = self.d2h.get((v, mb, layer, module))
-        unit.groups.append(Group(module, layer, first, d2h,
+        unit.append(Group(module, layer, first, d2h,
                                  self.group_size(layer, module) if d2h is not None else 0.0))
 
-    def _split(self, unit: BackwardGroups, v: int, mb: int, layer: int, op: Op, what: str
+    def _split(self, unit: list[Group], v: int, mb: int, layer: int, op: Op, what: str
                ) -> list[Op]:
         """The experts' backward op cut where fc1's begins (``experts``, ``experts fc1``) or
         the attention's where core attention's and the QKV linear's begin (``proj``,
@@ -481,7 +471,7 @@ class OffloadPlan:
                 if u[0] != "B":
                     continue
                 _, v, mb = u
-                groups = self.backward.get((v, mb), BackwardGroups()).groups
+                groups = self.backward.get((v, mb), [])
                 ops = unit_ops[u]
                 stack = [g for g in groups if g.d2h is not None]   # in backward order
                 ready: set[int] = set()

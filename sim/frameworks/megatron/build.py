@@ -241,8 +241,8 @@ class _Step:
         s = self.s
         reduce_op = "reduce_scatter" if s.opts.distributed_optimizer else "all_reduce"
         units = self.units
-        forwards = [u for u in schedule("1f1b" if s.vp > 1 else s.opts.pipeline_schedule,
-                                        s.p, st, s.mb_count, s.vp) if u[0] == "F"]
+        forwards = [u for u in schedule(s.schedule_kind, s.p, st, s.mb_count, s.vp)
+                    if u[0] == "F"]
         intra, inter = groups
         return bucket_ops(
             st, s.p, s.vp, s.mb_count, buckets, forwards, BucketComms(
@@ -295,7 +295,7 @@ class _Step:
     def add_stages(self, link: P2PLink) -> None:
         """Each stage's units and transfers in its pipeline schedule (:func:`add_stage`)."""
         s = self.s
-        kind_sched = s.opts.pipeline_schedule if s.vp == 1 else "1f1b"
+        kind_sched = s.schedule_kind
         for st, cls in enumerate(self.classes):
             last_on_stream: dict[str, Op] = {}
 

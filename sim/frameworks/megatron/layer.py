@@ -342,8 +342,9 @@ class UnitBuilder:
             flops=0.0 if recompute else s.blocks[attn].flops_fwd, ring="fwd",
             cpu_pre=c.fwd_cpu["attn_pre"] + (c.ckpt_cpu if recompute else 0.0),
             cpu_main=c.fwd_cpu[attn] + c.rec.attn_cpu_fwd))
-        off = self.offload if not recompute else None
-        v = unit.key[1] if unit.key is not None else 0
+        key = unit.key
+        off = self.offload if not recompute and key is not None else None
+        v = key[1] if key is not None else -1
         if off is not None and off.attn_modules:    # tp 1: the attention is one op
             d2h = off.forward_copy(v, mb, layer, unit.ops[carrier], unit.ops[carrier],
                                    moe=False)

@@ -147,6 +147,13 @@ class MegatronShape:
         return self.p * self.vp
 
     @property
+    def schedule_kind(self) -> str:
+        """The kind :func:`~sim.frameworks.megatron.pipeline.schedule` takes: virtual stages
+        run the interleaved 1F1B (Megatron's only interleaved schedule), one chunk a stage
+        runs ``framework.pipeline_schedule``."""
+        return "1f1b" if self.vp > 1 else self.opts.pipeline_schedule
+
+    @property
     def legacy(self) -> bool:
         """The local implementation (older Megatron, Megatron-DeepSpeed)."""
         return self.opts.implementation == "local"
