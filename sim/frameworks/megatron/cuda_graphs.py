@@ -24,7 +24,9 @@ its 25.11 scripts already pass scope lists):
   ``moe_router`` alone under ``transformer_engine`` graphs the permutation too, as every
   Megatron-Bridge script that sets it also sets ``moe_preprocess``). A dropless MoE reads
   the tokens per expert on the host (``cuda_sync_point``), which no graph can hold: only its
-  router and preprocess can be captured.
+  router and preprocess can be captured, unless HybridEP runs with a rank budget
+  (``moe_expert_rank_capacity_factor``: static shapes, no host read), as Megatron-Bridge's
+  26.06 Blackwell scripts do under ``cuda_graph_impl="full_iteration"``.
 
 The host cost: one captured region replays as one call into the graphed callable (a Python
 autograd function that copies the fresh input into the graph's static input buffer, then
@@ -80,6 +82,11 @@ def check_cuda_graphs(ctx: JobContext, opts: MegatronOptions) -> GraphPlan | Non
     if impl == "none":
         return None
     scope = list(opts.cuda_graph_scope or [])
+    if impl == "full_iteration":
+        # Megatron-Core 2026: the implementation of its own, its module list left empty.
+        ctx.require(not scope, KEY, 'cuda_graph_scope must be empty when cuda_graph_impl is '
+                    '"full_iteration"')
+        impl, scope = "local", ["full_iteration"]
     s, m = ctx.scenario, ctx.model
     moe = m.moe
     ctx.require("full" not in scope or scope == ["full"], KEY,
@@ -100,6 +107,8 @@ def check_cuda_graphs(ctx: JobContext, opts: MegatronOptions) -> GraphPlan | Non
                 "moe cuda graph is only supported for MoE")
     dropless = moe is not None and not (moe.capacity_factor is not None
                                         and opts.moe_pad_expert_input_to_capacity)
+    # A rank budget (HybridEP) fixes every shape on the device: nothing for the host to read.
+    host_read = dropless and opts.moe_expert_rank_capacity_factor is None
     if moe is not None:
         ctx.require("mlp" not in sc or moe.first_k_dense > 0, KEY,
                     "mlp cuda graph is only supported for dense layers, but not found in "
@@ -114,9 +123,10 @@ def check_cuda_graphs(ctx: JobContext, opts: MegatronOptions) -> GraphPlan | Non
                     "and synchronizations in the preprocess step")
         # Not a config assert, but capture fails: the dropless dispatcher's host read of the
         # tokens per expert (cuda_sync_point) cannot run inside a graph.
-        ctx.require(not ((layer or "full_iteration" in sc) and dropless), KEY,
+        ctx.require(not ((layer or "full_iteration" in sc) and host_read), KEY,
                     "a dropless MoE layer cannot be captured whole (the host reads its "
-                    "tokens per expert); use attn, moe_router, moe_preprocess")
+                    "tokens per expert); use attn, moe_router, moe_preprocess, or give "
+                    "HybridEP a rank budget (moe_expert_rank_capacity_factor)")
     ac = s.training.activation_checkpointing
     ctx.require(ac != "full" or sc == {"full_iteration"}, KEY,
                 "full recompute is only supported with full iteration CUDA graph")

@@ -37,6 +37,11 @@ from sim.frameworks.megatron.moe_host import (
     megatron_host_calls,
 )
 from sim.frameworks.megatron.moe_hybridep import drop_fused_kernels, hybridep_plan
+from sim.frameworks.megatron.moe_rank_budget import (
+    check_rank_budget,
+    held_scale,
+    with_stash_copies,
+)
 from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
 from sim.frameworks.megatron.overlap import amax_reductions
 from sim.hardware.compute import ComputeModel
@@ -94,6 +99,10 @@ class MoEPlan:
     amax_gather: bool = False
     """FP8 current scaling: an amax all-reduce over TP before each quantize-then-gather
     (:func:`~sim.frameworks.megatron.overlap.amax_reductions`)."""
+    expert_held: float = 1.0
+    """What the routed experts' saved activations are held at over the rows received: the
+    rank budget's rows over them (``moe_expert_rank_capacity_factor``, budget-sized
+    tensors) or the paged stash pool's factor (:mod:`.moe_rank_budget`); 1 otherwise."""
     aux_reduce: bool = False
     """``TopKRouter._apply_aux_loss`` all-reduces ``routing_map.sum(dim=0)`` ([experts] int64)
     over ``tp_cp_group`` every forward (``moe_utils.get_tokens_per_expert_and_token_count``);
@@ -149,9 +158,9 @@ class MoEPlan:
     @property
     def saved_bytes(self) -> float:
         """Activation bytes one MoE layer's blocks save for backward (the busiest EP
-        rank's experts)."""
-        return sum((self.experts_cost if k == "experts" else c).saved_bytes
-                   for k, c in self.cost.items())
+        rank's experts, held at :attr:`expert_held` times their rows)."""
+        return sum(self.experts_cost.saved_bytes * self.expert_held if k == "experts"
+                   else c.saved_bytes for k, c in self.cost.items())
 
     @property
     def flops_fwd(self) -> float:
@@ -257,7 +266,12 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
         # preprocess returns before the count all-gather: no host synchronisation at all.
         ops.count_gather_bytes = 0.0
         ops.host_sync = "no_sync"
+    check_rank_budget(ctx)
+    if opts.moe_expert_rank_capacity_factor is not None:
+        ops.host_sync = "no_sync"   # HybridEP's rank budget: the counts stay on the device
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
+    if opts.moe_paged_stash:
+        cost["experts"] = with_stash_copies(cost["experts"], cm)
     gathered = 0.0
     if opts.moe_token_dispatcher_type == "allgather":
         ag = allgather_blocks(ctx.model, lay, local_tokens, sum(ops.tokens_per_expert))
@@ -280,7 +294,9 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    and amax_reductions(opts.fp8_recipe, True), aux_reduce=aux_reduce,
                    host=megatron_host_calls(ctx, lay),
                    shared_fc1=shared_fc1_part(ops.shared, cm)
-                   if overlap and ops.shared is not None else None)
+                   if overlap and ops.shared is not None else None,
+                   expert_held=held_scale(opts, local_tokens, moe.top_k,
+                                          sum(ops.tokens_per_expert) / etp))
     if opts.moe_token_dispatcher_type == "flex":   # skew: its own pace (moe_flex_skew)
         make = hybridep_plan if opts.moe_flex_dispatcher_backend == "hybridep" else flex_plan
         fx = make(ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens)

@@ -131,6 +131,21 @@ class MegatronOptions(StrictModel):
     moe_pad_expert_input_to_capacity: bool = False
     """``--moe-pad-expert-input-to-capacity``: with model.capacity_factor, every expert's
     input padded to its capacity (sizes fixed by capacity, not by routing)."""
+    moe_expert_rank_capacity_factor: float | None = Field(default=None, gt=0, le=64)
+    """``--moe-expert-rank-capacity-factor`` (Megatron-Core's ``token_dispatcher.py``
+    ``_HybridEPManager``, 2026): with the HybridEP backend, a fixed budget of ``tokens x
+    top_k x factor`` received rows a rank (rounded up to the quantization alignment): the
+    dispatch no longer waits on the host for the token counts (static shapes, so a whole
+    iteration can be one CUDA graph), the expert buffers are budget-sized, and tokens above
+    the budget are dropped. None: dropless with a host synchronisation each dispatch."""
+    moe_paged_stash: bool = False
+    """``--moe-paged-stash`` (Megatron-Core ``moe/paged_stash.py``, needs
+    ``moe_expert_rank_capacity_factor``): the routed experts' saved activations are copied
+    after the forward into a preallocated paged pool holding only the rows received, and
+    back before the backward, instead of being held at the budget's size."""
+    moe_paged_stash_buffer_size_factor_cuda: float = Field(default=1.10, gt=0, le=64)
+    """``--moe-paged-stash-buffer-size-factor-cuda``: the pool's size over the average
+    received rows (Megatron-Core's default 1.10; Megatron-Bridge's 26.06 scripts 1.2)."""
     moe_shared_expert_overlap: bool = False
     """``--moe-shared-expert-overlap``: shared experts on a side stream beside the dispatch and
     combine all-to-alls (alltoall dispatcher)."""
@@ -227,11 +242,13 @@ class MegatronOptions(StrictModel):
     host memory at each step's start and come back beside the gradient reduction; the step
     stays on the GPU (:mod:`sim.frameworks.megatron.optimizer_state_offload`). Needs the
     distributed optimizer."""
-    cuda_graph_impl: Literal["none", "local", "transformer_engine"] = "none"
+    cuda_graph_impl: Literal["none", "local", "transformer_engine", "full_iteration"] = "none"
     """``--cuda-graph-impl`` (``--enable-cuda-graph`` was ``local``, ``--external-cuda-graph``
     ``transformer_engine``, as Megatron-Bridge's 25.09 ``cuda_graphs: true`` set the former):
     Megatron-Core's own ``CudaGraphManager`` or Transformer Engine's ``make_graphed_callables``
-    capture parts of each layer, replayed with one host call instead of one a kernel
+    capture parts of each layer, replayed with one host call instead of one a kernel;
+    ``full_iteration`` (Megatron-Core 2026's name for ``local`` with scope
+    ``full_iteration``, its scope left empty) the whole forward-backward
     (:mod:`sim.frameworks.megatron.cuda_graphs`)."""
     cuda_graph_scope: list[Literal["full", "full_iteration", "attn", "mlp", "moe", "moe_router",
                                    "moe_preprocess"]] | None = None
