@@ -46,23 +46,20 @@ from typing import Literal
 
 from sim.config.base import Fp8Recipe
 from sim.workload.gpt_oss_ops import clamped_glu_input, expert_output_bias
-from sim.workload.kernels import BF16, FP32, Block, Kernel, Tensor, accumulating
+from sim.workload.kernels import BF16, FP32, Block, Kernel, Tensor
 from sim.workload.layer_builder import _Builder
-from sim.workload.layer_rules import (
-    BLOCK_SCALED,
-    fp8_element_bytes,
-    linear_params,
-    scaled_cast,
-    te_scaled_cast,
-)
 from sim.workload.megatron_ops import MegatronLayout, _linear
 from sim.workload.model import ModelSpec
+from sim.workload.moe_grouped_mlp import fused_glu_mlp, grouped_linear
 from sim.workload.moe_router_ops import INT32, STYLE, permute_kernels, router_kernels
 
 # Rows per expert an FP8 grouped GEMM needs (megatron/core/fp8_utils.py get_fp8_align_size:
 # 16 for every recipe but MXFP8, 32 for MXFP8's 32-element scale blocks).
 FP8_ALIGN = 16
 MXFP8_ALIGN = 32
+# ... and on the GroupedTensor path, whatever the recipe ("TE's grouped-tensor and fused
+# grouped-MLP kernels require 256-token alignment", get_align_size_for_quantization).
+GROUPED_TENSOR_ALIGN = 256
 
 
 @dataclass(frozen=True)
@@ -110,6 +107,18 @@ class MoELayout:
     Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
     the host issues one cuBLASLt GEMM per local expert with rows (:attr:`Kernel.launches`);
     else one grouped kernel (``torch._grouped_mm``)."""
+    te_ops: bool = False
+    """Transformer Engine's operation fuser (Megatron's ``use_transformer_engine_op_fuser``,
+    ``TEGroupedMLP`` as ``te.ops`` GroupedLinear -> ScaledSwiGLU -> GroupedLinear on the
+    GroupedTensor path): each grouped GEMM is one kernel over every local expert's rows (the
+    splits stay on the device), each quantization one ``group_quantize`` launch, and each
+    expert's rows are padded to :data:`GROUPED_TENSOR_ALIGN`."""
+    fused_glu: bool = False
+    """With ``te_ops``: the fused grouped MLP of cuDNN's CuTe-DSL kernels (TE
+    ``ops/fused/grouped_mlp.py``, Blackwell, MXFP8, SwiGLU without bias or clamp): fc1's
+    epilogue applies the activation times the routing prob and quantizes fc2's input, fc2's
+    dgrad epilogue the activation's backward (with the probs' gradient) and quantizes fc1's
+    output gradient; no activation or cast kernels of their own."""
     router_bytes: int = FP32
     """Bytes of a routing element (logits, scores, probs), ``moe_router_dtype``
     (:func:`sim.workload.moe_router_ops.router_dtype_bytes`): 4 for fp32, 2 when unset."""
@@ -202,76 +211,6 @@ def _splits(tokens: float, top_k: int, ep: int, counts: Sequence[float], etp: in
     return out_send, out_recv
 
 
-def _grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int, n_out: int,
-                    name: str, lay: MoELayout, bias: bool, bias_grad_kernel: bool = True
-                    ) -> Tensor:
-    """TE ``GroupedLinear`` over the local experts (``TEColumnParallelGroupedLinear`` /
-    ``TERowParallelGroupedLinear``): one forward, dgrad and wgrad grouped GEMM, each priced
-    as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`); the weight
-    gradients accumulate into fp32 ``main_grad`` (gradient-accumulation fusion). With FP8 the
-    input, weights and output gradient are cast as in :func:`sim.workload.megatron_ops._linear`
-    (TE's multi-tensor casts do every expert in one launch)."""
-    rows = sum(counts)
-    experts = len(counts)
-    b.block.params += experts * linear_params(n_in, n_out, bias)
-    fl = 2.0 * rows * n_in * n_out
-    y = b.t(f"{name}.out", rows * n_out, BF16)
-    gy = b.t(f"{name}.g_out", rows * n_out, BF16)
-    gx = b.t(f"{name}.g_in", rows * n_in, BF16)
-    gw = b.t(f"{name}.main_grad", experts * n_in * n_out, FP32)
-
-    def gemm(pass_: str, reads: tuple[Tensor, ...], out: Tensor, fp8: bool) -> Kernel:
-        return Kernel(f"{name}.{pass_}", "gemm", reads, (out,), fl,
-                      gemm=(rows, n_in, n_out, pass_), fp8=fp8, group=counts,
-                      launches=n_launch, fp8_block=fp8 and lay.fp8 in BLOCK_SCALED)
-
-    n_launch = sum(1 for c in counts if c > 0) if lay.gemm_per_expert else 1
-
-    if lay.fp8 is None:
-        w = b.t(f"{name}.w", experts * n_in * n_out, BF16)
-        b.fwd(gemm("fwd", (x, w), y, False))
-        b.save(x)
-        ks = [gemm("dgrad", (gy, w), gx, False), gemm("wgrad", (gy, x), gw, False)]
-    else:
-        amax = lay.fp8 == "tensorwise"
-        tr = lay.fp8_transpose
-        e8 = fp8_element_bytes(lay.fp8)
-        numel_w = experts * n_in * n_out
-        w16 = b.t(f"{name}.w_bf16_share", numel_w * lay.weight_cast_share, BF16)
-        w8s = b.t(f"{name}.w_fp8_share", (2 if tr else 1) * numel_w * lay.weight_cast_share,
-                  e8)
-        w8 = b.t(f"{name}.w_fp8", numel_w, e8)
-        # The saved copy keeps its name (in_fp8_t, which recomputation looks up) when the
-        # one row-wise copy serves both GEMMs.
-        x8 = b.t(f"{name}.in_fp8" if tr else f"{name}.in_fp8_t", rows * n_in, e8)
-        x8t = b.t(f"{name}.in_fp8_t", rows * n_in, e8) if tr else x8
-        # tex.split_quantize: each non-empty expert's rows quantized on their own
-        # (te_scaled_cast); the weights' casts run on the first micro-batch only. Its fused
-        # multi-tensor cast is delayed scaling's and needs both layouts (per expert on
-        # Blackwell); the block recipes quantize each split in a launch of its own
-        # (multi_tensor_quantize_impl, TE pytorch/csrc/extensions/cast.cpp).
-        pieces = sum(1 for c in counts if c > 0)
-        fused = tr and lay.fp8 == "delayed"
-        for k in (scaled_cast(name, "w", w16, (w8s,), amax, te=True)
-                  + te_scaled_cast(name, "in", x, (x8, x8t) if tr else (x8,), amax, pieces,
-                                   fused_multi=fused)):
-            b.fwd(k)
-        b.fwd(gemm("fwd", (x8, w8), y, True))
-        b.save(x8t)
-        g8 = b.t(f"{name}.g_out_fp8", rows * n_out, e8)
-        g8t = b.t(f"{name}.g_out_fp8_t", rows * n_out, e8) if tr else g8
-        ks = [*te_scaled_cast(name, "g", gy, (g8, g8t) if tr else (g8,), amax, pieces,
-                              fused_multi=fused),
-              gemm("dgrad", (g8, w8), gx, True), gemm("wgrad", (g8t, x8t), gw, True)]
-    if bias and bias_grad_kernel:
-        gb = b.t(f"{name}.g_b", experts * n_out, FP32)
-        ks.append(Kernel(f"{name}.g_bias", "elementwise", (gy,), (gb,)))
-    # TE GroupedLinear's fuse_wgrad_accumulation: each expert's wgrad adds into its main_grad.
-    b.bwd(*(accumulating(k, gw) if k.name == f"{name}.wgrad" else k for k in ks))
-    b.block.weight_grads.append(gw)
-    return y
-
-
 def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     """Sort by local expert, grouped fc1, weighted activation, grouped fc2, sort back."""
     assert m.moe is not None
@@ -311,8 +250,9 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
                      legacy_elements=rows * h if lay.token_drop == "pad" else 0.0))
         x, probs = xs, ps
     gemm_counts = counts
-    if lay.fp8 is not None:
-        align = MXFP8_ALIGN if lay.fp8 == "mxfp8" else FP8_ALIGN
+    if lay.fp8 is not None or lay.te_ops:
+        align = GROUPED_TENSOR_ALIGN if lay.te_ops else \
+            MXFP8_ALIGN if lay.fp8 == "mxfp8" else FP8_ALIGN
         gemm_counts = tuple(-(-c // align) * align if c > 0 else 0.0 for c in counts)
     # TEGroupedMLP.forward's fp8_padding (TE Fp8Padding): each expert's rows padded to the
     # FP8 GEMM alignment, a copy of the tokens and another of the probs; Fp8Unpadding after
@@ -332,8 +272,12 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     prow = sum(gemm_counts)
     swiglu = m.mlp == "swiglu"
     width = 2 * f if swiglu else f
+    if lay.fused_glu and lay.fp8 == "mxfp8" and swiglu and not m.bias \
+            and m.activation_clamp is None:
+        out = fused_glu_mlp(b, x, probs, gemm_counts, h, f, lay)
+        return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
     # bf16: TE takes fc1's bias gradient from its wgrad GEMM (no kernel of its own).
-    fc1 = _grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias,
+    fc1 = grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias,
                           bias_grad_kernel=lay.fp8 is not None)
     act_in = fc1 if m.activation_clamp is None else clamped_glu_input(b, fc1, prow, f)
     act = b.t("act", prow * f, BF16)
@@ -346,11 +290,20 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     gp = b.t("g_probs", prow, lay.router_bytes)
     b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, act_in, probs), (gfc1, gp)))
     # fc2 skips its bias (skip_bias_add: TEGroupedMLP._apply_bias adds it after the unpad).
-    out = _grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias, bias_grad_kernel=False)
+    out = grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias, bias_grad_kernel=False)
+    return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
+
+
+def _experts_tail(b: _Builder, m: ModelSpec, lay: MoELayout, out: Tensor,
+                  counts: tuple[float, ...], rows: float, gemm_counts: tuple[float, ...],
+                  padded: bool, probs: Tensor) -> Block:
+    """After fc2: the unpadding, the experts' output bias and the sort back."""
+    h = m.hidden
     if padded:
         up = b.t("unpadded", rows * h, BF16)
         b.fwd(Kernel("fp8_unpad", "elementwise", (out,), (up,)))
-        gup, gout = b.t("g_unpadded", rows * h, BF16), b.t("g_fc2_out", prow * h, BF16)
+        gup = b.t("g_unpadded", rows * h, BF16)
+        gout = b.t("g_fc2_out", sum(gemm_counts) * h, BF16)
         b.bwd(Kernel("fp8_unpad.bwd", "elementwise", (gup,), (gout,)))
         out = up
     if m.bias:

@@ -3,7 +3,8 @@ full-iteration CUDA graphs over a dropless MoE (:mod:`sim.frameworks.megatron.mo
 
 Independent truths: Megatron-Core's ``_HybridEPManager.setup_metadata`` (the budget is
 ``int(tokens x top_k x factor)`` rounded up to 256 rows on the grouped-tensor path), its
-refusals (``TransformerConfig.__post_init__``: the budget needs the hybridep backend, paged
+refusals (``TransformerConfig.__post_init__``: the budget needs the hybridep backend and the
+operation fuser, paged
 stashing needs the budget and excludes offloading the experts' activations;
 ``cuda_graph_modules`` must be empty under ``cuda_graph_impl="full_iteration"``), and
 conservation: what the budget adds to the saved activations is the experts' saved bytes
@@ -28,7 +29,7 @@ K, SEQ = 4, 1024
 
 def _scn(**fw: object):
     fw = {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep",
-          "distributed_optimizer": True, **fw}
+          "distributed_optimizer": True, "use_transformer_engine_op_fuser": True, **fw}
     return megatron_scenario({"tp": 1, "ep": 8}, 8, model=MOE, seq=SEQ, nodes=1, gpn=8,
                              framework={"name": "megatron", **fw})
 
@@ -101,6 +102,9 @@ def test_the_budget_is_hybrideps(fw, key) -> None:
 def test_refusals_name_their_key() -> None:
     with pytest.raises(ScenarioError, match="framework.moe_paged_stash"):
         _program(moe_paged_stash=True)
+    # Megatron-Core core_r0.18.0: the budget runs on the operation fuser's grouped tensors.
+    with pytest.raises(ScenarioError, match="use_transformer_engine_op_fuser"):
+        _program(moe_expert_rank_capacity_factor=1.5, use_transformer_engine_op_fuser=False)
     s = _scn(moe_expert_rank_capacity_factor=1.5)
     s = s.model_copy(update={"training": s.training.model_copy(update={
         "routing": s.training.routing.model_copy(update={"distribution": "zipf", "s": 1.0})})})

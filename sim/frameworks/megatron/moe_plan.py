@@ -216,7 +216,11 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     token_drop=None if ctx.model.moe is None or ctx.model.moe.capacity_factor
                     is None else "pad" if opts.moe_pad_expert_input_to_capacity else "drop",
                     # TEGroupedMLP (experts.py): TE GroupedLinear, one cuBLASLt call an expert.
-                    gemm_per_expert=True)
+                    gemm_per_expert=True,
+                    te_ops=opts.use_transformer_engine_op_fuser or opts.cutedsl_fused_grouped_mlp,
+                    # TE's fused grouped MLP: sm 10.x only, MXFP8 (grouped_mlp.is_supported).
+                    fused_glu=opts.cutedsl_fused_grouped_mlp and cm.gpu.arch == "blackwell"
+                    and fp8 == "mxfp8")
     aux_reduce = lay.aux_loss and tp > 1 and par.cp == 1
     moe = ctx.model.moe
     assert moe is not None

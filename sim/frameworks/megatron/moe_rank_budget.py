@@ -83,6 +83,9 @@ def check_rank_budget(ctx: JobContext) -> None:
                 "moe_expert_rank_capacity_factor requires the flex dispatcher with "
                 "moe_flex_dispatcher_backend hybridep (Megatron-Core's ncclep backend is not "
                 "modelled)")
+    ctx.require(opts.use_transformer_engine_op_fuser or opts.cutedsl_fused_grouped_mlp, KEY,
+                "moe_expert_rank_capacity_factor with the hybridep backend requires "
+                "use_transformer_engine_op_fuser (Megatron-Core core_r0.18.0)")
     ctx.require(scenario_shares(ctx) is None, KEY,
                 "a rank budget under skewed routing (training.routing) drops the copies "
                 "above it: not modelled yet")

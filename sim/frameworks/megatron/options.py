@@ -138,6 +138,17 @@ class MegatronOptions(StrictModel):
     dispatch no longer waits on the host for the token counts (static shapes, so a whole
     iteration can be one CUDA graph), the expert buffers are budget-sized, and tokens above
     the budget are dropped. None: dropless with a host synchronisation each dispatch."""
+    use_transformer_engine_op_fuser: bool = False
+    """``--use-transformer-engine-op-fuser``: the routed experts as Transformer Engine
+    operations (``te.ops`` GroupedLinear -> ScaledSwiGLU -> GroupedLinear) on the
+    GroupedTensor path: each grouped GEMM one kernel over all local experts, each
+    quantization one launch, expert segments padded to 256 rows
+    (:attr:`sim.workload.moe_ops.MoELayout.te_ops`)."""
+    cutedsl_fused_grouped_mlp: bool = False
+    """Megatron-Bridge's ``cutedsl_fused_grouped_mlp`` (26.06): the operation fuser with
+    ``NVTE_CUTEDSL_FUSED_GROUPED_MLP=1``, so that on Blackwell in MXFP8 the experts' SwiGLU
+    and its quantizations run in the grouped GEMMs' epilogues (cuDNN's CuTe-DSL kernels,
+    :attr:`sim.workload.moe_ops.MoELayout.fused_glu`)."""
     moe_paged_stash: bool = False
     """``--moe-paged-stash`` (Megatron-Core ``moe/paged_stash.py``, needs
     ``moe_expert_rank_capacity_factor``): the routed experts' saved activations are copied

@@ -1,0 +1,74 @@
+"""The routed experts on Transformer Engine's operation fuser (``MoELayout.te_ops``) and its
+fused grouped MLP (``MoELayout.fused_glu``), :mod:`sim.workload.moe_grouped_mlp`.
+
+Independent truths: TE's GroupedTensor path runs each grouped GEMM as one kernel over every
+local expert's rows (``general_grouped_gemm_for_grouped_tensor``) and quantizes each input in
+one ``group_quantize`` launch, with 256-row expert segments (Megatron-Core
+``get_align_size_for_quantization``); the fused grouped MLP (TE ``ops/fused/grouped_mlp.py``)
+puts the SwiGLU-times-prob and its quantization in fc1's epilogue and their backward in fc2's
+dgrad epilogue, so exactly four kernels of the unfused path disappear and nothing saved for
+the backward changes (conservation of the saved bytes).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sim import catalog
+from sim.hardware.compute import ComputeModel
+from sim.workload.block_pricing import kernel_time, price_block
+from sim.workload.model import ModelSpec
+from sim.workload.moe_ops import GROUPED_TENSOR_ALIGN, STYLE, MoELayout, moe_layer_ops
+
+M = ModelSpec.from_ref("qwen3-30b-a3b")
+TOKENS = 8192
+
+
+def _experts(**kw: object):
+    lay = MoELayout(ep=8, fp8="mxfp8", te_permute=True, gemm_per_expert=True, **kw)
+    return moe_layer_ops(M, lay, tokens=TOKENS).experts
+
+
+def test_grouped_tensor_gemms_are_one_kernel_over_all_rows() -> None:
+    cm = ComputeModel(catalog.gpu("gb200"))
+    blk = _experts(te_ops=True)
+    gemms = [k for k in (*blk.forward, *blk.backward) if k.klass == "gemm"]
+    assert len(gemms) == 6
+    for k in gemms:
+        assert k.group == () and k.launches == 1
+        m, kk, n, p = k.gemm
+        assert m % GROUPED_TENSOR_ALIGN == 0
+        assert kernel_time(cm, k) >= cm.gemm_time(m, kk, n, p, fp8=True, block_scaled=True)
+    casts = [k for k in blk.forward if ".cast_in" in k.name]
+    assert casts and all(k.launches == 1 for k in casts)   # group_quantize
+    # The multi-stream path issues one cuBLASLt GEMM per local expert (16 here).
+    per_expert = [k for k in _experts().forward if k.klass == "gemm"]
+    assert all(k.launches == M.moe.experts // 8 for k in per_expert)
+
+
+def test_fused_glu_drops_exactly_the_activation_and_its_casts() -> None:
+    plain = _experts(te_ops=True)
+    fused = _experts(te_ops=True, fused_glu=True)
+    names = lambda ks: {k.name for k in ks}  # noqa: E731
+    assert names(plain.forward) - names(fused.forward) == {"weighted_act", "fc2.cast_in"}
+    assert names(plain.backward) - names(fused.backward) == {"weighted_act.bwd", "fc1.cast_g"}
+    assert not names(fused.forward) - names(plain.forward)
+    assert not names(fused.backward) - names(plain.backward)
+    cm = ComputeModel(catalog.gpu("gb200"))
+    a, b = price_block(plain, STYLE, cm), price_block(fused, STYLE, cm)
+    assert b.saved_bytes == a.saved_bytes           # fc1's output, probs, both FP8 inputs
+    assert b.flops_fwd == a.flops_fwd and b.flops_bwd == a.flops_bwd
+    removed_f = sum(kernel_time(cm, k) for k in plain.forward
+                    if k.name in ("weighted_act", "fc2.cast_in"))
+    assert a.fwd_gpu_s - b.fwd_gpu_s == pytest.approx(removed_f, rel=1e-9)
+    assert b.bwd_gpu_s < a.bwd_gpu_s
+
+
+def test_fused_glu_needs_swiglu_without_bias_and_mxfp8() -> None:
+    # GPT-OSS's clamped, biased GLU keeps its own kernels (TE's other fused variants are
+    # not modelled); so does a bf16 run.
+    oss = ModelSpec.from_ref("gpt-oss-120b")
+    lay = MoELayout(ep=8, fp8="mxfp8", te_permute=True, te_ops=True, fused_glu=True)
+    assert any("act" in k.name for k in moe_layer_ops(oss, lay, tokens=4096).experts.forward)
+    bf16 = MoELayout(ep=8, te_permute=True, te_ops=True, fused_glu=True)
+    assert "weighted_act" in {k.name for k in moe_layer_ops(M, bf16, tokens=4096).experts.forward}
