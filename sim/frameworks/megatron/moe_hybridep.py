@@ -274,9 +274,10 @@ FUSED_KERNELS = {
     "router": frozenset({"row_id_map.pass_1", "row_id_map.pass_2", "row_id_map.pass_3",
                          "permute", "permute.bwd", "permute.probs_bwd"}),
     "combine": frozenset({"unpermute", "unpermute.bwd"}),
+    "experts": frozenset({"fp8_pad", "fp8_pad.bwd", "fp8_unpad", "fp8_unpad.bwd"}),
 }
-"""The ``alltoall`` dispatcher's permutation kernels Hybrid-EP does not run
-(:func:`drop_fused_kernels`)."""
+"""The ``alltoall`` dispatcher's permutation kernels Hybrid-EP does not run, and the FP8
+padding copies its dispatch makes unnecessary (:func:`drop_fused_kernels`)."""
 
 
 def drop_fused_kernels(ops: MoELayerOps) -> None:
@@ -291,6 +292,14 @@ def drop_fused_kernels(ops: MoELayerOps) -> None:
     block's chunk sort and unsort (one copy of the permuted rows each way), which stay; the
     router's permutation with its row-id map and the combine's unpermutation go, with the
     saved tensors only they read. Their backward passes (the dispatch's is a combine, the
-    combine's a dispatch) likewise."""
+    combine's a dispatch) likewise.
+
+    Under FP8 the dispatch also pads every local expert's rows to the quantization alignment
+    (``pad_multiple = get_align_size_for_quantization``, passed to ``hybrid_ep_dispatch`` and
+    ``hybrid_ep_combine`` since core_r0.16 b0cc2706, 26.02) and returns the padded counts, so
+    the experts' ``Fp8Padding`` finds them aligned and returns its input (TE
+    ``fp8_padding.py``; core_r0.18's ``skip_routed_expert_padding`` skips it outright), and
+    the combine drops the padding: no pad or unpad copy; the GEMMs still run the aligned
+    rows."""
     for name, drop in FUSED_KERNELS.items():
         drop_kernels(getattr(ops, name), drop)
