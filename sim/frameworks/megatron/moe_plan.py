@@ -36,7 +36,11 @@ from sim.frameworks.megatron.moe_flex_skew import flex_pace
 from sim.frameworks.megatron.moe_host import (
     megatron_host_calls,
 )
-from sim.frameworks.megatron.moe_hybridep import drop_fused_kernels, hybridep_plan
+from sim.frameworks.megatron.moe_hybridep import (
+    FUSED_KERNELS,
+    drop_fused_kernels,
+    hybridep_plan,
+)
 from sim.frameworks.megatron.moe_rank_budget import (
     check_rank_budget,
     held_scale,
@@ -48,6 +52,7 @@ from sim.hardware.compute import ComputeModel
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import BlockCost, price_block
+from sim.workload.kernels import drop_kernels
 from sim.workload.layer_rules import fp8_both_layouts
 from sim.workload.model import ModelSpec
 from sim.workload.moe_host_ops import HostCalls
@@ -266,6 +271,10 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
         drop_fused_kernels(ops)   # its dispatch and combine permute themselves
     elif opts.moe_token_dispatcher_type == "flex" and capacity is None:
         drop_chunk_sorts(ops)     # DeepEP: one permute after the dispatch, none by source rank
+    if opts.moe_router_padding_for_quantization:
+        # The router pads every expert's count to the alignment (pad_routing_map): the
+        # experts' Fp8Padding then finds them aligned (skip_routed_expert_padding).
+        drop_kernels(ops.experts, FUSED_KERNELS["experts"])
     if capacity is not None:
         # preprocess returns before the count all-gather: no host synchronisation at all.
         ops.count_gather_bytes = 0.0

@@ -131,6 +131,12 @@ class MegatronOptions(StrictModel):
     moe_pad_expert_input_to_capacity: bool = False
     """``--moe-pad-expert-input-to-capacity``: with model.capacity_factor, every expert's
     input padded to its capacity (sizes fixed by capacity, not by routing)."""
+    moe_router_padding_for_quantization: bool = False
+    """``--moe-router-padding-for-quantization`` (``--moe-router-padding-for-fp8`` before
+    core_r0.16): the router pads the routing map so that every expert's rows are a multiple
+    of the FP8 alignment (``pad_routing_map``), so the experts run no padding copies
+    (``skip_routed_expert_padding``); under the balanced routing modelled here the counts are
+    aligned already, so no rows are added."""
     moe_expert_rank_capacity_factor: float | None = Field(default=None, gt=0, le=64)
     """``--moe-expert-rank-capacity-factor`` (Megatron-Core's ``token_dispatcher.py``
     ``_HybridEPManager``, 2026): with the HybridEP backend, a fixed budget of ``tokens x

@@ -58,3 +58,31 @@ def test_only_the_dropped_kernels_and_their_saved_tensors_go() -> None:
     assert "moe_router.row_id_map" in before["router"][1]
     assert "moe_router.row_id_map" not in {t.name for t in ops.router.saved}
     assert {t.name for t in ops.router.saved} < before["router"][1]
+
+
+def test_router_padding_spares_deepep_the_padding_copies() -> None:
+    # --moe-router-padding-for-quantization (the model zoo's PR=fp8 / mxfp8): the router pads
+    # each expert's count to the alignment, so the experts' Fp8Padding has nothing to copy.
+    from helpers import megatron_scenario
+
+    from sim.frameworks import JobContext
+    from sim.frameworks.megatron.moe_plan import moe_plan
+    from sim.hardware.compute import ComputeModel
+
+    model = {"layers": 2, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 2048,
+             "vocab": 32000, "experts": 32, "experts_per_token": 4, "moe_ffn_hidden": 512}
+
+    def experts(**fw: object):
+        s = megatron_scenario({"tp": 1, "ep": 8}, 8, model=model, seq=1024, nodes=1, gpn=8,
+                              precision="fp8", framework={
+                                  "name": "megatron", "moe_token_dispatcher_type": "flex",
+                                  **fw})
+        ctx = JobContext.from_scenario(s, "s.yaml")
+        cm = ComputeModel(ctx.gpu)
+        pl = moe_plan(ctx, 1, 1, 1024, cm, fp8="tensorwise")
+        return set(_names(pl.ops.experts)), pl.cost["experts"]
+
+    (plain, c0), (padded, c1) = experts(), experts(moe_router_padding_for_quantization=True)
+    assert plain - padded == {"fp8_pad", "fp8_pad.bwd", "fp8_unpad", "fp8_unpad.bwd"}
+    assert not padded - plain
+    assert c1.fwd_gpu_s < c0.fwd_gpu_s and c1.flops_fwd == c0.flops_fwd
