@@ -40,6 +40,7 @@ gradient), the permutations reversed, the router's two GEMMs (fp32 in Megatron; 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -60,6 +61,33 @@ MXFP8_ALIGN = 32
 # ... and on the GroupedTensor path, whatever the recipe ("TE's grouped-tensor and fused
 # grouped-MLP kernels require 256-token alignment", get_align_size_for_quantization).
 GROUPED_TENSOR_ALIGN = 256
+
+
+def expected_aligned_rows(mean: float, align: int, var: float) -> float:
+    """Expected rows of an expert's GEMM when its routed count, of mean ``mean`` and variance
+    ``var``, is padded up to a multiple of ``align``: ``align x sum_j P(C > j align)`` for a
+    normal ``C`` with a continuity correction (each of the routed copies lands on the expert independently, a binomial
+    count, variance ``mean x (1 - top_k / experts)`` under balanced or forced-balance
+    routing). With no variance, the count itself rounded up.
+
+    >>> expected_aligned_rows(1024, 256, 0.0)
+    1024.0
+    >>> round(expected_aligned_rows(1024, 256, 1024 * (1 - 8 / 128)))    # half pad to 1,280
+    1150
+    >>> round(expected_aligned_rows(1024, 16, 1024 * (1 - 8 / 128)), 1)  # (16 - 1) / 2 rows
+    1031.5
+    """
+    if mean <= 0:
+        return 0.0
+    if var <= 0:
+        return float(-(-mean // align) * align)
+    sd = math.sqrt(var)
+    lo = max(0, math.floor((mean - 8 * sd) / align))
+    hi = math.ceil((mean + 8 * sd) / align)
+    # P(C > j align) for an integer count: the normal beyond j align + 1/2 (continuity).
+    tail = sum(0.5 * math.erfc((j * align + 0.5 - mean) / (sd * math.sqrt(2.0)))
+               for j in range(lo, hi + 1))
+    return float(align * (lo + tail))
 
 
 @dataclass(frozen=True)
@@ -253,7 +281,11 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     if lay.fp8 is not None or lay.te_ops:
         align = GROUPED_TENSOR_ALIGN if lay.te_ops else \
             MXFP8_ALIGN if lay.fp8 == "mxfp8" else FP8_ALIGN
-        gemm_counts = tuple(-(-c // align) * align if c > 0 else 0.0 for c in counts)
+        # Routed (dropless) counts vary around the balanced share: each expert pads what its
+        # own count leaves; counts fixed by capacity pad exactly.
+        share = m.moe.top_k / m.moe.experts if lay.token_drop is None else 1.0
+        gemm_counts = tuple(expected_aligned_rows(c, align, c * (1.0 - share))
+                            for c in counts)
     # TEGroupedMLP.forward's fp8_padding (TE Fp8Padding): each expert's rows padded to the
     # FP8 GEMM alignment, a copy of the tokens and another of the probs; Fp8Unpadding after
     # fc2 copies them back. TE returns the input itself when every expert's rows are already

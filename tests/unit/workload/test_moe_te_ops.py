@@ -32,12 +32,15 @@ def _experts(**kw: object):
 def test_grouped_tensor_gemms_are_one_kernel_over_all_rows() -> None:
     cm = ComputeModel(catalog.gpu("gb200"))
     blk = _experts(te_ops=True)
+    rows = TOKENS * M.moe.top_k
     gemms = [k for k in (*blk.forward, *blk.backward) if k.klass == "gemm"]
     assert len(gemms) == 6
     for k in gemms:
         assert k.group == () and k.launches == 1
         m, kk, n, p = k.gemm
-        assert m % GROUPED_TENSOR_ALIGN == 0
+        # Each expert's routed rows padded to its 256-row segment, in expectation.
+        local = M.moe.experts // 8
+        assert rows < m < rows + local * GROUPED_TENSOR_ALIGN
         assert kernel_time(cm, k) >= cm.gemm_time(m, kk, n, p, fp8=True, block_scaled=True)
     casts = [k for k in blk.forward if ".cast_in" in k.name]
     assert casts and all(k.launches == 1 for k in casts)   # group_quantize
@@ -72,3 +75,32 @@ def test_fused_glu_needs_swiglu_without_bias_and_mxfp8() -> None:
     assert any("act" in k.name for k in moe_layer_ops(oss, lay, tokens=4096).experts.forward)
     bf16 = MoELayout(ep=8, te_permute=True, te_ops=True, fused_glu=True)
     assert "weighted_act" in {k.name for k in moe_layer_ops(M, bf16, tokens=4096).experts.forward}
+
+
+@pytest.mark.parametrize(("copies", "align"), [(8192, 256), (1024, 256), (1024, 16), (300, 32)])
+def test_expected_padding_matches_sampled_binomial_counts(copies, align) -> None:
+    # Forced-balance routing draws each token's top-k among E experts at random: an expert's
+    # count is binomial (n tokens x sources, p = k / E). The closed form must match the
+    # average padded count of seeded draws (a Monte Carlo mean, 4 standard errors).
+    import numpy as np
+
+    from sim.workload.moe_ops import expected_aligned_rows
+
+    k, e = 8, 128
+    n = int(copies * e / k)
+    draws = np.random.default_rng(7).binomial(n, k / e, size=200_000)
+    padded = np.ceil(draws / align) * align
+    expected = expected_aligned_rows(copies, align, copies * (1 - k / e))
+    assert expected == pytest.approx(padded.mean(), abs=4 * padded.std() / 447)
+
+
+def test_capacity_padded_counts_are_not_padded_again() -> None:
+    # Drop-and-pad fixes every expert at its capacity: no variance, nothing to add.
+    from dataclasses import replace
+
+    lay = MoELayout(ep=8, fp8="tensorwise", te_permute=True, token_drop="pad")
+    m = ModelSpec.from_ref("mixtral-8x7b")
+    m = replace(m, moe=replace(m.moe, capacity_factor=1.0))
+    rows = moe_layer_ops(m, lay, tokens=4096, tokens_per_expert=(8192.0,),
+                         permuted_rows=8192.0).experts
+    assert {k.gemm[0] for k in rows.forward if k.klass == "gemm"} == {8192.0}
