@@ -121,12 +121,13 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
 
 
 def fused_glu_mlp(b: _Builder, x: Tensor, probs: Tensor, counts: tuple[float, ...], h: int,
-                   f: int, lay: MoELayout) -> Tensor:
+                   f: int, lay: MoELayout, bias: bool = False) -> Tensor:
     """fc1 -> SwiGLU x prob -> fc2 as the fused grouped MLP runs them
     (:attr:`MoELayout.fused_glu`): fc1's forward GEMM also writes fc2's MXFP8 input (both
     layouts) from its 16-bit output, which it keeps for the backward with the probs; fc2's
     dgrad GEMM reads them back and writes fc1's MXFP8 output gradient and the probs'
-    gradient."""
+    gradient. ``bias``: both linears' biases ride in the epilogues; their gradients are one
+    reduction kernel each (TE's grouped dbias)."""
     prow = sum(counts)
     e8 = fp8_element_bytes("mxfp8")
     tr = lay.fp8_transpose
@@ -135,9 +136,9 @@ def fused_glu_mlp(b: _Builder, x: Tensor, probs: Tensor, counts: tuple[float, ..
     g8 = b.t("fc1.g_out_fp8", prow * 2 * f, e8)
     g8t = b.t("fc1.g_out_fp8_t", prow * 2 * f, e8) if tr else g8
     gp = b.t("g_probs", prow, lay.router_bytes)
-    fc1 = grouped_linear(b, x, counts, h, 2 * f, "fc1", lay, False, fused=FusedEnds(
+    fc1 = grouped_linear(b, x, counts, h, 2 * f, "fc1", lay, bias, fused=FusedEnds(
         grads=(g8, g8t), fwd_writes=(a8, a8t) if tr else (a8,)))
     b.save(fc1, probs)
-    return grouped_linear(b, a8, counts, f, h, "fc2", lay, False, fused=FusedEnds(
+    return grouped_linear(b, a8, counts, f, h, "fc2", lay, bias, fused=FusedEnds(
         inputs=(a8, a8t), dgrad_reads=(fc1, probs),
         dgrad_writes=(g8, g8t, gp) if tr else (g8, gp)))

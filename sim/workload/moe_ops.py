@@ -66,9 +66,9 @@ GROUPED_TENSOR_ALIGN = 256
 def expected_aligned_rows(mean: float, align: int, var: float) -> float:
     """Expected rows of an expert's GEMM when its routed count, of mean ``mean`` and variance
     ``var``, is padded up to a multiple of ``align``: ``align x sum_j P(C > j align)`` for a
-    normal ``C`` with a continuity correction (each of the routed copies lands on the expert independently, a binomial
-    count, variance ``mean x (1 - top_k / experts)`` under balanced or forced-balance
-    routing). With no variance, the count itself rounded up.
+    normal ``C`` with a continuity correction (each of the routed copies lands on the expert
+    independently, a binomial count, variance ``mean x (1 - top_k / experts)`` under balanced
+    or forced-balance routing). With no variance, the count itself rounded up.
 
     >>> expected_aligned_rows(1024, 256, 0.0)
     1024.0
@@ -304,14 +304,18 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     prow = sum(gemm_counts)
     swiglu = m.mlp == "swiglu"
     width = 2 * f if swiglu else f
-    if lay.fused_glu and lay.fp8 == "mxfp8" and swiglu and not m.bias \
-            and m.activation_clamp is None:
-        out = fused_glu_mlp(b, x, probs, gemm_counts, h, f, lay)
+    if lay.fused_glu and lay.fp8 == "mxfp8" and swiglu:
+        # SwiGLU and GPT-OSS's clamped quick-GEGLU (TE ScaledClampedQGeGLU), biases packed
+        # into the GEMM epilogues (grouped_mlp.py _pack_grouped_linear_bias_for_cudnn).
+        out = fused_glu_mlp(b, x, probs, gemm_counts, h, f, lay, m.bias)
         return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
     # bf16: TE takes fc1's bias gradient from its wgrad GEMM (no kernel of its own).
     fc1 = grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias,
-                          bias_grad_kernel=lay.fp8 is not None)
-    act_in = fc1 if m.activation_clamp is None else clamped_glu_input(b, fc1, prow, f)
+                         bias_grad_kernel=lay.fp8 is not None or lay.te_ops)
+    # The operation fuser's activation op (ScaledSwiGLU / ScaledClampedQGeGLU) clamps inside
+    # its own kernel; Megatron's eager path clamps first.
+    act_in = fc1 if m.activation_clamp is None or lay.te_ops \
+        else clamped_glu_input(b, fc1, prow, f)
     act = b.t("act", prow * f, BF16)
     # weighted_bias_swiglu_impl (or the GELU equivalent): bias, activation and the routing
     # prob in one kernel; input and probs saved; backward gives both gradients.
@@ -321,8 +325,10 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     gfc1 = b.t("g_fc1", prow * width, BF16)
     gp = b.t("g_probs", prow, lay.router_bytes)
     b.bwd(Kernel("weighted_act.bwd", "elementwise", (ga, act_in, probs), (gfc1, gp)))
-    # fc2 skips its bias (skip_bias_add: TEGroupedMLP._apply_bias adds it after the unpad).
-    out = grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias, bias_grad_kernel=False)
+    # fc2 skips its bias (skip_bias_add: TEGroupedMLP._apply_bias adds it after the unpad);
+    # the operation fuser's GroupedLinear op adds it in its epilogue.
+    out = grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias,
+                         bias_grad_kernel=lay.te_ops)
     return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
 
 
@@ -338,7 +344,7 @@ def _experts_tail(b: _Builder, m: ModelSpec, lay: MoELayout, out: Tensor,
         gout = b.t("g_fc2_out", sum(gemm_counts) * h, BF16)
         b.bwd(Kernel("fp8_unpad.bwd", "elementwise", (gup,), (gout,)))
         out = up
-    if m.bias:
+    if m.bias and not lay.te_ops:
         out = expert_output_bias(b, out, probs, counts, h)
     if len(counts) > 1:
         back = b.t("unsorted", rows * h, BF16)

@@ -110,3 +110,8 @@ def test_refusals_name_their_key() -> None:
         "routing": s.training.routing.model_copy(update={"distribution": "zipf", "s": 1.0})})})
     with pytest.raises(ScenarioError, match="skewed routing"):
         build_program(JobContext.from_scenario(s, "s.yaml"))
+    # TEGroupedMLP._is_fused_impl_supported: no expert tensor parallelism under the fuser.
+    etp = megatron_scenario({"tp": 1, "ep": 4, "etp": 2}, 8, model=MOE, seq=SEQ, nodes=1, gpn=8,
+                            framework={"name": "megatron", "use_transformer_engine_op_fuser": True})
+    with pytest.raises(ScenarioError, match="framework.use_transformer_engine_op_fuser"):
+        build_program(JobContext.from_scenario(etp, "s.yaml"))

@@ -42,6 +42,7 @@ from sim.frameworks.megatron.moe_hybridep import (
     hybridep_plan,
 )
 from sim.frameworks.megatron.moe_rank_budget import (
+    check_op_fuser,
     check_rank_budget,
     held_scale,
     with_stash_copies,
@@ -280,6 +281,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
         ops.count_gather_bytes = 0.0
         ops.host_sync = "no_sync"
     check_rank_budget(ctx)
+    check_op_fuser(ctx)
     if opts.moe_expert_rank_capacity_factor is not None:
         ops.host_sync = "no_sync"   # HybridEP's rank budget: the counts stay on the device
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}

@@ -91,6 +91,26 @@ def check_rank_budget(ctx: JobContext) -> None:
                 "above it: not modelled yet")
 
 
+def check_op_fuser(ctx: JobContext) -> None:
+    """Refuse the operation fuser's experts where Megatron-Core asserts against them
+    (``TEGroupedMLP._is_fused_impl_supported``, core_r0.18.0 d0b3b775): expert tensor
+    parallelism, fine-grained offloading of the experts' activations, an activation other
+    than a gated SwiGLU or quick-GEGLU."""
+    opts = ctx.scenario.framework
+    assert isinstance(opts, MegatronOptions)
+    if not (opts.use_transformer_engine_op_fuser or opts.cutedsl_fused_grouped_mlp):
+        return
+    key = "framework.use_transformer_engine_op_fuser"
+    ctx.require(ctx.scenario.parallelism.expert_tp == 1, key,
+                "Fused GroupedMLP is not supported with expert tensor parallelism (etp 1)")
+    mods = set(opts.offload_modules or []) if opts.fine_grained_activation_offloading \
+        else set()
+    ctx.require(not mods & {"expert_fc1", "moe_act"}, key,
+                "Fused GroupedMLP is not supported with offloading expert_fc1 or moe_act")
+    ctx.require(ctx.model.mlp == "swiglu", key,
+                "Fused GroupedMLP needs a gated SwiGLU or quick-GEGLU expert MLP")
+
+
 def held_scale(opts: MegatronOptions, tokens: float, top_k: int, rows: float) -> float:
     """What the routed experts' saved activations are held at, over the ``rows`` a rank
     received: the pool's factor with paged stashing, the budget over ``rows`` without it,

@@ -67,14 +67,26 @@ def test_fused_glu_drops_exactly_the_activation_and_its_casts() -> None:
     assert b.bwd_gpu_s < a.bwd_gpu_s
 
 
-def test_fused_glu_needs_swiglu_without_bias_and_mxfp8() -> None:
-    # GPT-OSS's clamped, biased GLU keeps its own kernels (TE's other fused variants are
-    # not modelled); so does a bf16 run.
+def test_gpt_oss_clamped_biased_glu_runs_as_te_ops() -> None:
+    # Under the fuser GPT-OSS's clamped quick-GEGLU is TE's ScaledClampedQGeGLU (one kernel,
+    # no eager clamps) and fc2's bias is GroupedLinear's (no eager per-expert _apply_bias);
+    # the fused MLP folds the activation into the epilogues as for SwiGLU (TE
+    # fuse_grouped_mlp_ops' activation_op_types). A bf16 run keeps its activation kernel.
     oss = ModelSpec.from_ref("gpt-oss-120b")
-    lay = MoELayout(ep=8, fp8="mxfp8", te_permute=True, te_ops=True, fused_glu=True)
-    assert any("act" in k.name for k in moe_layer_ops(oss, lay, tokens=4096).experts.forward)
-    bf16 = MoELayout(ep=8, te_permute=True, te_ops=True, fused_glu=True)
-    assert "weighted_act" in {k.name for k in moe_layer_ops(M, bf16, tokens=4096).experts.forward}
+
+    def names(**kw: object) -> set[str]:
+        lay = MoELayout(ep=8, te_permute=True, **kw)
+        blk = moe_layer_ops(oss, lay, tokens=4096).experts
+        return {k.name for k in (*blk.forward, *blk.backward)}
+
+    eager = names(fp8="mxfp8")
+    assert any("clamp" in n for n in eager) and any("apply_bias" in n for n in eager)
+    ops = names(fp8="mxfp8", te_ops=True)
+    assert not any("clamp" in n or "apply_bias" in n for n in ops)
+    assert {"weighted_act", "fc1.g_bias", "fc2.g_bias"} <= ops
+    fused = names(fp8="mxfp8", te_ops=True, fused_glu=True)
+    assert ops - fused == {"weighted_act", "weighted_act.bwd", "fc2.cast_in", "fc1.cast_g"}
+    assert "weighted_act" in names(te_ops=True, fused_glu=True)
 
 
 @pytest.mark.parametrize(("copies", "align"), [(8192, 256), (1024, 256), (1024, 16), (300, 32)])
