@@ -304,9 +304,10 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     prow = sum(gemm_counts)
     swiglu = m.mlp == "swiglu"
     width = 2 * f if swiglu else f
-    if lay.fused_glu and lay.fp8 == "mxfp8" and swiglu:
+    if lay.fused_glu and lay.fp8 == "mxfp8" and swiglu and h % 64 == 0 and f % 64 == 0:
         # SwiGLU and GPT-OSS's clamped quick-GEGLU (TE ScaledClampedQGeGLU), biases packed
-        # into the GEMM epilogues (grouped_mlp.py _pack_grouped_linear_bias_for_cudnn).
+        # into the GEMM epilogues (grouped_mlp.py _pack_grouped_linear_bias_for_cudnn); the
+        # fusion matches only features in multiples of 64 (validate_grouped_mlp_dims).
         out = fused_glu_mlp(b, x, probs, gemm_counts, h, f, lay, m.bias)
         return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
     # bf16: TE takes fc1's bias gradient from its wgrad GEMM (no kernel of its own).
