@@ -38,18 +38,20 @@ class FusedEnds:
 
 def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int, n_out: int,
                     name: str, lay: MoELayout, bias: bool, bias_grad_kernel: bool = True,
-                    fused: FusedEnds | None = None) -> Tensor:
+                    fused: FusedEnds | None = None, model_rows: float | None = None) -> Tensor:
     """TE ``GroupedLinear`` over the local experts (``TEColumnParallelGroupedLinear`` /
     ``TERowParallelGroupedLinear``): one forward, dgrad and wgrad grouped GEMM, each priced
     as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`); the weight
     gradients accumulate into fp32 ``main_grad`` (gradient-accumulation fusion). With FP8 the
     input, weights and output gradient are cast as in :func:`sim.workload.megatron_ops._linear`
     (TE's multi-tensor casts do every expert in one launch). ``fused``: the quantized
-    input and output gradient come from the neighbouring fused kernels (:class:`FusedEnds`)."""
+    input and output gradient come from the neighbouring fused kernels (:class:`FusedEnds`).
+    ``model_rows``: the routed rows before alignment padding, whose FLOPs are the model's
+    (the GEMMs run ``counts``; default their sum)."""
     rows = sum(counts)
     experts = len(counts)
     b.block.params += experts * linear_params(n_in, n_out, bias)
-    fl = 2.0 * rows * n_in * n_out
+    fl = 2.0 * (rows if model_rows is None else model_rows) * n_in * n_out
     y = b.t(f"{name}.out", rows * n_out, BF16)
     gy = b.t(f"{name}.g_out", rows * n_out, BF16)
     gx = b.t(f"{name}.g_in", rows * n_in, BF16)
@@ -121,7 +123,8 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
 
 
 def fused_glu_mlp(b: _Builder, x: Tensor, probs: Tensor, counts: tuple[float, ...], h: int,
-                   f: int, lay: MoELayout, bias: bool = False) -> Tensor:
+                   f: int, lay: MoELayout, bias: bool = False,
+                   model_rows: float | None = None) -> Tensor:
     """fc1 -> SwiGLU x prob -> fc2 as the fused grouped MLP runs them
     (:attr:`MoELayout.fused_glu`): fc1's forward GEMM also writes fc2's MXFP8 input (both
     layouts) from its 16-bit output, which it keeps for the backward with the probs; fc2's
@@ -137,8 +140,8 @@ def fused_glu_mlp(b: _Builder, x: Tensor, probs: Tensor, counts: tuple[float, ..
     g8t = b.t("fc1.g_out_fp8_t", prow * 2 * f, e8) if tr else g8
     gp = b.t("g_probs", prow, lay.router_bytes)
     fc1 = grouped_linear(b, x, counts, h, 2 * f, "fc1", lay, bias, fused=FusedEnds(
-        grads=(g8, g8t), fwd_writes=(a8, a8t) if tr else (a8,)))
+        grads=(g8, g8t), fwd_writes=(a8, a8t) if tr else (a8,)), model_rows=model_rows)
     b.save(fc1, probs)
     return grouped_linear(b, a8, counts, f, h, "fc2", lay, bias, fused=FusedEnds(
         inputs=(a8, a8t), dgrad_reads=(fc1, probs),
-        dgrad_writes=(g8, g8t, gp) if tr else (g8, gp)))
+        dgrad_writes=(g8, g8t, gp) if tr else (g8, gp)), model_rows=model_rows)

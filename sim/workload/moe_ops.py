@@ -308,11 +308,11 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         # SwiGLU and GPT-OSS's clamped quick-GEGLU (TE ScaledClampedQGeGLU), biases packed
         # into the GEMM epilogues (grouped_mlp.py _pack_grouped_linear_bias_for_cudnn); the
         # fusion matches only features in multiples of 64 (validate_grouped_mlp_dims).
-        out = fused_glu_mlp(b, x, probs, gemm_counts, h, f, lay, m.bias)
+        out = fused_glu_mlp(b, x, probs, gemm_counts, h, f, lay, m.bias, model_rows=rows)
         return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
     # bf16: TE takes fc1's bias gradient from its wgrad GEMM (no kernel of its own).
     fc1 = grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias,
-                         bias_grad_kernel=lay.fp8 is not None or lay.te_ops)
+                         bias_grad_kernel=lay.fp8 is not None or lay.te_ops, model_rows=rows)
     # The operation fuser's activation op (ScaledSwiGLU / ScaledClampedQGeGLU) clamps inside
     # its own kernel; Megatron's eager path clamps first.
     act_in = fc1 if m.activation_clamp is None or lay.te_ops \
@@ -329,7 +329,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     # fc2 skips its bias (skip_bias_add: TEGroupedMLP._apply_bias adds it after the unpad);
     # the operation fuser's GroupedLinear op adds it in its epilogue.
     out = grouped_linear(b, act, gemm_counts, f, h, "fc2", lay, m.bias,
-                         bias_grad_kernel=lay.te_ops)
+                         bias_grad_kernel=lay.te_ops, model_rows=rows)
     return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
 
 

@@ -110,10 +110,18 @@ def test_under_fp8_the_discarded_inputs_are_what_the_linears_saved() -> None:
     # Current scaling: fc2 saves its 16-bit input instead of the 1-byte FP8 transpose it would
     # have kept (set_save_original_input), and that input is discarded: T x top-k x F bytes
     # go; the router's gate saves the norm output in 16 bits either way.
+    # fc2's input is the GEMM's, each expert's rows padded to FP8's 16 (in expectation:
+    # sim.workload.moe_ops.expected_aligned_rows, checked against sampled counts elsewhere).
+    from sim.workload.moe_ops import expected_aligned_rows
+
     fw = {"fp8_recipe": "tensorwise"}
     none, rec = (_program(_scn(m, GQA, fw=fw, precision="fp8"))
                  for m in ([], ["layernorm", "moe_act"]))
-    assert _hold(none, 1) - _hold(rec, 1) == T * H * 2 + STATS + T * K * F
+    e = GQA["experts"]
+    per = T * K / e
+    rows = e * expected_aligned_rows(per, 16, per * (1 - K / e))
+    assert _hold(none, 1) - _hold(rec, 1) == pytest.approx(T * H * 2 + STATS + rows * F,
+                                                          rel=1e-12)
 
 
 def test_mla_up_proj_frees_the_up_projections_and_query_key_value() -> None:
