@@ -77,6 +77,9 @@ class MegatronLayout:
     """The loss's implementation (:mod:`sim.workload.megatron_loss`)."""
     rope_fusion: bool = False
     """``apply_rope_fusion``: MLA's fused rotary kernels (:mod:`sim.workload.megatron_mla`)."""
+    fp8_output: bool = False
+    """``fp8_output_proj``: the output layer (LM head) runs under the FP8 recipe too
+    (Megatron-Core's ``TELMHeadColumnParallelLinear``, MXFP8 only); else it stays 16-bit."""
 
 
 STYLE = Style("bf16")
@@ -533,7 +536,7 @@ def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block
     # the bf16 tensor it returns; te: the logits themselves, overwritten in place).
     g = b.t("output.g_out", tokens * vocab, BF16) if impl != "te" else None
     logits = _linear(b, yin, tokens, h, vocab, "output", False, g_out=g,
-                     grad_in_output=impl == "te")
+                     grad_in_output=impl == "te", lay=lay if lay.fp8_output else None)
     vocab_parallel_loss(b, logits, tokens, vocab, impl, g)
     if m.tied_embeddings:
         b.block.params -= vocab * h

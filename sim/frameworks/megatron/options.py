@@ -144,6 +144,10 @@ class MegatronOptions(StrictModel):
     dispatch no longer waits on the host for the token counts (static shapes, so a whole
     iteration can be one CUDA graph), the expert buffers are budget-sized, and tokens above
     the budget are dropped. None: dropless with a host synchronisation each dispatch."""
+    fp8_output_proj: bool = False
+    """``--fp8-output-proj``: the LM head's output projection under the MXFP8 recipe
+    (Megatron-Core ``TELMHeadColumnParallelLinear``; needs ``fp8_recipe: mxfp8`` and FP8
+    training, as Megatron-Core asserts); otherwise it stays 16-bit."""
     use_transformer_engine_op_fuser: bool = False
     """``--use-transformer-engine-op-fuser``: the routed experts as Transformer Engine
     operations (``te.ops`` GroupedLinear -> ScaledSwiGLU -> GroupedLinear) on the

@@ -399,6 +399,9 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                     f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do "
                     f"not split into pp x vp = {p * vp} equal chunks")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    ctx.require(not opts.fp8_output_proj or (precision == "fp8" and opts.fp8_recipe == "mxfp8"),
+                "framework.fp8_output_proj",
+                "fp8_output_proj requires FP8 training with fp8_recipe mxfp8 (Megatron-Core)")
     ctx.require(not opts.tp_comm_overlap or sp, "framework.tp_comm_overlap",
                 "tensor-parallel communication/GEMM overlap needs sequence parallelism with "
                 "tp > 1 (Megatron-LM validate_args)")
@@ -502,7 +505,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                          fp8_transpose=fp8_both_layouts(ctx.compute.gpu.arch, opts.fp8_recipe),
                          cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
                                                  opts.cross_entropy_fusion_impl),
-                         rope_fusion=opts.apply_rope_fusion)
+                         rope_fusion=opts.apply_rope_fusion,
+                         fp8_output=opts.fp8_output_proj and precision == "fp8")
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
     cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
     tokens = ctx.micro_batch * ctx.seq // cp
