@@ -25,11 +25,13 @@ From Megatron-Core (``transformer_config.py``, ``moe/token_dispatcher.py``
   SMs: priced in the experts' ops, in series.
 
 Refused here (naming the key): a backend other than HybridEP (Megatron-Core also takes
-``ncclep``, not modelled), the budget under skewed routing (the copies above it are dropped:
-not modelled), paged stashing without a budget (Megatron-Core refuses it) or beside
-fine-grained offloading of the experts' activations (Megatron-Core refuses that too).
-Not modelled: the 256-row padding of each local expert's segment (counts are balanced and
-whole here, as for the FP8 alignment in :mod:`sim.workload.moe_ops`), the pool's host spill.
+``ncclep``, not modelled) or the budget without the operation fuser (core_r0.18.0), the budget
+under skewed routing (the copies above it are dropped: not modelled), paged stashing without
+a budget (Megatron-Core refuses it) or beside fine-grained offloading of the experts'
+activations (Megatron-Core refuses that too); and the fuser itself where ``TEGroupedMLP``
+refuses it (:func:`check_op_fuser`). Each expert's 256-row segment padding is the experts'
+block's (:func:`sim.workload.moe_ops.expected_aligned_rows`). Not modelled: the pool's host
+spill.
 """
 
 from __future__ import annotations
@@ -41,18 +43,15 @@ from sim.frameworks.common.moe_pace import scenario_shares
 from sim.hardware.compute import ComputeModel
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import BlockCost
-
-GROUPED_TENSOR_ALIGN = 256
-"""Rows the budget is rounded up to: ``get_align_size_for_quantization`` on the grouped-tensor
-path ("TE's grouped-tensor and fused grouped-MLP kernels require 256-token alignment",
-``moe/moe_utils.py``)."""
+from sim.workload.moe_ops import GROUPED_TENSOR_ALIGN
 
 KEY = "framework.moe_expert_rank_capacity_factor"
 
 
 def budget_rows(tokens: float, top_k: int, factor: float) -> float:
     """Rows HybridEP's dispatch allocates on a rank: ``int(tokens x top_k x factor)``
-    rounded up to :data:`GROUPED_TENSOR_ALIGN`.
+    rounded up to the grouped-tensor alignment
+    (:data:`sim.workload.moe_ops.GROUPED_TENSOR_ALIGN`).
 
     >>> budget_rows(16384, 8, 1.5)    # Qwen3-30B-A3B, 4 x 4,096 tokens a micro-batch
     196608.0
