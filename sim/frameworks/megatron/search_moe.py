@@ -138,7 +138,8 @@ def moe_option_sets(pt: SearchPoint) -> Iterable[Options]:
 def allows_recomputation(options: Options, ac: str, modules: tuple[str, ...]) -> bool:
     """Whether Megatron-Core runs these options with this recomputation
     (``TransformerConfig.__post_init__``, core_v0.16.0; :func:`sim.frameworks.megatron.
-    cuda_graphs.check_cuda_graphs`): no full recomputation with per-layer CUDA graphs, no
+    cuda_graphs.check_cuda_graphs`): no full recomputation with per-layer CUDA graphs (a
+    whole-iteration graph allows it), no
     ``moe`` recompute module beside Transformer Engine's ``moe_router`` graph.
 
     Examples
@@ -148,10 +149,16 @@ def allows_recomputation(options: Options, ac: str, modules: tuple[str, ...]) ->
     (False, False)
     >>> allows_recomputation((), "full", ())
     True
+
+    A whole-iteration graph is the one Megatron-Core lets full recomputation run under:
+
+    >>> allows_recomputation((("cuda_graph_impl", "full_iteration"),), "full", ())
+    True
     """
     o = dict(options)
     impl = o.get("cuda_graph_impl", "none")
-    if impl == "none":
+    if impl == "none" or impl == "full_iteration" \
+            or "full_iteration" in o.get("cuda_graph_scope", ()):
         return True
     if ac == "full":
         return False
