@@ -41,7 +41,8 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
                     fused: FusedEnds | None = None, model_rows: float | None = None) -> Tensor:
     """TE ``GroupedLinear`` over the local experts (``TEColumnParallelGroupedLinear`` /
     ``TERowParallelGroupedLinear``): one forward, dgrad and wgrad grouped GEMM, each priced
-    as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`); the weight
+    as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`), or on the
+    GroupedTensor path (``lay.te_ops``) as one GEMM of all the rows; the weight
     gradients accumulate into fp32 ``main_grad`` (gradient-accumulation fusion). With FP8 the
     input, weights and output gradient are cast as in :func:`sim.workload.megatron_ops._linear`
     (TE's multi-tensor casts do every expert in one launch). ``fused``: the quantized

@@ -224,9 +224,11 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     # TEGroupedMLP (experts.py): TE GroupedLinear, one cuBLASLt call an expert.
                     gemm_per_expert=True,
                     te_ops=opts.use_transformer_engine_op_fuser or opts.cutedsl_fused_grouped_mlp,
-                    # TE's fused grouped MLP: sm 10.x only, MXFP8 (grouped_mlp.is_supported).
-                    fused_glu=opts.cutedsl_fused_grouped_mlp and cm.gpu.arch == "blackwell"
-                    and fp8 == "mxfp8")
+                    # TE's fused grouped MLP runs on sm 10.x only (grouped_mlp.is_supported);
+                    # the recipe and shapes it needs are the experts block's to check.
+                    fused_glu=opts.cutedsl_fused_grouped_mlp and cm.gpu.arch == "blackwell")
+    check_rank_budget(ctx)
+    check_op_fuser(ctx)
     aux_reduce = lay.aux_loss and tp > 1 and par.cp == 1
     moe = ctx.model.moe
     assert moe is not None
@@ -280,8 +282,6 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
         # preprocess returns before the count all-gather: no host synchronisation at all.
         ops.count_gather_bytes = 0.0
         ops.host_sync = "no_sync"
-    check_rank_budget(ctx)
-    check_op_fuser(ctx)
     if opts.moe_expert_rank_capacity_factor is not None:
         ops.host_sync = "no_sync"   # HybridEP's rank budget: the counts stay on the device
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
@@ -310,8 +310,9 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                    host=megatron_host_calls(ctx, lay),
                    shared_fc1=shared_fc1_part(ops.shared, cm)
                    if overlap and ops.shared is not None else None,
+                   # (the budget needs the fuser, which runs at expert-TP 1 only)
                    expert_held=held_scale(opts, local_tokens, moe.top_k,
-                                          sum(ops.tokens_per_expert) / etp))
+                                          sum(ops.tokens_per_expert)))
     if opts.moe_token_dispatcher_type == "flex":   # skew: its own pace (moe_flex_skew)
         make = hybridep_plan if opts.moe_flex_dispatcher_backend == "hybridep" else flex_plan
         fx = make(ctx, [plan.tp_ep_groups(st) for st in range(pp)], local_tokens)
