@@ -103,8 +103,11 @@ def bucket_size(size: int | None, overlap_grad_reduce: bool, dp_cp: int) -> int 
 
 
 def assign_buckets(st: int, p: int, vp: int, chunks: list[list[int]], layer_params: float,
-                   emb_params: float, head_params: float, size: int | None) -> list[Bucket]:
+                   emb_params: float, head_params: float, size: int | None,
+                   virtual: Callable[[int, int], int] | None = None) -> list[Bucket]:
     """Buckets of stage ``st``, every model chunk, as Megatron-Core assigns them.
+    ``virtual``: (stage, chunk) -> virtual stage (default Megatron-Core's ``c * p + st``;
+    :class:`~sim.frameworks.megatron.pipeline.Placement`).
 
     Examples
     --------
@@ -120,7 +123,7 @@ def assign_buckets(st: int, p: int, vp: int, chunks: list[list[int]], layer_para
     n = p * vp
     out: list[Bucket] = []
     for c in range(vp):
-        v = c * p + st
+        v = virtual(st, c) if virtual is not None else c * p + st
         parts: list[tuple[int | str, float]] = []
         if v == n - 1:
             parts.append(("head", head_params))

@@ -62,6 +62,8 @@ this module assembles them into the step.
 
 from __future__ import annotations
 
+from collections import deque
+
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.a2a_overlap import (
     check_a2a_overlap,
@@ -86,6 +88,7 @@ from sim.frameworks.megatron.delay_wgrad import (
     check_delay_wgrad,
     resplit_expert_classes,
 )
+from sim.frameworks.megatron.dualpipe import dualpipev_order, dualpipev_steps
 from sim.frameworks.megatron.layer import (
     KeySeq,
     UnitBuilder,
@@ -104,6 +107,8 @@ from sim.frameworks.megatron.optimizer_state_offload import (
 )
 from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-exported
     P2PLink,
+    Step,
+    Unit,
     add_stage,
     chunk_layers,
     pipeline_steps,
@@ -150,7 +155,7 @@ def build_megatron(ctx: JobContext) -> Program:
     program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
                       0.0, micro_batches=s.mb_count, pipeline_stages=s.p)
     program.meta.update(framework="megatron", style="megatron",
-                        schedule=(s.opts.pipeline_schedule if s.vp == 1
+                        schedule=(s.opts.pipeline_schedule if s.vp == 1 or s.dualpipev
                                   else "interleaved 1f1b"))
     program.hw_flops_per_step = ctx.model_flops_per_step() + s.recompute_flops()
     cpu_call = MEGATRON_CPU_S_PER_OP
@@ -159,13 +164,15 @@ def build_megatron(ctx: JobContext) -> Program:
     units = builder.build_units()
     # delay_wgrad_compute: the weight gradients leave the backward units before the buckets
     # hook into them (a layer's gradients are ready at its last delayed op).
-    split = WgradSplit(ctx, s, cpu_call) if s.opts.delay_wgrad_compute else None
+    # DualPipeV defers the weight gradients of its zero-bubble backwards the same way.
+    split = WgradSplit(ctx, s, cpu_call) \
+        if s.opts.delay_wgrad_compute or s.dualpipev else None
     wgrad = split.units(units) if split is not None else {}
     if builder.offload is not None:   # activation offloading's reloads, once the units are final
         builder.offload.finish({k: u.ops for k, u in units.items()})
     built = list(classes)
     link = P2PLink(pairs=s.stage_pairs, nbytes=s.act * s.local_tokens * s.h / s.p2p_split,
-                   cpu_s=cpu_call, p=s.p, dtype=s.act_dtype)
+                   cpu_s=cpu_call, p=s.p, dtype=s.act_dtype, place=s.place)
     add_state_offloads(s, program, classes)
     step = _Step(ctx, s, program, classes, units, keys, cpu_call)
     step.wgrad = wgrad
@@ -207,7 +214,8 @@ class _Step:
         self.rotated = s.opts.overlap_param_gather_with_optimizer_step and s.dp * s.cp > 1
         size = bucket_size(s.opts.bucket_size, s.opts.overlap_grad_reduce, s.dp * s.cp)
         self.buckets = {st: assign_buckets(st, s.p, s.vp, s.chunks, s.layer_params,
-                                           s.emb_params, s.head_params, size)
+                                           s.emb_params, s.head_params, size,
+                                           s.place.virtual)
                         for st in range(s.p)}
         self.launch_after: Hooks = {}   # id(op) -> ops the host issues right after it
         self.insert_before: Hooks = {}  # id(op) -> ops the host issues right before it
@@ -217,7 +225,14 @@ class _Step:
         self.expert_stage_buckets = {st: empty for st in range(s.p)}
         self.last_bwd: dict[int, Op] = {}
         self.wgrad: dict[UnitKey, dict[int, LayerWgrad]] = {}
-        """``delay_wgrad_compute``: each backward unit's delayed weight gradients by layer."""
+        """``delay_wgrad_compute`` (or DualPipeV): each backward unit's delayed weight
+        gradients by layer."""
+        self.zero_bubble: dict[int, set[Unit]] = {}
+        """DualPipeV: each stage's backward units whose weight gradients wait for a
+        ``weight`` step."""
+        self.deferred: dict[int, deque[list[Op]]] = {}
+        """DualPipeV: each stage's deferred weight gradients, first in, first out
+        (``WeightGradStore``)."""
 
     # ------------------------------------------------------------------ buckets
     def add_buckets(self) -> None:
@@ -241,8 +256,7 @@ class _Step:
         s = self.s
         reduce_op = "reduce_scatter" if s.opts.distributed_optimizer else "all_reduce"
         units = self.units
-        forwards = [u for u in schedule(s.schedule_kind, s.p, st, s.mb_count, s.vp)
-                    if u[0] == "F"]
+        forwards = [u for u in self.order(st) if u[0] == "F"]
         intra, inter = groups
         return bucket_ops(
             st, s.p, s.vp, s.mb_count, buckets, forwards, BucketComms(
@@ -259,6 +273,13 @@ class _Step:
                 key=lambda: self.keys(f"{prefix}/{st}"),
                 cpu_s=self.cpu_call, launch_after=self.launch_after,
                 insert_before=self.insert_before))
+
+    def order(self, st: int) -> list[Unit]:
+        """Stage ``st``'s units in the order its schedule runs them."""
+        s = self.s
+        if s.dualpipev:
+            return dualpipev_order(s.p, st, s.mb_count)
+        return schedule(s.schedule_kind, s.p, st, s.mb_count, s.vp)
 
     def optimizer_s(self, st: int) -> float:
         """GPU seconds of stage ``st``'s optimizer step over its shard (dense over the
@@ -294,8 +315,6 @@ class _Step:
     # ------------------------------------------------------------------ pipeline
     def add_stages(self, link: P2PLink) -> None:
         """Each stage's units and transfers in its pipeline schedule (:func:`add_stage`)."""
-        s = self.s
-        kind_sched = s.schedule_kind
         for st, cls in enumerate(self.classes):
             last_on_stream: dict[str, Op] = {}
 
@@ -315,37 +334,89 @@ class _Step:
                     "optimizer step chunks 1+ (previous step)",
                     self.optimizer_s(st) * (1.0 - self.chunk0_share(st)), phase="optimizer",
                     category="optimizer"))
-            # The combined 1F1B schedule (moe_a2a_overlap): one more warm-up forward, then
-            # each steady forward and backward issued together (a2a_overlap).
-            extra = int(s.opts.moe_a2a_overlap)
-            steps = pipeline_steps(kind_sched, s.p, st, s.mb_count, s.vp,
-                                   overlap=s.overlap_p2p, sync=s.batch_p2p, extra_warmup=extra)
-            if extra:
-                steps = pair_steps(steps, schedule(kind_sched, s.p, st, s.mb_count, s.vp, extra),
-                                   combined_warmup(s.p, st, s.mb_count, s.vp))
+            steps = self._stage_steps(st)
 
             def run_pair(f: tuple[str, int, int], b: tuple[str, int, int], st: int = st,
                          cls: RankClass = cls, last_on_stream: dict[str, Op] = last_on_stream
                          ) -> tuple[Op | None, Op | None]:
                 return self._run_pair(f, b, st, cls, last_on_stream)
 
-            add_stage(self.program, cls, st, steps, run_unit, link, last_on_stream, run_pair)
+            def run_weight(st: int = st, cls: RankClass = cls,
+                           last_on_stream: dict[str, Op] = last_on_stream
+                           ) -> tuple[Op | None, Op | None]:
+                return self._run_weight(st, cls, last_on_stream)
+
+            add_stage(self.program, cls, st, steps, run_unit, link, last_on_stream, run_pair,
+                      run_weight)
+
+    def _stage_steps(self, st: int) -> list[Step]:
+        """Stage ``st``'s schedule: units, transfers and waits (:func:`pipeline_steps`), or
+        DualPipeV's (:func:`~sim.frameworks.megatron.dualpipe.dualpipev_steps`)."""
+        s = self.s
+        if s.dualpipev:
+            steps = dualpipev_steps(s.p, st, s.mb_count)
+            self.zero_bubble[st] = {x.unit for x in steps if x.zero_bubble and x.unit}
+            self.deferred[st] = deque()
+            return steps
+        # The combined 1F1B schedule (moe_a2a_overlap): one more warm-up forward, then
+        # each steady forward and backward issued together (a2a_overlap).
+        kind_sched = s.schedule_kind
+        extra = int(s.opts.moe_a2a_overlap)
+        steps = pipeline_steps(kind_sched, s.p, st, s.mb_count, s.vp,
+                               overlap=s.overlap_p2p, sync=s.batch_p2p, extra_warmup=extra)
+        if extra:
+            steps = pair_steps(steps, schedule(kind_sched, s.p, st, s.mb_count, s.vp, extra),
+                               combined_warmup(s.p, st, s.mb_count, s.vp))
+        return steps
 
     def _run_unit(self, u: tuple[str, int, int], st: int, cls: RankClass,
                   last_on_stream: dict[str, Op]) -> tuple[Op | None, Op | None]:
         """Add one unit's ops, with the bucket ops hooked before and after them."""
         kind, chunk, mb = u
+        if self.s.dualpipev:
+            return self._run_plain(u, st, cls, last_on_stream)
         if self.s.opts.moe_a2a_overlap:
             # Lone units go through the combined schedule's plan too (the warm-up forwards
             # and cool-down backwards: forward_backward_helper_wrapper with one of them).
             return self._run_pair(u if kind == "F" else None, u if kind == "B" else None,
                                   st, cls, last_on_stream)
-        unit = self.units[(kind, chunk * self.s.p + st, mb)]
+        unit = self.units[(kind, self.s.place.virtual(st, chunk), mb)]
         for op in unit.ops:
             self._emit(op, cls, last_on_stream)
         if kind == "B":
             self.last_bwd[st] = unit.last  # type: ignore[assignment]
         return unit.first, unit.last
+
+    def _run_plain(self, u: Unit, st: int, cls: RankClass, last_on_stream: dict[str, Op]
+                   ) -> tuple[Op | None, Op | None]:
+        """DualPipeV's lone chunk: the module's plain forward or backward. A backward's
+        weight gradients run right after it, or, for a zero-bubble one, wait in the stage's
+        queue for a ``weight`` step."""
+        key = (u[0], self.s.place.virtual(st, u[1]), u[2])
+        unit = self.units[key]
+        for op in unit.ops:
+            self._emit(op, cls, last_on_stream)
+        if u[0] == "F":
+            return unit.first, unit.last
+        dw = [op for w in self.wgrad.get(key, {}).values() for op in (*w.mlp, *w.pre)]
+        if u in self.zero_bubble[st]:
+            self.deferred[st].append(dw)
+            dw = []
+        for op in dw:
+            self._emit(op, cls, last_on_stream)
+        self.last_bwd[st] = dw[-1] if dw else unit.last  # type: ignore[assignment]
+        return unit.first, self.last_bwd[st]
+
+    def _run_weight(self, st: int, cls: RankClass, last_on_stream: dict[str, Op]
+                    ) -> tuple[Op | None, Op | None]:
+        """DualPipeV's ``_weight_chunk``: the oldest deferred backward's weight gradients."""
+        dw = self.deferred[st].popleft()
+        for op in dw:
+            self._emit(op, cls, last_on_stream)
+        if not dw:
+            return None, None
+        self.last_bwd[st] = dw[-1]
+        return dw[0], dw[-1]
 
     def _emit(self, op: Op, cls: RankClass, last_on_stream: dict[str, Op]) -> None:
         """Add one op with the bucket ops hooked before and after it."""
@@ -358,13 +429,18 @@ class _Step:
                   ) -> tuple[Op | None, Op | None]:
         """A forward and a backward unit (or one of them) issued together, layer by layer
         (:func:`sim.frameworks.megatron.a2a_overlap.issue_pair`)."""
-        p = self.s.p
-        fu = self.units[(f[0], f[1] * p + st, f[2])].ops if f else []
-        bu = self.units[(b[0], b[1] * p + st, b[2])].ops if b else []
-        label = " ".join(f"{u[0]}{u[1] * p + st}.{u[2]}" for u in (f, b) if u)
+        place = self.s.place
+        if self.s.dualpipev and not self.s.opts.moe_a2a_overlap:
+            # DualPipe without an overlapped_forward_backward: the forward, then the backward.
+            assert f is not None and b is not None
+            first, _ = self._run_plain(f, st, cls, last_on_stream)
+            return first, self._run_plain(b, st, cls, last_on_stream)[1]
+        fu = self.units[(f[0], place.virtual(st, f[1]), f[2])].ops if f else []
+        bu = self.units[(b[0], place.virtual(st, b[1]), b[2])].ops if b else []
+        label = " ".join(f"{u[0]}{place.virtual(st, u[1])}.{u[2]}" for u in (f, b) if u)
         first, last = issue_pair(fu, bu, lambda op: self._emit(op, cls, last_on_stream),
-                                 label, self.wgrad.get((b[0], b[1] * p + st, b[2]))
-                                 if b and self.s.opts.delay_wgrad_compute else None,
+                                 label, self.wgrad.get((b[0], place.virtual(st, b[1]), b[2]))
+                                 if b and self.wgrad else None,
                                  single_queue=self.s.opts.cuda_device_max_connections == 1,
                                  node_cpu=node_host(bool(self.s.lay.fp8)))
         if b is not None:
@@ -390,8 +466,9 @@ class _Step:
             deps_done += self._tp_grad_all_reduce(st, cls, deps_done)
             # Tied, or copied for the multi-token prediction modules (_allreduce_word_
             # embedding_grads: share_embeddings_and_output_weights or mtp_num_layers).
+            # (Under DualPipeV's V the embedding and the head are both on stage 0.)
             if (s.model.tied_embeddings or s.mtp is not None) and s.p > 1 \
-                    and st in (0, s.p - 1):
+                    and s.place.last_stage != 0 and st in (0, s.p - 1):
                 pairs = s.stage_pairs(0, s.p - 1)
                 tie = program.add(cls, Op(
                     name=("tied" if s.model.tied_embeddings else "mtp") + " embedding all-reduce",
@@ -472,7 +549,8 @@ class _Step:
         if s.mtp is not None:   # the modules' layers, after the last chunk's
             chunks[-1] += [la for la in s.mtp.layers if moe.is_moe(la)]
         out = []
-        for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size):
+        for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size,
+                                s.place.virtual):
             b.parts = [x for x in b.parts if isinstance(x, int)]
             if b.parts:
                 out.append(b)

@@ -479,7 +479,7 @@ class UnitBuilder:
     def build_unit(self, kind: str, v: int, mb: int) -> UnitOps:
         """The forward (``F``) or backward (``B``) of virtual stage ``v``, micro-batch mb."""
         s = self.s
-        st = v % s.p
+        st = s.place.stage(v)
         unit = UnitOps(key=(kind, v, mb))
         receives = (v > 0) if kind == "F" else (v < s.n_virtual - 1)
         if receives and s.p2p_split > 1:

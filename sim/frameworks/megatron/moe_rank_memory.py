@@ -34,6 +34,7 @@ Cost: one micro-batch's units of a stage laid out again per class (at most
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 from sim.frameworks.common.moe_ranks import RankExperts
@@ -73,7 +74,7 @@ def stage_units(s: MegatronShape, cm: ComputeModel, cpu_call: float, st: int
     micro-batch; what differs by unit is the virtual stage: embedding, head, receives)."""
     ub = UnitBuilder(s, layer_costs(s, cm, cpu_call), KeySeq(), cm)
     return {(kind, v): ub.build_unit(kind, v, 0)
-            for v in range(st, s.n_virtual, s.p) for kind in ("F", "B")}
+            for v in s.place.stage_virtuals(st) for kind in ("F", "B")}
 
 
 def own_memory(program: Program, s: MegatronShape, cm: ComputeModel, cpu_call: float,
@@ -102,7 +103,7 @@ def own_memory(program: Program, s: MegatronShape, cm: ComputeModel, cpu_call: f
             continue
         st = stage_of[cls.members[0]]
         if st not in places:
-            places[st] = _unit_places(built[st], units, st, s.p)
+            places[st] = _unit_places(built[st], units, st, s.place.stage)
         mine = relaid.get((ep_rank, st))
         if mine is None:
             laid = stage_units(own_load_shape(s, load, ep_rank), cm, cpu_call, st)
@@ -131,12 +132,13 @@ def _ep_index(mesh: RankMesh, program: Program) -> dict[int, int]:
     return {r: mesh.coords(r).get("ep", 0) for c in program.classes for r in c.members}
 
 
-def _unit_places(cls: RankClass, units: dict[UnitKey, UnitOps], st: int, p: int) -> Places:
+def _unit_places(cls: RankClass, units: dict[UnitKey, UnitOps], st: int,
+                 stage: Callable[[int], int]) -> Places:
     """Where stage ``st``'s unit ops sit in ``cls``'s streams: by (pass, virtual stage,
     position in the unit), each micro-batch's (stream, position, micro-batch). A class split
     from ``cls`` has its ops at the same places (:func:`sim.program.split.split_ranks` copies
     the streams in order)."""
-    at = {id(op): (kind, v, j, mb) for (kind, v, mb), u in units.items() if v % p == st
+    at = {id(op): (kind, v, j, mb) for (kind, v, mb), u in units.items() if stage(v) == st
           for j, op in enumerate(u.ops)}
     out: Places = {}
     for stream, ops in cls.streams.items():

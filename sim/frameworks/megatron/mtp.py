@@ -127,7 +127,7 @@ class MTPOps:
         self.ub = ub
         self.plan = plan
         s = ub.s
-        self.st = s.p - 1
+        self.st = s.place.last_stage
         self.sp = s.t > 1 and s.sp
         # Under full recomputation the checkpoint keeps its two inputs (the hidden state and
         # the embedding, sequence shards) instead of what the projection saves.

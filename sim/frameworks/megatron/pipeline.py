@@ -177,12 +177,62 @@ def _uneven_chunks(layers: int, p: int, vp: int, first: int | None, last: int | 
     return out
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which pipeline stage runs each virtual stage ``v`` (0 .. p * vp - 1 in the order the
+    activations flow through them) and which model chunk of it ``v`` is.
+
+    Megatron-Core's interleaved placement loops: stage ``v % p`` runs ``v``. DualPipeV
+    (``v_shape``, deepseek-ai/DualPipe ``dualpipev.py``) folds the 2p virtual stages into a
+    V: rank ``s`` runs ``s`` and ``2p - 1 - s``, so the first and the last virtual stage (the
+    embedding, and the output layer with the loss) are both on stage 0.
+
+    Examples
+    --------
+    >>> loop, vee = Placement(4, 2), Placement(4, 2, v_shape=True)
+    >>> [loop.stage(v) for v in range(8)], [vee.stage(v) for v in range(8)]
+    ([0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 3, 2, 1, 0])
+    >>> vee.virtual(1, 1), vee.chunk(6), vee.last_stage
+    (6, 1, 0)
+    """
+
+    p: int
+    vp: int
+    v_shape: bool = False
+
+    def stage(self, v: int) -> int:
+        """The stage running virtual stage ``v``."""
+        if self.v_shape:
+            return v if v < self.p else 2 * self.p - 1 - v
+        return v % self.p
+
+    def chunk(self, v: int) -> int:
+        """The model chunk (0 .. vp - 1) of its stage that virtual stage ``v`` is."""
+        return v // self.p
+
+    def virtual(self, st: int, c: int) -> int:
+        """The virtual stage that is model chunk ``c`` of stage ``st``."""
+        if self.v_shape and c == 1:
+            return 2 * self.p - 1 - st
+        return c * self.p + st
+
+    def stage_virtuals(self, st: int) -> list[int]:
+        """Stage ``st``'s virtual stages, chunk 0 first."""
+        return [self.virtual(st, c) for c in range(self.vp)]
+
+    @property
+    def last_stage(self) -> int:
+        """The stage holding the last virtual stage (the output layer and the loss)."""
+        return self.stage(self.p * self.vp - 1)
+
+
 @dataclass
 class Step:
-    """One item of a stage's program: run a unit, post transfers, or wait for them."""
+    """One item of a stage's program: run a unit, post transfers, wait for them, or run the
+    oldest deferred weight gradients (DualPipe's ``_weight_chunk``)."""
 
     what: str
-    """``unit``, ``post`` or ``wait``."""
+    """``unit``, ``post``, ``wait`` or ``weight``."""
     unit: Unit | None = None
     transfers: list[tuple[str, Transfer]] = field(default_factory=list)
     """(``send``|``recv``, transfer) posted or waited for."""
@@ -191,6 +241,9 @@ class Step:
     paired: Unit | None = None
     """A unit step's backward issued together with its forward ``unit`` (the combined 1F1B
     schedule, :mod:`sim.frameworks.megatron.a2a_overlap`)."""
+    zero_bubble: bool = False
+    """A backward unit whose weight gradients wait for a later ``weight`` step (DualPipe's
+    ``enable_zb``: ``WeightGradStore``, first in, first out)."""
 
 
 def pipeline_steps(kind: str, p: int, s: int, m: int, vp: int, overlap: bool = True,
@@ -358,15 +411,31 @@ class P2PLink:
     p: int
     dtype: NcclType | None = None
     """NCCL type of the activations and gradients sent."""
+    place: Placement | None = None
+    """Which stage runs each virtual stage; None: Megatron-Core's loop (``v % p``)."""
+
+    def stage(self, v: int) -> int:
+        """The stage running virtual stage ``v``."""
+        return self.place.stage(v) if self.place is not None else v % self.p
+
+    def stream(self, d: str, role: str, src: int, dst: int) -> str:
+        """The transfer's stream: one per direction and role; under a V placement also per
+        peer (a stage sends activations both up and down the pipeline, and PyTorch runs each
+        peer pair's sends and receives on that pair's own NCCL communicator and stream)."""
+        if self.place is None or not self.place.v_shape:
+            return f"pp-{d}-{role}"
+        return f"pp-{d}-{role}-{'up' if dst > src else 'down'}"
 
 
 def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
               run_unit: Callable[[Unit], tuple[Op | None, Op | None]], link: P2PLink,
               last_on_stream: dict[str, Op],
-              run_pair: Callable[[Unit, Unit], tuple[Op | None, Op | None]] | None = None
+              run_pair: Callable[[Unit, Unit], tuple[Op | None, Op | None]] | None = None,
+              run_weight: Callable[[], tuple[Op | None, Op | None]] | None = None
               ) -> None:
     """Add stage ``st``'s program: units (``run_unit`` adds their ops and returns the first
-    and last; ``run_pair`` a paired step's two units), and each transfer as a rendezvous op
+    and last; ``run_pair`` a paired step's two units; ``run_weight`` a ``weight`` step's
+    deferred weight gradients), and each transfer as a rendezvous op
     on a stream per direction and role (the streams of the two stages carry their transfers
     in the same order, as NCCL's matching sends and receives must be). A unit waits for its
     transfers; a synchronizing wait also for the last op on every stream of the stage
@@ -381,12 +450,16 @@ def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
         return op
 
     for step in steps:
-        if step.what == "unit":
-            assert step.unit is not None
-            if step.paired is not None:
+        if step.what in ("unit", "weight"):
+            if step.what == "weight":
+                assert run_weight is not None
+                first, end = run_weight()
+            elif step.paired is not None:
                 assert run_pair is not None
+                assert step.unit is not None
                 first, end = run_pair(step.unit, step.paired)
             else:
+                assert step.unit is not None
                 first, end = run_unit(step.unit)
             if first is not None and pending:
                 first.deps = list(first.deps) + pending
@@ -396,12 +469,13 @@ def add_stage(program: Program, cls: RankClass, st: int, steps: list[Step],
             for role, tr in step.transfers:
                 k, v, mb = tr
                 nxt = v + 1 if k == "F" else v - 1
-                src, dst = v % link.p, nxt % link.p
+                src, dst = link.stage(v), link.stage(nxt)
                 what = "act" if k == "F" else "grad"
                 d = "fwd" if k == "F" else "bwd"
                 posted[tr] = add(Op(
                     name=f"{role} {what} v{v}->v{nxt} mb{mb}", kind="recv",
-                    stream=f"pp-{d}-{role}", phase="comm", deps=[last] if last else [],
+                    stream=link.stream(d, role, src, dst), phase="comm",
+                    deps=[last] if last else [],
                     pairs=link.pairs(src, dst), nbytes=link.nbytes, dtype=link.dtype,
                     key=f"pp/{k}/{v}/{mb}",
                     category="send_recv", micro_batch=mb, cpu_s=link.cpu_s))

@@ -17,6 +17,7 @@ from typing import Literal
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.buckets import data_parallel_modes
+from sim.frameworks.megatron.dualpipe import check_dualpipev
 from sim.frameworks.megatron.layout import as_layout, check_layout
 from sim.frameworks.megatron.moe_dispatch import check_moe
 from sim.frameworks.megatron.moe_plan import MoEPlan, moe_plan
@@ -28,7 +29,7 @@ from sim.frameworks.megatron.optimizer_precision import (
     fp8_weight_bytes,
     optimizer_plan,
 )
-from sim.frameworks.megatron.pipeline import chunk_layers, p2p_modes
+from sim.frameworks.megatron.pipeline import Placement, chunk_layers, p2p_modes
 from sim.frameworks.megatron.recompute import check_recompute, recompute_modules, recompute_plan
 from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
@@ -93,7 +94,8 @@ class MegatronShape:
     grad_bytes: int
     """Bytes per gradient element in the reduced buffers (fp32 or 16-bit)."""
     chunks: list[list[int]]
-    """Layer numbers of each virtual stage (model chunk v runs on stage v % p)."""
+    """Layer numbers of each virtual stage, in the order activations flow through them
+    (:attr:`place` says which stage runs each)."""
     stage_layer_count: list[int]
     layer_params: float
     """Parameters of one transformer layer on one tensor-parallel rank."""
@@ -150,8 +152,21 @@ class MegatronShape:
     def schedule_kind(self) -> str:
         """The kind :func:`~sim.frameworks.megatron.pipeline.schedule` takes: virtual stages
         run the interleaved 1F1B (Megatron's only interleaved schedule), one chunk a stage
-        runs ``framework.pipeline_schedule``."""
+        runs ``framework.pipeline_schedule``; ``dualpipev`` is DeepSeek's
+        (:mod:`sim.frameworks.megatron.dualpipe`)."""
+        if self.dualpipev:
+            return "dualpipev"
         return "1f1b" if self.vp > 1 else self.opts.pipeline_schedule
+
+    @property
+    def dualpipev(self) -> bool:
+        """DeepSeek's DualPipeV schedule on a V placement of the virtual stages."""
+        return self.opts.pipeline_schedule == "dualpipev"
+
+    @cached_property
+    def place(self) -> Placement:
+        """Which stage runs each virtual stage: Megatron-Core's loop, or DualPipeV's V."""
+        return Placement(self.p, self.vp, v_shape=self.dualpipev)
 
     @property
     def legacy(self) -> bool:
@@ -215,7 +230,7 @@ class MegatronShape:
     # ------------------------------------------------------------------ per-stage sizes
     def stage_layers(self, st: int) -> list[int]:
         """Transformer layers of stage ``st``, all its model chunks."""
-        return [la for v in range(st, self.n_virtual, self.p) for la in self.chunks[v]]
+        return [la for v in self.place.stage_virtuals(st) for la in self.chunks[v]]
 
     def stage_params(self, st: int) -> float:
         """Parameters of stage ``st`` on one tensor-parallel rank, routed experts excepted
@@ -229,7 +244,7 @@ class MegatronShape:
                     for la in self.stage_layers(st))
         if st == 0:
             n += self.emb_params
-        if st == self.p - 1:
+        if st == self.place.last_stage:
             n += self.head_params
         return n
 
@@ -240,7 +255,7 @@ class MegatronShape:
             return 0.0
         moe = self.moe
         mtp = self.mtp.depths * self.mtp.expert_params \
-            if self.mtp is not None and st == self.p - 1 else 0.0
+            if self.mtp is not None and st == self.place.last_stage else 0.0
         return sum(moe.expert_params for la in self.stage_layers(st) if moe.is_moe(la)) + mtp
 
     @property
@@ -263,7 +278,7 @@ class MegatronShape:
             moe_lin = moe.expert_params + (moe.ops.shared.params if moe.ops.shared else 0)
             n = float(sum(attn + (moe_lin if moe.is_moe(la) else mlp)
                           for la in self.stage_layers(st)))
-        if self.mtp is not None and st == self.p - 1:
+        if self.mtp is not None and st == self.place.last_stage:
             layer = self.linear_params if self.moe is None else \
                 self.cost["attn_main"].params + self.moe.expert_params + (
                     self.moe.ops.shared.params if self.moe.ops.shared else 0)
@@ -486,7 +501,10 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     mb_count = ctx.micro_batches
     align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
     overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm, p, vp)
-    ctx.require(vp == 1 or mb_count % p == 0, "training.global_batch_size",
+    if opts.pipeline_schedule == "dualpipev":
+        check_dualpipev(ctx, opts, p, vp, mb_count)
+    ctx.require(vp == 1 or mb_count % p == 0 or opts.pipeline_schedule == "dualpipev",
+                "training.global_batch_size",
                 f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
                 f"of pp={p}")
     sp = par.sequence_parallel and t > 1
@@ -515,6 +533,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         else precision in ("bf16", "fp8")
     optim = optimizer_plan(opts, precision, 4 if grad_fp32 else 2)
     chunks = scenario_chunks(m, opts, p, vp)
+    place = Placement(p, vp, v_shape=opts.pipeline_schedule == "dualpipev")
     vocab_local = padded_vocab(m, t) // t
     local_tokens = tokens // t if sp else tokens
     dense_layer = (cost["attn_pre"].params + cost["attn_main"].params
@@ -538,7 +557,7 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         tokens=tokens, local_tokens=local_tokens, h=m.hidden,
         act=2,  # 16-bit activations
         grad_bytes=4 if grad_fp32 else 2, chunks=chunks,
-        stage_layer_count=[sum(len(chunks[v]) for v in range(st, p * vp, p))
+        stage_layer_count=[sum(len(chunks[v]) for v in place.stage_virtuals(st))
                            for st in range(p)],
         layer_params=layer_params,
         vocab_local=vocab_local,

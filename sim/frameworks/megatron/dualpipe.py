@@ -1,0 +1,218 @@
+"""DeepSeek's DualPipeV pipeline schedule (``framework.pipeline_schedule: dualpipev``).
+
+DualPipe (DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.1) feeds micro-batches
+from both ends of the pipeline, overlaps a forward chunk with a backward chunk ("F&B") so
+that each one's all-to-alls and pipeline sends hide under the other's compute, and defers
+some weight gradients to fill the bubble (zero bubble, arXiv 2401.10241). DualPipeV, its
+"cut-in-half" form (Sea AI Lab; deepseek-ai/DualPipe ``dualpipe/dualpipev.py`` @ 3da1bbe),
+has the same bubble, (PP/2 - 1)(F&B + B - 3W) for PP stages, on half the ranks: the model is
+cut into 2p virtual stages folded into a V (rank ``s`` runs virtual stages ``s`` and
+``2p - 1 - s``, :class:`~sim.frameworks.megatron.pipeline.Placement`), every micro-batch goes
+down the ranks through chunk 0 and back up through chunk 1, and the loss is on rank 0.
+
+:func:`dualpipev_steps` transcribes ``DualPipeV.step``'s eight phases for one rank, with its
+communication as the code issues it: receives and sends are queued (``comm.append_irecv`` /
+``append_isend``) and posted together, then waited for, just before the next compute chunk
+(``_commit_and_wait_comm``: ``batch_isend_irecv`` and ``req.wait()``, a stream wait, no
+device synchronize), so a chunk's output leaves when the rank starts its next chunk. The
+last rank hands chunk 0's output to its chunk 1 (and the gradient back) without a transfer.
+
+What each chunk runs here: the rank's Megatron-Core layers (this framework's units). A lone
+forward or backward runs as the plain module does; an F&B pair runs the forward and the
+backward one after the other, or, with ``framework.moe_a2a_overlap``, interleaved layer by
+layer with the all-to-alls on a second stream as Megatron-Core's combined 1F1B does
+(:func:`sim.frameworks.megatron.a2a_overlap.issue_pair`: DeepSeek's own
+``overlapped_forward_backward`` is not public; the report's Figure 4 shows the same split of
+attention, dispatch, MLP and combine). A zero-bubble backward (``enable_zb``) leaves its
+weight-gradient GEMMs (the Transformer Engine linears' wgrads,
+:mod:`sim.frameworks.megatron.delay_wgrad`) to the ``weight`` step that pops it, first in,
+first out; their saved inputs stay allocated until then.
+
+DualPipe itself (both directions on ``p`` ranks, two copies of every stage's parameters and
+their gradients summed across the pair) is not modelled: DualPipeV runs the same per-rank
+compute with the same bubble and holds one copy.
+"""
+
+from __future__ import annotations
+
+from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.pipeline import Step, Transfer, Unit
+from sim.scenario import MegatronOptions
+
+KEY = "framework.pipeline_schedule"
+
+
+def dualpipev_steps(p: int, s: int, m: int) -> list[Step]:
+    """Rank ``s``'s program under DualPipeV with ``p`` ranks (2p virtual stages) and ``m``
+    micro-batches: units ``(F|B, chunk, micro-batch)``, paired F&B steps, the pending
+    transfers posted and waited for before each compute step, and ``weight`` steps.
+
+    Examples
+    --------
+    Every rank runs each of its two chunks' forward and backward once a micro-batch, and pops
+    as many weight steps as it deferred backwards:
+
+    >>> steps = dualpipev_steps(4, 1, 8)
+    >>> units = [u for st in steps if st.what == "unit" for u in (st.unit, st.paired) if u]
+    >>> len(units), len(set(units))
+    (32, 32)
+    >>> sum(st.zero_bubble for st in steps) == sum(st.what == "weight" for st in steps)
+    True
+
+    The last rank's first steps: micro-batch 0's forward through chunk 0, whose output goes
+    to chunk 1 on the rank; but before chunk 1 runs, the rank posts and waits for the next
+    micro-batch's input, queued in between (``_forward_chunk`` commits whatever is queued).
+
+    >>> for st in dualpipev_steps(4, 3, 8)[2:6]:
+    ...     print(st.what, st.unit or st.transfers)
+    unit ('F', 0, 0)
+    post [('recv', ('F', 2, 1))]
+    wait [('recv', ('F', 2, 1))]
+    unit ('F', 1, 0)
+    """
+    first, last = s == 0, s == p - 1
+    v_of = (s, 2 * p - 1 - s)
+    f_id, b_id = [0, 0], [0, 0]
+    sent_f, sent_b, got_f, got_b = [0, 0], [0, 0], [0, 0], [0, 0]
+    pending: list[tuple[str, Transfer]] = []
+    steps: list[Step] = []
+
+    def recv_forward(c: int) -> None:
+        if (first and c == 0) or (last and c == 1):
+            return      # the batch's input, or chunk 0's output on the same rank
+        pending.append(("recv", ("F", v_of[c] - 1, got_f[c])))
+        got_f[c] += 1
+
+    def send_forward(c: int) -> None:
+        if (first and c == 1) or (last and c == 0):
+            return      # the loss, or chunk 1's input on the same rank
+        pending.append(("send", ("F", v_of[c], sent_f[c])))
+        sent_f[c] += 1
+
+    def recv_backward(c: int) -> None:
+        if (first and c == 1) or (last and c == 0):
+            return
+        pending.append(("recv", ("B", v_of[c] + 1, got_b[c])))
+        got_b[c] += 1
+
+    def send_backward(c: int) -> None:
+        if (first and c == 0) or (last and c == 1):
+            return
+        pending.append(("send", ("B", v_of[c], sent_b[c])))
+        sent_b[c] += 1
+
+    def commit() -> None:
+        if pending:
+            steps.append(Step("post", transfers=list(pending)))
+            steps.append(Step("wait", transfers=list(pending)))
+            pending.clear()
+
+    def take(kind: str, c: int) -> Unit:
+        ids = f_id if kind == "F" else b_id
+        ids[c] += 1
+        return (kind, c, ids[c] - 1)
+
+    def forward(c: int, recv: bool = True, send: bool = True) -> None:
+        if recv:
+            recv_forward(c)
+        commit()
+        steps.append(Step("unit", take("F", c)))
+        if send:
+            send_forward(c)
+
+    def backward(c: int, zb: bool = False, recv: bool = True, send: bool = True) -> None:
+        if recv:
+            recv_backward(c)
+        commit()
+        steps.append(Step("unit", take("B", c), zero_bubble=zb))
+        if send:
+            send_backward(c)
+
+    def forward_backward(c0: int, c1: int, recv0: bool = True) -> None:
+        if recv0:
+            recv_forward(c0)
+        recv_backward(c1)
+        commit()
+        steps.append(Step("unit", take("F", c0), paired=take("B", c1)))
+        send_forward(c0)
+        send_backward(c1)
+
+    def weight() -> None:
+        commit()
+        steps.append(Step("weight"))
+
+    for _ in range((p - s - 1) * 2):                  # step 1: nF0
+        forward(0)
+    recv_forward(0)                                   # step 2: nF0F1
+    for i in range(s + 1):
+        forward(0, recv=False, send=False)
+        recv_forward(0)
+        forward(1, send=(not last) or i < s)
+        send_forward(0)
+    for _ in range(p - s - 1):                        # step 3: nB1W1F1 (zero bubble)
+        backward(1, zb=True)
+        recv_forward(1)
+        weight()
+        forward(1, recv=False)
+    for i in range(m - 2 * p + s + 1):                # step 4 (main): nF0B1F1B0
+        if i == 0 and last:
+            # DualPipeV does not overlap these two chunks "to further reduce bubble size".
+            forward(0, recv=False, send=False)
+            send_forward(1)
+            backward(1, send=False)
+            send_forward(0)
+            send_backward(1)
+        else:
+            forward_backward(0, 1, recv0=i > 0)
+        forward_backward(1, 0)
+    for _ in range(p - s - 1):                        # step 5: nB1F1B0
+        backward(1)
+        forward_backward(1, 0)
+    zb = False                                        # step 6: nB1B0, second half zero bubble
+    n6 = s + 1
+    for i in range(n6):
+        if i == n6 // 2 and s % 2 == 1:
+            zb = True
+        backward(1, zb=zb)
+        if i == n6 // 2 and s % 2 == 0:
+            zb = True
+        backward(0, zb=zb)
+    for _ in range(p - s - 1):                        # step 7: nWB0 (zero bubble)
+        weight()
+        backward(0, zb=True)
+    for _ in range(s + 1):                            # step 8: nW
+        weight()
+    commit()
+    return steps
+
+
+def dualpipev_order(p: int, s: int, m: int) -> list[Unit]:
+    """Rank ``s``'s units in the order it runs them (each F&B pair forward first).
+
+    >>> [f"{k}{c}.{i}" for k, c, i in dualpipev_order(2, 1, 4)[:6]]
+    ['F0.0', 'F1.0', 'F0.1', 'F1.1', 'F0.2', 'B1.0']
+    """
+    return [u for st in dualpipev_steps(p, s, m) if st.what == "unit"
+            for u in (st.unit, st.paired) if u is not None]
+
+
+def check_dualpipev(ctx: JobContext, o: MegatronOptions, p: int, vp: int, m: int) -> None:
+    """Refuse what DualPipeV cannot run, one line naming the key: two model chunks a rank
+    (``parallelism.vp: 2``), at least two ranks, and at least 2p micro-batches
+    (``DualPipeV.step``: ``num_chunks >= num_ranks * 2``); and the options whose modelled
+    form assumes Megatron-Core's own schedules."""
+    ctx.require(vp == 2, "parallelism.vp",
+                "pipeline_schedule dualpipev runs two model chunks a rank (a V of 2 x pp "
+                "virtual stages): set parallelism.vp: 2")
+    ctx.require(p >= 2, "parallelism.pp", "pipeline_schedule dualpipev needs pp >= 2")
+    ctx.require(m >= 2 * p, "training.global_batch_size",
+                f"DualPipeV needs at least 2 x pp = {2 * p} micro-batches a step, not {m} "
+                "(dualpipev.py: num_chunks >= num_ranks * 2)")
+    for key, on in (("delay_wgrad_compute", o.delay_wgrad_compute),
+                    ("fine_grained_activation_offloading",
+                     o.fine_grained_activation_offloading),
+                    ("overlap_param_gather_with_optimizer_step",
+                     o.overlap_param_gather_with_optimizer_step)):
+        ctx.require(not on, f"framework.{key}",
+                    f"{key} is not modelled with pipeline_schedule dualpipev (DualPipeV "
+                    "defers its own weight gradients and runs its own chunk order)")

@@ -1,0 +1,172 @@
+"""DeepSeek's DualPipeV schedule (``framework.pipeline_schedule: dualpipev``).
+
+Checked against the DualPipe README's bubble, (PP/2 - 1)(F&B + B - 3W) for PP stages
+(deepseek-ai/DualPipe @ 3da1bbe, "Pipeline Bubbles and Memory Usage Comparison"), by an
+independent list scheduler of the schedule's units; against the engine (the same schedule's
+idle share with the unit times the program holds); and by conservation (every unit once, every
+transfer matched, activations back to zero).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import megatron_scenario, pipeline_idle_share
+
+from sim.api import simulate
+from sim.frameworks import JobContext
+from sim.frameworks.megatron.dualpipe import dualpipev_steps
+from sim.frameworks.megatron.pipeline import Placement
+from sim.frameworks.megatron.shape import megatron_shape
+from sim.scenario import ScenarioError
+
+DPV = {"name": "megatron", "pipeline_schedule": "dualpipev"}
+
+
+def list_schedule(p: int, m: int, f: float, b: float, w: float) -> float:
+    """Makespan of DualPipeV's units on ``p`` ranks with free communication: a rank runs its
+    steps in order, a unit starts once its input (the previous virtual stage's forward, the
+    next one's backward) is done; a zero-bubble backward takes ``b - w`` and its ``weight``
+    step ``w``; an F&B pair runs its forward, then its backward."""
+    steps = {s: [x for x in dualpipev_steps(p, s, m) if x.what in ("unit", "weight")]
+             for s in range(p)}
+    place = Placement(p, 2, v_shape=True)
+    done: dict[tuple[str, int, int], float] = {}
+    clock, at = dict.fromkeys(range(p), 0.0), dict.fromkeys(range(p), 0)
+
+    def ready(s: int, u: tuple[str, int, int]) -> float | None:
+        k, c, mb = u
+        v = place.virtual(s, c)
+        if k == "F":
+            return 0.0 if v == 0 else done.get(("F", v - 1, mb))
+        return done.get(("F", v, mb)) if v == 2 * p - 1 else done.get(("B", v + 1, mb))
+
+    moved = True
+    while moved:
+        moved = False
+        for s in range(p):
+            while at[s] < len(steps[s]):
+                st = steps[s][at[s]]
+                if st.what == "weight":
+                    clock[s] += w
+                else:
+                    units = [u for u in (st.unit, st.paired) if u is not None]
+                    starts = [ready(s, u) for u in units]
+                    if any(x is None for x in starts):
+                        break
+                    t = max([clock[s], *(x for x in starts if x is not None)])
+                    for u in units:
+                        t += f if u[0] == "F" else (b - w if st.zero_bubble else b)
+                        done[(u[0], place.virtual(s, u[1]), u[2])] = t
+                    clock[s] = t
+                at[s] += 1
+                moved = True
+    assert all(at[s] == len(steps[s]) for s in range(p)), "the schedule deadlocks"
+    return max(clock.values())
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 20), (8, 32), (16, 40)])
+def test_bubble_is_the_readmes_closed_form(p: int, m: int) -> None:
+    # B = 2F, W = F (the README's figure): every rank computes 2m (F + B) and idles
+    # (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages and F&B = F + B.
+    f, b, w = 1.0, 2.0, 1.0
+    bubble = list_schedule(p, m, f, b, w) - 2 * m * (f + b)
+    assert bubble == pytest.approx((p - 1) * (f + b + b - 3 * w))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 6), (4, 16), (8, 20)])
+def test_every_unit_runs_once_and_every_deferred_wgrad_is_popped(p: int, m: int) -> None:
+    for s in range(p):
+        steps = dualpipev_steps(p, s, m)
+        units = [u for x in steps if x.what == "unit" for u in (x.unit, x.paired) if u]
+        assert sorted(units) == sorted((k, c, i) for k in "FB" for c in (0, 1)
+                                       for i in range(m))
+        assert sum(x.zero_bubble for x in steps) == sum(x.what == "weight" for x in steps)
+
+
+def test_transfers_match_between_ranks() -> None:
+    # Every send has its receive on the peer rank, with the same key, once.
+    p, m = 4, 12
+    place = Placement(p, 2, v_shape=True)
+    sends, recvs = [], []
+    for s in range(p):
+        for x in dualpipev_steps(p, s, m):
+            if x.what == "post":
+                for role, (k, v, mb) in x.transfers:
+                    nxt = v + 1 if k == "F" else v - 1
+                    (sends if role == "send" else recvs).append((k, v, mb))
+                    owner = place.stage(v) if role == "send" else place.stage(nxt)
+                    assert owner == s
+    assert sorted(sends) == sorted(recvs)
+    assert len(set(sends)) == len(sends)
+    # Chunk 0's output on the last rank goes to its own chunk 1: no transfer.
+    assert not any(v == p - 1 and k == "F" for k, v, _ in sends)
+
+
+def _run(p: int, m: int, fw: dict, vp: int = 2):
+    return simulate(megatron_scenario({"tp": 1, "pp": p, "vp": vp, "dp": 1}, gbs=m, gpn=p,
+                                      framework=fw))
+
+
+def test_engine_runs_the_schedule_it_is_given() -> None:
+    # The engine's idle share equals the list schedule's with the unit times of the program
+    # (near-free communication: one node, NVLink at 45 TB/s).
+    p, m = 4, 16
+    r = _run(p, m, DPV)
+    cls = r.program.classes[1]
+    ops = [o for ops in cls.streams.values() for o in ops]
+    f = sum(o.duration for o in ops if o.phase == "fwd") / (2 * m)
+    b = sum(o.duration for o in ops if o.phase == "bwd") / (2 * m)
+    w = sum(o.duration for o in ops if "delayed wgrad" in o.name) / (2 * m)
+    assert 0 < w < b
+    expect = list_schedule(p, m, f, b, w)
+    got = pipeline_idle_share(r)
+    assert got == pytest.approx(1 - 2 * m * (f + b) / expect, abs=0.01)
+
+
+def test_dualpipev_idles_less_than_interleaved_1f1b() -> None:
+    p, m = 4, 16
+    dpv = pipeline_idle_share(_run(p, m, DPV))
+    inter = pipeline_idle_share(_run(p, m, {"name": "megatron"}))
+    plain = pipeline_idle_share(_run(p, m, {"name": "megatron"}, vp=1))
+    assert dpv < inter < plain
+
+
+def test_v_placement_puts_embedding_and_head_on_stage_zero() -> None:
+    s = megatron_scenario({"tp": 1, "pp": 4, "vp": 2, "dp": 1}, gbs=8, gpn=4, framework=DPV)
+    sh = megatron_shape(JobContext.from_scenario(s))
+    assert sh.place.last_stage == 0
+    assert [sh.stage_layers(st) for st in range(4)] == [
+        [0, 1, 2, 3, 28, 29, 30, 31], [4, 5, 6, 7, 24, 25, 26, 27],
+        [8, 9, 10, 11, 20, 21, 22, 23], [12, 13, 14, 15, 16, 17, 18, 19]]
+    total = sum(sh.stage_params(st) for st in range(4))
+    assert total == pytest.approx(sh.model.total_params, rel=1e-12)
+    # Stage 0 holds the embedding and the output layer; the others only layers.
+    assert sh.stage_params(0) - sh.stage_params(1) == pytest.approx(
+        sh.emb_params + sh.head_params, rel=1e-9)
+
+
+def test_activations_are_freed_and_bytes_conserved() -> None:
+    r = _run(4, 8, DPV)
+    for c in r.program.classes:
+        held = 0.0
+        for ops in c.streams.values():
+            for op in ops:
+                held += sum(b for pool, b in op.alloc if pool == "activations")
+                held -= sum(b for pool, b in op.free if pool == "activations")
+        assert held == pytest.approx(0.0, abs=1.0)
+    sent = sum(x.op.nbytes for x in r.recorder.ops if x.op.kind == "recv"
+               and x.op.name.startswith("send"))
+    got = sum(x.op.nbytes for x in r.recorder.ops if x.op.kind == "recv"
+              and x.op.name.startswith("recv"))
+    assert sent == got > 0
+
+
+@pytest.mark.parametrize("par,gbs,fw,key", [
+    ({"vp": 1}, 16, {}, "parallelism.vp"),
+    ({"vp": 2}, 4, {}, "training.global_batch_size"),
+    ({"vp": 2}, 16, {"delay_wgrad_compute": True}, "framework.delay_wgrad_compute"),
+])
+def test_refusals_name_the_key(par: dict, gbs: int, fw: dict, key: str) -> None:
+    with pytest.raises(ScenarioError, match=key):
+        simulate(megatron_scenario({"tp": 1, "pp": 4, "dp": 1, **par}, gbs=gbs, gpn=4,
+                                   framework={**DPV, **fw}))
