@@ -56,7 +56,8 @@ SLOW = {
     "deepseek-v3-megatron-tp2pp16ep64-1024xh100":
         "250,922 ops: 16 stages x 128 micro-batches, 64-GPU all-to-alls, ~36 s CPU",
     "deepseek-v3-megatron-pp16ep64-2048xh800":
-        "2,048 GPUs: 16 stages x 120 micro-batches, 64-GPU all-to-alls, ~30-50 s",
+        "2,048 GPUs: 16 stages x 2 chunks x 120 micro-batches (DualPipeV), 64-GPU "
+        "all-to-alls, ~70-80 s",
     "bloom-176b-deepspeed-3d-384xa100":
         "128,378 ops: 12 stages x 128 micro-batches, ~15 s CPU "
         "(tests/integration/test_deepspeed_pipe.py)",
