@@ -105,9 +105,9 @@ def check_a2a_overlap(ctx: JobContext, s: MegatronShape) -> None:
                 "with pipeline parallelism the combined 1F1B schedule needs virtual stages "
                 "(parallelism.vp > 1: virtual_pipeline_model_parallel_size must be specified "
                 "when pipeline_model_parallel_size > 1)")
-    ctx.require(o.pipeline_schedule in ("1f1b", "dualpipev"), KEY,
-                "the combined schedule replaces 1F1B (pipeline_schedule: 1f1b); DualPipeV "
-                "overlaps its F&B pairs with it (pipeline_schedule: dualpipev)")
+    ctx.require(o.pipeline_schedule in ("1f1b", "dualpipe", "dualpipev"), KEY,
+                "the combined schedule replaces 1F1B (pipeline_schedule: 1f1b); DualPipe "
+                "overlaps its F&B pairs with it (pipeline_schedule: dualpipe or dualpipev)")
     ctx.require(s.ac != "full", KEY,
                 "disable full recomputation (activation_checkpointing: full) with "
                 "overlap_moe_expert_parallel_comm")

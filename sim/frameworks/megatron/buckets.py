@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.megatron.pipeline import Placement
 from sim.program.ir import NcclType, Op
 from sim.scenario import MegatronOptions
 
@@ -104,10 +105,10 @@ def bucket_size(size: int | None, overlap_grad_reduce: bool, dp_cp: int) -> int 
 
 def assign_buckets(st: int, p: int, vp: int, chunks: list[list[int]], layer_params: float,
                    emb_params: float, head_params: float, size: int | None,
-                   virtual: Callable[[int, int], int] | None = None) -> list[Bucket]:
+                   place: Placement | None = None) -> list[Bucket]:
     """Buckets of stage ``st``, every model chunk, as Megatron-Core assigns them.
-    ``virtual``: (stage, chunk) -> virtual stage (default Megatron-Core's ``c * p + st``;
-    :class:`~sim.frameworks.megatron.pipeline.Placement`).
+    ``place``: which virtual stages are the stage's chunks, and which take the input or end
+    a pipeline (default Megatron-Core's loop).
 
     Examples
     --------
@@ -120,15 +121,15 @@ def assign_buckets(st: int, p: int, vp: int, chunks: list[list[int]], layer_para
     >>> [len(assign_buckets(1, 2, 2, ch, 30e6, 10e6, 10e6, 40_000_000))]
     [2]
     """
-    n = p * vp
+    pl = place if place is not None else Placement(p, vp)
     out: list[Bucket] = []
     for c in range(vp):
-        v = virtual(st, c) if virtual is not None else c * p + st
+        v = pl.virtual(st, c)
         parts: list[tuple[int | str, float]] = []
-        if v == n - 1:
+        if pl.is_last(v):
             parts.append(("head", head_params))
         parts += [(layer, layer_params) for layer in reversed(chunks[v])]
-        if v == 0:
+        if pl.is_first(v):
             parts.append(("embed", emb_params))
         limit = size if (st == 0 and c == 0) else None
         cur = Bucket(v, 0.0)

@@ -88,7 +88,7 @@ from sim.frameworks.megatron.delay_wgrad import (
     check_delay_wgrad,
     resplit_expert_classes,
 )
-from sim.frameworks.megatron.dualpipe import dualpipev_order, dualpipev_steps
+from sim.frameworks.megatron.dualpipe import deepseek_order, deepseek_steps
 from sim.frameworks.megatron.layer import (
     KeySeq,
     UnitBuilder,
@@ -155,7 +155,7 @@ def build_megatron(ctx: JobContext) -> Program:
     program = Program(classes, ctx.n_ranks, ctx.tokens_per_step, ctx.model_flops_per_step(),
                       0.0, micro_batches=s.mb_count, pipeline_stages=s.p)
     program.meta.update(framework="megatron", style="megatron",
-                        schedule=(s.opts.pipeline_schedule if s.vp == 1 or s.dualpipev
+                        schedule=(s.opts.pipeline_schedule if s.vp == 1 or s.deepseek_schedule
                                   else "interleaved 1f1b"))
     program.hw_flops_per_step = ctx.model_flops_per_step() + s.recompute_flops()
     cpu_call = MEGATRON_CPU_S_PER_OP
@@ -164,9 +164,9 @@ def build_megatron(ctx: JobContext) -> Program:
     units = builder.build_units()
     # delay_wgrad_compute: the weight gradients leave the backward units before the buckets
     # hook into them (a layer's gradients are ready at its last delayed op).
-    # DualPipeV defers the weight gradients of its zero-bubble backwards the same way.
+    # DualPipe(V) defers the weight gradients of its zero-bubble backwards the same way.
     split = WgradSplit(ctx, s, cpu_call) \
-        if s.opts.delay_wgrad_compute or s.dualpipev else None
+        if s.opts.delay_wgrad_compute or s.deepseek_schedule else None
     wgrad = split.units(units) if split is not None else {}
     if builder.offload is not None:   # activation offloading's reloads, once the units are final
         builder.offload.finish({k: u.ops for k, u in units.items()})
@@ -215,7 +215,7 @@ class _Step:
         size = bucket_size(s.opts.bucket_size, s.opts.overlap_grad_reduce, s.dp * s.cp)
         self.buckets = {st: assign_buckets(st, s.p, s.vp, s.chunks, s.layer_params,
                                            s.emb_params, s.head_params, size,
-                                           s.place.virtual)
+                                           s.place)
                         for st in range(s.p)}
         self.launch_after: Hooks = {}   # id(op) -> ops the host issues right after it
         self.insert_before: Hooks = {}  # id(op) -> ops the host issues right before it
@@ -259,7 +259,7 @@ class _Step:
         forwards = [u for u in self.order(st) if u[0] == "F"]
         intra, inter = groups
         return bucket_ops(
-            st, s.p, s.vp, s.mb_count, buckets, forwards, BucketComms(
+            st, s.p, s.vp, s.chunk_micro_batches, buckets, forwards, BucketComms(
                 groups=intra, reduce_op=reduce_op, inter_groups=inter,
                 grad_bytes=s.grad_bytes, param_bytes=s.gather_bytes(st, prefix == "edp"),
                 grad_dtype=s.grad_dtype, param_dtype=s.act_dtype,
@@ -277,8 +277,8 @@ class _Step:
     def order(self, st: int) -> list[Unit]:
         """Stage ``st``'s units in the order its schedule runs them."""
         s = self.s
-        if s.dualpipev:
-            return dualpipev_order(s.p, st, s.mb_count)
+        if s.deepseek_schedule:
+            return deepseek_order(s.schedule_kind, s.p, st, s.mb_count)
         return schedule(s.schedule_kind, s.p, st, s.mb_count, s.vp)
 
     def optimizer_s(self, st: int) -> float:
@@ -351,10 +351,10 @@ class _Step:
 
     def _stage_steps(self, st: int) -> list[Step]:
         """Stage ``st``'s schedule: units, transfers and waits (:func:`pipeline_steps`), or
-        DualPipeV's (:func:`~sim.frameworks.megatron.dualpipe.dualpipev_steps`)."""
+        DualPipe's or DualPipeV's (:func:`~sim.frameworks.megatron.dualpipe.deepseek_steps`)."""
         s = self.s
-        if s.dualpipev:
-            steps = dualpipev_steps(s.p, st, s.mb_count)
+        if s.deepseek_schedule:
+            steps = deepseek_steps(s.schedule_kind, s.p, st, s.mb_count)
             self.zero_bubble[st] = {x.unit for x in steps if x.zero_bubble and x.unit}
             self.deferred[st] = deque()
             return steps
@@ -373,7 +373,7 @@ class _Step:
                   last_on_stream: dict[str, Op]) -> tuple[Op | None, Op | None]:
         """Add one unit's ops, with the bucket ops hooked before and after them."""
         kind, chunk, mb = u
-        if self.s.dualpipev:
+        if self.s.deepseek_schedule:
             return self._run_plain(u, st, cls, last_on_stream)
         if self.s.opts.moe_a2a_overlap:
             # Lone units go through the combined schedule's plan too (the warm-up forwards
@@ -430,7 +430,7 @@ class _Step:
         """A forward and a backward unit (or one of them) issued together, layer by layer
         (:func:`sim.frameworks.megatron.a2a_overlap.issue_pair`)."""
         place = self.s.place
-        if self.s.dualpipev and not self.s.opts.moe_a2a_overlap:
+        if self.s.deepseek_schedule and not self.s.opts.moe_a2a_overlap:
             # DualPipe without an overlapped_forward_backward: the forward, then the backward.
             assert f is not None and b is not None
             first, _ = self._run_plain(f, st, cls, last_on_stream)
@@ -466,9 +466,10 @@ class _Step:
             deps_done += self._tp_grad_all_reduce(st, cls, deps_done)
             # Tied, or copied for the multi-token prediction modules (_allreduce_word_
             # embedding_grads: share_embeddings_and_output_weights or mtp_num_layers).
-            # (Under DualPipeV's V the embedding and the head are both on stage 0.)
+            # (Under DualPipeV's V the embedding and the head are both on stage 0; DualPipe's
+            # pair all-reduce sums every copy.)
             if (s.model.tied_embeddings or s.mtp is not None) and s.p > 1 \
-                    and s.place.last_stage != 0 and st in (0, s.p - 1):
+                    and not s.place.folded and st in (0, s.p - 1):
                 pairs = s.stage_pairs(0, s.p - 1)
                 tie = program.add(cls, Op(
                     name=("tied" if s.model.tied_embeddings else "mtp") + " embedding all-reduce",
@@ -478,6 +479,8 @@ class _Step:
                     dtype=s.grad_dtype,
                     key="embedding-group", category="all_reduce"))
                 deps_done.append(tie)
+            if s.place.bidirectional:
+                deps_done.append(self._dualpipe_pair_all_reduce(st, cls, deps_done))
             deps_done += add_state_reload(s, program, cls, st, [self.last_bwd[st]])
             dur = self.optimizer_s(st)
             if self.rotated:
@@ -504,6 +507,21 @@ class _Step:
             # Then the experts' buffers (DistributedDataParallel.start_param_sync walks the
             # dense bucket groups, then the expert-parallel ones).
             self._expert_gathers(st, cls, opt)
+
+    def _dualpipe_pair_all_reduce(self, st: int, cls: RankClass, deps: list[Op]) -> Op:
+        """DualPipe's two copies of each stage summed: stage ``st`` and stage ``p - 1 - st``
+        hold the same two stages (each one's forward-direction copy and the other's reverse
+        one), so each rank all-reduces its gradient shard (after the data-parallel reduce,
+        the part its optimizer steps) with its peer's, keyed by the pair so both issue it."""
+        s = self.s
+        peer = s.p - 1 - st
+        lo, hi = min(st, peer), max(st, peer)
+        pairs = s.stage_pairs(lo, hi)
+        return self.program.add(cls, Op(
+            name="dualpipe copies grad all-reduce", kind="collective", stream="dp",
+            phase="comm", deps=list(deps), collective="all_reduce", group=pairs[0],
+            groups=pairs, nbytes=s.grad_bytes * self.local_params(st), dtype=s.grad_dtype,
+            key=f"dualpipe-pair/{lo}", category="all_reduce", cpu_s=self.cpu_call))
 
     def _tp_grad_all_reduce(self, st: int, cls: RankClass, deps: list[Op]) -> list[Op]:
         """The replicated parameters' gradients of stage ``st`` summed over its
@@ -546,11 +564,13 @@ class _Step:
             return []
         moe = s.moe
         chunks = [[la for la in ch if moe.is_moe(la)] for ch in s.chunks]
-        if s.mtp is not None:   # the modules' layers, after the last chunk's
-            chunks[-1] += [la for la in s.mtp.layers if moe.is_moe(la)]
+        if s.mtp is not None:   # the modules' layers, after the last chunk's (each's)
+            for v, ch in enumerate(chunks):
+                if s.place.is_last(v):
+                    ch += [la for la in s.mtp.layers if moe.is_moe(la)]
         out = []
         for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size,
-                                s.place.virtual):
+                                s.place):
             b.parts = [x for x in b.parts if isinstance(x, int)]
             if b.parts:
                 out.append(b)

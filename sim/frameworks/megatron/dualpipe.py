@@ -28,9 +28,17 @@ weight-gradient GEMMs (the Transformer Engine linears' wgrads,
 :mod:`sim.frameworks.megatron.delay_wgrad`) to the ``weight`` step that pops it, first in,
 first out; their saved inputs stay allocated until then.
 
-DualPipe itself (both directions on ``p`` ranks, two copies of every stage's parameters and
-their gradients summed across the pair) is not modelled: DualPipeV runs the same per-rank
-compute with the same bubble and holds one copy.
+DualPipe itself (``framework.pipeline_schedule: dualpipe``, ``dualpipe/dualpipe.py``): two
+pipelines of ``p`` stages in opposite directions on the same ``p`` ranks, half the
+micro-batches fed from each end, so rank ``s`` holds stage ``s`` of the forward direction and
+stage ``p - 1 - s`` of the reverse one, a second copy of every stage's parameters, gradients
+and optimizer state (:class:`~sim.frameworks.megatron.pipeline.Placement` ``bidirectional``).
+:func:`dualpipe_steps` transcribes ``DualPipe.step`` as :func:`dualpipev_steps` does
+``DualPipeV.step``, its phases mapped to the rank's chunks as the code maps them (``phase ^=
+is_in_second_half``). The two copies' gradients are summed across each rank pair ``s``,
+``p - 1 - s`` after the backward (the repository's example adds the peer's gradients,
+``examples/example_dualpipe.py``): here one all-reduce of the rank's gradient shard over the
+pair, after the data-parallel reduce.
 """
 
 from __future__ import annotations
@@ -186,33 +194,188 @@ def dualpipev_steps(p: int, s: int, m: int) -> list[Step]:
     return steps
 
 
-def dualpipev_order(p: int, s: int, m: int) -> list[Unit]:
-    """Rank ``s``'s units in the order it runs them (each F&B pair forward first).
+def dualpipe_steps(p: int, s: int, m: int) -> list[Step]:
+    """Rank ``s``'s program under DualPipe with ``p`` ranks and ``m`` micro-batches (``m / 2``
+    a direction): units ``(F|B, chunk, micro-batch)`` with chunk 0 the forward direction's
+    stage ``s`` (virtual stage ``s``) and chunk 1 the reverse direction's stage ``p - 1 - s``
+    (virtual stage ``2p - 1 - s``), micro-batches numbered per direction.
 
-    >>> [f"{k}{c}.{i}" for k, c, i in dualpipev_order(2, 1, 4)[:6]]
+    Examples
+    --------
+    >>> steps = dualpipe_steps(4, 1, 8)
+    >>> units = [u for st in steps if st.what == "unit" for u in (st.unit, st.paired) if u]
+    >>> sorted(units) == sorted((k, c, i) for k in "FB" for c in (0, 1) for i in range(4))
+    True
+    >>> [f"{k}{c}.{i}" for k, c, i in units[:6]]
     ['F0.0', 'F1.0', 'F0.1', 'F1.1', 'F0.2', 'B1.0']
     """
-    return [u for st in dualpipev_steps(p, s, m) if st.what == "unit"
+    half, second = p // 2, int(s >= p // 2)
+    hr = min(s, p - 1 - s)
+    middle = s in (half - 1, half)
+    v_of = (s, 2 * p - 1 - s)
+    first = [v % p == 0 for v in v_of]
+    last = [v % p == p - 1 for v in v_of]
+    f_id, b_id = [0, 0], [0, 0]
+    sent_f, sent_b, got_f, got_b = [0, 0], [0, 0], [0, 0], [0, 0]
+    pending: list[tuple[str, Transfer]] = []
+    steps: list[Step] = []
+
+    def recv_forward(ph: int) -> None:
+        c = ph ^ second
+        if not first[c]:
+            pending.append(("recv", ("F", v_of[c] - 1, got_f[c])))
+            got_f[c] += 1
+
+    def send_forward(ph: int) -> None:
+        c = ph ^ second
+        if not last[c]:
+            pending.append(("send", ("F", v_of[c], sent_f[c])))
+            sent_f[c] += 1
+
+    def recv_backward(ph: int) -> None:
+        c = ph ^ second
+        if not last[c]:
+            pending.append(("recv", ("B", v_of[c] + 1, got_b[c])))
+            got_b[c] += 1
+
+    def send_backward(ph: int) -> None:
+        c = ph ^ second
+        if not first[c]:
+            pending.append(("send", ("B", v_of[c], sent_b[c])))
+            sent_b[c] += 1
+
+    def commit() -> None:
+        if pending:
+            steps.append(Step("post", transfers=list(pending)))
+            steps.append(Step("wait", transfers=list(pending)))
+            pending.clear()
+
+    def take(kind: str, ph: int) -> Unit:
+        c = ph ^ second
+        ids = f_id if kind == "F" else b_id
+        ids[c] += 1
+        return (kind, c, ids[c] - 1)
+
+    def forward(ph: int, recv: bool = True, send: bool = True) -> None:
+        if recv:
+            recv_forward(ph)
+        commit()
+        steps.append(Step("unit", take("F", ph)))
+        if send:
+            send_forward(ph)
+
+    def backward(ph: int, zb: bool = False, recv: bool = True, send: bool = True) -> None:
+        if recv:
+            recv_backward(ph)
+        commit()
+        steps.append(Step("unit", take("B", ph), zero_bubble=zb))
+        if send:
+            send_backward(ph)
+
+    def forward_backward(ph0: int, ph1: int, recv0: bool = True) -> None:
+        if recv0:
+            recv_forward(ph0)
+        recv_backward(ph1)
+        commit()
+        steps.append(Step("unit", take("F", ph0), paired=take("B", ph1)))
+        send_forward(ph0)
+        send_backward(ph1)
+
+    def weight() -> None:
+        commit()
+        steps.append(Step("weight"))
+
+    for _ in range((half - hr - 1) * 2):              # step 1: nF0
+        forward(0)
+    recv_forward(0)                                   # step 2: nF0F1
+    for i in range(hr + 1):
+        forward(0, recv=False, send=middle)
+        recv_forward(0)
+        forward(1, send=(not middle) or i < hr)
+        if not middle:
+            send_forward(0)
+    for _ in range(half - hr - 1):                    # step 3: nB1W1F1 (zero bubble)
+        backward(1, zb=True)
+        recv_forward(1)
+        weight()
+        forward(1, recv=False)
+    for i in range(m // 2 - p + hr + 1):              # step 4 (main): nF0B1F1B0
+        if i == 0 and middle:
+            # DualPipe does not overlap these two chunks "to further reduce bubble size".
+            forward(0, recv=False, send=False)
+            send_forward(1)
+            backward(1, send=False)
+            send_forward(0)
+            send_backward(1)
+        else:
+            forward_backward(0, 1, recv0=i > 0)
+        forward_backward(1, 0)
+    for _ in range(half - hr - 1):                    # step 5: nB1F1B0
+        backward(1)
+        forward_backward(1, 0)
+    zb = False                                        # step 6: nB1B0, second half zero bubble
+    n6 = hr + 1
+    for i in range(n6):
+        if i == n6 // 2 and hr % 2 == 1:
+            zb = True
+        backward(1, zb=zb)
+        if i == n6 // 2 and hr % 2 == 0:
+            zb = True
+        backward(0, zb=zb)
+    for _ in range(half - hr - 1):                    # step 7: nWB0 (zero bubble)
+        weight()
+        backward(0, zb=True)
+    for _ in range(hr + 1):                           # step 8: nW
+        weight()
+    commit()
+    return steps
+
+
+def deepseek_steps(kind: str, p: int, s: int, m: int) -> list[Step]:
+    """Rank ``s``'s steps under ``dualpipe`` or ``dualpipev``."""
+    return dualpipe_steps(p, s, m) if kind == "dualpipe" else dualpipev_steps(p, s, m)
+
+
+def deepseek_order(kind: str, p: int, s: int, m: int) -> list[Unit]:
+    """Rank ``s``'s units in the order it runs them (each F&B pair forward first).
+
+    >>> [f"{k}{c}.{i}" for k, c, i in deepseek_order("dualpipev", 2, 1, 4)[:6]]
+    ['F0.0', 'F1.0', 'F0.1', 'F1.1', 'F0.2', 'B1.0']
+    """
+    return [u for st in deepseek_steps(kind, p, s, m) if st.what == "unit"
             for u in (st.unit, st.paired) if u is not None]
 
 
-def check_dualpipev(ctx: JobContext, o: MegatronOptions, p: int, vp: int, m: int) -> None:
-    """Refuse what DualPipeV cannot run, one line naming the key: two model chunks a rank
-    (``parallelism.vp: 2``), at least two ranks, and at least 2p micro-batches
-    (``DualPipeV.step``: ``num_chunks >= num_ranks * 2``); and the options whose modelled
-    form assumes Megatron-Core's own schedules."""
-    ctx.require(vp == 2, "parallelism.vp",
-                "pipeline_schedule dualpipev runs two model chunks a rank (a V of 2 x pp "
-                "virtual stages): set parallelism.vp: 2")
-    ctx.require(p >= 2, "parallelism.pp", "pipeline_schedule dualpipev needs pp >= 2")
+def check_dualpipe(ctx: JobContext, o: MegatronOptions, p: int, vp: int, m: int) -> None:
+    """Refuse what DualPipe or DualPipeV cannot run, one line naming the key. DualPipeV: two
+    model chunks a rank (``parallelism.vp: 2``), at least two ranks and 2p micro-batches
+    (``DualPipeV.step``: ``num_chunks >= num_ranks * 2``). DualPipe: no virtual stages (its
+    second chunk is the reverse direction's stage), an even number of ranks and of
+    micro-batches, at least 2p (``DualPipe.step``'s asserts). Neither with the options whose
+    modelled form assumes Megatron-Core's own schedules."""
+    kind = o.pipeline_schedule
+    if kind == "dualpipev":
+        ctx.require(vp == 2, "parallelism.vp",
+                    "pipeline_schedule dualpipev runs two model chunks a rank (a V of 2 x pp "
+                    "virtual stages): set parallelism.vp: 2")
+        ctx.require(p >= 2, "parallelism.pp", "pipeline_schedule dualpipev needs pp >= 2")
+    else:
+        ctx.require(vp == 1, "parallelism.vp",
+                    "pipeline_schedule dualpipe runs each rank's stage in both directions, "
+                    "not virtual stages: set parallelism.vp: 1")
+        ctx.require(p >= 2 and p % 2 == 0, "parallelism.pp",
+                    f"DualPipe needs an even pp >= 2, not {p} (dualpipe.py: num_ranks % 2 == 0)")
+        ctx.require(m % 2 == 0, "training.global_batch_size",
+                    f"DualPipe feeds half the micro-batches from each end: {m} a step is odd")
     ctx.require(m >= 2 * p, "training.global_batch_size",
-                f"DualPipeV needs at least 2 x pp = {2 * p} micro-batches a step, not {m} "
-                "(dualpipev.py: num_chunks >= num_ranks * 2)")
+                f"{'DualPipeV' if kind == 'dualpipev' else 'DualPipe'} needs at least "
+                f"2 x pp = {2 * p} micro-batches a step, not {m} "
+                "(num_chunks >= num_ranks * 2)")
     for key, on in (("delay_wgrad_compute", o.delay_wgrad_compute),
                     ("fine_grained_activation_offloading",
                      o.fine_grained_activation_offloading),
                     ("overlap_param_gather_with_optimizer_step",
                      o.overlap_param_gather_with_optimizer_step)):
         ctx.require(not on, f"framework.{key}",
-                    f"{key} is not modelled with pipeline_schedule dualpipev (DualPipeV "
+                    f"{key} is not modelled with pipeline_schedule {kind} (DualPipe "
                     "defers its own weight gradients and runs its own chunk order)")

@@ -199,7 +199,7 @@ class UnitBuilder:
     def build_units(self) -> dict[UnitKey, UnitOps]:
         """Every unit of the step, built in (virtual stage, micro-batch, pass) order."""
         return {(kind, v, mb): self.build_unit(kind, v, mb) for v in range(self.s.n_virtual)
-                for mb in range(self.s.mb_count) for kind in ("F", "B")}
+                for mb in range(self.s.chunk_micro_batches) for kind in ("F", "B")}
 
     # ------------------------------------------------------------------ op makers
     def tp_comm(self, st: int, op: str, nbytes: float, name: str, mb: int,
@@ -481,7 +481,7 @@ class UnitBuilder:
         s = self.s
         st = s.place.stage(v)
         unit = UnitOps(key=(kind, v, mb))
-        receives = (v > 0) if kind == "F" else (v < s.n_virtual - 1)
+        receives = not (s.place.is_first(v) if kind == "F" else s.place.is_last(v))
         if receives and s.p2p_split > 1:
             # The received 1/tp slices are all-gathered in the tensor-parallel group
             # (gather_split_1d_tensor after the recv in Megatron's _communicate).
@@ -510,7 +510,7 @@ class UnitBuilder:
 
     def _forward(self, unit: UnitOps, st: int, v: int, mb: int) -> None:
         s, c = self.s, self.c
-        if v == 0:
+        if s.place.is_first(v):
             unit.ops.append(compute(f"fwd embed mb{mb}", c.fwd_s["embed"], phase="fwd",
                                     micro_batch=mb, category="forward",
                                     cpu_s=c.fwd_cpu["embed"],
@@ -523,10 +523,10 @@ class UnitBuilder:
             n_before = len(unit.ops)
             self.layer_forward(st, unit, mb, layer, recompute=False)
             unit.part_op[layer] = unit.ops[n_before]
-        if v == s.n_virtual - 1:
+        if s.place.is_last(v):
             n_before = len(unit.ops)
             if self.mtp is not None:
-                self.mtp.forward(unit, mb)
+                self.mtp.forward(unit, mb, st)
             head = s.cost["head"]
             unit.ops.append(compute(f"fwd head+loss mb{mb}", c.fwd_s["head"], phase="fwd",
                                     micro_batch=mb, category="forward",
@@ -540,7 +540,7 @@ class UnitBuilder:
 
     def _backward(self, unit: UnitOps, st: int, v: int, mb: int) -> None:
         s, c = self.s, self.c
-        if v == s.n_virtual - 1:
+        if s.place.is_last(v):
             head = s.cost["head"]
             unit.ops.append(compute(f"bwd head+loss mb{mb}", c.bwd_s["head"], phase="bwd",
                                     micro_batch=mb, category="backward",
@@ -550,11 +550,11 @@ class UnitBuilder:
                                     transient_parts=head.bwd_transient_parts,
                                     flops=s.blocks["head"].flops_bwd))
             if self.mtp is not None:
-                self.mtp.backward(unit, mb)
+                self.mtp.backward(unit, mb, st)
             unit.part_op["head"] = unit.ops[-1]
         for layer in reversed(s.chunks[v]):
             self.layer_backward(st, unit, mb, layer)
-        if v == 0:
+        if s.place.is_first(v):
             unit.ops.append(compute(f"bwd embed mb{mb}", c.bwd_s["embed"], phase="bwd",
                                     micro_batch=mb, category="backward",
                                     cpu_s=c.bwd_cpu["embed"],

@@ -127,7 +127,8 @@ class MTPOps:
         self.ub = ub
         self.plan = plan
         s = ub.s
-        self.st = s.place.last_stage
+        self.st = s.place.last_stages[-1]
+        """The stage whose units are being laid out (DualPipe has two last virtual stages)."""
         self.sp = s.t > 1 and s.sp
         # Under full recomputation the checkpoint keeps its two inputs (the hidden state and
         # the embedding, sequence shards) instead of what the projection saves.
@@ -165,9 +166,11 @@ class MTPOps:
                                   layer))
         _chain(unit, ops)
 
-    def forward(self, unit: UnitOps, mb: int) -> None:
+    def forward(self, unit: UnitOps, mb: int, st: int) -> None:
         """Every depth's embedding, projection and layer, then every depth's head and loss
-        (``GPTModel._postprocess``: the MTP block, then ``process_mtp_loss``)."""
+        (``GPTModel._postprocess``: the MTP block, then ``process_mtp_loss``), on stage
+        ``st``."""
+        self.st = st
         ub, s, c = self.ub, self.ub.s, self.ub.c
         for layer in self.plan.layers:
             ops = [self._compute(f"fwd mtp embed L{layer} mb{mb}", c.fwd_s["embed"], "fwd", mb,
@@ -189,9 +192,11 @@ class MTPOps:
                 flops=s.blocks["head"].flops_fwd)])
 
     # ------------------------------------------------------------------ backward
-    def backward(self, unit: UnitOps, mb: int) -> None:
+    def backward(self, unit: UnitOps, mb: int, st: int) -> None:
         """The heads' backward, then each depth's layer (recomputed with its projection
-        under full recomputation), projection and embedding, the last depth first."""
+        under full recomputation), projection and embedding, the last depth first, on stage
+        ``st``."""
+        self.st = st
         ub, s, c, pl = self.ub, self.ub.s, self.ub.c, self.plan
         head = s.cost["head"]
         for layer in reversed(pl.layers):

@@ -49,9 +49,10 @@ class MegatronOptions(StrictModel):
     """fp32 gradient buffers and all-reduce; default: true for bf16, false for fp16."""
     bucket_size: int | None = Field(default=None, gt=0, le=B.MAX_ELEMENTS)
     """Gradient bucket in parameters; default max(40M, 1M x dp) with overlap, else one."""
-    pipeline_schedule: Literal["1f1b", "gpipe", "dualpipev"] = "1f1b"
-    """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved. ``dualpipev``:
-    DeepSeek's DualPipeV (deepseek-ai/DualPipe) on a V of 2 x pp virtual stages (vp: 2)."""
+    pipeline_schedule: Literal["1f1b", "gpipe", "dualpipe", "dualpipev"] = "1f1b"
+    """Pipeline schedule; with parallelism.vp > 1, 1F1B is interleaved. ``dualpipe``:
+    DeepSeek's DualPipe (deepseek-ai/DualPipe), both directions on the pp ranks (vp: 1);
+    ``dualpipev``: its DualPipeV on a V of 2 x pp virtual stages (vp: 2)."""
     fp8_recipe: Fp8Recipe = "delayed"
     """With training.precision fp8: Transformer Engine's scaling (--fp8-recipe): delayed
     (amax history), tensorwise (current scaling, NeMo's FP8-CS), mxfp8 (a scale per 32

@@ -179,30 +179,44 @@ def _uneven_chunks(layers: int, p: int, vp: int, first: int | None, last: int | 
 
 @dataclass(frozen=True)
 class Placement:
-    """Which pipeline stage runs each virtual stage ``v`` (0 .. p * vp - 1 in the order the
-    activations flow through them) and which model chunk of it ``v`` is.
+    """Which pipeline stage runs each virtual stage ``v`` (0 .. p * vp - 1) and which model
+    chunk of it ``v`` is.
 
-    Megatron-Core's interleaved placement loops: stage ``v % p`` runs ``v``. DualPipeV
-    (``v_shape``, deepseek-ai/DualPipe ``dualpipev.py``) folds the 2p virtual stages into a
-    V: rank ``s`` runs ``s`` and ``2p - 1 - s``, so the first and the last virtual stage (the
-    embedding, and the output layer with the loss) are both on stage 0.
+    Megatron-Core's interleaved placement loops: stage ``v % p`` runs ``v``, activations flow
+    from ``v`` to ``v + 1``. DualPipeV (``v_shape``, deepseek-ai/DualPipe ``dualpipev.py``)
+    folds the 2p virtual stages into a V: rank ``s`` runs ``s`` and ``2p - 1 - s``, so the
+    first and the last virtual stage (the embedding, and the output layer with the loss) are
+    both on stage 0. DualPipe (``bidirectional``, ``dualpipe.py``) runs two pipelines of p
+    stages in opposite directions on the same ranks: virtual stages ``0 .. p - 1`` are the
+    forward direction on ranks ``0 .. p - 1``, ``p .. 2p - 1`` the reverse direction on ranks
+    ``p - 1 .. 0``, each direction with its own embedding and loss and its own copy of the
+    layers; nothing flows from ``p - 1`` to ``p``.
 
     Examples
     --------
     >>> loop, vee = Placement(4, 2), Placement(4, 2, v_shape=True)
     >>> [loop.stage(v) for v in range(8)], [vee.stage(v) for v in range(8)]
     ([0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 3, 2, 1, 0])
-    >>> vee.virtual(1, 1), vee.chunk(6), vee.last_stage
-    (6, 1, 0)
+    >>> vee.virtual(1, 1), vee.chunk(6), vee.last_stages
+    (6, 1, (0,))
+    >>> dual = Placement(4, 2, bidirectional=True)
+    >>> [v for v in range(8) if dual.is_first(v)], dual.last_stages
+    ([0, 4], (0, 3))
     """
 
     p: int
     vp: int
     v_shape: bool = False
+    bidirectional: bool = False
+
+    @property
+    def folded(self) -> bool:
+        """Virtual stages ``p ..`` run on the ranks in reverse (DualPipe and DualPipeV)."""
+        return self.v_shape or self.bidirectional
 
     def stage(self, v: int) -> int:
         """The stage running virtual stage ``v``."""
-        if self.v_shape:
+        if self.folded:
             return v if v < self.p else 2 * self.p - 1 - v
         return v % self.p
 
@@ -212,7 +226,7 @@ class Placement:
 
     def virtual(self, st: int, c: int) -> int:
         """The virtual stage that is model chunk ``c`` of stage ``st``."""
-        if self.v_shape and c == 1:
+        if self.folded and c == 1:
             return 2 * self.p - 1 - st
         return c * self.p + st
 
@@ -220,10 +234,26 @@ class Placement:
         """Stage ``st``'s virtual stages, chunk 0 first."""
         return [self.virtual(st, c) for c in range(self.vp)]
 
+    def is_first(self, v: int) -> bool:
+        """Virtual stage ``v`` takes the batch's input (it holds an embedding)."""
+        return v % self.p == 0 if self.bidirectional else v == 0
+
+    def is_last(self, v: int) -> bool:
+        """Virtual stage ``v`` ends a pipeline (it holds an output layer and the loss)."""
+        return v % self.p == self.p - 1 if self.bidirectional else v == self.p * self.vp - 1
+
+    def firsts(self, st: int) -> int:
+        """How many of stage ``st``'s virtual stages take the input."""
+        return sum(self.is_first(v) for v in self.stage_virtuals(st))
+
+    def lasts(self, st: int) -> int:
+        """How many of stage ``st``'s virtual stages end a pipeline."""
+        return sum(self.is_last(v) for v in self.stage_virtuals(st))
+
     @property
-    def last_stage(self) -> int:
-        """The stage holding the last virtual stage (the output layer and the loss)."""
-        return self.stage(self.p * self.vp - 1)
+    def last_stages(self) -> tuple[int, ...]:
+        """The stages holding an output layer and the loss."""
+        return tuple(st for st in range(self.p) if self.lasts(st))
 
 
 @dataclass
@@ -419,10 +449,11 @@ class P2PLink:
         return self.place.stage(v) if self.place is not None else v % self.p
 
     def stream(self, d: str, role: str, src: int, dst: int) -> str:
-        """The transfer's stream: one per direction and role; under a V placement also per
-        peer (a stage sends activations both up and down the pipeline, and PyTorch runs each
-        peer pair's sends and receives on that pair's own NCCL communicator and stream)."""
-        if self.place is None or not self.place.v_shape:
+        """The transfer's stream: one per direction and role; under a folded placement
+        (DualPipe, DualPipeV) also per peer (a stage sends activations both up and down the
+        pipeline, and PyTorch runs each peer pair's sends and receives on that pair's own NCCL
+        communicator and stream)."""
+        if self.place is None or not self.place.folded:
             return f"pp-{d}-{role}"
         return f"pp-{d}-{role}-{'up' if dst > src else 'down'}"
 

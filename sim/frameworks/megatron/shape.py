@@ -17,7 +17,7 @@ from typing import Literal
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.buckets import data_parallel_modes
-from sim.frameworks.megatron.dualpipe import check_dualpipev
+from sim.frameworks.megatron.dualpipe import check_dualpipe
 from sim.frameworks.megatron.layout import as_layout, check_layout
 from sim.frameworks.megatron.moe_dispatch import check_moe
 from sim.frameworks.megatron.moe_plan import MoEPlan, moe_plan
@@ -152,10 +152,10 @@ class MegatronShape:
     def schedule_kind(self) -> str:
         """The kind :func:`~sim.frameworks.megatron.pipeline.schedule` takes: virtual stages
         run the interleaved 1F1B (Megatron's only interleaved schedule), one chunk a stage
-        runs ``framework.pipeline_schedule``; ``dualpipev`` is DeepSeek's
+        runs ``framework.pipeline_schedule``; ``dualpipe`` and ``dualpipev`` are DeepSeek's
         (:mod:`sim.frameworks.megatron.dualpipe`)."""
-        if self.dualpipev:
-            return "dualpipev"
+        if self.deepseek_schedule:
+            return self.opts.pipeline_schedule
         return "1f1b" if self.vp > 1 else self.opts.pipeline_schedule
 
     @property
@@ -163,10 +163,22 @@ class MegatronShape:
         """DeepSeek's DualPipeV schedule on a V placement of the virtual stages."""
         return self.opts.pipeline_schedule == "dualpipev"
 
+    @property
+    def deepseek_schedule(self) -> bool:
+        """DualPipe or DualPipeV (:mod:`sim.frameworks.megatron.dualpipe`)."""
+        return self.opts.pipeline_schedule in ("dualpipe", "dualpipev")
+
     @cached_property
     def place(self) -> Placement:
-        """Which stage runs each virtual stage: Megatron-Core's loop, or DualPipeV's V."""
-        return Placement(self.p, self.vp, v_shape=self.dualpipev)
+        """Which stage runs each virtual stage: Megatron-Core's loop, DualPipeV's V or
+        DualPipe's two directions."""
+        return placement(self.opts, self.p, self.vp)
+
+    @property
+    def chunk_micro_batches(self) -> int:
+        """Micro-batches through each virtual stage: DualPipe feeds half from each end."""
+        return self.mb_count // 2 if self.opts.pipeline_schedule == "dualpipe" \
+            else self.mb_count
 
     @property
     def legacy(self) -> bool:
@@ -242,11 +254,8 @@ class MegatronShape:
             moe = self.moe
             n = sum(self.layer_params if moe.is_moe(la) else self.dense_layer_params
                     for la in self.stage_layers(st))
-        if st == 0:
-            n += self.emb_params
-        if st == self.place.last_stage:
-            n += self.head_params
-        return n
+        return n + self.place.firsts(st) * self.emb_params \
+            + self.place.lasts(st) * self.head_params
 
     def stage_expert_params(self, st: int) -> float:
         """Routed-expert parameters of stage ``st`` on one rank (its local experts' shards),
@@ -254,8 +263,8 @@ class MegatronShape:
         if self.moe is None:
             return 0.0
         moe = self.moe
-        mtp = self.mtp.depths * self.mtp.expert_params \
-            if self.mtp is not None and st == self.place.last_stage else 0.0
+        mtp = self.mtp.depths * self.mtp.expert_params * self.place.lasts(st) \
+            if self.mtp is not None else 0.0
         return sum(moe.expert_params for la in self.stage_layers(st) if moe.is_moe(la)) + mtp
 
     @property
@@ -278,12 +287,12 @@ class MegatronShape:
             moe_lin = moe.expert_params + (moe.ops.shared.params if moe.ops.shared else 0)
             n = float(sum(attn + (moe_lin if moe.is_moe(la) else mlp)
                           for la in self.stage_layers(st)))
-        if self.mtp is not None and st == self.place.last_stage:
+        if self.mtp is not None and self.place.lasts(st):
             layer = self.linear_params if self.moe is None else \
                 self.cost["attn_main"].params + self.moe.expert_params + (
                     self.moe.ops.shared.params if self.moe.ops.shared else 0)
             eh_proj = 2 * self.h * self.h // self.t
-            n += float(self.mtp.depths * (eh_proj + layer))
+            n += float(self.mtp.depths * (eh_proj + layer)) * self.place.lasts(st)
         return n
 
     def gather_bytes(self, st: int, expert: bool) -> float:
@@ -476,6 +485,12 @@ def _check_layout(ctx: JobContext, opts: MegatronOptions, p: int, vp: int, extra
         ctx.fail(key, f"{e} (parallelism pp = {p}, vp = {vp})")
 
 
+def placement(opts: MegatronOptions, p: int, vp: int) -> Placement:
+    """The virtual stages' placement ``framework.pipeline_schedule`` runs on."""
+    return Placement(p, vp, v_shape=opts.pipeline_schedule == "dualpipev",
+                     bidirectional=opts.pipeline_schedule == "dualpipe")
+
+
 def scenario_chunks(m: ModelSpec, opts: MegatronOptions, p: int, vp: int) -> list[list[int]]:
     """Transformer layers of each virtual stage under the scenario's split options."""
     layout = opts.pipeline_model_parallel_layout
@@ -501,8 +516,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     mb_count = ctx.micro_batches
     align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
     overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm, p, vp)
-    if opts.pipeline_schedule == "dualpipev":
-        check_dualpipev(ctx, opts, p, vp, mb_count)
+    if opts.pipeline_schedule in ("dualpipe", "dualpipev"):
+        check_dualpipe(ctx, opts, p, vp, mb_count)
     ctx.require(vp == 1 or mb_count % p == 0 or opts.pipeline_schedule == "dualpipev",
                 "training.global_batch_size",
                 f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
@@ -533,7 +548,10 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         else precision in ("bf16", "fp8")
     optim = optimizer_plan(opts, precision, 4 if grad_fp32 else 2)
     chunks = scenario_chunks(m, opts, p, vp)
-    place = Placement(p, vp, v_shape=opts.pipeline_schedule == "dualpipev")
+    if opts.pipeline_schedule == "dualpipe":
+        # Both directions run the same p-stage split, each on its own copy of the layers.
+        chunks, vp = chunks + chunks, 2
+    place = placement(opts, p, vp)
     vocab_local = padded_vocab(m, t) // t
     local_tokens = tokens // t if sp else tokens
     dense_layer = (cost["attn_pre"].params + cost["attn_main"].params

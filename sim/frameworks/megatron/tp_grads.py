@@ -85,7 +85,7 @@ def stage_replicated_params(s: MegatronShape, st: int) -> int:
         return s.moe is not None and s.moe.is_moe(layer)
 
     n = sum(layer_replicated_params(m, is_moe(la), s.sp) for la in s.stage_layers(st))
-    if st == s.place.last_stage:
+    for _ in range(s.place.lasts(st)):
         if s.sp:
             n += m.norm_params
         if s.mtp is not None:
