@@ -49,7 +49,7 @@ SLOW_SHIPPED = {
     "llama3-70b-megatron-tp16pp4-64xh100": "83,140 ops, ~14 s",
     "llama3.1-405b-megatron-16384xh100-run": "104,096 ops on 16,384 GPUs, ~20-30 s",
     "deepseek-v3-megatron-tp2pp16ep64-1024xh100": "250,922 ops, 64-GPU all-to-alls, ~36 s CPU",
-    "deepseek-v3-megatron-pp16ep64-2048xh800": "2,048 GPUs, 2 x 120 micro-batches, ~70-80 s",
+    "deepseek-v3-megatron-pp16ep64-2048xh800": "2,048 GPUs, 2 x 60 micro-batches, ~35-45 s",
     # ~12-22 s; tests/integration/test_megatron_gpt_oss.py runs it in make test already.
     "gpt-oss-120b-megatron-tp2pp4ep16-64xh100": "64 GPUs, EP16 all-to-alls across 2 nodes",
 }
