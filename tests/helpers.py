@@ -74,6 +74,17 @@ def dgx(nodes: int, **kw: Any) -> FabricSpec:
     return FabricSpec(**base)
 
 
+def activations_left(cls: Any) -> float:
+    """Activation bytes a rank class's ops allocate and never free (0 when every saved
+    tensor is released by the step's end: conservation of the activations pool)."""
+    held = 0.0
+    for ops in cls.streams.values():
+        for op in ops:
+            held += sum(b for pool, b in op.alloc if pool == "activations")
+            held -= sum(b for pool, b in op.free if pool == "activations")
+    return held
+
+
 def pipeline_idle_share(r: Any) -> float:
     """The summary's bubble as a share of the pipeline phase (forward, backward,
     recomputation) of the critical rank class, not of the whole step (which also holds the

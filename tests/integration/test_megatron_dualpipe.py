@@ -12,7 +12,7 @@ to zero).
 from __future__ import annotations
 
 import pytest
-from helpers import DEEP, megatron_scenario, pipeline_idle_share
+from helpers import DEEP, activations_left, megatron_scenario, pipeline_idle_share
 
 from sim.api import simulate
 from sim.frameworks import JobContext
@@ -192,15 +192,11 @@ def test_v_placement_puts_embedding_and_head_on_stage_zero() -> None:
         sh.emb_params + sh.head_params, rel=1e-9)
 
 
-def test_activations_are_freed_and_bytes_conserved() -> None:
-    r = _run(4, 8, DPV)
+@pytest.mark.parametrize("fw,vp", [(DPV, 2), (DP, 1)])
+def test_activations_are_freed_and_bytes_conserved(fw: dict, vp: int) -> None:
+    r = _run(4, 8, fw, vp=vp)
     for c in r.program.classes:
-        held = 0.0
-        for ops in c.streams.values():
-            for op in ops:
-                held += sum(b for pool, b in op.alloc if pool == "activations")
-                held -= sum(b for pool, b in op.free if pool == "activations")
-        assert held == pytest.approx(0.0, abs=1.0)
+        assert activations_left(c) == pytest.approx(0.0, abs=1.0)
     sent = sum(x.op.nbytes for x in r.recorder.ops if x.op.kind == "recv"
                and x.op.name.startswith("send"))
     got = sum(x.op.nbytes for x in r.recorder.ops if x.op.kind == "recv"

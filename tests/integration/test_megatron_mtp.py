@@ -15,7 +15,7 @@ Megatron-Bridge's DeepSeek-V3 layout for 16 pipeline stages (4 layers first, 1 l
 from __future__ import annotations
 
 import pytest
-from helpers import megatron_scenario
+from helpers import activations_left, megatron_scenario
 
 from sim.api import simulate
 from sim.frameworks import JobContext, build_program
@@ -108,12 +108,7 @@ def test_activations_are_freed_and_the_module_costs_memory_and_time(ac) -> None:
     runs = [simulate(_scn(par, mtp=k, ac=ac)) for k in (0, 1)]
     for r in runs:
         for c in r.program.classes:
-            held = 0.0
-            for ops in c.streams.values():
-                for op in ops:
-                    held += sum(b for pool, b in op.alloc if pool == "activations")
-                    held -= sum(b for pool, b in op.free if pool == "activations")
-            assert held == pytest.approx(0.0, abs=1.0), c.id
+            assert activations_left(c) == pytest.approx(0.0, abs=1.0), c.id
     base, mtp = (r.summary for r in runs)
     assert mtp["step_time_s"] > base["step_time_s"]
     assert mtp["peak_memory_gib"] > base["peak_memory_gib"]

@@ -16,7 +16,7 @@ phase (Narayanan et al., SC'21, sec. 2.2.2), for an even layout written out.
 from __future__ import annotations
 
 import pytest
-from helpers import DEEP, megatron_scenario, pipeline_idle_share
+from helpers import DEEP, activations_left, megatron_scenario, pipeline_idle_share
 
 from sim.api import simulate
 from sim.apps.validation.published_moe import entries, scenario_of
@@ -120,12 +120,7 @@ def test_an_empty_virtual_stage_passes_the_tensor_on() -> None:
     # A stage entry without layers still receives, sends and frees what it allocated.
     r = simulate(_tiny("Etttt|tttt||L", {"tp": 1, "pp": 2, "vp": 2, "dp": 4}))
     for c in r.program.classes:
-        held = 0.0
-        for ops in c.streams.values():
-            for op in ops:
-                held += sum(b for pool, b in op.alloc if pool == "activations")
-                held -= sum(b for pool, b in op.free if pool == "activations")
-        assert held == pytest.approx(0.0, abs=1.0)
+        assert activations_left(c) == pytest.approx(0.0, abs=1.0)
     assert r.summary["step_time_s"] > 0
 
 

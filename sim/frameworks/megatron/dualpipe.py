@@ -50,6 +50,134 @@ from sim.scenario import MegatronOptions
 KEY = "framework.pipeline_schedule"
 
 
+class _RankSteps:
+    """One rank's steps as DualPipe's helpers build them (``_forward_chunk``,
+    ``_backward_chunk``, ``_forward_backward_chunk``, ``_weight_chunk``): transfers queued by
+    ``_recv_*`` / ``_send_*`` and posted, then waited for, at the next ``commit``.
+
+    ``v_of[c]``: the rank's virtual stage of chunk ``c``; ``starts[c]``: chunk ``c`` takes its
+    forward input (and leaves its input gradient) on the rank, from the batch or a chunk of its
+    own; ``ends[c]``: chunk ``c``'s output stays on the rank (the loss, or a chunk of its own);
+    ``flip``: the code's phases are the rank's chunks swapped (DualPipe's second half of the
+    ranks, ``phase ^= is_in_second_half``)."""
+
+    def __init__(self, v_of: tuple[int, int], starts: tuple[bool, bool],
+                 ends: tuple[bool, bool], flip: bool = False) -> None:
+        self.v_of, self.starts, self.ends, self.flip = v_of, starts, ends, flip
+        self.ids = {"F": [0, 0], "B": [0, 0]}
+        self.moved = {(role, k): [0, 0] for role in ("send", "recv") for k in "FB"}
+        self.pending: list[tuple[str, Transfer]] = []
+        self.steps: list[Step] = []
+
+    def _queue(self, role: str, kind: str, ph: int) -> None:
+        c = ph ^ self.flip
+        local = self.starts[c] if (role == "recv") == (kind == "F") else self.ends[c]
+        if local:
+            return
+        v = self.v_of[c]
+        sender = v if role == "send" else (v - 1 if kind == "F" else v + 1)
+        n = self.moved[(role, kind)]
+        self.pending.append((role, (kind, sender, n[c])))
+        n[c] += 1
+
+    def recv_forward(self, ph: int) -> None:
+        self._queue("recv", "F", ph)
+
+    def send_forward(self, ph: int) -> None:
+        self._queue("send", "F", ph)
+
+    def recv_backward(self, ph: int) -> None:
+        self._queue("recv", "B", ph)
+
+    def send_backward(self, ph: int) -> None:
+        self._queue("send", "B", ph)
+
+    def commit(self) -> None:
+        if self.pending:
+            self.steps.append(Step("post", transfers=list(self.pending)))
+            self.steps.append(Step("wait", transfers=list(self.pending)))
+            self.pending.clear()
+
+    def _take(self, kind: str, ph: int) -> Unit:
+        c = ph ^ self.flip
+        ids = self.ids[kind]
+        ids[c] += 1
+        return (kind, c, ids[c] - 1)
+
+    def forward(self, ph: int, recv: bool = True, send: bool = True) -> None:
+        if recv:
+            self.recv_forward(ph)
+        self.commit()
+        self.steps.append(Step("unit", self._take("F", ph)))
+        if send:
+            self.send_forward(ph)
+
+    def backward(self, ph: int, zb: bool = False, recv: bool = True, send: bool = True
+                 ) -> None:
+        if recv:
+            self.recv_backward(ph)
+        self.commit()
+        self.steps.append(Step("unit", self._take("B", ph), zero_bubble=zb))
+        if send:
+            self.send_backward(ph)
+
+    def forward_backward(self, ph0: int, ph1: int, recv0: bool = True) -> None:
+        if recv0:
+            self.recv_forward(ph0)
+        self.recv_backward(ph1)
+        self.commit()
+        self.steps.append(Step("unit", self._take("F", ph0), paired=self._take("B", ph1)))
+        self.send_forward(ph0)
+        self.send_backward(ph1)
+
+    def weight(self) -> None:
+        self.commit()
+        self.steps.append(Step("weight"))
+
+    def main(self, n3: int, n4: int, lone_first: bool) -> None:
+        """Steps 3 and 4, the same in both schedules: ``n3`` nB1W1F1 (zero bubble), then
+        ``n4`` nF0B1F1B0; with ``lone_first`` (the rank that turns the micro-batches around)
+        the first F0 and B1 run one after the other, "to further reduce bubble size"."""
+        for _ in range(n3):                               # step 3: nB1W1F1 (zero bubble)
+            self.backward(1, zb=True)
+            self.recv_forward(1)
+            self.weight()
+            self.forward(1, recv=False)
+        for i in range(n4):                               # step 4 (main): nF0B1F1B0
+            if i == 0 and lone_first:
+                self.forward(0, recv=False, send=False)
+                self.send_forward(1)
+                self.backward(1, send=False)
+                self.send_forward(0)
+                self.send_backward(1)
+            else:
+                self.forward_backward(0, 1, recv0=i > 0)
+            self.forward_backward(1, 0)
+
+    def cooldown(self, n3: int, n6: int, parity: int) -> list[Step]:
+        """Steps 5 to 8, the same in both schedules: ``n3`` nB1F1B0, ``n6`` nB1B0 with the
+        second half zero bubble (where it starts depends on ``parity``), ``n3`` nWB0, then
+        ``n6`` nW."""
+        for _ in range(n3):                               # step 5: nB1F1B0
+            self.backward(1)
+            self.forward_backward(1, 0)
+        zb = False                                        # step 6: nB1B0
+        for i in range(n6):
+            if i == n6 // 2 and parity % 2 == 1:
+                zb = True
+            self.backward(1, zb=zb)
+            if i == n6 // 2 and parity % 2 == 0:
+                zb = True
+            self.backward(0, zb=zb)
+        for _ in range(n3):                               # step 7: nWB0 (zero bubble)
+            self.weight()
+            self.backward(0, zb=True)
+        for _ in range(n6):                               # step 8: nW
+            self.weight()
+        self.commit()
+        return self.steps
+
+
 def dualpipev_steps(p: int, s: int, m: int) -> list[Step]:
     """Rank ``s``'s program under DualPipeV with ``p`` ranks (2p virtual stages) and ``m``
     micro-batches: units ``(F|B, chunk, micro-batch)``, paired F&B steps, the pending
@@ -79,119 +207,20 @@ def dualpipev_steps(p: int, s: int, m: int) -> list[Step]:
     unit ('F', 1, 0)
     """
     first, last = s == 0, s == p - 1
-    v_of = (s, 2 * p - 1 - s)
-    f_id, b_id = [0, 0], [0, 0]
-    sent_f, sent_b, got_f, got_b = [0, 0], [0, 0], [0, 0], [0, 0]
-    pending: list[tuple[str, Transfer]] = []
-    steps: list[Step] = []
-
-    def recv_forward(c: int) -> None:
-        if (first and c == 0) or (last and c == 1):
-            return      # the batch's input, or chunk 0's output on the same rank
-        pending.append(("recv", ("F", v_of[c] - 1, got_f[c])))
-        got_f[c] += 1
-
-    def send_forward(c: int) -> None:
-        if (first and c == 1) or (last and c == 0):
-            return      # the loss, or chunk 1's input on the same rank
-        pending.append(("send", ("F", v_of[c], sent_f[c])))
-        sent_f[c] += 1
-
-    def recv_backward(c: int) -> None:
-        if (first and c == 1) or (last and c == 0):
-            return
-        pending.append(("recv", ("B", v_of[c] + 1, got_b[c])))
-        got_b[c] += 1
-
-    def send_backward(c: int) -> None:
-        if (first and c == 0) or (last and c == 1):
-            return
-        pending.append(("send", ("B", v_of[c], sent_b[c])))
-        sent_b[c] += 1
-
-    def commit() -> None:
-        if pending:
-            steps.append(Step("post", transfers=list(pending)))
-            steps.append(Step("wait", transfers=list(pending)))
-            pending.clear()
-
-    def take(kind: str, c: int) -> Unit:
-        ids = f_id if kind == "F" else b_id
-        ids[c] += 1
-        return (kind, c, ids[c] - 1)
-
-    def forward(c: int, recv: bool = True, send: bool = True) -> None:
-        if recv:
-            recv_forward(c)
-        commit()
-        steps.append(Step("unit", take("F", c)))
-        if send:
-            send_forward(c)
-
-    def backward(c: int, zb: bool = False, recv: bool = True, send: bool = True) -> None:
-        if recv:
-            recv_backward(c)
-        commit()
-        steps.append(Step("unit", take("B", c), zero_bubble=zb))
-        if send:
-            send_backward(c)
-
-    def forward_backward(c0: int, c1: int, recv0: bool = True) -> None:
-        if recv0:
-            recv_forward(c0)
-        recv_backward(c1)
-        commit()
-        steps.append(Step("unit", take("F", c0), paired=take("B", c1)))
-        send_forward(c0)
-        send_backward(c1)
-
-    def weight() -> None:
-        commit()
-        steps.append(Step("weight"))
-
+    # Chunk 0 of the first rank takes the batch; the last rank hands chunk 0's output to its
+    # chunk 1 (and the gradient back) without a transfer; chunk 1 of the first rank ends in
+    # the loss.
+    r = _RankSteps((s, 2 * p - 1 - s), starts=(first, last), ends=(last, first))
     for _ in range((p - s - 1) * 2):                  # step 1: nF0
-        forward(0)
-    recv_forward(0)                                   # step 2: nF0F1
+        r.forward(0)
+    r.recv_forward(0)                                 # step 2: nF0F1
     for i in range(s + 1):
-        forward(0, recv=False, send=False)
-        recv_forward(0)
-        forward(1, send=(not last) or i < s)
-        send_forward(0)
-    for _ in range(p - s - 1):                        # step 3: nB1W1F1 (zero bubble)
-        backward(1, zb=True)
-        recv_forward(1)
-        weight()
-        forward(1, recv=False)
-    for i in range(m - 2 * p + s + 1):                # step 4 (main): nF0B1F1B0
-        if i == 0 and last:
-            # DualPipeV does not overlap these two chunks "to further reduce bubble size".
-            forward(0, recv=False, send=False)
-            send_forward(1)
-            backward(1, send=False)
-            send_forward(0)
-            send_backward(1)
-        else:
-            forward_backward(0, 1, recv0=i > 0)
-        forward_backward(1, 0)
-    for _ in range(p - s - 1):                        # step 5: nB1F1B0
-        backward(1)
-        forward_backward(1, 0)
-    zb = False                                        # step 6: nB1B0, second half zero bubble
-    n6 = s + 1
-    for i in range(n6):
-        if i == n6 // 2 and s % 2 == 1:
-            zb = True
-        backward(1, zb=zb)
-        if i == n6 // 2 and s % 2 == 0:
-            zb = True
-        backward(0, zb=zb)
-    for _ in range(p - s - 1):                        # step 7: nWB0 (zero bubble)
-        weight()
-        backward(0, zb=True)
-    for _ in range(s + 1):                            # step 8: nW
-        weight()
-    commit()
-    return steps
+        r.forward(0, recv=False, send=False)
+        r.recv_forward(0)
+        r.forward(1, send=(not last) or i < s)
+        r.send_forward(0)
+    r.main(p - s - 1, m - 2 * p + s + 1, lone_first=last)
+    return r.cooldown(p - s - 1, s + 1, s)
 
 
 def dualpipe_steps(p: int, s: int, m: int) -> list[Step]:
@@ -209,126 +238,23 @@ def dualpipe_steps(p: int, s: int, m: int) -> list[Step]:
     >>> [f"{k}{c}.{i}" for k, c, i in units[:6]]
     ['F0.0', 'F1.0', 'F0.1', 'F1.1', 'F0.2', 'B1.0']
     """
-    half, second = p // 2, int(s >= p // 2)
+    half = p // 2
     hr = min(s, p - 1 - s)
     middle = s in (half - 1, half)
     v_of = (s, 2 * p - 1 - s)
-    first = [v % p == 0 for v in v_of]
-    last = [v % p == p - 1 for v in v_of]
-    f_id, b_id = [0, 0], [0, 0]
-    sent_f, sent_b, got_f, got_b = [0, 0], [0, 0], [0, 0], [0, 0]
-    pending: list[tuple[str, Transfer]] = []
-    steps: list[Step] = []
-
-    def recv_forward(ph: int) -> None:
-        c = ph ^ second
-        if not first[c]:
-            pending.append(("recv", ("F", v_of[c] - 1, got_f[c])))
-            got_f[c] += 1
-
-    def send_forward(ph: int) -> None:
-        c = ph ^ second
-        if not last[c]:
-            pending.append(("send", ("F", v_of[c], sent_f[c])))
-            sent_f[c] += 1
-
-    def recv_backward(ph: int) -> None:
-        c = ph ^ second
-        if not last[c]:
-            pending.append(("recv", ("B", v_of[c] + 1, got_b[c])))
-            got_b[c] += 1
-
-    def send_backward(ph: int) -> None:
-        c = ph ^ second
-        if not first[c]:
-            pending.append(("send", ("B", v_of[c], sent_b[c])))
-            sent_b[c] += 1
-
-    def commit() -> None:
-        if pending:
-            steps.append(Step("post", transfers=list(pending)))
-            steps.append(Step("wait", transfers=list(pending)))
-            pending.clear()
-
-    def take(kind: str, ph: int) -> Unit:
-        c = ph ^ second
-        ids = f_id if kind == "F" else b_id
-        ids[c] += 1
-        return (kind, c, ids[c] - 1)
-
-    def forward(ph: int, recv: bool = True, send: bool = True) -> None:
-        if recv:
-            recv_forward(ph)
-        commit()
-        steps.append(Step("unit", take("F", ph)))
-        if send:
-            send_forward(ph)
-
-    def backward(ph: int, zb: bool = False, recv: bool = True, send: bool = True) -> None:
-        if recv:
-            recv_backward(ph)
-        commit()
-        steps.append(Step("unit", take("B", ph), zero_bubble=zb))
-        if send:
-            send_backward(ph)
-
-    def forward_backward(ph0: int, ph1: int, recv0: bool = True) -> None:
-        if recv0:
-            recv_forward(ph0)
-        recv_backward(ph1)
-        commit()
-        steps.append(Step("unit", take("F", ph0), paired=take("B", ph1)))
-        send_forward(ph0)
-        send_backward(ph1)
-
-    def weight() -> None:
-        commit()
-        steps.append(Step("weight"))
-
+    r = _RankSteps(v_of, starts=(v_of[0] % p == 0, v_of[1] % p == 0),
+                   ends=(v_of[0] % p == p - 1, v_of[1] % p == p - 1), flip=s >= half)
     for _ in range((half - hr - 1) * 2):              # step 1: nF0
-        forward(0)
-    recv_forward(0)                                   # step 2: nF0F1
+        r.forward(0)
+    r.recv_forward(0)                                 # step 2: nF0F1
     for i in range(hr + 1):
-        forward(0, recv=False, send=middle)
-        recv_forward(0)
-        forward(1, send=(not middle) or i < hr)
+        r.forward(0, recv=False, send=middle)
+        r.recv_forward(0)
+        r.forward(1, send=(not middle) or i < hr)
         if not middle:
-            send_forward(0)
-    for _ in range(half - hr - 1):                    # step 3: nB1W1F1 (zero bubble)
-        backward(1, zb=True)
-        recv_forward(1)
-        weight()
-        forward(1, recv=False)
-    for i in range(m // 2 - p + hr + 1):              # step 4 (main): nF0B1F1B0
-        if i == 0 and middle:
-            # DualPipe does not overlap these two chunks "to further reduce bubble size".
-            forward(0, recv=False, send=False)
-            send_forward(1)
-            backward(1, send=False)
-            send_forward(0)
-            send_backward(1)
-        else:
-            forward_backward(0, 1, recv0=i > 0)
-        forward_backward(1, 0)
-    for _ in range(half - hr - 1):                    # step 5: nB1F1B0
-        backward(1)
-        forward_backward(1, 0)
-    zb = False                                        # step 6: nB1B0, second half zero bubble
-    n6 = hr + 1
-    for i in range(n6):
-        if i == n6 // 2 and hr % 2 == 1:
-            zb = True
-        backward(1, zb=zb)
-        if i == n6 // 2 and hr % 2 == 0:
-            zb = True
-        backward(0, zb=zb)
-    for _ in range(half - hr - 1):                    # step 7: nWB0 (zero bubble)
-        weight()
-        backward(0, zb=True)
-    for _ in range(hr + 1):                           # step 8: nW
-        weight()
-    commit()
-    return steps
+            r.send_forward(0)
+    r.main(half - hr - 1, m // 2 - p + hr + 1, lone_first=middle)
+    return r.cooldown(half - hr - 1, hr + 1, hr)
 
 
 def deepseek_steps(kind: str, p: int, s: int, m: int) -> list[Step]:
