@@ -218,3 +218,12 @@ def test_refusals_name_the_key(par: dict, gbs: int, fw: dict, key: str) -> None:
     with pytest.raises(ScenarioError, match=key):
         simulate(megatron_scenario({"tp": 1, "pp": 4, "dp": 1, **par}, gbs=gbs, gpn=pp,
                                    framework=fw, model=dict(DEEP, layers=30 if pp == 3 else 32)))
+
+
+def test_megatrons_p2p_modes_are_not_read() -> None:
+    # An interleaved scenario's overlap_p2p_comm / batch_p2p_comm (which Megatron refuses
+    # without virtual stages) do not stop a what-if on DualPipe, which posts its own.
+    fw = {**DP, "overlap_p2p_comm": True, "batch_p2p_comm": False}
+    a = _run(4, 16, fw, vp=1).summary
+    b = _run(4, 16, DP, vp=1).summary
+    assert a["step_time_s"] == b["step_time_s"]

@@ -38,7 +38,8 @@ class MegatronOptions(StrictModel):
     Megatron-LM's: on with vp > 1 (non-interleaved 1F1B cannot)."""
     batch_p2p_comm: bool | None = None
     """Blocking pipeline calls as one batch_isend_irecv plus torch.cuda.synchronize; default
-    not overlap_p2p_comm (Megatron-LM)."""
+    not overlap_p2p_comm (Megatron-LM). Neither is read under dualpipe / dualpipev, which
+    post their own."""
     tp_comm_overlap: bool = False
     """Overlap tensor-parallel communication with the GEMMs around it (TE userbuffers)."""
     flash_attention: bool = True

@@ -515,9 +515,14 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     precision = s.training.precision
     mb_count = ctx.micro_batches
     align_gather, k_inst = data_parallel_modes(ctx, opts, vp, ctx.dp * cp)
-    overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm, p, vp)
     if opts.pipeline_schedule in ("dualpipe", "dualpipev"):
+        # DualPipe posts its own sends and receives (dualpipe.py): Megatron's p2p modes
+        # configure Megatron's schedules only and are not read.
         check_dualpipe(ctx, opts, p, vp, mb_count)
+        overlap_p2p, batch_p2p = False, False
+    else:
+        overlap_p2p, batch_p2p = p2p_modes(ctx, opts.overlap_p2p_comm, opts.batch_p2p_comm,
+                                           p, vp)
     ctx.require(vp == 1 or mb_count % p == 0 or opts.pipeline_schedule == "dualpipev",
                 "training.global_batch_size",
                 f"interleaved 1F1B needs the micro-batch count ({mb_count}) to be a multiple "
