@@ -92,8 +92,19 @@ def test_blackwell_runs_graphs_and_fp8_gathers_fp8_weights() -> None:
     base = load_scenario(QWEN, ["cluster.gpu=b200", "training.precision=fp8"])
     layouts = plan.enumerate_layouts(base, ["megatron"])
     assert layouts
-    assert all(_opts(x)["cuda_graph_impl"] == "transformer_engine" for x in layouts)
+    assert all(_opts(x)["cuda_graph_impl"] in ("transformer_engine", "full_iteration")
+               for x in layouts)
     assert all(_opts(x)["fp8_param_gather"] is True for x in layouts)
+    # The whole-iteration graph only with Megatron-Bridge 26.06's rank-budget recipe, which
+    # makes it possible over a dropless layer: HybridEP's budget, paged stash, TE's fuser.
+    whole = [x for x in layouts if _opts(x)["cuda_graph_impl"] == "full_iteration"]
+    assert whole
+    for x in whole:
+        o = _opts(x)
+        assert (o["moe_flex_dispatcher_backend"], o["moe_expert_rank_capacity_factor"],
+                o["moe_paged_stash"], o["use_transformer_engine_op_fuser"]) == \
+            ("hybridep", 1.5, True, True)
+        assert x.ep > 1 and x.etp == 1
     # The bf16 enumeration on H100 has twice the layouts: eager and graphs.
     h100 = plan.enumerate_layouts(load_scenario(QWEN), ["megatron"])
     assert sum(_opts(x)["cuda_graph_impl"] == "none" for x in h100) >= len(h100) // 2
@@ -210,3 +221,23 @@ def test_activation_offloading_is_the_next_lever_where_bf16_moments_do_not_fit()
     assert result.ranked() == [offload]
     assert simulate(plan.layout_scenario(base, bf16.layout)).summary["oom"]
     assert not simulate(plan.layout_scenario(base, offload.layout)).summary["oom"]
+
+
+def test_rank_budget_recipe_takes_the_host_out_of_a_graphed_blackwell_step() -> None:
+    # Qwen3-30B-A3B on eight GB200 as the model zoo runs it (per-layer TE graphs, HybridEP,
+    # micro-batch 1: the Grace host paces the eager experts). The planner's rank-budget option
+    # set on the same layout runs the whole iteration as one graph (Megatron-Bridge 26.06):
+    # faster, and it fits.
+    name = "qwen3-30b-a3b-megatron-ep8-a2a-overlap-8xgb200"
+    base = load_scenario(name)
+    mine = [x for x in plan.enumerate_layouts(base, ["megatron"])
+            if _opts(x)["cuda_graph_impl"] == "full_iteration" and x.ep == 8 and x.dp == 8
+            and x.micro_batch_size == 1 and _opts(x).get("moe_a2a_overlap")
+            and x.activation_checkpointing == "none" and x.cp == 1 and x.tp == 1]
+    assert mine
+    sets = [f"framework.{k}={list(v) if isinstance(v, tuple) else v}"
+            for k, v in _opts(mine[0]).items()]
+    recipe = simulate(load_scenario(name, sets)).summary
+    given = simulate(base).summary
+    assert recipe["step_time_s"] < 0.5 * given["step_time_s"]
+    assert not recipe["oom"]

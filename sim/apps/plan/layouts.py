@@ -125,7 +125,11 @@ class Layout:
             parts.append("a2a-overlap")
         if opts.get("moe_token_dispatcher_type") == "flex":
             parts.append(str(opts.get("moe_flex_dispatcher_backend", "deepep")))
-        if opts.get("cuda_graph_impl", "none") != "none":
+        if opts.get("moe_expert_rank_capacity_factor"):
+            parts.append("rank-budget")
+        if opts.get("cuda_graph_impl", "none") == "full_iteration":
+            parts.append("iteration-graph")
+        elif opts.get("cuda_graph_impl", "none") != "none":
             parts.append("cuda-graphs")
         if opts.get("fp8_param_gather"):
             parts.append("fp8-params")

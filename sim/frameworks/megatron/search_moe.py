@@ -25,6 +25,18 @@ Each is tried only where Megatron allows it and where it can change the answer:
   whole layer (the host reads the tokens per expert), ``moe_preprocess`` not with the
   alltoall dispatcher of a layer with a capacity factor; no full recomputation, no ``moe``
   recompute module with the ``moe_router`` graph under Transformer Engine's graphs.
+* **The rank-budget recipe** (Megatron-Bridge 26.06's Blackwell MoE configs,
+  ``scripts/performance/configs/{qwen,gpt_oss,deepseek}/*_workload_base_configs.py`` and
+  ``*_llm_pretrain.py`` at v0.5.0 fcbb60311): HybridEP with a static rank budget
+  (``moe_expert_rank_capacity_factor`` 1.5), paged stashing of the experts' activations
+  (pool 1.2x the average rows), Transformer Engine's operation fuser for the grouped experts,
+  and one CUDA graph over the whole iteration, which the budget makes possible over a dropless
+  layer (the host no longer waits for the token counts;
+  :mod:`sim.frameworks.megatron.moe_rank_budget`). On Blackwell, dropless, ep > 1 without
+  expert tensor parallelism (the fuser refuses it), inside one NVLink domain too: what it
+  saves is host time and the per-expert launches, not network crossings. Where Megatron-Core
+  refuses the fuser (an ungated expert MLP) or the budget (skewed routing), the layout is
+  refused, naming the key.
 * **FP8 primary weights** (``fp8_param_gather``) with ``training.precision: fp8``, as
   Megatron-Bridge's FP8 current-scaling recipe sets it (``bf16_with_fp8_current_scaling_mixed``):
   1-byte weights gathered in FP8 by the distributed optimizer, never more memory or bytes.
@@ -72,6 +84,17 @@ def crosses_domains(pt: SearchPoint) -> bool:
     False
     """
     return pt.gpus_per_domain > 0 and pt.ep * pt.etp > pt.gpus_per_domain
+
+
+RANK_BUDGET_RECIPE: Options = (
+    ("moe_token_dispatcher_type", "flex"), ("moe_flex_dispatcher_backend", "hybridep"),
+    ("moe_expert_rank_capacity_factor", 1.5), ("moe_paged_stash", True),
+    ("moe_paged_stash_buffer_size_factor_cuda", 1.2),
+    ("use_transformer_engine_op_fuser", True), ("cuda_graph_impl", "full_iteration"),
+    ("cuda_graph_scope", ()))
+"""Megatron-Bridge 26.06's GB200 MoE recipe (v0.5.0 ``qwen3_workload_base_configs.py``
+L388-398 and ``qwen3_llm_pretrain.py``: budget 1.5, paged stash 1.2, ``full_iteration``);
+its cuDNN fused grouped MLP (MXFP8 only) is left to the scenario."""
 
 
 def dispatchers(pt: SearchPoint) -> list[Options]:
@@ -128,11 +151,20 @@ def moe_option_sets(pt: SearchPoint) -> Iterable[Options]:
     >>> pt = SearchPoint(1, 1, 1, 8, 1, 48, 128, 768, ep=8, gpus_per_domain=8, arch="hopper")
     >>> [dict(o).get("cuda_graph_impl") for o in moe_option_sets(pt)]
     ['none', 'transformer_engine']
+
+    On Blackwell, graphs always, and the rank-budget recipe's whole-iteration graph:
+
+    >>> gb = SearchPoint(1, 1, 1, 8, 1, 48, 128, 768, ep=8, gpus_per_domain=72,
+    ...                  arch="blackwell")
+    >>> [dict(o).get("cuda_graph_impl") for o in moe_option_sets(gb)]
+    ['transformer_engine', 'full_iteration']
     """
     fp8: Options = (("fp8_param_gather", True),) if pt.fp8 else ()
     for disp in dispatchers(pt):
         for graphs in graph_options(pt, bool(disp)):
             yield disp + graphs + fp8
+    if pt.arch == "blackwell" and pt.dropless and pt.ep > 1 and pt.etp == 1:
+        yield RANK_BUDGET_RECIPE + fp8
 
 
 def allows_recomputation(options: Options, ac: str, modules: tuple[str, ...]) -> bool:
