@@ -227,3 +227,16 @@ def test_megatrons_p2p_modes_are_not_read() -> None:
     a = _run(4, 16, fw, vp=1).summary
     b = _run(4, 16, DP, vp=1).summary
     assert a["step_time_s"] == b["step_time_s"]
+
+
+def test_each_dualpipe_copy_casts_its_own_fp8_weights_once_a_step() -> None:
+    # Transformer Engine casts (or transposes) each FP8 weight once a step, on its first
+    # micro-batch: a stage's copy under DualPipe sees m / 2 micro-batches, so its per-unit share
+    # of the cast is 2 / m where 1F1B's is 1 / m (8 micro-batches: 1/4 against 1/8).
+    shares = {}
+    for fw in ({"name": "megatron"}, DP):
+        s = megatron_scenario({"tp": 1, "pp": 2, "dp": 1}, gbs=8, gpn=2, precision="fp8",
+                              framework=fw)
+        shares[fw["name"] + fw.get("pipeline_schedule", "")] = \
+            megatron_shape(JobContext.from_scenario(s)).lay.weight_cast_share
+    assert shares == {"megatron": 1 / 8, "megatrondualpipe": 1 / 4}

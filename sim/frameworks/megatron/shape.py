@@ -533,9 +533,12 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     blackwell = ctx.compute.gpu.arch == "blackwell"
     # FP8 primary weights are quantized by the optimizer step (its parameter copy), so the
     # forward casts nothing; on Hopper it still builds each weight's transpose once a step.
-    # MXFP8 ones arrive in 16 bits and are cast once a step (gather_bytes).
+    # MXFP8 ones arrive in 16 bits and are cast once a step (gather_bytes). Under DualPipe
+    # each copy of a stage sees half the micro-batches and casts its own weights.
+    per_chunk = ctx.micro_batches // 2 if opts.pipeline_schedule == "dualpipe" \
+        else ctx.micro_batches
     cast = 0.0 if opts.fp8_param_gather and blackwell and opts.fp8_recipe != "mxfp8" \
-        else 1.0 / ctx.micro_batches
+        else 1.0 / per_chunk
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
