@@ -25,6 +25,8 @@ What the step does, as ``megatron/core`` runs it:
   schedules do (:mod:`sim.frameworks.megatron.pipeline`), so bubbles and stalls come out of
   the simulation.
   The embedding sits on the first stage and the output layer with the loss on the last.
+  DeepSeek's DualPipe and DualPipeV (``pipeline_schedule: dualpipe | dualpipev``) run their own
+  order and placement (:mod:`sim.frameworks.megatron.dualpipe`).
 * Context parallelism: each rank holds seq/cp tokens (two load-balanced chunks); attention
   runs as Transformer Engine's ring, cp steps each beside the exchange of the next K/V chunk
   (:func:`sim.frameworks.megatron.overlap.cp_ring`).
@@ -225,13 +227,13 @@ class _Step:
         self.expert_stage_buckets = {st: empty for st in range(s.p)}
         self.last_bwd: dict[int, Op] = {}
         self.wgrad: dict[UnitKey, dict[int, LayerWgrad]] = {}
-        """``delay_wgrad_compute`` (or DualPipeV): each backward unit's delayed weight
+        """``delay_wgrad_compute`` (or DualPipe): each backward unit's delayed weight
         gradients by layer."""
         self.zero_bubble: dict[int, set[Unit]] = {}
-        """DualPipeV: each stage's backward units whose weight gradients wait for a
+        """DualPipe(V): each stage's backward units whose weight gradients wait for a
         ``weight`` step."""
         self.deferred: dict[int, deque[list[Op]]] = {}
-        """DualPipeV: each stage's deferred weight gradients, first in, first out
+        """DualPipe(V): each stage's deferred weight gradients, first in, first out
         (``WeightGradStore``)."""
 
     # ------------------------------------------------------------------ buckets
@@ -389,9 +391,9 @@ class _Step:
 
     def _run_plain(self, u: Unit, st: int, cls: RankClass, last_on_stream: dict[str, Op]
                    ) -> tuple[Op | None, Op | None]:
-        """DualPipeV's lone chunk: the module's plain forward or backward. A backward's
-        weight gradients run right after it, or, for a zero-bubble one, wait in the stage's
-        queue for a ``weight`` step."""
+        """DualPipe's (or DualPipeV's) lone chunk: the module's plain forward or backward. A
+        backward's weight gradients run right after it, or, for a zero-bubble one, wait in
+        the stage's queue for a ``weight`` step."""
         key = (u[0], self.s.place.virtual(st, u[1]), u[2])
         unit = self.units[key]
         for op in unit.ops:
@@ -409,7 +411,7 @@ class _Step:
 
     def _run_weight(self, st: int, cls: RankClass, last_on_stream: dict[str, Op]
                     ) -> tuple[Op | None, Op | None]:
-        """DualPipeV's ``_weight_chunk``: the oldest deferred backward's weight gradients."""
+        """DualPipe's ``_weight_chunk``: the oldest deferred backward's weight gradients."""
         dw = self.deferred[st].popleft()
         for op in dw:
             self._emit(op, cls, last_on_stream)
