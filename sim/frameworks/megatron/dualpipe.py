@@ -1,4 +1,5 @@
-"""DeepSeek's DualPipeV pipeline schedule (``framework.pipeline_schedule: dualpipev``).
+"""DeepSeek's DualPipe and DualPipeV pipeline schedules (``framework.pipeline_schedule:
+dualpipe | dualpipev``).
 
 DualPipe (DeepSeek-V3 technical report, arXiv 2412.19437, sec. 3.2.1) feeds micro-batches
 from both ends of the pipeline, overlaps a forward chunk with a backward chunk ("F&B") so
@@ -46,8 +47,6 @@ from __future__ import annotations
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.pipeline import Step, Transfer, Unit
 from sim.scenario import MegatronOptions
-
-KEY = "framework.pipeline_schedule"
 
 
 class _RankSteps:
