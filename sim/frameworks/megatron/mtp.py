@@ -121,14 +121,13 @@ def _chain(unit: UnitOps, ops: list[Op]) -> None:
 
 class MTPOps:
     """Lays out the modules' ops in the last virtual stage's units (``ub``: the job's unit
-    builder, whose layer ops and collectives the modules share)."""
+    builder, whose layer ops and collectives the modules share); each call names the stage
+    (``st``) whose tensor-parallel groups the ops use (DualPipe has two last stages)."""
 
     def __init__(self, ub: UnitBuilder, plan: MTPPlan) -> None:
         self.ub = ub
         self.plan = plan
         s = ub.s
-        self.st = s.place.last_stages[-1]
-        """The stage whose units are being laid out (DualPipe has two last virtual stages)."""
         self.sp = s.t > 1 and s.sp
         # Under full recomputation the checkpoint keeps its two inputs (the hidden state and
         # the embedding, sequence shards) instead of what the projection saves.
@@ -143,7 +142,7 @@ class MTPOps:
                   **kw)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ forward
-    def _proj_forward(self, unit: UnitOps, mb: int, layer: int, phase: str) -> None:
+    def _proj_forward(self, unit: UnitOps, st: int, mb: int, layer: int, phase: str) -> None:
         """[gather the 2h input] enorm, hnorm, cat, eh_proj [gather its output slices]."""
         ub, s, pl = self.ub, self.ub.s, self.plan
         rec = phase == "recompute"
@@ -151,8 +150,8 @@ class MTPOps:
         if self.sp:
             # eh_proj is a TE column-parallel linear: under FP8 it quantizes its [h, h] input
             # (after an amax all-reduce under current scaling) and gathers FP8.
-            ops += ub.amax_ops(self.st, f"{phase} mtp proj L{layer} mb{mb}", mb, layer)
-            gather = ub.tp_comm(self.st, "all_gather", 2.0 * ub.full,
+            ops += ub.amax_ops(st, f"{phase} mtp proj L{layer} mb{mb}", mb, layer)
+            gather = ub.tp_comm(st, "all_gather", 2.0 * ub.full,
                                 f"all_gather {phase} mtp proj L{layer} mb{mb}", mb, layer)
             ub.fp8_gather(gather)
             ops.append(gather)
@@ -161,7 +160,7 @@ class MTPOps:
             PROJ_OPS * ub.c.cpu_call, flops=0.0 if rec else pl.proj_flops[0],
             alloc=(("activations", pl.proj.saved_bytes if rec else self.proj_hold),)))
         if s.t > 1:
-            ops.append(ub.tp_comm(self.st, "all_gather", ub.full,
+            ops.append(ub.tp_comm(st, "all_gather", ub.full,
                                   f"all_gather {phase} mtp proj out L{layer} mb{mb}", mb,
                                   layer))
         _chain(unit, ops)
@@ -170,19 +169,18 @@ class MTPOps:
         """Every depth's embedding, projection and layer, then every depth's head and loss
         (``GPTModel._postprocess``: the MTP block, then ``process_mtp_loss``), on stage
         ``st``."""
-        self.st = st
         ub, s, c = self.ub, self.ub.s, self.ub.c
         for layer in self.plan.layers:
             ops = [self._compute(f"fwd mtp embed L{layer} mb{mb}", c.fwd_s["embed"], "fwd", mb,
                                  layer, c.fwd_cpu["embed"],
                                  alloc=(("activations", s.cost["embed"].saved_bytes),))]
             if s.t > 1:
-                ops.append(ub.tp_comm(self.st, s.row_reduce, ub.full,
+                ops.append(ub.tp_comm(st, s.row_reduce, ub.full,
                                       f"mtp embed reduce L{layer} mb{mb}", mb, layer))
             _chain(unit, ops)
             unit.part_op[layer] = ops[0]
-            self._proj_forward(unit, mb, layer, "fwd")
-            ub.layer_forward(self.st, unit, mb, layer, recompute=False)
+            self._proj_forward(unit, st, mb, layer, "fwd")
+            ub.layer_forward(st, unit, mb, layer, recompute=False)
         head = s.cost["head"]
         for layer in self.plan.layers:
             _chain(unit, [self._compute(
@@ -196,7 +194,6 @@ class MTPOps:
         """The heads' backward, then each depth's layer (recomputed with its projection
         under full recomputation), projection and embedding, the last depth first, on stage
         ``st``."""
-        self.st = st
         ub, s, c, pl = self.ub, self.ub.s, self.ub.c, self.plan
         head = s.cost["head"]
         for layer in reversed(pl.layers):
@@ -207,23 +204,23 @@ class MTPOps:
                 flops=s.blocks["head"].flops_bwd)])
         for layer in reversed(pl.layers):
             if s.ac == "full":
-                self._proj_forward(unit, mb, layer, "recompute")
-            ub.layer_backward(self.st, unit, mb, layer)
-            self._proj_backward(unit, mb, layer)
+                self._proj_forward(unit, st, mb, layer, "recompute")
+            ub.layer_backward(st, unit, mb, layer)
+            self._proj_backward(unit, st, mb, layer)
             _chain(unit, [self._compute(
                 f"bwd mtp embed L{layer} mb{mb}", c.bwd_s["embed"], "bwd", mb, layer,
                 c.bwd_cpu["embed"], free=(("activations", s.cost["embed"].saved_bytes),))])
 
-    def _proj_backward(self, unit: UnitOps, mb: int, layer: int) -> None:
+    def _proj_backward(self, unit: UnitOps, st: int, mb: int, layer: int) -> None:
         """The sequence scatter's backward (an all-gather of the gradient), ``eh_proj``'s
         backward with its input re-gathered and its input gradient reduce-scattered
         (all-reduced without sequence parallelism), the norms and the split."""
         ub, s, pl = self.ub, self.ub.s, self.plan
         ops = []
         if self.sp:
-            ops.append(ub.tp_comm(self.st, "all_gather", ub.full,
+            ops.append(ub.tp_comm(st, "all_gather", ub.full,
                                   f"all_gather bwd mtp proj grad L{layer} mb{mb}", mb, layer))
-            regather = ub.tp_comm(self.st, "all_gather", 2.0 * ub.full,
+            regather = ub.tp_comm(st, "all_gather", 2.0 * ub.full,
                                   f"all_gather input bwd mtp proj L{layer} mb{mb}", mb, layer)
             ub.fp8_gather(regather)   # TE re-gathers the saved FP8 input for wgrad
             ops.append(regather)
@@ -232,6 +229,6 @@ class MTPOps:
                                  layer, PROJ_OPS * ub.c.cpu_call / 2, flops=pl.proj_flops[1],
                                  free=(("activations", held),)))
         if s.t > 1:
-            ops.append(ub.tp_comm(self.st, s.row_reduce, 2.0 * ub.full,
+            ops.append(ub.tp_comm(st, s.row_reduce, 2.0 * ub.full,
                                   f"{s.row_reduce} bwd mtp proj L{layer} mb{mb}", mb, layer))
         _chain(unit, ops)

@@ -197,8 +197,8 @@ class Placement:
     >>> loop, vee = Placement(4, 2), Placement(4, 2, v_shape=True)
     >>> [loop.stage(v) for v in range(8)], [vee.stage(v) for v in range(8)]
     ([0, 1, 2, 3, 0, 1, 2, 3], [0, 1, 2, 3, 3, 2, 1, 0])
-    >>> vee.virtual(1, 1), vee.chunk(6), vee.last_stages
-    (6, 1, (0,))
+    >>> vee.virtual(1, 1), vee.last_stages
+    (6, (0,))
     >>> dual = Placement(4, 2, bidirectional=True)
     >>> [v for v in range(8) if dual.is_first(v)], dual.last_stages
     ([0, 4], (0, 3))
@@ -219,10 +219,6 @@ class Placement:
         if self.folded:
             return v if v < self.p else 2 * self.p - 1 - v
         return v % self.p
-
-    def chunk(self, v: int) -> int:
-        """The model chunk (0 .. vp - 1) of its stage that virtual stage ``v`` is."""
-        return v // self.p
 
     def virtual(self, st: int, c: int) -> int:
         """The virtual stage that is model chunk ``c`` of stage ``st``."""
@@ -442,11 +438,11 @@ class P2PLink:
     dtype: NcclType | None = None
     """NCCL type of the activations and gradients sent."""
     place: Placement | None = None
-    """Which stage runs each virtual stage; None: Megatron-Core's loop (``v % p``)."""
+    """Which stage runs each virtual stage; None: Megatron-Core's loop."""
 
     def stage(self, v: int) -> int:
         """The stage running virtual stage ``v``."""
-        return self.place.stage(v) if self.place is not None else v % self.p
+        return (self.place or Placement(self.p, 1)).stage(v)
 
     def stream(self, d: str, role: str, src: int, dst: int) -> str:
         """The transfer's stream: one per direction and role; under a folded placement

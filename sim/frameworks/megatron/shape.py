@@ -159,11 +159,6 @@ class MegatronShape:
         return "1f1b" if self.vp > 1 else self.opts.pipeline_schedule
 
     @property
-    def dualpipev(self) -> bool:
-        """DeepSeek's DualPipeV schedule on a V placement of the virtual stages."""
-        return self.opts.pipeline_schedule == "dualpipev"
-
-    @property
     def deepseek_schedule(self) -> bool:
         """DualPipe or DualPipeV (:mod:`sim.frameworks.megatron.dualpipe`)."""
         return self.opts.pipeline_schedule in ("dualpipe", "dualpipev")
@@ -176,9 +171,8 @@ class MegatronShape:
 
     @property
     def chunk_micro_batches(self) -> int:
-        """Micro-batches through each virtual stage: DualPipe feeds half from each end."""
-        return self.mb_count // 2 if self.opts.pipeline_schedule == "dualpipe" \
-            else self.mb_count
+        """Micro-batches through each virtual stage (:func:`micro_batches_per_chunk`)."""
+        return micro_batches_per_chunk(self.opts, self.mb_count)
 
     @property
     def legacy(self) -> bool:
@@ -485,6 +479,12 @@ def _check_layout(ctx: JobContext, opts: MegatronOptions, p: int, vp: int, extra
         ctx.fail(key, f"{e} (parallelism pp = {p}, vp = {vp})")
 
 
+def micro_batches_per_chunk(opts: MegatronOptions, m: int) -> int:
+    """Micro-batches through each virtual stage of ``m`` a step: DualPipe feeds half from
+    each end, every other schedule all of them through every chunk."""
+    return m // 2 if opts.pipeline_schedule == "dualpipe" else m
+
+
 def placement(opts: MegatronOptions, p: int, vp: int) -> Placement:
     """The virtual stages' placement ``framework.pipeline_schedule`` runs on."""
     return Placement(p, vp, v_shape=opts.pipeline_schedule == "dualpipev",
@@ -535,10 +535,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     # forward casts nothing; on Hopper it still builds each weight's transpose once a step.
     # MXFP8 ones arrive in 16 bits and are cast once a step (gather_bytes). Under DualPipe
     # each copy of a stage sees half the micro-batches and casts its own weights.
-    per_chunk = ctx.micro_batches // 2 if opts.pipeline_schedule == "dualpipe" \
-        else ctx.micro_batches
     cast = 0.0 if opts.fp8_param_gather and blackwell and opts.fp8_recipe != "mxfp8" \
-        else 1.0 / per_chunk
+        else 1.0 / micro_batches_per_chunk(opts, mb_count)
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
