@@ -43,12 +43,19 @@ Kernels (:func:`score_seconds`):
   predict +24%, but it measured +9% over the 1-CTA kernel (Dao-AILab/flash-attention PR
   #2280): whatever binds the 2-CTA kernel is not among these units, so it is not modelled.
 * ``cudnn``: cuDNN's fused attention (Transformer Engine's FusedAttention, what Megatron runs)
-  as FA-4 measured it, cuDNN 9.13: FA-4's time times the published gap between the two
-  (:data:`CUDNN_913_SLOWDOWN`), at every head dim (the paper's "up to 1.3x" bounds the gap
-  over all its shapes, so cuDNN is not priced from MUFU alone where FA-4's software
-  exponential would open a wider one). Newer cuDNN releases took FA-4's techniques in and ran level
-  with it or faster (docs/calibration.md); one cuDNN is priced for all containers, since
-  scenarios do not name the cuDNN release.
+  at FA-4's unit rates. FA-4 was published 1.1-1.3x faster than cuDNN 9.13, but cuDNN took its
+  techniques in: cuDNN 9.22's own benchmark on a GB200 (cudnn-frontend
+  ``benchmark/sdpa_benchmark_training``, ``sim/catalog/reference/cudnn_sdpa.yaml``) runs causal
+  head-dim-128 attention at 1,708 TFLOP/s forward at 16k, FA-4's best on a B200 (1,613) times
+  the GB200's SMs x clock (1.078). One cuDNN is priced for every container, since scenarios do
+  not name the release: the newest measured.
+
+Every query tile (every key tile, backward) also pays a fixed fill (:data:`ROW_FILL_CYCLES`):
+loading its first operands through the pipeline and its epilogue (the output and
+log-sum-exp written forward; dK and dV backward), which a row of many score tiles hides behind
+its main loop and a short row does not. It is what a sliding window of 128 keys costs beyond
+its two score tiles a row (3.5x the tiles' time at head dim 64) and what short causal rows lose
+(2,048 tokens: 25% over the tiles' time).
 
 The reference figures are in ``sim/catalog/reference/blackwell_attention.yaml``.
 """
@@ -83,13 +90,14 @@ FP32_BYTES = 4
 # cycles a tile, 25% 768); no B200 head-dim-64 measurement was found to pin it.
 FA4_EMULATED_EXP_SHARE = 0.175
 
-# cuDNN 9.13 time over FlashAttention-4's, B200 BF16, per pass. Forward: "up to 1.1-1.3x
-# faster than cuDNN 9.13 in forward" (Together AI blog "FlashAttention-4"; paper abstract
-# "up to 1.3x"), the midpoint, since the paper's per-shape figures were not readable here.
-# Backward: FA-4's first Blackwell backward kernel (1-CTA) was "~1.1x speed up vs cuDNN SM100
-# backward for seqlen=8K; b=2; num_heads=16; head_dim=128" (Dao-AILab/flash-attention PR
-# #1945, 2025-10-19).
-CUDNN_913_SLOWDOWN = {"fwd": 1.2, "bwd": 1.1}
+# SM cycles a 128-row query tile (forward) or 128-key tile (backward) costs beyond its score
+# tiles: pipeline fill and epilogue (module docstring). Fitted on cuDNN 9.22's sliding-window
+# rows on a GB200 (window 128, head dim 64, 2,048-16,384 tokens: the fill is 70% of their time),
+# the median of (measured - score tiles' time) / query tiles per SM, at the burst clock the
+# benchmark ran; validated on the same benchmark's full and causal rows of Llama 3.1's shape
+# (head dim 128, 2,048-32,768 tokens), which set nothing (tests/unit/hardware/
+# test_cudnn_sdpa_reference.py reproduces the fit and checks the rest).
+ROW_FILL_CYCLES = {"fwd": 4250.0, "bwd": 8930.0}
 
 BlackwellBackend = Literal["flash4", "cudnn"]
 BACKENDS: tuple[str, ...] = ("flash4", "cudnn")
@@ -202,25 +210,39 @@ def sm80_kernel_scale(gpu: GpuSpec) -> float:
     return ratio * sustained_clock_ratio(gpu)
 
 
-def score_seconds(gpu: GpuSpec, backend: str, pass_: Pass, head_dim: int) -> float:
-    """Seconds one SM spends per score (one query-key pair) of a fused attention pass.
+def score_seconds(gpu: GpuSpec, pass_: Pass, head_dim: int) -> float:
+    """Seconds one SM spends per score (one query-key pair) of a fused attention pass, FA-4's
+    and cuDNN's alike (module docstring).
 
     Examples
     --------
     >>> from sim import catalog
     >>> from sim.hardware.power import burst_spec
     >>> b200 = burst_spec(catalog.gpu("b200"))     # at the boost clock FA-4's benchmarks ran
-    >>> tflops = lambda b, p, d=128: ((4 if p == "fwd" else 10) * d * b200.sm_count
-    ...     / score_seconds(b200, b, p, d) / 1e12)
-    >>> round(tflops("flash4", "fwd")), round(tflops("cudnn", "fwd"))
-    (1647, 1373)
-    >>> round(tflops("flash4", "bwd")), round(tflops("cudnn", "bwd"))
-    (1267, 1152)
-    >>> round(tflops("flash4", "fwd", 64))       # exponential-bound at head_dim 64
+    >>> tflops = lambda p, d=128: ((4 if p == "fwd" else 10) * d * b200.sm_count
+    ...     / score_seconds(b200, p, d) / 1e12)
+    >>> round(tflops("fwd")), round(tflops("bwd"))
+    (1647, 1267)
+    >>> round(tflops("fwd", 64))                 # exponential-bound at head_dim 64
     998
     """
     emulated = FA4_EMULATED_EXP_SHARE if pass_ == "fwd" else 0.0
     cycles = tile_cycles(pass_, head_dim, gpu.arch, emulated_exp=emulated).bound
-    if backend == "cudnn":
-        cycles *= CUDNN_913_SLOWDOWN[pass_]
     return cycles / (TILE_M * TILE_N) / sustained_cycles_per_s(gpu)
+
+
+def row_fill_seconds(gpu: GpuSpec, pass_: Pass, rows: int, sequences: int) -> float:
+    """Seconds the SMs spend filling and draining the row tiles of one call: ``sequences``
+    (batch x heads) rows of ``rows`` tokens each (queries forward, keys backward), cut into
+    ``TILE_M`` tiles spread over the SMs, each paying :data:`ROW_FILL_CYCLES`.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> from sim.hardware.power import burst_spec
+    >>> gb200 = burst_spec(catalog.gpu("gb200"))
+    >>> round(row_fill_seconds(gb200, "fwd", 4096, 2 * 128) * 1e6)   # 56 tiles an SM
+    111
+    """
+    tiles = sequences * -(-rows // TILE_M)
+    return -(-tiles // gpu.sm_count) * ROW_FILL_CYCLES[pass_] / sustained_cycles_per_s(gpu)

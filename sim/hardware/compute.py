@@ -25,6 +25,7 @@ from sim import catalog
 from sim.catalog import GpuSpec
 from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import MEASURED_BACKEND, causal_tiles, matmul_share
+from sim.hardware.fp8_attention import Format, Kind, fp8_attention_gain
 from sim.hardware.power import sustained_matrix_flops
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
@@ -327,7 +328,7 @@ class ComputeModel:
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
                        pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
                        causal: bool = True, measured_table: bool = True,
-                       window: int | None = None) -> float:
+                       window: int | None = None, fp8: Format | None = None) -> float:
         """A fused (flash-style) attention kernel, forward or backward, of this model's
         ``attention_backend`` (FlashAttention-2/3, cuDNN: :mod:`sim.hardware.attention_cost`).
 
@@ -336,7 +337,9 @@ class ComputeModel:
         apply only to the backend the calibration measured, on Hopper. ``window``: a causal
         sliding window (keys per query), whose band of tiles the kernel runs
         (:func:`~sim.hardware.attention_cost.causal_tiles`); the residual stays the one of the
-        same launch (``seq`` queries, ``batch x heads`` groups).
+        same launch (``seq`` queries, ``batch x heads`` groups). ``fp8``: the call runs in
+        that FP8 format (Transformer Engine's ``fp8_dpa``), at cuDNN's measured gain over
+        the 16-bit kernel (:func:`~sim.hardware.fp8_attention.fp8_attention_gain`).
         """
         att = _fit()["attention"]
         p = att[pass_]
@@ -356,9 +359,11 @@ class ComputeModel:
         if self.gpu.arch == "blackwell" and (
                 self.attention_backend in blackwell_attention.BACKENDS):
             # Blackwell's tensor cores outgrew its exponential unit and shared memory: each
-            # unit priced at its own rate (sim/hardware/blackwell_attention.py).
-            t = max(total / sms, longest) * blackwell_attention.score_seconds(
-                self.gpu, self.attention_backend, pass_, head_dim)
+            # unit priced at its own rate, plus each row tile's fill and epilogue
+            # (sim/hardware/blackwell_attention.py).
+            t = (max(total / sms, longest) * blackwell_attention.score_seconds(
+                self.gpu, pass_, head_dim) + blackwell_attention.row_fill_seconds(
+                self.gpu, pass_, seq if pass_ == "fwd" else kv_seq, groups))
         else:
             # Matmul FLOPs per score at the kernel's own tensor-core speed, plus the
             # exponential.
@@ -376,7 +381,12 @@ class ComputeModel:
                          ) if measured else 0.0
         # The residual is relative to the whole measured call; keep it relative.
         fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
-        return max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
+        t16 = max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
+        if fp8 is None:
+            return t16
+        kind: Kind = "full" if not causal else \
+            "window" if window is not None and window < kv_seq else "causal"
+        return t16 / fp8_attention_gain(self.gpu.arch, fp8, pass_, kind, head_dim, seq)
 
     def attention_cpu_s(self, pass_: Literal["fwd", "bwd"] = "fwd") -> float:
         """CPU time to issue one attention call (backend selection, graph lookup)."""

@@ -21,6 +21,7 @@ from sim.hardware.compute import (
     EAGER_FWD_OP_CPU_S,
     ComputeModel,
 )
+from sim.hardware.fp8_attention import Format
 from sim.workload.grouped_gemm import grouped_gemm_time
 from sim.workload.kernels import Block, Kernel, Style, is_reduction
 
@@ -155,17 +156,19 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     if k.klass == "attention":
         assert k.attn is not None
         bsz, heads, seq, hd, p = k.attn
+        # FP8 attention (fp8_dpa): MXFP8 when block-scaled, per-tensor FP8 otherwise.
+        fp8: Format | None = ("mxfp8" if k.fp8_block else "fp8") if k.fp8 else None
         if k.attn_block is not None:
             q_len, kv_len = k.attn_block
             return cm.attention_time(bsz, heads, q_len, hd, p,  # type: ignore[arg-type]
-                                     kv_seq=kv_len, causal=False)
+                                     kv_seq=kv_len, causal=False, fp8=fp8)
         if k.attn_kv_seq and k.attn_kv_seq != seq:
             # Megatron splits each sequence in 2 x cp chunks so every rank gets an equal
             # share of the causal triangle: half of its queries x all keys.
             return 0.5 * cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
-                                           kv_seq=k.attn_kv_seq, causal=False)
+                                           kv_seq=k.attn_kv_seq, causal=False, fp8=fp8)
         return cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
-                                 window=k.attn_window)
+                                 window=k.attn_window, fp8=fp8)
     # A memory-bound kernel launched once per piece (Transformer Engine's per-expert
     # quantization, :func:`sim.workload.layer_rules.te_scaled_cast`) pays the fixed cost of
     # each launch; its bytes stream once.

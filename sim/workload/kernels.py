@@ -62,11 +62,13 @@ class Kernel:
     activation_elements: float = 0.0
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
     fp8: bool = False
-    """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate."""
+    """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate. An
+    attention kernel: FP8 attention (``fp8_dpa``) at cuDNN's measured gain."""
     fp8_block: bool = False
     """An FP8 GEMM with block scales (MXFP8, or 1x128 / 128x128 blocks): on Hopper, whose
     tensor cores apply none, it promotes its partial sums on the CUDA cores
-    (:meth:`sim.hardware.compute.ComputeModel.gemm_time`, ``block_scaled``)."""
+    (:meth:`sim.hardware.compute.ComputeModel.gemm_time`, ``block_scaled``). An FP8
+    attention kernel: MXFP8 attention."""
     reduction: bool = False
     """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
     streams: bool = False

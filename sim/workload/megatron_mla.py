@@ -57,6 +57,7 @@ from sim.workload.megatron_ops import (
     _linear,
     _norm,
     _row_norm,
+    fp8_attention_inputs,
 )
 from sim.workload.model import ModelSpec
 from sim.workload.moe import MLASpec
@@ -121,12 +122,15 @@ def mla_attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     fl = 2.0 * batch * seq * (seq / 2) * heads * (qk + vd)
     # (The kernel record takes a whole width: 166.4 rounds to 166, 0.2% of the backward.)
     hd_fwd, hd_bwd = (round(w) for w in attention_head_dims(qk, vd))
-    b.fwd(Kernel("flash_fwd", "attention", (query, key, value), (ctx, lse), fl,
-                 attn=(batch, heads, seq, hd_fwd, "fwd")))
-    b.save(query, key, value, ctx, lse)
     gctx = b.t("g_ctx", tokens * heads * vd, BF16)
-    b.bwd(Kernel("flash_bwd", "attention", (gctx, query, key, value, ctx, lse), (gq, gk, gv),
-                 2.5 * fl * hd_bwd / hd_fwd, attn=(batch, heads, seq, hd_bwd, "bwd")))
+    (query, key, value), gout, gcast, (f8, f8b) = fp8_attention_inputs(
+        b, lay, (query, key, value), gctx)
+    b.fwd(Kernel("flash_fwd", "attention", (query, key, value), (ctx, lse), fl,
+                 attn=(batch, heads, seq, hd_fwd, "fwd"), fp8=f8, fp8_block=f8b))
+    b.save(query, key, value, ctx, lse)
+    b.bwd(*gcast, Kernel("flash_bwd", "attention", (gout, query, key, value, ctx, lse),
+                         (gq, gk, gv), 2.5 * fl * hd_bwd / hd_fwd,
+                         attn=(batch, heads, seq, hd_bwd, "bwd"), fp8=f8, fp8_block=f8b))
     out = _linear(b, ctx, tokens, heads * vd, h, "proj", m.bias, bias_in_epilogue=True,
                   lay=lay)
     # Reduced over the tensor-parallel group (all-reduce or reduce-scatter) before the

@@ -80,6 +80,9 @@ class MegatronLayout:
     fp8_output: bool = False
     """``fp8_output_proj``: the output layer (LM head) runs under the FP8 recipe too
     (Megatron-Core's ``TELMHeadColumnParallelLinear``, MXFP8 only); else it stays 16-bit."""
+    fp8_attention: bool = False
+    """``fp8_dot_product_attention`` (TE's ``fp8_dpa``): the fused attention runs in FP8, MXFP8
+    under the mxfp8 recipe (:func:`fp8_attention_inputs`)."""
 
 
 STYLE = Style("bf16")
@@ -325,6 +328,28 @@ def _bias_dropout_add(b: _Builder, out: Tensor, resid: Tensor, tokens: float, h:
     return y
 
 
+
+def fp8_attention_inputs(b: _Builder, lay: MegatronLayout, qkv: tuple[Tensor, ...],
+                         grad_out: Tensor
+                         ) -> tuple[tuple[Tensor, ...], Tensor, list[Kernel], tuple[bool, bool]]:
+    """Under ``fp8_attention``: TE's DotProductAttention quantizes its inputs (query, key,
+    value forward; the output's gradient backward) with the recipe's quantizer before cuDNN's
+    FP8 kernel reads them, and saves the FP8 copies (``fp8_dpa`` without ``fp8_mha``,
+    ``attention/dot_product_attention/backends.py`` @ d0067d0). Returns the kernel's inputs,
+    its output gradient, the backward's quantization (to issue just before the backward
+    kernel) and the attention kernels' (fp8, fp8_block) flags; unchanged in 16 bits."""
+    if not lay.fp8_attention:
+        return qkv, grad_out, [], (False, False)
+    amax, per = lay.fp8 == "tensorwise", fp8_element_bytes(lay.fp8)
+    tags = [t.name.rsplit(".", 1)[-1] for t in (*qkv, grad_out)]
+    out = tuple(b.t(f"{tag}_fp8", t.nbytes / BF16, per) for t, tag in zip(qkv, tags, strict=False))
+    for t, t8, tag in zip(qkv, out, tags, strict=False):
+        for kern in te_scaled_cast("core_attn", tag, t, (t8,), amax):
+            b.fwd(kern)
+    g8 = b.t(f"{tags[-1]}_fp8", grad_out.nbytes / BF16, per)
+    return (out, g8, te_scaled_cast("core_attn", tags[-1], grad_out, (g8,), amax),
+            (True, lay.fp8 == "mxfp8"))
+
 def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
                     window: int | None = None) -> tuple[Block, Block]:
     """(pre, main) of the attention half of a layer; ``window``: a sliding-window layer's
@@ -394,16 +419,17 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
         # sliding window, 4 x d per (query, key) pair of the band.
         fl = 2.0 * batch * s * kv_len * qd if window is None else \
             4.0 * batch * qd * window_pairs(s, window)
+        gctx = b.t("g_ctx", tokens * qd, BF16)
+        (q, k, v), gout, gcast, (f8, f8b) = fp8_attention_inputs(b, lay, (q, k, v), gctx)
         b.fwd(Kernel("flash_fwd", "attention", (q, k, v), (ctx, lse), fl,
-                     attn=(batch, heads, s, m.head_dim, "fwd"),
+                     attn=(batch, heads, s, m.head_dim, "fwd"), fp8=f8, fp8_block=f8b,
                      attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window))
         b.save(q, k, v, ctx, lse)
-        gctx = b.t("g_ctx", tokens * qd, BF16)
         gqa = b.t("g_q", tokens * qd, BF16)
         gka, gva = b.t("g_k", tokens * kvd, BF16), b.t("g_v", tokens * kvd, BF16)
-        b.bwd(Kernel("flash_bwd", "attention", (gctx, q, k, v, ctx, lse),
+        b.bwd(*gcast, Kernel("flash_bwd", "attention", (gout, q, k, v, ctx, lse),
                      (gqa, gka, gva) + sink_grad,
-                     2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd"),
+                     2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd"), fp8=f8, fp8_block=f8b,
                      attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window))
     else:
         # baddbmm -> fused scale-mask-softmax -> dropout -> bmm (Megatron's local path).

@@ -151,6 +151,12 @@ class MegatronOptions(StrictModel):
     """``--fp8-output-proj``: the LM head's output projection under the MXFP8 recipe
     (Megatron-Core ``TELMHeadColumnParallelLinear``; needs ``fp8_recipe: mxfp8`` and FP8
     training, as Megatron-Core asserts); otherwise it stays 16-bit."""
+    fp8_dot_product_attention: bool = False
+    """``--fp8-dot-product-attention`` (Transformer Engine's ``fp8_dpa``): the fused attention
+    in FP8 (per-tensor scales; MXFP8 under the mxfp8 recipe), its inputs quantized first, at
+    the gain cuDNN's own benchmark measured over BF16 (:mod:`sim.hardware.fp8_attention`).
+    Needs FP8 training and a recipe Transformer Engine runs FP8 attention under (not
+    blockwise)."""
     use_transformer_engine_op_fuser: bool = False
     """``--use-transformer-engine-op-fuser``: the routed experts as Transformer Engine
     operations (``te.ops`` GroupedLinear -> ScaledSwiGLU -> GroupedLinear) on the

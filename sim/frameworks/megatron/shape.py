@@ -417,6 +417,12 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                     f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do "
                     f"not split into pp x vp = {p * vp} equal chunks")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    ctx.require(not opts.fp8_dot_product_attention
+                or (precision == "fp8" and opts.fp8_recipe != "blockwise"),
+                "framework.fp8_dot_product_attention",
+        "fp8_dot_product_attention requires FP8 training with an fp8_recipe Transformer Engine "
+        "runs FP8 attention under (tensorwise, delayed or mxfp8; TE disables FusedAttention for "
+        "Float8BlockScaling)")
     ctx.require(not opts.fp8_output_proj or (precision == "fp8" and opts.fp8_recipe == "mxfp8"),
                 "framework.fp8_output_proj",
                 "fp8_output_proj requires FP8 training with fp8_recipe mxfp8 (Megatron-Core)")
@@ -545,7 +551,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                          cross_entropy=loss_impl(opts.cross_entropy_loss_fusion,
                                                  opts.cross_entropy_fusion_impl),
                          rope_fusion=opts.apply_rope_fusion,
-                         fp8_output=opts.fp8_output_proj and precision == "fp8")
+                         fp8_output=opts.fp8_output_proj and precision == "fp8",
+                         fp8_attention=opts.fp8_dot_product_attention)
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
     cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
     tokens = ctx.micro_batch * ctx.seq // cp

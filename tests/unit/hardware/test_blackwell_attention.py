@@ -4,9 +4,7 @@ FlashAttention-4's published roofline and measured B200 figures
 
 The per-SM rates and the roofline cycle counts come from the FA-4 paper; the measured figures
 (Dao-AILab/flash-attention PR #2280) set nothing in the model and check it. Tolerances are
-stated per test; causal shapes are checked more loosely because the model prices the causal
-triangle's tiles only, not the masking work on the diagonal (a known optimism, stated in
-docs/calibration.md).
+stated per test.
 """
 
 from __future__ import annotations
@@ -69,18 +67,18 @@ def test_hopper_fit_exponential_cost_is_the_same_units_ratio() -> None:
     assert bw.MMA_FLOPS_PER_CLOCK_SM["blackwell"] / bw.MUFU_EXP_PER_CLOCK_SM == 2 * hopper
 
 
-@pytest.mark.parametrize("causal,pass_,tol", [
-    (False, "fwd", 0.10), (False, "bwd", 0.05), (True, "fwd", 0.20), (True, "bwd", 0.15)])
-def test_fa4_against_its_measured_b200_figures(ref: dict, causal: bool, pass_: str,
-                                               tol: float) -> None:
+@pytest.mark.parametrize("causal,pass_", [
+    (False, "fwd"), (False, "bwd"), (True, "fwd"), (True, "bwd")])
+def test_fa4_against_its_measured_b200_figures(ref: dict, causal: bool, pass_: str) -> None:
     # PR #2280: batch 4, 16 heads, 8k, head_dim 128; backward with one SM per tile (the
     # model's; the 2-CTA kernel's +9% is not modelled). Measured 1,535 / 1,248 non-causal,
-    # 1,418 / 1,118 causal; the model gives 1,647 / 1,267 and 1,634 / 1,257.
+    # 1,418 / 1,118 causal; the model gives 1,546 / 1,215 and 1,446 / 1,159 (score tiles
+    # alone: 1,647 / 1,267 and 1,634 / 1,257; the row fill, fitted on cuDNN's sliding-window
+    # rows, closes the causal calls' gap from 12-15% to 2-4%). Nothing here was fitted.
     row = next(r for r in ref["fa4_b200_pr2280"] if r["causal"] == causal
                and r["pass"] == pass_ and r.get("cta", 1) == 1 and not r.get("deterministic"))
     got = _tflops(B200, "flash4", 4, 16, 8192, 128, pass_, causal)
-    assert got == pytest.approx(row["tflops"], rel=tol)
-    assert got >= row["tflops"]        # units bound it: the kernel never beats them
+    assert got == pytest.approx(row["tflops"], rel=0.05)
 
 
 def test_fa4_best_is_the_papers_headline(ref: dict) -> None:
@@ -93,16 +91,12 @@ def test_fa4_best_is_the_papers_headline(ref: dict) -> None:
 
 @pytest.mark.parametrize("hd", [64, 128, 192])
 @pytest.mark.parametrize("pass_", ["fwd", "bwd"])
-def test_cudnn_913_gap_to_fa4_within_the_published_bound(ref: dict, hd: int, pass_: str) -> None:
-    # FA-4 is "up to 1.3x" faster than cuDNN 9.13 and faster everywhere the paper shows.
+def test_cudnn_priced_at_fa4s_rates(hd: int, pass_: str) -> None:
+    # FA-4 was "up to 1.3x" faster than cuDNN 9.13, but cuDNN 9.22 on a GB200 runs at FA-4's
+    # B200 best times the GB200's SMs x clock (tests/unit/hardware/test_cudnn_sdpa_reference.py
+    # checks the figures): one pricing for both kernels.
     fa4 = _tflops(B200, "flash4", 2, 16, 8192, hd, pass_, True)
-    cudnn = _tflops(B200, "cudnn", 2, 16, 8192, hd, pass_, True)
-    assert 1.0 < fa4 / cudnn <= ref["headline_b200"]["fa4_over_cudnn_913_max"]
-    lo, hi = ref["headline_b200"]["fa4_over_cudnn_913_fwd"]
-    if pass_ == "fwd":
-        assert lo <= fa4 / cudnn <= hi
-    else:
-        assert fa4 / cudnn == pytest.approx(ref["fa4_bwd_over_cudnn_pr1945"], rel=0.02)
+    assert _tflops(B200, "cudnn", 2, 16, 8192, hd, pass_, True) == pytest.approx(fa4, rel=1e-12)
 
 
 def test_forward_exponential_bound_below_head_dim_128() -> None:

@@ -1,0 +1,92 @@
+"""FP8 fused attention (Transformer Engine's ``fp8_dpa``, Megatron's
+``--fp8-dot-product-attention``): how much faster cuDNN's FP8 SDPA runs than its BF16 one.
+
+No unit model predicts it: by FlashAttention-4's units (:mod:`sim.hardware.blackwell_attention`)
+FP8 halves the tensor-core cycles and the operand bytes in shared memory and leaves the
+exponentials, which would give 1.21x forward and 1.73x backward at head dim 128. cuDNN 9.22
+measured on a GB200 gives 1.26-1.35x forward and 0.94-1.38x backward (causal, 2k-32k tokens):
+the backward's extra work (quantizing dP and dS with their scales) is not in those units. So
+the gain is read from cuDNN's own benchmark (``sim/catalog/reference/cudnn_sdpa.yaml``,
+cudnn-frontend ``benchmark/sdpa_benchmark_training``): BF16 time over FP8 time of the same
+shape, per GPU generation (GB200 for Blackwell, H200 for Hopper), pass and mask (full, causal,
+sliding window), at the measured head dim nearest the call's, interpolated in log2 of the
+sequence length and held at the ends.
+
+The FP8 format follows the recipe as Transformer Engine maps it
+(``attention/dot_product_attention/utils.py`` and ``dot_product_attention.py`` @ d0067d0):
+delayed and current (tensorwise) scaling run per-tensor FP8 attention (the benchmark's ``fp8``
+rows); the MXFP8 recipe runs cuDNN's MXFP8 attention (1 x 32 block scales, sm100 and cuDNN
+>= 9.21: the ``mxfp8`` rows, 5-20% slower than ``fp8``). Where cuDNN measured none (Ampere
+and older; a sliding window on Hopper, where cuDNN 9.19 refused the FP8 graph) the gain is 1.
+Sliding windows are taken as measured: cuDNN 9.22's FP8 backward with a 128-key window ran
+3.7x slower than its BF16 one (a gain below 1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from functools import cache
+from typing import Literal
+
+import yaml
+
+from sim.catalog import CATALOG_DIR
+
+Kind = Literal["full", "causal", "window"]
+Format = Literal["fp8", "mxfp8"]
+
+# The part each generation's figures were measured on.
+MEASURED_PART = {"blackwell": "gb200", "hopper": "h200"}
+
+
+@cache
+def _gains() -> dict[tuple[str, str, str, str], dict[int, list[tuple[float, float]]]]:
+    """(part, format, pass, kind) -> head_dim_qk -> sorted [(log2 seq, bf16 ms / fp8 ms)]."""
+    with open(CATALOG_DIR / "reference" / "cudnn_sdpa.yaml") as fh:
+        ref = yaml.safe_load(fh)
+    rows = [dict(zip(ref["columns"], r, strict=True)) for r in ref["rows"]]
+    shape = ("gpu", "model", "mask", "batch", "seq", "q_heads", "kv_heads", "head_dim_qk",
+             "head_dim_vo", "window", "pass")
+    bf16 = {tuple(r[k] for k in shape): r["ms"] for r in rows if r["dtype"] == "bfloat16"}
+    out: dict[tuple[str, str, str, str], dict[int, list[tuple[float, float]]]] = defaultdict(
+        lambda: defaultdict(list))
+    for r in rows:
+        twin = bf16.get(tuple(r[k] for k in shape))
+        if r["dtype"] == "bfloat16" or twin is None:
+            continue
+        kind = "window" if r["window"] is not None else r["mask"]
+        out[(r["gpu"], r["dtype"], r["pass"], kind)][r["head_dim_qk"]].append(
+            (math.log2(r["seq"]), twin / r["ms"]))
+    return {key: {hd: sorted(pts) for hd, pts in by_hd.items()} for key, by_hd in out.items()}
+
+
+def fp8_attention_gain(arch: str, fmt: Format, pass_: str, kind: Kind, head_dim: int,
+                       seq: int) -> float:
+    """BF16 time over FP8 time of cuDNN's fused attention for one call (module docstring).
+
+    Examples
+    --------
+    >>> round(fp8_attention_gain("blackwell", "fp8", "fwd", "causal", 128, 4096), 2)  # 0.391/0.305
+    1.28
+    >>> round(fp8_attention_gain("blackwell", "mxfp8", "fwd", "causal", 128, 4096), 2)
+    1.2
+    >>> round(fp8_attention_gain("hopper", "fp8", "bwd", "causal", 128, 16384), 2)  # slower
+    0.65
+    >>> fp8_attention_gain("hopper", "fp8", "fwd", "window", 64, 4096)   # none: 16-bit
+    1.0
+    """
+    part = MEASURED_PART.get(arch)
+    by_hd = _gains().get((part, fmt, pass_, kind)) if part else None
+    if not by_hd:
+        return 1.0
+    pts = by_hd[min(by_hd, key=lambda hd: (abs(hd - head_dim), hd))]
+    x = math.log2(seq)
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    raise AssertionError("unreachable: x is within the points")

@@ -1,0 +1,116 @@
+"""cuDNN's fused attention as NVIDIA measured it (sim/catalog/reference/cudnn_sdpa.yaml:
+cudnn-frontend's training-shape SDPA benchmark, cuDNN 9.22 on a GB200 and 9.19 on an H200)
+against :meth:`sim.hardware.compute.ComputeModel.attention_time`.
+
+One constant is fitted here and nowhere else: Blackwell's row fill
+(:data:`sim.hardware.blackwell_attention.ROW_FILL_CYCLES`), on the GB200 sliding-window rows
+of 2,048-16,384 tokens. Every other row validates: Llama 3.1's shape (head dim 128, full and
+causal, 2,048-32,768 tokens) on the GB200, the same on the H200 (whose fitted form was set on
+PyTorch's SDPA, not on these), and DeepSeek-V3's (192/128). The gaps left are recorded as
+strict xfails. The benchmark ran one GPU in bursts, so the parts are priced at their burst
+clock (:func:`sim.hardware.power.burst_spec`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import pytest
+import yaml
+
+from sim import catalog
+from sim.catalog import CATALOG_DIR
+from sim.hardware import blackwell_attention as bw
+from sim.hardware.compute import ComputeModel
+from sim.hardware.power import burst_spec
+from sim.workload.megatron_mla import attention_head_dims
+
+GPUS = {key: burst_spec(catalog.gpu(key)) for key in ("gb200", "h200")}
+
+
+def _rows() -> list[dict[str, Any]]:
+    with open(CATALOG_DIR / "reference" / "cudnn_sdpa.yaml") as fh:
+        ref = yaml.safe_load(fh)
+    return [dict(zip(ref["columns"], r, strict=True)) for r in ref["rows"]]
+
+
+ROWS = _rows()
+
+
+def _select(**want: Any) -> list[dict[str, Any]]:
+    return [r for r in ROWS if all(r[k] == v for k, v in want.items())]
+
+
+def _model_s(r: dict[str, Any]) -> float:
+    """The model's seconds for a row: MLA's two head widths pass as their FLOP-weighted mean,
+    as :mod:`sim.workload.megatron_mla` passes them."""
+    cm = ComputeModel(GPUS[r["gpu"]], attention_backend="cudnn")
+    widths = attention_head_dims(r["head_dim_qk"], r["head_dim_vo"])
+    head_dim = round(widths[0] if r["pass"] == "fwd" else widths[1])
+    return cm.attention_time(r["batch"], r["q_heads"], r["seq"], head_dim, r["pass"],
+                             causal=r["mask"] == "causal", window=r["window"])
+
+
+def _ratio(r: dict[str, Any]) -> float:
+    return _model_s(r) / (r["ms"] * 1e-3)
+
+
+def _fit_rows(pass_: str) -> list[dict[str, Any]]:
+    return [r for r in _select(gpu="gb200", model="gpt_oss", dtype="bfloat16", **{"pass": pass_})
+            if r["seq"] <= 16384]
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_row_fill_is_the_fit_of_the_sliding_window_rows(pass_: str) -> None:
+    # A window of 128 keys leaves two score tiles a row: 70% of those calls is the fill. The
+    # constant is the median, over the fit rows, of (measured - score tiles' time) per row
+    # tile an SM runs, in SM cycles. (The 32,768-token forward, 3.2x the 16k time for 2x the
+    # rows, is left out of the fit and of every check.)
+    gb200 = GPUS["gb200"]
+    cycles = bw.sustained_cycles_per_s(gb200)
+    per_tile = []
+    for r in _fit_rows(pass_):
+        groups = r["batch"] * r["q_heads"]
+        fill = bw.row_fill_seconds(gb200, pass_, r["seq"], groups)
+        tiles_per_sm = -(-groups * -(-r["seq"] // bw.TILE_M) // gb200.sm_count)
+        per_tile.append((r["ms"] * 1e-3 - (_model_s(r) - fill)) / tiles_per_sm * cycles)
+    assert statistics.median(per_tile) == pytest.approx(bw.ROW_FILL_CYCLES[pass_], rel=0.01)
+    assert all(_ratio(r) == pytest.approx(1.0, abs=0.06) for r in _fit_rows(pass_))
+
+
+@pytest.mark.parametrize("r", _select(gpu="gb200", model="llama3.1", dtype="bfloat16"),
+                         ids=lambda r: f"{r['mask']}-{r['seq']}-{r['pass']}")
+def test_gb200_llama_shapes_validate(r: dict[str, Any]) -> None:
+    # Not fitted on: head dim 128, GQA 64/8, batch 2. Model over measured 0.89-1.07 (the
+    # 2,048-token causal backward the lowest); within 12% each.
+    assert _ratio(r) == pytest.approx(1.0, abs=0.12)
+
+
+def test_gb200_llama_shapes_mean_error() -> None:
+    ratios = [_ratio(r) for r in _select(gpu="gb200", model="llama3.1", dtype="bfloat16")]
+    assert statistics.mean(abs(x - 1.0) for x in ratios) < 0.05
+
+
+@pytest.mark.parametrize("pass_", ["fwd", pytest.param("bwd", marks=pytest.mark.xfail(
+    strict=True, reason="DeepSeek's 192/128 backward runs 13-26% faster in the model than "
+    "cuDNN measured: its shared-memory count passes one mean head width for every operand"))])
+def test_gb200_deepseek_shapes(pass_: str) -> None:
+    rows = _select(gpu="gb200", model="dsv3", dtype="bfloat16", **{"pass": pass_})
+    assert all(_ratio(r) == pytest.approx(1.0, abs=0.15) for r in rows)
+
+
+def test_h200_llama_shapes() -> None:
+    # Hopper keeps the form fitted on PyTorch 2.11's SDPA (calibration/h200-kernels.json,
+    # 16 heads x 2,048-16,384 tokens); cuDNN 9.19 called directly at 64/8 heads: model over
+    # measured 0.85-1.25, the median within 10%.
+    ratios = [_ratio(r) for r in _select(gpu="h200", model="llama3.1", dtype="bfloat16")]
+    assert all(0.8 < x < 1.3 for x in ratios)
+    assert statistics.median(ratios) == pytest.approx(1.0, abs=0.10)
+
+
+@pytest.mark.xfail(strict=True, reason="Hopper's fitted form has no row fill: a 1,024-key "
+                   "window runs 15-37% faster in the model than cuDNN 9.19 measured")
+def test_h200_sliding_window_shapes() -> None:
+    rows = _select(gpu="h200", model="gpt_oss", dtype="bfloat16")
+    assert all(_ratio(r) == pytest.approx(1.0, abs=0.12) for r in rows)

@@ -1,0 +1,45 @@
+"""FP8 attention (``framework.fp8_dot_product_attention``) priced at cuDNN's measured gain over
+BF16 (sim/hardware/fp8_attention.py; the figures in sim/catalog/reference/cudnn_sdpa.yaml)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim import catalog
+from sim.hardware.compute import ComputeModel
+from sim.hardware.fp8_attention import fp8_attention_gain
+from sim.hardware.power import burst_spec
+
+GB200 = burst_spec(catalog.gpu("gb200"))
+
+
+@pytest.mark.parametrize("fmt,pass_,seq,bf16_ms,fp8_ms", [
+    # cuDNN 9.22 on a GB200, Llama 3.1's shape (64/8 heads, head dim 128), causal
+    ("fp8", "fwd", 8192, 1.397, 1.074), ("fp8", "bwd", 8192, 4.127, 3.781),
+    ("mxfp8", "bwd", 4096, 1.198, 1.305)])
+def test_gain_is_the_measured_ratio_at_measured_lengths(fmt, pass_, seq, bf16_ms, fp8_ms) -> None:
+    got = fp8_attention_gain("blackwell", fmt, pass_, "causal", 128, seq)
+    assert got == pytest.approx(bf16_ms / fp8_ms, rel=1e-9)
+
+
+def test_gain_interpolates_between_lengths_and_holds_at_the_ends() -> None:
+    lo = fp8_attention_gain("blackwell", "fp8", "bwd", "full", 128, 4096)
+    hi = fp8_attention_gain("blackwell", "fp8", "bwd", "full", 128, 8192)
+    mid = fp8_attention_gain("blackwell", "fp8", "bwd", "full", 128, 5793)   # ~2^12.5
+    assert min(lo, hi) < mid < max(lo, hi)
+    assert fp8_attention_gain("blackwell", "fp8", "fwd", "full", 128, 512) == \
+        fp8_attention_gain("blackwell", "fp8", "fwd", "full", 128, 2048)
+
+
+def test_no_measured_kernel_means_the_16_bit_one() -> None:
+    # Ampere has no FP8; cuDNN 9.19 refused FP8 with a sliding window on the H200.
+    assert fp8_attention_gain("ampere", "fp8", "fwd", "causal", 128, 4096) == 1.0
+    assert fp8_attention_gain("hopper", "fp8", "bwd", "window", 64, 4096) == 1.0
+
+
+def test_sliding_window_backward_slower_in_fp8_as_measured() -> None:
+    # cuDNN 9.22's FP8 backward with a 128-key window: 1.731 ms against 0.465 in BF16.
+    cm = ComputeModel(GB200, attention_backend="cudnn")
+    t16 = cm.attention_time(2, 128, 4096, 64, "bwd", window=128)
+    t8 = cm.attention_time(2, 128, 4096, 64, "bwd", window=128, fp8="fp8")
+    assert t8 / t16 == pytest.approx(1.731 / 0.465, rel=1e-9)
