@@ -241,8 +241,8 @@ def row_fill_seconds(gpu: GpuSpec, pass_: Pass, rows: int, sequences: int) -> fl
     >>> from sim import catalog
     >>> from sim.hardware.power import burst_spec
     >>> gb200 = burst_spec(catalog.gpu("gb200"))
-    >>> round(row_fill_seconds(gb200, "fwd", 4096, 2 * 128) * 1e6)   # 56 tiles an SM
-    111
+    >>> round(row_fill_seconds(gb200, "fwd", 4096, 2 * 128) * 1e6)   # 54 tiles an SM
+    161
     """
     tiles = sequences * -(-rows // TILE_M)
     return -(-tiles // gpu.sm_count) * ROW_FILL_CYCLES[pass_] / sustained_cycles_per_s(gpu)
