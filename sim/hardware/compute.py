@@ -382,6 +382,12 @@ class ComputeModel:
         # The residual is relative to the whole measured call; keep it relative.
         fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
         t16 = max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
+        if self.gpu.arch == "hopper" and causal and window is not None and window < kv_seq:
+            # Hopper's form was fitted on whole causal rows, whose fill its per-score cost
+            # carries; a sliding window's short rows pay each row tile's fill whole (in SM
+            # cycles, as on Blackwell: sim/hardware/blackwell_attention.py).
+            t16 += blackwell_attention.row_fill_seconds(
+                self.gpu, pass_, seq if pass_ == "fwd" else kv_seq, groups)
         if fp8 is None:
             return t16
         kind: Kind = "full" if not causal else \
