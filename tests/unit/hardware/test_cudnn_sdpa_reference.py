@@ -8,8 +8,9 @@ of 2,048-16,384 tokens. Every other row validates: Llama 3.1's shape (head dim 1
 causal, 2,048-32,768 tokens) on the GB200, the same on the H200 (whose fitted form was set on
 PyTorch's SDPA, not on these), the H200's sliding windows (the GB200's fill carried over in SM
 cycles), DeepSeek-V3's (192/128) and flash-attention PR #2605's head-dim-64 cuDNN rows on
-another Blackwell part. The gaps left are recorded as strict xfails. The benchmark ran one GPU in bursts, so the parts are priced at their burst
-clock (:func:`sim.hardware.power.burst_spec`).
+another Blackwell part. The gaps left are recorded as strict xfails. The benchmarks ran one
+GPU in bursts, so the parts are priced at their burst clock
+(:func:`sim.hardware.power.burst_spec`).
 """
 
 from __future__ import annotations
