@@ -81,6 +81,28 @@ def test_fa4_against_its_measured_b200_figures(ref: dict, causal: bool, pass_: s
     assert got == pytest.approx(row["tflops"], rel=0.05)
 
 
+def _mla_tflops(causal: bool, pass_: str) -> float:
+    # MLA's widths pass as their FLOP-weighted means (sim/workload/megatron_mla.py).
+    cm = ComputeModel(B200, attention_backend="flash4")
+    flops = 2.0 * 4 * 16 * 8192 * 8192 * (192 + 128) * (0.5 if causal else 1.0)
+    flops *= 2.5 if pass_ == "bwd" else 1.0
+    hd = 160 if pass_ == "fwd" else 166
+    return flops / cm.attention_time(4, 16, 8192, hd, pass_, causal=causal) / 1e12
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pass_", ["fwd", pytest.param("bwd", marks=pytest.mark.xfail(
+    strict=True, reason="MLA's 192/128 backward runs 18-25% faster in the model than FA-4 "
+    "measured (PR #2270, 2-CTA), as against cuDNN 9.22 (test_cudnn_sdpa_reference.py): "
+    "whatever binds it at these widths is not among the three units"))])
+def test_fa4_at_mla_widths(ref: dict, causal: bool, pass_: str) -> None:
+    # PR #2270: 1,556 / 1,494 TFLOP/s forward (model 1,565 / 1,480), 1,073 / 971 backward
+    # (model 1,269 / 1,218). Nothing fitted.
+    row = next(r for r in ref["fa4_b200_pr2270_hdim192_128"]
+               if r["causal"] == causal and r["pass"] == pass_)
+    assert _mla_tflops(causal, pass_) == pytest.approx(row["tflops"], rel=0.05)
+
+
 def test_fa4_best_is_the_papers_headline(ref: dict) -> None:
     # "up to 1613 TFLOP/s (71% utilization)" on B200: the model's best over sequence lengths
     # (non-causal forward, head_dim 128) within 5%.
