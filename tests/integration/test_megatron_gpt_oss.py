@@ -84,8 +84,12 @@ def test_full_attention_time_is_unchanged_by_a_window_at_least_the_sequence() ->
         full = cm.attention_time(2, 8, 4096, 64, p)
         assert cm.attention_time(2, 8, 4096, 64, p, window=4096) == full
         assert cm.attention_time(2, 8, 4096, 64, p, window=None) == full
-        # A 128-token band runs 3 of the 64-token tiles per row instead of up to 64.
-        assert cm.attention_time(2, 8, 4096, 64, p, window=128) < full / 5
+        # A 128-token band runs 3 of the 64-token tiles per row instead of up to 64, but
+        # each row tile still pays its fill (sim/hardware/blackwell_attention.py): on a GB200
+        # cuDNN 9.22 ran the 128-key window at 4k tokens, 2 x 128 heads of 64, in 0.210 ms
+        # (sim/catalog/reference/cudnn_sdpa.yaml); the model gives 0.224, and its full causal
+        # call of that shape 3.3x that. Here (H100) 3.8x forward, 4.6x backward.
+        assert full / 6 < cm.attention_time(2, 8, 4096, 64, p, window=128) < full / 3
 
 
 # --------------------------------------------------------------------------- the blocks
