@@ -144,10 +144,10 @@ def test_pr2605_head_dim_64_from_4k_tokens(causal: bool) -> None:
             assert 1.0 < _pr2605_time_ratio(seq, tflops, causal) < 1.25
 
 
-@pytest.mark.xfail(strict=True, reason="the additive row fill over-charges short rows of cheap "
-                   "head-dim-64 tiles on PR #2605's part: 1,024-2,048 tokens run 1.28-1.49x "
-                   "slower in the model (its fill, fitted on cuDNN 9.22's 128-key windows, is "
-                   "overlapped there with the next row's tiles)")
+@pytest.mark.xfail(strict=True, reason="PR #2605's kernel pays about a third of cuDNN 9.22's "
+                   "fill a row (0.5-1.2 us beyond its score tiles, against 2.7-3.1 us in every "
+                   "cuDNN 9.22 row, windowed or not): 1,024-2,048 tokens run 1.28-1.49x slower "
+                   "in the model")
 def test_pr2605_head_dim_64_short_rows() -> None:
     for causal in (False, True):
         for seq, tflops in _pr2605(causal):
