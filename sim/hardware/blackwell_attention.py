@@ -54,8 +54,8 @@ Every query tile (every key tile, backward) also pays a fixed fill (:data:`ROW_F
 loading its first operands through the pipeline and its epilogue (the output and
 log-sum-exp written forward; dK and dV backward), which a row of many score tiles hides behind
 its main loop and a short row does not. It is what a sliding window of 128 keys costs beyond
-its two score tiles a row (3.5x the tiles' time at head dim 64) and what short causal rows lose
-(2,048 tokens: 25% over the tiles' time). Hopper's fitted form carries the fill of whole causal
+its two score tiles a row (cuDNN 9.22 at head dim 64: 3.7-4.7x the tiles' time) and what
+short causal rows lose. Hopper's fitted form carries the fill of whole causal
 rows in its per-score cost, so there only a sliding window's rows add it
 (:meth:`sim.hardware.compute.ComputeModel.attention_time`), in the same SM cycles.
 

@@ -348,6 +348,7 @@ class ComputeModel:
         nb = math.ceil(seq / blk)
         nbk = math.ceil(kv_seq / blk)
         groups = batch * heads
+        row = nbk
         if causal:
             tiles, row = causal_tiles(nb, blk, window)
             total = groups * blk * blk * tiles
@@ -382,16 +383,22 @@ class ComputeModel:
         # The residual is relative to the whole measured call; keep it relative.
         fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
         t16 = max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
-        if self.gpu.arch == "hopper" and causal and window is not None and window < kv_seq:
+        windowed = causal and row < nb     # a band shorter than the causal row
+        if self.gpu.arch == "hopper" and windowed:
             # Hopper's form was fitted on whole causal rows, whose fill its per-score cost
-            # carries; a sliding window's short rows pay each row tile's fill whole (in SM
-            # cycles, as on Blackwell: sim/hardware/blackwell_attention.py).
-            t16 += blackwell_attention.row_fill_seconds(
+            # carries; a band of `row` of the row's nb tiles carries row / nb of it and pays
+            # the rest (in SM cycles, as on Blackwell: sim/hardware/blackwell_attention.py),
+            # nothing once the band is the whole row.
+            t16 += (1.0 - row / nb) * blackwell_attention.row_fill_seconds(
                 self.gpu, pass_, seq if pass_ == "fwd" else kv_seq, groups)
         if fp8 is None:
             return t16
-        kind: Kind = "full" if not causal else \
-            "window" if window is not None and window < kv_seq else "causal"
+        if windowed and pass_ == "bwd":
+            # cuDNN's FP8 backward does not skip the band's outside: the causal call's work
+            # at the causal gain (sim/hardware/fp8_attention.py).
+            return self.attention_time(batch, heads, seq, head_dim, "bwd", kv_seq,
+                                       causal=True, measured_table=measured_table, fp8=fp8)
+        kind: Kind = "full" if not causal else "window" if windowed else "causal"
         return t16 / fp8_attention_gain(self.gpu.arch, fp8, pass_, kind, head_dim, seq)
 
     def attention_cpu_s(self, pass_: Literal["fwd", "bwd"] = "fwd") -> float:

@@ -16,10 +16,14 @@ The FP8 format follows the recipe as Transformer Engine maps it
 (``attention/dot_product_attention/utils.py`` and ``dot_product_attention.py`` @ d0067d0):
 delayed and current (tensorwise) scaling run per-tensor FP8 attention (the benchmark's ``fp8``
 rows); the MXFP8 recipe runs cuDNN's MXFP8 attention (1 x 32 block scales, sm100 and cuDNN
->= 9.21: the ``mxfp8`` rows, 5-20% slower than ``fp8``). Where cuDNN measured none (Ampere
+>= 9.21: the ``mxfp8`` rows, 4-31% slower than ``fp8``). Where cuDNN measured none (Ampere
 and older; a sliding window on Hopper, where cuDNN 9.19 refused the FP8 graph) the gain is 1.
-Sliding windows are taken as measured: cuDNN 9.22's FP8 backward with a 128-key window ran
-3.7x slower than its BF16 one (a gain below 1).
+Sliding windows: cuDNN 9.22's FP8 forward skips the band's outside as its BF16 one does (gain
+1.07-1.08 at a 128-key window), but its FP8 backward does not: it grows 4x per doubling of the
+length (0.54, 1.73, 6.18, 23.2 ms from 2k to 16k tokens), the whole causal triangle's work,
+where the BF16 one grows 2x. So a windowed FP8 backward is priced as the causal call without
+a window at the causal FP8 gain (:meth:`sim.hardware.compute.ComputeModel.attention_time`):
+0.89-1.01 of measured from 2k to 8k tokens (0.79 at 16k); a later cuDNN may skip it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ Format = Literal["fp8", "mxfp8"]
 # The part each generation's figures were measured on.
 MEASURED_PART = {"blackwell": "gb200", "hopper": "h200"}
 
+# Sliding-window rows beyond this length are left out: cuDNN 9.22's 32,768-token BF16 window
+# forward took 3.2x its 16k time for 2x the rows (the row fill's fit leaves it out too).
+WINDOW_MAX_SEQ = 16384
+
 
 @cache
 def _gains() -> dict[tuple[str, str, str, str], dict[int, list[tuple[float, float]]]]:
@@ -56,6 +64,8 @@ def _gains() -> dict[tuple[str, str, str, str], dict[int, list[tuple[float, floa
         if r["dtype"] == "bfloat16" or twin is None:
             continue
         kind = "window" if r["window"] is not None else r["mask"]
+        if kind == "window" and r["seq"] > WINDOW_MAX_SEQ:
+            continue
         out[(r["gpu"], r["dtype"], r["pass"], kind)][r["head_dim_qk"]].append(
             (math.log2(r["seq"]), twin / r["ms"]))
     return {key: {hd: sorted(pts) for hd, pts in by_hd.items()} for key, by_hd in out.items()}
@@ -75,12 +85,16 @@ def fp8_attention_gain(arch: str, fmt: Format, pass_: str, kind: Kind, head_dim:
     0.65
     >>> fp8_attention_gain("hopper", "fp8", "fwd", "window", 64, 4096)   # none: 16-bit
     1.0
+    >>> round(fp8_attention_gain("blackwell", "fp8", "fwd", "causal", 160, 4096), 2)  # MLA
+    1.49
     """
     part = MEASURED_PART.get(arch)
     by_hd = _gains().get((part, fmt, pass_, kind)) if part else None
     if not by_hd:
         return 1.0
-    pts = by_hd[min(by_hd, key=lambda hd: (abs(hd - head_dim), hd))]
+    # The nearest measured head dim, the wider on a tie: MLA's FLOP-weighted widths (160
+    # forward, 166 backward) stand for DeepSeek's 192/128 rows.
+    pts = by_hd[min(by_hd, key=lambda hd: (abs(hd - head_dim), -hd))]
     x = math.log2(seq)
     if x <= pts[0][0]:
         return pts[0][1]

@@ -267,9 +267,17 @@ is the q projection's output, rotated in place)."""
 def mla_up_restore(main: Block) -> Kernel:
     """The recompute's copy of the recomputed query, key and value into the storages the
     forward freed (:func:`~sim.workload.checkpoint_without_output.restore_copy`): both
-    copies are live through the attention's backward."""
-    return restore_copy("up_proj.restore", [t for t in main.saved
-                                            if t.name.split(".", 1)[-1] in MLA_UP_OUTPUTS])
+    copies are live through the attention's backward. Under FP8 attention the block saves
+    FP8 copies (``query_fp8``, ...); the checkpoint still restores the 16-bit tensors it
+    freed (their block scales left out)."""
+    outs = []
+    for t in main.saved:
+        stem = t.name.split(".", 1)[-1]
+        if stem in MLA_UP_OUTPUTS:
+            outs.append(t)
+        elif stem.endswith("_fp8") and stem[:-4] in MLA_UP_OUTPUTS:
+            outs.append(Tensor(t.name[:-4], t.nbytes * BF16 / FP8))
+    return restore_copy("up_proj.restore", outs)
 
 
 def mla_up_checkpoint_calls(fp8: bool, rope_fusion: bool) -> tuple[int, int]:

@@ -329,6 +329,9 @@ def _bias_dropout_add(b: _Builder, out: Tensor, resid: Tensor, tokens: float, h:
 
 
 
+FP8_ATTENTION_INPUTS = ("query", "key", "value")   # the FP8 copies' tags: {tag}_fp8
+
+
 def fp8_attention_inputs(b: _Builder, lay: MegatronLayout, qkv: tuple[Tensor, ...],
                          grad_out: Tensor
                          ) -> tuple[tuple[Tensor, ...], Tensor, list[Kernel], tuple[bool, bool]]:
@@ -341,13 +344,13 @@ def fp8_attention_inputs(b: _Builder, lay: MegatronLayout, qkv: tuple[Tensor, ..
     if not lay.fp8_attention:
         return qkv, grad_out, [], (False, False)
     amax, per = lay.fp8 == "tensorwise", fp8_element_bytes(lay.fp8)
-    tags = [t.name.rsplit(".", 1)[-1] for t in (*qkv, grad_out)]
-    out = tuple(b.t(f"{tag}_fp8", t.nbytes / BF16, per) for t, tag in zip(qkv, tags, strict=False))
-    for t, t8, tag in zip(qkv, out, tags, strict=False):
+    out = tuple(b.t(f"{tag}_fp8", t.nbytes / BF16, per)
+                for t, tag in zip(qkv, FP8_ATTENTION_INPUTS, strict=True))
+    for t, t8, tag in zip(qkv, out, FP8_ATTENTION_INPUTS, strict=True):
         for kern in te_scaled_cast("core_attn", tag, t, (t8,), amax):
             b.fwd(kern)
-    g8 = b.t(f"{tags[-1]}_fp8", grad_out.nbytes / BF16, per)
-    return (out, g8, te_scaled_cast("core_attn", tags[-1], grad_out, (g8,), amax),
+    g8 = b.t("dout_fp8", grad_out.nbytes / BF16, per)
+    return (out, g8, te_scaled_cast("core_attn", "dout", grad_out, (g8,), amax),
             (True, lay.fp8 == "mxfp8"))
 
 def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,

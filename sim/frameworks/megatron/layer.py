@@ -40,8 +40,10 @@ from sim.workload.megatron_ops import CHECKPOINT_OPS, WINDOWED, attention_key, p
 
 """(F|B, virtual stage, micro-batch)."""
 
-CORE_FWD = frozenset({"qk_bmm", "softmax", "attn_dropout", "pv_bmm", "flash_fwd"})
-"""Core attention's forward kernels (what selective recomputation re-runs)."""
+CORE_FWD = frozenset({"qk_bmm", "softmax", "attn_dropout", "pv_bmm", "flash_fwd",
+                      "core_attn"})
+"""Core attention's forward kernels (what selective recomputation re-runs; ``core_attn.*``:
+the quantization of its inputs under FP8 attention)."""
 CORE_BWD = frozenset({"flash_bwd", "qk_bmm", "softmax", "attn_dropout", "pv_bmm"})
 
 

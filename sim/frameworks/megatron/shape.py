@@ -417,6 +417,9 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                     f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do "
                     f"not split into pp x vp = {p * vp} equal chunks")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
+    ctx.require(not opts.fp8_dot_product_attention or opts.flash_attention,
+                "framework.fp8_dot_product_attention",
+                "fp8_dot_product_attention needs the fused attention (flash_attention true)")
     ctx.require(not opts.fp8_dot_product_attention
                 or (precision == "fp8" and opts.fp8_recipe != "blockwise"),
                 "framework.fp8_dot_product_attention",

@@ -111,16 +111,6 @@ def test_fa4_best_is_the_papers_headline(ref: dict) -> None:
     assert best == pytest.approx(ref["headline_b200"]["fa4_best_tflops"], rel=0.05)
 
 
-@pytest.mark.parametrize("hd", [64, 128, 192])
-@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
-def test_cudnn_priced_at_fa4s_rates(hd: int, pass_: str) -> None:
-    # FA-4 was "up to 1.3x" faster than cuDNN 9.13, but cuDNN 9.22 on a GB200 runs at FA-4's
-    # B200 best times the GB200's SMs x clock (tests/unit/hardware/test_cudnn_sdpa_reference.py
-    # checks the figures): one pricing for both kernels.
-    fa4 = _tflops(B200, "flash4", 2, 16, 8192, hd, pass_, True)
-    assert _tflops(B200, "cudnn", 2, 16, 8192, hd, pass_, True) == pytest.approx(fa4, rel=1e-12)
-
-
 def test_forward_exponential_bound_below_head_dim_128() -> None:
     # Tensor-core cycles scale with head_dim, exponentials do not: at 64 the forward is bound
     # by MUFU (less FA-4's software share), so it runs below half its head-dim-128 throughput
