@@ -401,6 +401,35 @@ class ComputeModel:
         kind: Kind = "full" if not causal else "window" if windowed else "causal"
         return t16 / fp8_attention_gain(self.gpu.arch, fp8, pass_, kind, head_dim, seq)
 
+    def cp_attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
+                          pass_: Literal["fwd", "bwd"], kv_seq: int,
+                          fp8: Format | None = None) -> float:
+        """One rank's load-balanced context-parallel attention (Megatron over Transformer
+        Engine's ``AttnFuncWithCPAndKVP2P``, :func:`sim.frameworks.megatron.overlap.cp_ring`):
+        ``seq`` local queries against ``kv_seq`` keys in ``kv_seq / seq`` ring steps, half
+        the score rectangle in all (each rank's two chunks share the causal triangle).
+
+        Each step is its own kernel, so on Blackwell its row tiles pay their fill
+        (:func:`~sim.hardware.blackwell_attention.row_fill_seconds`): the diagonal step all
+        local rows, the others all or half of them (the ranks before the key chunk's owner
+        run every query on the first key chunk, the ranks after it the second query chunk on
+        every key), 1 + 0.75 (cp - 1) local rows' fills over the steps, forward and backward.
+        """
+        t = 0.5 * self.attention_time(batch, heads, seq, head_dim, pass_, kv_seq=kv_seq,
+                                      causal=False)
+        if self.gpu.arch == "blackwell" and (
+                self.attention_backend in blackwell_attention.BACKENDS):
+            cp = max(1, round(kv_seq / seq))
+            groups = batch * heads
+            # The half call above paid half a fill of its own rows (queries or keys).
+            t -= 0.5 * blackwell_attention.row_fill_seconds(
+                self.gpu, pass_, seq if pass_ == "fwd" else kv_seq, groups)
+            t += (1.0 + 0.75 * (cp - 1)) * blackwell_attention.row_fill_seconds(
+                self.gpu, pass_, seq, groups)
+        if fp8 is None:
+            return t
+        return t / fp8_attention_gain(self.gpu.arch, fp8, pass_, "full", head_dim, seq)
+
     def attention_cpu_s(self, pass_: Literal["fwd", "bwd"] = "fwd") -> float:
         """CPU time to issue one attention call (backend selection, graph lookup)."""
         return float(_fit()["attention"][pass_]["fixed_us"]) * 1e-6

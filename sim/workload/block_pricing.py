@@ -165,8 +165,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
         if k.attn_kv_seq and k.attn_kv_seq != seq:
             # Megatron splits each sequence in 2 x cp chunks so every rank gets an equal
             # share of the causal triangle: half of its queries x all keys.
-            return 0.5 * cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
-                                           kv_seq=k.attn_kv_seq, causal=False, fp8=fp8)
+            return cm.cp_attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
+                                        kv_seq=k.attn_kv_seq, fp8=fp8)
         return cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
                                  window=k.attn_window, fp8=fp8)
     # A memory-bound kernel launched once per piece (Transformer Engine's per-expert

@@ -165,3 +165,23 @@ def test_pr2605_head_dim_64_short_rows() -> None:
         for seq, tflops in _pr2605(causal):
             if seq < 4096:
                 assert _pr2605_time_ratio(seq, tflops, causal) < 1.25
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
+def test_context_parallel_steps_each_pay_their_fill(cp: int, pass_: str) -> None:
+    # Transformer Engine runs the ring's cp steps as cp kernel calls: half the score
+    # rectangle in all, and 1 + 0.75 (cp - 1) local rows' fills over the steps (the diagonal
+    # step every local row, the others all or half of them). Hopper keeps its fitted form.
+    local, groups = 4096, 16
+    gb200 = ComputeModel(GPUS["gb200"], attention_backend="cudnn")
+    whole = gb200.attention_time(1, groups, local, 128, pass_, kv_seq=cp * local, causal=False)
+    own_rows = local if pass_ == "fwd" else cp * local
+    scores = whole - bw.row_fill_seconds(GPUS["gb200"], pass_, own_rows, groups)
+    fill = bw.row_fill_seconds(GPUS["gb200"], pass_, local, groups)
+    got = gb200.cp_attention_time(1, groups, local, 128, pass_, cp * local)
+    assert got == pytest.approx(0.5 * scores + (1 + 0.75 * (cp - 1)) * fill, rel=1e-9)
+    h200 = ComputeModel(GPUS["h200"], attention_backend="cudnn")
+    assert h200.cp_attention_time(1, groups, local, 128, pass_, cp * local) == pytest.approx(
+        0.5 * h200.attention_time(1, groups, local, 128, pass_, kv_seq=cp * local,
+                                  causal=False), rel=1e-12)
