@@ -87,3 +87,19 @@ def test_on_hopper_the_step_pays_the_casts_for_a_slower_backward() -> None:
 def test_refused_where_te_runs_no_fp8_attention(fw: dict, precision: str) -> None:
     with pytest.raises(ScenarioError, match="framework.fp8_dot_product_attention"):
         _step(fw, precision)
+
+
+def test_refused_on_hopper_with_a_sliding_window() -> None:
+    # TE disables FusedAttention for FP8 with a sliding window before sm100, and no
+    # FlashAttention runs FP8 training: GPT-OSS on H100 has no FP8 attention backend.
+    sc = megatron_scenario({"tp": 1, "pp": 1, "dp": 8}, gbs=8, seq=SEQ, precision="fp8",
+                           framework={**FP8, "fp8_dot_product_attention": True},
+                           model={"layers": 2, "hidden": 512, "heads": 8, "kv_heads": 2,
+                                  "ffn_hidden": 1024, "vocab": 32000, "sliding_window": 128})
+    with pytest.raises(ScenarioError, match="framework.fp8_dot_product_attention: .*sliding"):
+        simulate(sc)
+    assert simulate(megatron_scenario({"tp": 1, "pp": 1, "dp": 8}, gbs=8, seq=SEQ,
+                                      precision="fp8", framework=FP8,
+                                      model={"layers": 2, "hidden": 512, "heads": 8,
+                                             "kv_heads": 2, "ffn_hidden": 1024,
+                                             "vocab": 32000, "sliding_window": 128}))

@@ -16,6 +16,7 @@ from typing import Literal
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.common.nccl_dtype import element_type
+from sim.frameworks.megatron.attention_checks import check_fp8_attention
 from sim.frameworks.megatron.buckets import data_parallel_modes
 from sim.frameworks.megatron.dualpipe import check_dualpipe
 from sim.frameworks.megatron.layout import as_layout, check_layout
@@ -417,15 +418,7 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                     f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do "
                     f"not split into pp x vp = {p * vp} equal chunks")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
-    ctx.require(not opts.fp8_dot_product_attention or opts.flash_attention,
-                "framework.fp8_dot_product_attention",
-                "fp8_dot_product_attention needs the fused attention (flash_attention true)")
-    ctx.require(not opts.fp8_dot_product_attention
-                or (precision == "fp8" and opts.fp8_recipe != "blockwise"),
-                "framework.fp8_dot_product_attention",
-        "fp8_dot_product_attention requires FP8 training with an fp8_recipe Transformer Engine "
-        "runs FP8 attention under (tensorwise, delayed or mxfp8; TE disables FusedAttention for "
-        "Float8BlockScaling)")
+    check_fp8_attention(ctx, opts, precision, m, ctx.seq)
     ctx.require(not opts.fp8_output_proj or (precision == "fp8" and opts.fp8_recipe == "mxfp8"),
                 "framework.fp8_output_proj",
                 "fp8_output_proj requires FP8 training with fp8_recipe mxfp8 (Megatron-Core)")
