@@ -101,7 +101,6 @@ FA4_EMULATED_EXP_SHARE = 0.175
 # test_cudnn_sdpa_reference.py reproduces the fit and checks the rest).
 ROW_FILL_CYCLES = {"fwd": 4250.0, "bwd": 8930.0}
 
-BlackwellBackend = Literal["flash4", "cudnn"]
 BACKENDS: tuple[str, ...] = ("flash4", "cudnn")
 
 
