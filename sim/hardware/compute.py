@@ -26,6 +26,7 @@ from sim.catalog import GpuSpec
 from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import MEASURED_BACKEND, causal_tiles, matmul_share
 from sim.hardware.fp8_attention import Format, Kind, fp8_attention_gain
+from sim.hardware.masked_attention import masked_slowdown
 from sim.hardware.power import sustained_matrix_flops
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
@@ -328,7 +329,8 @@ class ComputeModel:
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
                        pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
                        causal: bool = True, measured_table: bool = True,
-                       window: int | None = None, fp8: Format | None = None) -> float:
+                       window: int | None = None, fp8: Format | None = None,
+                       masked: bool = False) -> float:
         """A fused (flash-style) attention kernel, forward or backward, of this model's
         ``attention_backend`` (FlashAttention-2/3, cuDNN: :mod:`sim.hardware.attention_cost`).
 
@@ -340,7 +342,14 @@ class ComputeModel:
         same launch (``seq`` queries, ``batch x heads`` groups). ``fp8``: the call runs in
         that FP8 format (Transformer Engine's ``fp8_dpa``), at cuDNN's measured gain over
         the 16-bit kernel (:func:`~sim.hardware.fp8_attention.fp8_attention_gain`).
+        ``masked``: SDPA was handed an explicit mask tensor (Hugging Face's causal mask under
+        ``torch.compile``): the whole rectangle at the measured masked-call slowdown
+        (:func:`~sim.hardware.masked_attention.masked_slowdown`).
         """
+        if masked:
+            full = self.attention_time(batch, heads, seq, head_dim, pass_, kv_seq, causal=False,
+                                       measured_table=measured_table)
+            return full * masked_slowdown(pass_, head_dim, seq)
         att = _fit()["attention"]
         p = att[pass_]
         blk = att["block"]

@@ -168,7 +168,7 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
             return cm.cp_attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
                                         kv_seq=k.attn_kv_seq, fp8=fp8)
         return cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
-                                 window=k.attn_window, fp8=fp8)
+                                 window=k.attn_window, fp8=fp8, masked=k.attn_masked)
     # A memory-bound kernel launched once per piece (Transformer Engine's per-expert
     # quantization, :func:`sim.workload.layer_rules.te_scaled_cast`) pays the fixed cost of
     # each launch; its bytes stream once.

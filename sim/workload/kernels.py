@@ -59,6 +59,9 @@ class Kernel:
     attn_block: tuple[int, int] | None = None
     """(queries, keys) of one non-causal block (a step of torch's ring attention,
     :mod:`sim.frameworks.fsdp2.cp`); the kernel runs exactly that rectangle."""
+    attn_masked: bool = False
+    """SDPA handed an explicit causal mask tensor rather than ``is_causal``: the whole score
+    rectangle at the masked call's rate (:mod:`sim.hardware.masked_attention`)."""
     activation_elements: float = 0.0
     """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
     fp8: bool = False
@@ -115,6 +118,10 @@ class Style:
     float8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8"] = "tensorwise"
     """With ``float8``: torchao's scaling recipe; the rowwise ones are
     :mod:`sim.workload.float8_rowwise`, MXFP8 :mod:`sim.workload.float8_mx`."""
+    sdpa_mask: bool = False
+    """Hugging Face's code traced whole by ``torch.compile``: its causal mask is built as a
+    tensor, so SDPA gets that mask and keys and values repeated to every query head
+    (:mod:`sim.hardware.masked_attention`)."""
 
     @property
     def autocast(self) -> bool:

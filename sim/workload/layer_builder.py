@@ -349,15 +349,40 @@ class _Builder:
         o = self.t("sdpa.out", tokens * m.q_dim, BF16)
         lse = self.t("sdpa.lse", batch * m.heads * seq, FP32)
         fl = 2.0 * batch * seq * seq * m.q_dim   # causal half of 4*S^2*D*H per sequence
-        self.fwd(Kernel("sdpa.fwd", "attention", (q, k, v), (o, lse), fl,
-                        attn=(batch, m.heads, seq, m.head_dim, "fwd")))
+        masked = st.sdpa_mask
+        k_in, v_in = k, v
+        if masked and m.kv_dim < m.q_dim:
+            # repeat_kv: grouped keys and values expanded to every query head. The compiled
+            # graph saves the grouped ones and repeats them again for the backward (inductor's
+            # partitioner recomputes a copy rather than save the bigger output).
+            k_in = self.t("sdpa.k_rep", tokens * m.q_dim, BF16)
+            v_in = self.t("sdpa.v_rep", tokens * m.q_dim, BF16)
+            self.fwd(Kernel("sdpa.repeat_k", "elementwise", (k,), (k_in,)))
+            self.fwd(Kernel("sdpa.repeat_v", "elementwise", (v,), (v_in,)))
+        self.fwd(Kernel("sdpa.fwd", "attention", (q, k_in, v_in), (o, lse), fl,
+                        attn=(batch, m.heads, seq, m.head_dim, "fwd"), attn_masked=masked))
         self.save(q, k, v, o, lse)
         go = self.t("sdpa.g_out", tokens * m.q_dim, BF16)
         gq = self.t("sdpa.g_q", tokens * m.q_dim, BF16)
         gk = self.t("sdpa.g_k", tokens * m.kv_dim, BF16)
         gv = self.t("sdpa.g_v", tokens * m.kv_dim, BF16)
-        ks = [Kernel("sdpa.bwd", "attention", (go, q, k, v, o, lse), (gq, gk, gv), 2.5 * fl,
-                     attn=(batch, m.heads, seq, m.head_dim, "bwd"))]
+        ks: list[Kernel] = []
+        gk_in, gv_in = gk, gv
+        if k_in is not k:
+            k_b = self.t("sdpa.k_rep_bwd", tokens * m.q_dim, BF16)
+            v_b = self.t("sdpa.v_rep_bwd", tokens * m.q_dim, BF16)
+            gk_in = self.t("sdpa.g_k_rep", tokens * m.q_dim, BF16)
+            gv_in = self.t("sdpa.g_v_rep", tokens * m.q_dim, BF16)
+            ks += [Kernel("sdpa.repeat_k_bwd", "elementwise", (k,), (k_b,)),
+                   Kernel("sdpa.repeat_v_bwd", "elementwise", (v,), (v_b,))]
+            k_in, v_in = k_b, v_b
+        ks.append(Kernel("sdpa.bwd", "attention", (go, q, k_in, v_in, o, lse),
+                         (gq, gk_in, gv_in), 2.5 * fl,
+                         attn=(batch, m.heads, seq, m.head_dim, "bwd"), attn_masked=masked))
+        if gk_in is not gk:
+            # The repeated heads' gradients summed back over each group.
+            ks += [Kernel("sdpa.g_k_sum", "elementwise", (gk_in,), (gk,)),
+                   Kernel("sdpa.g_v_sum", "elementwise", (gv_in,), (gv,))]
         if st.autocast:
             ks.append(self.grad_cast(gq, tokens * m.q_dim, FP32, "sdpa.g_q_fp32")[0])
             ks.append(self.grad_cast(gk, tokens * m.kv_dim, FP32, "sdpa.g_k_fp32")[0])

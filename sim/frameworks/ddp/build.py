@@ -65,7 +65,8 @@ def build_ddp(ctx: JobContext) -> Program:
     m = ctx.model
     n = ctx.n_ranks
     sync = ctx.dp > 1
-    style = Style("autocast", compile=opts.compile)
+    # torch.compile(model) traces Hugging Face's mask building too: SDPA gets the mask.
+    style = Style("autocast", compile=opts.compile, sdpa_mask=opts.compile)
     costs = ctx.block_costs(style, kv_cache=not ctx.recompute)
     cm = ctx.compute
 
