@@ -76,7 +76,11 @@ Pass = Literal["fwd", "bwd"]
 # Per-SM, per-clock rates (FA-4 paper sec. 3; Together AI blog "FlashAttention-4": "From the
 # Hopper H100 to the Blackwell B200 ... BF16 tensor core throughput increases from 1 to 2.25
 # PFLOPs, while both the SFU count and shared memory bandwidth remains unchanged").
-MMA_FLOPS_PER_CLOCK_SM = {"hopper": 4096, "blackwell": 8192}   # dense BF16/FP16
+# Ampere and Volta from their whitepapers (dense FP16 FMA per clock per SM x 2): A100 four
+# third-generation tensor cores of 256 FMA (312 TF = 108 SMs x 1.41 GHz x 2,048), V100 eight
+# of 64 (125 TF = 80 x 1.53 GHz x 1,024); they set the SM clock that the row fill's cycles run at.
+MMA_FLOPS_PER_CLOCK_SM = {"volta": 1024, "ampere": 2048, "hopper": 4096,
+                          "blackwell": 8192}   # dense BF16/FP16
 MUFU_EXP_PER_CLOCK_SM = 16
 SMEM_BYTES_PER_CLOCK_SM = 128
 # FA-4's tile: 128 query rows x 128 key columns per SM (the roofline's tile; the 2-CTA mode

@@ -383,7 +383,13 @@ class ComputeModel:
             scale = (blackwell_attention.sm80_kernel_scale(self.gpu)
                      if self.gpu.arch == "blackwell" else self._flops_scale)
             rate = p["peak_tflops"] * 1e12 * scale / sms
-            t = max(total / sms, longest) * per_score / rate
+            # Plus each row tile's fill and drain, in SM cycles as on Blackwell
+            # (sim/hardware/blackwell_attention.py); the H200 fit's per-score rate is fitted
+            # beside it (tools/fit_compute.py), so short rows, many sequences and sliding
+            # windows pay their tiles' fill.
+            t = max(total / sms, longest) * per_score / rate + (
+                blackwell_attention.row_fill_seconds(
+                    self.gpu, pass_, seq if pass_ == "fwd" else kv_seq, groups))
         measured = measured_table and self.gpu.arch == "hopper" and (
             self.attention_backend == MEASURED_BACKEND)
         corr = _residual(self._attn_table[pass_], np.log([seq, groups]),
@@ -393,13 +399,6 @@ class ComputeModel:
         fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
         t16 = max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
         windowed = causal and row < nb     # a band shorter than the causal row
-        if self.gpu.arch == "hopper" and windowed:
-            # Hopper's form was fitted on whole causal rows, whose fill its per-score cost
-            # carries; a band of `row` of the row's nb tiles carries row / nb of it and pays
-            # the rest (in SM cycles, as on Blackwell: sim/hardware/blackwell_attention.py),
-            # nothing once the band is the whole row.
-            t16 += (1.0 - row / nb) * blackwell_attention.row_fill_seconds(
-                self.gpu, pass_, seq if pass_ == "fwd" else kv_seq, groups)
         if fp8 is None:
             return t16
         if windowed and pass_ == "bwd":

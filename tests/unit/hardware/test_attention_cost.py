@@ -115,7 +115,9 @@ def test_on_hopper_flash2_is_slowest_and_flash3_matches_the_measured_cudnn() -> 
 @pytest.mark.parametrize("seq", [32768, 65536, 131072, 1 << 20])
 def test_long_sequences_stay_on_the_published_plateau(backend, seq) -> None:
     # Past 8k the published causal curves are flat (fig. 5d: FA2 333 -> 335 from 8k to 16k,
-    # FA3 602 -> 616): one sequence per call, 16 heads, the rate stays within 2% of 16k's.
+    # FA3 602 -> 616): one sequence per call, 16 heads. What still rises is the row tiles'
+    # fill, whose share halves with each doubling: the rate stays within 4% above 16k's
+    # (FA3's own 8k -> 16k step is +2.3%).
     cm = ComputeModel(H100, attention_backend=backend)
     a = ANCHOR
 
@@ -123,7 +125,7 @@ def test_long_sequences_stay_on_the_published_plateau(backend, seq) -> None:
         return 2.0 * a["heads"] * s * s * a["head_dim"] / cm.attention_time(
             1, a["heads"], s, a["head_dim"], "fwd")
 
-    assert rate(seq) == pytest.approx(rate(16384), rel=0.02)
+    assert 0.99 <= rate(seq) / rate(16384) <= 1.04
     # Causal tile skipping: half the unmasked work plus the diagonal tiles (64 of seq).
     full = cm.attention_time(1, 8, seq, 128, "fwd", causal=False)
     assert cm.attention_time(1, 8, seq, 128, "fwd") / full == pytest.approx(

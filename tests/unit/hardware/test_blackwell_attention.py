@@ -42,7 +42,7 @@ def _tflops(gpu, backend: str, batch: int, heads: int, seq: int, hd: int, pass_:
 
 def test_units_are_the_papers(ref: dict) -> None:
     u = ref["units_per_sm_per_clock"]
-    assert bw.MMA_FLOPS_PER_CLOCK_SM == u["mma_bf16_flops"]
+    assert {a: bw.MMA_FLOPS_PER_CLOCK_SM[a] for a in u["mma_bf16_flops"]} == u["mma_bf16_flops"]
     assert (bw.MUFU_EXP_PER_CLOCK_SM, bw.SMEM_BYTES_PER_CLOCK_SM) == (u["mufu_exp"],
                                                                       u["smem_bytes"])
 
@@ -176,3 +176,14 @@ def test_flash2_on_blackwell_runs_at_hoppers_per_sm_rate(ref: dict, seq: int, pa
     model = (_tflops(B200, "flash2", batch, heads, seq, 64, pass_, False)
              / _tflops(h100, "flash2", batch, heads, seq, 64, pass_, False))
     assert model == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize(("arch", "peak_tflops", "sms", "boost_ghz"), [
+    ("ampere", 312.0, 108, 1.410),   # A100 SXM datasheet: 312 TF dense FP16/BF16, 1,410 MHz
+    ("volta", 125.0, 80, 1.530),     # V100 SXM2 datasheet: 125 TF tensor, 1,530 MHz
+])
+def test_older_tensor_cores_from_their_datasheets(arch: str, peak_tflops: float, sms: int,
+                                                  boost_ghz: float) -> None:
+    # Peak / (SMs x boost clock): the per-SM, per-clock dense rate the row fill's clock uses.
+    per_clock = peak_tflops * 1e12 / (sms * boost_ghz * 1e9)
+    assert bw.MMA_FLOPS_PER_CLOCK_SM[arch] == pytest.approx(per_clock, rel=0.01)
