@@ -136,7 +136,7 @@ def kernel_profile(one: Any, device: str, top: int = 60) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         wall = sum(one())
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -151,9 +151,14 @@ def kernel_profile(one: Any, device: str, top: int = 60) -> dict[str, Any]:
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    # The operators (with their input shapes) whose own kernels took the GPU time.
+    ops = sorted((o for o in prof.key_averages(group_by_input_shape=True)
+                  if o.self_device_time_total > 0), key=lambda o: -o.self_device_time_total)
     return {"step_s": wall, "kernels": len(spans), "busy_s": busy / 1e6,
             "span_s": (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0,
-            "top": [{"name": n[:200], "calls": c, "us": round(us, 1)} for n, (c, us) in ranked]}
+            "top": [{"name": n[:200], "calls": c, "us": round(us, 1)} for n, (c, us) in ranked],
+            "ops": [{"op": o.key, "shapes": str(o.input_shapes)[:200], "calls": o.count,
+                     "us": round(o.self_device_time_total, 1)} for o in ops[:2 * top]]}
 
 
 def step_times(model: Any, optimizer: Any, run: dict[str, Any], device: str,
