@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gpu_timing import once_seconds
+
 #: (M, K, N): the forward GEMMs of Llama 3.2 1B at 4 x 4096 tokens (q/o, k/v, gate/up, down,
 #: the output layer) and of Llama 3 8B's layer at 2 x 4096 (q/o, gate/up, down).
 SHAPES = [(16384, 2048, 2048), (16384, 2048, 512), (16384, 2048, 8192), (16384, 8192, 2048),
@@ -118,12 +120,7 @@ def measure(m: int, k: int, n: int, seconds: float, pause: float) -> dict[str, A
     cold = []
     for _ in range(5):
         time.sleep(pause)
-        a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        a.record()
-        gemm()
-        b.record()
-        b.synchronize()
-        cold.append(a.elapsed_time(b) / 1e3)
+        cold.append(once_seconds(gemm))
     out["cold"] = {"s": statistics.median(cold), **smi()}
     for regime in ("synced", "held", "interleaved", "cold"):
         out[regime]["tflops"] = flops / out[regime]["s"] / 1e12

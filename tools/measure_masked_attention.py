@@ -31,29 +31,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpu_timing import once_seconds
+
 VARIANTS = ("causal_gqa", "causal", "full", "bool_mask", "float_mask")
 
 
 def timed(fn: Callable[[], Any], device: str, reps: int) -> float:
     """Median seconds of ``fn`` over ``reps`` calls after two warm-ups."""
-    import torch
-
     for _ in range(2):
         fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(once_seconds(fn, device) for _ in range(reps))
 
 
 def kernels_of(fn: Callable[[], Any], device: str) -> list[str]:
@@ -109,27 +96,12 @@ def measure(variant: str, batch: int, seq: int, heads: int, kv_heads: int, head_
     bwd_times = []
     for _ in range(reps):                  # a fresh graph each time, only backward timed
         prepare_bwd()
-        bwd_times.append(_once(bwd, device))
+        bwd_times.append(once_seconds(bwd, device))
         q.grad = k.grad = v.grad = None
     names = kernels_of(lambda: fwd().backward(grad), device)
     return {"variant": variant, "batch": batch, "seq": seq, "heads": heads,
             "kv_heads": kv_heads * groups, "head_dim": head_dim, "fwd_s": fwd_s,
             "bwd_s": statistics.median(bwd_times[2:] or bwd_times), "kernels": names}
-
-
-def _once(fn: Callable[[], Any], device: str) -> float:
-    import torch
-
-    if device == "cuda":
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def main() -> None:
