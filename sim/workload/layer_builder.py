@@ -32,6 +32,7 @@ class _Builder:
         self.block = Block(name)
         self.style = style
         self._bwd_ops: list[list[Kernel]] = []
+        self._input_casts: dict[int, Tensor] = {}
 
     # tensors and kernels
     def t(self, name: str, numel: float, nbytes_per: float) -> Tensor:
@@ -93,7 +94,14 @@ class _Builder:
             return self.float8_linear(x, tokens, n_in, n_out, name, bias)
         self.block.params += linear_params(n_in, n_out, bias)
         x_fp32 = x.nbytes == tokens * n_in * FP32
-        xb = self.cast(x, tokens * n_in, BF16, f"{name}.in_bf16") if st.autocast and x_fp32 else x
+        xb = x
+        if st.autocast and x_fp32:
+            # Eager autocast casts x once per linear; a compiled graph's common-subexpression
+            # elimination leaves one cast of x, saved once for every linear that reads it.
+            xb = self._input_casts.get(id(x)) if st.compile else None
+            if xb is None:
+                xb = self.cast(x, tokens * n_in, BF16, f"{name}.in_bf16")
+                self._input_casts[id(x)] = xb
         if st.autocast:
             w32 = self.t(f"{name}.w", n_in * n_out, FP32)
             wb = self.t(f"{name}.w_bf16", n_in * n_out, BF16)

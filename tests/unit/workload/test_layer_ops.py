@@ -107,3 +107,25 @@ def test_block_params_sum_to_the_model() -> None:
     for st in (Style("autocast"), Style("bf16")):
         e, a, m, h = model_blocks(M, st, 1, 128, False)
         assert e.params + M.layers * (a.params + m.params) + h.params == M.total_params
+
+
+def test_a_compiled_autocast_graph_casts_each_input_once() -> None:
+    """Eager autocast casts the fp32 norm output once per linear that reads it (q, k, v; gate,
+    up); a compiled graph's common-subexpression elimination keeps one cast, saved once."""
+    from sim.workload.kernels import Style
+    from sim.workload.layer_ops import attention_block, mlp_block
+
+    m = ModelSpec.from_ref("llama3.2-1b")
+
+    def casts_and_saved(compiled: bool, block) -> tuple[int, float]:  # noqa: ANN001
+        b = block(m, Style("autocast", compile=compiled), 1, 1024)
+        casts = [k for k in b.forward if k.name.endswith(".in_bf16")]
+        return len(casts), sum(t.nbytes for t in b.saved)
+
+    attn = (lambda mm, st, bs, s: attention_block(mm, st, bs, s, kv_cache=False))
+    for block, readers in ((attn, 3), (mlp_block, 2)):
+        (eager_casts, eager_saved), (compiled_casts, compiled_saved) = (
+            casts_and_saved(False, block), casts_and_saved(True, block))
+        assert (eager_casts, compiled_casts) == (readers, 1)
+        # The bf16 copy of the [1024, hidden] input, saved once instead of `readers` times.
+        assert eager_saved - compiled_saved == pytest.approx((readers - 1) * 1024 * m.hidden * 2)
