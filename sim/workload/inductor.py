@@ -24,9 +24,11 @@ memory-bound kernels between two of them is scheduled on its own. Inside a run t
 What a fused kernel writes: the tensors something outside it still needs (saved for
 backward, block outputs, inputs of the GEMMs, of the other fused kernels). AOTAutograd's
 min-cut partitioner (``torch/_functorch/partitioners.py``) may save fewer activations and
-recompute cheap pointwise ops in backward; that is not modelled (the eager saved set is
-kept), nor are CUDA graphs (``mode="reduce-overhead"``): every fused kernel still pays a
-launch.
+recompute cheap pointwise ops in backward; the builders model it where it was measured (the
+MLP's ``silu(gate)``, :func:`sim.workload.layer_ops.mlp_projections`; one bf16 cast of an
+input shared by several linears, :meth:`sim.workload.layer_builder._Builder.linear`) and keep
+the eager saved set elsewhere. CUDA graphs are not modelled (``mode="reduce-overhead"``):
+every fused kernel still pays a launch.
 """
 
 from __future__ import annotations

@@ -98,10 +98,9 @@ class _Builder:
         if st.autocast and x_fp32:
             # Eager autocast casts x once per linear; a compiled graph's common-subexpression
             # elimination leaves one cast of x, saved once for every linear that reads it.
-            xb = self._input_casts.get(id(x)) if st.compile else None
-            if xb is None:
-                xb = self.cast(x, tokens * n_in, BF16, f"{name}.in_bf16")
-                self._input_casts[id(x)] = xb
+            shared = self._input_casts.get(id(x)) if st.compile else None
+            xb = shared or self.cast(x, tokens * n_in, BF16, f"{name}.in_bf16")
+            self._input_casts[id(x)] = xb
         if st.autocast:
             w32 = self.t(f"{name}.w", n_in * n_out, FP32)
             wb = self.t(f"{name}.w_bf16", n_in * n_out, BF16)

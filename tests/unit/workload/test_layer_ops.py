@@ -112,6 +112,8 @@ def test_block_params_sum_to_the_model() -> None:
 def test_a_compiled_autocast_graph_casts_each_input_once() -> None:
     """Eager autocast casts the fp32 norm output once per linear that reads it (q, k, v; gate,
     up); a compiled graph's common-subexpression elimination keeps one cast, saved once."""
+    import functools
+
     from sim.workload.kernels import Style
     from sim.workload.layer_ops import attention_block, mlp_block
 
@@ -120,12 +122,31 @@ def test_a_compiled_autocast_graph_casts_each_input_once() -> None:
     def casts_and_saved(compiled: bool, block) -> tuple[int, float]:  # noqa: ANN001
         b = block(m, Style("autocast", compile=compiled), 1, 1024)
         casts = [k for k in b.forward if k.name.endswith(".in_bf16")]
-        return len(casts), sum(t.nbytes for t in b.saved)
+        return len(casts), sum(t.nbytes for t in b.saved if t.name.endswith(".in_bf16"))
 
-    attn = (lambda mm, st, bs, s: attention_block(mm, st, bs, s, kv_cache=False))
+    attn = functools.partial(attention_block, kv_cache=False)
     for block, readers in ((attn, 3), (mlp_block, 2)):
         (eager_casts, eager_saved), (compiled_casts, compiled_saved) = (
             casts_and_saved(False, block), casts_and_saved(True, block))
         assert (eager_casts, compiled_casts) == (readers, 1)
         # The bf16 copy of the [1024, hidden] input, saved once instead of `readers` times.
         assert eager_saved - compiled_saved == pytest.approx((readers - 1) * 1024 * m.hidden * 2)
+
+
+def test_a_compiled_mlp_saves_its_inputs_and_recomputes_the_silu() -> None:
+    """AOTAutograd's partitioner saves gate and up and recomputes silu(gate) in the backward's
+    fused kernel (the H200's fused forward wrote the product alone): the SiLU output is not
+    saved, and the compiled forward's fused kernel moves gate, up and the product only."""
+    from sim.workload.block_pricing import _fuse, _needed_outside
+    from sim.workload.kernels import Style
+    from sim.workload.layer_ops import mlp_block
+
+    m = ModelSpec.from_ref("llama3.2-1b")
+    tokens = 4 * 4096
+    eager = mlp_block(m, Style("hf_bf16"), 4, 4096)
+    compiled = mlp_block(m, Style("hf_bf16", compile=True), 4, 4096)
+    assert "mlp.silu" in {t.name for t in eager.saved}
+    assert "mlp.silu" not in {t.name for t in compiled.saved}
+    fused = _fuse(compiled.forward, _needed_outside(compiled.forward, compiled), compiled)
+    silu = next(k for k in fused if "silu" in k.name)
+    assert silu.nbytes == pytest.approx(3 * tokens * m.ffn_hidden * 2)
