@@ -158,7 +158,7 @@ def mlp_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float, f: int,
         # the backward's fused kernel (measured on the H200: the fused forward writes only
         # the product, h200-train-steps-profiled.json).
         recomputed = b.style.compile
-        b.save(g, u) if recomputed else b.save(g, s, u)
+        b.save(*((g, u) if recomputed else (g, s, u)))
         gp = b.t("g_prod", tokens * f, BF16)
         gs = b.t("g_silu", tokens * f, BF16)
         gu = b.t("g_up", tokens * f, BF16)

@@ -92,15 +92,15 @@ def test_ddp_compile_traces_the_mask_and_fsdp2_per_layer_compile_does_not() -> N
 
     from sim.api import simulate
 
-    def attention_s(framework: dict) -> float:
+    def step_s(framework: dict) -> float:
         s = make_scenario(model="llama3.2-1b", cluster__gpu="h200", cluster__gpus_per_node=1,
                           cluster__nics_per_node=0, framework=framework,
                           training={"seq_len": 4096, "micro_batch_size": 1,
                                     "global_batch_size": 1, "torch_version": "2.11"})
         return simulate(s).summary["step_time_s"]
 
-    eager = attention_s({"name": "ddp"})
-    whole = attention_s({"name": "ddp", "compile": True})
-    layers = attention_s({"name": "fsdp2", "model_code": "huggingface", "compile": True})
+    eager = step_s({"name": "ddp"})
+    whole = step_s({"name": "ddp", "compile": True})
+    layers = step_s({"name": "fsdp2", "model_code": "huggingface", "compile": True})
     assert whole > layers
     assert layers < eager
