@@ -88,6 +88,18 @@ RESIDENT_THREADS_PER_SM = 2048
 # over 0.955 TB/s of reads is 635 ns, and x 4 B over 1.98 TB/s is 613 ns. That both element
 # sizes give the same latency is the check that such a copy is latency-bound.
 STRIDED_LOAD_LATENCY_S = 624e-9
+# What TensorIterator's dynamic-casting path adds to each element, as a latency in flight per
+# resident thread (Little's law, as above): an op whose operands' dtypes differ loads and
+# stores each element through ``fetch_and_cast``/``cast_and_store``, a switch on the dtype,
+# instead of a typed vector access (aten/src/ATen/native/cuda/CUDALoops.cuh,
+# ``unrolled_elementwise_kernel`` with ``LoadWithCast``/``StoreWithCast``; the legacy loop's
+# ``gpu_kernel_impl`` where ``gpu_kernel_impl_nocast`` has none). Fitted on the lent H200's
+# 1B eager step (h200-train-steps-ops.json, run ``1b-plain``: its unrolled casting copies,
+# 231 calls in 20.77 ms, against the model's bf16-to-fp32 copies of that step; derivation in
+# tests/integration/test_calibration_h200_ops.py); validated on the 8B-layer step's kernels
+# (run ``8b4l-plain``) and on the casting legacy loop (RoPE's bf16 q times fp32 cos), which
+# took no part in the fit.
+DYNAMIC_CAST_LATENCY_S = 436e-9
 
 
 @lru_cache(maxsize=1)
@@ -462,7 +474,8 @@ class ComputeModel:
         """
         return self.kernel_min_s + nbytes / self.stream_bytes_per_s(klass)
 
-    def legacy_loop_time(self, elements: float, nbytes: float) -> float:
+    def legacy_loop_time(self, elements: float, nbytes: float, operands: int = 2,
+                         cast: bool = False) -> float:
         """A kernel of PyTorch's non-vectorised elementwise loop over ``elements`` outputs,
         moving ``nbytes`` (read plus written): TensorIterator's ``launch_legacy_kernel``
         (``gpu_kernel_impl_nocast``), which every elementwise op and copy takes when an operand
@@ -471,8 +484,13 @@ class ComputeModel:
         Each thread loads its element's operands, stores the result, then does the next (the
         stores may alias the loads, so the compiler keeps them in order): an SM has one
         element a resident thread (:data:`RESIDENT_THREADS_PER_SM`) in flight, and by Little's
-        law finishes ``threads / STRIDED_LOAD_LATENCY_S`` elements a second. Never faster than
-        the vectorised loop moving the same bytes (:meth:`stream_bytes_per_s`).
+        law finishes ``threads / latency`` elements a second. A copy's element (one load, one
+        store) takes :data:`STRIDED_LOAD_LATENCY_S`; each of the ``operands`` (inputs and
+        output) its share of that, so a binary op's element takes 1.5 copies' (measured on
+        the lent H200: RMSNorm's broadcast multiplies 1.37x its expanded-gradient divide, a
+        unary loop over as many elements). ``cast``: operands of different dtypes, each
+        element also through the dynamic cast (:data:`DYNAMIC_CAST_LATENCY_S`). Never faster
+        than the vectorised loop moving the same bytes (:meth:`stream_bytes_per_s`).
 
         Examples
         --------
@@ -482,10 +500,30 @@ class ComputeModel:
         >>> round(cm.legacy_loop_time(n, 4 * n) / cm.membound_time(4 * n), 1)
         2.9
         """
-        latency_bound = elements * STRIDED_LOAD_LATENCY_S / (
-            self.gpu.sm_count * RESIDENT_THREADS_PER_SM)
+        latency = operands / 2 * STRIDED_LOAD_LATENCY_S + (DYNAMIC_CAST_LATENCY_S if cast
+                                                           else 0.0)
+        latency_bound = elements * latency / (self.gpu.sm_count * RESIDENT_THREADS_PER_SM)
         return self.kernel_min_s + max(latency_bound,
                                        nbytes / self.stream_bytes_per_s("elementwise"))
+
+    def cast_loop_time(self, elements: float, nbytes: float) -> float:
+        """A kernel of PyTorch's unrolled elementwise loop with dynamic casts over ``elements``
+        contiguous elements moving ``nbytes``: the vectorised loop's streaming time plus each
+        element's casts (:data:`DYNAMIC_CAST_LATENCY_S` a resident thread, Little's law).
+        Taken by a copy or op between dtypes other than PyTorch's special-cased fp32-to-bf16
+        copy (``bfloat16_copy_kernel_cuda``, vectorised): autocast's bf16 gradients cast back
+        to fp32, a bf16 branch added to an fp32 residual stream.
+
+        Examples
+        --------
+        >>> from sim import catalog
+        >>> cm = ComputeModel(catalog.gpu("h200"))
+        >>> n = 33.5e6                    # bf16 -> fp32 of 33.5 M elements: 201 MB moved
+        >>> round(cm.cast_loop_time(n, 6 * n) / cm.membound_time(6 * n), 2)
+        2.1
+        """
+        return self.membound_time(nbytes) + elements * DYNAMIC_CAST_LATENCY_S / (
+            self.gpu.sm_count * RESIDENT_THREADS_PER_SM)
 
     def stream_bytes_per_s(self, klass: MemClass = "elementwise") -> float:
         """Rate a memory-bound kernel of ``klass`` streams at on this GPU: the H200's measured

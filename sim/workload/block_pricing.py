@@ -176,7 +176,10 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     if k.klass == "tiny":
         return cm.kernel_min_s + fixed
     if k.legacy_elements:
-        return cm.legacy_loop_time(k.legacy_elements, k.nbytes) + fixed
+        return cm.legacy_loop_time(k.legacy_elements, k.nbytes, k.legacy_operands,
+                                   cast=k.cast_elements > 0) + fixed
+    if k.cast_elements:
+        return cm.cast_loop_time(k.cast_elements, k.nbytes) + fixed
     klass = "reduction" if k.klass == "elementwise" and is_reduction(k) else k.klass
     t = cm.membound_time(k.nbytes, klass)  # type: ignore[arg-type]
     if k.activation_elements:

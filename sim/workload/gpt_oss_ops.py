@@ -148,7 +148,7 @@ def clamped_glu_input(b: _Builder, fc1: Tensor, rows: float, f: int) -> Tensor:
     b.bwd(Kernel("weighted_act.clamp_gate.le", "elementwise", (gate,), (mask[0],),
                  legacy_elements=half),
           Kernel("weighted_act.clamp_gate.bwd", "elementwise", (mask[0], g[0]), (gi[0],),
-                 legacy_elements=half),
+                 legacy_elements=half, legacy_operands=3),
           Kernel("weighted_act.clamp_linear.ge", "elementwise", (lin,), (mask[1],),
                  legacy_elements=half),
           Kernel("weighted_act.clamp_linear.le", "elementwise", (lin,), (mask[2],),
@@ -156,7 +156,7 @@ def clamped_glu_input(b: _Builder, fc1: Tensor, rows: float, f: int) -> Tensor:
           Kernel("weighted_act.clamp_linear.and", "elementwise", (mask[1], mask[2]),
                  (mask[1],)),
           Kernel("weighted_act.clamp_linear.bwd", "elementwise", (mask[1], g[1]), (gi[1],),
-                 legacy_elements=half),
+                 legacy_elements=half, legacy_operands=3),
           Kernel("weighted_act.chunk.bwd", "elementwise", tuple(gi), (gfc1,)))
     return out
 
@@ -200,7 +200,8 @@ def expert_output_bias(b: _Builder, out: Tensor, probs: Tensor, counts: Sequence
         s = b.t(f"biased_{i}", c * h, FP32)
         # Both multiplies broadcast an operand (the bias over rows, the prob over h): PyTorch's
         # non-vectorised loop, forward and backward.
-        b.fwd(Kernel("apply_bias.mul", "elementwise", (p, bias), (bp,), legacy_elements=c * h))
+        b.fwd(Kernel("apply_bias.mul", "elementwise", (p, bias), (bp,), legacy_elements=c * h,
+                     legacy_operands=3))
         b.fwd(Kernel("apply_bias.add", "elementwise", (rows_i, bp), (s,)))
         pieces.append(s)
         g = b.t(f"g_biased_{i}", c * h, FP32)
@@ -209,10 +210,10 @@ def expert_output_bias(b: _Builder, out: Tensor, probs: Tensor, counts: Sequence
         grads += [Kernel("apply_bias.add.bwd", "elementwise", (g,),
                          (b.t(f"g_rows_{i}", c * h, BF16),)),
                   Kernel("apply_bias.mul.bwd_bias", "elementwise", (g, p), (gb_full,),
-                         legacy_elements=c * h),
+                         legacy_elements=c * h, legacy_operands=3),
                   Kernel("apply_bias.sum_bias", "elementwise", (gb_full,), (gb32,)),
                   Kernel("apply_bias.mul.bwd_prob", "elementwise", (g, bias), (gp_full,),
-                         legacy_elements=c * h),
+                         legacy_elements=c * h, legacy_operands=3),
                   Kernel("apply_bias.sum_prob", "elementwise", (gp_full,),
                          (b.t(f"g_probs_{i}", c, FP32),)),
                   Kernel("apply_bias.cast_bias_grad", "tiny", (gb32,), (gb16,)),
@@ -288,12 +289,14 @@ def unfused_rope(b: _Builder, x: Tensor, n: float, table: float, name: str) -> T
     # Non-contiguous operands take PyTorch's non-vectorised loop (legacy_elements): the
     # products broadcast the [s, 1, 1, d] table, the negation reads a chunk view, the cat
     # copies a chunk view; the add and the pass-through cat of contiguous tensors do not.
-    b.fwd(Kernel(f"{name}_rope.mul_cos", "elementwise", (x, t16), (tc,), legacy_elements=n))
+    b.fwd(Kernel(f"{name}_rope.mul_cos", "elementwise", (x, t16), (tc,), legacy_elements=n,
+                 legacy_operands=3))
     b.fwd(Kernel(f"{name}_rope.neg", "elementwise", (new("x2", n / 2),), (neg,),
                  legacy_elements=n / 2))
     b.fwd(Kernel(f"{name}_rope.rotate_cat", "elementwise", (neg, new("x1", n / 2)), (rot,),
                  legacy_elements=n))
-    b.fwd(Kernel(f"{name}_rope.mul_sin", "elementwise", (rot, t16), (rs,), legacy_elements=n))
+    b.fwd(Kernel(f"{name}_rope.mul_sin", "elementwise", (rot, t16), (rs,), legacy_elements=n,
+                 legacy_operands=3))
     b.fwd(Kernel(f"{name}_rope.add", "elementwise", (tc, rs), (add,)))
     b.fwd(Kernel(f"{name}_rope.cat_pass", "elementwise", (add,), (out,)))
     g = new("g_out")
@@ -303,13 +306,13 @@ def unfused_rope(b: _Builder, x: Tensor, n: float, table: float, name: str) -> T
     # Backward likewise: the products' gradients broadcast the table, the negation's reads a
     # slice of the rotate cat's gradient, and the chunk's cat copies one.
     b.bwd(Kernel(f"{name}_rope.mul_sin.bwd", "elementwise", (g, t16), (g_sin,),
-                 legacy_elements=n),
+                 legacy_elements=n, legacy_operands=3),
           Kernel(f"{name}_rope.neg.bwd", "elementwise", (new("g_neg", n / 2),), (g_neg,),
                  legacy_elements=n / 2),
           Kernel(f"{name}_rope.chunk.bwd", "elementwise", (new("g_x1", n / 2), g_neg), (g_rot,),
                  legacy_elements=n),
           Kernel(f"{name}_rope.mul_cos.bwd", "elementwise", (g, t16), (g_cos,),
-                 legacy_elements=n),
+                 legacy_elements=n, legacy_operands=3),
           Kernel(f"{name}_rope.grad_sum", "elementwise", (g_cos, g_rot), (g_t,)),
           Kernel(f"{name}_rope.slice.zeros", "elementwise", (), (zeros,)),
           Kernel(f"{name}_rope.slice.copy", "elementwise", (g_t,), (zeros,)),

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sim.workload.kernels import BF16, FP32, Kernel, Tensor
-from sim.workload.layer_rules import weight_mul_grad
+from sim.workload.layer_rules import cast_kernel, rope_loops, weight_mul_grad
 
 if TYPE_CHECKING:
     from sim.workload.layer_builder import _Builder
@@ -45,13 +45,15 @@ def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) ->
     b.block.params += h
     n = tokens * h
     x32 = b.t(f"{name}.x_fp32", n, FP32)
-    b.fwd(Kernel(f"{name}.to_fp32", "elementwise", (x,), (x32,)))
+    b.fwd(cast_kernel(f"{name}.to_fp32", x, x32, n))
     r, xn = b.rms_core_forward(x32, tokens, h, name)
     xnb = b.t(f"{name}.xn_bf16", n, BF16)
     w = b.t(f"{name}.w", h, BF16)
     y = b.t(f"{name}.out", n, BF16)
     b.fwd(Kernel(f"{name}.to_bf16", "elementwise", (xn,), (xnb,)))
-    b.fwd(Kernel(f"{name}.mul_w", "elementwise", (w, xnb), (y,)))
+    # The weight broadcast over the tokens: the non-vectorised loop.
+    b.fwd(Kernel(f"{name}.mul_w", "elementwise", (w, xnb), (y,), legacy_elements=n,
+                 legacy_operands=3))
     b.save(x32, r, xnb)
     gy = b.t(f"{name}.g_out", n, BF16)
     gb = {k: b.t(f"{name}.g_{k}", n, BF16) for k in ("xnb", "wprod")}
@@ -62,10 +64,11 @@ def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) ->
     b.bwd(
         # MulBackward of weight * xn_bf16: both operands' gradients, the weight's summed
         # over tokens (sum_to_size).
-        Kernel(f"{name}.g_mul_w", "elementwise", (gy, w), (gb["xnb"],)),
+        Kernel(f"{name}.g_mul_w", "elementwise", (gy, w), (gb["xnb"],), legacy_elements=n,
+               legacy_operands=3),
         *weight_mul_grad(name, gy, xnb, gb["wprod"], gw),
         # ToCopyBackward of the cast to bf16: back to fp32.
-        Kernel(f"{name}.g_to_fp32", "elementwise", (gb["xnb"],), (g_xn,)),
+        cast_kernel(f"{name}.g_to_fp32", gb["xnb"], g_xn, n),
         *core,
         # ToCopyBackward of the cast to fp32: the input's gradient in bf16.
         Kernel(f"{name}.g_to_bf16", "elementwise", (g_x32,), (gx,)),
@@ -88,26 +91,30 @@ def hf_rope_bf16(b: _Builder, q: Tensor, tokens: float, width: int, name: str) -
     a = b.t(f"{name}.qcos", n, BF16)
     s = b.t(f"{name}.rsin", n, BF16)
     out = b.t(f"{name}.out", n, BF16)
-    b.fwd(Kernel(f"{name}.neg", "elementwise", (half,), (neg,)))
-    b.fwd(Kernel(f"{name}.cat", "elementwise", (neg, half), (rot,)))
-    b.fwd(Kernel(f"{name}.mul_cos", "elementwise", (q,), (a,)))
-    b.fwd(Kernel(f"{name}.mul_sin", "elementwise", (rot,), (s,)))
-    b.fwd(Kernel(f"{name}.add", "elementwise", (a, s), (out,)))
+    loops = rope_loops(n)     # all bf16: no casts
+    b.fwd(Kernel(f"{name}.neg", "elementwise", (half,), (neg,), **loops["neg"]))
+    b.fwd(Kernel(f"{name}.cat", "elementwise", (neg, half), (rot,), **loops["cat"]))
+    b.fwd(Kernel(f"{name}.mul_cos", "elementwise", (q,), (a,), **loops["mul"]))
+    b.fwd(Kernel(f"{name}.mul_sin", "elementwise", (rot,), (s,), **loops["mul"]))
+    b.fwd(Kernel(f"{name}.add", "elementwise", (a, s), (out,), **loops["mul"]))
     g = {k: b.t(f"{name}.g_{k}", n, BF16) for k in ("out", "a", "rot", "za", "zb", "s1", "in")}
     # gh_x2: CatBackward's narrow view of g_rot (no copy); NegBackward writes a new tensor.
     gh = {k: b.t(f"{name}.gh_{k}", n / 2, BF16) for k in ("neg", "x2")}
     b.bwd(
-        Kernel(f"{name}.g_mul_cos", "elementwise", (g["out"],), (g["a"],)),
-        Kernel(f"{name}.g_mul_sin", "elementwise", (g["out"],), (g["rot"],)),
+        Kernel(f"{name}.g_mul_cos", "elementwise", (g["out"],), (g["a"],), **loops["mul"]),
+        Kernel(f"{name}.g_mul_sin", "elementwise", (g["out"],), (g["rot"],), **loops["mul"]),
         # CatBackward gives narrow views; NegBackward negates the x2 half.
-        Kernel(f"{name}.g_neg", "elementwise", (gh["x2"],), (gh["neg"],)),
+        Kernel(f"{name}.g_neg", "elementwise", (gh["x2"],), (gh["neg"],), **loops["neg"]),
         # SliceBackward of x1 and of x2: zero-filled full-size gradient, then the half.
         Kernel(f"{name}.g_slice_a_zero", "elementwise", (), (g["za"],)),
-        Kernel(f"{name}.g_slice_a_copy", "elementwise", (gh["neg"],), (gh["neg"],)),
+        Kernel(f"{name}.g_slice_a_copy", "elementwise", (gh["neg"],), (gh["neg"],),
+               **loops["neg"]),
         Kernel(f"{name}.g_slice_b_zero", "elementwise", (), (g["zb"],)),
-        Kernel(f"{name}.g_slice_b_copy", "elementwise", (gh["neg"],), (gh["neg"],)),
-        # Autograd sums the three gradients of q.
-        Kernel(f"{name}.g_sum_a", "elementwise", (g["a"], g["za"]), (g["s1"],)),
+        Kernel(f"{name}.g_slice_b_copy", "elementwise", (gh["neg"],), (gh["neg"],),
+               **loops["neg"]),
+        # Autograd sums the three gradients of q (the first in q's transposed layout).
+        Kernel(f"{name}.g_sum_a", "elementwise", (g["a"], g["za"]), (g["s1"],),
+               **loops["mul"]),
         Kernel(f"{name}.g_sum_b", "elementwise", (g["s1"], g["zb"]), (g["in"],)),
     )
     return out

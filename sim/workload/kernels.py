@@ -87,6 +87,15 @@ class Kernel:
     operand is not contiguous (``.contiguous()`` of a transposed view, an op on a slice or a
     broadcast operand): latency-bound
     (:meth:`sim.hardware.compute.ComputeModel.legacy_loop_time`); 0 for any other kernel."""
+    legacy_operands: int = 2
+    """Operands each element of that loop loads or stores, output included: 2 for a copy or
+    a unary op, 3 for a binary one (a broadcast operand counts: the loop computes its offset
+    and loads it like the others)."""
+    cast_elements: float = 0.0
+    """Elements it converts between dtypes in TensorIterator's dynamic-casting path, taken by
+    an op whose operands' dtypes differ (a bf16-to-fp32 copy, an fp32 + bf16 add, an fp32
+    ``cos`` times a bf16 ``q``), but not by the fp32-to-bf16 copy PyTorch special-cases
+    (:meth:`sim.hardware.compute.ComputeModel.cast_loop_time`); 0 for any other kernel."""
     launches: int = 1
     """Kernel launches the host issues for it: Transformer Engine's default grouped GEMM
     (``multi_stream_cublas_gemm``, ``transformer_engine/common/gemm/cublaslt_gemm.cu``) calls

@@ -15,10 +15,12 @@ from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor
 from sim.workload.layer_rules import (
     FP8,
     bias_grad,
+    cast_kernel,
     fused_norm_forward,
     linear16_gemms,
     linear_gemm,
     linear_params,
+    rope_loops,
     scaled_cast,
     weight_mul_grad,
 )
@@ -61,12 +63,12 @@ class _Builder:
     # ------------------------------------------------------------------ ops
     def cast(self, x: Tensor, numel: float, to_bytes: int, name: str) -> Tensor:
         y = self.t(name, numel, to_bytes)
-        self.fwd(Kernel(f"{name}", "elementwise", (x,), (y,)))
+        self.fwd(cast_kernel(name, x, y, numel))
         return y
 
     def grad_cast(self, g: Tensor, numel: float, to_bytes: int, name: str) -> tuple[Kernel, Tensor]:
         y = self.t(name, numel, to_bytes)
-        return Kernel(name, "elementwise", (g,), (y,)), y
+        return cast_kernel(name, g, y, numel), y
 
     def add_grads(self, a: Tensor, b: Tensor, numel: float, nbytes: int, name: str
                   ) -> tuple[Kernel, Tensor]:
@@ -213,7 +215,9 @@ class _Builder:
         n = tokens * h
         r, xn = self.rms_core_forward(x, tokens, h, name)
         y = self.t(f"{name}.out", n, FP32)
-        self.fwd(Kernel(f"{name}.mul_w", "elementwise", (xn,), (y,)))
+        # The weight ([h]) broadcast over the tokens: the non-vectorised loop.
+        self.fwd(Kernel(f"{name}.mul_w", "elementwise", (xn,), (y,), legacy_elements=n,
+                        legacy_operands=3))
         self.save(x, r, xn)
         g = {k: self.t(f"{name}.g_{k}", n, FP32) for k in ("out", "xn", "wprod")}
         gw = self.t(f"{name}.g_w", h, FP32)
@@ -221,7 +225,8 @@ class _Builder:
         self.bwd(
             # xn's gradient counts no read of the weight (h elements), unlike hf_ops's bf16
             # norm; the weight's gradient is the shared rule.
-            Kernel(f"{name}.g_mul_w", "elementwise", (g["out"],), (g["xn"],)),
+            Kernel(f"{name}.g_mul_w", "elementwise", (g["out"],), (g["xn"],),
+                   legacy_elements=n, legacy_operands=3),
             *weight_mul_grad(name, g["out"], xn, g["wprod"], gw),
             *core,
         )
@@ -244,7 +249,9 @@ class _Builder:
         self.fwd(Kernel(f"{name}.mean", "elementwise", (p,), (var,)))
         self.fwd(Kernel(f"{name}.add_eps", "tiny", (var,), (var_eps,)))
         self.fwd(Kernel(f"{name}.rsqrt", "tiny", (var_eps,), (r,)))
-        self.fwd(Kernel(f"{name}.mul", "elementwise", (x32, r), (xn,)))
+        # x times its row's rsqrt ([tokens, 1], broadcast): the non-vectorised loop.
+        self.fwd(Kernel(f"{name}.mul", "elementwise", (x32, r), (xn,), legacy_elements=n,
+                        legacy_operands=3))
         return r, xn
 
     def rms_core_backward(self, g_xn: Tensor, x32: Tensor, r: Tensor, tokens: float, h: int,
@@ -259,11 +266,14 @@ class _Builder:
         g_in = self.t(g_in_name, n, FP32)
         gr = self.t(f"{name}.g_r", tokens, FP32)
         return [
-            Kernel(f"{name}.g_mul_a", "elementwise", (g_xn, r), (g["xa"],)),
+            Kernel(f"{name}.g_mul_a", "elementwise", (g_xn, r), (g["xa"],),
+                   legacy_elements=n, legacy_operands=3),
             Kernel(f"{name}.g_mul_b", "elementwise", (g_xn, x32), (g["xprod"],)),
             Kernel(f"{name}.g_r_sum", "elementwise", (g["xprod"],), (gr,)),
             Kernel(f"{name}.g_rsqrt", "tiny", (gr,), ()),
-            Kernel(f"{name}.g_mean", "elementwise", (), (g["mean"],)),
+            # MeanBackward: the row gradient expanded over h and divided by it, a unary op
+            # on a broadcast view (the non-vectorised loop).
+            Kernel(f"{name}.g_mean", "elementwise", (), (g["mean"],), legacy_elements=n),
             Kernel(f"{name}.g_pow", "elementwise", (g["mean"], x32), (g["xb"],)),
             Kernel(f"{name}.g_sum", "elementwise", (g["xa"], g["xb"]), (g_in,)),
         ], g_in
@@ -306,11 +316,16 @@ class _Builder:
             b = self.t(f"{name}.rsin", n, FP32)
             out = self.t(f"{name}.out", n, FP32)
             half = self.t(f"{name}.half", n / 2, BF16)
-            self.fwd(Kernel(f"{name}.neg", "elementwise", (half,), (neg,)))
-            self.fwd(Kernel(f"{name}.cat", "elementwise", (neg, half), (rot,)))
-            self.fwd(Kernel(f"{name}.mul_cos", "elementwise", (q,), (a,)))
-            self.fwd(Kernel(f"{name}.mul_sin", "elementwise", (rot,), (b,)))
-            self.fwd(Kernel(f"{name}.add", "elementwise", (a, b), (out,)))
+            # q is a transposed view of the projection and cos/sin broadcast over batch and
+            # heads, so every op here but none of the vectorised ones runs the non-vectorised
+            # loop; the products of bf16 q and fp32 cos/sin also cast (rope_loops).
+            loops = rope_loops(n)
+            self.fwd(Kernel(f"{name}.neg", "elementwise", (half,), (neg,), **loops["neg"]))
+            self.fwd(Kernel(f"{name}.cat", "elementwise", (neg, half), (rot,), **loops["cat"]))
+            self.fwd(Kernel(f"{name}.mul_cos", "elementwise", (q,), (a,), **loops["mul_cast"]))
+            self.fwd(Kernel(f"{name}.mul_sin", "elementwise", (rot,), (b,),
+                            **loops["mul_cast"]))
+            self.fwd(Kernel(f"{name}.add", "elementwise", (a, b), (out,), **loops["mul"]))
             g = {k: self.t(f"{name}.g_{k}", n, FP32) for k in ("out", "a", "b")}
             gb = {k: self.t(f"{name}.gb_{k}", n, BF16) for k in ("a", "b", "sa", "sb", "in")}
             gneg = self.t(f"{name}.g_neg", n / 2, BF16)
@@ -318,30 +333,40 @@ class _Builder:
             # writes a new tensor from it.
             gview = self.t(f"{name}.g_x2", n / 2, BF16)
             self.bwd(
-                Kernel(f"{name}.g_mul_cos", "elementwise", (g["out"],), (g["a"],)),
+                Kernel(f"{name}.g_mul_cos", "elementwise", (g["out"],), (g["a"],),
+                       **loops["mul"]),
                 Kernel(f"{name}.g_cast_a", "elementwise", (g["a"],), (gb["a"],)),
-                Kernel(f"{name}.g_mul_sin", "elementwise", (g["out"],), (g["b"],)),
+                Kernel(f"{name}.g_mul_sin", "elementwise", (g["out"],), (g["b"],),
+                       **loops["mul"]),
                 Kernel(f"{name}.g_cast_b", "elementwise", (g["b"],), (gb["b"],)),
-                Kernel(f"{name}.g_neg", "elementwise", (gview,), (gneg,)),
-                Kernel(f"{name}.g_slice_a", "elementwise", (gneg,), (gb["sa"],)),
-                Kernel(f"{name}.g_slice_b", "elementwise", (gneg,), (gb["sb"],)),
+                Kernel(f"{name}.g_neg", "elementwise", (gview,), (gneg,), **loops["neg"]),
+                Kernel(f"{name}.g_slice_a", "elementwise", (gneg,), (gb["sa"],),
+                       **loops["neg"]),
+                Kernel(f"{name}.g_slice_b", "elementwise", (gneg,), (gb["sb"],),
+                       **loops["neg"]),
                 Kernel(f"{name}.g_sum_slices", "elementwise", (gb["sa"], gb["sb"]), (gb["in"],)),
-                Kernel(f"{name}.g_sum", "elementwise", (gb["a"], gb["in"]), (gb["in"],)),
+                Kernel(f"{name}.g_sum", "elementwise", (gb["a"], gb["in"]), (gb["in"],),
+                       **loops["mul"]),
             )
             return out
         # torchtitan: x.float() -> view_as_complex -> * freqs_cis -> view_as_real -> type_as(x)
         f32 = self.t(f"{name}.f32", n, FP32)
         rot = self.t(f"{name}.rot", n, FP32)
         out = self.t(f"{name}.out", n, BF16)
-        self.fwd(Kernel(f"{name}.to_fp32", "elementwise", (q,), (f32,)))
-        self.fwd(Kernel(f"{name}.cmul", "elementwise", (f32,), (rot,)))
+        # xq.float() widens (the casting loop); the complex product with freqs_cis, which
+        # broadcasts over batch and heads, runs the non-vectorised loop over n/2 complex
+        # elements; type_as narrows (vectorised).
+        self.fwd(cast_kernel(f"{name}.to_fp32", q, f32, n))
+        self.fwd(Kernel(f"{name}.cmul", "elementwise", (f32,), (rot,), legacy_elements=n / 2,
+                        legacy_operands=3))
         self.fwd(Kernel(f"{name}.to_bf16", "elementwise", (rot,), (out,)))
         go = self.t(f"{name}.g_out", n, BF16)
         g32 = self.t(f"{name}.g_f32", n, FP32)
         grot = self.t(f"{name}.g_rot", n, FP32)
         gin = self.t(f"{name}.g_in", n, BF16)
-        self.bwd(Kernel(f"{name}.g_to_fp32", "elementwise", (go,), (g32,)),
-                 Kernel(f"{name}.g_cmul", "elementwise", (g32,), (grot,)),
+        self.bwd(cast_kernel(f"{name}.g_to_fp32", go, g32, n),
+                 Kernel(f"{name}.g_cmul", "elementwise", (g32,), (grot,),
+                        legacy_elements=n / 2, legacy_operands=3),
                  Kernel(f"{name}.g_to_bf16", "elementwise", (grot,), (gin,)))
         return out
 
@@ -399,7 +424,9 @@ class _Builder:
     def residual_add(self, x: Tensor, y: Tensor, tokens: float, h: int, name: str) -> Tensor:
         ab = self.style.act_bytes
         out = self.t(f"{name}.out", tokens * h, ab)
-        self.fwd(Kernel(f"{name}", "elementwise", (x, y), (out,)))
+        # An fp32 stream plus a bf16 branch: the casting loop.
+        mixed = tokens * h if x.nbytes != y.nbytes else 0.0
+        self.fwd(Kernel(f"{name}", "elementwise", (x, y), (out,), cast_elements=mixed))
         g = self.t(f"{name}.g_out", tokens * h, ab)
         if ab != BF16:
             # bf16 branch of an fp32 add: its gradient is cast back to bf16.
@@ -408,11 +435,10 @@ class _Builder:
 
     def sum_grads(self, n: int, numel: float, nbytes: int, name: str) -> None:
         """Autograd summing the gradients of a tensor read by ``n`` ops (n-1 adds)."""
-        ks = []
+        ks: list[Kernel] = []
         for i in range(n - 1):
             a = self.t(f"{name}.g{i}a", numel, nbytes)
             b = self.t(f"{name}.g{i}b", numel, nbytes)
             ks.append(self.add_grads(a, b, numel, nbytes, f"{name}.g_sum{i}")[0])
         if ks:
             self.bwd(*ks)
-

@@ -35,7 +35,7 @@ fusion) and the norms' backward kernels (see :meth:`~sim.workload.layer_builder.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from sim.config.base import Fp8Recipe
 from sim.workload.kernels import Kernel, Tensor
@@ -199,3 +199,33 @@ def weight_mul_grad(name: str, g: Tensor, xn: Tensor, prod: Tensor, gw: Tensor
     then ``sum_to_size`` sums it over the tokens into ``gw``."""
     return [Kernel(f"{name}.g_w_prod", "elementwise", (g, xn), (prod,)),
             Kernel(f"{name}.g_w_sum", "elementwise", (prod,), (gw,))]
+
+
+def cast_kernel(name: str, x: Tensor, y: Tensor, numel: float) -> Kernel:
+    """``y = x.to(dtype)`` over ``numel`` contiguous elements. Narrowing fp32 to a 16-bit type
+    is PyTorch's special-cased vectorised copy (``bfloat16_copy_kernel_cuda``); widening a
+    16-bit tensor to fp32 takes the dynamic-casting loop (``cast_elements``)."""
+    widening = y.nbytes > x.nbytes
+    return Kernel(name, "elementwise", (x,), (y,), cast_elements=numel if widening else 0.0)
+
+
+class Loop(TypedDict, total=False):
+    """Which of PyTorch's elementwise loops a kernel runs (the :class:`Kernel` fields)."""
+
+    legacy_elements: float
+    legacy_operands: int
+    cast_elements: float
+
+
+def rope_loops(n: float) -> dict[str, Loop]:
+    """The loops of Hugging Face's rotary embedding on ``n`` elements of a transposed q (or
+    k) view with broadcast ``cos``/``sin``, by op: the half's neg and its slice gradients
+    (unary), the cat of two strided halves (one element from one input), the products and
+    sums (binary), the forward products of a bf16 operand and fp32 ``cos``/``sin`` also
+    casting (autocast). Measured on the lent H200 (h200-train-steps-ops.json, ``1b-plain``):
+    the rotary embedding's multiplies, adds and neg are all ``elementwise_kernel``, the
+    forward products the casting ``gpu_kernel_impl`` one."""
+    return {"neg": {"legacy_elements": n / 2},
+            "cat": {"legacy_elements": n},
+            "mul": {"legacy_elements": n, "legacy_operands": 3},
+            "mul_cast": {"legacy_elements": n, "legacy_operands": 3, "cast_elements": n}}
