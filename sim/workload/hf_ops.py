@@ -74,6 +74,8 @@ def hf_rmsnorm_bf16(b: _Builder, x: Tensor, tokens: float, h: int, name: str) ->
         Kernel(f"{name}.g_to_bf16", "elementwise", (g_x32,), (gx,)),
     )
     b.block.weight_grads.append(gw)
+    b.reads_grad(y, gy)
+    b.writes_grad(x, gx)
     return y
 
 
@@ -117,4 +119,6 @@ def hf_rope_bf16(b: _Builder, q: Tensor, tokens: float, width: int, name: str) -
                **loops["mul"]),
         Kernel(f"{name}.g_sum_b", "elementwise", (g["s1"], g["zb"]), (g["in"],)),
     )
+    b.reads_grad(out, g["out"])
+    b.writes_grad(q, g["in"])
     return out

@@ -11,6 +11,8 @@ Megatron's in :mod:`sim.workload.layer_rules`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor
 from sim.workload.layer_rules import (
     FP8,
@@ -28,13 +30,24 @@ from sim.workload.model import ModelSpec
 
 
 class _Builder:
-    """Collects forward kernels and, per op, the backward kernels that undo it."""
+    """Collects forward kernels and, per op, the backward kernels that undo it.
+
+    Gradients are linked by identity, as autograd passes them: each op records the gradient
+    tensor its backward reads for its output (:meth:`reads_grad`) and the ones it writes for
+    its inputs (:meth:`writes_grad`); :meth:`finish` makes a tensor's one gradient the same
+    object on both sides, or feeds its several gradients into the adds :meth:`sum_grads`
+    placed for it. What reads what is then what torch.compile's fusion sees
+    (:mod:`sim.workload.inductor`).
+    """
 
     def __init__(self, name: str, style: Style) -> None:
         self.block = Block(name)
         self.style = style
         self._bwd_ops: list[list[Kernel]] = []
         self._input_casts: dict[int, Tensor] = {}
+        self._grad_read: dict[int, Tensor] = {}
+        self._grad_parts: dict[int, list[Tensor]] = {}
+        self._grad_sums: dict[int, list[Kernel]] = {}
 
     # tensors and kernels
     def t(self, name: str, numel: float, nbytes_per: float) -> Tensor:
@@ -55,10 +68,51 @@ class _Builder:
             if all(t is not s for s in self.block.saved):
                 self.block.saved.append(t)
 
+    def reads_grad(self, y: Tensor, g: Tensor) -> None:
+        """The backward of ``y``'s producer reads ``g`` as ``y``'s gradient."""
+        self._grad_read[id(y)] = g
+
+    def writes_grad(self, x: Tensor, g: Tensor) -> None:
+        """The backward of one of ``x``'s consumers writes ``g``, its part of ``x``'s
+        gradient."""
+        self._grad_parts.setdefault(id(x), []).append(g)
+
     def finish(self) -> Block:
+        same = self._link_grads()
         for ops in reversed(self._bwd_ops):
-            self.block.backward.extend(ops)
+            for k in ops:
+                if any(id(t) in same for t in k.reads + k.writes):
+                    k = replace(k, reads=tuple(same.get(id(t), t) for t in k.reads),
+                                writes=tuple(same.get(id(t), t) for t in k.writes))
+                self.block.backward.append(k)
         return self.block
+
+    def _link_grads(self) -> dict[int, Tensor]:
+        """Rewire the gradient sums placed for a tensor to add up its parts into the gradient
+        its producer reads, and return the substitutions that make a tensor's one part and
+        the gradient its producer reads the same object. A tensor whose parts do not match
+        the sum placed for it keeps the sum's own tensors."""
+        same: dict[int, Tensor] = {}
+        for tid, group in self._grad_sums.items():
+            parts = self._grad_parts.get(tid, [])
+            if len(parts) != len(group) + 1:
+                continue
+            out = self._grad_read.get(tid)
+            acc = parts[0]
+            for i, k in enumerate(group):
+                last = i == len(group) - 1
+                dst = out if (last and out is not None) else k.writes[0]
+                group[i] = replace(k, reads=(acc, parts[i + 1]), writes=(dst,))
+                acc = dst
+        for tid, g in self._grad_read.items():
+            parts = self._grad_parts.get(tid, [])
+            if tid not in self._grad_sums and len(parts) == 1 and parts[0] is not g:
+                same[id(g)] = parts[0]
+        for key, t in same.items():      # follow chains: a part may itself be substituted
+            while id(t) in same and same[id(t)] is not t:
+                t = same[id(t)]
+            same[key] = t
+        return same
 
     # ------------------------------------------------------------------ ops
     def cast(self, x: Tensor, numel: float, to_bytes: int, name: str) -> Tensor:
@@ -125,10 +179,13 @@ class _Builder:
         if bias:
             gb = self.t(f"{name}.g_b", n_out, FP32 if st.autocast else BF16)
             ks.append(bias_grad(name, gy, gb))
+        gx = gxb
         if st.autocast and x_fp32:
-            k, _ = self.grad_cast(gxb, tokens * n_in, FP32, f"{name}.g_in_fp32")
+            k, gx = self.grad_cast(gxb, tokens * n_in, FP32, f"{name}.g_in_fp32")
             ks.append(k)
         self.bwd(*ks)
+        self.reads_grad(y, gy)
+        self.writes_grad(x, gx)
         return y
 
     def float8_forward(self, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
@@ -210,6 +267,8 @@ class _Builder:
             self.bwd(Kernel(f"{name}.bwd_input", "norm_fused", (gy, x, rstd), (gx,)),
                      Kernel(f"{name}.bwd_weight", "norm_fused", (gy, x, rstd), (gw,)))
             self.block.weight_grads.append(gw)
+            self.reads_grad(y, gy)
+            self.writes_grad(x, gx)
             return y
         # Hugging Face LlamaRMSNorm in fp32: pow, mean, add eps, rsqrt, mul, mul by weight.
         n = tokens * h
@@ -221,7 +280,7 @@ class _Builder:
         self.save(x, r, xn)
         g = {k: self.t(f"{name}.g_{k}", n, FP32) for k in ("out", "xn", "wprod")}
         gw = self.t(f"{name}.g_w", h, FP32)
-        core, _ = self.rms_core_backward(g["xn"], x, r, tokens, h, name, f"{name}.g_in")
+        core, g_in = self.rms_core_backward(g["xn"], x, r, tokens, h, name, f"{name}.g_in")
         self.bwd(
             # xn's gradient counts no read of the weight (h elements), unlike hf_ops's bf16
             # norm; the weight's gradient is the shared rule.
@@ -231,6 +290,8 @@ class _Builder:
             *core,
         )
         self.block.weight_grads.append(gw)
+        self.reads_grad(y, g["out"])
+        self.writes_grad(x, g_in)
         return y
 
     def rms_core_forward(self, x32: Tensor, tokens: float, h: int, name: str
@@ -348,6 +409,8 @@ class _Builder:
                 Kernel(f"{name}.g_sum", "elementwise", (gb["a"], gb["in"]), (gb["in"],),
                        **loops["mul"]),
             )
+            self.reads_grad(out, g["out"])
+            self.writes_grad(q, gb["in"])
             return out
         # torchtitan: x.float() -> view_as_complex -> * freqs_cis -> view_as_real -> type_as(x)
         f32 = self.t(f"{name}.f32", n, FP32)
@@ -368,12 +431,15 @@ class _Builder:
                  Kernel(f"{name}.g_cmul", "elementwise", (g32,), (grot,),
                         legacy_elements=n / 2, legacy_operands=3),
                  Kernel(f"{name}.g_to_bf16", "elementwise", (grot,), (gin,)))
+        self.reads_grad(out, go)
+        self.writes_grad(q, gin)
         return out
 
     def attention(self, m: ModelSpec, q: Tensor, k: Tensor, v: Tensor, batch: int, seq: int
                   ) -> Tensor:
         st = self.style
         tokens = batch * seq
+        q_arg, k_arg = q, k
         if st.autocast:
             # autocast casts fp32 q/k (after RoPE) to bf16 for SDPA; v is bf16 already.
             q = self.cast(q, tokens * m.q_dim, BF16, "sdpa.q_bf16")
@@ -415,10 +481,16 @@ class _Builder:
             # The repeated heads' gradients summed back over each group.
             ks += [Kernel("sdpa.g_k_sum", "elementwise", (gk_in,), (gk,)),
                    Kernel("sdpa.g_v_sum", "elementwise", (gv_in,), (gv,))]
+        gq_in, gk_out = gq, gk
         if st.autocast:
-            ks.append(self.grad_cast(gq, tokens * m.q_dim, FP32, "sdpa.g_q_fp32")[0])
-            ks.append(self.grad_cast(gk, tokens * m.kv_dim, FP32, "sdpa.g_k_fp32")[0])
+            kq, gq_in = self.grad_cast(gq, tokens * m.q_dim, FP32, "sdpa.g_q_fp32")
+            kk, gk_out = self.grad_cast(gk, tokens * m.kv_dim, FP32, "sdpa.g_k_fp32")
+            ks += [kq, kk]
         self.bwd(*ks)
+        self.reads_grad(o, go)
+        self.writes_grad(q_arg, gq_in)
+        self.writes_grad(k_arg, gk_out)
+        self.writes_grad(v, gv)
         return o
 
     def residual_add(self, x: Tensor, y: Tensor, tokens: float, h: int, name: str) -> Tensor:
@@ -428,13 +500,21 @@ class _Builder:
         mixed = tokens * h if x.nbytes != y.nbytes else 0.0
         self.fwd(Kernel(f"{name}", "elementwise", (x, y), (out,), cast_elements=mixed))
         g = self.t(f"{name}.g_out", tokens * h, ab)
+        g_branch = g
         if ab != BF16:
             # bf16 branch of an fp32 add: its gradient is cast back to bf16.
-            self.bwd(self.grad_cast(g, tokens * h, BF16, f"{name}.g_branch_bf16")[0])
+            k, g_branch = self.grad_cast(g, tokens * h, BF16, f"{name}.g_branch_bf16")
+            self.bwd(k)
+        # The add passes its output's gradient on to the stream unchanged.
+        self.reads_grad(out, g)
+        self.writes_grad(x, g)
+        self.writes_grad(y, g_branch)
         return out
 
-    def sum_grads(self, n: int, numel: float, nbytes: int, name: str) -> None:
-        """Autograd summing the gradients of a tensor read by ``n`` ops (n-1 adds)."""
+    def sum_grads(self, n: int, numel: float, nbytes: int, name: str,
+                  of: Tensor | None = None) -> None:
+        """Autograd summing the gradients of a tensor read by ``n`` ops (n-1 adds). ``of``:
+        that tensor, whose gradient parts :meth:`finish` feeds into the adds."""
         ks: list[Kernel] = []
         for i in range(n - 1):
             a = self.t(f"{name}.g{i}a", numel, nbytes)
@@ -442,3 +522,5 @@ class _Builder:
             ks.append(self.add_grads(a, b, numel, nbytes, f"{name}.g_sum{i}")[0])
         if ks:
             self.bwd(*ks)
+            if of is not None:
+                self._grad_sums[id(of)] = self._bwd_ops[-1]

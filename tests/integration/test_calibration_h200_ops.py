@@ -130,3 +130,26 @@ def test_dynamic_cast_latency_derivation():
 def test_loop_family_time(run, family, tolerance):
     measured, modelled, _, _ = families(run)
     assert modelled[family] == pytest.approx(measured[family], rel=tolerance)
+
+
+def test_compiled_loss_kernels():
+    """Whole-model compile: inductor's two looped reductions over the 1B step's 16,384 x
+    128,256 logits (``triton_red_fused__log_softmax...``, h200-train-steps-profiled.json,
+    ``1b-compile``: 3.18 ms forward, 3.59 backward) against the model's fused loss kernels,
+    which save the bf16 logits and recompute the softmax (the eager loss: 16.2 ms)."""
+    from sim.workload.block_pricing import _fuse, _needed_outside
+
+    profiled = json.loads((Path(catalog.__file__).parent / "calibration"
+                           / "h200-train-steps-profiled.json").read_text())
+    run = next(r for r in profiled["runs"] if r["name"] == "1b-compile")
+    measured = sum(k["us"] for k in run["profile"]["top"]
+                   if k["name"].startswith("triton_red_fused__log_softmax")) * 1e-6
+    m, batch = MODELS["1b-plain"]
+    cm = ComputeModel(catalog.gpu("h200"))
+    head = model_blocks(m, Style("autocast", compile=True, sdpa_mask=True), batch, 4096,
+                        kv_cache=False)[3]
+    modelled = sum(kernel_time(cm, k)
+                   for ks in (head.forward, head.backward)
+                   for k in _fuse(ks, _needed_outside(ks, head), head)
+                   if "log_softmax" in k.name)
+    assert modelled == pytest.approx(measured, rel=0.20)
