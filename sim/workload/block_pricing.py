@@ -56,7 +56,11 @@ class BlockCost:
     flops_bwd: float
     saved_bytes: float
     input_saved_bytes: float
-    """Of the saved bytes, those of the block's input (all a checkpointed layer keeps)."""
+    """Of the saved bytes, those of the block's input."""
+    input_bytes: float
+    """The block's inputs, saved by an op or not: what a checkpoint around the layer keeps
+    (``torch.utils.checkpoint`` holds the function's inputs), which an op that saves only a
+    copy of the input (an eager RMSNorm's fp32 ``x.float()``) does not hold."""
     forward_scoped_bytes: float
     weight_cast_bytes: float
     fwd_transient_bytes: float
@@ -373,6 +377,7 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
         saved_bytes=sum(t.nbytes for t in block.saved),
         input_saved_bytes=sum(t.nbytes for t in block.saved
                               if any(t is i for i in block.inputs)),
+        input_bytes=sum(t.nbytes for t in block.inputs),
         forward_scoped_bytes=sum(t.nbytes for t in block.forward_scoped),
         weight_cast_bytes=sum(t.nbytes for t in block.weight_casts),
         fwd_transient_bytes=fwd_peak,

@@ -131,6 +131,11 @@ class Style:
     """Hugging Face's code traced whole by ``torch.compile``: its causal mask is built as a
     tensor, so SDPA gets that mask and keys and values repeated to every query head
     (:mod:`sim.hardware.masked_attention`)."""
+    fused_rmsnorm: bool = True
+    """``bf16`` (torchtitan): RMSNorm is PyTorch's fused kernel (``nn.RMSNorm`` on PyTorch
+    2.8 and later); False: torchtitan's own eager RMSNorm of its 2024-25 code (``x.float()``,
+    pow, mean, rsqrt, the products, ``type_as``), the same kernels as Hugging Face's
+    (:func:`sim.workload.hf_ops.hf_rmsnorm_bf16`)."""
 
     @property
     def autocast(self) -> bool:

@@ -249,7 +249,7 @@ class _Builder:
 
     def rmsnorm(self, x: Tensor, tokens: float, h: int, name: str) -> Tensor:
         st = self.style
-        if st.name == "hf_bf16":
+        if st.name == "hf_bf16" or (st.name == "bf16" and not st.fused_rmsnorm):
             from sim.workload.hf_ops import hf_rmsnorm_bf16
             return hf_rmsnorm_bf16(self, x, tokens, h, name)
         self.block.params += h

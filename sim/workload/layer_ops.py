@@ -38,7 +38,8 @@ Two execution styles cover the frameworks of this version:
     grad; SDPA on the lower-precision list).
 ``bf16``
     torchtitan's Llama under FSDP2 mixed precision: parameters gathered in bf16, no autocast,
-    bf16 residual stream, fused RMSNorm kernel, rotary embedding by complex multiply in fp32,
+    bf16 residual stream, fused RMSNorm kernel (PyTorch 2.8 on; before it torchtitan's own
+    eager RMSNorm, ``Style.fused_rmsnorm``), rotary embedding by complex multiply in fp32,
     no KV cache. Sources: ``torchtitan/models/llama3/model.py``,
     ``torch/distributed/fsdp/_fully_shard/_fsdp_param.py``.
 ``hf_bf16``
@@ -49,7 +50,8 @@ Two execution styles cover the frameworks of this version:
 
 Loss (both): logits in bf16, ``.float()`` copy, ``log_softmax`` (output saved) and
 ``nll_loss``; backward materialises the fp32 gradient of the logits twice (nll and
-log_softmax) before casting it back to bf16.
+log_softmax) before casting it back to bf16. Compiled, inductor's two looped reductions
+(:func:`compiled_cross_entropy`).
 """
 
 from __future__ import annotations

@@ -279,6 +279,26 @@ def test_memory_returns_to_its_start_after_a_step(framework, par, nodes, ac) -> 
         assert end == pytest.approx(sum(cls.initial_memory.values()), rel=1e-9, abs=1.0)
 
 
+@pytest.mark.parametrize("par", [{}, {"tp": 2}])
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_eager_rmsnorm_of_older_torch_keeps_the_checkpointed_input(par, ac) -> None:
+    """Before PyTorch's fused RMSNorm (torch_version < 2.8) torchtitan's norm is eager and
+    saves an fp32 copy of its input rather than the input; a checkpointed layer still holds
+    its input (torch.utils.checkpoint keeps the function's inputs), so the layer's memory is
+    the fused norm's plus that copy's extra, and every byte comes back by the step's end."""
+    runs = {v: simulate(scenario({}, par, activation_checkpointing=ac, torch_version=v,
+                                 global_batch_size=16 // par.get("tp", 1)))
+            for v in ("2.6", "2.8")}
+    for r in runs.values():
+        for cls in r.program.classes:
+            end = r.recorder.memory[cls.id].total
+            assert end == pytest.approx(sum(cls.initial_memory.values()), rel=1e-9, abs=1.0)
+    # The eager norm runs more kernels (casts, pow, mean, rsqrt, products) than one fused.
+    assert runs["2.6"].summary["step_time_s"] > runs["2.8"].summary["step_time_s"]
+    # Its peak is not below the fused one's: the checkpoint's input is held either way.
+    assert runs["2.6"].summary["peak_memory_gib"] >= runs["2.8"].summary["peak_memory_gib"]
+
+
 def test_compile_fuses_under_tensor_parallelism_too() -> None:
     for par in ({}, {"tp": 2}):
         eager = simulate(scenario({}, par, seq_len=4096)).summary

@@ -79,7 +79,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
             # Only the layer input is kept (the attention block's input, the residual stream),
             # with selective checkpointing also the outputs its policy caches.
             if block == "attn":
-                alloc.append(("activations", c.input_saved_bytes))
+                alloc.append(("activations", c.input_bytes))
             if sac is not None:
                 alloc.append(("activations", sac[block].cached_bytes))
             scoped = c.forward_scoped_bytes + (c.weight_cast_bytes if autocast else 0.0)
@@ -146,7 +146,9 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         if grad_alloc.get(block):
             alloc.append(("gradients", grad_alloc[block]))
         cached = sac[block].cached_bytes if (sac is not None and layered) else 0.0
-        free = (("activations", saved_here + cached),)
+        # The checkpoint's own hold on the layer input, where no op's saved set has it.
+        held = c.input_bytes - c.input_saved_bytes if (ckpt and block == "attn") else 0.0
+        free = (("activations", saved_here + cached + held),)
         fb = model_flops[block][1]
         name = f"bwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}"
         op = Op(name=name, kind="compute", stream=stream, phase=phase, duration=duration,

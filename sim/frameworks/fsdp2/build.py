@@ -63,6 +63,26 @@ def build_fsdp2(ctx: JobContext) -> Program:
     return program
 
 
+# The first PyTorch release whose ``nn.RMSNorm`` / ``F.rms_norm`` runs one fused CUDA kernel
+# (``_fused_rms_norm``, pytorch/pytorch PR 153666, opened 2025-05-15; assumed in 2.8, the
+# release after it): before it the op is composite, eager kernel by kernel, as was
+# torchtitan's own ``RMSNorm`` class of 2024-25 (``torchtitan/models/norms.py``: ``x.float()``,
+# pow, mean, rsqrt, products, ``type_as``), which its published 2024 benchmarks ran.
+FIRST_TORCH_WITH_FUSED_RMSNORM = (2, 8)
+
+
+def torch_has_fused_rmsnorm(torch_version: str) -> bool:
+    """Whether torchtitan's RMSNorm of a PyTorch release's time is one fused kernel.
+
+    Examples
+    --------
+    >>> torch_has_fused_rmsnorm("2.6"), torch_has_fused_rmsnorm("2.8")
+    (False, True)
+    """
+    major, minor = (int(x) for x in torch_version.split(".")[:2])
+    return (major, minor) >= FIRST_TORCH_WITH_FUSED_RMSNORM
+
+
 def _style(ctx: JobContext, opts: Fsdp2Options) -> Style:
     """Kernels: torchtitan's Llama (``bf16``) or Hugging Face's eager code (``hf_bf16``).
     training.precision fp8: torchtitan's float8 converter (torchao Float8Linear, dynamic
@@ -72,7 +92,8 @@ def _style(ctx: JobContext, opts: Fsdp2Options) -> Style:
     hf = opts.model_code == "huggingface"
     return Style("hf_bf16" if hf else "bf16", compile=opts.compile, float8=fp8,
                  float8_weights=fp8 and opts.float8_all_gather,
-                 float8_recipe=opts.float8_recipe)
+                 float8_recipe=opts.float8_recipe,
+                 fused_rmsnorm=torch_has_fused_rmsnorm(ctx.scenario.training.torch_version))
 
 
 def _block_costs(ctx: JobContext, opts: Fsdp2Options, style: Style

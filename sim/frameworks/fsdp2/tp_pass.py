@@ -53,6 +53,8 @@ class TitanPass:
         """AsyncTP (:mod:`.async_tp`): the layers' exchanges fused with their matmuls."""
         self.sac = tb.sac
         self.recompute = recompute and tb.sac is None
+        self.recompute_layers = self.recompute or tb.sac is not None
+        """Each layer checkpointed (full or selective): it keeps its input."""
         self._scoped = 0.0
 
     # ------------------------------------------------------------------ helpers
@@ -61,7 +63,11 @@ class TitanPass:
         c = self.tb.cost[key]
         blk = self.tb.seg[key]
         if backward:
-            free = (("activations", c.saved_bytes),) if c.saved_bytes else ()
+            held = 0.0
+            if key == "attn_norm" and self.recompute_layers:
+                # The checkpoint's own hold on the layer input, where no op saved it.
+                held = c.input_bytes - c.input_saved_bytes
+            free = (("activations", c.saved_bytes + held),) if c.saved_bytes + held else ()
             return Op(name=f"bwd {label} mb{mb}", kind="compute", stream="compute",
                       phase=phase, duration=c.bwd_s, free=free,
                       transient=c.bwd_transient_bytes,
@@ -205,7 +211,7 @@ class TitanPass:
             first = seg("attn_norm")
             if ckpt:
                 c = self.tb.cost["attn_norm"]
-                first.alloc = first.alloc + (("activations", c.input_saved_bytes),)
+                first.alloc = first.alloc + (("activations", c.input_bytes),)
             tp_comm("all_gather", "attn")
             if self.tb.cp == 1:
                 seg("attn_main")
