@@ -81,12 +81,14 @@ def test_someone_elses_frozen_objects_stay_frozen(monkeypatch: pytest.MonkeyPatc
 def test_garbage_of_many_runs_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's pattern: run after run in one process, each leaving cyclic garbage. With
     every run's objects handed to the oldest generation and no full collection, the garbage of
-    all 20 runs (20 x 8,000 cycles) would stay; the quarter rule collects it as CPython's
+    all 20 runs (20 x at least 8,000 cycles) would stay; the quarter rule collects it as CPython's
     own rule would: at most a quarter of what the last full collection kept, and a run."""
     monkeypatch.setattr(gc_pause, "PROMOTE_ABOVE", 0)
-    per_run = 8_000
     gc.collect()
     base = len(gc.get_objects())
+    # Each run's garbage grows with what the process already holds (other tests' caches), so
+    # that 20 runs' worth always exceeds the bound below: the check keeps its teeth.
+    per_run = max(8_000, base // 8)
     for _ in range(20):
         with paused_gc():
             garbage = [_Node() for _ in range(per_run)]
