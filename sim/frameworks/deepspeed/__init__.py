@@ -7,10 +7,12 @@ engine.py``, ``bf16_optimizer.py``, ``fp16/fused_optimizer.py``, ``zero/stage_1_
 ``zero/offload_config.py``, ``ops/adam/cpu_adam.py``, ``runtime/utils.py``). The model is a
 Hugging Face Llama/GPT module tree (its submodules are what ZeRO-3 hooks) run eagerly in
 16-bit: DeepSpeed casts the module to bf16/fp16, no autocast. Its kernels are priced with
-:mod:`sim.workload.layer_ops` style ``bf16`` (16-bit weights and activations), whose fused RMSNorm
-and
-complex-multiply RoPE stand in for Hugging Face's unfused fp32 RMSNorm and rotate_half RoPE;
-no KV cache is built.
+:mod:`sim.workload.layer_ops` style ``hf_bf16``: Hugging Face's own eager RMSNorm through fp32
+and ``rotate_half`` RoPE in 16-bit (:mod:`sim.workload.hf_ops`), the style FSDP2 runs Hugging
+Face's code with and that the lent H200's FSDP2 steps validate; no KV cache is built.
+DeepSpeed-MoE models keep style ``bf16`` (fused RMSNorm, complex RoPE standing in for
+Hugging Face's), in which their MoE blocks (:mod:`sim.frameworks.deepspeed.moe_blocks`) are
+written.
 
 Communication dtype is the model dtype (``engine.communication_data_type``), and with ZeRO the
 gradient accumulation dtype is the model dtype too (``engine.get_data_types``); all collectives

@@ -56,7 +56,7 @@ class _Stage3State:
         s = ctx.scenario
         self.gpn = min(s.cluster.gpus_per_node, self.W)
         self.nodes = max(1, self.W // self.gpn)
-        self.style = Style("bf16")
+        self.style = Style("hf_bf16" if m.moe is None else "bf16")   # see zero012
         self.costs = ctx.block_costs(self.style, kv_cache=False)
         self.blocks = dict(zip(("embed", "attn", "mlp", "head"),
                                model_blocks(m, self.style, ctx.micro_batch, ctx.seq, False),

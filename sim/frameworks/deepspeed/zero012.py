@@ -48,7 +48,9 @@ class _Stage012:
         self.m = m
         self.n = ctx.n_ranks
         self.cm = ctx.compute
-        self.style = Style("bf16")
+        # Hugging Face's eager code in 16-bit (see the package docstring); DeepSpeed-MoE's
+        # layers keep the torchtitan-style kernels their blocks are written in.
+        self.style = Style("hf_bf16" if m.moe is None else "bf16")
         self.costs = ctx.block_costs(self.style, kv_cache=False)
         # DeepSpeed-MoE: expert parameters in their own groups over the expert-DP group.
         self.moe = moe_plan(ctx, z) if m.moe is not None else None
