@@ -39,6 +39,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sim.workload.layer_ops import Kernel, Tensor
 
+STREAMING_ROW_ELEMENTS = 16384
+"""Rows up to this many elements: a fused kernel whose row reductions are all this narrow
+streams at the elementwise rate. Measured on the lent H200 (h200-train-steps-profiled.json,
+1b-compile and 8b4l-compile): each RMSNorm's fused backward over 2,048- and 4,096-wide rows
+took 135-160 us, what its bytes take at the elementwise rate (142-173 us; 228-279 at the
+short-row reduction rate of PyTorch's eager norm kernel), while the loss's looped reduction
+over 128,256-wide rows ran at about the reduction rate (3.18 ms forward). The limit between
+is assumed: the widest hidden size of the catalogue's models (16,384, Llama 3 405B)."""
+
 LOOPED_REDUCTION_PASSES = 2
 """HBM passes of a looped softmax-style reduction under ``config.online_softmax`` (max and
 sum of exponentials in one loop, the output in a second)."""
@@ -84,8 +93,10 @@ def _fused_kernel(ks: list[Kernel], reads: tuple[Tensor, ...], writes: tuple[Ten
     # (ComputeModel.activation_time) is not Triton's. Measured on the H200
     # (h200-train-steps-profiled.json, 1b-compile): inductor's fused silu(gate) * up moves its
     # 805 MB at 4.39 TB/s, 91% of HBM peak, where eager's SiLU runs at about a fifth of it.
+    rows = [k.row_elements for k in ks if is_reduction(k)]
+    narrow = bool(rows) and all(0 < r <= STREAMING_ROW_ELEMENTS for r in rows)
     return Kernel("fused[" + ",".join(k.name for k in ks) + "]", "elementwise", reads, writes,
-                  reduction=any(is_reduction(k) for k in ks))
+                  reduction=bool(rows) and not narrow, streams=narrow)
 
 
 def _groups(run: Sequence[Kernel], token_reduction: set[int]) -> list[set[int]]:

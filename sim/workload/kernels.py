@@ -74,6 +74,9 @@ class Kernel:
     attention kernel: MXFP8 attention."""
     reduction: bool = False
     """A fused kernel (torch.compile) that contains a reduction (see :func:`is_reduction`)."""
+    row_elements: float = 0.0
+    """Elements of each row a row reduction reduces along (a norm's mean over the hidden
+    size), where the builder knows it; 0 otherwise (:mod:`sim.workload.inductor`)."""
     streams: bool = False
     """A reduction to one value whose kernel streams its input like an elementwise loop
     (grid-stride vector loads, one atomic per block: Transformer Engine's amax,

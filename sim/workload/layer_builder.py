@@ -307,7 +307,7 @@ class _Builder:
         r = self.t(f"{name}.rsqrt", tokens, FP32)
         xn = self.t(f"{name}.xn", n, FP32)
         self.fwd(Kernel(f"{name}.pow", "elementwise", (x32,), (p,)))
-        self.fwd(Kernel(f"{name}.mean", "elementwise", (p,), (var,)))
+        self.fwd(Kernel(f"{name}.mean", "elementwise", (p,), (var,), row_elements=h))
         self.fwd(Kernel(f"{name}.add_eps", "tiny", (var,), (var_eps,)))
         self.fwd(Kernel(f"{name}.rsqrt", "tiny", (var_eps,), (r,)))
         # x times its row's rsqrt ([tokens, 1], broadcast): the non-vectorised loop.
@@ -330,7 +330,7 @@ class _Builder:
             Kernel(f"{name}.g_mul_a", "elementwise", (g_xn, r), (g["xa"],),
                    legacy_elements=n, legacy_operands=3),
             Kernel(f"{name}.g_mul_b", "elementwise", (g_xn, x32), (g["xprod"],)),
-            Kernel(f"{name}.g_r_sum", "elementwise", (g["xprod"],), (gr,)),
+            Kernel(f"{name}.g_r_sum", "elementwise", (g["xprod"],), (gr,), row_elements=h),
             Kernel(f"{name}.g_rsqrt", "tiny", (gr,), ()),
             # MeanBackward: the row gradient expanded over h and divided by it, a unary op
             # on a broadcast view (the non-vectorised loop).

@@ -153,3 +153,27 @@ def test_compiled_loss_kernels():
                    for k in _fuse(ks, _needed_outside(ks, head), head)
                    if "log_softmax" in k.name)
     assert modelled == pytest.approx(measured, rel=0.20)
+
+
+def test_compiled_norm_backward_kernels():
+    """Whole-model compile: each RMSNorm's backward is one fused kernel with the gradient sums
+    around it (``triton_per_fused_..._add_..._pow_sum``, h200-train-steps-profiled.json,
+    ``1b-compile``: 30 calls, 141 us on average), priced at the elementwise rate because its
+    row reductions are over 2,048-wide rows (``inductor.STREAMING_ROW_ELEMENTS``)."""
+    from sim.workload.block_pricing import _fuse, _needed_outside
+
+    profiled = json.loads((Path(catalog.__file__).parent / "calibration"
+                           / "h200-train-steps-profiled.json").read_text())
+    run = next(r for r in profiled["runs"] if r["name"] == "1b-compile")
+    norms = [k for k in run["profile"]["top"]
+             if k["name"].startswith("triton_per_fused__to_copy_add_div_expand_mul_pow_sum")]
+    measured = sum(k["us"] for k in norms) / sum(k["calls"] for k in norms) * 1e-6
+    m, batch = MODELS["1b-plain"]
+    cm = ComputeModel(catalog.gpu("h200"))
+    _, attn, mlp, _ = model_blocks(m, Style("autocast", compile=True, sdpa_mask=True), batch,
+                                   4096, kv_cache=False)
+    modelled = [kernel_time(cm, k) for b in (attn, mlp)
+                for k in _fuse(b.backward, _needed_outside(b.backward, b), b)
+                if "norm.g_r_sum" in k.name]
+    assert len(modelled) == 2
+    assert sum(modelled) / 2 == pytest.approx(measured, rel=0.15)
