@@ -502,8 +502,7 @@ class ComputeModel:
         """
         latency = operands / 2 * STRIDED_LOAD_LATENCY_S + (DYNAMIC_CAST_LATENCY_S if cast
                                                            else 0.0)
-        latency_bound = elements * latency / (self.gpu.sm_count * RESIDENT_THREADS_PER_SM)
-        return self.kernel_min_s + max(latency_bound,
+        return self.kernel_min_s + max(self._one_in_flight_s(elements, latency),
                                        nbytes / self.stream_bytes_per_s("elementwise"))
 
     def cast_loop_time(self, elements: float, nbytes: float) -> float:
@@ -522,8 +521,13 @@ class ComputeModel:
         >>> round(cm.cast_loop_time(n, 6 * n) / cm.membound_time(6 * n), 2)
         2.1
         """
-        return self.membound_time(nbytes) + elements * DYNAMIC_CAST_LATENCY_S / (
-            self.gpu.sm_count * RESIDENT_THREADS_PER_SM)
+        return self.membound_time(nbytes) + self._one_in_flight_s(elements,
+                                                                  DYNAMIC_CAST_LATENCY_S)
+
+    def _one_in_flight_s(self, elements: float, latency: float) -> float:
+        """``elements`` through every resident thread of the GPU, one in flight each for
+        ``latency`` (Little's law over SMs x :data:`RESIDENT_THREADS_PER_SM`)."""
+        return elements * latency / (self.gpu.sm_count * RESIDENT_THREADS_PER_SM)
 
     def stream_bytes_per_s(self, klass: MemClass = "elementwise") -> float:
         """Rate a memory-bound kernel of ``klass`` streams at on this GPU: the H200's measured

@@ -100,6 +100,12 @@ class BlockCost:
     the caching allocator's segment (the loss's ``log_softmax`` output sits above the bf16
     logits and their fp32 copy; freeing those leaves a hole below it)."""
 
+    @property
+    def checkpoint_only_input_bytes(self) -> float:
+        """Of the block's inputs, what only a checkpoint around the layer holds (no op saved
+        it): freed with the layer's backward beside its saved bytes."""
+        return self.input_bytes - self.input_saved_bytes
+
 
 def _fuse(kernels: list[Kernel], keep: set[int], block: Block | None = None) -> list[Kernel]:
     """torch.compile: each run of memory-bound kernels between GEMM/attention kernels becomes

@@ -109,7 +109,9 @@ class _Builder:
             if tid not in self._grad_sums and len(parts) == 1 and parts[0] is not g:
                 same[id(g)] = parts[0]
         for key, t in same.items():      # follow chains: a part may itself be substituted
-            while id(t) in same and same[id(t)] is not t:
+            seen = {key}
+            while id(t) in same and id(t) not in seen:
+                seen.add(id(t))
                 t = same[id(t)]
             same[key] = t
         return same

@@ -147,7 +147,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
             alloc.append(("gradients", grad_alloc[block]))
         cached = sac[block].cached_bytes if (sac is not None and layered) else 0.0
         # The checkpoint's own hold on the layer input, where no op's saved set has it.
-        held = c.input_bytes - c.input_saved_bytes if (ckpt and block == "attn") else 0.0
+        held = c.checkpoint_only_input_bytes if (ckpt and block == "attn") else 0.0
         free = (("activations", saved_here + cached + held),)
         fb = model_flops[block][1]
         name = f"bwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}"

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
 from sim.scenario import DeepSpeedOptions
+from sim.workload.kernels import Style
+from sim.workload.model import ModelSpec
+
+
+def kernel_style(m: ModelSpec) -> Style:
+    """The kernels ZeRO stages 0-3 run: Hugging Face's eager code in 16-bit (``hf_bf16``, see
+    :mod:`sim.frameworks.deepspeed`); DeepSpeed-MoE models keep ``bf16``, the style their MoE
+    blocks (:mod:`sim.frameworks.deepspeed.moe_blocks`) are written in."""
+    return Style("hf_bf16" if m.moe is None else "bf16")
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.deepspeed.constants import OFFLOAD_PARAM_MAX_IN_CPU
 from sim.frameworks.deepspeed.emitter import _Emitter
-from sim.frameworks.deepspeed.resolve import _Zero
+from sim.frameworks.deepspeed.resolve import _Zero, kernel_style
 from sim.frameworks.deepspeed.stage3_trace import _tree
 from sim.hardware.host import HostSpec
 from sim.program.ir import Op, Program
-from sim.workload.layer_ops import Style, model_blocks
+from sim.workload.layer_ops import model_blocks
 
 
 @dataclass
@@ -56,7 +56,7 @@ class _Stage3State:
         s = ctx.scenario
         self.gpn = min(s.cluster.gpus_per_node, self.W)
         self.nodes = max(1, self.W // self.gpn)
-        self.style = Style("hf_bf16" if m.moe is None else "bf16")   # see zero012
+        self.style = kernel_style(m)
         self.costs = ctx.block_costs(self.style, kv_cache=False)
         self.blocks = dict(zip(("embed", "attn", "mlp", "head"),
                                model_blocks(m, self.style, ctx.micro_batch, ctx.seq, False),

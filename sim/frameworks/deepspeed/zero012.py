@@ -22,10 +22,10 @@ from sim.frameworks.deepspeed.host_costs import (
     _host_pass_s,
 )
 from sim.frameworks.deepspeed.moe import Tensors, _group, moe_plan
-from sim.frameworks.deepspeed.resolve import _Zero
+from sim.frameworks.deepspeed.resolve import _Zero, kernel_style
 from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.program.ir import Op, Phase, Program, RankClass
-from sim.workload.layer_ops import FP32, Style
+from sim.workload.layer_ops import FP32
 
 
 def _grad_ready(tensors: Tensors) -> dict[tuple[str, int], list[tuple[str, int]]]:
@@ -48,9 +48,7 @@ class _Stage012:
         self.m = m
         self.n = ctx.n_ranks
         self.cm = ctx.compute
-        # Hugging Face's eager code in 16-bit (see the package docstring); DeepSpeed-MoE's
-        # layers keep the torchtitan-style kernels their blocks are written in.
-        self.style = Style("hf_bf16" if m.moe is None else "bf16")
+        self.style = kernel_style(m)
         self.costs = ctx.block_costs(self.style, kv_cache=False)
         # DeepSpeed-MoE: expert parameters in their own groups over the expert-DP group.
         self.moe = moe_plan(ctx, z) if m.moe is not None else None

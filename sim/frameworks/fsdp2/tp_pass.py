@@ -66,7 +66,7 @@ class TitanPass:
             held = 0.0
             if key == "attn_norm" and self.recompute_layers:
                 # The checkpoint's own hold on the layer input, where no op saved it.
-                held = c.input_bytes - c.input_saved_bytes
+                held = c.checkpoint_only_input_bytes
             free = (("activations", c.saved_bytes + held),) if c.saved_bytes + held else ()
             return Op(name=f"bwd {label} mb{mb}", kind="compute", stream="compute",
                       phase=phase, duration=c.bwd_s, free=free,
