@@ -43,7 +43,8 @@ from typing import Any
 
 #: Model dimensions (transformers' LlamaConfig keys): Llama 3.2 1B as published; Llama 3 8B's
 #: layer and vocabulary with four layers, so the optimizer's fp32 state fits beside the
-#: activations of a 2 x 4096 batch without recomputation; a tiny one for checking the script.
+#: activations of a 2 x 4096 batch without recomputation; Llama 3 70B's layer with two layers
+#: (the largest GEMMs of the Llama 3 family, 3.8B parameters); a tiny one for checking the script.
 MODELS: dict[str, dict[str, Any]] = {
     "llama3.2-1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
@@ -51,6 +52,9 @@ MODELS: dict[str, dict[str, Any]] = {
     "llama3-8b-4l": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 4,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
                      "tie_word_embeddings": False},
+    "llama3-70b-2l": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 2,
+                      "num_attention_heads": 64, "num_key_value_heads": 8,
+                      "vocab_size": 128256, "tie_word_embeddings": False},
     "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
              "tie_word_embeddings": True},
@@ -73,6 +77,8 @@ RUNS: dict[str, tuple[str, str, bool, str, int, int]] = {
     "1b-fsdp2-compile": ("llama3.2-1b", "fsdp2", False, "layers", 4096, 4),
     "8b4l-compile": ("llama3-8b-4l", "plain", False, "model", 4096, 2),
     "1b-compile-layers": ("llama3.2-1b", "plain", False, "layers", 4096, 4),
+    "70b2l-plain": ("llama3-70b-2l", "plain", False, "", 4096, 2),
+    "70b2l-recompute": ("llama3-70b-2l", "plain", True, "", 4096, 2),
     "tiny-plain": ("tiny", "plain", False, "", 256, 2),
     "tiny-fsdp2": ("tiny", "fsdp2", True, "", 256, 2),
     "tiny-compile": ("tiny", "plain", False, "model", 256, 2),
