@@ -100,6 +100,15 @@ STRIDED_LOAD_LATENCY_S = 624e-9
 # (run ``8b4l-plain``) and on the casting legacy loop (RoPE's bf16 q times fp32 cos), which
 # took no part in the fit.
 DYNAMIC_CAST_LATENCY_S = 436e-9
+# Between two kernels queued back to back on one stream the GPU idles for a moment: the
+# first one's last thread blocks drain and the front end starts the next (the profiler's
+# kernel intervals leave gaps of 1-5 us between them). The kernel table's times are each
+# kernel's own (a synchronised harness, its overhead subtracted), so a stream of n kernels
+# takes their sum plus n of these. Fitted on the lent H200's 1B eager step
+# (h200-step-gaps.json, run ``1b-plain``: the kernels' span less their busy time, copies and
+# gaps over 5 us, over 2,789 kernels: 1.57 us); validated on the other four profiled steps
+# (8b4l-plain 1.75, 1b-recompute 1.78, 1b-fsdp2 1.36, 8b4l-fsdp2 1.09 us).
+KERNEL_BOUNDARY_S = 1.57e-6
 
 
 @lru_cache(maxsize=1)

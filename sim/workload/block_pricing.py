@@ -19,6 +19,7 @@ from sim.hardware.compute import (
     COMPILED_OP_CPU_S,
     EAGER_BWD_OP_CPU_S,
     EAGER_FWD_OP_CPU_S,
+    KERNEL_BOUNDARY_S,
     ComputeModel,
 )
 from sim.hardware.fp8_attention import Format
@@ -198,7 +199,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
 
 
 def _gpu_time(cm: ComputeModel, kernels: list[Kernel]) -> float:
-    return sum(kernel_time(cm, k) for k in kernels)
+    # Each kernel's own time, plus the moment the stream idles between two of them.
+    return sum(kernel_time(cm, k) for k in kernels) + len(kernels) * KERNEL_BOUNDARY_S
 
 
 def _cpu_time(kernels: list[Kernel], cpu_per_op: float, attn_cpu: float) -> float:
@@ -332,6 +334,15 @@ def _transient_parts(kernels: list[Kernel], persistent: set[int],
     return tuple(parts)
 
 
+def priced_kernels(block: Block, style: Style) -> tuple[list[Kernel], list[Kernel]]:
+    """The forward and backward kernels ``style`` runs for ``block``: the block's own, or
+    inductor's fused ones when compiled."""
+    if not style.compile:
+        return block.forward, block.backward
+    return (_fuse(block.forward, _needed_outside(block.forward, block), block),
+            _fuse(block.backward, _needed_outside(block.backward, block), block))
+
+
 def price_block(block: Block, style: Style, cm: ComputeModel,
                 cpu_per_op: tuple[float, float] | None = None) -> BlockCost:
     """Time and memory of a block under a compute model.
@@ -339,14 +350,13 @@ def price_block(block: Block, style: Style, cm: ComputeModel,
     ``cpu_per_op``: (forward, backward) CPU seconds to issue one kernel, when the framework's
     Python costs differ from plain PyTorch eager's.
     """
-    fwd, bwd = block.forward, block.backward
+    fwd, bwd = priced_kernels(block, style)
     if style.compile:
-        fwd = _fuse(fwd, _needed_outside(fwd, block), block)
-        bwd = _fuse(bwd, _needed_outside(bwd, block), block)
         fwd_cpu = bwd_cpu = COMPILED_OP_CPU_S
     else:
         fwd_cpu, bwd_cpu = cpu_per_op or (EAGER_FWD_OP_CPU_S, EAGER_BWD_OP_CPU_S)
-    fwd_s = _stream_time(cm, fwd, fwd_cpu, cm.attention_cpu_s("fwd"))
+    fwd_s = (_stream_time(cm, fwd, fwd_cpu, cm.attention_cpu_s("fwd"))
+             + block.exposed_host_s)
     bwd_s = _stream_time(cm, bwd, bwd_cpu, cm.attention_cpu_s("bwd"))
     # Early stop: recomputation ends once the last saved tensor exists again.
     # Autograd packs an op's saved inputs before its kernel runs, so the kernel after the

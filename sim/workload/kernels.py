@@ -178,6 +178,10 @@ class Block:
     params: int = 0
     flops_fwd: float = 0.0
     flops_bwd: float = 0.0
+    exposed_host_s: float = 0.0
+    """Host seconds the GPU waits through in the forward: a call that synchronises (a
+    device-to-host copy) drains the GPU, which then idles while the host issues the next
+    kernels one by one."""
 
 
 

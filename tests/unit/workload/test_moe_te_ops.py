@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from sim import catalog
-from sim.hardware.compute import ComputeModel
+from sim.hardware.compute import KERNEL_BOUNDARY_S, ComputeModel
 from sim.workload.block_pricing import kernel_time, price_block
 from sim.workload.model import ModelSpec
 from sim.workload.moe_ops import GROUPED_TENSOR_ALIGN, STYLE, MoELayout, moe_layer_ops
@@ -61,7 +61,8 @@ def test_fused_glu_drops_exactly_the_activation_and_its_casts() -> None:
     a, b = price_block(plain, STYLE, cm), price_block(fused, STYLE, cm)
     assert b.saved_bytes == a.saved_bytes           # fc1's output, probs, both FP8 inputs
     assert b.flops_fwd == a.flops_fwd and b.flops_bwd == a.flops_bwd
-    removed_f = sum(kernel_time(cm, k) for k in plain.forward
+    # each removed kernel's own time and the stream's idle moment after it
+    removed_f = sum(kernel_time(cm, k) + KERNEL_BOUNDARY_S for k in plain.forward
                     if k.name in ("weighted_act", "fc2.cast_in"))
     assert a.fwd_gpu_s - b.fwd_gpu_s == pytest.approx(removed_f, rel=1e-9)
     assert b.bwd_gpu_s < a.bwd_gpu_s
