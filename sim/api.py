@@ -274,7 +274,9 @@ def job_facts(ctx: JobContext, program: Program) -> JobFacts:
     transient = framework(s.framework.name).step_gradient_bytes_per_param
     if transient and "gradients" not in program.classes[0].initial_memory:
         states += transient * ctx.model.total_params
+    clock = program.meta.get("sm_clock_mhz")
     return JobFacts(attention_backend=ctx.compute.attention_backend,
+                    sm_clock_mhz=float(clock) if isinstance(clock, (int, float)) else None,
                     model_params=ctx.model.total_params,
                     active_params=ctx.model.active_params, micro_batches=ctx.micro_batches,
                     flops_per_token=ctx.model.model_flops_per_token(ctx.seq),

@@ -28,6 +28,9 @@ class JobFacts:
 
     attention_backend: str
     """The attention kernels the compute model chose (``flash2``, ``cudnn``, ...)."""
+    sm_clock_mhz: float | None
+    """The SM clock the step's tensor-core kernels were priced at under
+    ``cluster.sm_clock: balanced``; None under ``held`` (the kernel tables' own clocks)."""
     model_params: int
     active_params: int
     """Parameters one token uses (only its top-k routed experts); model_params if dense."""
@@ -85,6 +88,7 @@ def collect_summary(s: Scenario, gpu: GpuSpec, job: JobFacts, program: Program, 
         # Beyond the contract's keys (it only grows): what the numbers rest on.
         "framework": s.framework.name,
         "attention_backend": job.attention_backend,
+        "sm_clock_mhz": job.sm_clock_mhz,
         "model_params": job.model_params,
         "active_params": job.active_params,
         "micro_batches": job.micro_batches,

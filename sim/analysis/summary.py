@@ -260,6 +260,9 @@ class Summary(TypedDict):
     sim: SimStats
     framework: str
     attention_backend: str
+    sm_clock_mhz: float | None
+    """The SM clock tensor-core kernels were priced at (``cluster.sm_clock: balanced``);
+    null under ``held``, the kernel tables' own clocks."""
     model_params: int
     active_params: int
     """Parameters one token uses: model_params with only the top-k routed experts of each

@@ -93,6 +93,14 @@ class Cluster(StrictModel):
     """The GPUs' power cap in watts (default: the part's TDP). A cap lowers the sustained SM
     clock and so the matrix (GEMM, attention) rates; memory-bound kernels barely change
     (:mod:`sim.hardware.power`)."""
+    sm_clock: Literal["held", "balanced"] = "held"
+    """The SM clock tensor-core kernels run at. ``held``: the clock a GEMM held back to back
+    keeps at the power limit (the kernel tables' own regime: about 1,525 MHz on a 700 W
+    Hopper part), on which the published multi-GPU runs are anchored. ``balanced``: the
+    clock where the step's mix of GEMMs, attention and memory-bound kernels meets the
+    limit (700 W Hopper parts, dense models; :mod:`sim.frameworks.common.power_clock`):
+    measured single-GPU H200 steps held 1,500-1,800 MHz, within 4% of it on the machine
+    it was fitted on; the draw of a multi-GPU step's collectives is not in it."""
 
     @model_validator(mode="after")
     def _check_power(self) -> Cluster:

@@ -29,12 +29,14 @@ from sim.frameworks.common.entry import (
     SearchSpace,
     StageSplit,
 )
+from sim.frameworks.common.power_clock import at_power_limit
 from sim.frameworks.ddp.entry import ENTRY as DDP
 from sim.frameworks.deepspeed.entry import ENTRY as DEEPSPEED
 from sim.frameworks.fairscale.entry import ENTRY as FAIRSCALE
 from sim.frameworks.fsdp2.entry import ENTRY as FSDP2
 from sim.frameworks.megatron.entry import ENTRY as MEGATRON
 from sim.program.ir import Program
+from sim.workload.kernels import Style
 from sim.workload.model import ModelSpec
 
 __all__ = ["FrameworkEntry", "Options", "SearchPoint", "SearchSpace", "StageSplit",
@@ -97,8 +99,12 @@ def build_program(ctx: JobContext) -> Program:
     if entry is None:
         ctx.fail("framework.name", f"no schedule builder for {name!r}")
     assert entry is not None
+    if ctx.scenario.cluster.sm_clock == "balanced":
+        ctx = at_power_limit(ctx, entry.kernel_style(ctx) if entry.kernel_style
+                             else Style("bf16"))
     program = entry.build(ctx)
     program.meta["attention_backend"] = ctx.compute.attention_backend
+    program.meta["sm_clock_mhz"] = ctx.compute.sm_clock_mhz
     program.validate()
     return program
 

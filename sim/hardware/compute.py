@@ -27,7 +27,12 @@ from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import MEASURED_BACKEND, causal_tiles, matmul_share
 from sim.hardware.fp8_attention import Format, Kind, fp8_attention_gain
 from sim.hardware.masked_attention import masked_slowdown
-from sim.hardware.power import sustained_matrix_flops
+from sim.hardware.power import (
+    ATTENTION_REFERENCE_MHZ,
+    GEMM_REFERENCE_MHZ,
+    gemm_clock_speed,
+    sustained_matrix_flops,
+)
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
 MemClass = Literal["elementwise", "norm_fused", "reduction"]
@@ -161,6 +166,10 @@ class ComputeModel:
     attention_backend: str = MEASURED_BACKEND
     """The fused-attention kernel (:mod:`sim.hardware.attention_cost`); the default is the one the
     calibration measured."""
+    sm_clock_mhz: float | None = None
+    """The SM clock the step runs at (:func:`sim.hardware.power.balanced_sm_clock_mhz`);
+    None: the clocks the kernel tables were taken at (``GEMM_REFERENCE_MHZ``,
+    ``ATTENTION_REFERENCE_MHZ``). Tensor-core kernels (GEMMs, fused attention) follow it."""
 
     # ------------------------------------------------------------------ scaling
     @cached_property
@@ -223,6 +232,18 @@ class ComputeModel:
         if self.gpu.arch != "hopper" or pass_ == "fwd":
             return 1.0
         return FP8_SPLIT_ACCUMULATION_SLOWDOWN
+
+    @cached_property
+    def _gemm_clock_speed(self) -> float:
+        if self.sm_clock_mhz is None:
+            return 1.0
+        return gemm_clock_speed(self.sm_clock_mhz, GEMM_REFERENCE_MHZ)
+
+    @cached_property
+    def _attention_clock_speed(self) -> float:
+        if self.sm_clock_mhz is None:
+            return 1.0
+        return gemm_clock_speed(self.sm_clock_mhz, ATTENTION_REFERENCE_MHZ)
 
     @cached_property
     def _bw_scale(self) -> float:
@@ -344,7 +365,7 @@ class ComputeModel:
         operand = 1.0 if speedup > 1.0 else 2.0     # FP8 operands, bf16 output
         nbytes = operand * (rows * red + cols * red) + 2.0 * rows * cols
         floor = self.kernel_min_s + nbytes / self.stream_bytes_per_s("elementwise")
-        return max(floor, with_harness - self.harness_overhead_s)
+        return max(floor, (with_harness - self.harness_overhead_s) / self._gemm_clock_speed)
 
     # ------------------------------------------------------------------ attention
     def attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
@@ -418,7 +439,8 @@ class ComputeModel:
                          ) if measured else 0.0
         # The residual is relative to the whole measured call; keep it relative.
         fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
-        t16 = max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed)
+        t16 = max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed
+                  ) / self._attention_clock_speed
         windowed = causal and row < nb     # a band shorter than the causal row
         if fp8 is None:
             return t16

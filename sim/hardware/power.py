@@ -160,3 +160,143 @@ def burst_spec(gpu: GpuSpec) -> GpuSpec:
     1.0
     """
     return dataclasses.replace(gpu, saturated_rate_factor=1.0)
+
+
+# --------------------------------------------------------------------------- the clock in a step
+# A step is not a held GEMM: copies, norms and elementwise loops sit between its GEMMs, and
+# the firmware sets one SM clock for all of them from the board's draw, averaged over far
+# longer than a kernel (NVML's readings move every ~100 ms; blocks of 1, 8 and 64 GEMMs
+# between copies gave the same clock at the same duty). So the clock is where the step's mean
+# draw meets the limit, and what a GEMM gets depends on what else the step runs. Measured on
+# the lent H200 (``sim/catalog/calibration/h200-step-power.json``,
+# ``tools/measure_step_power.py``): a GEMM alternating with a copy at duties 0.2-1 and alone,
+# each kind of kernel held alone, and whole training steps with their mean clock. The
+# constants below are **fitted** on the duty sweep with the copy partner and the kinds held
+# alone; the sleep-partner points, and the whole steps' clocks and times, validate them
+# (``tests/integration/test_calibration_h200_power.py``).
+
+#: Board draw of a bf16 GEMM at 1,500 MHz and its rise per GHz: least squares over the duty
+#: sweep's copy-partner points (mean power = duty x P_gemm(f) + (1 - duty) x P_copy, the copy
+#: held alone drawing 407 W at 1,980 MHz), both Llama shapes. Nearly linear over 1.4-1.98 GHz
+#: (a cube law with the idle draw as its floor misses the three clocks by 60-90 W).
+GEMM_POWER_W_AT_1500_MHZ = 687.8
+GEMM_POWER_W_PER_GHZ = 614.7
+#: cuDNN's fused attention draws this share of a GEMM's power at the same clock: held alone,
+#: forward 702 W at 1,818 MHz (0.794), backward 668 W at 1,843 MHz (0.744).
+ATTENTION_POWER_SHARE = 0.77
+#: The same kernel handed an explicit mask (Hugging Face's causal mask under
+#: ``torch.compile``) computes the whole rectangle and draws less: on a third machine
+#: (``h200-step-power-c.json``) its forward drew 0.96 and its backward 0.89 of the causal
+#: call's share at their clocks (the backward, held alone, never reached the limit: 634 W at
+#: 1,980 MHz), 0.911 weighted by their times: 0.77 x 0.911.
+MASKED_ATTENTION_POWER_SHARE = 0.70
+#: A memory-bound kernel's draw at the full clock (HBM-bound: it never reaches the limit),
+#: held alone: a kernel that reads one tensor and writes one (a bf16 copy 407 W, a
+#: bf16-to-fp32 cast 535: their mean) draws less than one that combines operands or reduces
+#: (an fp32 product with a broadcast operand 584, an fp32 row reduction 599), whose threads
+#: do more work per byte.
+COPY_POWER_W = 471.0
+MEMORY_BOUND_POWER_W = 591.5
+#: Between kernels (host gaps) the board idles at its clock: 124 W measured.
+IDLE_POWER_W = 124.0
+#: A GEMM's rate follows the clock as f^0.857 (least squares over the sweep's points below
+#: 1,900 MHz, each shape against its own held point) up to the clock where it reaches its
+#: burst rate, 1.19x the held one for both shapes (1,505 MHz x 1.19^(1/0.857)): above it the
+#: rate stays (HBM and L2 feed the tiles).
+GEMM_CLOCK_EXPONENT = 0.857
+GEMM_SATURATION_MHZ = 1843.0
+#: The clock the H200 fit's kernel tables hold (``h200-fit.json``): its GEMM rates are the
+#: rates five Llama GEMMs held back to back reached at 1,441-1,656 MHz, carried to one clock
+#: by the exponent (median 1,525); its attention forward is cuDNN's held alone at 1,818 MHz
+#: (1,828 carried). Its attention backward is 9% faster than held at any clock (a known
+#: error of the form, docs/calibration.md), so the forward's clock serves both.
+GEMM_REFERENCE_MHZ = 1525.0
+ATTENTION_REFERENCE_MHZ = 1828.0
+#: The SXM parts' maximum SM clock (H100 SXM and H200 datasheets; ``nvidia-smi`` clocks.max.sm
+#: on the lent H200: 1,980 MHz).
+HOPPER_MAX_SM_MHZ = 1980.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMix:
+    """Seconds of one step's GPU work by kind, priced at the reference clocks."""
+
+    gemm_s: float
+    attention_s: float
+    other_s: float
+    """Memory-bound kernels that combine operands or reduce (elementwise products, norms,
+    reductions, the optimizer)."""
+    idle_s: float = 0.0
+    masked_attention_s: float = 0.0
+    """Fused attention handed an explicit mask tensor (part of no other field)."""
+    copy_s: float = 0.0
+    """Memory-bound kernels reading one tensor and writing one (copies, casts, unary ops)."""
+
+
+def has_power_balance(gpu: GpuSpec) -> bool:
+    """Whether the step's clock is solved from its mix (:func:`balanced_sm_clock_mhz`): the
+    700 W Hopper SXM parts, whose die and limit the H200 measurements describe. Other parts
+    keep the clock their calibration implies."""
+    return gpu.arch == "hopper" and gpu.tdp_w == 700.0
+
+
+def gemm_clock_speed(clock_mhz: float, reference_mhz: float = GEMM_REFERENCE_MHZ) -> float:
+    """A tensor-core kernel's rate at ``clock_mhz`` over its rate at ``reference_mhz``.
+
+    Examples
+    --------
+    >>> gemm_clock_speed(GEMM_REFERENCE_MHZ)
+    1.0
+    >>> round(gemm_clock_speed(1980.0, 1505.0), 3)    # burst over held: 1.19 measured
+    1.19
+    """
+    def rate(f: float) -> float:
+        return min(f, GEMM_SATURATION_MHZ) ** GEMM_CLOCK_EXPONENT
+    return rate(clock_mhz) / rate(reference_mhz)
+
+
+def _mean_power_w(mix: StepMix, clock_mhz: float) -> tuple[float, float]:
+    """The step's mean draw at ``clock_mhz`` and its length there."""
+    ghz = clock_mhz / 1e3
+    gemm_w = GEMM_POWER_W_AT_1500_MHZ + GEMM_POWER_W_PER_GHZ * (ghz - 1.5)
+    gemm_s = mix.gemm_s / gemm_clock_speed(clock_mhz)
+    attention_speed = gemm_clock_speed(clock_mhz, ATTENTION_REFERENCE_MHZ)
+    attention_s = mix.attention_s / attention_speed
+    masked_s = mix.masked_attention_s / attention_speed
+    span = gemm_s + attention_s + masked_s + mix.other_s + mix.copy_s + mix.idle_s
+    energy = (gemm_s * gemm_w + attention_s * ATTENTION_POWER_SHARE * gemm_w
+              + masked_s * MASKED_ATTENTION_POWER_SHARE * gemm_w
+              + mix.other_s * MEMORY_BOUND_POWER_W + mix.copy_s * COPY_POWER_W
+              + mix.idle_s * IDLE_POWER_W)
+    return energy / span, span
+
+
+def balanced_sm_clock_mhz(gpu: GpuSpec, mix: StepMix) -> float | None:
+    """The SM clock at which the step's mean draw meets the part's power limit (its TDP; a
+    cap below it is :func:`sustained_clock_ratio`'s), or the maximum clock if the step never
+    reaches the limit there; None for a part without the balance (:func:`has_power_balance`)
+    or an empty mix.
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> h200 = catalog.gpu("h200")
+    >>> round(balanced_sm_clock_mhz(h200, StepMix(1.0, 0.0, 0.0)))      # a GEMM held alone
+    1520
+    >>> balanced_sm_clock_mhz(h200, StepMix(0.3, 0.0, 0.7))             # mostly memory-bound
+    1980.0
+    """
+    if not has_power_balance(gpu) or (mix.gemm_s + mix.attention_s + mix.masked_attention_s
+                                      + mix.other_s + mix.copy_s) <= 0:
+        return None
+    limit = gpu.tdp_w
+    lo, hi = 600.0, HOPPER_MAX_SM_MHZ
+    if _mean_power_w(mix, hi)[0] <= limit:
+        return hi
+    for _ in range(50):    # the mean draw rises with the clock: bisection
+        mid = 0.5 * (lo + hi)
+        if _mean_power_w(mix, mid)[0] > limit:
+            hi = mid
+        else:
+            lo = mid
+    return 0.5 * (lo + hi)

@@ -343,6 +343,28 @@ def priced_kernels(block: Block, style: Style) -> tuple[list[Kernel], list[Kerne
             _fuse(block.backward, _needed_outside(block.backward, block), block))
 
 
+def gpu_time_by_class(cm: ComputeModel, kernels: Sequence[Kernel]
+                      ) -> tuple[float, float, float, float, float]:
+    """GPU seconds of ``kernels`` in GEMMs, in fused attention, in fused attention handed a
+    mask tensor, in memory-bound kernels reading one tensor into one (copies, casts, unary
+    ops) and in the other memory-bound ones: what the step's power draw and so its clock
+    depend on (:func:`sim.hardware.power.balanced_sm_clock_mhz`)."""
+    gemm = attention = masked = copy = other = 0.0
+    for k in kernels:
+        t = kernel_time(cm, k)
+        if k.klass == "gemm":
+            gemm += t
+        elif k.klass == "attention" and k.attn_masked:
+            masked += t
+        elif k.klass == "attention":
+            attention += t
+        elif len(k.reads) <= 1 and len(k.writes) == 1 and not is_reduction(k):
+            copy += t
+        else:
+            other += t
+    return gemm, attention, masked, copy, other
+
+
 def price_block(block: Block, style: Style, cm: ComputeModel,
                 cpu_per_op: tuple[float, float] | None = None) -> BlockCost:
     """Time and memory of a block under a compute model.

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sim.frameworks.common.base import Builder
+from sim.frameworks.common.base import Builder, JobContext
 from sim.frameworks.common.search import (
     Options,
     Recomputation,
@@ -21,6 +21,7 @@ from sim.frameworks.common.search import (
     no_host_twin,
     no_memory_lever,
 )
+from sim.workload.kernels import Style
 from sim.workload.model import ModelSpec
 
 __all__ = ["FrameworkEntry", "Options", "Recomputation", "SearchPoint", "SearchSpace",
@@ -108,6 +109,10 @@ class FrameworkEntry:
     itself writes, as Megatron-Core dist-ckpt's async writer does (``FileSystemWriterAsync.
     prepare_write_data`` copies its own write buckets, after the fully-parallel save has
     spread replicated tensors over the data-parallel ranks)."""
+    kernel_style: Callable[[JobContext], Style] | None = None
+    """The kernels the builder runs the model's blocks with (eager Hugging Face, fused,
+    compiled...): the mix that sets the step's SM clock under the power limit
+    (:mod:`sim.frameworks.common.power_clock`). None: ``Style("bf16")``, a plain module's."""
     model_features: frozenset[str] = frozenset()
     """Model features beyond a dense block (:data:`sim.workload.moe.BEYOND_DENSE` keys) the
     builder models: :class:`~sim.frameworks.common.base.JobContext` refuses any other

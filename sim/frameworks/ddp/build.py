@@ -57,6 +57,14 @@ def bucket_assignment(sizes: list[int], first_cap: float, cap: float) -> list[li
     return buckets
 
 
+def kernel_style(ctx: JobContext) -> Style:
+    """Hugging Face's Llama under bf16 autocast; ``torch.compile(model)`` traces its mask
+    building too, so SDPA gets the mask."""
+    opts = ctx.scenario.framework
+    assert isinstance(opts, DdpOptions)
+    return Style("autocast", compile=opts.compile, sdpa_mask=opts.compile)
+
+
 def build_ddp(ctx: JobContext) -> Program:
     s = ctx.scenario
     opts = s.framework
@@ -65,8 +73,7 @@ def build_ddp(ctx: JobContext) -> Program:
     m = ctx.model
     n = ctx.n_ranks
     sync = ctx.dp > 1
-    # torch.compile(model) traces Hugging Face's mask building too: SDPA gets the mask.
-    style = Style("autocast", compile=opts.compile, sdpa_mask=opts.compile)
+    style = kernel_style(ctx)
     costs = ctx.block_costs(style, kv_cache=not ctx.recompute)
     cm = ctx.compute
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sim.frameworks.common.entry import FrameworkEntry, SearchSpace
 from sim.frameworks.deepspeed.build import build_deepspeed
 from sim.frameworks.deepspeed.options import DeepSpeedOptions
+from sim.frameworks.deepspeed.resolve import job_kernel_style
 from sim.frameworks.deepspeed.search import (
     DEEPSPEED_BEST_PRACTICE,
     deepspeed_expert_layouts,
@@ -16,4 +17,4 @@ ENTRY = FrameworkEntry(
     search=SearchSpace(deepspeed_options, recipe=DEEPSPEED_BEST_PRACTICE,
                        data_parallel_only=True, expert_layouts=deepspeed_expert_layouts),
     # DeepSpeed-MoE layers beside ZeRO 1-2 (sim.frameworks.deepspeed.moe).
-    model_features=frozenset({"experts"}))
+    model_features=frozenset({"experts"}), kernel_style=job_kernel_style)

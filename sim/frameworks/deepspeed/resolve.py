@@ -18,6 +18,11 @@ def kernel_style(m: ModelSpec) -> Style:
     return Style("hf_bf16" if m.moe is None else "bf16")
 
 
+def job_kernel_style(ctx: JobContext) -> Style:
+    """:func:`kernel_style` of the job's model (the registry's ``kernel_style``)."""
+    return kernel_style(ctx.model)
+
+
 @dataclass(frozen=True)
 class _Zero:
     """The scenario's options resolved to DeepSpeed's effective settings."""

@@ -31,6 +31,14 @@ BUCKET_CAP_MB = 25
 ``ReduceScatterBucketer`` (fairscale/internal/reduce_scatter_bucketer.py)."""
 
 
+def kernel_style(ctx: JobContext) -> Style:
+    """FairScale's mixed precision runs a plain 16-bit module (``bf16``); without it, Hugging
+    Face's Llama under autocast."""
+    opts = ctx.scenario.framework
+    assert isinstance(opts, FairscaleOptions)
+    return Style("bf16") if opts.mixed_precision else Style("autocast")
+
+
 def gradient_divide_factors(world: int) -> tuple[float, float]:
     """(pre, post) gradient division factors of ``world`` ranks.
 
@@ -177,7 +185,7 @@ def fairscale_shape(ctx: JobContext, hook_cpu_s: float) -> FairscaleShape:
     n = ctx.n_ranks
     cm = ctx.compute
     mixed = opts.mixed_precision
-    style = Style("bf16") if mixed else Style("autocast")
+    style = kernel_style(ctx)
     # The autocast style is Hugging Face's Llama, which builds a KV cache unless recomputed
     # (as for DDP); the 16-bit style is a plain module without one.
     costs = ctx.block_costs(style, kv_cache=not mixed and not ctx.recompute)

@@ -96,6 +96,13 @@ def _style(ctx: JobContext, opts: Fsdp2Options) -> Style:
                  fused_rmsnorm=torch_has_fused_rmsnorm(ctx.scenario.training.torch_version))
 
 
+def kernel_style(ctx: JobContext) -> Style:
+    """:func:`_style` of the scenario's options (the registry's ``kernel_style``)."""
+    opts = ctx.scenario.framework
+    assert isinstance(opts, Fsdp2Options)
+    return _style(ctx, opts)
+
+
 def _block_costs(ctx: JobContext, opts: Fsdp2Options, style: Style
                  ) -> tuple[dict[str, BlockCost], bool]:
     """The priced blocks of one micro-batch, and whether the head runs eagerly."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sim.frameworks.common.entry import FrameworkEntry, SearchSpace
-from sim.frameworks.fsdp2.build import build_fsdp2
+from sim.frameworks.fsdp2.build import build_fsdp2, kernel_style
 from sim.frameworks.fsdp2.options import Fsdp2Options
 from sim.frameworks.fsdp2.search import (
     fsdp2_expert_layouts,
@@ -20,4 +20,4 @@ ENTRY = FrameworkEntry(
     expandable_segments=True,
     # torchtitan's MoE layers with expert parallelism (fsdp2/moe.py) and Qwen3's per-head
     # query/key RMSNorm (sim/workload/layer_ops.py qkv_projections).
-    model_features=frozenset({"experts", "qk_norm"}))
+    model_features=frozenset({"experts", "qk_norm"}), kernel_style=kernel_style)
