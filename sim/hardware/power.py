@@ -7,7 +7,12 @@ graphics clock throttles). So a cap slows the kernels whose time is set by the S
 (tensor-core GEMMs, fused attention) and leaves the ones set by HBM bandwidth nearly as they
 are.
 
-Power at clock ``f``, for a workload that holds the board at its TDP at clock ``f_tdp``::
+On a 700 W Hopper part the draw of a GEMM held back to back is measured (the lent H200's
+duty sweep, ``GEMM_POWER_W_AT_1500_MHZ`` and ``GEMM_POWER_W_PER_GHZ`` below): nearly linear in
+the clock over 1.44-1.98 GHz, so the clock under a cap is where that line meets it
+(:func:`held_gemm_clock_mhz`) and a GEMM's rate follows the clock as ``f^0.857``
+(:func:`gemm_clock_speed`). Other parts, with no such measurement, take the DVFS law for a
+workload that holds the board at its TDP at clock ``f_tdp``::
 
     P(f) = P_static + (P_tdp - P_static) * (f / f_tdp) ** 3
 
@@ -15,7 +20,11 @@ Dynamic CMOS power is ``a C V^2 f``; over the DVFS range the voltage rises about
 proportion to the clock, so the dynamic part grows as ``f^3`` (Weste & Harris, "CMOS VLSI
 Design", 4th ed., sec. 5.2 on dynamic power and 5.3 on DVFS). ``P_static`` (leakage, HBM
 and I/O) does not follow the SM clock; the catalogue's ``static_w`` is the board's draw at
-idle.
+idle. (The H200's measured line is not cubic: a cube law with the idle draw as floor misses
+its three clocks by 60-90 W.)
+
+A step's own clock (``cluster.sm_clock: balanced``) is where its mix's mean draw meets the
+limit: :func:`balanced_sm_clock_mhz`, below.
 
 The clock at TDP is itself below the boost clock short benchmarks run at: a GEMM held back to
 back draws the board to its limit and the firmware settles the clock lower. S. Bekman's
@@ -108,7 +117,9 @@ def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
     """SM clock held in training over the clock the kernel references imply: the part's
     ``saturated_rate_factor`` (1 on Hopper, below 1 where the power limit binds harder than on
     the calibration H200) at the pace of the job's slowest chip (:func:`slowest_chip_ratio`),
-    times what a cap below TDP takes off the clock at TDP.
+    times what a cap below TDP takes off the clock at TDP: on a 700 W Hopper part the rate a
+    held GEMM keeps at the clock where its measured draw meets the cap
+    (:func:`held_gemm_clock_mhz`, :func:`gemm_clock_speed`), elsewhere the cube law.
 
     ``cap_w`` defaults to the spec's own cap (:attr:`GpuSpec.power_cap_w`).
 
@@ -118,8 +129,11 @@ def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
     >>> h100 = catalog.gpu("h100-sxm")
     >>> sustained_clock_ratio(h100, 700.0)
     1.0
-    >>> round(sustained_clock_ratio(h100, 500.0), 3)   # ((500 - 70) / (700 - 70)) ** (1/3)
-    0.88
+    >>> round(sustained_clock_ratio(h100, 500.0), 3)   # (1,194 / 1,520 MHz) ** 0.857
+    0.813
+    >>> a100 = catalog.gpu("a100-80gb")                # the cube law: no measured line
+    >>> round(sustained_clock_ratio(a100, 300.0), 3)   # ((300 - 60) / (400 - 60)) ** (1/3)
+    0.89
     >>> round(sustained_clock_ratio(catalog.gpu("b200")), 3)   # MSMF/MAMF over the H200's
     0.928
     """
@@ -130,7 +144,27 @@ def sustained_clock_ratio(gpu: GpuSpec, cap_w: float | None = None) -> float:
     problem = gpu.power_cap_problem(cap)
     if problem:
         raise PowerCapError(problem)
+    if has_power_balance(gpu):
+        # The measured line of a held GEMM's draw against its clock, and its rate's clock law.
+        return saturated * gemm_clock_speed(held_gemm_clock_mhz(cap),
+                                            held_gemm_clock_mhz(gpu.tdp_w))
     return saturated * float(((cap - gpu.static_w) / (gpu.tdp_w - gpu.static_w)) ** (1.0 / 3.0))
+
+
+def held_gemm_clock_mhz(limit_w: float) -> float:
+    """The SM clock at which a GEMM held back to back draws ``limit_w`` on a 700 W Hopper
+    part: the measured line ``GEMM_POWER_W_AT_1500_MHZ + GEMM_POWER_W_PER_GHZ x (f - 1.5)``
+    solved for ``f`` (measured over 1,440-1,980 MHz; a cap takes it below, where the line is
+    extrapolated).
+
+    Examples
+    --------
+    >>> round(held_gemm_clock_mhz(700.0))     # the H200's held GEMMs: 1,441-1,544 MHz
+    1520
+    >>> round(held_gemm_clock_mhz(500.0))
+    1194
+    """
+    return 1e3 * (1.5 + (limit_w - GEMM_POWER_W_AT_1500_MHZ) / GEMM_POWER_W_PER_GHZ)
 
 
 def sustained_matrix_flops(gpu: GpuSpec, precision: str = "bf16") -> float:

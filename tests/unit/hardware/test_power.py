@@ -1,7 +1,8 @@
-"""Power caps (``cluster.gpu_power_w``) against the DVFS power law of :mod:`sim.hardware.power`.
+"""Power caps (``cluster.gpu_power_w``) against the power laws of :mod:`sim.hardware.power`.
 
-Independent truth: ``P = P_static + (P_tdp - P_static) (f/f_tdp)^3`` solved by hand for the
-cap, and the invariants a clock-only cap must keep (HBM-bound kernels unchanged).
+Independent truth: the measured line of a held GEMM's draw (700 W Hopper parts) and, for the
+parts without one, ``P = P_static + (P_tdp - P_static) (f/f_tdp)^3``, each solved by hand for
+the cap; and the invariants a clock-only cap must keep (HBM-bound kernels unchanged).
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ def test_at_tdp_nothing_changes() -> None:
     assert at_tdp.membound_time(1e9) == free.membound_time(1e9)
 
 
-def test_500w_h100_gemm_rate_drops_by_the_cube_root_law() -> None:
-    # By hand: H100 SXM TDP 700 W, static 70 W (catalogue) -> (430/630)^(1/3) = 0.8805.
-    ratio = (430 / 630) ** (1 / 3)
+def test_500w_h100_gemm_rate_follows_the_measured_power_line() -> None:
+    # By hand: a held GEMM draws 687.8 W at 1.5 GHz plus 614.7 W a GHz (the lent H200's duty
+    # sweep): 700 W at 1.5198 GHz, 500 W at 1.1945 GHz; its rate goes as f^0.857.
+    f_tdp, f_cap = 1.5 + (700 - 687.8) / 614.7, 1.5 + (500 - 687.8) / 614.7
+    ratio = (f_cap / f_tdp) ** 0.857
     assert sustained_clock_ratio(catalog.gpu("h100-sxm"), 500) == pytest.approx(ratio)
     free, capped = _cm(None), _cm(500.0)
     # A large GEMM is all math: its time grows by 1/ratio (less the fixed launch term).
@@ -37,6 +40,12 @@ def test_500w_h100_gemm_rate_drops_by_the_cube_root_law() -> None:
     t0, t1 = free.gemm_time(m, m, m), capped.gemm_time(m, m, m)
     assert t1 / t0 == pytest.approx(1 / ratio, rel=0.01)
     assert capped.attention_time(1, 64, 16384, 128) > free.attention_time(1, 64, 16384, 128)
+
+
+def test_300w_a100_gemm_rate_drops_by_the_cube_root_law() -> None:
+    # By hand: A100 SXM TDP 400 W, static 60 W (catalogue) -> (240/340)^(1/3) = 0.8903.
+    ratio = (240 / 340) ** (1 / 3)
+    assert sustained_clock_ratio(catalog.gpu("a100-80gb"), 300) == pytest.approx(ratio)
 
 
 def test_memory_bound_kernels_keep_their_rate_under_a_cap() -> None:
