@@ -98,7 +98,8 @@ class Cluster(StrictModel):
     keeps at the power limit (the kernel tables' own regime: about 1,525 MHz on a 700 W
     Hopper part), on which the published multi-GPU runs are anchored. ``balanced``: the
     clock where the step's mix of GEMMs, attention and memory-bound kernels meets the
-    limit (700 W Hopper parts, dense models; :mod:`sim.frameworks.common.power_clock`):
+    limit, or ``gpu_power_w`` where set (700 W Hopper parts, dense models;
+    :mod:`sim.frameworks.common.power_clock`):
     measured single-GPU H200 steps held 1,500-1,800 MHz, within 4% of it on the machine
     it was fitted on; the draw of a multi-GPU step's collectives is not in it."""
 

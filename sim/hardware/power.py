@@ -306,10 +306,11 @@ def _mean_power_w(mix: StepMix, clock_mhz: float) -> tuple[float, float]:
 
 
 def balanced_sm_clock_mhz(gpu: GpuSpec, mix: StepMix) -> float | None:
-    """The SM clock at which the step's mean draw meets the part's power limit (its TDP; a
-    cap below it is :func:`sustained_clock_ratio`'s), or the maximum clock if the step never
-    reaches the limit there; None for a part without the balance (:func:`has_power_balance`)
-    or an empty mix.
+    """The SM clock at which the step's mean draw meets the part's power limit (its cap
+    where one is set, else its TDP), or the maximum clock if the step never reaches the
+    limit there; None for a part without the balance (:func:`has_power_balance`) or an empty
+    mix. A cap so low that the mix's memory-bound draw alone exceeds it gives the floor of
+    the search, 600 MHz.
 
     Examples
     --------
@@ -319,11 +320,14 @@ def balanced_sm_clock_mhz(gpu: GpuSpec, mix: StepMix) -> float | None:
     1520
     >>> balanced_sm_clock_mhz(h200, StepMix(0.3, 0.0, 0.7))             # mostly memory-bound
     1980.0
+    >>> capped = catalog.gpu("h200", power_w=500)                        # the held line's 1,194
+    >>> round(balanced_sm_clock_mhz(capped, StepMix(1.0, 0.0, 0.0)))
+    1194
     """
     if not has_power_balance(gpu) or (mix.gemm_s + mix.attention_s + mix.masked_attention_s
                                       + mix.other_s + mix.copy_s) <= 0:
         return None
-    limit = gpu.tdp_w
+    limit = gpu.tdp_w if gpu.power_cap_w is None else min(gpu.power_cap_w, gpu.tdp_w)
     lo, hi = 600.0, HOPPER_MAX_SM_MHZ
     if _mean_power_w(mix, hi)[0] <= limit:
         return hi

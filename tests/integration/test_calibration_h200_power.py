@@ -169,3 +169,23 @@ def test_held_clock_is_the_default_and_reports_none() -> None:
     assert held.meta["sm_clock_mhz"] is None
     fast = build_program(JobContext.from_scenario(balanced(run)))
     assert fast.meta["sm_clock_mhz"] > power.GEMM_REFERENCE_MHZ
+
+
+def test_a_cap_is_solved_in_the_balance_not_taken_twice() -> None:
+    """Under ``balanced`` a cap (``cluster.gpu_power_w``) is the limit the balance meets,
+    and the part is then priced uncapped at that clock: a GEMM-only step at 500 W lands on
+    the held line's 1,194 MHz, pricing a GEMM as the held cap ratio does (within the 0.3%
+    between the fit's reference clock, 1,525 MHz, and the line's 700 W clock, 1,520)."""
+    run = DATA["steps"]["runs"][0]
+    s = balanced(run)
+    capped = s.model_copy(update={"cluster": s.cluster.model_copy(update={"gpu_power_w": 500})})
+    free = build_program(JobContext.from_scenario(s)).meta["sm_clock_mhz"]
+    at_cap = build_program(JobContext.from_scenario(capped)).meta["sm_clock_mhz"]
+    assert 1194 < at_cap < free
+    clock = power.balanced_sm_clock_mhz(catalog.gpu("h200", power_w=500),
+                                        power.StepMix(1.0, 0.0, 0.0))
+    assert clock == pytest.approx(power.held_gemm_clock_mhz(500))
+    held = ComputeModel(catalog.gpu("h200", power_w=500))
+    solved = ComputeModel(H200, sm_clock_mhz=clock)
+    assert solved.gemm_time(16384, 16384, 16384) == pytest.approx(
+        held.gemm_time(16384, 16384, 16384), rel=0.01)

@@ -78,4 +78,7 @@ def at_power_limit(ctx: JobContext, style: Style) -> JobContext:
     except ScenarioError:
         return ctx    # the builder refuses the job and names why, with its own checks first
     clock = balanced_sm_clock_mhz(ctx.gpu, mix)
-    return replace(ctx, compute=replace(ctx.compute, sm_clock_mhz=clock))
+    # The balance is solved at the cap (cluster.gpu_power_w) itself, so the compute model
+    # prices the part uncapped at that clock rather than taking the cap's ratio again.
+    uncapped = replace(ctx.gpu, power_cap_w=None)
+    return replace(ctx, compute=replace(ctx.compute, gpu=uncapped, sm_clock_mhz=clock))
