@@ -114,6 +114,12 @@ DYNAMIC_CAST_LATENCY_S = 436e-9
 # gaps over 5 us, over 2,789 kernels: 1.57 us); validated on the other four profiled steps
 # (8b4l-plain 1.75, 1b-recompute 1.78, 1b-fsdp2 1.36, 8b4l-fsdp2 1.09 us).
 KERNEL_BOUNDARY_S = 1.57e-6
+# PyTorch's eager GELU in bf16 is bound by its per-element math, not by HBM: on the lent H200
+# a [16384, 8192] bf16 GELU (tanh; erf within 2%) took 180 us forward and its backward 212
+# us, where their traffic streams in 128 and 191 us; in fp32 both stream (4.03 and 4.13
+# TB/s). Measured elements a second, forward and backward (h200-step-power.json, ``loops``;
+# tools/measure_step_power.py).
+GELU_BF16_ELEMENTS_PER_S = {"fwd": 16384 * 8192 / 180.3e-6, "bwd": 16384 * 8192 / 211.6e-6}
 
 
 @lru_cache(maxsize=1)
@@ -586,21 +592,22 @@ class ComputeModel:
                 "norm_fused": mb["rms_norm"]["bytes_per_s"],
                 "reduction": mb["rms_norm"]["bytes_per_s"]}
 
-    def activation_time(self, elements: float) -> float:
-        """Time of PyTorch's eager SiLU over ``elements`` bf16 values, beyond its memory traffic
-        at the elementwise rate; a kernel takes the longer of the two.
+    def gelu_time(self, elements: float, pass_: Literal["fwd", "bwd"] = "fwd") -> float:
+        """PyTorch's eager GELU (or its backward) over ``elements`` bf16 values at the rate its
+        per-element math allows (:data:`GELU_BF16_ELEMENTS_PER_S`); a kernel takes the longer
+        of this and its memory traffic at the elementwise rate. The math runs on the CUDA
+        cores, so other GPUs scale it by their FP32 peak.
 
-        Calibrated from the measured eager ``silu(g) * u`` (counted bytes 3n for n elements):
-        the multiply runs at the elementwise rate, and the SiLU takes the rest of the measured
-        time: its 4n bytes move at about a fifth of HBM bandwidth on the H200. That is not
-        arithmetic (a SiLU is a dozen FP32 operations per element); it is the eager kernel's
-        own efficiency, so on other GPUs it scales with HBM bandwidth.
+        Examples
+        --------
+        >>> from sim import catalog
+        >>> cm = ComputeModel(catalog.gpu("h200"))
+        >>> round(cm.gelu_time(16384 * 8192) * 1e6)            # measured 180 us
+        180
         """
-        mb = _fit()["membound"]
-        swiglu, elementwise = mb["swiglu"]["bytes_per_s"], mb["add_"]["bytes_per_s"]
-        # Per element: measured 6 bytes counted at the swiglu rate, less the multiply's 6 bytes.
-        per_element = 6.0 / swiglu - 6.0 / elementwise
-        return elements * per_element / self._bw_scale
+        h200 = catalog.gpu("h200")
+        scale = h200.peak_flops("fp32") / self.gpu.peak_flops("fp32")
+        return elements / GELU_BF16_ELEMENTS_PER_S[pass_] * scale
 
     def adamw_time(self, params: float, fused: bool = True, tensors: int = 16) -> float:
         """One AdamW step over ``params`` fp32 parameters in ``tensors`` tensors.

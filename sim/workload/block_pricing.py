@@ -194,7 +194,7 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
     klass = "reduction" if k.klass == "elementwise" and is_reduction(k) else k.klass
     t = cm.membound_time(k.nbytes, klass)  # type: ignore[arg-type]
     if k.activation_elements:
-        t = max(t, cm.kernel_min_s + cm.activation_time(k.activation_elements))
+        t = max(t, cm.kernel_min_s + cm.gelu_time(k.activation_elements, k.activation_pass))
     return t + fixed
 
 

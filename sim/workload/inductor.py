@@ -89,8 +89,8 @@ def _fused_kernel(ks: list[Kernel], reads: tuple[Tensor, ...], writes: tuple[Ten
                   ) -> Kernel:
     from sim.workload.layer_ops import Kernel, is_reduction
 
-    # No activation_elements: the eager SiLU/GELU kernels' own inefficiency
-    # (ComputeModel.activation_time) is not Triton's. Measured on the H200
+    # No activation_elements: the eager GELU kernel's math-bound rate
+    # (ComputeModel.gelu_time) is not Triton's. Measured on the H200
     # (h200-train-steps-profiled.json, 1b-compile): inductor's fused silu(gate) * up moves its
     # 805 MB at 4.39 TB/s, 91% of HBM peak, where eager's SiLU runs at about a fifth of it.
     rows = [k.row_elements for k in ks if is_reduction(k)]

@@ -63,7 +63,9 @@ class Kernel:
     """SDPA handed an explicit causal mask tensor rather than ``is_causal``: the whole score
     rectangle at the masked call's rate (:mod:`sim.hardware.masked_attention`)."""
     activation_elements: float = 0.0
-    """Elements through an eager SiLU/GELU (see ComputeModel.activation_time)."""
+    """Elements through an eager GELU (:meth:`sim.hardware.compute.ComputeModel.gelu_time`),
+    forward or backward by ``activation_pass``."""
+    activation_pass: Literal["fwd", "bwd"] = "fwd"
     fp8: bool = False
     """A GEMM on FP8 operands (Transformer Engine, torchao float8): runs at the FP8 rate. An
     attention kernel: FP8 attention (``fp8_dpa``) at cuDNN's measured gain."""

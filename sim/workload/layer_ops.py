@@ -157,7 +157,7 @@ def mlp_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float, f: int,
         prod = b.t("prod", tokens * f, BF16)
         # Eager SiLU and its backward stream at the vectorised rate: measured in the lent
         # H200's steps (h200-train-steps-ops.json: 537 MB in 139 us forward, 805 MB in 207 us
-        # backward, 3.9 TB/s), unlike the slow rate activation_time keeps for GELU.
+        # backward, 3.9 TB/s); eager GELU is bound by its math (ComputeModel.gelu_time).
         b.fwd(Kernel("silu", "elementwise", (g,), (s,)))
         b.fwd(Kernel("gate_mul", "elementwise", (s, u), (prod,)))
         # Compiled, AOTAutograd's min-cut partitioner saves g and u and recomputes silu(g) in
@@ -183,7 +183,8 @@ def mlp_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float, f: int,
         b.save(u)
         ga = b.t("g_gelu", tokens * f, BF16)
         gu = b.t("g_up", tokens * f, BF16)
-        b.bwd(Kernel("g_gelu", "elementwise", (ga, u), (gu,), activation_elements=tokens * f))
+        b.bwd(Kernel("g_gelu", "elementwise", (ga, u), (gu,), activation_elements=tokens * f,
+                     activation_pass="bwd"))
         b.reads_grad(act, ga)
         b.writes_grad(u, gu)
     return b.linear(act, tokens, f, h, down, bias=m.bias)

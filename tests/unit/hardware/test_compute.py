@@ -59,18 +59,37 @@ def test_attention_head_dim_64_is_less_efficient_than_128() -> None:
     assert t64 / t128 == pytest.approx((256 + 254) / 256 / ((512 + 254) / 512), rel=0.02)
 
 
-@pytest.mark.parametrize("row", DATA["membound"], ids=lambda r: f"{r['op']}-{r['M']}x{r['h']}")
+SWIGLU_UNPRICED = pytest.mark.xfail(strict=True, reason=(
+    "the microbenchmark's eager silu(g) * u ran about 5x the streaming time: two strided "
+    "loops, not SiLU's rate (twenty-first session; the lent H200's steps stream eager "
+    "SiLU). The model has no rule for that microbenchmark; its rate once priced every eager "
+    "activation and, until the twenty-second session measured GELU alone, GELU's"))
+
+
+@pytest.mark.parametrize("row", [pytest.param(r, marks=SWIGLU_UNPRICED) if r["op"] == "swiglu"
+                                 else r for r in DATA["membound"]],
+                         ids=lambda r: f"{r['op']}-{r['M']}x{r['h']}")
 def test_memory_bound_kernels(row) -> None:
     nbytes = row["GBps"] * 1e9 * row["s"]
-    if row["op"] == "swiglu":
-        # Eager silu(g) * u over n = bytes/6 elements: the SiLU's math, then the multiply.
-        n = nbytes / 6
-        t = max(H200.membound_time(4 * n), H200.kernel_min_s + H200.activation_time(n))
-        t += H200.membound_time(nbytes) + 2 * H200.harness_overhead_s
-    else:
-        klass = "norm_fused" if row["op"] == "rms_norm" else "elementwise"
-        t = H200.measured_time(H200.membound_time(nbytes, klass))
+    klass = "norm_fused" if row["op"] == "rms_norm" else "elementwise"
+    t = H200.measured_time(H200.membound_time(nbytes, klass))
     assert t == pytest.approx(row["s"], rel=0.10)
+
+
+@pytest.mark.parametrize("pass_,name", [("fwd", "gelu tanh"), ("bwd", "gelu tanh backward")])
+def test_eager_gelu_against_the_lent_h200(pass_, name) -> None:
+    """Measured on the lent H200 (h200-step-power.json, ``loops``): a [16384, 8192] bf16 GELU
+    and its backward; the kernel is the longer of its math and its traffic."""
+    row = next(r for r in catalog.calibration("h200-step-power.json")["loops"]
+               if r["op"] == name and r["dtype"] == "torch.bfloat16")
+    n = 16384 * 8192
+    t = max(H200.membound_time(row["bytes"]), H200.kernel_min_s + H200.gelu_time(n, pass_))
+    assert t == pytest.approx(row["s"], rel=0.02)
+    # The erf form (not fitted) runs within 3% of the tanh one.
+    erf = next(r for r in catalog.calibration("h200-step-power.json")["loops"]
+               if r["op"] == "gelu erf" and r["dtype"] == "torch.bfloat16")
+    if pass_ == "fwd":
+        assert t == pytest.approx(erf["s"], rel=0.03)
 
 
 @pytest.mark.parametrize("row", DATA["adamw"], ids=lambda r: f"{r['params']}-{r['fused']}")
