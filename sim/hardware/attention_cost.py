@@ -36,8 +36,12 @@ if TYPE_CHECKING:
 
 # The kernel that runs. ``mem_efficient``: PyTorch's CUTLASS (xformers) kernel, SDPA's choice
 # where no flash kernel exists (Volta). ``unfused``: no fused kernel (Megatron's baddbmm,
-# softmax, bmm path); recorded only, no attention kernel is priced then.
-AttentionBackend = Literal["flash2", "flash3", "cudnn", "mem_efficient", "unfused"]
+# softmax, bmm path); recorded only, no attention kernel is priced then. ``flash1``:
+# FlashAttention's first CUDA kernels (flash-attn 1.x; PyTorch's SDPA flash kernel before 2.2).
+# ``triton``: FlashAttention's Triton kernel (flash-attn ``flash_attn_triton.py``), which
+# MosaicML's llm-foundry runs as ``attn_impl: triton``.
+AttentionBackend = Literal["flash1", "flash2", "flash3", "triton", "cudnn", "mem_efficient",
+                           "unfused"]
 
 # The backend the calibration measured (PyTorch 2.11 SDPA on an H200, see module docstring):
 # only it keeps the measured residual correction, and only on Hopper.
@@ -56,6 +60,11 @@ MEASURED_BACKEND: AttentionBackend = "cudnn"
 #               2.10 cherry-pick #171895; ``check_prefer_cudnn_attention``); 2.10's is not
 #   2.11+       cuDNN first: the bundled cuDNN passes that gate (huggingface/transformers
 #               PR #48163 discussion, 2026), as the calibration H200's 612 TFLOP/s confirms
+# PyTorch 2.2 replaced SDPA's FlashAttention kernel with FlashAttention-2 (release notes,
+# 2024-01: "scaled_dot_product_attention (SDPA) now supports FlashAttention-2, yielding
+# around 2x speedups compared to previous versions"); 2.0 and 2.1 ran the first one.
+FIRST_SDPA_FLASH2 = (2, 2, 0)
+
 SDPA_CUDNN_FIRST: tuple[tuple[tuple[int, int, int], tuple[int, int, int]], ...] = (
     ((2, 5, 0), (2, 5, 0)),
     ((2, 9, 0), (2, 9, 99)),
@@ -91,6 +100,46 @@ PUBLISHED_H100: dict[tuple[str, str], tuple[float, bool]] = {
 # B200 FA-2 figures). Volta has no flash kernel; its
 # ``mem_efficient`` kernel keeps the scaled form (share 1), as before.
 _ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
+
+# FlashAttention's kernels before FlashAttention-2, as a share of FlashAttention-2's speed on
+# the same GPU, forward + backward, causal, head dim 128, 16k tokens (batch x seq = 16k,
+# 2,048 hidden): Dao 2023 (arXiv 2307.08691) fig. 4(d) and its H100 figure, the bars of
+# Dao-AILab/flash-attention ``assets/flash2_a100_fwd_bwd_benchmark.png`` and
+# ``flash2_h100_fwd_bwd_benchmark.png`` (TFLOP/s):
+#   A100 80GB SXM4: FlashAttention 83, FlashAttention Triton 80, FlashAttention-2 189
+#   H100 80GB SXM5: FlashAttention 137, FlashAttention-2 328 (no Triton bar)
+# All three run sm80 ``mma.sync`` code on both parts, so the share holds across them: the
+# CUDA kernel's A100 share (0.439) gives 144 on the H100 against 137 published. Where a GPU
+# has no figure of its own the A100's share serves.
+LEGACY_FWD_BWD_TFLOPS: dict[tuple[str, str], tuple[float, float]] = {
+    # (backend, arch): (kernel, FlashAttention-2) TFLOP/s at the anchor
+    ("flash1", "ampere"): (83.0, 189.0),
+    ("flash1", "hopper"): (137.0, 328.0),
+    ("triton", "ampere"): (80.0, 189.0),
+}
+
+
+def share_of_flash2(backend: str, arch: str) -> float | None:
+    """Speed of FlashAttention's first CUDA kernel (``flash1``) or its Triton kernel
+    (``triton``) relative to FlashAttention-2's on a GPU generation, from the published
+    forward + backward figures (:data:`LEGACY_FWD_BWD_TFLOPS`); None for other backends.
+
+    One share serves both passes and every shape: the figures are forward + backward at one
+    shape. The Triton kernel's own notes say its forward beats the CUDA kernel's and its
+    backward trails it, so a step that recomputes its forward is priced a little slow.
+
+    Examples
+    --------
+    >>> round(share_of_flash2("triton", "hopper"), 3), round(share_of_flash2("flash1", "hopper"), 3)
+    (0.423, 0.418)
+    >>> share_of_flash2("flash2", "hopper") is None
+    True
+    """
+    if backend not in ("flash1", "triton"):
+        return None
+    kernel, fa2 = LEGACY_FWD_BWD_TFLOPS.get((backend, arch),
+                                            LEGACY_FWD_BWD_TFLOPS[(backend, "ampere")])
+    return kernel / fa2
 
 
 def window_pairs(seq: int, window: int | None) -> float:
@@ -163,12 +212,14 @@ def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION) -> Atten
     --------
     >>> sdpa_backend("hopper", "2.8"), sdpa_backend("hopper", "2.11")
     ('flash2', 'cudnn')
-    >>> sdpa_backend("ampere", "2.11"), sdpa_backend("volta")
-    ('flash2', 'mem_efficient')
+    >>> sdpa_backend("ampere", "2.11"), sdpa_backend("volta"), sdpa_backend("ampere", "2.1")
+    ('flash2', 'mem_efficient', 'flash1')
     """
     if arch == "volta":
         return "mem_efficient"      # flash needs sm80 (sdp_utils.cpp check_sm_version)
     v = _version(torch_version)
+    if v < FIRST_SDPA_FLASH2:
+        return "flash1"
     cudnn_archs = {"hopper"} | ({"blackwell"} if v >= (2, 9, 0) else set())
     if arch in cudnn_archs and any(lo <= v <= hi for lo, hi in SDPA_CUDNN_FIRST):
         return "cudnn"
@@ -209,7 +260,7 @@ def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
     if choice == "flash3" and gpu.arch != "hopper":
         raise ValueError("training.attention_backend: flash3 (FlashAttention-3) runs only on "
                          f"Hopper (sm90); {gpu.name} is {gpu.arch}")
-    if choice in ("flash2", "cudnn") and gpu.arch == "volta":
+    if choice in ("flash1", "flash2", "triton", "cudnn") and gpu.arch == "volta":
         raise ValueError(f"training.attention_backend: {choice} needs sm80 or newer; "
                          f"{gpu.name} is volta")
     return choice  # type: ignore[return-value]

@@ -24,7 +24,12 @@ import numpy as np
 from sim import catalog
 from sim.catalog import GpuSpec
 from sim.hardware import blackwell_attention
-from sim.hardware.attention_cost import MEASURED_BACKEND, causal_tiles, matmul_share
+from sim.hardware.attention_cost import (
+    MEASURED_BACKEND,
+    causal_tiles,
+    matmul_share,
+    share_of_flash2,
+)
 from sim.hardware.fp8_attention import Format, Kind, fp8_attention_gain
 from sim.hardware.masked_attention import masked_slowdown
 from sim.hardware.power import (
@@ -240,6 +245,12 @@ class ComputeModel:
         return FP8_SPLIT_ACCUMULATION_SLOWDOWN
 
     @cached_property
+    def _flash2_model(self) -> ComputeModel:
+        # The same GPU and clock running FlashAttention-2, which the earlier kernels are
+        # priced against.
+        return ComputeModel(self.gpu, self.precision, "flash2", self.sm_clock_mhz)
+
+    @cached_property
     def _gemm_clock_speed(self) -> float:
         if self.sm_clock_mhz is None:
             return 1.0
@@ -392,8 +403,15 @@ class ComputeModel:
         the 16-bit kernel (:func:`~sim.hardware.fp8_attention.fp8_attention_gain`).
         ``masked``: SDPA was handed an explicit mask tensor (Hugging Face's causal mask under
         ``torch.compile``): the whole rectangle at the measured masked-call slowdown
-        (:func:`~sim.hardware.masked_attention.masked_slowdown`).
+        (:func:`~sim.hardware.masked_attention.masked_slowdown`). FlashAttention's first
+        CUDA kernel and its Triton kernel run FlashAttention-2's call at their published
+        share of its speed (:func:`~sim.hardware.attention_cost.share_of_flash2`).
         """
+        legacy = share_of_flash2(self.attention_backend, self.gpu.arch)
+        if legacy is not None:
+            return self._flash2_model.attention_time(
+                batch, heads, seq, head_dim, pass_, kv_seq, causal, measured_table, window,
+                fp8, masked) / legacy
         if masked:
             full = self.attention_time(batch, heads, seq, head_dim, pass_, kv_seq, causal=False,
                                        measured_table=measured_table)

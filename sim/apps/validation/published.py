@@ -1,6 +1,7 @@
 """The ``published`` suite: simulated throughput against training runs whose owners published
 their setup and tokens per second per GPU (``sim/catalog/reference/published.yaml``):
-torchtitan's FSDP2 runs and NVIDIA's Megatron-Bridge (NeMo) performance summary.
+torchtitan's FSDP2 runs, NVIDIA's Megatron-Bridge (NeMo) performance summary and MosaicML
+llm-foundry's MPT benchmarks.
 
 Each entry carries the scenario it was measured on; no measured value enters the simulation.
 ``measured`` maps summary keys to the published figures: ``tokens_per_s_per_gpu``, and

@@ -18,7 +18,13 @@ from conftest import make_scenario
 from sim import catalog
 from sim.api import simulate
 from sim.frameworks.common.base import JobContext
-from sim.hardware.attention_cost import ANCHOR, matmul_share, sdpa_backend
+from sim.hardware.attention_cost import (
+    ANCHOR,
+    LEGACY_FWD_BWD_TFLOPS,
+    matmul_share,
+    sdpa_backend,
+    share_of_flash2,
+)
 from sim.hardware.compute import ComputeModel
 from sim.scenario import ScenarioError
 from sim.workload.layer_ops import Kernel, kernel_time
@@ -158,6 +164,8 @@ def test_context_parallel_chunks_add_up_to_the_whole_causal_attention(backend, c
     ("hopper", "2.11", "cudnn"),      # the calibration H200's 612 TFLOP/s
     ("blackwell", "2.5.0", "flash2"), ("blackwell", "2.9", "cudnn"),
     ("ampere", "2.11", "flash2"), ("volta", "2.11", "mem_efficient"),
+    # PyTorch 2.2 brought FlashAttention-2 to SDPA (release notes); 2.0 and 2.1 ran the first
+    ("ampere", "2.1", "flash1"), ("hopper", "2.0", "flash1"), ("hopper", "2.2", "flash2"),
 ])
 def test_sdpa_default_backend_follows_pytorch_releases(arch, version, expected) -> None:
     assert sdpa_backend(arch, version) == expected
@@ -217,3 +225,46 @@ def test_torchtitan_on_h100_slows_down_megatron_te_and_a100_do_not() -> None:
         mega, "h100-sxm", attention_backend="cudnn")["step_time_s"]
     assert _step({"name": "fsdp2"}, "a100-80gb")["step_time_s"] == _step(
         {"name": "fsdp2"}, "a100-80gb", attention_backend="cudnn")["step_time_s"]
+
+
+# FlashAttention's first CUDA kernel and its Triton kernel (llm-foundry's attn_impl: triton):
+# the bars of the FlashAttention-2 paper's fig. 4(d) (A100) and its H100 figure, causal, head
+# dim 128, forward + backward, TFLOP/s: FA1 83 / FA Triton 80 / FA2 189 on the A100, FA1 137 /
+# FA2 328 on the H100 (assets/flash2_{a100,h100}_fwd_bwd_benchmark.png).
+@pytest.mark.parametrize("backend,gpu,published", [
+    ("flash1", A100, 83), ("triton", A100, 80), ("flash1", H100, 137),
+])
+def test_earlier_flash_kernels_against_the_flashattention2_paper(backend, gpu, published) -> None:
+    cm = ComputeModel(gpu, attention_backend=backend)
+    assert _tflops(cm, 16384, 128, "fwd_bwd") == pytest.approx(published, rel=0.03)
+
+
+def test_the_sm80_kernels_keep_their_share_of_flash_attention_2_from_a100_to_h100() -> None:
+    # The rule that carries the Triton kernel (no H100 bar) to Hopper, checked on the CUDA
+    # kernel that has both: its A100 share of FA2 predicts its H100 figure within 6%.
+    kernel, fa2 = LEGACY_FWD_BWD_TFLOPS[("flash1", "ampere")]
+    assert kernel / fa2 * 328 == pytest.approx(137, rel=0.06)
+    assert share_of_flash2("triton", "hopper") == share_of_flash2("triton", "ampere")
+
+
+@pytest.mark.parametrize("backend", ["flash1", "triton"])
+@pytest.mark.parametrize("gpu", [A100, H100])
+def test_earlier_flash_kernels_run_flash2s_call_at_their_share(backend, gpu) -> None:
+    # The same shape curve as FlashAttention-2 (causal tiles, waves, head dim), slower by the
+    # share in both passes, at short and long sequences and in context-parallel steps.
+    old, fa2 = (ComputeModel(gpu, attention_backend=b) for b in (backend, "flash2"))
+    share = share_of_flash2(backend, gpu.arch)
+    assert share is not None and 0.4 < share < 0.45
+    for args in ((2, 32, 2048, 128), (1, 32, 65536, 128), (4, 16, 8192, 64)):
+        for pass_ in ("fwd", "bwd"):
+            assert old.attention_time(*args, pass_) == pytest.approx(
+                fa2.attention_time(*args, pass_) / share)
+    assert old.cp_attention_time(1, 32, 8192, 128, "bwd", 32768) == pytest.approx(
+        fa2.cp_attention_time(1, 32, 8192, 128, "bwd", 32768) / share)
+
+
+def test_a_kernel_volta_cannot_run_is_refused_naming_the_key() -> None:
+    for backend in ("flash1", "triton"):
+        with pytest.raises(ScenarioError, match=f"training.attention_backend: {backend}"):
+            JobContext.from_scenario(_scenario({"name": "fsdp2"}, "v100-32gb",
+                                               attention_backend=backend))

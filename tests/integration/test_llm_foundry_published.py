@@ -1,0 +1,70 @@
+"""MosaicML llm-foundry's published MPT throughputs against the simulation, with the attention
+kernel they ran and with FlashAttention-2 in its place.
+
+The rows (``sim/catalog/reference/published.yaml``, ids ``llm-foundry-*``) are llm-foundry's
+benchmark tables: MPT 1B-70B under Composer's FSDP on 8-512 H100s and 8 A100s, 2k-64k
+tokens. Their launcher sets ``attn_impl: triton``, FlashAttention's Triton kernel, which the
+model prices at its published share of FlashAttention-2's speed (the FlashAttention-2 paper's
+A100 bars; :func:`sim.hardware.attention_cost.share_of_flash2`). Nothing here was fitted on
+these rows: they check that share and the rest of the step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from sim.api import simulate
+from sim.apps.validation.published import entries
+from sim.scenario import scenario_from_dict
+
+ROWS = [e for e in entries() if e["id"].startswith("llm-foundry-")]
+
+
+def _errors(backend: str | None) -> dict[str, float]:
+    """Relative throughput error per row, its scenario's attention kernel replaced by
+    ``backend`` (None: as written)."""
+    out = {}
+    for e in ROWS:
+        sc = copy.deepcopy(e["scenario"])
+        if backend is not None:
+            sc["training"]["attention_backend"] = backend
+        s = simulate(scenario_from_dict({"name": e["id"], **sc})).summary
+        out[e["id"]] = s["tokens_per_s_per_gpu"] / e["measured"]["tokens_per_s_per_gpu"] - 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def as_run() -> dict[str, float]:
+    return _errors(None)
+
+
+def test_the_rows_are_the_tables_of_both_gpus_at_every_length() -> None:
+    assert len(ROWS) == 21
+    assert all(e["scenario"]["training"]["attention_backend"] == "triton" for e in ROWS)
+    seqs = {e["scenario"]["training"]["seq_len"] for e in ROWS}
+    assert {2048, 65536} <= seqs
+    assert {e["scenario"]["cluster"]["topology"] for e in ROWS} == {"dgx-h100", "dgx-a100"}
+
+
+def test_with_the_kernel_they_ran_the_rows_are_within_the_published_bar(as_run) -> None:
+    # Issue 4's bar for published runs: mean absolute error within 15%. Every row within 25%:
+    # the share is the kernel's forward + backward figure, while the Triton kernel's forward
+    # runs faster than its backward (its own notes), so the long rows, which recompute their
+    # forward, come out slow (about -15 to -20%) rather than fast.
+    errors = list(as_run.values())
+    assert sum(abs(e) for e in errors) / len(errors) < 0.15
+    assert max(abs(e) for e in errors) < 0.25
+    long_rows = [v for k, v in as_run.items() if "-65536-" in k]
+    assert long_rows and all(v < 0 for v in long_rows)
+
+
+def test_priced_as_flash_attention_2_every_long_row_is_far_too_fast(as_run) -> None:
+    # What the rows gave before the kernel could be named: FlashAttention-2 runs attention
+    # about 2.4x faster than the Triton kernel, so from 32k tokens, where attention is most of
+    # the step, every row comes out at least 30% too fast.
+    fa2 = _errors("flash2")
+    long_ids = [k for k in fa2 if "-32768-" in k or "-65536-" in k]
+    assert long_ids and all(fa2[k] > 0.30 for k in long_ids)
+    assert all(fa2[k] > as_run[k] for k in fa2)
