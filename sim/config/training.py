@@ -304,10 +304,10 @@ class Training(StrictModel):
     """Tokens of the whole run, for run time and cost."""
     optimizer: Literal["adamw_fused", "adamw_foreach"] = "adamw_fused"
     """AdamW implementation (torch.optim.AdamW fused=True, or the default foreach kernels)."""
-    attention_backend: Literal["auto", "flash1", "flash2", "flash3", "triton", "cudnn",
+    attention_backend: Literal["auto", "flash1", "flash2", "flash3", "flash1_triton", "cudnn",
                                "sdpa"] = "auto"
     """Fused attention kernel; auto: the framework's own choice (sim/hardware/attention_cost.py);
-    flash1: FlashAttention 1.x; triton: FlashAttention's Triton kernel (llm-foundry's
+    flash1: FlashAttention 1.x; flash1_triton: flash-attn 1.x's Triton kernel (llm-foundry's
     ``attn_impl: triton``)."""
     torch_version: str = Field(default=DEFAULT_TORCH_VERSION, pattern=r"^\d+\.\d+(\.\d+)?$")
     """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""

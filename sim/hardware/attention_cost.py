@@ -38,9 +38,11 @@ if TYPE_CHECKING:
 # where no flash kernel exists (Volta). ``unfused``: no fused kernel (Megatron's baddbmm,
 # softmax, bmm path); recorded only, no attention kernel is priced then. ``flash1``:
 # FlashAttention's first CUDA kernels (flash-attn 1.x; PyTorch's SDPA flash kernel before 2.2).
-# ``triton``: FlashAttention's Triton kernel (flash-attn ``flash_attn_triton.py``), which
-# MosaicML's llm-foundry runs as ``attn_impl: triton``.
-AttentionBackend = Literal["flash1", "flash2", "flash3", "triton", "cudnn", "mem_efficient",
+# ``flash1_triton``: FlashAttention's first Triton kernel (flash-attn ``flash_attn_triton.py``),
+# which MosaicML's llm-foundry runs as ``attn_impl: triton`` on triton-pre-mlir; not the Triton
+# tutorial's kernel of 2024, which uses Hopper's wgmma (the FA3 paper: 395 TFLOP/s forward on
+# the H100, above FA2; ``blackwell_attention.yaml``).
+AttentionBackend = Literal["flash1", "flash2", "flash3", "flash1_triton", "cudnn", "mem_efficient",
                            "unfused"]
 
 # The backend the calibration measured (PyTorch 2.11 SDPA on an H200, see module docstring):
@@ -115,13 +117,13 @@ LEGACY_FWD_BWD_TFLOPS: dict[tuple[str, str], tuple[float, float]] = {
     # (backend, arch): (kernel, FlashAttention-2) TFLOP/s at the anchor
     ("flash1", "ampere"): (83.0, 189.0),
     ("flash1", "hopper"): (137.0, 328.0),
-    ("triton", "ampere"): (80.0, 189.0),
+    ("flash1_triton", "ampere"): (80.0, 189.0),
 }
 
 
 def share_of_flash2(backend: str, arch: str) -> float | None:
     """Speed of FlashAttention's first CUDA kernel (``flash1``) or its Triton kernel
-    (``triton``) relative to FlashAttention-2's on a GPU generation, from the published
+    (``flash1_triton``) relative to FlashAttention-2's on a GPU generation, from the published
     forward + backward figures (:data:`LEGACY_FWD_BWD_TFLOPS`); None for other backends.
 
     One share serves both passes and every shape: the figures are forward + backward at one
@@ -130,12 +132,14 @@ def share_of_flash2(backend: str, arch: str) -> float | None:
 
     Examples
     --------
-    >>> round(share_of_flash2("triton", "hopper"), 3), round(share_of_flash2("flash1", "hopper"), 3)
-    (0.423, 0.418)
+    >>> round(share_of_flash2("flash1_triton", "hopper"), 3)
+    0.423
+    >>> round(share_of_flash2("flash1", "hopper"), 3)
+    0.418
     >>> share_of_flash2("flash2", "hopper") is None
     True
     """
-    if backend not in ("flash1", "triton"):
+    if backend not in ("flash1", "flash1_triton"):
         return None
     kernel, fa2 = LEGACY_FWD_BWD_TFLOPS.get((backend, arch),
                                             LEGACY_FWD_BWD_TFLOPS[(backend, "ampere")])
@@ -260,7 +264,7 @@ def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
     if choice == "flash3" and gpu.arch != "hopper":
         raise ValueError("training.attention_backend: flash3 (FlashAttention-3) runs only on "
                          f"Hopper (sm90); {gpu.name} is {gpu.arch}")
-    if choice in ("flash1", "flash2", "triton", "cudnn") and gpu.arch == "volta":
+    if choice in ("flash1", "flash2", "flash1_triton", "cudnn") and gpu.arch == "volta":
         raise ValueError(f"training.attention_backend: {choice} needs sm80 or newer; "
                          f"{gpu.name} is volta")
     return choice  # type: ignore[return-value]

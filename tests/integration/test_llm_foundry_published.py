@@ -42,7 +42,7 @@ def as_run() -> dict[str, float]:
 
 def test_the_rows_are_the_tables_of_both_gpus_at_every_length() -> None:
     assert len(ROWS) == 21
-    assert all(e["scenario"]["training"]["attention_backend"] == "triton" for e in ROWS)
+    assert all(e["scenario"]["training"]["attention_backend"] == "flash1_triton" for e in ROWS)
     seqs = {e["scenario"]["training"]["seq_len"] for e in ROWS}
     assert {2048, 65536} <= seqs
     assert {e["scenario"]["cluster"]["topology"] for e in ROWS} == {"dgx-h100", "dgx-a100"}

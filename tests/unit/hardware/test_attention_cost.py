@@ -232,7 +232,7 @@ def test_torchtitan_on_h100_slows_down_megatron_te_and_a100_do_not() -> None:
 # dim 128, forward + backward, TFLOP/s: FA1 83 / FA Triton 80 / FA2 189 on the A100, FA1 137 /
 # FA2 328 on the H100 (assets/flash2_{a100,h100}_fwd_bwd_benchmark.png).
 @pytest.mark.parametrize("backend,gpu,published", [
-    ("flash1", A100, 83), ("triton", A100, 80), ("flash1", H100, 137),
+    ("flash1", A100, 83), ("flash1_triton", A100, 80), ("flash1", H100, 137),
 ])
 def test_earlier_flash_kernels_against_the_flashattention2_paper(backend, gpu, published) -> None:
     cm = ComputeModel(gpu, attention_backend=backend)
@@ -244,10 +244,10 @@ def test_the_sm80_kernels_keep_their_share_of_flash_attention_2_from_a100_to_h10
     # kernel that has both: its A100 share of FA2 predicts its H100 figure within 6%.
     kernel, fa2 = LEGACY_FWD_BWD_TFLOPS[("flash1", "ampere")]
     assert kernel / fa2 * 328 == pytest.approx(137, rel=0.06)
-    assert share_of_flash2("triton", "hopper") == share_of_flash2("triton", "ampere")
+    assert share_of_flash2("flash1_triton", "hopper") == share_of_flash2("flash1_triton", "ampere")
 
 
-@pytest.mark.parametrize("backend", ["flash1", "triton"])
+@pytest.mark.parametrize("backend", ["flash1", "flash1_triton"])
 @pytest.mark.parametrize("gpu", [A100, H100])
 def test_earlier_flash_kernels_run_flash2s_call_at_their_share(backend, gpu) -> None:
     # The same shape curve as FlashAttention-2 (causal tiles, waves, head dim), slower by the
@@ -264,7 +264,7 @@ def test_earlier_flash_kernels_run_flash2s_call_at_their_share(backend, gpu) -> 
 
 
 def test_a_kernel_volta_cannot_run_is_refused_naming_the_key() -> None:
-    for backend in ("flash1", "triton"):
+    for backend in ("flash1", "flash1_triton"):
         with pytest.raises(ScenarioError, match=f"training.attention_backend: {backend}"):
             JobContext.from_scenario(_scenario({"name": "fsdp2"}, "v100-32gb",
                                                attention_backend=backend))
