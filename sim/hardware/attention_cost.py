@@ -127,8 +127,7 @@ def share_of_flash2(backend: str, arch: str) -> float | None:
     forward + backward figures (:data:`LEGACY_FWD_BWD_TFLOPS`); None for other backends.
 
     One share serves both passes and every shape: the figures are forward + backward at one
-    shape. The Triton kernel's own notes say its forward beats the CUDA kernel's and its
-    backward trails it, so a step that recomputes its forward is priced a little slow.
+    shape (the Triton kernel's own notes say its forward is its faster half).
 
     Examples
     --------
