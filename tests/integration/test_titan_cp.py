@@ -145,3 +145,34 @@ def test_compiled_ring_waits_for_each_exchange_where_it_is_issued() -> None:
     assert ring(False) == (False, False)
     # Compiled: wait_tensor right after each traced collective (_maybe_wrap_tensor).
     assert ring(True) == (True, True)
+
+
+@pytest.mark.parametrize("rotate,held", [("allgather", 4), ("alltoall", 2)])
+def test_ring_steps_hold_the_rotaters_key_value_buffer(rotate, held) -> None:
+    # _AllGatherRotater keeps its all-gather output (every rank's K and V, cp local copies)
+    # from the first step to the ring's end; the all-to-all rotater holds the received buffer
+    # and the concatenation it sends on. Each ring step holds it on top of its own working
+    # set, forward and backward (the backward ring gathers again).
+    cp = 4
+
+    def steps(method: str | None) -> dict[str, float]:
+        fw = {"cp_rotate_method": method} if method else {}
+        p = build_program(JobContext.from_scenario(scenario(cp, fw)))
+        return {op.name: op.transient for op in layer_ops(p) if "attn_ring" in op.name
+                and op.kind == "compute"}
+
+    m = ModelSpec.from_ref(scenario(2).model, SEQ)
+    local_kv = 2 * (SEQ // cp) * m.q_dim * 2          # heads-wide bf16 K and V (repeat_kv)
+    with_buffer = steps(rotate)
+    # The same ring priced without the buffer: the block's own transient (the ring's
+    # accumulators in backward), independent of the rotate method.
+    from sim.frameworks.fsdp2 import tp_pass
+    original = tp_pass._hold
+    try:
+        tp_pass._hold = lambda op, nbytes: None
+        without = steps(rotate)
+    finally:
+        tp_pass._hold = original
+    assert with_buffer.keys() == without.keys() and with_buffer
+    for name, t in with_buffer.items():
+        assert t - without[name] == pytest.approx(held * local_kv), name

@@ -255,6 +255,7 @@ class TitanPass:
         tb, cp = self.tb, self.tb.cp
         tag = " (bwd)" if phase == "bwd" else ""
         where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        live = self._rotater_bytes()
         ops.append(self._cat(mb, lay, phase))
         if tb.rotate == "allgather":
             first = self.c.cp_gather(tb.kv_bytes * cp, f"cp all_gather K/V{tag}{where}", mb,
@@ -277,13 +278,25 @@ class TitanPass:
                     ops.append(issued)
                 elif not tb.compiled:
                     ops.append(cat)
+            start = len(ops)
             op = step(i)
+            for o in {id(o): o for o in [*ops[start:], op]}.values():
+                if o.kind == "compute":
+                    _hold(o, live)
             deps = [arrived] if i > 0 else []
             if tb.compiled and issued is not None:
                 deps.append(issued)
             op.deps = op.deps + deps
             if i > 0 and issued is not None:
                 arrived = issued
+
+    def _rotater_bytes(self) -> float:
+        """What the key/value rotater holds while a ring pass runs, to the function's return:
+        the all-gather's output, every rank's keys and values
+        (``_AllGatherRotater._aggregated_buffer``); with all-to-all the buffer in flight and
+        the concatenation sent on."""
+        tb = self.tb
+        return tb.kv_bytes * (tb.cp if tb.rotate == "allgather" else 2)
 
     def _cat(self, mb: int, lay: int | None, phase: Phase) -> Op:
         c = self.tb.cost["attn_kv_cat"]
@@ -382,6 +395,14 @@ class TitanPass:
 
         self._kv_ring(ops, mb, lay, "bwd", step)
         final = seg("attn_ring_final")
+        _hold(final, self._rotater_bytes())    # the casts run before the backward returns
         final.deps = dkv[-1:]
         saved = sum(tb.cost[f"attn_ring{i}"].saved_bytes for i in range(tb.cp))
         final.free = (("activations", saved),)
+
+
+def _hold(op: Op, nbytes: float) -> None:
+    """Add one more tensor of ``nbytes`` to what ``op`` holds while it runs."""
+    op.transient += nbytes
+    if op.transient_parts:
+        op.transient_parts = (*op.transient_parts, nbytes)
