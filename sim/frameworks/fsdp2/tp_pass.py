@@ -279,8 +279,8 @@ class TitanPass:
                 elif not tb.compiled:
                     ops.append(cat)
             start = len(ops)
-            op = step(i)
-            for o in {id(o): o for o in [*ops[start:], op]}.values():
+            op = step(i)                      # appends the step's ops, this one among them
+            for o in ops[start:]:
                 if o.kind == "compute":
                     _hold(o, live)
             deps = [arrived] if i > 0 else []
@@ -380,13 +380,13 @@ class TitanPass:
             op = seg(f"attn_ring{i}_bwd")
             if tb.compiled and dkv:
                 op.deps = [dkv[-1]]           # compiled: the last shift was waited for at once
-            op.transient += tb.attn_acc_bytes
+            _hold(op, tb.attn_acc_bytes)
             # The ring's saved tensors (local q, k, v, lse) are freed with the whole node.
             op.free = ()
             acc = seg(f"attn_ring{i}_acc")
             if dkv:
                 acc.deps = [dkv[-1]]
-            acc.transient += tb.attn_acc_bytes
+            _hold(acc, tb.attn_acc_bytes)
             shift = self.c.cp_shift(grad_kv_bytes, f"cp shift dK/dV {i}{where}", mb, lay)
             shift.deps = [acc]
             ops.append(shift)
