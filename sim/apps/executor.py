@@ -33,6 +33,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -279,7 +280,8 @@ class LocalBackend(Backend):
         markers = self.marker_root / str(self.rounds)
         markers.mkdir()
         executor = get_reusable_executor(
-            max_workers=1 if isolated else min(self.workers, len(batches)))
+            max_workers=1 if isolated else min(self.workers, len(batches)),
+            initializer=_ignore_interrupt)
         self.executor = executor
         futures = {executor.submit(run_batch, b, self.steps, self.origin, str(markers),
                                    self.before_variant): b for b in batches}
@@ -309,6 +311,14 @@ class LocalBackend(Backend):
                 self.executor.shutdown(wait=False, kill_workers=True)
         finally:
             self.close()
+
+
+def _ignore_interrupt() -> None:
+    """A loky worker's initializer: Ctrl-C (SIGINT to the terminal's process group) is the
+    parent's to handle, which kills the workers (:meth:`LocalBackend.abort`); a worker that
+    took it would die mid-start and print multiprocessing's traceback beside the parent's one
+    line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _worker_death(exc: BaseException) -> str:
