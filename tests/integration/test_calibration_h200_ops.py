@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from sim import catalog
-from sim.hardware import compute
+from sim.hardware import memory_bound
 from sim.hardware.compute import ComputeModel
 from sim.workload.block_pricing import kernel_time
 from sim.workload.kernels import Kernel, Style
@@ -107,9 +107,9 @@ def test_dynamic_cast_latency_derivation():
     logits' ``.float()``) take their vectorised-loop time plus each element's casts at
     ``DYNAMIC_CAST_LATENCY_S`` a resident thread (Little's law over 132 SMs x 2,048)."""
     measured, _, elements, streaming = families("1b-plain")
-    threads = catalog.gpu("h200").sm_count * compute.RESIDENT_THREADS_PER_SM
+    threads = catalog.gpu("h200").sm_count * memory_bound.RESIDENT_THREADS_PER_SM
     fitted = (measured["cast_copy"] - streaming) / elements * threads
-    assert fitted == pytest.approx(compute.DYNAMIC_CAST_LATENCY_S, rel=0.02)
+    assert fitted == pytest.approx(memory_bound.DYNAMIC_CAST_LATENCY_S, rel=0.02)
 
 
 @pytest.mark.parametrize("run, family, tolerance", [

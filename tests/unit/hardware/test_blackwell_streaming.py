@@ -2,7 +2,7 @@
 
 Truth: torchao's published cast-kernel timings on a B200 and an H100
 (``sim/catalog/reference/torchao_cast_kernels.yaml``, pytorch/ao READMEs, BSD-3-Clause). The
-cap :data:`sim.hardware.compute.STREAM_BYTES_PER_SM_S` is derived from them here, step by
+cap :data:`sim.hardware.memory_bound.STREAM_BYTES_PER_SM_S` is derived from them here, step by
 step; it is checked on other data (Transformer Engine's B300 quantization table,
 ``tests/unit/workload/test_te_gemm_profiling.py``) and against the published runs
 (docs/calibration.md).
@@ -17,7 +17,9 @@ import pytest
 import yaml
 
 from sim import catalog
-from sim.hardware.compute import STREAM_BYTES_PER_SM_S, ComputeModel, _fit
+from sim.hardware.compute import ComputeModel
+from sim.hardware.kernel_fit import h200_fit as _fit
+from sim.hardware.memory_bound import STREAM_BYTES_PER_SM_S
 
 REF = yaml.safe_load((Path(catalog.__file__).parent / "reference"
                       / "torchao_cast_kernels.yaml").read_text())

@@ -12,11 +12,8 @@ import dataclasses
 import pytest
 
 from sim import catalog
-from sim.hardware.compute import (
-    RESIDENT_THREADS_PER_SM,
-    STRIDED_LOAD_LATENCY_S,
-    ComputeModel,
-)
+from sim.hardware.compute import ComputeModel
+from sim.hardware.memory_bound import RESIDENT_THREADS_PER_SM, STRIDED_LOAD_LATENCY_S
 from sim.workload.model import ModelSpec
 from sim.workload.moe_ops import MoELayout, moe_layer_ops
 

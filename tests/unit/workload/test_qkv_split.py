@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from sim import catalog
-from sim.hardware.compute import RESIDENT_THREADS_PER_SM, STRIDED_LOAD_LATENCY_S, ComputeModel
+from sim.hardware.compute import ComputeModel
+from sim.hardware.memory_bound import RESIDENT_THREADS_PER_SM, STRIDED_LOAD_LATENCY_S
 from sim.workload.block_pricing import kernel_time
 from sim.workload.layer_ops import BF16, Style, _Builder
 from sim.workload.megatron_ops import MegatronLayout, attention_block

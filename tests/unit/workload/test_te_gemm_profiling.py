@@ -141,7 +141,7 @@ def test_current_scaling_overhead_on_blackwell() -> None:
     # pre-quantized): measured 2.335 ms, simulated 2.316 (-0.8%). Its amax pass streams 4.97
     # GB at 3.7 TB/s there, the absolute rate the H200 NVL reaches (3.8): a streaming kernel
     # is held by the bytes each SM keeps in flight, not by Blackwell's HBM
-    # (compute.STREAM_BYTES_PER_SM_S, taken from torchao's B200 cast kernels, not from this
+    # (memory_bound.STREAM_BYTES_PER_SM_S, taken from torchao's B200 cast kernels, not from this
     # table). With the H200's share of HBM scaled to Blackwell it was 1.941 ms, -17%.
     cm = _b200()
     sim = tb.layer_ms(cm, "FP8Current")["total"] - tb.layer_ms(
