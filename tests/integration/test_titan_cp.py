@@ -56,7 +56,9 @@ def test_each_step_is_the_shape_the_source_calls() -> None:
     # queries against the first half of the keys; i > rank the second half of the queries
     # against all keys, merged into the second half only.
     steps = ring_steps(4, 2)
-    assert (steps[0].q, steps[0].kv, steps[0].causal) == (1.0, 1.0, True)
+    first = steps[0]
+    assert first is not None
+    assert (first.q, first.kv, first.causal) == (1.0, 1.0, True)
     assert steps[1] == steps[2] == FULL_Q
     assert steps[3] == HALF_Q and HALF_Q.partial and not FULL_Q.partial
 
@@ -73,7 +75,7 @@ def test_ring_segments_issue_cp_attention_calls_whose_flops_are_the_rank_share()
     assert len(fwd) == len(bwd) == cp
     # Step 0 causal (no block), later steps one non-causal rectangle of half the local keys
     # or half the local queries.
-    assert fwd[0].attn_block is None and fwd[0].attn[2] == local
+    assert fwd[0].attn_block is None and fwd[0].attn is not None and fwd[0].attn[2] == local
     assert all(k.attn_block in ((local, local // 2), (local // 2, local)) for k in fwd[1:])
     # FLOPs per rank: 1/cp of the causal attention of the whole sequence,
     # 4 S^2 D H / 2 / cp forward, 2.5x that backward.
@@ -82,6 +84,7 @@ def test_ring_segments_issue_cp_attention_calls_whose_flops_are_the_rank_share()
     assert sum(k.flops for k in bwd) == pytest.approx(2.5 * whole / cp)
     # The rectangle kernels are priced as such: a (S/cp x S/2cp) block, not a causal square.
     rect = fwd[1]
+    assert rect.attn_block is not None
     q_len, kv_len = rect.attn_block
     assert kernel_time(cm, rect) == pytest.approx(
         cm.attention_time(1, m.heads, q_len, m.head_dim, "fwd", kv_seq=kv_len, causal=False))
