@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,9 @@ class Pool:
         if self.workers > 1:
             from joblib.externals.loky import get_reusable_executor
 
-            self._executor = get_reusable_executor(max_workers=self.workers)
+            # Ctrl-C is the parent's (:meth:`abort`), as for the sweep's workers.
+            self._executor = get_reusable_executor(max_workers=self.workers,
+                                                   initializer=_ignore_interrupt)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self._executor is not None:
@@ -182,6 +185,22 @@ class Pool:
         except BaseException as exc:   # surfaced by fut.result(), as a process pool would
             fut.set_exception(exc)
         return fut
+
+    def abort(self) -> None:
+        """Kill the worker processes now (on an interrupt: they ignore Ctrl-C themselves and
+        may be deep in a long simulation, so they are not waited for)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, kill_workers=True)
+            self._executor = None
+
+    @contextmanager
+    def killed_on_interrupt(self) -> Iterator[Pool]:
+        """Within it, Ctrl-C kills the workers (:meth:`abort`) before it propagates."""
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.abort()
+            raise
 
     def map_chunks(self, fn: Callable[..., list[Any]], items: list[Any], *args: Any
                    ) -> list[Any]:

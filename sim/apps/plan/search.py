@@ -184,32 +184,33 @@ def search(base: Scenario, objective: str = "time", top: int = DEFAULT_TOP,
     goal, usable = _Objective.of(base, shape, objective)
     cands = _candidates(layouts, shape.global_batch)
     runner = Pool(workers)
-    sim_thread: Any = None
-    cache_dir = str(cache) if cache is not None else None
-    if simulate_many is not None and cache_dir is not None:
-        simulate_many = cached_many(simulate_many, cache_dir)
-    if simulate_many is not None:
-        # One thread calls the hook, one batch at a time: the backend runs the batch's
-        # layouts in parallel; local processes keep building meanwhile.
-        sim_thread = ThreadPoolExecutor(max_workers=1)
-    profiles = _profile_phase(base, cands, shape, rates, runner)
-    if progress is not None:
-        progress("profiles", profiles, profiles)
-    # The scenario as given, for comparison, alongside the search.
-    baseline_future = (runner.submit(_simulate_base, base, *_also(cache_dir))
-                       if compare_baseline else None)
-    pool = _Workers(runner, sim_thread, simulate_many, simulation_batch, progress, cache_dir)
-    bb = _BranchAndBound(base, cands, rates, goal, MemoryPruning(usable), pool,
-                         _Limits(top, max_simulations, time_limit_s, t0))
-    try:
-        bb.run()
-    finally:
-        if sim_thread is not None:
-            sim_thread.shutdown(wait=True, cancel_futures=True)
-    bb.close()
-    baseline = baseline_future.result() if baseline_future is not None else None
-    return PlanResult(base, objective, top, cands, time.perf_counter() - t0,
-                      runner.workers, backend, bb.stop, profiles, goal.usd_per_s, baseline)
+    with runner.killed_on_interrupt():
+        sim_thread: Any = None
+        cache_dir = str(cache) if cache is not None else None
+        if simulate_many is not None and cache_dir is not None:
+            simulate_many = cached_many(simulate_many, cache_dir)
+        if simulate_many is not None:
+            # One thread calls the hook, one batch at a time: the backend runs the batch's
+            # layouts in parallel; local processes keep building meanwhile.
+            sim_thread = ThreadPoolExecutor(max_workers=1)
+        profiles = _profile_phase(base, cands, shape, rates, runner)
+        if progress is not None:
+            progress("profiles", profiles, profiles)
+        # The scenario as given, for comparison, alongside the search.
+        baseline_future = (runner.submit(_simulate_base, base, *_also(cache_dir))
+                           if compare_baseline else None)
+        pool = _Workers(runner, sim_thread, simulate_many, simulation_batch, progress, cache_dir)
+        bb = _BranchAndBound(base, cands, rates, goal, MemoryPruning(usable), pool,
+                             _Limits(top, max_simulations, time_limit_s, t0))
+        try:
+            bb.run()
+        finally:
+            if sim_thread is not None:
+                sim_thread.shutdown(wait=True, cancel_futures=True)
+        bb.close()
+        baseline = baseline_future.result() if baseline_future is not None else None
+        return PlanResult(base, objective, top, cands, time.perf_counter() - t0,
+                          runner.workers, backend, bb.stop, profiles, goal.usd_per_s, baseline)
 
 
 def _check_arguments(objective: str, top: int, max_simulations: int) -> None:
