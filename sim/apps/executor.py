@@ -334,9 +334,9 @@ class LocalBackend(Backend):
 
 def _ignore_interrupt() -> None:
     """A loky worker's initializer: Ctrl-C (SIGINT to the terminal's process group) is the
-    parent's to handle, which kills the workers (:meth:`LocalBackend.abort`); a worker that
-    took it would die mid-start and print multiprocessing's traceback beside the parent's one
-    line."""
+    parent's to handle, which kills the workers (:meth:`LocalBackend.abort` for the sweep,
+    :meth:`Pool.abort` for the planner); a worker that took it would die mid-start and print
+    multiprocessing's traceback beside the parent's one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
