@@ -424,17 +424,32 @@ class ComputeModel(MemoryBoundKernels):
         ``seq`` local queries against ``kv_seq`` keys in ``kv_seq / seq`` ring steps, half
         the score rectangle in all (each rank's two chunks share the causal triangle).
 
-        Each step is its own kernel, so on Blackwell its row tiles pay their fill
+        Forward, TE issues the steps on two alternating streams ("to resolve wave
+        quantization"), so consecutive calls share the SMs: half the whole rectangle, and on
+        Blackwell each step's row tiles pay their fill
         (:func:`~sim.hardware.blackwell_attention.row_fill_seconds`): the diagonal step all
         local rows, the others all or half of them (the ranks before the key chunk's owner
         run every query on the first key chunk, the ranks after it the second query chunk on
-        every key), 1 + 0.75 (cp - 1) local rows' fills over the steps, forward and backward.
+        every key), 1 + 0.75 (cp - 1) local rows' fills over the steps. Backward, TE runs the
+        steps one after another on one stream (``AttnFuncWithCPAndKVP2P.backward``), each its
+        own call: the diagonal step causal over the local rows, then cp - 1 steps each as
+        slow as the slower of its two kinds (all queries on half the keys, half the queries
+        on all keys), as every rank waits for its neighbour's key/value gradients.
         """
+        cp = max(1, round(kv_seq / seq))
+        if pass_ == "bwd" and cp > 1 and seq % 2 == 0:
+            t = self.attention_time(batch, heads, seq, head_dim, "bwd", causal=True)
+            t += (cp - 1) * max(
+                self.attention_time(batch, heads, seq // 2, head_dim, "bwd", kv_seq=seq,
+                                    causal=False),
+                self.attention_time(batch, heads, seq, head_dim, "bwd", kv_seq=seq // 2,
+                                    causal=False))
+            return t if fp8 is None else t / fp8_attention_gain(
+                self.gpu.arch, fp8, pass_, "full", head_dim, seq)
         t = 0.5 * self.attention_time(batch, heads, seq, head_dim, pass_, kv_seq=kv_seq,
                                       causal=False)
         if self.gpu.arch == "blackwell" and (
                 self.attention_backend in blackwell_attention.BACKENDS):
-            cp = max(1, round(kv_seq / seq))
             groups = batch * heads
             # The half call above paid half a fill of its own rows (queries or keys).
             t -= 0.5 * blackwell_attention.row_fill_seconds(

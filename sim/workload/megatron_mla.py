@@ -57,10 +57,10 @@ from sim.workload.megatron_ops import (
     _linear,
     _norm,
     _row_norm,
-    fp8_attention_inputs,
 )
 from sim.workload.model import ModelSpec
 from sim.workload.moe import MLASpec
+from sim.workload.te_attention import fp8_attention_inputs
 
 
 def mla_gather_width(m: ModelSpec) -> int:

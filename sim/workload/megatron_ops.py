@@ -43,6 +43,11 @@ from sim.workload.layer_rules import (
 from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
 from sim.workload.qkv_split import qkv_split
+from sim.workload.te_attention import (
+    cp_ring_backward_kernels,
+    cp_ring_forward_kernels,
+    fp8_attention_inputs,
+)
 
 MASK = BOOL  # dropout masks are bytes
 
@@ -328,31 +333,6 @@ def _bias_dropout_add(b: _Builder, out: Tensor, resid: Tensor, tokens: float, h:
     return y
 
 
-
-FP8_ATTENTION_INPUTS = ("query", "key", "value")   # the FP8 copies' tags: {tag}_fp8
-
-
-def fp8_attention_inputs(b: _Builder, lay: MegatronLayout, qkv: tuple[Tensor, ...],
-                         grad_out: Tensor
-                         ) -> tuple[tuple[Tensor, ...], Tensor, list[Kernel], tuple[bool, bool]]:
-    """Under ``fp8_attention``: TE's DotProductAttention quantizes its inputs (query, key,
-    value forward; the output's gradient backward) with the recipe's quantizer before cuDNN's
-    FP8 kernel reads them, and saves the FP8 copies (``fp8_dpa`` without ``fp8_mha``,
-    ``attention/dot_product_attention/backends.py`` @ d0067d0). Returns the kernel's inputs,
-    its output gradient, the backward's quantization (to issue just before the backward
-    kernel) and the attention kernels' (fp8, fp8_block) flags; unchanged in 16 bits."""
-    if not lay.fp8_attention:
-        return qkv, grad_out, [], (False, False)
-    amax, per = lay.fp8 == "tensorwise", fp8_element_bytes(lay.fp8)
-    out = tuple(b.t(f"{tag}_fp8", t.nbytes / BF16, per)
-                for t, tag in zip(qkv, FP8_ATTENTION_INPUTS, strict=True))
-    for t, t8, tag in zip(qkv, out, FP8_ATTENTION_INPUTS, strict=True):
-        for kern in te_scaled_cast("core_attn", tag, t, (t8,), amax):
-            b.fwd(kern)
-    g8 = b.t("dout_fp8", grad_out.nbytes / BF16, per)
-    return (out, g8, te_scaled_cast("core_attn", "dout", grad_out, (g8,), amax),
-            (True, lay.fp8 == "mxfp8"))
-
 def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
                     window: int | None = None) -> tuple[Block, Block]:
     """(pre, main) of the attention half of a layer; ``window``: a sliding-window layer's
@@ -427,13 +407,16 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
         b.fwd(Kernel("flash_fwd", "attention", (q, k, v), (ctx, lse), fl,
                      attn=(batch, heads, s, m.head_dim, "fwd"), fp8=f8, fp8_block=f8b,
                      attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window))
+        for kern in cp_ring_forward_kernels(k, v, ctx, lse, lay.cp):
+            b.fwd(kern)
         b.save(q, k, v, ctx, lse)
         gqa = b.t("g_q", tokens * qd, BF16)
         gka, gva = b.t("g_k", tokens * kvd, BF16), b.t("g_v", tokens * kvd, BF16)
         b.bwd(*gcast, Kernel("flash_bwd", "attention", (gout, q, k, v, ctx, lse),
                      (gqa, gka, gva) + sink_grad,
                      2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd"), fp8=f8, fp8_block=f8b,
-                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window))
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window),
+              *cp_ring_backward_kernels(gqa, gka, gva, lay.cp))
     else:
         # baddbmm -> fused scale-mask-softmax -> dropout -> bmm (Megatron's local path).
         n_scores = batch * heads * s * kv_len

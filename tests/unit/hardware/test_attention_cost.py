@@ -145,13 +145,17 @@ def test_context_parallel_chunks_add_up_to_the_whole_causal_attention(backend, c
     # to the whole sequence over half of it; the ranks together do the causal triangle,
     # priced by the same kernel as the unsplit attention. (cuDNN adds the H200's measured
     # residual of the chunk's own query length, a shape correction, so it is left out here.)
+    # Backward runs the ring's cp calls one after another, each paying its own row fill and
+    # the diagonal step its causal edge: within 2% of the whole at these lengths.
     seq = 131072
     cm = ComputeModel(H100, attention_backend=backend)
-    for p in ("fwd", "bwd"):
+    for p, rel in (("fwd", 0.01), ("bwd", 0.02)):
         whole = kernel_time(cm, Kernel("a", "attention", attn=(1, 8, seq, 128, p)))
         chunk = kernel_time(cm, Kernel("a", "attention", attn=(1, 8, seq // cp, 128, p),
                                        attn_kv_seq=seq))
-        assert cp * chunk == pytest.approx(whole, rel=0.01)
+        assert cp * chunk == pytest.approx(whole, rel=rel)
+        if p == "bwd":
+            assert cp * chunk >= whole
 
 
 @pytest.mark.parametrize("arch,version,expected", [

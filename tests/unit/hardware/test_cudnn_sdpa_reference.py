@@ -168,20 +168,38 @@ def test_pr2605_head_dim_64_short_rows() -> None:
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("pass_", ["fwd", "bwd"])
-def test_context_parallel_steps_each_pay_their_fill(cp: int, pass_: str) -> None:
-    # Transformer Engine runs the ring's cp steps as cp kernel calls: half the score
-    # rectangle in all, and 1 + 0.75 (cp - 1) local rows' fills over the steps (the diagonal
-    # step every local row, the others all or half of them). Hopper keeps its fitted form.
+def test_context_parallel_forward_steps_each_pay_their_fill(cp: int) -> None:
+    # Transformer Engine issues the forward ring's cp calls on two alternating streams: half
+    # the score rectangle in all, and 1 + 0.75 (cp - 1) local rows' fills over the steps (the
+    # diagonal step every local row, the others all or half of them). Hopper keeps its
+    # fitted form.
     local, groups = 4096, 16
     gb200 = ComputeModel(GPUS["gb200"], attention_backend="cudnn")
-    whole = gb200.attention_time(1, groups, local, 128, pass_, kv_seq=cp * local, causal=False)
-    own_rows = local if pass_ == "fwd" else cp * local
-    scores = whole - bw.row_fill_seconds(GPUS["gb200"], pass_, own_rows, groups)
-    fill = bw.row_fill_seconds(GPUS["gb200"], pass_, local, groups)
-    got = gb200.cp_attention_time(1, groups, local, 128, pass_, cp * local)
+    whole = gb200.attention_time(1, groups, local, 128, "fwd", kv_seq=cp * local, causal=False)
+    scores = whole - bw.row_fill_seconds(GPUS["gb200"], "fwd", local, groups)
+    fill = bw.row_fill_seconds(GPUS["gb200"], "fwd", local, groups)
+    got = gb200.cp_attention_time(1, groups, local, 128, "fwd", cp * local)
     assert got == pytest.approx(0.5 * scores + (1 + 0.75 * (cp - 1)) * fill, rel=1e-9)
     h200 = ComputeModel(GPUS["h200"], attention_backend="cudnn")
-    assert h200.cp_attention_time(1, groups, local, 128, pass_, cp * local) == pytest.approx(
-        0.5 * h200.attention_time(1, groups, local, 128, pass_, kv_seq=cp * local,
+    assert h200.cp_attention_time(1, groups, local, 128, "fwd", cp * local) == pytest.approx(
+        0.5 * h200.attention_time(1, groups, local, 128, "fwd", kv_seq=cp * local,
                                   causal=False), rel=1e-12)
+
+
+@pytest.mark.parametrize("gpu", ["gb200", "h200"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_backward_runs_its_steps_in_turn(gpu: str, cp: int) -> None:
+    # AttnFuncWithCPAndKVP2P.backward: one stream, one call a step: the diagonal step causal
+    # over the local rows, then cp - 1 steps each as slow as the slower of all queries on
+    # half the keys and half the queries on all the keys.
+    local, groups = 4096, 16
+    cm = ComputeModel(GPUS[gpu], attention_backend="cudnn")
+    diag = cm.attention_time(1, groups, local, 128, "bwd", causal=True)
+    up = cm.attention_time(1, groups, local // 2, 128, "bwd", kv_seq=local, causal=False)
+    lo = cm.attention_time(1, groups, local, 128, "bwd", kv_seq=local // 2, causal=False)
+    got = cm.cp_attention_time(1, groups, local, 128, "bwd", cp * local)
+    assert got == pytest.approx(diag + (cp - 1) * max(up, lo), rel=1e-12)
+    # The same work as half the whole rectangle, at no better a rate.
+    half = 0.5 * cm.attention_time(1, groups, local, 128, "bwd", kv_seq=cp * local,
+                                   causal=False)
+    assert half <= got <= 1.25 * half
