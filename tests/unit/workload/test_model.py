@@ -51,6 +51,12 @@ PUBLISHED: dict[str, tuple[int, int | None]] = {
     # meta-llama/Llama-3.1-405B config.json: 126 layers, h 16384, 128 heads, 8 kv, ffn 53248.
     "llama3-405b": (llama_params(126, 16384, 128, 8, 53248, LLAMA_VOCAB, tied=False),
                     405_853_388_800),
+    # meta-llama/Llama-2-{7b,13b,70b}-hf config.json (2023-07): the Llama 2 tokenizer's 32,000
+    # tokens; 7B and 13B without grouped-query attention, 70B with 8 key/value heads. The
+    # safetensors totals: 6,738,415,616, 13,015,864,320 and 68,976,648,192.
+    "llama2-7b": (llama_params(32, 4096, 32, 32, 11008, 32000, tied=False), 6_738_415_616),
+    "llama2-13b": (llama_params(40, 5120, 40, 40, 13824, 32000, tied=False), 13_015_864_320),
+    "llama2-70b": (llama_params(80, 8192, 64, 8, 28672, 32000, tied=False), 68_976_648_192),
     # Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, n_ctx 2048; GPT-2 BPE vocab 50,257.
     "gpt3-175b": (gpt_params(96, 12288, 50257, 2048), None),
     # bigscience/bloom config.json: 70 layers, h 14336, vocab 250880, tied, ALiBi (no position
