@@ -37,8 +37,9 @@ class ModelDims(StrictModel):
     """Inner width of the MLP (per gate/up projection for SwiGLU)."""
     vocab: int = Field(gt=0, le=B.MAX_VOCAB)
     """Vocabulary size (embedding rows)."""
-    mlp: Literal["swiglu", "gelu"] = "swiglu"
-    """SwiGLU (Llama: gate, up, down) or GELU (GPT: up, down)."""
+    mlp: Literal["swiglu", "gelu", "relu2"] = "swiglu"
+    """SwiGLU (Llama: gate, up, down), GELU (GPT: up, down) or squared ReLU (Nemotron-4: up,
+    ``relu(x)^2``, down; Megatron only)."""
     tied_embeddings: bool = False
     """The LM head reuses the input embedding matrix."""
     head_dim: int | None = Field(default=None, gt=0, le=B.MAX_WIDTH)

@@ -480,8 +480,9 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
                   lay=lay, after_norm=True)
     _keep_input_shard(b, kept, "fc1_in_shard", local * h, lay)
     act = b.t("act", tokens * f, BF16)
-    # Jit-fused bias-GeLU (or bias-SwiGLU), a vectorised memory-bound kernel (not eager
-    # PyTorch's slower SiLU); its input is saved for the backward.
+    # Jit-fused bias-GeLU (or bias-SwiGLU, or Nemotron's squared ReLU: megatron/core/
+    # activations.py squared_relu under jit_fuser), a vectorised memory-bound kernel (not
+    # eager PyTorch's slower SiLU); its input is saved for the backward.
     b.fwd(Kernel("bias_act", "elementwise", (fc1,), (act,)))
     b.save(fc1)
     ga = b.t("g_act", tokens * f, BF16)

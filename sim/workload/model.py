@@ -275,7 +275,8 @@ class ModelSpec:
 
     def beyond_dense(self, allowed: Collection[str] = ()) -> str | None:
         """The scenario key of the first feature a dense Llama/GPT block lacks (experts, MLA,
-        MTP, query/key norms, sinks, sliding windows), or None for a dense model; features
+        MTP, query/key norms, sinks, sliding windows, a squared-ReLU MLP), or None for a dense
+        model; features
         named in ``allowed`` (a builder models them) are skipped.
 
         Examples
@@ -288,7 +289,8 @@ class ModelSpec:
         present = {"experts": self.moe is not None, "attention": self.mla is not None,
                    "mtp_layers": self.mtp_layers > 0, "qk_norm": self.qk_norm,
                    "attention_sinks": self.attention_sinks,
-                   "sliding_window": self.sliding_window is not None}
+                   "sliding_window": self.sliding_window is not None,
+                   "mlp": self.mlp == "relu2"}
         return next((key for key in BEYOND_DENSE if present[key] and key not in allowed),
                     None)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 # The key each feature beyond a dense Llama/GPT block is written under in a scenario, and
 # what it is, for the refusal of a builder whose registry entry's model_features lacks it
 # (megatron models experts, MLA, qk_norm, mtp_layers, attention sinks and sliding windows:
-# issue 14).
+# issue 14; and Nemotron-4's squared-ReLU MLP, ``mlp: relu2``).
 BEYOND_DENSE = {
     "experts": "mixture-of-experts layers",
     "attention": "multi-head latent attention",
@@ -22,13 +22,16 @@ BEYOND_DENSE = {
     "qk_norm": "query/key normalisation",
     "attention_sinks": "attention sinks",
     "sliding_window": "sliding-window attention",
+    "mlp": "a squared-ReLU MLP",
 }
+# The open issue behind each mixture-of-experts feature, for refusals.
+ISSUE_OF = {key: " (issue 14)" for key in BEYOND_DENSE if key != "mlp"}
 
 
 def mlp_shapes(mlp: str, hidden: int, ffn: int) -> list[tuple[str, int, int]]:
     """(name, out_features, in_features) of one MLP ``ffn`` wide: SwiGLU's gate, up and
-    down, or GELU's up and down. An expert is such an MLP (Mixtral's w1/w3/w2, DeepSeek's
-    gate/up/down_proj, GPT-OSS's fused gate_up_proj and down_proj).
+    down, or GELU's (or squared ReLU's) up and down. An expert is such an MLP (Mixtral's
+    w1/w3/w2, DeepSeek's gate/up/down_proj, GPT-OSS's fused gate_up_proj and down_proj).
 
     Examples
     --------

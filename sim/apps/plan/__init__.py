@@ -167,7 +167,7 @@ from sim.scenario import (  # noqa: F401
     load_scenario,
     scenario_from_dict,
 )
-from sim.workload.moe import BEYOND_DENSE
+from sim.workload.moe import BEYOND_DENSE, ISSUE_OF
 
 
 def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = "time",
@@ -207,8 +207,8 @@ def plan_command(scenario: str, overrides: Sequence[str] = (), objective: str = 
         # asked for models the model (a mixture-of-experts model: Megatron only).
         key = next(iter(skipped.values()))
         raise ScenarioError(f"{scenario}: model.{key}: no framework fabricsim plan searches "
-                            f"({', '.join(skipped)}) models {BEYOND_DENSE[key]} yet "
-                            "(issue 14)")
+                            f"({', '.join(skipped)}) models {BEYOND_DENSE[key]} yet"
+                            f"{ISSUE_OF.get(key, '')}")
     local = cpu_count()
     from contextlib import nullcontext
 

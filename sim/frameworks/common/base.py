@@ -21,7 +21,7 @@ from sim.program.ir import Program
 from sim.scenario import Scenario, ScenarioError
 from sim.workload.layer_ops import BlockCost, Style, model_blocks, price_block
 from sim.workload.model import ModelSpec
-from sim.workload.moe import BEYOND_DENSE
+from sim.workload.moe import BEYOND_DENSE, ISSUE_OF
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:
     key = entry.builds(model)
     if key is not None:
         raise ScenarioError(f"{origin}: model.{key}: {framework} does not model "
-                            f"{BEYOND_DENSE[key]} yet (issue 14)")
+                            f"{BEYOND_DENSE[key]} yet{ISSUE_OF.get(key, '')}")
 
 
 def _check_experts(s: Scenario, model: ModelSpec, origin: str) -> None:

@@ -36,4 +36,4 @@ ENTRY = FrameworkEntry(
     # sliding-window layers (softmax_type="learnable", window_size, window_attn_skip_freq;
     # sim/workload/megatron_ops.py, the window rule in sim/hardware/attention_cost.py).
     model_features=frozenset({"experts", "qk_norm", "attention", "mtp_layers",
-                              "attention_sinks", "sliding_window"}))
+                              "attention_sinks", "sliding_window", "mlp"}))

@@ -13,6 +13,7 @@ import pytest
 from sim import catalog
 from sim.scenario import ModelDims
 from sim.workload.model import ModelSpec
+from sim.workload.moe import mlp_shapes
 
 LLAMA_VOCAB = 128_256  # Llama 3 tokenizer: vocab_size in every Llama 3 / 3.1 / 3.2 config.json
 
@@ -33,6 +34,16 @@ def gpt_params(layers: int, hidden: int, vocab: int, positions: int) -> int:
     plus token embedding V*h, learned positions P*h and the final LayerNorm 2h."""
     block = 12 * hidden**2 + 13 * hidden
     return layers * block + vocab * hidden + positions * hidden + 2 * hidden
+
+
+def nemotron_params(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+                    vocab: int) -> int:
+    """Nemotron-4 layout by hand: per block q and o (h x h), k and v (kv_dim x h), the
+    squared-ReLU MLP's up and down (2 x h x f), two LayerNorm scales (2h; their biases are
+    not modelled); plus the embedding and the untied LM head (2 x V x h) and the final norm."""
+    kv_dim = kv_heads * (hidden // heads)
+    block = 2 * hidden * hidden + 2 * kv_dim * hidden + 2 * hidden * ffn + 2 * hidden
+    return layers * block + 2 * vocab * hidden + hidden
 
 
 # name -> (count derived by hand from the published dims, the published total or None)
@@ -57,6 +68,10 @@ PUBLISHED: dict[str, tuple[int, int | None]] = {
     "llama2-7b": (llama_params(32, 4096, 32, 32, 11008, 32000, tied=False), 6_738_415_616),
     "llama2-13b": (llama_params(40, 5120, 40, 40, 13824, 32000, tied=False), 13_015_864_320),
     "llama2-70b": (llama_params(80, 8192, 64, 8, 28672, 32000, tied=False), 68_976_648_192),
+    # Nemotron-4 15B and 340B technical reports (arXiv 2402.16819 and 2406.11704), Table 1;
+    # the reports give the total only split and rounded (test_nemotron_4_matches_its_reports).
+    "nemotron-4-15b": (nemotron_params(32, 6144, 48, 8, 24576, 256000), None),
+    "nemotron-4-340b": (nemotron_params(96, 18432, 96, 8, 73728, 256000), None),
     # Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, n_ctx 2048; GPT-2 BPE vocab 50,257.
     "gpt3-175b": (gpt_params(96, 12288, 50257, 2048), None),
     # bigscience/bloom config.json: 70 layers, h 14336, vocab 250880, tied, ALiBi (no position
@@ -235,3 +250,19 @@ def test_explicit_max_positions_beats_sequence_length():
     spec = ModelSpec.from_ref(ModelDims(layers=1, hidden=64, heads=4, ffn_hidden=256, vocab=10,
                                         mlp="gelu", max_positions=2048), seq_len=128)
     assert spec.embedding_params == 10 * 64 + 2048 * 64
+
+
+@pytest.mark.parametrize("name,embedding,non_embedding,places", [
+    # The reports' figures, in billions: 15B "3.2B embedding and 12.5B non-embedding", 340B
+    # "9.4B embedding and 331.6B non-embedding" (untied input and output embeddings).
+    ("nemotron-4-15b", 3.2, 12.5, 1),
+    ("nemotron-4-340b", 9.4, 331.6, 1),
+])
+def test_nemotron_4_matches_its_reports(name, embedding, non_embedding, places):
+    m = ModelSpec.from_ref(name)
+    emb = 2 * m.vocab * m.hidden
+    assert round((m.total_params - emb) / 1e9, places) == non_embedding
+    # 2 x 256,000 x 6,144 is 3.146e9: the 15B report rounds it up to 3.2.
+    assert abs(emb / 1e9 - embedding) <= 0.06
+    # Squared ReLU is not gated: two projections, up and down, as GELU's.
+    assert [n for n, _, _ in mlp_shapes(m.mlp, m.hidden, m.ffn_hidden)] == ["up", "down"]
