@@ -65,6 +65,7 @@ this module assembles them into the step.
 from __future__ import annotations
 
 from collections import deque
+from functools import partial
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.a2a_overlap import (
@@ -91,6 +92,7 @@ from sim.frameworks.megatron.delay_wgrad import (
     resplit_expert_classes,
 )
 from sim.frameworks.megatron.dualpipe import deepseek_order, deepseek_steps
+from sim.frameworks.megatron.fsdp import fsdp_ops
 from sim.frameworks.megatron.layer import (
     KeySeq,
     UnitBuilder,
@@ -244,6 +246,12 @@ class _Step:
         ``DistributedDataParallel`` ``expert_parallel_buffers`` over ``expt_dp``)."""
         s = self.s
         for st in range(s.p) if s.dp * s.cp > 1 else ():
+            if s.opts.use_megatron_fsdp:
+                self.stage_buckets[st] = fsdp_ops(
+                    s, self.units, instance_groups(s.dp_groups(st), 1)[0],
+                    partial(self.keys, f"dp/{st}"), self.cpu_call, self.launch_after,
+                    self.insert_before)
+                continue
             self.stage_buckets[st] = self._bucket_ops(
                 st, self.buckets[st], instance_groups(s.dp_groups(st), s.k_inst), "dp")
         for st in range(s.p):

@@ -31,6 +31,13 @@ class MegatronOptions(StrictModel):
     and chunk c's at one point; default Megatron-LM's: on with vp > 1 (no effect without)."""
     overlap_param_gather_with_optimizer_step: bool = False
     """Interleaved, distributed optimizer: chunk 0's gathers start after its own optimizer step."""
+    use_megatron_fsdp: bool = False
+    """Megatron-FSDP (``--use-megatron-fsdp``; NeMo's ``use_mcore_fsdp``), sharding strategy
+    ``optim_grads_params``: parameters, gradients and optimizer state sharded over dp x cp;
+    each transformer layer (and the embedding and output layer) all-gathered before its
+    forward and again before its backward, its gradients reduce-scattered after its backward,
+    every micro-batch (sim/frameworks/megatron/fsdp.py). Needs pp 1, the distributed optimizer
+    and both overlaps; no FP8 parameter gather, no CUDA graphs, no experts."""
     num_distributed_optimizer_instances: int = Field(default=1, gt=0, le=B.MAX_GPUS)
     """Distributed optimizer sharded within dp*cp/k ranks, gradient shards all-reduced across k."""
     overlap_p2p_comm: bool | None = None

@@ -19,6 +19,7 @@ from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.megatron.attention_checks import check_fp8_attention
 from sim.frameworks.megatron.buckets import data_parallel_modes
 from sim.frameworks.megatron.dualpipe import check_dualpipe
+from sim.frameworks.megatron.fsdp import check_megatron_fsdp, fsdp_memory
 from sim.frameworks.megatron.layout import as_layout, check_layout
 from sim.frameworks.megatron.moe_dispatch import check_moe
 from sim.frameworks.megatron.moe_plan import MoEPlan, moe_plan
@@ -307,12 +308,10 @@ class MegatronShape:
         return self.act - (self.act - 1.0) * fp8 / n if n else float(self.act)
 
     def initial_memory(self, st: int) -> dict[str, float]:
-        """Memory per rank of stage ``st`` before the step (``docs/.../dist_optimizer.md``):
-        16-bit parameters, gradient buffers, the optimizer state's GPU share
-        (:attr:`opt_bytes`) sharded by the distributed optimizer; under FP8, Transformer
-        Engine keeps each linear weight's E4M3 copy between micro-batches (cast once per step)
-        and, on Hopper, its transpose; FP8 primary weights are the parameter itself
-        (:func:`~sim.frameworks.megatron.optimizer_precision.fp8_weight_bytes`)."""
+        """Memory per rank of stage ``st`` before the step: 16-bit parameters, gradient
+        buffers, the optimizer state's GPU share (:attr:`opt_bytes`) sharded by the
+        distributed optimizer; TE's FP8 weight copies (``fp8_weight_bytes``); Megatron-FSDP
+        shards all of it (:func:`~sim.frameworks.megatron.fsdp.fsdp_memory`)."""
         n = self.stage_params(st)
         mem = {"parameters": self.act * n, "gradients": self.grad_bytes * n,
                "optimizer": self.opt_bytes * n / self.shard}
@@ -321,17 +320,20 @@ class MegatronShape:
             mem["parameters"] += self.act * e
             mem["gradients"] += self.grad_bytes * e
             mem["optimizer"] += self.opt_bytes * e / self.expert_shard
+        copy = 0.0   # TE's FP8 copy of a linear weight, bytes a parameter
         if self.lay.fp8:
             # Per FP8 linear parameter: the parameter itself (1 byte as a primary weight) and
             # TE's cached FP8 copy / transpose (optimizer_precision.fp8_weight_bytes).
             pbytes, bbytes = fp8_weight_bytes(self.opts.fp8_param_gather,
                                               self.lay.fp8_transpose, self.lay.fp8)
             lin = self.stage_fp8_params(st)
-            mem["buffers"] = bbytes * lin
+            mem["buffers"], copy = bbytes * lin, bbytes
             mem["parameters"] -= (self.act - pbytes) * lin
         if e and self.moe is not None and self.moe.flex is not None:
             # DeepEP's Buffer, allocated once per process (fused_a2a.get_buffer).
             mem["buffers"] = mem.get("buffers", 0.0) + self.moe.flex.persistent_bytes
+        if self.opts.use_megatron_fsdp:
+            mem = fsdp_memory(self, mem, copy)
         return mem
 
     def recompute_flops(self) -> float:
@@ -380,9 +382,8 @@ class MegatronShape:
 
 
 def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
-    """Refuse the precisions and splits Megatron-LM (and this model of it) cannot run: heads,
-    key/value heads, FFN width over tp; layers over pp x vp equal chunks; tp_comm_overlap
-    without sequence parallelism (``validate_args``); the sequence over cp."""
+    """Refuse the precisions and splits Megatron-LM (and this model of it) cannot run (heads,
+    key/value heads, FFN width over tp; layers over pp x vp; tp_comm_overlap without SP)."""
     s = ctx.scenario
     m = ctx.model
     par = s.parallelism
@@ -396,6 +397,7 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                 "FP8 training needs Transformer Engine layers (implementation: "
                 "transformer_engine)")
     check_fp8_recipe(ctx, opts.fp8_recipe, precision)
+    check_megatron_fsdp(ctx, opts)
     ctx.require(m.heads % t == 0, "parallelism.tp",
                 f"{m.heads} attention heads do not split over tp={t}")
     ctx.require(m.kv_heads % t == 0 or t % m.kv_heads == 0, "parallelism.tp",
@@ -537,8 +539,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     # forward casts nothing; on Hopper it still builds each weight's transpose once a step.
     # MXFP8 ones arrive in 16 bits and are cast once a step (gather_bytes). Under DualPipe
     # each copy of a stage sees half the micro-batches and casts its own weights.
-    cast = 0.0 if opts.fp8_param_gather and blackwell and opts.fp8_recipe != "mxfp8" \
-        else 1.0 / micro_batches_per_chunk(opts, mb_count)
+    # Megatron-FSDP gathers and casts each weight again every micro-batch (fsdp.py).
+    cast = 1.0 if opts.use_megatron_fsdp else 0.0 if opts.fp8_param_gather and blackwell \
+        and opts.fp8_recipe != "mxfp8" else 1.0 / micro_batches_per_chunk(opts, mb_count)
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,

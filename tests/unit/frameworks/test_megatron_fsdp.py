@@ -1,0 +1,103 @@
+"""Megatron-FSDP (``framework.use_megatron_fsdp``, sim/frameworks/megatron/fsdp.py) against
+closed forms and the order Megatron-Core issues its collectives in.
+
+Independent truths: ZeRO-3 (``optim_grads_params``) moves, every micro-batch, each unit's
+parameters twice (all-gathered before its forward and again before its backward) and its
+gradients once (reduce-scattered after its backward): 2 x m x 16-bit parameters and
+m x gradient bytes a step for m micro-batches; a rank holds 1/(dp x cp) of parameters,
+gradients and optimizer state (Rajbhandari et al. 2020, "ZeRO", sec. 5); a unit's forward
+cannot start before its gather, and the next unit's gather is dispatched there (prefetch of
+one unit, Megatron-FSDP's pre-forward hook).
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import megatron_scenario, program
+
+from sim.config.base import ScenarioError
+from sim.frameworks import JobContext
+from sim.frameworks.megatron.shape import megatron_shape
+
+FSDP = {"name": "megatron", "use_megatron_fsdp": True, "distributed_optimizer": True,
+        "overlap_grad_reduce": True, "overlap_param_gather": True}
+MICRO_BATCHES = 2
+
+
+def _scn(fsdp: bool = True, **over: object):
+    fw = dict(FSDP) if fsdp else {k: v for k, v in FSDP.items() if k != "use_megatron_fsdp"}
+    fw.update(over)
+    return megatron_scenario({"tp": 1}, gbs=8 * MICRO_BATCHES, framework=fw)
+
+
+def _ops(s, collective: str):
+    return [o for o in program(s).ops if o.name.startswith("fsdp") and
+            o.collective == collective]
+
+
+def test_bytes_moved_are_zero3s() -> None:
+    s = _scn()
+    sh = megatron_shape(JobContext.from_scenario(s))
+    n = sh.stage_params(0)
+    gathers, scatters = _ops(s, "all_gather"), _ops(s, "reduce_scatter")
+    # embed, 32 layers, head: a gather forward and one backward, a reduce-scatter, per mb.
+    assert len(gathers) == 2 * MICRO_BATCHES * 34 and len(scatters) == MICRO_BATCHES * 34
+    assert sum(o.nbytes for o in gathers) == pytest.approx(2 * MICRO_BATCHES * sh.act * n)
+    assert sum(o.nbytes for o in scatters) == pytest.approx(MICRO_BATCHES * sh.grad_bytes * n)
+
+
+def test_a_rank_holds_a_shard_of_everything() -> None:
+    full = megatron_shape(JobContext.from_scenario(_scn(fsdp=False))).initial_memory(0)
+    sh = megatron_shape(JobContext.from_scenario(_scn()))
+    mem = sh.initial_memory(0)
+    dp = sh.dp * sh.cp
+    assert dp == 8
+    for key in ("parameters", "gradients"):
+        assert mem[key] == pytest.approx(full[key] / dp)
+    # The distributed optimizer already shards the optimizer state over dp x cp.
+    assert mem["optimizer"] == pytest.approx(full["optimizer"])
+    # Two gathered layers (the running one and the prefetched one) and one whole gradient.
+    assert mem["buffers"] == pytest.approx((2 * sh.act + sh.grad_bytes) * sh.layer_params)
+
+
+def test_each_forward_waits_for_its_gather_dispatched_one_unit_ahead() -> None:
+    ops = program(_scn()).ops
+    by_name = {o.name: o for o in ops}
+    order = {id(o): i for i, o in enumerate(ops)}
+    g0 = by_name["fsdp param all_gather fwd mb0 0"]
+    g1 = by_name["fsdp param all_gather fwd mb0 1"]
+    layer0 = next(o for o in ops if g0 in o.deps)
+    layer1 = next(o for o in ops if g1 in o.deps)
+    assert layer0.phase == layer1.phase == "fwd" and layer0.layer == 0 and layer1.layer == 1
+    # Gather 1 is issued right before layer 0's first op (its pre-hook), after gather 0.
+    assert order[id(g0)] < order[id(g1)] < order[id(layer0)] < order[id(layer1)]
+
+
+def test_no_gather_follows_the_optimizer() -> None:
+    ops = program(_scn()).ops
+    opt = next(i for i, o in enumerate(ops) if o.phase == "optimizer")
+    assert not any(o.collective == "all_gather" for o in ops[opt + 1:])
+
+
+@pytest.mark.parametrize("over,par,key", [
+    ({}, {"tp": 1, "pp": 2}, "framework.use_megatron_fsdp"),
+    ({"distributed_optimizer": False}, {"tp": 1}, "framework.use_megatron_fsdp"),
+    ({"overlap_param_gather": False}, {"tp": 1}, "framework.use_megatron_fsdp"),
+    ({"cuda_graph_impl": "local"}, {"tp": 1}, "framework.cuda_graph_impl"),
+])
+def test_refusals_name_the_key(over: dict, par: dict, key: str) -> None:
+    fw = dict(FSDP)
+    fw.update(over)
+    s = megatron_scenario(par, gbs=16, framework=fw)
+    with pytest.raises(ScenarioError, match=key.replace(".", r"\.")):
+        program(s)
+
+
+def test_simulates_with_its_communication_hidden_behind_compute() -> None:
+    from sim.api import simulate
+
+    summary = simulate(_scn()).summary
+    assert not summary["oom"] and summary["tokens_per_s_per_gpu"] > 0
+    # Every gather is prefetched one unit ahead and every reduce-scatter trails its unit's
+    # backward, so at most the first gather and the last reduce-scatter are exposed.
+    assert summary["exposed_comm_s"] < 0.5 * summary["comm_time_s"]
