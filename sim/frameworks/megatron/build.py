@@ -101,6 +101,7 @@ from sim.frameworks.megatron.layer import (
     compute,
     layer_costs,
 )
+from sim.frameworks.megatron.layer_offload import add_layer_offload, check_layer_offload
 from sim.frameworks.megatron.moe_rank_memory import own_memory
 from sim.frameworks.megatron.moe_ranks import split_expert_ranks
 from sim.frameworks.megatron.optimizer_precision import gpu_step_s, offload_ops
@@ -152,6 +153,7 @@ def build_megatron(ctx: JobContext) -> Program:
         check_delay_wgrad(ctx, s)
     check_state_offload(ctx, s)
     check_activation_offload(ctx, s)
+    check_layer_offload(ctx, s.opts)
     classes = []
     for st in range(s.p):
         classes.append(RankClass(st, s.members(st), label=f"pipeline stage {st}"))
@@ -166,9 +168,8 @@ def build_megatron(ctx: JobContext) -> Program:
     keys = KeySeq()
     builder = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys, ctx.compute)
     units = builder.build_units()
-    # delay_wgrad_compute: the weight gradients leave the backward units before the buckets
-    # hook into them (a layer's gradients are ready at its last delayed op).
-    # DualPipe(V) defers the weight gradients of its zero-bubble backwards the same way.
+    # delay_wgrad_compute (and DualPipe(V)'s zero-bubble backwards): the weight gradients
+    # leave the backward units before the buckets hook into them.
     split = WgradSplit(ctx, s, cpu_call) \
         if s.opts.delay_wgrad_compute or s.deepseek_schedule else None
     wgrad = split.units(units) if split is not None else {}
@@ -181,6 +182,8 @@ def build_megatron(ctx: JobContext) -> Program:
     step = _Step(ctx, s, program, classes, units, keys, cpu_call)
     step.wgrad = wgrad
     step.add_buckets()
+    if s.opts.cpu_offloading_num_layers:
+        add_layer_offload(s, units, step.launch_after, step.insert_before)
     step.add_stages(link)
     step.add_gradients_and_optimizer()
     if s.moe is not None:        # skewed routing: a class per expert load (moe_ranks)
@@ -246,11 +249,9 @@ class _Step:
         ``DistributedDataParallel`` ``expert_parallel_buffers`` over ``expt_dp``)."""
         s = self.s
         for st in range(s.p) if s.dp * s.cp > 1 else ():
-            if s.opts.use_megatron_fsdp:
-                self.stage_buckets[st] = fsdp_ops(
-                    s, self.units, instance_groups(s.dp_groups(st), 1)[0],
-                    partial(self.keys, f"dp/{st}"), self.cpu_call, self.launch_after,
-                    self.insert_before)
+            if s.opts.use_megatron_fsdp:   # Megatron-FSDP: per-unit gathers and reduces
+                self.stage_buckets[st] = fsdp_ops(s, self.units, s.dp_groups(st), partial(
+                    self.keys, f"dp/{st}"), self.cpu_call, self.launch_after, self.insert_before)
                 continue
             self.stage_buckets[st] = self._bucket_ops(
                 st, self.buckets[st], instance_groups(s.dp_groups(st), s.k_inst), "dp")

@@ -8,8 +8,11 @@ embedding and output layer each one) and NeMo's perf scripts (``scripts/performa
 ``set_primary_perf_configs`` at v2.3.0: ``fsdp="megatron"``,
 ``data_parallel_sharding_strategy="optim_grads_params"``, ``gradient_accumulation_fusion``
 off, no FP8 parameter gather, no CUDA graphs, ``keep_fp8_transpose_cache_when_using_custom_
-fsdp`` off):
+fsdp`` off; Megatron-Bridge's ``set_megatron_fsdp_overrides`` at a28844195 the same, with
+gradient accumulation fusion on and FP8 parameters gathered where the precision asks):
 
+* With ``fp8_param_gather`` the gathers move the FP8 linear weights in one byte (the shape's
+  ``gather_bytes``, spread over every unit).
 * Parameters, gradients and the optimizer state are sharded over the data- (and context-)
   parallel group; nothing of a unit stays whole between its uses.
 * Forward, each unit's pre-hook waits for its parameters' all-gather and dispatches the next
@@ -64,9 +67,6 @@ def check_megatron_fsdp(ctx: JobContext, opts: MegatronOptions) -> None:
                 and opts.overlap_param_gather, KEY,
                 "Megatron-FSDP shards the optimizer and overlaps both collectives: set "
                 "distributed_optimizer, overlap_grad_reduce and overlap_param_gather")
-    ctx.require(not opts.fp8_param_gather, "framework.fp8_param_gather",
-                "Megatron-FSDP gathers 16-bit parameters (NeMo turns fp8_param_gather off "
-                "with it)")
     ctx.require(opts.cuda_graph_impl == "none", "framework.cuda_graph_impl",
                 "no CUDA graphs with Megatron-FSDP (NeMo turns them off with it)")
     ctx.require(opts.num_distributed_optimizer_instances == 1,
@@ -111,12 +111,13 @@ def fsdp_ops(s: MegatronShape, units: dict[tuple[str, int, int], UnitOps],
     out = StageBuckets()
     params = unit_params(s)
     fwd_order = list(params)                # embed, layers, head
+    per_param = s.gather_bytes(0, False)
     bwd_order = fwd_order[::-1]
 
     def gather(part: int | str, mb: int, kind: str) -> Op:
         op = Op(name=f"fsdp param all_gather {kind} mb{mb} {part}", kind="collective",
                 stream=GATHER_STREAM, phase="comm", collective="all_gather",
-                group=groups[0], groups=groups, nbytes=s.act * params[part], key=key(),
+                group=groups[0], groups=groups, nbytes=per_param * params[part], key=key(),
                 dtype=s.act_dtype, category="all_gather", cpu_s=cpu_s, micro_batch=mb)
         out.gathers.append(op)
         return op

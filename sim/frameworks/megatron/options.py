@@ -37,7 +37,12 @@ class MegatronOptions(StrictModel):
     each transformer layer (and the embedding and output layer) all-gathered before its
     forward and again before its backward, its gradients reduce-scattered after its backward,
     every micro-batch (sim/frameworks/megatron/fsdp.py). Needs pp 1, the distributed optimizer
-    and both overlaps; no FP8 parameter gather, no CUDA graphs, no experts."""
+    and both overlaps; no CUDA graphs, no experts."""
+    cpu_offloading_num_layers: int = Field(default=0, ge=0, le=B.MAX_LAYERS)
+    """Megatron-Core's layer-level activation CPU offloading (``cpu_offloading``, activations
+    only): the first n layers' saved activations go to host memory after their forward and
+    come back one layer ahead of their backward (sim/frameworks/megatron/layer_offload.py);
+    pp 1, no recomputation, dense layers; 0: off."""
     num_distributed_optimizer_instances: int = Field(default=1, gt=0, le=B.MAX_GPUS)
     """Distributed optimizer sharded within dp*cp/k ranks, gradient shards all-reduced across k."""
     overlap_p2p_comm: bool | None = None
