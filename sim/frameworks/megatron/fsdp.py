@@ -67,6 +67,8 @@ def check_megatron_fsdp(ctx: JobContext, opts: MegatronOptions) -> None:
                 and opts.overlap_param_gather, KEY,
                 "Megatron-FSDP shards the optimizer and overlaps both collectives: set "
                 "distributed_optimizer, overlap_grad_reduce and overlap_param_gather")
+    ctx.require(not opts.delay_wgrad_compute, "framework.delay_wgrad_compute",
+                "Megatron-FSDP with delayed weight gradients is not modelled")
     ctx.require(opts.cuda_graph_impl == "none", "framework.cuda_graph_impl",
                 "no CUDA graphs with Megatron-FSDP (NeMo turns them off with it)")
     ctx.require(opts.num_distributed_optimizer_instances == 1,

@@ -67,6 +67,8 @@ def check_layer_offload(ctx: JobContext, opts: MegatronOptions) -> None:
                 KEY, "layer offloading is modelled for dense layers only")
     ctx.require(not opts.fine_grained_activation_offloading, KEY,
                 "one activation offloading at a time")
+    ctx.require(not opts.delay_wgrad_compute and opts.cuda_graph_impl == "none", KEY,
+                "layer offloading is modelled without delayed weight gradients and CUDA graphs")
 
 
 def _layer_bytes(op: Op) -> float:

@@ -84,6 +84,7 @@ def test_no_gather_follows_the_optimizer() -> None:
     ({"distributed_optimizer": False}, {"tp": 1}, "framework.use_megatron_fsdp"),
     ({"overlap_param_gather": False}, {"tp": 1}, "framework.use_megatron_fsdp"),
     ({"cuda_graph_impl": "local"}, {"tp": 1}, "framework.cuda_graph_impl"),
+    ({"delay_wgrad_compute": True}, {"tp": 1}, "framework.delay_wgrad_compute"),
 ])
 def test_refusals_name_the_key(over: dict, par: dict, key: str) -> None:
     fw = dict(FSDP)
