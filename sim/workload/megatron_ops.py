@@ -21,7 +21,7 @@ parallelism, ``sbh(34/t + 5as/(ht))`` with sequence parallelism too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from sim.config.base import Fp8Recipe
@@ -88,6 +88,12 @@ class MegatronLayout:
     fp8_attention: bool = False
     """``fp8_dot_product_attention`` (TE's ``fp8_dpa``): the fused attention runs in FP8, MXFP8
     under the mxfp8 recipe (:func:`fp8_attention_inputs`)."""
+    grad_accumulation_fusion: bool = True
+    """``gradient_accumulation_fusion``: each wgrad GEMM adds into the fp32 ``main_grad``;
+    off, it writes a 16-bit gradient that one elementwise kernel then adds there."""
+    main_grad_bytes: int = FP32
+    """Bytes of a ``main_grad`` element (2 when gradients are reduced in 16 bits): what the
+    unfused accumulation's add reads and writes."""
 
 
 STYLE = Style("bf16")
@@ -300,8 +306,15 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     if bias:
         gb = b.t(f"{name}.g_b", n_out, FP32)
         ks.append(bias_grad(name, gy, gb))
-    # gradient_accumulation_fusion: the wgrad GEMM adds into the persistent main_grad.
-    b.bwd(*(accumulating(k, gw) if k.name == f"{name}.wgrad" else k for k in ks))
+    if lay is None or lay.grad_accumulation_fusion:
+        # The wgrad GEMM adds into the persistent main_grad.
+        b.bwd(*(accumulating(k, gw) if k.name == f"{name}.wgrad" else k for k in ks))
+    else:
+        # Unfused (NeMo's Megatron-FSDP recipes): a 16-bit gradient, then main_grad += it.
+        g16 = b.t(f"{name}.w_grad", n_in * n_out, BF16)
+        ks = [replace(k, writes=(g16,)) if k.name == f"{name}.wgrad" else k for k in ks]
+        mg = Tensor(f"{name}.main_grad_buffer", n_in * n_out * lay.main_grad_bytes)
+        b.bwd(*ks, Kernel(f"{name}.main_grad_add", "elementwise", (mg, g16), (mg,)))
     b.block.weight_grads.append(gw)
     return out
 

@@ -31,6 +31,9 @@ class MegatronOptions(StrictModel):
     and chunk c's at one point; default Megatron-LM's: on with vp > 1 (no effect without)."""
     overlap_param_gather_with_optimizer_step: bool = False
     """Interleaved, distributed optimizer: chunk 0's gathers start after its own optimizer step."""
+    gradient_accumulation_fusion: bool = True
+    """Megatron's default: each weight-gradient GEMM accumulates into the fp32 main_grad; off
+    (NeMo's Megatron-FSDP recipes turn it off), a 16-bit gradient plus one add a linear."""
     use_megatron_fsdp: bool = False
     """Megatron-FSDP (``--use-megatron-fsdp``; NeMo's ``use_mcore_fsdp``), sharding strategy
     ``optim_grads_params``: parameters, gradients and optimizer state sharded over dp x cp;

@@ -542,6 +542,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     # Megatron-FSDP gathers and casts each weight again every micro-batch (fsdp.py).
     cast = 1.0 if opts.use_megatron_fsdp else 0.0 if opts.fp8_param_gather and blackwell \
         and opts.fp8_recipe != "mxfp8" else 1.0 / micro_batches_per_chunk(opts, mb_count)
+    grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
+        else opts.main_grads_dtype == "fp32" if opts.main_grads_dtype is not None \
+        else precision in ("bf16", "fp8")
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
@@ -551,13 +554,12 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                                                  opts.cross_entropy_fusion_impl),
                          rope_fusion=opts.apply_rope_fusion,
                          fp8_output=opts.fp8_output_proj and precision == "fp8",
-                         fp8_attention=opts.fp8_dot_product_attention)
+                         fp8_attention=opts.fp8_dot_product_attention,
+                         grad_accumulation_fusion=opts.gradient_accumulation_fusion,
+                         main_grad_bytes=4 if grad_fp32 else 2)
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
     cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
     tokens = ctx.micro_batch * ctx.seq // cp
-    grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
-        else opts.main_grads_dtype == "fp32" if opts.main_grads_dtype is not None \
-        else precision in ("bf16", "fp8")
     optim = optimizer_plan(opts, precision, 4 if grad_fp32 else 2)
     chunks = scenario_chunks(m, opts, p, vp)
     if opts.pipeline_schedule == "dualpipe":

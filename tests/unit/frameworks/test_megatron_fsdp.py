@@ -102,3 +102,36 @@ def test_simulates_with_its_communication_hidden_behind_compute() -> None:
     # Every gather is prefetched one unit ahead and every reduce-scatter trails its unit's
     # backward, so at most the first gather and the last reduce-scatter are exposed.
     assert summary["exposed_comm_s"] < 0.5 * summary["comm_time_s"]
+
+
+def test_unfused_gradient_accumulation_adds_one_kernel_a_linear() -> None:
+    # gradient_accumulation_fusion off (NeMo's Megatron-FSDP recipes): each linear's wgrad GEMM
+    # writes a 16-bit gradient (2 bytes a weight) that one kernel adds into the fp32 main_grad
+    # (read 4 + 2, write 4 bytes a weight); fused, the GEMM accumulates and no kernel is added.
+    from sim.workload.megatron_ops import MegatronLayout, mlp_block
+    from sim.workload.model import ModelSpec
+
+    m = ModelSpec.from_ref("llama3-8b")
+    fused = mlp_block(m, MegatronLayout(), 1, 4096)[1]
+    unfused = mlp_block(m, MegatronLayout(grad_accumulation_fusion=False), 1, 4096)[1]
+    adds = [k for k in unfused.backward if k.name.endswith("main_grad_add")]
+    assert not [k for k in fused.backward if k.name.endswith("main_grad_add")]
+    assert [k.name for k in adds] == ["fc2.main_grad_add", "fc1.main_grad_add"]
+    weights = {"fc1": 2 * m.ffn_hidden * m.hidden, "fc2": m.ffn_hidden * m.hidden}
+    for k in adds:
+        assert k.nbytes == pytest.approx(10 * weights[k.name.split(".")[0]])   # fp32 main_grad
+    wgrad = next(k for k in unfused.backward if k.name == "fc1.wgrad")
+    assert wgrad.writes[0].nbytes == pytest.approx(2 * weights["fc1"])
+
+
+def test_unfused_accumulation_into_16_bit_main_grads() -> None:
+    # grad_reduce_in_fp32 off: Megatron's main_grad buffers are bf16, so the add reads 2 + 2
+    # and writes 2 bytes a weight.
+    from sim.workload.megatron_ops import MegatronLayout, mlp_block
+    from sim.workload.model import ModelSpec
+
+    m = ModelSpec.from_ref("llama3-8b")
+    lay = MegatronLayout(grad_accumulation_fusion=False, main_grad_bytes=2)
+    add = next(k for k in mlp_block(m, lay, 1, 4096)[1].backward
+               if k.name == "fc2.main_grad_add")
+    assert add.nbytes == pytest.approx(6 * m.ffn_hidden * m.hidden)
