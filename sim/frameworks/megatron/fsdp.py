@@ -22,14 +22,15 @@ gradient accumulation fusion on and FP8 parameters gathered where the precision 
   reduce-scatters run on their own streams.
 * The optimizer steps on the shard; no gather follows it (the next forward gathers).
 * Transformer Engine's FP8 weight copies are not cached across micro-batches: each gathered
-  weight is cast again every micro-batch (the shape sets ``weight_cast_share`` 1).
+  16-bit weight is cast again every micro-batch (the shape sets ``weight_cast_share`` 1; FP8
+  parameters gathered on Blackwell are used as they arrive, cast never).
 
 Memory (:func:`fsdp_memory`): a 1/(dp x cp) share of the parameters, gradients and optimizer
 state, plus two units' gathered parameters (the one in use and the prefetched one) with their
 FP8 copies and one unit's whole gradient before its reduce-scatter.
 
-Not modelled: Megatron-FSDP's double buffering options, its bucket sizes beyond one unit,
-and the extra gradient-accumulation kernel ``gradient_accumulation_fusion`` off adds.
+Not modelled: Megatron-FSDP's double buffering options and its bucket sizes beyond one unit.
+(``gradient_accumulation_fusion`` off is the option of that name, priced per linear.)
 """
 
 from __future__ import annotations
@@ -79,9 +80,7 @@ def check_megatron_fsdp(ctx: JobContext, opts: MegatronOptions) -> None:
 def unit_params(s: MegatronShape) -> dict[int | str, float]:
     """Parameters (one tensor-parallel rank's) of each FSDP unit of the single stage."""
     parts: dict[int | str, float] = {"embed": s.emb_params}
-    for v in range(s.p * s.vp):
-        for layer in s.chunks[v]:
-            parts[layer] = s.layer_params
+    parts.update((layer, s.layer_params) for layer in s.chunks[0])    # pp = vp = 1
     parts["head"] = s.head_params
     return {part: n for part, n in parts.items() if n > 0}
 
@@ -157,8 +156,6 @@ def _chain(hooks: list[Op], gathers: list[Op], insert_before: dict[int, list[Op]
 def _backward_firsts(unit: UnitOps, order: list[int | str]) -> list[Op]:
     """The first op of each part's backward, in ``order``: the unit's first op, then the op
     after the previous part's last."""
-    index = {id(op): i for i, op in enumerate(unit.ops)}
-    firsts = [unit.ops[0]]
-    for prev in order[:-1]:
-        firsts.append(unit.ops[index[id(unit.part_op[prev])] + 1])
-    return firsts
+    index = unit.positions()
+    return [unit.ops[0]] + [unit.neighbour(unit.part_op[prev], 1, index)
+                            for prev in order[:-1]]

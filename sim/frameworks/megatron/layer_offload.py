@@ -77,12 +77,6 @@ def _layer_bytes(op: Op) -> float:
     return held[0]
 
 
-def _first_after(unit: UnitOps, op: Op) -> Op:
-    """The op after ``op`` in the unit."""
-    i = next(i for i, o in enumerate(unit.ops) if o is op)
-    return unit.ops[i + 1]
-
-
 def add_layer_offload(s: MegatronShape, units: dict[tuple[str, int, int], UnitOps],
                       launch_after: dict[int, list[Op]], insert_before: dict[int, list[Op]]
                       ) -> list[Op]:
@@ -95,12 +89,13 @@ def add_layer_offload(s: MegatronShape, units: dict[tuple[str, int, int], UnitOp
     out: list[Op] = []
     for mb in range(s.chunk_micro_batches):
         f_unit, b_unit = units[("F", 0, mb)], units[("B", 0, mb)]
+        f_pos, b_pos = f_unit.positions(), b_unit.positions()
         f_first = [f_unit.part_op[la] for la in layers] + [f_unit.part_op["head"]]
         b_last: dict[int | str, Op] = {la: b_unit.part_op[la] for la in layers}
         b_last["head"] = b_unit.part_op["head"]
         for i, layer in enumerate(layers[:n]):
             nbytes = _layer_bytes(f_first[i])
-            end = _op_before(f_unit, f_first[i + 1])
+            end = f_unit.neighbour(f_first[i + 1], -1, f_pos)   # the layer's last op
             d2h = Op(name=f"cpu offload L{layer} mb{mb}", kind="copy", stream=D2H_STREAM,
                      phase="fwd", deps=[end], host_transfer="d2h", nbytes=nbytes,
                      category="copy", micro_batch=mb, layer=layer, kernels=0,
@@ -113,8 +108,8 @@ def add_layer_offload(s: MegatronShape, units: dict[tuple[str, int, int], UnitOp
             # Backward: reloaded when the layer above starts its backward.
             above = layers[i + 1]
             above_prev: int | str = layers[i + 2] if i + 2 < len(layers) else "head"
-            issue_at = _first_after(b_unit, b_last[above_prev])
-            mine = _first_after(b_unit, b_last[above])
+            issue_at = b_unit.neighbour(b_last[above_prev], 1, b_pos)
+            mine = b_unit.neighbour(b_last[above], 1, b_pos)
             # The H2D stream waits for the compute stream to reach that point.
             h2d = Op(name=f"cpu reload L{layer} mb{mb}", kind="copy", stream=H2D_STREAM,
                      phase="bwd", deps=[d2h, b_last[above_prev]], host_transfer="h2d",
@@ -128,7 +123,3 @@ def add_layer_offload(s: MegatronShape, units: dict[tuple[str, int, int], UnitOp
     return out
 
 
-def _op_before(unit: UnitOps, op: Op) -> Op:
-    """The op before ``op`` in the unit: the last op of the part ``op`` follows."""
-    i = next(i for i, o in enumerate(unit.ops) if o is op)
-    return unit.ops[i - 1]

@@ -539,9 +539,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     # forward casts nothing; on Hopper it still builds each weight's transpose once a step.
     # MXFP8 ones arrive in 16 bits and are cast once a step (gather_bytes). Under DualPipe
     # each copy of a stage sees half the micro-batches and casts its own weights.
-    # Megatron-FSDP gathers and casts each weight again every micro-batch (fsdp.py).
-    cast = 1.0 if opts.use_megatron_fsdp else 0.0 if opts.fp8_param_gather and blackwell \
-        and opts.fp8_recipe != "mxfp8" else 1.0 / micro_batches_per_chunk(opts, mb_count)
+    # Megatron-FSDP gathers 16-bit weights again, and casts them, every micro-batch (fsdp.py).
+    cast = 0.0 if opts.fp8_param_gather and blackwell and opts.fp8_recipe != "mxfp8" \
+        else 1.0 if opts.use_megatron_fsdp else 1.0 / micro_batches_per_chunk(opts, mb_count)
     grad_fp32 = opts.grad_reduce_in_fp32 if opts.grad_reduce_in_fp32 is not None \
         else opts.main_grads_dtype == "fp32" if opts.main_grads_dtype is not None \
         else precision in ("bf16", "fp8")

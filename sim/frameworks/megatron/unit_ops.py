@@ -27,6 +27,16 @@ class UnitOps:
     key: UnitKey | None = None
     """(F|B, virtual stage, micro-batch)."""
 
+    def neighbour(self, op: Op, offset: int, index: dict[int, int] | None = None) -> Op:
+        """The op ``offset`` places after ``op`` in the unit (before it when negative);
+        ``index``: :meth:`positions`, when the caller looks up many."""
+        pos = index if index is not None else self.positions()
+        return self.ops[pos[id(op)] + offset]
+
+    def positions(self) -> dict[int, int]:
+        """id(op) -> its place in :attr:`ops`."""
+        return {id(o): i for i, o in enumerate(self.ops)}
+
 
 class KeySeq:
     """Collective keys, numbered in the order the builder creates the ops (the same order on

@@ -135,3 +135,22 @@ def test_unfused_accumulation_into_16_bit_main_grads() -> None:
     add = next(k for k in mlp_block(m, lay, 1, 4096)[1].backward
                if k.name == "fc2.main_grad_add")
     assert add.nbytes == pytest.approx(6 * m.ffn_hidden * m.hidden)
+
+
+@pytest.mark.parametrize("gpu,fp8_gather,share", [
+    ("h100-sxm", False, 1.0),   # gathered in 16 bits: cast every micro-batch
+    ("b200", False, 1.0),
+    ("b200", True, 0.0),        # FP8 parameters on Blackwell: used as they arrive
+])
+def test_weight_casts_follow_what_the_gather_brings(gpu: str, fp8_gather: bool,
+                                                    share: float) -> None:
+    from conftest import make_scenario
+
+    s = make_scenario({
+        "model": {"layers": 4, "hidden": 1024, "heads": 8, "ffn_hidden": 4096, "vocab": 1024},
+        "cluster": {"gpu": gpu, "nodes": 1, "gpus_per_node": 8},
+        "framework": {**FSDP, "fp8_param_gather": fp8_gather, "fp8_recipe": "tensorwise"},
+        "parallelism": {"tp": 1},
+        "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 32,
+                     "precision": "fp8", "activation_checkpointing": "none"}})
+    assert megatron_shape(JobContext.from_scenario(s)).lay.weight_cast_share == share
