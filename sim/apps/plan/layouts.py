@@ -105,6 +105,8 @@ class Layout:
         """
         parts = [self.framework]
         opts = dict(self.options)
+        if opts.get("use_megatron_fsdp"):
+            parts.append("fsdp")
         if "zero_stage" in opts:
             parts.append(f"zero{opts['zero_stage']}")
         for key, short in (("tp", "tp"), ("pp", "pp"), ("vp", "vp"), ("cp", "cp")):

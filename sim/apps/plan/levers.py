@@ -1,6 +1,6 @@
 """Options the planner tries only where they can change the answer: memory levers (Megatron's
-bf16 Adam moments, then its activation offloading) for a mixture-of-experts layout that does
-not fit, and options that only
+bf16 Adam moments, then its activation offloading, for a mixture-of-experts layout that does
+not fit; Megatron-FSDP for a dense one without pipeline parallelism), and options that only
 save host time (Megatron's CUDA graphs) where they shorten the lower bound of the layout's
 eager twin. Part of ``fabricsim plan`` (:mod:`sim.apps.plan`; docs/planner.md).
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from sim.apps.plan.layouts import Layout, _space
+from sim.apps.plan.layouts import Layout, _shape, _space
 
 if TYPE_CHECKING:
     from sim.apps.plan.search import Candidate
@@ -49,6 +49,8 @@ class Levers:
         self.cands = cands
         self.kept = base.framework if base is not None else None
         """The scenario's framework options (its layouts of that framework keep them)."""
+        self.shape = _shape(base) if base is not None else None
+        """The scenario's model as the search points need it (None: no lever applies)."""
         self.make = make
         """``Candidate``'s constructor (passed in: this module is imported by its own)."""
         self.index_of: dict[Layout, int] = {c.layout: c.index for c in cands}
@@ -58,23 +60,33 @@ class Levers:
 
     def spawn(self, c: Candidate) -> Candidate | None:
         """The memory-lever twin of ``c``, which does not fit (once; None where there is
-        none: a dense layout, a framework without a lever, a layout with every lever). A twin
-        that does not fit either gets the next lever's twin in turn."""
+        none: a framework without a lever, a layout the lever does not apply to, a layout
+        with every lever). A twin that does not fit either gets the next lever's twin in
+        turn."""
         x = c.layout
         space = _space(x.framework)
-        if not x.moe or space is None or c.index in self.spawned:
+        if space is None or self.shape is None or c.index in self.spawned:
             return None
         opts = x.options
         if self.kept is not None and self.kept.name == x.framework:
             # The scenario's own options hold: a lever it already pulls is not pulled again.
             own = {k: True for k in ("use_precision_aware_optimizer",
-                                     "fine_grained_activation_offloading")
+                                     "fine_grained_activation_offloading",
+                                     "use_megatron_fsdp")
                    if getattr(self.kept, k, False) and k not in dict(opts)}
             if own:
                 opts = tuple(sorted({**dict(opts), **own}.items()))
-        options = space.memory_lever(opts)
-        if options is None:
+        # The lever also sees the scenario's options it cannot stand beside (Megatron-FSDP:
+        # CUDA graphs, delayed weight gradients); the twin keeps only its own.
+        seen = dict(opts)
+        shown = {k: getattr(self.kept, k) for k in ("cuda_graph_impl", "delay_wgrad_compute")
+                 if self.kept is not None and self.kept.name == x.framework
+                 and k not in seen and hasattr(self.kept, k)}
+        point = self.shape.point(x.tp, x.pp, x.vp, x.dp, x.cp, x.ep, x.etp if x.moe else 1)
+        pulled = space.memory_lever(point, tuple(sorted({**seen, **shown}.items())))
+        if pulled is None:
             return None
+        options = tuple((k, v) for k, v in pulled if k not in shown or shown[k] != v)
         self.spawned.add(c.index)
         layout = replace(x, options=options)
         if layout in self.index_of:

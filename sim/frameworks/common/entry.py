@@ -71,9 +71,11 @@ class SearchSpace:
     weight_casts_per_step: bool = False
     """With fp8, weight casts are shared by the micro-batches of a step, so a
     one-micro-batch profile is no lower bound (the profile then only refuses)."""
-    memory_lever: Callable[[Options], Options | None] = no_memory_lever
-    """The options of the same mixture-of-experts layout that keep less state (Megatron's
-    bf16 Adam moments), tried only where the layout does not fit; None: none."""
+    memory_lever: Callable[[SearchPoint, Options], Options | None] = no_memory_lever
+    """The options of the same layout (at this search point) that keep less state
+    (Megatron's bf16 Adam moments for a mixture-of-experts layout, Megatron-FSDP for a dense
+    one without pipeline parallelism), tried only where the layout does not fit; None:
+    none."""
     host_twin: Callable[[Options], Options | None] = no_host_twin
     """For options that only save host time (Megatron's CUDA graphs): the options of the
     eager twin also enumerated, so that the planner simulates them only where their lower

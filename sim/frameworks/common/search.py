@@ -77,7 +77,7 @@ def no_expert_layouts(pt: SearchPoint) -> Iterable[tuple[int, int]]:
     yield (1, 0)
 
 
-def no_memory_lever(options: Options) -> Options | None:
+def no_memory_lever(pt: SearchPoint, options: Options) -> Options | None:
     """No memory lever: a framework whose planner search has none."""
     return None
 

@@ -9,11 +9,12 @@ from sim.frameworks.megatron.search import (
     MEGATRON_BEST_PRACTICE,
     megatron_chunks_split,
     megatron_expert_layouts,
+    megatron_memory_lever,
     megatron_options,
     megatron_recomputation,
     megatron_stage_split,
 )
-from sim.frameworks.megatron.search_moe import graph_twin, memory_lever
+from sim.frameworks.megatron.search_moe import graph_twin
 
 ENTRY = FrameworkEntry(
     "megatron", MegatronOptions, build_megatron,
@@ -24,7 +25,7 @@ ENTRY = FrameworkEntry(
                                       "moe_shared_expert_overlap",
                                       "moe_token_dispatcher_type",
                                       "moe_flex_dispatcher_backend"),
-                       memory_lever=memory_lever, host_twin=graph_twin,
+                       memory_lever=megatron_memory_lever, host_twin=graph_twin,
                        weight_casts_per_step=True, recomputation=megatron_recomputation,
                        expert_layouts=megatron_expert_layouts),
     stage_split=megatron_stage_split,

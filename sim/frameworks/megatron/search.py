@@ -13,7 +13,11 @@ from sim.frameworks.common.search import (
     default_recomputation,
     divisors,
 )
-from sim.frameworks.megatron.search_moe import allows_recomputation, moe_option_sets
+from sim.frameworks.megatron.search_moe import (
+    allows_recomputation,
+    moe_memory_lever,
+    moe_option_sets,
+)
 
 MEGATRON_BEST_PRACTICE: Options = (
     # Shard fp32 master weights and Adam states over data-parallel ranks: 12 bytes/param
@@ -91,6 +95,42 @@ def megatron_options(pt: SearchPoint) -> Iterable[Options]:
             shared: Options = ((("moe_shared_expert_overlap", False),) if pt.shared_experts
                                else ())
             yield extra + split + (("moe_a2a_overlap", True),) + shared + moe
+
+
+MEGATRON_FSDP: Options = (("use_megatron_fsdp", True),)
+"""Megatron-FSDP with ``optim_grads_params`` sharding (sim/frameworks/megatron/fsdp.py): the
+dense layout's memory lever."""
+
+
+def megatron_memory_lever(pt: SearchPoint, options: Options) -> Options | None:
+    """The options of the same layout that keep less state, tried where it does not fit.
+
+    A mixture-of-experts layout: bf16 Adam moments, then its experts' activations offloaded
+    (:func:`~sim.frameworks.megatron.search_moe.moe_memory_lever`). A dense layout without
+    pipeline parallelism and with more than one data- (or context-) parallel rank:
+    Megatron-FSDP (:data:`MEGATRON_FSDP`), which shards the 16-bit parameters and the
+    gradients too, as NVIDIA's GB200 Llama 3 70B and 405B recipes run at TP 1-2 without a
+    pipeline (NeMo 25.04-25.07, Megatron-Bridge 25.09: ``use_mcore_fsdp``); not beside CUDA
+    graphs or delayed weight gradients (Megatron-Bridge turns graphs off with it; this model
+    refuses both). None otherwise.
+
+    Examples
+    --------
+    >>> dense = SearchPoint(tp=1, pp=1, vp=1, dp=64, cp=1, layers=80)
+    >>> megatron_memory_lever(dense, (("distributed_optimizer", True),))
+    (('distributed_optimizer', True), ('use_megatron_fsdp', True))
+    >>> megatron_memory_lever(dense, MEGATRON_FSDP) is None          # pulled already
+    True
+    >>> megatron_memory_lever(SearchPoint(1, 4, 1, 16, 1, 80), ()) is None   # a pipeline
+    True
+    """
+    if pt.experts:
+        return moe_memory_lever(options)
+    o = dict(options)
+    if (pt.pp > 1 or pt.vp > 1 or pt.dp * pt.cp == 1 or o.get("use_megatron_fsdp")
+            or o.get("cuda_graph_impl", "none") != "none" or o.get("delay_wgrad_compute")):
+        return None
+    return tuple(sorted({**o, **dict(MEGATRON_FSDP)}.items()))
 
 
 def a2a_overlap_allowed(pt: SearchPoint) -> bool:

@@ -44,7 +44,7 @@ Each is tried only where Megatron allows it and where it can change the answer:
   ``exp_avg_sq_dtype`` bf16, Megatron-Core ``OptimizerConfig``; Transformer Engine's
   ``FusedAdam`` computes in fp32 either way): Adam's moments at 2 bytes each instead of 4,
   tried by the planner only for a layout that does not fit without them
-  (:func:`memory_lever`).
+  (:func:`moe_memory_lever`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def allows_recomputation(options: Options, ac: str, modules: tuple[str, ...]) ->
                 and "moe_router" in o.get("cuda_graph_scope", ()))
 
 
-def memory_lever(options: Options) -> Options | None:
+def moe_memory_lever(options: Options) -> Options | None:
     """The options of the same layout with the next memory lever: bf16 moments, then (where
     it has them and still does not fit) the experts' activations offloaded to host memory
     (:data:`OFFLOAD_EXPERTS`); None where it has both (the planner tries them only for a
@@ -207,11 +207,11 @@ def memory_lever(options: Options) -> Options | None:
 
     Examples
     --------
-    >>> dict(memory_lever((("distributed_optimizer", True),)))["exp_avg_dtype"]
+    >>> dict(moe_memory_lever((("distributed_optimizer", True),)))["exp_avg_dtype"]
     'bf16'
-    >>> dict(memory_lever(BF16_MOMENTS))["offload_modules"]
+    >>> dict(moe_memory_lever(BF16_MOMENTS))["offload_modules"]
     ('expert_fc1', 'moe_act')
-    >>> memory_lever(BF16_MOMENTS + OFFLOAD_EXPERTS) is None
+    >>> moe_memory_lever(BF16_MOMENTS + OFFLOAD_EXPERTS) is None
     True
     """
     o = dict(options)
