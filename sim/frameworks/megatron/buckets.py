@@ -44,11 +44,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sim.frameworks.common.base import JobContext
 from sim.frameworks.megatron.pipeline import Placement
 from sim.program.ir import NcclType, Op
 from sim.scenario import MegatronOptions
+
+if TYPE_CHECKING:
+    from sim.frameworks.megatron.shape import MegatronShape
 
 DEFAULT_BUCKET_PARAMS = 40_000_000   # max(40M, 1M x dp x cp): training.py get_model
 
@@ -251,4 +255,33 @@ def bucket_ops(st: int, p: int, vp: int, m: int, buckets: list[Bucket],
             _, fc, fmb = forwards[(chunk - 1) * p - st]
             first = c.first_op("F", fc * p + st, fmb)
             c.insert_before.setdefault(id(first), []).extend(g for g, _ in pairs)
+    return out
+
+
+def expert_groups(s: MegatronShape, st: int) -> tuple[tuple[int, ...], ...] | None:
+    """Stage ``st``'s expert-data-parallel groups; None when there is nothing to reduce (no
+    experts on the stage, or expert-dp 1)."""
+    if s.moe is None or s.moe.edp == 1 or not s.stage_expert_params(st):
+        return None
+    return s.moe.edp_groups(st)
+
+
+def expert_buckets(s: MegatronShape, st: int, size: int | None) -> list[Bucket]:
+    """The routed experts' buckets of stage ``st``: Megatron-Core's DDP packs the expert
+    parameters into their own buffers with the same bucket size and the same rule (split only
+    on the first stage's first chunk), in backward order of their layers."""
+    if s.moe is None:
+        return []
+    moe = s.moe
+    chunks = [[la for la in ch if moe.is_moe(la)] for ch in s.chunks]
+    if s.mtp is not None:   # the modules' layers, after the last chunk's (each's)
+        for v, ch in enumerate(chunks):
+            if s.place.is_last(v):
+                ch += [la for la in s.mtp.layers if moe.is_moe(la)]
+    out = []
+    for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size,
+                            s.place):
+        b.parts = [x for x in b.parts if isinstance(x, int)]
+        if b.parts:
+            out.append(b)
     return out

@@ -54,11 +54,13 @@ What the step does, as ``megatron/core`` runs it:
   gradients are fp16), the latter sharded over data-parallel ranks by the distributed
   optimizer. Activations per micro-batch in flight, from :mod:`sim.workload.megatron_ops`.
 
-Where each part lives: :mod:`sim.frameworks.megatron.shape` (option checks, rank layout and
-groups, per-stage sizes and memory), :mod:`sim.frameworks.megatron.layer` (op prices and each
-unit's ops: embedding, layers, output layer), :mod:`sim.frameworks.megatron.overlap`
+Where each part lives: :mod:`sim.frameworks.megatron.shape` (rank layout and groups,
+per-stage sizes and memory; its option checks in :mod:`sim.frameworks.megatron.checks`),
+:mod:`sim.frameworks.megatron.layer` (op prices and each unit's ops: embedding, layers,
+output layer), :mod:`sim.frameworks.megatron.overlap`
 (overlapped tensor-parallel and context-parallel forms), :mod:`sim.frameworks.megatron.pipeline`
-(schedules and transfers), :mod:`sim.frameworks.megatron.buckets` (data-parallel buckets);
+(schedules and transfers), :mod:`sim.frameworks.megatron.buckets` (data-parallel buckets,
+the experts' too);
 this module assembles them into the step.
 """
 
@@ -82,6 +84,8 @@ from sim.frameworks.megatron.buckets import (
     assign_buckets,
     bucket_ops,
     bucket_size,
+    expert_buckets,
+    expert_groups,
     instance_groups,
 )
 from sim.frameworks.megatron.cuda_graphs import apply_cuda_graphs, check_cuda_graphs
@@ -226,7 +230,7 @@ class _Step:
                         for st in range(s.p)}
         self.launch_after: Hooks = {}   # id(op) -> ops the host issues right after it
         self.insert_before: Hooks = {}  # id(op) -> ops the host issues right before it
-        self.expert_buckets = {st: self._assign_expert_buckets(st, size) for st in range(s.p)}
+        self.expert_buckets = {st: expert_buckets(self.s, st, size) for st in range(s.p)}
         empty = StageBuckets()
         self.stage_buckets = {st: empty for st in range(s.p)}
         self.expert_stage_buckets = {st: empty for st in range(s.p)}
@@ -256,7 +260,7 @@ class _Step:
             self.stage_buckets[st] = self._bucket_ops(
                 st, self.buckets[st], instance_groups(s.dp_groups(st), s.k_inst), "dp")
         for st in range(s.p):
-            groups = self._expert_groups(st)
+            groups = expert_groups(self.s, st)
             if groups is not None:
                 self.expert_stage_buckets[st] = self._bucket_ops(
                     st, self.expert_buckets[st], (groups, ()), "edp")
@@ -558,40 +562,11 @@ class _Step:
         return [back]
 
     # ------------------------------------------------------------------ experts
-    def _expert_groups(self, st: int) -> tuple[tuple[int, ...], ...] | None:
-        """Stage ``st``'s expert-data-parallel groups; None when there is nothing to reduce
-        (no experts on the stage, or expert-dp 1)."""
-        s = self.s
-        if s.moe is None or s.moe.edp == 1 or not s.stage_expert_params(st):
-            return None
-        return s.moe.edp_groups(st)
-
-    def _assign_expert_buckets(self, st: int, size: int | None) -> list[Bucket]:
-        """The routed experts' buckets of stage ``st``: Megatron-Core's DDP packs the expert
-        parameters into their own buffers with the same bucket size and the same rule (split
-        only on the first stage's first chunk), in backward order of their layers."""
-        s = self.s
-        if s.moe is None:
-            return []
-        moe = s.moe
-        chunks = [[la for la in ch if moe.is_moe(la)] for ch in s.chunks]
-        if s.mtp is not None:   # the modules' layers, after the last chunk's (each's)
-            for v, ch in enumerate(chunks):
-                if s.place.is_last(v):
-                    ch += [la for la in s.mtp.layers if moe.is_moe(la)]
-        out = []
-        for b in assign_buckets(st, s.p, s.vp, chunks, moe.expert_params, 0.0, 0.0, size,
-                                s.place):
-            b.parts = [x for x in b.parts if isinstance(x, int)]
-            if b.parts:
-                out.append(b)
-        return out
-
     def _expert_gathers(self, st: int, cls: RankClass, opt: Op) -> None:
         """Without ``overlap_param_gather``: the distributed optimizer's all-gathers of the
         updated expert parameters over the expert-data-parallel group, after its step."""
         s = self.s
-        groups = self._expert_groups(st)
+        groups = expert_groups(self.s, st)
         if not s.opts.distributed_optimizer or self.expert_stage_buckets[st].gathers \
                 or groups is None:
             return

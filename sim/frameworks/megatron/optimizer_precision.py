@@ -97,6 +97,28 @@ class OptimizerPlan:
     """Bytes per offloaded parameter copied host-to-device (the fp32 parameter)."""
 
 
+def main_grad_bytes(opts: MegatronOptions, precision: str) -> int:
+    """Bytes of a ``main_grad`` element, the gradient buffer the wgrad GEMMs accumulate into
+    and the data-parallel reduction reads: 4 with ``grad_reduce_in_fp32`` (Megatron-LM's
+    default for 16-bit and FP8 training, ``accumulate_allreduce_grads_in_fp32``), or as
+    ``main_grads_dtype`` sets it; 2 otherwise.
+
+    Examples
+    --------
+    >>> from sim.scenario import MegatronOptions
+    >>> main_grad_bytes(MegatronOptions(name="megatron"), "bf16"), main_grad_bytes(
+    ...     MegatronOptions(name="megatron", grad_reduce_in_fp32=False), "fp8")
+    (4, 2)
+    """
+    if opts.grad_reduce_in_fp32 is not None:
+        fp32 = opts.grad_reduce_in_fp32
+    elif opts.main_grads_dtype is not None:
+        fp32 = opts.main_grads_dtype == "fp32"
+    else:
+        fp32 = precision in ("bf16", "fp8")
+    return 4 if fp32 else 2
+
+
 def optimizer_plan(opts: MegatronOptions, precision: str, grad_bytes: int) -> OptimizerPlan:
     """The optimizer's bytes per parameter for ``opts`` (checked by :func:`check_optimizer`).
 
