@@ -259,7 +259,10 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     gy = y if grad_in_output else g_out if g_out is not None else \
         b.t(f"{name}.g_out", tokens * n_out, BF16)
     gx = b.t(f"{name}.g_in", tokens * n_in, BF16)
-    gw = b.t(f"{name}.main_grad", n_in * n_out, FP32)
+    # Fused, the wgrad GEMM accumulates into main_grad in its own dtype: fp32, or 16 bits
+    # where gradients are reduced in 16 bits (Megatron's wgrad_gemm_accum_fp16).
+    gw = b.t(f"{name}.main_grad", n_in * n_out,
+             lay.main_grad_bytes if lay is not None else FP32)
     if fp8 is None:
         w = b.t(f"{name}.w", n_in * n_out, BF16)
         ks = linear16_gemms(b, name, x, w, y, gy, gx, gw, tokens, n_in, n_out)
@@ -526,9 +529,17 @@ def embedding_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> 
     out = b.t("out", tokens * h, BF16)
     b.fwd(Kernel("lookup", "elementwise", (ids,), (out,)))
     gout = b.t("g_out", tokens * h, BF16)
-    gtab = b.t("main_grad", vocab * h, FP32)
-    b.bwd(Kernel("g_index_add", "elementwise", (gout, ids), (gtab,)))
-    b.block.weight_grads.append(gtab)
+    # F.embedding's backward (embedding_dense_backward) zero-fills a dense gradient of the
+    # local table in the parameter's dtype and adds the tokens' rows in; Megatron-Core's DDP
+    # hook then adds it into main_grad (``param.main_grad.add_(param.grad)``: embeddings have
+    # no fused accumulation) and drops it. The rows' update touches the tokens' rows only.
+    gtab = b.t("w_grad", vocab * h, BF16)
+    rows = b.t("w_grad.rows", tokens * h, BF16)
+    main = Tensor("main_grad", vocab * h * lay.main_grad_bytes)
+    b.bwd(Kernel("g_zero", "elementwise", (), (gtab,)),
+          Kernel("g_index_add", "elementwise", (gout, ids), (rows,)),
+          Kernel("main_grad_add", "elementwise", (main, gtab), (main,)))
+    b.block.weight_grads.append(main)
     if m.position == "learned":
         b.block.params += m.max_positions * h
         out2 = b.t("out_pos", tokens * h, BF16)
@@ -561,8 +572,11 @@ def head_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> Block
     # The loss's gradient is the tensor the output layer's backward reads (unfused and native:
     # the bf16 tensor it returns; te: the logits themselves, overwritten in place).
     g = b.t("output.g_out", tokens * vocab, BF16) if impl != "te" else None
+    # The output layer is 16-bit unless fp8_output_proj; its weight gradient is accumulated
+    # (or not) into main_grad as every other linear's (ColumnParallelLinear).
     logits = _linear(b, yin, tokens, h, vocab, "output", False, g_out=g,
-                     grad_in_output=impl == "te", lay=lay if lay.fp8_output else None)
+                     grad_in_output=impl == "te",
+                     lay=lay if lay.fp8_output else replace(lay, fp8=None))
     vocab_parallel_loss(b, logits, tokens, vocab, impl, g)
     if m.tied_embeddings:
         b.block.params -= vocab * h

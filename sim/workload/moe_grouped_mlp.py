@@ -43,7 +43,8 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
     ``TERowParallelGroupedLinear``): one forward, dgrad and wgrad grouped GEMM, each priced
     as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`), or on the
     GroupedTensor path (``lay.te_ops``) as one GEMM of all the rows; the weight
-    gradients accumulate into fp32 ``main_grad`` (gradient-accumulation fusion). With FP8 the
+    gradients accumulate into ``main_grad`` (gradient-accumulation fusion; fp32 unless
+    ``lay.main_grad_bytes`` says 16 bits). With FP8 the
     input, weights and output gradient are cast as in :func:`sim.workload.megatron_ops._linear`
     (TE's multi-tensor casts do every expert in one launch). ``fused``: the quantized
     input and output gradient come from the neighbouring fused kernels (:class:`FusedEnds`).
@@ -56,7 +57,7 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
     y = b.t(f"{name}.out", rows * n_out, BF16)
     gy = b.t(f"{name}.g_out", rows * n_out, BF16)
     gx = b.t(f"{name}.g_in", rows * n_in, BF16)
-    gw = b.t(f"{name}.main_grad", experts * n_in * n_out, FP32)
+    gw = b.t(f"{name}.main_grad", experts * n_in * n_out, lay.main_grad_bytes)
 
     ends = fused or FusedEnds()
 

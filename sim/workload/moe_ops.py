@@ -150,6 +150,9 @@ class MoELayout:
     router_bytes: int = FP32
     """Bytes of a routing element (logits, scores, probs), ``moe_router_dtype``
     (:func:`sim.workload.moe_router_ops.router_dtype_bytes`): 4 for fp32, 2 when unset."""
+    main_grad_bytes: int = FP32
+    """Bytes of a ``main_grad`` element the expert and gate wgrad GEMMs accumulate into
+    (gradient-accumulation fusion): 2 where gradients are reduced in 16 bits."""
 
 
 @dataclass(frozen=True)

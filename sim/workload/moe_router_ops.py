@@ -64,7 +64,7 @@ def router_kernels(m: ModelSpec, lay: MoELayout, tokens: float
     b.save(x)
     glog = b.t("g_logits", tokens * e, r)
     gx = b.t("gate.g_in", tokens * h, BF16)
-    gw = b.t("gate.main_grad", e * h, FP32)
+    gw = b.t("gate.main_grad", e * h, lay.main_grad_bytes)
     wr = w
     cast: list[Kernel] = []
     if r != BF16:

@@ -48,6 +48,7 @@ from sim.frameworks.megatron.moe_rank_budget import (
     with_stash_copies,
 )
 from sim.frameworks.megatron.moe_ranks import RankExperts, rank_experts
+from sim.frameworks.megatron.optimizer_precision import main_grad_bytes
 from sim.frameworks.megatron.overlap import amax_reductions
 from sim.hardware.compute import ComputeModel
 from sim.program.mesh import Groups, RankMesh
@@ -217,6 +218,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     te_permute=True,
                     router_fusion=opts.moe_router_fusion,
                     router_bytes=router_dtype_bytes(opts.moe_router_dtype),
+                    main_grad_bytes=main_grad_bytes(opts, ctx.scenario.training.precision),
                     aux_loss=opts.moe_aux_loss_coeff > 0,
                     z_loss=opts.moe_z_loss_coeff is not None,
                     token_drop=None if ctx.model.moe is None or ctx.model.moe.capacity_factor

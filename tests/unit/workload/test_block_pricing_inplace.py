@@ -16,7 +16,15 @@ from sim.workload.block_pricing import price_block
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Tensor
 from sim.workload.layer_builder import _Builder
 from sim.workload.megatron_loss import vocab_parallel_loss
-from sim.workload.megatron_ops import STYLE, MegatronLayout, attention_block, head_block
+from sim.workload.megatron_ops import (
+    STYLE,
+    MegatronLayout,
+    attention_block,
+    embedding_block,
+    head_block,
+    megatron_blocks,
+    padded_vocab,
+)
 from sim.workload.model import ModelSpec
 from sim.workload.moe_ops import MoELayout, moe_layer_ops
 
@@ -154,3 +162,45 @@ def test_megatron_wgrads_accumulate_into_main_grad(fp8) -> None:
             assert k.writes[0] in blk.weight_grads and any(t is k.writes[0] for t in k.reads)
     c = price_block(blocks[0], STYLE, ComputeModel(catalog.gpu("b200")))
     assert c.bwd_transient_bytes == 4 * 4096 * m.hidden * BF16
+
+
+def test_wgrads_accumulate_in_the_main_grads_own_dtype() -> None:
+    # With grad_reduce_in_fp32 false Megatron's main_grad buffers are 16-bit, and the fused
+    # wgrad GEMM adds into them as they are (wgrad_gemm_accum_fp16; TE GroupedLinear's
+    # fuse_wgrad_accumulation writes its main_grad's dtype): 2 bytes an element, not 4, for
+    # every wgrad's accumulation target, dense, expert and router alike.
+    m = ModelSpec.from_ref("qwen3-30b-a3b", 4096)
+
+    def targets(nbytes: int) -> dict[str, float]:
+        lay = MegatronLayout(tp=1, main_grad_bytes=nbytes)
+        moe = moe_layer_ops(m, MoELayout(ep=8, main_grad_bytes=nbytes), 4096)
+        blocks = [*megatron_blocks(m, lay, 1, 4096).values(), moe.experts, moe.router]
+        return {k.writes[0].name: k.writes[0].nbytes for blk in blocks for k in blk.backward
+                if k.klass == "gemm" and k.name.endswith(".wgrad")}
+
+    fp32, bf16 = targets(FP32), targets(BF16)
+    assert set(fp32) == set(bf16) and len(fp32) >= 6
+    assert {"attn_main.qkv.main_grad", "moe_experts.fc1.main_grad",
+            "moe_router.gate.main_grad"} <= set(fp32)
+    assert all(bf16[k] * FP32 == fp32[k] * BF16 for k in fp32)
+    qkv_out = (m.heads + 2 * m.kv_heads) * m.head_dim
+    assert fp32["attn_main.qkv.main_grad"] == m.hidden * qkv_out * FP32
+
+
+@pytest.mark.parametrize("main_bytes", [FP32, BF16])
+def test_embedding_backward_moves_a_dense_gradient_into_main_grad(main_bytes: int) -> None:
+    # F.embedding's backward zero-fills a bf16 gradient of the whole local table and adds the
+    # tokens' rows in; Megatron-Core's DDP hook then adds it into main_grad (no fused
+    # accumulation for embeddings): vocab x hidden x (2 + 2 + 2 x main_grad bytes) bytes,
+    # plus the rows (the output gradient read, the table's rows written), every micro-batch.
+    # The dense gradient is a transient of the backward; main_grad is the framework's.
+    m = ModelSpec.from_ref("llama3-8b", 8192)
+    blk = embedding_block(m, MegatronLayout(tp=2, main_grad_bytes=main_bytes), 1, 8192)
+    vocab = padded_vocab(m, 2) // 2
+    rows = 8192 * m.hidden * BF16
+    table = vocab * m.hidden
+    moved = sum(k.nbytes for k in blk.backward)
+    ids = 8192 * 8
+    assert moved == table * (BF16 + BF16 + 2 * main_bytes) + 2 * rows + ids
+    c = price_block(blk, STYLE, H200)
+    assert c.bwd_transient_bytes >= table * BF16
