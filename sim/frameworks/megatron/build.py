@@ -254,12 +254,14 @@ class _Step:
         s = self.s
         for st in range(s.p) if s.dp * s.cp > 1 else ():
             if s.opts.use_megatron_fsdp:   # Megatron-FSDP: per-unit gathers and reduces
-                self.stage_buckets[st] = fsdp_ops(s, self.units, s.dp_groups(st), partial(
-                    self.keys, f"dp/{st}"), self.cpu_call, self.launch_after, self.insert_before)
+                self.stage_buckets[st], self.expert_stage_buckets[st] = fsdp_ops(
+                    s, self.units, s.dp_groups(st), partial(self.keys, f"dp/{st}"),
+                    self.cpu_call, self.launch_after, self.insert_before,
+                    expert_groups(self.s, st), partial(self.keys, f"edp/{st}"))
                 continue
             self.stage_buckets[st] = self._bucket_ops(
                 st, self.buckets[st], instance_groups(s.dp_groups(st), s.k_inst), "dp")
-        for st in range(s.p):
+        for st in range(s.p) if not s.opts.use_megatron_fsdp else ():
             groups = expert_groups(self.s, st)
             if groups is not None:
                 self.expert_stage_buckets[st] = self._bucket_ops(

@@ -154,3 +154,80 @@ def test_weight_casts_follow_what_the_gather_brings(gpu: str, fp8_gather: bool,
         "training": {"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 32,
                      "precision": "fp8", "activation_checkpointing": "none"}})
     assert megatron_shape(JobContext.from_scenario(s)).lay.weight_cast_share == share
+
+
+# ---------------------------------------------------------------- with experts
+# 4 layers, 8 experts of width 1024, top-2 (test_moe_rank_memory.py's small model), on two
+# 8-GPU nodes: EP 4 x expert-dp 4 for the experts, dp 16 for the rest (MoE parallel folding).
+TINY_MOE = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 2048,
+            "vocab": 32000, "experts": 8, "experts_per_token": 2, "moe_ffn_hidden": 1024}
+
+
+def _moe(fsdp: bool = True, ep: int = 4, **over: object):
+    fw = dict(FSDP) if fsdp else {k: v for k, v in FSDP.items() if k != "use_megatron_fsdp"}
+    fw.update(over)
+    return megatron_scenario({"tp": 1, "ep": ep}, gbs=16 * MICRO_BATCHES, framework=fw,
+                             model=TINY_MOE, nodes=2)
+
+
+def test_experts_are_sharded_over_expert_dp_and_move_zero3s_bytes() -> None:
+    # Each MoE layer's routed experts (8 / ep = 2 local experts of 3 x 1024 x 1024 weights)
+    # are gathered over expert-dp before the layer's forward and its backward and their
+    # gradients reduce-scattered there, every micro-batch; the rest over dp x cp. A rank
+    # holds 1/expert-dp of the experts' 16-bit weights and gradients and 1/dp of the rest.
+    s = _moe()
+    sh = megatron_shape(JobContext.from_scenario(s))
+    assert sh.moe is not None and (sh.dp, sh.moe.edp) == (16, 4)
+    e, n = sh.stage_expert_params(0), sh.stage_params(0)
+    assert e == 4 * 2 * 3 * 1024 * 1024
+    ops = [o for o in program(s).ops if o.name.startswith("fsdp expert")]
+    gathers = [o for o in ops if o.collective == "all_gather"]
+    scatters = [o for o in ops if o.collective == "reduce_scatter"]
+    assert len(gathers) == 2 * MICRO_BATCHES * 4 and len(scatters) == MICRO_BATCHES * 4
+    assert sum(o.nbytes for o in gathers) == pytest.approx(2 * MICRO_BATCHES * sh.act * e)
+    assert sum(o.nbytes for o in scatters) == pytest.approx(MICRO_BATCHES * sh.grad_bytes * e)
+    assert all(len(o.group) == 4 for o in ops)
+    dense = [o for o in program(s).ops if o.name.startswith("fsdp param all_gather")]
+    assert sum(o.nbytes for o in dense) == pytest.approx(2 * MICRO_BATCHES * sh.act * n)
+    assert all(len(o.group) == 16 for o in dense)
+    mem, full = sh.initial_memory(0), megatron_shape(
+        JobContext.from_scenario(_moe(fsdp=False))).initial_memory(0)
+    assert mem["parameters"] == pytest.approx(sh.act * (n / 16 + e / 4))
+    assert mem["gradients"] == pytest.approx(sh.grad_bytes * (n / 16 + e / 4))
+    assert mem["optimizer"] == pytest.approx(full["optimizer"])
+
+
+def test_an_moe_layer_waits_for_both_its_gathers() -> None:
+    ops = program(_moe()).ops
+    by_name = {o.name: o for o in ops}
+    dense, expert = by_name["fsdp param all_gather fwd mb0 1"], \
+        by_name["fsdp expert param all_gather fwd mb0 1"]
+    hook = next(o for o in ops if dense in o.deps)
+    assert expert in hook.deps and hook.layer == 1 and hook.phase == "fwd"
+
+
+def test_whole_experts_move_nothing() -> None:
+    # Expert TP 2 x EP 8 over the 16 GPUs: expert-dp 1, each rank's expert shards are its
+    # own, whole; only the rest of the model is gathered and reduced (over dp 8).
+    s = megatron_scenario({"tp": 2, "ep": 8, "etp": 2, "sequence_parallel": True},
+                          gbs=16 * MICRO_BATCHES, framework=dict(FSDP), model=TINY_MOE,
+                          nodes=2)
+    sh = megatron_shape(JobContext.from_scenario(s))
+    assert sh.moe is not None and (sh.dp, sh.moe.edp) == (8, 1)
+    ops = program(s).ops
+    assert not any(o.name.startswith("fsdp expert") for o in ops)
+    assert any(o.name.startswith("fsdp param all_gather") for o in ops)
+    assert sh.initial_memory(0)["gradients"] == pytest.approx(
+        sh.grad_bytes * (sh.stage_params(0) / 8 + sh.stage_expert_params(0)))
+
+
+@pytest.mark.parametrize("over,more,key", [
+    ({"moe_a2a_overlap": True}, {}, "framework.moe_a2a_overlap"),
+    ({}, {"precision": "fp8"}, "framework.use_megatron_fsdp"),
+])
+def test_refusals_with_experts_name_the_key(over: dict, more: dict, key: str) -> None:
+    fw = {**FSDP, **over}
+    s = megatron_scenario({"tp": 1, "ep": 4}, gbs=32, framework=fw, model=TINY_MOE, nodes=2,
+                          **more)
+    with pytest.raises(ScenarioError, match=key.replace(".", r"\.")):
+        program(s)
