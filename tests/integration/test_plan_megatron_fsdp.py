@@ -77,3 +77,29 @@ def test_no_fsdp_twin_beside_the_scenarios_cuda_graphs() -> None:
                          workers=1, max_simulations=1, compare_baseline=False,
                          pin=_pin(1, 1, "none"), frameworks=["megatron"])
     assert [c.status for c in result.candidates] == ["memory"]
+
+
+def test_fsdp_follows_bf16_moments_for_an_moe_layout_without_a_pipeline() -> None:
+    # Qwen3-30B-A3B on one DGX H100 at EP4 (expert-dp 2), micro-batch 1, no recomputation:
+    # with the distributed optimizer each GPU keeps its quarter of the experts' 16-bit
+    # weights and fp32 gradients whole, 92 GiB of model states with fp32 moments (more than
+    # the H100's 79.2 usable) and 70 with bf16 ones (too little left for the activations);
+    # Megatron-FSDP shards them over expert-dp (and the rest over dp 8), 45 GiB, and the
+    # layout fits. The twins come in the lever's order.
+    base = load_scenario("qwen3-30b-a3b-megatron-tp4pp2ep4-8xh100",
+                         ["training.global_batch_size=32"])
+    pin = {"parallelism.tp": 1, "parallelism.pp": 1, "parallelism.cp": 1,
+           "parallelism.ep": 4, "framework.cuda_graph_impl": "none",
+           "training.micro_batch_size": 1, "training.activation_checkpointing": "none",
+           "framework.moe_a2a_overlap": False}
+    result = plan.search(base, "time", top=1, workers=1, max_simulations=4,
+                         compare_baseline=False, pin=pin, frameworks=["megatron"])
+    fp32, bf16, fsdp = result.candidates
+    assert (fp32.status, bf16.status, fsdp.status) == ("memory", "memory", "simulated")
+    assert "bf16-moments" in bf16.layout.label()
+    assert {"fsdp", "bf16-moments"} <= set(fsdp.layout.label().split())
+    assert fp32.evaluation and bf16.evaluation and fsdp.evaluation
+    states = [c.evaluation.states_bytes / GIB for c in (fp32, bf16, fsdp)]
+    assert states[0] > 79.2 > states[1] > states[2]
+    assert fp32.reason.startswith("model states") and bf16.reason.startswith("estimate")
+    assert not simulate(plan.layout_scenario(base, fsdp.layout)).summary["oom"]

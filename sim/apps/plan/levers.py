@@ -1,6 +1,7 @@
 """Options the planner tries only where they can change the answer: memory levers (Megatron's
-bf16 Adam moments, then its activation offloading, for a mixture-of-experts layout that does
-not fit; Megatron-FSDP for a dense one without pipeline parallelism), and options that only
+bf16 Adam moments, then Megatron-FSDP or its activation offloading, for a mixture-of-experts
+layout that does not fit; Megatron-FSDP for a dense one without pipeline parallelism), and
+options that only
 save host time (Megatron's CUDA graphs) where they shorten the lower bound of the layout's
 eager twin. Part of ``fabricsim plan`` (:mod:`sim.apps.plan`; docs/planner.md).
 

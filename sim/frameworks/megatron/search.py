@@ -98,21 +98,23 @@ def megatron_options(pt: SearchPoint) -> Iterable[Options]:
 
 
 MEGATRON_FSDP: Options = (("use_megatron_fsdp", True),)
-"""Megatron-FSDP with ``optim_grads_params`` sharding (sim/frameworks/megatron/fsdp.py): the
-dense layout's memory lever."""
+"""Megatron-FSDP with ``optim_grads_params`` sharding (sim/frameworks/megatron/fsdp.py): a
+memory lever of layouts without a pipeline."""
 
 
 def megatron_memory_lever(pt: SearchPoint, options: Options) -> Options | None:
     """The options of the same layout that keep less state, tried where it does not fit.
 
-    A mixture-of-experts layout: bf16 Adam moments, then its experts' activations offloaded
-    (:func:`~sim.frameworks.megatron.search_moe.moe_memory_lever`). A dense layout without
-    pipeline parallelism and with more than one data- (or context-) parallel rank:
-    Megatron-FSDP (:data:`MEGATRON_FSDP`), which shards the 16-bit parameters and the
-    gradients too, as NVIDIA's GB200 Llama 3 70B and 405B recipes run at TP 1-2 without a
-    pipeline (NeMo 25.04-25.07, Megatron-Bridge 25.09: ``use_mcore_fsdp``); not beside CUDA
-    graphs or delayed weight gradients (Megatron-Bridge turns graphs off with it; this model
-    refuses both). None otherwise.
+    A dense layout: Megatron-FSDP (:data:`MEGATRON_FSDP`), which shards the 16-bit
+    parameters and the gradients too, as NVIDIA's GB200 Llama 3 70B and 405B recipes run at
+    TP 1-2 without a pipeline (NeMo 25.04-25.07, Megatron-Bridge 25.09: ``use_mcore_fsdp``).
+    A mixture-of-experts layout: bf16 Adam moments first; then Megatron-FSDP where this model
+    runs it with experts (16-bit, no MTP, no combined 1F1B overlap: the Megatron-MoE model
+    zoo's intra-node-EP Qwen3-235B solution), else the experts' activations offloaded
+    (:func:`~sim.frameworks.megatron.search_moe.moe_memory_lever`). Megatron-FSDP needs no
+    pipeline (pp and vp 1) and more than one data- (or context-) parallel rank, and stands
+    beside no CUDA graphs or delayed weight gradients (Megatron-Bridge turns graphs off with
+    it; this model refuses both). None where nothing is left.
 
     Examples
     --------
@@ -123,14 +125,30 @@ def megatron_memory_lever(pt: SearchPoint, options: Options) -> Options | None:
     True
     >>> megatron_memory_lever(SearchPoint(1, 4, 1, 16, 1, 80), ()) is None   # a pipeline
     True
+    >>> moe = SearchPoint(2, 1, 1, 128, 1, 94, experts=128, expert_width=1536, ep=8)
+    >>> from sim.frameworks.megatron.search_moe import BF16_MOMENTS
+    >>> dict(megatron_memory_lever(moe, BF16_MOMENTS)).get("use_megatron_fsdp")
+    True
     """
-    if pt.experts:
-        return moe_memory_lever(options)
     o = dict(options)
-    if (pt.pp > 1 or pt.vp > 1 or pt.dp * pt.cp == 1 or o.get("use_megatron_fsdp")
-            or o.get("cuda_graph_impl", "none") != "none" or o.get("delay_wgrad_compute")):
+    if pt.experts:
+        if o.get("use_precision_aware_optimizer") and _fsdp_allowed(pt, o) and \
+                not o.get("fine_grained_activation_offloading"):
+            return tuple(sorted({**o, **dict(MEGATRON_FSDP)}.items()))
+        return None if o.get("use_megatron_fsdp") else moe_memory_lever(options)
+    if not _fsdp_allowed(pt, o):
         return None
     return tuple(sorted({**o, **dict(MEGATRON_FSDP)}.items()))
+
+
+def _fsdp_allowed(pt: SearchPoint, o: dict[str, object]) -> bool:
+    """Megatron-FSDP as this model runs it (:mod:`sim.frameworks.megatron.fsdp`), not pulled
+    yet: no pipeline, more than one data-parallel rank, no CUDA graphs or delayed wgrad;
+    with experts also 16-bit, no MTP, no combined 1F1B overlap."""
+    if (pt.pp > 1 or pt.vp > 1 or pt.dp * pt.cp == 1 or o.get("use_megatron_fsdp")
+            or o.get("cuda_graph_impl", "none") != "none" or o.get("delay_wgrad_compute")):
+        return False
+    return not pt.experts or not (pt.fp8 or pt.mtp_layers or o.get("moe_a2a_overlap"))
 
 
 def a2a_overlap_allowed(pt: SearchPoint) -> bool:
