@@ -33,10 +33,10 @@ With experts (MoE parallel folding): a layer's routed experts are sharded over i
 expert-data-parallel group (``expt_dp``, Megatron-FSDP's expert parameter groups), the rest of
 the layer over dp x cp as before; the layer's pre-hook waits for both gathers (each on the
 gather stream, the next layer's both dispatched there), and its backward ends in a
-reduce-scatter over each group. With expert-dp 1 the experts stay whole and move nothing. So
-the Megatron-MoE-ModelZoo's intra-node-EP Qwen3-235B run (TP2, EP8, FSDP over DP128 / EDP32)
-is written as it ran. FP8, multi-token prediction and the combined 1F1B all-to-all overlap
-beside experts are not modelled (refused by key).
+reduce-scatter over each group. With expert-dp 1 the experts stay whole and move nothing
+(the ``published-moe`` suite holds the Megatron-MoE model zoo's intra-node-EP Qwen3-235B run:
+TP2, EP8, FSDP over DP128 / EDP32). FP8, multi-token prediction and the combined 1F1B
+all-to-all overlap beside experts are not modelled (refused by key).
 
 Not modelled: Megatron-FSDP's double buffering options and its bucket sizes beyond one unit.
 (``gradient_accumulation_fusion`` off is the option of that name, priced per linear.)
