@@ -158,10 +158,11 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
                              block_scaled=k.fp8_block)
         if any(r is w for w in k.writes for r in k.reads):
             # Accumulating (beta = 1, :func:`~sim.workload.kernels.accumulating`): the
-            # epilogue reads and writes its output, an fp32 main_grad under Megatron's
-            # gradient-accumulation fusion (8 bytes an element, where the GEMM's own floor
-            # counts a 16-bit write). Its HBM floor counts the kernel's own tensors; it binds
-            # for a wgrad over few tokens (a local expert's few hundred rows).
+            # epilogue reads and writes its output, a main_grad under Megatron's
+            # gradient-accumulation fusion (8 bytes an element in fp32, 4 in 16 bits, where
+            # the GEMM's own floor counts a 16-bit write). Its HBM floor counts the kernel's
+            # own tensors; it binds for a wgrad over few tokens (a local expert's few
+            # hundred rows).
             t = max(t, cm.membound_time(k.nbytes))
         return t
     if k.klass == "attention":

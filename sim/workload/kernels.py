@@ -211,9 +211,9 @@ def accumulating(k: Kernel, into: Tensor) -> Kernel:
     """``k`` adding its result into ``into`` in place (a GEMM with beta = 1): it reads the
     tensor it writes, so the tensor must exist already and nothing new is allocated.
     Megatron-Core's weight gradients (``gradient_accumulation_fusion``): the wgrad GEMM
-    accumulates into the parameter's persistent fp32 ``main_grad``
-    (``tensor_parallel/layers.py``, ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``;
-    Transformer Engine's ``fuse_wgrad_accumulation``).
+    accumulates into the parameter's persistent ``main_grad``
+    (``tensor_parallel/layers.py``, ``fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32``,
+    or ``_fp16`` for 16-bit main grads; Transformer Engine's ``fuse_wgrad_accumulation``).
 
     Examples
     --------

@@ -2,7 +2,7 @@
 
 Megatron's GPT/Llama layer with its fused kernels (apex/TE fused LayerNorm or RMSNorm,
 column-parallel QKV and fc1, row-parallel output projection and fc2, jit-fused
-bias-dropout-add and bias-GeLU, gradient-accumulation fusion into fp32 ``main_grad``),
+bias-dropout-add and bias-GeLU, gradient-accumulation fusion into ``main_grad``),
 following ``megatron/core/transformer`` (local spec) and ``megatron/core/tensor_parallel``.
 Parameters and activations are 16-bit; there is no autocast.
 
@@ -89,8 +89,9 @@ class MegatronLayout:
     """``fp8_dot_product_attention`` (TE's ``fp8_dpa``): the fused attention runs in FP8, MXFP8
     under the mxfp8 recipe (:func:`fp8_attention_inputs`)."""
     grad_accumulation_fusion: bool = True
-    """``gradient_accumulation_fusion``: each wgrad GEMM adds into the fp32 ``main_grad``;
-    off, it writes a 16-bit gradient that one elementwise kernel then adds there."""
+    """``gradient_accumulation_fusion``: each wgrad GEMM adds into ``main_grad`` (in its
+    dtype, :attr:`main_grad_bytes`); off, it writes a 16-bit gradient that one elementwise
+    kernel then adds there."""
     main_grad_bytes: int = FP32
     """Bytes of a ``main_grad`` element (2 when gradients are reduced in 16 bits): what the
     unfused accumulation's add reads and writes."""
@@ -233,7 +234,8 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
             lay: MegatronLayout | None = None, g_out: Tensor | None = None,
             grad_in_output: bool = False, after_norm: bool = False) -> Tensor:
     """A tensor-parallel linear on the local shard; weight gradient accumulated straight into
-    the fp32 main_grad by the wgrad GEMM (gradient_accumulation_fusion).
+    main_grad (fp32, or 16-bit with ``lay.main_grad_bytes`` 2) by the wgrad GEMM
+    (gradient_accumulation_fusion), else added there by one kernel.
 
     With FP8 (``lay.fp8``, Transformer Engine's ``Linear``/``LayerNormLinear`` under
     ``fp8_autocast``, ``transformer_engine/pytorch/module/linear.py``): the input is cast to
@@ -241,7 +243,7 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     so the wgrad needs the transposed copy), which is what is saved for backward (1 byte per
     element instead of 2); the weight is cast the same way once per step; backward casts the
     output gradient to E5M2 with its transpose; the three GEMMs run on FP8 operands with
-    16-bit (fwd, dgrad) or fp32 main_grad (wgrad) outputs. The ``tensorwise`` recipe (current
+    16-bit (fwd, dgrad) or main_grad (wgrad) outputs. The ``tensorwise`` recipe (current
     scaling) first reduces each tensor's amax in its own pass; ``delayed`` scaling takes the
     scale from the amax history and records the new amax inside the cast. Where TE fuses the
     cast into the preceding norm or activation kernel we still count it as its own pass.

@@ -156,8 +156,8 @@ def fsdp_ops(s: MegatronShape, units: dict[tuple[str, int, int], UnitOps],
     def collective(expert: bool, what: str, part: int | str, mb: int, nbytes: float,
                    deps: tuple[Op, ...] = ()) -> Op:
         """A gather (``what`` "fwd"/"bwd") or the gradients' reduce-scatter ("grad")."""
-        g = expert_groups if expert else groups
-        assert g is not None
+        g, next_key = (expert_groups, expert_key) if expert else (groups, key)
+        assert g is not None and next_key is not None
         gather = what != "grad"
         coll: Literal["all_gather", "reduce_scatter"] = \
             "all_gather" if gather else "reduce_scatter"
@@ -165,7 +165,7 @@ def fsdp_ops(s: MegatronShape, units: dict[tuple[str, int, int], UnitOps],
         return Op(name=f"fsdp {'expert ' if expert else ''}{label} mb{mb} {part}",
                   kind="collective", stream=GATHER_STREAM if gather else "dp", phase="comm",
                   collective=coll, group=g[0], groups=g, nbytes=nbytes,
-                  key=(expert_key or key)() if expert else key(),
+                  key=next_key(),
                   dtype=s.act_dtype if gather else s.grad_dtype, category=coll,
                   cpu_s=cpu_s, deps=list(deps), micro_batch=mb)
 

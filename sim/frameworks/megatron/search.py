@@ -129,12 +129,18 @@ def megatron_memory_lever(pt: SearchPoint, options: Options) -> Options | None:
     >>> from sim.frameworks.megatron.search_moe import BF16_MOMENTS
     >>> dict(megatron_memory_lever(moe, BF16_MOMENTS)).get("use_megatron_fsdp")
     True
+    >>> dict(megatron_memory_lever(moe, MEGATRON_FSDP))["exp_avg_dtype"]   # FSDP as given
+    'bf16'
+    >>> megatron_memory_lever(moe, BF16_MOMENTS + MEGATRON_FSDP) is None
+    True
     """
     o = dict(options)
     if pt.experts:
-        if o.get("use_precision_aware_optimizer") and _fsdp_allowed(pt, o) and \
-                not o.get("fine_grained_activation_offloading"):
+        if not o.get("use_precision_aware_optimizer"):
+            return moe_memory_lever(options)        # bf16 moments first, FSDP or not
+        if _fsdp_allowed(pt, o) and not o.get("fine_grained_activation_offloading"):
             return tuple(sorted({**o, **dict(MEGATRON_FSDP)}.items()))
+        # Moments and FSDP pulled: offloading beside FSDP is not one of the levers.
         return None if o.get("use_megatron_fsdp") else moe_memory_lever(options)
     if not _fsdp_allowed(pt, o):
         return None
