@@ -49,8 +49,8 @@ from __future__ import annotations
 from sim.workload.checkpoint_without_output import checkpoint_calls, restore_copy
 from sim.workload.layer_ops import BF16, FP32, Block, Kernel, Tensor, _Builder
 from sim.workload.layer_rules import FP8
+from sim.workload.megatron_host_ops import MLA_ROPE_FUSION_SAVED_OPS
 from sim.workload.megatron_ops import (
-    MLA_ROPE_FUSION_SAVED_OPS,
     STYLE,
     MegatronLayout,
     _bias_dropout_add,
@@ -251,7 +251,7 @@ def _fused_rope(b: _Builder, q: Tensor, kv: Tensor, k_pos: Tensor, tokens: float
 # the two identity latent norms (the norms are fused into the up projections' TE modules),
 # two views, ``unsqueeze``, the context-parallel rank and size, the two fused rotary
 # applications and three ``contiguous`` (12; unfused rotary embedding: the five more calls
-# :data:`sim.workload.megatron_ops.MLA_ROPE_FUSION_SAVED_OPS` counts).
+# :data:`sim.workload.megatron_host_ops.MLA_ROPE_FUSION_SAVED_OPS` counts).
 MLA_UP_CKPT_IO = (4, 3)
 """Tensor inputs and outputs of ``qkv_up_proj_and_rope_apply``."""
 MLA_UP_CKPT_RERUN = 12

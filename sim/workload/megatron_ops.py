@@ -99,63 +99,6 @@ class MegatronLayout:
 
 STYLE = Style("bf16")
 
-# Python-level torch operations Megatron issues per block (forward ops; backward autograd
-# nodes), counted from Megatron's layer code (ParallelTransformerLayer, ParallelAttention,
-# CoreAttention, ParallelMLP; Megatron-DeepSpeed and megatron/core local spec): attention =
-# QKV ColumnParallelLinear (copy-to-region + linear), view and split, core attention (views
-# and transposes, baddbmm, view, fused softmax with its views, the CUDA RNG tracker's state
-# save/restore around dropout, dropout, bmm, permute/contiguous/view), RowParallelLinear
-# (linear + all-reduce), bias expand + fused bias-dropout-add; MLP = two linears with their
-# region functions, fused bias-GeLU, bias-dropout-add. Many are views that launch no kernel
-# but cost the CPU as much; a tiny layer is bound by them.
-PYTHON_OPS = {"attn_pre": (1, 1), "attn_main": (30, 24), "mlp_pre": (1, 1),
-              "mlp_main": (7, 6), "embed": (10, 5), "head": (16, 8)}
-# With Transformer Engine (megatron/core/extensions/transformer_engine.py) a layer is a few
-# module calls: fused LayerNorm+QKV linear, rotary embedding, TE dot-product attention, row-
-# parallel linear, bias-dropout-add; fused LayerNorm+fc1, activation, fc2, bias-dropout-add.
-PYTHON_OPS_TE = {"attn_pre": (0, 0), "attn_main": (8, 6), "mlp_pre": (0, 0),
-                 "mlp_main": (5, 4), "embed": (10, 5), "head": (16, 8)}
-# Qwen3's query and key norms (qk_layernorm): one module call each in forward, one autograd
-# node each in backward (SelfAttention.get_query_key_value_tensors).
-QK_NORM_OPS = (2, 2)
-
-
-# Multi-head Latent Attention's calls beyond a TE layer's attention (MLASelfAttention.forward
-# and get_query_key_value_tensors): q projection, kv down projection, its split, the latent
-# norm, kv up projection, two views, unsqueeze, two splits, two rotary applications, expand,
-# two concatenations, three contiguous copies, core attention, output projection and
-# bias-dropout-add are 21 against PYTHON_OPS_TE's 8; a query latent adds its down projection
-# and norm. As many autograd nodes in backward.
-MLA_OPS = 13
-MLA_Q_LATENT_OPS = 2
-# With apply_rope_fusion the two splits, two rotary applications, the expand and the two
-# concatenations (7 calls) are fused_apply_mla_rope_for_q and _for_kv (2 calls).
-MLA_ROPE_FUSION_SAVED_OPS = 5
-
-
-def python_ops(m: ModelSpec, legacy: bool, rope_fusion: bool = False
-               ) -> dict[str, tuple[int, int]]:
-    """Python-level (forward, backward) ops per block: :data:`PYTHON_OPS` for Megatron's
-    local layers (``legacy``), :data:`PYTHON_OPS_TE` for Transformer Engine's, plus the
-    query/key norms' or latent attention's calls when the model has them (fewer with MLA's
-    fused rotary kernels, ``rope_fusion``)."""
-    ops = dict(PYTHON_OPS if legacy else PYTHON_OPS_TE)
-    extra = (QK_NORM_OPS[0], QK_NORM_OPS[1]) if m.qk_norm else (0, 0)
-    if m.mla is not None:
-        n = MLA_OPS + (MLA_Q_LATENT_OPS if m.mla.q_lora_rank else 0) \
-            - (MLA_ROPE_FUSION_SAVED_OPS if rope_fusion else 0)
-        extra = (extra[0] + n, extra[1] + n)
-    f, b = ops["attn_main"]
-    ops["attn_main"] = (f + extra[0], b + extra[1])
-    # A sliding-window layer makes the same module calls (the window is a kernel argument).
-    ops[WINDOWED] = ops["attn_main"]
-    return ops
-
-
-# Extra ops of a checkpointed layer's recompute: RNG states saved and restored (CPU and
-# CUDA), inputs detached (megatron/core/tensor_parallel/random.py CheckpointFunction).
-CHECKPOINT_OPS = 6
-
 
 def _local(m: ModelSpec, lay: MegatronLayout) -> tuple[int, int, int, int, int]:
     """Per-rank (q width, kv width, heads, kv heads, ffn width) under tensor parallelism."""

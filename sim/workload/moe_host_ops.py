@@ -1,5 +1,5 @@
 """Host (CPU) calls of one Megatron-Core MoE layer, counted from the source as the dense
-layer's are (:data:`sim.workload.megatron_ops.PYTHON_OPS_TE`).
+layer's are (:data:`sim.workload.megatron_host_ops.PYTHON_OPS_TE`).
 
 A dense Transformer Engine layer's host time is its Python-level calls (torch ops, views and
 module calls) times the per-call cost Megatron's builder fits (``MEGATRON_CPU_S_PER_OP``, on
@@ -263,6 +263,10 @@ SHARED = (5, 6)
 # module; TEGroupedMLP and its two GroupedLinear modules, whose backward is two _GroupedLinear
 # bodies; the shared experts' MLP, counted as PYTHON_OPS_TE counts a dense MLP).
 MODULES: dict[str, tuple[int, int]] = {"router": (1, 0), "experts": (3, 2), "shared": SHARED}
+# Of the backward module calls, the Python bodies of Transformer Engine Functions (priced as
+# :func:`sim.workload.megatron_host_ops.backward_host_s` prices them): the two _GroupedLinear
+# bodies; the shared MLP's _LayerNormLinear / _Linear bodies, as TE_FUNCTION_BWD's mlp_main.
+TE_FUNCTIONS_BWD: dict[str, int] = {"experts": 2, "shared": 2}
 
 
 @dataclass(frozen=True)
@@ -276,6 +280,8 @@ class HostCalls:
     cpp_bwd: int = 0
     mod_fwd: int = 0
     mod_bwd: int = 0
+    te_bwd: int = 0
+    """Of ``mod_bwd``, Transformer Engine Function bodies (:data:`TE_FUNCTIONS_BWD`)."""
 
     @property
     def total(self) -> tuple[int, int]:
@@ -384,11 +390,12 @@ def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
     n = 2 * c.local_experts
     mr, me = MODULES["router"], MODULES["experts"]
     out = {"router": HostCalls(r[0] - mr[0], r[1] - mr[1], 0, 0, *mr),
-           "experts": HostCalls(e[0] - me[0], e[1] - me[1], per[0] * n, per[1] * n, *me),
+           "experts": HostCalls(e[0] - me[0], e[1] - me[1], per[0] * n, per[1] * n, *me,
+                                TE_FUNCTIONS_BWD["experts"]),
            "combine": HostCalls(*d["combine"])}
     for k in ("ag_permute", "ag_combine"):
         if k in d:
             out[k] = HostCalls(*d[k])
     if c.shared:
-        out["shared"] = HostCalls(0, 0, 0, 0, *MODULES["shared"])
+        out["shared"] = HostCalls(0, 0, 0, 0, *MODULES["shared"], TE_FUNCTIONS_BWD["shared"])
     return out

@@ -27,10 +27,10 @@ MOE = {"layers": 2, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 204
 K, SEQ = 4, 1024
 
 
-def _scn(**fw: object):
+def _scn(model: dict | None = None, **fw: object):
     fw = {"moe_token_dispatcher_type": "flex", "moe_flex_dispatcher_backend": "hybridep",
           "distributed_optimizer": True, "use_transformer_engine_op_fuser": True, **fw}
-    return megatron_scenario({"tp": 1, "ep": 8}, 8, model=MOE, seq=SEQ, nodes=1, gpn=8,
+    return megatron_scenario({"tp": 1, "ep": 8}, 8, model=model or MOE, seq=SEQ, nodes=1, gpn=8,
                              framework={"name": "megatron", **fw})
 
 
@@ -66,8 +66,11 @@ def test_budget_and_stash_hold_the_experts_saved_bytes_at_their_closed_forms() -
 
 def test_paged_stash_pays_one_copy_each_way_and_never_speeds_the_step() -> None:
     fw = {"moe_expert_rank_capacity_factor": 1.5}
-    plain = simulate(_scn(**fw)).summary["step_time_s"]
-    stashed = simulate(_scn(**fw, moe_paged_stash=True)).summary["step_time_s"]
+    # Experts wide enough for the GPU to pace the step (at MOE's width the host's Python does,
+    # and the stash's copies hide behind it).
+    wide = dict(MOE, moe_ffn_hidden=8192)
+    plain = simulate(_scn(wide, **fw)).summary["step_time_s"]
+    stashed = simulate(_scn(wide, **fw, moe_paged_stash=True)).summary["step_time_s"]
     assert stashed > plain
     names = [op.name for op in _program(**fw, moe_paged_stash=True).ops]
     assert names == [op.name for op in _program(**fw).ops]   # inside the experts' ops

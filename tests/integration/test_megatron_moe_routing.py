@@ -23,8 +23,8 @@ TINY = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 20
 SEQ = 2048
 
 
-def _scn(routing: dict | None = None, ep: int = 8, seed: int = 0):
-    s = megatron_scenario({"tp": 1, "ep": ep}, 8, model=TINY, seq=SEQ)
+def _scn(routing: dict | None = None, ep: int = 8, seed: int = 0, model: dict | None = None):
+    s = megatron_scenario({"tp": 1, "ep": ep}, 8, model=model or TINY, seq=SEQ)
     if routing is None:
         return s
     tr = s.training.model_copy(update={"routing": Routing(**routing)})
@@ -50,8 +50,11 @@ def test_balanced_and_zipf_zero_are_the_default_program() -> None:
 
 
 def test_skew_never_speeds_the_step() -> None:
-    base = _summary(_scn())
-    steps = [_summary(_scn({"distribution": "zipf", "s": s}))["step_time_s"]
+    # Experts wide enough for the GPU to pace the step (TINY's are host-bound: its Python
+    # issues slower than its GPU runs, and skew then shows in no step time).
+    wide = dict(TINY, moe_ffn_hidden=8192)
+    base = _summary(_scn(model=wide))
+    steps = [_summary(_scn({"distribution": "zipf", "s": s}, model=wide))["step_time_s"]
              for s in (0.25, 1.0, 2.0)]
     assert all(t > base["step_time_s"] for t in steps)
     assert steps == sorted(steps)

@@ -79,9 +79,8 @@ from sim.program.ir import CollectiveOp, NcclType, Op, Phase, Program, RankClass
 from sim.program.mesh import Groups, Pairs, RankMesh
 from sim.scenario import DeepSpeedOptions
 from sim.workload.layer_ops import BlockCost, price_block
+from sim.workload.megatron_host_ops import CHECKPOINT_OPS, PYTHON_OPS
 from sim.workload.megatron_ops import (
-    CHECKPOINT_OPS,
-    PYTHON_OPS,
     STYLE,
     MegatronLayout,
     megatron_blocks,

@@ -35,8 +35,14 @@ from sim.frameworks.megatron.unit_ops import op_category as _cat
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Op
 from sim.workload.layer_ops import kernel_time
+from sim.workload.megatron_host_ops import (
+    CHECKPOINT_OPS,
+    backward_host_s,
+    python_ops,
+    te_function_bwd,
+)
 from sim.workload.megatron_mla import mla_gather_width
-from sim.workload.megatron_ops import CHECKPOINT_OPS, WINDOWED, attention_key, python_ops
+from sim.workload.megatron_ops import WINDOWED, attention_key
 
 """(F|B, virtual stage, micro-batch)."""
 
@@ -90,7 +96,8 @@ class LayerCosts:
 def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> LayerCosts:
     """Price the units' ops: GPU time of each block's kernels, and the host time Megatron's
     Python needs to issue them (PYTHON_OPS x ``cpu_s_per_op``; backward autograd nodes cost
-    half): the engine starts an op only once the host has issued it."""
+    half, Transformer Engine's Function bodies more: :func:`backward_host_s`): the engine
+    starts an op only once the host has issued it."""
     cost, blocks = s.cost, s.blocks
     py_ops = python_ops(s.model, s.legacy, s.lay.rope_fusion)
     # Selective recomputation drops what core attention saves beyond its inputs: the
@@ -129,7 +136,8 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
         fwd_s={k: c.fwd_gpu_s for k, c in cost.items()},
         bwd_s={k: c.bwd_gpu_s for k, c in cost.items()},
         fwd_cpu={k: py_ops[k][0] * cpu_s_per_op for k in cost},
-        bwd_cpu={k: py_ops[k][1] * cpu_s_per_op / 2 for k in cost},
+        bwd_cpu={k: backward_host_s(py_ops[k][1], 0 if s.legacy else te_function_bwd(s.model, k),
+                                    cpu_s_per_op) for k in cost},
         cpu_call=cpu_s_per_op, ckpt_cpu=CHECKPOINT_OPS * cpu_s_per_op, core_fwd_s=core_fwd_s,
         col_gemm_s={lin: (sum(kernel_time(cm, k) for k in blocks[blk].backward
                               for n in _column_linears(s, lin)

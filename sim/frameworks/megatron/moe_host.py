@@ -11,6 +11,7 @@ from sim.hardware.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S
 from sim.program.ir import Op
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, CUBLASLT_CALL_CPU_S
+from sim.workload.megatron_host_ops import backward_host_s
 from sim.workload.moe_host_ops import HostCalls, MoEHostConfig, moe_host_calls
 from sim.workload.moe_ops import MoELayout
 
@@ -36,20 +37,20 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
 
 def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: str,
              cpu_call: float, launched: int = 0, gemms: int = 0) -> None:
-    """Price ``op``'s host time by its component's calls: ``cpu_call`` a module call (half
-    in backward), an eager op's cost a plain torch call; at least the kernels it already pays
-    for. Its ``cpu_s`` holds its kernels' cost, ``launched`` of them C++ launches at
-    :data:`CPP_LAUNCH_CPU_S` (TE's per-expert quantizations) and ``gemms`` per-expert
-    cuBLASLt GEMM calls at :data:`CUBLASLT_CALL_CPU_S`. The per-expert C++ objects are built
-    by the same calls as the quantizations (``split_quantize`` builds an expert's quantized
-    tensor and launches its quantization), so the larger of those two counts; a GEMM call
-    builds none of them (the split views, weight casts and saved tensors are made before it)
-    and adds."""
+    """Price ``op``'s host time by its component's calls: ``cpu_call`` a module call (half in
+    backward, but a TE Function body as :func:`backward_host_s` prices it), an eager op's cost a
+    plain torch call; at least the kernels it already pays for. Its ``cpu_s`` holds its kernels'
+    cost, ``launched`` of them C++ launches at :data:`CPP_LAUNCH_CPU_S` (TE's per-expert
+    quantizations) and ``gemms`` per-expert cuBLASLt GEMM calls at :data:`CUBLASLT_CALL_CPU_S`.
+    The per-expert C++ objects are built by the same calls as the quantizations
+    (``split_quantize`` builds an expert's quantized tensor and launches its quantization), so
+    the larger of those two counts; a GEMM call builds none of them (the split views, weight
+    casts and saved tensors are made before it) and adds."""
     h = calls.get(component) if calls is not None else None
     if h is None:
         return
     if phase == "bwd":
-        py = h.bwd * EAGER_BWD_OP_CPU_S + h.mod_bwd * cpu_call / 2
+        py = h.bwd * EAGER_BWD_OP_CPU_S + backward_host_s(h.mod_bwd, h.te_bwd, cpu_call)
         cpp = h.cpp_bwd
     else:
         py = h.fwd * EAGER_FWD_OP_CPU_S + h.mod_fwd * cpu_call

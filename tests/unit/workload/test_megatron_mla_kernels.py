@@ -106,7 +106,7 @@ def test_fusion_saves_the_same_activations_and_moves_fewer_bytes(tp) -> None:
 def test_fused_rope_issues_five_fewer_python_calls_each_way() -> None:
     # Unfused: two splits, two rotary applications, expand, two concatenations (7 calls,
     # qkv_up_proj_and_rope_apply); fused: fused_apply_mla_rope_for_q and _for_kv (2).
-    from sim.workload.megatron_ops import python_ops
+    from sim.workload.megatron_host_ops import python_ops
     m = ModelSpec.from_ref("deepseek-v3")
     plain, fused = python_ops(m, False), python_ops(m, False, rope_fusion=True)
     assert (plain["attn_main"][0] - fused["attn_main"][0],
