@@ -67,7 +67,15 @@ def backward_host_s(nodes: int, te_functions: int, cpu_call: float) -> float:
 
 def te_function_bwd(m: ModelSpec, key: str) -> int:
     """Transformer Engine Function bodies among block ``key``'s backward nodes
-    (:data:`TE_FUNCTION_BWD`, MLA's extra linears; a windowed attention block as any)."""
+    (:data:`TE_FUNCTION_BWD`, MLA's extra linears; a windowed attention block as any).
+
+    Examples
+    --------
+    >>> te_function_bwd(ModelSpec.from_ref("llama3-8b"), "attn_main")
+    3
+    >>> te_function_bwd(ModelSpec.from_ref("deepseek-v3"), "attn_main")   # MLA, query latent
+    6
+    """
     if key == WINDOWED:
         key = "attn_main"
     n = TE_FUNCTION_BWD.get(key, 0)
