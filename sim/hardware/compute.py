@@ -52,6 +52,10 @@ GemmPass = Literal["fwd", "dgrad", "wgrad"]
 # Backward runs in the C++ autograd engine, without Python between kernels: half as much.
 EAGER_FWD_OP_CPU_S = 10e-6
 EAGER_BWD_OP_CPU_S = 5e-6
+VIEW_CPU_S = 1.5e-6
+"""Host seconds of one view made in C++ with no Python of its own (``narrow``, ``view``, each
+output of ``torch.split``): the dispatcher plus a TensorImpl and its autograd view metadata,
+no kernel; an estimate (no published per-view measurement), used where a call makes many."""
 # Under torch.compile (inductor) each kernel is launched from the generated wrapper's call()
 # through CachingAutotuner.run and the Triton launcher: 6.8 us per kernel without arguments,
 # 9.1 us with 19 (tritonbench PR #1017, "Profile inductor launch overhead", 2026, on GB200;

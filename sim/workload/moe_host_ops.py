@@ -123,9 +123,11 @@ ALLTOALL: dict[str, tuple[int, int]] = {
     # three Triton launches, the permute launch, three allocations); backward: its Function
     # body (allocation, unpermute launch, probs launch).
     "permute_fused": (8, 3),
-    # permute, unfused dropless: bool, T, contiguous, arange, unsqueeze, expand, masked_select,
-    # T, contiguous, masked_select, index_select. Nodes: index_select, masked_select, T.
-    "permute": (11, 3),
+    # permute, unfused dropless (Megatron-Core since e19fbe2e, 2026-03-06: a fixed-shape
+    # argsort where 0.14 had masked_select): bool, T, contiguous, reshape, argsort, slice,
+    # remainder, T, contiguous, reshape, index, index_select. Nodes: index_select, index,
+    # reshape, contiguous's clone, T.
+    "permute": (12, 5),
     # unfused drop_and_pad: to, T, contiguous, argsort, slice, contiguous, view, T, contiguous,
     # view, arange, unsqueeze, view, mul, add, view, index_select x2. Nodes: 4.
     "permute_pad": (18, 4),
@@ -134,21 +136,29 @@ ALLTOALL: dict[str, tuple[int, int]] = {
     "token_dispatch": (4, 4),
     # dispatch_postprocess with local experts > 1, fused: ravel, moe_sort_chunks_by_index_
     # with_probs (apply, make_chunk_sort_map launch, sort launch, two allocations). Unfused
-    # sort_chunks_by_idxs: tolist, split, cat, split, cat, ravel. drop_and_pad: view,
-    # transpose, contiguous, flatten for tokens and probs.
+    # sort_chunks_by_idxs: ravel; split_sizes.tolist, split, sorted_idxs.tolist, cat for the
+    # tokens and again for the probs (nodes: two CatBackward, two SplitWithSizesBackward;
+    # the split's views are :data:`CHUNK_VIEWS`). drop_and_pad: view, transpose,
+    # contiguous, flatten for tokens and probs.
     "sort_fused": (6, 3),
-    "sort": (6, 4),
+    "sort": (9, 4),
     "sort_pad": (8, 4),
-    # combine_preprocess's unsort: the same as the sort (tokens only): fused 5, unfused 4,
-    # drop_and_pad 4.
+    # combine_preprocess's unsort: the same as the sort (tokens only): fused 5; unfused T,
+    # ravel, two tolist, split, cat; drop_and_pad 4.
     "unsort_fused": (5, 2),
-    "unsort": (4, 2),
+    "unsort": (6, 2),
     "unsort_pad": (4, 2),
     # token_combine: one all_to_all wrapper; combine_postprocess: unpermute (fused: apply,
     # launch, allocation; unfused: zeros, unsqueeze, expand, scatter_add_, to), view.
     "combine_fused": (6, 4),
     "combine": (8, 5),
 }
+
+CHUNK_VIEWS: dict[str, tuple[int, int]] = {"sort": (2, 2), "unsort": (1, 1)}
+"""Views per (source rank, local expert) chunk of the unfused ``sort_chunks_by_idxs``
+(forward, backward): each ``torch.split`` makes one a chunk (tokens and probs in the sort,
+tokens in the unsort), each ``CatBackward`` narrows the gradient into one a chunk; priced at
+:data:`sim.hardware.compute.VIEW_CPU_S` each."""
 
 # ------------------------------------------------ flex dispatcher (DeepEP, _DeepepManager)
 FLEX: dict[str, tuple[int, int]] = {
@@ -282,6 +292,9 @@ class HostCalls:
     mod_bwd: int = 0
     te_bwd: int = 0
     """Of ``mod_bwd``, Transformer Engine Function bodies (:data:`TE_FUNCTIONS_BWD`)."""
+    views_fwd: int = 0
+    """Views made in C++ by one call (the unfused chunk sort's splits, :data:`CHUNK_VIEWS`)."""
+    views_bwd: int = 0
 
     @property
     def total(self) -> tuple[int, int]:
@@ -306,6 +319,9 @@ class MoEHostConfig:
     z_loss: bool = False
     token_drop: Literal["drop", "pad"] | None = None
     permute_fusion: bool = True
+    chunk_sources: int = 1
+    """Ranks whose tokens the chunk sort orders (expert-TP x EP): the unfused sort splits
+    ``chunk_sources x local_experts`` chunks."""
     bias: bool = False
     clamp: bool = False
     shared: bool = False
@@ -368,6 +384,21 @@ def dispatch_calls(c: MoEHostConfig) -> dict[str, tuple[int, int]]:
             "combine": ALLTOALL["combine_fused" if c.permute_fusion else "combine"]}
 
 
+def chunk_views(c: MoEHostConfig) -> tuple[int, int]:
+    """Views (forward, backward) of the ``alltoall`` dispatcher's unfused chunk sort and
+    unsort: none when fused, padded, or with one local expert (no sort).
+
+    >>> chunk_views(MoEHostConfig(local_experts=8, permute_fusion=False, chunk_sources=16))
+    (384, 384)
+    """
+    if (c.permute_fusion or c.dispatcher != "alltoall" or c.token_drop == "pad"
+            or c.local_experts < 2):
+        return 0, 0
+    chunks = c.chunk_sources * c.local_experts
+    return (chunks * (CHUNK_VIEWS["sort"][0] + CHUNK_VIEWS["unsort"][0]),
+            chunks * (CHUNK_VIEWS["sort"][1] + CHUNK_VIEWS["unsort"][1]))
+
+
 def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
     """Host calls per component of one MoE layer (``router``, ``experts``, ``combine``,
     ``shared``) on one rank, for one forward (and its backward)."""
@@ -391,7 +422,7 @@ def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
     mr, me = MODULES["router"], MODULES["experts"]
     out = {"router": HostCalls(r[0] - mr[0], r[1] - mr[1], 0, 0, *mr),
            "experts": HostCalls(e[0] - me[0], e[1] - me[1], per[0] * n, per[1] * n, *me,
-                                TE_FUNCTIONS_BWD["experts"]),
+                                TE_FUNCTIONS_BWD["experts"], *chunk_views(c)),
            "combine": HostCalls(*d["combine"])}
     for k in ("ag_permute", "ag_combine"):
         if k in d:

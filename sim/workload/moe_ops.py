@@ -53,6 +53,7 @@ from sim.workload.megatron_ops import MegatronLayout, _linear
 from sim.workload.model import ModelSpec
 from sim.workload.moe_grouped_mlp import fused_glu_mlp, grouped_linear
 from sim.workload.moe_router_ops import INT32, STYLE, permute_kernels, router_kernels
+from sim.workload.moe_torch_permute import torch_sort_chunks, torch_unpermute_kernels
 
 # Rows per expert an FP8 grouped GEMM needs (megatron/core/fp8_utils.py get_fp8_align_size:
 # 16 for every recipe but MXFP8, 32 for MXFP8's 32-element scale blocks).
@@ -130,6 +131,10 @@ class MoELayout:
     before the permute kernel, and ``moe_sort_chunks_by_index`` its chunk map before the sort
     (``transformer_engine/pytorch/triton/permutation.py``); else one kernel each, as
     torchtitan's permutation is priced."""
+    torch_permute: bool = False
+    """Megatron-Core's unfused permutations (``moe_permute_fusion`` off): PyTorch's argsort,
+    ``index_select``, ``scatter_add_`` and ``split`` / ``cat``
+    (:mod:`sim.workload.moe_torch_permute`); not with ``te_permute``."""
     gemm_per_expert: bool = False
     """The grouped GEMMs run as Transformer Engine's ``GroupedLinear`` does by default on
     Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
@@ -153,6 +158,10 @@ class MoELayout:
     main_grad_bytes: int = FP32
     """Bytes of a ``main_grad`` element the expert and gate wgrad GEMMs accumulate into
     (gradient-accumulation fusion): 2 where gradients are reduced in 16 bits."""
+
+    def __post_init__(self) -> None:
+        if self.te_permute and self.torch_permute:
+            raise ValueError("te_permute and torch_permute are two ways of one permutation")
 
 
 @dataclass(frozen=True)
@@ -252,7 +261,14 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     x = b.t("in", rows * h, BF16)
     probs = b.t("probs", rows, lay.router_bytes)
     b.block.inputs += [x, probs]
-    if len(counts) > 1:
+    if len(counts) > 1 and lay.torch_permute and lay.token_drop != "pad":
+        # sort_chunks_by_idxs unfused: torch.split by (source rank, local expert), torch.cat
+        # in local-expert order, for the tokens and the probs (and their gradients back).
+        xs_, ps_ = torch_sort_chunks(b, "sort_chunks", x, probs, rows, h, lay.router_bytes,
+                                     lay.ep * lay.etp * len(counts))
+        assert ps_ is not None
+        x, probs = xs_, ps_
+    elif len(counts) > 1:
         # sort_chunks_by_idxs (fused: TE moe_sort_chunks_by_index): tokens and probs from
         # source-rank order into local-expert order; backward sorts the gradient back.
         xs = b.t("sorted", rows * h, BF16)
@@ -350,7 +366,11 @@ def _experts_tail(b: _Builder, m: ModelSpec, lay: MoELayout, out: Tensor,
         out = up
     if m.bias and not lay.te_ops:
         out = expert_output_bias(b, out, probs, counts, h)
-    if len(counts) > 1:
+    if len(counts) > 1 and lay.torch_permute and lay.token_drop != "pad":
+        # combine_preprocess's sort_chunks_by_idxs back, unfused: split and cat (tokens only).
+        out = torch_sort_chunks(b, "unsort_chunks", out, None, rows, h, lay.router_bytes,
+                                lay.ep * lay.etp * len(counts))[0]
+    elif len(counts) > 1:
         back = b.t("unsorted", rows * h, BF16)
         if lay.te_permute and lay.token_drop != "pad":
             # combine_preprocess: sort_chunks_by_idxs back, with a chunk map of its own.
@@ -368,15 +388,21 @@ def _experts_tail(b: _Builder, m: ModelSpec, lay: MoELayout, out: Tensor,
     return b.finish()
 
 
-def _combine(m: ModelSpec, tokens: float, shared: bool, rows: float | None = None) -> Block:
+def _combine(m: ModelSpec, tokens: float, shared: bool, rows: float | None = None,
+             torch_ops: bool = False) -> Block:
     """Unpermutation 1 (TE ``moe_unpermute``): each token's ``top_k`` expert outputs summed
     back into place; then the shared experts' output added. Backward gathers the output
-    gradient once per copy. ``rows`` as for :func:`permute_kernels`."""
+    gradient once per copy. ``rows`` as for :func:`permute_kernels`; ``torch_ops``:
+    Megatron's unfused ``zeros`` + ``scatter_add_`` instead (:mod:`.moe_torch_permute`)."""
     assert m.moe is not None
     h, k, e = m.hidden, m.moe.top_k, m.moe.experts
     rows = tokens * k if rows is None else rows
     b = _Builder("moe_combine", STYLE)
     x = b.t("in", rows * h, BF16)
+    if torch_ops:
+        b.block.inputs.append(x)
+        return finish_with_shared(b, torch_unpermute_kernels(b, h, x, tokens, rows),
+                                  tokens * h, shared)
     rid = b.t("row_id_map", tokens * e, INT32)
     b.block.inputs.append(x)
     out = b.t("out", tokens * h, BF16)
@@ -488,10 +514,12 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
     send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
     rb, x, probs, gprobs = router_kernels(m, lay, tokens)
     permute_kernels(rb, m, x, probs, gprobs, tokens, permuted_rows, te=lay.te_permute,
-                    router_bytes=lay.router_bytes)
+                    router_bytes=lay.router_bytes, torch_ops=lay.torch_permute,
+                    pad=lay.token_drop == "pad")
     router = rb.finish()
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
-                      combine=_combine(m, tokens, moe.shared > 0, permuted_rows),
+                      combine=_combine(m, tokens, moe.shared > 0, permuted_rows,
+                                       torch_ops=lay.torch_permute),
                       shared=_shared(m, lay, tokens) if moe.shared else None,
                       tokens_per_expert=counts)
     hb = m.hidden * BF16      # the alltoall dispatcher moves 16-bit tokens

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from sim.workload.kernels import BF16, BOOL, FP32, Kernel, Style, Tensor
 from sim.workload.layer_builder import _Builder
 from sim.workload.model import ModelSpec
+from sim.workload.moe_torch_permute import torch_permute_kernels
 
 if TYPE_CHECKING:
     from sim.workload.moe_ops import MoELayout
@@ -182,15 +183,21 @@ def row_id_map(b: _Builder, tokens: float, e: int) -> Tensor:
 
 def permute_kernels(b: _Builder, m: ModelSpec, x: Tensor, probs: Tensor, gprobs: Tensor,
              tokens: float, rows: float | None = None, te: bool = False,
-             router_bytes: int = FP32) -> None:
+             router_bytes: int = FP32, torch_ops: bool = False, pad: bool = False) -> None:
     """Permutation 1 (TE ``moe_permute_with_probs``): each token gathered once per chosen
     expert into expert order, with its prob; backward sums each token's ``top_k`` gradient
     rows back (TE ``moe_unpermute`` of the gradient) and scatters the probs' gradient.
     ``rows``: the permuted rows (default ``tokens x top_k``; padded to capacity,
-    ``experts x capacity``); the permuted probs keep the probs' dtype (``router_bytes``)."""
+    ``experts x capacity``); the permuted probs keep the probs' dtype (``router_bytes``).
+    ``torch_ops``: Megatron's unfused permutation instead (``moe_permute_fusion`` off,
+    :func:`sim.workload.moe_torch_permute.torch_permute_kernels`; ``pad`` its drop-and-pad
+    variant)."""
     assert m.moe is not None
     h, k, e = m.hidden, m.moe.top_k, m.moe.experts
     rows = tokens * k if rows is None else rows
+    if torch_ops:
+        torch_permute_kernels(b, h, e, x, probs, gprobs, tokens, rows, router_bytes, pad)
+        return
     src = b.t("permute.gathered_rows", rows * h, BF16)   # x read once per copy
     out = b.t("permuted", rows * h, BF16)
     pp = b.t("permuted_probs", rows, router_bytes)

@@ -13,7 +13,7 @@ copies, hpZ's ``synchronize``) are ops with ``host_sync``.
 
 from __future__ import annotations
 
-from sim.hardware.compute import EAGER_FWD_OP_CPU_S
+from sim.hardware.compute import EAGER_FWD_OP_CPU_S, VIEW_CPU_S
 from sim.hardware.host import HostSpec, cpu_pass_s
 
 # Host (CPU) cost of DeepSpeed's Python around the kernels. No published per-hook measurement
@@ -29,8 +29,6 @@ the binding; an estimate, not a measurement."""
 RECORD_STREAM_CPU_S = 1.5e-6
 """Tensor.record_stream: the caching allocator notes the stream under its mutex; no CUDA
 call; an estimate."""
-VIEW_CPU_S = 1.5e-6
-"""A view (narrow, view): dispatcher plus a TensorImpl, no kernel; an estimate."""
 HOOK_PY_CPU_S = 15e-6
 """Pure-Python bookkeeping of one coordinator entry point (frozenset of the module's
 parameters, dict/deque/set work, nested calls behind logger guards); an estimate."""

@@ -35,12 +35,12 @@ from sim.frameworks.deepspeed.host_costs import (
     HOOK_PY_CPU_S,
     RECORD_STREAM_CPU_S,
     TORCH_CALL_CPU_S,
-    VIEW_CPU_S,
     WAIT_CPU_S,
     _fetch_call_cpu,
     _release_call_cpu,
 )
 from sim.frameworks.deepspeed.stage3_state import _Gather, _Stage3State
+from sim.hardware.compute import VIEW_CPU_S
 from sim.program.ir import Op, Phase
 
 

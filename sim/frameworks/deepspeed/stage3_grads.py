@@ -15,9 +15,9 @@ from sim.frameworks.deepspeed.host_costs import (
     GRAD_HOOK_CPU_S,
     HOOK_PY_CPU_S,
     TORCH_CALL_CPU_S,
-    VIEW_CPU_S,
 )
 from sim.frameworks.deepspeed.stage3_state import _Stage3State
+from sim.hardware.compute import VIEW_CPU_S
 from sim.program.ir import Op
 from sim.workload.layer_ops import FP32
 

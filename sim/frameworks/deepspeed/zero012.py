@@ -18,11 +18,11 @@ from sim.frameworks.deepspeed.host_costs import (
     CUDA_API_CPU_S,
     HOOK_PY_CPU_S,
     TORCH_CALL_CPU_S,
-    VIEW_CPU_S,
     _host_pass_s,
 )
 from sim.frameworks.deepspeed.moe import Tensors, _group, moe_plan
 from sim.frameworks.deepspeed.resolve import _Zero, kernel_style
+from sim.hardware.compute import VIEW_CPU_S
 from sim.hardware.host import HostSpec, cpu_adam_s
 from sim.program.ir import Op, Phase, Program, RankClass
 from sim.workload.layer_ops import FP32

@@ -7,7 +7,7 @@ as a captured CUDA graph does, can zero it there)."""
 from __future__ import annotations
 
 from sim.frameworks.common.base import JobContext
-from sim.hardware.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S
+from sim.hardware.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S, VIEW_CPU_S
 from sim.program.ir import Op
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, CUBLASLT_CALL_CPU_S
@@ -31,7 +31,8 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
         fp8=lay.fp8 is not None, router=moe.router, router_fusion=lay.router_fusion,
         group_limited=opts.moe_router_num_groups is not None,
         aux_loss=lay.aux_loss, z_loss=lay.z_loss, token_drop=lay.token_drop,
-        permute_fusion=lay.te_permute, bias=ctx.model.bias,
+        permute_fusion=not lay.torch_permute, chunk_sources=lay.ep * lay.etp,
+        bias=ctx.model.bias,
         clamp=ctx.model.activation_clamp is not None, shared=moe.shared > 0))
 
 
@@ -50,10 +51,11 @@ def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: 
     if h is None:
         return
     if phase == "bwd":
-        py = h.bwd * EAGER_BWD_OP_CPU_S + backward_host_s(h.mod_bwd, h.te_bwd, cpu_call)
+        py = (h.bwd * EAGER_BWD_OP_CPU_S + backward_host_s(h.mod_bwd, h.te_bwd, cpu_call)
+              + h.views_bwd * VIEW_CPU_S)
         cpp = h.cpp_bwd
     else:
-        py = h.fwd * EAGER_FWD_OP_CPU_S + h.mod_fwd * cpu_call
+        py = h.fwd * EAGER_FWD_OP_CPU_S + h.mod_fwd * cpu_call + h.views_fwd * VIEW_CPU_S
         cpp = h.cpp_fwd
     # The kernels' per-op charge and the calls price the same host work: the larger of the
     # two, not their sum (Python side and per-expert C++ side each).

@@ -213,9 +213,10 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     ep, etp = par.ep, par.expert_tp
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
                     fp8_transpose=fp8_both_layouts(cm.gpu.arch, fp8),
-                    # moe_permute_fusion: set by the Bridge/NeMo model providers (Qwen3,
-                    # DeepSeek, GLM); the fused permutation is what this builder prices.
-                    te_permute=True,
+                    # moe_permute_fusion (the Bridge/NeMo model providers set it): TE's
+                    # fused permutations, else PyTorch's ops as moe_utils.py issues them.
+                    te_permute=opts.moe_permute_fusion,
+                    torch_permute=not opts.moe_permute_fusion,
                     router_fusion=opts.moe_router_fusion,
                     router_bytes=router_dtype_bytes(opts.moe_router_dtype),
                     main_grad_bytes=main_grad_bytes(opts, ctx.scenario.training.precision),
@@ -271,6 +272,10 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     ctx.require(not opts.moe_deepep_fp8_dispatch or opts.moe_token_dispatcher_type == "flex",
                 "framework.moe_deepep_fp8_dispatch",
                 "FP8 dispatch is DeepEP's: it needs moe_token_dispatcher_type flex")
+    ctx.require(opts.moe_permute_fusion or opts.moe_token_dispatcher_type == "alltoall",
+                "framework.moe_permute_fusion",
+                "the unfused permutation is modelled for the alltoall token dispatcher only "
+                "(set moe_permute_fusion: true with allgather or flex)")
     ops = moe_layer_ops(ctx.model, lay, tokens=local_tokens, **kw)  # type: ignore[arg-type]
     if opts.moe_token_dispatcher_type == "flex" and opts.moe_flex_dispatcher_backend == "hybridep":
         drop_fused_kernels(ops)   # its dispatch and combine permute themselves

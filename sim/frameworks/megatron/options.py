@@ -108,6 +108,15 @@ class MegatronOptions(StrictModel):
     moe_router_fusion: bool = False
     """Mixture-of-experts layers: top-k routing and the aux-loss scores as fused Transformer
     Engine kernels (``--moe-router-fusion``; Megatron-Core's TransformerConfig default off)."""
+    moe_permute_fusion: bool = True
+    """``--moe-permute-fusion``: the token permutations as Transformer Engine's fused kernels
+    (``moe_permute_with_probs``, ``moe_unpermute``, ``moe_sort_chunks_by_index``). On by
+    default, as every Megatron-Bridge model provider and performance recipe sets it
+    (Megatron-Core's own TransformerConfig default is off); off, PyTorch's ops as
+    ``moe_utils.permute`` / ``unpermute`` / ``sort_chunks_by_idxs`` issue them: a stable
+    argsort of the routing map, ``index_select`` and ``scatter_add_`` (atomics, element by
+    element), ``torch.split`` and ``torch.cat`` over every (source rank, local expert) chunk
+    (:mod:`sim.workload.moe_torch_permute`)."""
     moe_router_dtype: Literal["fp32"] | None = "fp32"
     """``--moe-router-dtype``: the dtype of the gate GEMM's output and of every routing
     tensor after it (logits, scores, probs, the permuted probs and their all-to-all). ``fp32``
