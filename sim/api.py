@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -148,7 +148,10 @@ def _with_micro_batches(ctx: JobContext, micro_batches: int, origin: str) -> Pro
     short = s.model_copy(update={"training": s.training.model_copy(
         update={"global_batch_size": batch})})
     try:
-        return build_program(JobContext.from_scenario(short, origin))
+        # Its ops must be the long job's: the weight casts stay shared as the long step
+        # shares them (Megatron's FP8 casts, once a step; JobContext.cast_micro_batches).
+        return build_program(replace(JobContext.from_scenario(short, origin),
+                                                 cast_micro_batches=ctx.micro_batches))
     except ScenarioError:
         return None
 

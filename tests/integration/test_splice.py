@@ -47,6 +47,14 @@ CASES = {
     # 128 GPUs: groups of more than 64 ranks, which a program's signatures hold by identity
     # (the long and the short program must still be found alike, by value).
     "ddp-accumulation-128-gpus": ["cluster.nodes=32", "training.global_batch_size=4096"],
+    # FP8 (Transformer Engine, current scaling): each micro-batch pays its share of the
+    # step's weight casts, a share the short program must keep at the long step's
+    # (JobContext.cast_micro_batches), or no op of it is alike the long one's.
+    "megatron-fp8-interleaved": ["framework.name=megatron", "parallelism.pp=2",
+                                 "parallelism.vp=2", "parallelism.tp=2",
+                                 "parallelism.sequence_parallel=true",
+                                 "framework.fp8_recipe=tensorwise", "training.precision=fp8",
+                                 "training.global_batch_size=128"],
     # Experts: all-to-alls on the fabric beside a pp 2 pipeline.
     "megatron-moe-ep4-pp2": [*MOE, "parallelism.pp=2", "parallelism.ep=4",
                              "training.global_batch_size=128"],

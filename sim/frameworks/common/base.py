@@ -33,6 +33,10 @@ class JobContext:
     gpu: GpuSpec
     compute: ComputeModel
     origin: str = "<scenario>"
+    cast_micro_batches: int | None = None
+    """Micro-batches a step's once-a-step weight casts are shared over, where not this job's
+    own: the shorter job a spliced run simulates (:mod:`sim.engine.splice`) stands for the
+    long one, whose every op it must repeat; None: :attr:`micro_batches`."""
 
     @classmethod
     def from_scenario(cls, s: Scenario, origin: str = "<scenario>") -> JobContext:

@@ -439,7 +439,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     # each copy of a stage sees half the micro-batches and casts its own weights.
     # Megatron-FSDP gathers 16-bit weights again, and casts them, every micro-batch (fsdp.py).
     cast = 0.0 if opts.fp8_param_gather and blackwell and opts.fp8_recipe != "mxfp8" \
-        else 1.0 if opts.use_megatron_fsdp else 1.0 / micro_batches_per_chunk(opts, mb_count)
+        else 1.0 if opts.use_megatron_fsdp else 1.0 / micro_batches_per_chunk(
+            opts, ctx.cast_micro_batches or mb_count)
     grad_bytes = main_grad_bytes(opts, precision)
     lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
