@@ -47,6 +47,9 @@ def _cfg(m: ModelSpec, lay: MoELayout, dispatcher: str = "alltoall") -> MoEHostC
     ("mixtral-8x7b", MoELayout(ep=8, tp=2, token_drop="drop"), 2048),
     ("gpt-oss-120b", MoELayout(ep=8, te_permute=True), 4096),
     ("qwen3-235b-a22b", MoELayout(ep=8, tp=4, te_permute=True), 1024),
+    # moe_permute_fusion off: PyTorch's argsort permutation, scatter_add_, split and cat.
+    ("qwen3-30b-a3b", MoELayout(ep=16, torch_permute=True), 4096),
+    ("qwen3-30b-a3b", MoELayout(ep=8, torch_permute=True, token_drop="pad"), 4096),
 ])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])
 def test_calls_cover_the_kernels_they_launch(name, lay, tokens, dispatcher) -> None:
