@@ -151,7 +151,7 @@ def _with_micro_batches(ctx: JobContext, micro_batches: int, origin: str) -> Pro
         # Its ops must be the long job's: the weight casts stay shared as the long step
         # shares them (Megatron's FP8 casts, once a step; JobContext.cast_micro_batches).
         return build_program(replace(JobContext.from_scenario(short, origin),
-                                                 cast_micro_batches=ctx.micro_batches))
+                                     cast_micro_batches=ctx.micro_batches))
     except ScenarioError:
         return None
 

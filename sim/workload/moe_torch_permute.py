@@ -106,9 +106,9 @@ def torch_permute_kernels(b: _Builder, h: int, experts: int, x: Tensor, probs: T
     b.fwd(Kernel("permute.probs_transpose", "elementwise", (probs,), (probs_t,),
                  legacy_elements=n))
     pp = b.t("permuted_probs", rows, router_bytes)
-    b.fwd(Kernel("permute.probs_gather", "elementwise",
-                 (b.t("permute.flat_used", rows, INT64), b.t("permute.probs_read", rows,
-                                                              router_bytes)), (pp,)))
+    # The transposed probs gathered at the kept flat indices (reads only ``rows`` of each;
+    # the whole tensors are named for the dataflow, a few MB at most).
+    b.fwd(Kernel("permute.probs_gather", "elementwise", (flat, probs_t), (pp,)))
     src = b.t("permute.gathered_rows", rows * h, BF16)
     out = b.t("permuted", rows * h, BF16)
     b.fwd(Kernel("permute", "elementwise", (src, idx), (out,), legacy_elements=rows * h,
