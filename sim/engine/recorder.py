@@ -67,10 +67,18 @@ class Recorder(EngineObserver):
         self.background_ops: list[OpRecord] = []
         self.memory: dict[int, MemoryTrack] = {}
         self.rate_series: list[tuple[float, np.ndarray]] = []
-        # Per rate change: (time, indices of links carrying traffic, their bytes/s), kept
-        # sparse; piecewise constant until the next entry. A folded collective's flows stand
-        # for several groups on disjoint links, so only the representative group's links show.
+        # Per rate change: (time, indices of the links whose rate changed, their new bytes/s),
+        # each link's rate piecewise constant from one of its changes to the next (zero before
+        # its first). Kept as changes, not as every busy link's rate at every change: a
+        # 1,024-GPU MoE step has some 300,000 changes over thousands of busy links, which as
+        # snapshots held a billion rates (8 GB). A folded collective's flows stand for several
+        # groups on disjoint links, so only the representative group's links show.
         self.link_series: list[tuple[float, np.ndarray, np.ndarray]] = []
+        self._link_now = np.zeros(0, dtype=np.float32)     # every link's rate after the last
+        self._link_before = np.zeros(0, dtype=np.float32)  # ... and before it
+        # Per link, the sum over its changes of (new rate - old rate) x time: a step function's
+        # integral to T is T x its last value minus this (:meth:`link_bytes`).
+        self._link_moment = np.zeros(0)
         # What NCCL ran for each collective and point-to-point op, by ``Op.key``.
         self.collective_choices: dict[str, Choice] = {}
         self.transfers_finished = 0
@@ -165,13 +173,34 @@ class Recorder(EngineObserver):
         else:
             self.rate_series.append((t, class_rates.copy()))
         if self.keep_link_series:
-            # Rates below a byte per second are solver rounding of links just emptied.
-            busy = np.flatnonzero(link_rates > 1.0).astype(np.int32)
-            entry = (t, busy, link_rates[busy].astype(np.float32))
-            if self.link_series and self.link_series[-1][0] == t:
-                self.link_series[-1] = entry
-            else:
-                self.link_series.append(entry)
+            self._record_link_rates(t, link_rates)
+
+    def _record_link_rates(self, t: float, link_rates: np.ndarray) -> None:
+        # Rates below a byte per second are solver rounding of links just emptied.
+        now = np.where(link_rates > 1.0, link_rates, 0.0).astype(np.float32)
+        if len(self._link_now) != len(now):
+            self._link_now = self._link_before = np.zeros(len(now), dtype=np.float32)
+            self._link_moment = np.zeros(len(now))
+        moment = self._link_moment
+        if self.link_series and self.link_series[-1][0] == t:
+            # A second solve at the same moment replaces the first: one change from the
+            # rates before it.
+            _, gone, rates = self.link_series.pop()
+            before = self._link_before
+            moment[gone] -= (rates.astype(float) - before[gone]) * t
+        else:
+            before = self._link_now
+        changed = np.flatnonzero(now != before).astype(np.int32)
+        self._link_before, self._link_now = before, now
+        if len(changed):
+            rates = now[changed]
+            moment[changed] += (rates.astype(float) - before[changed]) * t
+            self.link_series.append((t, changed, rates))
+
+    def link_bytes(self, t_end: float) -> np.ndarray:
+        """Bytes each link carried from the start to ``t_end`` (at or after the last change of
+        :attr:`link_series`), by the rates recorded there; empty without a link series."""
+        return t_end * self._link_now.astype(float) - self._link_moment
 
     def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
         self.transfers_finished += 1

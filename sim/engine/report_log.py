@@ -26,7 +26,8 @@ class LogTap(EngineObserver):
     """Keeps every report of a run, in order, for :func:`find_cut` and :func:`splice`.
 
     ``keep_link_rates``: keep each rate change's per-link rates (the recorder's
-    ``keep_link_series``); otherwise only the per-class ones.
+    ``keep_link_series``), as the links whose rate changed and their new rates
+    (:func:`link_rates_replay` gives back every link's); otherwise only the per-class ones.
     """
 
     def __init__(self, keep_link_rates: bool = False) -> None:
@@ -34,6 +35,7 @@ class LogTap(EngineObserver):
         self.background = False
         """A background stream's op was reported: such a run is not spliced."""
         self._keep_links = keep_link_rates
+        self._links_now = np.zeros(0)
         self._engine: Engine | None = None
 
     def attach(self, engine: Engine) -> None:
@@ -65,7 +67,13 @@ class LogTap(EngineObserver):
         self.entries.append((COLL, self._engine.env.now, -1, op, (choice,), self._solves()))
 
     def on_rates(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray) -> None:
-        links = link_rates.copy() if self._keep_links else None
+        links = None
+        if self._keep_links:
+            if len(self._links_now) != len(link_rates):
+                self._links_now = np.zeros(len(link_rates))
+            changed = np.flatnonzero(link_rates != self._links_now)
+            links = (changed, link_rates[changed], len(link_rates))
+            self._links_now[changed] = links[1]
         self.entries.append((RATES, t, -1, None, (class_rates.copy(), links), self._solves()))
 
     def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
@@ -74,3 +82,47 @@ class LogTap(EngineObserver):
 
     def on_class_bytes(self, t: float, added: np.ndarray) -> None:
         self.entries.append((BYTES, t, -1, None, (added,), self._solves()))
+
+
+class LinkRatesReplay:
+    """Every link's rate as a run's :class:`LogTap` reports give it back, report by report
+    (each keeps only the links whose rate changed), for replaying them in another order
+    (:func:`sim.engine.splice.splice`)."""
+
+    def __init__(self) -> None:
+        self.now = np.zeros(0)
+        """Every link's rate after the last report applied."""
+
+    def apply(self, links: tuple[np.ndarray, np.ndarray, int] | None) -> np.ndarray:
+        """The rates after a report's change (``links``: its changed links, their new rates
+        and the number of links; None where the run kept no link rates: an empty array)."""
+        if links is None:
+            return np.zeros(0)
+        changed, rates, n_links = links
+        if len(self.now) != n_links:
+            self.now = np.zeros(n_links)
+        self.now[changed] = rates
+        return self.now
+
+    def copy(self) -> LinkRatesReplay:
+        """The same rates, replayed on independently."""
+        other = LinkRatesReplay()
+        other.now = self.now.copy()
+        return other
+
+
+def link_rates_repeat(entries: list[Entry], at: int, span: int) -> bool:
+    """Whether every link's rate after report ``at`` is its rate after report ``at + span``
+    (always, where the reports keep no link rates). Matching reports a period apart carry
+    the same changes; this says the rates they change from are the same too."""
+    rates = LinkRatesReplay()
+    before = rates
+    for i in range(at + span + 1):
+        kind, _, _, _, what, _ = entries[i]
+        if kind == RATES:
+            if what[1] is None:
+                return True
+            rates.apply(what[1])
+        if i == at:
+            before = rates.copy()
+    return np.array_equal(before.now, rates.now)

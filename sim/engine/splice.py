@@ -46,7 +46,17 @@ import numpy as np
 
 from sim.engine.core import EngineObserver
 from sim.engine.host_clock import host_issues, issue_order
-from sim.engine.report_log import COLL, MEM, OP, RATES, XFER, Entry, LogTap
+from sim.engine.report_log import (
+    COLL,
+    MEM,
+    OP,
+    RATES,
+    XFER,
+    Entry,
+    LinkRatesReplay,
+    LogTap,
+    link_rates_repeat,
+)
 from sim.program.ir import Op, Program, RankClass
 from sim.program.periods import SteadyPeriod, op_signature, steady_period
 
@@ -114,6 +124,8 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
                 and np.array_equal(a, b))
+    if isinstance(a, tuple) and isinstance(b, tuple):   # a change of link rates
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
 
 
@@ -206,7 +218,8 @@ def find_cut(entries: list[Entry], short: ShortRun, lengths: dict[int, int],
     for first in range(lo + 1, hi + 1, max(1, span // 16)):
         if drift.any() and not witness.host_never_waited(first, drift):
             continue
-        if witness.holds(first, first + span, lo, hi, drift):
+        if (witness.holds(first, first + span, lo, hi, drift)
+                and link_rates_repeat(entries, first - 1, span)):
             return Cut(first, span, period_s, solves)
     return None
 
@@ -373,6 +386,9 @@ def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
         return None
     sums = np.zeros(n_kinds)
     ops = 0
+    # Link rates are reported as changes; the cut has the same rates at both ends
+    # (link_rates_repeat), so each repeat of the period plays on from the last.
+    links = LinkRatesReplay()
     for lo, hi, j in segments:
         shift = j * cut.period_s
         for kind, t, cls, order, pos, length, what in resolved[lo:hi]:
@@ -389,8 +405,7 @@ def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
                 assert target is not None
                 observer.on_collective(target, what[0])
             elif kind == RATES:
-                links = what[1] if what[1] is not None else np.zeros(0)
-                observer.on_rates(t + shift, what[0], links)
+                observer.on_rates(t + shift, what[0], links.apply(what[1]))
             elif kind == XFER:
                 observer.on_transfer_end(t + shift, target, what[0])
             else:   # the byte totals, summed again in the long run's order

@@ -82,10 +82,11 @@ def _without_wall(summary: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _full(scenario: Any) -> RunResult:
+def _full(scenario: Any, keep_link_series: bool = False) -> RunResult:
     from sim.frameworks import JobContext, build_program
     ctx = JobContext.from_scenario(scenario)
-    return api.run_program(ctx, build_program(ctx), steady_splice=False)
+    return api.run_program(ctx, build_program(ctx), steady_splice=False,
+                           keep_link_series=keep_link_series)
 
 
 def _assert_same_reports(a: RunResult, b: RunResult) -> None:
@@ -115,6 +116,24 @@ def test_a_spliced_step_reports_what_the_full_step_does_to_the_bit(
     assert len(seen) == 1 and seen[0] is not None, "the step was not spliced"
     assert seen[0].ops == len(spliced.program.ops)
     _assert_same_reports(spliced, _full(scenario))
+
+
+@pytest.mark.parametrize("case", ["megatron-moe-ep4-pp2", "megatron-interleaved-overlaps"])
+def test_a_spliced_step_records_the_full_steps_link_rates(
+        case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The per-link series (links.png) is kept as changes; each repeat of the period is played
+    # from the rates at its start, so it is the full run's change for change.
+    scenario = load_scenario(str(TINY), CASES[case])
+    seen = _spied(monkeypatch)
+    spliced = simulate(scenario, keep_link_series=True)
+    assert len(seen) == 1 and seen[0] is not None, "the step was not spliced"
+    full = _full(scenario, keep_link_series=True)
+    a, b = spliced.recorder.link_series, full.recorder.link_series
+    assert len(a) == len(b) > 0
+    for (ta, ia, ra), (tb, ib, rb) in zip(a, b, strict=True):
+        assert ta == tb and np.array_equal(ia, ib) and np.array_equal(ra, rb)
+    end = spliced.summary["step_time_s"]
+    assert np.array_equal(spliced.recorder.link_bytes(end), full.recorder.link_bytes(end))
 
 
 def test_the_short_run_simulates_fewer_micro_batches(monkeypatch: pytest.MonkeyPatch) -> None:

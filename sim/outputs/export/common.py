@@ -9,6 +9,7 @@ both traces place an op at the same nanosecond.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -80,6 +81,12 @@ def rank_list(ranks: Sequence[int], limit: int = ARG_RANKS) -> str:
     return ", ".join(items)
 
 
+@functools.lru_cache(maxsize=4096)
+def _group_rank_list(group: tuple[int, ...]) -> str:
+    # A step's thousands of collectives share a few groups: each is written once.
+    return rank_list(group)
+
+
 def stream_order(ops: Iterable[Op]) -> list[str]:
     """A class's streams, compute first, the others in the order the program first uses them."""
     first: dict[str, int] = {}
@@ -94,7 +101,7 @@ def group_args(op: Op) -> dict[str, Any]:
     groups = op.all_groups
     if groups:
         args["group_size"] = len(groups[0])
-        args["ranks"] = rank_list(groups[0])
+        args["ranks"] = _group_rank_list(tuple(groups[0]))
         if len(groups) > 1:
             args["groups"] = len(groups)
     if op.pairs:

@@ -159,21 +159,26 @@ def link_utilisation(rec: Recorder, fabric: Fabric, top_links: int = 32, time_bi
     if not rec.link_series:
         empty = np.zeros(0)
         return LinkUtilisation(empty.astype(int), empty, empty, np.zeros((0, 0)))
-    ts = np.array([t for t, _, _ in rec.link_series] + [max(t_end, rec.link_series[-1][0])])
+    series = rec.link_series
+    ts = np.array([t for t, _, _ in series] + [max(t_end, series[-1][0])])
     dt = np.diff(ts)
-    carried = np.zeros(fabric.n_links)
-    for (_, idx, rate), d in zip(rec.link_series, dt, strict=True):
-        carried[idx] += rate.astype(float) * d
+    carried = rec.link_bytes(ts[-1])
     order = np.argsort(-carried, kind="stable")
     links = order[carried[order] > 0][:top_links]
-    pos = np.full(fabric.n_links, -1)
+    pos = np.full(fabric.n_links, -1, dtype=np.int32)
     pos[links] = np.arange(len(links))
-    # Dense rates of the chosen links per series entry; their running bytes are piecewise
-    # linear in time, so interpolating them at the bin edges integrates each bin exactly.
-    rates = np.zeros((len(ts) - 1, len(links)))
-    for i, (_, idx, rate) in enumerate(rec.link_series):
-        sel = pos[idx] >= 0
-        rates[i, pos[idx[sel]]] = rate[sel]
+    # The chosen links' changes (entry, column, new rate), each carried forward to the link's
+    # next change: dense rates per series entry. Their running bytes are piecewise linear in
+    # time, so interpolating them at the bin edges integrates each bin exactly.
+    col = pos[np.concatenate([idx for _, idx, _ in series])]
+    chosen = np.flatnonzero(col >= 0)
+    entry = np.repeat(np.arange(len(series), dtype=np.int32),
+                      [len(idx) for _, idx, _ in series])[chosen]
+    rate = np.concatenate([r for _, _, r in series])[chosen].astype(float)
+    last = np.zeros((len(series), len(links)), dtype=np.int64)
+    last[entry, col[chosen]] = np.arange(1, len(chosen) + 1)
+    last = np.maximum.accumulate(last, axis=0)
+    rates = np.concatenate([[0.0], rate])[last]    # 0: no change yet, an idle link
     cum = np.vstack([np.zeros(len(links)), np.cumsum(rates * dt[:, None], axis=0)])
     t0, t1 = window if window is not None else (0.0, ts[-1])
     edges = np.linspace(t0, t1, time_bins + 1)
