@@ -125,16 +125,15 @@ class MoELayout:
     whenever ``moe_expert_capacity_factor`` is set: ``drop`` keeps at most ``capacity`` tokens
     an expert, ``pad`` (``moe_pad_expert_input_to_capacity``) exactly ``capacity``; None for
     routers without it (torchtitan's, DeepSpeed's)."""
-    te_permute: bool = False
-    """Megatron's fused permutations (``moe_permute_fusion``, which the Bridge model providers
-    set): TE 2.7's Triton ``moe_permute_with_probs`` builds its row-id map in three passes
-    before the permute kernel, and ``moe_sort_chunks_by_index`` its chunk map before the sort
-    (``transformer_engine/pytorch/triton/permutation.py``); else one kernel each, as
-    torchtitan's permutation is priced."""
-    torch_permute: bool = False
-    """Megatron-Core's unfused permutations (``moe_permute_fusion`` off): PyTorch's argsort,
-    ``index_select``, ``scatter_add_`` and ``split`` / ``cat``
-    (:mod:`sim.workload.moe_torch_permute`); not with ``te_permute``."""
+    permute: Literal["plain", "te", "torch"] = "plain"
+    """How the tokens are permuted to their experts and back. ``te``: Megatron's fused
+    permutations (``moe_permute_fusion``, which the Bridge model providers set): TE 2.7's
+    Triton ``moe_permute_with_probs`` builds its row-id map in three passes before the permute
+    kernel, and ``moe_sort_chunks_by_index`` its chunk map before the sort
+    (``transformer_engine/pytorch/triton/permutation.py``). ``torch``: Megatron-Core's
+    unfused permutations (``moe_permute_fusion`` off): PyTorch's argsort, ``index_select``,
+    ``scatter_add_`` and ``split`` / ``cat`` (:mod:`sim.workload.moe_torch_permute`).
+    ``plain``: one kernel each, as torchtitan's permutation is priced."""
     gemm_per_expert: bool = False
     """The grouped GEMMs run as Transformer Engine's ``GroupedLinear`` does by default on
     Hopper in bf16 and always in FP8 (``nvte_multi_tensor_gemm`` -> ``multi_stream_cublas_gemm``):
@@ -158,10 +157,6 @@ class MoELayout:
     main_grad_bytes: int = FP32
     """Bytes of a ``main_grad`` element the expert and gate wgrad GEMMs accumulate into
     (gradient-accumulation fusion): 2 where gradients are reduced in 16 bits."""
-
-    def __post_init__(self) -> None:
-        if self.te_permute and self.torch_permute:
-            raise ValueError("te_permute and torch_permute are two ways of one permutation")
 
 
 @dataclass(frozen=True)
@@ -261,7 +256,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     x = b.t("in", rows * h, BF16)
     probs = b.t("probs", rows, lay.router_bytes)
     b.block.inputs += [x, probs]
-    if len(counts) > 1 and lay.torch_permute and lay.token_drop != "pad":
+    if len(counts) > 1 and lay.permute == "torch" and lay.token_drop != "pad":
         # sort_chunks_by_idxs unfused: torch.split by (source rank, local expert), torch.cat
         # in local-expert order, for the tokens and the probs (and their gradients back).
         xs_, ps_ = torch_sort_chunks(b, "sort_chunks", x, probs, rows, h, lay.router_bytes,
@@ -282,7 +277,7 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
                          legacy_elements=rows))
         else:
             reads: tuple[Tensor, ...] = (x, probs)
-            if lay.te_permute:
+            if lay.permute == "te":
                 # make_chunk_sort_map: one int32 destination row a token, its own kernel,
                 # kept for the backward's sort.
                 sort_map = b.t("chunk_sort_map", rows, INT32)
@@ -366,13 +361,13 @@ def _experts_tail(b: _Builder, m: ModelSpec, lay: MoELayout, out: Tensor,
         out = up
     if m.bias and not lay.te_ops:
         out = expert_output_bias(b, out, probs, counts, h)
-    if len(counts) > 1 and lay.torch_permute and lay.token_drop != "pad":
+    if len(counts) > 1 and lay.permute == "torch" and lay.token_drop != "pad":
         # combine_preprocess's sort_chunks_by_idxs back, unfused: split and cat (tokens only).
         out = torch_sort_chunks(b, "unsort_chunks", out, None, rows, h, lay.router_bytes,
                                 lay.ep * lay.etp * len(counts))[0]
     elif len(counts) > 1:
         back = b.t("unsorted", rows * h, BF16)
-        if lay.te_permute and lay.token_drop != "pad":
+        if lay.permute == "te" and lay.token_drop != "pad":
             # combine_preprocess: sort_chunks_by_idxs back, with a chunk map of its own.
             b.fwd(Kernel("unsort_chunks.map", "elementwise", (),
                          (b.t("chunk_unsort_map", rows, INT32),)))
@@ -513,13 +508,13 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
             raise ValueError(f"tokens_per_expert needs {local} non-negative counts")
     send, recv = _splits(tokens, moe.top_k, lay.ep, counts, lay.etp, send_tokens, recv_tokens)
     rb, x, probs, gprobs = router_kernels(m, lay, tokens)
-    permute_kernels(rb, m, x, probs, gprobs, tokens, permuted_rows, te=lay.te_permute,
-                    router_bytes=lay.router_bytes, torch_ops=lay.torch_permute,
+    permute_kernels(rb, m, x, probs, gprobs, tokens, permuted_rows, te=lay.permute == "te",
+                    router_bytes=lay.router_bytes, torch_ops=lay.permute == "torch",
                     pad=lay.token_drop == "pad")
     router = rb.finish()
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
                       combine=_combine(m, tokens, moe.shared > 0, permuted_rows,
-                                       torch_ops=lay.torch_permute),
+                                       torch_ops=lay.permute == "torch"),
                       shared=_shared(m, lay, tokens) if moe.shared else None,
                       tokens_per_expert=counts)
     hb = m.hidden * BF16      # the alltoall dispatcher moves 16-bit tokens

@@ -31,7 +31,7 @@ def megatron_host_calls(ctx: JobContext, lay: MoELayout) -> dict[str, HostCalls]
         fp8=lay.fp8 is not None, router=moe.router, router_fusion=lay.router_fusion,
         group_limited=opts.moe_router_num_groups is not None,
         aux_loss=lay.aux_loss, z_loss=lay.z_loss, token_drop=lay.token_drop,
-        permute_fusion=not lay.torch_permute, chunk_sources=lay.ep * lay.etp,
+        permute_fusion=lay.permute != "torch", chunk_sources=lay.ep * lay.etp,
         bias=ctx.model.bias,
         clamp=ctx.model.activation_clamp is not None, shared=moe.shared > 0))
 

@@ -215,8 +215,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
                     fp8_transpose=fp8_both_layouts(cm.gpu.arch, fp8),
                     # moe_permute_fusion (the Bridge/NeMo model providers set it): TE's
                     # fused permutations, else PyTorch's ops as moe_utils.py issues them.
-                    te_permute=opts.moe_permute_fusion,
-                    torch_permute=not opts.moe_permute_fusion,
+                    permute="te" if opts.moe_permute_fusion else "torch",
                     router_fusion=opts.moe_router_fusion,
                     router_bytes=router_dtype_bytes(opts.moe_router_dtype),
                     main_grad_bytes=main_grad_bytes(opts, ctx.scenario.training.precision),

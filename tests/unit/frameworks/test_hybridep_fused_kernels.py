@@ -15,7 +15,7 @@ from sim.workload.moe_ops import MoELayout, moe_layer_ops
 
 def _ops():
     m = ModelSpec.from_ref("qwen3-30b-a3b")
-    return moe_layer_ops(m, MoELayout(ep=16, te_permute=True, fp8="tensorwise"), 4096)
+    return moe_layer_ops(m, MoELayout(ep=16, permute="te", fp8="tensorwise"), 4096)
 
 
 def _names(block):

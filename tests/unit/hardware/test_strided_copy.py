@@ -78,7 +78,7 @@ def test_drop_and_pad_transposes_are_strided_copies_and_dropless_sorts_are_not()
     m = ModelSpec.from_ref("qwen3-30b-a3b")
     assert m.moe is not None
     m = dataclasses.replace(m, moe=dataclasses.replace(m.moe, capacity_factor=1.0))
-    pad = moe_layer_ops(m, MoELayout(ep=8, te_permute=True, token_drop="pad"), 4096)
+    pad = moe_layer_ops(m, MoELayout(ep=8, permute="te", token_drop="pad"), 4096)
     kernels = pad.experts.forward + pad.experts.backward
     # Qwen3-30B on EP 8 at capacity 1: 4,096 tokens x top 8 rows a rank, hidden 2,048.
     rows = 4096 * 8
@@ -86,7 +86,7 @@ def test_drop_and_pad_transposes_are_strided_copies_and_dropless_sorts_are_not()
     assert strided == {"sort_chunks": rows * 2048, "sort_chunks.probs": rows,
                        "unsort_chunks": rows * 2048, "sort_chunks.bwd": rows * 2048,
                        "unsort_chunks.bwd": rows * 2048}
-    dropless = moe_layer_ops(m, MoELayout(ep=8, te_permute=True), 4096)
+    dropless = moe_layer_ops(m, MoELayout(ep=8, permute="te"), 4096)
     assert not any(k.legacy_elements for k in dropless.experts.forward
                    + dropless.experts.backward)
 

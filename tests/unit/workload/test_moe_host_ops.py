@@ -35,21 +35,21 @@ def _cfg(m: ModelSpec, lay: MoELayout, dispatcher: str = "alltoall") -> MoEHostC
                          fp8=lay.fp8 is not None, router=m.moe.router,
                          router_fusion=lay.router_fusion, aux_loss=lay.aux_loss,
                          z_loss=lay.z_loss, token_drop=lay.token_drop,
-                         permute_fusion=lay.te_permute, bias=m.bias,
+                         permute_fusion=lay.permute != "torch", bias=m.bias,
                          clamp=m.activation_clamp is not None, shared=m.moe.shared > 0)
 
 
 @pytest.mark.parametrize("name,lay,tokens", [
     ("qwen3-30b-a3b", MoELayout(ep=8, router_fusion=False, z_loss=True), 4096),
-    ("qwen3-30b-a3b", MoELayout(ep=8, te_permute=True, token_drop="pad", fp8="tensorwise"),
+    ("qwen3-30b-a3b", MoELayout(ep=8, permute="te", token_drop="pad", fp8="tensorwise"),
      4096),
-    ("deepseek-v3", MoELayout(ep=64, router_fusion=False, te_permute=True), 4096),
+    ("deepseek-v3", MoELayout(ep=64, router_fusion=False, permute="te"), 4096),
     ("mixtral-8x7b", MoELayout(ep=8, tp=2, token_drop="drop"), 2048),
-    ("gpt-oss-120b", MoELayout(ep=8, te_permute=True), 4096),
-    ("qwen3-235b-a22b", MoELayout(ep=8, tp=4, te_permute=True), 1024),
+    ("gpt-oss-120b", MoELayout(ep=8, permute="te"), 4096),
+    ("qwen3-235b-a22b", MoELayout(ep=8, tp=4, permute="te"), 1024),
     # moe_permute_fusion off: PyTorch's argsort permutation, scatter_add_, split and cat.
-    ("qwen3-30b-a3b", MoELayout(ep=16, torch_permute=True), 4096),
-    ("qwen3-30b-a3b", MoELayout(ep=8, torch_permute=True, token_drop="pad"), 4096),
+    ("qwen3-30b-a3b", MoELayout(ep=16, permute="torch"), 4096),
+    ("qwen3-30b-a3b", MoELayout(ep=8, permute="torch", token_drop="pad"), 4096),
 ])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "flex"])
 def test_calls_cover_the_kernels_they_launch(name, lay, tokens, dispatcher) -> None:

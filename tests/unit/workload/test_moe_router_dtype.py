@@ -23,7 +23,7 @@ TOKENS = 4096
 
 def _ops(router_bytes: int, **kw: object):
     m = ModelSpec.from_ref("qwen3-30b-a3b")
-    return m, moe_layer_ops(m, MoELayout(ep=8, router_bytes=router_bytes, te_permute=True,
+    return m, moe_layer_ops(m, MoELayout(ep=8, router_bytes=router_bytes, permute="te",
                                          **kw), TOKENS)  # type: ignore[arg-type]
 
 

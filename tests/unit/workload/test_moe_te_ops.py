@@ -25,7 +25,7 @@ TOKENS = 8192
 
 
 def _experts(**kw: object):
-    lay = MoELayout(ep=8, fp8="mxfp8", te_permute=True, gemm_per_expert=True, **kw)
+    lay = MoELayout(ep=8, fp8="mxfp8", permute="te", gemm_per_expert=True, **kw)
     return moe_layer_ops(M, lay, tokens=TOKENS).experts
 
 
@@ -76,7 +76,7 @@ def test_gpt_oss_clamped_biased_glu_runs_as_te_ops() -> None:
     oss = ModelSpec.from_ref("gpt-oss-120b")
 
     def names(**kw: object) -> set[str]:
-        lay = MoELayout(ep=8, te_permute=True, **kw)
+        lay = MoELayout(ep=8, permute="te", **kw)
         blk = moe_layer_ops(oss, lay, tokens=4096).experts
         return {k.name for k in (*blk.forward, *blk.backward)}
 
@@ -111,7 +111,7 @@ def test_capacity_padded_counts_are_not_padded_again() -> None:
     # Drop-and-pad fixes every expert at its capacity: no variance, nothing to add.
     from dataclasses import replace
 
-    lay = MoELayout(ep=8, fp8="tensorwise", te_permute=True, token_drop="pad")
+    lay = MoELayout(ep=8, fp8="tensorwise", permute="te", token_drop="pad")
     m = ModelSpec.from_ref("mixtral-8x7b")
     m = replace(m, moe=replace(m.moe, capacity_factor=1.0))
     rows = moe_layer_ops(m, lay, tokens=4096, tokens_per_expert=(8192.0,),

@@ -57,7 +57,7 @@ def test_te_fused_permutation_kernels() -> None:
     # its map first (make_chunk_sort_map); with drop_and_pad the dispatcher copies the tokens
     # and then the probs (transpose(0, 1).contiguous(), two kernels) instead.
     m = _model(1.0)
-    ops = moe_layer_ops(m, MoELayout(ep=8, te_permute=True), 4096)
+    ops = moe_layer_ops(m, MoELayout(ep=8, permute="te"), 4096)
     names = [k.name for k in ops.router.forward]
     assert names[-4:] == ["row_id_map.pass_1", "row_id_map.pass_2", "row_id_map.pass_3",
                           "permute"]
@@ -66,7 +66,7 @@ def test_te_fused_permutation_kernels() -> None:
     ex = [k.name for k in ops.experts.forward]
     assert ex[:2] == ["sort_chunks.map", "sort_chunks"]
     assert "unsort_chunks.map" in ex
-    pad = moe_layer_ops(m, MoELayout(ep=8, te_permute=True, token_drop="pad"), 4096)
+    pad = moe_layer_ops(m, MoELayout(ep=8, permute="te", token_drop="pad"), 4096)
     ex = [k.name for k in pad.experts.forward]
     assert ex[:2] == ["sort_chunks", "sort_chunks.probs"]
     assert "unsort_chunks.map" not in ex

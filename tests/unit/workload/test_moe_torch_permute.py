@@ -31,7 +31,7 @@ EP = 16
 
 
 def _ops(fused: bool, **kw: object):
-    return moe_layer_ops(M, MoELayout(ep=EP, te_permute=fused, torch_permute=not fused, **kw),
+    return moe_layer_ops(M, MoELayout(ep=EP, permute="te" if fused else "torch", **kw),
                          tokens=TOKENS)
 
 
@@ -87,14 +87,9 @@ def test_the_splits_views_are_priced_per_chunk() -> None:
                                      chunk_sources=EP, token_drop="pad")) == (0, 0)
 
 
-def test_one_permutation_at_a_time() -> None:
-    with pytest.raises(ValueError, match="two ways"):
-        MoELayout(ep=EP, te_permute=True, torch_permute=True)
-
-
 def test_padded_dispatch_sorts_each_experts_row_and_keeps_its_transposes() -> None:
     m = dataclasses.replace(M, moe=dataclasses.replace(M.moe, capacity_factor=1.0))
-    lay = MoELayout(ep=EP, torch_permute=True, token_drop="pad")
+    lay = MoELayout(ep=EP, permute="torch", token_drop="pad")
     cap = -(-TOKENS * M.moe.top_k // M.moe.experts)      # get_capacity at factor 1
     rows = cap * M.moe.experts
     ops = moe_layer_ops(m, lay, tokens=TOKENS, permuted_rows=rows)
