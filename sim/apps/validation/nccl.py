@@ -34,6 +34,7 @@ SETUPS: dict[str, list[tuple[str, int, str, str, bool]]] = {
     "hdr200-per-nic": [("dgx-a100", 24, "all_reduce", "ring", True)],
     # alltoall_perf (no algorithm choice: per-peer send/recv on PXN routes).
     "h100-8gpu-alltoall": [("dgx-h100", 8, "all_to_all", "auto", False)],
+    "h100-4gpu-alltoall-measured": [("dgx-h100", 4, "all_to_all", "auto", False)],
     "ndr400-alltoall-2node": [("dgx-h100", 16, "all_to_all", "auto", False)],
     "ndr400-alltoall-4node": [("dgx-h100", 32, "all_to_all", "auto", False)],
     "cx7-alltoall-6node": [("dgx-h100", 48, "all_to_all", "auto", False)],
