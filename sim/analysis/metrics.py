@@ -33,8 +33,9 @@ COMM_KINDS = ("collective", "send", "recv")
 
 
 # ----------------------------------------------------------------------------- intervals
-def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, disjoint intervals covering the same points as ``intervals``.
+def merge_intervals(intervals: Iterable[Interval], gap: float = 0.0) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same points as ``intervals``; with ``gap``,
+    intervals less than ``gap`` apart are joined too (covering the gap between them).
 
     Empty intervals (end <= start) are dropped.
 
@@ -42,10 +43,12 @@ def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
     --------
     >>> merge_intervals([(3, 4), (0, 2), (1, 2.5), (5, 5)])
     [(0, 2.5), (3, 4)]
+    >>> merge_intervals([(2.0, 3.0), (0.0, 1.0), (1.05, 1.55)], gap=0.1)
+    [(0.0, 1.55), (2.0, 3.0)]
     """
     out: list[Interval] = []
     for a, b in sorted((a, b) for a, b in intervals if b > a):
-        if out and a <= out[-1][1]:
+        if out and a <= out[-1][1] + gap:
             if b > out[-1][1]:
                 out[-1] = (out[-1][0], b)
         else:

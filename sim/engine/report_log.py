@@ -27,7 +27,7 @@ class LogTap(EngineObserver):
 
     ``keep_link_rates``: keep each rate change's per-link rates (the recorder's
     ``keep_link_series``), as the links whose rate changed and their new rates
-    (:func:`link_rates_replay` gives back every link's); otherwise only the per-class ones.
+    (:class:`LinkRatesReplay` gives back every link's); otherwise only the per-class ones.
     """
 
     def __init__(self, keep_link_rates: bool = False) -> None:

@@ -22,6 +22,7 @@ from sim.analysis.metrics import (
     bubble_intervals,
     critical_class,
     exposed_comm_intervals,
+    merge_intervals,
     records_by_class,
 )
 from sim.engine.recorder import OpRecord, Recorder
@@ -87,24 +88,6 @@ MERGED_GAP_PX = 0.125
 """Bars of one row and colour closer than this many pixels (at :data:`DPI`) are drawn as
 one: a 1,024-GPU MoE step has 250,000 ops, and drawing each took most of its outputs' time,
 for gaps no eye can see."""
-
-
-def _joined(bars: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
-    """``(start, width)`` bars sorted and joined where one ends within ``gap`` of the next.
-
-    >>> _joined([(2.0, 1.0), (0.0, 1.0), (1.05, 0.5)], 0.1)
-    [(0.0, 1.55), (2.0, 1.0)]
-    """
-    out: list[tuple[float, float]] = []
-    end = -math.inf
-    for start, width in sorted(bars):
-        if out and start <= end + gap:
-            end = max(end, start + width)
-            out[-1] = (out[-1][0], end - out[-1][0])
-        else:
-            out.append((start, width))
-            end = start + width
-    return out
 
 
 def _stream_order(recs: list[OpRecord]) -> list[str]:
@@ -175,15 +158,15 @@ def timeline_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | 
         if not clipped:
             continue
         s, e = clipped[0]
-        bars.setdefault((y, color), []).append((s, e - s))
+        bars.setdefault((y, color), []).append((s, e))
         present.setdefault(r.op.category if r.op.category in CATEGORY_COLORS else "other", color)
     bar_top, bar_h = -0.36, 0.6      # rows grow downwards (inverted axis)
     strip_top, strip_h = 0.27, 0.13  # exposed strip under the bar
     x0, x1 = window if window is not None else (0.0, step_end(rec))
     gap = (x1 - x0) / (FIGURE_WIDTH_IN * DPI) * MERGED_GAP_PX
-    for (y, color), xr in bars.items():
-        ax.broken_barh(_joined(xr, gap), (y + bar_top, bar_h), facecolors=color, linewidth=0,
-                       zorder=2)
+    for (y, color), iv in bars.items():
+        ax.broken_barh([(a, b - a) for a, b in merge_intervals(iv, gap)],
+                       (y + bar_top, bar_h), facecolors=color, linewidth=0, zorder=2)
 
     handles: list[Patch] = []
     names: list[str] = []
