@@ -46,6 +46,12 @@ class GpuSpec:
     training), over its burst throughput, relative to the same ratio on the H200 the compute
     model is fitted and checked on: 1 on Hopper. The burst figures (``matmul_efficiency``, the
     kernel reference tables) are what short benchmarks measure."""
+    gemm_rate_factor: float = 1.0
+    """GEMM throughput the part holds in a training node whose GPUs all run, over what the
+    H200-fitted GEMM model gives it at its sustained matrix rate: 1 where unmeasured; the H100
+    SXM's is fitted on NVIDIA's timings of a Megatron MoE layer on eight H100s
+    (``tools/fit_h100_gemm_rate.py``). GEMMs only: fused attention keeps the rates of its own
+    kernel measurements (``docs/calibration.md``)."""
     chip_rate_sigma: float = 0.0
     """Spread of that sustained rate between chips of the part, as a relative standard
     deviation (each die holds its own clock at the power limit); 0 where unmeasured."""

@@ -53,7 +53,7 @@ from sim.hardware.interference import (
     comm_load,
     slowdown,
 )
-from sim.hardware.power import sustained_matrix_flops
+from sim.hardware.power import sustained_gemm_flops
 from sim.program.ir import Op, Program, RankClass
 
 # Ops between two progress reports: often enough for a bar, rare enough to cost nothing.
@@ -136,7 +136,7 @@ class Engine:
         self.sm_count = gpu.sm_count if gpu is not None else sm_count
         spec = gpu if gpu is not None else catalog.gpu(_DEFAULT_GPU)
         self.hbm_bytes_per_s = spec.hbm_bytes_per_s
-        self.matrix_flops = sustained_matrix_flops(spec)
+        self.matrix_flops = sustained_gemm_flops(spec)
         self._load: dict[int, _GpuLoad] = {}
         self._sm_turn: dict[int, simpy.Resource] = {}
         """Rank classes with side-stream kernels: the one turn on the SMs their compute ops

@@ -148,6 +148,12 @@ class ComputeModel(MemoryBoundKernels):
         return sustained_matrix_flops(self.gpu, base) / (
             _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
 
+    @property
+    def _gemm_flops_scale(self) -> float:
+        # GEMMs also carry the part's gemm_rate_factor: what its GEMMs hold in a node whose
+        # GPUs all run (the H100 SXM's, fitted); fused attention keeps its own measured rates.
+        return self._flops_scale * self.gpu.gemm_rate_factor
+
     @cached_property
     def _fp8_speedup(self) -> float:
         # An FP8 GEMM reaches about the same share of the FP8 peak as a 16-bit GEMM of the
@@ -311,7 +317,7 @@ class ComputeModel(MemoryBoundKernels):
         # form term for term, so h200-fit.json is reproduced unchanged.
         overhead = ((g["small_dim"] / min(rows, cols)) ** g["exponent"]
                     + (g["small_k"] / red) ** g["exponent"])
-        peak = g["peak_tflops"][pass_] * 1e12 * self._flops_scale
+        peak = g["peak_tflops"][pass_] * 1e12 * self._gemm_flops_scale
         mac = 2 * rows * cols * red / (peak * quant)
         t = g["fixed_us"] * 1e-6 + mac * accumulation / speedup + mac * overhead
         corr = _residual(self._gemm_table[pass_], np.log([rows, cols, red]),

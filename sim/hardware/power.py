@@ -182,18 +182,36 @@ def sustained_matrix_flops(gpu: GpuSpec, precision: str = "bf16") -> float:
 
 
 
+def sustained_gemm_flops(gpu: GpuSpec, precision: str = "bf16") -> float:
+    """FLOP/s a large GEMM sustains in a training node: :func:`sustained_matrix_flops` times
+    the part's ``gemm_rate_factor`` (1 where unmeasured; the H100 SXM's is fitted on eight busy
+    H100s running a Megatron MoE layer).
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> round(sustained_gemm_flops(catalog.gpu("h100-sxm")) / 1e12, 1)   # 794.5 x 0.86
+    683.3
+    >>> sustained_gemm_flops(catalog.gpu("h200")) == sustained_matrix_flops(catalog.gpu("h200"))
+    True
+    """
+    return sustained_matrix_flops(gpu, precision) * gpu.gemm_rate_factor
+
+
 def burst_spec(gpu: GpuSpec) -> GpuSpec:
     """The same part at the burst clock a short benchmark runs it at (``saturated_rate_factor``
-    1): what kernel microbenchmarks (OpenXLA's table, FlashAttention-4's and TE's figures)
-    measure, for checking the model against them.
+    and ``gemm_rate_factor`` 1): what kernel microbenchmarks (OpenXLA's table, FlashAttention-4's
+    and TE's figures) measure, for checking the model against them.
 
     Examples
     --------
     >>> from sim import catalog
     >>> burst_spec(catalog.gpu("b200")).saturated_rate_factor
     1.0
+    >>> burst_spec(catalog.gpu("h100-sxm")).gemm_rate_factor
+    1.0
     """
-    return dataclasses.replace(gpu, saturated_rate_factor=1.0)
+    return dataclasses.replace(gpu, saturated_rate_factor=1.0, gemm_rate_factor=1.0)
 
 
 # --------------------------------------------------------------------------- the clock in a step

@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sim.hardware.compute import ComputeModel, GemmPass, gemm_dims
-from sim.hardware.power import sustained_matrix_flops
+from sim.hardware.power import sustained_gemm_flops
 
 TE_COMPUTE_STREAMS = 4
 """Side streams of TE's multi-stream cuBLAS grouped GEMM
@@ -91,7 +91,7 @@ def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: floa
     hbm = 0.0
     latency = 0.0
     sms = cm.gpu.sm_count
-    peak = sustained_matrix_flops(cm.gpu, "bf16")
+    peak = sustained_gemm_flops(cm.gpu, "bf16")
     if fp8:
         peak *= cm.gpu.peak_flops("fp8") / cm.gpu.peak_flops("bf16")
     operand = 1.0 if fp8 else 2.0

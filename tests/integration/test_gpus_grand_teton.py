@@ -17,7 +17,7 @@ from helpers import ONE_GPU_1B
 
 from sim import catalog
 from sim.hardware.compute import ComputeModel
-from sim.hardware.power import sustained_clock_ratio
+from sim.hardware.power import burst_spec, sustained_clock_ratio
 from sim.scenario import scenario_from_dict
 
 KEY = "h100-hbm2e-96gb"
@@ -71,8 +71,12 @@ def test_memory_bound_kernel_is_slower_than_on_h100_sxm_by_the_bandwidth_ratio()
     stream_gt = gt.membound_time(nbytes) - gt.kernel_min_s
     stream_sxm = sxm.membound_time(nbytes) - sxm.kernel_min_s
     assert stream_gt / stream_sxm == pytest.approx(3350 / 2400)
-    # Same silicon at the same clock: a large GEMM takes the same time on both.
-    assert gt.gemm_time(8192, 8192, 8192) == pytest.approx(sxm.gemm_time(8192, 8192, 8192))
+    # Same silicon at the same clock: a large GEMM takes the same time on both, but for the
+    # H100 SXM's busy-node GEMM rate, fitted on DGX H100 timings (gemm_rate_factor; the Grand
+    # Teton part keeps 1, unmeasured: docs/calibration.md).
+    burst_sxm = ComputeModel(burst_spec(catalog.gpu("h100-sxm")))
+    assert gt.gemm_time(8192, 8192, 8192) == pytest.approx(burst_sxm.gemm_time(8192, 8192, 8192))
+    assert sxm.gemm_time(8192, 8192, 8192) > 1.1 * gt.gemm_time(8192, 8192, 8192)
 
 
 def test_grand_teton_preset_carries_the_part_its_cap_and_its_network() -> None:

@@ -10,6 +10,8 @@ and count in no error statistic.
 ``vtrain-single`` and ``vtrain-multi`` report vTrain's VALIDATE half only; the FIT half, on
 which constants are fitted (``docs/calibration.md``), runs as ``vtrain-single-fit`` and
 ``vtrain-multi-fit`` when named, and is not part of the default (all validation suites).
+Likewise ``moe-layer`` reports Megatron-LM's blockwise FP8 MoE layer timings and
+``moe-layer-fit`` the bf16 ones the H100's GEMM rate is fitted on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sim.apps.validation.moe_layer import moe_layer_cases
 from sim.apps.validation.nccl import nccl_cases
 from sim.apps.validation.published import published_cases
 from sim.apps.validation.published_moe import published_moe_cases
@@ -25,6 +28,8 @@ from sim.apps.validation.vtrain import vtrain_cases
 Case = dict[str, Any]
 Progress = Callable[[int, int], None] | None
 SUITES: dict[str, Callable[[Progress], list[Case]]] = {
+    "moe-layer": lambda progress: moe_layer_cases(progress=progress),
+    "moe-layer-fit": lambda progress: moe_layer_cases("fit", progress=progress),
     "nccl": lambda progress: nccl_cases(),
     "published": lambda progress: published_cases(progress=progress),
     "published-moe": lambda progress: published_moe_cases(progress=progress),

@@ -26,10 +26,13 @@ from sim.hardware.attention_cost import (
     share_of_flash2,
 )
 from sim.hardware.compute import ComputeModel
+from sim.hardware.power import burst_spec
 from sim.scenario import ScenarioError
 from sim.workload.layer_ops import Kernel, kernel_time
 
-H100 = catalog.gpu("h100-sxm")
+# The published kernel figures are bursts: the part at its burst clock, not a busy node's
+# held rate (h100-sxm.saturated_rate_factor).
+H100 = burst_spec(catalog.gpu("h100-sxm"))
 A100 = catalog.gpu("a100-80gb")
 
 

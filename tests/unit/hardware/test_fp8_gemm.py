@@ -33,7 +33,7 @@ def _fitted_form(cm: ComputeModel, m: float, k: float, n: float, pass_: str) -> 
     quant = (tiles / sms) / (a * math.ceil(tiles / sms) + (1 - a) * tiles / sms)
     eff = 1 / (1 + (FIT["small_dim"] / min(rows, cols)) ** FIT["exponent"]
                + (FIT["small_k"] / red) ** FIT["exponent"])
-    peak = FIT["peak_tflops"][pass_] * 1e12 * cm._flops_scale
+    peak = FIT["peak_tflops"][pass_] * 1e12 * cm._gemm_flops_scale
     return FIT["fixed_us"] * 1e-6 + 2 * rows * cols * red / (peak * eff * quant)
 
 
@@ -44,7 +44,8 @@ def _mac_and_overhead(cm: ComputeModel, m: float, k: float, n: float, pass_: str
     sms = cm.gpu.sm_count
     a = FIT["wave_alpha"]
     quant = (tiles / sms) / (a * math.ceil(tiles / sms) + (1 - a) * tiles / sms)
-    mac = 2 * rows * cols * red / (FIT["peak_tflops"][pass_] * 1e12 * cm._flops_scale * quant)
+    mac = 2 * rows * cols * red / (FIT["peak_tflops"][pass_] * 1e12 * cm._gemm_flops_scale
+                                    * quant)
     over = ((FIT["small_dim"] / min(rows, cols)) ** FIT["exponent"]
             + (FIT["small_k"] / red) ** FIT["exponent"])
     return mac, over
