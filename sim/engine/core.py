@@ -177,8 +177,9 @@ class Engine:
         return op.duration * self._slowdown(cls, op)
 
     def _matrix_share(self, op: Op) -> float:
-        """Share of the op's time in tensor-core math: its FLOPs at the sustained matrix
-        rate over its duration (1 for forward/backward work that carries no FLOP count)."""
+        """Share of the op's time in tensor-core math: its FLOPs at the sustained GEMM rate
+        (the part's busy-node rate, ``sustained_gemm_flops``) over its duration (1 for
+        forward/backward work that carries no FLOP count)."""
         flops = max(op.flops, op.hw_flops)
         if op.duration <= 0:
             return 0.0

@@ -38,6 +38,7 @@ from sim.hardware.power import (
     ATTENTION_REFERENCE_MHZ,
     GEMM_REFERENCE_MHZ,
     gemm_clock_speed,
+    sustained_gemm_flops,
     sustained_matrix_flops,
 )
 
@@ -143,16 +144,22 @@ class ComputeModel(MemoryBoundKernels):
         # kernels marked fp8 run at the FP8 rate (:attr:`_fp8_speedup`).
         # A power cap below TDP lowers the sustained SM clock, and matrix throughput with it
         # (sim/hardware/power.py); HBM-bound kernels keep their rate.
-        base = "bf16" if self.precision == "fp8" else self.precision
-        h200 = catalog.gpu("h200")
-        return sustained_matrix_flops(self.gpu, base) / (
-            _fit()["peak_bf16_tflops"] * 1e12 * h200.matmul_efficiency)
+        return sustained_matrix_flops(self.gpu, self._base_precision) / self._fitted_flops
+
+    @cached_property
+    def _gemm_flops_scale(self) -> float:
+        # GEMMs also carry the part's gemm_rate_factor (sustained_gemm_flops): what its GEMMs
+        # hold in a node whose GPUs all run; fused attention keeps its own measured rates.
+        return sustained_gemm_flops(self.gpu, self._base_precision) / self._fitted_flops
 
     @property
-    def _gemm_flops_scale(self) -> float:
-        # GEMMs also carry the part's gemm_rate_factor: what its GEMMs hold in a node whose
-        # GPUs all run (the H100 SXM's, fitted); fused attention keeps its own measured rates.
-        return self._flops_scale * self.gpu.gemm_rate_factor
+    def _base_precision(self) -> str:
+        return "bf16" if self.precision == "fp8" else self.precision
+
+    @property
+    def _fitted_flops(self) -> float:
+        # The matrix rate the H200 fit's peaks stand for.
+        return _fit()["peak_bf16_tflops"] * 1e12 * catalog.gpu("h200").matmul_efficiency
 
     @cached_property
     def _fp8_speedup(self) -> float:
