@@ -121,6 +121,30 @@ LEGACY_FWD_BWD_TFLOPS: dict[tuple[str, str], tuple[float, float]] = {
 }
 
 
+# A fused attention kernel with dropout draws a Philox random number for every score it keeps
+# (the mask is regenerated in the backward, never stored), work beside the matmuls that the
+# probability does not change. Forward plus backward at p = 0.1 over the same call without
+# dropout, Transformer Engine issue 3312 (2026-08, ``DotProductAttention``, bf16, 4 x 4,096
+# tokens, 16 heads, head_dim 128, ``sbhd``, the fused cuDNN backend): 0.614 / 0.594 ms on an
+# H200 (TE 2.15), 0.525 / 0.480 ms on a B300 (TE 2.14.1); FlashAttention-2 on a GB200 (its sm80
+# kernels, as on an A100), 0.728 / 0.695 ms (the maintainers' reply, ``thd``). Measured, not
+# fitted; applied to both passes.
+ATTENTION_DROPOUT_COST = {"hopper": 0.614 / 0.594, "blackwell": 0.525 / 0.480,
+                          "ampere": 0.728 / 0.695, "volta": 0.728 / 0.695}
+
+
+def attention_dropout_factor(arch: str) -> float:
+    """The time of a fused attention pass with dropout over the same pass without
+    (:data:`ATTENTION_DROPOUT_COST`; FlashAttention-2's own cost on GPUs older than Hopper).
+
+    Examples
+    --------
+    >>> [round(attention_dropout_factor(a), 3) for a in ("hopper", "blackwell", "ampere")]
+    [1.034, 1.094, 1.047]
+    """
+    return ATTENTION_DROPOUT_COST.get(arch, ATTENTION_DROPOUT_COST["hopper"])
+
+
 def share_of_flash2(backend: str, arch: str) -> float | None:
     """Speed of FlashAttention's first CUDA kernel (``flash1``) or its Triton kernel
     (``flash1_triton``) relative to FlashAttention-2's on a GPU generation, from the published

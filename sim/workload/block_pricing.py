@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sim.hardware.attention_cost import attention_dropout_factor
 from sim.hardware.compute import (
     COMPILED_OP_CPU_S,
     EAGER_BWD_OP_CPU_S,
@@ -179,8 +180,9 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
             # share of the causal triangle: half of its queries x all keys.
             return cm.cp_attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
                                         kv_seq=k.attn_kv_seq, fp8=fp8)
-        return cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
-                                 window=k.attn_window, fp8=fp8, masked=k.attn_masked)
+        t = cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
+                              window=k.attn_window, fp8=fp8, masked=k.attn_masked)
+        return t * attention_dropout_factor(cm.gpu.arch) if k.attn_dropout else t
     # A memory-bound kernel launched once per piece (Transformer Engine's per-expert
     # quantization, :func:`sim.workload.layer_rules.te_scaled_cast`) pays the fixed cost of
     # each launch; its bytes stream once.

@@ -59,6 +59,10 @@ class Kernel:
     attn_block: tuple[int, int] | None = None
     """(queries, keys) of one non-causal block (a step of torch's ring attention,
     :mod:`sim.frameworks.fsdp2.cp`); the kernel runs exactly that rectangle."""
+    attn_dropout: bool = False
+    """Dropout inside the fused kernel (Megatron's ``attention_dropout`` with flash attention):
+    the mask drawn in the forward and drawn again in the backward
+    (:func:`sim.hardware.attention_cost.attention_dropout_factor`)."""
     attn_masked: bool = False
     """SDPA handed an explicit causal mask tensor rather than ``is_causal``: the whole score
     rectangle at the masked call's rate (:mod:`sim.hardware.masked_attention`)."""

@@ -365,9 +365,11 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
             4.0 * batch * qd * window_pairs(s, window)
         gctx = b.t("g_ctx", tokens * qd, BF16)
         (q, k, v), gout, gcast, (f8, f8b) = fp8_attention_inputs(b, lay, (q, k, v), gctx)
+        dropout = lay.dropout > 0   # drawn inside the kernel, no mask stored
         b.fwd(Kernel("flash_fwd", "attention", (q, k, v), (ctx, lse), fl,
                      attn=(batch, heads, s, m.head_dim, "fwd"), fp8=f8, fp8_block=f8b,
-                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window))
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window,
+                     attn_dropout=dropout))
         for kern in cp_ring_forward_kernels(k, v, ctx, lse, lay.cp):
             b.fwd(kern)
         b.save(q, k, v, ctx, lse)
@@ -376,7 +378,8 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
         b.bwd(*gcast, Kernel("flash_bwd", "attention", (gout, q, k, v, ctx, lse),
                      (gqa, gka, gva) + sink_grad,
                      2.5 * fl, attn=(batch, heads, s, m.head_dim, "bwd"), fp8=f8, fp8_block=f8b,
-                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window),
+                     attn_kv_seq=kv_len if lay.cp > 1 else 0, attn_window=window,
+                     attn_dropout=dropout),
               *cp_ring_backward_kernels(gqa, gka, gva, lay.cp))
     else:
         # baddbmm -> fused scale-mask-softmax -> dropout -> bmm (Megatron's local path).

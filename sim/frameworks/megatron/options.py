@@ -60,7 +60,10 @@ class MegatronOptions(StrictModel):
     flash_attention: bool = True
     """Fused flash attention; false: baddbmm, fused softmax, dropout, bmm."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Hidden and attention dropout (Megatron-DeepSpeed's default is 0.1)."""
+    """Hidden and attention dropout (Megatron-LM's and Megatron-DeepSpeed's default is 0.1,
+    NeMo and Megatron-Bridge recipes set 0): a 1-byte mask at each bias-dropout-add, and the
+    fused attention kernel's own draw
+    (:func:`sim.hardware.attention_cost.attention_dropout_factor`)."""
     grad_reduce_in_fp32: bool | None = None
     """fp32 gradient buffers and all-reduce; default: true for bf16, false for fp16."""
     bucket_size: int | None = Field(default=None, gt=0, le=B.MAX_ELEMENTS)
