@@ -312,6 +312,12 @@ class Training(StrictModel):
     ``attn_impl: triton``)."""
     torch_version: str = Field(default=DEFAULT_TORCH_VERSION, pattern=r"^\d+\.\d+(\.\d+)?$")
     """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""
+    deterministic: bool = False
+    """Bitwise-reproducible steps as Megatron-LM's ``--deterministic-mode`` runs them
+    (Transformer Engine's ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``): the attention backward sums
+    dQ in a fixed order, and Transformer Engine picks its attention backend by what supports
+    that (:func:`sim.hardware.attention_cost.resolve`). Megatron only; needs ``nccl.algo``
+    ring or tree, as Megatron-LM asserts."""
     routing: Routing = Routing()
     """Mixture-of-experts routing distribution (balanced by default)."""
     moe_routing: MoeRouting | None = None

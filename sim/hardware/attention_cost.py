@@ -145,6 +145,33 @@ def attention_dropout_factor(arch: str) -> float:
     return ATTENTION_DROPOUT_COST.get(arch, ATTENTION_DROPOUT_COST["hopper"])
 
 
+# A deterministic attention backward sums each query block's dQ over the key blocks in a fixed
+# order (FlashAttention: ordered, semaphore-guarded accumulation instead of free atomics; tridao
+# in Dao-AILab/flash-attention issue 988: "Only dQ"), so key blocks wait on one another. Time of
+# the deterministic backward over the non-deterministic one, H100, head_dim 128, causal,
+# 2 x 8,192 tokens, 16 heads (Dao-AILab/flash-attention pull request 1893, 2025-09, its
+# hopper/benchmark_attn.py with deterministic=True):
+#   flash3: 2.900 ms (SPT schedule, the merged one) against 2.391 ms non-deterministic;
+#   flash2: 8.279 ms, 166.0 TFLOP/s, where the non-deterministic kernel runs at the rate this
+#           module prices it from the FlashAttention-3 paper's anchor, 315 TFLOP/s at that
+#           shape (``PUBLISHED_H100``; the same run's forward, 306 against 333 priced).
+# cuDNN's deterministic backward (``use_deterministic_algorithm``) has no published timing:
+# not priced (1). Measured, not fitted to any validation row.
+DETERMINISTIC_BACKWARD_COST = {"flash3": 2.900 / 2.391, "flash2": 315.0 / 166.0}
+
+
+def deterministic_backward_factor(backend: str) -> float:
+    """The time of ``backend``'s attention backward in deterministic mode over its
+    non-deterministic time (:data:`DETERMINISTIC_BACKWARD_COST`; 1 where unmeasured).
+
+    Examples
+    --------
+    >>> round(deterministic_backward_factor("flash2"), 2), deterministic_backward_factor("cudnn")
+    (1.9, 1.0)
+    """
+    return DETERMINISTIC_BACKWARD_COST.get(backend, 1.0)
+
+
 def share_of_flash2(backend: str, arch: str) -> float | None:
     """Speed of FlashAttention's first CUDA kernel (``flash1``) or its Triton kernel
     (``flash1_triton``) relative to FlashAttention-2's on a GPU generation, from the published
@@ -260,7 +287,9 @@ def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
     * Megatron with Transformer Engine: cuDNN fused attention on Hopper and Blackwell,
       flash-attn 2 on Ampere (TE ``dot_product_attention/utils.py`` ``get_attention_backend``:
       "Disabling FlashAttention to give FusedAttention preference on Hopper+", compute
-      capability >= 9.0; below it FlashAttention stays first). Megatron ``local`` and
+      capability >= 9.0; below it FlashAttention stays first), and flash-attn 2 on Blackwell
+      under ``training.deterministic`` with dropout (cuDNN cannot run that there; below sm90
+      TE's determinism filter already leaves flash-attn). Megatron ``local`` and
       Megatron-DeepSpeed: the
       ``flash_attn`` package (``--use-flash-attn``), FA2; without flash attention, unfused.
     * FSDP2 (torchtitan's ``F.scaled_dot_product_attention``), DDP / plain PyTorch
@@ -278,7 +307,13 @@ def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
             if not fw.flash_attention:
                 return "unfused"
             te = fw.implementation == "transformer_engine"
-            return "cudnn" if te and gpu.arch in ("hopper", "blackwell") else "flash2"
+            if not te or gpu.arch not in ("hopper", "blackwell"):
+                return "flash2"
+            # cuDNN's Blackwell attention is deterministic only without dropout (cuDNN 9.18.1+;
+            # Transformer Engine PR 2584's support matrix): TE falls back to flash-attn 2.
+            if t.deterministic and gpu.arch == "blackwell" and fw.dropout > 0:
+                return "flash2"
+            return "cudnn"
         if fw.name == "deepspeed" and (s.parallelism.tp > 1 or s.parallelism.pp > 1):
             return "flash2" if fw.pipeline.flash_attention else "unfused"
         return sdpa_backend(gpu.arch, version)

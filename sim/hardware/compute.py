@@ -134,6 +134,9 @@ class ComputeModel(MemoryBoundKernels):
     """The SM clock the step runs at (:func:`sim.hardware.power.balanced_sm_clock_mhz`);
     None: the clocks the kernel tables were taken at (``GEMM_REFERENCE_MHZ``,
     ``ATTENTION_REFERENCE_MHZ``). Tensor-core kernels (GEMMs, fused attention) follow it."""
+    deterministic: bool = False
+    """The attention backward runs deterministically (``training.deterministic``):
+    :func:`sim.hardware.attention_cost.deterministic_backward_factor` of its time."""
 
     # ------------------------------------------------------------------ scaling
     @cached_property

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sim.hardware.attention_cost import attention_dropout_factor
+from sim.hardware.attention_cost import attention_dropout_factor, deterministic_backward_factor
 from sim.hardware.compute import (
     COMPILED_OP_CPU_S,
     EAGER_BWD_OP_CPU_S,
@@ -182,6 +182,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
                                         kv_seq=k.attn_kv_seq, fp8=fp8)
         t = cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
                               window=k.attn_window, fp8=fp8, masked=k.attn_masked)
+        if cm.deterministic and p == "bwd":
+            t *= deterministic_backward_factor(cm.attention_backend)
         return t * attention_dropout_factor(cm.gpu.arch) if k.attn_dropout else t
     # A memory-bound kernel launched once per piece (Transformer Engine's per-expert
     # quantization, :func:`sim.workload.layer_rules.te_scaled_cast`) pays the fixed cost of

@@ -44,12 +44,17 @@ class JobContext:
         _require_dense(model, s.framework.name, origin)
         _check_experts(s, model, origin)
         _check_latent_attention(s, model, origin)
+        if s.training.deterministic and s.framework.name != "megatron":
+            raise ScenarioError(f"{origin}: training.deterministic: modelled for framework "
+                                "megatron (Megatron-LM's --deterministic-mode) only")
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w, s.gpus)
         try:
             backend = attention_cost.resolve(s, gpu)
         except ValueError as e:
             raise ScenarioError(f"{origin}: {e}") from None
-        return cls(s, model, gpu, ComputeModel(gpu, s.training.precision, backend), origin)
+        compute = ComputeModel(gpu, s.training.precision, backend,
+                               deterministic=s.training.deterministic)
+        return cls(s, model, gpu, compute, origin)
 
     # ------------------------------------------------------------------ layout
     @property

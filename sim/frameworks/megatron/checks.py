@@ -32,6 +32,10 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
                 "transformer_engine)")
     check_fp8_recipe(ctx, opts.fp8_recipe, precision)
     check_megatron_fsdp(ctx, opts)
+    # Megatron-LM's validate_args: --deterministic-mode asserts NCCL_ALGO is Ring or Tree.
+    ctx.require(not s.training.deterministic or s.nccl.algo in ("ring", "tree"), "nccl.algo",
+                "training.deterministic needs nccl.algo ring or tree (Megatron-LM's "
+                "--deterministic-mode asserts NCCL_ALGO is Ring or Tree)")
     ctx.require(m.heads % t == 0, "parallelism.tp",
                 f"{m.heads} attention heads do not split over tp={t}")
     ctx.require(m.kv_heads % t == 0 or t % m.kv_heads == 0, "parallelism.tp",
