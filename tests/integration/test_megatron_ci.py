@@ -22,6 +22,32 @@ def _rows() -> list[dict[str, Any]]:
     return [e for e in published.entries() if e["id"].startswith("megatron-ci-")]
 
 
+def _attention_kernel_times(row_id: str, section: str, key: str, value: object
+                            ) -> dict[str, float]:
+    """GPU seconds of each fused attention kernel of a row's scenario with ``section.key`` set
+    to ``value``, read as the pricing hands them out."""
+    from sim.workload import block_pricing
+
+    e = next(e for e in _rows() if e["id"] == row_id)
+    seen: dict[str, float] = {}
+    original = block_pricing.kernel_time
+
+    def spy(cm, k):   # type: ignore[no-untyped-def]
+        t = original(cm, k)
+        if k.klass == "attention":
+            seen[k.name] = t
+        return t
+
+    block_pricing.kernel_time = spy   # type: ignore[assignment]
+    try:
+        sc = copy.deepcopy(e["scenario"])
+        sc[section][key] = value
+        simulate(scenario_from_dict({"name": f"{key}={value}", **sc}, origin="test"))
+    finally:
+        block_pricing.kernel_time = original   # type: ignore[assignment]
+    return seen
+
+
 @pytest.fixture(scope="module")
 def cases() -> dict[tuple[str, str], dict[str, Any]]:
     return {(c["id"], c["metric"]): c for e in _rows() for c in published.entry_cases(e)}
@@ -67,28 +93,8 @@ def test_attention_dropout_costs_the_fused_kernel_its_measured_share() -> None:
     # again (backward), never stored: the attention kernels take 0.614 / 0.594 of their time
     # on Hopper (Transformer Engine issue 3312, H200, p = 0.1) and nothing is added to memory
     # beyond the bias-dropout-add masks of the test above.
-    from sim.workload import block_pricing
-
-    e = next(e for e in _rows() if e["id"] == "megatron-ci-gpt3-7b-tp4-8xh100-bf16")
-    times: dict[float, dict[str, float]] = {}
-    original = block_pricing.kernel_time
-    for p in (0.0, 0.1):
-        seen: dict[str, float] = {}
-
-        def spy(cm, k, _seen=seen):   # type: ignore[no-untyped-def]
-            t = original(cm, k)
-            if k.klass == "attention":
-                _seen[k.name] = t
-            return t
-
-        block_pricing.kernel_time = spy   # type: ignore[assignment]
-        try:
-            sc = copy.deepcopy(e["scenario"])
-            sc["framework"]["dropout"] = p
-            simulate(scenario_from_dict({"name": f"p{p}", **sc}, origin="test"))
-        finally:
-            block_pricing.kernel_time = original   # type: ignore[assignment]
-        times[p] = seen
+    times = {p: _attention_kernel_times("megatron-ci-gpt3-7b-tp4-8xh100-bf16", "framework",
+                                        "dropout", p) for p in (0.0, 0.1)}
     assert set(times[0.1]) == {"flash_fwd", "flash_bwd"}
     for name in ("flash_fwd", "flash_bwd"):
         assert times[0.1][name] / times[0.0][name] == pytest.approx(0.614 / 0.594)
@@ -128,28 +134,8 @@ def test_deterministic_backward_costs_the_measured_share_of_flash_attention_2() 
     # FlashAttention-2's deterministic backward: 166.0 TFLOP/s on an H100 (flash-attention PR
     # 1893, head_dim 128, causal, 2 x 8,192 tokens) against the 315 priced non-deterministic:
     # the backward attention kernels take 315/166 of their time, the forward ones the same.
-    from sim.workload import block_pricing
-
-    e = next(e for e in _rows() if e["id"] == "megatron-ci-gpt3-7b-tp4-8xa100-bf16")
-    times: dict[bool, dict[str, float]] = {}
-    original = block_pricing.kernel_time
-    for det in (False, True):
-        seen: dict[str, float] = {}
-
-        def spy(cm, k, _seen=seen):   # type: ignore[no-untyped-def]
-            t = original(cm, k)
-            if k.klass == "attention":
-                _seen[k.name] = t
-            return t
-
-        block_pricing.kernel_time = spy   # type: ignore[assignment]
-        try:
-            sc = copy.deepcopy(e["scenario"])
-            sc["training"]["deterministic"] = det
-            simulate(scenario_from_dict({"name": f"d{det}", **sc}, origin="test"))
-        finally:
-            block_pricing.kernel_time = original   # type: ignore[assignment]
-        times[det] = seen
+    times = {d: _attention_kernel_times("megatron-ci-gpt3-7b-tp4-8xa100-bf16", "training",
+                                        "deterministic", d) for d in (False, True)}
     assert times[True]["flash_fwd"] == pytest.approx(times[False]["flash_fwd"])
     assert times[True]["flash_bwd"] / times[False]["flash_bwd"] == pytest.approx(315.0 / 166.0)
 
