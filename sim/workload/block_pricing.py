@@ -173,15 +173,18 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
         fp8: Format | None = ("mxfp8" if k.fp8_block else "fp8") if k.fp8 else None
         if k.attn_block is not None:
             q_len, kv_len = k.attn_block
-            return cm.attention_time(bsz, heads, q_len, hd, p,  # type: ignore[arg-type]
-                                     kv_seq=kv_len, causal=False, fp8=fp8)
-        if k.attn_kv_seq and k.attn_kv_seq != seq:
+            t = cm.attention_time(bsz, heads, q_len, hd, p,  # type: ignore[arg-type]
+                                  kv_seq=kv_len, causal=False, fp8=fp8)
+        elif k.attn_kv_seq and k.attn_kv_seq != seq:
             # Megatron splits each sequence in 2 x cp chunks so every rank gets an equal
             # share of the causal triangle: half of its queries x all keys.
-            return cm.cp_attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
-                                        kv_seq=k.attn_kv_seq, fp8=fp8)
-        t = cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
-                              window=k.attn_window, fp8=fp8, masked=k.attn_masked)
+            t = cm.cp_attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
+                                     kv_seq=k.attn_kv_seq, fp8=fp8)
+        else:
+            t = cm.attention_time(bsz, heads, seq, hd, p,  # type: ignore[arg-type]
+                                  window=k.attn_window, fp8=fp8, masked=k.attn_masked)
+        # Whatever the call's shape, its backward orders dQ under determinism and the kernel
+        # draws its own dropout mask in both passes.
         if cm.deterministic and p == "bwd":
             t *= deterministic_backward_factor(cm.attention_backend)
         return t * attention_dropout_factor(cm.gpu.arch) if k.attn_dropout else t

@@ -22,10 +22,10 @@ def _rows() -> list[dict[str, Any]]:
     return [e for e in published.entries() if e["id"].startswith("megatron-ci-")]
 
 
-def _attention_kernel_times(row_id: str, section: str, key: str, value: object
-                            ) -> dict[str, float]:
+def _attention_kernel_times(row_id: str, section: str, key: str, value: object,
+                            parallelism: dict[str, Any] | None = None) -> dict[str, float]:
     """GPU seconds of each fused attention kernel of a row's scenario with ``section.key`` set
-    to ``value``, read as the pricing hands them out."""
+    to ``value`` (and ``parallelism`` replaced), read as the pricing hands them out."""
     from sim.workload import block_pricing
 
     e = next(e for e in _rows() if e["id"] == row_id)
@@ -42,6 +42,8 @@ def _attention_kernel_times(row_id: str, section: str, key: str, value: object
     try:
         sc = copy.deepcopy(e["scenario"])
         sc[section][key] = value
+        if parallelism is not None:
+            sc["parallelism"] = parallelism
         simulate(scenario_from_dict({"name": f"{key}={value}", **sc}, origin="test"))
     finally:
         block_pricing.kernel_time = original   # type: ignore[assignment]
@@ -151,3 +153,20 @@ def test_deterministic_mode_refusals_name_the_key(change, key) -> None:
     sc = {**copy.deepcopy(e["scenario"]), **change}
     with pytest.raises(ScenarioError, match=key):
         simulate(scenario_from_dict({"name": "x", **sc}, origin="test"))
+
+
+@pytest.mark.parametrize("section, key, on, off, passes, share", [
+    # The A100 row: FlashAttention-2's dropout share (TE issue 3312's GB200 FA2 figure).
+    ("framework", "dropout", 0.1, 0.0, ("flash_fwd", "flash_bwd"), 0.728 / 0.695),
+    ("training", "deterministic", True, False, ("flash_bwd",), 315.0 / 166.0),
+])
+def test_context_parallel_attention_pays_dropout_and_determinism_too(section, key, on, off,
+                                                                     passes, share) -> None:
+    # With cp > 1 Megatron's attention runs TE's ring (kv from the other ranks: a different
+    # pricing call), but the kernel still draws its mask and still orders dQ.
+    cp = {"tp": 2, "cp": 2, "sequence_parallel": True}
+    row = "megatron-ci-gpt3-7b-tp4-8xa100-bf16"
+    got = _attention_kernel_times(row, section, key, on, cp)
+    base = _attention_kernel_times(row, section, key, off, cp)
+    for name in passes:
+        assert got[name] / base[name] == pytest.approx(share)
