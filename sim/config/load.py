@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from sim.config import bounds, resources
-from sim.config.base import ScenarioError
+from sim.config.base import BOOL_FOR_NUMBER, ScenarioError
 from sim.config.cluster import Cluster
 from sim.config.scenario import Scenario, framework_names
 
@@ -67,6 +67,9 @@ def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
                 f"(available: {', '.join(framework_names())})")
     if e["type"] == "union_tag_not_found":
         return f"{loc}.name: missing"
+    if e["type"] == BOOL_FOR_NUMBER:
+        key = e["ctx"]["key"]
+        return f"{loc}.{key}: {e['msg']}" if loc != "(top level)" else f"{key}: {e['msg']}"
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "value_error":
         return msg

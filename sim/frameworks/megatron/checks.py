@@ -65,8 +65,16 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
     ctx.require(not opts.tp_comm_overlap or sp, "framework.tp_comm_overlap",
                 "tensor-parallel communication/GEMM overlap needs sequence parallelism with "
                 "tp > 1 (Megatron-LM validate_args)")
-    ctx.require(ctx.seq % cp == 0, "parallelism.cp",
-                f"seq_len {ctx.seq} does not split over cp={cp}")
+    # Megatron-LM's validate_args: with cp > 1 the sequence is cut into 2 x cp chunks (each
+    # rank holds a chunk from each end, for the causal load balance).
+    ctx.require(cp == 1 or ctx.seq % (2 * cp) == 0, "parallelism.cp",
+                f"seq_len {ctx.seq} does not split into 2 x cp = {2 * cp} chunks "
+                "(Megatron-LM: seq-length should be a multiple of 2 * context-parallel-size)")
+    # Sequence parallelism scatters each rank's [s / cp, b, h] activations along the sequence
+    # over tp (Megatron-Core tensor_parallel/mappings.py _split_along_first_dim asserts it).
+    ctx.require(not sp or (ctx.seq // cp) % t == 0, "training.seq_len",
+                f"sequence parallelism splits each rank's {ctx.seq // cp} tokens (seq_len "
+                f"{ctx.seq} over cp={cp}) over tp={t}: not a multiple of {t}")
     # Transformer Engine runs sliding windows and learned sinks under context parallelism only
     # with cp_comm_type a2a (TE tests/pytorch/attention/test_attention_with_cp.py: "No support
     # for SWA with cp_comm_type={p2p, a2a+p2p}", non-vanilla softmax only with a2a); the

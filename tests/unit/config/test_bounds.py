@@ -121,6 +121,23 @@ def test_an_absurd_value_is_one_line_naming_the_key_and_bound(key: str, value: A
     assert "\n" not in line and line.startswith(f"s.yaml: {key}: ") and says in line
 
 
+@pytest.mark.parametrize("key,value", [("training.seq_len", "true"), ("parallelism.tp", "yes"),
+                                       ("cluster.nic_gbps", "false"), ("seed", "on"),
+                                       ("framework.bucket_mb", "true")])
+def test_a_boolean_where_a_number_is_due_is_refused(key: str, value: str) -> None:
+    # Pydantic's lax mode read true as 1 (found by fuzzing: seq_len 1 under sequence
+    # parallelism divided by zero); YAML 1.1's yes/on are booleans too.
+    with pytest.raises(ScenarioError) as info:
+        load_scenario(SMALL, [f"{key}={value}"])
+    assert str(info.value).endswith(f": {key}: expected a number, got "
+                                    f"{'false' if value == 'false' else 'true'}")
+
+
+def test_a_boolean_stays_a_boolean_where_one_is_due() -> None:
+    assert load_scenario(SMALL, ["parallelism.sequence_parallel=yes"]).parallelism \
+        .sequence_parallel is True
+
+
 def test_more_gpus_than_any_cluster_is_refused() -> None:
     with pytest.raises(ScenarioError, match=r"cluster.nodes: 65536 nodes x 1024 GPUs = "
                                             f"67108864 GPUs, more than {B.MAX_GPUS:,}"):
