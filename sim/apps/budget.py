@@ -37,6 +37,12 @@ BYTES_PER_OP = 500
 stream and allocation tuples): 630 bytes (Mixtral 8x7B, Megatron, 10,888 ops) and 920 bytes
 (Llama 3 70B, FSDP2, 1,060 ops) held after ``build_program``, measured with tracemalloc."""
 
+BYTES_PER_GPU = 25e3
+"""Least memory the fabric graph and one collective over all its GPUs hold per GPU: 28 KB
+(``fabricsim collective dgx-h100 --op all_reduce --gpus 65536``, peak resident 1.83 GB) and
+37 KB (DDP of Llama 3.2 1B on 131,072 H100s, 4.87 GB), 2026-12-05. A tiny model over very many
+GPUs is bound by this, not by its ops."""
+
 
 @dataclass(frozen=True)
 class Estimate:
@@ -51,6 +57,9 @@ class Estimate:
     """Engine wall seconds (at least)."""
     bytes: float
     """Memory of the built program (at least)."""
+    fabric_bytes: float = 0.0
+    """Memory of the fabric and a collective over every GPU (at least)."""
+    gpus: int = 0
 
 
 def estimate(scenario: Scenario, steps: int = 1) -> Estimate | None:
@@ -68,7 +77,24 @@ def estimate(scenario: Scenario, steps: int = 1) -> Estimate | None:
     micro_batches = max(1, math.ceil(global_batch / max(1, per_step)))
     ops = layers * micro_batches * OPS_PER_LAYER_MICRO_BATCH * steps
     return Estimate(layers, micro_batches, steps, ops, ops * SECONDS_PER_OP,
-                    (ops / steps) * BYTES_PER_OP)
+                    (ops / steps) * BYTES_PER_OP, scenario.gpus * BYTES_PER_GPU, scenario.gpus)
+
+
+def fabric_refusal(gpus: int, memory: float | None, key: str = "cluster.nodes") -> str | None:
+    """Why a fabric of ``gpus`` GPUs cannot be built in this machine's memory, or None.
+
+    Examples
+    --------
+    >>> fabric_refusal(65_536, 2.0**34) is None
+    True
+    >>> fabric_refusal(4_000_000, 2.0**34, "--gpus")
+    '--gpus: a fabric of 4,000,000 GPUs needs 93.1 GiB or more, this machine has 16.0 GiB'
+    """
+    need = gpus * BYTES_PER_GPU
+    if memory is None or need <= memory:
+        return None
+    return (f"{key}: a fabric of {gpus:,} GPUs needs {need / 2**30:,.1f} GiB or more, this "
+            f"machine has {memory / 2**30:,.1f} GiB")
 
 
 def physical_memory() -> float | None:
@@ -91,9 +117,14 @@ def refusal(est: Estimate, memory: float | None) -> str | None:
               + ", or pass --force to run it anyway")
     if est.seconds > HOUR_S:
         return (f"{key}: {what}, {_duration(est.seconds)} or more; {shrink}")
-    if memory is not None and est.bytes > memory:
+    if memory is not None and est.bytes + est.fabric_bytes > memory:
+        have = f"this machine has {memory / 2**30:,.1f} GiB"
+        if est.fabric_bytes >= est.bytes:   # a small model over very many GPUs
+            return (f"cluster.nodes: a fabric of {est.gpus:,} GPUs and its program need "
+                    f"{(est.bytes + est.fabric_bytes) / 2**30:,.1f} GiB or more, {have}; "
+                    "shrink cluster.nodes, or pass --force to run it anyway")
         return (f"{key}: {what}: the program alone needs {est.bytes / 2**30:,.1f} GiB or "
-                f"more, this machine has {memory / 2**30:,.1f} GiB; {shrink}")
+                f"more, {have}; {shrink}")
     return None
 
 

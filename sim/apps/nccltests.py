@@ -126,6 +126,11 @@ def collective_table(topology: str, op: str, gpus: int, sizes: list[int], algo: 
         raise ScenarioError(f"--op: {op!r} is not one of {', '.join(OPS)}")
     if gpus < 2:
         raise ScenarioError("--gpus: a collective needs at least 2 GPUs")
+    from sim.apps import budget  # the fabric must fit in memory (a million GPUs does not)
+
+    too_big = budget.fabric_refusal(gpus, budget.physical_memory(), "--gpus")
+    if too_big:
+        raise ScenarioError(too_big)
     bench = Bench.build(topology, gpus, algo, proto, overrides)
     return {"topology": topology, "op": op, "gpus": gpus,
             "rows": [bench.run(op, s) for s in sizes]}

@@ -78,3 +78,29 @@ def test_run_refuses_in_one_line_and_force_is_an_option() -> None:
     helped = subprocess.run([*args[:4], "--help"], capture_output=True, text=True, env=env,
                             timeout=120)
     assert "--force" in helped.stdout
+
+
+def test_a_fabric_larger_than_memory_is_refused_naming_cluster_nodes() -> None:
+    # A 1B model over 4,000,000 GPUs is 16 layers x 1 micro-batch of ops, but its fabric
+    # needs 4e6 x 25 KB = 93 GiB at the least (found by fuzzing: 131,072 GPUs ran out of
+    # memory in the flow folding, now fixed; beyond the machine it is refused first).
+    sc = load_scenario("llama3.2-1b-ddp-8xh100", ["cluster.nodes=500000",
+                                                  "training.global_batch_size=8000000"])
+    est = budget.estimate(sc, 1)
+    assert est is not None and est.gpus == 4_000_000
+    assert est.fabric_bytes == pytest.approx(4e6 * budget.BYTES_PER_GPU)
+    why = budget.refusal(est, memory=2.0**34)
+    assert why is not None and why.startswith(
+        "cluster.nodes: a fabric of 4,000,000 GPUs and its program need 93.1 GiB or more, "
+        "this machine has 16.0 GiB")
+    assert budget.refusal(est, memory=2.0**37) is None   # 128 GiB
+
+
+def test_collective_refuses_a_fabric_larger_than_memory() -> None:
+    from sim.apps.nccltests import collective_table
+
+    memory = budget.physical_memory()
+    assert memory is not None
+    gpus = int(2 * memory / budget.BYTES_PER_GPU)
+    with pytest.raises(ScenarioError, match=rf"^--gpus: a fabric of {gpus:,} GPUs needs "):
+        collective_table("dgx-h100", "all_reduce", gpus, [8])

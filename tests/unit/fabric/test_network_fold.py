@@ -323,3 +323,18 @@ def test_several_folded_groups_at_once_move_no_bit(groups, side) -> None:
     # groups=[(0.0, 1.0, 1), (0.24, 1.0, 1)]).
     assume(net.folded_groups >= 2)
     assert folded == plain
+
+
+def test_a_link_under_many_flows_keeps_its_colour_row_short() -> None:
+    # Found by fuzzing: DDP over 131,072 H100s put 262,005 ring flows on one link, and one
+    # column per incidence made a 16,400 x 262,005 int64 matrix (32 GiB). A row holds each
+    # distinct colour once with its count, so its width follows the colours, not the flows.
+    from sim.fabric.fold import _sorted_rows
+
+    n_flows = 200_000
+    entity = np.zeros(n_flows, dtype=np.int64)         # every flow on link 0
+    value = np.arange(n_flows, dtype=np.int64) % 3      # of three flow colours
+    rows = _sorted_rows(entity, value, 2, np.zeros(2, dtype=np.int64))
+    assert rows.shape == (2, 7)
+    assert rows[0].tolist() == [0, 0, 66_667, 1, 66_667, 2, 66_666]
+    assert rows[1].tolist() == [0, -1, -1, -1, -1, -1, -1]
