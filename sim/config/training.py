@@ -312,6 +312,10 @@ class Training(StrictModel):
     ``attn_impl: triton``)."""
     torch_version: str = Field(default=DEFAULT_TORCH_VERSION, pattern=r"^\d+\.\d+(\.\d+)?$")
     """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""
+    cudnn_version: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+){0,2}$")
+    """cuDNN release the job runs ("9.13.1", quoted; a container's release notes say it):
+    Blackwell's fused attention runs at that release's measured speed
+    (:func:`sim.hardware.blackwell_attention.cudnn_release_gap`); None: the newest measured."""
     deterministic: bool = False
     """Bitwise-reproducible steps as Megatron-LM's ``--deterministic-mode`` runs them
     (Transformer Engine's ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``): the attention backward sums

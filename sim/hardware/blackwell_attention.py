@@ -107,6 +107,17 @@ ROW_FILL_CYCLES = {"fwd": 4250.0, "bwd": 8930.0}
 
 BACKENDS: tuple[str, ...] = ("flash4", "cudnn")
 
+# cuDNN's Blackwell attention by release. FA-4 over cuDNN 9.13: forward "up to 1.1-1.3x"
+# (Together AI's FA-4 blog; the midpoint), backward "~1.1x vs cuDNN SM100 backward" at 8k
+# (Dao-AILab/flash-attention PR #1945, 2025-10-19, when 9.13-9.14 were current); cuDNN 9.19
+# "still beats the FA4 CuTe kernels by 1.24-1.98x" on B200 (sgl-project/sglang PR #33655) and
+# 9.22 runs at FA-4's best on a GB200 (cudnn_sdpa.yaml): from 9.19 the FA-4 rates hold. A
+# release is priced as the newest measured release not newer than it: 9.15-9.18 are
+# unmeasured and take 9.14's gap, releases before 9.13 are taken as no faster than 9.13.
+CUDNN_913_GAP = {"fwd": 1.2, "bwd": 1.1}
+FIRST_CUDNN_AT_FA4_RATES = (9, 19)
+LAST_CUDNN_MEASURED_WITH_GAP = (9, 14)
+
 
 class TileCycles(NamedTuple):
     """SM cycles one ``TILE_M x TILE_N`` tile of scores costs on each unit."""
@@ -234,6 +245,36 @@ def score_seconds(gpu: GpuSpec, pass_: Pass, head_dim: int) -> float:
     emulated = FA4_EMULATED_EXP_SHARE if pass_ == "fwd" else 0.0
     cycles = tile_cycles(pass_, head_dim, gpu.arch, emulated_exp=emulated).bound
     return cycles / (TILE_M * TILE_N) / sustained_cycles_per_s(gpu)
+
+
+def cudnn_release_gap(release: tuple[int, ...] | None, pass_: Pass) -> float:
+    """Time of cuDNN ``release``'s Blackwell attention pass over FA-4's unit rates (the rates
+    :func:`score_seconds` gives): :data:`CUDNN_913_GAP` before
+    :data:`FIRST_CUDNN_AT_FA4_RATES`, 1 from it on and for an unnamed release (None).
+
+    Examples
+    --------
+    >>> cudnn_release_gap((9, 11, 0), "fwd"), cudnn_release_gap((9, 13, 1), "bwd")
+    (1.2, 1.1)
+    >>> cudnn_release_gap((9, 18, 0), "fwd"), cudnn_release_gap((9, 20, 0), "fwd")
+    (1.2, 1.0)
+    >>> cudnn_release_gap(None, "bwd")
+    1.0
+    """
+    if release is None or tuple(release[:2]) >= FIRST_CUDNN_AT_FA4_RATES:
+        return 1.0
+    return CUDNN_913_GAP[pass_]
+
+
+def release_tuple(version: str | None) -> tuple[int, ...] | None:
+    """``"9.13.1"`` -> ``(9, 13, 1)``; None stays None.
+
+    Examples
+    --------
+    >>> release_tuple("9.20.0"), release_tuple(None)
+    ((9, 20, 0), None)
+    """
+    return None if version is None else tuple(int(x) for x in version.split("."))
 
 
 def row_fill_seconds(gpu: GpuSpec, pass_: Pass, rows: int, sequences: int) -> float:

@@ -137,6 +137,10 @@ class ComputeModel(MemoryBoundKernels):
     deterministic: bool = False
     """The attention backward runs deterministically (``training.deterministic``):
     :func:`sim.hardware.attention_cost.deterministic_backward_factor` of its time."""
+    cudnn_release: tuple[int, ...] | None = None
+    """cuDNN release (``training.cudnn_version``): Blackwell's cuDNN attention runs at its
+    measured speed (:func:`sim.hardware.blackwell_attention.cudnn_release_gap`); None: the
+    newest measured."""
 
     # ------------------------------------------------------------------ scaling
     @cached_property
@@ -397,8 +401,10 @@ class ComputeModel(MemoryBoundKernels):
             # Blackwell's tensor cores outgrew its exponential unit and shared memory: each
             # unit priced at its own rate, plus each row tile's fill and epilogue
             # (sim/hardware/blackwell_attention.py).
+            gap = (blackwell_attention.cudnn_release_gap(self.cudnn_release, pass_)
+                   if self.attention_backend == "cudnn" else 1.0)
             t = (max(total / sms, longest) * blackwell_attention.score_seconds(
-                self.gpu, pass_, head_dim) + blackwell_attention.row_fill_seconds(
+                self.gpu, pass_, head_dim) * gap + blackwell_attention.row_fill_seconds(
                 self.gpu, pass_, seq if pass_ == "fwd" else kv_seq, groups))
         else:
             # Matmul FLOPs per score at the kernel's own tensor-core speed, plus the

@@ -16,6 +16,7 @@ from functools import cached_property
 from sim import catalog
 from sim.catalog import GpuSpec
 from sim.hardware import attention_cost
+from sim.hardware.blackwell_attention import release_tuple
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Program
 from sim.scenario import Scenario, ScenarioError
@@ -53,7 +54,8 @@ class JobContext:
         except ValueError as e:
             raise ScenarioError(f"{origin}: {e}") from None
         compute = ComputeModel(gpu, s.training.precision, backend,
-                               deterministic=s.training.deterministic)
+                               deterministic=s.training.deterministic,
+                               cudnn_release=release_tuple(s.training.cudnn_version))
         return cls(s, model, gpu, compute, origin)
 
     # ------------------------------------------------------------------ layout

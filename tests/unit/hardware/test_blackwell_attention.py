@@ -187,3 +187,36 @@ def test_older_tensor_cores_from_their_datasheets(arch: str, peak_tflops: float,
     # Peak / (SMs x boost clock): the per-SM, per-clock dense rate the row fill's clock uses.
     per_clock = peak_tflops * 1e12 / (sms * boost_ghz * 1e9)
     assert bw.MMA_FLOPS_PER_CLOCK_SM[arch] == pytest.approx(per_clock, rel=0.01)
+
+
+@pytest.mark.parametrize("release,fwd,bwd", [
+    ((9, 11, 0), 1.2, 1.1),     # NeMo 25.09's container: older than the measured 9.13
+    ((9, 13, 1), 1.2, 1.1),     # 25.11's: FA-4 over cuDNN 9.13 (blog, PR #1945)
+    ((9, 18, 0), 1.2, 1.1),     # 26.02's: unmeasured, priced as the newest measured before it
+    ((9, 20, 0), 1.0, 1.0),     # 26.04's: from 9.19 at FA-4's rates (sglang PR #33655)
+    (None, 1.0, 1.0),           # unnamed: the newest measured
+])
+def test_cudnn_release_sets_the_score_rate_not_the_fill(ref: dict, release, fwd: float,
+                                                         bwd: float) -> None:
+    # The gap is the published FA-4-over-cuDNN-9.13 ratio, applied to the score tiles; the
+    # row fill (fitted on cuDNN 9.22's own windows) is the release's pipeline, not its rate.
+    assert bw.CUDNN_913_GAP == pytest.approx(
+        {"fwd": sum(ref["headline_b200"]["fa4_over_cudnn_913_fwd"]) / 2,   # the midpoint
+         "bwd": ref["fa4_bwd_over_cudnn_pr1945"]})
+    b200 = catalog.gpu("b200")
+    args = (2, 16, 8192, 128)
+    for pass_, gap in (("fwd", fwd), ("bwd", bwd)):
+        new = ComputeModel(b200, attention_backend="cudnn")
+        old = ComputeModel(b200, attention_backend="cudnn", cudnn_release=release)
+        fill = bw.row_fill_seconds(b200, pass_, 8192, 2 * 16)
+        t_new = new.attention_time(*args, pass_)
+        t_old = old.attention_time(*args, pass_)
+        assert (t_old - fill) / (t_new - fill) == pytest.approx(gap, rel=1e-12)
+
+
+def test_cudnn_release_leaves_hopper_and_flash_attention_alone() -> None:
+    for gpu, backend in (("h100-sxm", "cudnn"), ("b200", "flash4")):
+        g = catalog.gpu(gpu)
+        assert ComputeModel(g, attention_backend=backend, cudnn_release=(9, 11, 0)) \
+            .attention_time(2, 16, 8192, 128, "bwd") == \
+            ComputeModel(g, attention_backend=backend).attention_time(2, 16, 8192, 128, "bwd")
