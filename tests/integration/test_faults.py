@@ -259,6 +259,16 @@ def test_bad_keys_raise_scenario_error() -> None:
             f"{{node: 1, nic: {k}}}" for k in range(8)) + "]")
 
 
+def test_a_single_server_may_lose_every_nic() -> None:
+    # Found by fuzzing: one server's only NIC failed was an internal error ("every NIC
+    # failed") while the check lets a lone server go without NICs: it sends nothing off-node,
+    # so the step is the same with them down.
+    one = ("cluster.nodes=1", "cluster.gpus_per_node=4", "cluster.nics_per_node=1",
+           "training.global_batch_size=16")
+    assert _run(FSDP2, *one, "faults.failed_links=[{node: 0, nic: 0}]").summary[
+        "step_time_s"] == _run(FSDP2, *one).summary["step_time_s"]
+
+
 def test_collective_command_takes_link_faults() -> None:
     # `fabricsim collective` (nccl-tests on the simulated fabric) with a NIC at half rate:
     # a 1 GiB ring all-reduce on 2 x 8 H100 is network-bound, so its time about doubles.

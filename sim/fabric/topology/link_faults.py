@@ -101,6 +101,9 @@ def apply_link_faults(fabric: Fabric, slow: Iterable[tuple[int, int, float]] = (
     down: dict[int, set[int]] = {}
     for node, nic in failed:
         down.setdefault(node, set()).add(nic)
+    # A server with every NIC down has nothing to route around to: alone it needs none (a
+    # multi-server fabric refuses it first, sim.config.faults.check_faults).
     subs = {(node, nic): substitute_nic(fabric, node, nic, nics, seed)
-            for node, nics in sorted(down.items()) for nic in sorted(nics)}
+            for node, nics in sorted(down.items()) if len(nics) < fabric.spec.nics_per_node
+            for nic in sorted(nics)}
     fabric.set_nic_substitutes(subs)
