@@ -62,6 +62,12 @@ light in fibre over 20,000 km), a geostationary satellite hop ~270 ms."""
 LATENCY_US_MAX = 1e8
 """A NIC's or a switch's latency in microseconds (the same 100 s): 0.1-10 us in practice."""
 
+MAX_DURATION_S = 1e9
+"""A span of simulated time in seconds (about 32 years), such as when a job of a multi-job
+file starts: a training run lasts months; nanoseconds since the start still fit in 64 bits."""
+MAX_TRANSFER_BYTES = 1e18
+"""Bytes of one background transfer (an exabyte): a GPU's whole memory is under 2**38."""
+
 # -- the training step
 MAX_SEQ_LEN = 2**27
 """Tokens per sequence (134 million): the longest published training contexts are 1-10

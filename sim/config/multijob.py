@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
+from sim.config import bounds as B
 from sim.config import resources
 from sim.config.base import ScenarioError, StrictModel
 from sim.config.cluster import Cluster
@@ -54,14 +55,14 @@ class Traffic(StrictModel):
     """Background traffic between the job's nodes (:mod:`sim.program.traffic`): every
     ``period_s``, ``count`` times, each GPU sends ``bytes`` to the same GPU of the next node."""
 
-    bytes: float = Field(gt=0, allow_inf_nan=False)
+    bytes: float = Field(gt=0, le=B.MAX_TRANSFER_BYTES, allow_inf_nan=False)
     """Bytes each GPU sends per transfer."""
-    period_s: float = Field(gt=0, allow_inf_nan=False)
+    period_s: float = Field(gt=0, le=B.MAX_DURATION_S, allow_inf_nan=False)
     """Seconds from one transfer's start to the next's (later if a transfer outlasts it)."""
     count: int = Field(default=1, ge=1, le=100_000)
     direction: Literal["ring", "chain"] = "ring"
     """``ring``: node j to node j+1, the last to the first; ``chain``: no wrap around."""
-    nodes: int = Field(default=2, ge=2)
+    nodes: int = Field(default=2, ge=2, le=B.MAX_NODES)
     """Nodes to place it on when the job gives ``placement`` (not ``nodes``)."""
 
 
@@ -79,10 +80,10 @@ class JobEntry(StrictModel):
     """The shared cluster's nodes this job runs on, in the job's node order."""
     placement: Literal["packed", "spread"] | None = None
     """Where to place it when ``nodes`` is not given (default ``packed``)."""
-    zone: int | None = Field(default=None, ge=0)
+    zone: int | None = Field(default=None, ge=0, le=B.MAX_ZONES)
     """With ``placement``: place it only on nodes of this availability zone (node ``n`` is
     in zone ``n % cluster.azs``)."""
-    start_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    start_s: float = Field(default=0.0, ge=0.0, le=B.MAX_DURATION_S, allow_inf_nan=False)
     """Seconds after the simulation starts that this job's first step starts."""
     steps: int = Field(default=1, ge=1, le=1000)
     """Training steps the job runs, back to back (its summary is per step)."""

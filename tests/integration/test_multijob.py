@@ -234,6 +234,9 @@ def test_cli_json(tmp_path):
     ([{"scenario": "J", "name": "a", "placement": "spread", "zone": 1}],
      "jobs[0].zone: 1 is not a zone of the cluster"),
     ([{"name": "a", "nodes": [0, 1]}], "jobs[0]: give scenario or traffic"),
+    # Found by fuzzing: an absurd start was an internal OverflowError.
+    ([{"scenario": "J", "name": "a", "nodes": [0, 1], "start_s": 1e300}],
+     "jobs[0].start_s: Input should be less than or equal to 1000000000"),
 ])
 def test_bad_files_exit_2_naming_file_and_key(tmp_path, jobs, key):
     job = write(tmp_path, "ddp.yaml", DDP_ONE_BUCKET)

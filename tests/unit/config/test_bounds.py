@@ -26,6 +26,7 @@ from sim.config import resources
 from sim.config.cluster import Cluster
 from sim.config.load import read_yaml, scenario_from_dict
 from sim.config.moe_keys import MLABlock, MoEBlock, MoeRouting
+from sim.config.multijob import JobEntry, Traffic
 from sim.config.scenario import Scenario
 from sim.config.training import ModelDims, Nccl, Parallelism, Pricing, Routing, Training
 from sim.scenario import ScenarioError, load_scenario
@@ -35,7 +36,7 @@ SMALL = "llama3.2-1b-1xh200"   # one GPU: a run that is accepted ends in about a
 
 BOUNDED_SECTIONS: list[type[BaseModel]] = [Cluster, ModelDims, Parallelism, Training, Nccl,
                                            Pricing, Routing, MoEBlock, MLABlock, MoeRouting,
-                                           Scenario]
+                                           Scenario, JobEntry, Traffic]
 
 
 def _numeric(annotation: Any) -> bool:
