@@ -57,9 +57,13 @@ class Estimate:
     """Engine wall seconds (at least)."""
     bytes: float
     """Memory of the built program (at least)."""
-    fabric_bytes: float = 0.0
-    """Memory of the fabric and a collective over every GPU (at least)."""
     gpus: int = 0
+    """GPUs of the fabric the run builds."""
+
+    @property
+    def fabric_bytes(self) -> float:
+        """Memory of the fabric and a collective over every GPU (at least)."""
+        return self.gpus * BYTES_PER_GPU
 
 
 def estimate(scenario: Scenario, steps: int = 1) -> Estimate | None:
@@ -77,7 +81,7 @@ def estimate(scenario: Scenario, steps: int = 1) -> Estimate | None:
     micro_batches = max(1, math.ceil(global_batch / max(1, per_step)))
     ops = layers * micro_batches * OPS_PER_LAYER_MICRO_BATCH * steps
     return Estimate(layers, micro_batches, steps, ops, ops * SECONDS_PER_OP,
-                    (ops / steps) * BYTES_PER_OP, scenario.gpus * BYTES_PER_GPU, scenario.gpus)
+                    (ops / steps) * BYTES_PER_OP, scenario.gpus)
 
 
 def fabric_refusal(gpus: int, memory: float | None, key: str = "cluster.nodes") -> str | None:

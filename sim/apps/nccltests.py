@@ -16,6 +16,7 @@ from typing import Any
 import simpy
 
 from sim import catalog
+from sim.apps import budget
 from sim.config.faults import check_faults
 from sim.fabric.collectives.runner import CollectiveRunner, NcclSettings, transport_capacity
 from sim.fabric.network import FlowNetwork
@@ -126,8 +127,7 @@ def collective_table(topology: str, op: str, gpus: int, sizes: list[int], algo: 
         raise ScenarioError(f"--op: {op!r} is not one of {', '.join(OPS)}")
     if gpus < 2:
         raise ScenarioError("--gpus: a collective needs at least 2 GPUs")
-    from sim.apps import budget  # the fabric must fit in memory (a million GPUs does not)
-
+    # The fabric must fit in memory (a million GPUs does not).
     too_big = budget.fabric_refusal(gpus, budget.physical_memory(), "--gpus")
     if too_big:
         raise ScenarioError(too_big)

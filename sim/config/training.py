@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from sim.config import bounds as B
 from sim.config.base import StrictModel
@@ -343,11 +343,11 @@ class Training(StrictModel):
                                          "training.moe_routing.file")) from None
         return self.model_copy(update={"routing": routing, "moe_routing": None})
 
-    @field_validator("torch_version", mode="before")
+    @field_validator("torch_version", "cudnn_version", mode="before")
     @classmethod
-    def _quoted_version(cls, v: Any) -> Any:
+    def _quoted_version(cls, v: Any, info: ValidationInfo) -> Any:
         if isinstance(v, (int, float)):
-            raise ValueError(f"training.torch_version: write {v} as a quoted string; "
+            raise ValueError(f"training.{info.field_name}: write {v} as a quoted string; "
                              "unquoted, YAML reads 2.10 as the number 2.1")
         return v
 

@@ -253,7 +253,14 @@ def causal_tiles(n_blocks: int, block: int, window: int | None) -> tuple[float, 
     return window_pairs(n_blocks, k), k
 
 
-def _version(v: str) -> tuple[int, int, int]:
+def version_tuple(v: str) -> tuple[int, int, int]:
+    """A release string as a comparable triple (missing parts 0): PyTorch's and cuDNN's.
+
+    Examples
+    --------
+    >>> version_tuple("2.8"), version_tuple("9.13.1.26")
+    ((2, 8, 0), (9, 13, 1))
+    """
     parts = ([int(x) for x in v.split(".")[:3]] + [0, 0, 0])[:3]
     return parts[0], parts[1], parts[2]
 
@@ -271,7 +278,7 @@ def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION) -> Atten
     """
     if arch == "volta":
         return "mem_efficient"      # flash needs sm80 (sdp_utils.cpp check_sm_version)
-    v = _version(torch_version)
+    v = version_tuple(torch_version)
     if v < FIRST_SDPA_FLASH2:
         return "flash1"
     cudnn_archs = {"hopper"} | ({"blackwell"} if v >= (2, 9, 0) else set())

@@ -266,17 +266,6 @@ def cudnn_release_gap(release: tuple[int, ...] | None, pass_: Pass) -> float:
     return CUDNN_913_GAP[pass_]
 
 
-def release_tuple(version: str | None) -> tuple[int, ...] | None:
-    """``"9.13.1"`` -> ``(9, 13, 1)``; None stays None.
-
-    Examples
-    --------
-    >>> release_tuple("9.20.0"), release_tuple(None)
-    ((9, 20, 0), None)
-    """
-    return None if version is None else tuple(int(x) for x in version.split("."))
-
-
 def row_fill_seconds(gpu: GpuSpec, pass_: Pass, rows: int, sequences: int) -> float:
     """Seconds the SMs spend filling and draining the row tiles of one call: ``sequences``
     (batch x heads) rows of ``rows`` tokens each (queries forward, keys backward), cut into

@@ -16,7 +16,6 @@ from functools import cached_property
 from sim import catalog
 from sim.catalog import GpuSpec
 from sim.hardware import attention_cost
-from sim.hardware.blackwell_attention import release_tuple
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import Program
 from sim.scenario import Scenario, ScenarioError
@@ -55,7 +54,9 @@ class JobContext:
             raise ScenarioError(f"{origin}: {e}") from None
         compute = ComputeModel(gpu, s.training.precision, backend,
                                deterministic=s.training.deterministic,
-                               cudnn_release=release_tuple(s.training.cudnn_version))
+                               cudnn_release=(None if s.training.cudnn_version is None else
+                                              attention_cost.version_tuple(
+                                                  s.training.cudnn_version)))
         return cls(s, model, gpu, compute, origin)
 
     # ------------------------------------------------------------------ layout

@@ -220,3 +220,13 @@ def test_cudnn_release_leaves_hopper_and_flash_attention_alone() -> None:
         assert ComputeModel(g, attention_backend=backend, cudnn_release=(9, 11, 0)) \
             .attention_time(2, 16, 8192, 128, "bwd") == \
             ComputeModel(g, attention_backend=backend).attention_time(2, 16, 8192, 128, "bwd")
+
+
+def test_cudnn_version_is_a_quoted_release() -> None:
+    # Unquoted, YAML reads 9.20 as the number 9.2: refused with the fix in one line.
+    from sim.scenario import ScenarioError, load_scenario
+
+    with pytest.raises(ScenarioError, match=r"training\.cudnn_version: write 9\.2 as a quoted"):
+        load_scenario("llama3.2-1b-1xh200", ["training.cudnn_version=9.20"])
+    assert load_scenario("llama3.2-1b-1xh200", ['training.cudnn_version="9.20.0"']) \
+        .training.cudnn_version == "9.20.0"
