@@ -25,6 +25,7 @@ FlashAttention-2's sm80 kernels there keep the form at their Hopper share.
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from typing import TYPE_CHECKING, Literal
 
@@ -103,22 +104,37 @@ PUBLISHED_H100: dict[tuple[str, str], tuple[float, bool]] = {
 # ``mem_efficient`` kernel keeps the scaled form (share 1), as before.
 _ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
 
-# FlashAttention's kernels before FlashAttention-2, as a share of FlashAttention-2's speed on
-# the same GPU, forward + backward, causal, head dim 128, 16k tokens (batch x seq = 16k,
-# 2,048 hidden): Dao 2023 (arXiv 2307.08691) fig. 4(d) and its H100 figure, the bars of
+# FlashAttention's first CUDA kernels as a share of FlashAttention-2's speed on the same GPU,
+# forward + backward, causal, 16k tokens (batch x seq = 16k, 2,048 hidden), at head dim 64 and
+# 128: Dao 2023 (arXiv 2307.08691) fig. 4(c) and 4(d) and its H100 figure, the bars of
 # Dao-AILab/flash-attention ``assets/flash2_a100_fwd_bwd_benchmark.png`` and
 # ``flash2_h100_fwd_bwd_benchmark.png`` (TFLOP/s):
-#   A100 80GB SXM4: FlashAttention 83, FlashAttention Triton 80, FlashAttention-2 189
-#   H100 80GB SXM5: FlashAttention 137, FlashAttention-2 328 (no Triton bar)
-# All three run sm80 ``mma.sync`` code on both parts, so the share holds across them: the
-# CUDA kernel's A100 share (0.439) gives 144 on the H100 against 137 published. Where a GPU
-# has no figure of its own the A100's share serves.
-LEGACY_FWD_BWD_TFLOPS: dict[tuple[str, str], tuple[float, float]] = {
-    # (backend, arch): (kernel, FlashAttention-2) TFLOP/s at the anchor
-    ("flash1", "ampere"): (83.0, 189.0),
-    ("flash1", "hopper"): (137.0, 328.0),
-    ("flash1_triton", "ampere"): (80.0, 189.0),
+#   A100 80GB SXM4: head dim 64: FlashAttention 97, FlashAttention-2 171
+#                   head dim 128: FlashAttention 83, FlashAttention-2 189
+#   H100 80GB SXM5: head dim 64: FlashAttention 156, FlashAttention-2 284
+#                   head dim 128: FlashAttention 137, FlashAttention-2 328
+# The old kernel is relatively faster at head dim 64 (0.55-0.57 of FA2, against 0.42-0.44 at
+# 128: FA2's gain came mostly from the wider head), on both parts. Both run sm80 ``mma.sync``
+# code, so the share holds across them: the A100 share at 128 (0.439) gives 144 on the H100
+# against 137 published. Where a GPU has no figure of its own the A100's share serves.
+#
+# The papers' "FlashAttention Triton" bars are not the kernel llm-foundry runs: the
+# FlashAttention-2 benchmark (benchmarks/benchmark_flash_attention.py, 60499abc, 2023-07)
+# imports ``triton.ops.flash_attention``, OpenAI's Triton-2.1 tutorial kernel, whereas
+# llm-foundry's ``attn_impl: triton`` runs ``flash_attn_triton.py`` (Tri Dao's kernel on
+# triton-pre-mlir) -- which has no published benchmark of its own. Its docstring places it
+# against FlashAttention's CUDA kernel: "Triton forward is generally faster than CUDA
+# forward, while Triton backward is generally slower than CUDA backward. Overall Triton
+# forward + backward is slightly slower than CUDA forward + backward." So ``flash1_triton``
+# is priced as ``flash1`` (the CUDA kernel's figures): "slightly slower" is not a number.
+LEGACY_FWD_BWD_TFLOPS: dict[tuple[str, int], tuple[float, float]] = {
+    # (arch, head_dim): (FlashAttention, FlashAttention-2) TFLOP/s at the anchor
+    ("ampere", 64): (97.0, 171.0),
+    ("ampere", 128): (83.0, 189.0),
+    ("hopper", 64): (156.0, 284.0),
+    ("hopper", 128): (137.0, 328.0),
 }
+LEGACY_BACKENDS = ("flash1", "flash1_triton")
 
 
 # A fused attention kernel with dropout draws a Philox random number for every score it keeps
@@ -172,28 +188,35 @@ def deterministic_backward_factor(backend: str) -> float:
     return DETERMINISTIC_BACKWARD_COST.get(backend, 1.0)
 
 
-def share_of_flash2(backend: str, arch: str) -> float | None:
+def share_of_flash2(backend: str, arch: str, head_dim: int = 128) -> float | None:
     """Speed of FlashAttention's first CUDA kernel (``flash1``) or its Triton kernel
-    (``flash1_triton``) relative to FlashAttention-2's on a GPU generation, from the published
-    forward + backward figures (:data:`LEGACY_FWD_BWD_TFLOPS`); None for other backends.
+    (``flash1_triton``, priced as the CUDA kernel: :data:`LEGACY_FWD_BWD_TFLOPS`) relative to
+    FlashAttention-2's on a GPU generation at ``head_dim``, from the published forward +
+    backward figures; None for other backends.
 
-    One share serves both passes and every shape: the figures are forward + backward at one
-    shape (the Triton kernel's own notes say its forward is its faster half).
+    Between the published head dims 64 and 128 the share runs linearly in log2 of the head
+    dim; outside them it is the nearer one's (the first kernels stop at 128). One share serves
+    both passes and every length: the figures are forward + backward, and the old kernel's
+    bars follow FA2's over length within a few percent (fig. 4).
 
     Examples
     --------
+    >>> [round(share_of_flash2("flash1", "ampere", hd), 3) for hd in (128, 64)]
+    [0.439, 0.567]
     >>> round(share_of_flash2("flash1_triton", "hopper"), 3)
-    0.423
-    >>> round(share_of_flash2("flash1", "hopper"), 3)
     0.418
+    >>> round(share_of_flash2("flash1", "ampere", 96), 3)   # 0.58 of the way from 64 in log2
+    0.492
     >>> share_of_flash2("flash2", "hopper") is None
     True
     """
-    if backend not in ("flash1", "flash1_triton"):
+    if backend not in LEGACY_BACKENDS:
         return None
-    kernel, fa2 = LEGACY_FWD_BWD_TFLOPS.get((backend, arch),
-                                            LEGACY_FWD_BWD_TFLOPS[(backend, "ampere")])
-    return kernel / fa2
+    gen = arch if (arch, 128) in LEGACY_FWD_BWD_TFLOPS else "ampere"
+    lo = LEGACY_FWD_BWD_TFLOPS[(gen, 64)]
+    hi = LEGACY_FWD_BWD_TFLOPS[(gen, 128)]
+    frac = min(1.0, max(0.0, math.log2(max(head_dim, 1) / 64)))
+    return (1 - frac) * lo[0] / lo[1] + frac * hi[0] / hi[1]
 
 
 def window_pairs(seq: int, window: int | None) -> float:

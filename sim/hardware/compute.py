@@ -371,7 +371,7 @@ class ComputeModel(MemoryBoundKernels):
         CUDA kernel and its Triton kernel run FlashAttention-2's call at their published
         share of its speed (:func:`~sim.hardware.attention_cost.share_of_flash2`).
         """
-        legacy = share_of_flash2(self.attention_backend, self.gpu.arch)
+        legacy = share_of_flash2(self.attention_backend, self.gpu.arch, head_dim)
         if legacy is not None:
             return self._flash2_model.attention_time(
                 batch, heads, seq, head_dim, pass_, kv_seq, causal, measured_table, window,

@@ -234,38 +234,66 @@ def test_torchtitan_on_h100_slows_down_megatron_te_and_a100_do_not() -> None:
         {"name": "fsdp2"}, "a100-80gb", attention_backend="cudnn")["step_time_s"]
 
 
-# FlashAttention's first CUDA kernel and its Triton kernel (llm-foundry's attn_impl: triton):
-# the bars of the FlashAttention-2 paper's fig. 4(d) (A100) and its H100 figure, causal, head
-# dim 128, forward + backward, TFLOP/s: FA1 83 / FA Triton 80 / FA2 189 on the A100, FA1 137 /
-# FA2 328 on the H100 (assets/flash2_{a100,h100}_fwd_bwd_benchmark.png).
-@pytest.mark.parametrize("backend,gpu,published", [
-    ("flash1", A100, 83), ("flash1_triton", A100, 80), ("flash1", H100, 137),
+# FlashAttention's first CUDA kernel: the bars of the FlashAttention-2 paper's fig. 4(c)/(d)
+# (A100) and its H100 figure, causal, forward + backward, 16k tokens, TFLOP/s: FA1 97 / FA2 171
+# at head dim 64 and FA1 83 / FA2 189 at 128 on the A100; FA1 156 / FA2 284 and 137 / 328 on
+# the H100 (assets/flash2_{a100,h100}_fwd_bwd_benchmark.png). The model runs FA2's call at the
+# published ratio, so the old kernel lands where FA2's form lands times that ratio: on the
+# bar within 3% at head dim 128 and on the H100; 8% under it at 64 on the A100, where the FA2
+# form itself is 9% under its own bar (156 against 171).
+@pytest.mark.parametrize("gpu,hd,published,fa2_published", [
+    (A100, 128, 83, 189), (H100, 128, 137, 328), (H100, 64, 156, 284), (A100, 64, 97, 171),
 ])
-def test_earlier_flash_kernels_against_the_flashattention2_paper(backend, gpu, published) -> None:
-    cm = ComputeModel(gpu, attention_backend=backend)
-    assert _tflops(cm, 16384, 128, "fwd_bwd") == pytest.approx(published, rel=0.03)
+def test_the_first_flash_kernel_against_the_flashattention2_paper(gpu, hd, published,
+                                                                   fa2_published) -> None:
+    old, fa2 = (ComputeModel(gpu, attention_backend=b) for b in ("flash1", "flash2"))
+    fa2_error = _tflops(fa2, 16384, hd, "fwd_bwd") / fa2_published
+    assert _tflops(old, 16384, hd, "fwd_bwd") == pytest.approx(published * fa2_error, rel=0.01)
+    if fa2_error == pytest.approx(1, abs=0.03):
+        assert _tflops(old, 16384, hd, "fwd_bwd") == pytest.approx(published, rel=0.03)
+
+
+def test_the_first_flash_kernel_keeps_more_of_flash2s_speed_at_head_dim_64() -> None:
+    # FA2's gain over FA1 came mostly at the wide head: 0.55-0.57 of its speed at 64 on both
+    # parts, 0.42-0.44 at 128; head dims between run between (log2), outside take the edge.
+    for arch in ("ampere", "hopper"):
+        at = {hd: share_of_flash2("flash1", arch, hd) for hd in (32, 64, 80, 96, 128, 256)}
+        assert 0.54 < at[64] < 0.58 and 0.41 < at[128] < 0.45
+        assert at[32] == at[64] and at[256] == at[128]
+        assert at[64] > at[80] > at[96] > at[128]
 
 
 def test_the_sm80_kernels_keep_their_share_of_flash_attention_2_from_a100_to_h100() -> None:
-    # The rule that carries the Triton kernel (no H100 bar) to Hopper, checked on the CUDA
-    # kernel that has both: its A100 share of FA2 predicts its H100 figure within 6%.
-    kernel, fa2 = LEGACY_FWD_BWD_TFLOPS[("flash1", "ampere")]
+    # The rule that carries a kernel without a figure of its own to another GPU, checked on
+    # the CUDA kernel that has both: its A100 share of FA2 predicts its H100 figure within 6%.
+    kernel, fa2 = LEGACY_FWD_BWD_TFLOPS[("ampere", 128)]
     assert kernel / fa2 * 328 == pytest.approx(137, rel=0.06)
-    assert share_of_flash2("flash1_triton", "hopper") == share_of_flash2("flash1_triton", "ampere")
+    assert share_of_flash2("flash1", "blackwell") == share_of_flash2("flash1", "ampere")
+
+
+def test_the_triton_kernel_llm_foundry_runs_is_priced_as_the_cuda_kernel() -> None:
+    # The papers' "FlashAttention Triton" bars are triton.ops.flash_attention (OpenAI's
+    # tutorial kernel), not flash_attn_triton.py; the latter documents itself against the CUDA
+    # kernel ("overall ... slightly slower"), which is all that is published of it.
+    for arch in ("ampere", "hopper"):
+        for hd in (64, 96, 128):
+            assert share_of_flash2("flash1_triton", arch, hd) == share_of_flash2("flash1", arch, hd)
 
 
 @pytest.mark.parametrize("backend", ["flash1", "flash1_triton"])
 @pytest.mark.parametrize("gpu", [A100, H100])
 def test_earlier_flash_kernels_run_flash2s_call_at_their_share(backend, gpu) -> None:
     # The same shape curve as FlashAttention-2 (causal tiles, waves, head dim), slower by the
-    # share in both passes, at short and long sequences and in context-parallel steps.
+    # share of the call's head dim in both passes, at short and long sequences and in
+    # context-parallel steps.
     old, fa2 = (ComputeModel(gpu, attention_backend=b) for b in (backend, "flash2"))
-    share = share_of_flash2(backend, gpu.arch)
-    assert share is not None and 0.4 < share < 0.45
     for args in ((2, 32, 2048, 128), (1, 32, 65536, 128), (4, 16, 8192, 64)):
+        share = share_of_flash2(backend, gpu.arch, args[3])
+        assert share is not None and 0.4 < share < 0.6
         for pass_ in ("fwd", "bwd"):
             assert old.attention_time(*args, pass_) == pytest.approx(
                 fa2.attention_time(*args, pass_) / share)
+    share = share_of_flash2(backend, gpu.arch, 128)
     assert old.cp_attention_time(1, 32, 8192, 128, "bwd", 32768) == pytest.approx(
         fa2.cp_attention_time(1, 32, 8192, 128, "bwd", 32768) / share)
 
