@@ -145,6 +145,10 @@ class Style:
     2.8 and later); False: torchtitan's own eager RMSNorm of its 2024-25 code (``x.float()``,
     pow, mean, rsqrt, the products, ``type_as``), the same kernels as Hugging Face's
     (:func:`sim.workload.hf_ops.hf_rmsnorm_bf16`)."""
+    fused_loss: bool = False
+    """The cross-entropy is one fused softmax-and-loss kernel on the 16-bit logits (flash-attn's
+    ``xentropy_cuda_lib``, which llm-foundry's MPT runs as ``loss_fn: fused_crossentropy``):
+    no fp32 copy of the logits (:func:`sim.workload.layer_ops.fused_cross_entropy`)."""
 
     @property
     def autocast(self) -> bool:

@@ -275,6 +275,10 @@ def head_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
     b.block.forward_scoped.append(logits)
     n = tokens * vocab
     g_logits = b.t("lm_head.g_out", n, BF16)
+    if style.fused_loss:
+        fused_cross_entropy(b, logits, g_logits, tokens)
+        b.writes_grad(logits, g_logits)
+        return b.finish()
     if style.compile:
         compiled_cross_entropy(b, logits, g_logits, tokens, n)
         b.writes_grad(logits, g_logits)
@@ -315,6 +319,22 @@ def compiled_cross_entropy(b: _Builder, logits: Tensor, g_logits: Tensor, tokens
     b.fwd(Kernel("log_softmax_online", "elementwise", (logits, logits), (lse, loss)))
     b.save(logits, lse)
     b.bwd(Kernel("g_log_softmax", "elementwise", (logits, logits, lse), (g_logits,)))
+
+
+def fused_cross_entropy(b: _Builder, logits: Tensor, g_logits: Tensor, tokens: float) -> None:
+    """flash-attn's fused softmax cross-entropy (``flash_attn/losses/cross_entropy.py`` over
+    ``csrc/xentropy``, apex's ``xentropy`` kernels, 16-bit inputs kept as they are) on the
+    logits as the output layer wrote them: the forward kernel runs over each vocabulary row
+    twice (its max, then the sum of exponentials) and writes only the row's loss and
+    log-sum-exp; the backward reads the row once more with that log-sum-exp and writes the
+    16-bit gradient (``inplace_backward`` False, llm-foundry's ``FusedCrossEntropyLoss``
+    default). Autograd saves the logits and the log-sum-exp, nothing in fp32 over the
+    vocabulary."""
+    lse = b.t("logsumexp", tokens, FP32)
+    loss = b.t("loss", tokens, FP32)
+    b.fwd(Kernel("xentropy_fwd", "elementwise", (logits, logits), (lse, loss)))
+    b.save(logits, lse)
+    b.bwd(Kernel("xentropy_bwd", "elementwise", (logits, lse), (g_logits,)))
 
 
 @lru_cache(maxsize=256)

@@ -435,3 +435,19 @@ def test_float8_all_gather_halves_the_blocks_gathers_and_drops_the_weight_casts(
     assert not [k for k in attn.forward + attn.backward if "cast_w" in k.name]
     with pytest.raises(ScenarioError, match="framework.float8_all_gather"):
         program(scenario({"float8_all_gather": True}))
+
+
+# --------------------------------------------------------------------------- fused loss
+def test_a_fused_cross_entropy_is_faster_and_smaller_than_torchs_and_refused_with_tp() -> None:
+    # flash-attn's xentropy on the bf16 logits (llm-foundry's default loss): no fp32 copy of
+    # the logits, so the step is shorter and the peak lower; with tp > 1 the logits are
+    # vocabulary-sharded (torch's loss_parallel), which a fused kernel is not modelled for.
+    torch_ce, fused = (simulate(scenario({"cross_entropy": ce})).summary
+                       for ce in ("torch", "fused"))
+    assert fused["step_time_s"] < torch_ce["step_time_s"]
+    assert fused["peak_memory_gib"] < torch_ce["peak_memory_gib"]
+    with pytest.raises(ScenarioError, match="framework.cross_entropy"):
+        simulate(scenario({"cross_entropy": "fused"}, par={"tp": 2}))
+    cp = simulate(scenario({"cross_entropy": "fused"}, par={"cp": 2}, seq_len=256)).summary
+    assert cp["step_time_s"] < simulate(scenario(par={"cp": 2}, seq_len=256)).summary[
+        "step_time_s"]

@@ -44,6 +44,8 @@ def as_run() -> dict[str, float]:
 def test_the_rows_are_the_tables_of_both_gpus_at_every_length() -> None:
     assert len(ROWS) == 25
     assert all(e["scenario"]["training"]["attention_backend"] == "flash1_triton" for e in ROWS)
+    # llm-foundry v0.3.0's MPT loss: flash-attn's fused cross-entropy (loss_fn default).
+    assert all(e["scenario"]["framework"]["cross_entropy"] == "fused" for e in ROWS)
     seqs = {e["scenario"]["training"]["seq_len"] for e in ROWS}
     assert {2048, 65536} <= seqs
     assert {e["scenario"]["cluster"]["topology"] for e in ROWS} == {"dgx-h100", "dgx-a100"}
@@ -60,17 +62,15 @@ def test_with_the_kernel_they_ran_the_rows_are_within_the_published_bar(as_run) 
     assert long_rows and all(v < 0 for v in long_rows)
 
 
-def test_at_head_dim_64_the_long_rows_err_as_the_short_ones(as_run) -> None:
-    # MPT-125M and -350M (head dim 64), no recomputation: from 2k to 64k tokens attention grows
-    # from a small part of the step to most of it, so a wrong kernel speed shows as a trend
-    # over length. Priced at the head-dim-128 share (0.42 of FA2 instead of 0.57) the 64k rows
-    # came out 27-29% slow against 14% at 2k; at head dim 64's own share they err as the short
-    # ones do.
+def test_at_head_dim_64_the_long_rows_are_not_slow(as_run) -> None:
+    # MPT-125M and -350M (head dim 64), no recomputation: at 64k tokens attention is most of
+    # the step, so the kernel's speed decides the row. Priced at the head-dim-128 share (0.42
+    # of FA2 instead of 0.57) the 64k rows came out 27-29% slow (their 2k rows 14%); at head
+    # dim 64's own share they are within 8%.
     small = {k: v for k, v in as_run.items() if "-125m-" in k or "-350m-" in k}
     assert len(small) == 4
-    short = as_run["llm-foundry-mpt-125m-2048-8xa100"]
     for k in ("llm-foundry-mpt-125m-65536-8xa100", "llm-foundry-mpt-350m-65536-8xa100"):
-        assert abs(small[k] - short) < 0.05
+        assert abs(small[k]) < 0.08
     assert all(abs(v) < 0.12 for v in small.values())
 
 

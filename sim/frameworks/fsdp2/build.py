@@ -93,7 +93,8 @@ def _style(ctx: JobContext, opts: Fsdp2Options) -> Style:
     return Style("hf_bf16" if hf else "bf16", compile=opts.compile, float8=fp8,
                  float8_weights=fp8 and opts.float8_all_gather,
                  float8_recipe=opts.float8_recipe,
-                 fused_rmsnorm=torch_has_fused_rmsnorm(ctx.scenario.training.torch_version))
+                 fused_rmsnorm=torch_has_fused_rmsnorm(ctx.scenario.training.torch_version),
+                 fused_loss=opts.cross_entropy == "fused")
 
 
 def kernel_style(ctx: JobContext) -> Style:

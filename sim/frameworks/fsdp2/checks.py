@@ -113,6 +113,9 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(opts.compile or not opts.compile_loss, "framework.compile_loss",
                 "true needs framework.compile true (torchtitan compiles the loss only when "
                 "compiling)")
+    ctx.require(opts.cross_entropy == "torch" or t == 1, "framework.cross_entropy",
+                f"fused is not modelled with tensor parallelism (tp={t}): vocabulary-sharded "
+                "logits take torch's loss_parallel")
 
 
 def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:

@@ -30,6 +30,12 @@ class Fsdp2Options(StrictModel):
     before it (e.g. 9dec370, 2024-12: "compiling loss function causes CUDA errors, turning off
     for now" in train.py): only the transformer blocks are compiled and the loss runs eagerly,
     materialising the fp32 logits and their gradients."""
+    cross_entropy: Literal["torch", "fused"] = "torch"
+    """The loss kernel: PyTorch's ``cross_entropy`` (eager: the logits copied to fp32, a
+    log-softmax and its gradient over the vocabulary; compiled with ``compile_loss``), or one
+    fused softmax cross-entropy kernel on the 16-bit logits (``fused``: flash-attn's
+    ``xentropy``, the default loss of llm-foundry's MPT, ``loss_fn: fused_crossentropy``).
+    Not with tensor parallelism (its loss is torch's ``loss_parallel``)."""
     model_code: Literal["torchtitan", "huggingface"] = "torchtitan"
     """Whose Llama code FSDP2 wraps: torchtitan's (fused RMSNorm, complex rotary, no KV
     cache) or Hugging Face transformers' LlamaForCausalLM (eager RMSNorm through fp32,

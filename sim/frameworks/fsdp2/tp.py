@@ -53,6 +53,7 @@ from sim.workload.layer_ops import (
     Style,
     Tensor,
     _Builder,
+    fused_cross_entropy,
     mlp_projections,
     op_sac_costs,
     price_block,
@@ -255,6 +256,10 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
         b.block.params -= h * vl
     b.block.forward_scoped.append(logits)
     n = tokens * vl
+    if style.fused_loss:     # tp == 1 only (checks.py)
+        g_logits = b.t("output.g_out", n, BF16)
+        fused_cross_entropy(b, logits, g_logits, tokens)
+        return b.finish()
     lf, lsm = b.t("logits_fp32", n, FP32), b.t("log_softmax", n, FP32)
     b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
     if tp > 1 and not style.compile:

@@ -150,3 +150,24 @@ def test_a_compiled_mlp_saves_its_inputs_and_recomputes_the_silu() -> None:
     fused = _fuse(compiled.forward, _needed_outside(compiled.forward, compiled), compiled)
     silu = next(k for k in fused if "silu" in k.name)
     assert silu.nbytes == pytest.approx(3 * tokens * m.ffn_hidden * 2)
+
+
+def test_fused_cross_entropy_moves_the_logits_three_times_and_holds_no_fp32_copy() -> None:
+    # flash-attn's xentropy (llm-foundry's loss_fn: fused_crossentropy): forward two passes
+    # over each bf16 row (max, then sum of exponentials), backward one read and the bf16
+    # gradient's write; saved: the bf16 logits and one fp32 log-sum-exp per token.
+    st = Style("bf16", fused_loss=True)
+    blk = head_block(M, st, B, S)
+    tv2 = 2.0 * T * M.vocab
+    loss_fwd = [k for k in blk.forward if k.name.startswith("xentropy")]
+    loss_bwd = [k for k in blk.backward if k.name.startswith("xentropy")]
+    assert [k.name for k in loss_fwd + loss_bwd] == ["xentropy_fwd", "xentropy_bwd"]
+    assert sum(t.nbytes for t in loss_fwd[0].reads) == pytest.approx(2 * tv2)
+    assert sum(t.nbytes for t in loss_bwd[0].reads) == pytest.approx(tv2 + 4.0 * T)
+    assert sum(t.nbytes for t in loss_bwd[0].writes) == pytest.approx(tv2)
+    assert not any(t.nbytes >= 4.0 * T * M.vocab for t in blk.saved)
+    fused, eager = (price_block(head_block(M, s, B, S), s, H200)
+                    for s in (st, Style("bf16")))
+    assert fused.fwd_s < eager.fwd_s and fused.bwd_s < eager.bwd_s
+    assert fused.bwd_transient_bytes < eager.bwd_transient_bytes
+    assert fused.saved_bytes < eager.saved_bytes
