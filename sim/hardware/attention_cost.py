@@ -25,11 +25,11 @@ FlashAttention-2's sm80 kernels there keep the form at their Hopper share.
 
 from __future__ import annotations
 
-import math
 from functools import cache
 from typing import TYPE_CHECKING, Literal
 
 from sim.config.training import DEFAULT_TORCH_VERSION
+from sim.hardware.flash_curves import flash1_share
 
 if TYPE_CHECKING:
     from sim.catalog import GpuSpec
@@ -104,19 +104,12 @@ PUBLISHED_H100: dict[tuple[str, str], tuple[float, bool]] = {
 # ``mem_efficient`` kernel keeps the scaled form (share 1), as before.
 _ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
 
-# FlashAttention's first CUDA kernels as a share of FlashAttention-2's speed on the same GPU,
-# forward + backward, causal, 16k tokens (batch x seq = 16k, 2,048 hidden), at head dim 64 and
-# 128: Dao 2023 (arXiv 2307.08691) fig. 4(c) and 4(d) and its H100 figure, the bars of
-# Dao-AILab/flash-attention ``assets/flash2_a100_fwd_bwd_benchmark.png`` and
-# ``flash2_h100_fwd_bwd_benchmark.png`` (TFLOP/s):
-#   A100 80GB SXM4: head dim 64: FlashAttention 97, FlashAttention-2 171
-#                   head dim 128: FlashAttention 83, FlashAttention-2 189
-#   H100 80GB SXM5: head dim 64: FlashAttention 156, FlashAttention-2 284
-#                   head dim 128: FlashAttention 137, FlashAttention-2 328
-# The old kernel is relatively faster at head dim 64 (0.55-0.57 of FA2, against 0.42-0.44 at
-# 128: FA2's gain came mostly from the wider head), on both parts. Both run sm80 ``mma.sync``
-# code, so the share holds across them: the A100 share at 128 (0.439) gives 144 on the H100
-# against 137 published. Where a GPU has no figure of its own the A100's share serves.
+# FlashAttention's first CUDA kernel runs at a published share of FlashAttention-2's speed on
+# the same GPU, by length and head dim (:func:`sim.hardware.flash_curves.flash1_share`, the
+# FlashAttention-2 paper's bars): 0.55-0.57 at head dim 64 and 16k tokens, 0.42-0.44 at 128
+# (FA2's gain came mostly at the wide head), more at short rows. Both run sm80 ``mma.sync``
+# code, so the share holds across GPUs: the A100 share at 128 (0.439) gives 144 TFLOP/s on
+# the H100 against 137 published.
 #
 # The papers' "FlashAttention Triton" bars are not the kernel llm-foundry runs: the
 # FlashAttention-2 benchmark (benchmarks/benchmark_flash_attention.py, 60499abc, 2023-07)
@@ -127,13 +120,6 @@ _ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
 # forward, while Triton backward is generally slower than CUDA backward. Overall Triton
 # forward + backward is slightly slower than CUDA forward + backward." So ``flash1_triton``
 # is priced as ``flash1`` (the CUDA kernel's figures): "slightly slower" is not a number.
-LEGACY_FWD_BWD_TFLOPS: dict[tuple[str, int], tuple[float, float]] = {
-    # (arch, head_dim): (FlashAttention, FlashAttention-2) TFLOP/s at the anchor
-    ("ampere", 64): (97.0, 171.0),
-    ("ampere", 128): (83.0, 189.0),
-    ("hopper", 64): (156.0, 284.0),
-    ("hopper", 128): (137.0, 328.0),
-}
 LEGACY_BACKENDS = ("flash1", "flash1_triton")
 
 
@@ -188,16 +174,13 @@ def deterministic_backward_factor(backend: str) -> float:
     return DETERMINISTIC_BACKWARD_COST.get(backend, 1.0)
 
 
-def share_of_flash2(backend: str, arch: str, head_dim: int = 128) -> float | None:
+def share_of_flash2(backend: str, arch: str, head_dim: int = 128,
+                    seq: int = 16384) -> float | None:
     """Speed of FlashAttention's first CUDA kernel (``flash1``) or its Triton kernel
-    (``flash1_triton``, priced as the CUDA kernel: :data:`LEGACY_FWD_BWD_TFLOPS`) relative to
-    FlashAttention-2's on a GPU generation at ``head_dim``, from the published forward +
-    backward figures; None for other backends.
-
-    Between the published head dims 64 and 128 the share runs linearly in log2 of the head
-    dim; outside them it is the nearer one's (the first kernels stop at 128). One share serves
-    both passes and every length: the figures are forward + backward, and the old kernel's
-    bars follow FA2's over length within a few percent (fig. 4).
+    (``flash1_triton``, priced as the CUDA kernel) relative to FlashAttention-2's on a GPU
+    generation at a head dim and length (:func:`sim.hardware.flash_curves.flash1_share`);
+    None for other backends. One share serves both passes: the figures are forward +
+    backward.
 
     Examples
     --------
@@ -206,17 +189,13 @@ def share_of_flash2(backend: str, arch: str, head_dim: int = 128) -> float | Non
     >>> round(share_of_flash2("flash1_triton", "hopper"), 3)
     0.418
     >>> round(share_of_flash2("flash1", "ampere", 96), 3)   # 0.58 of the way from 64 in log2
-    0.492
+    0.488
     >>> share_of_flash2("flash2", "hopper") is None
     True
     """
     if backend not in LEGACY_BACKENDS:
         return None
-    gen = arch if (arch, 128) in LEGACY_FWD_BWD_TFLOPS else "ampere"
-    lo = LEGACY_FWD_BWD_TFLOPS[(gen, 64)]
-    hi = LEGACY_FWD_BWD_TFLOPS[(gen, 128)]
-    frac = min(1.0, max(0.0, math.log2(max(head_dim, 1) / 64)))
-    return (1 - frac) * lo[0] / lo[1] + frac * hi[0] / hi[1]
+    return flash1_share(arch, head_dim, seq)
 
 
 def window_pairs(seq: int, window: int | None) -> float:

@@ -30,6 +30,7 @@ from sim.hardware.attention_cost import (
     matmul_share,
     share_of_flash2,
 )
+from sim.hardware.flash_curves import flash2_causal_speedup
 from sim.hardware.fp8_attention import Format, Kind, fp8_attention_gain
 from sim.hardware.kernel_fit import h200_fit as _fit
 from sim.hardware.masked_attention import masked_slowdown
@@ -353,7 +354,7 @@ class ComputeModel(MemoryBoundKernels):
                        pass_: Literal["fwd", "bwd"] = "fwd", kv_seq: int | None = None,
                        causal: bool = True, measured_table: bool = True,
                        window: int | None = None, fp8: Format | None = None,
-                       masked: bool = False) -> float:
+                       masked: bool = False, published_curve: bool = True) -> float:
         """A fused (flash-style) attention kernel, forward or backward, of this model's
         ``attention_backend`` (FlashAttention-2/3, cuDNN: :mod:`sim.hardware.attention_cost`).
 
@@ -370,12 +371,16 @@ class ComputeModel(MemoryBoundKernels):
         (:func:`~sim.hardware.masked_attention.masked_slowdown`). FlashAttention's first
         CUDA kernel and its Triton kernel run FlashAttention-2's call at their published
         share of its speed (:func:`~sim.hardware.attention_cost.share_of_flash2`).
+        FlashAttention-2's causal calls follow its published curve over length
+        (:func:`~sim.hardware.flash_curves.flash2_causal_speedup`; ``published_curve``
+        False: the form alone).
         """
-        legacy = share_of_flash2(self.attention_backend, self.gpu.arch, head_dim)
+        row_len = seq if window is None else min(seq, window)
+        legacy = share_of_flash2(self.attention_backend, self.gpu.arch, head_dim, row_len)
         if legacy is not None:
             return self._flash2_model.attention_time(
                 batch, heads, seq, head_dim, pass_, kv_seq, causal, measured_table, window,
-                fp8, masked) / legacy
+                fp8, masked, published_curve) / legacy
         if masked:
             full = self.attention_time(batch, heads, seq, head_dim, pass_, kv_seq, causal=False,
                                        measured_table=measured_table)
@@ -431,6 +436,8 @@ class ComputeModel(MemoryBoundKernels):
         fixed = self.harness_overhead_s + self.attention_cpu_s(pass_)
         t16 = max(self.kernel_min_s, (t + fixed) * math.exp(corr) - fixed
                   ) / self._attention_clock_speed
+        if published_curve and causal and self.attention_backend == "flash2":
+            t16 /= flash2_causal_speedup(self.gpu.arch, head_dim, row_len)
         windowed = causal and row < nb     # a band shorter than the causal row
         if fp8 is None:
             return t16

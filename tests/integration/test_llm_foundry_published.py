@@ -58,7 +58,9 @@ def test_with_the_kernel_they_ran_the_rows_are_within_the_published_bar(as_run) 
     errors = list(as_run.values())
     assert sum(abs(e) for e in errors) / len(errors) < 0.15
     assert max(abs(e) for e in errors) < 0.25
-    long_rows = [v for k, v in as_run.items() if "-65536-" in k]
+    # The head-dim-128 long rows come out slow (never fast); head dim 64 is checked below.
+    long_rows = [v for k, v in as_run.items()
+                 if "-65536-" in k and "-125m-" not in k and "-350m-" not in k]
     assert long_rows and all(v < 0 for v in long_rows)
 
 
