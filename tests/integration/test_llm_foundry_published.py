@@ -4,10 +4,11 @@ kernel they ran and with FlashAttention-2 in its place.
 The rows (``sim/catalog/reference/published.yaml``, ids ``llm-foundry-*``) are llm-foundry's
 benchmark tables: MPT 125M-70B under Composer's FSDP on 8-512 H100s and 8 A100s, 2k-64k
 tokens. Their launcher sets ``attn_impl: triton``, FlashAttention's Triton kernel, which the
-model prices as FlashAttention's CUDA kernel, at that kernel's published share of
-FlashAttention-2's speed at the call's head dim (the FlashAttention-2 paper's bars;
-:func:`sim.hardware.attention_cost.share_of_flash2`). Nothing here was fitted on these rows:
-they check that share and the rest of the step.
+model prices from FlashAttention's CUDA kernel, at that kernel's published share of
+FlashAttention-2's speed at the call's head dim and length (the FlashAttention-2 paper's bars;
+:func:`sim.hardware.attention_cost.share_of_flash2`), times a factor fitted at head dim 128
+on llm-foundry's own table (``TRITON_OVER_CUDA_AT_128``): eight of these rows are among the
+31 it was fitted on (``sim.apps.validation.llm_foundry.half_of``), the others check it.
 """
 
 from __future__ import annotations
@@ -52,16 +53,30 @@ def test_the_rows_are_the_tables_of_both_gpus_at_every_length() -> None:
 
 
 def test_with_the_kernel_they_ran_the_rows_are_within_the_published_bar(as_run) -> None:
-    # Issue 4's bar for published runs: mean absolute error within 15%. Every row within 25%:
-    # the long rows come out slow (about -15 to -20%; docs/calibration.md: more than any split
-    # of the benchmark's forward + backward figure explains), never fast.
+    # Issue 11's bar for published runs: mean absolute error within 10%. Every row within 25%
+    # (MPT-30B at 8k on 8 H100, +21%, the largest). The rows the factor was not fitted on
+    # keep their own mean within 10%.
+    from sim.apps.validation.llm_foundry import half_of
+
     errors = list(as_run.values())
-    assert sum(abs(e) for e in errors) / len(errors) < 0.15
+    assert sum(abs(e) for e in errors) / len(errors) < 0.10
     assert max(abs(e) for e in errors) < 0.25
-    # The head-dim-128 long rows come out slow (never fast); head dim 64 is checked below.
-    long_rows = [v for k, v in as_run.items()
-                 if "-65536-" in k and "-125m-" not in k and "-350m-" not in k]
-    assert long_rows and all(v < 0 for v in long_rows)
+    fit = {e["id"] for e in ROWS if half_of(_table_row(e)) == "fit"}
+    assert len(fit) == 8
+    held = [v for k, v in as_run.items() if k not in fit]
+    assert sum(abs(e) for e in held) / len(held) < 0.10
+
+
+def _table_row(e: dict) -> dict[str, str]:
+    """The fields of a published entry that :func:`half_of` reads."""
+    sc = e["scenario"]
+    hidden, heads = sc["model"]["hidden"], sc["model"]["heads"]
+    size = {(2048, 16): "1b", (2560, 20): "3b", (4096, 32): "7b", (5120, 40): "13b",
+            (7168, 56): "30b", (8192, 64): "70b", (768, 12): "125m", (1024, 16): "350m"}[
+        (hidden, heads)]
+    gpu = "h100_80gb" if sc["cluster"]["topology"] == "dgx-h100" else "a100_80gb"
+    return {"model": size, "seq_len": str(sc["training"]["seq_len"]),
+            "gpus": str(8 * sc["cluster"]["nodes"]), "gpu": gpu}
 
 
 def test_at_head_dim_64_the_long_rows_are_not_slow(as_run) -> None:

@@ -11,7 +11,9 @@ and count in no error statistic.
 which constants are fitted (``docs/calibration.md``), runs as ``vtrain-single-fit`` and
 ``vtrain-multi-fit`` when named, and is not part of the default (all validation suites).
 Likewise ``moe-layer`` reports Megatron-LM's blockwise FP8 MoE layer timings and
-``moe-layer-fit`` the bf16 ones the H100's GEMM rate is fitted on.
+``moe-layer-fit`` the bf16 ones the H100's GEMM rate is fitted on, and ``llm-foundry`` the
+MPT benchmark rows the Triton attention kernel's factor was not fitted on
+(``llm-foundry-fit`` those it was).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from sim.apps.validation.llm_foundry import llm_foundry_cases
 from sim.apps.validation.moe_layer import moe_layer_cases
 from sim.apps.validation.nccl import nccl_cases
 from sim.apps.validation.published import published_cases
@@ -28,6 +31,8 @@ from sim.apps.validation.vtrain import vtrain_cases
 Case = dict[str, Any]
 Progress = Callable[[int, int], None] | None
 SUITES: dict[str, Callable[[Progress], list[Case]]] = {
+    "llm-foundry": lambda progress: llm_foundry_cases(progress=progress),
+    "llm-foundry-fit": lambda progress: llm_foundry_cases("fit", progress=progress),
     "moe-layer": lambda progress: moe_layer_cases(progress=progress),
     "moe-layer-fit": lambda progress: moe_layer_cases("fit", progress=progress),
     "nccl": lambda progress: nccl_cases(),

@@ -48,8 +48,10 @@ def test_fit_suites_run_only_when_named() -> None:
     # the default run leaves them out.
     import sim.apps.validation as validation
 
-    assert {"vtrain-single-fit", "vtrain-multi-fit", "moe-layer-fit"} <= set(validation.SUITES)
-    assert validation.FIT_SUITES == {"vtrain-single-fit", "vtrain-multi-fit", "moe-layer-fit"}
+    assert {"vtrain-single-fit", "vtrain-multi-fit", "moe-layer-fit", "llm-foundry-fit"} <= set(
+        validation.SUITES)
+    assert validation.FIT_SUITES == {"vtrain-single-fit", "vtrain-multi-fit", "moe-layer-fit",
+                                     "llm-foundry-fit"}
     seen: list[str] = []
     saved = dict(validation.SUITES)
     for name in saved:

@@ -79,8 +79,8 @@ def test_both_halves_span_every_model_and_gpu_count(kind: str) -> None:
 
 
 def test_validation_suites_report_the_validate_half_and_fit_suites_the_fit_half() -> None:
-    assert FIT_SUITES == {"vtrain-single-fit", "vtrain-multi-fit", "moe-layer-fit"} \
-        <= set(SUITES)
+    assert FIT_SUITES == {"vtrain-single-fit", "vtrain-multi-fit", "moe-layer-fit",
+                          "llm-foundry-fit"} <= set(SUITES)
     from sim.apps.validation.vtrain import vtrain_cases
 
     # Every 90th row of each half: cheap single-node cases, ids carry the row number.
