@@ -3,10 +3,12 @@ against the simulation (``sim/catalog/reference/llm_foundry_mpt.csv``).
 
 The rows are ``scripts/train/benchmarking/README.md`` at b2a43a1 (2023-10-19; Apache-2.0):
 MPT-125M to -70B under Composer's FSDP on 8-128 A100 40GB / 80GB and H100, 512 to 65,536
-tokens, written as the launcher ran them (``submit_benchmarks.py`` at that commit): llm-foundry
-v0.3.0 with its ``[gpu]`` extra, ``attn_impl: triton`` (flash-attn's Triton kernel on
-triton-pre-mlir: ``attention_backend: flash1_triton``) and MPT's default loss, flash-attn's
-fused cross-entropy (``cross_entropy: fused``). MPT (``scripts/train/yamls/pretrain/mpt-*.yaml``
+tokens; and its "Large Scale" H100 table at 5e85bd6 (2024-01-06: 128-512 H100, 2,048 tokens;
+column ``readme_commit``). They are written as the launcher ran them (``submit_benchmarks.py``
+at those commits: llm-foundry v0.3.0, then main of January 2024, each with its ``[gpu]``
+extra): ``attn_impl: triton`` (flash-attn's Triton kernel on triton-pre-mlir:
+``attention_backend: flash1_triton``) and MPT's default loss, flash-attn's fused
+cross-entropy (``cross_entropy: fused``). MPT (``scripts/train/yamls/pretrain/mpt-*.yaml``
 and ``configuration_mpt.py`` defaults): GELU MLP of 4x the width, biases, learned positions,
 LayerNorm, the embedding tied to the output, GPT-NeoX's 50,368-token vocabulary. Composer's
 mixed precision ``DEFAULT`` reduces gradients in fp32, ``PURE`` in bf16; ``SHARD_GRAD_OP``
