@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from sim.apps.validation.cases import scored_case
 from sim.scenario import scenario_from_dict
 
 DATA = Path(__file__).resolve().parents[2] / "catalog" / "reference" / "llm_foundry_mpt.csv"
@@ -123,13 +124,11 @@ def llm_foundry_cases(half: Half = "validate",
         rid = row_id(r)
         summary = simulate(scenario_from_dict({"name": rid, **scenario_dict(r)},
                                               origin=f"llm-foundry {rid}")).summary
-        measured = float(r["tokens_per_s_per_gpu"])
-        simulated = float(summary["tokens_per_s_per_gpu"])
-        cases.append({"suite": suite, "id": rid, "metric": "tokens_per_s_per_gpu",
-                      "measured": measured, "simulated": simulated,
-                      "error": (simulated - measured) / measured,
-                      "source": "mosaicml/llm-foundry scripts/train/benchmarking/README.md "
-                                "(b2a43a1)"})
+        cases.append(scored_case(
+            suite, rid, "tokens_per_s_per_gpu", float(r["tokens_per_s_per_gpu"]),
+            float(summary["tokens_per_s_per_gpu"]),
+            source=f"mosaicml/llm-foundry scripts/train/benchmarking/README.md "
+                   f"({r['readme_commit']})"))
     if progress is not None:
         progress(len(todo), len(todo))
     return cases

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from sim.apps.validation.cases import scored_case
 from sim.scenario import Scenario, scenario_from_dict
 
 REFERENCE = (Path(__file__).resolve().parents[2] / "catalog" / "reference"
@@ -111,12 +112,10 @@ def moe_layer_cases(half: str = "validate",
         result = simulate(scenario_of(c, ref["models"]), origin=f"moe-layer {c['id']}")
         fwd, bwd = moe_layer_seconds(result.recorder.ops)
         for metric, simulated in (("forward_ms", fwd * 1e3), ("backward_ms", bwd * 1e3)):
-            measured = float(c[metric])
-            cases.append({"suite": suite, "id": c["id"], "metric": metric,
-                          "measured": measured, "simulated": simulated,
-                          "error": (simulated - measured) / measured,
-                          "source": "NVIDIA/Megatron-LM tests/functional_tests/test_cases/"
-                                    "common/moe_perf/baseline.json @ cf39a4dd"})
+            cases.append(scored_case(
+                suite, c["id"], metric, float(c[metric]), simulated,
+                source="NVIDIA/Megatron-LM tests/functional_tests/test_cases/"
+                       "common/moe_perf/baseline.json @ cf39a4dd"))
     if progress is not None:
         progress(len(todo), len(todo))
     return cases

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from sim.apps.validation.cases import error_of
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 
 REFERENCE = (Path(__file__).resolve().parents[2] / "catalog" / "reference"
@@ -50,11 +51,6 @@ def scenario_of(entry: Mapping[str, Any]) -> Scenario:
         scenario["model"] = {**dims, **overrides}
     return scenario_from_dict({"name": entry["id"], **scenario},
                               origin=f"published-moe {entry['id']}")
-
-
-def error_of(simulated: float, measured: float) -> float:
-    """Signed relative error of a simulated figure against the measured one."""
-    return (simulated - measured) / measured
 
 
 def published_moe_cases(ci_only: bool = False,
