@@ -195,8 +195,8 @@ def share_of_flash2(backend: str, arch: str, head_dim: int = 128,
     --------
     >>> [round(share_of_flash2("flash1", "ampere", hd), 3) for hd in (128, 64)]
     [0.439, 0.567]
-    >>> round(share_of_flash2("flash1_triton", "hopper"), 3)
-    0.418
+    >>> [round(share_of_flash2(b, "hopper"), 3) for b in ("flash1", "flash1_triton")]
+    [0.418, 0.53]
     >>> round(share_of_flash2("flash1", "ampere", 96), 3)   # 0.58 of the way from 64 in log2
     0.488
     >>> share_of_flash2("flash2", "hopper") is None
