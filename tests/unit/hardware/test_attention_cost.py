@@ -326,3 +326,16 @@ def test_a_kernel_volta_cannot_run_is_refused_naming_the_key() -> None:
         with pytest.raises(ScenarioError, match=f"training.attention_backend: {backend}"):
             JobContext.from_scenario(_scenario({"name": "fsdp2"}, "v100-32gb",
                                                attention_backend=backend))
+
+
+def test_a_sliding_window_call_takes_the_curve_at_its_rows_length() -> None:
+    # A query's row under a window is the window long: FA2's windowed call runs at the
+    # published curve's speed for that length, the first kernel at that length's share.
+    fa2 = ComputeModel(H100, attention_backend="flash2")
+    base = fa2.attention_time(1, 32, 32768, 128, "fwd", window=2048, published_curve=False)
+    assert fa2.attention_time(1, 32, 32768, 128, "fwd", window=2048) == pytest.approx(
+        base / flash2_causal_speedup("hopper", 128, 2048))
+    old = ComputeModel(H100, attention_backend="flash1")
+    assert old.attention_time(1, 32, 32768, 128, "fwd", window=2048) == pytest.approx(
+        fa2.attention_time(1, 32, 32768, 128, "fwd", window=2048)
+        / share_of_flash2("flash1", "hopper", 128, 2048))
