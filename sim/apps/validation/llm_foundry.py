@@ -50,12 +50,26 @@ Half = Literal["fit", "validate", "all"]
 
 
 def rows() -> list[dict[str, str]]:
-    """The table's rows as written in the data file."""
+    """The table's rows as written in the data file.
+
+    Examples
+    --------
+    >>> r = rows()[0]
+    >>> r["model"], r["seq_len"], r["gpus"], r["gpu"], r["tokens_per_s_per_gpu"]
+    ('70b', '2048', '64', 'h100_80gb', '1039')
+    """
     with DATA.open(newline="") as f:
         return list(csv.DictReader(f))
 
 
 def head_dim(row: dict[str, str]) -> int:
+    """A row's attention head width (d_model / n_heads of its MPT yaml).
+
+    Examples
+    --------
+    >>> head_dim({"model": "125m"}), head_dim({"model": "7b"})
+    (64, 128)
+    """
     _, d, h = MPT_SIZES[row["model"]]
     return d // h
 
@@ -77,7 +91,14 @@ def half_of(row: dict[str, str]) -> Literal["fit", "validate"]:
 
 
 def scenario_dict(row: dict[str, str]) -> dict[str, Any]:
-    """The scenario a row ran, as a scenario file would hold it."""
+    """The scenario a row ran, as a scenario file would hold it.
+
+    Examples
+    --------
+    >>> sc = scenario_dict(rows()[0])
+    >>> sc["cluster"], sc["framework"]["cross_entropy"], sc["training"]["attention_backend"]
+    ({'topology': 'dgx-h100', 'nodes': 8}, 'fused', 'flash1_triton')
+    """
     layers, d, h = MPT_SIZES[row["model"]]
     seq, gpus = int(row["seq_len"]), int(row["gpus"])
     gpu = GPUS[row["gpu"]]
@@ -103,7 +124,13 @@ def scenario_dict(row: dict[str, str]) -> dict[str, Any]:
 
 
 def row_id(row: dict[str, str]) -> str:
-    """A row's name: ``mpt-<model>-<seq>-<gpus>x<gpu>-mbs<micro batch>``."""
+    """A row's name: ``mpt-<model>-<seq>-<gpus>x<gpu>-mbs<micro batch>``.
+
+    Examples
+    --------
+    >>> row_id(rows()[0])
+    'mpt-70b-2048-64xh100_80gb-mbs8'
+    """
     return (f"mpt-{row['model']}-{row['seq_len']}-{row['gpus']}x{row['gpu']}"
             f"-mbs{row['micro_batch_size']}")
 
