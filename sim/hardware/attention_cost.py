@@ -25,12 +25,11 @@ FlashAttention-2's sm80 kernels there keep the form at their Hopper share.
 
 from __future__ import annotations
 
-import math
 from functools import cache
 from typing import TYPE_CHECKING, Literal
 
 from sim.config.training import DEFAULT_TORCH_VERSION
-from sim.hardware.flash_curves import flash1_share
+from sim.hardware.flash_curves import curve_arch, flash1_share, head_dim_weight
 
 if TYPE_CHECKING:
     from sim.catalog import GpuSpec
@@ -220,10 +219,8 @@ def triton_over_cuda(arch: str, head_dim: int) -> float:
     >>> triton_over_cuda("ampere", 64), triton_over_cuda("volta", 128)
     (1.0, 1.0)
     """
-    gen = "hopper" if arch == "blackwell" else arch
-    at_128 = TRITON_OVER_CUDA_AT_128.get(gen, 1.0)
-    frac = min(1.0, max(0.0, math.log2(max(head_dim, 1) / 64)))
-    return at_128 ** frac
+    at_128 = TRITON_OVER_CUDA_AT_128.get(curve_arch(arch) or "", 1.0)
+    return at_128 ** head_dim_weight(head_dim)
 
 
 def window_pairs(seq: int, window: int | None) -> float:

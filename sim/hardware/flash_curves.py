@@ -78,6 +78,18 @@ def _position(values: tuple[float, ...], x: float) -> tuple[int, int, float]:
     return len(values) - 1, len(values) - 1, 0.0
 
 
+def head_dim_weight(head_dim: int) -> float:
+    """How far a head dim sits from :data:`HEAD_DIMS`' first toward its last, in log2,
+    clamped to [0, 1]: the weight every per-head-dim table here interpolates by.
+
+    Examples
+    --------
+    >>> head_dim_weight(64), round(head_dim_weight(96), 3), head_dim_weight(256)
+    (0.0, 0.585, 1.0)
+    """
+    return _position(HEAD_DIMS, head_dim)[2]
+
+
 def interpolate_log(grid: dict[int, tuple[float, ...]], head_dim: int, seq: int) -> float:
     """Bilinear interpolation of log values given at (:data:`HEAD_DIMS`, :data:`SEQS`) in
     log2 of the head dim and of the length, each clamped to the grid.
@@ -88,14 +100,14 @@ def interpolate_log(grid: dict[int, tuple[float, ...]], head_dim: int, seq: int)
     >>> round(interpolate_log(g, 96, 4096), 4), interpolate_log(g, 256, 100)
     (0.585, 1.0)
     """
-    h0, h1, fh = _position(HEAD_DIMS, head_dim)
+    fh = head_dim_weight(head_dim)
     s0, s1, fs = _position(SEQS, seq)
 
     def along_seq(hd: int) -> float:
         row = grid[hd]
         return (1 - fs) * row[s0] + fs * row[s1]
 
-    return (1 - fh) * along_seq(HEAD_DIMS[h0]) + fh * along_seq(HEAD_DIMS[h1])
+    return (1 - fh) * along_seq(HEAD_DIMS[0]) + fh * along_seq(HEAD_DIMS[-1])
 
 
 @cache

@@ -18,6 +18,7 @@ import copy
 import pytest
 
 from sim.api import simulate
+from sim.apps.validation.llm_foundry import MPT_SIZES, half_of
 from sim.apps.validation.published import entries
 from sim.scenario import scenario_from_dict
 
@@ -56,8 +57,6 @@ def test_with_the_kernel_they_ran_the_rows_are_within_the_published_bar(as_run) 
     # Issue 11's bar for published runs: mean absolute error within 10%. Every row within 25%
     # (MPT-30B at 8k on 8 H100, +21%, the largest). The rows the factor was not fitted on
     # keep their own mean within 10%.
-    from sim.apps.validation.llm_foundry import half_of
-
     errors = list(as_run.values())
     assert sum(abs(e) for e in errors) / len(errors) < 0.10
     assert max(abs(e) for e in errors) < 0.25
@@ -71,9 +70,7 @@ def _table_row(e: dict) -> dict[str, str]:
     """The fields of a published entry that :func:`half_of` reads."""
     sc = e["scenario"]
     hidden, heads = sc["model"]["hidden"], sc["model"]["heads"]
-    size = {(2048, 16): "1b", (2560, 20): "3b", (4096, 32): "7b", (5120, 40): "13b",
-            (7168, 56): "30b", (8192, 64): "70b", (768, 12): "125m", (1024, 16): "350m"}[
-        (hidden, heads)]
+    size = {(d, h): name for name, (_, d, h) in MPT_SIZES.items()}[(hidden, heads)]
     gpu = "h100_80gb" if sc["cluster"]["topology"] == "dgx-h100" else "a100_80gb"
     return {"model": size, "seq_len": str(sc["training"]["seq_len"]),
             "gpus": str(8 * sc["cluster"]["nodes"]), "gpu": gpu}

@@ -40,19 +40,7 @@ def test_the_fitted_factor_is_a_speed_up_at_head_dim_128_only() -> None:
 def test_the_rows_it_was_not_fitted_on() -> None:
     # Every third validation row (60 of 178, all three GPUs, 512 to 65,536 tokens, 8 to 512
     # GPUs): the full half is 5.0% (docs/calibration.md), 6.1% at the CUDA kernel's speed.
-    errors = [c["error"] for c in _every_third()]
+    errors = [c["error"] for c in lf.llm_foundry_cases(every=3)]
     assert len(errors) >= 50
     assert sum(abs(e) for e in errors) / len(errors) < 0.08
     assert abs(sum(errors) / len(errors)) < 0.05
-
-
-def _every_third() -> list[dict]:
-    from sim.api import simulate
-
-    rows = [r for r in lf.rows() if lf.half_of(r) == "validate"][::3]
-    out = []
-    for r in rows:
-        s = simulate(scenario_from_dict({"name": lf.row_id(r), **lf.scenario_dict(r)})).summary
-        m = float(r["tokens_per_s_per_gpu"])
-        out.append({"id": lf.row_id(r), "error": (s["tokens_per_s_per_gpu"] - m) / m})
-    return out
