@@ -3,6 +3,7 @@ allocations the published Grand Teton rows showed missing."""
 
 from __future__ import annotations
 
+import pytest
 from conftest import make_scenario
 
 from sim import catalog
@@ -169,3 +170,20 @@ def test_compile_loss_without_compile_is_refused() -> None:
                        training={"seq_len": 2048, "micro_batch_size": 1, "global_batch_size": 8})
     with pytest.raises(Exception, match="compile_loss"):
         sim_(sc)
+
+
+@pytest.mark.parametrize(("tp", "compile_"), [(8, False), (8, True), (1, False)])
+def test_tp_head_output_gradient_is_the_losses(tp: int, compile_: bool) -> None:
+    """The output layer's input-gradient and weight-gradient GEMMs read the very
+    [tokens, vocabulary shard] bf16 gradient the loss's backward writes (autograd hands the
+    loss's grad_input to the linear's backward), as ``layer_ops.head_block`` links it: one
+    tensor live across both GEMMs, not a second one that nothing writes."""
+    style = Style("bf16", compile=compile_)
+    tb = titan_blocks(M, style, CM, 1, 8192, tp, 1, "allgather", eager_head=True)
+    block = tb.seg["head_main"]
+    written = {id(t) for k in block.backward for t in k.writes}
+    gemms = [k for k in block.backward if k.name in ("output.dgrad", "output.wgrad")]
+    assert len(gemms) == 2
+    for k in gemms:
+        grads = [t for t in k.reads if t.nbytes == 8192 * (M.vocab // tp) * 2]
+        assert grads and all(id(t) in written for t in grads), k.name

@@ -256,27 +256,29 @@ def _head_main(m: ModelSpec, style: Style, tokens: float, tp: int) -> Block:
         b.block.params -= h * vl
     b.block.forward_scoped.append(logits)
     n = tokens * vl
+    # The loss's gradient of the logits is the one the output layer's backward reads
+    # (writes_grad, as layer_ops.head_block): one [tokens, vocab shard] tensor, not two.
+    g_logits = b.t("output.g_out", n, BF16)
+    b.writes_grad(logits, g_logits)
     if style.fused_loss:     # tp == 1 only (checks.py)
-        g_logits = b.t("output.g_out", n, BF16)
         fused_cross_entropy(b, logits, g_logits, tokens)
         return b.finish()
     lf, lsm = b.t("logits_fp32", n, FP32), b.t("log_softmax", n, FP32)
     b.fwd(Kernel("logits_float", "elementwise", (logits,), (lf,)))
     if tp > 1 and not style.compile:
-        _loss_parallel(b, logits, lf, lsm, n)
+        _loss_parallel(b, lf, lsm, g_logits, n)
         return b.finish()
     b.fwd(Kernel("log_softmax", "elementwise", (lf, lf, lf), (lsm,)))
     b.fwd(Kernel("nll_loss", "tiny", (lsm,), (b.t("loss", 1, FP32),)))
     b.save(lsm)
     g_nll, g_lsm = b.t("g_nll", n, FP32), b.t("g_log_softmax", n, FP32)
-    g_logits = b.t("output.g_out", n, BF16)
     b.bwd(Kernel("g_nll", "elementwise", (), (g_nll,)),
           Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_lsm,)),
           Kernel("g_logits_bf16", "elementwise", (g_lsm,), (g_logits,)))
     return b.finish()
 
 
-def _loss_parallel(b: _Builder, logits: Tensor, lf: Tensor, lsm: Tensor, n: float) -> None:
+def _loss_parallel(b: _Builder, lf: Tensor, lsm: Tensor, g_logits: Tensor, n: float) -> None:
     """Eager cross-entropy on vocabulary-sharded logits as torch's ``loss_parallel`` runs it
     (``torch/distributed/tensor/parallel/loss.py``): DTensor dispatches ``_log_softmax`` and
     ``nll_loss_backward`` to decompositions with all-reduces inserted, each op its own
@@ -301,7 +303,6 @@ def _loss_parallel(b: _Builder, logits: Tensor, lf: Tensor, lsm: Tensor, n: floa
     b.fwd(Kernel("nll_loss", "tiny", (lsm,), (b.t("loss", 1, FP32),)))
     b.save(lsm)
     gi, ex, s, g = (b.t(k, n, FP32) for k in ("g_zeros", "g_exp", "g_sum", "g_mul"))
-    g_logits = b.t("output.g_out", n, BF16)
     b.bwd(Kernel("g_zeros", "elementwise", (), (gi,)),
           Kernel("g_scatter", "tiny", (gi,), (gi,)),
           Kernel("g_exp", "elementwise", (lsm,), (ex,)),
