@@ -27,11 +27,11 @@ kernel time only; its bandwidth is the bytes a rank receives, its own share incl
   bound: the links bound that run too).
 
 Checked, not fitted, in ``tests/unit/engine/test_hybridep_published.py``: the GB200 rows
-of 16 to 36 ranks in one NVLink domain (within 11%), the H100 rows at EP 32 and 64 where
-the network bounds them (+5% to +13%; EP 16 is 20-37% fast, marked), and the Megatron Core
-MoE report's EP32 H100 dispatch against NCCL's all-to-all (arXiv 2603.07685 Table 7). No
-Hopper NVLink-bound figure is published for Hybrid-EP: the same TMA store efficiency is taken
-there.
+of 16 to 36 ranks in one NVLink domain (within 11%). No Hopper NVLink-bound figure is
+published for Hybrid-EP: the same TMA store efficiency is taken there. Across NVLink domains
+(H100 nodes) a call also pays :data:`INTERNODE_CALL_S`, fitted on the same README's H100 rows
+(EP 16 to 64: without it the simulation was 5-37% fast there, by a near-constant 0.25-0.47
+ms).
 """
 
 from __future__ import annotations
@@ -75,3 +75,27 @@ def nvlink_share(sm_ctas: int, arch: str) -> float:
     if sm_ctas <= 0:
         return 1.0
     return min(1.0, NVLINK_STORE_EFFICIENCY / nccl.NVLINK_EFFICIENCY[arch])
+
+
+INTERNODE_CALL_S = 0.37e-3
+"""Seconds a Hybrid-EP dispatch or combine across NVLink domains takes beyond the bytes its
+flows move (**fitted**, ``tools/fit_hybridep_internode.py``): Hybrid-EP's own H100 benchmark
+(``sim/catalog/reference/hybridep_benchmark.yaml``; EP 16, 32 and 64, 4,096 tokens a rank)
+runs 0.25-0.47 ms longer than its flows at every EP size, a constant where a factor would
+fall from 1.37 to 1.05; this is their mean. Where it goes is not published: the RDMA warp
+group's chunked sends and their completion flags across the network, which one NVLink domain
+does without, are the likely home. Measured at 4,096 tokens a rank only: whether it grows
+with the tokens (per chunk) is not known. Checked on the 16-H100 Megatron-Bridge runs of
+Qwen3-30B-A3B with Hybrid-EP (``published-moe``; docs/calibration.md)."""
+
+
+def fixed_call_s(domains: int) -> float:
+    """The fixed time of one Hybrid-EP call over ``domains`` NVLink domains:
+    :data:`INTERNODE_CALL_S` across several, 0 in one (no RDMA leg).
+
+    Examples
+    --------
+    >>> fixed_call_s(1), fixed_call_s(2) * 1e3
+    (0.0, 0.37)
+    """
+    return INTERNODE_CALL_S if domains > 1 else 0.0

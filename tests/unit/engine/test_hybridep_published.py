@@ -7,24 +7,30 @@
   ``tests/test_hybrid_ep.py`` ``nvl_recv_bytes``) over the kernel's time. The 8-rank row is
   what :mod:`~sim.fabric.collectives.hybridep_kernel` is fitted on; 16 to 36 ranks in one
   NVL72 domain are checked, not fitted.
-* The same table on H100 (EP 16 to 64 over 400 Gb/s NICs): EP 32 and 64 checked, EP 16
-  marked (the simulation is 20-37% faster there).
+* The same table on H100 (EP 16 to 64 over 400 Gb/s NICs;
+  ``sim/catalog/reference/hybridep_benchmark.yaml``): the rows
+  :data:`~sim.fabric.collectives.hybridep_kernel.INTERNODE_CALL_S` is fitted on (a fixed
+  0.37 ms a call across nodes; without it the simulation was 5-37% fast there).
 * The Megatron Core MoE report (arXiv 2603.07685, Table 7): on H100 at EP 32 (four nodes,
   hidden 7168) HybridEP's dispatch took 3,064 us against the alltoall dispatcher's 8,059.
   The table's token count and routing are not restated here; assumed: Hybrid-EP's own
-  benchmark setting (4096 tokens a rank, top-8 of 256 experts, uniform, BF16).
+  benchmark setting (4096 tokens a rank, top-8 of 256 experts, uniform, BF16). Under that
+  assumption the 3,064 us is less than the NICs alone need (the simulation's flows without
+  any fixed time: 3,433 us), and 21% less than the README's own EP 32 row (3,894 us): the
+  report's setting moved fewer bytes than assumed, so its rows are kept as strict xfails.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from sim.engine.core import Engine
-from sim.fabric.topology import FabricSpec, build_fabric
-from sim.frameworks.megatron.moe_hybridep import HybridEPLayout, HybridEPPlan
-from sim.program.ir import Op, Program, RankClass
+from sim.apps.validation import hybridep_benchmark as hb
+from sim.fabric.collectives import hybridep_kernel
+from sim.frameworks.megatron.moe_hybridep import HybridEPPlan
+from sim.program.ir import Op
 
-TOKENS, HIDDEN, TOPK, LOCAL = 4096, 7168, 8, 8
+REF = hb.reference()
+TOKENS, HIDDEN, TOPK = REF["tokens"], REF["hidden"], REF["topk"]
 
 # GB200, 32 SMs, kernel only, BF16 dispatch / combine (GB/s), ranks in one NVLink domain.
 GB200_32SM = {8: (764.03, 737.13), 16: (706.95, 666.26), 24: (665.97, 639.80),
@@ -33,27 +39,13 @@ GB200_32SM = {8: (764.03, 737.13), 16: (706.95, 666.26), 24: (665.97, 639.80),
 
 def _run(ops: list[Op], n: int, nodes: int, per_node: int, nvlink: float, arch: str,
          nics: int = 0) -> float:
-    fab = build_fabric(FabricSpec(nodes=nodes, gpus_per_node=per_node,
-                                  nvlink_gbytes_per_s=nvlink, pcie_gbytes_per_s=63,
-                                  nics_per_node=nics, nic_gbps=400))
-    cls = RankClass(0, tuple(range(n)))
-    p = Program([cls], n, 0, 0, 0)
-    for op in ops:
-        p.add(cls, op)
-    return Engine(fab, arch).run_step(p)
+    return hb.run_alone(ops, n, nodes, per_node, nvlink, arch, nics)
 
 
 def hybridep_time(ranks: int, domain: int, which: str, sms: int, nvlink: float, arch: str,
                   experts: int | None = None) -> tuple[float, HybridEPPlan]:
-    experts = experts or LOCAL * ranks
-    lay = HybridEPLayout(tuple(range(ranks)), domain, experts, TOPK, ranks, 1, domain=domain)
-    plan = HybridEPPlan(lay, float(TOKENS), HIDDEN, False, sms)
-    op = Op(name=which, kind="collective", stream="comm", phase="comm",
-            collective="all_to_all", group=tuple(range(ranks)), nbytes=plan.nbytes(which),
-            peer_bytes=plan.peer_bytes(which), key="a2a", sm_ctas=sms, fused_kernel="hybridep")
-    nodes = ranks // domain
-    t = _run([op], ranks, nodes, domain, nvlink, arch, nics=domain if nodes > 1 else 0)
-    return t, plan
+    plan = hb.plan_of(ranks, domain, sms, experts)
+    return hb.call_time(plan, which, nvlink, arch), plan
 
 
 def recv_gbps(ranks: int, which: str, sms: int = 32) -> float:
@@ -92,6 +84,10 @@ def alltoall_dispatch_time(ranks: int) -> float:
     return _run([op], ranks, ranks // 8, 8, 450, "hopper", nics=8)
 
 
+@pytest.mark.xfail(strict=True, reason="under the assumed setting the report's 3,064 us is "
+                   "below the NICs' own time (3,433 us without any fixed cost) and 21% below "
+                   "Hybrid-EP's README row at EP 32; with the README-fitted fixed 0.37 ms a "
+                   "call the simulation gives about 3,800 us (module docstring)")
 def test_report_table7_ep32_h100_dispatch() -> None:
     # arXiv 2603.07685 Table 7: HybridEP 3,064 us, alltoall 8,059 us (EP 32, H100, hidden
     # 7168); 256 experts (8 a rank), 8 SMs (Hybrid-EP's multi-node default).
@@ -107,26 +103,34 @@ def test_report_table7_ep32_h100_dispatch() -> None:
 
 
 # H100, one 400 Gb/s NIC and NVLink 4 (450 GB/s raw) a GPU, 8 local experts, 8 SMs (the
-# multi-domain default), kernel time; GB/s = tokens x distinct destination nodes (own node
-# included, tests/utils.py count_rdma_send_from_routing_map) x hidden x 2 over the time.
-H100_8SM = {16: (76.80, 68.00), 32: (54.50, 56.40), 64: (50.55, 51.03)}
+# multi-domain default), kernel time: the rows INTERNODE_CALL_S is fitted on.
+H100_ROWS = [(r, w) for r in sorted(REF["h100"]) for w in hb.WHICH]
 
 
-def h100_gbps(ranks: int, which: str, sms: int = 8) -> float:
-    t, plan = hybridep_time(ranks, 8, which, sms, 450, "hopper")
-    return plan.layout.expected_nodes() * TOKENS * HIDDEN * 2.0 / t / 1e9
+@pytest.mark.parametrize(("ranks", "which"), H100_ROWS)
+def test_h100_rows_within_9_percent(ranks, which) -> None:
+    # The fit's own rows (a check of the fit, not of the model): -5.8% to +8.1% with it.
+    t, measured = hb.benchmark_times(ranks, which)
+    assert t == pytest.approx(measured, rel=0.09)
 
 
-@pytest.mark.parametrize("ranks", [32, 64])
-@pytest.mark.parametrize("i, which", [(0, "dispatch_fwd"), (1, "combine_fwd")])
-def test_h100_network_bound_rows_within_15_percent(ranks, i, which) -> None:
-    # Not fitted: the network bounds them (simulated 61.8 / 62.9 and 53.1 / 54.1).
-    assert h100_gbps(ranks, which) == pytest.approx(H100_8SM[ranks][i], rel=0.15)
+def test_the_fixed_time_is_the_rows_mean_offset() -> None:
+    # Pins the constant to its data: the mean of measured minus simulated-without-it over the
+    # six rows, rounded to 10 us (tools/fit_hybridep_internode.py).
+    saved = hybridep_kernel.INTERNODE_CALL_S
+    hybridep_kernel.INTERNODE_CALL_S = 0.0
+    try:
+        gaps = [m - t for t, m in (hb.benchmark_times(r, w) for r, w in H100_ROWS)]
+    finally:
+        hybridep_kernel.INTERNODE_CALL_S = saved
+    assert saved == pytest.approx(sum(gaps) / len(gaps), abs=1e-5)
+    # A constant, not a factor: the gaps spread less (relative to their mean) than the ratios
+    # measured / simulated would need to (1.05 to 1.37).
+    assert max(gaps) - min(gaps) < 0.7 * (sum(gaps) / len(gaps))
 
 
-@pytest.mark.xfail(strict=True, reason="simulated 92 / 93 GB/s against 77 / 68 measured: "
-                   "at EP 16 (two nodes) the forwarding leg moved less than the NIC and "
-                   "Hybrid-EP's NVLink share allow; not explained")
-def test_h100_ep16_within_15_percent() -> None:
-    for i, which in enumerate(("dispatch_fwd", "combine_fwd")):
-        assert h100_gbps(16, which) == pytest.approx(H100_8SM[16][i], rel=0.15)
+def test_one_nvlink_domain_pays_no_fixed_time() -> None:
+    # GB200 NVL72: 16 ranks in one domain, no RDMA leg, no fixed time.
+    assert hybridep_kernel.fixed_call_s(1) == 0.0
+    t, _ = hybridep_time(16, 16, "dispatch_fwd", 32, 900, "blackwell")
+    assert t < 0.37e-3 + 0.2e-3
