@@ -69,8 +69,7 @@ def run_alone(ops: list[Op], ranks: int, nodes: int, per_node: int, nvlink_gbyte
 def call_time(plan: HybridEPPlan, which: str, nvlink_gbytes_per_s: float, arch: str
               ) -> float:
     """Seconds one Hybrid-EP call (``which``) of ``plan`` takes alone on its fabric."""
-    lay = plan.layout
-    ranks, domain = len(lay.ranks), lay.domain
+    ranks, domain = len(plan.layout.ranks), plan.domain
     op = Op(name=which, kind="collective", stream="comm", phase="comm",
             collective="all_to_all", group=tuple(range(ranks)), nbytes=plan.nbytes(which),
             peer_bytes=plan.peer_bytes(which), key="a2a", sm_ctas=plan.num_sms,
