@@ -22,12 +22,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 
-from sim.apps.validation import hybridep_benchmark as hb
 from sim.fabric.collectives import hybridep_kernel
 from sim.frameworks.megatron.moe_hybridep import HybridEPPlan
 from sim.program.ir import Op
+
+# The harness the fit tool runs the benchmark with (tools/fit_hybridep_internode.py): one home
+# for how a row is simulated, shared by the tool and these checks.
+_TOOL = Path(__file__).resolve().parents[3] / "tools" / "fit_hybridep_internode.py"
+_spec = importlib.util.spec_from_file_location("fit_hybridep_internode", _TOOL)
+assert _spec is not None and _spec.loader is not None
+hb = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = hb
+_spec.loader.exec_module(hb)
 
 REF = hb.reference()
 TOKENS, HIDDEN, TOPK = REF["tokens"], REF["hidden"], REF["topk"]
