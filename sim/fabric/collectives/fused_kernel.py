@@ -92,3 +92,18 @@ def nvlink_share(sm_ctas: int, arch: str) -> float:
     if sm_ctas <= 0:
         return 1.0
     return min(1.0, NVLINK_STORE_EFFICIENCY / nccl.NVLINK_EFFICIENCY[arch])
+
+
+def fixed_call_s(domains: int) -> float:
+    """The fixed time of one call beyond its flows, over ``domains`` NVLink domains: none is
+    priced for DeepEP's normal kernels and NCCL (DeepEP's published internode rows sit within
+    15% of the flows without one, ``tests/unit/engine/test_deepep_published_bandwidth.py``);
+    Hybrid-EP's is :func:`sim.fabric.collectives.hybridep_kernel.fixed_call_s`.
+
+    Examples
+    --------
+    >>> fixed_call_s(4)
+    0.0
+    """
+    return 0.0
+

@@ -439,9 +439,8 @@ class CollectiveRunner:
             if plan is None:
                 hit = self._a2a[key] = (None, None, 0.0, count)
             else:
-                latency = _p2p_latency(plan)
-                if fused_kernel == "hybridep":
-                    latency += hybridep_kernel.fixed_call_s(plan.n_nodes)
+                # Plus the kernel's own fixed time a call (Hybrid-EP across NVLink domains).
+                latency = _p2p_latency(plan) + kernel.fixed_call_s(plan.n_nodes)
                 e = nccl.Estimate("p2p", "simple", latency, plan.bus_bw, 1.0)
                 predicted = e.latency_s + plan.chain_latency_s + plan.volume / plan.bus_bw
                 hit = self._a2a[key] = (plan, e, predicted, count)
