@@ -55,6 +55,12 @@ class GpuSpec:
     chip_rate_sigma: float = 0.0
     """Spread of that sustained rate between chips of the part, as a relative standard
     deviation (each die holds its own clock at the power limit); 0 where unmeasured."""
+    sfu_exp_per_clock_sm: int = 16
+    """Exponentials (``MUFU.EX2``) one SM's special-function units issue per clock: 16 on
+    Hopper and Blackwell (FlashAttention-4, arXiv 2603.05451, sec. 3), twice that on Blackwell
+    Ultra (NVIDIA technical blog "Making Softmax More Efficient with NVIDIA Blackwell Ultra",
+    2026-02: "doubling SFU throughput over the standard NVIDIA Blackwell architecture").
+    :mod:`sim.hardware.blackwell_attention` prices the softmax's exponentials at this rate."""
     lockstep_gpus: int = 1
     """GPUs of the job that wait on each other every step (the job's size): a synchronous
     step runs at its slowest chip's pace (:mod:`sim.hardware.power`)."""

@@ -14,7 +14,7 @@ from sim.config import bounds as B
 from sim.config.base import StrictModel
 
 GpuName = Literal["v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "h800",
-                  "gb200", "h100-hbm2e-96gb"]
+                  "gb200", "h100-hbm2e-96gb", "b300", "gb300"]
 
 
 class Cluster(StrictModel):

@@ -1,4 +1,5 @@
-"""Fused attention on Blackwell (sm100: B200, GB200) priced from the units that bound it.
+"""Fused attention on Blackwell (sm100: B200, GB200; sm103: B300, GB300) priced from the units
+that bound it.
 
 From Hopper to Blackwell the tensor cores doubled per SM and per clock (dense BF16 4,096 ->
 8,192 FLOP/clock/SM) while the exponential unit (MUFU, 16 exp2/clock/SM) and shared-memory
@@ -21,7 +22,14 @@ forward, FA-4 sec. 4):
   kernel writes there (:func:`smem_bytes`).
 
 At head_dim 128 this gives the paper's roofline: 1,024 cycles of MMA and 1,024 of
-exponentials forward; 2,560 of MMA and 3,328 of shared memory backward.
+exponentials forward; 2,560 of MMA and 3,328 of shared memory backward. Blackwell Ultra
+(B300, GB300) doubles the exponential unit's rate and keeps the tensor cores' and shared
+memory's (NVIDIA technical blog "Making Softmax More Efficient with NVIDIA Blackwell Ultra",
+2026-02; the part's ``sfu_exp_per_clock_sm``): the head-dim-128 forward stays MMA-bound there,
+the head-dim-64 one stops being exponential-bound, and the backward stays bound by shared
+memory. Its kernels are priced at the same rates per unit otherwise (no measured sm103
+attention kernel was found; FA-4's CuTe forward refused sm103 in 2026-05, lightseekorg/
+tokenspeed PR 5, "FA4's CUTE kernels only support SM 10.0 variants").
 
 Cycles become seconds at the clock the datasheet's dense BF16 peak implies
 (``peak / (8192 x SMs)``: 1.86 GHz on the B200), times the share of it a GEMM sustains
@@ -161,9 +169,12 @@ def smem_bytes(pass_: Pass, head_dim: int, two_cta: bool = False) -> float:
 
 
 def tile_cycles(pass_: Pass, head_dim: int, arch: str = "blackwell",
-                two_cta: bool = False, emulated_exp: float = 0.0) -> TileCycles:
+                two_cta: bool = False, emulated_exp: float = 0.0,
+                exp_per_clock: int = MUFU_EXP_PER_CLOCK_SM) -> TileCycles:
     """SM cycles of one ``128 x 128`` score tile per unit (module docstring).
-    ``emulated_exp``: the share of the exponentials computed on the FMA units, not MUFU.
+    ``emulated_exp``: the share of the exponentials computed on the FMA units, not MUFU;
+    ``exp_per_clock``: the part's MUFU rate (``GpuSpec.sfu_exp_per_clock_sm``: doubled on
+    Blackwell Ultra, where the forward at head_dim 64 stops being exponential-bound).
 
     Examples
     --------
@@ -171,10 +182,12 @@ def tile_cycles(pass_: Pass, head_dim: int, arch: str = "blackwell",
     TileCycles(mma=1024.0, exp=1024.0, smem=768.0)
     >>> tile_cycles("bwd", 128)                  # 2,560 of MMA, 3,328 of shared memory
     TileCycles(mma=2560.0, exp=1024.0, smem=3328.0)
+    >>> tile_cycles("fwd", 64, exp_per_clock=32)  # Blackwell Ultra: MMA-bound again
+    TileCycles(mma=512.0, exp=512.0, smem=384.0)
     """
     mmas = 2 if pass_ == "fwd" else 5
     mma = mmas * 2.0 * TILE_M * TILE_N * head_dim / MMA_FLOPS_PER_CLOCK_SM[arch]
-    exp = TILE_M * TILE_N * (1.0 - emulated_exp) / MUFU_EXP_PER_CLOCK_SM
+    exp = TILE_M * TILE_N * (1.0 - emulated_exp) / exp_per_clock
     smem = smem_bytes(pass_, head_dim, two_cta) / SMEM_BYTES_PER_CLOCK_SM
     return TileCycles(mma, exp, smem)
 
@@ -243,7 +256,8 @@ def score_seconds(gpu: GpuSpec, pass_: Pass, head_dim: int) -> float:
     998
     """
     emulated = FA4_EMULATED_EXP_SHARE if pass_ == "fwd" else 0.0
-    cycles = tile_cycles(pass_, head_dim, gpu.arch, emulated_exp=emulated).bound
+    cycles = tile_cycles(pass_, head_dim, gpu.arch, emulated_exp=emulated,
+                         exp_per_clock=gpu.sfu_exp_per_clock_sm).bound
     return cycles / (TILE_M * TILE_N) / sustained_cycles_per_s(gpu)
 
 

@@ -97,10 +97,13 @@ def gpu_scale(trace_gpu: str, target_gpu: str, precision: str = "bf16") -> float
 
 
 TOPOLOGY_BY_GPU = {"a100-40gb": "aws-p4d", "a100-80gb": "dgx-a100", "h100-sxm": "dgx-h100",
-                   "h800": "dgx-h100", "h200": "hgx-h200", "b200": "dgx-b200"}
+                   "h800": "dgx-h100", "h200": "hgx-h200", "b200": "dgx-b200",
+                   "gb200": "dgx-b200", "b300": "dgx-b300", "gb300": "dgx-b300"}
 """The shipped topology closest to a trace's GPU when the trace names no scenario (its
 ``deviceProperties``): the 8-GPU NVSwitch server of that part (A100 40 GB: AWS p4d, the
-one shipped with it; H800: an H100 server, with H800's 400 GB/s NVLink from the catalogue)."""
+one shipped with it; H800: an H100 server, with H800's 400 GB/s NVLink from the catalogue;
+GB200 / GB300: the HGX server of the same generation, 8-GPU nodes as the trace's layout is
+assumed to be, with the Grace part's own catalogue entry)."""
 
 
 def _own_scenario(name: str, gpu: str | None, world: int, sets: list[str]) -> Scenario:

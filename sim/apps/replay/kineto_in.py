@@ -56,9 +56,11 @@ them."""
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
 GPU_NAMES = (("A100", 50, "a100-40gb"), ("A100", 1000, "a100-80gb"), ("H100", 1000, "h100-sxm"),
-             ("H200", 1000, "h200"), ("H800", 1000, "h800"), ("B200", 1000, "b200"),
+             ("H200", 1000, "h200"), ("H800", 1000, "h800"), ("GB200", 1000, "gb200"),
+             ("B200", 1000, "b200"), ("GB300", 1000, "gb300"), ("B300", 1000, "b300"),
              ("V100", 1000, "v100-32gb"))
-"""(name part, memory GiB at most, catalogue key): the GPU ``deviceProperties`` names."""
+"""(name part, memory GiB at most, catalogue key): the GPU ``deviceProperties`` names, the
+Grace parts before the HGX ones whose names they contain ("NVIDIA GB300" holds "B300")."""
 
 
 @dataclass

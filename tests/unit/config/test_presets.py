@@ -41,7 +41,8 @@ def node_gbps(c: Cluster) -> float:
 
 # --------------------------------------------------------------------------- every preset
 def test_the_required_presets_are_shipped():
-    required = {"dgx-a100", "dgx-h100", "hgx-h200", "dgx-b200", "gb200-nvl72", "aws-p4d",
+    required = {"dgx-a100", "dgx-h100", "hgx-h200", "dgx-b200", "gb200-nvl72", "dgx-b300",
+                "gb300-nvl72", "aws-p4d",
                 "aws-p5", "gcp-a3-mega", "azure-ndv5", "coreweave-h100-ib", "ethernet-100g",
                 "leaf-spine-oversubscribed"}
     assert required <= set(PRESETS)
@@ -135,6 +136,25 @@ def test_gb200_nvl72_is_one_72_gpu_node_with_a_nic_per_gpu():
     assert node_gbps(c) == 28_800
     # More racks over the InfiniBand fabric: an inline node count overrides the file.
     assert cluster("gb200-nvl72", nodes=4).nodes == 4
+
+
+def test_dgx_b300_figures():
+    c = cluster("dgx-b300")
+    # HGX B300 (2025): 8 Blackwell Ultra GPUs on NVLink 5 (900 GB/s per direction), one
+    # 800 Gb/s ConnectX-8 per GPU.
+    assert (c.gpu, c.gpus_per_node, c.nvlink_gbytes_per_s) == ("b300", 8, 900.0)
+    assert (c.nics_per_node, c.nic_gbps) == (8, 800.0)
+    # DGX SuperPOD B300 XDR RA (2026): 72 nodes and 8 leaves per SU, 576 node-leaf and 576
+    # leaf-spine cables.
+    assert (c.nodes_per_leaf, c.oversubscription, c.rail_optimized) == (72, 1.0, True)
+
+
+def test_gb300_nvl72_is_one_72_gpu_node_with_an_800g_nic_per_gpu():
+    c = cluster("gb300-nvl72")
+    assert (c.gpu, c.nodes, c.gpus_per_node, c.nvlink_gbytes_per_s) == ("gb300", 1, 72, 900.0)
+    # 72 ConnectX-8 at 800 Gb/s: twice the GB200 rack's scale-out line rate.
+    assert (c.nics_per_node, c.nic_gbps) == (72, 800.0)
+    assert node_gbps(c) == 2 * node_gbps(cluster("gb200-nvl72"))
 
 
 def test_aws_p4d_has_400_gbps_of_efa_on_four_cards():
