@@ -35,6 +35,7 @@ import re
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -190,7 +191,7 @@ class Pool:
         """Kill the worker processes now (on an interrupt: they ignore Ctrl-C themselves and
         may be deep in a long simulation, so they are not waited for)."""
         if self._executor is not None:
-            self._executor.shutdown(wait=False, kill_workers=True)
+            kill_loky_executor(self._executor)
             self._executor = None
 
     @contextmanager
@@ -327,9 +328,33 @@ class LocalBackend(Backend):
         # a long variant, so they are killed rather than waited for.
         try:
             if self.executor is not None:
-                self.executor.shutdown(wait=False, kill_workers=True)
+                kill_loky_executor(self.executor)
         finally:
             self.close()
+
+
+LOKY_MANAGER_THREAD = "ExecutorManagerThread"
+"""The name of the thread loky's executor feeds its workers from
+(``joblib.externals.loky.process_executor``)."""
+
+
+def kill_loky_executor(executor: Any) -> None:
+    """Shut a loky executor down with its workers killed, silencing its manager thread.
+
+    Killed mid-task, loky's manager thread can trip over the work items the shutdown has just
+    cancelled (``KeyError`` in ``add_call_item_to_queue``, seen under load) and print a
+    traceback after the command's one-line interrupt message; the exception is loky's
+    teardown race, not the command's, so exceptions of that thread are dropped from then on.
+    """
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread is not None and args.thread.name == LOKY_MANAGER_THREAD:
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    executor.shutdown(wait=False, kill_workers=True)
 
 
 def _ignore_interrupt() -> None:
