@@ -346,14 +346,16 @@ def kill_loky_executor(executor: Any) -> None:
     traceback after the command's one-line interrupt message; the exception is loky's
     teardown race, not the command's, so exceptions of that thread are dropped from then on.
     """
-    previous = threading.excepthook
+    if not getattr(threading.excepthook, "drops_loky_teardown", False):  # installed once
+        previous = threading.excepthook
 
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if args.thread is not None and args.thread.name == LOKY_MANAGER_THREAD:
-            return
-        previous(args)
+        def hook(args: threading.ExceptHookArgs) -> None:
+            if args.thread is not None and args.thread.name == LOKY_MANAGER_THREAD:
+                return
+            previous(args)
 
-    threading.excepthook = hook
+        hook.drops_loky_teardown = True  # type: ignore[attr-defined]
+        threading.excepthook = hook
     executor.shutdown(wait=False, kill_workers=True)
 
 

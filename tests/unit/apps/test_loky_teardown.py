@@ -44,6 +44,10 @@ def test_the_manager_threads_race_is_silent_and_others_are_not(monkeypatch) -> N
     assert seen == []
     _raise_in("some-other-thread")
     assert seen == ["some-other-thread"]
+    # A second abort in the same process does not wrap the hook again.
+    hook = threading.excepthook
+    ex.kill_loky_executor(fake)
+    assert threading.excepthook is hook and fake.calls == [(False, True)] * 2
 
 
 def test_the_name_is_lokys() -> None:
