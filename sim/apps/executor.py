@@ -35,7 +35,6 @@ import re
 import shutil
 import signal
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -47,6 +46,7 @@ from typing import Any
 from sim.analysis.summary import Summary
 from sim.apps.cluster_watch import ClusterWatch
 from sim.apps.dask_completion import completed
+from sim.apps.loky_teardown import kill_loky_executor
 from sim.scenario import Scenario, ScenarioError
 
 BACKENDS = ("local", "ray", "dask")
@@ -331,32 +331,6 @@ class LocalBackend(Backend):
                 kill_loky_executor(self.executor)
         finally:
             self.close()
-
-
-LOKY_MANAGER_THREAD = "ExecutorManagerThread"
-"""The name of the thread loky's executor feeds its workers from
-(``joblib.externals.loky.process_executor``)."""
-
-
-def kill_loky_executor(executor: Any) -> None:
-    """Shut a loky executor down with its workers killed, silencing its manager thread.
-
-    Killed mid-task, loky's manager thread can trip over the work items the shutdown has just
-    cancelled (``KeyError`` in ``add_call_item_to_queue``, seen under load) and print a
-    traceback after the command's one-line interrupt message; the exception is loky's
-    teardown race, not the command's, so exceptions of that thread are dropped from then on.
-    """
-    if not getattr(threading.excepthook, "drops_loky_teardown", False):  # installed once
-        previous = threading.excepthook
-
-        def hook(args: threading.ExceptHookArgs) -> None:
-            if args.thread is not None and args.thread.name == LOKY_MANAGER_THREAD:
-                return
-            previous(args)
-
-        hook.drops_loky_teardown = True  # type: ignore[attr-defined]
-        threading.excepthook = hook
-    executor.shutdown(wait=False, kill_workers=True)
 
 
 def _ignore_interrupt() -> None:

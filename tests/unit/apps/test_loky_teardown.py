@@ -3,7 +3,7 @@
 Seen in the clean-clone suite under load (tests/integration/test_plan_interrupt.py): after a
 killed shutdown, loky's ``ExecutorManagerThread`` raised ``KeyError`` on a work item the
 shutdown had cancelled and the default thread hook printed a traceback after the command's
-one-line interrupt message. :func:`sim.apps.executor.kill_loky_executor` drops exceptions of
+one-line interrupt message. :func:`sim.apps.loky_teardown.kill_loky_executor` drops exceptions of
 that thread from the shutdown on, and no one else's.
 """
 
@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from sim.apps import executor as ex
+from sim.apps import loky_teardown as ex
 
 
 class _Executor:
