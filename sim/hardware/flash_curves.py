@@ -100,14 +100,14 @@ def interpolate_log(grid: dict[int, tuple[float, ...]], head_dim: int, seq: int)
     >>> round(interpolate_log(g, 96, 4096), 4), interpolate_log(g, 256, 100)
     (0.585, 1.0)
     """
-    fh = head_dim_weight(head_dim)
+    h0, h1, fh = _position(HEAD_DIMS, head_dim)
     s0, s1, fs = _position(SEQS, seq)
 
     def along_seq(hd: int) -> float:
         row = grid[hd]
         return (1 - fs) * row[s0] + fs * row[s1]
 
-    return (1 - fh) * along_seq(HEAD_DIMS[0]) + fh * along_seq(HEAD_DIMS[-1])
+    return (1 - fh) * along_seq(HEAD_DIMS[h0]) + fh * along_seq(HEAD_DIMS[h1])
 
 
 @cache

@@ -106,4 +106,3 @@ def fixed_call_s(domains: int) -> float:
     0.0
     """
     return 0.0
-
