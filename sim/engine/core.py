@@ -13,7 +13,9 @@ the CPU's own work (a CPU optimizer step): they run beside the GPU streams, laun
 and take no share of the GPU.
 
 Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how long a
-compute op takes given what runs beside it). A rank class's
+compute op takes given what runs beside it). On Hopper a collective marked
+``Op.launch_behind_compute`` that becomes ready beside running compute ops starts when they
+end (:mod:`sim.engine.launch_wait`). A rank class's
 :attr:`~sim.program.ir.RankClass.compute_factor` (a straggler GPU, ``faults.slow_gpus``)
 multiplies its compute ops' time there; copies and host work keep theirs (a throttled GPU's
 SM clocks fall, its copy engines' and PCIe's rates do not). :attr:`Engine.jitter`
@@ -39,6 +41,7 @@ from sim.engine.hbm_share import HbmShare
 from sim.engine.host_clock import LAUNCH_QUEUE_KERNELS as LAUNCH_QUEUE_KERNELS  # re-exported
 from sim.engine.host_clock import HostIssue, host_issues, issue_order, issue_time
 from sim.engine.jitter import StepJitter
+from sim.engine.launch_wait import BLOCKING_ARCHS, RunningCompute
 from sim.engine.time_grid import GridEnvironment
 from sim.engine.waits import AllDone, FirstOf
 from sim.fabric.collectives import alltoall
@@ -150,6 +153,9 @@ class Engine:
         self._needed: dict[tuple[str, int], tuple[object, frozenset[int]]] = {}
         self._host_routes: dict[tuple[int, str | None],
                                 tuple[np.ndarray, np.ndarray, float]] = {}
+        self.running_compute = RunningCompute(enabled=False)
+        """The compute ops running now, which a collective launched beside them waits for on
+        Hopper (:mod:`sim.engine.launch_wait`)."""
         self.jitter: StepJitter | None = None
         """Step-to-step compute variation (``faults.jitter``); None: every step alike."""
         self.host_cpu_factor = 1.0
@@ -219,9 +225,11 @@ class Engine:
             return
         memory = 1.0 - self._matrix_share(op) if op.duration > 0 else 0.0
         self.hbm_share.compute_started(cls.id, memory)
+        self.running_compute.started(cls.id, op, env)
         try:
             yield from self._drain(cls, op, load)
         finally:
+            self.running_compute.ended(cls.id, op)
             self.hbm_share.compute_ended(cls.id, memory)
 
     def _drain(self, cls: RankClass, op: Op, load: _GpuLoad
@@ -342,6 +350,9 @@ class Engine:
         # time: one SM turn each, granted in the order the ops become ready.
         self._sm_turn = {cls.id: simpy.Resource(env, capacity=1) for cls in program.classes
                          if any(o.side_kernel for ops in cls.streams.values() for o in ops)}
+        # Track running compute only where a marked collective will ask (Hopper).
+        self.running_compute.enabled = self.arch in BLOCKING_ARCHS and any(
+            o.launch_behind_compute for o in program.ops)
         class_of = program.class_of_rank()
         self._needed.clear()   # rank classes are the program's
         self._step_factor = {} if self.jitter is None else self.jitter.factors(
@@ -424,6 +435,10 @@ class Engine:
                 yield env.timeout(issued - env.now)
             ready = env.now
             if op.kind in ("collective", "send", "recv"):
+                if op.launch_behind_compute:   # Hopper: SMs when the running compute ends
+                    beside = self.running_compute.beside(cls.id, op)
+                    if beside:
+                        yield AllDone(env, beside)
                 start = yield from self._collective(cls, op, class_of, rendezvous)
             else:
                 turn = self._take_sms(cls, op)

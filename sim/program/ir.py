@@ -133,6 +133,10 @@ class Op:
     running GEMM gets no SM until the GEMM's CTAs retire (CUDA C++ Programming Guide,
     "Hardware Multithreading": blocks are resident only while registers and shared memory
     allow)."""
+    launch_behind_compute: bool = False
+    """A collective launched on a second hardware queue beside the compute stream (Megatron-Core's
+    combined 1F1B with ``CUDA_DEVICE_MAX_CONNECTIONS`` above 1): on Hopper its kernel gets SMs
+    only when the compute running when it becomes ready ends (:mod:`sim.engine.launch_wait`)."""
     dtype: NcclType | None = None
     """Collectives and sends: the element type NCCL moves (``nbytes`` is whole elements of
     it). A label only (the HTA trace's kernel names): it never feeds timing. None: not

@@ -84,7 +84,8 @@ def op_signature(op: Op, by_value: bool = False) -> tuple[Hashable, ...]:
             op.collective, part(op.group), part(op.groups), part(op.pairs), op.nbytes,
             op.alloc, op.free, op.transient, op.transient_parts, op.alloc_parts, op.layer,
             op.flops, op.hw_flops, op.category, op.host_transfer, part(op.peer_bytes),
-            op.sm_ctas, op.fused_kernel, op.side_kernel, op.dtype, len(op.deps))
+            op.sm_ctas, op.fused_kernel, op.side_kernel, op.launch_behind_compute, op.dtype,
+            len(op.deps))
 
 
 def class_order(cls: RankClass) -> list[Op]:

@@ -46,14 +46,23 @@ def test_the_overlap_gains_something_and_no_more_than_its_communication(dispatch
     assert simulated > 1.05
 
 
-@pytest.mark.xfail(strict=True, reason="the overlap's gain is over-predicted: HybridEP 1.43x "
-                   "simulated against 1.18x measured (1.28x before its fixed 0.37 ms a call "
-                   "across nodes, which the overlap hides too), alltoall 1.56x against 1.32x; "
-                   "the simulation hides most of the all-to-all time where the profile says "
-                   "37% (HybridEP), and prices the two-node all-to-alls at the NICs' line "
-                   "rate (see docs/calibration.md, thirty-fourth session)")
-@pytest.mark.parametrize("dispatcher", sorted(PAIRS))
-def test_the_overlap_gain_as_measured(dispatcher) -> None:
-    off, on, _ = PAIRS[dispatcher]
+def test_the_hybridep_overlap_gain_as_measured() -> None:
+    """Since the engine makes an all-to-all launched beside running compute wait for it on
+    Hopper (sim.engine.launch_wait): 1.20x simulated against 1.18x measured (1.43x before).
+    Not blind: that rule was chosen over a per-kernel wait on this pair's Nsight profile
+    (communication beside compute 3.96 s measured, 4.75 s simulated; 7.07 s per kernel)."""
+    off, on, _ = PAIRS["hybridep"]
+    measured, simulated = _gain(off, on)
+    assert simulated == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.xfail(strict=True, reason="the overlap's gain is over-predicted with NCCL's "
+                   "all-to-all: 1.56x simulated against 1.32x measured; the simulated step is "
+                   "bound by the all-to-alls, priced at the NICs' line rate across the two "
+                   "nodes and not slowed beside compute, where the HybridEP profile measured "
+                   "its communication 31% longer with the overlap (docs/calibration.md, "
+                   "thirty-fourth and thirty-sixth sessions)")
+def test_the_alltoall_overlap_gain_as_measured() -> None:
+    off, on, _ = PAIRS["alltoall"]
     measured, simulated = _gain(off, on)
     assert simulated == pytest.approx(measured, rel=0.05)

@@ -324,6 +324,9 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
                 op.stream = COMM_STREAM
                 # Its elementwise kernels take the SMs in turn with the compute stream's.
                 op.side_kernel = op.kind == "compute" and op.duration > 0
+            if comm and op.kind == "collective" and not single_queue:
+                # Its own hardware queue: launched when ready, behind a running GEMM.
+                op.launch_behind_compute = True
             emit(op)
         # The chunk's event is recorded on the node's stream: a host copy beside it
         # (activation offloading's D2H and H2D streams) is not part of the chain.

@@ -1,0 +1,98 @@
+"""A communication kernel launched beside running compute waits for it (Hopper).
+
+On Hopper a GEMM's CTAs fill every SM's register file while it runs, so a kernel that
+becomes ready on another stream gets no SM until the running kernels' CTAs retire: measured
+on the lent H200 (``h200-overlap.json``, ``tools/measure_overlap.py``; docs/calibration.md,
+"A GEMM beside an NCCL-like copy"): a copy kernel of 16 or 32 CTAs launched on a second
+stream beside looping cuBLAS GEMMs ran only between them, never beside one. NCCL's kernels
+and DeepEP's or Hybrid-EP's fused kernels are such kernels, and Megatron-Bridge's launch
+script says the same of Hopper (``perf_plugins.py`` @ da98070,
+``_set_num_cuda_device_max_connections``: with more than one connection "communication
+kernel will be pushed to the end of the GEMM kernel, failing to overlap"). Once a
+communication kernel holds its SMs it keeps them, and compute launched after it runs on the
+rest (:mod:`sim.hardware.interference`).
+
+The rule, at the engine's granularity (an op): a collective marked
+``Op.launch_behind_compute`` that becomes ready while compute ops of its rank class run on
+other streams starts when the last of them ends. An op is a schedule node's run of kernels
+queued back to back, and why the whole op and not only its running kernel: Megatron-Bridge's
+Nsight comparison of its 16-H100 Qwen3-30B-A3B runs with and without the combined 1F1B
+(skills/nemo-mbridge-perf-moe-comm-overlap/SKILL.md @ 7ded17dae; HybridEP, EP 16) measured
+3.96 s of communication concurrent with GEMM or attention in a 21.0 s step, 36.55% of it;
+with the wait per kernel (the op's kernels taken as equally long) the simulation overlapped
+7.07 s (76%), with the wait per op 4.75 s (51%). That comparison chose the rule: the row is
+circular for it, the suite's other overlapped Hopper rows are not (docs/calibration.md).
+
+Which collectives: those a builder marks, today the expert all-to-alls Megatron-Core's
+combined 1F1B runs on its communication stream with more than one hardware queue, the case
+the launch script's warning names. With one queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) kernels
+launch in the host's order; Transformer Engine's tensor-parallel overlap issues its
+communication before the GEMM it hides behind; the data-parallel and pipeline collectives of
+other schedules are not marked (no step measured with and without them says how much they
+wait). Other architectures keep the old rule (a collective starts as soon as it is ready):
+nothing measured says how Blackwell's persistent GEMMs (cluster launch control) or Ampere's
+share the SMs with a kernel launched beside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import simpy
+
+from sim.program.ir import Op
+
+BLOCKING_ARCHS = frozenset({"hopper"})
+"""Architectures whose running compute kernels hold the SMs from a kernel launched beside
+them (measured on an H200)."""
+
+
+@dataclass
+class RunningCompute:
+    """The compute ops each rank class runs now, and what a communication kernel that becomes
+    ready beside them waits for (the engine asks only for collectives marked
+    ``Op.launch_behind_compute``).
+
+    Examples
+    --------
+    >>> import simpy
+    >>> from sim.program.ir import Op
+    >>> env = simpy.Environment()
+    >>> rc = RunningCompute(enabled=True)
+    >>> experts = Op(name="experts", kind="compute", stream="compute", phase="fwd",
+    ...              duration=1.0)
+    >>> done = rc.started(0, experts, env)
+    >>> a2a = Op(name="dispatch", kind="collective", stream="moe_a2a", phase="comm")
+    >>> rc.beside(0, a2a) == [done]
+    True
+    >>> rc.ended(0, experts)
+    >>> rc.beside(0, a2a)
+    []
+    """
+
+    enabled: bool
+    _running: dict[int, dict[int, tuple[Op, simpy.Event]]] = field(default_factory=dict)
+
+    def started(self, cls_id: int, op: Op, env: simpy.Environment) -> simpy.Event | None:
+        """Note that ``op`` started; returns the event :meth:`ended` succeeds (None when the
+        rule is off or the op is not compute)."""
+        if not self.enabled or op.kind != "compute" or op.duration <= 0:
+            return None
+        done = env.event()
+        self._running.setdefault(cls_id, {})[id(op)] = (op, done)
+        return done
+
+    def ended(self, cls_id: int, op: Op) -> None:
+        running = self._running.get(cls_id)
+        if running:
+            entry = running.pop(id(op), None)
+            if entry is not None:
+                entry[1].succeed()
+
+    def beside(self, cls_id: int, op: Op) -> list[simpy.Event]:
+        """The end events of the class's compute ops running now on another stream than
+        ``op``'s: what its kernel waits for before it gets SMs."""
+        running = self._running.get(cls_id) if self.enabled else None
+        if not running:
+            return []
+        return [done for other, done in running.values() if other.stream != op.stream]
