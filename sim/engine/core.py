@@ -225,7 +225,7 @@ class Engine:
             return
         memory = 1.0 - self._matrix_share(op) if op.duration > 0 else 0.0
         self.hbm_share.compute_started(cls.id, memory)
-        self.running_compute.started(cls.id, op, env)
+        self.running_compute.started(cls.id, op)
         try:
             yield from self._drain(cls, op, load)
         finally:
@@ -436,7 +436,7 @@ class Engine:
             ready = env.now
             if op.kind in ("collective", "send", "recv"):
                 if op.launch_behind_compute:   # Hopper: SMs when the running compute ends
-                    beside = self.running_compute.beside(cls.id, op)
+                    beside = self.running_compute.beside(cls.id, op, env)
                     if beside:
                         yield AllDone(env, beside)
                 start = yield from self._collective(cls, op, class_of, rendezvous)

@@ -51,7 +51,8 @@ them (measured on an H200)."""
 class RunningCompute:
     """The compute ops each rank class runs now, and what a communication kernel that becomes
     ready beside them waits for (the engine asks only for collectives marked
-    ``Op.launch_behind_compute``).
+    ``Op.launch_behind_compute``). An op's end event is made only when a collective asks for
+    it: most compute ends with nothing waiting.
 
     Examples
     --------
@@ -61,38 +62,41 @@ class RunningCompute:
     >>> rc = RunningCompute(enabled=True)
     >>> experts = Op(name="experts", kind="compute", stream="compute", phase="fwd",
     ...              duration=1.0)
-    >>> done = rc.started(0, experts, env)
+    >>> rc.started(0, experts)
     >>> a2a = Op(name="dispatch", kind="collective", stream="moe_a2a", phase="comm")
-    >>> rc.beside(0, a2a) == [done]
-    True
+    >>> done = rc.beside(0, a2a, env)
+    >>> len(done), done[0].triggered
+    (1, False)
     >>> rc.ended(0, experts)
-    >>> rc.beside(0, a2a)
-    []
+    >>> done[0].triggered, rc.beside(0, a2a, env)
+    (True, [])
     """
 
     enabled: bool
-    _running: dict[int, dict[int, tuple[Op, simpy.Event]]] = field(default_factory=dict)
+    _running: dict[int, dict[int, list]] = field(default_factory=dict)
+    """Per rank class, per running op: ``[op, its end event or None]``."""
 
-    def started(self, cls_id: int, op: Op, env: simpy.Environment) -> simpy.Event | None:
-        """Note that ``op`` started; returns the event :meth:`ended` succeeds (None when the
-        rule is off or the op is not compute)."""
-        if not self.enabled or op.kind != "compute" or op.duration <= 0:
-            return None
-        done = env.event()
-        self._running.setdefault(cls_id, {})[id(op)] = (op, done)
-        return done
+    def started(self, cls_id: int, op: Op) -> None:
+        if self.enabled and op.kind == "compute" and op.duration > 0:
+            self._running.setdefault(cls_id, {})[id(op)] = [op, None]
 
     def ended(self, cls_id: int, op: Op) -> None:
         running = self._running.get(cls_id)
         if running:
             entry = running.pop(id(op), None)
-            if entry is not None:
+            if entry is not None and entry[1] is not None:
                 entry[1].succeed()
 
-    def beside(self, cls_id: int, op: Op) -> list[simpy.Event]:
+    def beside(self, cls_id: int, op: Op, env: simpy.Environment) -> list[simpy.Event]:
         """The end events of the class's compute ops running now on another stream than
         ``op``'s: what its kernel waits for before it gets SMs."""
         running = self._running.get(cls_id) if self.enabled else None
         if not running:
             return []
-        return [done for other, done in running.values() if other.stream != op.stream]
+        out = []
+        for entry in running.values():
+            if entry[0].stream != op.stream:
+                if entry[1] is None:
+                    entry[1] = env.event()
+                out.append(entry[1])
+        return out

@@ -27,21 +27,23 @@ def test_beside_lists_the_running_compute_of_other_streams() -> None:
     env = simpy.Environment()
     rc = RunningCompute(enabled=True)
     gemms = _op("experts", "compute", 1.0, kernels=4)
-    done = rc.started(0, gemms, env)
+    rc.started(0, gemms)
     a2a = Op("dispatch", "collective", "moe_a2a", "comm")
-    assert rc.beside(0, a2a) == [done]
-    assert rc.beside(1, a2a) == []                            # another rank class
+    done = rc.beside(0, a2a, env)
+    assert len(done) == 1 and not done[0].triggered
+    assert rc.beside(0, a2a, env) == done                     # one event, asked twice
+    assert rc.beside(1, a2a, env) == []                       # another rank class
     same_stream = Op("dispatch", "collective", "compute", "comm")
-    assert rc.beside(0, same_stream) == []                    # in order on its own stream
+    assert rc.beside(0, same_stream, env) == []               # in order on its own stream
     rc.ended(0, gemms)
-    assert done is not None and done.triggered
-    assert rc.beside(0, a2a) == []
+    assert done[0].triggered
+    assert rc.beside(0, a2a, env) == []
 
 
 def test_disabled_off_hopper() -> None:
     rc = RunningCompute(enabled=False)
-    assert rc.started(0, _op("gemm", "compute", 1.0), simpy.Environment()) is None
-    assert rc.beside(0, Op("ar", "collective", "dp", "comm")) == []
+    rc.started(0, _op("gemm", "compute", 1.0))
+    assert rc.beside(0, Op("ar", "collective", "dp", "comm"), simpy.Environment()) == []
 
 
 def _engine(arch: str, rec: Recorder) -> Engine:
