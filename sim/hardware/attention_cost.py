@@ -314,9 +314,13 @@ def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION) -> Atten
     return "flash2"
 
 
-def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
+def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> AttentionBackend:
     """The attention kernel of a scenario: its ``training.attention_backend``, or with
-    ``auto`` the one its framework's source picks.
+    ``auto`` the one its framework's source picks. ``head_dims_differ``: queries and keys
+    wider than values (Multi-head Latent Attention, 192 / 128), which PyTorch's flash kernels
+    refuse (``sdp_utils`` ``check_head_dim_size_flash``): SDPA then runs cuDNN's fused
+    attention on Hopper and Blackwell (torchtitan's ``ScaledDotProductAttentionWrapper`` lists
+    it first) and the memory-efficient kernel elsewhere.
 
     * Megatron with Transformer Engine: cuDNN fused attention on Hopper and Blackwell,
       flash-attn 2 on Ampere (TE ``dot_product_attention/utils.py`` ``get_attention_backend``:
@@ -350,9 +354,17 @@ def resolve(s: Scenario, gpu: GpuSpec) -> AttentionBackend:
             return "cudnn"
         if fw.name == "deepspeed" and (s.parallelism.tp > 1 or s.parallelism.pp > 1):
             return "flash2" if fw.pipeline.flash_attention else "unfused"
+        if head_dims_differ:
+            return "cudnn" if gpu.arch in ("hopper", "blackwell") else "mem_efficient"
         return sdpa_backend(gpu.arch, version)
     if choice == "sdpa":
+        if head_dims_differ:
+            return "cudnn" if gpu.arch in ("hopper", "blackwell") else "mem_efficient"
         return sdpa_backend(gpu.arch, version)
+    if head_dims_differ and fw.name != "megatron" and choice.startswith("flash"):
+        raise ValueError(f"training.attention_backend: {choice} needs one head dim for "
+                         "queries, keys and values; multi-head latent attention's differ "
+                         "(use auto or cudnn)")
     if choice == "flash3" and gpu.arch != "hopper":
         raise ValueError("training.attention_backend: flash3 (FlashAttention-3) runs only on "
                          f"Hopper (sm90); {gpu.name} is {gpu.arch}")

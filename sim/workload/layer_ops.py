@@ -340,8 +340,15 @@ def fused_cross_entropy(b: _Builder, logits: Tensor, g_logits: Tensor, tokens: f
 @lru_cache(maxsize=256)
 def model_blocks(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: bool
                  ) -> tuple[Block, Block, Block, Block]:
-    """(embedding, attention, MLP, head) blocks of one micro-batch."""
+    """(embedding, attention, MLP, head) blocks of one micro-batch; a model with Multi-head
+    Latent Attention gets torchtitan's (:mod:`sim.workload.titan_mla`)."""
+    if m.mla is not None:
+        from sim.workload.titan_mla import titan_mla_attention_block
+        assert not kv_cache and style.name == "bf16", "MLA is modelled in torchtitan's code"
+        attn = titan_mla_attention_block(m, style, batch, seq)
+    else:
+        attn = attention_block(m, style, batch, seq, kv_cache)
     return (embedding_block(m, style, batch, seq),
-            attention_block(m, style, batch, seq, kv_cache),
+            attn,
             mlp_block(m, style, batch, seq),
             head_block(m, style, batch, seq))

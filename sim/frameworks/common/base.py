@@ -49,7 +49,7 @@ class JobContext:
                                 "megatron (Megatron-LM's --deterministic-mode) only")
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w, s.gpus)
         try:
-            backend = attention_cost.resolve(s, gpu)
+            backend = attention_cost.resolve(s, gpu, head_dims_differ=model.mla is not None)
         except ValueError as e:
             raise ScenarioError(f"{origin}: {e}") from None
         compute = ComputeModel(gpu, s.training.precision, backend,

@@ -29,6 +29,14 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"{m.kv_heads} key/value heads do not split over tp={t} (colwise wk/wv)")
     ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
+    # torchtitan's DeepSeek-V3 attention (sim/workload/titan_mla.py) is modelled on one
+    # GPU's heads: its tensor-parallel plan (latents replicated, wq_b / wkv_b colwise) is not.
+    ctx.require(m.mla is None or t == 1, "parallelism.tp",
+                "multi-head latent attention is modelled without tensor parallelism in fsdp2 "
+                "yet (issue 14)")
+    ctx.require(m.mla is None or opts.model_code == "torchtitan", "framework.model_code",
+                "multi-head latent attention is modelled in torchtitan's DeepSeek-V3 code; "
+                "Hugging Face's is not yet (issue 14)")
     ctx.require(not m.qk_norm or cp == 1, "parallelism.cp",
                 "query/key norms (qk_norm) are modelled without context parallelism in fsdp2 "
                 "(torchtitan's Qwen3 does not support it)")

@@ -18,6 +18,7 @@ ENTRY = FrameworkEntry(
     stage_split=torchtitan_stage_split,
     # torchtitan's run_train.sh exports PYTORCH_ALLOC_CONF="expandable_segments:True".
     expandable_segments=True,
-    # torchtitan's MoE layers with expert parallelism (fsdp2/moe.py) and Qwen3's per-head
-    # query/key RMSNorm (sim/workload/layer_ops.py qkv_projections).
-    model_features=frozenset({"experts", "qk_norm"}), kernel_style=kernel_style)
+    # torchtitan's MoE layers with expert parallelism (fsdp2/moe.py), Qwen3's per-head
+    # query/key RMSNorm (sim/workload/layer_ops.py qkv_projections) and DeepSeek's
+    # Multi-head Latent Attention (sim/workload/titan_mla.py; key "attention").
+    model_features=frozenset({"experts", "qk_norm", "attention"}), kernel_style=kernel_style)

@@ -285,9 +285,10 @@ def test_an_inline_moe_model_counts_like_its_hand_derivation():
 @pytest.mark.parametrize("framework, key, what", [
     ("ddp", "experts", "mixture-of-experts layers"),
     ("fairscale", "experts", "mixture-of-experts layers"),
-    # DeepSpeed-MoE and torchtitan take routed experts, not DeepSeek's latent attention.
+    # DeepSpeed-MoE takes routed experts, not DeepSeek's latent attention; torchtitan takes
+    # both (sim/workload/titan_mla.py), not DeepSeek-V3's multi-token prediction.
     ("deepspeed", "attention", "multi-head latent attention"),
-    ("fsdp2", "attention", "multi-head latent attention")])
+    ("fsdp2", "mtp_layers", "multi-token prediction")])
 def test_every_builder_refuses_what_it_does_not_model_naming_the_key(framework, key, what):
     from sim.frameworks import JobContext
 
