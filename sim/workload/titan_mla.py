@@ -21,8 +21,9 @@ torchtitan ``models/deepseek_v3/model/model.py`` ``Attention.forward`` (pytorch/
   scenario's, which :func:`sim.hardware.attention_cost.resolve` makes cuDNN for MLA);
 * ``wo`` (heads x v -> hidden) and the residual add.
 
-``attn_type`` "sdpa" is what this prices. torchtitan's DeepSeek-V2-Lite-sized "16B" flavor
-sets ``attn_type="flex"`` (FlexAttention, compiled, with a block-causal mask over packed
+``attn_type`` "sdpa" is what this prices, as torchtitan's first DeepSeek-V3 model (2025) ran
+it. Its current flavors ("16B", "236B", "671B" in ``models/deepseek_v3/__init__.py``) set
+``attn_type="flex"`` (FlexAttention, compiled, with a block-causal mask over packed
 documents); FlexAttention is not modelled yet, and such a run is priced here as SDPA.
 
 Backward, as autograd runs it: the two cats' gradients are views (``CatBackward``), the shared
