@@ -292,9 +292,13 @@ def version_tuple(v: str) -> tuple[int, int, int]:
     return parts[0], parts[1], parts[2]
 
 
-def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION) -> AttentionBackend:
+def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION,
+                 head_dims_differ: bool = False) -> AttentionBackend:
     """The kernel ``F.scaled_dot_product_attention`` runs (bf16, causal, no mask, head_dim
     <= 256) on a GPU generation under a PyTorch release (:data:`SDPA_CUDNN_FIRST`).
+    ``head_dims_differ`` (MLA's 192-wide queries and keys, 128-wide values): the flash
+    kernels refuse it (``check_head_dim_size_flash``), so cuDNN's attention on Hopper and
+    Blackwell (first in torchtitan's backend list), the memory-efficient kernel elsewhere.
 
     Examples
     --------
@@ -302,7 +306,11 @@ def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION) -> Atten
     ('flash2', 'cudnn')
     >>> sdpa_backend("ampere", "2.11"), sdpa_backend("volta"), sdpa_backend("ampere", "2.1")
     ('flash2', 'mem_efficient', 'flash1')
+    >>> sdpa_backend("hopper", "2.8", True), sdpa_backend("ampere", "2.11", True)
+    ('cudnn', 'mem_efficient')
     """
+    if head_dims_differ:
+        return "cudnn" if arch in ("hopper", "blackwell") else "mem_efficient"
     if arch == "volta":
         return "mem_efficient"      # flash needs sm80 (sdp_utils.cpp check_sm_version)
     v = version_tuple(torch_version)
@@ -354,13 +362,9 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> Attent
             return "cudnn"
         if fw.name == "deepspeed" and (s.parallelism.tp > 1 or s.parallelism.pp > 1):
             return "flash2" if fw.pipeline.flash_attention else "unfused"
-        if head_dims_differ:
-            return "cudnn" if gpu.arch in ("hopper", "blackwell") else "mem_efficient"
-        return sdpa_backend(gpu.arch, version)
+        return sdpa_backend(gpu.arch, version, head_dims_differ)
     if choice == "sdpa":
-        if head_dims_differ:
-            return "cudnn" if gpu.arch in ("hopper", "blackwell") else "mem_efficient"
-        return sdpa_backend(gpu.arch, version)
+        return sdpa_backend(gpu.arch, version, head_dims_differ)
     if head_dims_differ and fw.name != "megatron" and choice.startswith("flash"):
         raise ValueError(f"training.attention_backend: {choice} needs one head dim for "
                          "queries, keys and values; multi-head latent attention's differ "

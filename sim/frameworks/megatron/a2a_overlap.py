@@ -43,19 +43,14 @@ last node (here it waits for the whole pair, a little late). ``CUDA_DEVICE_MAX_C
 (Megatron-LM only warns) is modelled when it is 1 (:func:`single_queue_emit`): every stream's
 work then goes through one hardware queue in the host's issue order.
 
-Not modelled either, and the likeliest reason the Hopper rows with more than one connection
-simulate too fast (the 25.11 Qwen3-235B H100 row: 2,157 simulated, 1,575 measured; 1,511
-with one connection): a communication kernel launched while a persistent GEMM holds every SM
-starts only when that GEMM ends. Megatron-Bridge's own launch script says so for Hopper
-(``perf_plugins.py`` @ da98070, ``_set_num_cuda_device_max_connections``: with more than one
-connection "communication kernel will be pushed to the end of the GEMM kernel, failing to
-overlap"), yet sets 8 (32 with DeepEP) under ``moe_a2a_overlap``; stream priority
-(``TORCH_NCCL_HIGH_PRIORITY=1`` in its ``executors.py``, DeepEP's high-priority pool stream)
-orders pending blocks, it does not evict resident ones. Modelling it needs the engine to know
-the running kernel's end when a collective becomes ready (an op covers many kernels). Its
-size, bounded at op granularity (every all-to-all also waiting for the compute op issued
-before it, a trial not kept): that Qwen3-235B row 2,157 -> 1,926; the 25.09 DeepSeek-V3 1,024
-H100 row (DeepEP) 1,651 -> 1,699, not slower, so it is not what over-credits that row.
+With more than one connection on Hopper, a communication kernel launched while compute holds
+every SM starts only when that compute ends (Megatron-Bridge's launch script, ``perf_plugins.py``
+@ da98070: "communication kernel will be pushed to the end of the GEMM kernel, failing to
+overlap"; it still sets 8, 32 with DeepEP, under ``moe_a2a_overlap``): the communication
+stream's all-to-alls are marked ``Op.launch_behind_compute`` and the engine holds them behind
+the compute ops running when they become ready (:mod:`sim.engine.launch_wait`). Stream
+priority (``TORCH_NCCL_HIGH_PRIORITY=1``, DeepEP's high-priority pool stream) orders pending
+blocks, it does not evict resident ones.
 
 Each schedule node's own wrapper (event wait and record, stream switch, detach, a separate
 ``run_backward`` per backward node) costs host time (:mod:`sim.frameworks.megatron.

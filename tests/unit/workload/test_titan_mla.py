@@ -15,7 +15,6 @@ import pytest
 
 from sim.api import simulate
 from sim.frameworks.common.base import JobContext
-from sim.hardware.attention_cost import MEASURED_BACKEND
 from sim.scenario import ScenarioError, scenario_from_dict
 from sim.workload.kernels import Style
 from sim.workload.model import ModelSpec
@@ -54,10 +53,18 @@ def _dsv2_lite(**over: object) -> dict:
     return d
 
 
+@pytest.mark.parametrize(("topology", "backend"), [("dgx-h100", "cudnn"),
+                                                    ("dgx-a100", "mem_efficient")])
+def test_sdpa_runs_a_kernel_that_takes_mla_head_dims(topology: str, backend: str) -> None:
+    # Under every PyTorch release: flash needs one head dim (PyTorch 2.8 on an H100 would
+    # pick flash2 for equal dims).
+    s = scenario_from_dict(_dsv2_lite(**{"cluster.topology": topology,
+                                         "training.torch_version": "2.8"}))
+    assert JobContext.from_scenario(s).compute.attention_backend == backend
+
+
 def test_fsdp2_trains_deepseek_v2_lite_at_the_models_flops() -> None:
     s = scenario_from_dict(_dsv2_lite())
-    ctx = JobContext.from_scenario(s)
-    assert ctx.compute.attention_backend == "cudnn" == MEASURED_BACKEND
     r = simulate(s)
     m = ModelSpec.from_ref("deepseek-v2-lite", 4096)
     tokens = 8 * 4096
