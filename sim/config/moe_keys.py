@@ -101,8 +101,9 @@ class MoeRouting(StrictModel):
     """``training.moe_routing``: the routing distribution as CONTRACT.md names it (another
     spelling of ``training.routing``)."""
 
-    distribution: Literal["balanced", "zipf", "file"] = "balanced"
-    """balanced, zipf (skewed by ``skew``) or file (per-expert loads measured, in ``file``)."""
+    distribution: Literal["balanced", "zipf", "file", "round_robin"] = "balanced"
+    """balanced, zipf (skewed by ``skew``), file (per-expert loads measured, in ``file``) or
+    round_robin (balanced loads, each token on consecutive experts: routing.distribution's)."""
     skew: float | None = Field(default=None, ge=0, le=10)
     """Zipf exponent (routing.s): 0 is balanced, larger is more skewed; default 1."""
     file: str | None = None
@@ -123,4 +124,6 @@ class MoeRouting(StrictModel):
             out.update(distribution="zipf", s=1.0 if self.skew is None else self.skew)
         elif self.distribution == "file":
             out.update(distribution="histogram", histogram=self.file)
+        elif self.distribution == "round_robin":
+            out.update(distribution="round_robin")
         return out

@@ -238,9 +238,11 @@ class Routing(StrictModel):
     """How a mixture-of-experts router spreads token copies over the experts
     (:mod:`sim.workload.routing`); the busiest expert-parallel rank sets the pace."""
 
-    distribution: Literal["balanced", "zipf", "histogram"] = "balanced"
-    """balanced (every expert its equal share), zipf (the r-th hottest expert's share
-    proportional to r^-s) or histogram (measured per-expert loads)."""
+    distribution: Literal["balanced", "zipf", "histogram", "round_robin"] = "balanced"
+    """balanced (every expert its equal share, each token's experts drawn uniformly), zipf
+    (the r-th hottest expert's share proportional to r^-s), histogram (measured per-expert
+    loads) or round_robin (equal shares, token t taking the top-k consecutive experts from
+    t x top-k: NeMo AutoModel's fake balanced gate)."""
     s: float = Field(default=1.0, ge=0, le=10)
     """Zipf exponent: 0 is balanced, larger is more skewed."""
     seed: int | None = Field(default=None, ge=0, le=B.MAX_SEED)

@@ -6,9 +6,17 @@ Mitigating Inefficiencies in Mixture-of-Expert (MoE) Inference", arXiv:2303.0618
 Mixtral's routing analysis shows per-layer expert shares that stay visibly off the uniform
 1/8 even with a load-balancing loss (Jiang et al., "Mixtral of Experts", arXiv:2401.04088,
 section 5); DeepSeek-V3 plots per-expert load with and without its auxiliary-loss-free
-balancing (arXiv:2412.19437, section 4.5). Three distributions stand in for that:
+balancing (arXiv:2412.19437, section 4.5). These distributions stand in for that:
 
-* ``balanced``: every expert gets ``tokens x top_k / experts`` (the aux-loss ideal);
+* ``balanced``: every expert gets ``tokens x top_k / experts`` (the aux-loss ideal), each
+  token's ``top_k`` distinct experts drawn uniformly;
+* ``round_robin``: the same loads, but token ``t`` of each rank takes the ``top_k``
+  consecutive experts from ``t x top_k`` (mod experts): NeMo AutoModel's ``FakeBalancedGate``
+  (``nemo_automodel/components/moe/layers.py``: ``torch.arange(tokens * k).view(-1, k) %
+  n_experts``), which every MoE row of its published benchmarks runs ("Fake balanced gate is
+  enabled to simulate ideal expert routing", docs/performance-summary). A token's experts then
+  sit on one or two neighbouring EP ranks, which is what a deduplicating dispatch (DeepEP)
+  sends (:func:`round_robin_hit`);
 * ``zipf``: the expert ranked ``r`` (1-based) gets a share proportional to ``r ** -s``; which
   expert holds which rank is a seeded random permutation (``numpy.random.Generator``), fixed
   for every layer of the step (a hot expert is a property of the checkpoint and the data,
@@ -27,6 +35,7 @@ ranks), so rank ``i`` sends rank ``j`` its ``1 / ep`` of the copies bound for ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -48,7 +57,7 @@ def routing_shares(experts: int, distribution: str = "balanced", s: float = 1.0,
     >>> routing_shares(2, "histogram", histogram=[3, 1])
     (0.75, 0.25)
     """
-    if distribution == "balanced":
+    if distribution in ("balanced", "round_robin"):
         return (1.0 / experts,) * experts
     if distribution == "zipf":
         if s < 0:
@@ -66,6 +75,31 @@ def routing_shares(experts: int, distribution: str = "balanced", s: float = 1.0,
     else:
         raise ValueError(f"unknown routing distribution {distribution!r}")
     return tuple(float(x) for x in w / w.sum())
+
+
+def round_robin_hit(experts: int, top_k: int, members: Sequence[int]) -> float:
+    """Share of tokens whose ``round_robin`` experts (``top_k`` consecutive ones from ``t x
+    top_k`` mod ``experts``) include at least one of ``members``. Token ``t``'s first expert
+    runs over the multiples of ``g = gcd(top_k, experts)``, each once every ``experts / g``
+    tokens: exact over whole periods (any micro-batch of a multiple of ``experts / g``
+    tokens per rank).
+
+    Examples
+    --------
+    >>> round_robin_hit(128, 8, range(16))          # Qwen3-30B, EP 8: one rank a token
+    0.125
+    >>> round_robin_hit(256, 8, range(4))           # DeepSeek-V3, EP 64: two ranks a token
+    0.03125
+    >>> round_robin_hit(8, 2, (0,))                 # Mixtral: as uniform routing, 2/8
+    0.25
+    """
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k {top_k} must be between 1 and the {experts} experts")
+    g = math.gcd(top_k, experts)
+    held = set(members)
+    starts = range(0, experts, g)
+    hits = sum(any((s + j) % experts in held for j in range(top_k)) for s in starts)
+    return hits / len(starts)
 
 
 def _cap(shares: np.ndarray, cap: float) -> np.ndarray:

@@ -55,12 +55,14 @@ class Pace:
 
 def scenario_shares(ctx: JobContext) -> tuple[tuple[float, ...], int] | None:
     """Each routed expert's share of the token copies under the scenario's
-    ``training.routing``, and the routing seed; None when balanced. A measured histogram must
+    ``training.routing``, and the routing seed; None when balanced (``round_robin`` too: its
+    loads are the balanced ones, only which experts a token picks together differs, which
+    :mod:`sim.frameworks.megatron.moe_flex` counts). A measured histogram must
     have one load per routed expert (one line naming the key otherwise)."""
     r = ctx.scenario.training.routing
     moe = ctx.model.moe
     assert moe is not None
-    if r.distribution == "balanced":
+    if r.distribution in ("balanced", "round_robin"):
         return None
     hist = r.histogram
     assert not isinstance(hist, str)        # the scenario's validator read the file

@@ -67,6 +67,7 @@ from sim.program.mesh import Groups
 from sim.scenario import MegatronOptions
 from sim.workload.kernels import drop_kernels
 from sim.workload.moe_ops import MoELayerOps
+from sim.workload.routing import round_robin_hit
 
 DEEPEP_NUM_SMS = 20
 """SMs of DeepEP's normal kernels when ``moe_flex_dispatcher_num_sms`` is unset: Megatron-Core's
@@ -227,6 +228,9 @@ class FlexLayout:
     etp: int
     groups: int = 1
     group_topk: int = 1
+    round_robin: bool = False
+    """``training.routing`` ``round_robin`` (AutoModel's fake balanced gate): each token's
+    experts are ``top_k`` consecutive ones, not a uniform draw (group limits do not apply)."""
 
     def check(self) -> str | None:
         """Why DeepEP's normal kernels cannot run on this group, or None. Intranode: all
@@ -258,6 +262,8 @@ class FlexLayout:
 
     def hit(self, members: Sequence[int]) -> float:
         """Probability that a token goes to at least one of the group ranks ``members``."""
+        if self.round_robin:
+            return round_robin_hit(self.experts, self.top_k, self._experts_of(members))
         return 1.0 - miss_probability(self.experts, self.top_k, self._experts_of(members),
                                       self.groups, self.group_topk)
 
@@ -465,7 +471,8 @@ def flex_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> FlexP
     ctx.require(ctx.gpu.arch in ("ampere", "hopper", "blackwell"), key,
                 "DeepEP runs on Ampere, Hopper and Blackwell GPUs (Megatron-Bridge "
                 f"validate_deepep), not {ctx.gpu.arch}")
-    ctx.require(s.training.routing.distribution == "balanced" or moe.capacity_factor is None,
+    ctx.require(s.training.routing.distribution in ("balanced", "round_robin")
+                or moe.capacity_factor is None,
                 "model.capacity_factor", "token dropping under skewed routing is not "
                 "modelled with the flex dispatcher (dropless only)")
     ctx.require(moe.capacity_factor is None or moe.capacity_factor >= 1.0,
@@ -480,15 +487,30 @@ def flex_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> FlexP
                 "framework.moe_deepep_fp8_dispatch",
                 "FP8 dispatch feeds FP8 expert GEMMs: it needs training.precision fp8")
     ng, m = check_router_groups(ctx)
+    return deepep_plan(ctx, groups, tokens, par.expert_tp, (ng, m),
+                       opts.moe_deepep_fp8_dispatch, sms)
+
+
+def deepep_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float, etp: int = 1,
+                router_groups: tuple[int, int] = (1, 1), fp8: bool = False,
+                num_sms: int = DEEPEP_NUM_SMS) -> FlexPlan:
+    """DeepEP's normal kernels over the expert-TP x EP ``groups`` (every pipeline stage's),
+    ``tokens`` per rank entering each MoE layer, whichever framework calls them (Megatron-
+    Core's flex dispatcher, NeMo AutoModel's copy of it): each group refused where the
+    kernels cannot run it; the scenario's ``training.routing`` fills the layout."""
+    s = ctx.scenario
+    moe = ctx.model.moe
+    assert moe is not None
+    ep = s.parallelism.ep
+    ng, m = router_groups
+    rr = s.training.routing.distribution == "round_robin"
     first = checked_layouts(ctx, groups, lambda g: FlexLayout(
-        g, s.cluster.gpus_per_node, moe.experts, moe.top_k, par.ep, par.expert_tp, ng, m))
+        g, s.cluster.gpus_per_node, moe.experts, moe.top_k, ep, etp, ng, m, rr))
     # Every group has the same shape (check): one layout, on relative ranks.
     rel = FlexLayout(tuple(range(len(first.ranks))), NVL_PEERS if first.internode
-                     else len(first.ranks), moe.experts, moe.top_k, par.ep, par.expert_tp,
-                     ng, m)
+                     else len(first.ranks), moe.experts, moe.top_k, ep, etp, ng, m, rr)
     skew = scenario_skew(ctx, int(tokens), len(rel.node_blocks()[0]), ng, m)
-    return FlexPlan(rel, float(tokens), ctx.model.hidden, opts.moe_deepep_fp8_dispatch, sms,
-                    skew)
+    return FlexPlan(rel, float(tokens), ctx.model.hidden, fp8, num_sms, skew)
 
 
 def flex_op(coll: Callable[..., Op], plan: FlexPlan, which: str, label: str, groups: Groups,

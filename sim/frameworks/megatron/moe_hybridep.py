@@ -248,14 +248,15 @@ def hybridep_plan(ctx: JobContext, groups: Sequence[Groups], tokens: float) -> H
     ng, m = check_router_groups(ctx)
     n = par.ep * par.expert_tp
     domain = min(n, s.cluster.gpus_per_node)
+    rr = s.training.routing.distribution == "round_robin"
     checked_layouts(ctx, groups, lambda g: HybridEPLayout(
         g, s.cluster.gpus_per_node, moe.experts, moe.top_k, par.ep, par.expert_tp, ng, m,
-        domain))
+        rr, domain=domain))
     sms = opts.moe_flex_dispatcher_num_sms or default_num_sms(n // domain)
     ctx.require(sms < ctx.gpu.sm_count, "framework.moe_flex_dispatcher_num_sms",
                 f"HybridEP's blocks must fit the GPU's {ctx.gpu.sm_count} SMs")
     rel = HybridEPLayout(tuple(range(n)), domain, moe.experts, moe.top_k, par.ep,
-                         par.expert_tp, ng, m, domain)
+                         par.expert_tp, ng, m, rr, domain=domain)
     skew = scenario_skew(ctx, int(tokens), domain, ng, m)
     return HybridEPPlan(rel, float(tokens), ctx.model.hidden, False, sms, skew)
 
