@@ -338,6 +338,8 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> Attent
       TE's determinism filter already leaves flash-attn). Megatron ``local`` and
       Megatron-DeepSpeed: the
       ``flash_attn`` package (``--use-flash-attn``), FA2; without flash attention, unfused.
+    * FSDP2 with NeMo AutoModel's code (``model_code: automodel``): its ``te`` attention,
+      Transformer Engine's choice as above (without dropout).
     * FSDP2 (torchtitan's ``F.scaled_dot_product_attention``), DDP / plain PyTorch
       (Hugging Face's ``sdpa`` attention), FairScale and DeepSpeed ZeRO (Hugging Face
       models): SDPA's own choice under ``training.torch_version`` (:func:`sdpa_backend`).
@@ -349,6 +351,9 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> Attent
     version = t.torch_version or DEFAULT_TORCH_VERSION
     fw = s.framework
     if choice == "auto":
+        if fw.name == "fsdp2" and fw.model_code == "automodel":
+            # AutoModel's ``attn: te``: Transformer Engine's DotProductAttention.
+            return "cudnn" if gpu.arch in ("hopper", "blackwell") else "flash2"
         if fw.name == "megatron":
             if not fw.flash_attention:
                 return "unfused"

@@ -202,14 +202,18 @@ class MemoryBoundKernels:
         scale = h200.peak_flops("fp32") / self.gpu.peak_flops("fp32")
         return elements / GELU_BF16_ELEMENTS_PER_S[pass_] * scale
 
-    def adamw_time(self, params: float, fused: bool = True, tensors: int = 16) -> float:
-        """One AdamW step over ``params`` fp32 parameters in ``tensors`` tensors.
+    def adamw_time(self, params: float, fused: bool = True, tensors: int = 16,
+                   elem_bytes: int = 4) -> float:
+        """One AdamW step over ``params`` parameters in ``tensors`` tensors, each parameter,
+        gradient and moment of ``elem_bytes`` (fp32; 2 for a bf16 model's own states).
 
-        28 bytes move per parameter (read param, grad, two moments; write param and moments).
+        Seven elements move per parameter (read param, grad, two moments; write param and
+        moments): 28 bytes in fp32.
         The calibration's fixed cost was measured with the parameters split in 16 tensors; it
         is charged per tensor (step counters and list handling are per-tensor work).
         """
         a = _fit()["adamw"]["fused" if fused else "foreach"]
         per_tensor = a["fixed_s"] / ADAMW_CALIBRATION_TENSORS
         # A multi-tensor streaming kernel: capped per SM like any other (stream_bytes_per_s).
-        return per_tensor * tensors + params * 28 / self._stream_rate(a["bytes_per_s"])
+        return per_tensor * tensors + params * 7 * elem_bytes / self._stream_rate(
+            a["bytes_per_s"])

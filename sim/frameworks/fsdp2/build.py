@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from sim.frameworks.common.accounting import block_grad_params, block_model_flops
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.fsdp2.automodel import te_layer_costs
 from sim.frameworks.fsdp2.checks import check
 from sim.frameworks.fsdp2.cp import titan_repeats_kv
 from sim.frameworks.fsdp2.mesh import Mesh, stage_layers
@@ -112,6 +113,10 @@ def _block_costs(ctx: JobContext, opts: Fsdp2Options, style: Style
     # GradientCheckpointingLayer drops it under checkpointing (transformers modeling_layers.py).
     kv_cache = hf and not ctx.recompute
     costs = ctx.block_costs(style, kv_cache=kv_cache)
+    if opts.model_code == "automodel":
+        # AutoModel's Transformer Engine layers (attention and MLP); embedding and head
+        # as torchtitan's (:mod:`.automodel`).
+        costs.update(te_layer_costs(ctx.model, ctx.compute, ctx.micro_batch, ctx.seq))
     # torchtitan's apply_compile compiles the transformer blocks; the loss is compiled apart
     # (loss.py) or, before that existed, not at all: then norm, output and cross-entropy run
     # eagerly (fp32 logits, log_softmax and their gradients materialised).
@@ -161,7 +166,7 @@ def _job(ctx: JobContext, opts: Fsdp2Options) -> Job:
                       ) if t > 1 or cp > 1 else None
     numel, ugrad = _unit_sizes(ctx, costs, tb)
     moe = titan_moe(ctx, style, par.ep, mesh.efsdp, dp * cp, t, cp,
-                    opts.moe_score_before_experts)
+                    opts.moe_score_before_experts, [mesh.ep_groups(st) for st in range(pp)])
     # Qwen3's q_norm / k_norm are SequenceParallel(sequence_dim=2) under tensor parallelism:
     # replicated head_dim weights whose gradients are all-reduced like the block norms'.
     qk = (m.head_dim, m.head_dim) if m.qk_norm and t > 1 else ()
@@ -190,13 +195,18 @@ def _rank_classes(job: Job) -> list[RankClass]:
                          label=(f"pipeline stage {st}" if pp > 1
                                 else "all ranks (identical FSDP shards)"))
                for st in range(pp)]
+    state = job.state_bytes
     for st, cls in enumerate(classes):
         shard_params = job.local_params(st)
         # fp32 sharded parameters, gradients and the two AdamW moments: 16 B per parameter
-        # over the FSDP world size; in host memory with CPU offload.
+        # over the FSDP world size (AutoModel's bf16 model: 8 B); in host memory with CPU
+        # offload.
         cls.initial_memory = {} if job.opts.cpu_offload else {
-            "parameters": FP32 * shard_params, "optimizer": 2 * FP32 * shard_params,
-            "gradients": FP32 * shard_params}
+            "parameters": state * shard_params, "optimizer": 2 * state * shard_params,
+            "gradients": state * shard_params}
+        if job.moe is not None and job.moe.plan.flex is not None:
+            # DeepEP's Buffer, allocated once per process (fused_a2a.get_buffer).
+            cls.initial_memory["buffers"] = job.moe.plan.flex.persistent_bytes
     return classes
 
 

@@ -34,9 +34,9 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(m.mla is None or t == 1, "parallelism.tp",
                 "multi-head latent attention is modelled without tensor parallelism in fsdp2 "
                 "yet (issue 14)")
-    ctx.require(m.mla is None or opts.model_code == "torchtitan", "framework.model_code",
-                "multi-head latent attention is modelled in torchtitan's DeepSeek-V3 code; "
-                "Hugging Face's is not yet (issue 14)")
+    ctx.require(m.mla is None or opts.model_code != "huggingface", "framework.model_code",
+                "multi-head latent attention is modelled in torchtitan's and AutoModel's "
+                "DeepSeek-V3 code; Hugging Face's is not yet (issue 14)")
     ctx.require(not m.qk_norm or cp == 1, "parallelism.cp",
                 "query/key norms (qk_norm) are modelled without context parallelism in fsdp2 "
                 "(torchtitan's Qwen3 does not support it)")
@@ -107,6 +107,8 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
                     "huggingface is modelled with bf16 or fp16 precision, not torchao float8")
         ctx.require(s.training.activation_checkpointing != "selective",
                     "framework.model_code", "selective (op-level SAC) is torchtitan's")
+    if opts.model_code == "automodel":
+        _check_automodel(ctx, opts)
     ctx.require(hf or not opts.checkpoint_use_reentrant, "framework.checkpoint_use_reentrant",
                 "torchtitan's checkpoint_wrapper is non-reentrant; reentrant checkpointing "
                 "is Hugging Face's option (model_code: huggingface)")
@@ -126,6 +128,28 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
                 "logits take torch's loss_parallel")
 
 
+def _check_automodel(ctx: JobContext, opts: Fsdp2Options) -> None:
+    """What of NeMo AutoModel's path is modelled (:mod:`.automodel`): its "TE + DeepEP"
+    backend in bf16, FSDP2 with expert and pipeline parallelism, eager, full or no
+    checkpointing; not its tensor or context parallel plans, FP8, torch.compile or CPU
+    offload (GPT-OSS's sinks and sliding windows, which AutoModel runs with FlexAttention,
+    fsdp2 refuses for every model code: its registry entry's ``model_features``)."""
+    s = ctx.scenario
+    p = s.parallelism
+    key = "framework.model_code"
+    ctx.require(p.tp == 1 and p.cp == 1, key,
+                "automodel is modelled without tensor or context parallelism (tp and cp 1)")
+    ctx.require(s.training.precision in ("bf16", "fp16"), key,
+                "automodel is modelled with its bf16 model (not FP8)")
+    ctx.require(not opts.compile, "framework.compile",
+                "automodel is modelled eager (its TE kernels, not torch.compile)")
+    ctx.require(s.training.activation_checkpointing != "selective",
+                "training.activation_checkpointing",
+                "automodel is modelled with none or full (per-block) checkpointing")
+    ctx.require(not opts.cpu_offload, "framework.cpu_offload",
+                "automodel is modelled without CPU offload")
+
+
 def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     """torchtitan's MoE path as modelled (:mod:`.moe`): its own model code, 16-bit
     precision, no op-level SAC, no CPU offload, expert TP 1 (``ep`` then takes every
@@ -136,8 +160,9 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     if m.moe is None:
         return
     why = "with mixture-of-experts layers fsdp2 is modelled"
-    ctx.require(opts.model_code == "torchtitan", "framework.model_code",
-                f"{why} with torchtitan's MoE code (model_code: torchtitan)")
+    ctx.require(opts.model_code != "huggingface", "framework.model_code",
+                f"{why} with torchtitan's or AutoModel's MoE code (model_code: torchtitan "
+                "or automodel)")
     # Expert TP 1 with tp > 1: ep borrows every tensor-parallel rank
     # (ReordererSequenceParallel splits each TP group's tokens over its ranks).
     ctx.require(p.ep % p.tp == 0, "parallelism.ep",

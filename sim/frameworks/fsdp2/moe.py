@@ -74,7 +74,7 @@ FLOPs and bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sim.frameworks.common.base import JobContext
@@ -89,9 +89,16 @@ from sim.frameworks.common.moe_ranks import (
 from sim.frameworks.common.nccl_dtype import element_type
 from sim.frameworks.fsdp2.moe_blocks import combine_block, score_block
 from sim.frameworks.fsdp2.tp_pass import TitanPass
+from sim.frameworks.megatron.moe_flex import (
+    attach_flex,
+    deepep_plan,
+    drop_chunk_sorts,
+    flex_op,
+)
+from sim.frameworks.megatron.moe_flex_skew import flex_pace
 from sim.frameworks.megatron.moe_plan import MoEPlan
 from sim.hardware.compute import ComputeModel
-from sim.program.ir import Op, Phase, Program, RankClass
+from sim.program.ir import CollectiveOp, NcclType, Op, Phase, Program, RankClass
 from sim.program.mesh import Groups, RankMesh
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.kernels import Style
@@ -211,7 +218,8 @@ class TitanMoE:
 
 
 def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: int,
-              tp: int = 1, cp: int = 1, score_before: bool = True) -> TitanMoE | None:
+              tp: int = 1, cp: int = 1, score_before: bool = True,
+              ep_groups: Sequence[Groups] = ()) -> TitanMoE | None:
     """The MoE layers' plan of an FSDP2 job (None for a dense model). With tensor
     parallelism each rank routes ``1 / tp`` of the micro-batch's tokens
     (``ReordererSequenceParallel``: EP borrows the tensor-parallel ranks, expert TP 1); its
@@ -227,20 +235,35 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     cm: ComputeModel = ctx.compute
     full = ctx.micro_batch * ctx.seq // cp
     tokens = full // tp
-    lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False)
+    opts = ctx.scenario.framework
+    deepep = getattr(opts, "model_code", "") == "automodel" and ep > 1
+    # AutoModel's copy of Megatron's flex dispatcher (moe_permute_fusion=True: TE's fused
+    # permutations; grouped_gemm's one-kernel GEMMs): :mod:`.automodel`.
+    lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False,
+                    permute="te" if deepep else "plain")
     balanced = balanced_tokens_per_expert(tokens, m.moe.top_k, m.moe.experts, ep)
-    ops = moe_layer_ops(m, lay, tokens=tokens, tokens_per_expert=_aligned(balanced),
+    ops = moe_layer_ops(m, lay, tokens=tokens,
+                        tokens_per_expert=balanced if deepep else _aligned(balanced),
                         recv_tokens=(sum(balanced) / ep,) * ep)
+    if deepep:
+        drop_chunk_sorts(ops)
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
     pre, post = _around_blocks(m, style, full)
-    pace = routing_pace(ctx, lay, tokens, cm)
+    flex = deepep_plan(ctx, ep_groups, tokens) if deepep else None
+    pace = routing_pace(ctx, lay, tokens, cm) if flex is None or flex.skew is None \
+        else flex_pace(ctx, lay, tokens, cm, flex.skew)
     plan = MoEPlan(model=m, ep=ep, etp=1, edp=efsdp, p=1, ops=ops, cost=cost, act=BF16,
                    precision=ctx.scenario.training.precision, pace=pace,
+                   dispatcher="flex" if deepep else "alltoall", flex=flex,
                    ranks=rank_experts(ctx, lay, tokens, cm, pace))
-    score = price_block(score_block(m, tokens), STYLE, cm) if score_before else None
+    score = price_block(score_block(m, tokens), STYLE, cm) \
+        if score_before and not deepep else None
+    # DeepEP's path unpermutes and weights the rows itself (the layer's own combine block);
+    # torchtitan's unsorts and sums them (:mod:`.moe_blocks`).
+    combine = cost["combine"] if deepep else price_block(
+        combine_block(m, tokens, full, score_before), STYLE, cm)
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
-                    resid=price_block(post.finish(), style, cm),
-                    combine=price_block(combine_block(m, tokens, full, score_before), STYLE, cm),
+                    resid=price_block(post.finish(), style, cm), combine=combine,
                     score=score, efsdp=efsdp, loss_ranks=loss_ranks, tp=tp, cp=cp)
 
 
@@ -322,6 +345,8 @@ class MoEPass:
         pl = self.moe.plan
         if pl.ep == 1:
             return None
+        if pl.flex is not None:       # DeepEP (model_code automodel)
+            return flex_op(self._coll, pl.flex, which, label, self.ep_groups, mb, layer)
         return Op(name=f"{label} {which.replace('_', ' ')}", kind="collective",
                   stream="compute", phase="comm", collective="all_to_all",
                   group=self.ep_groups[0], groups=self.ep_groups,
@@ -329,6 +354,13 @@ class MoEPass:
                   dtype=element_type(pl.act, pl.precision), key=self.key("ep"),
                   category="all_to_all", micro_batch=mb, layer=layer,
                   peer_bytes=pl.peer_bytes(which))
+
+    def _coll(self, name: str, op: CollectiveOp, groups: Groups, nbytes: float,
+              dtype: NcclType, prefix: str, mb: int, layer: int) -> Op:
+        """A collective on the compute stream (the factory :func:`flex_op` calls)."""
+        return Op(name=name, kind="collective", stream="compute", phase="comm", collective=op,
+                  group=groups[0], groups=groups, nbytes=nbytes, dtype=dtype,
+                  key=self.key(prefix), category=op, micro_batch=mb, layer=layer)
 
     def _counts(self, label: str, mb: int, layer: int) -> Op | None:
         """The all-to-all of the per-expert token counts, then the host's wait for them."""
@@ -366,6 +398,8 @@ class MoEPass:
             ops.append(part("shared"))
         ops.append(part("combine"))
         core = [o for o in ops if o is not None]
+        if self.moe.plan.flex is not None:
+            attach_flex(self.moe.plan.flex, core, False, label)
         if self.titan is not None:
             return MoEStep(self.titan.forward("mlp", layer, mb, phase, middle=core),
                            counts or experts, combine or experts)
@@ -410,6 +444,8 @@ class MoEPass:
         core += [combine, experts, dispatch, part("score") if "score" in b else None,
                  part("router", self.grad_bytes if tp is not None else 0.0)]
         mid = [o for o in core if o is not None]
+        if self.moe.plan.flex is not None:
+            attach_flex(self.moe.plan.flex, mid, True, label)
         if tp is not None:
             ops += tp.backward("mlp", layer, mb, middle=mid)
         else:

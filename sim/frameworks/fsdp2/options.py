@@ -36,10 +36,13 @@ class Fsdp2Options(StrictModel):
     fused softmax cross-entropy kernel on the 16-bit logits (``fused``: flash-attn's
     ``xentropy``, the default loss of llm-foundry's MPT, ``loss_fn: fused_crossentropy``).
     Not with tensor parallelism (its loss is torch's ``loss_parallel``)."""
-    model_code: Literal["torchtitan", "huggingface"] = "torchtitan"
-    """Whose Llama code FSDP2 wraps: torchtitan's (fused RMSNorm, complex rotary, no KV
-    cache) or Hugging Face transformers' LlamaForCausalLM (eager RMSNorm through fp32,
-    rotate_half rotary, a KV cache while use_cache is on), one fully_shard per decoder layer."""
+    model_code: Literal["torchtitan", "huggingface", "automodel"] = "torchtitan"
+    """Whose model code FSDP2 wraps: torchtitan's (fused RMSNorm, complex rotary, no KV
+    cache), Hugging Face transformers' LlamaForCausalLM (eager RMSNorm through fp32,
+    rotate_half rotary, a KV cache while use_cache is on), one fully_shard per decoder layer,
+    or NeMo AutoModel's custom models with its "TE + DeepEP" backend (Transformer Engine
+    attention, linears and RMSNorm; DeepEP's dispatch and combine for the experts; bf16
+    parameters and Adam states): :mod:`sim.frameworks.fsdp2.automodel`."""
     checkpoint_use_reentrant: bool = False
     """With model_code huggingface and full checkpointing: use_reentrant of HF's
     gradient_checkpointing_kwargs (see DdpOptions); torchtitan's checkpoint_wrapper is

@@ -14,7 +14,6 @@ from sim.frameworks.fsdp2.passes import backward, forward
 from sim.frameworks.fsdp2.pipeline import reduce_grad, step_order
 from sim.frameworks.fsdp2.stage import Stage
 from sim.program.ir import Op
-from sim.workload.layer_ops import FP32
 
 
 def build_stage(stage: Stage) -> None:
@@ -69,10 +68,12 @@ def optimizer(stage: Stage) -> None:
     # torch.optim.adamw._multi_tensor_adamw (foreach; torchtitan 9dec370's default,
     # foreach = not fused) allocates exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs):
     # one fp32 tensor per parameter shard, all at once; the fused kernel allocates none.
+    elem = job.state_bytes
     stage.add(Op(name="optimizer step (AdamW, local shard)", kind="compute",
                  stream="compute", phase="optimizer", deps=last,
-                 duration=job.ctx.compute.adamw_time(local, fused, len(m.parameter_tensors())),
-                 transient=0.0 if fused else FP32 * local, category="optimizer"))
+                 duration=job.ctx.compute.adamw_time(local, fused, len(m.parameter_tensors()),
+                                                     elem),
+                 transient=0.0 if fused else elem * local, category="optimizer"))
 
 
 def expert_bias_all_reduce(stage: Stage) -> Op | None:

@@ -18,7 +18,7 @@ from sim.frameworks.fsdp2.tp import TitanBlocks
 from sim.hardware.host import HostSpec
 from sim.program.ir import NcclType, Op
 from sim.scenario import Fsdp2Options
-from sim.workload.layer_ops import BF16, BlockCost, SacCost, Style
+from sim.workload.layer_ops import BF16, FP32, BlockCost, SacCost, Style
 
 AG, RS = "all-gather", "reduce-scatter"
 
@@ -141,6 +141,12 @@ class Job:
     @property
     def pp(self) -> int:
         return self.mesh.pp
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of each sharded parameter, its gradient and each Adam moment: fp32, or the
+        bf16 model NeMo AutoModel builds (``model_code: automodel``, :mod:`.automodel`)."""
+        return BF16 if self.opts.model_code == "automodel" else FP32
 
     def shard_size(self, u: Unit) -> int:
         """The FSDP world size of a unit: ``efsdp`` for routed experts, else dp_shard x cp."""

@@ -1,0 +1,116 @@
+"""NeMo AutoModel's "TE + DeepEP" code under FSDP2 (``framework.model_code: automodel``) and
+its fake balanced gate (``training.routing.distribution: round_robin``), issue 14 item 3.
+
+Independent truths: the layer's math does not depend on whose kernels run it (parameters and
+model FLOPs equal torchtitan's); DeepEP sends a token once per destination rank, so with
+AutoModel's ``FakeBalancedGate`` (``arange(tokens * k).view(-1, k) % experts``: k consecutive
+experts) a token of 16 experts top-4 on EP 8 (2 experts a rank) reaches exactly 2 ranks,
+where a uniform top-4 reaches each rank with probability 1 - C(14, 4) / C(16, 4); the bf16
+model AutoModel builds (``init_weights``: ``self.to(bf16)``) holds 2 bytes of parameter,
+gradient and each Adam moment, half torchtitan's fp32 state; Transformer Engine's attention
+runs cuDNN on Hopper.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import make_scenario
+from helpers import program
+
+from sim.api import simulate
+from sim.frameworks import JobContext
+from sim.frameworks.megatron.moe_flex import token_bytes
+from sim.scenario import Scenario, ScenarioError
+
+# 4 layers, 16 experts of width 512, top-4 (2 experts a rank on EP 8).
+MOE = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 2048,
+       "vocab": 32000, "experts": 16, "experts_per_token": 4, "moe_ffn_hidden": 512}
+SEQ, H, K, E = 2048, 1024, 4, 16
+
+
+def _scn(code: str = "automodel", routing: str = "balanced", model: dict | None = None,
+         framework: dict | None = None, par: dict | None = None, **training) -> Scenario:
+    tr = {"training.seq_len": SEQ, "training.micro_batch_size": 1,
+          "training.global_batch_size": 16, "training.activation_checkpointing": "full",
+          "training.routing": {"distribution": routing}}
+    tr.update({f"training.{k}": v for k, v in training.items()})
+    return make_scenario(model=model or MOE, cluster__nodes=1, cluster__gpus_per_node=8,
+                         cluster__topology="dgx-h100",
+                         framework={"name": "fsdp2", "model_code": code, **(framework or {})},
+                         parallelism={"ep": 8, **(par or {})}, **tr)
+
+
+def _ops(s: Scenario):
+    return [op for c in program(s).classes for ops in c.streams.values() for op in ops]
+
+
+def _dispatch(s: Scenario):
+    return [op for op in _ops(s) if op.name.endswith("dispatch fwd")]
+
+
+def test_deepep_sends_a_token_once_per_rank_of_its_experts() -> None:
+    rec = token_bytes(H, K, 2.0)
+    uni, rr = _dispatch(_scn()), _dispatch(_scn(routing="round_robin"))
+    assert uni and rr and {op.sm_ctas for op in uni} == {20}
+    p_rank = 1 - math.comb(E - 2, K) / math.comb(E, K)
+    assert sum(uni[0].peer_bytes[0]) == pytest.approx(7 * SEQ * p_rank * rec, rel=1e-12)
+    # Round robin: 2 of the 8 ranks a token, so each peer gets a quarter of the tokens.
+    assert sum(rr[0].peer_bytes[0]) == pytest.approx(7 * SEQ / 4 * rec, rel=1e-12)
+    # torchtitan's all-to-all sends one copy per chosen expert whatever the routing.
+    titan = _dispatch(_scn("torchtitan", "round_robin"))
+    assert titan and titan[0].nbytes == SEQ * K * H * 2 and not titan[0].sm_ctas
+    # DeepEP's buffers ride on the ops and are all freed by the step's end.
+    r = simulate(_scn(routing="round_robin"))
+    series = [cur.get("moe_dispatch", 0.0) for _, cur in r.recorder.memory[0].series]
+    assert max(series) > 0 and series[-1] == 0.0
+
+
+def test_round_robin_makes_automodels_step_faster_and_titans_no_different() -> None:
+    t = {(c, rt): simulate(_scn(c, rt)).summary["step_time_s"]
+         for c in ("automodel", "torchtitan") for rt in ("balanced", "round_robin")}
+    assert t["automodel", "round_robin"] < t["automodel", "balanced"]
+    assert t["torchtitan", "round_robin"] == pytest.approx(t["torchtitan", "balanced"],
+                                                           rel=1e-12)
+
+
+def test_the_layers_math_is_the_models_whoever_runs_it() -> None:
+    """Transformer Engine's blocks hold the same parameters and do the same model FLOPs as
+    torchtitan's: the bf16 shards over the 8 ranks (experts split over EP 8, the rest
+    FSDP-sharded over 8) add up to the model's parameters, 2 bytes each, and each state is
+    half torchtitan's fp32 one."""
+    s = _scn()
+    am, tt = program(s), program(_scn("torchtitan"))
+    flops = [sum(op.flops for ops in p.classes[0].streams.values() for op in ops)
+             for p in (am, tt)]
+    assert flops[0] == pytest.approx(flops[1], rel=1e-6)
+    total = JobContext.from_scenario(s).model.total_params
+    mem = am.classes[0].initial_memory
+    assert 8 * mem["parameters"] == pytest.approx(2 * total, rel=1e-9)
+    for k in ("parameters", "optimizer", "gradients"):
+        assert 2 * mem[k] == pytest.approx(tt.classes[0].initial_memory[k], rel=1e-12)
+    # DeepEP's Buffer is held from the start.
+    assert mem["buffers"] > tt.classes[0].initial_memory.get("buffers", 0.0)
+
+
+def test_te_attention_runs_cudnn_on_hopper() -> None:
+    assert simulate(_scn()).summary["attention_backend"] == "cudnn"
+
+
+@pytest.mark.parametrize(("kw", "key"), [
+    ({"par": {"tp": 2, "ep": 4}}, "framework.model_code"),
+    ({"framework": {"compile": True}}, "framework.compile"),
+    ({"activation_checkpointing": "selective"}, "training.activation_checkpointing"),
+    ({"precision": "fp8"}, "framework.model_code"),
+])
+def test_what_is_not_modelled_is_refused_naming_the_key(kw: dict, key: str) -> None:
+    with pytest.raises(ScenarioError, match=key.replace(".", r"\.")):
+        _ops(_scn(**kw))
+
+
+@pytest.mark.parametrize("extra", [{"sliding_window": 128}, {"attention_sinks": True}])
+def test_flexattention_models_are_refused(extra: dict) -> None:
+    """AutoModel runs GPT-OSS's windows and sinks with FlexAttention, not priced yet."""
+    with pytest.raises(ScenarioError, match="fsdp2 does not model"):
+        _ops(_scn(model=dict(MOE, **extra)))
