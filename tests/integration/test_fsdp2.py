@@ -155,6 +155,44 @@ def test_1f1b_bubble_matches_the_closed_form(p: int, m: int) -> None:
     assert got == pytest.approx((p - 1) / (m + p - 1), abs=0.02)
 
 
+@pytest.mark.parametrize("p,m,rounds", [(4, 4, 4), (2, 4, 2)])
+def test_local_batch_rounds_each_pay_the_bubble(p: int, m: int, rounds: int) -> None:
+    """torchtitan's and AutoModel's train loops run one pipeline schedule per
+    gradient-accumulation step (``local_batch_size / micro_batch_size`` micro-batches):
+    each of the ``rounds`` schedules fills and drains the pipeline, so the pipeline phase is
+    ``rounds x (m + p - 1)`` micro-batch times against ``rounds x m + p - 1`` for one
+    schedule over the same batch (Narayanan et al., 2021)."""
+    one = simulate(pipeline(p, m * rounds))
+    many = simulate(pipeline(p, m * rounds, framework={"local_batch_size": m}))
+
+    def phase(r) -> float:
+        return max(x.end for x in r.recorder.ops if x.op.phase in ("fwd", "bwd", "recompute"))
+    ratio = phase(many) / phase(one)
+    assert ratio == pytest.approx(rounds * (m + p - 1) / (rounds * m + p - 1), rel=0.03)
+
+def test_each_local_batch_reduces_and_gathers_again() -> None:
+    """Two schedules of two micro-batches (pp 2, dp 4): each ends in the chunk's
+    post_backward (reduce-scatter, reshard), so every unit is gathered and reduced twice."""
+    s = scenario({"local_batch_size": 2}, {"pp": 2, "dp": 4}, global_batch_size=16)
+    for cls in program(s).classes:
+        ops = [op for stream in cls.streams.values() for op in stream]
+        rs = [op for op in ops if op.collective == "reduce_scatter"]
+        ag = [op for op in ops if op.collective == "all_gather"]
+        assert {op.micro_batch for op in rs} == {1, 3}
+        assert {op.micro_batch for op in ag} == {0, 2}
+        assert len(rs) == len(ag) == 2 * len({op.name.split()[1] for op in rs})
+
+
+@pytest.mark.parametrize("fw, par, match", [
+    ({"local_batch_size": 3}, {"pp": 2}, "multiple of training.micro_batch_size|divide"),
+    ({"local_batch_size": 4}, {"pp": 1}, "needs parallelism.pp > 1"),
+])
+def test_local_batch_size_is_checked(fw: dict, par: dict, match: str) -> None:
+    with pytest.raises(ScenarioError, match="framework.local_batch_size"):
+        program(scenario(fw, {"dp": 1, **par}, gpus=par["pp"], model=DEEP,
+                         global_batch_size=8))
+
+
 def test_interleaving_shrinks_the_bubble_and_gpipe_holds_every_micro_batch() -> None:
     plain = simulate(pipeline(4, 8))
     inter = simulate(pipeline(4, 8, vp=2))

@@ -59,13 +59,26 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"Weight tying is not supported with Pipeline Parallel (torchtitan): "
                 f"{m.name} ties its embedding and output weights; use pp=1 or an untied model")
     mbs = ctx.micro_batches
+    lbs = opts.local_batch_size
+    key = "training.global_batch_size"
+    if lbs is not None:
+        ctx.require(pp > 1, "framework.local_batch_size",
+                    "sets the samples of one pipeline schedule step: needs parallelism.pp > 1 "
+                    "(without pipelining the micro-batch is the local batch)")
+        ctx.require(lbs % ctx.micro_batch == 0, "framework.local_batch_size",
+                    f"{lbs} is not a multiple of training.micro_batch_size "
+                    f"({ctx.micro_batch})")
+        ctx.require((mbs * ctx.micro_batch) % lbs == 0, "framework.local_batch_size",
+                    f"{lbs} does not divide the {mbs * ctx.micro_batch} samples a "
+                    "data-parallel rank runs a step (gradient-accumulation steps)")
+        mbs, key = lbs // ctx.micro_batch, "framework.local_batch_size"
     if pp > 1:
         if vp > 1:
-            ctx.require(mbs % pp == 0, "training.global_batch_size",
+            ctx.require(mbs % pp == 0, key,
                         f"Interleaved1F1B here needs the micro-batch count ({mbs}) to be a "
                         f"multiple of pp={pp}")
         elif opts.pipeline_schedule == "1f1b":
-            ctx.require(mbs >= pp, "training.global_batch_size",
+            ctx.require(mbs >= pp, key,
                         f"Schedule1F1B needs at least pp={pp} micro-batches (got {mbs})")
     try:
         stage_layers(m.layers, pp * vp, opts.pipeline_first_stage_less_layers,

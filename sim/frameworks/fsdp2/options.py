@@ -69,6 +69,14 @@ class Fsdp2Options(StrictModel):
     pipeline_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """torch.distributed.pipelining schedule with parallelism.pp > 1 (torchtitan's
     pipeline_parallel_schedule); with parallelism.vp > 1, Interleaved1F1B."""
+    local_batch_size: int | None = Field(default=None, gt=0, le=B.MAX_BATCH)
+    """With parallelism.pp > 1: the samples one pipeline schedule step runs on each
+    data-parallel rank (torchtitan's ``training.local_batch_size``, NeMo AutoModel's
+    ``step_scheduler.local_batch_size``). The step is then ``global_batch_size /
+    (local_batch_size x dp)`` gradient-accumulation steps, each a whole schedule of
+    ``local_batch_size / micro_batch_size`` micro-batches that flushes the pipeline and
+    reduce-scatters the gradients (parameters gathered again for the next). None: one
+    schedule over the whole global batch."""
     pipeline_first_stage_less_layers: int = Field(default=1, ge=0, le=B.MAX_LAYERS)
     """torchtitan's pipeline_parallel_first_stage_less_layers: the embedding counts as this
     many layers when the layers are split over pipeline stages."""

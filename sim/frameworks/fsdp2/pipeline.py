@@ -25,11 +25,15 @@ from sim.workload.layer_ops import BF16
 
 
 def step_order(job: Job, st: int) -> list[tuple[str, int, int]]:
-    """(F|B, model chunk, micro-batch) in the order stage ``st`` runs them."""
+    """(F|B, model chunk, micro-batch) in the order stage ``st`` runs them: under pipeline
+    parallelism one schedule per gradient-accumulation step (:attr:`Job.round_mb`
+    micro-batches each, numbered on through the step)."""
     if job.pp == 1:
         return [(k, 0, mb) for mb in range(job.n_mb) for k in ("F", "B")]
-    return pipeline_order("1f1b" if job.vp > 1 else job.opts.pipeline_schedule,
-                          job.pp, st, job.n_mb, job.vp)
+    n = job.round_mb
+    one = pipeline_order("1f1b" if job.vp > 1 else job.opts.pipeline_schedule,
+                         job.pp, st, n, job.vp)
+    return [(k, v, r * n + mb) for r in range(job.n_mb // n) for k, v, mb in one]
 
 
 def accumulate(stage: Stage, u: Unit, mb: int, first: bool) -> None:

@@ -4,7 +4,8 @@ last backward, and the optimizer.
 
 The optimizer waits for every reduce, then AdamW steps the local shard (on the CPU with
 offload, :mod:`.offload`). Gradient accumulation (torchtitan's train loop) reduce-scatters
-every micro-batch without pipelining.
+every micro-batch without pipelining, and after every schedule step with it
+(``local_batch_size``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def build_stage(stage: Stage) -> None:
     pp, st = job.pp, stage.st
     sched = job.schedule
     backwards: dict[int, int] = {}
+    n = job.round_mb        # micro-batches of one schedule (gradient-accumulation) step
     for kind, chunk, mb in step_order(job, st):
         v = chunk * pp + st
         start = len(stage.program.ops)
@@ -30,14 +32,14 @@ def build_stage(stage: Stage) -> None:
             # Schedule1F1B batches the previous unit's send with this unit's receive and
             # waits for both before computing.
             waits.append(stage.sent[-1])
-        if sched == "gpipe" and kind == "B" and backwards.get(v, 0) == 0:
+        if sched == "gpipe" and kind == "B" and backwards.get(v, 0) % n == 0:
             waits += stage.fwd_sent        # all forward sends are waited for first
         if kind == "F":
             forward(stage, v, mb)
         else:
-            backward(stage, v, mb, first_of_step=backwards.get(v, 0) == 0)
+            backward(stage, v, mb, first_of_step=backwards.get(v, 0) % n == 0)
             backwards[v] = backwards.get(v, 0) + 1
-            if pp > 1 and backwards[v] == job.n_mb:
+            if pp > 1 and backwards[v] % n == 0:
                 # Single-stage schedules reduce once they have waited for their backward
                 # sends (Schedule1F1B the last, ScheduleGPipe all); the interleaved
                 # runtime right after the chunk's last backward (_add_reduce_grad).

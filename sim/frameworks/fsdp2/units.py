@@ -143,6 +143,15 @@ class Job:
         return self.mesh.pp
 
     @property
+    def round_mb(self) -> int:
+        """Micro-batches of one pipeline schedule step: ``local_batch_size /
+        micro_batch_size`` under pipeline parallelism when set, else the whole step's."""
+        lbs = self.opts.local_batch_size
+        if self.pp == 1 or lbs is None:
+            return self.n_mb
+        return lbs // self.ctx.micro_batch
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of each sharded parameter, its gradient and each Adam moment: fp32, or the
         bf16 model NeMo AutoModel builds (``model_code: automodel``, :mod:`.automodel`)."""
