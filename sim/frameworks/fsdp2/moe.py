@@ -236,11 +236,14 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     full = ctx.micro_batch * ctx.seq // cp
     tokens = full // tp
     opts = ctx.scenario.framework
-    deepep = getattr(opts, "model_code", "") == "automodel" and ep > 1
-    # AutoModel's copy of Megatron's flex dispatcher (moe_permute_fusion=True: TE's fused
-    # permutations; grouped_gemm's one-kernel GEMMs): :mod:`.automodel`.
+    automodel = getattr(opts, "model_code", "") == "automodel"
+    deepep = ep > 1 and comm_backend(opts) == "deepep"
+    # DeepEP: AutoModel's copy of Megatron's flex dispatcher (moe_permute_fusion=True: TE's
+    # fused permutations; grouped_gemm's one-kernel GEMMs, :mod:`.automodel`), or
+    # torchtitan's (torchtitan/distributed/deepep/deepep.py: Megatron-Core's unfused
+    # permutation, masked_select and index_select in, scatter_add_ out).
     lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False,
-                    permute="te" if deepep else "plain")
+                    permute=("te" if automodel else "torch") if deepep else "plain")
     balanced = balanced_tokens_per_expert(tokens, m.moe.top_k, m.moe.experts, ep)
     ops = moe_layer_ops(m, lay, tokens=tokens,
                         tokens_per_expert=balanced if deepep else _aligned(balanced),
@@ -265,6 +268,15 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
                     resid=price_block(post.finish(), style, cm), combine=combine,
                     score=score, efsdp=efsdp, loss_ranks=loss_ranks, tp=tp, cp=cp)
+
+
+def comm_backend(opts: object) -> str:
+    """``expert_parallel_comm_backend``, or the model code's own when unset: DeepEP for
+    AutoModel's "TE + DeepEP" backend, torchtitan's standard all-to-alls otherwise."""
+    chosen = getattr(opts, "expert_parallel_comm_backend", None)
+    if chosen is not None:
+        return str(chosen)
+    return "deepep" if getattr(opts, "model_code", "") == "automodel" else "standard"
 
 
 def split_moe_ranks(program: Program, moe: TitanMoE, sparse: RankMesh) -> bool:

@@ -87,6 +87,13 @@ class Fsdp2Options(StrictModel):
     True: the routed tokens are scaled by their scores in fp32 before the dispatch and
     summed after the combine; Qwen3's configs set False: the combined copies are weighted by
     an fp32 ``bmm`` that keeps an fp32 copy of them for backward)."""
+    expert_parallel_comm_backend: Literal["standard", "deepep"] | None = None
+    """How MoE tokens reach their experts under parallelism.ep > 1 (torchtitan's
+    ``parallelism.expert_parallel_comm_backend``, since its DeepEP integration of 2025-12):
+    ``standard`` (all-to-alls of every routed copy), or ``deepep`` (DeepEP's dispatch and
+    combine: a token sent once per destination rank, once per node across nodes; Megatron's
+    unfused permutation into local-expert order). None: the model code's own (torchtitan:
+    standard; AutoModel's "TE + DeepEP" backend: deepep)."""
     async_tp: bool = False
     """torchtitan's ``parallelism.enable_async_tensor_parallel`` (needs ``compile``): Inductor's
     micro-pipeline pass fuses the layers' tensor-parallel all-gathers and reduce-scatters with
