@@ -55,7 +55,7 @@ What each step does (``torch/distributed/fsdp/_fully_shard/``):
   ``FSDPParam.to_accumulated_grad_if_needed``, then added, ``accumulate_unsharded_grad_if_needed``)
   and parameters stay gathered; after the chunk's last backward (``_add_reduce_grad`` /
   ``perform_reduce_grad`` -> ``_post_backward``) ``post_backward`` runs for every unit in
-  module order: one reduce-scatter per unit per step. Schedules come from
+  module order: one reduce-scatter per unit per schedule step. Schedules come from
   :func:`sim.frameworks.megatron.build.schedule` (the same orders as torch's ``Schedule1F1B``,
   ``ScheduleGPipe`` and ``ScheduleInterleaved1F1B``, whose warm-up is
   ``(vp - 1) * pp + 2 * (pp - 1 - rank)``); Schedule1F1B batches each forward's send with the
@@ -77,5 +77,9 @@ parallel blocks in :mod:`.mesh` (device mesh, stage split), :mod:`.tp` (tensor-p
 segments), :mod:`.tp_pass` (their ops and collectives), :mod:`.cp` (ring attention) and
 :mod:`.float8` (torchao's float8 tensor-parallel styles); mixture-of-experts layers with
 expert parallelism in :mod:`.moe` (the experts' own FSDP units over the ``efsdp`` mesh, the
-token all-to-alls) and :mod:`.moe_blocks` (torchtitan's score and unsort kernels).
+token all-to-alls, or DeepEP's dispatch with ``expert_parallel_comm_backend: deepep``) and
+:mod:`.moe_blocks` (torchtitan's score and unsort kernels); NeMo AutoModel's own models
+(``model_code: automodel``: Transformer Engine layers, DeepEP, a bf16 model) in
+:mod:`.automodel`. With ``local_batch_size`` under pipelining, one schedule per
+gradient-accumulation step (:func:`.pipeline.step_order`).
 """

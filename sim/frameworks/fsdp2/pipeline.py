@@ -6,7 +6,8 @@ nosync`` runs every backward with ``set_requires_gradient_sync(False)`` and
 the first micro-batch, ``FSDPParam.to_accumulated_grad_if_needed``, then added,
 ``accumulate_unsharded_grad_if_needed``) and parameters stay gathered; after the chunk's last
 backward (``_add_reduce_grad`` / ``perform_reduce_grad`` -> ``_post_backward``)
-``post_backward`` runs for every unit in module order: one reduce-scatter per unit per step.
+``post_backward`` runs for every unit in module order: one reduce-scatter per unit per schedule
+step (the train step runs one schedule per gradient-accumulation step with ``local_batch_size``).
 Schedules come from :func:`sim.frameworks.megatron.build.schedule` (the same orders as torch's
 ``Schedule1F1B``, ``ScheduleGPipe`` and ``ScheduleInterleaved1F1B``, whose warm-up is
 ``(vp - 1) * pp + 2 * (pp - 1 - rank)``); Schedule1F1B batches each forward's send with the
