@@ -155,3 +155,25 @@ def test_deepep_gain_on_deepseek_v3_512_h100_is_torchtitans_measured_one() -> No
                              "training.routing": {"distribution": "round_robin"}})
         steps[backend] = simulate(s).summary["step_time_s"]
     assert steps["standard"] / steps["deepep"] == pytest.approx(579 / 346, rel=0.08)
+
+
+def test_automodel_reduces_once_a_step_and_keeps_whole_experts_outside_fsdp() -> None:
+    """AutoModel's train loop turns FSDP2's gradient sync off for all but the step's last
+    micro-batch (``get_sync_ctx``: ``set_requires_gradient_sync(is_optim_step)``), and its
+    ``apply_fsdp`` leaves the routed experts out of FSDP when EP alone shards them (efsdp 1:
+    ``ignored_params``); torchtitan reduces every micro-batch and wraps the experts in their
+    own unit whatever efsdp is. Two micro-batches (global batch 16 on 8 ranks)."""
+    def ops(p):
+        return [op for c in p.classes for st in c.streams.values() for op in st]
+
+    am, tt = ops(program(_scn())), ops(program(_scn("torchtitan")))
+    assert {op.micro_batch for op in tt if op.collective == "reduce_scatter"} == {0, 1}
+    assert {op.micro_batch for op in am if op.collective == "reduce_scatter"} == {1}
+    # torchtitan's experts unit (E<layer>) is copied in and out around every use even on
+    # one rank; AutoModel's experts are no unit at all.
+    assert any(" E0 " in op.name for op in tt)
+    assert not any(" E0 " in op.name for op in am)
+    # The experts' bf16 gradients accumulate in .grad: one add a layer after the first
+    # micro-batch, 3 x 2 bytes of each local expert parameter moved.
+    acc = [op for op in am if op.name.endswith("accumulate expert grads")]
+    assert {op.micro_batch for op in acc} == {1} and len(acc) == MOE["layers"]

@@ -167,6 +167,13 @@ class TitanMoE:
     the micro-batch's tokens (``ReordererSequenceParallel``)."""
     cp: int = 1
     """Context parallelism: each rank holds (and routes) seq / cp of every sequence."""
+    resident_experts: bool = False
+    """The routed experts stay outside FSDP (NeMo AutoModel's ``apply_fsdp`` when EP and
+    pipeline stages already shard them fully, ``efsdp`` 1: the block's ``ignored_params``):
+    no gathers or reduces, their bf16 gradients accumulated in place each micro-batch."""
+    grad_accumulate_s: float = 0.0
+    """With resident experts: autograd's in-place add of a micro-batch's expert gradients
+    into ``.grad`` (after the step's first micro-batch)."""
 
     @property
     def ep(self) -> int:
@@ -265,9 +272,14 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     # torchtitan's unsorts and sums them (:mod:`.moe_blocks`).
     combine = cost["combine"] if deepep else price_block(
         combine_block(m, tokens, full, score_before), STYLE, cm)
+    # AutoModel's apply_fsdp leaves the experts out of FSDP when efsdp is 1 (ignored_params).
+    resident = automodel and ep > 1 and efsdp == 1
+    expert_grads = float(BF16 * plan.expert_params)
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
                     resid=price_block(post.finish(), style, cm), combine=combine,
-                    score=score, efsdp=efsdp, loss_ranks=loss_ranks, tp=tp, cp=cp)
+                    score=score, efsdp=efsdp, loss_ranks=loss_ranks, tp=tp, cp=cp,
+                    resident_experts=resident,
+                    grad_accumulate_s=cm.membound_time(3 * expert_grads) if resident else 0.0)
 
 
 def comm_backend(opts: object) -> str:
@@ -445,7 +457,8 @@ class MoEPass:
             return self._compute(f"{label} {name}", c, "bwd", mb, layer, free=c.saved_bytes,
                                  grads=grads)
 
-        experts = part("experts", self.expert_grad_bytes)
+        resident = self.moe.resident_experts
+        experts = part("experts", 0.0 if resident else self.expert_grad_bytes)
         core: list[Op | None] = [part("combine")]
         if "shared" in b:
             core.append(part("shared"))
@@ -453,7 +466,12 @@ class MoEPass:
         dispatch = self._a2a("dispatch_bwd", label, mb, layer)
         # The non-expert gradients exist after the norm's backward (the router's under
         # tensor parallelism, where the norm is torchtitan's segment).
-        core += [combine, experts, dispatch, part("score") if "score" in b else None,
+        # Resident experts (outside FSDP): autograd adds this micro-batch's gradients into
+        # their .grad in place, after the step's first micro-batch.
+        acc = Op(name=f"{label} accumulate expert grads", kind="compute", stream="compute",
+                 phase="bwd", duration=self.moe.grad_accumulate_s, layer=layer,
+                 micro_batch=mb, category="copy") if resident and mb > 0 else None
+        core += [combine, experts, acc, dispatch, part("score") if "score" in b else None,
                  part("router", self.grad_bytes if tp is not None else 0.0)]
         mid = [o for o in core if o is not None]
         if self.moe.plan.flex is not None:

@@ -204,10 +204,7 @@ def backward(stage: Stage, v: int, mb: int, first_of_step: bool) -> None:
                 last = stage.add(op)
         assert last is not None
         if job.pp == 1:
-            # Reshard after backward, then reduce (every micro-batch).
-            last.free = last.free + (("parameters", job.param_bytes(u)),)
-            stage.gathered[u.name] = False
-            reduce(stage, u, u.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)
+            _post_backward(stage, u, mb, last)
         else:
             accumulate(stage, u, mb, first_of_step)
     assert last is not None
@@ -238,7 +235,23 @@ def _moe_backward(stage: Stage, u: Unit, layer: int, mb: int, pending: dict[str,
                 # accumulates until the chunk's REDUCE_GRAD (:func:`.pipeline.reduce_grad`).
                 accumulate(stage, e, mb, first_of_step)
                 continue
-            op.free = op.free + (("parameters", job.param_bytes(e)),)
-            stage.gathered[e.name] = False
-            reduce(stage, e, e.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)
+            _post_backward(stage, e, mb, op)
     return last
+
+
+def _post_backward(stage: Stage, u: Unit, mb: int, last: Op) -> None:
+    """Without pipelining, after unit ``u``'s backward ends at ``last``: reshard, then reduce
+    every micro-batch (torchtitan's train loop), or, where the train loop turns gradient sync
+    off for all but the step's last micro-batch (:attr:`Job.sync_last_micro_batch_only`,
+    NeMo AutoModel's ``get_sync_ctx``: ``set_requires_gradient_sync(is_optim_step)``),
+    accumulate the unsharded gradient in reduce_dtype and reduce it once, at the last."""
+    job = stage.job
+    last.free = last.free + (("parameters", job.param_bytes(u)),)
+    stage.gathered[u.name] = False
+    if job.sync_last_micro_batch_only and job.n_mb > 1:
+        accumulate(stage, u, mb, first=mb == 0)
+        if mb == job.n_mb - 1:
+            reduce(stage, u, stage.accumulated.pop(u.name), mb, [], free_params=False,
+                   first_grad=True)
+        return
+    reduce(stage, u, u.grad_bytes, mb, [], free_params=False, first_grad=mb == 0)

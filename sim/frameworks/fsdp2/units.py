@@ -47,6 +47,10 @@ class Unit:
     nested in this one (:mod:`.moe`)."""
     expert: bool = False
     """This unit is routed experts, sharded over the ``efsdp`` mesh."""
+    resident: int = 0
+    """Routed-expert parameters of this block kept outside FSDP (NeMo AutoModel with
+    ``efsdp`` 1: ``ignored_params``): always in place, never gathered nor reduced; their bf16
+    gradients accumulate in ``.grad``."""
 
 
 def reshard_blocks(opts: Fsdp2Options, pp: int) -> bool:
@@ -70,6 +74,9 @@ def moe_unit(layer: int, moe: TitanMoE, numel: dict[str, int], ugrad: dict[str, 
         n = numel["attn"] + dense + experts
         return Unit(f"L{layer}", n, keys, raf, ugrad["attn"] + BF16 * (dense + experts),
                     partial_grads=partial, partial_extra=qk)
+    if moe.resident_experts:
+        return Unit(f"L{layer}", numel["attn"] + dense, keys, raf, ugrad["attn"] + BF16 * dense,
+                    partial_grads=partial, partial_extra=qk, resident=experts)
     inner = Unit(f"E{layer}", experts, [("experts", layer)], raf, BF16 * experts, expert=True)
     return Unit(f"L{layer}", numel["attn"] + dense, keys, raf, ugrad["attn"] + BF16 * dense,
                 partial_grads=partial, partial_extra=qk, experts=inner)
@@ -152,6 +159,13 @@ class Job:
         return lbs // self.ctx.micro_batch
 
     @property
+    def sync_last_micro_batch_only(self) -> bool:
+        """Gradients reduced at the step's last micro-batch only: NeMo AutoModel's train loop
+        (``get_sync_ctx`` turns FSDP2's gradient sync off for the others); torchtitan's
+        reduces every micro-batch."""
+        return self.opts.model_code == "automodel"
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of each sharded parameter, its gradient and each Adam moment: fp32, or the
         bf16 model NeMo AutoModel builds (``model_code: automodel``, :mod:`.automodel`)."""
@@ -164,9 +178,9 @@ class Job:
     def local_params(self, st: int) -> float:
         """Parameters of stage ``st``'s sharded state on one rank: each unit's over its FSDP
         size (the routed experts' already split over ``ep``)."""
-        experts = sum(u.experts.numel for v in range(st, self.n_virtual, self.pp)
-                      for u in self.chunk_units[v] if u.experts is not None)
-        dense = self.stage_params[st] / self.n_shard
+        units = [u for v in range(st, self.n_virtual, self.pp) for u in self.chunk_units[v]]
+        experts = sum(u.experts.numel for u in units if u.experts is not None)
+        dense = self.stage_params[st] / self.n_shard + sum(u.resident for u in units)
         return dense + experts / self.mesh.efsdp if experts else dense
 
     def param_bytes(self, u: Unit) -> float:
