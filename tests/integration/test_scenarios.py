@@ -43,8 +43,8 @@ FINOPS = "distributed-training-finops-2026.txt"
 
 # A step of more ops than this is not simulated here. Measured on the 2-core machine: the
 # Megatron runs (41,658 ops for 70B TP8xPP4 with 32 micro-batches, 83,140 for TP16, 109,766
-# for 405B on 9 stages) take 9-30 s each; every other shipped scenario has at most 14,525
-# ops (ZeRO++ on 64 GPUs) and simulates in under 3 s.
+# for 405B on 9 stages) take 9-30 s each; every other shipped scenario has at most 26,456
+# ops (AutoModel's Qwen3-30B, 48 MoE layers x 16 micro-batches) and simulates in under 4 s.
 SLOW_OPS = 30_000
 SLOW = {
     "llama3-70b-megatron-tp8pp4-64xh100":
@@ -66,9 +66,6 @@ SLOW = {
     "gpt-oss-120b-megatron-tp2pp4ep16-64xh100":
         "56,990 ops: 4 stages x 64 micro-batches, EP16 all-to-alls over two nodes, ~21 s "
         "(tests/integration/test_megatron_gpt_oss.py)",
-    "qwen3-30b-a3b-automodel-ep8-8xh100":
-        "32,562 ops: 48 MoE layers x 16 micro-batches, ~3 s (its golden case runs in make "
-        "test, and the published-moe ci row with the same layout)",
 }
 # Scenarios that run out of GPU memory, and why (a result, not an error).
 EXPECTED_OOM = {
