@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sim.workload.routing import (
     expert_loads,
@@ -64,3 +66,22 @@ def test_peer_tokens_send_each_rank_its_experts_share() -> None:
     assert m == ((15.0, 5.0), (15.0, 5.0))
     # every source sends its tokens x top-k: 40 copies / 2 sources
     assert {sum(row) for row in m} == {20.0}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.integers(1, 8), st.data())
+def test_round_robin_reaches_the_fewest_ranks_consecutive_experts_can(local: int, k: int,
+                                                                       data) -> None:
+    """AutoModel's / torchtitan's round-robin gate puts a token on k consecutive experts: with
+    ``local`` experts a rank, such a run covers at least ceil(k / local) ranks and at most one
+    more (it may start mid-rank), never more than there are ranks; the expected count is the
+    sum over ranks of the share of tokens reaching each."""
+    from sim.workload.routing import round_robin_hit
+    ep = data.draw(st.integers(1, 16))
+    experts = local * ep
+    if k > experts:
+        return
+    reached = sum(round_robin_hit(experts, k, range(r * local, (r + 1) * local))
+                  for r in range(ep))
+    low = -(-k // local)
+    assert low - 1e-9 <= reached <= min(ep, low + 1) + 1e-9
