@@ -165,8 +165,9 @@ def _job(ctx: JobContext, opts: Fsdp2Options) -> Job:
                       repeat_kv=titan_repeats_kv(s.training.torch_version)
                       ) if t > 1 or cp > 1 else None
     numel, ugrad = _unit_sizes(ctx, costs, tb)
-    moe = titan_moe(ctx, style, par.ep, mesh.efsdp, dp * cp, t, cp,
-                    opts.moe_score_before_experts, [mesh.ep_groups(st) for st in range(pp)])
+    moe = titan_moe(ctx, style, par.ep, mesh.efsdp, dp * cp,
+                    [mesh.ep_groups(st) for st in range(pp)], t, cp,
+                    opts.moe_score_before_experts)
     # Qwen3's q_norm / k_norm are SequenceParallel(sequence_dim=2) under tensor parallelism:
     # replicated head_dim weights whose gradients are all-reduced like the block norms'.
     qk = (m.head_dim, m.head_dim) if m.qk_norm and t > 1 else ()

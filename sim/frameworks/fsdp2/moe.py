@@ -100,6 +100,7 @@ from sim.frameworks.megatron.moe_plan import MoEPlan
 from sim.hardware.compute import ComputeModel
 from sim.program.ir import CollectiveOp, NcclType, Op, Phase, Program, RankClass
 from sim.program.mesh import Groups, RankMesh
+from sim.scenario import Fsdp2Options
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.kernels import Style
 from sim.workload.layer_builder import _Builder
@@ -225,8 +226,8 @@ class TitanMoE:
 
 
 def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: int,
-              tp: int = 1, cp: int = 1, score_before: bool = True,
-              ep_groups: Sequence[Groups] = ()) -> TitanMoE | None:
+              ep_groups: Sequence[Groups], tp: int = 1, cp: int = 1,
+              score_before: bool = True) -> TitanMoE | None:
     """The MoE layers' plan of an FSDP2 job (None for a dense model). With tensor
     parallelism each rank routes ``1 / tp`` of the micro-batch's tokens
     (``ReordererSequenceParallel``: EP borrows the tensor-parallel ranks, expert TP 1); its
@@ -243,7 +244,8 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     full = ctx.micro_batch * ctx.seq // cp
     tokens = full // tp
     opts = ctx.scenario.framework
-    automodel = getattr(opts, "model_code", "") == "automodel"
+    assert isinstance(opts, Fsdp2Options)
+    automodel = opts.model_code == "automodel"
     deepep = ep > 1 and comm_backend(opts) == "deepep"
     # DeepEP: AutoModel's copy of Megatron's flex dispatcher (moe_permute_fusion=True: TE's
     # fused permutations; grouped_gemm's one-kernel GEMMs, :mod:`.automodel`), or
@@ -282,13 +284,12 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
                     grad_accumulate_s=cm.membound_time(3 * expert_grads) if resident else 0.0)
 
 
-def comm_backend(opts: object) -> str:
+def comm_backend(opts: Fsdp2Options) -> str:
     """``expert_parallel_comm_backend``, or the model code's own when unset: DeepEP for
     AutoModel's "TE + DeepEP" backend, torchtitan's standard all-to-alls otherwise."""
-    chosen = getattr(opts, "expert_parallel_comm_backend", None)
-    if chosen is not None:
-        return str(chosen)
-    return "deepep" if getattr(opts, "model_code", "") == "automodel" else "standard"
+    if opts.expert_parallel_comm_backend is not None:
+        return opts.expert_parallel_comm_backend
+    return "deepep" if opts.model_code == "automodel" else "standard"
 
 
 def split_moe_ranks(program: Program, moe: TitanMoE, sparse: RankMesh) -> bool:
@@ -369,15 +370,13 @@ class MoEPass:
         pl = self.moe.plan
         if pl.ep == 1:
             return None
-        if pl.flex is not None:       # DeepEP (model_code automodel)
+        if pl.flex is not None:       # DeepEP (AutoModel's, or torchtitan's deepep backend)
             return flex_op(self._coll, pl.flex, which, label, self.ep_groups, mb, layer)
-        return Op(name=f"{label} {which.replace('_', ' ')}", kind="collective",
-                  stream="compute", phase="comm", collective="all_to_all",
-                  group=self.ep_groups[0], groups=self.ep_groups,
-                  nbytes=sum(pl.ops.alltoall[which].send_bytes),
-                  dtype=element_type(pl.act, pl.precision), key=self.key("ep"),
-                  category="all_to_all", micro_batch=mb, layer=layer,
-                  peer_bytes=pl.peer_bytes(which))
+        op = self._coll(f"{label} {which.replace('_', ' ')}", "all_to_all", self.ep_groups,
+                        sum(pl.ops.alltoall[which].send_bytes),
+                        element_type(pl.act, pl.precision), "ep", mb, layer)
+        op.peer_bytes = pl.peer_bytes(which)
+        return op
 
     def _coll(self, name: str, op: CollectiveOp, groups: Groups, nbytes: float,
               dtype: NcclType, prefix: str, mb: int, layer: int) -> Op:
@@ -392,11 +391,10 @@ class MoEPass:
         if pl.ep == 1:
             return None
         assert pl.model.moe is not None
-        return Op(name=f"{label} token count all_to_all", kind="collective", stream="compute",
-                  phase="comm", collective="all_to_all", group=self.ep_groups[0],
-                  groups=self.ep_groups, nbytes=float(COUNT_BYTES * pl.model.moe.experts),
-                  dtype="i64", key=self.key("ep"), category="all_to_all", micro_batch=mb,
-                  layer=layer, host_sync=True)
+        op = self._coll(f"{label} token count all_to_all", "all_to_all", self.ep_groups,
+                        float(COUNT_BYTES * pl.model.moe.experts), "i64", "ep", mb, layer)
+        op.host_sync = True
+        return op
 
     def forward(self, mb: int, layer: int, phase: Phase = "fwd") -> MoEStep:
         """norm, router, counts (host sync), dispatch, experts, combine, shared, residual.

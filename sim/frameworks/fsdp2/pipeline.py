@@ -38,8 +38,9 @@ def step_order(job: Job, st: int) -> list[tuple[str, int, int]]:
 
 
 def accumulate(stage: Stage, u: Unit, mb: int, first: bool) -> None:
-    """No gradient sync (pipeline parallelism): the unsharded gradient is kept in
-    reduce_dtype (FSDPParam.to_accumulated_grad_if_needed on the first backward,
+    """No gradient sync (pipeline parallelism, or a train loop that syncs only the step's
+    last micro-batch): the unsharded gradient is kept in reduce_dtype
+    (FSDPParam.to_accumulated_grad_if_needed on the first backward,
     accumulate_unsharded_grad_if_needed after)."""
     job, cm = stage.job, stage.job.ctx.compute
     if first:
