@@ -308,10 +308,10 @@ class Training(StrictModel):
     optimizer: Literal["adamw_fused", "adamw_foreach"] = "adamw_fused"
     """AdamW implementation (torch.optim.AdamW fused=True, or the default foreach kernels)."""
     attention_backend: Literal["auto", "flash1", "flash2", "flash3", "flash1_triton", "cudnn",
-                               "sdpa"] = "auto"
+                               "sdpa", "flex"] = "auto"
     """Fused attention kernel; auto: the framework's own choice (sim/hardware/attention_cost.py);
     flash1: FlashAttention 1.x; flash1_triton: flash-attn 1.x's Triton kernel (llm-foundry's
-    ``attn_impl: triton``)."""
+    ``attn_impl: triton``); flex: PyTorch's FlexAttention (NeMo AutoModel's ``attn: flex``)."""
     torch_version: str = Field(default=DEFAULT_TORCH_VERSION, pattern=r"^\d+\.\d+(\.\d+)?$")
     """PyTorch release ("2.8", quoted) whose SDPA kernel order sdpa and auto follow."""
     cudnn_version: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+){0,2}$")

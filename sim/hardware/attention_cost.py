@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 # ``flash1_triton``: FlashAttention's first Triton kernel (flash-attn ``flash_attn_triton.py``),
 # which MosaicML's llm-foundry runs as ``attn_impl: triton`` on triton-pre-mlir; not the Triton
 # tutorial's kernel of 2024, which uses Hopper's wgmma (the FA3 paper: 395 TFLOP/s forward on
-# the H100, above FA2; ``blackwell_attention.yaml``).
+# the H100, above FA2; ``blackwell_attention.yaml``). ``flex``: PyTorch's FlexAttention
+# (compiled Triton templates over block-sparse masks; :data:`FLEX_SHARE_OF_FLASH2`).
 AttentionBackend = Literal["flash1", "flash2", "flash3", "flash1_triton", "cudnn", "mem_efficient",
-                           "unfused"]
+                           "unfused", "flex"]
 
 # The backend the calibration measured (PyTorch 2.11 SDPA on an H200, see module docstring):
 # only it keeps the measured residual correction, and only on Hopper.
@@ -129,6 +130,17 @@ _ARCH_SHARE_FROM_HOPPER = {"hopper", "blackwell"}
 # share already meets MPT-125M's and -350M's rows: the factor runs from 1 there (log2).
 TRITON_OVER_CUDA_AT_128 = {"ampere": 1.20, "hopper": 1.27}
 LEGACY_BACKENDS = ("flash1", "flash1_triton")
+
+# FlexAttention (``torch.nn.attention.flex_attention`` under ``torch.compile``: Inductor's
+# Triton templates, the default ``BACKEND``) against FlashAttention-2 on the same call: "90% of
+# FlashAttention2's performance in the forward pass and 85% in the backward pass" (PyTorch
+# blog, "FlexAttention: The Flexibility of PyTorch with the Performance of FlashAttention",
+# 2024-08-07, causal attention on an A100). No H100 or B200 figure of the Triton templates is
+# published as a share; the A100's is applied on every generation (an assumption,
+# docs/calibration.md). Block sparsity -- a sliding window's band, a document mask -- skips
+# whole 128 x 128 tiles as FlashAttention-2's windowed kernel does
+# (:func:`causal_tiles`), so the share applies to the band's time.
+FLEX_SHARE_OF_FLASH2 = {"fwd": 0.90, "bwd": 0.85}
 
 
 # A fused attention kernel with dropout draws a Philox random number for every score it keeps
@@ -322,7 +334,8 @@ def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION,
     return "flash2"
 
 
-def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> AttentionBackend:
+def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bool = False
+            ) -> AttentionBackend:
     """The attention kernel of a scenario: its ``training.attention_backend``, or with
     ``auto`` the one its framework's source picks. ``head_dims_differ``: queries and keys
     wider than values (Multi-head Latent Attention, 192 / 128), which PyTorch's flash kernels
@@ -339,7 +352,9 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> Attent
       Megatron-DeepSpeed: the
       ``flash_attn`` package (``--use-flash-attn``), FA2; without flash attention, unfused.
     * FSDP2 with NeMo AutoModel's code (``model_code: automodel``): its ``te`` attention,
-      Transformer Engine's choice as above (without dropout).
+      Transformer Engine's choice as above (without dropout); with learned attention
+      ``sinks`` (GPT-OSS) FlexAttention, the only attention AutoModel's GPT-OSS module took
+      until 2026 (``GptOssAttention``: "Only Flex Attention is supported for GPT-OSS").
     * FSDP2 (torchtitan's ``F.scaled_dot_product_attention``), DDP / plain PyTorch
       (Hugging Face's ``sdpa`` attention), FairScale and DeepSpeed ZeRO (Hugging Face
       models): SDPA's own choice under ``training.torch_version`` (:func:`sdpa_backend`).
@@ -352,6 +367,8 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> Attent
     fw = s.framework
     if choice == "auto":
         if fw.name == "fsdp2" and fw.model_code == "automodel":
+            if sinks:
+                return "flex"
             # AutoModel's ``attn: te``: Transformer Engine's DotProductAttention.
             return "cudnn" if gpu.arch in ("hopper", "blackwell") else "flash2"
         if fw.name == "megatron":
@@ -377,7 +394,7 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False) -> Attent
     if choice == "flash3" and gpu.arch != "hopper":
         raise ValueError("training.attention_backend: flash3 (FlashAttention-3) runs only on "
                          f"Hopper (sm90); {gpu.name} is {gpu.arch}")
-    if choice in ("flash1", "flash2", "flash1_triton", "cudnn") and gpu.arch == "volta":
+    if choice in ("flash1", "flash2", "flash1_triton", "cudnn", "flex") and gpu.arch == "volta":
         raise ValueError(f"training.attention_backend: {choice} needs sm80 or newer; "
                          f"{gpu.name} is volta")
     return choice  # type: ignore[return-value]

@@ -25,6 +25,7 @@ from sim import catalog
 from sim.catalog import GpuSpec
 from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import (
+    FLEX_SHARE_OF_FLASH2,
     MEASURED_BACKEND,
     causal_tiles,
     matmul_share,
@@ -370,12 +371,17 @@ class ComputeModel(MemoryBoundKernels):
         ``torch.compile``): the whole rectangle at the measured masked-call slowdown
         (:func:`~sim.hardware.masked_attention.masked_slowdown`). FlashAttention's first
         CUDA kernel and its Triton kernel run FlashAttention-2's call at their published
-        share of its speed (:func:`~sim.hardware.attention_cost.share_of_flash2`).
+        share of its speed (:func:`~sim.hardware.attention_cost.share_of_flash2`), and
+        FlexAttention at its own (:data:`~sim.hardware.attention_cost.FLEX_SHARE_OF_FLASH2`).
         FlashAttention-2's causal calls follow its published curve over length
         (:func:`~sim.hardware.flash_curves.flash2_causal_speedup`; ``published_curve``
         False: the form alone).
         """
         row_len = seq if window is None else min(seq, window)
+        if self.attention_backend == "flex":
+            return self._flash2_model.attention_time(
+                batch, heads, seq, head_dim, pass_, kv_seq, causal, measured_table, window,
+                fp8, masked, published_curve) / FLEX_SHARE_OF_FLASH2[pass_]
         legacy = share_of_flash2(self.attention_backend, self.gpu.arch, head_dim, row_len)
         if legacy is not None:
             return self._flash2_model.attention_time(
