@@ -25,7 +25,7 @@ from sim.scenario import ScenarioError, scenario_from_dict
 from sim.workload.model import ModelSpec
 
 MOE_MODELS = ("deepseek-v3", "deepseek-v2-lite", "qwen3-30b-a3b", "qwen3-235b-a22b",
-              "mixtral-8x7b", "mixtral-8x22b", "gpt-oss-120b")
+              "mixtral-8x7b", "mixtral-8x22b", "gpt-oss-120b", "gpt-oss-20b")
 
 
 # --------------------------------------------------------------------------- by hand
@@ -102,6 +102,10 @@ EXACT_TOTALS = {
                              sinks=True)[0],
                      116_829_156_672, "GGUF general.parameter_count of gpt-oss:120b; "
                                       "model card table 1: 116.83B"),
+    "gpt-oss-20b": (gqa_moe(24, 2880, 64, 8, 64, 32, 4, 2880, 201088, bias=True,
+                            sinks=True)[0],
+                    20_914_757_184, "GGUF general.parameter_count of gpt-oss:20b; "
+                                    "model card table 1: 20.91B"),
     "deepseek-v2-lite": (deepseek(**DSV2_LITE)[0], 15_706_484_224,
                          "HF safetensors total, deepseek-ai/DeepSeek-V2-Lite (BF16)"),
 }
@@ -148,6 +152,9 @@ ACTIVE = {
     "gpt-oss-120b": (5.13e9, 0.01e9, "active_matmul_params",
                      "gpt-oss model card (arXiv:2508.10925) table 1: 5.13B, embedding "
                      "parameters excluded"),
+    "gpt-oss-20b": (3.61e9, 0.01e9, "active_matmul_params",
+                    "gpt-oss model card (arXiv:2508.10925) table 1: 3.61B, embedding "
+                    "parameters excluded"),
 }
 
 
