@@ -149,6 +149,10 @@ class Style:
     """The cross-entropy is one fused softmax-and-loss kernel on the 16-bit logits (flash-attn's
     ``xentropy_cuda_lib``, which llm-foundry's MPT runs as ``loss_fn: fused_crossentropy``):
     no fp32 copy of the logits (:func:`sim.workload.layer_ops.fused_cross_entropy`)."""
+    bf16_loss: bool = False
+    """Eager ``F.cross_entropy`` on the 16-bit logits themselves, without the fp32 copy
+    torchtitan's loss makes (NeMo AutoModel's ``MaskedCrossEntropy(fp32_upcast=False)``):
+    PyTorch's log-softmax kernel accumulates in fp32 but reads and writes 16-bit rows."""
 
     @property
     def autocast(self) -> bool:

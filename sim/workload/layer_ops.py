@@ -260,7 +260,8 @@ def embedding_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
 
 
 def head_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
-    """Final norm, LM head over every position, cross-entropy in fp32."""
+    """Final norm, LM head over every position, cross-entropy in fp32 (on the bf16 logits
+    with ``style.bf16_loss``)."""
     b = _Builder("head", style)
     tokens = batch * seq
     h, vocab = m.hidden, m.vocab
@@ -283,22 +284,33 @@ def head_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
         compiled_cross_entropy(b, logits, g_logits, tokens, n)
         b.writes_grad(logits, g_logits)
         return b.finish()
-    lf = b.t("logits_fp32", n, FP32)
-    lsm = b.t("log_softmax", n, FP32)
+    # torchtitan's loss upcasts (``pred.float()``); AutoModel's runs on the bf16 logits.
+    ebytes = BF16 if style.bf16_loss else FP32
+    lsm = b.t("log_softmax", n, ebytes)
     loss = b.t("loss", 1, FP32)
-    b.fwd(cast_kernel("logits_float", logits, lf, n))
+    if style.bf16_loss:
+        lf = logits
+    else:
+        lf = b.t("logits_fp32", n, FP32)
+        b.fwd(cast_kernel("logits_float", logits, lf, n))
     # Each pass streams its 128k-wide rows like an elementwise loop, not at the short-row
     # reduction rate: measured on the lent H200 (h200-train-steps-ops.json, 1b-plain: four
     # passes of 8.4 GB in 7.83 ms forward and 8.35 ms backward, 4.3 and 4.0 TB/s).
     b.fwd(Kernel("log_softmax", "elementwise", (lf, lf, lf), (lsm,), streams=True))
     b.fwd(Kernel("nll_loss", "tiny", (lsm,), (loss,)))
     b.save(lsm)
-    g_nll = b.t("g_nll", n, FP32)
-    g_lsm = b.t("g_log_softmax", n, FP32)
+    g_nll = b.t("g_nll", n, ebytes)
     # log_softmax backward: sum of the gradient over the row, then grad - exp(out) * sum.
-    b.bwd(Kernel("g_nll", "elementwise", (), (g_nll,)),
-          Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_lsm,), streams=True),
-          Kernel("g_logits_bf16", "elementwise", (g_lsm,), (g_logits,)))
+    if style.bf16_loss:
+        b.bwd(Kernel("g_nll", "elementwise", (), (g_nll,)),
+              Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_logits,),
+                     streams=True))
+    else:
+        g_lsm = b.t("g_log_softmax", n, FP32)
+        b.bwd(Kernel("g_nll", "elementwise", (), (g_nll,)),
+              Kernel("g_log_softmax", "elementwise", (g_nll, g_nll, lsm), (g_lsm,),
+                     streams=True),
+              Kernel("g_logits_bf16", "elementwise", (g_lsm,), (g_logits,)))
     b.writes_grad(logits, g_logits)
     return b.finish()
 

@@ -95,7 +95,8 @@ def _style(ctx: JobContext, opts: Fsdp2Options) -> Style:
                  float8_weights=fp8 and opts.float8_all_gather,
                  float8_recipe=opts.float8_recipe,
                  fused_rmsnorm=torch_has_fused_rmsnorm(ctx.scenario.training.torch_version),
-                 fused_loss=opts.cross_entropy == "fused")
+                 fused_loss=opts.cross_entropy == "fused",
+                 bf16_loss=opts.model_code == "automodel")
 
 
 def kernel_style(ctx: JobContext) -> Style:

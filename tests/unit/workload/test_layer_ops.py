@@ -171,3 +171,24 @@ def test_fused_cross_entropy_moves_the_logits_three_times_and_holds_no_fp32_copy
     assert fused.fwd_s < eager.fwd_s and fused.bwd_s < eager.bwd_s
     assert fused.bwd_transient_bytes < eager.bwd_transient_bytes
     assert fused.saved_bytes < eager.saved_bytes
+
+
+def test_bf16_cross_entropy_streams_the_bf16_logits_without_an_fp32_copy() -> None:
+    # NeMo AutoModel's MaskedCrossEntropy(fp32_upcast=False): F.cross_entropy on the bf16
+    # logits. log_softmax reads each row three times and writes a bf16 row; backward the
+    # nll gradient's zeros and the log_softmax backward (its gradient twice and the output
+    # once), straight into the logits' bf16 gradient. torchtitan's .float() path streams
+    # the same passes over fp32 rows plus two casts: exactly twice the bytes and more.
+    tv2 = 2.0 * T * M.vocab
+    blk = head_block(M, Style("bf16", bf16_loss=True), B, S)
+    loss_fwd = [k for k in blk.forward if k.name in ("log_softmax", "logits_float")]
+    assert [k.name for k in loss_fwd] == ["log_softmax"]
+    assert loss_fwd[0].nbytes == pytest.approx(4 * tv2)
+    loss_bwd = [k for k in blk.backward if k.name.startswith("g_")]
+    assert [k.name for k in loss_bwd] == ["g_nll", "g_log_softmax"]
+    assert sum(k.nbytes for k in loss_bwd) == pytest.approx(tv2 + 4 * tv2)
+    assert max(t.nbytes for t in blk.saved) == pytest.approx(tv2)
+    eager = head_block(M, Style("bf16"), B, S)
+    up = sum(k.nbytes for k in eager.forward + eager.backward
+             if k.name in ("log_softmax", "g_nll", "g_log_softmax"))
+    assert up == pytest.approx(2 * (4 * tv2 + tv2 + 4 * tv2))
