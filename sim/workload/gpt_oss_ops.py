@@ -231,6 +231,50 @@ def expert_output_bias(b: _Builder, out: Tensor, probs: Tensor, counts: Sequence
     return y
 
 
+def expert_input_bias(b: _Builder, fc1: Tensor, counts: Sequence[float], width: int
+                      ) -> Tensor:
+    """NeMo AutoModel's ``GroupedExpertsDeepEP._apply_bias`` without probs: fc1's bias added
+    per local expert in eager PyTorch after ``grouped_gemm``'s GEMM (which has none), as
+    ``torch.cat([t + b for t, b in zip(torch.split(rows, counts), bias)])``; returns the
+    bf16 rows. Forward: per expert an add broadcasting the bias over its rows (PyTorch's
+    non-vectorised loop), then the ``cat``. Backward: the add passes the rows' gradient on
+    (a view of the ``cat``'s) and sums it over the rows for the bias (a reduction per
+    expert), and the ``split``'s backward concatenates the pieces' gradients. The bias
+    parameters are ``grouped_linear``'s when it is told the GEMM has a bias; here the
+    caller adds them.
+
+    Examples
+    --------
+    >>> from sim.workload.megatron_ops import STYLE
+    >>> b = _Builder("e", STYLE)
+    >>> y = expert_input_bias(b, Tensor("e.fc1", 2 * 6 * 8), (2, 4), 8)
+    >>> [k.name.split(".")[1] for k in b.block.forward]
+    ['add', 'add', 'cat']
+    >>> [k.name.split(".")[1] for k in b.finish().backward]
+    ['sum_bias', 'sum_bias', 'split']
+    """
+    rows = float(sum(counts))
+    pieces: list[Tensor] = []
+    sums: list[Kernel] = []
+    for i, c in enumerate(counts):
+        if c <= 0:
+            continue
+        out = b.t(f"fc1_biased_{i}", c * width, BF16)
+        b.fwd(Kernel("fc1_bias.add", "elementwise", (b.t(f"fc1_rows_{i}", c * width, BF16),
+                                                      b.t(f"fc1.bias_{i}", width, BF16)),
+                     (out,), legacy_elements=c * width, legacy_operands=3))
+        pieces.append(out)
+        sums.append(Kernel("fc1_bias.sum_bias", "elementwise",
+                           (b.t(f"g_fc1_biased_{i}", c * width, BF16),),
+                           (b.t(f"g_fc1_bias_{i}", width, BF16),)))
+    y = b.t("fc1_biased", rows * width, BF16)
+    b.fwd(Kernel("fc1_bias.cat", "elementwise", tuple(pieces), (y,)))
+    b.bwd(*sums, Kernel("fc1_bias.split", "elementwise",
+                        tuple(k.reads[0] for k in sums),
+                        (b.t("g_fc1_out_bias", rows * width, BF16),)))
+    return y
+
+
 def yarn_concentration(factor: float) -> float:
     """YaRN's concentration factor ("mscale") that Megatron-Core multiplies into the rotary
     cos and sin when ``yarn_mscale`` and ``yarn_mscale_all_dim`` are unset, as GPT-OSS's

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from sim.config.base import Fp8Recipe
-from sim.workload.gpt_oss_ops import clamped_glu_input, expert_output_bias
+from sim.workload.gpt_oss_ops import clamped_glu_input, expert_input_bias, expert_output_bias
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Tensor
 from sim.workload.layer_builder import _Builder
 from sim.workload.megatron_ops import MegatronLayout, _linear
@@ -157,6 +157,12 @@ class MoELayout:
     main_grad_bytes: int = FP32
     """Bytes of a ``main_grad`` element the expert and gate wgrad GEMMs accumulate into
     (gradient-accumulation fusion): 2 where gradients are reduced in 16 bits."""
+    eager_fc1_bias: bool = False
+    """NeMo AutoModel's ``GroupedExpertsDeepEP``: fc1's bias added per expert in eager
+    PyTorch after a GEMM without one (:func:`~sim.workload.gpt_oss_ops.expert_input_bias`),
+    and the activation (GPT-OSS's clamps included) one compiled kernel
+    (``quick_geglu_deepep`` under ``torch.compile``), where Megatron adds the bias in the
+    GEMM epilogue and clamps in eager kernels first."""
 
 
 @dataclass(frozen=True)
@@ -325,11 +331,16 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
         out = fused_glu_mlp(b, x, probs, gemm_counts, h, f, lay, m.bias, model_rows=rows)
         return _experts_tail(b, m, lay, out, counts, rows, gemm_counts, padded, probs)
     # bf16: TE takes fc1's bias gradient from its wgrad GEMM (no kernel of its own).
-    fc1 = grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias,
+    eager_bias = m.bias and lay.eager_fc1_bias
+    fc1 = grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias and not eager_bias,
                          bias_grad_kernel=lay.fp8 is not None or lay.te_ops, model_rows=rows)
-    # The operation fuser's activation op (ScaledSwiGLU / ScaledClampedQGeGLU) clamps inside
-    # its own kernel; Megatron's eager path clamps first.
-    act_in = fc1 if m.activation_clamp is None or lay.te_ops \
+    if eager_bias:
+        b.block.params += len(counts) * width
+        fc1 = expert_input_bias(b, fc1, gemm_counts, width)
+    # The operation fuser's activation op (ScaledSwiGLU / ScaledClampedQGeGLU) and
+    # AutoModel's compiled one clamp inside their own kernel; Megatron's eager path clamps
+    # first.
+    act_in = fc1 if m.activation_clamp is None or lay.te_ops or lay.eager_fc1_bias \
         else clamped_glu_input(b, fc1, prow, f)
     act = b.t("act", prow * f, BF16)
     # weighted_bias_swiglu_impl (or the GELU equivalent): bias, activation and the routing

@@ -112,11 +112,39 @@ def test_what_is_not_modelled_is_refused_naming_the_key(kw: dict, key: str) -> N
         _ops(_scn(**kw))
 
 
-@pytest.mark.parametrize("extra", [{"sliding_window": 128}, {"attention_sinks": True}])
-def test_flexattention_models_are_refused(extra: dict) -> None:
-    """AutoModel runs GPT-OSS's windows and sinks with FlexAttention, not priced yet."""
-    with pytest.raises(ScenarioError, match="fsdp2 does not model"):
-        _ops(_scn(model=dict(MOE, **extra)))
+# GPT-OSS's attention on MOE's sizes: learned sinks, a 128-key window on every other layer
+# (layers 0 and 2), biases, the clamped activation.
+GPT_OSS = dict(MOE, sliding_window=128, full_attention_every=2, attention_sinks=True,
+               bias=True, activation_clamp=7.0)
+
+
+def test_gpt_oss_runs_automodels_flexattention_module_layer_by_layer() -> None:
+    s = _scn(model=GPT_OSS)
+    assert simulate(s).summary["attention_backend"] == "flex"
+    ctx = JobContext.from_scenario(s)
+    from sim.frameworks.fsdp2.build import _job
+    job = _job(ctx, s.framework)
+    full, band = job.costs["attn"], job.costs["attn_window"]
+    # The band's kernel runs 2 of the causal triangle's 16 tiles a row at most: cheaper
+    # (at these sizes the forward is the host's issue time, the same for both).
+    assert band.fwd_s <= full.fwd_s and band.bwd_s < full.bwd_s
+    assert band.params == full.params == ctx.model.attention_params + ctx.model.norm_params
+    fwd = {op.layer: op.duration for op in _ops(s)
+           if op.name.startswith("fwd attn") and op.micro_batch == 0}
+    assert fwd == {0: band.fwd_s, 1: full.fwd_s, 2: band.fwd_s, 3: full.fwd_s}
+    # Full checkpointing recomputes each layer's own attention before its MoE backward.
+    re = {op.layer: op.duration for op in _ops(s)
+          if op.name.startswith("recompute attn") and op.micro_batch == 0}
+    assert re == fwd
+
+
+@pytest.mark.parametrize(("kw", "key"), [
+    ({"code": "torchtitan"}, "framework.model_code"),
+    ({"attention_backend": "cudnn"}, "training.attention_backend"),
+])
+def test_gpt_oss_outside_automodels_flexattention_is_refused(kw: dict, key: str) -> None:
+    with pytest.raises(ScenarioError, match=key.replace(".", r"\.")):
+        _ops(_scn(model=GPT_OSS, **kw))
 
 
 def test_torchtitans_deepep_backend_dedups_like_automodels() -> None:

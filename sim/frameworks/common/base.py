@@ -49,7 +49,8 @@ class JobContext:
                                 "megatron (Megatron-LM's --deterministic-mode) only")
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w, s.gpus)
         try:
-            backend = attention_cost.resolve(s, gpu, head_dims_differ=model.mla is not None)
+            backend = attention_cost.resolve(s, gpu, head_dims_differ=model.mla is not None,
+                                             sinks=model.attention_sinks)
         except ValueError as e:
             raise ScenarioError(f"{origin}: {e}") from None
         compute = ComputeModel(gpu, s.training.precision, backend,

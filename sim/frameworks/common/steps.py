@@ -21,7 +21,7 @@ ops (collectives, bucket copies) around these.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from sim.program.ir import Op, Phase
@@ -53,8 +53,8 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
                     autocast: bool, grad_alloc: Mapping[str, float],
                     extra_bwd_s: Mapping[str, float],
                     model_flops: Mapping[str, tuple[float, float]], stream: str = "compute",
-                    sac: Mapping[str, SacCost] | None = None, reentrant: bool = False
-                    ) -> PassOps:
+                    sac: Mapping[str, SacCost] | None = None, reentrant: bool = False,
+                    attn_key: Callable[[int], str] | None = None) -> PassOps:
     """Compute ops of one micro-batch (not yet added to a program).
 
     ``grad_alloc[block]``: gradient bytes the block's backward allocates (0 when they are
@@ -64,13 +64,21 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
     checkpointing of each layer (:func:`sim.workload.layer_ops.op_sac_costs`): the forward keeps the
     layer input and the policy's cached outputs; the backward re-runs the rest of the layer
     and holds what the backward needs, as full checkpointing does. ``reentrant``: full
-    checkpointing re-runs each layer's whole forward (no early stop).
+    checkpointing re-runs each layer's whole forward (no early stop). ``attn_key``: the
+    key in ``costs`` of each layer's attention block (a sliding-window layer's own), else
+    ``attn`` for every layer.
     """
+
+    def cost(block: str, layer: int) -> BlockCost:
+        if block == "attn" and attn_key is not None:
+            return costs[attn_key(layer)]
+        return costs[block]
+
     recompute = recompute or sac is not None
     ops = PassOps()
     scoped_total = 0.0
     for block, layer in unit_order(layers):
-        c = costs[block]
+        c = cost(block, layer)
         layered = block in ("attn", "mlp")
         ckpt = recompute and layered
         alloc: list[tuple[str, float]] = []
@@ -114,7 +122,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         ops.fwd_of[(block, layer)] = op
 
     for block, layer in reversed(unit_order(layers)):
-        c = costs[block]
+        c = cost(block, layer)
         layered = block in ("attn", "mlp")
         ckpt = recompute and layered
         duration = c.bwd_s + extra_bwd_s.get(block, 0.0)
@@ -129,7 +137,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
             # Recompute the whole layer (attention block, then the MLP block up to its last
             # saved tensor) before the MLP's backward; hold what it saves again. Under
             # selective checkpointing only what the policy did not cache runs again.
-            a = costs["attn"]
+            a = cost("attn", layer)
             kernels += a.fwd_kernels + c.fwd_kernels
             if sac is not None:
                 duration += sac["attn"].recompute_s + sac["mlp"].recompute_s

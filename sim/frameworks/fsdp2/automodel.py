@@ -28,14 +28,23 @@ published benchmark configs ``examples/benchmark/configs/*_te_deepep.yaml``; lat
   reduce_dtype=fp32)``) into bf16 shards, and ``torch.optim.Adam`` keeps bf16 moments:
   8 bytes of state a parameter, not torchtitan's 16.
 
-Embedding and output layer are plain ``nn.Embedding`` and ``nn.Linear`` with PyTorch's cross
-entropy on bf16 logits (``MaskedCrossEntropy(fp32_upcast=False)``): torchtitan's blocks
-(:mod:`sim.workload.layer_ops`) price them. The benchmark configs also set
+Embedding and output layer are plain ``nn.Embedding`` and ``nn.Linear``: torchtitan's blocks
+(:mod:`sim.workload.layer_ops`) price them, with PyTorch's cross entropy on the bf16 logits
+(``MaskedCrossEntropy(fp32_upcast=False)``: ``Style.bf16_loss``, no fp32 copy). The benchmark configs also set
 ``fake_balanced_gate``: ``training.routing.distribution: round_robin``
 (:mod:`sim.workload.routing`).
 
-Not modelled: AutoModel's tensor and context parallel plans, FlexAttention (its GPT-OSS
-configs' ``attn: flex``), FP8, ``torch.compile``.
+GPT-OSS (``attn: flex``, the only attention its model code took until 2026): AutoModel's own
+attention module with FlexAttention and the learned sinks applied after it
+(:mod:`sim.workload.automodel_attention`); its experts, DeepEP and ``GroupedExpertsDeepEP``'s
+biases, priced as Megatron-Core's GPT-OSS experts (:mod:`sim.workload.gpt_oss_ops`: the
+fc2 bias added per expert in Python with the routing probs, as AutoModel's ``_apply_bias``
+does; AutoModel also adds fc1's bias that way and clamps inside its compiled activation,
+where Megatron adds the bias in the GEMM epilogue and clamps in three eager kernels: about
+the same passes over the fc1 output).
+
+Not modelled: AutoModel's tensor and context parallel plans, Transformer Engine's sink
+attention (its later GPT-OSS configs' ``attn: te``), FP8, ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from dataclasses import replace
 from functools import lru_cache
 
 from sim.hardware.compute import ComputeModel
+from sim.workload.automodel_attention import flex_sink_attention_block
 from sim.workload.block_pricing import BlockCost, price_block
 from sim.workload.kernels import BF16, Block, Kernel, Tensor
 from sim.workload.megatron_ops import STYLE, MegatronLayout, megatron_blocks
@@ -103,8 +113,21 @@ def te_layer_blocks(m: ModelSpec, batch: int, seq: int) -> tuple[Block, Block]:
             chain_blocks("mlp", b["mlp_pre"], b["mlp_main"]))
 
 
+WINDOWED_ATTN = "attn_window"
+"""The priced block of a sliding-window layer's attention (``Job.attn_key``)."""
+
+
 def te_layer_costs(m: ModelSpec, cm: ComputeModel, batch: int, seq: int
                    ) -> dict[str, BlockCost]:
-    """The priced ``attn`` and ``mlp`` blocks (:func:`te_layer_blocks`)."""
+    """The priced ``attn`` and ``mlp`` blocks (:func:`te_layer_blocks`); GPT-OSS's attention
+    (learned sinks, ``attn: flex``) is AutoModel's own module
+    (:func:`~sim.workload.automodel_attention.flex_sink_attention_block`), with its
+    sliding layers' block as ``attn_window`` when the window is shorter than the sequence."""
     attn, mlp = te_layer_blocks(m, batch, seq)
-    return {"attn": price_block(attn, STYLE, cm), "mlp": price_block(mlp, STYLE, cm)}
+    costs = {"attn": price_block(attn, STYLE, cm), "mlp": price_block(mlp, STYLE, cm)}
+    if m.attention_sinks:
+        costs["attn"] = price_block(flex_sink_attention_block(m, batch, seq), STYLE, cm)
+        if m.sliding_window is not None and m.sliding_window < seq:
+            costs[WINDOWED_ATTN] = price_block(
+                flex_sink_attention_block(m, batch, seq, m.sliding_window), STYLE, cm)
+    return costs

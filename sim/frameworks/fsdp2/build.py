@@ -227,7 +227,8 @@ def _hw_flops(job: Job) -> float:
         # Every layer's forward again; an MoE layer's is its attention and MoE parts.
         moe = job.moe
         n_moe = sum(moe.is_moe(i) for i in range(m.layers))
-        per_mb = m.layers * job.costs["attn"].flops_fwd + n_moe * moe.flops_fwd \
+        per_mb = sum(job.attn_cost(i).flops_fwd for i in range(m.layers)) \
+            + n_moe * moe.flops_fwd \
             + (m.layers - n_moe) * job.costs["mlp"].flops_fwd
         return ctx.model_flops_per_step() + per_mb * ctx.micro_batches * dp
     return ctx.model_flops_per_step() + ctx.layer_recompute_flops(costs=job.costs)

@@ -37,6 +37,16 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(m.mla is None or opts.model_code != "huggingface", "framework.model_code",
                 "multi-head latent attention is modelled in torchtitan's and AutoModel's "
                 "DeepSeek-V3 code; Hugging Face's is not yet (issue 14)")
+    # GPT-OSS's learned sinks and sliding windows: NeMo AutoModel's module with FlexAttention
+    # (sim/workload/automodel_attention.py); torchtitan's experimental GPT-OSS is not modelled.
+    sinks = m.attention_sinks or m.sliding_window is not None
+    ctx.require(not sinks or opts.model_code == "automodel", "framework.model_code",
+                "attention sinks and sliding windows (GPT-OSS) are modelled in fsdp2 with NeMo "
+                "AutoModel's model code (model_code: automodel)")
+    ctx.require(not sinks or ctx.compute.attention_backend == "flex",
+                "training.attention_backend",
+                "AutoModel's GPT-OSS attention is modelled with FlexAttention (auto or flex), "
+                "not Transformer Engine's sink attention")
     ctx.require(not m.qk_norm or cp == 1, "parallelism.cp",
                 "query/key norms (qk_norm) are modelled without context parallelism in fsdp2 "
                 "(torchtitan's Qwen3 does not support it)")
@@ -145,8 +155,8 @@ def _check_automodel(ctx: JobContext, opts: Fsdp2Options) -> None:
     """What of NeMo AutoModel's path is modelled (:mod:`.automodel`): its "TE + DeepEP"
     backend in bf16, FSDP2 with expert and pipeline parallelism, eager, full or no
     checkpointing; not its tensor or context parallel plans, FP8, torch.compile or CPU
-    offload (GPT-OSS's sinks and sliding windows, which AutoModel runs with FlexAttention,
-    fsdp2 refuses for every model code: its registry entry's ``model_features``)."""
+    offload. GPT-OSS runs its own attention module with FlexAttention
+    (:func:`_check_layout`)."""
     s = ctx.scenario
     p = s.parallelism
     key = "framework.model_code"

@@ -20,5 +20,7 @@ ENTRY = FrameworkEntry(
     expandable_segments=True,
     # torchtitan's MoE layers with expert parallelism (fsdp2/moe.py), Qwen3's per-head
     # query/key RMSNorm (sim/workload/layer_ops.py qkv_projections) and DeepSeek's
-    # Multi-head Latent Attention (sim/workload/titan_mla.py; key "attention").
-    model_features=frozenset({"experts", "qk_norm", "attention"}), kernel_style=kernel_style)
+    # Multi-head Latent Attention (sim/workload/titan_mla.py; key "attention"); GPT-OSS's
+    # sinks and sliding windows in NeMo AutoModel's code (sim/workload/automodel_attention.py).
+    model_features=frozenset({"experts", "qk_norm", "attention", "attention_sinks",
+                              "sliding_window"}), kernel_style=kernel_style)

@@ -252,7 +252,8 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     # torchtitan's (torchtitan/distributed/deepep/deepep.py: Megatron-Core's unfused
     # permutation, masked_select and index_select in, scatter_add_ out).
     lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False,
-                    permute=("te" if automodel else "torch") if deepep else "plain")
+                    permute=("te" if automodel else "torch") if deepep else "plain",
+                    eager_fc1_bias=automodel)
     balanced = balanced_tokens_per_expert(tokens, m.moe.top_k, m.moe.experts, ep)
     ops = moe_layer_ops(m, lay, tokens=tokens,
                         tokens_per_expert=balanced if deepep else _aligned(balanced),
@@ -335,8 +336,8 @@ class MoEPass:
     ep_groups: Groups
     key: Callable[[str], str]
     recompute: bool
-    attn: BlockCost
-    """The layer's attention block: full checkpointing recomputes it before the MoE."""
+    attn: Callable[[int], BlockCost]
+    """Each layer's attention block: full checkpointing recomputes it before the MoE."""
     grad_bytes: float
     """bf16 gradients the layer's non-expert MoE parameters produce (norm, router, shared)."""
     expert_grad_bytes: float
@@ -440,7 +441,7 @@ class MoEPass:
             ops += tp.forward("attn", layer, mb, "recompute")
             ops += self.forward(mb, layer, "recompute").ops
         elif self.recompute:
-            a = self.attn
+            a = self.attn(layer)
             ops.append(Op(
                 name=f"recompute attn L{layer} mb{mb}", kind="compute", stream="compute",
                 phase="recompute", duration=a.fwd_s, kernels=a.fwd_kernels,

@@ -53,7 +53,8 @@ def block_ops(stage: Stage, mb: int) -> tuple[BlockOps, BlockOps]:
         extra = {"embed": tied_grad_sum_s(cm, m, BF16)}
         pops = micro_batch_ops(job.costs, m.layers, mb, job.ctx.recompute,
                                job.style.autocast, job.ugrad, extra, job.model_flops,
-                               sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant)
+                               sac=job.sac, reentrant=job.opts.checkpoint_use_reentrant,
+                               attn_key=job.attn_key)
 
         def ops_f(k: tuple[str, int]) -> list[Op]:
             if k[0] == "moe":

@@ -57,7 +57,7 @@ class Stage:
                                job.ctx.recompute, atp) if tb is not None else None
         moe = job.moe
         self.moe = MoEPass(moe, mesh.ep_groups(st), self.key, job.ctx.recompute,
-                           job.costs["attn"], grad_bytes=BF16 * moe.dense_numel,
+                           job.attn_cost, grad_bytes=BF16 * moe.dense_numel,
                            expert_grad_bytes=BF16 * moe.expert_numel, titan=self.titan
                            ) if moe is not None else None
         """The MoE layers' op maker (:mod:`.moe`); None for a dense model."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sim.frameworks.common.base import JobContext
+from sim.frameworks.fsdp2.automodel import WINDOWED_ATTN
 from sim.frameworks.fsdp2.mesh import Mesh
 from sim.frameworks.fsdp2.moe import TitanMoE
 from sim.frameworks.fsdp2.tp import TitanBlocks
@@ -170,6 +171,17 @@ class Job:
         """Bytes of each sharded parameter, its gradient and each Adam moment: fp32, or the
         bf16 model NeMo AutoModel builds (``model_code: automodel``, :mod:`.automodel`)."""
         return BF16 if self.opts.model_code == "automodel" else FP32
+
+    def attn_key(self, layer: int) -> str:
+        """The priced block of layer ``layer``'s attention: ``attn_window`` on a sliding
+        layer where the window's own block is priced (NeMo AutoModel's GPT-OSS,
+        :mod:`.automodel`), ``attn`` otherwise."""
+        return WINDOWED_ATTN if WINDOWED_ATTN in self.costs \
+            and self.ctx.model.windowed(layer) else "attn"
+
+    def attn_cost(self, layer: int) -> BlockCost:
+        """:meth:`attn_key`'s priced block."""
+        return self.costs[self.attn_key(layer)]
 
     def shard_size(self, u: Unit) -> int:
         """The FSDP world size of a unit: ``efsdp`` for routed experts, else dp_shard x cp."""

@@ -205,3 +205,26 @@ def test_host_sync_point_as_the_dispatcher_chooses():
     m = ModelSpec.from_ref("mixtral-8x7b")
     assert moe_layer_ops(m, MoELayout(ep=8), 1024).host_sync == "before_ep_alltoall"
     assert moe_layer_ops(m, MoELayout(ep=1, tp=8), 1024).host_sync == "before_finish"
+
+
+def test_automodel_adds_fc1s_bias_eagerly_and_clamps_inside_its_activation():
+    # NeMo AutoModel's GroupedExpertsDeepEP (GPT-OSS): grouped_gemm has no bias, so fc1's is
+    # added per local expert (a broadcast add each) and the rows concatenated; its compiled
+    # quick-GEGLU clamps inside the one activation kernel. Megatron adds the bias in the
+    # GEMM epilogue and clamps in eager kernels first. Same parameters, same GEMMs.
+    m = ModelSpec.from_ref("gpt-oss-20b")
+    lay = MoELayout(ep=8, permute="te", router_fusion=False, aux_loss=False)
+    am = moe_layer_ops(m, MoELayout(**{**lay.__dict__, "eager_fc1_bias": True}), 8192)
+    mc = moe_layer_ops(m, lay, 8192)
+    ea, em = (next(b for b in ops.blocks if b.name == "moe_experts") for ops in (am, mc))
+    assert ea.params == em.params
+    assert _gemm_flops(ea, "fwd") == _gemm_flops(em, "fwd")
+    names = [k.name for k in ea.forward]
+    local = m.moe.experts // 8
+    assert names.count("fc1_bias.add") == local and "fc1_bias.cat" in names
+    assert not any("clamp" in n for n in names)
+    assert any("clamp" in k.name for k in em.forward)
+    # The adds write fc1's whole output once, the cat copies it once more.
+    rows = sum(k.writes[0].nbytes for k in ea.forward if k.name == "fc1_bias.add")
+    cat = next(k for k in ea.forward if k.name == "fc1_bias.cat")
+    assert cat.writes[0].nbytes == pytest.approx(rows)
