@@ -135,12 +135,33 @@ LEGACY_BACKENDS = ("flash1", "flash1_triton")
 # Triton templates, the default ``BACKEND``) against FlashAttention-2 on the same call: "90% of
 # FlashAttention2's performance in the forward pass and 85% in the backward pass" (PyTorch
 # blog, "FlexAttention: The Flexibility of PyTorch with the Performance of FlashAttention",
-# 2024-08-07, causal attention on an A100). No H100 or B200 figure of the Triton templates is
-# published as a share; the A100's is applied on every generation (an assumption,
-# docs/calibration.md). Block sparsity -- a sliding window's band, a document mask -- skips
-# whole 128 x 128 tiles as FlashAttention-2's windowed kernel does
-# (:func:`causal_tiles`), so the share applies to the band's time.
+# 2024-08-07, causal attention on an A100). On Hopper the templates' matmuls are wgmma, which
+# FlashAttention-2's sm80 kernels never use: tritonbench's FlexAttention operator on an H100
+# (pytorch/benchmark PR 2443, 2024-08-28, forward, bf16, head dim 128, not causal) ran
+# (4, 16, 4096, 128) in 1.404 ms against flash_v2's 1.559 (1.11x its speed; 1.07x at 2k, 1.14x
+# at 16k): :data:`FLEX_FWD_SHARE_HOPPER`. No Hopper backward and no Blackwell figure is
+# published: there the A100's share stands (an assumption, docs/calibration.md). Block
+# sparsity -- a sliding window's band, a document mask -- skips whole 128 x 128 tiles as
+# FlashAttention-2's windowed kernel does (:func:`causal_tiles`), so the share applies to the
+# band's time.
 FLEX_SHARE_OF_FLASH2 = {"fwd": 0.90, "bwd": 0.85}
+FLEX_FWD_SHARE_HOPPER = 1.559 / 1.404
+
+
+def flex_share(arch: str, pass_: str) -> float:
+    """FlexAttention's speed over FlashAttention-2's on the same call, on a GPU generation
+    (:data:`FLEX_SHARE_OF_FLASH2`, :data:`FLEX_FWD_SHARE_HOPPER`).
+
+    Examples
+    --------
+    >>> flex_share("ampere", "fwd"), flex_share("ampere", "bwd"), flex_share("hopper", "bwd")
+    (0.9, 0.85, 0.85)
+    >>> round(flex_share("hopper", "fwd"), 3)
+    1.11
+    """
+    if arch == "hopper" and pass_ == "fwd":
+        return FLEX_FWD_SHARE_HOPPER
+    return FLEX_SHARE_OF_FLASH2[pass_]
 
 
 # A fused attention kernel with dropout draws a Philox random number for every score it keeps

@@ -25,9 +25,9 @@ from sim import catalog
 from sim.catalog import GpuSpec
 from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import (
-    FLEX_SHARE_OF_FLASH2,
     MEASURED_BACKEND,
     causal_tiles,
+    flex_share,
     matmul_share,
     share_of_flash2,
 )
@@ -372,7 +372,7 @@ class ComputeModel(MemoryBoundKernels):
         (:func:`~sim.hardware.masked_attention.masked_slowdown`). FlashAttention's first
         CUDA kernel and its Triton kernel run FlashAttention-2's call at their published
         share of its speed (:func:`~sim.hardware.attention_cost.share_of_flash2`), and
-        FlexAttention at its own (:data:`~sim.hardware.attention_cost.FLEX_SHARE_OF_FLASH2`).
+        FlexAttention at its own (:func:`~sim.hardware.attention_cost.flex_share`).
         FlashAttention-2's causal calls follow its published curve over length
         (:func:`~sim.hardware.flash_curves.flash2_causal_speedup`; ``published_curve``
         False: the form alone).
@@ -381,7 +381,7 @@ class ComputeModel(MemoryBoundKernels):
         if self.attention_backend == "flex":
             return self._flash2_model.attention_time(
                 batch, heads, seq, head_dim, pass_, kv_seq, causal, measured_table, window,
-                fp8, masked, published_curve) / FLEX_SHARE_OF_FLASH2[pass_]
+                fp8, masked, published_curve) / flex_share(self.gpu.arch, pass_)
         legacy = share_of_flash2(self.attention_backend, self.gpu.arch, head_dim, row_len)
         if legacy is not None:
             return self._flash2_model.attention_time(

@@ -30,9 +30,9 @@ published benchmark configs ``examples/benchmark/configs/*_te_deepep.yaml``; lat
 
 Embedding and output layer are plain ``nn.Embedding`` and ``nn.Linear``: torchtitan's blocks
 (:mod:`sim.workload.layer_ops`) price them, with PyTorch's cross entropy on the bf16 logits
-(``MaskedCrossEntropy(fp32_upcast=False)``: ``Style.bf16_loss``, no fp32 copy). The benchmark configs also set
-``fake_balanced_gate``: ``training.routing.distribution: round_robin``
-(:mod:`sim.workload.routing`).
+(``MaskedCrossEntropy(fp32_upcast=False)``: ``Style.bf16_loss``, no fp32 copy). The
+benchmark configs also set ``fake_balanced_gate``: ``training.routing.distribution:
+round_robin`` (:mod:`sim.workload.routing`).
 
 GPT-OSS (``attn: flex``, the only attention its model code took until 2026): AutoModel's own
 attention module with FlexAttention and the learned sinks applied after it
