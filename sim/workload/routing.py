@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import numpy as np
 
@@ -95,8 +96,13 @@ def round_robin_hit(experts: int, top_k: int, members: Sequence[int]) -> float:
     """
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k {top_k} must be between 1 and the {experts} experts")
+    return _round_robin_hit(experts, top_k, frozenset(members))
+
+
+@lru_cache(maxsize=4096)
+def _round_robin_hit(experts: int, top_k: int, held: frozenset[int]) -> float:
+    # Cached: the planner and each DeepEP op of a program ask for the same groups again.
     g = math.gcd(top_k, experts)
-    held = set(members)
     starts = range(0, experts, g)
     hits = sum(any((s + j) % experts in held for j in range(top_k)) for s in starts)
     return hits / len(starts)
