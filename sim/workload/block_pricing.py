@@ -24,7 +24,7 @@ from sim.hardware.compute import (
     ComputeModel,
 )
 from sim.hardware.fp8_attention import Format
-from sim.workload.grouped_gemm import grouped_gemm_time
+from sim.workload.grouped_gemm import grouped_gemm_time, torch_grouped_mm_slowdown
 from sim.workload.kernels import Block, Kernel, Style, is_reduction
 
 CPP_LAUNCH_CPU_S = EAGER_BWD_OP_CPU_S
@@ -154,6 +154,8 @@ def kernel_time(cm: ComputeModel, k: Kernel) -> float:
         if k.group:
             t = grouped_gemm_time(cm, k.group, kk, n, p, fp8=k.fp8,  # type: ignore[arg-type]
                                   block_scaled=k.fp8_block)
+            if k.grouped_impl == "torch":
+                t *= torch_grouped_mm_slowdown(cm.gpu.arch)
         else:
             t = cm.gemm_time(m_, kk, n, p, fp8=k.fp8,  # type: ignore[arg-type]
                              block_scaled=k.fp8_block)

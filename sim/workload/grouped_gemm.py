@@ -48,6 +48,28 @@ TE_COMPUTE_STREAMS = 4
 """Side streams of TE's multi-stream cuBLAS grouped GEMM
 (``transformer_engine/common/util/multi_stream.cpp``, ``get_num_compute_streams``)."""
 
+TORCH_GROUPED_MM_SLOWDOWN = {"hopper": 1.23, "blackwell": 1.61}
+"""``torch._grouped_mm`` in bf16 (PyTorch's CUTLASS grouped kernel, ``GroupMM.cu``; what
+torchtitan's ``GroupedExperts`` run) over the same groups priced as cuBLAS GEMMs, per GPU
+generation. **Fitted** (``tools/fit_torch_grouped_mm.py``) on torchao's kernel benchmarks:
+Hopper on an H100's forward over 16 groups of 8,192 x 5,120 x 8,192 (pytorch/ao PR 2490,
+``sim/catalog/reference/torchao_grouped_mm_h100.yaml``; its other row, K and N swapped, is
++3.3%), Blackwell on a B200's forward plus backward of Llama 4 Scout's experts in 1-8 groups
+(the torchao README, ``torchao_grouped_mm.yaml``; DeepSeek-V3's rows are -7% to +12%). Neither
+benchmark says why; one kernel configuration per architecture against cuBLAS's per-shape
+heuristics would. Other generations: 1 (no kernel of its own before sm90)."""
+
+
+def torch_grouped_mm_slowdown(arch: str) -> float:
+    """:data:`TORCH_GROUPED_MM_SLOWDOWN` of a GPU generation, 1 where none is measured.
+
+    Examples
+    --------
+    >>> torch_grouped_mm_slowdown("hopper"), torch_grouped_mm_slowdown("ampere")
+    (1.23, 1.0)
+    """
+    return TORCH_GROUPED_MM_SLOWDOWN.get(arch, 1.0)
+
 
 def grouped_gemm_time(cm: ComputeModel, rows: Sequence[float], k: float, n: float,
                       pass_: GemmPass = "fwd", fp8: bool = False, block_scaled: bool = False

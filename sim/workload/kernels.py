@@ -105,6 +105,11 @@ class Kernel:
     an op whose operands' dtypes differ (a bf16-to-fp32 copy, an fp32 + bf16 add, an fp32
     ``cos`` times a bf16 ``q``), but not by the fp32-to-bf16 copy PyTorch special-cases
     (:meth:`sim.hardware.compute.ComputeModel.cast_loop_time`); 0 for any other kernel."""
+    grouped_impl: Literal["cublas", "torch"] = "cublas"
+    """A grouped GEMM (``group``): ``cublas``, priced as its per-expert cuBLAS GEMMs
+    (:func:`sim.workload.grouped_gemm.grouped_gemm_time`); ``torch``, ``torch._grouped_mm``
+    (torchtitan's ``GroupedExperts``) at its measured slowdown over that
+    (:func:`sim.workload.grouped_gemm.torch_grouped_mm_slowdown`)."""
     launches: int = 1
     """Kernel launches the host issues for it: Transformer Engine's default grouped GEMM
     (``multi_stream_cublas_gemm``, ``transformer_engine/common/gemm/cublaslt_gemm.cu``) calls

@@ -67,6 +67,7 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
         return Kernel(f"{name}.{pass_}", "gemm", reads + more, (out, *extra), fl,
                       gemm=(rows, n_in, n_out, pass_), fp8=fp8,
                       group=() if lay.te_ops else counts, launches=n_launch,
+                      grouped_impl="torch" if lay.torch_grouped_mm else "cublas",
                       fp8_block=fp8 and lay.fp8 in BLOCK_SCALED)
 
     n_launch = sum(1 for c in counts if c > 0) \

@@ -157,6 +157,9 @@ class MoELayout:
     main_grad_bytes: int = FP32
     """Bytes of a ``main_grad`` element the expert and gate wgrad GEMMs accumulate into
     (gradient-accumulation fusion): 2 where gradients are reduced in 16 bits."""
+    torch_grouped_mm: bool = False
+    """The grouped GEMMs are ``torch._grouped_mm`` (torchtitan's ``GroupedExperts``), priced at
+    its measured slowdown (:attr:`~sim.workload.kernels.Kernel.grouped_impl`)."""
     eager_fc1_bias: bool = False
     """NeMo AutoModel's ``GroupedExpertsDeepEP``: fc1's bias added per expert in eager
     PyTorch after a GEMM without one (:func:`~sim.workload.gpt_oss_ops.expert_input_bias`),

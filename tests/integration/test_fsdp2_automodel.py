@@ -164,8 +164,8 @@ def test_deepep_gain_on_deepseek_v3_512_h100_is_torchtitans_measured_one() -> No
     """PR #2107's run: DeepSeek-V3 671B (no MTP), 64 DGX H100, PP 8 Interleaved1F1B (2
     stages a rank), FSDP 64, EP 32, local batch 16, seq 4096, full checkpointing, compiled,
     ``debug.moe_force_load_balance`` (the round-robin gate): 579 / 346 = 1.67x from DeepEP.
-    Its absolute throughput is not matched (the simulator is ~55% above both: see
-    docs/calibration.md, thirty-seventh session)."""
+    Its absolute throughput is not matched (the simulator is ~50% above both: see
+    docs/calibration.md, thirty-seventh and thirty-eighth sessions)."""
     from sim.catalog import model_entry
     model = {k: v for k, v in model_entry("deepseek-v3").items() if k != "source"} \
         | {"mtp_layers": 0}

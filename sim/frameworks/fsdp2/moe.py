@@ -253,7 +253,7 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     # permutation, masked_select and index_select in, scatter_add_ out).
     lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False,
                     permute=("te" if automodel else "torch") if deepep else "plain",
-                    eager_fc1_bias=automodel)
+                    eager_fc1_bias=automodel, torch_grouped_mm=not automodel)
     balanced = balanced_tokens_per_expert(tokens, m.moe.top_k, m.moe.experts, ep)
     ops = moe_layer_ops(m, lay, tokens=tokens,
                         tokens_per_expert=balanced if deepep else _aligned(balanced),
