@@ -56,10 +56,12 @@ class Unit:
 
 def reshard_blocks(opts: Fsdp2Options, pp: int) -> bool:
     """Whether the embedding and blocks reshard after forward: the scenario's boolean when
-    given, else torchtitan's "default" policy (not with pipeline parallelism)."""
+    given, else the model code's default: torchtitan's "default" policy (not with pipeline
+    parallelism), NeMo AutoModel's never (``parallelize_model(reshard_after_forward=False)``,
+    ``components/moe/parallelizer.py`` at 8d9bfb90e; its configs set it where they want it)."""
     if "reshard_after_forward" in opts.model_fields_set:
         return opts.reshard_after_forward
-    return pp == 1
+    return pp == 1 and opts.model_code != "automodel"
 
 
 def moe_unit(layer: int, moe: TitanMoE, numel: dict[str, int], ugrad: dict[str, float],
