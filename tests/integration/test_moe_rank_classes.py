@@ -74,7 +74,9 @@ def test_each_ep_load_its_own_class_with_its_own_priced_gemms(ep: int, pp: int) 
     assert len(set(loads)) == ep                      # Zipf s = 1: every EP rank differs
     assert len(p.classes) == pp * ep
     assert p.meta["moe_rank_classes"] == "one per stage and expert load"
-    lay = MoELayout(ep=ep, router_fusion=False, aux_loss=False, z_loss=False)
+    # torchtitan's layer: its router unfused, no aux loss, torch._grouped_mm experts.
+    lay = MoELayout(ep=ep, router_fusion=False, aux_loss=False, z_loss=False,
+                    torch_grouped_mm=True)
     for c, ops in _experts(p):
         eps = {r % ep for r in c.members}
         assert len(eps) == 1                           # one load per class
@@ -164,7 +166,8 @@ def test_above_the_class_limit_one_class_per_stage_at_the_busiest_load(monkeypat
     assert len(p.classes) == 2
     assert p.meta["moe_rank_classes"] == "one per stage (busiest EP rank)"
     ctx = JobContext.from_scenario(s)
-    lay = MoELayout(ep=4, router_fusion=False, aux_loss=False, z_loss=False)
+    lay = MoELayout(ep=4, router_fusion=False, aux_loss=False, z_loss=False,
+                    torch_grouped_mm=True)
     costs = [price_block(moe_layer_ops(ctx.model, lay, SEQ, tokens_per_expert=c).experts,
                          STYLE, ctx.compute) for c in _rank_loads(s, 4)]
     top = max(costs, key=lambda c: c.fwd_s + c.bwd_s)
