@@ -138,6 +138,17 @@ def test_gpt_oss_runs_automodels_flexattention_module_layer_by_layer() -> None:
     assert re == fwd
 
 
+def test_gpt_oss_ops_credit_the_models_flops_band_included() -> None:
+    # Each op carries its share of the model's FLOPs; a sliding layer's attention only its
+    # band's (window_pairs), so over the step they add up to ModelSpec's count.
+    s = _scn(model=GPT_OSS)
+    p = program(s)
+    per_rank = sum(op.flops or 0.0 for op in p.ops)
+    total = JobContext.from_scenario(s).model_flops_per_step()
+    assert len(p.classes) == 1 and per_rank * len(p.classes[0].members) == \
+        pytest.approx(total, rel=1e-3)
+
+
 @pytest.mark.parametrize(("kw", "key"), [
     ({"code": "torchtitan"}, "framework.model_code"),
     ({"attention_backend": "cudnn"}, "training.attention_backend"),

@@ -69,10 +69,11 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
     ``attn`` for every layer.
     """
 
+    def key(block: str, layer: int) -> str:
+        return attn_key(layer) if block == "attn" and attn_key is not None else block
+
     def cost(block: str, layer: int) -> BlockCost:
-        if block == "attn" and attn_key is not None:
-            return costs[attn_key(layer)]
-        return costs[block]
+        return costs[key(block, layer)]
 
     recompute = recompute or sac is not None
     ops = PassOps()
@@ -102,7 +103,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         if scoped:
             alloc.append(("buffers", scoped))
             scoped_total += scoped
-        ff, _ = model_flops[block]
+        ff, _ = model_flops[key(block, layer)]
         ordered = None if ckpt or c.weight_cast_bytes else ordered_forward_allocs(c)
         end_free: tuple[tuple[str, float], ...] = ()
         if ordered is not None:
@@ -157,7 +158,7 @@ def micro_batch_ops(costs: dict[str, BlockCost], layers: int, mb: int, recompute
         # The checkpoint's own hold on the layer input, where no op's saved set has it.
         held = c.checkpoint_only_input_bytes if (ckpt and block == "attn") else 0.0
         free = (("activations", saved_here + cached + held),)
-        fb = model_flops[block][1]
+        fb = model_flops[key(block, layer)][1]
         name = f"bwd {block}{'' if layer < 0 else f' L{layer}'} mb{mb}"
         op = Op(name=name, kind="compute", stream=stream, phase=phase, duration=duration,
                 kernels=kernels, alloc=tuple(alloc), free=free, transient=transient,
