@@ -566,3 +566,29 @@ def test_plan_command_skips_frameworks_that_cannot_build_the_model(
     assert asked == [("fsdp2", "megatron")]
     err = capsys.readouterr().err
     assert "fsdp2 skipped" not in err and "ddp skipped" in err and "model.experts" in err
+
+
+def test_past_half_the_time_limit_only_simulations_start(odd: Any, monkeypatch) -> None:
+    # The clock stands at 60% of a 100 s limit from the first look on: builds go on until
+    # one built layout fits, then only simulations start (BUILD_SHARE_OF_TIME 0.5); what is
+    # left unbuilt was not reached in time, and the search still ranks what it simulated.
+    import importlib
+    from types import SimpleNamespace
+
+    search_mod = importlib.import_module("sim.apps.plan.search")
+    calls = iter([0.0])
+    clock = SimpleNamespace(perf_counter=lambda: next(calls, 60.0))
+    monkeypatch.setattr(search_mod, "time", clock)
+    result = plan.search(odd, "time", top=3, workers=1, max_simulations=4, time_limit_s=100.0)
+    built = [c for c in result.candidates if c.evaluation is not None]
+    fitting = [c for c in built if c.evaluation.refused is None
+               and c.status not in ("memory",)]
+    assert len(fitting) >= 1
+    assert result.stop == "time"
+    assert result.simulated and result.ranked()
+    assert any(c.reason == "time limit reached" and c.evaluation is None
+               for c in result.candidates)
+    # Without the clock's push the same search builds far more before it simulates.
+    monkeypatch.undo()
+    full = plan.search(odd, "time", top=3, workers=1, max_simulations=4)
+    assert len([c for c in full.candidates if c.evaluation is not None]) > len(built)

@@ -313,6 +313,14 @@ def _also(cache_dir: str | None) -> tuple[str, ...]:
     return (cache_dir,) if cache_dir is not None else ()
 
 
+BUILD_SHARE_OF_TIME = 0.5
+"""With a time limit, new builds start only within this share of it once a built layout
+fits: the rest is kept for simulating the best built ones. Best first over loose bounds can
+otherwise spend the whole limit building (a mixture-of-experts model: every layout whose
+profile bound lies under the first fitting layout's bound is built before that one is
+simulated) and recommend nothing."""
+
+
 @dataclass(frozen=True)
 class _Limits:
     """When the branch and bound stops starting work."""
@@ -347,6 +355,8 @@ class _BranchAndBound:
         self.lighter = LighterFits()
         self.levers = Levers(cands, Candidate, base)
         self.force_host = False     # nothing in flight: host twins wait no longer
+        self.fitting_built = 0      # built layouts queued for simulation
+        self.builds_deferred = False  # unbuilt layouts left for the simulations' time
 
     def threshold(self) -> float:
         """The K-th best simulated objective: a bound at or above it cannot enter the top."""
@@ -367,13 +377,20 @@ class _BranchAndBound:
             self.collect()
 
     def launch(self) -> None:
-        """Start builds and simulations, best bound first, while there is room."""
+        """Start builds and simulations, best bound first, while there is room; past the
+        build share of a time limit (:data:`BUILD_SHARE_OF_TIME`), simulations only."""
+        deferred: list[tuple[float, int, int]] = []
         while self.heap and len(self.in_flight) < self.capacity:
             stop = self._stop_reason()
             if stop is not None:
                 self.stop = stop
                 break
-            _, i, stage = heapq.heappop(self.heap)
+            entry = heapq.heappop(self.heap)
+            _, i, stage = entry
+            if stage == 0 and self._builds_closed():
+                deferred.append(entry)
+                self.builds_deferred = True
+                continue
             if stage == 1 and self.cands[i].status != "building":
                 continue            # settled already (queued again, then simulated)
             if self._slower(self.cands[i], stage) or self._host_skip(i, stage):
@@ -382,6 +399,15 @@ class _BranchAndBound:
                 self._start_build(self.cands[i])
             else:
                 self._start_simulation(self.cands[i])
+        for entry in deferred:
+            heapq.heappush(self.heap, entry)
+
+    def _builds_closed(self) -> bool:
+        """Past :data:`BUILD_SHARE_OF_TIME` of the time limit with a built layout that fits:
+        the rest of the time is the simulations'."""
+        limits = self.limits
+        return (limits.time_limit_s is not None and self.fitting_built > 0
+                and time.perf_counter() - limits.t0 > limits.time_limit_s * BUILD_SHARE_OF_TIME)
 
     def _slower(self, c: Candidate, stage: int) -> bool:
         """Drop ``c`` (status ``bound``) if less recomputation of its layout fits
@@ -515,6 +541,7 @@ class _BranchAndBound:
             self._lever(c)
         else:
             self.lighter.fits(c.family, c.layout, c.index)
+            self.fitting_built += 1
             heapq.heappush(self.heap, (self.goal.of_seconds(c.lower_bound_s), c.index, 1))
 
     def _settle_simulation(self, c: Candidate, sim: Simulated) -> None:
@@ -549,11 +576,15 @@ class _BranchAndBound:
         simulated result) or never reached (the simulation budget or the time limit ran
         out first)."""
         limit = self.threshold()
+        if self.builds_deferred and self.stop == "exhausted":
+            self.stop = "time"
         stop = self.stop
         for c in self.cands:
             if c.status in ("pending", "building", "simulating"):
                 if self.goal.of_seconds(c.lower_bound_s) >= limit:
                     c.status, c.reason = "bound", "lower bound at or above the top-K threshold"
+                elif c.status == "pending" and self.builds_deferred:
+                    c.status, c.reason = "time", "time limit reached"
                 else:
                     c.status = stop if stop in ("budget", "time") else "bound"
                     c.reason = ("simulation budget spent" if stop == "budget"
