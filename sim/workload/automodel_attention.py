@@ -28,7 +28,7 @@ supported for GPT-OSS"), one layer on one GPU without tensor parallelism:
   bias) and the block's residual add ``x + attn_out``.
 
 The kernel is the scenario's attention backend (``flex``:
-:data:`sim.hardware.attention_cost.FLEX_SHARE_OF_FLASH2`), over the window's band on the
+:func:`sim.hardware.attention_cost.flex_share`), over the window's band on the
 sliding layers (:func:`sim.hardware.attention_cost.causal_tiles`).
 """
 
@@ -70,7 +70,8 @@ def eager_half_rope(b: _Builder, x: Tensor, n: float, table: float, name: str) -
         tab[fn] = new(f"{fn}16", table)
         b.fwd(Kernel(f"{name}_rope.{fn}_bf16", "elementwise", (new(fn, table, FP32),),
                      (tab[fn],)))
-    x1, x2 = new("x1"), new("x2")
+    # torch.chunk: two views of x, each read as its own strided half.
+    x1, x2 = (Tensor(f"{x.name}.{half}", x.nbytes / 2) for half in ("x1", "x2"))
     prods = {}
     for tag, half, fn in (("x1_cos", x1, "cos"), ("x2_sin", x2, "sin"), ("x2_cos", x2, "cos"),
                           ("x1_sin", x1, "sin")):

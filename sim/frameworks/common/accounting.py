@@ -22,6 +22,10 @@ from sim.hardware.compute import ComputeModel
 from sim.workload.layer_ops import BlockCost
 from sim.workload.model import ModelSpec
 
+WINDOWED_ATTN = "attn_window"
+"""The block key of a sliding-window layer's attention where a builder prices it apart from
+the full layers' ``attn`` (NeMo AutoModel's GPT-OSS in fsdp2, ``Job.attn_key``)."""
+
 
 def block_model_flops(model: ModelSpec, costs: Mapping[str, BlockCost], micro_batch: int,
                       seq: int) -> dict[str, tuple[float, float]]:
@@ -70,11 +74,11 @@ def block_model_flops(model: ModelSpec, costs: Mapping[str, BlockCost], micro_ba
                  "attn": 6.0 * costs["attn"].params + 6.0 * seq * model.q_dim,
                  "mlp": 6.0 * costs["mlp"].params,
                  "head": 6.0 * (model.vocab * model.hidden)}
-    if "attn_window" in costs and model.sliding_window is not None:
+    if WINDOWED_ATTN in costs and model.sliding_window is not None:
         # A sliding layer's own block: 12 x q_dim FLOPs per (query, key) pair it scores
         # (forward and backward), the pairs of its band (window_pairs; S^2 / 2 without one
         # gives the line above).
-        per_token["attn_window"] = 6.0 * costs["attn_window"].params + 12.0 * model.q_dim \
+        per_token[WINDOWED_ATTN] = 6.0 * costs[WINDOWED_ATTN].params + 12.0 * model.q_dim \
             * window_pairs(seq, model.sliding_window) / seq
     return {b: (v * tokens / 3, 2 * v * tokens / 3) for b, v in per_token.items()}
 

@@ -36,12 +36,11 @@ round_robin`` (:mod:`sim.workload.routing`).
 
 GPT-OSS (``attn: flex``, the only attention its model code took until 2026): AutoModel's own
 attention module with FlexAttention and the learned sinks applied after it
-(:mod:`sim.workload.automodel_attention`); its experts, DeepEP and ``GroupedExpertsDeepEP``'s
-biases, priced as Megatron-Core's GPT-OSS experts (:mod:`sim.workload.gpt_oss_ops`: the
-fc2 bias added per expert in Python with the routing probs, as AutoModel's ``_apply_bias``
-does; AutoModel also adds fc1's bias that way and clamps inside its compiled activation,
-where Megatron adds the bias in the GEMM epilogue and clamps in three eager kernels: about
-the same passes over the fc1 output).
+(:mod:`sim.workload.automodel_attention`); its ``GroupedExpertsDeepEP`` adds both expert
+biases per expert in eager PyTorch after ``grouped_gemm``'s bias-less GEMMs (fc1's plain,
+``MoELayout.eager_fc1_bias``; fc2's times the routing probs, as Megatron-Core's
+``TEGroupedMLP._apply_bias``: :mod:`sim.workload.gpt_oss_ops`) and clamps inside its
+compiled activation.
 
 Not modelled: AutoModel's tensor and context parallel plans, Transformer Engine's sink
 attention (its later GPT-OSS configs' ``attn: te``), FP8, ``torch.compile``.
@@ -52,6 +51,7 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
+from sim.frameworks.common.accounting import WINDOWED_ATTN
 from sim.hardware.compute import ComputeModel
 from sim.workload.automodel_attention import flex_sink_attention_block
 from sim.workload.block_pricing import BlockCost, price_block
@@ -113,10 +113,6 @@ def te_layer_blocks(m: ModelSpec, batch: int, seq: int) -> tuple[Block, Block]:
             chain_blocks("mlp", b["mlp_pre"], b["mlp_main"]))
 
 
-WINDOWED_ATTN = "attn_window"
-"""The priced block of a sliding-window layer's attention (``Job.attn_key``)."""
-
-
 def te_layer_costs(m: ModelSpec, cm: ComputeModel, batch: int, seq: int
                    ) -> dict[str, BlockCost]:
     """The priced ``attn`` and ``mlp`` blocks (:func:`te_layer_blocks`); GPT-OSS's attention
@@ -124,10 +120,12 @@ def te_layer_costs(m: ModelSpec, cm: ComputeModel, batch: int, seq: int
     (:func:`~sim.workload.automodel_attention.flex_sink_attention_block`), with its
     sliding layers' block as ``attn_window`` when the window is shorter than the sequence."""
     attn, mlp = te_layer_blocks(m, batch, seq)
-    costs = {"attn": price_block(attn, STYLE, cm), "mlp": price_block(mlp, STYLE, cm)}
-    if m.attention_sinks:
-        costs["attn"] = price_block(flex_sink_attention_block(m, batch, seq), STYLE, cm)
-        if m.sliding_window is not None and m.sliding_window < seq:
-            costs[WINDOWED_ATTN] = price_block(
-                flex_sink_attention_block(m, batch, seq, m.sliding_window), STYLE, cm)
+    costs = {"mlp": price_block(mlp, STYLE, cm)}
+    if not m.attention_sinks:
+        costs["attn"] = price_block(attn, STYLE, cm)
+        return costs
+    costs["attn"] = price_block(flex_sink_attention_block(m, batch, seq), STYLE, cm)
+    if m.sliding_window is not None and m.sliding_window < seq:
+        costs[WINDOWED_ATTN] = price_block(
+            flex_sink_attention_block(m, batch, seq, m.sliding_window), STYLE, cm)
     return costs

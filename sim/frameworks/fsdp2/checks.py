@@ -39,11 +39,11 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 "DeepSeek-V3 code; Hugging Face's is not yet (issue 14)")
     # GPT-OSS's learned sinks and sliding windows: NeMo AutoModel's module with FlexAttention
     # (sim/workload/automodel_attention.py); torchtitan's experimental GPT-OSS is not modelled.
-    sinks = m.attention_sinks or m.sliding_window is not None
-    ctx.require(not sinks or opts.model_code == "automodel", "framework.model_code",
+    gpt_oss_attention = m.attention_sinks or m.sliding_window is not None
+    ctx.require(not gpt_oss_attention or opts.model_code == "automodel", "framework.model_code",
                 "attention sinks and sliding windows (GPT-OSS) are modelled in fsdp2 with NeMo "
                 "AutoModel's model code (model_code: automodel)")
-    ctx.require(not sinks or ctx.compute.attention_backend == "flex",
+    ctx.require(not gpt_oss_attention or ctx.compute.attention_backend == "flex",
                 "training.attention_backend",
                 "AutoModel's GPT-OSS attention is modelled with FlexAttention (auto or flex), "
                 "not Transformer Engine's sink attention")

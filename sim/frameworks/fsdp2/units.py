@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from sim.frameworks.common.accounting import WINDOWED_ATTN
 from sim.frameworks.common.base import JobContext
-from sim.frameworks.fsdp2.automodel import WINDOWED_ATTN
 from sim.frameworks.fsdp2.mesh import Mesh
 from sim.frameworks.fsdp2.moe import TitanMoE
 from sim.frameworks.fsdp2.tp import TitanBlocks
