@@ -58,7 +58,7 @@ from sim.engine.report_log import (
     link_rates_repeat,
 )
 from sim.program.ir import Op, Program, RankClass
-from sim.program.periods import SteadyPeriod, op_signature, steady_period
+from sim.program.periods import ClassOrder, SteadyPeriod, op_signature, steady_period
 
 if TYPE_CHECKING:
     from sim.engine.core import Engine
@@ -479,7 +479,10 @@ def _counterparts_alike(entries: list[Entry], resolved: list[tuple[Any, ...]],
 
 # These three are choices of cost, not physics: none changes a simulated number (a run
 # that cannot be spliced with them is simulated whole). Chosen on the cases of
-# docs/performance.md item 11, where 4 periods of 4 and 10 of 1 micro-batch showed a cut.
+# docs/performance.md item 11, where 4 periods of 4 and 10 of 1 micro-batch showed a cut;
+# 3 and 4 since an interleaved pipeline of 8 stages at 128 micro-batches (NeMo's DeepSeek-V3
+# on 1,024 H100) keeps only 9 of its 16 periods whole (the pipeline's sends and receives at
+# each class's stretch ends): at 4 and 6 it was never spliced (75 s, now 54 s).
 SHORT_MICRO_BATCHES = 10
 """Steady micro-batches the short program keeps, in whole periods (at least
 :data:`MIN_SHORT_PERIODS`): room for the window of reports that witnesses the cut (the host
@@ -488,9 +491,9 @@ no cut shows, the short program is tried once more with twice as many periods, o
 longest wait of an op between its issue and its start (in periods: the host's lead, and at a
 deep pipeline the fill's waits) and two more where that is larger, if it then has at most
 half the long one's micro-batches."""
-MIN_SHORT_PERIODS = 4
+MIN_SHORT_PERIODS = 3
 """Fewest steady periods the short program keeps (the window, the period, room after it)."""
-MIN_EXTRA_PERIODS = 6
+MIN_EXTRA_PERIODS = 4
 """Fewest periods the long program must have beyond the short one's for a splice to be
 tried: below it the short run and the replay cost about what the whole run does."""
 
@@ -519,11 +522,12 @@ def run_spliced(program: Program, shorter: Callable[[int], Program | None],
     if program.background_streams:
         return None
     period = None
+    seen: dict[int, ClassOrder] = {}
     for per in (1, program.pipeline_stages):
         # Too few micro-batches for the periods a splice needs: no search (the planner runs
         # thousands of small steps).
         if program.micro_batches >= (MIN_SHORT_PERIODS + MIN_EXTRA_PERIODS) * per:
-            period = steady_period(program, per)
+            period = steady_period(program, per, seen)
         if period is not None or program.pipeline_stages == 1:
             break
     if period is None:

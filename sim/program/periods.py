@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,6 +89,14 @@ def op_signature(op: Op, by_value: bool = False) -> tuple[Hashable, ...]:
             len(op.deps))
 
 
+class ClassOrder(NamedTuple):
+    """A rank class's ops in issue order, their signatures and positions (by ``id``)."""
+
+    order: list[Op]
+    sigs: list[tuple[Hashable, ...]]
+    pos: dict[int, int]
+
+
 def class_order(cls: RankClass) -> list[Op]:
     """The class's ops in issue order: program order, the rule of
     :func:`sim.engine.host_clock.issue_order` (the engine layer's home of it)."""
@@ -139,7 +148,8 @@ def _stretch(order: list[Op], length: int, sigs: list[tuple[Hashable, ...]],
     return start, end
 
 
-def steady_period(program: Program, micro_batches: int = 1) -> SteadyPeriod | None:
+def steady_period(program: Program, micro_batches: int = 1,
+                  seen: dict[int, ClassOrder] | None = None) -> SteadyPeriod | None:
     """The stretch over which every rank class repeats itself ``micro_batches`` micro-batches
     on, with keys mapping one to one; None if some class has none.
 
@@ -150,12 +160,14 @@ def steady_period(program: Program, micro_batches: int = 1) -> SteadyPeriod | No
     micro_batches
         Micro-batches per period: 1 for 1F1B and gradient accumulation, the pipeline size for
         Megatron's interleaved schedule.
+    seen
+        Each class's issue order and op signatures from an earlier call on the same program
+        (filled here): they do not depend on ``micro_batches``, and a search that tries two
+        periods pays for them once.
 
     Examples
     --------
-    >>> import numpy as np
-
-from sim.program.ir import Op, Program, RankClass
+    >>> from sim.program.ir import Op, Program, RankClass
     >>> cls = RankClass(0, (0,))
     >>> p = Program([cls], 1, 1.0, 1.0, 1.0, micro_batches=8)
     >>> for m in range(8):
@@ -167,14 +179,18 @@ from sim.program.ir import Op, Program, RankClass
     (2, 7)
     """
     regions: dict[int, tuple[list[Op], ClassPeriod]] = {}
+    seen = {} if seen is None else seen
     for cls in program.classes:
-        order = class_order(cls)
+        known = seen.get(cls.id)
+        order = class_order(cls) if known is None else known.order
         measured = _period_length(order, micro_batches)
         if measured is None:
             return None
+        if known is None:
+            known = seen[cls.id] = ClassOrder(order, [op_signature(op) for op in order],
+                                              {id(op): i for i, op in enumerate(order)})
         anchor, length = measured
-        sigs = [op_signature(op) for op in order]
-        pos = {id(op): i for i, op in enumerate(order)}
+        sigs, pos = known.sigs, known.pos
         start, end = _stretch(order, length, sigs, pos, anchor)
         # A dependency both ops share (Megatron's wait on the first forward's parameter
         # all-gather) must lie before the stretch: start after the last such one.
