@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from sim.analysis.summary import BytesByClass, MemorySummary, RankClassMemory
 from sim.catalog import GpuSpec
 from sim.engine.recorder import OpRecord, Recorder
@@ -46,14 +48,37 @@ def merge_intervals(intervals: Iterable[Interval], gap: float = 0.0) -> list[Int
     >>> merge_intervals([(2.0, 3.0), (0.0, 1.0), (1.05, 1.55)], gap=0.1)
     [(0.0, 1.55), (2.0, 3.0)]
     """
+    spans = [(a, b) for a, b in intervals if b > a]
+    if len(spans) > _MERGE_BY_ARRAY:
+        return _merge_sorted_array(spans, gap)
     out: list[Interval] = []
-    for a, b in sorted((a, b) for a, b in intervals if b > a):
+    for a, b in sorted(spans):
         if out and a <= out[-1][1] + gap:
             if b > out[-1][1]:
                 out[-1] = (out[-1][0], b)
         else:
             out.append((a, b))
     return out
+
+
+_MERGE_BY_ARRAY = 256
+"""Above this many intervals :func:`merge_intervals` merges with numpy (a large run's plots
+merge hundreds of thousands of ops' intervals)."""
+
+
+def _merge_sorted_array(spans: list[Interval], gap: float) -> list[Interval]:
+    """:func:`merge_intervals`' loop as array operations, the same values: sorted by start
+    then end, an interval opens a new run where its start is beyond the running greatest end
+    so far plus ``gap`` (the end of the run it would join), and each run ends at its greatest
+    end."""
+    arr = np.asarray(spans, dtype=float)
+    arr = arr[np.lexsort((arr[:, 1], arr[:, 0]))]
+    reach = np.maximum.accumulate(arr[:, 1])
+    opens = np.ones(len(arr), dtype=bool)
+    opens[1:] = arr[1:, 0] > reach[:-1] + gap
+    first = np.flatnonzero(opens)
+    return list(zip(arr[first, 0].tolist(), np.maximum.reduceat(arr[:, 1], first).tolist(),
+                    strict=True))
 
 
 def subtract_intervals(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:

@@ -154,16 +154,18 @@ def timeline_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | 
         if y is None:
             continue
         color = CATEGORY_COLORS.get(r.op.category, OTHER_COLOR)
-        clipped = clip([(r.start, r.end)], window)
-        if not clipped:
-            continue
-        s, e = clipped[0]
+        s, e = r.start, r.end
+        if window is not None:   # clip()'s rule, inline: one call per op cost seconds
+            if not (e > window[0] and s < window[1]):
+                continue
+            s, e = max(s, window[0]), min(e, window[1])
         bars.setdefault((y, color), []).append((s, e))
         present.setdefault(r.op.category if r.op.category in CATEGORY_COLORS else "other", color)
     bar_top, bar_h = -0.36, 0.6      # rows grow downwards (inverted axis)
     strip_top, strip_h = 0.27, 0.13  # exposed strip under the bar
     x0, x1 = window if window is not None else (0.0, step_end(rec))
-    gap = (x1 - x0) / (FIGURE_WIDTH_IN * DPI) * MERGED_GAP_PX
+    pixel = (x1 - x0) / (FIGURE_WIDTH_IN * DPI)
+    gap = pixel * MERGED_GAP_PX
     for (y, color), iv in bars.items():
         ax.broken_barh([(a, b - a) for a, b in merge_intervals(iv, gap)],
                        (y + bar_top, bar_h), facecolors=color, linewidth=0, zorder=2)
@@ -180,11 +182,21 @@ def timeline_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | 
         drawn = False
         for cls, iv in bubbles.items():
             y = row_of.get((cls, COMPUTE_STREAM))
-            xr = [(a, b - a) for a, b in clip(iv, window)]
+            xr = [(a, b - a) for a, b in merge_intervals(clip(iv, window), gap)]
             if y is None or not xr:
                 continue
-            ax.broken_barh(xr, (y - 0.45, 0.9), facecolors=BUBBLE_FACE, edgecolors=BUBBLE_EDGE,
-                           hatch="////", linewidth=0, zorder=1, label=BUBBLE_LABEL)
+            # Hatching is drawn shape by shape and cost seconds for a large run's thousands
+            # of idle moments narrower than a pixel, where no hatch can show: those are filled
+            # plain, the same face.
+            wide = [x for x in xr if x[1] >= pixel]
+            narrow = [x for x in xr if x[1] < pixel]
+            if wide:
+                ax.broken_barh(wide, (y - 0.45, 0.9), facecolors=BUBBLE_FACE,
+                               edgecolors=BUBBLE_EDGE, hatch="////", linewidth=0, zorder=1,
+                               label=BUBBLE_LABEL)
+            if narrow:
+                ax.broken_barh(narrow, (y - 0.45, 0.9), facecolors=BUBBLE_FACE, linewidth=0,
+                               zorder=1)
             drawn = True
         if drawn:
             handles.append(Patch(facecolor=BUBBLE_FACE, edgecolor=BUBBLE_EDGE, hatch="////"))
