@@ -62,6 +62,25 @@ def test_interval_arithmetic_matches_counting_cells(seed: int) -> None:
     assert union_length(rest) == len(_cells(a) - _cells(b))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_merging_many_intervals_on_arrays_gives_the_loops_values(seed: int) -> None:
+    # Above metrics._MERGE_BY_ARRAY intervals the merge runs on numpy: the same values as
+    # the loop (sorted by start then end, joined within the gap), ties and gaps included.
+    rng = random.Random(seed)
+    n = metrics._MERGE_BY_ARRAY * 4
+    spans = [(a, a + rng.choice([0.0, -0.5, rng.random()]))
+             for a in (rng.choice([rng.random() * 50, float(rng.randint(0, 50))])
+                       for _ in range(n))]
+    for gap in (0.0, 0.01, 0.3):
+        loop: list[Interval] = []
+        for a, b in sorted((a, b) for a, b in spans if b > a):
+            if loop and a <= loop[-1][1] + gap:
+                loop[-1] = (loop[-1][0], max(loop[-1][1], b))
+            else:
+                loop.append((a, b))
+        assert merge_intervals(spans, gap) == loop
+
+
 def test_union_length_adds_left_to_right() -> None:
     # Lengths 1e16, 1, 1 in time order. Adding left to right in doubles gives 1e16 (each +1 is
     # a tie at spacing 2, rounded to even), the value the goldens were made with; a
