@@ -46,6 +46,13 @@ from sim.hardware.power import (
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
 
+WGMMA_ATTENTION: tuple[str, ...] = ("cudnn", "flash3")
+"""Hopper attention kernels that keep the tensor cores as busy as a GEMM does (asynchronous
+``wgmma`` fed by TMA, warp-specialised: cuDNN's fused attention, FlashAttention-3, 60-75% of
+the dense peak at head dim 128) and so hold the clock a busy node's GEMMs hold: they carry the
+part's ``gemm_rate_factor`` too. FlashAttention-2's and Triton's ``mma.sync`` kernels (35-45%
+of the peak) draw less and keep their measured rates."""
+
 # CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
 # by it; large ones hide it because the CPU runs ahead of the GPU. Not measured here; set from
 # published eager behaviour: per-op overhead of the order of 10 us (Horace He, "Making Deep
@@ -425,6 +432,8 @@ class ComputeModel(MemoryBoundKernels):
             # FlashAttention-2's sm80 kernels on Blackwell run at Hopper's per-SM rates.
             scale = (blackwell_attention.sm80_kernel_scale(self.gpu)
                      if self.gpu.arch == "blackwell" else self._flops_scale)
+            if self.attention_backend in WGMMA_ATTENTION:
+                scale *= self.gpu.gemm_rate_factor
             rate = p["peak_tflops"] * 1e12 * scale / sms
             # Plus each row tile's fill and drain, in SM cycles as on Blackwell
             # (sim/hardware/blackwell_attention.py); the H200 fit's per-score rate is fitted
