@@ -50,8 +50,9 @@ class GpuSpec:
     """GEMM throughput the part holds in a training node whose GPUs all run, over what the
     H200-fitted GEMM model gives it at its sustained matrix rate: 1 where unmeasured; the H100
     SXM's is fitted on NVIDIA's timings of a Megatron MoE layer on eight H100s
-    (``tools/fit_h100_gemm_rate.py``). GEMMs only: fused attention keeps the rates of its own
-    kernel measurements (``docs/calibration.md``)."""
+    (``tools/fit_h100_gemm_rate.py``). GEMMs, and Hopper's attention kernels that keep the
+    tensor cores as busy (``sim.hardware.attention_cost.WGMMA_ATTENTION``); the other fused
+    attention kernels keep the rates of their own measurements (``docs/calibration.md``)."""
     chip_rate_sigma: float = 0.0
     """Spread of that sustained rate between chips of the part, as a relative standard
     deviation (each die holds its own clock at the power limit); 0 where unmeasured."""

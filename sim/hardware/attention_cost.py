@@ -51,6 +51,13 @@ AttentionBackend = Literal["flash1", "flash2", "flash3", "flash1_triton", "cudnn
 # only it keeps the measured residual correction, and only on Hopper.
 MEASURED_BACKEND: AttentionBackend = "cudnn"
 
+WGMMA_ATTENTION: tuple[AttentionBackend, ...] = ("cudnn", "flash3")
+"""Hopper attention kernels that keep the tensor cores as busy as a GEMM does (asynchronous
+``wgmma`` fed by TMA, warp-specialised: cuDNN's fused attention, FlashAttention-3, 60-75% of
+the dense peak at head dim 128) and so hold the clock a busy node's GEMMs hold: they carry the
+part's ``gemm_rate_factor`` too. FlashAttention-2's and Triton's ``mma.sync`` kernels (35-45%
+of the peak) draw less and keep their measured rates."""
+
 
 # Releases whose SDPA tries cuDNN attention first on datacenter Hopper (sm90) and, from 2.9,
 # Blackwell (sm100/sm103); every other release tries FlashAttention-2 first there, and every

@@ -26,6 +26,7 @@ from sim.catalog import GpuSpec
 from sim.hardware import blackwell_attention
 from sim.hardware.attention_cost import (
     MEASURED_BACKEND,
+    WGMMA_ATTENTION,
     causal_tiles,
     flex_share,
     matmul_share,
@@ -45,13 +46,6 @@ from sim.hardware.power import (
 )
 
 GemmPass = Literal["fwd", "dgrad", "wgrad"]
-
-WGMMA_ATTENTION: tuple[str, ...] = ("cudnn", "flash3")
-"""Hopper attention kernels that keep the tensor cores as busy as a GEMM does (asynchronous
-``wgmma`` fed by TMA, warp-specialised: cuDNN's fused attention, FlashAttention-3, 60-75% of
-the dense peak at head dim 128) and so hold the clock a busy node's GEMMs hold: they carry the
-part's ``gemm_rate_factor`` too. FlashAttention-2's and Triton's ``mma.sync`` kernels (35-45%
-of the peak) draw less and keep their measured rates."""
 
 # CPU time PyTorch eager spends to issue one kernel. Training steps of small models are bound
 # by it; large ones hide it because the CPU runs ahead of the GPU. Not measured here; set from
@@ -165,7 +159,8 @@ class ComputeModel(MemoryBoundKernels):
     @cached_property
     def _gemm_flops_scale(self) -> float:
         # GEMMs also carry the part's gemm_rate_factor (sustained_gemm_flops): what its GEMMs
-        # hold in a node whose GPUs all run; fused attention keeps its own measured rates.
+        # hold in a node whose GPUs all run; of fused attention only Hopper's wgmma kernels
+        # carry it too (attention_time, WGMMA_ATTENTION).
         return sustained_gemm_flops(self.gpu, self._base_precision) / self._fitted_flops
 
     @property

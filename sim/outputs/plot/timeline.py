@@ -154,12 +154,10 @@ def timeline_figure(rec: Recorder, title: str = "", labels: Mapping[int, str] | 
         if y is None:
             continue
         color = CATEGORY_COLORS.get(r.op.category, OTHER_COLOR)
-        s, e = r.start, r.end
-        if window is not None:   # clip()'s rule, inline: one call per op cost seconds
-            if not (e > window[0] and s < window[1]):
-                continue
-            s, e = max(s, window[0]), min(e, window[1])
-        bars.setdefault((y, color), []).append((s, e))
+        clipped = clip([(r.start, r.end)], window)
+        if not clipped:
+            continue
+        bars.setdefault((y, color), []).append(clipped[0])
         present.setdefault(r.op.category if r.op.category in CATEGORY_COLORS else "other", color)
     bar_top, bar_h = -0.36, 0.6      # rows grow downwards (inverted axis)
     strip_top, strip_h = 0.27, 0.13  # exposed strip under the bar

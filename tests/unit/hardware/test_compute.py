@@ -253,3 +253,26 @@ def test_memory_bound_bandwidth_depends_on_size() -> None:
     assert achieved(half) == pytest.approx(rate / 2)
     assert half > 4.8e12 * 700e-9
     assert achieved(1e9) > 0.95 * rate
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash3", "flash2", "flex"])
+def test_hoppers_wgmma_attention_holds_the_busy_nodes_gemm_clock(backend: str) -> None:
+    # h100-sxm.gemm_rate_factor (0.86) is the clock a busy node's GEMMs hold; the attention
+    # kernels that keep the tensor cores as busy (wgmma: cuDNN, FlashAttention-3) hold it too,
+    # so their score term runs 1/0.86 = 1.163x longer than on the same part at factor 1 (a
+    # little less in all: the row tiles' fill is not tensor-core time); FlashAttention-2's
+    # and FlexAttention's mma.sync kernels keep their measured rates.
+    import dataclasses
+
+    from sim.hardware.attention_cost import WGMMA_ATTENTION
+    gpu = catalog.gpu("h100-sxm")
+    unheld = dataclasses.replace(gpu, gemm_rate_factor=1.0)
+    for pass_ in ("fwd", "bwd"):
+        held_s = ComputeModel(gpu, attention_backend=backend).attention_time(
+            1, 32, 8192, 128, pass_, causal=True)
+        free_s = ComputeModel(unheld, attention_backend=backend).attention_time(
+            1, 32, 8192, 128, pass_, causal=True)
+        if backend in WGMMA_ATTENTION:
+            assert 1.14 < held_s / free_s <= 1 / gpu.gemm_rate_factor + 1e-12
+        else:
+            assert held_s == free_s
