@@ -206,12 +206,18 @@ def steady_period(program: Program, micro_batches: int = 1,
 def _whole_keys(program: Program, micro_batches: int,
                 regions: dict[int, tuple[list[Op], ClassPeriod]]) -> SteadyPeriod | None:
     """Cut the stretches where keys do not map one to one and whole: every op carrying a key
-    the period maps (and every op carrying its image) lies inside its class's stretch of alike
-    ops, so that peers meeting at ``k`` in one period meet at ``k'`` in the next. One pass over
-    the stretches as found, not a pass per cut: an op a cut leaves out is still alike the op a
-    period on, so its key still maps where it did (cutting again at its peers would shave an
-    interleaved pipeline's ring of stages, whose last stage feeds the first one's next model
-    chunk, one period per trip round it, down to nothing). Keys are numbered once; numpy."""
+    the period maps lies inside its class's stretch of alike ops, so that peers meeting at
+    ``k`` in one period meet at ``k'`` in the next. One pass over the stretches as found, not
+    a pass per cut: an op a cut leaves out is still alike the op a period on, so its key still
+    maps where it did (cutting again at its peers would shave an interleaved pipeline's ring
+    of stages, whose last stage feeds the first one's next model chunk, one period per trip
+    round it, down to nothing). Keys are numbered once; numpy.
+
+    An image ``k'`` only some of whose ops are images (its key ``k`` broken: a peer of ``k``
+    before its class's stretch) is not cut for that: the splice copies a period forward from
+    its cut, so what it needs of ``k'`` is that ``k'`` maps whole onward, which the rule on
+    ``k'`` itself checks. Cutting it too cost each class a period more at the front (NeMo's
+    DeepSeek-V3 layout on 1,024 H100, pp 8 x vp 4: 9 of 13 periods kept, now 11)."""
     ids: dict[str, int] = {}
     every = Counter(ids.setdefault(op.key, len(ids)) for cls in program.classes
                     for ops in cls.streams.values() for op in ops if op.key)
@@ -237,8 +243,6 @@ def _whole_keys(program: Program, micro_batches: int,
     bad[np.flatnonzero(np.bincount(pairs % n, minlength=n) > 1)] = True    # k, k'' -> k'
     mapped = np.bincount(src[whole], minlength=n)
     bad |= (mapped > 0) & (mapped != total)                               # not all of k
-    images = np.bincount(dst[whole], minlength=n)
-    bad |= (images > 0) & (images != total)                               # nor of k'
     for cid, (order, cp) in regions.items():
         pos, a, b = keyed[cid]
         hit = live[cid] & ((a < 0) | (b < 0) | bad[np.maximum(a, 0)] | bad[np.maximum(b, 0)])
@@ -249,16 +253,18 @@ def _whole_keys(program: Program, micro_batches: int,
 
 
 def _cut(cp: ClassPeriod, bad_at: list[int]) -> ClassPeriod:
-    """The longest run of whole periods of ``cp`` holding none of the positions ``bad_at``."""
-    broken = {(k - cp.start) // cp.length for k in bad_at
-              if cp.start <= k < cp.start + cp.periods * cp.length}
-    if not broken:
+    """The most whole periods of ``cp`` that fit between the positions ``bad_at``: the
+    longest run of ops holding none of them, its periods counted from its first op (any op
+    of the stretch can start a period, not only those a whole number of periods from
+    ``cp.start``: on that grid a bad op a little way into a period cost the whole period)."""
+    lo, hi = cp.start, cp.start + cp.periods * cp.length
+    bad = sorted({k for k in bad_at if lo <= k < hi})
+    if not bad:
         return cp
-    best, best_at, run_at = 0, 0, 0
-    for p in range(cp.periods + 1):
-        if p == cp.periods or p in broken:
-            if p - run_at > best:
-                best, best_at = p - run_at, run_at
-            run_at = p + 1
-    return ClassPeriod(cp.start + best_at * cp.length, cp.length, best)
-
+    best_at, best = lo, 0
+    at = lo
+    for k in [*bad, hi]:
+        if (k - at) // cp.length > best:
+            best_at, best = at, (k - at) // cp.length
+        at = k + 1
+    return ClassPeriod(best_at, cp.length, best)

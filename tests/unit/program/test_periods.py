@@ -15,7 +15,7 @@ from pathlib import Path
 from sim.config.load import load_scenario
 from sim.frameworks import JobContext, build_program
 from sim.program.ir import Program
-from sim.program.periods import SteadyPeriod, class_order, steady_period
+from sim.program.periods import ClassPeriod, SteadyPeriod, _cut, class_order, steady_period
 
 TINY = Path(__file__).resolve().parents[2] / "integration" / "golden" / "scenarios" / "tiny.yaml"
 ONE_F_ONE_B = ["framework.name=megatron", "parallelism.pp=4", "parallelism.tp=2",
@@ -115,3 +115,28 @@ def test_keys_that_do_not_map_one_to_one_cut_the_stretch() -> None:
 
 def test_one_micro_batch_has_no_period() -> None:
     assert steady_period(_program(["training.global_batch_size=8"])) is None
+
+
+def test_a_cut_keeps_the_whole_periods_between_the_bad_ops_wherever_they_start() -> None:
+    # 10 periods of 10 ops; ops 3 and 98 may not be copied. Between them lie ops 4..97: 94
+    # ops, 9 whole periods from op 4 (a grid from op 0 keeps only periods 1..8).
+    cut = _cut(ClassPeriod(0, 10, 10), [3, 98])
+    assert (cut.start, cut.periods) == (4, 9)
+    # Nothing bad: the stretch as it was; bad ops outside it do not count.
+    assert _cut(ClassPeriod(5, 10, 4), [0, 45, 99]) == ClassPeriod(5, 10, 4)
+
+
+def test_an_interleaved_ring_keeps_all_but_its_fill_and_drain() -> None:
+    # pp 4 x vp 2, 128 micro-batches: 32 periods of 4 micro-batches, 8 model chunks each. A
+    # stage's fill (Megatron-Core's interleaved warm-up) is at most (pp - 1) x 2 + (vp - 1)
+    # x pp = 10 chunks, its drain as many: 1.25 periods each side. The keys at a stretch's
+    # ends (a send whose receive lies past the next stage's stretch) may cost each end one
+    # period more: at least 32 - 2.5 - 2 = 27.5 periods stay, 27 whole. (Until the fortieth
+    # session the image of a key broken at the front cut a period more: 26.)
+    program = _program(["framework.name=megatron", "parallelism.pp=4", "parallelism.vp=2",
+                        "parallelism.tp=2", "model.layers=16",
+                        "training.global_batch_size=128"])
+    period = steady_period(program, 4)
+    assert period is not None
+    _assert_maps_to_next(program, period)
+    assert period.periods >= 27
