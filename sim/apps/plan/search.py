@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.analysis.summary import Summary
-from sim.apps.executor import Pool, type_and_message
+from sim.apps.executor import Pool
 from sim.apps.plan.bound import LinkRates
 from sim.apps.plan.evaluate import (
     Evaluation,
@@ -38,6 +38,7 @@ from sim.apps.plan.memory import MemoryPruning
 from sim.apps.plan.probes import _FamilyProbes
 from sim.apps.plan.profile import _profile_key, _profiles_task, profile_bound
 from sim.apps.plan.recompute import LighterFits
+from sim.apps.plan.workers import _also, _batch_results, _Workers
 from sim.frameworks.registry import SearchSpace
 from sim.scenario import Scenario, ScenarioError
 
@@ -291,26 +292,6 @@ def _profile_phase(base: Scenario, cands: list[Candidate], shape: _Shape, rates:
         if not (amortised and _search_space(c).weight_casts_per_step):
             c.bound0_s = profile_bound(c.layout, prof, shape.layers, c.micro_batches)
     return len(keys)
-
-
-@dataclass(frozen=True)
-class _Workers:
-    """Where builds and simulations run."""
-
-    runner: Pool
-    """Local processes: every build, and simulations without a hook."""
-    sim_thread: Any
-    """The one thread that calls ``simulate_many``, or None."""
-    simulate_many: SimulateMany | None
-    simulation_batch: int | None
-    progress: Callable[[str, int, int], None] | None
-    cache_dir: str | None = None
-    """The simulation cache's folder, or None."""
-
-
-def _also(cache_dir: str | None) -> tuple[str, ...]:
-    # The cache argument only when there is one (tests replace the tasks with their own).
-    return (cache_dir,) if cache_dir is not None else ()
 
 
 BUILD_SHARE_OF_TIME = 0.5
@@ -590,18 +571,3 @@ class _BranchAndBound:
                     c.reason = ("simulation budget spent" if stop == "budget"
                                 else "time limit reached" if stop == "time"
                                 else "lower bound at or above the top-K threshold")
-
-
-def _batch_results(fut: Any, indices: list[int]) -> list[Simulated]:
-    """The simulations of a finished batch, one per layout; a failed batch is its layouts'
-    error, not the plan's."""
-    try:
-        outcome = fut.result()
-        results = outcome if isinstance(outcome, list) else [outcome]
-        if len(results) != len(indices):
-            raise RuntimeError(f"the simulation backend returned {len(results)} "
-                               f"results for {len(indices)} layouts")
-    except Exception as exc:
-        text = type_and_message(exc)
-        results = [Simulated(None, text, 0.0) for _ in indices]
-    return results
