@@ -435,7 +435,7 @@ class Engine:
                 yield env.timeout(issued - env.now)
             ready = env.now
             if op.kind in ("collective", "send", "recv"):
-                if op.launch_behind_compute:   # Hopper: SMs when the running compute ends
+                if op.launch_behind_compute:   # Hopper, Blackwell: SMs when the compute ends
                     beside = self.running_compute.beside(cls.id, op, env)
                     if beside:
                         yield AllDone(env, beside)

@@ -1,4 +1,4 @@
-"""A communication kernel launched beside running compute waits for it (Hopper).
+"""A communication kernel launched beside running compute waits for it (Hopper, Blackwell).
 
 On Hopper a GEMM's CTAs fill every SM's register file while it runs, so a kernel that
 becomes ready on another stream gets no SM until the running kernels' CTAs retire: measured
@@ -29,9 +29,19 @@ the launch script's warning names. With one queue (``CUDA_DEVICE_MAX_CONNECTIONS
 launch in the host's order; Transformer Engine's tensor-parallel overlap issues its
 communication before the GEMM it hides behind; the data-parallel and pipeline collectives of
 other schedules are not marked (no step measured with and without them says how much they
-wait). Other architectures keep the old rule (a collective starts as soon as it is ready):
-nothing measured says how Blackwell's persistent GEMMs (cluster launch control) or Ampere's
-share the SMs with a kernel launched beside them.
+wait).
+
+Blackwell too, since the fortieth session. Its cuBLAS GEMMs are persistent as Hopper's are
+(cluster launch control only hands a running CTA the tiles of its own grid's CTAs not yet
+launched), and Megatron-Core's combined 1F1B creates its communication stream at the default
+priority (``pipeline_parallel/utils.py`` ``set_streams``; the high-priority stream of
+``high_priority_a2a_comm_stream``, Megatron-LM #4694, 2026-05, is opt-in and no modelled run
+sets it), so nothing lets a dispatch take SMs before the GEMM's CTAs retire. No Blackwell
+kernel pair was measured; the published overlapped Blackwell steps were the check, not a
+fit (no constant): all nine moved toward their measurements, the three DeepEP B200 rows
+from +11.8 / +18.5 / +51.0% to +4.3 / +11.0 / +46.6%, the six Hybrid-EP GB200 rows by 0.2
+to 2.4 points (docs/calibration.md, fortieth session). Ampere keeps the old rule (a
+collective starts as soon as it is ready): nothing says how its GEMMs share the SMs.
 """
 
 from __future__ import annotations
@@ -42,9 +52,10 @@ import simpy
 
 from sim.program.ir import Op
 
-BLOCKING_ARCHS = frozenset({"hopper"})
+BLOCKING_ARCHS = frozenset({"hopper", "blackwell"})
 """Architectures whose running compute kernels hold the SMs from a kernel launched beside
-them (measured on an H200)."""
+them (measured on an H200; Blackwell's persistent GEMMs by the same mechanism, module
+docstring)."""
 
 
 @dataclass
