@@ -13,7 +13,7 @@ the CPU's own work (a CPU optimizer step): they run beside the GPU streams, laun
 and take no share of the GPU.
 
 Hooks for subclasses (keep the core small): :meth:`Engine.compute_duration` (how long a
-compute op takes given what runs beside it). On Hopper a collective marked
+compute op takes given what runs beside it). On Hopper and Blackwell a collective marked
 ``Op.launch_behind_compute`` that becomes ready beside running compute ops starts when they
 end (:mod:`sim.engine.launch_wait`). A rank class's
 :attr:`~sim.program.ir.RankClass.compute_factor` (a straggler GPU, ``faults.slow_gpus``)

@@ -481,8 +481,9 @@ def _counterparts_alike(entries: list[Entry], resolved: list[tuple[Any, ...]],
 # that cannot be spliced with them is simulated whole). Chosen on the cases of
 # docs/performance.md item 11, where 4 periods of 4 and 10 of 1 micro-batch showed a cut;
 # 3 and 4 since an interleaved pipeline of 8 stages at 128 micro-batches (NeMo's DeepSeek-V3
-# on 1,024 H100) keeps only 9 of its 16 periods whole (the pipeline's sends and receives at
-# each class's stretch ends): at 4 and 6 it was never spliced (75 s, now 54 s).
+# on 1,024 H100) kept only 9 of its 16 periods whole (the pipeline's sends and receives at
+# each class's stretch ends): at 4 and 6 it was never spliced (75 s; 54 s then, 11 periods
+# and 46 s since sim.program.periods' key rule of the fortieth session).
 SHORT_MICRO_BATCHES = 10
 """Steady micro-batches the short program keeps, in whole periods (at least
 :data:`MIN_SHORT_PERIODS`): room for the window of reports that witnesses the cut (the host

@@ -43,7 +43,8 @@ last node (here it waits for the whole pair, a little late). ``CUDA_DEVICE_MAX_C
 (Megatron-LM only warns) is modelled when it is 1 (:func:`single_queue_emit`): every stream's
 work then goes through one hardware queue in the host's issue order.
 
-With more than one connection on Hopper, a communication kernel launched while compute holds
+With more than one connection on Hopper (and Blackwell, whose GEMMs are persistent too:
+:mod:`sim.engine.launch_wait`), a communication kernel launched while compute holds
 every SM starts only when that compute ends (Megatron-Bridge's launch script, ``perf_plugins.py``
 @ da98070: "communication kernel will be pushed to the end of the GEMM kernel, failing to
 overlap"; it still sets 8, 32 with DeepEP, under ``moe_a2a_overlap``): the communication
