@@ -42,8 +42,11 @@ __all__ = ["FOLD_MIN_FLOWS", "FoldPlan", "FoldedGroup", "GroupStatics", "Subset"
 FOLD_MIN_FLOWS = 256
 """Groups with fewer flows start unfolded: finding their classes costs more than it saves
 (a 16-rank all-to-all has 240 flows; DeepSeek-V3's 64-rank one 4,032)."""
-FOLD_MIN_RATIO = 4
+FOLD_MIN_RATIO = 1
 """Fold only when the group has at least this many flows per class."""
+VECTOR_CLASSES = 32
+"""Above this many classes a folded group's per-event scans run as numpy array operations
+(below, a Python loop over the lists is quicker)."""
 
 
 @dataclass(eq=False)
@@ -326,6 +329,8 @@ class FoldedGroup:
         last advance), the time before which no class can end as :meth:`ends_now` decides it:
         the least ``(left - eps size) / rate`` over moving live classes (a class that does
         not move keeps its bytes left; one already within ``eps`` of none ends at once)."""
+        if len(self.rate) > VECTOR_CLASSES:
+            return self._next_end_vector(last, eps)
         best = quiet = math.inf
         moving = False
         for r, left, size, live in zip(self.rate.tolist(), self.remaining.tolist(),
@@ -359,11 +364,35 @@ class FoldedGroup:
                 < quiet):
             return False
         limit = END_TOLERANCE_S
+        if len(self.rate) > VECTOR_CLASSES:
+            rate, left, live = self.rate, self.remaining, self.live
+            near = left <= eps * self.csize
+            moving = rate > 0
+            time_left = np.full(len(rate), np.inf)
+            np.divide(left, rate, out=time_left, where=moving)
+            return bool((live & (near | (moving & (time_left <= limit)))).any())
         for r, left, size, live in zip(self.rate.tolist(), self.remaining.tolist(),
                                        self.csize.tolist(), self.live.tolist(), strict=True):
             if live and (left <= eps * size or (r > 0 and left / r <= limit)):
                 return True
         return False
+
+    def _next_end_vector(self, last: float, eps: float) -> tuple[float, bool]:
+        """:meth:`next_end` over many classes at once: the same divisions (numpy's are
+        IEEE's, as Python's), the same exact minima, the same note."""
+        rate, left, live = self.rate, self.remaining, self.live
+        moving = rate > 0
+        any_moving = bool(moving.any())
+        best = quiet = math.inf
+        if any_moving:
+            best = float((left[moving] / rate[moving]).min())
+            run = moving & live
+            if run.any():
+                quiet = float(((left[run] - eps * self.csize[run]) / rate[run]).min())
+        if (live & ~moving & (left <= eps * self.csize)).any():
+            quiet = -math.inf
+        self.quiet_from, self.quiet_for, self.best_note = last, quiet, best
+        return best, any_moving
 
     def ending(self, eps: float) -> np.ndarray:
         """Classes whose flows end now (mask)."""

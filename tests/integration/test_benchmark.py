@@ -73,6 +73,12 @@ CASES: list[tuple[str, str, list[str], float, float | None]] = [
     ("zero3-4k", "llama3-70b-deepspeed-zero3-64xh100", _scaled(512), 25.0, None),
     # measured 42.6 s
     ("zero3-16k", "llama3-70b-deepspeed-zero3-64xh100", _scaled(2048), 90.0, 60.0),
+    # Issue 14's bar: DeepSeek-V3 on 1,024 H100 (TP2 x PP16 x EP64, 128 micro-batches),
+    # measured 18-20 s (2026-12-06); under Zipf routing (s = 1, every all-to-all skewed per
+    # peer) 50-55 s, 14 min before skewed all-to-alls folded (docs/performance.md item 14).
+    ("deepseek-v3-1k", "deepseek-v3-megatron-tp2pp16ep64-1024xh100", [], 40.0, 60.0),
+    ("deepseek-v3-zipf-1k", "deepseek-v3-megatron-tp2pp16ep64-1024xh100",
+     ["training.routing.distribution=zipf"], 110.0, 60.0),
 ]
 
 

@@ -151,7 +151,18 @@ class MoEPlan:
     def peer_bytes(self, which: str) -> tuple[tuple[float, ...], ...]:
         """All-to-all ``which``'s byte matrix over one EP group (row: sender), or () for
         the even split: tokens follow the dispatch matrix, the combine and the dispatch's
-        gradient go back the transposed way."""
+        gradient go back the transposed way. Made once per ``which`` (every MoE layer and
+        micro-batch asks for the same matrix)."""
+        made = self._peer_bytes_made
+        if which not in made:
+            made[which] = self._peer_bytes(which)
+        return made[which]
+
+    @cached_property
+    def _peer_bytes_made(self) -> dict[str, tuple[tuple[float, ...], ...]]:
+        return {}
+
+    def _peer_bytes(self, which: str) -> tuple[tuple[float, ...], ...]:
         if self.pace is None:
             return ()
         m = self.pace.peer_tokens
