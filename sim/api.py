@@ -69,6 +69,7 @@ def fabric_spec(s: Scenario) -> FabricSpec:
         nics_per_node=c.nics_per_node,
         nic_gbps=c.nic_gbps,
         azs=c.azs,
+        az_placement=c.az_placement,
         az_link_gbps=c.az_link_gbps,
         az_latency_ms=c.az_latency_ms,
         regions=c.regions,

@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from sim.config import bounds as B
 from sim.config.base import StrictModel
+from sim.config.zones import AzPlacement
 
 GpuName = Literal["v100-32gb", "a100-40gb", "a100-80gb", "h100-sxm", "h200", "b200", "h800",
                   "gb200", "h100-hbm2e-96gb", "b300", "gb300"]
@@ -45,6 +46,9 @@ class Cluster(StrictModel):
     """NIC k of every server in a leaf group connects to that group's rail-k leaf."""
     azs: int = Field(default=1, gt=0, le=B.MAX_ZONES)
     """Availability zones the servers are spread over, round robin by node."""
+    az_placement: AzPlacement = "round_robin"
+    """How the servers fill the zones: ``round_robin`` (node n in zone n % azs) or ``blocks``
+    (each zone's servers consecutive, as a host list grouped by zone; :mod:`sim.config.zones`)."""
     az_link_gbps: float = Field(default=100.0, gt=0, le=B.MAX_LINK_GBPS)
     """Capacity between two zones, gigabits per second per direction."""
     az_latency_ms: float = Field(default=1.0, ge=0, le=B.MAX_LATENCY_MS)

@@ -11,11 +11,12 @@ Placement (one rule each, on the shared cluster's node numbers ``0 .. nodes-1``)
 * ``placement: packed``: the first run of consecutive free nodes long enough (first fit, in
   node order), so a job sits under as few leaves as the free nodes allow;
 * ``placement: spread``: one free node from each leaf group in turn (round robin over the
-  leaf groups of :class:`sim.fabric.topology.layout.Layout`'s numbering: zone ``n % azs``,
-  group ``(n // azs) // nodes_per_leaf``), so a job crosses as many leaves, and zones, as it
-  can;
-* ``zone: z`` beside a policy: only zone ``z``'s nodes (``z, z + azs, ...``, in that order:
-  ``packed`` takes free nodes next to each other in it).
+  leaf groups of :class:`sim.fabric.topology.layout.Layout`'s numbering: the zone of
+  ``cluster.az_placement`` (:mod:`sim.config.zones`; round robin: ``n % azs``), group
+  ``position in the zone // nodes_per_leaf``), so a job crosses as many leaves, and zones, as
+  it can;
+* ``zone: z`` beside a policy: only zone ``z``'s nodes (round robin: ``z, z + azs, ...``, in
+  that order: ``packed`` takes free nodes next to each other in it).
 
 A job is a training scenario (``scenario:``) or background traffic (``traffic: {bytes,
 period_s, count, direction, nodes}``, :mod:`sim.program.traffic`); a file needs one training
@@ -49,6 +50,7 @@ from sim.config.load import (
     set_dotted,
 )
 from sim.config.scenario import Scenario
+from sim.config.zones import zone_of_node, zone_position
 
 
 class Traffic(StrictModel):
@@ -241,10 +243,11 @@ def _nodes_of(data: dict[str, Any], i: int, origin: str) -> int:
 
 
 def leaf_group(node: int, c: Cluster) -> tuple[int, int]:
-    """(zone, leaf group) of a node: the fabric's numbering (nodes go round robin over zones,
-    then ``nodes_per_leaf`` at a time to a leaf group; :class:`sim.fabric.topology.layout.
-    Layout`)."""
-    return node % c.azs, (node // c.azs) // c.nodes_per_leaf
+    """(zone, leaf group) of a node: the fabric's numbering (nodes go to zones by
+    ``az_placement``, :mod:`sim.config.zones`, then ``nodes_per_leaf`` at a time to a leaf
+    group; :class:`sim.fabric.topology.layout.Layout`)."""
+    return (zone_of_node(node, c.nodes, c.azs, c.az_placement),
+            zone_position(node, c.nodes, c.azs, c.az_placement) // c.nodes_per_leaf)
 
 
 def place(jobs: list[JobEntry], counts: list[int], c: Cluster, origin: str
@@ -278,8 +281,10 @@ def place(jobs: list[JobEntry], counts: list[int], c: Cluster, origin: str
         if j.zone is not None and j.zone >= c.azs:
             raise ScenarioError(f"{origin}: jobs[{i}].zone: {j.zone} is not a zone of the "
                                 f"cluster (cluster.azs is {c.azs})")
-        # The nodes it may take, in the zone's order (a zone holds nodes z, z + azs, ...).
-        candidates = [n for n in range(c.nodes) if j.zone is None or n % c.azs == j.zone]
+        # The nodes it may take, in the zone's order (round robin: a zone holds nodes z,
+        # z + azs, ...; blocks: a run of consecutive nodes).
+        candidates = [n for n in range(c.nodes)
+                      if j.zone is None or leaf_group(n, c)[0] == j.zone]
         if j.placement == "spread":
             got = _spread([n for n in candidates if n not in used], counts[i], c)
             why = f"no {counts[i]} free nodes"

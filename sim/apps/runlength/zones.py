@@ -110,7 +110,8 @@ class ZoneRuns(Runs):
 
 def shrunk_scenario(s: Scenario) -> tuple[Scenario, int]:
     """The job on the zones that survive losing zone 0 (the largest: node ``n`` is in zone
-    ``n % azs``), and its data-parallel size.
+    ``n % azs``, or the first block: zone 0 holds the most either way), and its data-parallel
+    size.
 
     The most replicas of ``tp x pp x cp`` GPUs that fill whole surviving servers and divide
     the global batch into whole micro-batches per replica (the same sequences per step);

@@ -190,7 +190,7 @@ class Fabric:
         return rank // self.spec.gpus_per_node
 
     def zone_of(self, rank: int) -> int:
-        """Availability zone of ``rank`` (its node modulo ``azs``).
+        """Availability zone of ``rank`` (its node's: :meth:`FabricSpec.zone_of_node`).
 
         Examples
         --------
@@ -200,7 +200,7 @@ class Fabric:
         >>> [fab.zone_of(r) for r in range(3)]
         [0, 1, 0]
         """
-        return self.node_of(rank) % self.spec.azs
+        return self.spec.zone_of_node(self.node_of(rank))
 
     def region_of(self, rank: int) -> int:
         """Region of ``rank`` (its zone modulo ``regions``).

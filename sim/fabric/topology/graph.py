@@ -12,9 +12,10 @@ and with it the link indices of :class:`~sim.fabric.topology.fabric.Fabric`.
 
 Zones and regions
 -----------------
-Node ``n`` sits in zone ``n % azs`` and zone ``z`` in region ``z % regions``. Each populated zone
-has a gateway ``("gw", z)``; the gateways of zones of one region are joined pairwise by
-``cross_az`` links. With ``regions > 1`` each populated region also has a region gateway
+Node ``n`` sits in zone ``n % azs`` (``az_placement: blocks``: the zones' nodes one zone
+after another, :mod:`sim.config.zones`) and zone ``z`` in region ``z % regions``. Each
+populated zone has a gateway ``("gw", z)``; the gateways of zones of one region are joined
+pairwise by ``cross_az`` links. With ``regions > 1`` each populated region also has a region gateway
 ``("rgw", r)`` linked to its zones' gateways, and region gateways are joined pairwise by
 ``cross_region`` links, so traffic between regions crosses exactly one ``cross_region`` link and
 no ``cross_az`` link: a cloud bills an inter-region transfer once, at the inter-region rate, not
@@ -85,7 +86,7 @@ def _add_servers(b: _Links) -> None:
     pcie_cap = spec.pcie_gbytes_per_s * 1e9
     S = spec.pcie_switches
     for n in range(spec.nodes):
-        zone = n % spec.azs
+        zone = spec.zone_of_node(n)
         at = {"zone": zone, "region": spec.region_of_zone(zone)}
         host = ("host", n)
         g.add_node(host, **at)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sim.config import zones
 from sim.fabric.topology.links import Node
 from sim.fabric.topology.routing import spine_count
 from sim.fabric.topology.spec import FabricSpec
@@ -49,7 +50,7 @@ class Layout:
         rail and group when rail-optimised), and the spine count of each zone with two leaves or
         more (:attr:`FabricSpec.spines_per_zone`, pooled by :func:`~sim.fabric.topology.routing.
         spine_count` under adaptive routing)."""
-        zone_nodes = tuple(tuple(range(z, spec.nodes, spec.azs)) for z in range(spec.azs))
+        zone_nodes = zones.zone_nodes(spec.nodes, spec.azs, spec.az_placement)
         nics = spec.nics_per_node
         leaves: list[int] = []
         downlinks: list[tuple[int, ...]] = []
@@ -81,7 +82,7 @@ class Layout:
 
     def leaf_of_nic(self, spec: FabricSpec, node: int, k: int) -> Node:
         """Leaf switch that NIC ``k`` of node ``node`` is cabled to."""
-        zone = node % spec.azs
-        group = (node // spec.azs) // spec.nodes_per_leaf
+        zone = spec.zone_of_node(node)
+        group = spec.zone_position(node) // spec.nodes_per_leaf
         i = group * spec.nics_per_node + k if spec.rail_optimized else group
         return ("leaf", zone, i)

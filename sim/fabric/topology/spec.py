@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sim.config.zones import AzPlacement, zone_of_node, zone_position
 from sim.fabric.topology.links import (
     NIC_LATENCY_US,
     NVLINK_LATENCY_US,
@@ -42,7 +43,11 @@ class FabricSpec:
     nic_gbps : float
         Line rate of one NIC, gigabits per second.
     azs : int
-        Availability zones; node ``n`` sits in zone ``n % azs``.
+        Availability zones; node ``n`` sits in zone ``n % azs`` (``az_placement``
+        ``round_robin``) or the zones' nodes come one zone after another (``blocks``;
+        :mod:`sim.config.zones`).
+    az_placement : str
+        ``round_robin`` or ``blocks``.
     az_link_gbps : float
         Capacity between each pair of zones, per direction, Gb/s.
     az_latency_ms : float
@@ -103,6 +108,7 @@ class FabricSpec:
     nics_per_node: int
     nic_gbps: float
     azs: int = 1
+    az_placement: AzPlacement = "round_robin"
     az_link_gbps: float = 100.0
     az_latency_ms: float = 1.0
     regions: int = 1
@@ -149,6 +155,8 @@ class FabricSpec:
             "nics_per_node must be >= 1 when nodes > 1 (nodes cannot reach each other)",
         )
         need(self.azs >= 1, f"azs must be >= 1, got {self.azs}")
+        need(self.az_placement in ("round_robin", "blocks"),
+             f"az_placement must be round_robin or blocks, got {self.az_placement!r}")
         need(self.regions >= 1, f"regions must be >= 1, got {self.regions}")
         need(
             self.regions <= self.azs,
@@ -186,6 +194,15 @@ class FabricSpec:
     def rail_of(self, local: int) -> int:
         """Rail (NIC index) used by local GPU ``local`` for cross-node traffic."""
         return local * self.nics_per_node // self.gpus_per_node
+
+    def zone_of_node(self, node: int) -> int:
+        """Availability zone of server ``node`` (:func:`sim.config.zones.zone_of_node`)."""
+        return zone_of_node(node, self.nodes, self.azs, self.az_placement)
+
+    def zone_position(self, node: int) -> int:
+        """Index of server ``node`` among its zone's (its leaf group: this over
+        ``nodes_per_leaf``)."""
+        return zone_position(node, self.nodes, self.azs, self.az_placement)
 
     def region_of_zone(self, zone: int) -> int:
         """Region of zone ``zone`` (``zone % regions``)."""

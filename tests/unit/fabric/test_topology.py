@@ -88,6 +88,10 @@ FABRICS = [
     pytest.param(dict(nodes=3), id="rail-1group"),
     pytest.param(dict(nodes=3, rail_optimized=False), id="norail-1leaf"),
     pytest.param(dict(nodes=6, azs=2, nodes_per_leaf=2), id="rail-2az"),
+    pytest.param(dict(nodes=6, azs=2, nodes_per_leaf=2, az_placement="blocks"),
+                 id="rail-2az-blocks"),
+    pytest.param(dict(nodes=7, azs=3, regions=2, nodes_per_leaf=2, az_placement="blocks"),
+                 id="rail-3az-2regions-blocks"),
     pytest.param(dict(nodes=7, azs=3, nodes_per_leaf=2, rail_optimized=False), id="norail-3az"),
     pytest.param(dict(nodes=3, azs=3, rail_optimized=False), id="norail-3az-1leaf-each"),
     pytest.param(dict(nodes=5, azs=2, gpus_per_node=4, nics_per_node=2, nodes_per_leaf=1),
@@ -545,11 +549,13 @@ def test_transport_latency_defaults():
     gdr=st.booleans(),
     switches=st.sampled_from([0, 1, 2]),
     seed=st.integers(0, 2**31 - 1),
+    placement=st.sampled_from(["round_robin", "blocks"]),
 )
 def test_random_specs_build_and_route(nodes, gpus, nics, azs, regions, oversub, per_leaf, rail,
-                                      gdr, switches, seed):
+                                      gdr, switches, seed, placement):
     regions = min(regions, azs)
     spec = make_spec(nodes=nodes, gpus_per_node=gpus, nics_per_node=nics, azs=azs,
+                     az_placement=placement,
                      regions=regions, oversubscription=oversub, nodes_per_leaf=per_leaf,
                      rail_optimized=rail, gdr=gdr, pcie_switches_per_node=switches,
                      ecmp_seed=seed)
