@@ -84,7 +84,7 @@ class JobEntry(StrictModel):
     """Where to place it when ``nodes`` is not given (default ``packed``)."""
     zone: int | None = Field(default=None, ge=0, le=B.MAX_ZONES)
     """With ``placement``: place it only on nodes of this availability zone (node ``n`` is
-    in zone ``n % cluster.azs``)."""
+    in zone ``n % cluster.azs``, or its block with ``cluster.az_placement: blocks``)."""
     start_s: float = Field(default=0.0, ge=0.0, le=B.MAX_DURATION_S, allow_inf_nan=False)
     """Seconds after the simulation starts that this job's first step starts."""
     steps: int = Field(default=1, ge=1, le=1000)
