@@ -209,7 +209,34 @@ def _normalise(data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(data.get("framework"), str):
         data = dict(data)
         data["framework"] = {"name": data["framework"]}
+    model = data.get("model")
+    if isinstance(model, dict):
+        data = dict(data)
+        data["model"] = catalogue_model_with_overrides(model)
     return data
+
+
+def catalogue_model_with_overrides(model: dict[str, Any]) -> dict[str, Any]:
+    """A model mapping naming a catalogue model without its dimensions (``{name:
+    deepseek-v3, mtp_layers: 0}``, what ``--set model.mtp_layers=0`` makes of ``model:
+    deepseek-v3``): the catalogue entry's fields with the mapping's over them; any other
+    mapping as given (a ``name`` beside ``layers`` labels a model described in full).
+
+    Examples
+    --------
+    >>> m = catalogue_model_with_overrides({"name": "deepseek-v3", "mtp_layers": 0})
+    >>> m["name"], m["layers"], m["mtp_layers"], "source" in m
+    ('deepseek-v3', 61, 0, False)
+    >>> catalogue_model_with_overrides({"name": "mine", "layers": 2})
+    {'name': 'mine', 'layers': 2}
+    """
+    from sim import catalog  # late import: as scenario_from_dict's
+
+    name = model.get("name")
+    if "layers" in model or not isinstance(name, str) or name not in catalog.model_names():
+        return model
+    entry = {k: v for k, v in catalog.model_entry(name).items() if k != "source"}
+    return {**entry, **model}
 
 
 def scenario_from_dict(data: dict[str, Any], origin: str = "<scenario>") -> Scenario:
