@@ -356,6 +356,12 @@ def layout_scenario(base: Scenario, layout: Layout, global_batch: int | None = N
     fw: dict[str, Any] = {"name": layout.framework}
     if base.framework.name == layout.framework:
         fw.update(base.framework.model_dump(mode="json", exclude_unset=True))
+        if (layout.pp, layout.vp) != (base.parallelism.pp, base.parallelism.vp):
+            # The scenario's pipeline split is for its own pp x vp (DeepSeek-V3's 4 first and
+            # 1 last layers over 16 stages refuse every other pp).
+            space = registry.framework(layout.framework).search
+            for key in space.split_options if space is not None else ():
+                fw.pop(key, None)
     fw.update(dict(layout.options))
     if layout.recompute:
         fw["recompute_modules"] = list(layout.recompute)

@@ -57,6 +57,10 @@ class SearchSpace:
     tags each layer's compute ops with their layer)."""
     layer_options: tuple[str, ...] = ()
     """Options that change a layer's own ops (the layer profile is built with them)."""
+    split_options: tuple[str, ...] = ()
+    """Options that split the layers over one pipeline shape (``pp x vp``): a scenario's
+    values hold for its own shape only, so layouts of another shape drop them (and take what
+    :attr:`options` sets)."""
     short_step_with_pipeline: bool = True
     """The peak memory stops growing after 2 x pp micro-batches with pipeline parallelism,
     so the planner may build a shorter step (``sim.apps.plan.evaluate.proxy_micro_batches``)."""

@@ -38,12 +38,15 @@ def megatron_split(layers: int, pp: int, vp: int) -> Options | None:
     """Megatron's pipeline split options for ``pp x vp`` chunks: an even split of the
     layers, else the embedding and/or the loss counted as a layer
     (``account_for_embedding_in_pipeline_split`` / ``..._loss_...``, as NeMo's Llama 3.1 405B
-    recipe splits 126 layers over 8 x 8 chunks); None when no split is even.
+    recipe splits 126 layers over 8 x 8 chunks), else without interleaving an uneven first
+    and last stage (:func:`uneven_split`); None when there is none.
 
     Examples
     --------
     >>> [value for _, value in megatron_split(126, 8, 8)]     # embedding and loss count
     [True, True]
+    >>> megatron_split(61, 16, 1)                              # DeepSeek-V3
+    (('decoder_first_pipeline_num_layers', 4), ('decoder_last_pipeline_num_layers', 1))
     """
     n = pp * vp
     if layers % n == 0:
@@ -53,6 +56,36 @@ def megatron_split(layers: int, pp: int, vp: int) -> Options | None:
         if (layers + extra) % n == 0 and (layers + extra) // n > 1:
             return (("account_for_embedding_in_pipeline_split", emb),
                     ("account_for_loss_in_pipeline_split", loss))
+    return uneven_split(layers, pp) if vp == 1 else None
+
+
+def uneven_split(layers: int, pp: int) -> Options | None:
+    """Megatron-Core's uneven split (``decoder_first_pipeline_num_layers`` /
+    ``..._last_...``) for ``layers`` that no even split takes: the middle stages hold
+    ``ceil(layers / pp)`` each (else ``floor``), the first as many or what is left, the last
+    the rest, no stage above ``ceil(layers / pp) + 1``; as the shipped DeepSeek-V3 scenario
+    splits 61 layers over 16 stages (4, 14 x 4, 1). None where no such split exists.
+
+    Examples
+    --------
+    >>> uneven_split(61, 8)
+    (('decoder_first_pipeline_num_layers', 8), ('decoder_last_pipeline_num_layers', 5))
+    >>> uneven_split(61, 12)        # middle stages of 5: 5 first, 6 last
+    (('decoder_first_pipeline_num_layers', 5), ('decoder_last_pipeline_num_layers', 6))
+    >>> uneven_split(4, 8) is None
+    True
+    """
+    if pp < 3:
+        return None
+    most = -(-layers // pp)
+    for per in (most, layers // pp):
+        rest = layers - per * (pp - 2)
+        if per < 1 or rest < 2:
+            continue
+        first = min(per, rest - 1)
+        if rest - first <= most + 1:
+            return (("decoder_first_pipeline_num_layers", first),
+                    ("decoder_last_pipeline_num_layers", rest - first))
     return None
 
 
