@@ -45,7 +45,7 @@ class Cluster(StrictModel):
     rail_optimized: bool = True
     """NIC k of every server in a leaf group connects to that group's rail-k leaf."""
     azs: int = Field(default=1, gt=0, le=B.MAX_ZONES)
-    """Availability zones the servers are spread over, round robin by node."""
+    """Availability zones the servers are spread over (by ``az_placement``)."""
     az_placement: AzPlacement = "round_robin"
     """How the servers fill the zones: ``round_robin`` (node n in zone n % azs) or ``blocks``
     (each zone's servers consecutive, as a host list grouped by zone; :mod:`sim.config.zones`)."""

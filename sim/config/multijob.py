@@ -283,8 +283,8 @@ def place(jobs: list[JobEntry], counts: list[int], c: Cluster, origin: str
                                 f"cluster (cluster.azs is {c.azs})")
         # The nodes it may take, in the zone's order (round robin: a zone holds nodes z,
         # z + azs, ...; blocks: a run of consecutive nodes).
-        candidates = [n for n in range(c.nodes)
-                      if j.zone is None or leaf_group(n, c)[0] == j.zone]
+        candidates = [n for n in range(c.nodes) if j.zone is None
+                      or zone_of_node(n, c.nodes, c.azs, c.az_placement) == j.zone]
         if j.placement == "spread":
             got = _spread([n for n in candidates if n not in used], counts[i], c)
             why = f"no {counts[i]} free nodes"

@@ -35,12 +35,14 @@ def zone_nodes(nodes: int, azs: int, placement: AzPlacement = "round_robin"
     """
     if placement == "round_robin":
         return tuple(tuple(range(z, nodes, azs)) for z in range(azs))
-    out, start = [], 0
-    for z in range(azs):
-        size = len(range(z, nodes, azs))
-        out.append(tuple(range(start, start + size)))
-        start += size
-    return tuple(out)
+    return tuple(tuple(range(_block_start(z, nodes, azs), _block_start(z + 1, nodes, azs)))
+                 for z in range(azs))
+
+
+def _block_start(zone: int, nodes: int, azs: int) -> int:
+    """First node of ``zone``'s block: the zones before it hold ``nodes // azs`` each, the
+    first ``nodes % azs`` of them one more."""
+    return zone * (nodes // azs) + min(zone, nodes % azs)
 
 
 def zone_of_node(node: int, nodes: int, azs: int, placement: AzPlacement = "round_robin"
@@ -71,5 +73,4 @@ def zone_position(node: int, nodes: int, azs: int, placement: AzPlacement = "rou
     """
     if placement == "round_robin" or azs == 1:
         return node // azs
-    return zone_nodes(nodes, azs, placement)[zone_of_node(node, nodes, azs, placement)] \
-        .index(node)
+    return node - _block_start(zone_of_node(node, nodes, azs, placement), nodes, azs)
