@@ -479,6 +479,30 @@ class FlowNetwork(FlowTables):
             self._alone_rates[key] = rates
         return rates.copy()
 
+    def _solve_live_rows(self) -> None:
+        """The full solve of every live flow while dead rows remain in the tables: the very
+        arrays compaction would leave (the live rows and their incidences, in order), picked
+        out instead of copied. A flow ending among thousands that share a link (two zones'
+        all-to-alls on the zone link) would otherwise copy every table at every end;
+        ``_retire`` still compacts once the dead rows outnumber the live ones."""
+        keep = self._group >= 0
+        idx = np.flatnonzero(keep)
+        sel = keep[self._inc_flow]
+        local = np.cumsum(keep) - 1
+        owner = local[self._inc_flow[sel]]
+        links = self._inc_link[sel]
+        if self._alone == self._live:
+            rates = self._alone_solve(links, owner, idx)
+        else:
+            rates = max_min_rates(links, owner, len(idx), self.capacity, self._cap[idx],
+                                  (self._link_mask, self._link_pos), quantum=self.rate_quantum)
+        self._rate[idx] = rates
+        self._link_rates = np.zeros(len(self.capacity))
+        self._busy_mask[self._busy] = False
+        self._busy = np.zeros(0, dtype=np.int64)
+        self._add_link_rates(links, rates[owner])
+        self._class_rates = (rates * self._count[idx]) @ self._hops[idx]
+
     def _solve(self) -> None:
         self.solves += 1
         # Links to mark in the component search (any integer array will do).
@@ -500,13 +524,13 @@ class FlowNetwork(FlowTables):
             if n_comp < 0:
                 comp = self._component(dirty)
                 n_comp = self._alone or int(np.count_nonzero(comp))
-            if n_comp == self._live:
+            if n_comp == self._live and self._n > self._live:
+                self._solve_live_rows()
+            elif n_comp == self._live:
                 # A full solve, on the live rows alone (the sums over flows see what they
                 # always saw). No periodic recount: the running totals are exact sums (rates
                 # on the grid of sim.fabric.maxmin.RATE_GRID_BITS) and cannot drift, and what
                 # the network does stays a function of its state, not of a solve count.
-                if self._n > self._live:
-                    self._compact()
                 n = self._n
                 if self._alone == self._live:
                     # The started group alone on its links is all there is: its rows and

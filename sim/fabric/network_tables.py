@@ -31,6 +31,8 @@ class FlowTables:
     _dirty_seen: list[np.ndarray]
     _seed_alone: bool
     _gone_alone: np.ndarray | None
+    _live: int
+    _live_folded: int
 
     def _init_tables(self, n_links: int, n_kinds: int) -> None:
         """Empty tables for a fabric of ``n_links`` links in ``n_kinds`` classes.
@@ -112,6 +114,8 @@ class FlowTables:
         seed, self._seed = self._seed, 0
         if seed:
             flows[n - seed:] = True
+        # Every flow with a row: once all are found, another pass can find nothing new.
+        rows = self._live - self._live_folded
         while True:
             hit = np.zeros(n, dtype=bool)
             hit[self._inc_flow[link_mask[self._inc_link]]] = True
@@ -124,6 +128,11 @@ class FlowTables:
                 return flows
             seed = 0
             flows |= new
+            if np.count_nonzero(flows) == rows:
+                link_mask[links] = False
+                link_mask[self._inc_link] = False
+                self._alone = 0
+                return flows
             link_mask[self._inc_link[new[self._inc_flow]]] = True
 
     def _known_component(self) -> int:
