@@ -6,6 +6,7 @@ Part of the config layer (``sim.scenario`` re-exports these names).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +178,27 @@ def _expanded_size(value: Any, seen: dict[int, int], depth: int = 0) -> int:
 
 TOPOLOGY_META_KEYS = ("name", "description", "sources")
 
+_TOPOLOGIES: dict[tuple[str, int, int], dict[str, Any]] = {}
+"""Topology files read, by path, modification time and size: ``fabricsim plan`` loads a
+scenario for every layer profile (tens of thousands), and parsing the same topology file
+again took a quarter of its time."""
+
+
+def _read_topology(path: Path) -> dict[str, Any]:
+    """:func:`read_yaml` of a topology file, remembered while the file is unchanged (a deep
+    copy each time: the caller's data is its own)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return read_yaml(path)   # its one-line error
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    data = _TOPOLOGIES.get(key)
+    if data is None:
+        if len(_TOPOLOGIES) >= 64:
+            _TOPOLOGIES.clear()
+        data = _TOPOLOGIES[key] = read_yaml(path)
+    return copy.deepcopy(data)
+
 
 def _merge_topology(data: dict[str, Any], origin: str) -> dict[str, Any]:
     """Fill cluster fields from the named topology file; inline fields win."""
@@ -192,7 +214,7 @@ def _merge_topology(data: dict[str, Any], origin: str) -> dict[str, Any]:
         raise ScenarioError(
             f"{origin}: cluster.topology: no topology {ref!r} (shipped: {names})"
         )
-    topo = read_yaml(path)
+    topo = _read_topology(path)
     fields = {k: v for k, v in topo.items() if k not in TOPOLOGY_META_KEYS}
     unknown = sorted(set(fields) - set(Cluster.model_fields))
     if unknown:

@@ -200,10 +200,12 @@ def scenario_mapping(base: Scenario, layout: Layout) -> dict[str, Any]:
     return layout_scenario(base, layout).model_dump(mode="json", exclude_unset=True)
 
 
-def plan_json(result: PlanResult, everything: bool = False) -> dict[str, Any]:
+def plan_json(result: PlanResult, everything: bool = False,
+              rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The ``--json`` object (CONTRACT.md: ``searched, fitted, wall_s, top``, plus ``pruned``
     counts by reason and how the search went); each top entry also carries its complete
-    scenario (``scenario_file``). With ``everything``, every layout too (plan.json)."""
+    scenario (``scenario_file``). With ``everything``, every layout too (plan.json), from
+    ``rows`` (each candidate's :func:`layout_row`, in order) when the caller has them."""
     ranked = result.ranked()[:result.top_k]
     out: dict[str, Any] = {
         "scenario": result.base.name,
@@ -229,8 +231,10 @@ def plan_json(result: PlanResult, everything: bool = False) -> dict[str, Any]:
     if everything:
         # Each layout's row (its keys are the row's columns; ``options`` the framework
         # options it sets), with the summary of those simulated.
-        out["layouts"] = [dict(layout_row(c), summary=c.summary) if c.summary is not None
-                          else layout_row(c) for c in result.candidates]
+        if rows is None:
+            rows = [layout_row(c) for c in result.candidates]
+        out["layouts"] = [dict(row, summary=c.summary) if c.summary is not None else row
+                          for row, c in zip(rows, result.candidates, strict=True)]
     return out
 
 
@@ -256,8 +260,9 @@ def _write_plan_files(result: PlanResult, out: Path) -> list[Path]:
         path.write_text(yaml.safe_dump(scenario_mapping(result.base, c.layout),
                                        sort_keys=False))
         paths.append(path)
-    paths[0].write_text(json.dumps(plan_json(result, everything=True), default=str))
+    # One row per layout for both files (the search's hundreds of thousands of layouts).
     rows = [layout_row(c) for c in result.candidates]
+    paths[0].write_text(json.dumps(plan_json(result, everything=True, rows=rows), default=str))
     with paths[1].open("w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["index"])
         writer.writeheader()

@@ -225,6 +225,22 @@ def test_topology_by_path(tmp_path):
     assert (s.cluster.gpu, s.cluster.nic_gbps) == ("b200", 800.0)
 
 
+def test_a_topology_file_read_again_after_it_changes(tmp_path):
+    # Topology files are remembered (fabricsim plan loads tens of thousands of scenarios on
+    # the same one) by path, modification time and size: an edit is seen.
+    import os
+
+    topo = write(tmp_path / "fab.yaml", {"gpu": "h100-sxm", "nic_gbps": 400, "nics_per_node": 8})
+    first = scenario_from_dict({"model": "llama3-8b", "cluster": {"topology": str(topo)}})
+    again = scenario_from_dict({"model": "llama3-8b", "cluster": {"topology": str(topo)}})
+    assert first.cluster.nic_gbps == again.cluster.nic_gbps == 400.0
+    write(topo, {"gpu": "h100-sxm", "nic_gbps": 800, "nics_per_node": 8})
+    stamp = topo.stat().st_mtime_ns + 10**9
+    os.utime(topo, ns=(stamp, stamp))
+    edited = scenario_from_dict({"model": "llama3-8b", "cluster": {"topology": str(topo)}})
+    assert edited.cluster.nic_gbps == 800.0
+
+
 def test_unknown_key_in_a_topology_file_names_that_file(tmp_path):
     topo = write(tmp_path / "bad-fabric.yaml", {"gpu": "h200", "nic_gpbs": 400})
     scen = write(tmp_path / "s.yaml", {"model": "llama3-8b", "cluster": {"topology": str(topo)}})
