@@ -479,29 +479,11 @@ class FlowNetwork(FlowTables):
             self._alone_rates[key] = rates
         return rates.copy()
 
-    def _solve_live_rows(self) -> None:
-        """The full solve of every live flow while dead rows remain in the tables: the very
-        arrays compaction would leave (the live rows and their incidences, in order), picked
-        out instead of copied. A flow ending among thousands that share a link (two zones'
-        all-to-alls on the zone link) would otherwise copy every table at every end;
-        ``_retire`` still compacts once the dead rows outnumber the live ones."""
-        keep = self._group >= 0
-        idx = np.flatnonzero(keep)
-        sel = keep[self._inc_flow]
-        local = np.cumsum(keep) - 1
-        owner = local[self._inc_flow[sel]]
-        links = self._inc_link[sel]
-        if self._alone == self._live:
-            rates = self._alone_solve(links, owner, idx)
-        else:
-            rates = max_min_rates(links, owner, len(idx), self.capacity, self._cap[idx],
-                                  (self._link_mask, self._link_pos), quantum=self.rate_quantum)
-        self._rate[idx] = rates
+    def _clear_link_rates(self) -> None:
+        """Every link's rate back to zero and the busy set emptied (a solve's sums afresh)."""
         self._link_rates = np.zeros(len(self.capacity))
         self._busy_mask[self._busy] = False
         self._busy = np.zeros(0, dtype=np.int64)
-        self._add_link_rates(links, rates[owner])
-        self._class_rates = (rates * self._count[idx]) @ self._hops[idx]
 
     def _solve(self) -> None:
         self.solves += 1
@@ -513,9 +495,7 @@ class FlowNetwork(FlowTables):
         if not self._live:
             self._seed = 0
             self._seed_alone, self._gone_alone = False, None
-            self._link_rates = np.zeros(len(self.capacity))
-            self._busy_mask[self._busy] = False
-            self._busy = np.zeros(0, dtype=np.int64)
+            self._clear_link_rates()
             self._class_rates = np.zeros(self.n_kinds)
         else:
             # Flows not connected to a changed link keep their rates: they share no link with
@@ -524,13 +504,11 @@ class FlowNetwork(FlowTables):
             if n_comp < 0:
                 comp = self._component(dirty)
                 n_comp = self._alone or int(np.count_nonzero(comp))
-            if n_comp == self._live and self._n > self._live:
-                self._solve_live_rows()
-            elif n_comp == self._live:
-                # A full solve, on the live rows alone (the sums over flows see what they
-                # always saw). No periodic recount: the running totals are exact sums (rates
-                # on the grid of sim.fabric.maxmin.RATE_GRID_BITS) and cannot drift, and what
-                # the network does stays a function of its state, not of a solve count.
+            if n_comp == self._live == self._n:
+                # A full solve on tables without dead rows. No periodic recount: the running
+                # totals are exact sums (rates on the grid of sim.fabric.maxmin.RATE_GRID_BITS)
+                # and cannot drift, and what the network does stays a function of its state,
+                # not of a solve count.
                 n = self._n
                 if self._alone == self._live:
                     # The started group alone on its links is all there is: its rows and
@@ -542,12 +520,15 @@ class FlowNetwork(FlowTables):
                                                   self.capacity, self._cap,
                                                   (self._link_mask, self._link_pos),
                                                   quantum=self.rate_quantum)
-                self._link_rates = np.zeros(len(self.capacity))
-                self._busy_mask[self._busy] = False
-                self._busy = np.zeros(0, dtype=np.int64)
+                self._clear_link_rates()
                 self._add_link_rates(self._inc_link, self._rate[self._inc_flow])
                 self._class_rates = (self._rate * self._count) @ self._hops
             elif n_comp:
+                # The component's rows and incidences, picked out in order. With every live
+                # flow in it (dead rows left in the tables: compaction waits in _retire until
+                # they outnumber the live ones) these are the arrays compaction would leave,
+                # not copied at every end of thousands of flows sharing a link (two zones'
+                # all-to-alls on the zone link).
                 if self._alone:
                     # Just the group started (the last rows and incidences, in order): the
                     # same arrays as below, without masking every flow and incidence.
@@ -565,8 +546,15 @@ class FlowNetwork(FlowTables):
                 rates = self._alone_solve(links, owner, idx) if self._alone else \
                     max_min_rates(links, owner, len(idx), self.capacity, self._cap[idx],
                                   (self._link_mask, self._link_pos), quantum=self.rate_quantum)
-                delta = rates - self._rate[idx]
-                self._rate[idx] = rates
-                self._add_link_rates(links, delta[owner])
-                self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
+                if n_comp == self._live:
+                    # Every live flow: link and class rates summed afresh, as above.
+                    self._rate[idx] = rates
+                    self._clear_link_rates()
+                    self._add_link_rates(links, rates[owner])
+                    self._class_rates = (rates * self._count[idx]) @ self._hops[idx]
+                else:
+                    delta = rates - self._rate[idx]
+                    self._rate[idx] = rates
+                    self._add_link_rates(links, delta[owner])
+                    self._class_rates += (delta * self._count[idx]) @ self._hops[idx]
         self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)

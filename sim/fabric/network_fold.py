@@ -264,9 +264,7 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
     net._seed_alone, net._gone_alone = False, None
     if not net._live:
         # As the tables' solve with nothing live: every rate back to zero.
-        net._link_rates = np.zeros(len(net.capacity))
-        net._busy_mask[net._busy] = False
-        net._busy = np.zeros(0, dtype=np.int64)
+        net._clear_link_rates()
         net._class_rates = np.zeros(net.n_kinds)
     elif comp.any():
         plan = group.plan
@@ -287,9 +285,7 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
         if sub.n_members == net._live:
             # The tables' full solve: link and class rates summed afresh.
             group.rate = new
-            net._link_rates = np.zeros(len(net.capacity))
-            net._busy_mask[net._busy] = False
-            net._busy = np.zeros(0, dtype=np.int64)
+            net._clear_link_rates()
             _add_link_rates(net, sub, new)
             net._class_rates = class_sums(sub, new).copy()
         else:
