@@ -95,6 +95,32 @@ def test_ci_entries_simulate_and_errors_are_relative_to_the_measurement(ci_cases
     assert pair["nemo-26.06"]["simulated"] > 1.3 * pair["nemo-26.02"]["simulated"]
 
 
+
+def _b200_dropless_pair(ci_cases) -> tuple[dict, dict]:
+    # Qwen3-30B on one DGX-B200 at micro-batch 1, EP 8: 25.09 dropped tokens at capacity with
+    # padding under whole-layer CUDA graphs (no host read of the token counts); 26.02 runs the
+    # dropless alltoall dispatcher, which waits for them once a layer, with graphs over the
+    # router and the permutation only (published_moe.yaml).
+    by_id = {c["id"]: c for c in ci_cases}
+    return (by_id["nemo-25.09-qwen3-30b-a3b-8xb200-fp8-ep8"],
+            by_id["nemo-26.02-qwen3-30b-a3b-8xb200-mxfp8-ep8-alltoall"])
+
+
+def test_the_dropless_host_wait_slows_the_b200_layout(ci_cases) -> None:
+    # Measured, the dropless run holds 0.54x the token-drop run's rate (9,691 / 18,066); the
+    # simulation must at least put it behind.
+    drop, dropless = _b200_dropless_pair(ci_cases)
+    assert dropless["measured"] < 0.6 * drop["measured"]
+    assert dropless["simulated"] < drop["simulated"]
+
+
+@pytest.mark.xfail(strict=True, reason="the x86 host-bound regime: measured, the GPU idles about "
+                   "three times as long after each layer's token-count wait as simulated "
+                   "(docs/calibration.md, forty-third session)")
+def test_the_dropless_b200_row_is_within_a_quarter_of_its_measurement(ci_cases) -> None:
+    _, dropless = _b200_dropless_pair(ci_cases)
+    assert abs(dropless["error"]) <= 0.25
+
 def test_error_of_by_hand() -> None:
     assert error_of(110.0, 100.0) == pytest.approx(0.10)
     assert error_of(90.0, 100.0) == pytest.approx(-0.10)
