@@ -143,6 +143,39 @@ def check(scenario: Scenario, steps: int, origin: str) -> None:
         raise ScenarioError(f"{origin}: {why}")
 
 
+def zone_note(scenario: Scenario) -> str | None:
+    """A note, not a refusal, for the layout the fabric cannot fold: nodes alternating zones
+    (``cluster.az_placement: round_robin``, the default, with ``cluster.azs`` above 1) put
+    every expert-parallel group wider than a node across the zone link. There its all-to-alls
+    share the link with every other group's, none runs alone on its links, so none folds
+    (:mod:`sim.fabric.fold`) and every flow end re-solves all of them: the shipped
+    DeepSeek-V3 on 1,024 H100 takes minutes a micro-batch (``docs/performance.md`` items
+    14-15), where ``blocks`` (each zone's nodes consecutive) keeps each group in one zone and
+    simulates in seconds. An expert group spans ``etp x ep`` consecutive ranks (Megatron-Core's
+    expert layout, ``etp`` innermost). None when nothing crosses.
+
+    Examples
+    --------
+    >>> from sim.scenario import load_scenario
+    >>> sc = load_scenario("deepseek-v3-megatron-tp2pp16ep64-1024xh100")
+    >>> zone_note(sc) is None
+    True
+    >>> two = load_scenario("deepseek-v3-megatron-tp2pp16ep64-1024xh100", ["cluster.azs=2"])
+    >>> zone_note(two).startswith("cluster.az_placement: round_robin puts each 64-rank")
+    True
+    """
+    c, p = scenario.cluster, scenario.parallelism
+    span = p.expert_tp * p.ep
+    if c.azs <= 1 or c.az_placement != "round_robin" or p.ep <= 1 or span <= c.gpus_per_node:
+        return None
+    nodes = math.ceil(span / c.gpus_per_node)
+    return (f"cluster.az_placement: round_robin puts each {p.ep}-rank expert-parallel group "
+            f"({nodes} nodes) across the {c.azs} zones: their all-to-alls share the zone "
+            "link, none folds, and every flow end re-solves them all (the shipped DeepSeek-V3 "
+            "on 1,024 GPUs: minutes a micro-batch); cluster.az_placement: blocks keeps each "
+            "group in one zone (docs/performance.md, items 14-15)")
+
+
 def _duration(seconds: float) -> str:
     """Hours, days or years, as a person reads them.
 

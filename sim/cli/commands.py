@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -69,7 +70,9 @@ def run(
         sc = load_scenario(scenario, set_ or [])
         if not force:
             budget.check(sc, steps, scenario)
-        result = with_progress(lambda cb: simulate(sc, steps, origin=scenario, progress=cb,
+        note = budget.zone_note(sc)
+        result = with_progress(lambda cb: simulate(sc, steps, origin=scenario,
+                                                progress=_noting(cb, note),
                                                 keep_link_series=out is not None),
                                 quiet=as_json, steps=steps)
         if sc.run is not None:
@@ -86,6 +89,23 @@ def run(
         print(json.dumps(result.summary, indent=2))
     else:
         print_summary(result.summary)
+
+
+def _noting(progress: Callable[[int, int], None] | None, note: str | None
+            ) -> Callable[[int, int], None] | None:
+    """``progress``, printing ``note`` on stderr once the simulation has started (its program
+    built, so a scenario the builder refuses still gets its one line alone)."""
+    if note is None:
+        return progress
+    pending = [note]
+
+    def report(done: int, total: int) -> None:
+        if pending:
+            err.print(f"fabricsim: note: {pending.pop()}", markup=False, highlight=False,
+                      soft_wrap=True)
+        if progress is not None:
+            progress(done, total)
+    return report
 
 
 @app.command("export-chakra")

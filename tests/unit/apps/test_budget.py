@@ -5,6 +5,7 @@ exits 2 with one line; ``--force`` skips the check)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -104,3 +105,42 @@ def test_collective_refuses_a_fabric_larger_than_memory() -> None:
     gpus = int(2 * memory / budget.BYTES_PER_GPU)
     with pytest.raises(ScenarioError, match=rf"^--gpus: a fabric of {gpus:,} GPUs needs "):
         collective_table("dgx-h100", "all_reduce", gpus, [8])
+
+
+QWEN_MOE = "qwen3-30b-a3b-megatron-tp4pp2ep4-8xh100"
+TWO_NODES_EP16 = ["cluster.nodes=2", "parallelism.tp=1", "parallelism.pp=1", "parallelism.ep=16",
+                  "training.global_batch_size=32"]
+
+
+def test_expert_groups_across_alternating_zones_get_a_note_and_nothing_else_does() -> None:
+    # An expert group spans etp x ep consecutive ranks (Megatron-Core's expert layout); with
+    # nodes alternating zones (round robin) a group over two or more nodes crosses them.
+    note = budget.zone_note(load_scenario(QWEN_MOE, [*TWO_NODES_EP16, "cluster.azs=2"]))
+    assert note is not None and "16-rank expert-parallel group (2 nodes)" in note
+    assert "cluster.az_placement: blocks" in note
+    # etp 4 x ep 4 = 16 ranks: two nodes as well.
+    assert budget.zone_note(load_scenario(QWEN_MOE, ["cluster.nodes=4", "cluster.azs=2",
+                                                     "parallelism.etp=4",
+                                                     "training.global_batch_size=64"]))
+    for keys in (TWO_NODES_EP16,                                        # one zone
+                 [*TWO_NODES_EP16, "cluster.azs=2", "cluster.az_placement=blocks"],
+                 ["cluster.nodes=2", "cluster.azs=2"]):   # etp 1 x ep 4: inside a node
+        assert budget.zone_note(load_scenario(QWEN_MOE, keys)) is None, keys
+    dense = load_scenario("llama3-8b-fsdp2-8xh100-mbs4", ["cluster.nodes=2", "cluster.azs=2"])
+    assert budget.zone_note(dense) is None
+
+
+def test_run_prints_the_zone_note_once_the_program_is_built() -> None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    sets = [x for k in [*TWO_NODES_EP16, "cluster.azs=2"] for x in ("--set", k)]
+    args = [sys.executable, "-m", "sim.cli", "run", QWEN_MOE, *sets, "--json"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    note = budget.zone_note(load_scenario(QWEN_MOE, [*TWO_NODES_EP16, "cluster.azs=2"]))
+    assert proc.stderr.splitlines() == [f"fabricsim: note: {note}"]
+    assert json.loads(proc.stdout)["step_time_s"] > 0
+    # A scenario the builder refuses still gets its one line alone.
+    bad = subprocess.run([*args[:-1], "--set", "training.global_batch_size=16", "--json"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
+    assert "note" not in bad.stderr
