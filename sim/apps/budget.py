@@ -148,9 +148,9 @@ def zone_note(scenario: Scenario) -> str | None:
     (``cluster.az_placement: round_robin``, the default, with ``cluster.azs`` above 1) put
     every expert-parallel group wider than a node across the zone link. There its all-to-alls
     share the link with every other group's, none runs alone on its links, so none folds
-    (:mod:`sim.fabric.fold`) and every flow end re-solves all of them: the shipped
-    DeepSeek-V3 on 1,024 H100 takes minutes a micro-batch (``docs/performance.md`` items
-    14-15), where ``blocks`` (each zone's nodes consecutive) keeps each group in one zone and
+    (:mod:`sim.fabric.fold`) and each start and many ends solve all of them: the shipped
+    DeepSeek-V3 on 1,024 H100 takes 27 minutes a step (``docs/performance.md`` items
+    14-16), where ``blocks`` (each zone's nodes consecutive) keeps each group in one zone and
     simulates in seconds. An expert group spans ``etp x ep`` consecutive ranks (Megatron-Core's
     expert layout, ``etp`` innermost). None when nothing crosses.
 
@@ -171,9 +171,9 @@ def zone_note(scenario: Scenario) -> str | None:
     nodes = math.ceil(span / c.gpus_per_node)
     return (f"cluster.az_placement: round_robin puts each {p.ep}-rank expert-parallel group "
             f"({nodes} nodes) across the {c.azs} zones: their all-to-alls share the zone "
-            "link, none folds, and every flow end re-solves them all (the shipped DeepSeek-V3 "
-            "on 1,024 GPUs: minutes a micro-batch); cluster.az_placement: blocks keeps each "
-            "group in one zone (docs/performance.md, items 14-15)")
+            "link, none folds, and the engine solves thousands of their flows at a time (the "
+            "shipped DeepSeek-V3 on 1,024 GPUs: 27 minutes a step); cluster.az_placement: "
+            "blocks keeps each group in one zone (docs/performance.md, items 14-16)")
 
 
 def _duration(seconds: float) -> str:

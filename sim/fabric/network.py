@@ -6,6 +6,8 @@ grow at the same rate until a link saturates or a flow reaches its own cap; the 
 that link freeze; repeat. This is the bandwidth-sharing model of SimGrid's LMM solver without
 weights (Casanova et al., "Versatile, Scalable, and Accurate Simulation of Distributed
 Applications and Platforms", JPDC 2014; Bertsekas and Gallager, "Data Networks", sec. 6.5.2).
+Ends that leave only slower flows change no rate (max-min fairness; ``_slower_than``), so
+those keep the rates held instead of solving.
 
 Flows start in groups (all the flows of one collective, or one transfer); a group's event
 fires when its last flow has delivered its bytes. A flow may stand for ``count`` identical
@@ -315,15 +317,54 @@ class FlowNetwork(FlowTables):
 
     def _resolve(self) -> None:
         # Retire finished flows, solve rates for the rest, schedule the next completion.
-        if self._folded and fold_ops.folded_event(self):
+        folded = len(self._folded)
+        if folded and fold_ops.folded_event(self):
             self._schedule()
             return
         if self._n:
+            # Nothing but ends (no start, no cap change, no group unfolded just now).
+            only_ends = not self._dirty and len(self._folded) == folded
             finished = self._ended()
             if finished is not None:
+                slowest = float(self._rate[finished].min())
                 self._retire(finished)
+                if only_ends and self._slower_than(slowest):
+                    self._keep_rates()
+                    self._schedule()
+                    return
         self._solve()
         self._schedule()
+
+    def _slower_than(self, rate: float) -> bool:
+        """Is every live flow's rate below ``rate`` (the slowest of the flows that just
+        ended)? Then the ends change no rate, and the rates held are the answer.
+
+        Max-min fairness: progressive filling (:func:`max_min_rates`) up to the level
+        ``rate`` is the same with or without the ended flows, since each of their links
+        saturates at that level or later with them (else they would have frozen below it)
+        and later still without them; every flow that froze below ``rate`` freezes again at
+        the same level, in the same steps (each round's step is the least share over links
+        that keep theirs), and only a flow at ``rate`` or above might rise. So a solve of the
+        component gives the rates held, to the bit when they came from a solve of that
+        component; when they came from a solve that also took other, independent flows
+        (their levels interleaved), the two differ in the last bits of the rate grid, as
+        solves of different flow sets always may. Folded classes count as flows, so a run
+        decides alike folded or not. Two zones in round robin end thousands of fast in-zone
+        flows beside slow zone-crossing ones (``docs/performance.md`` item 16)."""
+        if not rate > 0.0 or float(self._rate[:self._n].max(initial=0.0)) >= rate:
+            return False
+        return all(not g.live.any() or float(g.rate[g.live].max()) < rate
+                   for g in self._folded.values())
+
+    def _keep_rates(self) -> None:
+        """What :meth:`_solve` leaves when its answer is the rates already held (the ends'
+        rates are off the link and class totals, ``_retire``): the marks consumed, the rates
+        reported. It counts as a solve (the summary's events count rate changes)."""
+        self.solves += 1
+        self._dirty = []
+        self._seed = self._seed_inc = self._alone = 0
+        self._seed_alone, self._gone_alone = False, None
+        self.observer.on_rates(self.env.now, self._class_rates, self._link_rates)
 
     def _ended(self) -> np.ndarray | None:
         """:meth:`_finished_rows`, None when no row ends (a Python loop on small tables,
