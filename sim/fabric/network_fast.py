@@ -107,13 +107,31 @@ class GroupShapes:
         self.capacity, self.kind, self.n_kinds = capacity, kind, n_kinds
         self._known: dict[tuple[bytes, bytes],
                           tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
+        # Large groups by the identity of read-only arrays, held so their ids stay theirs.
+        self._by_id: dict[tuple[int, int], tuple[tuple[np.ndarray, np.ndarray],
+                                                 tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                       bool]]] = {}
 
     def get(self, flat_links: np.ndarray, lengths: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """(slowest capacity per flow, owner per incidence, hops per flow and class,
-        distinct); shared arrays: read them, never write them."""
+        distinct); shared arrays: read them, never write them. A group too large to hash
+        is remembered when its arrays are read-only (the collective runner passes the same
+        read-only arrays each time an op repeats, as ``network_fold._plan_for`` relies on:
+        two zones in round robin start thousands of unfolded all-to-alls of 20,000
+        incidences, each a sort for ``distinct``)."""
         if len(flat_links) > _CACHE_MAX_INCIDENCES:
-            return self._shape(flat_links, lengths)
+            if flat_links.flags.writeable or lengths.flags.writeable:
+                return self._shape(flat_links, lengths)
+            ids = (id(flat_links), id(lengths))
+            seen = self._by_id.get(ids)
+            if seen is not None and seen[0][0] is flat_links and seen[0][1] is lengths:
+                return seen[1]
+            if len(self._by_id) >= _CACHE_ENTRIES // 16:
+                self._by_id.clear()
+            shape = self._shape(flat_links, lengths)
+            self._by_id[ids] = ((flat_links, lengths), shape)
+            return shape
         key = (flat_links.tobytes(), lengths.tobytes())
         hit = self._known.get(key)
         if hit is None:

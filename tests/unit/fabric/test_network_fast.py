@@ -103,3 +103,24 @@ def test_loops_decide_as_the_numpy_forms() -> None:
     assert network_fast.ended_rows(remaining, rate, size) == [0, 1]
     assert network_fast.next_end(remaining, rate) == (1e-15, True)
     assert network_fast.next_end([math.inf, 5.0], [0.0, 0.0]) == (math.inf, False)
+
+
+def test_a_large_read_only_group_is_shaped_once() -> None:
+    # Past _CACHE_MAX_INCIDENCES a group is not hashed; its read-only arrays (the collective
+    # runner's, the same objects each time the op repeats) are known by identity instead.
+    n_links = 64
+    shapes = network_fast.GroupShapes(np.linspace(1.0, 2.0, n_links), np.arange(n_links) % 3, 3)
+    flows = network_fast._CACHE_MAX_INCIDENCES // 2 + 1
+    flat = np.arange(2 * flows) % n_links
+    lengths = np.full(flows, 2)
+    flat.flags.writeable = lengths.flags.writeable = False
+    with mock.patch.object(shapes, "_shape", wraps=shapes._shape) as shape:
+        first = shapes.get(flat, lengths)
+        again = shapes.get(flat, lengths)
+        assert shape.call_count == 1 and again is first
+        # The same content in other arrays, or writable ones, are shaped afresh.
+        other = shapes.get(flat.copy(), lengths.copy())
+        assert shape.call_count == 2
+    for a, b in zip(first[:3], other[:3], strict=True):
+        assert np.array_equal(a, b)
+    assert first[3] == other[3] is False    # links repeat: 64 links, 2 x 2,049 incidences
