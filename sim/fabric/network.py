@@ -164,8 +164,7 @@ class FlowNetwork(FlowTables):
         self._fold_pending: int | None = None
         self._fold_owner = np.full(n_links + 1, -1, dtype=np.int64)
         self._fold_plans: dict[tuple, list[tuple[tuple[np.ndarray, ...], FoldPlan | None]]] = {}
-        self._fold_plan_ids: dict[tuple[int, ...],
-                                  tuple[tuple[np.ndarray, ...], FoldPlan | None]] = {}
+        self._fold_plan_ids = fast.ReadOnlyMemo(4 * fold_ops.PLAN_CACHE)
         self.folded_groups = 0
 
     # ------------------------------------------------------------------ API
@@ -326,7 +325,7 @@ class FlowNetwork(FlowTables):
             only_ends = not self._dirty and len(self._folded) == folded
             finished = self._ended()
             if finished is not None:
-                slowest = float(self._rate[finished].min())
+                slowest = float(self._rate[finished].min()) if only_ends else 0.0
                 self._retire(finished)
                 if only_ends and self._slower_than(slowest):
                     self._keep_rates()

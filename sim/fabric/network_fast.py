@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from sim.fabric.network import FlowNetwork
 
 __all__ = ["BUSY_SLACK", "SMALL_ROWS", "SMALL_ROWS_NEXT", "GroupShapes", "LinkSets",
-           "add_link_rates", "ended_rows", "next_end"]
+           "ReadOnlyMemo", "add_link_rates", "ended_rows", "next_end"]
 
 SMALL_ROWS = 32
 """Tables of at most this many rows (dead ones included) find the flows that end now with
@@ -97,6 +97,34 @@ class LinkSets:
         return hit
 
 
+class ReadOnlyMemo:
+    """Values computed from read-only arrays, remembered by the arrays' identity: the
+    collective runner passes the same read-only arrays each time an op repeats, so a pure
+    function of their content is found again without hashing or comparing their bytes. The
+    arrays are held with the value, so their ids are not reused while remembered; arrays
+    that can be written are never remembered."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._known: dict[tuple[int, ...], tuple[tuple[np.ndarray, ...], object]] = {}
+
+    def lookup(self, arrays: tuple[np.ndarray, ...]) -> tuple[bool, object]:
+        """(found, value) for these very arrays."""
+        known = self._known.get(tuple(map(id, arrays)))
+        if known is not None and all(a is b and not a.flags.writeable
+                                     for a, b in zip(known[0], arrays, strict=True)):
+            return True, known[1]
+        return False, None
+
+    def remember(self, arrays: tuple[np.ndarray, ...], value: object) -> None:
+        """Keep ``value`` for ``arrays`` when none of them can be written."""
+        if any(a.flags.writeable for a in arrays):
+            return
+        if len(self._known) >= self.limit:
+            self._known.clear()
+        self._known[tuple(map(id, arrays))] = (arrays, value)
+
+
 class GroupShapes:
     """Per group of flows (its links and lengths): each flow's slowest link's capacity,
     each incidence's flow, each flow's hop count per link class, and whether no link repeats
@@ -107,30 +135,22 @@ class GroupShapes:
         self.capacity, self.kind, self.n_kinds = capacity, kind, n_kinds
         self._known: dict[tuple[bytes, bytes],
                           tuple[np.ndarray, np.ndarray, np.ndarray, bool]] = {}
-        # Large groups by the identity of read-only arrays, held so their ids stay theirs.
-        self._by_id: dict[tuple[int, int], tuple[tuple[np.ndarray, np.ndarray],
-                                                 tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                       bool]]] = {}
+        # Groups too large to hash, by the identity of their read-only arrays.
+        self._by_id = ReadOnlyMemo(_CACHE_ENTRIES // 16)
 
     def get(self, flat_links: np.ndarray, lengths: np.ndarray
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
         """(slowest capacity per flow, owner per incidence, hops per flow and class,
         distinct); shared arrays: read them, never write them. A group too large to hash
-        is remembered when its arrays are read-only (the collective runner passes the same
-        read-only arrays each time an op repeats, as ``network_fold._plan_for`` relies on:
-        two zones in round robin start thousands of unfolded all-to-alls of 20,000
-        incidences, each a sort for ``distinct``)."""
+        is remembered by its read-only arrays (:class:`ReadOnlyMemo`): two zones in round
+        robin start thousands of unfolded all-to-alls of 20,000 incidences, each a sort for
+        ``distinct``."""
         if len(flat_links) > _CACHE_MAX_INCIDENCES:
-            if flat_links.flags.writeable or lengths.flags.writeable:
-                return self._shape(flat_links, lengths)
-            ids = (id(flat_links), id(lengths))
-            seen = self._by_id.get(ids)
-            if seen is not None and seen[0][0] is flat_links and seen[0][1] is lengths:
-                return seen[1]
-            if len(self._by_id) >= _CACHE_ENTRIES // 16:
-                self._by_id.clear()
+            found, seen = self._by_id.lookup((flat_links, lengths))
+            if found:
+                return seen   # type: ignore[return-value]
             shape = self._shape(flat_links, lengths)
-            self._by_id[ids] = ((flat_links, lengths), shape)
+            self._by_id.remember((flat_links, lengths), shape)
             return shape
         key = (flat_links.tobytes(), lengths.tobytes())
         hit = self._known.get(key)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "start_folded",
            "unfold"]
 
-_PLAN_CACHE = 128
+PLAN_CACHE = 128
 """Fold plans remembered per network (a group repeats on the same links thousands of times)."""
 
 
@@ -112,18 +112,13 @@ def _plan_for(net: FlowNetwork, flat_links: np.ndarray, lengths: np.ndarray, siz
     """The group's fold plan, made once per group and links: looked up by a fingerprint,
     then checked element by element (cheaper than hashing every byte at every start)."""
     arrays = (flat_links, lengths, sizes, counts, caps)
-    # The very arrays of an earlier start, all read-only (the collective runner passes the
-    # same read-only arrays each time an op repeats): the same content, no need to compare.
-    ids = tuple(map(id, arrays))
-    known = net._fold_plan_ids.get(ids)
-    if known is not None and all(a is b and not a.flags.writeable
-                                 for a, b in zip(known[0], arrays, strict=True)):
-        return known[1]
+    # The very arrays of an earlier start, all read-only: the same content, no need to
+    # compare.
+    found, known = net._fold_plan_ids.lookup(arrays)
+    if found:
+        return known   # type: ignore[return-value]
     plan = _plan_by_content(net, arrays)
-    if not any(a.flags.writeable for a in arrays):
-        if len(net._fold_plan_ids) >= 4 * _PLAN_CACHE:
-            net._fold_plan_ids.clear()
-        net._fold_plan_ids[ids] = (arrays, plan)   # holds them: their ids are not reused
+    net._fold_plan_ids.remember(arrays, plan)
     return plan
 
 
@@ -135,7 +130,7 @@ def _plan_by_content(net: FlowNetwork, arrays: tuple[np.ndarray, ...]) -> FoldPl
         if all(np.array_equal(a, b) for a, b in zip(seen, arrays, strict=True)):
             return plan
     plan = fold_plan(flat_links, lengths, sizes, counts, caps, net.capacity)
-    if sum(len(v) for v in net._fold_plans.values()) >= _PLAN_CACHE:
+    if sum(len(v) for v in net._fold_plans.values()) >= PLAN_CACHE:
         net._fold_plans.clear()
     net._fold_plans.setdefault(key, []).append(
         (tuple(a.copy() for a in arrays), plan))
