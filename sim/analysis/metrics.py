@@ -285,6 +285,31 @@ def bubble_intervals(records: Iterable[OpRecord]) -> dict[int, list[Interval]]:
     return out
 
 
+def host_bound_intervals(spans: list[Interval], recs: list[OpRecord]) -> list[Interval]:
+    """One rank class's host-bound time within the steps ``spans``: the part of its idle time
+    (:func:`class_idle`: none of its ops runs) in which an op whose inputs were all there was
+    still waiting for the host to issue it (:attr:`OpRecord.held`: Python and launch
+    overhead the GPU could not hide).
+
+    Examples
+    --------
+    A 4 s step: a forward from 0 to 1 s; the next op's input is there at 1 s but the host
+    issues it at 2.5 s and it runs to 3 s; a collective then waits for a peer until 3.5 s:
+
+    >>> from sim.program.ir import Op
+    >>> fwd = Op("forward", "compute", "compute", "fwd")
+    >>> ag = Op("all_gather", "collective", "comm", "comm")
+    >>> recs = [OpRecord(0, fwd, 0.0, 0.0, 1.0, 0), OpRecord(0, fwd, 2.5, 2.5, 3.0, 0, 1.5),
+    ...         OpRecord(0, ag, 3.0, 3.5, 4.0, 0)]
+    >>> host_bound_intervals([(0.0, 4.0)], recs)
+    [(1.0, 2.5)]
+    """
+    held = merge_intervals((r.ready - r.held, r.ready) for r in recs if r.held > 0)
+    if not held:
+        return []
+    return subtract_intervals(class_idle(spans, recs), subtract_intervals(spans, held))
+
+
 # ----------------------------------------------------------------------------- summary
 @dataclass
 class StepTimes:
@@ -294,6 +319,8 @@ class StepTimes:
     exposed_comm_s: float
     bubble_fraction: float
     critical_class: int
+    host_bound_s: float = 0.0
+    """Per step, the critical class's host-bound time (:func:`host_bound_intervals`)."""
 
 
 def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> StepTimes:
@@ -313,11 +340,13 @@ def step_times(rec: Recorder, program: Program, steps: int, wall: float) -> Step
     compute_t = union_length(busy_intervals(recs))
     comm_t = union_length(comm_intervals(recs))
     exposed = union_length(iv for ivs in class_exposed_comm(recs).values() for iv in ivs)
+    spans = step_spans(rec.ops)
     bubble = 0.0
     if program.pipeline_stages > 1 and wall > 0:
-        bubble = union_length(class_idle(step_spans(rec.ops), recs)) / wall
+        bubble = union_length(class_idle(spans, recs)) / wall
+    host = union_length(host_bound_intervals(spans, recs))
     return StepTimes(wall / steps, compute_t / steps, comm_t / steps, exposed / steps, bubble,
-                     critical)
+                     critical, host / steps)
 
 
 def bytes_by_class(class_bytes: Iterable[float], steps: int) -> BytesByClass:

@@ -268,6 +268,11 @@ class Summary(TypedDict):
     """Parameters one token uses: model_params with only the top-k routed experts of each
     mixture-of-experts layer (CONTRACT.md); equal to model_params for a dense model."""
     micro_batches: int
+    host_bound_s: float
+    """Time in the step the critical rank class runs nothing while an op whose inputs are
+    there waits for its host to issue it (Python and kernel-launch overhead the GPU does
+    not hide): a host-paced step's share of its idle time. A lower bound on what the host
+    costs: an op it delays may delay others through their dependencies, waits not counted."""
     memory_overheads_gib: MemoryOverheads
     peak_memory_breakdown_gib: dict[str, float]
     memory_by_rank_class: list[RankClassMemory]

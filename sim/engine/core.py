@@ -67,9 +67,11 @@ class EngineObserver(NetworkObserver):
     """What the engine reports; the recorder subclasses this."""
 
     def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-              step: int) -> None:
+              step: int, held: float = 0.0) -> None:
         """An op finished: it was ready (reached and dependencies met) at ``ready``, ran from
-        ``start`` (later than ready for a collective waiting for its peers) to ``end``."""
+        ``start`` (later than ready for a collective waiting for its peers) to ``end``;
+        ``held`` is how long it waited for the host to issue it after its dependencies were
+        met (``ready`` less that moment; 0 when the host had issued it already)."""
 
     def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
                   op: Op | None = None) -> None:
@@ -77,7 +79,7 @@ class EngineObserver(NetworkObserver):
         (None: held before the step)."""
 
     def on_background_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-                         step: int) -> None:
+                         step: int, held: float = 0.0) -> None:
         """An op of a background stream (:attr:`Program.background_streams`) finished; ``step``
         is the step that issued it (it may end during a later one)."""
 
@@ -426,6 +428,7 @@ class Engine:
                        if ev.callbacks is not None]   # not processed yet
             if pending:
                 yield AllDone(env, pending)
+            met = env.now          # its inputs are there; what follows waits for the host
             issued = issue_times.get(op.index)
             if issued is None:
                 wait = issue_waits.setdefault(op.index, env.event())
@@ -461,9 +464,9 @@ class Engine:
             for cat, nbytes in op.free:
                 obs.on_memory(cls, end, cat, -nbytes, op)
             if background is not None:
-                obs.on_background_op(cls, op, ready, start, end, step)
+                obs.on_background_op(cls, op, ready, start, end, step, ready - met)
             else:
-                obs.on_op(cls, op, ready, start, end, self._step)
+                obs.on_op(cls, op, ready, start, end, self._step, ready - met)
             self.events_processed += 1
             if self.progress is not None and self.events_processed % PROGRESS_EVERY == 0:
                 self.progress(self.events_processed)

@@ -27,6 +27,9 @@ class OpRecord:
     start: float
     end: float
     step: int
+    held: float = 0.0
+    """Seconds between the op's dependencies being met and its host issuing it, ending at
+    ``ready`` (0 when the host had issued it already): the host, not the GPU, held it."""
 
 
 @dataclass
@@ -107,12 +110,12 @@ class Recorder(EngineObserver):
 
     # engine
     def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-              step: int) -> None:
-        self.ops.append(OpRecord(cls.id, op, ready, start, end, step))
+              step: int, held: float = 0.0) -> None:
+        self.ops.append(OpRecord(cls.id, op, ready, start, end, step, held))
 
     def on_background_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-                         step: int) -> None:
-        self.background_ops.append(OpRecord(cls.id, op, ready, start, end, step))
+                         step: int, held: float = 0.0) -> None:
+        self.background_ops.append(OpRecord(cls.id, op, ready, start, end, step, held))
 
     def on_memory(self, cls: RankClass, t: float, category: str, delta: float,
                   op: Op | None = None) -> None:

@@ -47,15 +47,15 @@ class LogTap(EngineObserver):
         return self._engine.net.solves
 
     def on_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-              step: int) -> None:
+              step: int, held: float = 0.0) -> None:
         engine = self._engine
         assert engine is not None
         self.entries.append((OP, end, cls.id, op, (ready, start, engine.issued_at(op), step,
-                                                     engine.accumulators(cls.id)),
+                                                     engine.accumulators(cls.id), held),
                              engine.net.solves))
 
     def on_background_op(self, cls: RankClass, op: Op, ready: float, start: float, end: float,
-                         step: int) -> None:
+                         step: int, held: float = 0.0) -> None:
         self.background = True
 
     def on_memory(self, cls: RankClass, t: float, category: str, delta: float,

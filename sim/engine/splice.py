@@ -147,7 +147,7 @@ def _alike(a: Entry, b: Entry, period_s: float, short: ShortRun,
     if a[0] == OP:
         return (pb[0] == pa[0] + period_s and pb[1] == pa[1] + period_s
                 and (pb[2] == pa[2] + period_s or _host_ahead(pa, pb))
-                and pb[3] == pa[3] and pb[4] == pa[4])
+                and pb[3] == pa[3] and pb[4] == pa[4] and pb[5] == pa[5])
     return len(pa) == len(pb) and all(_same(x, y) for x, y in zip(pa, pb, strict=True))
 
 
@@ -394,9 +394,9 @@ def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
         for kind, t, cls, order, pos, length, what in resolved[lo:hi]:
             target = order[pos + j * length] if order else None
             if kind == OP:
-                ready, start, _, step, _ = what
+                ready, start, _, step, _, held = what
                 assert cls is not None and target is not None
-                observer.on_op(cls, target, ready + shift, start + shift, t + shift, step)
+                observer.on_op(cls, target, ready + shift, start + shift, t + shift, step, held)
                 ops += 1
             elif kind == MEM:
                 assert cls is not None

@@ -92,8 +92,8 @@ def _full(scenario: Any, keep_link_series: bool = False) -> RunResult:
 def _assert_same_reports(a: RunResult, b: RunResult) -> None:
     assert _without_wall(dict(a.summary)) == _without_wall(dict(b.summary))
     ra, rb = a.recorder, b.recorder
-    assert [(r.cls, r.op.index, r.ready, r.start, r.end, r.step) for r in ra.ops] == \
-        [(r.cls, r.op.index, r.ready, r.start, r.end, r.step) for r in rb.ops]
+    assert [(r.cls, r.op.index, r.ready, r.start, r.end, r.step, r.held) for r in ra.ops] == \
+        [(r.cls, r.op.index, r.ready, r.start, r.end, r.step, r.held) for r in rb.ops]
     assert len(ra.rate_series) == len(rb.rate_series)
     for (ta, xa), (tb, xb) in zip(ra.rate_series, rb.rate_series, strict=True):
         assert ta == tb and np.array_equal(xa, xb)

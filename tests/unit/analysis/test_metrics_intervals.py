@@ -17,6 +17,7 @@ from sim.analysis.metrics import (
     bubble_intervals,
     critical_class,
     exposed_comm_intervals,
+    host_bound_intervals,
     merge_intervals,
     records_by_class,
     step_spans,
@@ -112,6 +113,30 @@ def test_bubbles_are_the_step_less_everything_a_class_ran() -> None:
     assert step_spans(recs) == [(0.0, 4.0), (4.0, 8.0)]
     assert bubble_intervals(recs) == {0: [(1.5, 5.0), (6.0, 8.0)], 1: []}
     assert critical_class(recs) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_host_bound_time_is_idle_time_an_issued_late_op_waited_through(seed: int) -> None:
+    # Random integer timelines of one class in one 80 s step: compute, copies, collectives
+    # and ops the host held (ready - held to ready). Counted cell by cell, the host-bound
+    # time is the cells no op runs in and some held op was waiting in: never more than the
+    # idle time, never outside a wait.
+    rng = random.Random(seed)
+    recs = [OpRecord(0, FWD, 0.0, 0.0, 80.0, 0)] if seed == 0 else []
+    for _ in range(rng.randint(1, 12)):
+        op = rng.choice([FWD, COPY, AR, SEND])
+        start = float(rng.randint(0, 70))
+        end = start + rng.randint(1, 8)
+        held = float(rng.choice([0, 0, rng.randint(1, int(start) + 1)]))
+        held = min(held, start)
+        recs.append(OpRecord(0, op, start, start, end, 0, held))
+    recs.append(OpRecord(0, FWD, 79.0, 79.0, 80.0, 0))
+    span = [(0.0, 80.0)]
+    ran = set().union(*(_cells([(r.start, r.end)]) for r in recs))
+    waited = set().union(*(_cells([(r.ready - r.held, r.ready)]) for r in recs))
+    got = host_bound_intervals(span, recs)
+    assert _cells(got) == (set(range(80)) - ran) & waited
+    assert union_length(got) <= union_length(metrics.class_idle(span, recs))
 
 
 def test_critical_class_ties_go_to_the_lowest_id() -> None:
