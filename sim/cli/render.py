@@ -115,6 +115,8 @@ def print_summary(s: Summary) -> None:
         ("exposed communication", f"{s['exposed_comm_s']:.4f} s"
          f"  ({s['overlap_fraction']:.0%} hidden)"),
         ("pipeline bubble", f"{s['bubble_fraction']:.1%}"),
+        ("waiting on the host", f"{s.get('host_bound_s', 0.0):.4f} s"
+         f"  ({s.get('host_bound_s', 0.0) / s['step_time_s']:.1%} of the step)"),
         ("peak memory", f"{s['peak_memory_gib']:.1f} GiB allocated, "
          f"{s.get('peak_reserved_gib', s['peak_memory_gib']):.1f} reserved, "
          f"{s.get('peak_nvidia_smi_gib', s['peak_memory_gib']):.1f} in nvidia-smi, "
