@@ -140,7 +140,8 @@ class TileCycles(NamedTuple):
         return max(self.mma, self.exp, self.smem)
 
 
-def smem_bytes(pass_: Pass, head_dim: int, two_cta: bool = False) -> float:
+def smem_bytes(pass_: Pass, head_dim: int, two_cta: bool = False,
+               operand_bytes: float = BF16_BYTES) -> float:
     """Shared-memory bytes one SM moves for one ``128 x 128`` tile of scores.
 
     Forward: ``S = Q K^T`` reads Q and K, ``O = P V`` reads V; P stays in tensor memory (FA-4
@@ -150,15 +151,16 @@ def smem_bytes(pass_: Pass, head_dim: int, two_cta: bool = False) -> float:
     dQ partial, fp32, that is reduced into global memory (FA-2/3/4's ``dQaccum``). At head_dim
     128 that is 13 tiles of 32 KiB, the paper's 3,328 cycles. The split into these terms is
     ours; the paper gives the total. ``two_cta``: the 2-CTA mode halves each SM's reads of
-    the five B operands (K, V, dO, Q, K: all ``128 x d``).
+    the five B operands (K, V, dO, Q, K: all ``128 x d``). ``operand_bytes``: 1 for an FP8
+    kernel's operands (the fp32 dQ partial stays fp32).
 
     Examples
     --------
     >>> smem_bytes("bwd", 128) / 128, smem_bytes("fwd", 128) / 128
     (3328.0, 768.0)
     """
-    d_tile = TILE_M * head_dim * BF16_BYTES            # Q, dO (128 x d); K, V likewise
-    s_tile = TILE_M * TILE_N * BF16_BYTES              # P, dS
+    d_tile = TILE_M * head_dim * operand_bytes         # Q, dO (128 x d); K, V likewise
+    s_tile = TILE_M * TILE_N * operand_bytes           # P, dS
     if pass_ == "fwd":
         return 3.0 * d_tile
     reads = 7.0 * d_tile + 3.0 * s_tile
@@ -190,6 +192,28 @@ def tile_cycles(pass_: Pass, head_dim: int, arch: str = "blackwell",
     exp = TILE_M * TILE_N * (1.0 - emulated_exp) / exp_per_clock
     smem = smem_bytes(pass_, head_dim, two_cta) / SMEM_BYTES_PER_CLOCK_SM
     return TileCycles(mma, exp, smem)
+
+
+def fp8_unit_gain(pass_: Pass, head_dim: int, exp_per_clock: int = MUFU_EXP_PER_CLOCK_SM
+                  ) -> float:
+    """BF16 over FP8 bound of one score tile by the units: FP8 halves the tensor cores'
+    cycles (twice the dense FLOPs a clock) and the operands' shared-memory bytes and leaves
+    the exponentials (and the forward's emulated share, :data:`FA4_EMULATED_EXP_SHARE`).
+    Where the exponentials bind the FP8 forward (Blackwell: 845 cycles against 512 of MMA at
+    head dim 128) a part with a faster MUFU (``exp_per_clock``) gains more from FP8.
+
+    Examples
+    --------
+    >>> round(fp8_unit_gain("fwd", 128), 2), round(fp8_unit_gain("bwd", 128), 2)
+    (1.21, 1.73)
+    >>> round(fp8_unit_gain("fwd", 128, exp_per_clock=32), 2)   # Blackwell Ultra: MMA-bound
+    2.0
+    """
+    emulated = FA4_EMULATED_EXP_SHARE if pass_ == "fwd" else 0.0
+    bf16 = tile_cycles(pass_, head_dim, emulated_exp=emulated, exp_per_clock=exp_per_clock)
+    fp8_smem = smem_bytes(pass_, head_dim, operand_bytes=1) / SMEM_BYTES_PER_CLOCK_SM
+    fp8 = TileCycles(bf16.mma / 2.0, bf16.exp, fp8_smem)
+    return bf16.bound / fp8.bound
 
 
 def sm_clock_hz(gpu: GpuSpec) -> float:

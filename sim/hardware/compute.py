@@ -33,7 +33,7 @@ from sim.hardware.attention_cost import (
     share_of_flash2,
 )
 from sim.hardware.flash_curves import flash2_causal_speedup
-from sim.hardware.fp8_attention import Format, Kind, fp8_attention_gain
+from sim.hardware.fp8_attention import Format, Kind, fp8_attention_gain_on
 from sim.hardware.kernel_fit import h200_fit as _fit
 from sim.hardware.masked_attention import masked_slowdown
 from sim.hardware.memory_bound import MemoryBoundKernels
@@ -368,7 +368,8 @@ class ComputeModel(MemoryBoundKernels):
         (:func:`~sim.hardware.attention_cost.causal_tiles`); the residual stays the one of the
         same launch (``seq`` queries, ``batch x heads`` groups). ``fp8``: the call runs in
         that FP8 format (Transformer Engine's ``fp8_dpa``), at cuDNN's measured gain over
-        the 16-bit kernel (:func:`~sim.hardware.fp8_attention.fp8_attention_gain`).
+        the 16-bit kernel, carried to other parts of the generation by the units
+        (:func:`~sim.hardware.fp8_attention.fp8_attention_gain_on`).
         ``masked``: SDPA was handed an explicit mask tensor (Hugging Face's causal mask under
         ``torch.compile``): the whole rectangle at the measured masked-call slowdown
         (:func:`~sim.hardware.masked_attention.masked_slowdown`). FlashAttention's first
@@ -457,7 +458,7 @@ class ComputeModel(MemoryBoundKernels):
             return self.attention_time(batch, heads, seq, head_dim, "bwd", kv_seq,
                                        causal=True, measured_table=measured_table, fp8=fp8)
         kind: Kind = "full" if not causal else "window" if windowed else "causal"
-        return t16 / fp8_attention_gain(self.gpu.arch, fp8, pass_, kind, head_dim, seq)
+        return t16 / fp8_attention_gain_on(self.gpu, fp8, pass_, kind, head_dim, seq)
 
     def cp_attention_time(self, batch: int, heads: int, seq: int, head_dim: int,
                           pass_: Literal["fwd", "bwd"], kv_seq: int,
@@ -487,8 +488,8 @@ class ComputeModel(MemoryBoundKernels):
                                     causal=False),
                 self.attention_time(batch, heads, seq, head_dim, "bwd", kv_seq=seq // 2,
                                     causal=False))
-            return t if fp8 is None else t / fp8_attention_gain(
-                self.gpu.arch, fp8, pass_, "full", head_dim, seq)
+            return t if fp8 is None else t / fp8_attention_gain_on(
+                self.gpu, fp8, pass_, "full", head_dim, seq)
         t = 0.5 * self.attention_time(batch, heads, seq, head_dim, pass_, kv_seq=kv_seq,
                                       causal=False)
         if self.gpu.arch == "blackwell" and (
@@ -501,7 +502,7 @@ class ComputeModel(MemoryBoundKernels):
                 self.gpu, pass_, seq, groups)
         if fp8 is None:
             return t
-        return t / fp8_attention_gain(self.gpu.arch, fp8, pass_, "full", head_dim, seq)
+        return t / fp8_attention_gain_on(self.gpu, fp8, pass_, "full", head_dim, seq)
 
     def attention_cpu_s(self, pass_: Literal["fwd", "bwd"] = "fwd") -> float:
         """CPU time to issue one attention call (backend selection, graph lookup)."""

@@ -35,7 +35,8 @@ from typing import Literal
 
 import yaml
 
-from sim.catalog import CATALOG_DIR
+from sim.catalog import CATALOG_DIR, GpuSpec
+from sim.hardware.blackwell_attention import fp8_unit_gain
 
 Kind = Literal["full", "causal", "window"]
 Format = Literal["fp8", "mxfp8"]
@@ -69,6 +70,43 @@ def _gains() -> dict[tuple[str, str, str, str], dict[int, list[tuple[float, floa
         out[(r["gpu"], r["dtype"], r["pass"], kind)][r["head_dim_qk"]].append(
             (math.log2(r["seq"]), twin / r["ms"]))
     return {key: {hd: sorted(pts) for hd, pts in by_hd.items()} for key, by_hd in out.items()}
+
+
+def fp8_attention_gain_on(gpu: GpuSpec, fmt: Format, pass_: Literal["fwd", "bwd"],
+                          kind: Kind, head_dim: int, seq: int) -> float:
+    """:func:`fp8_attention_gain` carried to ``gpu`` from the part it was measured on: times
+    the units' FP8 gain on ``gpu`` over theirs on that part
+    (:func:`~sim.hardware.blackwell_attention.fp8_unit_gain`). The measured part's forward
+    is bound by its exponentials in FP8; Blackwell Ultra's doubled MUFU (B300, GB300,
+    ``sfu_exp_per_clock_sm`` 32) lifts that bound, its BF16 forward staying MMA-bound, so its
+    FP8 forward gains more: x1.65 at head dim 128, x1.32 at MLA's 160, x1.21 at 64; the
+    backward, bound by shared memory, gains the same. Checked against NVIDIA's own figure,
+    "~35%" more FP8 forward-pass throughput for DeepSeek-V3's attention on GB300 than on GB200
+    (NVIDIA technical blog "Making Softmax More Efficient with NVIDIA Blackwell Ultra",
+    2026-02), where this gives 1.32 times the SMs x clock ratio 1.004
+    (``tests/unit/hardware/test_fp8_attention_ultra.py``).
+
+    Examples
+    --------
+    >>> from sim import catalog
+    >>> g = lambda part, hd: fp8_attention_gain_on(catalog.gpu(part), "fp8", "fwd", "causal",
+    ...                                            hd, 4096)
+    >>> g("gb200", 128) == g("b200", 128) == fp8_attention_gain("blackwell", "fp8", "fwd",
+    ...                                                         "causal", 128, 4096)
+    True
+    >>> round(g("gb300", 160) / g("gb200", 160), 2)
+    1.32
+    """
+    gain = fp8_attention_gain(gpu.arch, fmt, pass_, kind, head_dim, seq)
+    part = MEASURED_PART.get(gpu.arch)
+    if gain == 1.0 or gpu.arch != "blackwell" or part is None:
+        return gain
+    from sim import catalog
+    measured = catalog.gpu(part).sfu_exp_per_clock_sm
+    if gpu.sfu_exp_per_clock_sm == measured:
+        return gain
+    return gain * (fp8_unit_gain(pass_, head_dim, gpu.sfu_exp_per_clock_sm)
+                   / fp8_unit_gain(pass_, head_dim, measured))
 
 
 def fp8_attention_gain(arch: str, fmt: Format, pass_: str, kind: Kind, head_dim: int,

@@ -46,3 +46,43 @@ def test_fp8_window_backward_runs_the_whole_triangle(seq: int, fp8_ms: float) ->
     t8 = cm.attention_time(2, 128, seq, 64, "bwd", window=128, fp8="fp8")
     assert t8 == pytest.approx(fp8_ms * 1e-3, rel=0.12)
     assert t8 > cm.attention_time(2, 128, seq, 64, "bwd", window=128)   # slower than BF16
+
+
+# ------------------------------------------------------------- carried to Blackwell Ultra
+GB300 = burst_spec(catalog.gpu("gb300"))
+
+
+def test_blackwell_ultras_fp8_forward_gains_what_nvidia_measured_on_deepseek_v3() -> None:
+    # NVIDIA technical blog "Making Softmax More Efficient with NVIDIA Blackwell Ultra"
+    # (2026-02): doubling MUFU.EX2 gives "~35%" more FP8 forward-pass throughput for
+    # DeepSeek-V3's attention on a GB300 than on a GB200. Nothing was fitted to it: the
+    # carried gain comes from the units (FA-4's feeds and speeds). MLA's 192/128 heads are
+    # priced at the FLOP-weighted width 160 (sim/workload/megatron_mla.py); 2 x 128 heads of
+    # 4,096 tokens, causal.
+    def fwd(gpu, fp8):
+        return ComputeModel(gpu, attention_backend="cudnn").attention_time(
+            2, 128, 4096, 160, "fwd", fp8=fp8)
+    assert fwd(GB200, "fp8") / fwd(GB300, "fp8") == pytest.approx(1.35, rel=0.05)
+    # BF16 is MMA-bound on both (the doubled MUFU does not show): only the parts' SMs x clock.
+    assert fwd(GB200, None) / fwd(GB300, None) == pytest.approx(1.0, abs=0.01)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 160, 192])
+@pytest.mark.parametrize("seq", [2048, 8192])
+def test_the_carried_gain_leaves_measured_blackwell_and_every_backward_alone(
+        head_dim: int, seq: int) -> None:
+    from sim.hardware.fp8_attention import fp8_attention_gain_on
+    for fmt in ("fp8", "mxfp8"):
+        measured = {p: fp8_attention_gain("blackwell", fmt, p, "causal", head_dim, seq)
+                    for p in ("fwd", "bwd")}
+        for part in ("b200", "gb200"):      # the measured part's MUFU: its own figure
+            for p in ("fwd", "bwd"):
+                assert fp8_attention_gain_on(catalog.gpu(part), fmt, p, "causal", head_dim,
+                                             seq) == measured[p]
+        for part in ("b300", "gb300"):
+            # Backward: shared memory binds both parts, the exponentials never: unchanged.
+            assert fp8_attention_gain_on(catalog.gpu(part), fmt, "bwd", "causal", head_dim,
+                                         seq) == pytest.approx(measured["bwd"], rel=1e-12)
+            # Forward: never less than measured, more wherever the exponentials bound it.
+            assert fp8_attention_gain_on(catalog.gpu(part), fmt, "fwd", "causal", head_dim,
+                                         seq) >= measured["fwd"]
