@@ -82,6 +82,9 @@ def run(
     except ScenarioError as exc:
         _bad_input(str(exc))
         return
+    paced = budget.host_note(sc, result.summary)
+    if paced is not None:
+        err.print(f"fabricsim: note: {paced}", markup=False, highlight=False, soft_wrap=True)
     if out is not None:
         write_run_outputs(out, result, zoom, "all" if hta_all_ranks else "classes" if hta
                        else None, overwrite=overwrite)

@@ -144,3 +144,46 @@ def test_run_prints_the_zone_note_once_the_program_is_built() -> None:
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
     assert "note" not in bad.stderr
+
+
+def test_a_host_paced_moe_step_on_an_x86_host_gets_a_note_and_nothing_else_does() -> None:
+    # The published-moe rows: the dropless B200 run, 35% host-bound simulated, measured 1.6x
+    # slower (its note); 26.04's GPU-paced B300 run (2.7%) and the host-paced GB200 run
+    # (33%, a Grace host, priced from its own per-op cost) get none.
+    from sim.api import simulate
+    from sim.apps.validation.published_moe import entries, scenario_of
+    by_id = {e["id"]: e for e in entries()}
+    seen = {}
+    for rid in ("nemo-26.02-qwen3-30b-a3b-8xb200-mxfp8-ep8-alltoall",
+                "nemo-26.04-qwen3-30b-a3b-8xb300-mxfp8-ep8",
+                "nemo-26.02-qwen3-30b-a3b-8xgb200-mxfp8-ep8"):
+        sc = scenario_of(by_id[rid])
+        summary = simulate(sc).summary
+        seen[rid] = (summary["host_bound_s"] / summary["step_time_s"],
+                     budget.host_note(sc, summary))
+    share, note = seen["nemo-26.02-qwen3-30b-a3b-8xb200-mxfp8-ep8-alltoall"]
+    assert share > budget.HOST_PACED_SHARE and note is not None and f"{share:.0%}" in note
+    assert seen["nemo-26.04-qwen3-30b-a3b-8xb300-mxfp8-ep8"][1] is None
+    gb200_share, gb200_note = seen["nemo-26.02-qwen3-30b-a3b-8xgb200-mxfp8-ep8"]
+    assert gb200_share > budget.HOST_PACED_SHARE and gb200_note is None
+    # A dense model is never noted, however host-paced.
+    dense = load_scenario("llama3-8b-fsdp2-8xh100-mbs4")
+    assert budget.host_note(dense, {"step_time_s": 1.0, "host_bound_s": 0.9}) is None
+
+
+def test_run_prints_the_host_note_after_the_step(tmp_path) -> None:
+    import yaml
+
+    from sim.apps.validation.published_moe import entries
+    rid = "nemo-26.02-qwen3-30b-a3b-8xb200-mxfp8-ep8-alltoall"
+    e = next(x for x in entries() if x["id"] == rid)
+    path = tmp_path / "dropless.yaml"
+    path.write_text(yaml.safe_dump({"name": "dropless", **e["scenario"]}))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "sim.cli", "run", str(path), "--json"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fabricsim: note: the simulated step is "
+                                                   "host-paced")
+    assert json.loads(proc.stdout)["host_bound_s"] > 0
