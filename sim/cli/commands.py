@@ -277,6 +277,9 @@ def validate(
         "vtrain-single/-multi report vTrain's validate half, vtrain-*-fit the fit half).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    workers: Annotated[int, typer.Option(
+        "--workers", min=1, help="Processes simulating at once in the suites of long "
+        "simulations (published-moe); the same numbers.")] = 1,
 ) -> None:
     """Predictions against the measured reference data: error per case and per suite."""
     from sim.apps.validation import SUITES, run_suites
@@ -286,7 +289,7 @@ def validate(
         _bad_input(f"--suite: unknown suite {unknown[0]!r} (available: "
                    f"{', '.join(sorted(SUITES))})")
     if as_json or not err.is_terminal:
-        result = run_suites(suite or None)
+        result = run_suites(suite or None, workers=workers)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -299,7 +302,7 @@ def validate(
                     tasks[name] = bar.add_task(f"validate {name}", total=total)
                 bar.update(tasks[name], completed=done, total=total)
 
-            result = run_suites(suite or None, report)
+            result = run_suites(suite or None, report, workers)
     if as_json:
         print(json.dumps(result, indent=2))
         return

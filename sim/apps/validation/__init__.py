@@ -43,15 +43,23 @@ SUITES: dict[str, Callable[[Progress], list[Case]]] = {
     "vtrain-single-fit": lambda progress: vtrain_cases("single", progress=progress, half="fit"),
     "vtrain-multi-fit": lambda progress: vtrain_cases("multi", progress=progress, half="fit"),
 }
+# Suites whose setups run in several processes with ``workers`` (each one a long simulation;
+# the others' cases are many short ones, or none, and run here).
+PARALLEL_SUITES: dict[str, Callable[[Progress, int], list[Case]]] = {
+    "published-moe": lambda progress, workers: published_moe_cases(progress=progress,
+                                                                   workers=workers),
+}
 # Suites that report the rows constants were fitted on: run only when named.
 FIT_SUITES = frozenset(name for name in SUITES if name.endswith("-fit"))
 
 
 def run_suites(names: list[str] | None = None,
-               progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+               progress: Callable[[str, int, int], None] | None = None,
+               workers: int = 1) -> dict[str, Any]:
     """The ``fabricsim validate --json`` object for the named suites (by default all but the
     fit halves, :data:`FIT_SUITES`); ``progress(suite, done, total)`` as cases finish (the
-    suites that report them)."""
+    suites that report them); ``workers`` processes for the suites that can use them
+    (:data:`PARALLEL_SUITES`), the same numbers either way."""
     chosen = names or sorted(set(SUITES) - FIT_SUITES)
     cases: list[Case] = []
     skipped: list[Case] = []
@@ -59,7 +67,8 @@ def run_suites(names: list[str] | None = None,
     for name in chosen:
         report = None if progress is None else (
             lambda done, total, _name=name: progress(_name, done, total))
-        got = SUITES[name](report)
+        got = (PARALLEL_SUITES[name](report, workers) if workers > 1 and name in PARALLEL_SUITES
+               else SUITES[name](report))
         scored = [c for c in got if "skipped" not in c]
         cases += scored
         skipped += [c for c in got if "skipped" in c]

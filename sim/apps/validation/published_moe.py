@@ -53,29 +53,74 @@ def scenario_of(entry: Mapping[str, Any]) -> Scenario:
                               origin=f"published-moe {entry['id']}")
 
 
-def published_moe_cases(ci_only: bool = False,
-                        progress: Callable[[int, int], None] | None = None
-                        ) -> list[dict[str, Any]]:
-    """One case per published figure: ``{suite, id, metric, measured, simulated, error,
-    source}``, or ``{suite, id, metric, measured, skipped, source}`` where the builder refuses
-    the scenario; ``progress(done, total)`` before each run and at the end."""
+def _setup_key(e: Mapping[str, Any]) -> str:
+    """Entries with one key are one setup: one simulation (two containers' figures for it)."""
+    return yaml.safe_dump([e["scenario"], e.get("model_overrides")], sort_keys=True)
+
+
+def simulate_entry(e: Mapping[str, Any]) -> Mapping[str, Any] | ScenarioError:
+    """One entry's summary, or the builder's refusal (a worker process's task)."""
     from sim.api import simulate
 
+    try:
+        return simulate(scenario_of(e), origin=f"published-moe {e['id']}").summary
+    except ScenarioError as refused:
+        return refused
+
+
+def _simulate_setups(todo: list[dict[str, Any]], workers: int,
+                     progress: Callable[[int, int], None] | None
+                     ) -> dict[str, Mapping[str, Any] | ScenarioError]:
+    """Each setup of ``todo`` simulated once, in ``workers`` processes (in this one for 1, in
+    the entries' order), keyed by :func:`_setup_key`; ``progress(done, total)`` over the
+    entries as their setups finish."""
+    firsts: dict[str, dict[str, Any]] = {}
+    for e in todo:
+        firsts.setdefault(_setup_key(e), e)
+    per_key: dict[str, int] = {}
+    for e in todo:
+        per_key[_setup_key(e)] = per_key.get(_setup_key(e), 0) + 1
+    seen: dict[str, Mapping[str, Any] | ScenarioError] = {}
+    done = 0
+    if workers <= 1:
+        for key, e in firsts.items():
+            if progress is not None:
+                progress(done, len(todo))
+            seen[key] = simulate_entry(e)
+            done += per_key[key]
+        return seen
+    from concurrent.futures import as_completed
+
+    from sim.apps.executor import Pool
+
+    pool = Pool(workers)
+    with pool.killed_on_interrupt():
+        futures = {pool.submit(simulate_entry, e): key for key, e in firsts.items()}
+        if progress is not None:
+            progress(0, len(todo))
+        for fut in as_completed(futures):
+            key = futures[fut]
+            seen[key] = fut.result()
+            done += per_key[key]
+            if progress is not None:
+                progress(done, len(todo))
+    return seen
+
+
+def published_moe_cases(ci_only: bool = False,
+                        progress: Callable[[int, int], None] | None = None,
+                        workers: int = 1) -> list[dict[str, Any]]:
+    """One case per published figure: ``{suite, id, metric, measured, simulated, error,
+    source}``, or ``{suite, id, metric, measured, skipped, source}`` where the builder refuses
+    the scenario; ``progress(done, total)`` as the runs go and at the end. ``workers``:
+    processes simulating the setups at once (the numbers are the same: each simulation is
+    deterministic and alone)."""
     cases: list[dict[str, Any]] = []
     todo = [e for e in entries() if not ci_only or e.get("ci", False)]
     # Two containers' figures for one setup are one simulation (same scenario, same numbers).
-    seen: dict[str, Mapping[str, Any] | ScenarioError] = {}
-    for done, e in enumerate(todo):
-        if progress is not None:
-            progress(done, len(todo))
-        sc = scenario_of(e)
-        key = yaml.safe_dump([e["scenario"], e.get("model_overrides")], sort_keys=True)
-        if key not in seen:
-            try:
-                seen[key] = simulate(sc, origin=f"published-moe {e['id']}").summary
-            except ScenarioError as refused:
-                seen[key] = refused
-        summary = seen[key]
+    seen = _simulate_setups(todo, workers, progress)
+    for e in todo:
+        summary = seen[_setup_key(e)]
         if isinstance(summary, ScenarioError):
             # The builder's refusal (what it does not model yet), one line naming the key.
             for metric, measured in e["measured"].items():

@@ -218,3 +218,26 @@ def test_the_cli_lists_skipped_entries_apart(monkeypatch) -> None:
     table = CliRunner().invoke(cli.app, ["validate", "--suite", SUITE])
     assert table.exit_code == 0, table.output
     assert "skipped (not simulated)" in table.output and "sinks" in table.output
+
+
+def test_validate_with_workers_gives_the_same_cases(monkeypatch) -> None:
+    # `fabricsim validate --workers N` simulates the setups in N processes: the same cases to
+    # the bit (each simulation is deterministic and alone), in the entries' order. Three
+    # one-node rows, one of them a second container of another's setup (one simulation).
+    import json
+
+    from typer.testing import CliRunner
+
+    import sim.apps.validation.published_moe as published_moe
+    from sim import cli
+
+    picked = [e for e in ENTRIES if e.get("ci")][:2]
+    twin = {**picked[0], "id": picked[0]["id"] + "-twin"}
+    monkeypatch.setattr(published_moe, "entries", lambda: [*picked, twin])
+    runs = [CliRunner().invoke(cli.app, ["validate", "--suite", SUITE, "--json",
+                                         "--workers", str(n)]) for n in (1, 2)]
+    for r in runs:
+        assert r.exit_code == 0, r.output
+    one, two = (json.loads(r.output) for r in runs)
+    assert [c["id"] for c in one["cases"]] == [picked[0]["id"], picked[1]["id"], twin["id"]]
+    assert one == two
