@@ -17,6 +17,7 @@ Entries marked ``ci: false`` are too large for the test suite's time budget and 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -94,7 +95,12 @@ def _simulate_setups(todo: list[dict[str, Any]], workers: int,
     from sim.apps.executor import Pool
 
     pool = Pool(workers)
-    with pool.killed_on_interrupt():
+    with pool.killed_on_interrupt(), warnings.catch_warnings():
+        # loky retires a worker whose memory grew by a large simulation (its leak guard) once
+        # that task is done and hands the rest to a fresh one; nothing is lost, so its
+        # "A worker stopped while some jobs were given to the executor" is not the user's.
+        warnings.filterwarnings("ignore", message="A worker stopped while some jobs",
+                                category=UserWarning)
         futures = {pool.submit(simulate_entry, e): key for key, e in firsts.items()}
         if progress is not None:
             progress(0, len(todo))
