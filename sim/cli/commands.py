@@ -279,7 +279,7 @@ def validate(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
     workers: Annotated[int, typer.Option(
         "--workers", min=1, help="Processes simulating at once in the suites of long "
-        "simulations (published-moe); the same numbers.")] = 1,
+        "simulations (published, published-moe); the same numbers.")] = 1,
 ) -> None:
     """Predictions against the measured reference data: error per case and per suite."""
     from sim.apps.validation import SUITES, run_suites

@@ -43,9 +43,11 @@ SUITES: dict[str, Callable[[Progress], list[Case]]] = {
     "vtrain-single-fit": lambda progress: vtrain_cases("single", progress=progress, half="fit"),
     "vtrain-multi-fit": lambda progress: vtrain_cases("multi", progress=progress, half="fit"),
 }
-# Suites whose setups run in several processes with ``workers`` (each one a long simulation;
-# the others' cases are many short ones, or none, and run here).
+# Suites whose entries run in several processes with ``workers`` (each one a long
+# simulation; the others' cases are many short ones, or none, and run here).
 PARALLEL_SUITES: dict[str, Callable[[Progress, int], list[Case]]] = {
+    "published": lambda progress, workers: published_cases(progress=progress,
+                                                           workers=workers),
     "published-moe": lambda progress, workers: published_moe_cases(progress=progress,
                                                                    workers=workers),
 }

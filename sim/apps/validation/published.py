@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from sim.apps.validation.cases import map_in_order
 from sim.scenario import scenario_from_dict
 
 if TYPE_CHECKING:
@@ -36,16 +37,14 @@ def entries() -> list[dict[str, Any]]:
 
 
 def published_cases(ci_only: bool = False,
-                    progress: Callable[[int, int], None] | None = None
-                    ) -> list[dict[str, Any]]:
+                    progress: Callable[[int, int], None] | None = None,
+                    workers: int = 1) -> list[dict[str, Any]]:
     """One case per published figure: ``{suite, id, metric, measured, simulated, error}``;
-    ``progress(done, total)`` after each run."""
-    cases = []
+    ``progress(done, total)`` as the runs go and at the end; ``workers`` processes
+    simulating the entries at once (:func:`~sim.apps.validation.cases.map_in_order`: the
+    same cases, in order)."""
     todo = [e for e in entries() if not ci_only or e.get("ci", False)]
-    for done, e in enumerate(todo):
-        if progress is not None:
-            progress(done, len(todo))
-        cases += entry_cases(e)
+    cases = [c for got in map_in_order(entry_cases, todo, workers, progress) for c in got]
     if progress is not None:
         progress(len(todo), len(todo))
     return cases

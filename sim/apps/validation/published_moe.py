@@ -17,14 +17,13 @@ Entries marked ``ci: false`` are too large for the test suite's time budget and 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from sim.apps.validation.cases import error_of
+from sim.apps.validation.cases import error_of, map_in_order
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 
 REFERENCE = (Path(__file__).resolve().parents[2] / "catalog" / "reference"
@@ -72,45 +71,19 @@ def simulate_entry(e: Mapping[str, Any]) -> Mapping[str, Any] | ScenarioError:
 def _simulate_setups(todo: list[dict[str, Any]], workers: int,
                      progress: Callable[[int, int], None] | None
                      ) -> dict[str, Mapping[str, Any] | ScenarioError]:
-    """Each setup of ``todo`` simulated once, in ``workers`` processes (in this one for 1, in
-    the entries' order), keyed by :func:`_setup_key`; ``progress(done, total)`` over the
-    entries as their setups finish."""
+    """Each setup of ``todo`` simulated once (:func:`simulate_entry` in ``workers``
+    processes, :func:`~sim.apps.validation.cases.map_in_order`), keyed by
+    :func:`_setup_key`; ``progress(done, total)`` over the entries as their setups finish."""
     firsts: dict[str, dict[str, Any]] = {}
+    count: dict[str, int] = {}
     for e in todo:
-        firsts.setdefault(_setup_key(e), e)
-    per_key: dict[str, int] = {}
-    for e in todo:
-        per_key[_setup_key(e)] = per_key.get(_setup_key(e), 0) + 1
-    seen: dict[str, Mapping[str, Any] | ScenarioError] = {}
-    done = 0
-    if workers <= 1:
-        for key, e in firsts.items():
-            if progress is not None:
-                progress(done, len(todo))
-            seen[key] = simulate_entry(e)
-            done += per_key[key]
-        return seen
-    from concurrent.futures import as_completed
-
-    from sim.apps.executor import Pool
-
-    pool = Pool(workers)
-    with pool.killed_on_interrupt(), warnings.catch_warnings():
-        # loky retires a worker whose memory grew by a large simulation (its leak guard) once
-        # that task is done and hands the rest to a fresh one; nothing is lost, so its
-        # "A worker stopped while some jobs were given to the executor" is not the user's.
-        warnings.filterwarnings("ignore", message="A worker stopped while some jobs",
-                                category=UserWarning)
-        futures = {pool.submit(simulate_entry, e): key for key, e in firsts.items()}
-        if progress is not None:
-            progress(0, len(todo))
-        for fut in as_completed(futures):
-            key = futures[fut]
-            seen[key] = fut.result()
-            done += per_key[key]
-            if progress is not None:
-                progress(done, len(todo))
-    return seen
+        key = _setup_key(e)
+        firsts.setdefault(key, e)
+        count[key] = count.get(key, 0) + 1
+    keys = list(firsts)
+    got = map_in_order(simulate_entry, [firsts[k] for k in keys], workers, progress,
+                       [count[k] for k in keys], len(todo))
+    return dict(zip(keys, got, strict=True))
 
 
 def published_moe_cases(ci_only: bool = False,

@@ -107,3 +107,11 @@ def test_run_suites_reports_progress_per_case_up_to_the_total(published_ci) -> N
         sum(len(e["measured"]) for e in entries() if e.get("ci"))
     assert [d for _, d, _ in seen] == list(range(n + 1))
     assert {(s, t) for s, _, t in seen} == {("published", n)}
+
+
+def test_published_with_workers_gives_the_same_cases(published_ci) -> None:
+    # `fabricsim validate --workers 2`: the entries simulated in two processes, the same cases
+    # to the bit and in the entries' order (each simulation is deterministic and alone).
+    from sim.apps.validation.published import published_cases
+
+    assert published_cases(ci_only=True, workers=2) == published_ci[0]["cases"]
