@@ -84,7 +84,7 @@ def fp8_attention_gain_on(gpu: GpuSpec, fmt: Format, pass_: Literal["fwd", "bwd"
     "~35%" more FP8 forward-pass throughput for DeepSeek-V3's attention on GB300 than on GB200
     (NVIDIA technical blog "Making Softmax More Efficient with NVIDIA Blackwell Ultra",
     2026-02), where this gives 1.32 times the SMs x clock ratio 1.004
-    (``tests/unit/hardware/test_fp8_attention_ultra.py``).
+    (``tests/unit/hardware/test_fp8_attention.py``).
 
     Examples
     --------
