@@ -109,9 +109,19 @@ def test_run_suites_reports_progress_per_case_up_to_the_total(published_ci) -> N
     assert {(s, t) for s, _, t in seen} == {("published", n)}
 
 
-def test_published_with_workers_gives_the_same_cases(published_ci) -> None:
+def test_published_with_workers_gives_the_same_cases(published_ci, monkeypatch) -> None:
     # `fabricsim validate --workers 2`: the entries simulated in two processes, the same cases
     # to the bit and in the entries' order (each simulation is deterministic and alone).
+    import sim.apps.executor as executor
     from sim.apps.validation.published import published_cases
 
+    pools: list[int] = []
+
+    class Spy(executor.Pool):
+        def __init__(self, workers: int) -> None:
+            pools.append(workers)
+            super().__init__(workers)
+
+    monkeypatch.setattr(executor, "Pool", Spy)
     assert published_cases(ci_only=True, workers=2) == published_ci[0]["cases"]
+    assert pools == [2]                 # the processes ran them, not this one
