@@ -185,24 +185,38 @@ class ComputeModel(MemoryBoundKernels):
     def _accumulation(self, pass_: GemmPass, block_scaled: bool) -> float:
         """Factor on an FP8 GEMM's tensor-core term for how it accumulates (1: none).
 
-        Block scales on Hopper: one FP32 multiply-add per output element on the CUDA cores for
-        every :data:`BLOCK_SCALED_PROMOTION_K` reduction elements the tensor cores multiply
-        (256 FP8 FLOPs), serialised with them: ``1 + fp8 peak / (128 x fp32 peak)``, 1.23 on
-        H100 and H200 (1,979 / (128 x 66.9)), in every pass (the promotion is the split
-        accumulation). Blackwell's tensor cores apply MX scales and accumulate in FP32: 1.
+        Block scales on Hopper: FP32 work per output element on the CUDA cores for every
+        :data:`BLOCK_SCALED_PROMOTION_K` reduction elements the tensor cores multiply (256
+        FP8 FLOPs), serialised with them: ``1 + ops x fp8 peak / (128 x fp32 peak)``.
+        The forward and dgrad GEMMs scale one operand by 1x128 blocks and the other (the
+        weight) by 128x128 blocks, one scale per block of 128 output columns: the product of
+        the row's and the block's scale is formed once per row, and each element takes one
+        fused multiply-add (``ops`` 1: 1.23 on H100 and H200, 1,979 / (128 x 66.9)). The
+        wgrad GEMM reduces over tokens, along which both operands (the output gradient and
+        the input) carry 1x128 scales, one per row of each: every element has its own
+        scale product, a multiply and then the multiply-add (``ops`` 2: 1.46). Transformer
+        Engine's Float8BlockScaling (1-D blocks for activations and gradients, 2-D for
+        weights) and DeepSeek-V3's recipe (arXiv 2412.19437 sec. 3.3: 1x128 tiles for Wgrad's
+        activations and gradients) both run wgrad so; DeepGEMM's own 1-D x 1-D wgrad kernel
+        (deepseek-ai/DeepGEMM PR 95: 878-1,092 TFLOP/s on H800) runs below its 1-D x 2-D
+        GEMMs (1,166-1,470, PR 74). Blackwell's tensor cores apply MX scales and accumulate
+        in FP32: 1.
 
         Examples
         --------
         >>> from sim import catalog
         >>> round(ComputeModel(catalog.gpu("h100-sxm"))._accumulation("fwd", True), 3)
         1.231
+        >>> round(ComputeModel(catalog.gpu("h100-sxm"))._accumulation("wgrad", True), 3)
+        1.462
         >>> ComputeModel(catalog.gpu("b200"))._accumulation("wgrad", True)
         1.0
         """
         # The CUDA cores' FP32 rate (the datasheet's FP32 column), not TF32's tensor rate.
         fp8, fp32 = self.gpu.peak_tflops.get("fp8"), self.gpu.peak_tflops.get("fp32")
         if block_scaled and self.gpu.arch == "hopper" and fp8 and fp32:
-            return 1.0 + fp8 / (BLOCK_SCALED_PROMOTION_K * fp32)
+            ops = 2.0 if pass_ == "wgrad" else 1.0
+            return 1.0 + ops * fp8 / (BLOCK_SCALED_PROMOTION_K * fp32)
         return self._split_accumulation(pass_)
 
     def _split_accumulation(self, pass_: GemmPass) -> float:

@@ -105,6 +105,31 @@ def test_block_scaled_gemm_promotes_on_hopper_only() -> None:
         kernel_time(bw, Kernel("g.fwd", "gemm", flops=2 * 8192**3, gemm=shape, fp8=True))
 
 
+
+def test_hopper_wgrad_promotes_each_element_with_its_own_scale() -> None:
+    # wgrad reduces over tokens, along which both of its operands (the output gradient and
+    # the input, 1x128 blocks each) carry a scale per row: each output element's scale is a
+    # product of its own, a multiply before the multiply-add (two FP32 ops per 256 FP8
+    # FLOPs); the forward and dgrad GEMMs scale by a weight block shared by 128 columns.
+    cm = ComputeModel(catalog.gpu("h100-sxm"))
+    one = 1978.9 / (128 * 66.9)
+    assert cm._accumulation("fwd", True) == pytest.approx(1 + one)
+    assert cm._accumulation("wgrad", True) == pytest.approx(1 + 2 * one)
+    # So against its own 16-bit pass, a blockwise wgrad gains less than the forward does,
+    # by less than the factors' ratio (the fixed and per-tile terms do not change);
+    # DeepGEMM's 1-D x 1-D wgrad kernel runs at 878-1,092 TFLOP/s on H800 (deepseek-ai/
+    # DeepGEMM PR 95) against 1,166-1,470 for its 1-D x 2-D GEMMs (PR 74): 0.6-0.94 of
+    # their rate.
+    dims = 8192.0
+
+    def share(pass_: str) -> float:
+        return (cm.gemm_time(dims, dims, dims, pass_, fp8=True, block_scaled=True)  # type: ignore[arg-type]
+                / cm.gemm_time(dims, dims, dims, pass_))  # type: ignore[arg-type]
+    assert 1.0 < share("wgrad") / share("fwd") < (1 + 2 * one) / (1 + one)
+    assert 0.6 < share("fwd") / share("wgrad") < 0.94
+    # Per-tensor FP8 has no promotion of its own: its wgrad pays the split accumulation.
+    assert cm._accumulation("wgrad", False) == cm._accumulation("dgrad", False)
+
 def _megatron(topology: str, recipe: str) -> dict:
     return {"name": "fp8", "model": "llama3-8b", "cluster": {"topology": topology, "nodes": 1},
             "framework": {"name": "megatron", "fp8_recipe": recipe},
