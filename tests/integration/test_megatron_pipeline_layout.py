@@ -177,7 +177,8 @@ def test_published_deepseek_v3_rows_now_build() -> None:
     # on GB200, 26.06's pp 4 x vp 4 on GB200, 26.04.01's pp 8 x vp 2 on B200, 26.04's pp 16
     # on B300 and pp 2 x vp 8 on GB300, Megatron-LM's own recipes at pp 8 x vp 2 on B200 and
     # pp 4 x vp 4 on GB200 and GB300, the verification cards' pp 8 x vp 4 on H100, pp 4 x vp 4
-    # on GB200 and pp 2 x vp 8 on GB300, and DeepSeek's own run on DualPipe's two directions of
+    # on GB200 and pp 2 x vp 8 on GB300, Megatron-LM's GB200 optimization log's pp 8 x vp 4
+    # baseline and final configuration, and DeepSeek's own run on DualPipe's two directions of
     # pp 16) carry their scripts' layouts and shape without a refusal.
     rows = {e["id"]: e for e in entries() if "deepseek-v3" in e["id"]
             and scenario_of(e).framework.name == "megatron"}   # not AutoModel's fsdp2 rows
@@ -185,7 +186,7 @@ def test_published_deepseek_v3_rows_now_build() -> None:
             "pp16": [4] * 15 + [1],
             "pp8vp4": [1] + [2] * 30 + [0], "pp8vp2": [4] * 15 + [1],
             "pp2vp8": [4] * 15 + [1]}
-    assert len(rows) == 21
+    assert len(rows) == 23
     for rid, e in rows.items():
         sh = megatron_shape(JobContext.from_scenario(scenario_of(e), rid))
         key = next(k for k in want if k in rid)
