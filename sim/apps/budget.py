@@ -194,7 +194,11 @@ def host_note(scenario: Scenario, summary: Mapping[str, object]) -> str | None:
     pipeline, 1-2% here) ran 2.3x slower. Which host calls hold them is not known
     (docs/calibration.md, forty-third and forty-fourth sessions), so such a step time is a
     lower bound. Grace hosts (GB200, GB300) are priced from their own measured per-op cost and
-    their host-paced rows are not optimistic. None otherwise.
+    the rows the simulation finds host-paced on them are not optimistic, so the note is held to
+    x86; the regime itself is not x86-only: Megatron-LM's GB200 DeepSeek-V3 log's all-to-all
+    baseline without CUDA graphs ran 1.7x slower than simulated while the simulation finds it
+    only 14% host-bound, under this note's share (docs/calibration.md, forty-fifth session).
+    None otherwise.
 
     Examples
     --------
