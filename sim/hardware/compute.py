@@ -79,6 +79,18 @@ FP8_SPLIT_ACCUMULATION_SLOWDOWN = 1.15
 # Float8BlockScaling GEMMs). Transcribed, not fitted: what it costs follows from the
 # datasheet's FP8 tensor and FP32 CUDA-core rates (ComputeModel._accumulation).
 BLOCK_SCALED_PROMOTION_K = 128
+# Tensor-core time of a Blackwell GEMM on MX block-scaled operands (MXFP8: one E8M0 scale per
+# 32 elements, applied by the tensor cores) over the same GEMM on per-tensor-scaled FP8. The
+# datasheet gives both one peak, but the block-scaled MMA also stages every operand tile's
+# scale factors (TMA loads beside the tile, a shared-to-tensor-memory copy per K block), which
+# takes shared-memory stages and issue slots from the main loop. Measured, not derived:
+# Transformer Engine's GEMM profiling table on a B300, both operands pre-quantized, the twelve
+# GEMMs of a hidden-4,096 layer at 15,872 tokens: MXFP8 7.161 ms against per-tensor FP8 6.812
+# (fprop 1.096, dgrad 1.029, wgrad 1.032; reference/te_gemm_profiling.yaml). cuDNN's
+# block-scaled dot on a GB200 shows the same sign (Marin issue 7282, 2026-07: MXFP8 1.33x
+# bf16 against per-tensor FP8's 1.35x at 2,560^2, behind it at narrow shapes). Blackwell's
+# FP8 emulation of 1x128 block scaling runs the same MXFP8 GEMMs (TE PR 2157).
+BLACKWELL_BLOCK_SCALED_SLOWDOWN = 7.161 / 6.812
 # Between two kernels queued back to back on one stream the GPU idles for a moment: the
 # first one's last thread blocks drain and the front end starts the next (the profiler's
 # kernel intervals leave gaps of 1-5 us between them). The kernel table's times are each
@@ -200,7 +212,8 @@ class ComputeModel(MemoryBoundKernels):
         activations and gradients) both run wgrad so; DeepGEMM's own 1-D x 1-D wgrad kernel
         (deepseek-ai/DeepGEMM PR 95: 878-1,092 TFLOP/s on H800) runs below its 1-D x 2-D
         GEMMs (1,166-1,470, PR 74). Blackwell's tensor cores apply MX scales and accumulate
-        in FP32: 1.
+        in FP32, no promotion; staging the scales costs the measured
+        :data:`BLACKWELL_BLOCK_SCALED_SLOWDOWN` (1.051) instead.
 
         Examples
         --------
@@ -209,7 +222,9 @@ class ComputeModel(MemoryBoundKernels):
         1.231
         >>> round(ComputeModel(catalog.gpu("h100-sxm"))._accumulation("wgrad", True), 3)
         1.462
-        >>> ComputeModel(catalog.gpu("b200"))._accumulation("wgrad", True)
+        >>> round(ComputeModel(catalog.gpu("b200"))._accumulation("wgrad", True), 3)
+        1.051
+        >>> ComputeModel(catalog.gpu("b200"))._accumulation("wgrad", False)
         1.0
         """
         # The CUDA cores' FP32 rate (the datasheet's FP32 column), not TF32's tensor rate.
@@ -217,6 +232,8 @@ class ComputeModel(MemoryBoundKernels):
         if block_scaled and self.gpu.arch == "hopper" and fp8 and fp32:
             ops = 2.0 if pass_ == "wgrad" else 1.0
             return 1.0 + ops * fp8 / (BLOCK_SCALED_PROMOTION_K * fp32)
+        if block_scaled and self.gpu.arch == "blackwell":
+            return BLACKWELL_BLOCK_SCALED_SLOWDOWN
         return self._split_accumulation(pass_)
 
     def _split_accumulation(self, pass_: GemmPass) -> float:

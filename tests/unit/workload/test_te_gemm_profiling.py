@@ -168,15 +168,15 @@ def test_blockwise_on_the_h200_nvl() -> None:
 
 def test_mxfp8_gemm_on_blackwell() -> None:
     # MXFP8 GEMMs alone (pre-quantized) against BF16's on the B300: measured 0.547 of the
-    # BF16 time per layer (7.161 / 13.102 ms), simulated 0.509 (MX scales applied by the
-    # tensor cores at the FP8 rate). The measured MXFP8 GEMMs run 5% slower than the
-    # per-tensor ones (7.161 / 6.812 ms; the reference's B300 spread is 4.1%), which the
-    # simulator does not price: 8% bounds it.
+    # BF16 time per layer (7.161 / 13.102 ms), simulated 0.534. Not independent in full: the
+    # MXFP8-over-per-tensor factor (7.161 / 6.812 ms, compute.BLACKWELL_BLOCK_SCALED_SLOWDOWN)
+    # is this table's; what is checked is the rest, the FP8 rate over BF16's from the
+    # datasheet (0.509 without the factor, which failed 4%). 4% is the reference's B300 spread.
     cm = _b300()
     m = REF["b300"]["prequantized"]["per_layer"]["total"]
     sim = (tb.layer_ms(cm, "MXFP8", prequantized=True)["total"]
            / tb.layer_ms(cm, "BF16")["total"])
-    assert sim == pytest.approx(m["MXFP8"] / m["BF16"], rel=0.08)
+    assert sim == pytest.approx(m["MXFP8"] / m["BF16"], rel=0.04)
 
 
 @pytest.mark.xfail(strict=True, reason="B300 MXFP8 quantization costs 1.823 ms a layer "
