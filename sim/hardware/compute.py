@@ -89,7 +89,10 @@ BLOCK_SCALED_PROMOTION_K = 128
 # (fprop 1.096, dgrad 1.029, wgrad 1.032; reference/te_gemm_profiling.yaml). cuDNN's
 # block-scaled dot on a GB200 shows the same sign (Marin issue 7282, 2026-07: MXFP8 1.33x
 # bf16 against per-tensor FP8's 1.35x at 2,560^2, behind it at narrow shapes). Blackwell's
-# FP8 emulation of 1x128 block scaling runs the same MXFP8 GEMMs (TE PR 2157).
+# FP8 emulation of 1x128 block scaling runs the same MXFP8 GEMMs (TE PR 2157). The table's
+# calls include the two small kernels TE launches per MXFP8 GEMM to swizzle the operands'
+# scales (gemm.cpp swizzle_scaling_factors; about a quarter of the 5%), which are not priced
+# as kernels of their own (docs/calibration.md, forty-sixth session).
 BLACKWELL_BLOCK_SCALED_SLOWDOWN = 7.161 / 6.812
 # Between two kernels queued back to back on one stream the GPU idles for a moment: the
 # first one's last thread blocks drain and the front end starts the next (the profiler's
