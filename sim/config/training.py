@@ -318,6 +318,11 @@ class Training(StrictModel):
     """cuDNN release the job runs ("9.13.1", quoted; a container's release notes say it):
     Blackwell's fused attention runs at that release's measured speed
     (:func:`sim.hardware.blackwell_attention.cudnn_release_gap`); None: the newest measured."""
+    transformer_engine_version: str | None = Field(default=None,
+                                                  pattern=r"^\d+\.\d+(\.\d+){0,2}$")
+    """Transformer Engine release the job runs ("2.9", quoted; a container's pins say it): which
+    MXFP8 GEMM operands have their scales swizzled by a kernel at every GEMM call
+    (:func:`sim.workload.mx_swizzle.swizzled_operands`); None: the newest modelled."""
     deterministic: bool = False
     """Bitwise-reproducible steps as Megatron-LM's ``--deterministic-mode`` runs them
     (Transformer Engine's ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``): the attention backward sums
@@ -345,7 +350,8 @@ class Training(StrictModel):
                                          "training.moe_routing.file")) from None
         return self.model_copy(update={"routing": routing, "moe_routing": None})
 
-    @field_validator("torch_version", "cudnn_version", mode="before")
+    @field_validator("torch_version", "cudnn_version", "transformer_engine_version",
+                     mode="before")
     @classmethod
     def _quoted_version(cls, v: Any, info: ValidationInfo) -> Any:
         if isinstance(v, (int, float)):

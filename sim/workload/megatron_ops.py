@@ -42,6 +42,7 @@ from sim.workload.layer_rules import (
 )
 from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
+from sim.workload.mx_swizzle import Operand, scale_swizzles
 from sim.workload.qkv_split import qkv_split
 from sim.workload.te_attention import (
     cp_ring_backward_kernels,
@@ -95,6 +96,9 @@ class MegatronLayout:
     main_grad_bytes: int = FP32
     """Bytes of a ``main_grad`` element (2 when gradients are reduced in 16 bits): what the
     unfused accumulation's add reads and writes."""
+    mx_swizzled: frozenset[Operand] = frozenset()
+    """MXFP8 operands whose scales Transformer Engine swizzles in a kernel of its own at every
+    GEMM call (:func:`sim.workload.mx_swizzle.swizzled_operands`)."""
 
 
 STYLE = Style("bf16")
@@ -236,6 +240,10 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
                   + te_scaled_cast(name, "in", x, xs, amax,
                                    amax_in_norm=after_norm and not lay.sequence_parallel)):
             b.fwd(k)
+        sw = lay.mx_swizzled if fp8 == "mxfp8" else frozenset()
+        nx, ng, nw = tokens * n_in, tokens * n_out, n_in * n_out
+        for k in scale_swizzles(name, "fwd", (("in", nx), ("w", nw)), sw):
+            b.fwd(k)
         b.fwd(linear_gemm(name, "fwd", (x8, w8), y, tokens, n_in, n_out, fp8=True,
                           fp8_block=blocks))
         b.save(x8t)
@@ -243,8 +251,10 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
         g8t = b.t(f"{name}.g_out_fp8_t", tokens * n_out, e8) if lay.fp8_transpose else g8
         gs = (g8, g8t) if lay.fp8_transpose else (g8,)
         ks = [*te_scaled_cast(name, "g", gy, gs, amax),
+              *scale_swizzles(name, "dgrad", (("g", ng), ("w", nw)), sw),
               linear_gemm(name, "dgrad", (g8, w8), gx, tokens, n_in, n_out, fp8=True,
                           fp8_block=blocks),
+              *scale_swizzles(name, "wgrad", (("g", ng), ("in", nx)), sw),
               linear_gemm(name, "wgrad", (g8t, x8t), gw, tokens, n_in, n_out, fp8=True,
                           fp8_block=blocks)]
     out = y

@@ -17,6 +17,7 @@ from sim.workload.layer_rules import (
     scaled_cast,
     te_scaled_cast,
 )
+from sim.workload.mx_swizzle import scale_swizzles
 
 if TYPE_CHECKING:
     from sim.workload.moe_ops import MoELayout
@@ -106,6 +107,12 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
                                     fused_multi=multi)
         for k in casts:
             b.fwd(k)
+        # TE swizzles the MXFP8 scales each grouped GEMM call needs, one multi-tensor kernel
+        # an operand over all the experts (mx_swizzle).
+        sw = lay.mx_swizzled if lay.fp8 == "mxfp8" else frozenset()
+        nx, ng = rows * n_in, rows * n_out
+        for k in scale_swizzles(name, "fwd", (("in", nx), ("w", numel_w)), sw):
+            b.fwd(k)
         b.fwd(gemm("fwd", (x8, w8), y, True, extra=ends.fwd_writes))
         b.save(x8t)
         g8 = b.t(f"{name}.g_out_fp8", rows * n_out, e8)
@@ -114,7 +121,9 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
             g8, g8t = ends.grads
         ks = [] if ends.grads else te_scaled_cast(name, "g", gy, (g8, g8t) if tr else (g8,),
                                                    amax, pieces, fused_multi=multi)
-        ks += [gemm("dgrad", (g8, w8), gx, True, ends.dgrad_reads, ends.dgrad_writes),
+        ks += [*scale_swizzles(name, "dgrad", (("g", ng), ("w", numel_w)), sw),
+               gemm("dgrad", (g8, w8), gx, True, ends.dgrad_reads, ends.dgrad_writes),
+               *scale_swizzles(name, "wgrad", (("g", ng), ("in", nx)), sw),
                gemm("wgrad", (g8t, x8t), gw, True)]
     if bias and bias_grad_kernel:
         gb = b.t(f"{name}.g_b", experts * n_out, FP32)

@@ -54,6 +54,7 @@ from sim.workload.model import ModelSpec
 from sim.workload.moe_grouped_mlp import fused_glu_mlp, grouped_linear
 from sim.workload.moe_router_ops import INT32, STYLE, permute_kernels, router_kernels
 from sim.workload.moe_torch_permute import torch_sort_chunks, torch_unpermute_kernels
+from sim.workload.mx_swizzle import Operand
 
 # Rows per expert an FP8 grouped GEMM needs (megatron/core/fp8_utils.py get_fp8_align_size:
 # 16 for every recipe but MXFP8, 32 for MXFP8's 32-element scale blocks).
@@ -157,6 +158,9 @@ class MoELayout:
     main_grad_bytes: int = FP32
     """Bytes of a ``main_grad`` element the expert and gate wgrad GEMMs accumulate into
     (gradient-accumulation fusion): 2 where gradients are reduced in 16 bits."""
+    mx_swizzled: frozenset[Operand] = frozenset()
+    """MXFP8 operands whose scales Transformer Engine swizzles at every grouped GEMM call, one
+    multi-tensor kernel each (:func:`sim.workload.mx_swizzle.swizzled_operands`)."""
     torch_grouped_mm: bool = False
     """The grouped GEMMs are ``torch._grouped_mm`` (torchtitan's ``GroupedExperts``), priced at
     its measured slowdown (:attr:`~sim.workload.kernels.Kernel.grouped_impl`)."""
@@ -443,7 +447,7 @@ def _shared(m: ModelSpec, lay: MoELayout, tokens: float) -> Block:
     f = m.moe.shared * m.moe.ffn_hidden // lay.tp
     full = tokens * lay.tp
     mlay = MegatronLayout(tp=lay.tp, fp8=lay.fp8, weight_cast_share=lay.weight_cast_share,
-                          fp8_transpose=lay.fp8_transpose)
+                          fp8_transpose=lay.fp8_transpose, mx_swizzled=lay.mx_swizzled)
     b = _Builder("moe_shared", STYLE)
     x = b.t("in", full * h, BF16)
     b.block.inputs.append(x)

@@ -42,6 +42,7 @@ from sim.workload.layer_rules import (
     linear_gemm,
     te_scaled_cast,
 )
+from sim.workload.mx_swizzle import ALL, NONE, WEIGHT, scale_swizzles
 
 FP8 = 1
 Recipe = Literal["BF16", "FP8Current", "FP8Delayed", "MXFP8", "FP8Block"]
@@ -90,13 +91,20 @@ def call_kernels(m: int, k: int, n: int, recipe: Recipe, transpose: bool,
     x8 = Tensor("x8", m * k * e8)
     w8 = Tensor("w8", k * n * e8)
     gemm = linear_gemm("mm", "fwd", (x8, w8), y, m, k, n, fp8=True, fp8_block=block)
+    # MXFP8 scales are swizzled for cuBLAS at the call (sim.workload.mx_swizzle): both
+    # operands' when they were quantized before the loop by stand-alone quantizers, the
+    # weight's alone under autocast, whose module quantizes its input into the GEMM's layout
+    # (TE 1609c890e, between 2.12 and 2.18).
+    swizzled = (ALL if prequantized else WEIGHT) if recipe == "MXFP8" else NONE
+    swizzles = scale_swizzles("mm", "fwd", (("in", float(m * k)), ("w", float(k * n))),
+                              swizzled)
     if prequantized:
-        return [gemm]
+        return [*swizzles, gemm]
     amax = recipe == "FP8Current"
     xs = (x8, Tensor("x8t", m * k * e8)) if transpose else (x8,)
     return [*te_scaled_cast("mm", "in", x, xs, amax),
             *te_scaled_cast("mm", "w", Tensor("w", k * n * BF16), (w8,), amax),
-            gemm]
+            *swizzles, gemm]
 
 
 def layer_ms(cm: ComputeModel, recipe: Recipe, prequantized: bool = False,

@@ -60,6 +60,7 @@ from sim.workload.model import ModelSpec
 from sim.workload.moe_host_ops import HostCalls
 from sim.workload.moe_ops import STYLE, MoELayerOps, MoELayout, moe_layer_ops
 from sim.workload.moe_router_ops import router_dtype_bytes
+from sim.workload.mx_swizzle import Operand
 
 ORDER = "tp-cp-ep-dp-pp"
 """Megatron-Core's rank order, innermost first; the expert layout uses it too."""
@@ -212,8 +213,8 @@ class MoEPlan:
 
 
 def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeModel,
-             fp8: Fp8Recipe | None = None, weight_cast_share: float = 1.0
-             ) -> MoEPlan:
+             fp8: Fp8Recipe | None = None, weight_cast_share: float = 1.0,
+             mx_swizzled: frozenset[Operand] = frozenset()) -> MoEPlan:
     """The expert layout and one MoE layer's priced ops on one rank, whose ``local_tokens``
     (micro-batch x sequence / (cp x tp) with sequence parallelism) enter the router. With
     ``fp8`` the expert GEMMs run in FP8 as Transformer Engine's grouped linears do (the
@@ -223,6 +224,7 @@ def moe_plan(ctx: JobContext, tp: int, pp: int, local_tokens: int, cm: ComputeMo
     assert isinstance(opts, MegatronOptions)
     ep, etp = par.ep, par.expert_tp
     lay = MoELayout(ep=ep, etp=etp, tp=tp, fp8=fp8, weight_cast_share=weight_cast_share,
+                    mx_swizzled=mx_swizzled,
                     fp8_transpose=fp8_both_layouts(cm.gpu.arch, fp8),
                     # moe_permute_fusion (the Bridge/NeMo model providers set it): TE's
                     # fused permutations, else PyTorch's ops as moe_utils.py issues them.

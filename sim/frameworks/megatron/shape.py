@@ -33,6 +33,7 @@ from sim.frameworks.megatron.optimizer_precision import (
 )
 from sim.frameworks.megatron.pipeline import Placement, chunk_layers, p2p_modes
 from sim.frameworks.megatron.recompute import check_recompute, recompute_modules, recompute_plan
+from sim.hardware.attention_cost import version_tuple
 from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
@@ -47,6 +48,7 @@ from sim.workload.megatron_ops import (
     padded_vocab,
 )
 from sim.workload.model import ModelSpec
+from sim.workload.mx_swizzle import Operand, swizzled_operands
 
 ORDER = "tp-cp-ep-dp-pp"
 """Megatron-Core's default rank order, innermost first (``parallel_state.py``,
@@ -403,6 +405,14 @@ def scenario_chunks(m: ModelSpec, opts: MegatronOptions, p: int, vp: int) -> lis
                         as_layout(layout) if layout is not None else None)
 
 
+
+def mx_swizzled(te_version: str | None, fp8_param_gather: bool) -> frozenset[Operand]:
+    """The MXFP8 operands Transformer Engine ``te_version`` (``training.
+    transformer_engine_version``; None: the newest) swizzles at each GEMM call, Megatron's FP8
+    primary weights (``fp8_param_gather``) included (:mod:`sim.workload.mx_swizzle`)."""
+    return swizzled_operands(None if te_version is None else version_tuple(te_version),
+                             fp8_param_gather)
+
 def megatron_shape(ctx: JobContext) -> MegatronShape:
     """Check the scenario's Megatron options and derive the job's :class:`MegatronShape`."""
     s = ctx.scenario
@@ -453,7 +463,9 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
                          fp8_output=opts.fp8_output_proj and precision == "fp8",
                          fp8_attention=opts.fp8_dot_product_attention,
                          grad_accumulation_fusion=opts.gradient_accumulation_fusion,
-                         main_grad_bytes=grad_bytes)
+                         main_grad_bytes=grad_bytes,
+                         mx_swizzled=mx_swizzled(s.training.transformer_engine_version,
+                                                 opts.fp8_param_gather))
     blocks = megatron_blocks(m, lay, ctx.micro_batch, ctx.seq)
     cost = {k: price_block(b, STYLE, ctx.compute) for k, b in blocks.items()}
     tokens = ctx.micro_batch * ctx.seq // cp
@@ -471,7 +483,8 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
     layer_params: float = dense_layer
     if m.moe is not None:
         check_moe(ctx, opts.implementation, k_inst, sp)
-        moe = moe_plan(ctx, t, p, local_tokens, ctx.compute, lay.fp8, lay.weight_cast_share)
+        moe = moe_plan(ctx, t, p, local_tokens, ctx.compute, lay.fp8, lay.weight_cast_share,
+                       lay.mx_swizzled)
         # A layer with experts: attention, the pre-MLP norm, the router and shared experts.
         layer_params = (cost["attn_pre"].params + cost["attn_main"].params
                         + cost["mlp_pre"].params + moe.dense_params)

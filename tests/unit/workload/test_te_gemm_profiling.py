@@ -180,10 +180,11 @@ def test_mxfp8_gemm_on_blackwell() -> None:
 
 
 @pytest.mark.xfail(strict=True, reason="B300 MXFP8 quantization costs 1.823 ms a layer "
-                   "(autocast minus pre-quantized), simulated 1.599 (-12%; -27% before "
-                   "streaming was capped per SM): TE's MXFP8 cast (both layouts from one "
-                   "read) runs below the per-SM streaming rate torchao's MXFP8 casts reach "
-                   "on the B200; cause not established")
+                   "(autocast minus pre-quantized), simulated 1.559 (-14%; -27% before "
+                   "streaming was capped per SM; 1.599 before the pre-quantized calls' second "
+                   "scale swizzle was priced): TE's MXFP8 cast (both layouts from one read) "
+                   "runs below the per-SM streaming rate torchao's MXFP8 casts reach on the "
+                   "B200; cause not established")
 def test_mxfp8_quantization_on_blackwell() -> None:
     cm = _b300()
     sim = tb.layer_ms(cm, "MXFP8")["total"] - tb.layer_ms(cm, "MXFP8", prequantized=True)["total"]
