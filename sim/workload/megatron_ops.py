@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Literal
 
 from sim.config.base import Fp8Recipe
 from sim.hardware.attention_cost import window_pairs
@@ -42,7 +43,7 @@ from sim.workload.layer_rules import (
 )
 from sim.workload.megatron_loss import LossImpl, vocab_parallel_loss
 from sim.workload.model import ModelSpec
-from sim.workload.mx_swizzle import Operand, scale_swizzles
+from sim.workload.mx_swizzle import Operand, scale_swizzles, sp_swizzled
 from sim.workload.qkv_split import qkv_split
 from sim.workload.te_attention import (
     cp_ring_backward_kernels,
@@ -179,7 +180,8 @@ def _row_norm(b: _Builder, m: ModelSpec, x: Tensor, rows: float, width: int,
 def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: str,
             bias: bool, bias_in_epilogue: bool = False,
             lay: MegatronLayout | None = None, g_out: Tensor | None = None,
-            grad_in_output: bool = False, after_norm: bool = False) -> Tensor:
+            grad_in_output: bool = False, after_norm: bool = False,
+            parallel: Literal["column", "row"] | None = None) -> Tensor:
     """A tensor-parallel linear on the local shard; weight gradient accumulated straight into
     main_grad (fp32, or 16-bit with ``lay.main_grad_bytes`` 2) by the wgrad GEMM
     (gradient_accumulation_fusion), else added there by one kernel.
@@ -201,6 +203,10 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
     ``after_norm``: the input is the preceding norm's output on this rank's whole sequence
     (``LayerNormLinear`` without sequence parallelism), whose amax the norm kernel records
     under current scaling (:func:`~sim.workload.layer_rules.te_scaled_cast`).
+    ``parallel``: a column- or row-parallel linear; with sequence parallelism its input
+    (column) or output gradient (row) is gathered after it is quantized, so Transformer Engine
+    swizzles that operand's MXFP8 scales at the GEMM call in every release
+    (:mod:`sim.workload.mx_swizzle`).
     """
     b.block.params += linear_params(n_in, n_out, bias)
     fp8 = lay.fp8 if lay is not None else None
@@ -241,6 +247,8 @@ def _linear(b: _Builder, x: Tensor, tokens: float, n_in: int, n_out: int, name: 
                                    amax_in_norm=after_norm and not lay.sequence_parallel)):
             b.fwd(k)
         sw = lay.mx_swizzled if fp8 == "mxfp8" else frozenset()
+        if fp8 == "mxfp8" and lay.sequence_parallel and parallel is not None:
+            sw = sp_swizzled(sw, parallel)
         nx, ng, nw = tokens * n_in, tokens * n_out, n_in * n_out
         for k in scale_swizzles(name, "fwd", (("in", nx), ("w", nw)), sw):
             b.fwd(k)
@@ -336,7 +344,7 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
     kept = len(b.block.saved)
     g_qkv = b.t("qkv.g_out", tokens * (qd + 2 * kvd), BF16)
     qkv = _linear(b, yin, tokens, h, qd + 2 * kvd, "qkv", m.bias, lay=lay, after_norm=True,
-                  g_out=g_qkv)
+                  g_out=g_qkv, parallel="column")
     _keep_input_shard(b, kept, "qkv_in_shard", local * h, lay)
     q, k, v = qkv_split(b, qkv, g_qkv, tokens, qd, kvd, heads, groups)
     if m.qk_norm:
@@ -423,7 +431,8 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
                      gemm=(rows, kv_len, m.head_dim, "dgrad")),
               Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl,
                      gemm=(rows, kv_len, m.head_dim, "wgrad")))
-    out = _linear(b, ctx, tokens, qd, h, "proj", m.bias, bias_in_epilogue=True, lay=lay)
+    out = _linear(b, ctx, tokens, qd, h, "proj", m.bias, bias_in_epilogue=True, lay=lay,
+                  parallel="row")
     # The row-parallel output is reduced across the tensor-parallel group (the framework's
     # all-reduce or reduce-scatter) before the fused bias-dropout-add on `local` tokens.
     resid = b.t("resid", local * h, BF16)
@@ -451,7 +460,7 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
     width = 2 * f if m.mlp == "swiglu" else f
     kept = len(b.block.saved)
     fc1 = _linear(b, yin, tokens, h, width, "fc1", m.bias, bias_in_epilogue=True,
-                  lay=lay, after_norm=True)
+                  lay=lay, after_norm=True, parallel="column")
     _keep_input_shard(b, kept, "fc1_in_shard", local * h, lay)
     act = b.t("act", tokens * f, BF16)
     # Jit-fused bias-GeLU (or bias-SwiGLU, or Nemotron's squared ReLU: megatron/core/
@@ -462,7 +471,8 @@ def mlp_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int) -> tuple[
     ga = b.t("g_act", tokens * f, BF16)
     gi = b.t("g_fc1", tokens * width, BF16)
     b.bwd(Kernel("bias_act.bwd", "elementwise", (ga, fc1), (gi,)))
-    out = _linear(b, act, tokens, f, h, "fc2", m.bias, bias_in_epilogue=True, lay=lay)
+    out = _linear(b, act, tokens, f, h, "fc2", m.bias, bias_in_epilogue=True, lay=lay,
+                  parallel="row")
     resid = b.t("resid", local * h, BF16)
     y2 = _bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout)
     b.block.outputs.append(y2)

@@ -15,9 +15,9 @@ Which operands arrive unswizzled is the release's:
   scales") the modules quantize inputs and output gradients straight into the GEMM layout
   (``optimize_for_gemm`` on their quantizers, ``linear.py`` / ``grouped_linear.py``
   ``_get_quantizers``), and only the weight is swizzled at each call (its quantized copy is
-  cached across micro-batches, its swizzled scales are not). The exceptions there, a
-  sequence-parallel column linear's input and row linear's output gradient (quantized before
-  their gather), are not modelled;
+  cached across micro-batches, its swizzled scales are not); not a sequence-parallel column
+  linear's input nor a row linear's output gradient, which are quantized before their gather
+  and still swizzled at the call (:func:`sp_swizzled`);
 * from 2.18 (PR #3093, 2026-06-23; PR #3232) weights are swizzled once, as they are
   quantized, unless the primary weights are already FP8 (``primary_weights_in_fp8``:
   Megatron's ``fp8_param_gather``), whose dequantization and all-gathers want the plain layout.
@@ -96,3 +96,21 @@ def scale_swizzles(name: str, pass_: str, operands: tuple[tuple[Operand, float],
         out.append(Kernel(tag, "elementwise", (Tensor(f"{tag}.scales", scales),),
                           (Tensor(f"{tag}.swizzled", scales),)))
     return out
+
+
+def sp_swizzled(swizzled: frozenset[Operand], parallel: Literal["column", "row"]
+                ) -> frozenset[Operand]:
+    """``swizzled`` for a sequence-parallel linear: from TE 2.12 on (a set that is not
+    :data:`ALL`) a column-parallel linear's input and a row-parallel linear's output gradient
+    are quantized before their all-gather without ``optimize_for_gemm`` (``linear.py``
+    ``_get_quantizers``: ``not (parallel_mode == "column" and sequence_parallel)``), so their
+    scales are swizzled at the GEMM call too.
+
+    Examples
+    --------
+    >>> sorted(sp_swizzled(WEIGHT, "column")), sorted(sp_swizzled(NONE, "row"))
+    (['in', 'w'], ['g'])
+    >>> sp_swizzled(ALL, "row") == ALL
+    True
+    """
+    return swizzled | {"in" if parallel == "column" else "g"}

@@ -8,7 +8,8 @@ Truths used (TE's code at each release, not the simulator):
   GEMM one multi-tensor kernel an operand over all experts.
 * To 2.11 (v2.7, v2.9 tags) no quantizer writes swizzled scales: every operand is swizzled.
 * From 2.12 (PR #2486) ``Linear`` and ``GroupedLinear`` set ``optimize_for_gemm`` on their
-  input and output-gradient quantizers; weights are still swizzled at every call.
+  input and output-gradient quantizers, but not on a sequence-parallel column linear's input
+  nor a row linear's gradient; weights are still swizzled at every call.
 * From 2.18 (PR #3093) weights are swizzled once, when quantized, unless the primary weights
   are FP8 (``_enable_weight_preswizzle``: ``primary_weights_in_fp8`` -> False).
 * One E8M0 scale byte per 32 elements (OCP Microscaling Formats v1.0).
@@ -69,6 +70,17 @@ def test_only_weights_are_swizzled_from_2_12_and_per_tensor_fp8_never() -> None:
     _, cs = mlp_block(LLAMA, MegatronLayout(fp8="tensorwise", fp8_transpose=False,
                                             mx_swizzled=ALL), 1, 4096)
     assert not _swizzles(cs.forward + cs.backward)
+
+
+def test_sequence_parallel_gathers_leave_their_operands_unswizzled_from_2_12() -> None:
+    # linear.py _get_quantizers: no optimize_for_gemm for a column linear's input nor a row
+    # linear's output gradient under sequence parallelism (quantized before the gather).
+    _, main = mlp_block(LLAMA, MegatronLayout(tp=2, sequence_parallel=True, fp8="mxfp8",
+                                              fp8_transpose=True, mx_swizzled=WEIGHT), 1, 4096)
+    names = {k.name for k in _swizzles(main.forward + main.backward)}
+    assert {"fc1.swizzle_fwd_in", "fc1.swizzle_wgrad_in", "fc2.swizzle_dgrad_g",
+            "fc2.swizzle_wgrad_g"} <= names
+    assert not names & {"fc1.swizzle_dgrad_g", "fc2.swizzle_fwd_in"}
 
 
 def test_a_grouped_linear_swizzles_all_experts_in_one_launch_per_operand() -> None:
