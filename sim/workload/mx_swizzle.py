@@ -35,12 +35,10 @@ from __future__ import annotations
 from typing import Literal
 
 from sim.workload.kernels import Kernel, Tensor
+from sim.workload.layer_rules import BLOCK_SCALE_BYTES
 
 Operand = Literal["in", "g", "w"]
 """A GEMM operand of a linear: its input, its output gradient, its weight."""
-
-MX_BLOCK = 32
-"""Elements per MXFP8 scale (OCP Microscaling Formats v1.0): one E8M0 byte each."""
 
 PREQUANTIZED_ACTIVATIONS = (2, 12)
 """First TE release whose modules quantize inputs and output gradients into the GEMM's
@@ -92,7 +90,7 @@ def scale_swizzles(name: str, pass_: str, operands: tuple[tuple[Operand, float],
         if kind not in swizzled:
             continue
         tag = f"{name}.swizzle_{pass_}_{kind}"
-        scales = numel / MX_BLOCK
+        scales = numel * BLOCK_SCALE_BYTES
         out.append(Kernel(tag, "elementwise", (Tensor(f"{tag}.scales", scales),),
                           (Tensor(f"{tag}.swizzled", scales),)))
     return out
