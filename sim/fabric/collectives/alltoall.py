@@ -49,6 +49,46 @@ from sim.fabric.topology import NVLINK
 # Peers one p2p work batch of a channel holds (src/include/device.h).
 MAX_P2P_PER_BATCH = 8
 
+# NCCL's all-to-all inside one NVLink domain against its ring rate and latency model: measured
+# nccl-tests alltoall_perf sweeps approach their plateau far more slowly than NCCL's
+# NVLINK_EFFICIENCY and its p2p latency (base + one NVLink hop, ~12 us) give, e.g. 268 GB/s
+# busbw at 16 MB on 8 B300s against the ~460 those give (the sweeps: ``sim/catalog/reference/
+# nccl.yaml``, ``*-alltoall-sweep``). Each call costs a fixed time more (the grouped
+# send/recv kernel's launch, its per-peer work batches, the first chunk's round trip and the
+# last's drain through the 8-slot p2p buffer) and, on NVLink 5, moves its bytes at a smaller
+# share of the links than a ring does. Both **fitted** (``tools/fit_nvlink_alltoall.py``) on
+# one sweep, the GB300 NVL72's 8 GPUs over two trays (oracle-quickstart/oci-gpu-quickstarts
+# nvidia/GB300/README-GB300.md @ 61eba7f2, NCCL 2.28.7, 16 MB-1 GB: within 5.2%); validated
+# on the others: 8 B300s (uccl-project/uccl b300_native_nccl_measurements.md, NCCL 2.29.7,
+# 16-256 MB: 4.5-12.0% fast), the NVL72's 64 GPUs from 64 MB (-8.1 to +18.2%) and one tray's
+# 4 (-4.2 to +14.2%); before them, 10-69% fast (tests/unit/fabric/
+# test_nvlink_alltoall_sweeps.py). Hopper keeps its ring share: the maintainers' 370 GB/s
+# 8-GPU plateau and a measured 4-GPU point (334.9 GB/s at 524 MB) hold it; with the call time
+# 8 H100s are 4-16% faster than XLA's H100 table at 16-64 MiB (openxla/xla
+# default_collective_perf_table.txtpb, 159 / 307 GB/s algbw, less XLA's own ~25 us a call).
+# Not modelled: the NVL72's step below 1 MB a peer (64 GPUs: ~135 GB/s up to 32 MB).
+P2P_NVLINK_CALL_S = 16.4e-6
+P2P_NVLINK_SHARE = {"blackwell": 0.843}
+
+
+def nccl_nvlink_share(arch: str) -> float:
+    """The share of NCCL's ring NVLink rate (``nccl.NVLINK_EFFICIENCY``) its all-to-all
+    reaches (:data:`P2P_NVLINK_SHARE`; 1.0 where the ring's holds).
+
+    Examples
+    --------
+    >>> nccl_nvlink_share("blackwell"), nccl_nvlink_share("hopper")
+    (0.843, 1.0)
+    """
+    return P2P_NVLINK_SHARE.get(arch, 1.0)
+
+
+def nvlink_call_s(builder: PlanBuilder, plan: FlowPlan) -> float:
+    """:data:`P2P_NVLINK_CALL_S` when every flow of ``plan`` stays on NVLink (one NVLink
+    domain), else 0: across nodes the network's own latency is NCCL's model's."""
+    used = np.unique(plan.flat)
+    return P2P_NVLINK_CALL_S if bool(np.all(builder.fabric.kind[used] == NVLINK)) else 0.0
+
 PeerMatrix = tuple[tuple[float, ...], ...]
 
 

@@ -206,7 +206,8 @@ class CollectiveRunner:
             # nccl-tests' even split: 1/n of the message to each peer, as per-peer sends
             # (sim.fabric.collectives.alltoall); a group of 2+ ranks always has a flow.
             a2a = alltoall.peer_plan(b, [group], alltoall.even_matrix(len(group), 1.0),
-                                     coflow=False)
+                                     coflow=False,
+                                     nvlink_share=alltoall.nccl_nvlink_share(self.arch))
             assert a2a is not None
             plans.append(a2a)
         if op == "sendrecv":
@@ -273,7 +274,8 @@ class CollectiveRunner:
         cpu = self.cpu_vendor
         for plan in candidates:
             if plan.algorithm == "p2p":
-                ests = [nccl.Estimate("p2p", "simple", _p2p_latency(plan),
+                call = alltoall.nvlink_call_s(self.builder, plan) if op == "all_to_all" else 0.0
+                ests = [nccl.Estimate("p2p", "simple", _p2p_latency(plan) + call,
                                       plan.bus_bw, 1.0)]
             else:
                 ests = nccl.estimates(plan.algorithm, op, plan.n_ranks, plan.n_nodes,
@@ -422,7 +424,9 @@ class CollectiveRunner:
             b = self.builder
             kernel = hybridep_kernel if fused_kernel == "hybridep" else fused_kernel_model
             rate = kernel.nvlink_send_rate(fused_sms)
-            share = kernel.nvlink_share(fused_sms, self.arch)
+            nccl_op = not fused_kernel and fused_sms <= 0
+            share = (alltoall.nccl_nvlink_share(self.arch) if nccl_op
+                     else kernel.nvlink_share(fused_sms, self.arch))
 
             def planned(gs: list[tuple[int, ...]]) -> FlowPlan | None:
                 return alltoall.peer_plan(b, gs, matrix, nvlink_send_rate=rate,
@@ -440,7 +444,8 @@ class CollectiveRunner:
                 hit = self._a2a[key] = (None, None, 0.0, count)
             else:
                 # Plus the kernel's own fixed time a call (Hybrid-EP across NVLink domains).
-                latency = _p2p_latency(plan) + kernel.fixed_call_s(plan.n_nodes)
+                latency = (_p2p_latency(plan) + kernel.fixed_call_s(plan.n_nodes)
+                           + (alltoall.nvlink_call_s(b, plan) if nccl_op else 0.0))
                 e = nccl.Estimate("p2p", "simple", latency, plan.bus_bw, 1.0)
                 predicted = e.latency_s + plan.chain_latency_s + plan.volume / plan.bus_bw
                 hit = self._a2a[key] = (plan, e, predicted, count)

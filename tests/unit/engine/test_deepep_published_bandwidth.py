@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from sim.engine.core import Engine
-from sim.fabric.collectives import fused_kernel
+from sim.fabric.collectives import alltoall, fused_kernel
 from sim.fabric.topology import FabricSpec, build_fabric
 from sim.frameworks.megatron.moe_flex import FlexLayout, FlexPlan, dispatch_elem_bytes
 from sim.program.ir import Op, Program, RankClass
@@ -75,12 +75,15 @@ def test_ep16_nvlink_forwarding_within_15_percent(i, which) -> None:
     assert logical_gbps(16, which) == pytest.approx(MEASURED[16][i], rel=0.15)
 
 
-def test_bandwidth_rises_with_the_sm_budget_and_saturates_at_the_link() -> None:
+def test_bandwidth_rises_with_the_sm_budget_and_saturates_at_the_link(monkeypatch) -> None:
     # H20's NVLink (450 GB/s raw), EP 8: below the links each channel (two SMs) adds one
     # sending SM's rate (closed form: the logical bytes are 8/7 of those crossing NVLink, a
     # rank's own eighth staying on the GPU); with enough SMs DeepEP's share of the links
-    # bounds it: NCCL's rate (no SM bound, sm_ctas 0) times fused_kernel.nvlink_share.
-    nccl_rate = logical_gbps(8, "dispatch_fwd", nvlink=450, sms=0)
+    # bounds it: NCCL's flows' rate (no SM bound, sm_ctas 0; without NCCL's own all-to-all
+    # call time, alltoall.P2P_NVLINK_CALL_S) times fused_kernel.nvlink_share.
+    with monkeypatch.context() as m:
+        m.setattr(alltoall, "P2P_NVLINK_CALL_S", 0.0)
+        nccl_rate = logical_gbps(8, "dispatch_fwd", nvlink=450, sms=0)
     link = nccl_rate * fused_kernel.nvlink_share(24, "hopper")
     prev = 0.0
     for sms in (4, 8, 12, 16, 20, 24, 32, 48, 64, 96, 128):

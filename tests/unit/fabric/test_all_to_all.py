@@ -8,7 +8,7 @@ import simpy
 from helpers import dgx, timed
 
 from sim.fabric.collectives import nccl
-from sim.fabric.collectives.alltoall import even_matrix, paced_bytes, peer_plan
+from sim.fabric.collectives.alltoall import even_matrix, nvlink_call_s, paced_bytes, peer_plan
 from sim.fabric.collectives.runner import (
     CollectiveRunner,
     NcclSettings,
@@ -38,9 +38,10 @@ def kind_of(fab, i: int) -> str:
 
 
 def latency(run: CollectiveRunner, groups, matrix) -> float:
+    # NCCL's p2p latency, plus the all-to-all's measured call time inside one NVLink domain.
     plan = peer_plan(run.builder, groups, matrix)
     assert plan is not None
-    return _p2p_latency(plan)
+    return _p2p_latency(plan) + nvlink_call_s(run.builder, plan)
 
 
 def test_in_node_even_all_to_all_matches_closed_form() -> None:
