@@ -50,6 +50,44 @@ TE_BWD_OVER_FWD = (311.30 / 59.19 - 1 + 397.73 / 83.48 - 1 + 440.93 / 114.51 - 1
                    + 518.67 / 135.42 - 1) / 4
 
 
+# An FP8 Transformer Engine linear costs the host more than a 16-bit one: its quantizers are
+# built and checked, its inputs quantized and their scales kept, in forward and backward alike.
+# PR 3523's table above, MXFP8 over BF16, forward 114.51 / 59.19 (Linear) and 135.42 / 83.48
+# (LayerNormLinear), backward (forward + backward less forward) 326.42 / 252.11 and 383.25 /
+# 314.25: the means, a ratio of one host's CPU times, so the host's speed cancels out.
+TE_FP8_FWD_OVER_BF16 = (114.51 / 59.19 + 135.42 / 83.48) / 2
+TE_FP8_BWD_OVER_BF16 = ((440.93 - 114.51) / (311.30 - 59.19)
+                        + (518.67 - 135.42) / (397.73 - 83.48)) / 2
+
+
+def fp8_linear_host_s(linears: int, cpu_call: float) -> tuple[float, float]:
+    """Host seconds (forward, backward) ``linears`` FP8 Transformer Engine linear modules cost
+    beyond the same modules in 16 bits (a forward module call ``cpu_call``, a backward body
+    :data:`TE_BWD_OVER_FWD` calls; :data:`TE_FP8_FWD_OVER_BF16`, :data:`TE_FP8_BWD_OVER_BF16`).
+
+    Examples
+    --------
+    >>> round(TE_FP8_FWD_OVER_BF16, 3), round(TE_FP8_BWD_OVER_BF16, 3)
+    (1.778, 1.257)
+    >>> [round(x * 1e6, 1) for x in fp8_linear_host_s(2, 34e-6)]   # an attention block's two
+    [52.9, 59.9]
+    """
+    return (linears * (TE_FP8_FWD_OVER_BF16 - 1.0) * cpu_call,
+            linears * (TE_FP8_BWD_OVER_BF16 - 1.0) * TE_BWD_OVER_FWD * cpu_call)
+
+
+def te_linears(m: ModelSpec, key: str) -> int:
+    """Transformer Engine linear modules of block ``key`` (its Function bodies less the fused
+    attention's; :func:`te_function_bwd`).
+
+    >>> te_linears(ModelSpec.from_ref("llama3-8b"), "attn_main"), te_linears(
+    ...     ModelSpec.from_ref("llama3-8b"), "mlp_main")
+    (2, 2)
+    """
+    n = te_function_bwd(m, key)
+    return n - 1 if key in ("attn_main", WINDOWED) and n else n
+
+
 def backward_host_s(nodes: int, te_functions: int, cpu_call: float) -> float:
     """Host seconds of ``nodes`` backward autograd nodes, ``te_functions`` of them Python
     bodies of Transformer Engine Functions (:data:`TE_BWD_OVER_FWD` module calls each), the

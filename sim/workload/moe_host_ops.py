@@ -295,6 +295,9 @@ class HostCalls:
     views_fwd: int = 0
     """Views made in C++ by one call (the unfused chunk sort's splits, :data:`CHUNK_VIEWS`)."""
     views_bwd: int = 0
+    fp8_linears: int = 0
+    """Of the module calls, Transformer Engine linears run in FP8 (priced beyond their 16-bit
+    cost: :func:`sim.workload.megatron_host_ops.fp8_linear_host_s`)."""
 
     @property
     def total(self) -> tuple[int, int]:
@@ -422,11 +425,13 @@ def moe_host_calls(c: MoEHostConfig) -> dict[str, HostCalls]:
     mr, me = MODULES["router"], MODULES["experts"]
     out = {"router": HostCalls(r[0] - mr[0], r[1] - mr[1], 0, 0, *mr),
            "experts": HostCalls(e[0] - me[0], e[1] - me[1], per[0] * n, per[1] * n, *me,
-                                TE_FUNCTIONS_BWD["experts"], *chunk_views(c)),
+                                TE_FUNCTIONS_BWD["experts"], *chunk_views(c),
+                                fp8_linears=2 if c.fp8 else 0),
            "combine": HostCalls(*d["combine"])}
     for k in ("ag_permute", "ag_combine"):
         if k in d:
             out[k] = HostCalls(*d[k])
     if c.shared:
-        out["shared"] = HostCalls(0, 0, 0, 0, *MODULES["shared"], TE_FUNCTIONS_BWD["shared"])
+        out["shared"] = HostCalls(0, 0, 0, 0, *MODULES["shared"], TE_FUNCTIONS_BWD["shared"],
+                                  fp8_linears=2 if c.fp8 else 0)
     return out

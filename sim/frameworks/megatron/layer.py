@@ -38,8 +38,10 @@ from sim.workload.layer_ops import kernel_time
 from sim.workload.megatron_host_ops import (
     CHECKPOINT_OPS,
     backward_host_s,
+    fp8_linear_host_s,
     python_ops,
     te_function_bwd,
+    te_linears,
 )
 from sim.workload.megatron_mla import mla_gather_width
 from sim.workload.megatron_ops import WINDOWED, attention_key
@@ -129,15 +131,19 @@ def layer_costs(s: MegatronShape, cm: ComputeModel, cpu_s_per_op: float) -> Laye
     first_core = next((i for i, k in enumerate(fwd_ks) if k.name.split(".")[0] in CORE_FWD),
                       len(fwd_ks))
     moe_delta = (s.moe.saved_bytes - cost["mlp_main"].saved_bytes) if s.moe else 0.0
+    # FP8 Transformer Engine linears cost the host more than 16-bit ones (TE PR 3523).
+    fp8_te = s.lay.fp8 is not None and not s.legacy
+    fp8_host = {k: fp8_linear_host_s(te_linears(s.model, k) if fp8_te else 0, cpu_s_per_op)
+                for k in cost}
     if s.moe and s.recompute - {"core_attn"}:
         moe_delta += rec.dense_freed - rec.moe_layer_freed
     return LayerCosts(
         moe_saved_delta=moe_delta, core_fwd_by_block=core_fwd, rec=rec,
         fwd_s={k: c.fwd_gpu_s for k, c in cost.items()},
         bwd_s={k: c.bwd_gpu_s for k, c in cost.items()},
-        fwd_cpu={k: py_ops[k][0] * cpu_s_per_op for k in cost},
+        fwd_cpu={k: py_ops[k][0] * cpu_s_per_op + fp8_host[k][0] for k in cost},
         bwd_cpu={k: backward_host_s(py_ops[k][1], 0 if s.legacy else te_function_bwd(s.model, k),
-                                    cpu_s_per_op) for k in cost},
+                                    cpu_s_per_op) + fp8_host[k][1] for k in cost},
         cpu_call=cpu_s_per_op, ckpt_cpu=CHECKPOINT_OPS * cpu_s_per_op, core_fwd_s=core_fwd_s,
         col_gemm_s={lin: (sum(kernel_time(cm, k) for k in blocks[blk].backward
                               for n in _column_linears(s, lin)

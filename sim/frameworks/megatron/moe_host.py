@@ -11,7 +11,7 @@ from sim.hardware.compute import EAGER_BWD_OP_CPU_S, EAGER_FWD_OP_CPU_S, VIEW_CP
 from sim.program.ir import Op
 from sim.scenario import MegatronOptions
 from sim.workload.block_pricing import CPP_LAUNCH_CPU_S, CUBLASLT_CALL_CPU_S
-from sim.workload.megatron_host_ops import backward_host_s
+from sim.workload.megatron_host_ops import backward_host_s, fp8_linear_host_s
 from sim.workload.moe_host_ops import HostCalls, MoEHostConfig, moe_host_calls
 from sim.workload.moe_ops import MoELayout
 
@@ -50,12 +50,14 @@ def set_host(op: Op, calls: dict[str, HostCalls] | None, component: str, phase: 
     h = calls.get(component) if calls is not None else None
     if h is None:
         return
+    fp8_fwd, fp8_bwd = fp8_linear_host_s(h.fp8_linears, cpu_call)
     if phase == "bwd":
         py = (h.bwd * EAGER_BWD_OP_CPU_S + backward_host_s(h.mod_bwd, h.te_bwd, cpu_call)
-              + h.views_bwd * VIEW_CPU_S)
+              + h.views_bwd * VIEW_CPU_S + fp8_bwd)
         cpp = h.cpp_bwd
     else:
-        py = h.fwd * EAGER_FWD_OP_CPU_S + h.mod_fwd * cpu_call + h.views_fwd * VIEW_CPU_S
+        py = (h.fwd * EAGER_FWD_OP_CPU_S + h.mod_fwd * cpu_call + h.views_fwd * VIEW_CPU_S
+              + fp8_fwd)
         cpp = h.cpp_fwd
     # The kernels' per-op charge and the calls price the same host work: the larger of the
     # two, not their sum (Python side and per-expert C++ side each).

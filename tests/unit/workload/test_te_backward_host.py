@@ -89,3 +89,51 @@ def test_host_bound_layer_slows_gpu_bound_does_not() -> None:
     assert tiny > 1.1 * tiny0          # a tiny TE layer: its backward is host-bound
     assert big == pytest.approx(big0, rel=0.01)   # long GPU work hides the host
     assert local == local0             # Megatron's local layers: plain nodes, unchanged
+
+
+def test_fp8_linear_ratios_are_the_benchmarks() -> None:
+    # PR 3523's MXFP8 over BF16 CPU times, forward and backward, Linear and LayerNormLinear.
+    fwd = [PR_3523[(m, "mxfp8")][0] / PR_3523[(m, "bf16")][0]
+           for m in ("Linear", "LayerNormLinear")]
+    bwd = [(PR_3523[(m, "mxfp8")][1] - PR_3523[(m, "mxfp8")][0])
+           / (PR_3523[(m, "bf16")][1] - PR_3523[(m, "bf16")][0])
+           for m in ("Linear", "LayerNormLinear")]
+    assert megatron_host_ops.TE_FP8_FWD_OVER_BF16 == pytest.approx(sum(fwd) / 2, rel=1e-12)
+    assert megatron_host_ops.TE_FP8_BWD_OVER_BF16 == pytest.approx(sum(bwd) / 2, rel=1e-12)
+    assert 1.6 < megatron_host_ops.TE_FP8_FWD_OVER_BF16 < 2.0
+    assert 1.2 < megatron_host_ops.TE_FP8_BWD_OVER_BF16 < 1.3
+
+
+def test_fp8_linears_per_block_and_their_host_time() -> None:
+    llama, dsv3 = ModelSpec.from_ref("llama3-8b"), ModelSpec.from_ref("deepseek-v3")
+    # QKV and output projection; fc1 and fc2; MLA's q down / up, kv down / up and output.
+    assert megatron_host_ops.te_linears(llama, "attn_main") == 2
+    assert megatron_host_ops.te_linears(llama, "mlp_main") == 2
+    assert megatron_host_ops.te_linears(dsv3, "attn_main") == 5
+    assert megatron_host_ops.te_linears(llama, "embed") == 0
+    call = 34e-6
+    fwd, bwd = megatron_host_ops.fp8_linear_host_s(2, call)
+    assert fwd == pytest.approx(2 * (megatron_host_ops.TE_FP8_FWD_OVER_BF16 - 1) * call)
+    assert bwd == pytest.approx(2 * (megatron_host_ops.TE_FP8_BWD_OVER_BF16 - 1)
+                                * TE_BWD_OVER_FWD * call)
+    # The MoE layer's FP8 linears: the experts' two GroupedLinear modules and the shared MLP's.
+    fp8 = moe_host_calls(MoEHostConfig(local_experts=8, shared=True, fp8=True))
+    bf16 = moe_host_calls(MoEHostConfig(local_experts=8, shared=True))
+    assert (fp8["experts"].fp8_linears, fp8["shared"].fp8_linears) == (2, 2)
+    assert (bf16["experts"].fp8_linears, bf16["shared"].fp8_linears) == (0, 0)
+
+
+def test_fp8_host_slows_a_host_bound_te_layer_only() -> None:
+    # A tiny TE layer is host-bound: FP8's dearer module calls slow it; the same model at a
+    # long sequence hides them; Megatron's local layers have no TE modules to slow.
+    def step(seq: int, fp8_ratio: bool) -> float:
+        with pytest.MonkeyPatch.context() as mp:
+            if not fp8_ratio:
+                mp.setattr(megatron_host_ops, "TE_FP8_FWD_OVER_BF16", 1.0)
+                mp.setattr(megatron_host_ops, "TE_FP8_BWD_OVER_BF16", 1.0)
+            s = megatron_scenario({"tp": 1}, 8, model=TINY if seq < 4096 else None, seq=seq,
+                                  framework={"name": "megatron", "fp8_recipe": "tensorwise"},
+                                  precision="fp8")
+            return simulate(s).summary["step_time_s"]
+    assert step(128, True) > 1.05 * step(128, False)
+    assert step(8192, True) == pytest.approx(step(8192, False), rel=0.01)
