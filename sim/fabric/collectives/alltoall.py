@@ -89,6 +89,7 @@ def nvlink_call_s(builder: PlanBuilder, plan: FlowPlan) -> float:
     used = np.unique(plan.flat)
     return P2P_NVLINK_CALL_S if bool(np.all(builder.fabric.kind[used] == NVLINK)) else 0.0
 
+
 PeerMatrix = tuple[tuple[float, ...], ...]
 
 
