@@ -43,7 +43,7 @@ Megatron-Core's flex dispatcher does not run (``fused_a2a.py`` builds the legacy
 
 from __future__ import annotations
 
-from sim.fabric.collectives import nccl
+from sim.fabric.collectives import alltoall, nccl
 
 SMS_PER_CHANNEL = 2
 """SMs of one DeepEP channel (a sender or forwarder SM and a receiver SM,
@@ -79,26 +79,28 @@ def nvlink_send_rate(sm_ctas: int) -> float:
 
 def nvlink_share(sm_ctas: int, arch: str) -> float:
     """The share of the NVLink capacity the flow network gives NCCL (raw times
-    ``nccl.NVLINK_EFFICIENCY[arch]``) that a fused kernel of ``sm_ctas`` SMs reaches: 1.0
-    for an NCCL kernel (``sm_ctas`` 0).
+    ``nccl.NVLINK_EFFICIENCY[arch]``) that a fused kernel of ``sm_ctas`` SMs reaches; for
+    NCCL's own all-to-all (``sm_ctas`` 0) its measured share
+    (:func:`sim.fabric.collectives.alltoall.nccl_nvlink_share`).
 
     Examples
     --------
     >>> round(nvlink_share(20, "hopper"), 3)
     0.826
-    >>> nvlink_share(0, "hopper")
-    1.0
+    >>> nvlink_share(0, "hopper"), nvlink_share(0, "blackwell")
+    (1.0, 0.843)
     """
     if sm_ctas <= 0:
-        return 1.0
+        return alltoall.nccl_nvlink_share(arch)
     return min(1.0, NVLINK_STORE_EFFICIENCY / nccl.NVLINK_EFFICIENCY[arch])
 
 
 def fixed_call_s(domains: int) -> float:
     """The fixed time of one call beyond its flows, over ``domains`` NVLink domains: none is
-    priced for DeepEP's normal kernels and NCCL (DeepEP's published internode rows sit within
-    15% of the flows without one, ``tests/unit/engine/test_deepep_published_bandwidth.py``);
-    Hybrid-EP's is :func:`sim.fabric.collectives.hybridep_kernel.fixed_call_s`.
+    priced for DeepEP's normal kernels (its published internode rows sit within 15% of the
+    flows without one, ``tests/unit/engine/test_deepep_published_bandwidth.py``); NCCL's own
+    all-to-all inside one domain is :func:`sim.fabric.collectives.alltoall.nvlink_call_s`,
+    Hybrid-EP's :func:`sim.fabric.collectives.hybridep_kernel.fixed_call_s`.
 
     Examples
     --------

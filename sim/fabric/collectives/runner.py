@@ -425,8 +425,7 @@ class CollectiveRunner:
             kernel = hybridep_kernel if fused_kernel == "hybridep" else fused_kernel_model
             rate = kernel.nvlink_send_rate(fused_sms)
             nccl_op = not fused_kernel and fused_sms <= 0
-            share = (alltoall.nccl_nvlink_share(self.arch) if nccl_op
-                     else kernel.nvlink_share(fused_sms, self.arch))
+            share = kernel.nvlink_share(fused_sms, self.arch)
 
             def planned(gs: list[tuple[int, ...]]) -> FlowPlan | None:
                 return alltoall.peer_plan(b, gs, matrix, nvlink_send_rate=rate,

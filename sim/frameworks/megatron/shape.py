@@ -405,13 +405,13 @@ def scenario_chunks(m: ModelSpec, opts: MegatronOptions, p: int, vp: int) -> lis
                         as_layout(layout) if layout is not None else None)
 
 
-
 def mx_swizzled(te_version: str | None, fp8_param_gather: bool) -> frozenset[Operand]:
     """The MXFP8 operands Transformer Engine ``te_version`` (``training.
     transformer_engine_version``; None: the newest) swizzles at each GEMM call, Megatron's FP8
     primary weights (``fp8_param_gather``) included (:mod:`sim.workload.mx_swizzle`)."""
     return swizzled_operands(None if te_version is None else version_tuple(te_version),
                              fp8_param_gather)
+
 
 def megatron_shape(ctx: JobContext) -> MegatronShape:
     """Check the scenario's Megatron options and derive the job's :class:`MegatronShape`."""
