@@ -323,10 +323,18 @@ def validate(
             k.add_row(c["suite"], c["id"], c["skipped"])
         con.print(k)
     s = Table(title="suites", title_justify="left")
-    for col in ("suite", "cases", "MAPE", "max |error|"):
+    for col in ("suite", "cases", "MAPE", "max |error|", "mean error"):
         s.add_column(col)
+    windows: list[str] = []
     for name, v in result["suites"].items():
-        s.add_row(name, str(v["cases"]), f"{v['mape']:.1%}", f"{v['max_abs_error']:.1%}")
+        rows = [(name, v)] + [(f"{name} / {w}", r) for w, r in v.get("windows", {}).items()]
+        windows += [f"{w}: {r['label']}" for w, r in v.get("windows", {}).items()]
+        for label, r in rows:
+            s.add_row(label, str(r["cases"]), f"{r['mape']:.1%}", f"{r['max_abs_error']:.1%}",
+                      f"{r['mean_error']:+.1%}")
+    if windows:
+        s.caption = "; ".join(windows)
+        s.caption_justify = "left"
     con.print(s)
 
 

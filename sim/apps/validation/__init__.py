@@ -7,6 +7,12 @@ for entries the simulator refuses to build today (``published-moe``): they are l
 under a top-level ``skipped`` (and a suite's ``skipped`` count), present only when some were,
 and count in no error statistic.
 
+Each suite's statistics are ``{cases, mape, max_abs_error, mean_error}`` (``mean_error``: the
+signed mean, the bias: positive where the simulator is fast). A suite with windows
+(:data:`WINDOWS`: subsets it also scores apart, such as ``published-moe``'s rows in issue 14's
+range of parts and sizes) adds ``windows: {NAME: {label, cases, mape, max_abs_error,
+mean_error}}``.
+
 ``vtrain-single`` and ``vtrain-multi`` report vTrain's VALIDATE half only; the FIT half, on
 which constants are fitted (``docs/calibration.md``), runs as ``vtrain-single-fit`` and
 ``vtrain-multi-fit`` when named, and is not part of the default (all validation suites).
@@ -25,7 +31,8 @@ from sim.apps.validation.llm_foundry import llm_foundry_cases
 from sim.apps.validation.moe_layer import moe_layer_cases
 from sim.apps.validation.nccl import nccl_cases
 from sim.apps.validation.published import published_cases
-from sim.apps.validation.published_moe import published_moe_cases
+from sim.apps.validation.published_moe import WINDOWS as PUBLISHED_MOE_WINDOWS
+from sim.apps.validation.published_moe import Window, published_moe_cases
 from sim.apps.validation.vtrain import vtrain_cases
 
 Case = dict[str, Any]
@@ -53,6 +60,24 @@ PARALLEL_SUITES: dict[str, Callable[[Progress, int], list[Case]]] = {
 }
 # Suites that report the rows constants were fitted on: run only when named.
 FIT_SUITES = frozenset(name for name in SUITES if name.endswith("-fit"))
+# Subsets of a suite's cases scored apart as well (their cases carry what the windows select on).
+WINDOWS: dict[str, tuple[Window, ...]] = {"published-moe": PUBLISHED_MOE_WINDOWS}
+
+
+def error_statistics(errors: list[float]) -> dict[str, Any]:
+    """``{cases, mape, max_abs_error, mean_error}`` of signed relative errors (all 0 when
+    there are none).
+
+    Examples
+    --------
+    >>> error_statistics([0.25, -0.75])
+    {'cases': 2, 'mape': 0.5, 'max_abs_error': 0.75, 'mean_error': -0.25}
+    """
+    n = len(errors)
+    return {"cases": n,
+            "mape": sum(abs(e) for e in errors) / n if n else 0.0,
+            "max_abs_error": max(abs(e) for e in errors) if n else 0.0,
+            "mean_error": sum(errors) / n if n else 0.0}
 
 
 def run_suites(names: list[str] | None = None,
@@ -74,10 +99,12 @@ def run_suites(names: list[str] | None = None,
         scored = [c for c in got if "skipped" not in c]
         cases += scored
         skipped += [c for c in got if "skipped" in c]
-        errors = [abs(c["error"]) for c in scored]
-        suites[name] = {"cases": len(scored),
-                        "mape": sum(errors) / len(errors) if errors else 0.0,
-                        "max_abs_error": max(errors) if errors else 0.0}
+        suites[name] = error_statistics([c["error"] for c in scored])
+        if name in WINDOWS:
+            suites[name]["windows"] = {
+                w.name: {"label": w.label,
+                         **error_statistics([c["error"] for c in scored if w.holds(c)])}
+                for w in WINDOWS[name]}
         if len(got) > len(scored):
             suites[name]["skipped"] = len(got) - len(scored)
     out: dict[str, Any] = {"suites": suites, "cases": cases}

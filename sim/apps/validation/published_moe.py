@@ -18,6 +18,7 @@ Entries marked ``ci: false`` are too large for the test suite's time budget and 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,40 @@ from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 REFERENCE = (Path(__file__).resolve().parents[2] / "catalog" / "reference"
              / "published_moe.yaml")
 SUITE = "published-moe"
+
+
+@dataclass(frozen=True)
+class Window:
+    """A subset of the suite's cases scored on its own as well (``fabricsim validate``'s
+    ``suites[NAME].windows``): the cases on one of ``gpus`` (catalogue keys) with between
+    ``min_gpus`` and ``max_gpus`` GPUs in the job.
+
+    Examples
+    --------
+    >>> w = Window("w", "H100, 16-64 GPUs", frozenset({"h100-sxm"}), 16, 64)
+    >>> w.holds({"gpu": "h100-sxm", "gpus": 16}), w.holds({"gpu": "h100-sxm", "gpus": 8})
+    (True, False)
+    """
+
+    name: str
+    label: str
+    """What it holds, in words (the CLI's table)."""
+    gpus: frozenset[str]
+    min_gpus: int
+    max_gpus: int
+
+    def holds(self, case: Mapping[str, Any]) -> bool:
+        """Whether ``case`` (with the suite's ``gpu`` and ``gpus`` fields) is in the window."""
+        return case["gpu"] in self.gpus and self.min_gpus <= case["gpus"] <= self.max_gpus
+
+
+# Issue 14's bar is judged on runs "on H100/H800/B200/GB200, 16 to 2,048 GPUs": the rows of
+# this suite in that range, scored apart (the suite also holds one-node rows and Blackwell
+# Ultra parts, which the bar does not name).
+ISSUE_14_WINDOW = Window("issue-14", "H100/H800/B200/GB200, 16-2,048 GPUs",
+                         frozenset({"h100-sxm", "h100-hbm2e-96gb", "h800", "b200", "gb200"}),
+                         16, 2048)
+WINDOWS: tuple[Window, ...] = (ISSUE_14_WINDOW,)
 
 
 def entries() -> list[dict[str, Any]]:
@@ -90,8 +125,9 @@ def published_moe_cases(ci_only: bool = False,
                         progress: Callable[[int, int], None] | None = None,
                         workers: int = 1) -> list[dict[str, Any]]:
     """One case per published figure: ``{suite, id, metric, measured, simulated, error,
-    source}``, or ``{suite, id, metric, measured, skipped, source}`` where the builder refuses
-    the scenario; ``progress(done, total)`` as the runs go and at the end. ``workers``:
+    source, gpu, gpus}``, or ``{suite, id, metric, measured, skipped, source, gpu, gpus}``
+    where the builder refuses the scenario (``gpu``: the part's catalogue key, ``gpus``: the
+    job's GPUs); ``progress(done, total)`` as the runs go and at the end. ``workers``:
     processes simulating the setups at once (the numbers are the same: each simulation is
     deterministic and alone)."""
     cases: list[dict[str, Any]] = []
@@ -100,19 +136,22 @@ def published_moe_cases(ci_only: bool = False,
     seen = _simulate_setups(todo, workers, progress)
     for e in todo:
         summary = seen[_setup_key(e)]
+        cluster = scenario_of(e).cluster
+        # The part and the job's size, by which the windows (WINDOWS) select cases.
+        where = {"gpu": cluster.gpu, "gpus": cluster.nodes * cluster.gpus_per_node}
         if isinstance(summary, ScenarioError):
             # The builder's refusal (what it does not model yet), one line naming the key.
             for metric, measured in e["measured"].items():
                 cases.append({"suite": SUITE, "id": e["id"], "metric": metric,
                               "measured": float(measured), "skipped": str(summary),
-                              "source": e["source"]})
+                              "source": e["source"], **where})
             continue
         for metric, measured in e["measured"].items():
             simulated = float(summary[metric])
             cases.append({"suite": SUITE, "id": e["id"], "metric": metric,
                           "measured": float(measured), "simulated": simulated,
                           "error": error_of(simulated, float(measured)),
-                          "source": e["source"]})
+                          "source": e["source"], **where})
     if progress is not None:
         progress(len(todo), len(todo))
     return cases

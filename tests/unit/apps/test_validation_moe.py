@@ -12,6 +12,7 @@ import pytest
 
 import sim.apps.validation as validation
 from sim.apps.validation.published_moe import (
+    ISSUE_14_WINDOW,
     SUITE,
     entries,
     error_of,
@@ -84,6 +85,9 @@ def test_ci_entries_simulate_and_errors_are_relative_to_the_measurement(ci_cases
         assert c["suite"] == SUITE and c["metric"] == "tokens_per_s_per_gpu"
         assert c["simulated"] > 0
         assert c["error"] == pytest.approx((c["simulated"] - c["measured"]) / c["measured"])
+        # The part and the job's size the windows select on, from the entry's scenario.
+        cl = scenario_of(next(e for e in ci if e["id"] == c["id"])).cluster
+        assert (c["gpu"], c["gpus"]) == (cl.gpu, cl.nodes * cl.gpus_per_node)
     # The same layout in three containers (Qwen3-30B-A3B, MXFP8, EP8 on 8 GB200) is three
     # setups: 25.09's scripts drop tokens at capacity 1 with padding under whole-layer CUDA
     # graphs, 26.02's are dropless on HybridEP, 26.06's add a rank budget under a
@@ -203,21 +207,47 @@ def test_the_cli_lists_skipped_entries_apart(monkeypatch) -> None:
     from sim import cli
 
     got = [{"suite": SUITE, "id": "a", "metric": "tokens_per_s_per_gpu", "measured": 100.0,
-            "simulated": 120.0, "error": 0.2, "source": "s"},
+            "simulated": 120.0, "error": 0.2, "source": "s", "gpu": "h100-sxm", "gpus": 16},
            {"suite": SUITE, "id": "b", "metric": "tokens_per_s_per_gpu", "measured": 100.0,
             "skipped": "b: model.attention_sinks: megatron does not model attention sinks yet",
-            "source": "s"}]
+            "source": "s", "gpu": "h100-sxm", "gpus": 16}]
     monkeypatch.setitem(validation.SUITES, SUITE, lambda progress: got)
     out = CliRunner().invoke(cli.app, ["validate", "--suite", SUITE, "--json"])
     assert out.exit_code == 0, out.output
     result = json.loads(out.output)
-    assert result["suites"][SUITE] == {"cases": 1, "mape": pytest.approx(0.2),
-                                      "max_abs_error": pytest.approx(0.2), "skipped": 1}
+    window = {"cases": 1, "mape": pytest.approx(0.2), "max_abs_error": pytest.approx(0.2),
+              "mean_error": pytest.approx(0.2)}
+    assert result["suites"][SUITE] == {
+        **window, "skipped": 1,
+        "windows": {"issue-14": {"label": ISSUE_14_WINDOW.label, **window}}}
     assert [c["id"] for c in result["cases"]] == ["a"]
     assert [c["id"] for c in result["skipped"]] == ["b"]
     table = CliRunner().invoke(cli.app, ["validate", "--suite", SUITE])
     assert table.exit_code == 0, table.output
     assert "skipped (not simulated)" in table.output and "sinks" in table.output
+    assert "16-2,048 GPUs" in table.output and "+20.0%" in table.output
+
+
+def test_the_issue_window_holds_the_named_parts_and_sizes(monkeypatch) -> None:
+    # Issue 14's bar names runs on H100, H800, B200 and GB200 with 16 to 2,048 GPUs: the
+    # window's statistics are over exactly the scored cases there, by hand; a one-node row and
+    # a Blackwell Ultra row count in the suite's figures only.
+    def case(i: str, gpu: str, gpus: int, error: float) -> dict:
+        return {"suite": SUITE, "id": i, "metric": "tokens_per_s_per_gpu", "measured": 100.0,
+                "simulated": 100.0 * (1 + error), "error": error, "source": "s",
+                "gpu": gpu, "gpus": gpus}
+
+    got = [case("h100-16", "h100-sxm", 16, 0.10), case("b200-8", "b200", 8, 0.50),
+           case("gb300-256", "gb300", 256, -0.40), case("h800-2048", "h800", 2048, -0.20),
+           case("gb200-4096", "gb200", 4096, 0.90), case("gb200-256", "gb200", 256, 0.30)]
+    monkeypatch.setitem(validation.SUITES, SUITE, lambda progress: got)
+    s = validation.run_suites([SUITE])["suites"][SUITE]
+    w = s["windows"]["issue-14"]
+    assert w["cases"] == 3
+    assert w["mape"] == pytest.approx((0.10 + 0.20 + 0.30) / 3)
+    assert w["mean_error"] == pytest.approx((0.10 - 0.20 + 0.30) / 3)
+    assert w["max_abs_error"] == pytest.approx(0.30)
+    assert s["cases"] == 6 and s["mean_error"] == pytest.approx(1.2 / 6)
 
 
 def test_validate_with_workers_gives_the_same_cases(monkeypatch) -> None:
