@@ -65,10 +65,15 @@ def test_cli_collective_and_validate() -> None:
                          capture_output=True, text=True, check=True)
     result = json.loads(val.stdout)
     assert set(result) == {"suites", "cases"}
-    assert set(result["suites"]["nccl"]) == {"cases", "mape", "max_abs_error"}
+    # CONTRACT.md's three statistics, and the signed mean (the bias) since it grew one.
+    suite = result["suites"]["nccl"]
+    assert set(suite) == {"cases", "mape", "max_abs_error", "mean_error"}
     for c in result["cases"]:
         assert {"suite", "id", "metric", "measured", "simulated", "error"} <= set(c)
         assert c["error"] == pytest.approx((c["simulated"] - c["measured"]) / c["measured"])
+    errors = [c["error"] for c in result["cases"]]
+    assert suite["mean_error"] == pytest.approx(sum(errors) / len(errors))
+    assert suite["mape"] == pytest.approx(sum(map(abs, errors)) / len(errors))
     bad = subprocess.run([str(FABRICSIM), "validate", "--suite", "nope"], capture_output=True,
                          text=True)
     assert bad.returncode == 2
