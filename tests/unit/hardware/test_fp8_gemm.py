@@ -130,3 +130,28 @@ def test_fp8_speedup_against_openxla_h100_measurements() -> None:
     assert len(errors) == 289
     assert abs(sum(errors) / len(errors)) < 0.03            # no optimism on average
     assert sum(abs(x) for x in errors) / len(errors) < 0.25
+
+
+def test_held_8192_cube_gemms_against_the_lent_h200() -> None:
+    # Independent check in the regime a training step runs in: the lent H200 held an 8192^3
+    # GEMM back to back at its 700 W limit (calibration/h200-sustained-gemm-{bf16,fp8}.json,
+    # tools/measure_sustained_gemm.py; the kernel fit was made on other shapes,
+    # h200-kernels.json). BF16 (torch.mm) held 665-672 TFLOP/s at about 1,485 MHz; FP8
+    # (torch._scaled_mm, e4m3, whose default runs without fast accumulation, as the model
+    # prices Transformer Engine's backward GEMMs) 1,209-1,219 at about 1,350 MHz. The model
+    # must hold BF16 within 3% and the FP8 GEMM within 8%, and must not make FP8's gain over
+    # BF16 larger than the measured one (the FP8 MoE rows' lean on H100 is not this GEMM's).
+    h200 = ComputeModel(catalog.gpu("h200"))
+    n = 8192
+    flops = 2.0 * n ** 3
+
+    def held(dtype: str) -> float:
+        rows = catalog.calibration(f"h200-sustained-gemm-{dtype}.json")["sustained"]
+        rates = sorted(r["tflops"] for r in rows)
+        return rates[len(rates) // 2] * 1e12
+
+    bf16_model = flops / h200.gemm_time(n, n, n, "fwd")
+    fp8_model = flops / h200.gemm_time(n, n, n, "dgrad", fp8=True)
+    assert bf16_model == pytest.approx(held("bf16"), rel=0.03)
+    assert fp8_model == pytest.approx(held("fp8"), rel=0.08)
+    assert fp8_model / bf16_model <= held("fp8") / held("bf16")
