@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 
 from sim.config.training import DEFAULT_TORCH_VERSION
 from sim.hardware.flash_curves import curve_arch, flash1_share, head_dim_weight
+from sim.hardware.te_fused_attention import te_fallback, te_fused_attention_trains
 
 if TYPE_CHECKING:
     from sim.catalog import GpuSpec
@@ -362,8 +363,8 @@ def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION,
     return "flash2"
 
 
-def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bool = False
-            ) -> AttentionBackend:
+def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bool = False,
+            head_dims: tuple[int, int] | None = None) -> AttentionBackend:
     """The attention kernel of a scenario: its ``training.attention_backend``, or with
     ``auto`` the one its framework's source picks. ``head_dims_differ``: queries and keys
     wider than values (Multi-head Latent Attention, 192 / 128), which PyTorch's flash kernels
@@ -371,7 +372,11 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bo
     attention on Hopper and Blackwell (torchtitan's ``ScaledDotProductAttentionWrapper`` lists
     it first) and the memory-efficient kernel elsewhere.
 
-    * Megatron with Transformer Engine: cuDNN fused attention on Hopper and Blackwell,
+    * Megatron with Transformer Engine: cuDNN fused attention on Hopper and Blackwell where
+      it trains the layer's ``head_dims`` (query/key, value) under the scenario's
+      ``training.transformer_engine_version`` and ``cudnn_version``
+      (:func:`~sim.hardware.te_fused_attention.te_fused_attention_trains`; else TE's fallback,
+      unfused for Multi-head Latent Attention on Blackwell before TE 2.5 / cuDNN 9.11),
       flash-attn 2 on Ampere (TE ``dot_product_attention/utils.py`` ``get_attention_backend``:
       "Disabling FlashAttention to give FusedAttention preference on Hopper+", compute
       capability >= 9.0; below it FlashAttention stays first), and flash-attn 2 on Blackwell
@@ -409,6 +414,13 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bo
             # Transformer Engine PR 2584's support matrix): TE falls back to flash-attn 2.
             if t.deterministic and gpu.arch == "blackwell" and fw.dropout > 0:
                 return "flash2"
+            qk, v = head_dims or (128, 128)
+            if not te_fused_attention_trains(
+                    gpu.arch, qk, v,
+                    None if t.transformer_engine_version is None
+                    else version_tuple(t.transformer_engine_version),
+                    None if t.cudnn_version is None else version_tuple(t.cudnn_version)):
+                return te_fallback(qk, v)
             return "cudnn"
         if fw.name == "deepspeed" and (s.parallelism.tp > 1 or s.parallelism.pp > 1):
             return "flash2" if fw.pipeline.flash_attention else "unfused"

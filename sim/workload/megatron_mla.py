@@ -25,7 +25,10 @@ replaces the fused QKV projection of :func:`sim.workload.megatron_ops.attention_
   ``dot_product_attention/utils.py``) disables FlashAttention 2 and 3 whenever
   head_dim_qk != head_dim_v and keeps FusedAttention for separate q, k, v layouts
   (``hd_hd_hd``), the scenario's ``cudnn`` backend on Hopper and Blackwell; priced at the
-  widths of :func:`attention_head_dims`;
+  widths of :func:`attention_head_dims`. Where cuDNN cannot train these widths (Blackwell
+  under TE 2.4 or older, or cuDNN before 9.11: :mod:`sim.hardware.te_fused_attention`) TE
+  runs ``UnfusedDotProductAttention`` (:func:`~sim.workload.megatron_ops.
+  unfused_core_attention`: the full 192-wide score matrix, softmax, 128-wide P V);
 * ``linear_proj`` (heads x v_head_dim -> hidden, row-parallel).
 
 With tensor parallelism the heads split over the ranks (the column-parallel up projections
@@ -57,6 +60,7 @@ from sim.workload.megatron_ops import (
     _linear,
     _norm,
     _row_norm,
+    unfused_core_attention,
 )
 from sim.workload.model import ModelSpec
 from sim.workload.moe import MLASpec
@@ -114,6 +118,30 @@ def mla_attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     assemble = _fused_rope if lay.rope_fusion else _unfused_rope
     query, key, value, gq, gk, gv = assemble(b, q, kv, k_pos, tokens, heads, mla)
     ctx = b.t("ctx", tokens * heads * vd, BF16)
+    if lay.flash_attention:
+        _flash_core(b, (query, key, value), (gq, gk, gv), ctx, lay, batch, seq, heads, qk, vd)
+    else:
+        # Transformer Engine with no fused kernel for these head dims (Blackwell before TE
+        # 2.5 / cuDNN 9.11: sim.hardware.te_fused_attention) runs UnfusedDotProductAttention.
+        unfused_core_attention(b, (query, key, value), (gq, gk, gv), ctx,
+                               b.t("g_ctx", tokens * heads * vd, BF16), batch * heads * seq,
+                               seq, (qk, vd), lay.dropout)
+    out = _linear(b, ctx, tokens, heads * vd, h, "proj", m.bias, bias_in_epilogue=True,
+                  lay=lay)
+    # Reduced over the tensor-parallel group (all-reduce or reduce-scatter) before the
+    # bias-dropout-add on the local tokens, as in the dense layer.
+    resid = b.t("resid", local * h, BF16)
+    b.block.outputs.append(_bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout))
+    return pre.finish(), b.finish()
+
+
+def _flash_core(b: _Builder, qkv: tuple[Tensor, Tensor, Tensor],
+                grads: tuple[Tensor, Tensor, Tensor], ctx: Tensor, lay: MegatronLayout,
+                batch: int, seq: int, heads: int, qk: int, vd: int) -> None:
+    """Core attention as one fused kernel each way (cuDNN's, TE's FusedAttention)."""
+    query, key, value = qkv
+    gq, gk, gv = grads
+    tokens = batch * seq
     lse = b.t("lse", batch * heads * seq, FP32)
     # Causal: each query sees seq/2 keys on average; QK^T is 2 x qk and PV 2 x v FLOPs per
     # key and head (the FLOPs of ModelSpec._attention_layer_flops). The time model takes
@@ -131,13 +159,6 @@ def mla_attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int
     b.bwd(*gcast, Kernel("flash_bwd", "attention", (gout, query, key, value, ctx, lse),
                          (gq, gk, gv), 2.5 * fl * hd_bwd / hd_fwd,
                          attn=(batch, heads, seq, hd_bwd, "bwd"), fp8=f8, fp8_block=f8b))
-    out = _linear(b, ctx, tokens, heads * vd, h, "proj", m.bias, bias_in_epilogue=True,
-                  lay=lay)
-    # Reduced over the tensor-parallel group (all-reduce or reduce-scatter) before the
-    # bias-dropout-add on the local tokens, as in the dense layer.
-    resid = b.t("resid", local * h, BF16)
-    b.block.outputs.append(_bias_dropout_add(b, out, resid, local, h, "bda", lay.dropout))
-    return pre.finish(), b.finish()
 
 
 def _sharded_input_linear(b: _Builder, x: Tensor, tokens: float, local: float, n_in: int,

@@ -129,6 +129,47 @@ def _dropout(b: _Builder, x: Tensor, numel: float, name: str, p: float, g_in: Te
     return out, g
 
 
+def unfused_core_attention(b: _Builder, qkv: tuple[Tensor, Tensor, Tensor],
+                           grads: tuple[Tensor, Tensor, Tensor], ctx: Tensor, gctx: Tensor,
+                           rows: float, kv_len: int, head_dims: tuple[int, int],
+                           dropout: float, sink_grad: tuple[Tensor, ...] = ()) -> None:
+    """Core attention without a fused kernel: ``baddbmm`` Q K^T over the whole score matrix,
+    the fused scale-mask-softmax, dropout, the P V ``bmm`` (Megatron's local path and
+    Transformer Engine's ``UnfusedDotProductAttention`` alike), for ``rows`` (batch x local
+    heads x queries) over ``kv_len`` keys; ``head_dims``: the query/key and value widths
+    (Multi-head Latent Attention's differ). ``grads``: the gradients of q, k and v its
+    backward writes; ``gctx`` the context's it reads."""
+    q, k, v = qkv
+    gq, gk, gv = grads
+    d_qk, d_v = head_dims
+    n_scores = rows * kv_len
+    scores = b.t("scores", n_scores, BF16)
+    fl_qk, fl_pv = 2.0 * n_scores * d_qk, 2.0 * n_scores * d_v
+    gs = b.t("g_scores", n_scores, BF16)
+    gp = b.t("g_probs", n_scores, BF16)
+    # Each op's backward is added right after its forward (the builder runs them in
+    # reverse): P V's, dropout's, the softmax's, then Q K^T's.
+    b.fwd(Kernel("qk_bmm", "gemm", (q, k), (scores,), fl_qk,
+                 gemm=(rows, d_qk, kv_len, "fwd")))
+    b.save(q, k)
+    b.bwd(Kernel("qk_bmm.dgrad", "gemm", (gs, k), (gq,), fl_qk,
+                 gemm=(rows, d_qk, kv_len, "dgrad")),
+          Kernel("qk_bmm.wgrad", "gemm", (gs, q), (gk,), fl_qk,
+                 gemm=(rows, d_qk, kv_len, "wgrad")))
+    probs = b.t("probs", n_scores, BF16)
+    b.fwd(Kernel("softmax", "elementwise", (scores,), (probs,)))
+    b.save(probs)
+    b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,) + sink_grad))
+    dropped, gd = _dropout(b, probs, n_scores, "attn_dropout", dropout, gp)
+    b.fwd(Kernel("pv_bmm", "gemm", (dropped, v), (ctx,), fl_pv,
+                 gemm=(rows, kv_len, d_v, "fwd")))
+    b.save(dropped, v)
+    b.bwd(Kernel("pv_bmm.dgrad", "gemm", (gctx, v), (gd,), fl_pv,
+                 gemm=(rows, kv_len, d_v, "dgrad")),
+          Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl_pv,
+                 gemm=(rows, kv_len, d_v, "wgrad")))
+
+
 def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Tensor:
     """Fused LayerNorm/RMSNorm (apex MixedFusedLayerNorm / TE): input and row stats saved."""
     h = m.hidden
@@ -400,37 +441,11 @@ def attention_block(m: ModelSpec, lay: MegatronLayout, batch: int, seq: int,
                      attn_dropout=dropout),
               *cp_ring_backward_kernels(gqa, gka, gva, lay.cp))
     else:
-        # baddbmm -> fused scale-mask-softmax -> dropout -> bmm (Megatron's local path).
-        n_scores = batch * heads * s * kv_len
-        scores = b.t("scores", n_scores, BF16)
-        fl = 2.0 * batch * heads * s * kv_len * m.head_dim
-        rows = batch * heads * s
-        gs = b.t("g_scores", n_scores, BF16)
-        gp = b.t("g_probs", n_scores, BF16)
         gctx = b.t("g_ctx", tokens * qd, BF16)
         gq, gk, gv = (b.t(f"g_{n}", tokens * w, BF16) for n, w in (("q", qd), ("k", kvd),
                                                                     ("v", kvd)))
-        # Each op's backward is added right after its forward (the builder runs them in
-        # reverse): P V's, dropout's, the softmax's, then Q K^T's.
-        b.fwd(Kernel("qk_bmm", "gemm", (q, k), (scores,), fl,
-                     gemm=(rows, m.head_dim, kv_len, "fwd")))
-        b.save(q, k)
-        b.bwd(Kernel("qk_bmm.dgrad", "gemm", (gs, k), (gq,), fl,
-                     gemm=(rows, m.head_dim, kv_len, "dgrad")),
-              Kernel("qk_bmm.wgrad", "gemm", (gs, q), (gk,), fl,
-                     gemm=(rows, m.head_dim, kv_len, "wgrad")))
-        probs = b.t("probs", n_scores, BF16)
-        b.fwd(Kernel("softmax", "elementwise", (scores,), (probs,)))
-        b.save(probs)
-        b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,) + sink_grad))
-        dropped, gd = _dropout(b, probs, n_scores, "attn_dropout", lay.dropout, gp)
-        b.fwd(Kernel("pv_bmm", "gemm", (dropped, v), (ctx,), fl,
-                     gemm=(rows, kv_len, m.head_dim, "fwd")))
-        b.save(dropped, v)
-        b.bwd(Kernel("pv_bmm.dgrad", "gemm", (gctx, v), (gd,), fl,
-                     gemm=(rows, kv_len, m.head_dim, "dgrad")),
-              Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl,
-                     gemm=(rows, kv_len, m.head_dim, "wgrad")))
+        unfused_core_attention(b, (q, k, v), (gq, gk, gv), ctx, gctx, batch * heads * s,
+                               kv_len, (m.head_dim, m.head_dim), lay.dropout, sink_grad)
     out = _linear(b, ctx, tokens, qd, h, "proj", m.bias, bias_in_epilogue=True, lay=lay,
                   parallel="row")
     # The row-parallel output is reduced across the tensor-parallel group (the framework's

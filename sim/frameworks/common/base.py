@@ -49,8 +49,10 @@ class JobContext:
                                 "megatron (Megatron-LM's --deterministic-mode) only")
         gpu = catalog.gpu(s.cluster.gpu, s.cluster.gpu_power_w, s.gpus)
         try:
+            dims = ((model.mla.qk_head_dim, model.mla.v_head_dim) if model.mla is not None
+                    else (model.head_dim, model.head_dim))
             backend = attention_cost.resolve(s, gpu, head_dims_differ=model.mla is not None,
-                                             sinks=model.attention_sinks)
+                                             sinks=model.attention_sinks, head_dims=dims)
         except ValueError as e:
             raise ScenarioError(f"{origin}: {e}") from None
         compute = ComputeModel(gpu, s.training.precision, backend,

@@ -452,7 +452,10 @@ def megatron_shape(ctx: JobContext) -> MegatronShape:
         else 1.0 if opts.use_megatron_fsdp else 1.0 / micro_batches_per_chunk(
             opts, ctx.cast_micro_batches or mb_count)
     grad_bytes = main_grad_bytes(opts, precision)
-    lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=opts.flash_attention,
+    # Transformer Engine without a fused kernel for the layer's head dims runs its unfused
+    # attention (sim.hardware.te_fused_attention): the same kernels as Megatron's local path.
+    flash = opts.flash_attention and ctx.compute.attention_backend != "unfused"
+    lay = MegatronLayout(tp=t, sequence_parallel=sp, flash_attention=flash,
                          dropout=opts.dropout, selective_recompute="core_attn" in modules, cp=cp,
                          fp8=opts.fp8_recipe if precision == "fp8" else None,
                          weight_cast_share=cast,

@@ -113,3 +113,30 @@ def test_fused_rope_issues_five_fewer_python_calls_each_way() -> None:
             plain["attn_main"][1] - fused["attn_main"][1]) == (5, 5)
     gqa = ModelSpec.from_ref("qwen3-30b-a3b")
     assert python_ops(gqa, False, rope_fusion=True) == python_ops(gqa, False)
+
+
+def test_unfused_core_attention_runs_the_whole_score_matrix_at_each_width() -> None:
+    """Transformer Engine's ``UnfusedDotProductAttention`` (what TE runs MLA with where cuDNN
+    cannot train 192 / 128, sim/hardware/te_fused_attention.py): ``baddbmm`` Q K^T over every
+    (query, key) pair at the 192-wide query/key dim, a softmax over the bf16 scores, P V at the
+    128-wide value dim; no causal skipping, and the probabilities saved for backward."""
+    m = ModelSpec.from_ref("deepseek-v3")
+    b = mla_attention_block(m, MegatronLayout(flash_attention=False, rope_fusion=True),
+                            1, SEQ)[1]
+    names = {k.name for k in b.forward}
+    assert "flash_fwd" not in names and {"qk_bmm", "softmax", "pv_bmm"} <= names
+    pairs = SEQ * SEQ                     # the full matrix: the mask is applied after it
+    assert _k(b.forward, "qk_bmm").flops == pytest.approx(2 * pairs * HEADS * QK)
+    assert _k(b.forward, "pv_bmm").flops == pytest.approx(2 * pairs * HEADS * V)
+    # Backward: each product's two gradients at its own width.
+    for name, width in (("qk_bmm", QK), ("pv_bmm", V)):
+        for pass_ in ("dgrad", "wgrad"):
+            assert _k(b.backward, f"{name}.{pass_}").flops == \
+                pytest.approx(2 * pairs * HEADS * width)
+    probs = next(t for t in b.saved if t.name.endswith("probs"))
+    assert probs.nbytes == pytest.approx(pairs * HEADS * B)
+    # Twice the fused kernels' forward matmul FLOPs (the causal half is not skipped).
+    flash = _main(True)
+    fused = _k(flash.forward, "flash_fwd").flops
+    assert (_k(b.forward, "qk_bmm").flops + _k(b.forward, "pv_bmm").flops) == \
+        pytest.approx(2 * fused)
