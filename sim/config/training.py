@@ -317,12 +317,16 @@ class Training(StrictModel):
     cudnn_version: str | None = Field(default=None, pattern=r"^\d+\.\d+(\.\d+){0,2}$")
     """cuDNN release the job runs ("9.13.1", quoted; a container's release notes say it):
     Blackwell's fused attention runs at that release's measured speed
-    (:func:`sim.hardware.blackwell_attention.cudnn_release_gap`); None: the newest measured."""
+    (:func:`sim.hardware.blackwell_attention.cudnn_release_gap`), and Transformer Engine's
+    cuDNN attention trains Multi-head Latent Attention on Blackwell from 9.11
+    (:mod:`sim.hardware.te_fused_attention`); None: the newest measured."""
     transformer_engine_version: str | None = Field(default=None,
                                                   pattern=r"^\d+\.\d+(\.\d+){0,2}$")
     """Transformer Engine release the job runs ("2.9", quoted; a container's pins say it): which
     MXFP8 GEMM operands have their scales swizzled by a kernel at every GEMM call
-    (:func:`sim.workload.mx_swizzle.swizzled_operands`); None: the newest modelled."""
+    (:func:`sim.workload.mx_swizzle.swizzled_operands`), and whether its cuDNN attention trains
+    head dims above 128 on Blackwell (from 2.5; before it MLA runs unfused,
+    :mod:`sim.hardware.te_fused_attention`); None: the newest modelled."""
     deterministic: bool = False
     """Bitwise-reproducible steps as Megatron-LM's ``--deterministic-mode`` runs them
     (Transformer Engine's ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``): the attention backward sums
