@@ -129,6 +129,21 @@ def _dropout(b: _Builder, x: Tensor, numel: float, name: str, p: float, g_in: Te
     return out, g
 
 
+def _saved_bmm(b: _Builder, name: str, xy: tuple[Tensor, Tensor], out: Tensor,
+               grads: tuple[Tensor, Tensor, Tensor], flops: float,
+               shape: tuple[float, int, int]) -> None:
+    """``out = x @ y`` batched, both inputs saved; its backward (added at once, so it runs
+    right before what precedes it) reads ``grads[0]`` (the output's gradient) and writes
+    ``grads[1]`` (x's) by the ``dgrad`` GEMM and ``grads[2]`` (y's) by the ``wgrad`` one.
+    ``shape``: (rows, inner, columns) of the forward product."""
+    x, y = xy
+    g_out, gx, gy = grads
+    b.fwd(Kernel(name, "gemm", (x, y), (out,), flops, gemm=(*shape, "fwd")))
+    b.save(x, y)
+    b.bwd(Kernel(f"{name}.dgrad", "gemm", (g_out, y), (gx,), flops, gemm=(*shape, "dgrad")),
+          Kernel(f"{name}.wgrad", "gemm", (g_out, x), (gy,), flops, gemm=(*shape, "wgrad")))
+
+
 def unfused_core_attention(b: _Builder, qkv: tuple[Tensor, Tensor, Tensor],
                            grads: tuple[Tensor, Tensor, Tensor], ctx: Tensor, gctx: Tensor,
                            rows: float, kv_len: int, head_dims: tuple[int, int],
@@ -149,25 +164,13 @@ def unfused_core_attention(b: _Builder, qkv: tuple[Tensor, Tensor, Tensor],
     gp = b.t("g_probs", n_scores, BF16)
     # Each op's backward is added right after its forward (the builder runs them in
     # reverse): P V's, dropout's, the softmax's, then Q K^T's.
-    b.fwd(Kernel("qk_bmm", "gemm", (q, k), (scores,), fl_qk,
-                 gemm=(rows, d_qk, kv_len, "fwd")))
-    b.save(q, k)
-    b.bwd(Kernel("qk_bmm.dgrad", "gemm", (gs, k), (gq,), fl_qk,
-                 gemm=(rows, d_qk, kv_len, "dgrad")),
-          Kernel("qk_bmm.wgrad", "gemm", (gs, q), (gk,), fl_qk,
-                 gemm=(rows, d_qk, kv_len, "wgrad")))
+    _saved_bmm(b, "qk_bmm", (q, k), scores, (gs, gq, gk), fl_qk, (rows, d_qk, kv_len))
     probs = b.t("probs", n_scores, BF16)
     b.fwd(Kernel("softmax", "elementwise", (scores,), (probs,)))
     b.save(probs)
     b.bwd(Kernel("softmax.bwd", "elementwise", (gp, probs), (gs,) + sink_grad))
     dropped, gd = _dropout(b, probs, n_scores, "attn_dropout", dropout, gp)
-    b.fwd(Kernel("pv_bmm", "gemm", (dropped, v), (ctx,), fl_pv,
-                 gemm=(rows, kv_len, d_v, "fwd")))
-    b.save(dropped, v)
-    b.bwd(Kernel("pv_bmm.dgrad", "gemm", (gctx, v), (gd,), fl_pv,
-                 gemm=(rows, kv_len, d_v, "dgrad")),
-          Kernel("pv_bmm.wgrad", "gemm", (gctx, dropped), (gv,), fl_pv,
-                 gemm=(rows, kv_len, d_v, "wgrad")))
+    _saved_bmm(b, "pv_bmm", (dropped, v), ctx, (gctx, gd, gv), fl_pv, (rows, kv_len, d_v))
 
 
 def _norm(b: _Builder, m: ModelSpec, x: Tensor, tokens: float, name: str) -> Tensor:
