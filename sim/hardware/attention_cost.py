@@ -363,14 +363,15 @@ def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION,
     return "flash2"
 
 
-def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bool = False,
-            head_dims: tuple[int, int] | None = None) -> AttentionBackend:
+def resolve(s: Scenario, gpu: GpuSpec, head_dims: tuple[int, int] = (128, 128),
+            sinks: bool = False) -> AttentionBackend:
     """The attention kernel of a scenario: its ``training.attention_backend``, or with
-    ``auto`` the one its framework's source picks. ``head_dims_differ``: queries and keys
-    wider than values (Multi-head Latent Attention, 192 / 128), which PyTorch's flash kernels
-    refuse (``sdp_utils`` ``check_head_dim_size_flash``): SDPA then runs cuDNN's fused
-    attention on Hopper and Blackwell (torchtitan's ``ScaledDotProductAttentionWrapper`` lists
-    it first) and the memory-efficient kernel elsewhere.
+    ``auto`` the one its framework's source picks, for a layer of ``head_dims`` (query/key,
+    value). Queries and keys wider than values (Multi-head Latent Attention, 192 / 128),
+    which PyTorch's flash kernels refuse (``sdp_utils`` ``check_head_dim_size_flash``): SDPA
+    then runs cuDNN's fused attention on Hopper and Blackwell (torchtitan's
+    ``ScaledDotProductAttentionWrapper`` lists it first) and the memory-efficient kernel
+    elsewhere.
 
     * Megatron with Transformer Engine: cuDNN fused attention on Hopper and Blackwell where
       it trains the layer's ``head_dims`` (query/key, value) under the scenario's
@@ -394,6 +395,8 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bo
 
     Raises ``ValueError`` naming the key for a kernel the GPU cannot run.
     """
+    qk, v = head_dims
+    head_dims_differ = qk != v
     t = s.training
     choice = t.attention_backend
     version = t.torch_version or DEFAULT_TORCH_VERSION
@@ -414,7 +417,6 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims_differ: bool = False, sinks: bo
             # Transformer Engine PR 2584's support matrix): TE falls back to flash-attn 2.
             if t.deterministic and gpu.arch == "blackwell" and fw.dropout > 0:
                 return "flash2"
-            qk, v = head_dims or (128, 128)
             if not te_fused_attention_trains(
                     gpu.arch, qk, v,
                     None if t.transformer_engine_version is None

@@ -51,8 +51,7 @@ class JobContext:
         try:
             dims = ((model.mla.qk_head_dim, model.mla.v_head_dim) if model.mla is not None
                     else (model.head_dim, model.head_dim))
-            backend = attention_cost.resolve(s, gpu, head_dims_differ=model.mla is not None,
-                                             sinks=model.attention_sinks, head_dims=dims)
+            backend = attention_cost.resolve(s, gpu, head_dims=dims, sinks=model.attention_sinks)
         except ValueError as e:
             raise ScenarioError(f"{origin}: {e}") from None
         compute = ComputeModel(gpu, s.training.precision, backend,

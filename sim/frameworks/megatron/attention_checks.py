@@ -26,6 +26,10 @@ def check_fp8_attention(ctx: JobContext, opts: MegatronOptions, precision: str,
         return
     ctx.require(opts.flash_attention, KEY,
                 "fp8_dot_product_attention needs the fused attention (flash_attention true)")
+    ctx.require(ctx.compute.attention_backend != "unfused", KEY,
+                "fp8_dot_product_attention needs Transformer Engine's fused attention, which "
+                "does not train these head dims under the scenario's training."
+                "transformer_engine_version / cudnn_version (sim/hardware/te_fused_attention.py)")
     ctx.require(precision == "fp8" and opts.fp8_recipe != "blockwise", KEY,
                 "fp8_dot_product_attention requires FP8 training with an fp8_recipe Transformer "
                 "Engine runs FP8 attention under (tensorwise, delayed or mxfp8; TE disables "

@@ -16,7 +16,7 @@ import pytest
 from sim.api import simulate
 from sim.frameworks.common.base import JobContext
 from sim.hardware.te_fused_attention import te_fallback, te_fused_attention_trains
-from sim.scenario import scenario_from_dict
+from sim.scenario import ScenarioError, scenario_from_dict
 
 
 @pytest.mark.parametrize("te,cudnn,trains", [
@@ -72,3 +72,18 @@ def test_the_unfused_fallback_makes_a_blackwell_mla_step_slower_never_faster() -
     fused = simulate(scenario_from_dict(_dsv3("dgx-b200", "2.7", "9.11.0"))).summary
     unfused = simulate(scenario_from_dict(_dsv3("dgx-b200", "2.2", None))).summary
     assert unfused["step_time_s"] > fused["step_time_s"]
+
+
+def test_fp8_attention_is_refused_where_te_has_no_fused_kernel_for_mla() -> None:
+    # TE disables its unfused attention under FP8 (get_attention_backend), so with no fused
+    # kernel for 192 / 128 on Blackwell before TE 2.5 no backend is left: refused, naming
+    # the key; with TE 2.7 and cuDNN 9.11 the same job builds.
+    def job(te: str, cudnn: str | None) -> dict:
+        d = _dsv3("dgx-b200", te, cudnn)
+        d["framework"] |= {"fp8_recipe": "tensorwise", "fp8_dot_product_attention": True}
+        d["training"]["precision"] = "fp8"
+        return d
+
+    with pytest.raises(ScenarioError, match="framework.fp8_dot_product_attention: .*head dims"):
+        simulate(scenario_from_dict(job("2.2", None)))
+    assert simulate(scenario_from_dict(job("2.7", "9.11.0"))).summary["step_time_s"] > 0
