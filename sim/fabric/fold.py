@@ -21,7 +21,8 @@ Weisfeiler and Leman 1968, computed here by sorting, without hashing).
 other flow shares any of them), so the partition of the group alone is the partition of its
 component; anything that would make it share a link unfolds it first, into the rows and
 incidences the unfolded group would hold at that moment (every member of a class has the
-representative's bytes left, rate and cap). Link rates and bytes, class totals and the
+representative's bytes left, rate and cap), and it folds again once alone and still so
+(:func:`sim.fabric.network_fold.refold_due`). Link rates and bytes, class totals and the
 component searches it stands in for are computed from the members, in the order the
 unfolded tables keep them, so every figure is the same to the last bit (the hypothesis test in
 ``tests/unit/fabric/test_network_fold.py`` compares whole runs with folding on and off).
@@ -114,6 +115,8 @@ class GroupStatics:
 
     flat: np.ndarray
     owner: np.ndarray
+    lengths: np.ndarray
+    """Links of each member (its incidences)."""
     count: np.ndarray
     hops: np.ndarray
     rep: np.ndarray

@@ -166,6 +166,14 @@ class FlowNetwork(FlowTables):
         self._fold_plans: dict[tuple, list[tuple[tuple[np.ndarray, ...], FoldPlan | None]]] = {}
         self._fold_plan_ids = fast.ReadOnlyMemo(4 * fold_ops.PLAN_CACHE)
         self.folded_groups = 0
+        # Groups unfolded or started as rows that could fold, how many are on each link, and
+        # whether one of those links saw an end since the last check: each may fold again
+        # (network_fold.refold_due).
+        self._unfolded: dict[int, FoldedGroup] = {}
+        self._unfolded_on = np.zeros(n_links + 1, dtype=np.int64)
+        self._fold_later: FoldPlan | None = None
+        self._refold_due = False
+        self.refolds = 0
 
     # ------------------------------------------------------------------ API
     @property
@@ -277,12 +285,15 @@ class FlowNetwork(FlowTables):
         block[5] = caps0          # _cap0
         block[6] = counts         # _count
         self._group_t[base:end] = gid
+        self._member_t[base:end] = np.arange(n_new)
         self._hops_t[base:end] = hops
         self._inc[0, m:m_end] = flat_links
         self._inc[1, m:m_end] = owner + base
         self._n, self._m = end, m_end
         self._live += n_new
         self._bind()
+        if self._fold_later is not None:
+            fold_ops.note_unfolded(self, gid, sizes, caps0, tag)
         users = self._link_users
         self._seed_alone = not np.count_nonzero(users[flat_links])
         if distinct:
@@ -329,9 +340,14 @@ class FlowNetwork(FlowTables):
                 self._retire(finished)
                 if only_ends and self._slower_than(slowest):
                     self._keep_rates()
-                    self._schedule()
+                    self._refold_and_schedule()
                     return
         self._solve()
+        self._refold_and_schedule()
+
+    def _refold_and_schedule(self) -> None:
+        if self._refold_due:
+            fold_ops.refold_due(self)
         self._schedule()
 
     def _slower_than(self, rate: float) -> bool:
@@ -425,6 +441,8 @@ class FlowNetwork(FlowTables):
         gone = finished[self._inc_flow]
         gone_links = self._inc_link[gone]
         self._dirty.append(gone_links)
+        if self._unfolded and not self._refold_due:
+            self._refold_due = bool(self._unfolded_on[gone_links].any())
         users = self._link_users
         links = self._link_sets.get(gone_links)
         if links[2]:
@@ -447,6 +465,12 @@ class FlowNetwork(FlowTables):
         self._group[finished] = -1
         self._inc_link[gone] = self._dead_link
         self._live -= len(ended)
+        self._drop_dead_rows()
+        for gid in sorted(tally):
+            self._end_flows(gid, tally[gid])
+
+    def _drop_dead_rows(self) -> None:
+        """Empty the tables when no live row is left, compact them when dead rows abound."""
         # Live rows: folded groups' flows count in _live but hold no rows.
         rows = self._live - self._live_folded
         if not rows:
@@ -454,8 +478,6 @@ class FlowNetwork(FlowTables):
             self._bind()
         elif _KEEP_DEAD * rows + _DEAD_SLACK < self._n:
             self._compact()
-        for gid in sorted(tally):
-            self._end_flows(gid, tally[gid])
 
     def _credit_residue(self, left: np.ndarray, count: np.ndarray, hops: np.ndarray,
                         links: np.ndarray, link_set: tuple[np.ndarray, np.ndarray, bool],

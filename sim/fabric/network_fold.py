@@ -12,7 +12,10 @@ rules here keep it so:
   of its links, any end at the same instant as another's, or an end whose component
   is not a union of whole classes unfolds it first into the rows and incidences the tables
   would hold, at the place they would hold them (groups keep their start order);
-* what it adds to link and class rates is computed from its members in the tables' order.
+* what it adds to link and class rates is computed from its members in the tables' order;
+* a group unfolded, or one that could fold but started beside other flows, folds again at
+  an end on its links that leaves it alone there with its rows as a folded group holds them
+  (whole classes, alike within each, at the rates a folded solve gives): ``refold_due``.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from sim.fabric.maxmin import _EPS, max_min_rates
 if TYPE_CHECKING:
     from sim.fabric.network import FlowNetwork
 
-__all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "scale_folded", "start_folded",
-           "unfold"]
+__all__ = ["FOLD_MIN_FLOWS", "finishing_now", "folded_event", "note_unfolded", "refold_due",
+           "scale_folded", "start_folded", "unfold"]
 
 PLAN_CACHE = 128
 """Fold plans remembered per network (a group repeats on the same links thousands of times)."""
@@ -50,7 +53,9 @@ def start_folded(net: FlowNetwork, done: simpy.Event, flat_links: np.ndarray,
                  tag: object, payload: float | None) -> bool:
     """Start a group folded when it may (module docstring): what ``start_group`` does, with
     its per-flow arrays taken from the plan (the same at every start of the group). False:
-    nothing done that matters, start it as rows."""
+    nothing done that matters, start it as rows (noted in ``net._fold_later`` when it could
+    fold but its links are in use: ``start_group`` notes it with :func:`note_unfolded`)."""
+    net._fold_later = None
     n = len(lengths)
     if (n < FOLD_MIN_FLOWS
             or not ((sizes > 0) & (lengths > 0)).all()):
@@ -65,7 +70,7 @@ def start_folded(net: FlowNetwork, done: simpy.Event, flat_links: np.ndarray,
         n_links = len(net._link_users)
         starts = lengths.cumsum() - lengths
         statics = plan.statics = GroupStatics(
-            flat=flat_links.copy(), owner=owner, count=counts.copy(),
+            flat=flat_links.copy(), owner=owner, lengths=lengths.copy(), count=counts.copy(),
             hops=np.bincount(owner * net.n_kinds + net.kind[flat_links],
                              minlength=n * net.n_kinds).reshape(n, net.n_kinds),
             rep=rep, users=np.bincount(flat_links, minlength=n_links),
@@ -73,30 +78,23 @@ def start_folded(net: FlowNetwork, done: simpy.Event, flat_links: np.ndarray,
             alone=np.minimum(caps, np.minimum.reduceat(net.capacity[flat_links], starts)))
     net._advance()
     if finishing_now(net):
+        net._fold_later = plan
         return False
     if net._folded:
         touched = net._fold_owner[statics.used]
         for g in np.unique(touched[touched >= 0]).tolist():
             unfold(net, net._folded[g])
     if net._link_users[statics.used].any():
+        net._fold_later = plan
         return False
     # As start_group: a group number, its entry, its tag's scale on each flow's rate alone.
     gid = net._next_group
     net._next_group += 1
     delivered = float((sizes * counts).sum()) if payload is None else payload
     net._groups[gid] = [done, n, delivered, tag]
-    rep = statics.rep
-    alone = statics.alone[rep]
-    cap = caps[rep]
     if tag is not None:
         net._tag_groups.setdefault(tag, set()).add(gid)
-        scale = net._tag_scale.get(tag)
-        if scale is not None:
-            cap = alone * scale
-    net._folded[gid] = FoldedGroup(
-        gid=gid, plan=plan, statics=statics, size=sizes, csize=sizes[rep],
-        remaining=sizes[rep], rate=np.zeros(plan.n_orbits), cap=cap, base_cap=alone,
-        cap0=caps[rep], live=np.ones(plan.n_orbits, dtype=bool))
+    net._folded[gid] = _fresh_group(net, gid, plan, sizes, caps, tag)
     net._link_users += statics.users
     net._fold_owner[statics.used] = gid
     net._live += n
@@ -105,6 +103,34 @@ def start_folded(net: FlowNetwork, done: simpy.Event, flat_links: np.ndarray,
     net.folded_groups += 1
     net._resolve()
     return True
+
+
+def _fresh_group(net: FlowNetwork, gid: int, plan: FoldPlan, sizes: np.ndarray,
+                 caps: np.ndarray, tag: object) -> FoldedGroup:
+    """The folded state of a group at its start: every class whole, its bytes all left, its
+    cap its flows' (or its tag's scale on their rate alone)."""
+    statics = plan.statics
+    assert statics is not None
+    rep = statics.rep
+    alone = statics.alone[rep]
+    cap = caps[rep]
+    scale = net._tag_scale.get(tag) if tag is not None else None
+    if scale is not None:
+        cap = alone * scale
+    return FoldedGroup(
+        gid=gid, plan=plan, statics=statics, size=sizes, csize=sizes[rep],
+        remaining=sizes[rep], rate=np.zeros(plan.n_orbits), cap=cap, base_cap=alone,
+        cap0=caps[rep], live=np.ones(plan.n_orbits, dtype=bool))
+
+
+def note_unfolded(net: FlowNetwork, gid: int, sizes: np.ndarray, caps: np.ndarray,
+                  tag: object) -> None:
+    """A group that could fold started as rows (its links in use, ``start_folded``): it may
+    fold once alone (:func:`refold_due`), as an unfolded one may. Its rows are its flows in
+    order (``start_folded`` takes only groups whose every flow has bytes and links)."""
+    plan, net._fold_later = net._fold_later, None
+    assert plan is not None
+    _note_candidate(net, _fresh_group(net, gid, plan, sizes, caps, tag))
 
 
 def _plan_for(net: FlowNetwork, flat_links: np.ndarray, lengths: np.ndarray, sizes: np.ndarray,
@@ -262,18 +288,7 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
         net._clear_link_rates()
         net._class_rates = np.zeros(net.n_kinds)
     elif comp.any():
-        plan = group.plan
-        sub = subset(plan, group.statics, comp)
-        caps = group.cap[sub.classes]
-        key = (comp.tobytes(), caps.tobytes())
-        rates = plan.rates_cache.get(key)
-        if rates is None:
-            if len(plan.rates_cache) >= 256:
-                plan.rates_cache.clear()
-            rates = max_min_rates(sub.fold_links, sub.fold_owner, len(sub.classes),
-                                  net.capacity, caps, (net._link_mask, net._link_pos),
-                                  weights=sub.fold_weight, quantum=net.rate_quantum)
-            plan.rates_cache[key] = rates
+        sub, rates = _folded_rates(net, group.plan, group.statics, comp, group.cap)
         new = group.rate.copy()
         new[sub.classes] = rates
         group.changed()
@@ -289,6 +304,24 @@ def folded_solve(net: FlowNetwork, group: FoldedGroup, comp: np.ndarray) -> None
             _add_link_rates(net, sub, delta)
             net._class_rates += class_sums(sub, delta)
     net.observer.on_rates(net.env.now, net._class_rates, net._link_rates)
+
+
+def _folded_rates(net: FlowNetwork, plan: FoldPlan, statics: GroupStatics, comp: np.ndarray,
+                  cap: np.ndarray) -> tuple[Subset, np.ndarray]:
+    """The classes ``comp`` (a mask) and their max-min rates alone on their links at the
+    per-class caps ``cap``, one per class of the subset (remembered per plan)."""
+    sub = subset(plan, statics, comp)
+    caps = cap[sub.classes]
+    key = (comp.tobytes(), caps.tobytes())
+    rates = plan.rates_cache.get(key)
+    if rates is None:
+        if len(plan.rates_cache) >= 256:
+            plan.rates_cache.clear()
+        rates = max_min_rates(sub.fold_links, sub.fold_owner, len(sub.classes),
+                              net.capacity, caps, (net._link_mask, net._link_pos),
+                              weights=sub.fold_weight, quantum=net.rate_quantum)
+        plan.rates_cache[key] = rates
+    return sub, rates
 
 
 def _add_link_rates(net: FlowNetwork, sub: Subset, values: np.ndarray) -> None:
@@ -356,9 +389,11 @@ def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
     if n + r > net._flows.shape[1] or m + k > net._inc.shape[1]:
         net._grow(n + r, m + k)
     flows, hops_t, group_t, inc_t = net._flows, net._hops_t, net._group_t, net._inc
+    member_t = net._member_t
     flows[:, pos + r:n + r] = flows[:, pos:n].copy()
     hops_t[pos + r:n + r] = hops_t[pos:n].copy()
     group_t[pos + r:n + r] = group_t[pos:n].copy()
+    member_t[pos + r:n + r] = member_t[pos:n].copy()
     inc_t[:, inc_pos + k:m + k] = inc_t[:, inc_pos:m].copy()
     inc_t[1, inc_pos + k:m + k] += r
     cls = live.member_class
@@ -372,8 +407,88 @@ def unfold(net: FlowNetwork, group: FoldedGroup) -> None:
     block[6] = live.count
     hops_t[pos:pos + r] = live.hops
     group_t[pos:pos + r] = group.gid
+    member_t[pos:pos + r] = idx
     inc_t[0, inc_pos:inc_pos + k] = links
     local = np.cumsum(live.members) - 1
     inc_t[1, inc_pos:inc_pos + k] = local[statics.owner[live.members[statics.owner]]] + pos
     net._n, net._m = n + r, m + k
     net._bind()
+    _note_candidate(net, group)
+
+
+# ------------------------------------------------------------------ refold
+def _note_candidate(net: FlowNetwork, group: FoldedGroup) -> None:
+    """The group runs as rows and may fold once alone on its links (:func:`refold_due`):
+    its links count it."""
+    net._unfolded[group.gid] = group
+    net._unfolded_on[group.statics.used] += 1
+
+
+def refold_due(net: FlowNetwork) -> None:
+    """After an end on the links of an unfolded group that could fold (one unfolded by the
+    flows started beside it, or one started beside them): fold again each that is alone on
+    its links with its rows what a folded group would hold. The end of the flows beside it
+    leaves it so: a shared expert's TP collective beside Megatron's expert all-to-all, every
+    layer and micro-batch."""
+    net._refold_due = False
+    for gid in sorted(net._unfolded):
+        _refold(net, net._unfolded[gid])
+
+
+def _forget(net: FlowNetwork, group: FoldedGroup) -> None:
+    """No longer a candidate to fold again (ended, or folded again)."""
+    del net._unfolded[group.gid]
+    net._unfolded_on[group.statics.used] -= 1
+
+
+def _refold(net: FlowNetwork, group: FoldedGroup) -> None:
+    """Fold the group's rows again when that moves no bit: no other flow on its links
+    (the same partition then holds its component), its live flows whole classes of its
+    plan, every member of a class with the class's bytes left, rate and caps, and those
+    rates the ones a folded solve gives (the rows' may come from a solve that took other
+    flows too, different in the last bits: then it waits for its next end). The folded group
+    adds to the link and class totals exactly what its rows did, so they stay as they are."""
+    rows = np.flatnonzero(net._group == group.gid)
+    if not len(rows):
+        _forget(net, group)
+        return
+    plan, statics = group.plan, group.statics
+    members = net._member[rows]
+    if int(net._link_users[statics.used].sum()) != int(statics.lengths[members].sum()):
+        return
+    cls = plan.orbit[members]
+    per_class = np.bincount(cls, minlength=plan.n_orbits)
+    live = per_class > 0
+    if not np.array_equal(per_class[live], plan.members[live]):
+        return
+    state = net._flows[1:6, rows]   # bytes left, rate, cap, base cap, first cap
+    per = np.zeros((5, plan.n_orbits))
+    per[:, cls] = state
+    if not np.array_equal(per[:, cls], state):
+        return
+    cap = group.cap.copy()
+    cap[live] = per[2, live]
+    sub, rates = _folded_rates(net, plan, statics, live, cap)
+    if not np.array_equal(rates, per[1, sub.classes]):
+        return
+    remaining = np.full(plan.n_orbits, np.inf)
+    rate = np.zeros(plan.n_orbits)
+    base_cap, cap0 = group.base_cap.copy(), group.cap0.copy()
+    remaining[live], rate[live], base_cap[live], cap0[live] = per[0, live], per[1, live], \
+        per[3, live], per[4, live]
+    _forget(net, group)
+    net._folded[group.gid] = FoldedGroup(
+        gid=group.gid, plan=plan, statics=statics, size=group.size, csize=group.csize,
+        remaining=remaining, rate=rate, cap=cap, base_cap=base_cap, cap0=cap0, live=live)
+    net._fold_owner[statics.used] = group.gid
+    net._live_folded += len(rows)
+    net.refolds += 1
+    # Its rows go as ended rows go (FlowNetwork._retire), with nothing credited or
+    # subtracted: the flows run on, folded.
+    dead = np.zeros(net._n, dtype=bool)
+    dead[rows] = True
+    net._rate[rows] = 0.0
+    net._remaining[rows] = np.inf
+    net._group[rows] = -1
+    net._inc_link[dead[net._inc_flow]] = net._dead_link
+    net._drop_dead_rows()

@@ -38,16 +38,18 @@ class FlowTables:
         """Empty tables for a fabric of ``n_links`` links in ``n_kinds`` classes.
 
         Per flow, one row each of one float table (see ``_ROWS``), its hop counts per link
-        class (C-ordered, so the class totals' matrix products sum as they always did) and
-        its group; per flow-link incidence, row 0 the link and row 1 the flow. The tables
-        are preallocated and grow by doubling: a start writes its rows after the last, an
-        end marks its flows dead (``FlowNetwork._retire``) and the dead rows go when they
-        outnumber the live ones (:meth:`_compact`), so live rows stay in the order they
-        started.
+        class (C-ordered, so the class totals' matrix products sum as they always did), its
+        group and which of the group's flows it is (what folds an unfolded group again:
+        ``network_fold.refold_due``); per flow-link incidence, row 0 the link and row 1 the
+        flow. The tables are preallocated and grow by doubling: a start writes its rows after
+        the last, an end marks its flows dead (``FlowNetwork._retire``) and the dead rows go
+        when they outnumber the live ones (:meth:`_compact`), so live rows stay in the order
+        they started.
         """
         self._flows = np.zeros((_N_ROWS, 8))
         self._hops_t = np.zeros((8, n_kinds))
         self._group_t = np.full(8, -1, dtype=np.int64)
+        self._member_t = np.zeros(8, dtype=np.int64)
         self._inc = np.zeros((2, 32), dtype=np.int64)
         self._n = 0      # rows in use, dead or alive
         self._m = 0      # incidences in use
@@ -64,6 +66,7 @@ class FlowTables:
         self._base_cap, self._cap0, self._count = f[4], f[5], f[6]
         self._hops = self._hops_t[:self._n]
         self._group = self._group_t[:self._n]
+        self._member = self._member_t[:self._n]
         self._inc_link = self._inc[0, :self._m]
         self._inc_flow = self._inc[1, :self._m]
 
@@ -77,7 +80,10 @@ class FlowTables:
             hops[:self._n] = self._hops_t[:self._n]
             group = np.full(size, -1, dtype=np.int64)
             group[:self._n] = self._group_t[:self._n]
+            member = np.zeros(size, dtype=np.int64)
+            member[:self._n] = self._member_t[:self._n]
             self._flows, self._hops_t, self._group_t = flows, hops, group
+            self._member_t = member
         if m > self._inc.shape[1]:
             inc = np.zeros((2, max(m, 2 * self._inc.shape[1])), dtype=np.int64)
             inc[:, :self._m] = self._inc[:, :self._m]
@@ -95,6 +101,7 @@ class FlowTables:
         self._flows[:, :n] = self._flows[:, :self._n][:, keep]
         self._hops_t[:n] = self._hops[keep]
         self._group_t[:n] = self._group[keep]
+        self._member_t[:n] = self._member[keep]
         self._n, self._m = n, m
         self._bind()
 

@@ -280,6 +280,56 @@ def test_rows_compact_while_a_folded_group_runs() -> None:
     assert max(rows) <= network._DEAD_SLACK + 1
 
 
+def _alltoall_beside_port_flows(folding: bool, ports_first: bool):
+    """An all-to-all on the 2 x 4 toy rail fabric and one small flow on each GPU's up port
+    (what a shared expert's TP collective puts beside Megatron's expert all-to-all), the
+    port flows starting 1 s after the all-to-all or 0.1 s before it and ending long before it;
+    (the rates log, the network, live rows in the tables once the port flows have ended)."""
+    env = simpy.Environment()
+    log = RatesLog()
+    net = FlowNetwork(env, 10.0 + (np.arange(32) % 4) * 5.0, np.arange(32) % 3, 3, log)
+    ports = [([2 * g], 4.0, 1, math.inf) for g in range(8)]
+    rows_after = []
+
+    def run():
+        if ports_first:
+            env.process(side())
+            yield env.timeout(0.1)
+        else:
+            env.process(side(1.0))
+        yield net.start_flows(_alltoall(2, 4, 200.0))
+
+    def side(at=0.0):
+        yield env.timeout(at)
+        yield net.start_flows(ports)
+        yield env.timeout(1.0)
+        rows_after.append(net._live - net._live_folded)
+
+    env.process(run())
+    # The port flows' group of 8 folds too where it may (FOLD_MIN_FLOWS 2).
+    with mock.patch.object(network_fold, "FOLD_MIN_FLOWS", 2 if folding else 10**9):
+        env.run()
+    log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
+    return log.seen, net, rows_after[0]
+
+
+@pytest.mark.parametrize("ports_first", [False, True])
+def test_an_alltoall_folds_again_once_the_flows_beside_it_end(ports_first) -> None:
+    # Flows started on a folded group's links unfold it (or keep it from folding at its
+    # start); once they end, the group is alone again and its classes move alike: it folds
+    # again, and the run keeps every bit of the plain one. Without it a 1,024-GPU DeepSeek-V3
+    # step with the shared experts overlapped ran every expert all-to-all's 4,032 flows as
+    # rows from its first overlap to its end (docs/performance.md).
+    plain, _, plain_rows = _alltoall_beside_port_flows(False, ports_first)
+    folded, net, rows = _alltoall_beside_port_flows(True, ports_first)
+    assert folded == plain
+    # One group folds at its start (the first: the all-to-all, or the port flows' group),
+    # the all-to-all folds again.
+    assert net.folded_groups == 1 and net.refolds == 1
+    assert plain_rows == 56 and rows == 0   # the all-to-all's every flow, then folded
+    assert net._n == 0 and not net._folded and not net._unfolded
+
+
 @pytest.mark.parametrize("frozen", [True, False])
 def test_a_repeated_groups_plan_is_known_by_its_read_only_arrays(frozen) -> None:
     # The collective runner passes the same read-only arrays each time an op repeats: the
