@@ -4,7 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # Test workers: CI has 2 cores. Whole files go to one worker (--dist loadfile), so a module's
-# cached simulations are made once, as in a serial run.
+# cached simulations are made once, as in a serial run; in the order tests/conftest.py
+# collects them (the slowest files first), not xdist's default of the most tests first.
 TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench pictures golden clean
@@ -36,7 +37,7 @@ demo: $(STAMP)
 # empty value lets the first compile be kept (Python ignores it when empty).
 test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --nbmake notebooks
 
 lint: $(STAMP)

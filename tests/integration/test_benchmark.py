@@ -79,6 +79,11 @@ CASES: list[tuple[str, str, list[str], float, float | None]] = [
     ("deepseek-v3-1k", "deepseek-v3-megatron-tp2pp16ep64-1024xh100", [], 40.0, 60.0),
     ("deepseek-v3-zipf-1k", "deepseek-v3-megatron-tp2pp16ep64-1024xh100",
      ["training.routing.distribution=zipf"], 110.0, 60.0),
+    # With the shared experts on their own stream (NeMo's DeepSeek-V3 default): measured 55 s
+    # (31 s without it, the same day), 145 s before all-to-alls folded again once the TP
+    # collectives beside them ended (docs/performance.md item 17).
+    ("deepseek-v3-shared-overlap-1k", "deepseek-v3-megatron-tp2pp16ep64-1024xh100",
+     ["framework.moe_shared_expert_overlap=true"], 110.0, 60.0),
 ]
 
 
