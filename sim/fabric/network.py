@@ -285,7 +285,6 @@ class FlowNetwork(FlowTables):
         block[5] = caps0          # _cap0
         block[6] = counts         # _count
         self._group_t[base:end] = gid
-        self._member_t[base:end] = np.arange(n_new)
         self._hops_t[base:end] = hops
         self._inc[0, m:m_end] = flat_links
         self._inc[1, m:m_end] = owner + base
@@ -293,6 +292,8 @@ class FlowNetwork(FlowTables):
         self._live += n_new
         self._bind()
         if self._fold_later is not None:
+            # Which of its flows each row is: read only to fold it again (refold_due).
+            self._member_t[base:end] = np.arange(n_new)
             fold_ops.note_unfolded(self, gid, sizes, caps0, tag)
         users = self._link_users
         self._seed_alone = not np.count_nonzero(users[flat_links])
@@ -457,17 +458,22 @@ class FlowNetwork(FlowTables):
                              self._remaining[self._inc_flow[gone]])
         self._class_rates -= (self._rate[finished] * self._count[finished]) @ \
             self._hops[finished]
-        # Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never
-        # finished again), no group (no scale reaches them), incidences on no real link (no
-        # component reaches them); every sum over flows skips them (see _solve).
-        self._rate[finished] = 0.0
-        self._remaining[finished] = np.inf
-        self._group[finished] = -1
-        self._inc_link[gone] = self._dead_link
+        self._bury_rows(finished, gone)
         self._live -= len(ended)
         self._drop_dead_rows()
         for gid in sorted(tally):
             self._end_flows(gid, tally[gid])
+
+    def _bury_rows(self, rows: np.ndarray, incidences: np.ndarray) -> None:
+        """Make ``rows`` (a mask over rows) dead, ``incidences`` their incidences' mask.
+
+        Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never finished
+        again), no group (no scale reaches them), incidences on no real link (no component
+        reaches them); every sum over flows skips them (see _solve)."""
+        self._rate[rows] = 0.0
+        self._remaining[rows] = np.inf
+        self._group[rows] = -1
+        self._inc_link[incidences] = self._dead_link
 
     def _drop_dead_rows(self) -> None:
         """Empty the tables when no live row is left, compact them when dead rows abound."""

@@ -431,8 +431,15 @@ def refold_due(net: FlowNetwork) -> None:
     leaves it so: a shared expert's TP collective beside Megatron's expert all-to-all, every
     layer and micro-batch."""
     net._refold_due = False
+    # Ended groups first (their flows all gone), so that they count on no link below.
+    for gid in [g for g in net._unfolded if g not in net._groups]:
+        _forget(net, net._unfolded[gid])
+    on = net._unfolded_on
     for gid in sorted(net._unfolded):
-        _refold(net, net._unfolded[gid])
+        group = net._unfolded[gid]
+        # A link under another such group's rows: not alone, no pass over the rows needed.
+        if not (on[group.statics.used] > 1).any():
+            _refold(net, group)
 
 
 def _forget(net: FlowNetwork, group: FoldedGroup) -> None:
@@ -448,10 +455,7 @@ def _refold(net: FlowNetwork, group: FoldedGroup) -> None:
     rates the ones a folded solve gives (the rows' may come from a solve that took other
     flows too, different in the last bits: then it waits for its next end). The folded group
     adds to the link and class totals exactly what its rows did, so they stay as they are."""
-    rows = np.flatnonzero(net._group == group.gid)
-    if not len(rows):
-        _forget(net, group)
-        return
+    rows = np.flatnonzero(net._group == group.gid)   # its live flows (refold_due: some)
     plan, statics = group.plan, group.statics
     members = net._member[rows]
     if int(net._link_users[statics.used].sum()) != int(statics.lengths[members].sum()):
@@ -487,8 +491,5 @@ def _refold(net: FlowNetwork, group: FoldedGroup) -> None:
     # subtracted: the flows run on, folded.
     dead = np.zeros(net._n, dtype=bool)
     dead[rows] = True
-    net._rate[rows] = 0.0
-    net._remaining[rows] = np.inf
-    net._group[rows] = -1
-    net._inc_link[dead[net._inc_flow]] = net._dead_link
+    net._bury_rows(dead, dead[net._inc_flow])
     net._drop_dead_rows()
