@@ -14,6 +14,15 @@ import numpy as np
 
 __all__ = ["FlowTables"]
 
+# The flow tables drop their dead rows once rows outnumber live flows this many times: each
+# start and end then writes only its own rows, and a compaction costs as much as the old
+# copy per start amortised over half as many events.
+_KEEP_DEAD = 2
+# ... and hold this many more rows besides: with a few live flows (a rank class's collective
+# at a time) a compaction every other end cost more than the dead rows it drops (a Python
+# loop over a small table costs ~0.1 us per row, sim.fabric.network_fast).
+_DEAD_SLACK = 16
+
 # Rows of the per-flow table, before the hop counts per link class.
 _ROWS = ("_size", "_remaining", "_rate", "_cap", "_base_cap", "_cap0", "_count")
 _N_ROWS = len(_ROWS)
@@ -104,6 +113,27 @@ class FlowTables:
         self._member_t[:n] = self._member[keep]
         self._n, self._m = n, m
         self._bind()
+
+    def _bury_rows(self, rows: np.ndarray, incidences: np.ndarray) -> None:
+        """Make ``rows`` (a mask over rows) dead, ``incidences`` their incidences' mask.
+
+        Dead rows: no rate (they add 0 * dt to nothing), infinite bytes left (never finished
+        again), no group (no scale reaches them), incidences on no real link (no component
+        reaches them); every sum over flows skips them (see _solve)."""
+        self._rate[rows] = 0.0
+        self._remaining[rows] = np.inf
+        self._group[rows] = -1
+        self._inc_link[incidences] = self._dead_link
+
+    def _drop_dead_rows(self) -> None:
+        """Empty the tables when no live row is left, compact them when dead rows abound."""
+        # Live rows: folded groups' flows count in _live but hold no rows.
+        rows = self._live - self._live_folded
+        if not rows:
+            self._n = self._m = 0
+            self._bind()
+        elif _KEEP_DEAD * rows + _DEAD_SLACK < self._n:
+            self._compact()
 
     def _component(self, links: np.ndarray) -> np.ndarray:
         """Flows connected to ``links`` through shared links (a boolean mask over flows).

@@ -20,7 +20,7 @@ from helpers import RatesLog
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from sim.fabric import fold, network, network_fold
+from sim.fabric import fold, network, network_fold, network_tables
 from sim.fabric.fold import fold_plan
 from sim.fabric.network import FlowNetwork
 
@@ -261,7 +261,7 @@ def test_repeated_alltoalls_fold_each_time_and_move_no_bit() -> None:
 
 def test_rows_compact_while_a_folded_group_runs() -> None:
     # A folded group's flows count as live but hold no rows: the rows' dead ones must still
-    # go when they outnumber the live rows (network._KEEP_DEAD), or every event beside a
+    # go when they outnumber the live rows (network_tables._KEEP_DEAD), or every event beside a
     # long all-to-all would pass over all the small flows that ended during it.
     env = simpy.Environment()
     net = FlowNetwork(env, np.full(33, 10.0), np.zeros(33, dtype=int), 1)
@@ -277,7 +277,7 @@ def test_rows_compact_while_a_folded_group_runs() -> None:
         env.process(side())
         env.run()
     assert net.folded_groups == 1
-    assert max(rows) <= network._DEAD_SLACK + 1
+    assert max(rows) <= network_tables._DEAD_SLACK + 1
 
 
 def _alltoall_beside_port_flows(folding: bool, ports_first: bool):

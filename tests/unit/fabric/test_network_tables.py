@@ -19,7 +19,7 @@ from helpers import RatesLog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sim.fabric import network
+from sim.fabric import network, network_tables
 from sim.fabric.network import FlowNetwork, NetworkObserver
 
 _N_LINKS = 8
@@ -51,8 +51,8 @@ def _run(flows, scales, groups_of: int, keep_dead: int, slack: int = 0) -> list[
         env.process(starter(batch, batch[0][3]))
     for at, tag, scale in scales:
         env.process(scaler(at, tag, scale))
-    with mock.patch.object(network, "_KEEP_DEAD", keep_dead), \
-            mock.patch.object(network, "_DEAD_SLACK", slack):
+    with mock.patch.object(network_tables, "_KEEP_DEAD", keep_dead), \
+            mock.patch.object(network_tables, "_DEAD_SLACK", slack):
         env.run()
     assert net.active_flows == 0
     log.seen.append(np.concatenate([[env.now], net.class_bytes, net.link_bytes]).tobytes())
@@ -66,7 +66,7 @@ def test_dead_rows_move_no_bit(flows, scales, groups_of) -> None:
     eager = _run(flows, scales, groups_of, keep_dead=1)
     assert _run(flows, scales, groups_of, keep_dead=1 << 30) == eager
     assert _run(flows, scales, groups_of, keep_dead=2) == eager
-    assert _run(flows, scales, groups_of, keep_dead=2, slack=network._DEAD_SLACK) == eager
+    assert _run(flows, scales, groups_of, keep_dead=2, slack=network_tables._DEAD_SLACK) == eager
     # The large-fabric bookkeeping (rates and bytes kept on the busy links only) as well.
     with mock.patch.object(network, "_SPARSE_LINKS", 0):
         assert _run(flows, scales, groups_of, keep_dead=2) == eager
@@ -162,7 +162,7 @@ def test_tables_grow_and_compact_keeping_start_order() -> None:
     env = simpy.Environment()
     net = FlowNetwork(env, np.full(40, 10.0), np.zeros(40, dtype=np.int64), 1)
     net.start_flows([((k,), 10.0 * (k + 1), 1, math.inf) for k in range(40)])
-    slack = network._DEAD_SLACK
+    slack = network_tables._DEAD_SLACK
     assert net._flows.shape[1] >= 40 and net._inc.shape[1] >= 40
     seen = []
 
