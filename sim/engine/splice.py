@@ -404,8 +404,10 @@ def splice(entries: list[Entry], cut: Cut, extra: int, short: ShortRun,
             elif kind == COLL:
                 assert target is not None
                 observer.on_collective(target, what[0])
+            elif kind == RATES and what[1] is not None:
+                observer.on_rates_changed(t + shift, what[0], links.apply(what[1]), what[1][0])
             elif kind == RATES:
-                observer.on_rates(t + shift, what[0], links.apply(what[1]))
+                observer.on_rates(t + shift, what[0], links.apply(None))
             elif kind == XFER:
                 observer.on_transfer_end(t + shift, target, what[0])
             else:   # the byte totals, summed again in the long run's order

@@ -53,6 +53,12 @@ class NetworkObserver:
         """After every rate solve: bytes/s now flowing per link class (every hop and every
         folded copy counted) and per link (representative flows)."""
 
+    def on_rates_changed(self, t: float, class_rates: np.ndarray, link_rates: np.ndarray,
+                         changed: np.ndarray) -> None:
+        """:meth:`on_rates`, naming the links (``changed``, ascending) whose rates may differ
+        from the last report's (a replay, :mod:`sim.engine.splice`, knows). Default: that."""
+        self.on_rates(t, class_rates, link_rates)
+
     def on_transfer_end(self, t: float, tag: object, nbytes: float) -> None:
         """A group of flows has delivered all its ``nbytes`` (copies counted)."""
 

@@ -89,3 +89,29 @@ def test_the_log_replays_every_links_rate_and_finds_whether_a_period_repeats() -
         other.on_rates(float(i), np.zeros(1), rates)
     assert not link_rates_repeat(other.entries, 1, 3)
     assert link_rates_repeat(other.entries, 2, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates_strategy)
+def test_reports_naming_their_changed_links_record_the_same_series(
+        steps: list[tuple[float, list[float]]]) -> None:
+    """A replay names the links whose rates changed (``on_rates_changed``); the recorder then
+    compares those alone and must keep the very changes, bytes and class rates that comparing
+    every link keeps (repeated times, sub-byte rates and float32 rounding included)."""
+    series = _dense_series(steps)
+    tap = LogTap(keep_link_rates=True)
+    tap._solves = lambda: 0  # type: ignore[method-assign]   # no engine behind it here
+    dense, named = Recorder(keep_link_series=True), Recorder(keep_link_series=True)
+    for t, rates in series:
+        tap.on_rates(t, np.full(1, t), rates)
+        dense.on_rates(t, np.full(1, t), rates)
+    replay = LinkRatesReplay()
+    for _, t, _, _, (class_rates, links), _ in tap.entries:
+        named.on_rates_changed(t, class_rates, replay.apply(links), links[0])
+    assert len(named.link_series) == len(dense.link_series)
+    for (ta, ia, ra), (tb, ib, rb) in zip(named.link_series, dense.link_series, strict=True):
+        assert ta == tb and np.array_equal(ia, ib) and np.array_equal(ra, rb)
+        assert ia.dtype == ib.dtype and ra.dtype == rb.dtype
+    end = series[-1][0] + 0.25
+    assert np.array_equal(named.link_bytes(end), dense.link_bytes(end))
+    assert [t for t, _ in named.rate_series] == [t for t, _ in dense.rate_series]
