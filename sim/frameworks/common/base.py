@@ -155,8 +155,12 @@ def _require_dense(model: ModelSpec, framework: str, origin: str) -> None:
         return   # no builder of that name: build_program says so
     key = entry.builds(model)
     if key is not None:
+        # Multi-token prediction is a training objective some model code lacks (torchtitan's
+        # and NeMo AutoModel's DeepSeek-V3 have no MTP module): name the way to run without.
+        hint = ("; with model.mtp_layers: 0 it trains without (--set model.mtp_layers=0)"
+                if key == "mtp_layers" else "")
         raise ScenarioError(f"{origin}: model.{key}: {framework} does not model "
-                            f"{BEYOND_DENSE[key]} yet{ISSUE_OF.get(key, '')}")
+                            f"{BEYOND_DENSE[key]} yet{ISSUE_OF.get(key, '')}{hint}")
 
 
 def _check_experts(s: Scenario, model: ModelSpec, origin: str) -> None:

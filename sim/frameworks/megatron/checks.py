@@ -56,7 +56,9 @@ def check_options(ctx: JobContext, opts: MegatronOptions) -> None:
         ctx.require((m.layers + extra) % (p * vp) == 0
                     or extra == 0 and m.layers % (p * vp) == 0, "parallelism.pp",
                     f"{m.layers} layers{f' + {extra} (embedding/loss)' if extra else ''} do "
-                    f"not split into pp x vp = {p * vp} equal chunks")
+                    f"not split into pp x vp = {p * vp} equal chunks (an uneven split: "
+                    "framework.decoder_first_pipeline_num_layers / "
+                    "decoder_last_pipeline_num_layers or pipeline_model_parallel_layout)")
     ctx.require(vp == 1 or p > 1, "parallelism.vp", "interleaving needs pipeline stages")
     check_fp8_attention(ctx, opts, precision, m, ctx.seq)
     ctx.require(not opts.fp8_output_proj or (precision == "fp8" and opts.fp8_recipe == "mxfp8"),
