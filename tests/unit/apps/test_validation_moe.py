@@ -56,9 +56,10 @@ def test_every_entry_is_a_valid_mixture_of_experts_scenario(entry) -> None:
     from sim import catalog
 
     sc = scenario_of(entry)
-    # Megatron-Core's rows, and NeMo AutoModel's (its own models on FSDP2).
+    # Megatron-Core's rows, NeMo AutoModel's (its own models on FSDP2) and torchtitan's.
     assert sc.framework.name == "megatron" or (
-        sc.framework.name == "fsdp2" and sc.framework.model_code == "automodel")
+        sc.framework.name == "fsdp2" and sc.framework.model_code in ("automodel",
+                                                                    "torchtitan"))
     dims = catalog.model_entry(sc.model) if isinstance(sc.model, str) else sc.model.model_dump()
     assert dims["experts"] and dims["experts_per_token"]
     n = sc.cluster.nodes * sc.cluster.gpus_per_node
