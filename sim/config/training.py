@@ -242,7 +242,7 @@ class Routing(StrictModel):
     """balanced (every expert its equal share, each token's experts drawn uniformly), zipf
     (the r-th hottest expert's share proportional to r^-s), histogram (measured per-expert
     loads) or round_robin (equal shares, token t taking the top-k consecutive experts from
-    t x top-k: NeMo AutoModel's fake balanced gate)."""
+    t x top-k: NeMo AutoModel's fake balanced gate, torchtitan's debug_moe_force_load_balance)."""
     s: float = Field(default=1.0, ge=0, le=10)
     """Zipf exponent: 0 is balanced, larger is more skewed."""
     seed: int | None = Field(default=None, ge=0, le=B.MAX_SEED)
