@@ -28,8 +28,11 @@ documents); FlexAttention is not modelled yet, and such a run is priced here as 
 
 Backward, as autograd runs it: the two cats' gradients are views (``CatBackward``), the shared
 key's expansion sums its gradient over the heads (``ExpandBackward``), and each ``split``
-concatenates its parts' gradients again (``SplitBackward``): a copy each. Tensor and context
-parallelism are not modelled here (the fsdp2 builder refuses them with MLA).
+concatenates its parts' gradients again (``SplitBackward``): a copy each. The parts are
+functions of their own (:func:`mla_query_latent`, :func:`mla_query_heads`,
+:func:`mla_kv_latent`, :func:`mla_attention_heads`) so that tensor parallelism
+(:mod:`sim.frameworks.fsdp2.tp`) can run the latents whole and the heads split; context
+parallelism is not modelled with MLA (the fsdp2 builder refuses it).
 """
 
 from __future__ import annotations
@@ -69,45 +72,51 @@ def _cat(b: _Builder, parts: tuple[Tensor, Tensor], numels: tuple[float, float],
     return out
 
 
-def titan_mla_attention_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
-    """Norm, MLA's projections, latent norms, RoPE, the query and key copies, causal
-    attention, output projection, residual: one micro-batch on one GPU.
+def mla_query_latent(b: _Builder, m: ModelSpec, y: Tensor, tokens: float) -> Tensor:
+    """``wq_a`` and ``q_norm`` on the normalised tokens ``y``: the query latent."""
+    mla = m.mla
+    assert mla is not None and mla.q_lora_rank
+    qa = b.linear(y, tokens, m.hidden, mla.q_lora_rank, "wq_a", bias=m.bias)
+    return b.rmsnorm(qa, tokens, mla.q_lora_rank, "q_norm")
 
-    Examples
-    --------
-    >>> from sim.workload.kernels import Style
-    >>> m = ModelSpec.from_ref("deepseek-v3")
-    >>> blk = titan_mla_attention_block(m, Style("bf16"), 1, 4096)
-    >>> blk.params == m.attention_params + m.norm_params
-    True
-    """
+
+def mla_query_heads(b: _Builder, m: ModelSpec, q_in: Tensor, q_in_dim: int, tokens: float,
+                    heads: int) -> Tensor:
+    """The queries of ``heads`` heads from ``q_in`` (``wq_b`` from the query latent, or
+    ``wq`` from the normalised input), split, RoPE on the rotary part, and the copy that
+    joins them again."""
     mla = m.mla
     assert mla is not None
-    b = _Builder("attn", style)
-    tokens = batch * seq
-    h, heads = m.hidden, m.heads
-    qk, rope, nope, vd = (mla.qk_head_dim, mla.qk_rope_head_dim, mla.qk_nope_head_dim,
-                          mla.v_head_dim)
-    x = b.t("in", tokens * h, style.act_bytes)
-    b.block.inputs.append(x)
-    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in", of=x)
-    y = b.norm(m, x, tokens, "norm")
-    # wq (or wq_a) and wkv_a both read the normalised input.
-    b.sum_grads(2, tokens * h, FP32 if style.autocast else BF16, "norm_out", of=y)
-    if mla.q_lora_rank:
-        qa = b.linear(y, tokens, h, mla.q_lora_rank, "wq_a", bias=m.bias)
-        qn = b.rmsnorm(qa, tokens, mla.q_lora_rank, "q_norm")
-        q = b.linear(qn, tokens, mla.q_lora_rank, heads * qk, "wq_b", bias=m.bias)
-    else:
-        q = b.linear(y, tokens, h, heads * qk, "wq", bias=m.bias)
+    qk, rope, nope = mla.qk_head_dim, mla.qk_rope_head_dim, mla.qk_nope_head_dim
+    q = b.linear(q_in, tokens, q_in_dim, heads * qk, "wq_b" if mla.q_lora_rank else "wq",
+                 bias=m.bias)
     q_nope, q_pe = _split(b, q, tokens * heads, (nope, rope), "q_split")
     q_pe = b.rope(q_pe, tokens, heads * rope, "rope_q")
-    query = _cat(b, (q_nope, q_pe), (tokens * heads * nope, tokens * heads * rope), "q_cat")
+    return _cat(b, (q_nope, q_pe), (tokens * heads * nope, tokens * heads * rope), "q_cat")
 
-    kv_a = b.linear(y, tokens, h, mla.kv_lora_rank + rope, "wkv_a", bias=m.bias)
+
+def mla_kv_latent(b: _Builder, m: ModelSpec, y: Tensor, tokens: float) -> tuple[Tensor, Tensor]:
+    """``wkv_a`` on the normalised tokens, split into the key/value latent and the rotary
+    key all heads share; RoPE on that key, ``kv_norm`` on the latent."""
+    mla = m.mla
+    assert mla is not None
+    rope = mla.qk_rope_head_dim
+    kv_a = b.linear(y, tokens, m.hidden, mla.kv_lora_rank + rope, "wkv_a", bias=m.bias)
     latent, k_pe = _split(b, kv_a, tokens, (mla.kv_lora_rank, rope), "kv_a_split")
     k_pe = b.rope(k_pe, tokens, rope, "rope_k")
     latent = b.rmsnorm(latent, tokens, mla.kv_lora_rank, "kv_norm")
+    return latent, k_pe
+
+
+def mla_attention_heads(b: _Builder, m: ModelSpec, query: Tensor, latent: Tensor, k_pe: Tensor,
+                        batch: int, seq: int, heads: int) -> Tensor:
+    """``wkv_b`` from the latent, the shared rotary key expanded over ``heads`` heads and
+    the key copy, causal attention of ``query``, and ``wo``: returns ``wo``'s output."""
+    mla = m.mla
+    assert mla is not None
+    tokens = batch * seq
+    qk, rope, nope, vd = (mla.qk_head_dim, mla.qk_rope_head_dim, mla.qk_nope_head_dim,
+                          mla.v_head_dim)
     kv = b.linear(latent, tokens, mla.kv_lora_rank, heads * (nope + vd), "wkv_b", bias=m.bias)
     k_nope, value = _split(b, kv, tokens * heads, (nope, vd), "kv_split")
     # k_pe.expand(-1, -1, heads, -1): a view forward; its backward sums over the heads.
@@ -137,7 +146,39 @@ def titan_mla_attention_block(m: ModelSpec, style: Style, batch: int, seq: int) 
     b.writes_grad(query, gq)
     b.writes_grad(key, gk)
     b.writes_grad(value, gv)
-    out = b.linear(ctx, tokens, heads * vd, h, "wo", bias=m.bias)
+    return b.linear(ctx, tokens, heads * vd, m.hidden, "wo", bias=m.bias)
+
+
+def titan_mla_attention_block(m: ModelSpec, style: Style, batch: int, seq: int) -> Block:
+    """Norm, MLA's projections, latent norms, RoPE, the query and key copies, causal
+    attention, output projection, residual: one micro-batch on one GPU.
+
+    Examples
+    --------
+    >>> from sim.workload.kernels import Style
+    >>> m = ModelSpec.from_ref("deepseek-v3")
+    >>> blk = titan_mla_attention_block(m, Style("bf16"), 1, 4096)
+    >>> blk.params == m.attention_params + m.norm_params
+    True
+    """
+    mla = m.mla
+    assert mla is not None
+    b = _Builder("attn", style)
+    tokens = batch * seq
+    h = m.hidden
+    x = b.t("in", tokens * h, style.act_bytes)
+    b.block.inputs.append(x)
+    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in", of=x)
+    y = b.norm(m, x, tokens, "norm")
+    # wq (or wq_a) and wkv_a both read the normalised input.
+    b.sum_grads(2, tokens * h, FP32 if style.autocast else BF16, "norm_out", of=y)
+    if mla.q_lora_rank:
+        query = mla_query_heads(b, m, mla_query_latent(b, m, y, tokens), mla.q_lora_rank,
+                                tokens, m.heads)
+    else:
+        query = mla_query_heads(b, m, y, h, tokens, m.heads)
+    latent, k_pe = mla_kv_latent(b, m, y, tokens)
+    out = mla_attention_heads(b, m, query, latent, k_pe, batch, seq, m.heads)
     res = b.residual_add(x, out, tokens, h, "resid")
     b.block.outputs.append(res)
     return b.finish()

@@ -29,11 +29,26 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"{m.kv_heads} key/value heads do not split over tp={t} (colwise wk/wv)")
     ctx.require(m.ffn_hidden % t == 0, "parallelism.tp",
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
-    # torchtitan's DeepSeek-V3 attention (sim/workload/titan_mla.py) is modelled on one
-    # GPU's heads: its tensor-parallel plan (latents replicated, wq_b / wkv_b colwise) is not.
-    ctx.require(m.mla is None or t == 1, "parallelism.tp",
-                "multi-head latent attention is modelled without tensor parallelism in fsdp2 "
+    # torchtitan's DeepSeek-V3 attention (sim/workload/titan_mla.py) under its tensor-parallel
+    # plan (latents replicated, wq_b / wkv_b colwise, wo rowwise: sim/frameworks/fsdp2/tp.py)
+    # is modelled with a query latent and 16-bit TP, without context parallelism.
+    mla_tp = m.mla is not None and t > 1
+    ctx.require(m.mla is None or cp == 1, "parallelism.cp",
+                "multi-head latent attention is modelled without context parallelism in fsdp2 "
                 "yet (issue 14)")
+    ctx.require(not mla_tp or bool(m.mla and m.mla.q_lora_rank), "parallelism.tp",
+                "multi-head latent attention without a query latent (q_lora_rank 0) is "
+                "modelled without tensor parallelism in fsdp2 yet (issue 14)")
+    ctx.require(not mla_tp or s.training.precision != "fp8", "training.precision",
+                "multi-head latent attention with tensor parallelism is modelled in 16-bit "
+                "in fsdp2 (torchao's float8 TP styles are not, issue 14)")
+    ctx.require(not mla_tp or s.training.activation_checkpointing != "selective",
+                "training.activation_checkpointing",
+                "multi-head latent attention with tensor parallelism is modelled with none or "
+                "full checkpointing in fsdp2 (issue 14)")
+    ctx.require(not mla_tp or not opts.async_tp, "framework.async_tp",
+                "async tensor parallelism is modelled on Llama-style q/k/v projections, not "
+                "multi-head latent attention (issue 14)")
     ctx.require(m.mla is None or opts.model_code != "huggingface", "framework.model_code",
                 "multi-head latent attention is modelled in torchtitan's and AutoModel's "
                 "DeepSeek-V3 code; Hugging Face's is not yet (issue 14)")

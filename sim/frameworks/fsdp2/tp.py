@@ -1,20 +1,25 @@
 """torchtitan's tensor parallelism (and context parallelism's attention segments): the
 segments of every block of one micro-batch on one rank, priced.
 
-* Tensor parallelism (``torchtitan/models/llama3/infra/parallelize.py``, ``apply_tp``; the
-  same plan as ``models/llama3/sharding.py`` with ``enable_sequence_parallel`` on, torchtitan's
+* Tensor parallelism (``torchtitan/models/llama3/infra/parallelize.py``, ``apply_tp``; the same
+  plan as ``models/llama3/sharding.py`` with ``enable_sequence_parallel`` on, torchtitan's
   default): the norms are ``SequenceParallel`` (each rank normalises its 1/tp of the tokens),
-  ``PrepareModuleInput`` all-gathers the normalised input before attention and before the
-  MLP (Shard(1) -> Replicate), ``wq/wk/wv`` and ``w1/w3`` are colwise, ``wo`` and ``w2``
-  rowwise with Shard(1) output, i.e. a reduce-scatter; the residual add runs on the local
-  tokens. Backward mirrors it: the reduce-scatter's gradient is an all-gather, the
-  all-gather's a reduce-scatter. The embedding is rowwise (vocabulary-sharded table, masked
-  lookup, reduce-scatter of the partial output); the final norm is sequence-parallel and the
-  output projection colwise with loss parallelism (all-gather of its input, vocabulary-sharded
-  logits, cross-entropy with small all-reduces of per-token statistics). DTensor issues each
-  collective as a functional collective that the next op waits for: they block the compute
-  stream (``async_tp`` is not modelled). The collectives themselves are issued by
-  :mod:`.tp_pass`; torchao's float8 styles are :mod:`.float8`.
+  ``PrepareModuleInput`` all-gathers the normalised input before attention and before the MLP
+  (Shard(1) -> Replicate), ``wq/wk/wv`` and ``w1/w3`` are colwise, ``wo`` and ``w2`` rowwise
+  with Shard(1) output, i.e. a reduce-scatter; the residual add runs on the local tokens.
+  Backward mirrors it: the reduce-scatter's gradient is an all-gather, the all-gather's a
+  reduce-scatter. DeepSeek-V3's Multi-head Latent Attention
+  (``models/deepseek_v3/infra/parallelize.py``, ``apply_non_moe_tp``) keeps ``wq_a``,
+  ``q_norm``, ``wkv_a`` and ``kv_norm`` whole on every rank (``NoParallel``: the ``attn_latent``
+  segment) and splits ``wq_b`` / ``wkv_b`` colwise and ``wo`` rowwise (``attn_heads``); in
+  backward the latents' partial gradients are all-reduced, and the input's gradient, the same on
+  every rank, needs no reduce-scatter. The embedding is rowwise (vocabulary-sharded table,
+  masked lookup, reduce-scatter of the partial output); the final norm is sequence-parallel and
+  the output projection colwise with loss parallelism (all-gather of its input,
+  vocabulary-sharded logits, cross-entropy with small all-reduces of per-token statistics).
+  DTensor issues each collective as a functional collective that the next op waits for: they
+  block the compute stream (``async_tp`` is not modelled). The collectives themselves are issued
+  by :mod:`.tp_pass`; torchao's float8 styles are :mod:`.float8`.
 * Context parallelism (``torch/distributed/tensor/experimental/_attention.py``,
   ``_templated_ring_attention`` and ``_templated_ring_attention_backward``; what each step
   runs is :mod:`sim.frameworks.fsdp2.cp`): each rank holds seq/cp tokens, split
@@ -60,6 +65,12 @@ from sim.workload.layer_ops import (
     qkv_projections,
 )
 from sim.workload.model import ModelSpec
+from sim.workload.titan_mla import (
+    mla_attention_heads,
+    mla_kv_latent,
+    mla_query_heads,
+    mla_query_latent,
+)
 
 # ---------------------------------------------------------------------- segments
 
@@ -106,10 +117,15 @@ class TitanBlocks:
     tied_sum_s: float = 0.0
     """Tied embeddings: seconds autograd spends summing the shared weight's two local
     gradients (:func:`tied_grad_sum_tp_s`), charged to the embedding's backward."""
+    mla_latent_bytes: tuple[float, ...] = ()
+    """Multi-head Latent Attention (``attn_latent`` / ``attn_heads``): bytes of each latent
+    whose gradient the tensor-parallel ranks all-reduce between the two in backward (the
+    query latent, and the key/value latent with the rotary key); empty otherwise."""
 
     def layer_segments(self) -> list[str]:
         """The segments of one transformer layer, in forward order."""
-        attn = (["attn_main"] if self.cp == 1 else
+        attn = (["attn_latent", "attn_heads"] if self.mla_latent_bytes else
+                ["attn_main"] if self.cp == 1 else
                 ["attn_qkv"] + [f"attn_ring{i}" for i in range(self.cp)] + ["attn_o"])
         return ["attn_norm", *attn, "attn_resid", "mlp_norm", "mlp_main", "mlp_resid"]
 
@@ -171,6 +187,45 @@ def _attn_main(ml: ModelSpec, style: Style, batch: int, seq: int, fp8_tp: bool =
     q, k, v = _qkv(b, ml, tokens)
     o = b.attention(ml, q, k, v, batch, seq)
     b.block.outputs.append(b.linear(o, tokens, ml.q_dim, ml.hidden, "wo", bias=ml.bias))
+    return b.finish()
+
+
+def _mla_latent_seg(m: ModelSpec, style: Style, tokens: float) -> Block:
+    """torchtitan's DeepSeek-V3 attention under tensor parallelism
+    (``models/deepseek_v3/infra/parallelize.py``, ``apply_non_moe_tp``): ``wq_a``,
+    ``q_norm``, ``wkv_a`` and ``kv_norm`` are ``NoParallel`` (replicated weights), so every
+    rank runs them whole on the all-gathered tokens; their outputs are the latents
+    ``attn_heads`` reads."""
+    mla = m.mla
+    assert mla is not None
+    b = _Builder("attn_latent", style)
+    h = m.hidden
+    y = b.t("in", tokens * h, BF16)
+    b.block.inputs.append(y)
+    # wq_a and wkv_a both read the gathered norm output: their input gradients are summed.
+    b.sum_grads(2, tokens * h, FP32 if style.autocast else BF16, "norm_out", of=y)
+    qn = mla_query_latent(b, m, y, tokens)
+    latent, k_pe = mla_kv_latent(b, m, y, tokens)
+    b.block.outputs += [qn, latent, k_pe]
+    return b.finish()
+
+
+def _mla_heads_seg(m: ModelSpec, style: Style, batch: int, seq: int, tp: int) -> Block:
+    """The heads of torchtitan's DeepSeek-V3 attention on one tensor-parallel rank:
+    ``wq_b`` and ``wkv_b`` colwise (``heads / tp`` heads each), attention over those heads,
+    ``wo`` rowwise (its partial output reduce-scattered after this segment)."""
+    mla = m.mla
+    assert mla is not None and mla.q_lora_rank
+    q_lora = mla.q_lora_rank
+    b = _Builder("attn_heads", style)
+    tokens = batch * seq
+    qn = b.t("q_latent", tokens * q_lora, BF16)
+    latent = b.t("kv_latent", tokens * mla.kv_lora_rank, BF16)
+    k_pe = b.t("k_pe", tokens * mla.qk_rope_head_dim, BF16)
+    b.block.inputs += [qn, latent, k_pe]
+    heads = m.heads // tp
+    query = mla_query_heads(b, m, qn, q_lora, tokens, heads)
+    b.block.outputs.append(mla_attention_heads(b, m, query, latent, k_pe, batch, seq, heads))
     return b.finish()
 
 
@@ -341,7 +396,11 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
         "head_norm": _norm_seg(m, hstyle, "head_norm", local, residual=False),
         "head_main": _head_main(m, hstyle, tokens, tp),
     }
-    if cp == 1:
+    mla = m.mla
+    if mla is not None:     # cp 1, a query latent, no float8 TP (checks.py)
+        segs["attn_latent"] = _mla_latent_seg(m, style, tokens)
+        segs["attn_heads"] = _mla_heads_seg(m, style, batch, seq_local, tp)
+    elif cp == 1:
         segs["attn_main"] = _attn_main(ml, style, batch, seq_local, fp8_tp, tp)
     else:
         segs.update(_ring_segments(ml, style, cm, batch, seq_local, cp, fp8_tp, tp,
@@ -359,7 +418,10 @@ def titan_blocks(m: ModelSpec, style: Style, cm: ComputeModel, batch: int, seq: 
                      kv_bytes=2.0 * tokens * kvw * BF16,
                      attn_acc_bytes=float(tokens * (ml.q_dim + 2 * kvw) * FP32),
                      hidden=m.hidden, params=params, fp8_tp=fp8_tp, compiled=style.compile,
-                     tied_sum_s=tied_grad_sum_tp_s(cm, m, tp))
+                     tied_sum_s=tied_grad_sum_tp_s(cm, m, tp),
+                     mla_latent_bytes=(() if mla is None else (
+                         float(tokens * (mla.q_lora_rank or 0) * BF16),
+                         float(tokens * (mla.kv_lora_rank + mla.qk_rope_head_dim) * BF16))))
     if sac:
         tb.sac = layer_sac_costs(tb, style, cm)
     return tb

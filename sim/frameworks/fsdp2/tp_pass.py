@@ -213,7 +213,10 @@ class TitanPass:
                 c = self.tb.cost["attn_norm"]
                 first.alloc = first.alloc + (("activations", c.input_bytes),)
             tp_comm("all_gather", "attn")
-            if self.tb.cp == 1:
+            if self.tb.mla_latent_bytes:
+                seg("attn_latent")
+                seg("attn_heads")
+            elif self.tb.cp == 1:
                 seg("attn_main")
             else:
                 self._ring_forward(ops, seg, mb, lay)
@@ -357,16 +360,36 @@ class TitanPass:
         else:
             self._free_rs_out(seg("attn_resid"))
             tp_comm("all_gather", "attn")
-            if self.tb.cp == 1:
+            if self.tb.mla_latent_bytes:
+                self._mla_backward(ops, seg, mb, lay)
+            elif self.tb.cp == 1:
                 seg("attn_main")
             else:
                 self._ring_backward(ops, seg, mb, lay)
                 seg("attn_qkv")
-            tp_comm("reduce_scatter", "attn")
+            if not self.tb.mla_latent_bytes:
+                tp_comm("reduce_scatter", "attn")
             seg("attn_norm")
         if self.atp is not None:
             ops = self.atp.fuse(ops, tags, backward=True)
         return [o for o in ops if o.duration > 0 or o.kind != "compute" or o.alloc or o.free]
+
+    def _mla_backward(self, ops: list[Op], seg: Callable[[str], Op], mb: int,
+                      lay: int | None) -> None:
+        """Multi-head Latent Attention's backward under tensor parallelism: the heads, then
+        an all-reduce of each latent's partial gradient (``wq_b`` and ``wkv_b`` are colwise,
+        their input gradients sums over the ranks' heads; DTensor redistributes them to the
+        ``NoParallel`` modules' Replicate), then the replicated latent projections. Their
+        input gradient is then the same on every rank, so the all-gather's backward is each
+        rank's slice of it: no reduce-scatter, unlike the colwise q/k/v of ``attn_main``."""
+        seg("attn_heads")
+        where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        for what, nbytes in zip(("q", "kv"), self.tb.mla_latent_bytes, strict=True):
+            if self.tb.tp == 1:
+                break
+            ops.append(self.c.tp("all_reduce", nbytes, f"tp all_reduce grad {what} latent{where}",
+                                 mb, lay))
+        seg("attn_latent")
 
     def _ring_backward(self, ops: list[Op], seg: Callable[[str], Op], mb: int,
                        lay: int | None) -> None:
