@@ -181,3 +181,13 @@ class RatesLog(NetworkObserver):
 
     def on_transfer_end(self, t, tag, nbytes) -> None:
         self.seen.append(repr((t, tag, nbytes)).encode())
+
+
+def with_overrides(d: dict, over: dict[str, Any]) -> dict:
+    """``d`` with each ``"section.key": value`` of ``over`` set in its section (a copy per
+    section touched; ``d`` itself is not changed)."""
+    out = dict(d)
+    for key, value in over.items():
+        section, _, leaf = key.partition(".")
+        out[section] = {**out[section], leaf: value}
+    return out

@@ -86,7 +86,7 @@ __all__ = [
     "BF16", "FP32", "IDX", "Block", "BlockCost", "Kernel", "KernelClass", "SacCost", "Style",
     "Tensor", "_Builder", "_fuse", "_needed_outside", "attention_block", "embedding_block",
     "head_block", "is_reduction", "kernel_time", "mlp_block", "mlp_projections",
-    "model_blocks", "op_sac_costs", "price_block", "qkv_projections",
+    "model_blocks", "op_sac_costs", "price_block", "qkv_projections", "residual_norm_input",
 ]
 
 
@@ -113,16 +113,23 @@ def qkv_projections(b: _Builder, m: ModelSpec, y: Tensor, tokens: float,
     return q, k, v
 
 
+def residual_norm_input(b: _Builder, m: ModelSpec, tokens: float) -> tuple[Tensor, Tensor]:
+    """A residual block's input ``x`` (the residual stream, read by the norm and by the
+    residual add: its two gradients summed) and the norm's output ``y``."""
+    h, act = m.hidden, b.style.act_bytes
+    x = b.t("in", tokens * h, act)
+    b.block.inputs.append(x)
+    # Residual stream gradient plus the branch gradient through the norm.
+    b.sum_grads(2, tokens * h, act, "resid_in", of=x)
+    return x, b.norm(m, x, tokens, "norm")
+
+
 def attention_block(m: ModelSpec, style: Style, batch: int, seq: int, kv_cache: bool) -> Block:
     """Norm, q/k/v projections, rotary embedding, causal attention, output projection, residual."""
     b = _Builder("attn", style)
     tokens = batch * seq
     h = m.hidden
-    x = b.t("in", tokens * h, style.act_bytes)
-    b.block.inputs.append(x)
-    # Residual stream gradient plus the branch gradient through the norm.
-    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in", of=x)
-    y = b.norm(m, x, tokens, "norm")
+    x, y = residual_norm_input(b, m, tokens)
     # Under autocast each projection casts y separately (3 reads of y, 3 fp32 input grads);
     # in bf16 they share y and their input gradients are summed.
     b.sum_grads(3, tokens * h, FP32 if style.autocast else BF16, "norm_out", of=y)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from sim.workload.kernels import BF16, FP32, Block, Kernel, Style, Tensor
 from sim.workload.layer_builder import _Builder
+from sim.workload.layer_ops import residual_norm_input
 from sim.workload.megatron_mla import attention_head_dims
 from sim.workload.model import ModelSpec
 
@@ -166,10 +167,7 @@ def titan_mla_attention_block(m: ModelSpec, style: Style, batch: int, seq: int) 
     b = _Builder("attn", style)
     tokens = batch * seq
     h = m.hidden
-    x = b.t("in", tokens * h, style.act_bytes)
-    b.block.inputs.append(x)
-    b.sum_grads(2, tokens * h, style.act_bytes, "resid_in", of=x)
-    y = b.norm(m, x, tokens, "norm")
+    x, y = residual_norm_input(b, m, tokens)
     # wq (or wq_a) and wkv_a both read the normalised input.
     b.sum_grads(2, tokens * h, FP32 if style.autocast else BF16, "norm_out", of=y)
     if mla.q_lora_rank:

@@ -15,6 +15,7 @@ latent projections leave the same on every rank).
 from __future__ import annotations
 
 import pytest
+from helpers import with_overrides
 
 from sim import catalog
 from sim.api import simulate
@@ -76,10 +77,7 @@ def _small_dsv3(**over: object) -> dict:
                    parallelism={"tp": 2, "ep": 4, "sequence_parallel": True},
                    training={"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 4,
                              "precision": "bf16", "activation_checkpointing": "full"})
-    for key, value in over.items():
-        section, _, leaf = key.partition(".")
-        d[section] = {**d[section], leaf: value}
-    return d
+    return with_overrides(d, over)
 
 
 def test_a_layer_issues_the_plans_collectives_and_the_step_its_model_flops() -> None:

@@ -12,6 +12,7 @@ head dims, so SDPA runs cuDNN's attention for MLA on Hopper (torchtitan's backen
 from __future__ import annotations
 
 import pytest
+from helpers import with_overrides
 
 from sim.api import simulate
 from sim.frameworks.common.base import JobContext
@@ -47,10 +48,7 @@ def _dsv2_lite(**over: object) -> dict:
                    framework={"name": "fsdp2"}, parallelism={"ep": 8},
                    training={"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 8,
                              "precision": "bf16", "activation_checkpointing": "full"})
-    for key, value in over.items():
-        section, _, leaf = key.partition(".")
-        d[section] = {**d[section], leaf: value}
-    return d
+    return with_overrides(d, over)
 
 
 @pytest.mark.parametrize(("topology", "backend"), [("dgx-h100", "cudnn"),
