@@ -32,7 +32,7 @@ concatenates its parts' gradients again (``SplitBackward``): a copy each. The pa
 functions of their own (:func:`mla_query_latent`, :func:`mla_query_heads`,
 :func:`mla_kv_latent`, :func:`mla_attention_heads`) so that tensor parallelism
 (:mod:`sim.frameworks.fsdp2.tp`) can run the latents whole and the heads split; context
-parallelism is not modelled with MLA (the fsdp2 builder refuses it).
+parallelism is not modelled with MLA (refused for every framework).
 """
 
 from __future__ import annotations

@@ -31,11 +31,9 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"ffn_hidden {m.ffn_hidden} does not split over tp={t}")
     # torchtitan's DeepSeek-V3 attention (sim/workload/titan_mla.py) under its tensor-parallel
     # plan (latents replicated, wq_b / wkv_b colwise, wo rowwise: sim/frameworks/fsdp2/tp.py)
-    # is modelled with a query latent and 16-bit TP, without context parallelism.
+    # is modelled with a query latent and 16-bit TP (context parallelism with MLA is refused
+    # for every framework: common/base.py _check_latent_attention).
     mla_tp = m.mla is not None and t > 1
-    ctx.require(m.mla is None or cp == 1, "parallelism.cp",
-                "multi-head latent attention is modelled without context parallelism in fsdp2 "
-                "yet (issue 14)")
     ctx.require(not mla_tp or bool(m.mla and m.mla.q_lora_rank), "parallelism.tp",
                 "multi-head latent attention without a query latent (q_lora_rank 0) is "
                 "modelled without tensor parallelism in fsdp2 yet (issue 14)")

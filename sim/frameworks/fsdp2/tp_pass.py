@@ -384,9 +384,8 @@ class TitanPass:
         rank's slice of it: no reduce-scatter, unlike the colwise q/k/v of ``attn_main``."""
         seg("attn_heads")
         where = f"{'' if lay is None else f' L{lay}'} mb{mb}"
+        # titan_blocks exists for MLA only with tp > 1 (MLA refuses cp): always reduced here.
         for what, nbytes in zip(("q", "kv"), self.tb.mla_latent_bytes, strict=True):
-            if self.tb.tp == 1:
-                break
             ops.append(self.c.tp("all_reduce", nbytes, f"tp all_reduce grad {what} latent{where}",
                                  mb, lay))
         seg("attn_latent")
