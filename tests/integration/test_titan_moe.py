@@ -338,6 +338,38 @@ def test_tensor_and_context_parallel_ranks_route_their_share_of_the_tokens(tp, c
         [2.0 * H] * 2 * mbs + ([2.0 * m.head_dim] * 2 * mbs if qk else [])) if tp > 1 else [])
 
 
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_deepep_under_tensor_parallelism_routes_every_gathered_token_on_each_rank(ckpt) -> None:
+    # torchtitan's DeepEPMoE (v0.2.2, and 1a36996b of the PyTorch/Nebius DeepSeek-V3 run) sets
+    # its reorderer to None, so apply_moe_ep_tp's ReordererSequenceParallel splits nothing:
+    # each tensor-parallel rank routes, dispatches and computes all the all-gathered tokens,
+    # as a rank without TP does with its own sequence. The routed part of a TP 2 rank is then
+    # a TP 1 rank's (twice the hardware's work for the same model FLOPs); the shared experts
+    # stay split.
+    deepep = {"expert_parallel_comm_backend": "deepep"}
+    model = dict(TINY, shared_experts=1)
+    runs = {tp: simulate(_scn(4, model=model, framework=deepep, par={"tp": tp, "etp": 1},
+                              activation_checkpointing=ckpt)) for tp in (1, 2)}
+    ops = {tp: [op for op in _ops(r.program) if op.name.endswith("dispatch fwd")]
+           for tp, r in runs.items()}
+    # Per op (a TP 2 rank runs twice the micro-batches of the same global batch).
+    sent = {tp: {round(sum(map(sum, op.peer_bytes))) for op in o} for tp, o in ops.items()}
+    assert len(sent[1]) == 1 and sent[2] == sent[1]
+
+    def fwd(tp: int, part: str) -> set[float]:
+        return {op.hw_flops for op in _ops(runs[tp].program)
+                if op.name.endswith(f" {part}") and op.phase == "fwd"}
+    assert fwd(2, "experts") == fwd(1, "experts") and min(fwd(1, "experts")) > 0
+    assert {2 * f for f in fwd(2, "shared")} == fwd(1, "shared") and fwd(1, "shared")
+    if ckpt == "full":     # the recomputed copies count in the hardware's FLOPs
+        hfu = {tp: r.summary["hfu"] / r.summary["mfu"] for tp, r in runs.items()}
+        assert hfu[2] > hfu[1]
+    # The standard path splits the tokens over the TP ranks: half the dispatch per rank.
+    std = [op for op in _ops(program(_scn(4, model=model, par={"tp": 2, "etp": 1})))
+           if op.name.endswith("dispatch fwd")]
+    assert std[0].nbytes == pytest.approx(SEQ / 2 * K * H * BF16, rel=1e-12)
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_scores_keep_an_fp32_copy_of_the_routed_tokens_where_torchtitan_applies_them(before):
     # MoE.forward: score_before_experts multiplies the routed rows in fp32 before the

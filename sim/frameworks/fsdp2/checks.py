@@ -213,11 +213,9 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
     ctx.require(not opts.cpu_offload, "framework.cpu_offload", f"{why} without CPU offload")
     ctx.require(p.etp in (None, 1), "parallelism.etp",
                 "torchtitan's expert tensor parallelism is not modelled (etp must be 1)")
-    # torchtitan's DeepEP path refuses expert TP, as it does TP on the MoE (its
-    # ReordererSequenceParallel split is the standard path's); AutoModel's only runs DeepEP.
+    # torchtitan's DeepEP path refuses expert TP (etp above) and runs under TP without its
+    # token split (moe.py); AutoModel's only runs DeepEP.
     key = "framework.expert_parallel_comm_backend"
-    ctx.require(opts.expert_parallel_comm_backend != "deepep" or p.tp == 1, key,
-                "deepep is modelled with tp 1 (torchtitan: no expert TP with DeepEP)")
     ctx.require(opts.model_code != "automodel"
                 or opts.expert_parallel_comm_backend != "standard", key,
                 "AutoModel's all-to-all dispatcher (dispatcher: torch) is not modelled; its "

@@ -63,7 +63,12 @@ Tensor parallelism (``apply_moe_ep_tp`` with expert TP 1): the MoE module's inpu
 all-gathered over tp and its Partial output (routed and shared experts) reduce-scattered,
 the router gate is replicated, the shared experts are column/row-parallel, and
 ``ReordererSequenceParallel`` splits the routed tokens over the tensor-parallel ranks, which EP
-borrows (ep a multiple of tp; ``efsdp = dp_shard x cp x tp / ep``). Context parallelism:
+borrows (ep a multiple of tp; ``efsdp = dp_shard x cp x tp / ep``). torchtitan's DeepEP
+path (v0.2.2 and the commits before the token dispatcher of 2026-04, ``DeepEPMoE``) sets its
+``reorderer`` to None, so the plan's ``ReordererSequenceParallel`` finds nothing to split:
+every tensor-parallel rank routes and dispatches all the gathered tokens (``tp`` copies of
+each reach the experts) and the reduce-scatter sums the copies (:attr:`TitanMoE.tp_copies`).
+Context parallelism:
 each rank routes its own sequence shard, and EP borrows cp ranks after the tensor-parallel
 ones. Pipeline parallelism composes: each stage's experts accumulate and reduce like its other
 units. Modelled with 16-bit precision; the MoE
@@ -166,6 +171,9 @@ class TitanMoE:
     tp: int = 1
     """Tensor parallelism: EP borrows the tensor-parallel ranks and each routes 1/tp of
     the micro-batch's tokens (``ReordererSequenceParallel``)."""
+    tp_copies: bool = False
+    """Every tensor-parallel rank routes all the gathered tokens (torchtitan's DeepEP path,
+    which has no reorderer to split them): the routed part is done ``tp`` times over."""
     cp: int = 1
     """Context parallelism: each rank holds (and routes) seq / cp of every sequence."""
     resident_experts: bool = False
@@ -213,8 +221,10 @@ class TitanMoE:
 
     @property
     def flops_fwd(self) -> float:
-        """Forward FLOPs of one MoE layer over one whole micro-batch (each rank's MoE part
-        over its 1/(tp x cp) of the tokens; norm and residual over a cp shard)."""
+        """Forward FLOPs of one MoE layer over one whole micro-batch, as the hardware runs
+        them (each rank's MoE part over its 1/(tp x cp) of the tokens, or with
+        :attr:`tp_copies` its routed part over all of them, ``tp`` times over; norm and
+        residual over a cp shard)."""
         return sum(c.flops_fwd * (1 if k in ("norm", "resid") else self.tp)
                    for k, c in self.blocks().items()) * self.cp
 
@@ -242,11 +252,13 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
         return None
     cm: ComputeModel = ctx.compute
     full = ctx.micro_batch * ctx.seq // cp
-    tokens = full // tp
     opts = ctx.scenario.framework
     assert isinstance(opts, Fsdp2Options)
     automodel = opts.model_code == "automodel"
     deepep = ep > 1 and comm_backend(opts) == "deepep"
+    # torchtitan's DeepEP path has no reorderer: each TP rank routes every gathered token.
+    tp_copies = deepep and tp > 1 and not automodel
+    tokens = full if tp_copies else full // tp
     # DeepEP: AutoModel's copy of Megatron's flex dispatcher (moe_permute_fusion=True: TE's
     # fused permutations; grouped_gemm's one-kernel GEMMs, :mod:`.automodel`), or
     # torchtitan's (torchtitan/distributed/deepep/deepep.py: Megatron-Core's unfused
@@ -258,6 +270,9 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     ops = moe_layer_ops(m, lay, tokens=tokens,
                         tokens_per_expert=balanced if deepep else _aligned(balanced),
                         recv_tokens=(sum(balanced) / ep,) * ep)
+    if tp_copies and ops.shared is not None:
+        # The shared experts stay column/row-parallel over the gathered tokens.
+        ops.shared = moe_layer_ops(m, lay, tokens=full // tp).shared
     if deepep:
         drop_chunk_sorts(ops)
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
@@ -281,6 +296,7 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     return TitanMoE(plan=plan, norm=price_block(pre.finish(), style, cm),
                     resid=price_block(post.finish(), style, cm), combine=combine,
                     score=score, efsdp=efsdp, loss_ranks=loss_ranks, tp=tp, cp=cp,
+                    tp_copies=tp_copies,
                     resident_experts=resident,
                     grad_accumulate_s=cm.membound_time(3 * expert_grads) if resident else 0.0)
 
