@@ -146,16 +146,20 @@ class ModelSpec:
 
     def parameter_tensors(self) -> list[tuple[str, int, str, int]]:
         """(name, numel, block, layer) of every parameter tensor in ``model.parameters()``
-        order (Hugging Face Llama layout: embedding, per layer q, k, v, o, gate, up, down and
-        the two norms, final norm, untied LM head). Biases are folded into their weight.
-        ``block`` is the block whose backward produces the gradient: embed, attn, mlp, head;
-        ``layer`` is -1 outside the transformer layers."""
+        order (Hugging Face Llama layout: embedding, per layer q, k, v, o, Qwen3's q_norm and
+        k_norm, gate, up, down and the two norms, final norm, untied LM head). Biases are
+        folded into their weight. ``block`` is the block whose backward produces the
+        gradient: embed, attn, mlp, head; ``layer`` is -1 outside the transformer layers."""
         h = self.hidden
         out = [("embed", self.embedding_params, "embed", -1)]
         for layer in range(self.layers):
             for name, o, i in self.linear_shapes():
                 block = "attn" if name in ("q", "k", "v", "o") else "mlp"
                 out.append((f"l{layer}.{name}", o * i + (o if self.bias else 0), block, layer))
+                if name == "o" and self.qk_norm:
+                    # Qwen3Attention registers q_norm and k_norm after its projections.
+                    out += [(f"l{layer}.{n}", self.head_dim, "attn", layer)
+                            for n in ("q_norm", "k_norm")]
             out.append((f"l{layer}.norm1", self.norm_params, "attn", layer))
             out.append((f"l{layer}.norm2", self.norm_params, "mlp", layer))
         out.append(("norm", self.norm_params, "head", -1))

@@ -172,6 +172,33 @@ def test_refusals() -> None:
         program(scn(model=dict(TINY, shared_experts=1)))
 
 
+def test_qwen3s_query_key_norms_are_counted_and_priced() -> None:
+    """Hugging Face's Qwen3-MoE attention (``Qwen3MoeAttention``: ``q_norm`` / ``k_norm``, an
+    RMSNorm of head_dim weights over each head's queries and keys) in the ZeRO path's blocks:
+    2 x head_dim more 16-bit weights a layer on every rank, and the norms' kernels in the
+    step. Megatron-DeepSpeed's 3D path has no such norm and refuses it."""
+    qk = dict(TINY, qk_norm=True)
+    head_dim = TINY["hidden"] // TINY["heads"]
+    base, normed = (program(scn(ep=4, model=m)).classes[0].initial_memory["parameters"]
+                    for m in (TINY, qk))
+    assert normed - base == pytest.approx(BF16 * TINY["layers"] * 2 * head_dim, abs=BF16 * 32)
+    names = {op.name for op in program(scn(ep=4, model=qk)).ops}
+    assert simulate(scn(ep=4, model=qk)).summary["step_time_s"] > \
+        simulate(scn(ep=4)).summary["step_time_s"]
+    assert names == {op.name for op in program(scn(ep=4)).ops}   # inside the blocks' ops
+    dense = {k: v for k, v in qk.items() if k not in ("experts", "experts_per_token",
+                                                     "moe_ffn_hidden")}
+    pipe = make_scenario({
+        "name": "ds-qk", "model": dense,
+        "cluster": {"gpu": "h100-sxm", "nodes": 1, "gpus_per_node": 8, "nics_per_node": 0},
+        "framework": {"name": "deepspeed", "zero_stage": 1},
+        "parallelism": {"tp": 2},
+        "training": {"seq_len": SEQ, "micro_batch_size": 1, "global_batch_size": 4,
+                     "precision": "bf16"}})
+    with pytest.raises(ScenarioError, match=r"model\.qk_norm: Megatron-DeepSpeed"):
+        program(pipe)
+
+
 def test_dense_model_unchanged_by_moe_options() -> None:
     """framework.moe is ignored without experts: same program as without it."""
     dense = {k: v for k, v in TINY.items() if k not in ("experts", "experts_per_token",

@@ -21,6 +21,11 @@ def build_deepspeed(ctx: JobContext) -> Program:
                     "DeepSpeed-MoE is modelled beside ZeRO data parallelism (tp and pp 1)")
         check_moe(ctx, _resolve(ctx))
     if par.tp > 1 or par.pp > 1:
+        # Megatron-DeepSpeed's ParallelAttention has no query/key norm; the ZeRO path runs
+        # Hugging Face's blocks, whose Qwen3 attention normalises each head's q and k.
+        ctx.require(not ctx.model.qk_norm, "model.qk_norm",
+                    "Megatron-DeepSpeed's layers (tp or pp above 1) have no query/key norm; "
+                    "DeepSpeed's ZeRO path with Hugging Face's blocks has (tp and pp 1)")
         from sim.frameworks.deepspeed.pipe import build_deepspeed_pipe
         return build_deepspeed_pipe(ctx)
     z = _resolve(ctx)

@@ -16,5 +16,7 @@ ENTRY = FrameworkEntry(
     "deepspeed", DeepSpeedOptions, build_deepspeed,
     search=SearchSpace(deepspeed_options, recipe=DEEPSPEED_BEST_PRACTICE,
                        data_parallel_only=True, expert_layouts=deepspeed_expert_layouts),
-    # DeepSpeed-MoE layers beside ZeRO 1-2 (sim.frameworks.deepspeed.moe).
-    model_features=frozenset({"experts"}), kernel_style=job_kernel_style)
+    # DeepSpeed-MoE layers beside ZeRO 1-2 (sim.frameworks.deepspeed.moe); Hugging Face's
+    # query/key norms (Qwen3) in the ZeRO path's blocks (Megatron-DeepSpeed's 3D path refuses
+    # them: build.py).
+    model_features=frozenset({"experts", "qk_norm"}), kernel_style=job_kernel_style)
