@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from sim.config import bounds, resources
 from sim.config.base import BOOL_FOR_NUMBER, ScenarioError
 from sim.config.cluster import Cluster
-from sim.config.scenario import Scenario, framework_names
+from sim.config.key_hints import unknown_key_hint
+from sim.config.scenario import Scenario, framework_names, framework_option_models
 
 _UNION_TAGS = {"model": ("str", "ModelDims")}
 
@@ -33,20 +34,28 @@ def _branch(item: Any) -> Any:
     return item
 
 
-def _format_loc(loc: tuple[Any, ...]) -> str:
-    # Drop the branch tags pydantic inserts after a union field ("model" -> "ModelDims",
-    # "framework" -> "fsdp2"), and only there: a user's key may be called anything.
-    parts: list[str] = []
+def _loc_items(loc: tuple[Any, ...]) -> list[Any]:
+    """``loc`` without the branch tags pydantic inserts after a union field ("model" ->
+    "ModelDims", "framework" -> "fsdp2"), and only there: a user's key may be called
+    anything."""
+    items: list[Any] = []
     prev: Any = None
     for item in loc:
         if isinstance(prev, str) and _branch(item) in _union_tags(prev):
             prev = None
             continue
+        items.append(item)
+        prev = item
+    return items
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for item in _loc_items(loc):
         if isinstance(item, int):
             parts.append(f"[{item}]")
         else:
             parts.append(("." if parts else "") + str(item))
-        prev = item
     return "".join(parts) or "(top level)"
 
 
@@ -62,7 +71,10 @@ def _first_error(err: ValidationError, data: dict[str, Any]) -> str:
     e = errors[0]
     loc = _format_loc(tuple(e["loc"]))
     if e["type"] == "extra_forbidden":
-        return f"{loc}: unknown key"
+        items = _loc_items(tuple(e["loc"]))
+        hint = "" if any(isinstance(i, int) for i in items) else unknown_key_hint(
+            [str(i) for i in items], data, Scenario, framework_option_models())
+        return f"{loc}: unknown key{hint}"
     if e["type"] == "union_tag_invalid":
         return (f"{loc}.name: unknown framework {e['input'].get('name')!r} "
                 f"(available: {', '.join(framework_names())})")

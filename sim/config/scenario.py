@@ -152,6 +152,11 @@ def framework_names() -> tuple[str, ...]:
     return tuple(options_name(m) for m in _framework_options)
 
 
+def framework_option_models() -> tuple[type[BaseModel], ...]:
+    """The options models of the registered frameworks, in the registry's order."""
+    return _framework_options
+
+
 def set_framework_options(models: tuple[type[BaseModel], ...]) -> None:
     """Make ``Scenario.framework`` the discriminated union of ``models`` (by ``name``).
 

@@ -307,6 +307,25 @@ def test_override_errors_name_the_file_and_key():
     assert message.endswith(f"{TINY}.yaml: training.bogus: unknown key")
 
 
+@pytest.mark.parametrize("override, hint", [
+    # A launch script's own flag: where the setting lives here (sim/config/key_hints.py).
+    ("framework.moe_expert_capacity_factor=1.0", "; it is model.capacity_factor here"),
+    ("parallelism.expert_model_parallel_size=8", "; it is parallelism.ep here"),
+    ("training.seq_length=8192", "; it is training.seq_len here"),
+    # A near spelling of a key of the same section (the framework's own options).
+    ("framework.overlap_grad_reduc=true", "; did you mean framework.overlap_grad_reduce?"),
+    ("cluster.nic_gbs=200", "; did you mean cluster.nic_gbps?"),
+    # Nothing close: the plain refusal.
+    ("training.bogus=1", ""),
+])
+def test_an_unknown_key_names_the_key_it_likely_meant(override, hint):
+    key = override.split("=")[0]
+    message = str(pytest.raises(ScenarioError, load_scenario,
+                                "qwen3-30b-a3b-megatron-tp4pp2ep4-8xh100", [override]).value)
+    assert message.endswith(f"qwen3-30b-a3b-megatron-tp4pp2ep4-8xh100.yaml: {key}: unknown key"
+                            f"{hint}")
+
+
 def test_unknown_model_lists_the_catalogue(tmp_path):
     message = error_of(write(tmp_path / "m.yaml", one_gpu(model="llama9")))
     assert "llama3-8b" in message and "llama3.2-1b" in message
