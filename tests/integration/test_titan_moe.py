@@ -299,13 +299,16 @@ def test_pipeline_stages_accumulate_expert_gradients_and_reduce_them_once(ep, sc
 
 @pytest.mark.parametrize(("tp", "cp", "ep", "ckpt", "qk"), [
     (2, 1, 4, "none", False), (2, 1, 8, "full", True), (4, 1, 8, "none", False),
-    (2, 1, 2, "full", False), (1, 2, 4, "none", False), (2, 2, 8, "full", False)])
+    (2, 1, 2, "full", False), (1, 2, 4, "none", False), (2, 2, 8, "full", False),
+    (1, 2, 4, "full", True), (2, 2, 8, "none", True)])
 def test_tensor_and_context_parallel_ranks_route_their_share_of_the_tokens(tp, cp, ep, ckpt,
                                                                            qk) -> None:
     # apply_moe_ep_tp with expert TP 1: EP borrows the tensor-parallel ranks (innermost), the
     # MoE module's input is all-gathered over tp and ReordererSequenceParallel gives each
     # rank 1/tp of the tokens to dispatch; under context parallelism each rank routes its
-    # seq / cp shard. The closed form holds with tokens / (tp x cp).
+    # seq / cp shard. The closed form holds with tokens / (tp x cp). Qwen3's query/key norms
+    # run on each rank's own tokens and heads (torchtitan v0.2.2's parallelize_qwen3 applies CP
+    # with SDPA, its only refusal being FlexAttention and varlen attention under CP).
     s = _scn(ep, par={"tp": tp, "cp": cp, "etp": 1}, model=dict(TINY, qk_norm=qk),
              activation_checkpointing=ckpt)
     p = program(s)

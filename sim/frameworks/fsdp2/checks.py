@@ -60,9 +60,6 @@ def _check_layout(ctx: JobContext, opts: Fsdp2Options) -> None:
                 "training.attention_backend",
                 "AutoModel's GPT-OSS attention is modelled with FlexAttention (auto or flex), "
                 "not Transformer Engine's sink attention")
-    ctx.require(not m.qk_norm or cp == 1, "parallelism.cp",
-                "query/key norms (qk_norm) are modelled without context parallelism in fsdp2 "
-                "(torchtitan's Qwen3 does not support it)")
     divisor = t * 2 * cp if cp > 1 else t
     ctx.require(ctx.seq % divisor == 0, "training.seq_len",
                 f"{ctx.seq} is not a multiple of {divisor} (torchtitan ParallelDims."
