@@ -34,7 +34,7 @@ def test_ctrl_c_stops_plan_and_its_workers_with_one_line(tmp_path: Path) -> None
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sim.cli", "plan", "llama3-70b-fsdp2-64xh100",
+        [sys.executable, "-m", "sim.cli", "plan", "llama3-70b-fsdp2-8xh100",
          "--max-simulations", "12", "--workers", "2", "--cache", str(cache)],
         cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True, preexec_fn=_default_sigint)
