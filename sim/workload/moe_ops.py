@@ -439,7 +439,7 @@ def finish_with_shared(b: _Builder, out: Tensor, elements: float, shared: bool) 
     return b.finish()
 
 
-def _shared(m: ModelSpec, lay: MoELayout, tokens: float) -> Block:
+def shared_experts_block(m: ModelSpec, lay: MoELayout, tokens: float) -> Block:
     """``SharedExpertMLP``: a dense TP MLP ``shared x moe_ffn_hidden`` wide over the layer's
     tokens gathered across TP (sequence parallel), its width split over ``tp``."""
     assert m.moe is not None
@@ -533,7 +533,7 @@ def moe_layer_ops(m: ModelSpec, lay: MoELayout, tokens: float,
     ops = MoELayerOps(router=router, experts=_experts(m, lay, counts),
                       combine=_combine(m, tokens, moe.shared > 0, permuted_rows,
                                        torch_ops=lay.permute == "torch"),
-                      shared=_shared(m, lay, tokens) if moe.shared else None,
+                      shared=shared_experts_block(m, lay, tokens) if moe.shared else None,
                       tokens_per_expert=counts)
     hb = m.hidden * BF16      # the alltoall dispatcher moves 16-bit tokens
     s_b = tuple(t * hb for t in send)

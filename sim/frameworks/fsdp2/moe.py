@@ -111,7 +111,13 @@ from sim.workload.kernels import Style
 from sim.workload.layer_builder import _Builder
 from sim.workload.layer_ops import BF16, FP32
 from sim.workload.model import ModelSpec
-from sim.workload.moe_ops import STYLE, MoELayout, balanced_tokens_per_expert, moe_layer_ops
+from sim.workload.moe_ops import (
+    STYLE,
+    MoELayout,
+    balanced_tokens_per_expert,
+    moe_layer_ops,
+    shared_experts_block,
+)
 
 TOKEN_GROUP_ALIGN_SIZE_M = 8
 """Rows each expert's group is padded to for ``torch._grouped_mm`` in bf16
@@ -272,7 +278,7 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
                         recv_tokens=(sum(balanced) / ep,) * ep)
     if tp_copies and ops.shared is not None:
         # The shared experts stay column/row-parallel over the gathered tokens.
-        ops.shared = moe_layer_ops(m, lay, tokens=full // tp).shared
+        ops.shared = shared_experts_block(m, lay, full // tp)
     if deepep:
         drop_chunk_sorts(ops)
     cost = {b.name.removeprefix("moe_"): price_block(b, STYLE, cm) for b in ops.blocks}
