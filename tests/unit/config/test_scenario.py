@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from sim.config import resources
+from sim.config.key_hints import FOREIGN_KEYS
 from sim.scenario import (
     Claims,
     Cluster,
@@ -417,7 +418,13 @@ def test_random_junk_keys_are_rejected_naming_the_key(section, key, value):
         where = f"{name}.{key}"
     with pytest.raises(ScenarioError) as info:
         scenario_from_dict(data, "junk.yaml")
-    assert str(info.value) == f"junk.yaml: {where}: unknown key"
+    # One line naming the key; a hint, if any, names a real key of the same section (a near
+    # spelling) or where a framework's own flag lives (sim/config/key_hints.py).
+    prefix = where.rsplit(".", 1)[0] + "." if "." in where else ""
+    hints = {""} | {f"; did you mean {prefix}{k}?" for k in model.model_fields}
+    if key in FOREIGN_KEYS:
+        hints.add(f"; it is {FOREIGN_KEYS[key]} here")
+    assert str(info.value) in {f"junk.yaml: {where}: unknown key{h}" for h in hints}
 
 
 # --------------------------------------------------------------------------- schema
