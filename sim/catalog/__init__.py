@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import yaml
 
@@ -97,10 +97,27 @@ class GpuSpec:
         return self.usable_memory_gib * 2**30
 
 
+# libyaml's C parser where PyYAML was built with it (its wheels are): the same data as the pure
+# Python SafeLoader, about ten times faster on the reference files (published_moe.yaml 0.47 s ->
+# 0.045 s), which the validation suites and their tests read many times.
+_SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def load_yaml(stream: str | bytes | IO[str]) -> Any:
+    """``yaml.safe_load`` with libyaml's parser where PyYAML has it: the same data, faster.
+
+    Examples
+    --------
+    >>> load_yaml("a: [1, 2]")
+    {'a': [1, 2]}
+    """
+    return yaml.load(stream, Loader=_SAFE_LOADER)
+
+
 @cache
 def _load(name: str) -> dict[str, Any]:
     with open(CATALOG_DIR / name) as fh:
-        data = yaml.safe_load(fh)
+        data = load_yaml(fh)
     assert isinstance(data, dict)
     return data
 

@@ -33,9 +33,7 @@ from collections import defaultdict
 from functools import cache
 from typing import Literal
 
-import yaml
-
-from sim.catalog import CATALOG_DIR, GpuSpec
+from sim.catalog import CATALOG_DIR, GpuSpec, load_yaml
 from sim.hardware.blackwell_attention import fp8_unit_gain
 
 Kind = Literal["full", "causal", "window"]
@@ -53,7 +51,7 @@ WINDOW_MAX_SEQ = 16384
 def _gains() -> dict[tuple[str, str, str, str], dict[int, list[tuple[float, float]]]]:
     """(part, format, pass, kind) -> head_dim_qk -> sorted [(log2 seq, bf16 ms / fp8 ms)]."""
     with open(CATALOG_DIR / "reference" / "cudnn_sdpa.yaml") as fh:
-        ref = yaml.safe_load(fh)
+        ref = load_yaml(fh)
     rows = [dict(zip(ref["columns"], r, strict=True)) for r in ref["rows"]]
     shape = ("gpu", "model", "mask", "batch", "seq", "q_heads", "kv_heads", "head_dim_qk",
              "head_dim_vo", "window", "pass")

@@ -21,9 +21,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sim.apps.validation.cases import scored_case
+from sim.catalog import load_yaml
 from sim.scenario import Scenario, scenario_from_dict
 
 REFERENCE = (Path(__file__).resolve().parents[2] / "catalog" / "reference"
@@ -40,7 +39,7 @@ VOCAB = 32000
 
 def reference() -> dict[str, Any]:
     """The reference file: ``models`` (the two proxies) and ``cases``."""
-    data = yaml.safe_load(REFERENCE.read_text())
+    data = load_yaml(REFERENCE.read_text())
     assert isinstance(data, dict)
     return data
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from sim.apps.nccltests import Bench
+from sim.catalog import load_yaml
 
 REFERENCE = Path(__file__).resolve().parents[2] / "catalog" / "reference" / "nccl.yaml"
 PLATEAU = 8 * 2**30
@@ -42,7 +41,7 @@ SETUPS: dict[str, list[tuple[str, int, str, str, bool]]] = {
 
 
 def nccl_cases() -> list[dict[str, Any]]:
-    entries = yaml.safe_load(REFERENCE.read_text())
+    entries = load_yaml(REFERENCE.read_text())
     cases: list[dict[str, Any]] = []
     for entry in entries:
         for topology, gpus, op, algo, per_nic in SETUPS.get(entry["id"], []):

@@ -20,9 +20,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
 from sim.apps.validation.cases import map_in_order
+from sim.catalog import load_yaml
 from sim.scenario import scenario_from_dict
 
 if TYPE_CHECKING:
@@ -33,7 +32,7 @@ REFERENCE = Path(__file__).resolve().parents[2] / "catalog" / "reference" / "pub
 
 def entries() -> list[dict[str, Any]]:
     """The published runs, as written in the reference file."""
-    return list(yaml.safe_load(REFERENCE.read_text()))
+    return list(load_yaml(REFERENCE.read_text()))
 
 
 def published_cases(ci_only: bool = False,

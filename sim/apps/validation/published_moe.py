@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from sim.apps.validation.cases import error_of, map_in_order
+from sim.catalog import load_yaml
 from sim.scenario import Scenario, ScenarioError, scenario_from_dict
 
 REFERENCE = (Path(__file__).resolve().parents[2] / "catalog" / "reference"
@@ -68,7 +69,7 @@ WINDOWS: tuple[Window, ...] = (ISSUE_14_WINDOW,)
 
 def entries() -> list[dict[str, Any]]:
     """The published runs, as written in the reference file."""
-    return list(yaml.safe_load(REFERENCE.read_text()))
+    return list(load_yaml(REFERENCE.read_text()))
 
 
 def scenario_of(entry: Mapping[str, Any]) -> Scenario:
