@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 # collects them (the slowest files first), not xdist's default of the most tests first.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test lint bench pictures golden clean
+.PHONY: demo test lint bench gaps pictures golden clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ golden: $(STAMP)
 # measured figure of each case still short of issue 13's goal (XFAIL).
 bench: $(STAMP)
 	$(BIN)/python -m pytest -q -m benchmark -s -rxX
+
+# Strict xfails too slow for `make test` that pin a gap of the model (each names its simulated
+# and measured figures); XPASS fails, so a change that closes a gap says so here.
+gaps: $(STAMP)
+	$(BIN)/python -m pytest -q -m gap -rxX
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache

@@ -54,6 +54,8 @@ def test_the_logs_gain_from_baseline_to_final_as_measured() -> None:
     assert s1 / s0 == pytest.approx(m1 / m0, rel=0.15)
 
 
+# 40 s of two 64-GPU simulations for a known gap: `make gaps`, not `make test`.
+@pytest.mark.gap
 @pytest.mark.xfail(strict=True, reason="MXFP8 over BF16 on the all-to-all path: measured "
                    "0.947x, simulated 1.005x (the FP8 all-to-all rows' lean; with DeepEP inside "
                    "a node the simulated FP8 gains hold: docs/calibration.md)")
