@@ -150,8 +150,9 @@ def zone_note(scenario: Scenario) -> str | None:
     every expert-parallel group wider than a node across the zone link. There its all-to-alls
     share the link with every other group's, none runs alone on its links, so none folds
     (:mod:`sim.fabric.fold`) and each start and many ends solve all of them: the shipped
-    DeepSeek-V3 on 1,024 H100 takes 27 minutes a step (``docs/performance.md`` items
-    14-16), where ``blocks`` (each zone's nodes consecutive) keeps each group in one zone and
+    DeepSeek-V3 on 1,024 H100 took 27 minutes a step (``docs/performance.md`` items
+    14-16), more since NCCL's all-to-all runs at its measured network share (item 18),
+    where ``blocks`` (each zone's nodes consecutive) keeps each group in one zone and
     simulates in seconds. An expert group spans ``etp x ep`` consecutive ranks (Megatron-Core's
     expert layout, ``etp`` innermost). None when nothing crosses.
 
@@ -173,7 +174,7 @@ def zone_note(scenario: Scenario) -> str | None:
     return (f"cluster.az_placement: round_robin puts each {p.ep}-rank expert-parallel group "
             f"({nodes} nodes) across the {c.azs} zones: their all-to-alls share the zone "
             "link, none folds, and the engine solves thousands of their flows at a time (the "
-            "shipped DeepSeek-V3 on 1,024 GPUs: 27 minutes a step); cluster.az_placement: "
+            "shipped DeepSeek-V3 on 1,024 GPUs: over half an hour a step); cluster.az_placement: "
             "blocks keeps each group in one zone (docs/performance.md, items 14-16)")
 
 

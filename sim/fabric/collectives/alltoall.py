@@ -44,7 +44,8 @@ from sim.fabric.collectives.algorithms import (
     PlanBuilder,
     nccl_channel_count,
 )
-from sim.fabric.topology import NVLINK
+from sim.fabric.collectives.nccl import NETWORK_EFFICIENCY
+from sim.fabric.topology import CROSS_AZ, CROSS_REGION, NETWORK, NVLINK
 
 # Peers one p2p work batch of a channel holds (src/include/device.h).
 MAX_P2P_PER_BATCH = 8
@@ -69,6 +70,35 @@ MAX_P2P_PER_BATCH = 8
 # Not modelled: the NVL72's step below 1 MB a peer (64 GPUs: ~135 GB/s up to 32 MB).
 P2P_NVLINK_CALL_S = 16.4e-6
 P2P_NVLINK_SHARE = {"blackwell": 0.843}
+
+
+# NCCL's all-to-all across the network against the ring's per-NIC rate (NETWORK_EFFICIENCY,
+# 46-48 GB/s an NDR NIC): two measured two-node plateaus, each a 4 GB buffer (latency nil),
+# both at about 0.89 of it. nccl-tests issue 355 (2025-10-31, NCCL 2.28.7): 16 H100 on 2
+# nodes, one 400 Gb/s ConnectX-7 a GPU, busbw about 80 GB/s ("the CPU-proxy bandwidth can
+# reach 80GB"); NVIDIA/nccl issue 1138 (2024-01-05, NCCL 2.18.6): 16 A100 on 2 nodes, four
+# 200 Gb/s NICs a node, busbw 19.83 GB/s. On 2 nodes half of each rank's buffer crosses the
+# network, so the ring's rate gives busbw = (15 / 16) x 2 x (NIC rate a GPU) x
+# NETWORK_EFFICIENCY: 89.1 and 22.3 GB/s. Why less: each rank's network bytes are split over
+# its peers' connections (NCCL_P2P_NET_CHUNKSIZE chunks, each posted by a CPU proxy, and with
+# PXN the proxy of the rail's GPU posts its neighbours' sends too; issue 1138 traces the
+# shortfall to that proxy's load). **Fitted** on these two points (the mean of their ratios);
+# not on any training run. The maintainers' rule rows of ``nccl.yaml`` (46-48 GB/s a NIC
+# times the node-count factor) now sit about 10% above the simulation, as the measured 80
+# sits below the rule's 92-96.
+P2P_NETWORK_SHARE = (80.0 / (15 / 16 * 2 * 50.0 * NETWORK_EFFICIENCY)
+                     + 19.83 / (15 / 16 * 2 * 12.5 * NETWORK_EFFICIENCY)) / 2
+_NETWORK_KINDS = (NETWORK, CROSS_AZ, CROSS_REGION)
+
+
+def network_capacity(builder: PlanBuilder, share: float) -> np.ndarray:
+    """The builder's link rates with the network's (NIC, switch and long-haul links) at
+    ``share`` of NCCL's ring rate: what NCCL's own grouped sends reach there
+    (:data:`P2P_NETWORK_SHARE`); fused kernels (DeepEP, Hybrid-EP) keep the ring's."""
+    if share >= 1.0:
+        return builder.capacity
+    return np.where(np.isin(builder.fabric.kind, _NETWORK_KINDS), builder.capacity * share,
+                    builder.capacity)
 
 
 def nccl_nvlink_share(arch: str) -> float:
@@ -102,7 +132,7 @@ def even_matrix(n: int, nbytes: float) -> PeerMatrix:
 
 def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: PeerMatrix,
               coflow: bool = True, nvlink_send_rate: float = math.inf,
-              nvlink_share: float = 1.0) -> FlowPlan | None:
+              nvlink_share: float = 1.0, network_share: float = 1.0) -> FlowPlan | None:
     """One flow per (source, destination) with bytes to move, in every group, each carrying
     ``matrix[i][j]`` bytes (the plan's message size is 1 byte: ``share`` is in bytes).
 
@@ -119,6 +149,8 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
         alone bound them
     nvlink_share : the share of each NVLink link's capacity (NCCL's rate) the sends reach
         (:func:`~sim.fabric.collectives.fused_kernel.nvlink_share`)
+    network_share : the same on network links (:data:`P2P_NETWORK_SHARE` for NCCL's own
+        sends, 1 for a fused kernel's)
 
     Returns
     -------
@@ -149,7 +181,7 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
     # time, so volume / bus_bw predicts the op alone (the nccl-tests column, the SMs' hold).
     load = np.bincount(plan.flat, weights=np.repeat(plan.share, plan.lengths),
                        minlength=len(builder.capacity))
-    capacity = builder.capacity
+    capacity = network_capacity(builder, network_share)
     if nvlink_share < 1.0:
         capacity = np.where(builder.fabric.kind == NVLINK, capacity * nvlink_share, capacity)
     per_byte = float((load / capacity).max())
@@ -169,7 +201,8 @@ def peer_plan(builder: PlanBuilder, groups: Sequence[tuple[int, ...]], matrix: P
     # Under contention the caps keep each send to its share of the op: a send cannot take
     # what another op frees before the others end, which max-min would allow (slower by at
     # most that; the even split, ``coflow=False``, keeps max-min).
-    if (coflow or nvlink_send_rate < math.inf or nvlink_share < 1.0) and per_byte > 0:
+    if (coflow or nvlink_send_rate < math.inf or nvlink_share < 1.0
+            or network_share < 1.0) and per_byte > 0:
         plan = replace(plan, bottleneck=np.minimum(plan.bottleneck, plan.share / per_byte))
     return replace(plan, bus_bw=volume / per_byte if per_byte > 0 else math.inf,
                    chain_latency_s=chain, flow_channels=float(per_peer),

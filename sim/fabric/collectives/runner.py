@@ -207,7 +207,8 @@ class CollectiveRunner:
             # (sim.fabric.collectives.alltoall); a group of 2+ ranks always has a flow.
             a2a = alltoall.peer_plan(b, [group], alltoall.even_matrix(len(group), 1.0),
                                      coflow=False,
-                                     nvlink_share=alltoall.nccl_nvlink_share(self.arch))
+                                     nvlink_share=alltoall.nccl_nvlink_share(self.arch),
+                                     network_share=alltoall.P2P_NETWORK_SHARE)
             assert a2a is not None
             plans.append(a2a)
         if op == "sendrecv":
@@ -426,10 +427,13 @@ class CollectiveRunner:
             rate = kernel.nvlink_send_rate(fused_sms)
             nccl_op = not fused_kernel and fused_sms <= 0
             share = kernel.nvlink_share(fused_sms, self.arch)
+            # NCCL's own sends across the network at their measured share; a fused kernel's
+            # keep the ring's rate (their own published rates, sim.fabric.collectives).
+            net_share = alltoall.P2P_NETWORK_SHARE if nccl_op else 1.0
 
             def planned(gs: list[tuple[int, ...]]) -> FlowPlan | None:
                 return alltoall.peer_plan(b, gs, matrix, nvlink_send_rate=rate,
-                                          nvlink_share=share)
+                                          nvlink_share=share, network_share=net_share)
 
             plan = planned(tgroups[:1])
             count = len(tgroups)
