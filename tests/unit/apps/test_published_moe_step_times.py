@@ -1,7 +1,8 @@
 """The ``published-moe`` rows whose source gives a step time rather than a throughput (the
 Megatron Core MoE report's model zoo, yanring/Megatron-MoE-ModelZoo best_practice/qwen3/
-readme.md; Megatron-LM PR 6429's performance table): the measured tokens/s per GPU is GBS x seq / (step x GPUs), no FLOP formula, and
-the arithmetic printed in the source must agree with the scenario it describes."""
+readme.md; Megatron-LM PR 6429's performance table): the measured tokens/s per GPU is
+GBS x seq / (step x GPUs), no FLOP formula, and the arithmetic printed in the source must agree
+with the scenario it describes."""
 
 from __future__ import annotations
 

@@ -9,10 +9,34 @@ from sim.apps.validation.nccl import nccl_cases
 
 CASES = nccl_cases()
 
+# The maintainers' all-to-all rule across nodes (46-48 GB/s a NIC times the node-count factor,
+# nccl.yaml), never measured as such: the one measured plateau of that setup, 16 H100 on 2
+# nodes (nccl-tests issue 355: about 80 GB/s against the rule's 92-96), sits 15% below it, as
+# NVIDIA/nccl issue 1138's A100 pair does below its own; the simulation follows the two
+# measurements (sim.fabric.collectives.alltoall.P2P_NETWORK_SHARE), 12-15% under the rule.
+RULE_NOT_MEASURED = ("ndr400-alltoall-2node/", "ndr400-alltoall-4node/", "cx7-alltoall-6node/")
 
-@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
+
+def _param(case):
+    if case["id"].startswith(RULE_NOT_MEASURED):
+        return pytest.param(case, id=case["id"], marks=pytest.mark.xfail(
+            strict=True, reason="the maintainers' all-to-all rule, 15% above the measured "
+                                "two-node plateau the simulation follows"))
+    return pytest.param(case, id=case["id"])
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
 def test_published_nccl_points_within_10_percent(case) -> None:
     assert abs(case["error"]) <= 0.10, case
+
+
+def test_the_rule_points_sit_between_the_measured_plateau_and_the_rule() -> None:
+    # Below the rule (the ideal a NIC can give), and not further below it than the measured
+    # two-node plateau's 15% with some room (20%).
+    rule = [c for c in CASES if c["id"].startswith(RULE_NOT_MEASURED)]
+    assert len(rule) == 3
+    for c in rule:
+        assert -0.20 < c["error"] < 0.0, c
 
 
 def test_nvls_is_chosen_for_large_in_node_all_reduce() -> None:
