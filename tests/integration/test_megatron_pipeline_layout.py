@@ -179,9 +179,10 @@ def test_published_deepseek_v3_rows_now_build() -> None:
     # pp 4 x vp 4 on GB200 and GB300, the verification cards' pp 8 x vp 4 on H100, pp 4 x vp 4
     # on GB200 and pp 2 x vp 8 on GB300, Megatron-LM's GB200 optimization log's pp 8 x vp 4
     # baseline and final configuration, and DeepSeek's own run on DualPipe's two directions of
-    # pp 16, and NeMo 2.0's 25.04 recipe in DGX Cloud Benchmarking: 64 / pp layers a middle
-    # stage, one fewer on the first and two fewer on the last, at pp 16, 8 and 4) carry their
-    # scripts' layouts and shape without a refusal.
+    # pp 16, NeMo 2.0's 25.04 recipe in DGX Cloud Benchmarking: 64 / pp layers a middle
+    # stage, one fewer on the first and two fewer on the last, at pp 16, 8 and 4, and
+    # Megatron-LM PRs 6311 / 6429's 14-layer cut at pp 4 x vp 2) carry their scripts' layouts
+    # and shape without a refusal.
     rows = {e["id"]: e for e in entries() if "deepseek-v3" in e["id"]
             and scenario_of(e).framework.name == "megatron"}   # not AutoModel's fsdp2 rows
     want = {"tp2pp16ep64": [3] + [4] * 14 + [2], "tp2pp8ep64": [7] + [8] * 6 + [6],
@@ -189,8 +190,10 @@ def test_published_deepseek_v3_rows_now_build() -> None:
             "dualpipe": ([4] * 15 + [1]) * 2, "pp4vp4": [4] * 15 + [1],
             "pp16": [4] * 15 + [1],
             "pp8vp4": [1] + [2] * 30 + [0], "pp8vp2": [4] * 15 + [1],
-            "pp2vp8": [4] * 15 + [1]}
-    assert len(rows) == 28
+            "pp2vp8": [4] * 15 + [1],
+            # Megatron-LM PRs 6311 / 6429: the benchmark recipe at 14 layers, Ett|(tt|)*6mL.
+            "14l-64xh100": [2] * 7 + [0]}
+    assert len(rows) == 30
     for rid, e in rows.items():
         sh = megatron_shape(JobContext.from_scenario(scenario_of(e), rid))
         key = next(k for k in want if k in rid)
