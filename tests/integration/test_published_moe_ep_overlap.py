@@ -58,10 +58,11 @@ def test_the_hybridep_overlap_gain_as_measured() -> None:
 
 @pytest.mark.xfail(strict=True, reason="the overlap's gain is over-predicted with NCCL's "
                    "all-to-all: 1.56x simulated against 1.32x measured; the simulated step is "
-                   "bound by the all-to-alls, priced at the NICs' line rate across the two "
-                   "nodes and not slowed beside compute, where the HybridEP profile measured "
-                   "its communication 31% longer with the overlap (docs/calibration.md, "
-                   "thirty-fourth and thirty-sixth sessions)")
+                   "bound by the all-to-alls, at NCCL's measured network rate since the "
+                   "fifty-third session but not slowed beside compute, where the HybridEP "
+                   "profile measured its communication 31% longer with the overlap "
+                   "(docs/calibration.md, thirty-fourth, thirty-sixth and fifty-third "
+                   "sessions: a what-if of that slowdown halves this row's error)")
 def test_the_alltoall_overlap_gain_as_measured() -> None:
     off, on, _ = PAIRS["alltoall"]
     measured, simulated = _gain(off, on)
