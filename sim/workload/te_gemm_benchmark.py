@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sim import catalog
-from sim.catalog import load_yaml
 from sim.hardware.compute import ComputeModel
 from sim.workload.block_pricing import kernel_time
 from sim.workload.kernels import BF16, Kernel, Tensor
@@ -154,6 +153,6 @@ def training_quantizations(hidden: int = 4096, intermediate: int = 16384, tokens
 def reference() -> dict[str, Any]:
     """TE's published tables (``sim/catalog/reference/te_gemm_profiling.yaml``)."""
     path = Path(catalog.__file__).parent / "reference" / "te_gemm_profiling.yaml"
-    data = load_yaml(path.read_text())
+    data = catalog.load_yaml(path.read_text())
     assert isinstance(data, dict)
     return data

@@ -91,3 +91,31 @@ def test_fused_kernels_keep_the_rings_network_rate() -> None:
     # kernel's (whose NVLink share, 24 SMs, is not what paces a two-node op).
     nccl_s, fused_s = _two_node_time(0), _two_node_time(24)
     assert nccl_s / fused_s == pytest.approx(1 / alltoall.P2P_NETWORK_SHARE, rel=0.02)
+
+
+
+def _builder(gpus: int):
+    import simpy
+
+    from sim.fabric.collectives.runner import CollectiveRunner, transport_capacity
+    from sim.fabric.network import FlowNetwork
+    from sim.fabric.topology import LINK_KINDS
+
+    fab = Bench.build("dgx-h100", gpus).fabric
+    env = simpy.Environment()
+    net = FlowNetwork(env, transport_capacity(fab, "hopper"), fab.kind, len(LINK_KINDS))
+    return CollectiveRunner(env, net, fab, "hopper").builder
+
+
+@pytest.mark.parametrize(("gpus", "capped"), [(8, False), (16, True)])
+def test_the_share_caps_the_even_split_only_where_it_crosses_the_network(gpus, capped) -> None:
+    # The even split (coflow off) is left to max-min sharing; inside one node the network
+    # share has no link to act on, so it must leave that plan exactly as it was.
+    b, group = _builder(gpus), tuple(range(gpus))
+    matrix = alltoall.even_matrix(gpus, 1.0)
+    plain = alltoall.peer_plan(b, [group], matrix, coflow=False)
+    shared = alltoall.peer_plan(b, [group], matrix, coflow=False,
+                                network_share=alltoall.P2P_NETWORK_SHARE)
+    assert plain is not None and shared is not None
+    assert (shared.bus_bw < plain.bus_bw) == capped
+    assert (not (shared.bottleneck == plain.bottleneck).all()) == capped
