@@ -181,7 +181,8 @@ def test_published_deepseek_v3_rows_now_build() -> None:
     # baseline and final configuration, and DeepSeek's own run on DualPipe's two directions of
     # pp 16, NeMo 2.0's 25.04 recipe in DGX Cloud Benchmarking: 64 / pp layers a middle
     # stage, one fewer on the first and two fewer on the last, at pp 16, 8 and 4, and
-    # Megatron-LM PRs 6311 / 6429's 14-layer cut at pp 4 x vp 2) carry their scripts' layouts
+    # Megatron-LM PRs 6311 / 6429's 14-layer cut at pp 4 x vp 2, without and with the EP
+    # overlap) carry their scripts' layouts
     # and shape without a refusal.
     rows = {e["id"]: e for e in entries() if "deepseek-v3" in e["id"]
             and scenario_of(e).framework.name == "megatron"}   # not AutoModel's fsdp2 rows
@@ -193,7 +194,7 @@ def test_published_deepseek_v3_rows_now_build() -> None:
             "pp2vp8": [4] * 15 + [1],
             # Megatron-LM PRs 6311 / 6429: the benchmark recipe at 14 layers, Ett|(tt|)*6mL.
             "14l-64xh100": [2] * 7 + [0]}
-    assert len(rows) == 30
+    assert len(rows) == 32
     for rid, e in rows.items():
         sh = megatron_shape(JobContext.from_scenario(scenario_of(e), rid))
         key = next(k for k in want if k in rid)

@@ -22,6 +22,12 @@ all-to-alls run on a communication stream while the other's compute runs
   layer ``i`` and backward layer ``L - 1 - i``: b mtp_post_process, b combine (comm), f
   pre_dispatch (comp), b mlp (comp), f dispatch (comm), b dispatch (comm), f mlp (comp),
   f combine (comm), b pre_dispatch (comp), f mtp_post_process; the host issues in that order.
+  Under full recomputation (Megatron-LM's dev branch since PR 6311, 1ea5c3472e; main's PR
+  6429 is the same change) the forward runs without keeping its activations and ``run``
+  first replays the backward layer's forward (``RecomputeSegment.recompute``: its nodes on
+  their usual streams, one after another on the backward's chain), so the replay and its
+  all-to-alls have nothing of the forward micro-batch beside them; Megatron-Core's main
+  branch still refuses the pair (``transformer_config.py`` at d98e8a6).
 * ``TransformerModelChunkSchedulePlan.run``: after the pipeline waits, the forward's
   embedding and the backward's output layer, then the overlapped layers, the backward's and
   then the forward's remaining layers alone, the point-to-point sends, the forward's output
@@ -104,9 +110,15 @@ def check_a2a_overlap(ctx: JobContext, s: MegatronShape) -> None:
     ctx.require(o.pipeline_schedule in ("1f1b", "dualpipe", "dualpipev"), KEY,
                 "the combined schedule replaces 1F1B (pipeline_schedule: 1f1b); DualPipe "
                 "overlaps its F&B pairs with it (pipeline_schedule: dualpipe or dualpipev)")
-    ctx.require(s.ac != "full", KEY,
-                "disable full recomputation (activation_checkpointing: full) with "
-                "overlap_moe_expert_parallel_comm")
+    if s.ac == "full":
+        # Megatron-LM's dev branch replays each layer before its backward (PR 6311); the two
+        # features its replay cannot pair with are refused there (transformer_config.py).
+        ctx.require(not o.moe_paged_stash, KEY,
+                    "overlap_moe_expert_parallel_comm full recompute is not yet supported "
+                    "together with moe_paged_stash")
+        ctx.require(not o.fine_grained_activation_offloading, KEY,
+                    "overlap_moe_expert_parallel_comm full recompute is not yet supported "
+                    "together with fine_grained_activation_offloading")
     ctx.require(not o.moe_shared_expert_overlap, KEY,
                 "disable moe_shared_expert_overlap when enabling "
                 "overlap_moe_expert_parallel_comm")
@@ -126,6 +138,9 @@ class LayerNodes:
     combine: list[Op] = field(default_factory=list)
     post: list[Op] = field(default_factory=list)
     """``mtp_post_process`` (an MTP layer's head and loss), or ops before the combine."""
+    replay: LayerNodes | None = None
+    """Under full recomputation, a backward layer's forward replayed before its backward
+    (``RecomputeSegment.recompute``), cut as a forward's nodes; None otherwise."""
 
 
 def _a2a(op: Op, which: str) -> bool:
@@ -171,7 +186,13 @@ def forward_nodes(ops: list[Op]) -> LayerNodes:
 def backward_nodes(ops: list[Op]) -> LayerNodes:
     """A layer's backward ops as nodes: the MTP head's backward, combine (the unpermutation's
     backward and the combine's reverse all-to-all), mlp, the dispatch's reverse all-to-alls,
-    then pre_dispatch (shared experts, router, attention)."""
+    then pre_dispatch (shared experts, router, attention). Under full recomputation the
+    layer's replayed forward comes first (:attr:`LayerNodes.replay`)."""
+    r = _index(ops, lambda o: not o.name.startswith("recompute "))
+    if r:
+        nodes = backward_nodes(ops[r:])
+        nodes.replay = forward_nodes(ops[:r])
+        return nodes
     c = _index(ops, lambda o: _a2a(o, "combine"))
     if c == len(ops):       # dense: the MLP block, then attention
         a = _index(ops, lambda o: " attn L" in o.name)
@@ -328,13 +349,27 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
         # (activation offloading's D2H and H2D streams) is not part of the chain.
         prev[chain] = next((o for o in reversed(ops) if o.host_transfer is None), ops[-1])
 
-    def dispatch(n: LayerNodes) -> None:
-        """The forward's dispatch node, the host waiting in it for the token counts."""
+    def dispatch(n: LayerNodes, chain: str = "f") -> None:
+        """A forward's dispatch node, the host waiting in it for the token counts."""
         wait = dispatch_wait(n, f"combined 1f1b {label}")
         if wait is not None and wait.stream == HOST_WAIT_STREAM:
             emit(wait)      # the counts' copy, not the chunk's event
             wait = None
-        node("f", [wait, *n.dispatch] if wait is not None else n.dispatch, True)
+        node(chain, [wait, *n.dispatch] if wait is not None else n.dispatch, True)
+
+    def replay(n: LayerNodes) -> None:
+        """Full recomputation (Megatron-LM dev, PR 6311): the backward layer's forward is
+        replayed, node by node on its usual streams, before anything else of the pair is
+        issued (``TransformerLayerSchedulePlan.run``: ``recompute_segment.recompute`` first),
+        so nothing of the forward micro-batch is there to overlap it."""
+        r = n.replay
+        if r is None:
+            return
+        node("b", r.pre, nodes=pre_nodes(r))
+        dispatch(r, "b")
+        node("b", r.mlp)
+        node("b", r.combine, True)
+        node("b", r.post)
 
     last_b = b_layers[-1] if b_layers else None
 
@@ -349,6 +384,7 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
             emit(op)
 
     def alone_b(n: LayerNodes) -> None:
+        replay(n)
         node("b", n.post)
         node("b", n.combine, True)
         node("b", n.mlp)
@@ -368,6 +404,7 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
     node("b", b_head)
     both = min(len(f_layers), len(b_layers))
     for fn, bn in zip(f_layers[:both], b_layers[:both], strict=True):
+        replay(bn)
         node("b", bn.post)
         node("b", bn.combine, True)
         node("f", fn.pre, nodes=pre_nodes(fn))

@@ -224,7 +224,8 @@ def megatron_recomputation(pt: SearchPoint, options: Options) -> Iterable[Recomp
     """No recomputation; for a mixture-of-experts model the light ``recompute_modules`` sets
     of NVIDIA's MoE recipes (:data:`MOE_RECOMPUTE`, least first); Megatron-Core's selective
     default (``core_attn``); full recomputation, except with ``moe_a2a_overlap`` (Megatron-
-    Core refuses the combined schedule with it). A dense model's are the default three.
+    Core's main branch refuses the combined schedule with it; only its dev branch replays each
+    layer, :mod:`sim.frameworks.megatron.a2a_overlap`). A dense model's are the default three.
 
     Examples
     --------
