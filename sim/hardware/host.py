@@ -50,18 +50,6 @@ NVLINK_C2C_GBYTES_PER_S = 450.0
 # #2053, 2025-08; GH200 33.17 us). One op, one measurement: PyTorch's dispatch, cuBLAS's
 # launch path and the Python interpreter on Neoverse V2 against Sapphire Rapids.
 GRACE_CPU_OP_FACTOR = 37.08 / 13.48
-# Python-level work runs nearly as fast on Grace as on those x86 hosts: PyTorch issue 187862
-# (zou3519, 2026-06-22) times op dispatch from Python (``OpOverload.__call__``) on a GB200 at
-# 70.7 ns a direct call against 65.5 on an H100 host, and its overhead at 126 against 111 ns.
-GRACE_PYTHON_FACTOR = (70.7 / 65.5 + 126.0 / 111.0) / 2
-# One Transformer Engine module call (a ``te.Linear`` forward, bf16), the unit Megatron-Core's
-# TE layers are priced in: 99.66 us of CPU on GB200 (TE issue #2053, the same script as
-# GRACE_CPU_OP_FACTOR's). On an x86 host it is torch.nn.Linear's 13.48 us (its dispatch and
-# GEMM launch) plus TE's own work beyond it (99.66 - 37.08 us on Grace: the module's Python,
-# its FP8 and device checks, the autograd Function), which is Python and so takes Grace's
-# Python ratio, not its launch path's: 70.0 us.
-GRACE_TE_MODULE_CALL_CPU_S = 99.66e-6
-X86_TE_MODULE_CALL_CPU_S = 13.48e-6 + (99.66e-6 - 37.08e-6) / GRACE_PYTHON_FACTOR
 
 # One core's sustained DRAM bandwidth. Little's law: ~48 outstanding L2 misses of 64 B over a
 # ~110 ns DRAM latency bound a Golden Cove / Zen 2 core near 28 GB/s; single-thread STREAM
@@ -200,24 +188,6 @@ def _generation(gpu: str) -> str:
     if gpu.startswith("b"):
         return "blackwell"
     return "hopper"
-
-
-def te_module_call_cpu_s(host: HostSpec) -> float:
-    """Host seconds of one Transformer Engine module call as an op's ``cpu_s`` (before the
-    engine multiplies it by the host's ``cpu_op_factor``): :data:`X86_TE_MODULE_CALL_CPU_S` on
-    the x86 DGX hosts, :data:`GRACE_TE_MODULE_CALL_CPU_S` (measured) on Grace.
-
-    Examples
-    --------
-    >>> round(X86_TE_MODULE_CALL_CPU_S * 1e6, 1), round(GRACE_TE_MODULE_CALL_CPU_S * 1e6, 2)
-    (70.0, 99.66)
-    >>> grace = HostSpec(72, 480, 384, 55.2, 32.0, 2, cpu_op_factor=GRACE_CPU_OP_FACTOR)
-    >>> round(te_module_call_cpu_s(grace) * grace.cpu_op_factor * 1e6, 2)
-    99.66
-    """
-    if host.cpu_op_factor == 1.0:
-        return X86_TE_MODULE_CALL_CPU_S
-    return GRACE_TE_MODULE_CALL_CPU_S / host.cpu_op_factor
 
 
 AdamImplementation = Literal["deepspeed", "torch"]
