@@ -10,7 +10,8 @@ from helpers import megatron_scenario
 from sim.api import simulate
 from sim.apps.validation.published_moe import entries, scenario_of
 from sim.frameworks import JobContext, build_program
-from sim.frameworks.megatron.a2a_overlap import COMM_STREAM
+from sim.frameworks.megatron.a2a_overlap import COMM_STREAM, backward_nodes
+from sim.program.ir import Op
 
 # A small MoE model (4 layers, 16 experts of width 2048, top-4) on 8 GPUs with EP 8.
 MOE = {"layers": 4, "hidden": 2048, "heads": 16, "kv_heads": 16, "ffn_hidden": 4096,
@@ -62,3 +63,20 @@ def test_overlap_gain_with_full_recompute_is_the_measured_one() -> None:
     assert base < one < many
     assert one / base - 1 == pytest.approx(191.1 / 184.2 - 1, abs=0.025)
     assert many / base - 1 == pytest.approx(198.5 / 184.2 - 1, abs=0.025)
+
+
+def test_only_full_recomputation_is_cut_as_a_replay() -> None:
+    """A dense layer's backward under ``recompute_modules: [mlp]`` starts with the MLP's
+    re-run too; that checkpoint belongs to the backward's mlp node (it runs right before the
+    MLP's backward), not to a replay issued ahead of the pair."""
+    rec = Op(name="recompute mlp L0 mb0", kind="compute", stream="compute", phase="compute",
+             layer=0, micro_batch=0, category="recompute")
+    mlp = Op(name="bwd mlp L0 mb0", kind="compute", stream="compute", phase="compute",
+             layer=0, micro_batch=0, category="backward")
+    attn = Op(name="bwd attn L0 mb0", kind="compute", stream="compute", phase="compute",
+              layer=0, micro_batch=0, category="backward")
+    selective = backward_nodes([rec, mlp, attn])
+    assert selective.replay is None and selective.mlp == [rec, mlp] and selective.pre == [attn]
+    full = backward_nodes([rec, mlp, attn], replays=True)
+    assert full.replay is not None and full.replay.mlp == [rec]
+    assert full.mlp == [mlp] and full.pre == [attn]

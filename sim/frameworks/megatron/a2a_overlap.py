@@ -183,12 +183,14 @@ def forward_nodes(ops: list[Op]) -> LayerNodes:
                       post=ops[ce:])
 
 
-def backward_nodes(ops: list[Op]) -> LayerNodes:
+def backward_nodes(ops: list[Op], replays: bool = False) -> LayerNodes:
     """A layer's backward ops as nodes: the MTP head's backward, combine (the unpermutation's
     backward and the combine's reverse all-to-all), mlp, the dispatch's reverse all-to-alls,
-    then pre_dispatch (shared experts, router, attention). Under full recomputation the
-    layer's replayed forward comes first (:attr:`LayerNodes.replay`)."""
-    r = _index(ops, lambda o: not o.name.startswith("recompute "))
+    then pre_dispatch (shared experts, router, attention). ``replays`` (full recomputation):
+    the layer's replayed forward, its leading ``recompute`` ops, becomes
+    :attr:`LayerNodes.replay`; a selective module recomputation (``recompute_modules``) stays
+    in the backward node it belongs to."""
+    r = _index(ops, lambda o: not o.name.startswith("recompute ")) if replays else 0
     if r:
         nodes = backward_nodes(ops[r:])
         nodes.replay = forward_nodes(ops[:r])
@@ -204,10 +206,11 @@ def backward_nodes(ops: list[Op]) -> LayerNodes:
                       dispatch=ops[d:de], pre=ops[de:])
 
 
-def split_unit(ops: list[Op], forward: bool) -> tuple[list[Op], list[LayerNodes], list[Op]]:
+def split_unit(ops: list[Op], forward: bool, replays: bool = False
+               ) -> tuple[list[Op], list[LayerNodes], list[Op]]:
     """A unit's ops as (ops before its first layer, each layer's nodes in the unit's order,
     ops after its last layer). Ops without a layer between two layers' stay with the one
-    before."""
+    before. ``replays``: a backward unit under full recomputation (:func:`backward_nodes`)."""
     first = _index(ops, lambda o: o.layer is not None)
     last = max((i for i, o in enumerate(ops) if o.layer is not None), default=-1)
     runs: list[list[Op]] = []
@@ -217,8 +220,8 @@ def split_unit(ops: list[Op], forward: bool) -> tuple[list[Op], list[LayerNodes]
             runs.append([])
             prev = op.layer
         runs[-1].append(op)
-    cut = forward_nodes if forward else backward_nodes
-    return ops[:first], [cut(r) for r in runs], ops[last + 1:]
+    nodes = [forward_nodes(r) if forward else backward_nodes(r, replays) for r in runs]
+    return ops[:first], nodes, ops[last + 1:]
 
 
 # ---------------------------------------------------------------------- the host's wait
@@ -305,7 +308,8 @@ def pre_nodes(n: LayerNodes) -> int:
 def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
                label: str, wgrad: Mapping[int, LayerWgrad] | None = None,
                single_queue: bool = False,
-               node_cpu: NodeHost | None = None) -> tuple[Op, Op]:
+               node_cpu: NodeHost | None = None,
+               full_recompute: bool = False) -> tuple[Op, Op]:
     """Issue a forward unit's and a backward unit's ops as Megatron-Core's combined step does
     (see the module docstring) through ``emit`` (which adds an op to the stage's program);
     return the (first, last) ops the pipeline's waits and sends attach to: a start marker
@@ -315,12 +319,13 @@ def issue_pair(f_ops: list[Op], b_ops: list[Op], emit: Callable[[Op], None],
     compute stream outside the backward's chain of nodes. ``single_queue``:
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (:func:`single_queue_emit`). ``node_cpu``: the host
     seconds of each schedule node's own machinery (:func:`sim.frameworks.megatron.
-    schedule_nodes.node_host`), spent before the node's first op."""
+    schedule_nodes.node_host`), spent before the node's first op. ``full_recompute``: the
+    backward layers' forwards are replayed first (``activation_checkpointing: full``)."""
     host = node_cpu if node_cpu is not None else NodeHost(0.0, 0.0)
     if single_queue:
         emit = single_queue_emit(emit)
     f_head, f_layers, f_tail = split_unit(f_ops, True)
-    b_head, b_layers, b_tail = split_unit(b_ops, False)
+    b_head, b_layers, b_tail = split_unit(b_ops, False, full_recompute)
     start = Op(name=f"combined 1f1b {label} start", kind="compute", stream="compute",
                phase="comm", kernels=0, category="sync")
     emit(start)

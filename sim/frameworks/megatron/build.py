@@ -459,7 +459,8 @@ class _Step:
                                  label, self.wgrad.get((b[0], place.virtual(st, b[1]), b[2]))
                                  if b and self.wgrad else None,
                                  single_queue=self.s.opts.cuda_device_max_connections == 1,
-                                 node_cpu=node_host(bool(self.s.lay.fp8)))
+                                 node_cpu=node_host(bool(self.s.lay.fp8)),
+                                 full_recompute=self.s.ac == "full")
         if b is not None:
             self.last_bwd[st] = last
         return first, last
