@@ -49,7 +49,32 @@ NVLINK_C2C_GBYTES_PER_S = 450.0
 # GB200 against 13.48 us on a DGX H100 (Xeon Platinum 8480C) (NVIDIA/TransformerEngine issue
 # #2053, 2025-08; GH200 33.17 us). One op, one measurement: PyTorch's dispatch, cuBLAS's
 # launch path and the Python interpreter on Neoverse V2 against Sapphire Rapids.
-GRACE_CPU_OP_FACTOR = 37.08 / 13.48
+X86_TORCH_LINEAR_CALL_CPU_S = 13.48e-6
+GRACE_TORCH_LINEAR_CALL_CPU_S = 37.08e-6
+GRACE_CPU_OP_FACTOR = GRACE_TORCH_LINEAR_CALL_CPU_S / X86_TORCH_LINEAR_CALL_CPU_S
+# Python-level work runs nearly as fast on Grace as on those x86 hosts: PyTorch issue 187862
+# (zou3519, 2026-06-22) times op dispatch from Python (``OpOverload.__call__``) on a GB200 at
+# 70.7 ns a direct call against 65.5 on an H100 host, and its overhead at 126 against 111 ns.
+GRACE_PYTHON_FACTOR = (70.7 / 65.5 + 126.0 / 111.0) / 2
+# One Transformer Engine module call (a ``te.Linear`` forward, bf16), the unit Megatron-Core's
+# TE layers are priced in, by TE release. TE cut its modules' CPU work from v2.11 (PRs #2377
+# and #2400, 2025-11; a maintainer on TE issue #2126, 2026-01-03: "CPU overhead should have
+# been greatly reduced as of today ... TELinear is nearly the same with vanilla torch linear").
+# Before the cut: 99.66 us of CPU on GB200 (TE issue #2053, 2025-08, the same script as
+# GRACE_CPU_OP_FACTOR's). After it: 59.19 us on GB200 (TE PR 3523's CPU-time table, 2026-09,
+# main before that PR's change; later cuts, #2439 in v2.13, #2559 in v2.14, #2957 in v2.16,
+# have no measurement of their own, so every release from v2.11 is priced at it).
+TE_CPU_OVERHEAD_CUT_RELEASE = (2, 11, 0)
+GRACE_TE_MODULE_CALL_CPU_S_BEFORE_CUT = 99.66e-6
+GRACE_TE_MODULE_CALL_CPU_S = 59.19e-6
+# On an x86 host a call is torch.nn.Linear's 13.48 us (its dispatch and GEMM launch) plus TE's
+# own work beyond it (the Grace call less torch's 37.08 us there: the module's Python, its FP8
+# and device checks, the autograd Function), which is Python and so takes Grace's Python
+# ratio, not its launch path's: 70.0 us before the cut, 33.4 after.
+X86_TE_MODULE_CALL_CPU_S_BEFORE_CUT = X86_TORCH_LINEAR_CALL_CPU_S + (
+    GRACE_TE_MODULE_CALL_CPU_S_BEFORE_CUT - GRACE_TORCH_LINEAR_CALL_CPU_S) / GRACE_PYTHON_FACTOR
+X86_TE_MODULE_CALL_CPU_S = X86_TORCH_LINEAR_CALL_CPU_S + (
+    GRACE_TE_MODULE_CALL_CPU_S - GRACE_TORCH_LINEAR_CALL_CPU_S) / GRACE_PYTHON_FACTOR
 
 # One core's sustained DRAM bandwidth. Little's law: ~48 outstanding L2 misses of 64 B over a
 # ~110 ns DRAM latency bound a Golden Cove / Zen 2 core near 28 GB/s; single-thread STREAM
@@ -188,6 +213,33 @@ def _generation(gpu: str) -> str:
     if gpu.startswith("b"):
         return "blackwell"
     return "hopper"
+
+
+def te_module_call_cpu_s(host: HostSpec,
+                         te_release: tuple[int, int, int] | None = None) -> float:
+    """Host seconds of one Transformer Engine module call as an op's ``cpu_s`` (before the
+    engine multiplies it by the host's ``cpu_op_factor``), for TE release ``te_release``
+    (None: the newest). From :data:`TE_CPU_OVERHEAD_CUT_RELEASE` on,
+    :data:`X86_TE_MODULE_CALL_CPU_S` on the x86 DGX hosts and
+    :data:`GRACE_TE_MODULE_CALL_CPU_S` (measured) on Grace; before it the ``_BEFORE_CUT``
+    pair.
+
+    Examples
+    --------
+    >>> x86 = HostSpec(112, 2048, 460, 55.2, 32.0, 8)
+    >>> [round(te_module_call_cpu_s(x86, release) * 1e6, 1) for release in ((2, 9, 0), None)]
+    [70.0, 33.4]
+    >>> grace = HostSpec(72, 480, 384, 55.2, 32.0, 2, cpu_op_factor=GRACE_CPU_OP_FACTOR)
+    >>> round(te_module_call_cpu_s(grace, (2, 7, 0)) * grace.cpu_op_factor * 1e6, 2)
+    99.66
+    >>> round(te_module_call_cpu_s(grace) * grace.cpu_op_factor * 1e6, 2)
+    59.19
+    """
+    before = te_release is not None and te_release < TE_CPU_OVERHEAD_CUT_RELEASE
+    if host.cpu_op_factor == 1.0:
+        return X86_TE_MODULE_CALL_CPU_S_BEFORE_CUT if before else X86_TE_MODULE_CALL_CPU_S
+    grace = GRACE_TE_MODULE_CALL_CPU_S_BEFORE_CUT if before else GRACE_TE_MODULE_CALL_CPU_S
+    return grace / host.cpu_op_factor
 
 
 AdamImplementation = Literal["deepspeed", "torch"]

@@ -2,8 +2,10 @@
 
 The engine starts an op only once the host has issued it; Megatron's host time is its
 Python-level calls per block (:data:`PYTHON_OPS` for its local layers, :data:`PYTHON_OPS_TE`
-for Transformer Engine's) times a per-call cost that Megatron's builder fits
-(``sim.frameworks.megatron.build.MEGATRON_CPU_S_PER_OP``). A backward autograd node of a
+for Transformer Engine's) times a per-call cost: for the local layers the one Megatron's
+builder fits (``sim.frameworks.megatron.build.MEGATRON_CPU_S_PER_OP``), for Transformer
+Engine's a TE module call on the job's host (:func:`sim.hardware.host.te_module_call_cpu_s`).
+A backward autograd node of a
 plain torch op costs half a call; the Python ``backward`` body of a Transformer Engine Function
 costs :data:`TE_BWD_OVER_FWD` calls (:func:`backward_host_s`). The MoE layer's calls are
 counted the same way in :mod:`sim.workload.moe_host_ops`.

@@ -2,11 +2,13 @@
 layer's are (:data:`sim.workload.megatron_host_ops.PYTHON_OPS_TE`).
 
 A dense Transformer Engine layer's host time is its Python-level calls (torch ops, views and
-module calls) times the per-call cost Megatron's builder fits (``MEGATRON_CPU_S_PER_OP``, on
-vTrain's dense rows). The MoE layer was priced by its *kernel* count instead, which misses the
-many calls that launch nothing (views, ``.tolist()``, stream and event bookkeeping, autograd
-``apply``) and the per-expert Python of TE's ``GroupedLinear``. This module counts them, per
-component, at Megatron-Core ``core_v0.14.0`` (NeMo / Megatron-Bridge 25.09) and TE 2.7:
+module calls) times the cost of a TE module call on the job's host
+(:func:`sim.hardware.host.te_module_call_cpu_s`; ``MEGATRON_CPU_S_PER_OP``, fitted on vTrain's
+dense rows, before the fifty-fifth session). The MoE layer was priced by its *kernel* count
+instead, which misses the many calls that launch nothing (views, ``.tolist()``, stream and
+event bookkeeping, autograd ``apply``) and the per-expert Python of TE's ``GroupedLinear``.
+This module counts them, per component, at Megatron-Core ``core_v0.14.0`` (NeMo /
+Megatron-Bridge 25.09) and TE 2.7:
 
 * ``router``: ``MoELayer.router`` (``TopKRouter.forward``: ``gating`` ->
   ``RouterGatingLinearFunction``, ``routing``: z-loss, ``topk_routing_with_score_function``,
@@ -32,20 +34,20 @@ Python ``backward`` body calls). Each count is checked against the kernels the c
 issues (:mod:`sim.workload.moe_ops`) in ``tests/unit/workload/test_moe_host_ops.py``: a kernel
 launched from Python is one call or more.
 
-Per-call cost: a module call (the router, ``TEGroupedMLP``, each ``GroupedLinear``, the
-shared experts' MLP: :data:`MODULES`) costs what a dense TE layer's call costs,
-``MEGATRON_CPU_S_PER_OP`` (half in backward), since the dense counts hold a TE module call as
-one and that fit absorbs its inside. A plain torch call (a view, ``sum``, ``.to``, an
-autograd ``apply``) costs an eager PyTorch op, :data:`sim.hardware.compute.EAGER_FWD_OP_CPU_S`
-(backward :data:`~sim.hardware.compute.EAGER_BWD_OP_CPU_S`; published orders of magnitude);
-TE issue #2053 measures a whole ``te.Linear`` forward at 2.7x a ``torch.nn.Linear`` one
-(99.7 vs 37.1 us on GB200, 90.5 vs 33.2 us on GH200), the same order as 34 against 10-13 us.
-No priced op gets cheaper than its kernels at ``MEGATRON_CPU_S_PER_OP`` each, as before. The
-per-expert objects are created in C++ (``torch.split``'s views, ``tex.split_quantize``'s
-quantized tensors, ``torch.empty``; TE issue #1499: "the CPU overheads of PyTorch ops, such as
-``torch.split()`` and ``torch.empty()`` (2x ``num_gemms`` calls)") and cost a C++ call each
-(:data:`sim.workload.block_pricing.CPP_LAUNCH_CPU_S`); the cuBLASLt GEMM call TE makes for
-each expert (descriptors and heuristic query every call, nothing memoized) costs
+Per-call cost: a module call (the router, ``TEGroupedMLP``, each ``GroupedLinear``, the shared
+experts' MLP: :data:`MODULES`) costs what a dense TE layer's call costs, a TE module call (half
+in backward), since the dense counts hold a TE module call as one. A plain torch call (a view,
+``sum``, ``.to``, an autograd ``apply``) costs an eager PyTorch op,
+:data:`sim.hardware.compute.EAGER_FWD_OP_CPU_S` (backward
+:data:`~sim.hardware.compute.EAGER_BWD_OP_CPU_S`; published orders of magnitude); TE issue
+#2053 measures a whole ``te.Linear`` forward at 2.7x a ``torch.nn.Linear`` one (99.7 vs 37.1 us
+on GB200, 90.5 vs 33.2 us on GH200), the same order as 34 against 10-13 us. No priced op gets
+cheaper than its kernels at a module call each, as before. The per-expert objects are created
+in C++ (``torch.split``'s views, ``tex.split_quantize``'s quantized tensors, ``torch.empty``;
+TE issue #1499: "the CPU overheads of PyTorch ops, such as ``torch.split()`` and
+``torch.empty()`` (2x ``num_gemms`` calls)") and cost a C++ call each
+(:data:`sim.workload.block_pricing.CPP_LAUNCH_CPU_S`); the cuBLASLt GEMM call TE makes for each
+expert (descriptors and heuristic query every call, nothing memoized) costs
 :data:`sim.workload.block_pricing.CUBLASLT_CALL_CPU_S` on top.
 
 The 25.11 container's Megatron-Core (``0d8e0714``) is taken to make 0.14's calls

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 from test_megatron_recompute_modules import GQA, F, H, K, T, _op, _program, _scn
 
-from sim.frameworks.megatron.build import MEGATRON_CPU_S_PER_OP
 from sim.hardware.compute import EAGER_FWD_OP_CPU_S
+from sim.hardware.host import X86_TE_MODULE_CALL_CPU_S
 from sim.workload.checkpoint_without_output import (
     LAYERNORM_IO,
     MOE_ACT_IO,
@@ -67,7 +67,7 @@ def test_the_host_pays_the_checkpoints_in_forward_and_backward() -> None:
         pytest.approx(13 * EAGER_FWD_OP_CPU_S, rel=1e-12)
     first_b = "bwd moe L1 mb0 combine"
     assert _op(both, first_b).cpu_s - _op(none, first_b).cpu_s == \
-        pytest.approx(19 * EAGER_FWD_OP_CPU_S + MEGATRON_CPU_S_PER_OP, rel=1e-12)
+        pytest.approx(19 * EAGER_FWD_OP_CPU_S + X86_TE_MODULE_CALL_CPU_S, rel=1e-12)
 
 
 def test_the_recomputed_outputs_live_beside_the_restored_ones() -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from test_megatron_recompute_modules import MLA, SEQ, _op, _program, _scn, _shape
 
-from sim.frameworks.megatron.build import MEGATRON_CPU_S_PER_OP
 from sim.hardware.compute import EAGER_FWD_OP_CPU_S
+from sim.hardware.host import X86_TE_MODULE_CALL_CPU_S
 from sim.workload.layer_ops import kernel_time
 from sim.workload.megatron_mla import mla_up_checkpoint_calls, mla_up_restore
 
@@ -40,7 +40,7 @@ def test_the_checkpoint_costs_its_calls_on_the_host(fusion) -> None:
         assert _op(up, fwd).cpu_s - _op(none, fwd).cpu_s == \
             pytest.approx(f * EAGER_FWD_OP_CPU_S, rel=1e-12)
         assert _op(up, bwd).cpu_s - _op(none, bwd).cpu_s == \
-            pytest.approx(b * EAGER_FWD_OP_CPU_S + 2 * MEGATRON_CPU_S_PER_OP, rel=1e-12)
+            pytest.approx(b * EAGER_FWD_OP_CPU_S + 2 * X86_TE_MODULE_CALL_CPU_S, rel=1e-12)
 
 
 def test_fp8_adds_the_recompute_contexts() -> None:

@@ -259,7 +259,7 @@ def recompute_plan(s: MegatronShape, cm: ComputeModel | None, cpu_call: float = 
                    ) -> tuple[Recompute, dict[str, float]]:
     """The per-layer :class:`Recompute` of the job (GPU seconds only with ``cm``) and the
     hardware FLOPs re-run per layer: ``{"dense": ..., "moe": ...}``. ``cpu_call``: host
-    seconds of a module call (``MEGATRON_CPU_S_PER_OP``), for the host time of the
+    seconds of a module call (the builder's ``cpu_call``), for the host time of the
     output-discarding checkpoints' re-runs (``mla_up_proj``, ``layernorm``, ``moe_act``)."""
     mods, b = s.recompute, s.blocks
     te = not s.legacy

@@ -16,13 +16,13 @@ from helpers import megatron_scenario, program
 
 from sim.api import simulate
 from sim.config.base import ScenarioError
-from sim.frameworks.megatron.build import MEGATRON_CPU_S_PER_OP
 from sim.frameworks.megatron.cuda_graphs import (
     _NAME,
     GRAPH_LAUNCH_CPU_S,
     REPLAY_PY_CALLS,
     _mean_in_flight,
 )
+from sim.hardware.host import X86_TE_MODULE_CALL_CPU_S
 from sim.program.ir import Program
 
 # 4 layers, 8 experts of width 1024, top-2 (test_moe_rank_memory.py's small model).
@@ -32,8 +32,9 @@ DROP = {**TINY, "capacity_factor": 1.0}
 PAD = {"moe_pad_expert_input_to_capacity": True}
 DENSE = {"layers": 4, "hidden": 512, "heads": 8, "kv_heads": 8, "ffn_hidden": 1536,
          "vocab": 32000}
-FWD = REPLAY_PY_CALLS * MEGATRON_CPU_S_PER_OP + GRAPH_LAUNCH_CPU_S
-BWD = REPLAY_PY_CALLS * MEGATRON_CPU_S_PER_OP / 2 + GRAPH_LAUNCH_CPU_S
+# A replay's Python calls are Transformer Engine module calls on an x86 host (the newest TE).
+FWD = REPLAY_PY_CALLS * X86_TE_MODULE_CALL_CPU_S + GRAPH_LAUNCH_CPU_S
+BWD = REPLAY_PY_CALLS * X86_TE_MODULE_CALL_CPU_S / 2 + GRAPH_LAUNCH_CPU_S
 
 
 def _mega(model: dict, fw: dict | None = None, pp: int = 1, ep: int = 8, gbs: int = 8,
