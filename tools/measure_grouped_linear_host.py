@@ -9,7 +9,11 @@ it runs on, for issue 11:
 
 * ``te``: ``transformer_engine.pytorch.GroupedLinear`` (TE's multi-stream cuBLASLt path), when
   Transformer Engine is installed;
-* ``loop``: a Python loop of ``torch.nn.functional.linear`` over ``torch.split`` (always).
+* ``loop``: a Python loop of ``torch.nn.functional.linear`` over ``torch.split`` (always);
+* with ``--linear``, one dense linear as TE issue #2053 timed it (``te_linear``:
+  ``transformer_engine.pytorch.Linear``; ``torch_linear``: ``torch.nn.Linear``), the unit
+  ``sim/hardware/host.py`` prices a Transformer Engine module call in
+  (``te_module_call_cpu_s``: measured on GB200 only, derived for x86 hosts).
 
 Host time is the wall time the Python call takes to enqueue its work while the GPU is kept busy
 by a long ``torch.cuda._sleep`` kernel queued first, so the call never waits for the GPU (the
@@ -22,6 +26,8 @@ Example::
 
     python tools/measure_grouped_linear_host.py --experts 1 2 4 8 16 32 --rows 512 2048 \
         --shape 4096 3072 --shape 1536 4096 --out h200-grouped-linear-host.json
+    python tools/measure_grouped_linear_host.py --linear --rows 8192 --shape 2048 2048 \
+        --out h100-te-linear-host.json
 """
 from __future__ import annotations
 
@@ -58,6 +64,14 @@ def build(kind: str, experts: int, rows: int, k: int, n: int):  # noqa: ANN201 -
 
         layer = te.GroupedLinear(experts, k, n, bias=False, params_dtype=torch.bfloat16)
         return lambda: layer(x, splits)
+    if kind in ("te_linear", "torch_linear"):
+        if kind == "te_linear":
+            import transformer_engine.pytorch as te
+
+            dense = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16)
+        else:
+            dense = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        return lambda: dense(x)
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(experts)]
 
@@ -133,24 +147,27 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--shape", type=int, nargs=2, action="append", metavar=("K", "N"),
                     help="input and output features (repeatable); default 4096 3072")
+    ap.add_argument("--linear", action="store_true",
+                    help="time one dense te.Linear and torch.nn.Linear instead (experts 1)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     shapes = a.shape or [[4096, 3072]]
-    kinds = ["loop"]
+    kinds = ["torch_linear"] if a.linear else ["loop"]
+    experts = [1] if a.linear else a.experts
     te_version = None
     try:
         import transformer_engine
 
         te_version = getattr(transformer_engine, "__version__", "unknown")
-        kinds.insert(0, "te")
+        kinds.insert(0, "te_linear" if a.linear else "te")
     except ImportError:
         pass
     rows: list[dict[str, Any]] = []
     for kind in kinds:
         for k, n in shapes:
             for r in a.rows:
-                for e in a.experts:
+                for e in experts:
                     rows.append(measure(kind, e, r, k, n, a.reps))
                     print(json.dumps(rows[-1]), flush=True)
     meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
