@@ -333,6 +333,18 @@ def version_tuple(v: str) -> tuple[int, int, int]:
     return parts[0], parts[1], parts[2]
 
 
+def release_or_newest(v: str | None) -> tuple[int, int, int] | None:
+    """An optional release key (``training.transformer_engine_version``, ``cudnn_version``)
+    as :func:`version_tuple`'s triple; None (unset: the newest modelled) stays None.
+
+    Examples
+    --------
+    >>> release_or_newest("2.9"), release_or_newest(None)
+    ((2, 9, 0), None)
+    """
+    return None if v is None else version_tuple(v)
+
+
 def sdpa_backend(arch: str, torch_version: str = DEFAULT_TORCH_VERSION,
                  head_dims_differ: bool = False) -> AttentionBackend:
     """The kernel ``F.scaled_dot_product_attention`` runs (bf16, causal, no mask, head_dim
@@ -419,9 +431,8 @@ def resolve(s: Scenario, gpu: GpuSpec, head_dims: tuple[int, int] = (128, 128),
                 return "flash2"
             if not te_fused_attention_trains(
                     gpu.arch, qk, v,
-                    None if t.transformer_engine_version is None
-                    else version_tuple(t.transformer_engine_version),
-                    None if t.cudnn_version is None else version_tuple(t.cudnn_version)):
+                    release_or_newest(t.transformer_engine_version),
+                    release_or_newest(t.cudnn_version)):
                 return te_fallback(qk, v)
             return "cudnn"
         if fw.name == "deepspeed" and (s.parallelism.tp > 1 or s.parallelism.pp > 1):

@@ -41,7 +41,8 @@ in backward), since the dense counts hold a TE module call as one. A plain torch
 :data:`sim.hardware.compute.EAGER_FWD_OP_CPU_S` (backward
 :data:`~sim.hardware.compute.EAGER_BWD_OP_CPU_S`; published orders of magnitude); TE issue
 #2053 measures a whole ``te.Linear`` forward at 2.7x a ``torch.nn.Linear`` one (99.7 vs 37.1 us
-on GB200, 90.5 vs 33.2 us on GH200), the same order as 34 against 10-13 us. No priced op gets
+on GB200, 90.5 vs 33.2 us on GH200), the same order as an x86 TE call's 33.4 us (70.0 before
+TE 2.11) against 10-13 us. No priced op gets
 cheaper than its kernels at a module call each, as before. The per-expert objects are created
 in C++ (``torch.split``'s views, ``tex.split_quantize``'s quantized tensors, ``torch.empty``;
 TE issue #1499: "the CPU overheads of PyTorch ops, such as ``torch.split()`` and

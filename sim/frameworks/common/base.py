@@ -56,9 +56,8 @@ class JobContext:
             raise ScenarioError(f"{origin}: {e}") from None
         compute = ComputeModel(gpu, s.training.precision, backend,
                                deterministic=s.training.deterministic,
-                               cudnn_release=(None if s.training.cudnn_version is None else
-                                              attention_cost.version_tuple(
-                                                  s.training.cudnn_version)))
+                               cudnn_release=attention_cost.release_or_newest(
+                                   s.training.cudnn_version))
         return cls(s, model, gpu, compute, origin)
 
     # ------------------------------------------------------------------ layout

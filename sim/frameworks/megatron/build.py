@@ -126,7 +126,7 @@ from sim.frameworks.megatron.pipeline import (  # noqa: F401 - chunk_layers re-e
 from sim.frameworks.megatron.schedule_nodes import node_host
 from sim.frameworks.megatron.shape import MegatronShape, megatron_shape
 from sim.frameworks.megatron.tp_grads import stage_replicated_params
-from sim.hardware.attention_cost import version_tuple
+from sim.hardware.attention_cost import release_or_newest
 from sim.hardware.host import HostSpec, te_module_call_cpu_s
 from sim.program.ir import Op, Program, RankClass
 
@@ -172,10 +172,9 @@ def build_megatron(ctx: JobContext) -> Program:
     # A module call of Megatron-Core's Transformer Engine layers costs what a TE module call
     # of the job's release costs on its host (sim.hardware.host.te_module_call_cpu_s); the
     # local layers keep the cost fitted on vTrain's (MEGATRON_CPU_S_PER_OP).
-    te_release = ctx.scenario.training.transformer_engine_version
     cpu_call = MEGATRON_CPU_S_PER_OP if s.legacy else te_module_call_cpu_s(
         HostSpec.from_scenario(ctx.scenario),
-        None if te_release is None else version_tuple(te_release))
+        release_or_newest(ctx.scenario.training.transformer_engine_version))
     keys = KeySeq()
     builder = UnitBuilder(s, layer_costs(s, ctx.compute, cpu_call), keys, ctx.compute)
     units = builder.build_units()

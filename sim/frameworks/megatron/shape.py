@@ -33,7 +33,7 @@ from sim.frameworks.megatron.optimizer_precision import (
 )
 from sim.frameworks.megatron.pipeline import Placement, chunk_layers, p2p_modes
 from sim.frameworks.megatron.recompute import check_recompute, recompute_modules, recompute_plan
-from sim.hardware.attention_cost import version_tuple
+from sim.hardware.attention_cost import release_or_newest
 from sim.program.ir import NcclType
 from sim.program.mesh import Groups, RankMesh
 from sim.scenario import MegatronOptions
@@ -409,7 +409,7 @@ def mx_swizzled(te_version: str | None, fp8_param_gather: bool) -> frozenset[Ope
     """The MXFP8 operands Transformer Engine ``te_version`` (``training.
     transformer_engine_version``; None: the newest) swizzles at each GEMM call, Megatron's FP8
     primary weights (``fp8_param_gather``) included (:mod:`sim.workload.mx_swizzle`)."""
-    return swizzled_operands(None if te_version is None else version_tuple(te_version),
+    return swizzled_operands(release_or_newest(te_version),
                              fp8_param_gather)
 
 
