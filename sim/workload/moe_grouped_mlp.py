@@ -17,6 +17,7 @@ from sim.workload.layer_rules import (
     scaled_cast,
     te_scaled_cast,
 )
+from sim.workload.mx_grouped_mm import mx_grouped_linear
 from sim.workload.mx_swizzle import scale_swizzles
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ class FusedEnds:
 
 def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int, n_out: int,
                     name: str, lay: MoELayout, bias: bool, bias_grad_kernel: bool = True,
-                    fused: FusedEnds | None = None, model_rows: float | None = None) -> Tensor:
+                    fused: FusedEnds | None = None, model_rows: float | None = None,
+                    input_calls: int = 1) -> Tensor:
     """TE ``GroupedLinear`` over the local experts (``TEColumnParallelGroupedLinear`` /
     ``TERowParallelGroupedLinear``): one forward, dgrad and wgrad grouped GEMM, each priced
     as its per-expert GEMMs (:func:`sim.workload.grouped_gemm.grouped_gemm_time`), or on the
@@ -50,7 +52,12 @@ def grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int,
     (TE's multi-tensor casts do every expert in one launch). ``fused``: the quantized
     input and output gradient come from the neighbouring fused kernels (:class:`FusedEnds`).
     ``model_rows``: the routed rows before alignment padding, whose FLOPs are the model's
-    (the GEMMs run ``counts``; default their sum)."""
+    (the GEMMs run ``counts``; default their sum). With ``lay.torchao_mx`` the linear is
+    torchao's MXFP8 grouped GEMM instead, ``input_calls`` calls of it sharing the input
+    (:func:`sim.workload.mx_grouped_mm.mx_grouped_linear`)."""
+    if lay.torchao_mx:
+        assert not bias and fused is None, "torchtitan's experts have no bias, no fused MLP"
+        return mx_grouped_linear(b, x, counts, n_in, n_out, name, lay, input_calls, model_rows)
     rows = sum(counts)
     experts = len(counts)
     b.block.params += experts * linear_params(n_in, n_out, bias)

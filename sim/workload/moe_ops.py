@@ -164,6 +164,10 @@ class MoELayout:
     torch_grouped_mm: bool = False
     """The grouped GEMMs are ``torch._grouped_mm`` (torchtitan's ``GroupedExperts``), priced at
     its measured slowdown (:attr:`~sim.workload.kernels.Kernel.grouped_impl`)."""
+    torchao_mx: bool = False
+    """With ``torch_grouped_mm``: torchao's MXFP8 grouped GEMMs (torchtitan's
+    ``quantize.grouped_mm.mx`` converter, :mod:`sim.workload.mx_grouped_mm`) in place of the
+    bf16 ones; the rest of the layer stays bf16."""
     eager_fc1_bias: bool = False
     """NeMo AutoModel's ``GroupedExpertsDeepEP``: fc1's bias added per expert in eager
     PyTorch after a GEMM without one (:func:`~sim.workload.gpt_oss_ops.expert_input_bias`),
@@ -340,7 +344,8 @@ def _experts(m: ModelSpec, lay: MoELayout, counts: tuple[float, ...]) -> Block:
     # bf16: TE takes fc1's bias gradient from its wgrad GEMM (no kernel of its own).
     eager_bias = m.bias and lay.eager_fc1_bias
     fc1 = grouped_linear(b, x, gemm_counts, h, width, "fc1", lay, m.bias and not eager_bias,
-                         bias_grad_kernel=lay.fp8 is not None or lay.te_ops, model_rows=rows)
+                         bias_grad_kernel=lay.fp8 is not None or lay.te_ops, model_rows=rows,
+                         input_calls=2 if swiglu and lay.torchao_mx else 1)
     if eager_bias:
         b.block.params += len(counts) * width
         fc1 = expert_input_bias(b, fc1, gemm_counts, width)

@@ -125,6 +125,15 @@ def _check_options(ctx: JobContext, opts: Fsdp2Options) -> None:
                 "mxfp8 with tensor parallelism under torch.compile is refused by torchtitan's mx "
                 "converter (\"TP not yet supported with torch.compile for mxfp8\", "
                 "components/quantization/mx.py)")
+    mx_moe = opts.grouped_mm_recipe == "mxfp8"
+    ctx.require(not mx_moe or ctx.compute.gpu.arch == "blackwell", "framework.grouped_mm_recipe",
+                f"mxfp8 grouped GEMMs need a Blackwell GPU (torchtitan's quantize.grouped_mm.mx "
+                f"asserts compute capability 10.0); {ctx.compute.gpu.name} is "
+                f"{ctx.compute.gpu.arch}")
+    ctx.require(not mx_moe or (ctx.model.moe is not None and opts.model_code == "torchtitan"),
+                "framework.grouped_mm_recipe",
+                "mxfp8 grouped GEMMs are torchtitan's converter of a mixture-of-experts "
+                "model's routed experts (model_code torchtitan, a model with experts)")
     ctx.require(not opts.float8_all_gather or opts.float8_recipe == "tensorwise",
                 "framework.float8_all_gather",
                 f"FSDP's float8 all-gather is tensorwise only: torchtitan refuses it with "

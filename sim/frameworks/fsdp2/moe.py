@@ -123,19 +123,23 @@ TOKEN_GROUP_ALIGN_SIZE_M = 8
 """Rows each expert's group is padded to for ``torch._grouped_mm`` in bf16
 (``torchtitan/models/moe/utils.py``: "for bf16, 8 is enough (16 byte alignment / 2 bytes per
 elem)")."""
+MXFP8_GROUP_ALIGNMENT_SIZE = 32
+"""The same for MXFP8 grouped GEMMs (``torchtitan/components/quantization/mx.py``: "token
+group sizes must be multiples of 32", one scale block)."""
 COUNT_BYTES = 8
 """The per-expert token counts exchanged before the dispatch: int64 (``torch.histc`` of the
 int64 expert indices keeps their dtype)."""
 
 
-def _aligned(counts: tuple[float, ...]) -> tuple[float, ...]:
-    """Each local expert's rows padded up to :data:`TOKEN_GROUP_ALIGN_SIZE_M`
-    (``generate_permute_indices``).
+def _aligned(counts: tuple[float, ...], a: int = TOKEN_GROUP_ALIGN_SIZE_M
+             ) -> tuple[float, ...]:
+    """Each local expert's rows padded up to ``a`` (``generate_permute_indices``).
 
     >>> _aligned((8192.0, 5.0, 0.0))
     (8192.0, 8.0, 0.0)
+    >>> _aligned((8200.0,), MXFP8_GROUP_ALIGNMENT_SIZE)
+    (8224.0,)
     """
-    a = TOKEN_GROUP_ALIGN_SIZE_M
     return tuple(float(-(-c // a) * a) for c in counts)
 
 
@@ -269,12 +273,14 @@ def titan_moe(ctx: JobContext, style: Style, ep: int, efsdp: int, loss_ranks: in
     # fused permutations; grouped_gemm's one-kernel GEMMs, :mod:`.automodel`), or
     # torchtitan's (torchtitan/distributed/deepep/deepep.py: Megatron-Core's unfused
     # permutation, masked_select and index_select in, scatter_add_ out).
+    mx = opts.grouped_mm_recipe == "mxfp8"
     lay = MoELayout(ep=ep, tp=tp, router_fusion=False, aux_loss=False, z_loss=False,
                     permute=("te" if automodel else "torch") if deepep else "plain",
-                    eager_fc1_bias=automodel, torch_grouped_mm=not automodel)
+                    eager_fc1_bias=automodel, torch_grouped_mm=not automodel, torchao_mx=mx)
     balanced = balanced_tokens_per_expert(tokens, m.moe.top_k, m.moe.experts, ep)
+    align = MXFP8_GROUP_ALIGNMENT_SIZE if mx else TOKEN_GROUP_ALIGN_SIZE_M
     ops = moe_layer_ops(m, lay, tokens=tokens,
-                        tokens_per_expert=balanced if deepep else _aligned(balanced),
+                        tokens_per_expert=balanced if deepep else _aligned(balanced, align),
                         recv_tokens=(sum(balanced) / ep,) * ep)
     if tp_copies and ops.shared is not None:
         # The shared experts stay column/row-parallel over the gathered tokens.

@@ -87,6 +87,12 @@ class Fsdp2Options(StrictModel):
     True: the routed tokens are scaled by their scores in fp32 before the dispatch and
     summed after the combine; Qwen3's configs set False: the combined copies are weighted by
     an fp32 ``bmm`` that keeps an fp32 copy of them for backward)."""
+    grouped_mm_recipe: Literal["bf16", "mxfp8"] = "bf16"
+    """The routed experts' grouped GEMMs: ``bf16`` (``torch._grouped_mm``) or ``mxfp8``,
+    torchtitan's ``quantize.grouped_mm.mx`` converter (``fqns: experts``, ``recipe_name:
+    mxfp8``): torchao's MXFP8 grouped GEMMs with dynamic quantization
+    (:mod:`sim.workload.mx_grouped_mm`), token groups aligned to 32 rows; Blackwell only. The
+    rest of the model keeps ``training.precision``."""
     expert_parallel_comm_backend: Literal["standard", "deepep"] | None = None
     """How MoE tokens reach their experts under parallelism.ep > 1 (torchtitan's
     ``parallelism.expert_parallel_comm_backend``, since its DeepEP integration of 2025-12):
