@@ -126,3 +126,76 @@ def test_mxfp8_gains_over_bf16_as_measured() -> None:
             lo = min(x["mxfp8_us"] / x["us"] for x in rows)
             hi = max(x["mxfp8_us"] / x["us"] for x in rows)
             assert lo - 0.1 < ratio < hi + 0.1, (family, g, ratio)
+
+
+def _moe_layer_ms(cm: ComputeModel, dim: int, hidden: int, mx: bool) -> float:
+    """torchtitan's MoE module as torchao's layer benchmark runs it (see the reference file):
+    router, scoring before the experts, the experts' grouped GEMMs, the shared expert and the
+    unsort-and-sum, forward and backward, plus the benchmark's mse_loss."""
+    from sim.frameworks.fsdp2.moe import (
+        MXFP8_GROUP_ALIGNMENT_SIZE,
+        TOKEN_GROUP_ALIGN_SIZE_M,
+        _aligned,
+    )
+    from sim.frameworks.fsdp2.moe_blocks import combine_block, score_block
+    from sim.scenario import scenario_from_dict
+    from sim.workload.block_pricing import price_block
+    from sim.workload.model import ModelSpec
+    from sim.workload.moe_ops import balanced_tokens_per_expert, moe_layer_ops
+
+    model = {"layers": 1, "hidden": dim, "heads": 8, "kv_heads": 8, "ffn_hidden": hidden,
+             "vocab": 32000, "experts": 8, "experts_per_token": 1, "shared_experts": 1,
+             "moe_ffn_hidden": hidden, "router": "sigmoid"}
+    sc = scenario_from_dict({"name": "torchao-moe-layer", "model": model,
+                             "cluster": {"topology": "dgx-b200", "nodes": 1},
+                             "framework": {"name": "fsdp2", "compile": True},
+                             "training": {"seq_len": 8192, "micro_batch_size": 16,
+                                          "global_batch_size": 128, "precision": "bf16"}})
+    m = ModelSpec.from_ref(sc.model, 8192)
+    tokens = REF["moe_layer"]["total_m"]
+    lay = MoELayout(router_fusion=False, aux_loss=False, z_loss=False, permute="plain",
+                    torch_grouped_mm=True, torchao_mx=mx)
+    rows = _aligned(balanced_tokens_per_expert(tokens, 1, 8, 1),
+                    MXFP8_GROUP_ALIGNMENT_SIZE if mx else TOKEN_GROUP_ALIGN_SIZE_M)
+    ops = moe_layer_ops(m, lay, tokens=tokens, tokens_per_expert=rows, recv_tokens=(tokens,))
+    blocks = [*ops.blocks, score_block(m, tokens), combine_block(m, tokens, tokens, True)]
+    costs = [price_block(b, STYLE, cm) for b in blocks]
+    out = tokens * dim * BF16
+    loss = cm.membound_time(2 * out, "reduction") + cm.membound_time(3 * out)
+    return (sum(c.fwd_s + c.bwd_s for c in costs) + loss) * 1e3
+
+
+def _layer_rows():
+    for r in REF["moe_layer"]["rows"]:
+        yield pytest.param(r, id=r["model"])
+
+
+@pytest.mark.parametrize("row", list(_layer_rows()))
+def test_mxfp8_gain_on_a_whole_moe_layer(row: dict) -> None:
+    # Measured 1.431x (Llama 4 Scout's shapes) and 1.148x (DeepSeek-V3's); simulated 1.292x
+    # and 1.178x: the whole layer's gain within 10%, the casts' weight against the GEMMs' FLOPs
+    # ordering them the same way.
+    cm = _b200()
+    bf16 = _moe_layer_ms(cm, row["dim"], row["hidden"], mx=False)
+    mx = _moe_layer_ms(cm, row["dim"], row["hidden"], mx=True)
+    assert bf16 / mx == pytest.approx(row["bf16_ms"] / row["mxfp8_ms"], rel=0.10)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_deepseek_v3_shaped_moe_layer_time(recipe: str) -> None:
+    # bf16 87.9 ms simulated against 92.0 measured (-4.5%), MXFP8 74.6 against 80.2 (-7.0%).
+    row = next(r for r in REF["moe_layer"]["rows"] if r["model"] == "deepseek_v3")
+    simulated = _moe_layer_ms(_b200(), row["dim"], row["hidden"], mx=recipe == "mxfp8")
+    assert simulated == pytest.approx(row[f"{recipe}_ms"], rel=0.10)
+
+
+@pytest.mark.xfail(strict=True, reason="the layer around Llama 4 Scout's experts: bf16 "
+                   "205.1 ms simulated against 275.3 measured (-25.5%), MXFP8 158.7 against "
+                   "192.4 (-17.5%), where its grouped GEMMs alone come within 12% (above): "
+                   "the rest of the layer, not found (docs/calibration.md, fifty-sixth "
+                   "session)")
+@pytest.mark.parametrize("recipe", ["bf16", "mxfp8"])
+def test_llama4_shaped_moe_layer_time(recipe: str) -> None:
+    row = next(r for r in REF["moe_layer"]["rows"] if r["model"] == "llama4_16e")
+    simulated = _moe_layer_ms(_b200(), row["dim"], row["hidden"], mx=recipe == "mxfp8")
+    assert simulated == pytest.approx(row[f"{recipe}_ms"], rel=0.10)
