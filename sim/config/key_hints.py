@@ -48,6 +48,9 @@ FOREIGN_KEYS: Mapping[str, str] = {
     "context_parallel_degree": "parallelism.cp",
     "expert_parallel_degree": "parallelism.ep",
     "expert_tensor_parallel_degree": "parallelism.etp",
+    # torchtitan's model converters: [quantize.grouped_mm.mx] is the experts' MXFP8
+    "grouped_mm": "framework.grouped_mm_recipe",
+    "converters": "framework.grouped_mm_recipe",
     # DeepSpeed-MoE and Hugging Face config.json
     "ep_size": "parallelism.ep",
     "n_routed_experts": "model.experts",
