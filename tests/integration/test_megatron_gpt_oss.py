@@ -275,14 +275,14 @@ def test_plan_layer_profile_is_no_more_than_the_cheapest_layer() -> None:
 
 def test_published_gpt_oss_rows_are_no_longer_skipped() -> None:
     # The published-moe suite's GPT-OSS rows (Megatron-Bridge 25.11 on 64 B200 and 64 GB200,
-    # 26.02 on 64 H100, B200 and GB200, 26.04 on 64 B200, B300 and GB300, 26.06 on 64 GB200
-    # under the operation fuser, the verification cards' 64 GB200 and 64 GB300) build now: the
-    # builder refuses neither their sinks nor their windows.
+    # 26.02 on 64 H100, B200 and GB200, 26.04 on 64 B200, GB200 (HybridEP), B300 and GB300,
+    # 26.06 on 64 GB200 under the operation fuser, the verification cards' 64 GB200 and 64
+    # GB300) build now: the builder refuses neither their sinks nor their windows.
     from sim.apps.validation import published_moe as pm
 
     rows = [e for e in pm.entries() if e["scenario"]["model"] == "gpt-oss-120b"
             and e["scenario"]["framework"]["name"] == "megatron"]
-    assert len(rows) == 11
+    assert len(rows) == 12
     for e in rows:
         prog = program(pm.scenario_of(e))
         assert prog.classes
