@@ -117,7 +117,6 @@ def mx_grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: i
         # Each call returns its own input gradient; autograd sums them into x's.
         gsum = b.t(f"{name}.g_in_sum", nx, BF16)
         bwd.append(Kernel(f"{name}.g_in_add", "elementwise", (gx, gx), (gsum,)))
-        gx = gsum
     kg1, g1 = mx_cast(name, "g_t", gy, ng, b)
     bwd += [per_call(kg1), per_call(_rearrange(b, name, "g_t", ng))]
     x1 = x
