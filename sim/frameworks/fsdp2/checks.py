@@ -211,8 +211,9 @@ def _check_moe(ctx: JobContext, opts: Fsdp2Options) -> None:
                 f"ep={p.ep} must be a multiple of tp={p.tp}: with expert TP 1 torchtitan's "
                 "expert parallelism borrows every tensor-parallel rank")
     ctx.require(s.training.precision in ("bf16", "fp16"), "training.precision",
-                f"{why} with 16-bit mixed precision (torchtitan's float8 MoE converter is "
-                "not modelled)")
+                f"{why} with 16-bit mixed precision (torchtitan's float8 linears beside "
+                "experts are not modelled; the experts' MXFP8 grouped GEMMs are "
+                "framework.grouped_mm_recipe)")
     ctx.require(s.training.activation_checkpointing != "selective",
                 "training.activation_checkpointing",
                 f"{why} with none or full (per-block) checkpointing")
