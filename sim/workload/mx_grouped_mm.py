@@ -36,22 +36,18 @@ from typing import TYPE_CHECKING
 from sim.workload.float8_mx import mx_cast
 from sim.workload.kernels import BF16, Kernel, Tensor, accumulating
 from sim.workload.layer_rules import linear_params
+from sim.workload.mx_swizzle import ALL, Operand, scale_swizzles
 
 if TYPE_CHECKING:
     from sim.workload.layer_builder import _Builder
     from sim.workload.moe_ops import MoELayout
 
-MX_BLOCK = 32
-"""Elements sharing one E8M0 scale (torchao's ``block_size``, the only one it supports)."""
-SCALE_BYTES = 1
-"""An E8M0 scale: one byte."""
 
-
-def _rearrange(b: _Builder, name: str, tag: str, numel: float) -> Kernel:
-    """One scale tensor of ``numel`` elements' blocks rearranged for the grouped kernel."""
-    src = b.t(f"{name}.{tag}_scales", numel / MX_BLOCK, SCALE_BYTES)
-    out = b.t(f"{name}.{tag}_scales_blocked", numel / MX_BLOCK, SCALE_BYTES)
-    return Kernel(f"{name}.rearrange_{tag}", "elementwise", (src,), (out,))
+def _rearrange(name: str, pass_: str, kind: Operand, numel: float) -> Kernel:
+    """One operand's scales rearranged into the blocked layout the grouped kernel reads: the
+    same read and write of 1/32 byte an element as Transformer Engine's scale swizzle
+    (:func:`sim.workload.mx_swizzle.scale_swizzles`)."""
+    return scale_swizzles(name, pass_, ((kind, numel),), ALL)[0]
 
 
 def mx_grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: int, n_out: int,
@@ -96,11 +92,11 @@ def mx_grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: i
     x8 = x
     for i in range(input_calls):
         k, x8 = mx_cast(name, "in" if i == 0 else f"in{i}", x, nx, b)
-        fwd += [k, _rearrange(b, name, "in" if i == 0 else f"in{i}", nx)]
+        fwd += [k, _rearrange(name, "fwd" if i == 0 else f"fwd{i}", "in", nx)]
     # Each call casts its own weight (and, backward, its own output gradient): the halves of
     # one priced cast, one launch each.
     kw, w8 = mx_cast(name, "w", w, numel_w, b)
-    fwd += [per_call(kw), per_call(_rearrange(b, name, "w", numel_w)),
+    fwd += [per_call(kw), per_call(_rearrange(name, "fwd", "w", numel_w)),
             gemm("fwd", (x8, w8), y)]
     for k in fwd:
         b.fwd(k)
@@ -111,18 +107,18 @@ def mx_grouped_linear(b: _Builder, x: Tensor, counts: tuple[float, ...], n_in: i
     gw = b.t(f"{name}.main_grad", numel_w, lay.main_grad_bytes)
     kg0, g0 = mx_cast(name, "g", gy, ng, b)
     kw1, w1 = mx_cast(name, "w_bwd", w, numel_w, b)
-    bwd = [per_call(kg0), per_call(kw1), per_call(_rearrange(b, name, "g", ng)),
-           per_call(_rearrange(b, name, "w_bwd", numel_w)), gemm("dgrad", (g0, w1), gx)]
+    bwd = [per_call(kg0), per_call(kw1), per_call(_rearrange(name, "dgrad", "g", ng)),
+           per_call(_rearrange(name, "dgrad", "w", numel_w)), gemm("dgrad", (g0, w1), gx)]
     if input_calls > 1:
         # Each call returns its own input gradient; autograd sums them into x's.
         gsum = b.t(f"{name}.g_in_sum", nx, BF16)
         bwd.append(Kernel(f"{name}.g_in_add", "elementwise", (gx, gx), (gsum,)))
     kg1, g1 = mx_cast(name, "g_t", gy, ng, b)
-    bwd += [per_call(kg1), per_call(_rearrange(b, name, "g_t", ng))]
+    bwd += [per_call(kg1), per_call(_rearrange(name, "wgrad", "g", ng))]
     x1 = x
     for i in range(input_calls):
         k, x1 = mx_cast(name, "in_bwd" if i == 0 else f"in_bwd{i}", x, nx, b)
-        bwd += [k, _rearrange(b, name, "in_bwd" if i == 0 else f"in_bwd{i}", nx)]
+        bwd += [k, _rearrange(name, "wgrad" if i == 0 else f"wgrad{i}", "in", nx)]
     bwd.append(accumulating(gemm("wgrad", (g1, x1), gw), gw))
     b.bwd(*bwd)
     b.block.weight_grads.append(gw)

@@ -112,6 +112,7 @@ from sim.workload.layer_builder import _Builder
 from sim.workload.layer_ops import BF16, FP32
 from sim.workload.model import ModelSpec
 from sim.workload.moe_ops import (
+    MXFP8_ALIGN,
     STYLE,
     MoELayout,
     balanced_tokens_per_expert,
@@ -123,9 +124,10 @@ TOKEN_GROUP_ALIGN_SIZE_M = 8
 """Rows each expert's group is padded to for ``torch._grouped_mm`` in bf16
 (``torchtitan/models/moe/utils.py``: "for bf16, 8 is enough (16 byte alignment / 2 bytes per
 elem)")."""
-MXFP8_GROUP_ALIGNMENT_SIZE = 32
+MXFP8_GROUP_ALIGNMENT_SIZE = MXFP8_ALIGN
 """The same for MXFP8 grouped GEMMs (``torchtitan/components/quantization/mx.py``: "token
-group sizes must be multiples of 32", one scale block)."""
+group sizes must be multiples of 32", one scale block): Transformer Engine's MXFP8 alignment,
+the same block."""
 COUNT_BYTES = 8
 """The per-expert token counts exchanged before the dispatch: int64 (``torch.histc`` of the
 int64 expert indices keeps their dtype)."""
