@@ -132,6 +132,23 @@ def test_pipeline_transfers_round_trip(tmp_path: Path) -> None:
 
 
 @needs_chakra
+def test_a_grace_hosts_issue_times_replay_once(tmp_path: Path) -> None:
+    """The same host-paced step on a GB200 rack, whose host issues every op at 2.75x the x86
+    cost (``HostSpec.cpu_op_factor``): the issue times a replay recovers from the recorded
+    starts are that host's seconds already, so the replay engine must not scale them again
+    (it did, and landed 2.75x the host's share slow)."""
+    gb200 = {**MEGATRON_PP, "name": "replay-megatron-tp2pp2-gb200",
+             "cluster": {"topology": "gb200-nvl72", "nodes": 1, "gpus_per_node": 4,
+                         "nics_per_node": 4}}
+    scen = tmp_path / "gb200.yaml"
+    scen.write_text(yaml.safe_dump(gb200))
+    step = _export(str(scen), tmp_path / "et")
+    r = replay(tmp_path / "et")
+    assert sum(op.cpu_s for op in r.program.ops) > 0
+    assert abs(r.summary["step_time_s"] / step - 1) < 0.01
+
+
+@needs_chakra
 def test_missing_ranks_refused(tmp_path: Path) -> None:
     """One file per rank class (export without --all-ranks) cannot be replayed: one line."""
     o = simulate(load_scenario(DDP))

@@ -54,6 +54,17 @@ class ReplayEngine(Engine):
             return op.duration * cls.compute_factor
         return op.duration
 
+    @property
+    def host_cpu_factor(self) -> float:
+        """1: the issue times a replay recovers from a trace's recorded starts are that host's
+        own seconds already, so the host's per-op factor (``HostSpec.cpu_op_factor``, which
+        the run sets on every engine) must not scale them again."""
+        return 1.0
+
+    @host_cpu_factor.setter
+    def host_cpu_factor(self, value: float) -> None:
+        del value
+
 
 def check_size(path: Path, limit: int = MAX_TRACE_BYTES) -> None:
     """Refuse, before reading it, a trace file over ``limit`` bytes; a gzipped one by the
