@@ -162,7 +162,7 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
                 keep_link_series: bool = False, wall0: float | None = None,
                 engine_class: type[Engine] | None = None,
                 shorter: Callable[[int], Program | None] | None = None,
-                steady_splice: bool = True) -> RunResult:
+                steady_splice: bool = True, host_factor: float | None = None) -> RunResult:
     """Run a built ``program`` for ``steps`` steps on the fabric of ``ctx``'s scenario (its
     cluster, NCCL settings and faults) and summarise it: the second and third phases of
     :func:`simulate`, for programs built elsewhere too (a replayed trace,
@@ -171,7 +171,9 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
     (tools/profile_step.py substitutes a counting subclass there). ``shorter``: builds the
     same job with a given number of micro-batches; with it (and ``steady_splice``) one step
     without faults, jitter or checkpoints runs as a shorter one with its steady period played
-    again, to the same bits (:func:`sim.engine.splice.run_spliced`)."""
+    again, to the same bits (:func:`sim.engine.splice.run_spliced`). ``host_factor``: what
+    the engine's host clock multiplies every op's ``cpu_s`` by; None: the scenario's host's
+    (:attr:`sim.hardware.host.HostSpec.cpu_op_factor`)."""
     wall0 = time.perf_counter() if wall0 is None else wall0
     engine_class = Engine if engine_class is None else engine_class
     scenario = ctx.scenario
@@ -198,7 +200,8 @@ def run_program(ctx: JobContext, program: Program, steps: int = 1,
         recorder.overheads = extra
         for c in program.classes:
             recorder.workspace(c.id, extra[c.id].cublas_workspace)
-        host_factor = HostSpec.from_scenario(scenario).cpu_op_factor
+        if host_factor is None:
+            host_factor = HostSpec.from_scenario(scenario).cpu_op_factor
 
         per_step = len(program.ops)
 

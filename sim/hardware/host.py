@@ -203,6 +203,18 @@ DGX_HOSTS: dict[str, _Dgx] = {
 }
 
 
+def host_cpu_op_factor(gpu: str) -> float:
+    """``cpu_op_factor`` of the DGX host that carries ``gpu`` (a catalogue key), as
+    :meth:`HostSpec.from_scenario` gives it.
+
+    Examples
+    --------
+    >>> host_cpu_op_factor("h100-sxm"), round(host_cpu_op_factor("gb200"), 2)
+    (1.0, 2.75)
+    """
+    return DGX_HOSTS[_generation(gpu)].cpu_op_factor
+
+
 def _generation(gpu: str) -> str:
     if gpu.startswith("gb"):
         return "grace-blackwell"

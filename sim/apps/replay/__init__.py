@@ -9,7 +9,10 @@ trace's ranks must fit its cluster.
 Compute kernels keep their measured durations: a profiler measures a kernel beside the
 collectives that ran with it, so the slowdown they caused is already in the number and is not
 applied again (:class:`ReplayEngine`). On another GPU (``--set cluster.gpu=...``) each compute
-duration is scaled by :func:`gpu_scale`. Collectives and transfers are simulated afresh on the
+duration is scaled by :func:`gpu_scale`. The host issue times a replay recovers from the
+recorded starts are the traced host's own seconds, so the engine scales them by the target
+host's per-op factor over the traced one's (1 on the same host; an x86 trace run on a Grace
+host 2.75x), not by the target's alone. Collectives and transfers are simulated afresh on the
 fabric: that is what a replay on another fabric changes.
 """
 
@@ -26,6 +29,7 @@ from sim.apps.replay.chakra_in import TraceError, chakra_program, read_chakra, t
 from sim.apps.replay.kineto_in import kineto_program, read_kineto
 from sim.engine.core import Engine
 from sim.frameworks import JobContext
+from sim.hardware.host import host_cpu_op_factor
 from sim.program.ir import Op, Program, RankClass
 from sim.scenario import (
     Scenario,
@@ -53,17 +57,6 @@ class ReplayEngine(Engine):
         if op.kind == "compute":
             return op.duration * cls.compute_factor
         return op.duration
-
-    @property
-    def host_cpu_factor(self) -> float:
-        """1: the issue times a replay recovers from a trace's recorded starts are that host's
-        own seconds already, so the host's per-op factor (``HostSpec.cpu_op_factor``, which
-        the run sets on every engine) must not scale them again."""
-        return 1.0
-
-    @host_cpu_factor.setter
-    def host_cpu_factor(self, value: float) -> None:
-        del value
 
 
 def check_size(path: Path, limit: int = MAX_TRACE_BYTES) -> None:
@@ -217,4 +210,6 @@ def _run(path: Path, program: Program, target: Scenario, world: int, scale: floa
     if not target.name.startswith("replay-"):
         program.model_flops_per_step = ctx.model.model_flops_per_token(ctx.seq) * \
             ctx.tokens_per_step
-    return run_program(ctx, program, 1, engine_class=ReplayEngine)
+    return run_program(ctx, program, 1, engine_class=ReplayEngine,
+                       host_factor=host_cpu_op_factor(target.cluster.gpu)
+                       / host_cpu_op_factor(trace_gpu))
