@@ -21,6 +21,10 @@ from sim.scenario import Routing, Scenario, ScenarioError, scenario_from_dict
 TINY = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 8, "ffn_hidden": 2048,
         "vocab": 32000, "experts": 8, "experts_per_token": 2, "moe_ffn_hidden": 1024}
 SEQ = 2048
+# Experts wide enough for the GPU to pace the step: TINY's are host-bound (its Python issues
+# slower than its GPU runs, an x86 DGX host's op at sim.hardware.host.X86_TRAINING_HOST_FACTOR
+# times its isolated cost), and skew then shows in no step time.
+WIDE = dict(TINY, moe_ffn_hidden=8192)
 
 
 def _scn(routing: dict | None = None, ep: int = 8, seed: int = 0, model: dict | None = None):
@@ -50,11 +54,8 @@ def test_balanced_and_zipf_zero_are_the_default_program() -> None:
 
 
 def test_skew_never_speeds_the_step() -> None:
-    # Experts wide enough for the GPU to pace the step (TINY's are host-bound: its Python
-    # issues slower than its GPU runs, and skew then shows in no step time).
-    wide = dict(TINY, moe_ffn_hidden=8192)
-    base = _summary(_scn(model=wide))
-    steps = [_summary(_scn({"distribution": "zipf", "s": s}, model=wide))["step_time_s"]
+    base = _summary(_scn(model=WIDE))
+    steps = [_summary(_scn({"distribution": "zipf", "s": s}, model=WIDE))["step_time_s"]
              for s in (0.25, 1.0, 2.0)]
     assert all(t > base["step_time_s"] for t in steps)
     assert steps == sorted(steps)
@@ -115,8 +116,8 @@ def test_all_to_all_bytes_conserve_under_skew() -> None:
 
 
 def test_flops_stay_balanced_and_the_busiest_rank_holds_more_activations() -> None:
-    base = _summary(_scn())
-    skew = _summary(_scn({"distribution": "zipf", "s": 1.0}))
+    base = _summary(_scn(model=WIDE))
+    skew = _summary(_scn({"distribution": "zipf", "s": 1.0}, model=WIDE))
     assert skew["model_flops_per_step"] == base["model_flops_per_step"]
     assert skew["mfu"] < base["mfu"]
     assert skew["peak_memory_gib"] > base["peak_memory_gib"]
@@ -141,7 +142,8 @@ def test_histogram_from_a_file_equals_inline(tmp_path) -> None:
     f.write_text("# tokens per expert, measured\n40, 10 10\n10 10 10\n5 5\n")
     inline = _summary(_scn({"distribution": "histogram", "histogram": loads}))
     assert _summary(_scn({"distribution": "histogram", "histogram": str(f)})) == inline
-    assert inline["step_time_s"] > _summary(_scn())["step_time_s"]
+    wide = _summary(_scn({"distribution": "histogram", "histogram": loads}, model=WIDE))
+    assert wide["step_time_s"] > _summary(_scn(model=WIDE))["step_time_s"]
     sh = megatron_shape(JobContext.from_scenario(
         _scn({"distribution": "histogram", "histogram": loads}), "s.yaml"))
     assert sh.moe is not None and sh.moe.pace is not None

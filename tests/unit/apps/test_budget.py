@@ -147,9 +147,10 @@ def test_run_prints_the_zone_note_once_the_program_is_built() -> None:
 
 
 def test_a_host_paced_moe_step_on_an_x86_host_gets_a_note_and_nothing_else_does() -> None:
-    # The published-moe rows: the dropless B200 run, 35% host-bound simulated, measured 1.6x
-    # slower (its note); 26.04's GPU-paced B300 run (2.7%) and the host-paced GB200 run
-    # (33%, a Grace host, priced from its own per-op cost) get none.
+    # The published-moe rows: the dropless B200 run, 51% host-bound simulated with the fitted
+    # x86 host factor (+9.1%; 1.6x slower than simulated without it), gets the note; 26.04's
+    # GPU-paced B300 run and the host-paced GB200 run (a Grace host, priced from its own
+    # per-op cost) get none.
     from sim.api import simulate
     from sim.apps.validation.published_moe import entries, scenario_of
     by_id = {e["id"]: e for e in entries()}

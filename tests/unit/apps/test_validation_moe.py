@@ -122,10 +122,12 @@ def test_the_dropless_host_wait_slows_the_b200_layout(ci_cases) -> None:
     assert dropless["simulated"] < drop["simulated"]
 
 
-@pytest.mark.xfail(strict=True, reason="the x86 host-bound regime: measured, the GPU idles about "
-                   "three times as long after each layer's token-count wait as simulated "
-                   "(docs/calibration.md, forty-third session)")
 def test_the_dropless_b200_row_is_within_a_quarter_of_its_measurement(ci_cases) -> None:
+    # The x86 host-bound regime: with the x86 host's op cost as it was (the isolated
+    # microbenchmark's), +50.6%, the GPU idling about a third as long after each layer's
+    # token-count wait as measured (docs/calibration.md, forty-third session). The row is in
+    # the half of the x86 rows sim.hardware.host.X86_TRAINING_HOST_FACTOR was chosen on
+    # (fifty-seventh session): this guards the fit, it does not validate it.
     _, dropless = _b200_dropless_pair(ci_cases)
     assert abs(dropless["error"]) <= 0.25
 

@@ -14,7 +14,13 @@ from sim.engine.recorder import Recorder
 from sim.fabric.collectives.nccl import C2C_EFFICIENCY, PCIE_EFFICIENCY
 from sim.fabric.collectives.runner import transport_capacity
 from sim.fabric.topology import LINK_KINDS, FabricSpec, build_fabric
-from sim.hardware.host import STREAM_FRACTION, HostSpec, cpu_adam_s, cpu_pass_s
+from sim.hardware.host import (
+    STREAM_FRACTION,
+    X86_TRAINING_HOST_FACTOR,
+    HostSpec,
+    cpu_adam_s,
+    cpu_pass_s,
+)
 from sim.program.ir import Op, Program, RankClass
 
 
@@ -114,8 +120,13 @@ def test_grace_issues_ops_at_the_measured_cpu_ratio() -> None:
     # H100's Xeon 8480C, same script and shape.
     grace = HostSpec.from_scenario(_scenario("gb200", 72, "gb200-nvl72"))
     assert grace.cpu_op_factor == pytest.approx(37.08 / 13.48)
-    for gpu in ("h100-sxm", "b200", "a100-80gb"):
-        assert HostSpec.from_scenario(_scenario(gpu)).cpu_op_factor == 1.0
+    # The x86 DGX hosts of Hopper and Blackwell: the fitted in-job factor over the isolated
+    # figures (docs/calibration.md, fifty-seventh session); the A100's keeps vTrain's.
+    for gpu in ("h100-sxm", "b200"):
+        x86 = HostSpec.from_scenario(_scenario(gpu))
+        assert (x86.cpu, x86.cpu_op_factor) == ("x86", X86_TRAINING_HOST_FACTOR)
+    assert HostSpec.from_scenario(_scenario("a100-80gb")).cpu_op_factor == 1.0
+    assert grace.cpu == "grace"
     spec = FabricSpec(nodes=1, gpus_per_node=2, nvlink_gbytes_per_s=900, pcie_gbytes_per_s=64,
                       nics_per_node=0, nic_gbps=400)
     x86 = Engine(build_fabric(spec), "blackwell", Recorder()).run_step(

@@ -28,7 +28,7 @@ from sim.hardware.host import (
 )
 
 PYTHON_RATIO = (70.7 / 65.5 + 126.0 / 111.0) / 2
-GRACE = HostSpec(72, 480, 384, 55.2, 32.0, 2, cpu_op_factor=GRACE_CPU_OP_FACTOR)
+GRACE = HostSpec(72, 480, 384, 55.2, 32.0, 2, cpu_op_factor=GRACE_CPU_OP_FACTOR, cpu="grace")
 X86 = HostSpec(112, 2048, 460, 55.2, 32.0, 8)
 
 
