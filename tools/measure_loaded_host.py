@@ -36,24 +36,15 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+# The script's own folder is on sys.path when it runs (python tools/measure_loaded_host.py).
+from measure_grouped_linear_host import cpu_model
+
 SLEEP_CYCLES = 400_000_000   # about 0.2 s of GPU time at ~2 GHz: longer than a chain's enqueue
-
-
-def cpu_model() -> str:
-    """The host CPU's model name (``/proc/cpuinfo``), or the platform's processor string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") or line.startswith("CPU part"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _busy_gpu(device: str) -> None:
