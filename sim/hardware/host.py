@@ -238,8 +238,10 @@ def host_cpu_op_factor(gpu: str) -> float:
 
     Examples
     --------
-    >>> host_cpu_op_factor("h100-sxm"), round(host_cpu_op_factor("gb200"), 2)
-    (1.0, 2.75)
+    >>> host_cpu_op_factor("a100-80gb"), host_cpu_op_factor("h100-sxm")
+    (1.0, 1.5)
+    >>> round(host_cpu_op_factor("gb200"), 2)
+    2.75
     """
     return DGX_HOSTS[_generation(gpu)].cpu_op_factor
 
