@@ -106,7 +106,8 @@ def run_jobs(mj: MultiJob, jobs: tuple[PlacedJob, ...]) -> SharedRun:
         engine = Engine(fabric, gpu.arch, recorder, nccl_settings(lead),
                         mj.cluster.nic_transport, gpu.sm_count, gpu=gpu)
         engine.collectives.fold_across_nodes = False
-        engine.host_cpu_factor = HostSpec.from_scenario(lead).cpu_op_factor   # Grace: 2.75
+        # The lead scenario's host: x86 DGX (Hopper, Blackwell) 1.5, Grace 2.75.
+        engine.host_cpu_factor = HostSpec.from_scenario(lead).cpu_op_factor
         makespan = engine.run_step(program)
     return SharedRun(slices, contexts, recorder, engine, fabric, makespan,
                      time.perf_counter() - wall0)

@@ -149,6 +149,28 @@ def test_a_grace_hosts_issue_times_replay_once(tmp_path: Path) -> None:
 
 
 @needs_chakra
+@pytest.mark.parametrize("gpu, factor", [("b200", 1.0), ("a100-80gb", 1.0 / 1.5)])
+def test_issue_times_scale_by_the_target_host_over_the_traced_one(
+        ddp_trace: tuple[Path, float], monkeypatch: pytest.MonkeyPatch, gpu: str,
+        factor: float) -> None:
+    """A DGX H100 trace's issue times are that x86 host's in-job seconds (its fitted 1.5x,
+    sim.hardware.host.X86_TRAINING_HOST_FACTOR): on a DGX B200, the same x86 host factor,
+    they stand as recorded; on a DGX A100, priced at 1.0, they shrink by 1 / 1.5."""
+    import sim.apps.replay as replay_module
+
+    seen: list[float | None] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("host_factor"))
+        return run_program(*args, **kwargs)
+
+    monkeypatch.setattr(replay_module, "run_program", recording)
+    out, _ = ddp_trace
+    replay(out, [f"cluster.gpu={gpu}"])
+    assert seen == [pytest.approx(factor, rel=1e-12)]
+
+
+@needs_chakra
 def test_missing_ranks_refused(tmp_path: Path) -> None:
     """One file per rank class (export without --all-ranks) cannot be replayed: one line."""
     o = simulate(load_scenario(DDP))

@@ -11,9 +11,10 @@ collectives that ran with it, so the slowdown they caused is already in the numb
 applied again (:class:`ReplayEngine`). On another GPU (``--set cluster.gpu=...``) each compute
 duration is scaled by :func:`gpu_scale`. The host issue times a replay recovers from the
 recorded starts are the traced host's own seconds, so the engine scales them by the target
-host's per-op factor over the traced one's (1 on the same host; an x86 trace run on a Grace
-host 2.75x), not by the target's alone. Collectives and transfers are simulated afresh on the
-fabric: that is what a replay on another fabric changes.
+host's per-op factor over the traced one's (1 on the same host; a DGX H100 or B200 trace
+run on a Grace host 2.75 / 1.5, a DGX A100 trace 2.75), not by the target's alone.
+Collectives and transfers are simulated afresh on the fabric: that is what a replay on
+another fabric changes.
 """
 
 from __future__ import annotations
